@@ -1,0 +1,1 @@
+"""Tandem's composition root: CLI, HTTP server, benchmarks, GUI launcher."""

@@ -1,0 +1,82 @@
+"""`tandem` command line. Headless commands never import Qt; the GUI is imported lazily."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import engine  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
+from engine.errors import EngineError
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="default | PATH.gguf | synthetic:SHAPE[:QUANT] (default: %(default)s)")
+    p.add_argument("--backend", action="append", default=None, metavar="SPEC",
+                   help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: GPU+CPU, "
+                        "or two CPU backends splitting the cores)")
+    p.add_argument("--policy", default="seed-score", help="routing policy (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command")
+
+    gui = sub.add_parser("gui", help="the desktop app (the default command)")
+    _add_model_args(gui)
+
+    gen = sub.add_parser("generate", help="stream one chat reply to stdout")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt ('' for none)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stats", action="store_true", help="print the finish record to stderr")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    ov = bsub.add_parser("overhead", help="engine decode tok/s vs llama-cpp-python's Llama, same run")
+    ov.add_argument("--model", default="default")
+    ov.add_argument("--threads", type=int, default=0, help="0: all cores")
+    ov.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    ov.add_argument("--batches", default="1,4", help="parallel sequences to measure (default: %(default)s)")
+    ov.add_argument("--prompt-tokens", type=int, default=516)
+    ov.add_argument("--gen-tokens", type=int, default=128)
+    ov.add_argument("--repeats", type=int, default=3)
+    ov.add_argument("--no-llama", action="store_true", help="skip the high-level Llama baseline")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = args.command or "gui"
+    try:
+        if command == "gui":
+            from app.gui import run_gui
+
+            return run_gui(args)
+        if command == "generate":
+            from app.generate import run_generate
+
+            return run_generate(args)
+        if command == "bench" and args.bench == "overhead":
+            from app.bench_overhead import run_overhead
+
+            return run_overhead(args)
+    except EngineError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(command)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""Building an Engine from command-line arguments (shared by every command)."""
+
+from __future__ import annotations
+
+import sys
+
+from engine import llama
+from engine.config import default_specs, parse_backend_specs
+from engine.engine import Engine
+
+
+def engine_from_args(args, *, progress: bool = True) -> Engine:
+    specs = args.backend or default_specs(gpu=llama.gpu_offload_supported())
+    configs = parse_backend_specs(specs)
+    bar = _progress_bar("loading model") if progress and sys.stderr.isatty() else None
+    try:
+        return Engine.load(args.model, configs, policy=getattr(args, "policy", "seed-score"),
+                           progress=bar)
+    finally:
+        if bar is not None:
+            bar(1.0)
+
+
+def _progress_bar(label: str):
+    from tqdm import tqdm
+
+    bar = tqdm(total=100, desc=label, unit="%", leave=False, file=sys.stderr)
+
+    def update(fraction: float) -> bool:
+        bar.n = int(fraction * 100)
+        bar.refresh()
+        if fraction >= 1.0:
+            bar.close()
+        return True
+
+    return update

@@ -1,0 +1,624 @@
+"""One llama.cpp context on one device, served by its own worker thread.
+
+The worker owns the context. Each step (llama.cpp server's `update_slots` order):
+  1. apply cancellations; admit queued requests while running < cap and KV room remains
+     (the cached prefix is aliased into the new sequence with `llama_memory_seq_cp`);
+  2. build ONE batch: a decode token for every generating sequence, then prompt chunks of
+     prefilling ones up to `n_batch` (chunked prefill, decode first);
+  3. `llama_decode` (the GIL is released inside), sample each row that asked for logits;
+  4. finish sequences (end-of-generation, stop string, `max_tokens`, context end, cancel):
+     insert their tokens into the prefix cache, free what they held, publish the record.
+
+Other threads talk to the backend only through `enqueue`, `cancel`, `set_cap`, `warm`,
+`flush`, `call` and `snapshot`; each says which lock it takes. Nothing else is shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+from .batch import Batch
+from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull
+from .events import EventBus, RequestAdmitted, RequestFinished, StepDone
+from .handle import RequestHandle
+from .llama import lc
+from .model import Model
+from .prefix_cache import PrefixCache
+from .request import FinishRecord, Request, RequestStatus, SamplingParams
+from .sampling import Sampler
+from .snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+from .textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How to build a backend. `cap` is the concurrency cap (max running sequences)."""
+
+    name: str = "cpu"
+    device: str = "cpu"
+    cap: int = 4
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    threads: int = 0  # 0: all cores
+    threads_batch: int = 0  # 0: same as threads
+    n_seq_max: int = 0  # 0: 2 * cap + 8, at least 16 (room for cache holders)
+    kv_unified: bool = True
+    flash_attn: str = "auto"  # auto | on | off
+    cache: bool = True
+    max_queue: int = 4096
+
+    def resolved(self) -> "BackendConfig":
+        threads = self.threads or os.cpu_count() or 1
+        n_seq_max = self.n_seq_max or min(256, max(16, 2 * self.cap + 8))
+        return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max)
+
+
+_FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+          "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
+class _Seq:
+    """A request inside the backend (worker-owned, except the fields the snapshot reads)."""
+
+    __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
+                 "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "reserve",
+                 "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error")
+
+    def __init__(self, req: Request, handle: RequestHandle, pin, estimate: int, t_submit: float, warm=False):
+        self.req = req
+        self.handle = handle
+        self.sp: SamplingParams = req.sampling
+        self.tokens = list(req.prompt_tokens)
+        self.n_prompt = len(self.tokens)
+        self.seq_id = -1
+        self.n_past = 0  # tokens whose KV is in the context
+        self.n_shared = 0  # leading tokens aliased from the prefix cache
+        self.generated = 0
+        self.sampler: Sampler | None = None
+        self.stream = TextStream(self.sp.stop)
+        self.pin = pin  # routing-time pin on the cached prefix, released at admission
+        self.lock = None  # pin held while running, so the aliased prefix is never evicted
+        self.estimate = estimate  # cached tokens the router counted on
+        self.warm = warm
+        self.reserve = 0
+        self.t_submit = t_submit
+        self.t_admit = self.t_first = self.t_last = 0.0
+        self.itl_sum = 0.0
+        self.row = -1
+        self.status = RequestStatus.WAITING
+        self.error: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_past < self.n_prompt
+
+    def work_item(self, running: bool) -> WorkItem:
+        cached = self.n_shared if running else self.estimate
+        return WorkItem(
+            request_id=self.req.id,
+            running=running,
+            prompt_tokens=self.n_prompt,
+            cached_tokens=cached,
+            prefill_left=max(self.n_prompt - max(self.n_past, cached), 0),
+            decode_left=0 if self.warm else self.sp.max_tokens - self.generated,
+            generated=self.generated,
+        )
+
+
+class Backend:
+    """A llama.cpp context with a continuous-batching scheduler in a worker thread."""
+
+    def __init__(self, config: BackendConfig, model: Model, bus: EventBus | None = None,
+                 rates: Rates | None = None):
+        self.config = config.resolved()
+        self.name = self.config.name
+        self.model = model
+        self.bus = bus or EventBus()
+        self.rates = rates or Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="default")
+        self.cache = PrefixCache(enabled=self.config.cache and self.config.kv_unified)
+        self.cap = self.config.cap
+        if not 1 <= self.cap <= self.config.n_seq_max:
+            raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {self.cap}")
+        self.n_ctx = 0
+        self.healthy = True
+        self.step_log: collections.deque = collections.deque(maxlen=4096)  # (n_decode, n_prefill, seq ids)
+        self.steps = 0
+        self._obs_prefill = self._obs_decode = 0.0
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []
+        self._cancelled: set[str] = set()
+        self._calls: list[tuple] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ctx = None
+        self._open_context()
+
+    # ---- lifecycle ----
+
+    def _open_context(self) -> None:
+        c = self.config
+        p = lc.llama_context_default_params()
+        p.n_ctx = min(c.n_ctx, self.model.n_ctx_train) if self.model.n_ctx_train > 0 else c.n_ctx
+        p.n_batch = c.n_batch
+        p.n_ubatch = min(c.n_ubatch, c.n_batch)
+        p.n_seq_max = c.n_seq_max
+        p.n_threads = c.threads
+        p.n_threads_batch = c.threads_batch
+        p.kv_unified = c.kv_unified
+        p.flash_attn_type = _FLASH[c.flash_attn]
+        p.no_perf = True
+        if self.model.device == "cpu":
+            p.offload_kqv = False
+            p.op_offload = False
+        self._ctx = lc.llama_init_from_model(self.model.ptr, p)
+        if not self._ctx:
+            raise BackendUnavailable(f"{self.name}: llama.cpp could not create a context ({c})")
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self._mem = lc.llama_get_memory(self._ctx)
+        self._batch = Batch(max(c.n_batch, c.n_seq_max))
+        self._free_ids = list(range(c.n_seq_max - 1, -1, -1))
+        self._kv_cell_bytes = _kv_bytes_per_cell(self.model)
+
+    def start(self) -> "Backend":
+        self._thread = threading.Thread(target=self._run, name=f"backend-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything, stop the worker, free the context. Idempotent."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("%s: worker did not stop within %.1f s", self.name, timeout)
+                return
+            self._thread = None
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+
+    # ---- any thread ----
+
+    def validate(self, request: Request) -> None:
+        """Raise if this backend can never serve `request` (prompt does not fit the context)."""
+        if len(request.prompt_tokens) >= self.n_ctx:
+            raise ContextLengthExceeded(len(request.prompt_tokens), self.n_ctx)
+
+    def match(self, tokens) -> int:
+        """Longest usable cached prefix of `tokens` (cheap, read-only; any thread).
+
+        Capped at `len(tokens) - 1`: the last prompt token is always decoded for logits.
+        """
+        return self.cache.match_length(tokens, max_len=len(tokens) - 1)
+
+    def pin_prefix(self, tokens) -> tuple[int, object]:
+        """Match and pin the usable cached prefix of `tokens` (any thread): `(length, pin)`.
+
+        The pin keeps the prefix from eviction until the request is admitted (or cancelled),
+        so the estimate the router used stays true. `pin` is None when nothing matched.
+        """
+        for _ in range(3):  # the worker may evict between match and pin; match again
+            m = self.cache.match(tokens, max_len=len(tokens) - 1)
+            if m.length == 0:
+                return 0, None
+            try:
+                return m.length, self.cache.pin(m)
+            except ValueError:
+                continue
+        return 0, None
+
+    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin=None,
+                cached_estimate: int | None = None, t_submit: float | None = None) -> RequestHandle:
+        """Queue a request (FCFS). `pin` keeps the router's cache estimate valid until admission."""
+        self.validate(request)
+        handle = handle or RequestHandle(request)
+        if cached_estimate is None:
+            cached_estimate = self.match(request.prompt_tokens)
+        seq = _Seq(request, handle, pin, cached_estimate, t_submit or time.monotonic())
+        self._submit(seq)
+        return handle
+
+    def warm(self, tokens) -> RequestHandle:
+        """Prefill `tokens` into the prefix cache (no generation); the handle ends when done."""
+        req = Request(tuple(tokens), SamplingParams(max_tokens=1, temperature=0.0), source="warm")
+        self.validate(req)
+        handle = RequestHandle(req)
+        self._submit(_Seq(req, handle, None, self.match(req.prompt_tokens), time.monotonic(), warm=True))
+        return handle
+
+    def _submit(self, seq: _Seq) -> None:
+        seq.handle.backend = self.name
+        seq.handle._cancel = self.cancel
+        with self._lock:
+            if self._stop or not self.healthy:
+                self._release_pin(seq)
+                raise BackendUnavailable(f"backend {self.name} is not serving")
+            if len(self._waiting) >= self.config.max_queue:
+                self._release_pin(seq)
+                raise QueueFull(f"backend {self.name} has {len(self._waiting)} requests waiting")
+            self._waiting.append(seq)
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._lock.notify()
+
+    def set_cap(self, cap: int) -> None:
+        """Change the concurrency cap; takes effect at the next step (running ones finish)."""
+        if not 1 <= cap <= self.config.n_seq_max:
+            raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {cap}", param="cap")
+        with self._lock:
+            self.cap = cap
+            self._lock.notify()
+
+    def set_rates(self, rates: Rates) -> None:
+        self.rates = rates
+
+    def call(self, fn) -> Future:
+        """Run `fn(backend)` on the worker thread between steps; the future holds its result."""
+        fut: Future = Future()
+        with self._lock:
+            if self._stop:
+                raise BackendUnavailable(f"backend {self.name} is stopped")
+            self._calls.append((fn, fut))
+            self._lock.notify()
+        return fut
+
+    def flush(self) -> Future:
+        """Drop every unpinned cached prefix and free its KV."""
+        return self.call(lambda b: b._apply_evictions(b.cache.flush()))
+
+    def kv_state_bytes(self) -> int:
+        """llama.cpp's own serialised-state size: grows with KV cells in use (tests use it)."""
+        return self.call(lambda b: lc.llama_state_get_size(b._ctx)).result(30)
+
+    def snapshot(self) -> BackendSnapshot:
+        with self._lock:
+            running = list(self._running)
+            waiting = list(self._waiting)
+            cap = self.cap
+        stats = self.cache.stats()
+        used = self.kv_cells_used(running)
+        return BackendSnapshot(
+            name=self.name,
+            device=self.model.device,
+            cap=cap,
+            n_ctx=self.n_ctx,
+            rates=self.rates,
+            items=tuple(s.work_item(True) for s in running) + tuple(s.work_item(False) for s in waiting),
+            healthy=self.healthy,
+            threads=self.config.threads,
+            kv_cells_used=used,
+            kv_cells_total=self.n_ctx,
+            kv_bytes=used * self._kv_cell_bytes,
+            cache=CacheStats(
+                enabled=self.cache.enabled,
+                query_tokens=stats.query_tokens,
+                hit_tokens=stats.hit_tokens,
+                cached_tokens=stats.cached_tokens,
+                pinned_tokens=stats.pinned_tokens,
+                evictions=stats.evictions,
+            ),
+            prefill_tok_s=self._obs_prefill,
+            decode_tok_s=self._obs_decode,
+            steps=self.steps,
+            time=time.monotonic(),
+        )
+
+    def kv_cells_used(self, running=None) -> int:
+        """Cells in use: cached tokens (shared ones once) plus each running sequence's own tail."""
+        running = self._running if running is None else running
+        return self.cache.cached_tokens + sum(s.n_past - s.n_shared for s in running)
+
+    @property
+    def kv_bytes_total(self) -> int:
+        return self.n_ctx * self._kv_cell_bytes
+
+    # ---- worker thread ----
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stop or self._calls or self._cancelled or self._running
+                               or (self._waiting and len(self._running) < self.cap)):
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                    calls, self._calls = self._calls, []
+                    cancelled, self._cancelled = self._cancelled, set()
+                for fn, fut in calls:
+                    _run_call(fn, self, fut)
+                if cancelled:
+                    self._apply_cancel(cancelled)
+                self._admit()
+                if self._running:
+                    self._step()
+        except Exception as e:  # a bug or a device failure: fail everything, keep the process
+            log.exception("%s: worker failed", self.name)
+            self.healthy = False
+            self._fail_all(f"backend {self.name} failed: {e}")
+        finally:
+            self._shutdown()
+
+    def _apply_cancel(self, ids: set[str]) -> None:
+        with self._lock:
+            queued = [s for s in self._waiting if s.req.id in ids]
+            for s in queued:
+                self._waiting.remove(s)
+        for s in queued:
+            self._finish(s, RequestStatus.FINISHED_CANCELLED)
+        for s in [s for s in self._running if s.req.id in ids]:
+            self._finish(s, RequestStatus.FINISHED_CANCELLED)
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting or len(self._running) >= self.cap:
+                    return
+                seq = self._waiting[0]
+            try:
+                placed = self._place(seq)
+            except Exception as e:  # this request cannot start; the backend goes on
+                log.exception("%s: could not admit %s", self.name, seq.req.id)
+                self._fail_waiting_head(seq, f"could not start: {e}")
+                continue
+            if not placed:
+                return
+            with self._lock:
+                self._waiting.popleft()
+                self._running.append(seq)
+            self.bus.publish(RequestAdmitted(self.name, seq.req.id, seq.n_shared, seq.t_admit))
+
+    def _place(self, seq: _Seq) -> bool:
+        """Give `seq` a sequence id and its cached prefix, if KV room allows. Worker thread."""
+        if not seq.warm and seq.sampler is None:
+            seq.sampler = Sampler(seq.sp, self.model.n_vocab, self._eog_tokens())
+        n_prompt = seq.n_prompt
+        decode_room = 0 if seq.warm else min(seq.sp.max_tokens, self.n_ctx - n_prompt)
+        match = self.cache.match(seq.tokens, max_len=n_prompt - (0 if seq.warm else 1))
+        lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
+        hit = match.length
+        need = n_prompt - hit + decode_room
+        if not self._make_room(need):
+            if lock is not None:
+                self.cache.unpin(lock)
+            if not self._running and not self.cache.pinned_tokens:
+                self._fail_waiting_head(seq, f"needs {need} KV cells and the context has "
+                                             f"{self.n_ctx - self.kv_cells_used()} free")
+            return False
+        seq.seq_id = self._free_ids.pop()
+        if hit:
+            lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(lock.node), seq.seq_id, 0, hit)
+        seq.lock = lock
+        self._release_pin(seq)
+        seq.n_past = seq.n_shared = hit
+        seq.reserve = need
+        self.cache.record_query(n_prompt, hit)
+        seq.t_admit = time.monotonic()
+        seq.status = RequestStatus.RUNNING
+        return True
+
+    def _make_room(self, need_cells: int) -> bool:
+        """Evict unpinned cached prefixes until `need_cells` cells and one seq id are free."""
+        deficit = need_cells - (self.n_ctx - self.kv_cells_used() - self._reserved())
+        if deficit > 0:
+            self._apply_evictions(self.cache.evict(need_tokens=deficit))
+            if need_cells > self.n_ctx - self.kv_cells_used() - self._reserved():
+                return False
+        if not self._free_ids:
+            self._apply_evictions(self.cache.evict(need_seqs=1))
+        return bool(self._free_ids)
+
+    def _reserved(self) -> int:
+        """Cells running sequences may still claim (their admitted reservation not yet used)."""
+        return sum(max(s.reserve - (s.n_past - s.n_shared), 0) for s in self._running)
+
+    def _step(self) -> None:
+        batch = self._batch
+        batch.clear()
+        budget = self.config.n_batch
+        decoding = [s for s in self._running if not s.prefilling]
+        for s in decoding:
+            s.row = batch.add_one(s.tokens[s.n_past], s.seq_id, s.n_past)
+        n_decode = batch.n
+        chunks = []
+        for s in self._running:
+            room = budget - batch.n
+            if room <= 0:
+                break
+            if s.prefilling:
+                k = min(s.n_prompt - s.n_past, room)
+                done = s.n_past + k == s.n_prompt
+                s.row = batch.add(s.tokens[s.n_past:s.n_past + k], s.seq_id, s.n_past, done and not s.warm)
+                chunks.append((s, k))
+        t0 = time.perf_counter()
+        rc = lc.llama_decode(self._ctx, batch.full())
+        dt = time.perf_counter() - t0
+        if rc != 0:
+            self._decode_failed(rc, decoding + [s for s, _ in chunks])
+            return
+        self.steps += 1
+        n_prefill = batch.n - n_decode
+        self.step_log.append((n_decode, n_prefill, tuple(int(x) for x in batch.seq[:batch.n][batch.logits[:batch.n] == 1])))
+        self._observe(n_decode, n_prefill, dt)
+        now = time.monotonic()
+        for s in decoding:
+            s.n_past += 1
+            self._sampled(s, now)
+        for s, k in chunks:
+            s.n_past += k
+            if not s.prefilling:
+                if s.warm:
+                    self._finish(s, RequestStatus.FINISHED_STOPPED)
+                else:
+                    self._sampled(s, now)
+        self.bus.publish(StepDone(self.name, n_decode, n_prefill, len(self._running), dt, now))
+
+    def _sampled(self, s: _Seq, now: float) -> None:
+        tok = s.sampler.sample(self._ctx, s.row)
+        s.tokens.append(tok)
+        s.generated += 1
+        if s.generated == 1:
+            s.t_first = now
+        else:
+            s.itl_sum += now - s.t_last
+        s.t_last = now
+        if self.model.is_eog(tok) and not s.sp.ignore_eos:
+            self._finish(s, RequestStatus.FINISHED_STOPPED)
+            return
+        delta = s.stream.push(self.model.piece(tok))
+        if delta:
+            s.handle._deliver_text(delta)
+        if s.stream.stopped:
+            self._finish(s, RequestStatus.FINISHED_STOPPED)
+        elif s.generated >= s.sp.max_tokens or s.n_past + 1 >= self.n_ctx:
+            self._finish(s, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, s: _Seq, status: RequestStatus, error: str | None = None) -> None:
+        """End a sequence: stream the rest, keep or free its KV, publish its record."""
+        if status in (RequestStatus.FINISHED_LENGTH,) or (status == RequestStatus.FINISHED_STOPPED and not s.stream.stopped):
+            rest = s.stream.flush()
+            if rest:
+                s.handle._deliver_text(rest)
+        if s.sampler is not None:
+            s.sampler.free()
+            s.sampler = None
+        if s.seq_id >= 0:
+            keep = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            self._retire(s, keep)
+        self._release_pin(s)
+        with self._lock:
+            if s in self._running:
+                self._running.remove(s)
+        s.status = status
+        now = time.monotonic()
+        record = FinishRecord(
+            request_id=s.req.id,
+            backend=self.name,
+            status=status,
+            text=s.stream.text,
+            prompt_tokens=s.n_prompt,
+            cached_tokens=s.n_shared,
+            output_tokens=s.generated,
+            queue_s=(s.t_admit or now) - s.t_submit,
+            ttft_s=(s.t_first - s.t_submit) if s.generated else None,
+            e2e_s=now - s.t_submit,
+            itl_s=s.itl_sum / (s.generated - 1) if s.generated > 1 else None,
+            error=error,
+            error_kind="server_error" if error else None,
+        )
+        s.handle._deliver_finish(record)
+        self.bus.publish(RequestFinished(record, now))
+
+    def _retire(self, s: _Seq, keep: bool) -> None:
+        """Hand a finished sequence's KV to the prefix cache, or free it."""
+        sid, s.seq_id = s.seq_id, -1
+        if not keep or not self.cache.enabled:
+            lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+            self._free_ids.append(sid)
+        else:
+            in_kv = s.tokens[:s.n_past]
+            match = self.cache.match(in_kv)
+            if match.length > s.n_shared:
+                # The sequence computed its own copy of a prefix the cache already holds:
+                # drop the copy and alias the cached cells, so shared cells exist once.
+                lc.llama_memory_seq_rm(self._mem, sid, 0, match.length)
+                lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(match.node), sid, 0, match.length)
+            result = self.cache.insert(in_kv, sid)
+            self._apply_free(result.free_seqs)
+        if s.lock is not None:
+            self.cache.unpin(s.lock)
+            s.lock = None
+        s.n_shared = s.n_past = 0
+
+    def _apply_free(self, seq_ids) -> None:
+        for sid in seq_ids:
+            lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+            self._free_ids.append(sid)
+
+    def _apply_evictions(self, actions) -> None:
+        for a in actions:
+            if a.keep == 0:
+                self._apply_free([a.seq_id])
+            else:
+                lc.llama_memory_seq_rm(self._mem, a.seq_id, a.keep, -1)
+
+    def _release_pin(self, s: _Seq) -> None:
+        if s.pin is not None:
+            self.cache.unpin(s.pin)
+            s.pin = None
+
+    def _decode_failed(self, rc: int, seqs: list[_Seq]) -> None:
+        why = "no KV room for the batch" if rc == 1 else f"llama_decode returned {rc}"
+        log.error("%s: %s; failing %d sequences", self.name, why, len(seqs))
+        for s in seqs:
+            self._finish(s, RequestStatus.FINISHED_ERROR, f"backend {self.name}: {why}")
+
+    def _fail_waiting_head(self, seq: _Seq, why: str) -> None:
+        with self._lock:
+            self._waiting.remove(seq)
+        self._finish(seq, RequestStatus.FINISHED_ERROR, f"backend {self.name}: {why}")
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            seqs = list(self._running) + list(self._waiting)
+            self._waiting.clear()
+        for s in seqs:
+            try:
+                self._finish(s, RequestStatus.FINISHED_ERROR, why)
+            except Exception:
+                log.exception("%s: could not finish %s", self.name, s.req.id)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            seqs = list(self._running) + list(self._waiting)
+            self._waiting.clear()
+            calls, self._calls = self._calls, []
+        for s in seqs:
+            self._finish(s, RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
+        for _, fut in calls:
+            fut.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
+        self._apply_free(self.cache.clear())
+
+    def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:
+        a = 0.2
+        if n_prefill == 0 and n_decode:
+            self._obs_decode = n_decode / dt if not self._obs_decode else (1 - a) * self._obs_decode + a * n_decode / dt
+        elif n_prefill >= 32 and n_decode == 0:
+            self._obs_prefill = n_prefill / dt if not self._obs_prefill else (1 - a) * self._obs_prefill + a * n_prefill / dt
+
+    _eog_cache: list[int] | None = None
+
+    def _eog_tokens(self) -> list[int]:
+        if self._eog_cache is None:
+            self._eog_cache = [t for t in range(self.model.n_vocab) if self.model.is_eog(t)]
+        return self._eog_cache
+
+
+def _run_call(fn, backend, fut: Future) -> None:
+    try:
+        fut.set_result(fn(backend))
+    except Exception as e:
+        fut.set_exception(e)
+
+
+def _kv_bytes_per_cell(model: Model) -> int:
+    """K and V of one token in every layer, f16."""
+    n_head = lc.llama_model_n_head(model.ptr)
+    n_head_kv = lc.llama_model_n_head_kv(model.ptr)
+    head_dim = model.info.n_embd // max(n_head, 1)
+    return model.info.n_layer * 2 * n_head_kv * head_dim * 2

@@ -1,0 +1,69 @@
+"""A `llama_batch` whose arrays are numpy buffers we own, so a step fills them by slices.
+
+`llama_batch_init` mallocs one seq-id array per row; writing those through ctypes costs a
+Python call per token. Here every row's single seq id lives in one contiguous int32 array
+and the row pointers are set once, so filling a step is a handful of numpy assignments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .llama import lc
+
+
+class Batch:
+    """Room for `capacity` tokens, each belonging to exactly one sequence."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        self._n_seq_id = np.ones(capacity, dtype=np.int32)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (i32p * capacity)(*[ctypes.cast(base + 4 * i, i32p) for i in range(capacity)])
+        self.struct = lc.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(i32p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(i32p),
+            n_seq_id=self._n_seq_id.ctypes.data_as(i32p),
+            seq_id=self._seq_ptrs,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, tokens, seq_id: int, pos0: int, want_last_logits: bool) -> int:
+        """Append `tokens` of one sequence at positions pos0.. ; return the row of the last one."""
+        k = len(tokens)
+        a, b = self.n, self.n + k
+        self.token[a:b] = tokens
+        self.pos[a:b] = np.arange(pos0, pos0 + k, dtype=np.int32)
+        self.seq[a:b] = seq_id
+        self.logits[a:b] = 0
+        if want_last_logits:
+            self.logits[b - 1] = 1
+        self.n = b
+        return b - 1
+
+    def add_one(self, token: int, seq_id: int, pos: int) -> int:
+        """Append one decode token that wants logits; return its row."""
+        i = self.n
+        self.token[i] = token
+        self.pos[i] = pos
+        self.seq[i] = seq_id
+        self.logits[i] = 1
+        self.n = i + 1
+        return i
+
+    def full(self) -> "lc.llama_batch":
+        self.struct.n_tokens = self.n
+        return self.struct

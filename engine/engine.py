@@ -1,0 +1,149 @@
+"""The Engine: backends that share a model per device, a router, and an event bus.
+
+`submit()` routes one whole request to one backend and returns its handle. Routing and
+enqueueing happen under one lock, so each request sees the queues its predecessors made,
+and the chosen backend's matched prefix is pinned until the request is admitted (the
+router's cache estimate cannot be evicted under it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+
+from .backend import Backend, BackendConfig
+from .errors import InvalidRequest
+from .events import EventBus, RequestRouted
+from .handle import RequestHandle
+from .model import Model, ModelRegistry, resolve_model
+from .request import Request, SamplingParams
+from .router import RouteQuery, Router
+from .snapshot import BackendSnapshot, Rates
+
+log = logging.getLogger(__name__)
+
+# Used until calibration (`tandem calibrate`) has measured the backends.
+DEFAULT_RATES = {
+    "gpu": Rates(prefill_tok_s=20000.0, decode_tok_s=500.0, source="default"),
+    "cpu": Rates(prefill_tok_s=400.0, decode_tok_s=40.0, source="default"),
+}
+
+
+class Engine:
+    """Owns backends and a router. Thread-safe: submit from any thread."""
+
+    def __init__(self, backends: list[Backend], router: Router | None = None, bus: EventBus | None = None,
+                 registry: ModelRegistry | None = None):
+        if not backends:
+            raise InvalidRequest("an engine needs at least one backend")
+        self.backends = {b.name: b for b in backends}
+        self.router = router or Router()
+        self.bus = bus or backends[0].bus
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def load(cls, model: str | Path, configs: list[BackendConfig], *, policy: str = "seed-score",
+             rates: dict[str, Rates] | None = None, progress=None) -> "Engine":
+        """Resolve the model, load it once per device, start one backend per config."""
+        path = resolve_model(str(model), progress=progress)
+        registry = ModelRegistry()
+        bus = EventBus()
+        backends: list[Backend] = []
+        try:
+            for c in configs:
+                m = registry.acquire(path, c.device, progress=progress)
+                r = (rates or {}).get(c.name) or DEFAULT_RATES[m.device]
+                backends.append(Backend(c, m, bus, r).start())
+        except BaseException:
+            for b in backends:
+                b.stop()
+            raise
+        return cls(backends, Router(policy), bus, registry)
+
+    # ---- requests ----
+
+    @property
+    def model(self) -> Model:
+        return next(iter(self.backends.values())).model
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
+        handle = RequestHandle(request, loop)
+        t_submit = time.monotonic()
+        with self._lock:
+            candidates = [b for b in self.backends.values() if request.backend in (None, b.name)]
+            for b in candidates:
+                b.validate(request)
+            cached = {b.name: b.match(request.prompt_tokens) for b in self.backends.values()}
+            query = RouteQuery.from_request(request, cached)
+            decision = self.router.route(query, self.snapshot())
+            backend = self.backends[decision.backend]
+            estimate, pin = backend.pin_prefix(request.prompt_tokens)
+            handle.decision = decision
+            backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+        self.bus.publish(RequestRouted(decision))
+        return handle
+
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
+        """Submit raw text (tokenized with BOS) or token ids."""
+        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
+
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
+        """Submit a chat, rendered with the model's own template."""
+        tokens = self.chat_tokens(messages)
+        return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        return self.model.tokenize(self.model.apply_chat_template(messages), add_special=False)
+
+    # ---- state and controls ----
+
+    def snapshot(self) -> list[BackendSnapshot]:
+        return [b.snapshot() for b in self.backends.values()]
+
+    def backend(self, name: str) -> Backend:
+        try:
+            return self.backends[name]
+        except KeyError:
+            raise InvalidRequest(f"unknown backend {name!r} (have: {', '.join(self.backends)})",
+                                 param="backend") from None
+
+    def warm(self, tokens, backend: str | None = None, timeout: float | None = None) -> None:
+        """Prefill `tokens` into the prefix cache of one backend or all; wait until done."""
+        targets = [self.backend(backend)] if backend else list(self.backends.values())
+        handles = [b.warm(tokens) for b in targets]
+        for h in handles:
+            record = h.result(timeout)
+            if record.error:
+                raise InvalidRequest(f"warming {record.backend} failed: {record.error}")
+
+    def flush(self, backend: str | None = None, timeout: float | None = 30) -> None:
+        targets = [self.backend(backend)] if backend else list(self.backends.values())
+        for f in [b.flush() for b in targets]:
+            f.result(timeout)
+
+    def close(self) -> None:
+        """Stop every backend (cancelling what they hold) and free the models. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for b in self.backends.values():
+            b.stop()
+        if self._registry is not None:
+            for b in self.backends.values():
+                self._registry.release(b.model)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

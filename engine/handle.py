@@ -1,0 +1,90 @@
+"""The caller's side of a submitted request: stream its text, wait for its end, cancel it.
+
+A backend thread delivers text deltas and, last, one `FinishRecord`. The handle hands them
+to a blocking iterator (`for delta in handle`) or, when created with an asyncio loop, to an
+async iterator (`async for delta in handle.astream()`), marshalled with
+`loop.call_soon_threadsafe`. `cancel()` may be called from any thread, at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Callable
+
+from .errors import RequestFailed
+from .request import FinishRecord, Request
+
+_END = object()
+
+
+class RequestHandle:
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self.id = request.id
+        self.backend: str | None = None
+        self.decision = None  # RoutingDecision, set by the engine
+        self._loop = loop
+        self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self._q: queue.SimpleQueue | None = None if loop is not None else queue.SimpleQueue()
+        self._done = threading.Event()
+        self._record: FinishRecord | None = None
+        self._cancel: Callable[[str], None] | None = None
+
+    # ---- called by the backend thread ----
+
+    def _deliver_text(self, delta: str) -> None:
+        self._put(delta)
+
+    def _deliver_finish(self, record: FinishRecord) -> None:
+        self._record = record
+        self._done.set()
+        self._put(_END)
+
+    def _put(self, item) -> None:
+        if self._aq is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._aq.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        else:
+            self._q.put(item)
+
+    # ---- called by the caller ----
+
+    def __iter__(self):
+        """Yield text deltas until the request ends (blocking)."""
+        if self._q is None:
+            raise TypeError("this handle streams to an asyncio loop: use astream()")
+        while (item := self._q.get()) is not _END:
+            yield item
+
+    async def astream(self):
+        """Yield text deltas until the request ends (asyncio)."""
+        if self._aq is None:
+            raise TypeError("this handle was created without a loop: iterate it instead")
+        while (item := await self._aq.get()) is not _END:
+            yield item
+
+    def result(self, timeout: float | None = None) -> FinishRecord:
+        """Wait for the finish record (does not consume the stream)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.id} did not finish within {timeout} s")
+        return self._record
+
+    def text(self, timeout: float | None = None) -> str:
+        """Wait for the end and return the whole text; raise if the request failed."""
+        record = self.result(timeout)
+        if record.error:
+            raise RequestFailed(record.error)
+        return record.text
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop the request wherever it is; its KV is freed at the backend's next step."""
+        if self._cancel is not None and not self.done:
+            self._cancel(self.id)

@@ -1,0 +1,490 @@
+"""A radix tree of the token sequences whose KV a llama.cpp context still holds.
+
+The shape follows SGLang's `RadixCache`: token-id edges, children keyed by the first token
+of their edge, lock refs walked up to the root, O(1) size totals and an LRU heap over the
+unlocked leaves. What differs is a node's "value". llama.cpp keeps KV per sequence id, so
+here every LEAF owns one holder sequence id whose cells cover positions [0, leaf.end) of
+its root-to-leaf path, and internal nodes own none. Any leaf below a node therefore holds
+that node's tokens; `holder_for(node)` names one.
+
+The tree never calls llama.cpp. Its mutating methods return what the backend must do:
+
+- `InsertResult.free_seqs`: call `seq_rm(seq, 0, -1)` on each; those ids are free again.
+- `EvictAction(seq_id, keep)`: call `seq_rm(seq_id, keep, -1)`. When `keep == 0` the id is
+  free again; otherwise the tree still holds it, trimmed to `keep` cells.
+
+Thread contract: every public method takes one `threading.RLock`, so any thread may call
+any of them. The intended split: the router calls `match_length()`, a read-only estimate
+that leaves LRU times alone, from its own thread; the backend's worker thread, which owns
+the llama.cpp context, calls everything else. Answers are snapshots: pin a `Match` before
+the next mutating call (`insert`, `evict`, `flush`, `clear`), and call `holder_for()` right
+before using its answer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class TreeNode:
+    """One edge of the tree and the node at its end; opaque to callers.
+
+    Compares by last access (ties by creation order), so unlocked leaves go straight into
+    a heap. `last_access` is a tick of the cache's logical clock, not wall time.
+    """
+
+    __slots__ = ("id", "key", "parent", "children", "end", "holder", "lock_ref", "last_access")
+
+    def __init__(self, node_id: int, key: tuple[int, ...], parent: TreeNode | None, end: int,
+                 last_access: int):
+        self.id = node_id
+        self.key = key  # the edge's tokens; empty only at the root
+        self.parent = parent  # None at the root and on removed nodes
+        self.children: dict[int, TreeNode] = {}  # keyed by the first token of the child's key
+        self.end = end  # length of the root-to-node path, i.e. the position after this edge
+        self.holder: int | None = None  # llama.cpp seq id; set on leaves only
+        self.lock_ref = 0
+        self.last_access = last_access
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return (self.last_access, self.id) < (other.last_access, other.id)
+
+    def __repr__(self) -> str:
+        preview = list(self.key[:8]) + (["..."] if len(self.key) > 8 else [])
+        return (f"TreeNode(id={self.id}, end={self.end}, key={preview}, holder={self.holder}, "
+                f"lock_ref={self.lock_ref})")
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The longest cached prefix of a query.
+
+    `node` is the node whose edge holds the last matched token: the end of the edge the
+    match stops in (possibly part-way along it), or the root when `length == 0`.
+    """
+
+    length: int
+    node: TreeNode
+
+
+@dataclass(eq=False, slots=True)
+class Pin:
+    """A lock on the path from `node` up to the root, from `PrefixCache.pin()`.
+
+    While held, no node on that path is evicted, so `holder_for(pin.node)` keeps naming a
+    seq that holds the first `length` tokens of the pinned query.
+    """
+
+    length: int
+    node: TreeNode
+    released: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """`already_cached`: leading tokens that were in the tree before the insert.
+    `free_seqs`: seq ids now redundant; the caller does `seq_rm(seq, 0, -1)` on each."""
+
+    already_cached: int
+    free_seqs: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictAction:
+    """One evicted leaf. The caller does `seq_rm(seq_id, keep, -1)`.
+
+    `keep == 0`: the seq is released and its id is free again. `keep > 0`: the seq now
+    holds the parent, which became a leaf, and stays in the tree. `tokens` is the length of
+    the evicted edge, i.e. the KV cells this action frees.
+    """
+
+    seq_id: int
+    keep: int
+    tokens: int
+
+    @property
+    def released(self) -> bool:
+        return self.keep == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Counters since construction. Queries and hits count what the backend admitted."""
+
+    query_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    cached_tokens: int
+    pinned_tokens: int
+    evictable_tokens: int
+    n_holders: int
+    evictions: int
+
+
+class PrefixCache:
+    """Which token prefixes a llama.cpp context holds, and in which seq. See the module doc.
+
+    All public methods are thread-safe (one re-entrant lock). When `enabled` is False the
+    tree stays empty: `match` finds nothing and `insert` hands the seq straight back.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self._lock = threading.RLock()
+        self._enabled = enabled
+        self._node_ids = itertools.count()
+        self._clock = itertools.count(1)
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._evictions = 0
+        self._reset()
+
+    # ---- lookups ----
+
+    def match(self, tokens: Sequence[int], max_len: int | None = None) -> Match:
+        """Longest cached prefix of `tokens`, at most `max_len` long; stamps LRU times.
+
+        Never changes the tree's shape: a match may end inside an edge, and `length` is
+        exact. The backend passes `max_len=len(prompt) - 1` (vLLM's habit), because the
+        last prompt token must be decoded again to get logits.
+        """
+        with self._lock:
+            length, node, path = self._walk(tokens, max_len)
+            now = next(self._clock)
+            for entered in path:
+                entered.last_access = now
+            return Match(length, node)
+
+    def match_length(self, tokens: Sequence[int], max_len: int | None = None) -> int:
+        """Length of `match(tokens, max_len)` without stamping LRU times: for the router,
+        which asks every backend and must not make a cache look used by asking."""
+        with self._lock:
+            return self._walk(tokens, max_len)[0]
+
+    def holder_for(self, node: TreeNode) -> int | None:
+        """A live seq whose cells hold every token from the root to `node` (the most
+        recently used leaf below it), or None for the root, which holds no tokens.
+
+        Valid until the next mutating call; raises ValueError if `node` left the tree.
+        """
+        with self._lock:
+            if node is self._root:
+                return None
+            if not self._attached(node):
+                raise ValueError(f"{node!r} is no longer in the tree; match again")
+            while node.children:
+                node = max(node.children.values())
+            return node.holder
+
+    # ---- locks ----
+
+    def pin(self, match: Match) -> Pin:
+        """Lock the path of `match` so eviction leaves it alone.
+
+        Locks `match.node`, which for a match ending inside an edge is the node at that
+        edge's end, and every ancestor. Raises ValueError if the node has been evicted since
+        the match was made.
+        """
+        with self._lock:
+            if not self._attached(match.node):
+                raise ValueError(f"stale match: {match.node!r} has been evicted; match again")
+            self._inc_lock(match.node)
+            return Pin(match.length, match.node)
+
+    def unpin(self, pin: Pin) -> None:
+        """Release `pin`. Idempotent: a second release, or releasing a pin taken before
+        `clear()`, does nothing."""
+        with self._lock:
+            if pin.released:
+                return
+            pin.released = True
+            if self._attached(pin.node):
+                self._dec_lock(pin.node)
+
+    # ---- mutation ----
+
+    def insert(self, tokens: Sequence[int], seq_id: int) -> InsertResult:
+        """Record that llama.cpp seq `seq_id` holds the KV of `tokens` at positions
+        [0, len(tokens)): a finished request's prompt and output, as far as it was decoded.
+
+        - All of `tokens` already cached: `seq_id` itself is redundant and returned.
+        - `tokens` extend a leaf: the new leaf takes `seq_id`, and the old leaf's holder,
+          which the new seq covers, is returned. A pin on the old leaf stays valid, since
+          `holder_for` then finds the new leaf.
+        - `tokens` leave the tree inside an edge or at an internal node: the edge is split
+          as needed and the new leaf takes `seq_id`.
+
+        Raises ValueError if `seq_id` is already a holder.
+        """
+        with self._lock:
+            if seq_id in self._holders:
+                raise ValueError(f"seq {seq_id} already holds cached tokens")
+            if not self._enabled or not tokens:
+                return InsertResult(0, [seq_id])
+            now = next(self._clock)
+            node, pos = self._root, 0
+            while pos < len(tokens):
+                child = node.children.get(tokens[pos])
+                if child is None:
+                    break
+                child.last_access = now
+                k = _common_prefix(child.key, tokens, pos)
+                if k < len(child.key):
+                    if pos + k == len(tokens):
+                        return InsertResult(len(tokens), [seq_id])
+                    node = self._split(child, k)
+                    pos += k
+                    break
+                node, pos = child, pos + k
+            if pos == len(tokens):
+                return InsertResult(pos, [seq_id])
+
+            free_seqs = []
+            if node is not self._root and not node.children:
+                free_seqs.append(node.holder)
+                self._holders.remove(node.holder)
+                node.holder = None
+                self._evictable_leaves.discard(node)
+            leaf = TreeNode(next(self._node_ids), tuple(tokens[pos:]), node, len(tokens), now)
+            leaf.holder = seq_id
+            node.children[leaf.key[0]] = leaf
+            self._holders.add(seq_id)
+            self._evictable_leaves.add(leaf)
+            self._cached_tokens += len(leaf.key)
+            self._evictable_tokens += len(leaf.key)
+            return InsertResult(pos, free_seqs)
+
+    def evict(self, need_tokens: int = 0, need_seqs: int = 0) -> list[EvictAction]:
+        """Evict least-recently-used unpinned leaves until at least `need_tokens` cells are
+        freed and `need_seqs` seq ids are released, or nothing evictable is left.
+
+        A leaf whose parent is the root or still has other children releases its seq
+        (`keep=0`). Otherwise the parent becomes a leaf and inherits the seq trimmed to the
+        parent's end (`keep=parent.end`, not counted as released), and may be evicted next.
+        Returns the actions in the order the caller must apply them.
+        """
+        with self._lock:
+            return self._evict(need_tokens, need_seqs)
+
+    def flush(self) -> list[EvictAction]:
+        """Evict every unpinned node; pinned paths stay.
+
+        Returns actions, not bare seq ids: a pinned node that loses all its children
+        inherits a trimmed seq (`keep > 0`), which the caller must apply like any other.
+        """
+        with self._lock:
+            return self._evict(math.inf, 0)
+
+    def clear(self) -> list[int]:
+        """Drop everything, pins included (for shutdown). Returns every held seq id; earlier
+        pins become inert."""
+        with self._lock:
+            seqs = sorted(self._holders)
+            self._reset()
+            return seqs
+
+    def record_query(self, n_query: int, n_hit: int) -> None:
+        """Count an admitted request: `n_query` prompt tokens, `n_hit` of them from cache.
+        Only the backend calls this; router lookups do not count."""
+        with self._lock:
+            self._query_tokens += n_query
+            self._hit_tokens += n_hit
+
+    # ---- accounting ----
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def cached_tokens(self) -> int:
+        """KV cells the cache holds: edge lengths summed, shared prefixes counted once."""
+        with self._lock:
+            return self._cached_tokens
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Cached tokens on pinned nodes (a pin ending inside an edge pins the whole edge)."""
+        with self._lock:
+            return self._pinned_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        with self._lock:
+            return self._evictable_tokens
+
+    @property
+    def n_holders(self) -> int:
+        with self._lock:
+            return len(self._holders)
+
+    def holders(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._holders)
+
+    def stats(self) -> Stats:
+        with self._lock:
+            return Stats(
+                query_tokens=self._query_tokens,
+                hit_tokens=self._hit_tokens,
+                hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+                cached_tokens=self._cached_tokens,
+                pinned_tokens=self._pinned_tokens,
+                evictable_tokens=self._evictable_tokens,
+                n_holders=len(self._holders),
+                evictions=self._evictions,
+            )
+
+    def check_invariants(self) -> None:
+        """Recompute everything from the tree and raise AssertionError on any mismatch."""
+        with self._lock:
+            cached = pinned = 0
+            holders: list[int] = []
+            evictable_leaves = set()
+            stack = [self._root]
+            while stack:
+                node = stack.pop()
+                _check(node.lock_ref >= 0, f"negative lock_ref on {node!r}")
+                if node is not self._root:
+                    _check(len(node.key) > 0, f"empty edge on {node!r}")
+                    _check(node.end == node.parent.end + len(node.key), f"wrong end on {node!r}")
+                    cached += len(node.key)
+                    pinned += len(node.key) if node.lock_ref else 0
+                    if node.children:
+                        _check(node.holder is None, f"internal {node!r} has a holder")
+                    else:
+                        _check(node.holder is not None, f"leaf {node!r} has no holder")
+                        holders.append(node.holder)
+                        if not node.lock_ref:
+                            evictable_leaves.add(node)
+                else:
+                    _check(node.holder is None, "the root has a holder")
+                child_locks = 0
+                for first, child in node.children.items():
+                    _check(child.parent is node, f"{child!r} has the wrong parent")
+                    _check(child.key[:1] == (first,), f"{child!r} is keyed by {first}")
+                    child_locks += child.lock_ref
+                    stack.append(child)
+                if node is not self._root:
+                    _check(node.lock_ref >= child_locks, f"{node!r} locked less than its children")
+            _check(len(holders) == len(set(holders)), f"a seq holds two leaves: {sorted(holders)}")
+            _check(set(holders) == self._holders, "holder set out of date")
+            _check(evictable_leaves == self._evictable_leaves, "evictable-leaf set out of date")
+            _check(cached == self._cached_tokens, f"cached_tokens {self._cached_tokens} != {cached}")
+            _check(pinned == self._pinned_tokens, f"pinned_tokens {self._pinned_tokens} != {pinned}")
+            _check(cached - pinned == self._evictable_tokens,
+                   f"evictable_tokens {self._evictable_tokens} != {cached - pinned}")
+
+    # ---- internal helpers ----
+
+    def _reset(self) -> None:
+        self._root = TreeNode(next(self._node_ids), (), None, 0, 0)
+        self._holders: set[int] = set()
+        self._evictable_leaves: set[TreeNode] = set()
+        self._cached_tokens = 0
+        self._pinned_tokens = 0
+        self._evictable_tokens = 0
+
+    def _walk(self, tokens: Sequence[int], max_len: int | None) -> tuple[int, TreeNode, list[TreeNode]]:
+        """(matched length, node holding the last matched token, nodes entered)."""
+        limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
+        node, pos, path = self._root, 0, []
+        if not self._enabled:
+            return 0, node, path
+        while pos < limit:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            k = _common_prefix(child.key, tokens, pos, limit)
+            node, pos = child, pos + k
+            path.append(child)
+            if k < len(child.key):
+                break
+        return pos, node, path
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut `child`'s edge after `k` tokens; return the new internal node above it.
+
+        The new node sits on every path `child` did, so it inherits `child`'s lock count
+        and access time; the totals do not change.
+        """
+        parent = child.parent
+        upper = TreeNode(next(self._node_ids), child.key[:k], parent, child.end - len(child.key) + k,
+                         child.last_access)
+        upper.lock_ref = child.lock_ref
+        child.key = child.key[k:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        parent.children[upper.key[0]] = upper
+        return upper
+
+    def _inc_lock(self, node: TreeNode) -> None:
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable_tokens -= len(node.key)
+                self._pinned_tokens += len(node.key)
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def _dec_lock(self, node: TreeNode) -> None:
+        while node is not self._root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._pinned_tokens -= len(node.key)
+                self._evictable_tokens += len(node.key)
+                if not node.children:
+                    self._evictable_leaves.add(node)
+            node = node.parent
+
+    def _attached(self, node: TreeNode) -> bool:
+        while node.parent is not None:
+            node = node.parent
+        return node is self._root
+
+    def _evict(self, need_tokens: float, need_seqs: float) -> list[EvictAction]:
+        actions: list[EvictAction] = []
+        freed = released = 0
+        heap = list(self._evictable_leaves)
+        heapq.heapify(heap)
+        while heap and (freed < need_tokens or released < need_seqs):
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            leaf.parent = None
+            seq, leaf.holder = leaf.holder, None
+            self._evictable_leaves.remove(leaf)
+            self._cached_tokens -= len(leaf.key)
+            self._evictable_tokens -= len(leaf.key)
+            self._evictions += 1
+            freed += len(leaf.key)
+            if parent is self._root or parent.children:
+                self._holders.remove(seq)
+                released += 1
+                actions.append(EvictAction(seq, 0, len(leaf.key)))
+            else:
+                parent.holder = seq
+                actions.append(EvictAction(seq, parent.end, len(leaf.key)))
+                if parent.lock_ref == 0:
+                    self._evictable_leaves.add(parent)
+                    heapq.heappush(heap, parent)
+        return actions
+
+
+def _common_prefix(edge: tuple[int, ...], tokens: Sequence[int], start: int,
+                   stop: int | None = None) -> int:
+    """How many leading tokens of `edge` equal `tokens[start:stop]`."""
+    n = min(len(edge), (len(tokens) if stop is None else stop) - start)
+    i = 0
+    while i < n and edge[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)

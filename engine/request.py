@@ -1,0 +1,153 @@
+"""Values that describe a request and how it ended. They cross threads; treat them as frozen."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequest
+
+_ids = itertools.count(1)
+
+
+def next_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How tokens are chosen. `temperature == 0` means greedy."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        """Raise `InvalidRequest` naming the first value out of range; return self."""
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, "a number >= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repeat_penalty", _finite(self.repeat_penalty) and self.repeat_penalty > 0, "a number > 0"),
+            ("repeat_last_n", isinstance(self.repeat_last_n, int) and self.repeat_last_n >= 0, "an integer >= 0"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "in [0, 2^32)"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
+             "at most 16 non-empty strings"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise InvalidRequest(f"{name} must be {allowed}, got {getattr(self, name)!r}", param=name)
+        return self
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One whole generation request: a tokenized prompt and how to sample its continuation.
+
+    `backend` names a backend to pin the request to, bypassing the routing policy.
+    """
+
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    id: str = field(default_factory=next_request_id)
+    backend: str | None = None
+    source: str = "api"
+
+    def __post_init__(self):
+        if not self.prompt_tokens:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        self.sampling.validate()
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status > RUNNING` means finished (vLLM's habit)."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_CANCELLED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRecord:
+    """How a request ended, with its timings in seconds (monotonic clock).
+
+    `queue_s` is submit → admission, `ttft_s` submit → first token, `e2e_s` submit → end,
+    `itl_s` the mean gap between output tokens after the first.
+    """
+
+    request_id: str
+    backend: str
+    status: RequestStatus
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    queue_s: float
+    ttft_s: float | None
+    e2e_s: float
+    itl_s: float | None
+    error: str | None = None
+    error_kind: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        if self.itl_s:
+            return 1.0 / self.itl_s
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "backend": self.backend,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "queue_s": self.queue_s,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+            "itl_s": self.itl_s,
+            "error": self.error,
+        }

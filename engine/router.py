@@ -1,0 +1,660 @@
+"""Routing: which backend takes a whole new request.
+
+Policies are pure functions over `BackendSnapshot`s (no model, no threads), so they can be
+tested with hand-built snapshots and replayed from recorded decisions. `Router` holds the
+current policy, the decode-budget mode and a bounded history of `RoutingDecision`s; it is the
+only stateful piece and guards itself with one lock.
+
+Policies (`POLICIES`, `make_policy()`):
+
+- `seed-score`: the study's score, exactly (`seed_score()`; SEED.md's golden numbers).
+- `predicted-finish`: when the new request would finish on each backend, simulated under the
+  backend's cap with the batch-aware step time `Rates.step_s(b)` (`predicted_finish()`).
+- `least-work`: fewest remaining tokens (prefill + decode), rates ignored.
+- `round-robin`: cycle through the eligible backends.
+- `only:NAME`, `gpu-only`, `cpu-only`: everything to one backend.
+
+Decode budget (`BUDGET_MODES`, applies to `seed-score` and `least-work`):
+
+- `raw`: the study's rule, every item counts its unused `max_tokens` budget.
+- `ratio`: SGLang's `new_token_ratio` heuristic. Running items' remaining budget is scaled
+  by `NewTokenRatio.value`; queued items and the new request count their full budget, as
+  SGLang reserves the full (clipped) budget for a request it is about to admit. The ratio
+  starts at 0.7 and decays by a fixed step after each routed request toward a 0.1 floor;
+  the engine calls `Router.reset_ratio()` when a backend has to retract/preempt work.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+from .errors import BackendUnavailable, InvalidRequest
+from .snapshot import BackendSnapshot, Rates
+
+if TYPE_CHECKING:
+    from .request import Request
+
+BUDGET_MODES = ("raw", "ratio")
+DEFAULT_POLICY = "seed-score"
+DEFAULT_HISTORY = 1000
+
+
+# ----------------------------------------------------------------------------------------
+# Values
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """What the router needs to know about a new request.
+
+    `cached` maps backend name to the prefix tokens that backend's cache already holds for
+    this prompt (a missing name means 0). `backend` pins the request to one backend.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    cached: Mapping[str, int] = field(default_factory=dict)
+    backend: str | None = None
+
+    @classmethod
+    def from_request(cls, request: "Request", cached: Mapping[str, int] | None = None) -> "RouteQuery":
+        """Build the query for an engine `Request` and its per-backend cache matches."""
+        return cls(
+            request_id=request.id,
+            prompt_tokens=len(request.prompt_tokens),
+            max_tokens=request.sampling.max_tokens,
+            cached=dict(cached or {}),
+            backend=request.backend,
+        )
+
+    def cached_on(self, backend: str) -> int:
+        """Cached prefix tokens on `backend`, clamped to [0, prompt_tokens]."""
+        return min(max(int(self.cached.get(backend, 0)), 0), self.prompt_tokens)
+
+    def prefill_on(self, backend: str) -> int:
+        """Prompt tokens the new request would still have to compute on `backend`."""
+        return self.prompt_tokens - self.cached_on(backend)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendScore:
+    """One backend's side of a routing decision.
+
+    `prefill_tokens` and `decode_tokens` are the totals the score counted (work already on the
+    backend plus the new request); `prefill_s + decode_s == score_s`. Lower `score_s` is better.
+    For `predicted-finish`, `score_s` is the predicted finish time of the new request and
+    `decode_tokens` the tokens all sequences decode until then.
+    """
+
+    name: str
+    device: str
+    cached_tokens: int
+    prefill_tokens: float
+    decode_tokens: float
+    prefill_s: float
+    decode_s: float
+    score_s: float
+    rates: Rates
+    n_running: int
+    n_waiting: int
+    cap: int
+    eligible: bool
+
+    @property
+    def work_tokens(self) -> float:
+        """Prefill plus decode tokens: the `least-work` measure."""
+        return self.prefill_tokens + self.decode_tokens
+
+    def to_dict(self) -> dict:
+        d = {f.name: _json_number(getattr(self, f.name)) for f in fields(self) if f.name != "rates"}
+        d["rates"] = {f.name: _json_number(getattr(self.rates, f.name)) for f in fields(self.rates)}
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """Where one request went and why, with every backend's score at that instant."""
+
+    time: float
+    request_id: str
+    policy: str
+    backend: str
+    reason: str
+    scores: tuple[BackendScore, ...]
+    budget: str = "raw"
+    new_token_ratio: float | None = None
+    pinned: bool = False
+
+    def score_of(self, backend: str) -> BackendScore:
+        """The score entry for `backend` (KeyError if it was not in the snapshot)."""
+        for s in self.scores:
+            if s.name == backend:
+                return s
+        raise KeyError(backend)
+
+    @property
+    def chosen(self) -> BackendScore:
+        return self.score_of(self.backend)
+
+    def to_dict(self) -> dict:
+        return {
+            "time": self.time,
+            "request_id": self.request_id,
+            "policy": self.policy,
+            "backend": self.backend,
+            "reason": self.reason,
+            "budget": self.budget,
+            "new_token_ratio": self.new_token_ratio,
+            "pinned": self.pinned,
+            "scores": [s.to_dict() for s in self.scores],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBudget:
+    """How remaining decode budgets are counted: `raw`, or running items scaled by `ratio`."""
+
+    mode: str = "raw"
+    ratio: float = 1.0
+
+    def running(self, decode_left: int) -> float:
+        """The decode tokens a running item counts for."""
+        return decode_left * self.ratio if self.mode == "ratio" else decode_left
+
+
+RAW = DecodeBudget()
+
+
+class NewTokenRatio:
+    """SGLang's `new_token_ratio`: the share of running requests' budget expected to be used.
+
+    A heuristic, not a prediction: it starts at `initial` (0.7), `step()` lowers it by `decay`
+    toward `floor` (0.1), and `reset()` returns it to `initial` (SGLang does so when it had to
+    retract requests, i.e. when the estimate proved too optimistic). The default decay
+    reaches the floor after 60 steps. Not thread-safe on its own; `Router` holds it under its
+    lock.
+    """
+
+    def __init__(self, initial: float = 0.7, floor: float = 0.1, decay: float = 0.01):
+        if not 0 < floor <= initial <= 1:
+            raise ValueError(f"need 0 < floor <= initial <= 1, got floor={floor}, initial={initial}")
+        if decay < 0:
+            raise ValueError(f"decay must be >= 0, got {decay}")
+        self.initial = initial
+        self.floor = floor
+        self.decay = decay
+        self.value = initial
+
+    def step(self) -> float:
+        """Decay once toward the floor; return the new value."""
+        self.value = max(self.floor, self.value - self.decay)
+        return self.value
+
+    def reset(self) -> float:
+        """Back to the initial value; return it."""
+        self.value = self.initial
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"NewTokenRatio(value={self.value:.3f}, initial={self.initial}, floor={self.floor})"
+
+
+# ----------------------------------------------------------------------------------------
+# Scores: pure functions of (query, snapshot)
+# ----------------------------------------------------------------------------------------
+
+
+def seed_score(query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget = RAW) -> BackendScore:
+    """The study's score for sending `query` to `snap`'s backend (lower wins).
+
+    score = (sum of prefill_left over running and queued items + new prompt - cached) / prefill rate
+          + (sum of decode_left over running and queued items + new max_tokens) / decode rate
+
+    Queued items carry the cache estimate made when they were routed (`WorkItem.prefill_left`).
+    With a `ratio` budget, running items' decode_left is scaled (see module docstring).
+    """
+    cached = query.cached_on(snap.name)
+    prefill = sum(i.prefill_left for i in snap.items) + (query.prompt_tokens - cached)
+    decode = sum(budget.running(i.decode_left) if i.running else i.decode_left for i in snap.items)
+    decode += query.max_tokens
+    prefill_s = _seconds(prefill, snap.rates.prefill_tok_s)
+    decode_s = _seconds(decode, snap.rates.decode_tok_s)
+    return _score(snap, cached, prefill, decode, prefill_s, decode_s)
+
+
+def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
+    """Seconds until the new request's last token if it were sent to `snap`'s backend now.
+
+    Model (event-driven, one event per sequence completion, so O(items x cap) work):
+
+    - Running items are active; any `prefill_left` they still have is paid first.
+    - The queue, then the new request last (FCFS), is admitted while fewer than `cap`
+      sequences are active. Admitting an item costs `prefill_left / prefill_tok_s` seconds
+      during which nothing decodes: llama.cpp puts prompt chunks into the same batch as the
+      decode tokens, so a step with a prompt chunk is longer by about the chunk's prefill time.
+    - With `b` active sequences, one decode step takes `rates.step_s(b)` (alpha + beta*b when
+      calibrated, else b / decode_tok_s) and every active sequence spends one token of its
+      `decode_left`. Sequences run their whole remaining budget (the study's budget rule, no
+      early stops), so the estimate is pessimistic for chatty workloads.
+    - The new request needs its prompt minus the cached prefix, then `max_tokens` steps.
+
+    `prefill_s` is the prefill time paid before the new request finishes, `decode_s` the decode
+    time; `decode_tokens` counts tokens decoded by all sequences over that span.
+    """
+    rates = snap.rates
+    cap = max(snap.cap, 1)
+    cached = query.cached_on(snap.name)
+    prefill_tokens = 0
+    decode_tokens = 0
+    prefill_s = 0.0
+    decode_s = 0.0
+
+    # Each active entry: [decode_left, is_new]
+    active: list[list] = []
+    for item in snap.running:
+        prefill_tokens += item.prefill_left
+        if item.decode_left > 0:
+            active.append([item.decode_left, False])
+    queue: deque[tuple[int, int, bool]] = deque(
+        (i.prefill_left, i.decode_left, False) for i in snap.waiting
+    )
+    queue.append((query.prompt_tokens - cached, max(query.max_tokens, 1), True))
+
+    while True:
+        while queue and len(active) < cap:
+            p, d, is_new = queue.popleft()
+            prefill_tokens += p
+            if d > 0:
+                active.append([d, is_new])
+        if not active:  # only reachable if every queued item had nothing to decode
+            break
+        b = len(active)
+        k = min(entry[0] for entry in active)
+        decode_s += k * _step_s(rates, b)
+        decode_tokens += k * b
+        new_done = False
+        remaining = []
+        for entry in active:
+            entry[0] -= k
+            if entry[0] > 0:
+                remaining.append(entry)
+            elif entry[1]:
+                new_done = True
+        active = remaining
+        if new_done:
+            break
+
+    prefill_s = _seconds(prefill_tokens, rates.prefill_tok_s)
+    return _score(snap, cached, prefill_tokens, decode_tokens, prefill_s, decode_s)
+
+
+# ----------------------------------------------------------------------------------------
+# Policies
+# ----------------------------------------------------------------------------------------
+
+
+class Policy:
+    """Scores every backend and picks one. Subclasses override `score` and/or `choose`.
+
+    The default scoring is the seed score, so baselines that ignore it (round-robin, only:)
+    still record comparable numbers in their decisions.
+    """
+
+    name = ""
+    uses_budget = True  # whether the decode-budget mode changes this policy's scores
+
+    def score(self, query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget) -> BackendScore:
+        return seed_score(query, snap, budget)
+
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
+        """Return (backend name, reason) among the eligible `scores` (at least one exists)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class SeedScore(Policy):
+    """The study's policy: lowest `seed_score()` wins; ties go to the first backend."""
+
+    name = "seed-score"
+
+    def choose(self, query, scores):
+        return _lowest(scores, lambda s: s.score_s, _explain_seconds)
+
+
+class PredictedFinish(Policy):
+    """Lowest `predicted_finish()` wins; ties go to the first backend. Budget mode is ignored."""
+
+    name = "predicted-finish"
+    uses_budget = False
+
+    def score(self, query, snap, budget):
+        return predicted_finish(query, snap)
+
+    def choose(self, query, scores):
+        return _lowest(scores, lambda s: s.score_s, _explain_finish)
+
+
+class LeastWork(Policy):
+    """Fewest remaining tokens (prefill + decode, new request included); rates ignored."""
+
+    name = "least-work"
+
+    def choose(self, query, scores):
+        return _lowest(scores, lambda s: s.work_tokens, _explain_work)
+
+
+class RoundRobin(Policy):
+    """Cycle through the backends in order, skipping ineligible ones."""
+
+    name = "round-robin"
+
+    def __init__(self):
+        self._last: str | None = None
+
+    def choose(self, query, scores):
+        names = [s.name for s in scores]
+        start = names.index(self._last) + 1 if self._last in names else 0
+        for k in range(len(scores)):
+            s = scores[(start + k) % len(scores)]
+            if s.eligible:
+                self._last = s.name
+                return s.name, f"round-robin: {s.name}'s turn"
+        raise BackendUnavailable("no healthy backend")
+
+
+class OnlyBackend(Policy):
+    """Everything to one backend, named (`only:NAME`) or by device (`gpu-only`, `cpu-only`).
+
+    By device means the first backend in order whose device is `cpu` (case-insensitive) for
+    `cpu-only`, and the first whose device is anything else (gpu, CUDA0, Metal...) for `gpu-only`.
+    """
+
+    def __init__(self, backend: str | None = None, device: str | None = None):
+        if (backend is None) == (device is None):
+            raise ValueError("give exactly one of backend, device")
+        self.backend = backend
+        self.device = device
+        self.name = f"only:{backend}" if backend is not None else f"{device}-only"
+
+    def choose(self, query, scores):
+        if self.backend is not None:
+            matches = [s for s in scores if s.name == self.backend]
+            what = f"backend {self.backend!r}"
+        else:
+            matches = [s for s in scores if _device_kind(s.device) == self.device]
+            what = f"a backend with device {self.device!r}"
+        if not matches:
+            raise BackendUnavailable(f"policy {self.name} needs {what}; backends: {_names(scores)}")
+        target = matches[0]
+        if not target.eligible:
+            raise BackendUnavailable(f"policy {self.name}: backend {target.name!r} is unhealthy")
+        return target.name, f"{self.name}: everything goes to {target.name}"
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "seed-score": SeedScore,
+    "predicted-finish": PredictedFinish,
+    "least-work": LeastWork,
+    "round-robin": RoundRobin,
+    "gpu-only": lambda: OnlyBackend(device="gpu"),
+    "cpu-only": lambda: OnlyBackend(device="cpu"),
+}
+
+
+def policy_names() -> list[str]:
+    """Every valid policy name, with `only:NAME` as its pattern."""
+    return [*POLICIES, "only:NAME"]
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy for `name` (`POLICIES` key or `only:NAME`); InvalidRequest otherwise."""
+    name = (name or "").strip()
+    if name in POLICIES:
+        return POLICIES[name]()
+    if name.startswith("only:") and name[len("only:"):].strip():
+        return OnlyBackend(backend=name[len("only:"):].strip())
+    raise InvalidRequest(
+        f"unknown routing policy {name!r}; valid: {', '.join(policy_names())}", param="policy"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Router
+# ----------------------------------------------------------------------------------------
+
+
+class Router:
+    """Routes requests with the current policy and remembers recent decisions.
+
+    Thread-safe: `route`, `set_policy`, `set_budget`, `reset_ratio` and `recent` may be called
+    from any thread; one lock serialises them (policies such as round-robin keep state).
+    """
+
+    def __init__(
+        self,
+        policy: str = DEFAULT_POLICY,
+        budget: str = "raw",
+        *,
+        history: int = DEFAULT_HISTORY,
+        ratio: NewTokenRatio | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._lock = threading.Lock()
+        self._policy = make_policy(policy)
+        self._budget = _check_budget(budget)
+        self._ratio = ratio or NewTokenRatio()
+        self._history: deque[RoutingDecision] = deque(maxlen=history)
+        self._clock = clock
+
+    @property
+    def policy(self) -> str:
+        return self._policy.name
+
+    @property
+    def budget(self) -> str:
+        return self._budget
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self._ratio.value
+
+    def set_policy(self, name: str) -> str:
+        """Switch policy (fresh state); InvalidRequest listing valid names if unknown."""
+        policy = make_policy(name)
+        with self._lock:
+            self._policy = policy
+        return policy.name
+
+    def set_budget(self, mode: str) -> str:
+        """Switch the decode-budget mode (`raw` or `ratio`); InvalidRequest otherwise."""
+        mode = _check_budget(mode)
+        with self._lock:
+            self._budget = mode
+        return mode
+
+    def reset_ratio(self) -> float:
+        """Reset the `new_token_ratio` to its initial value (call on retraction/preemption)."""
+        with self._lock:
+            return self._ratio.reset()
+
+    def route(self, query: RouteQuery, snapshots: Sequence[BackendSnapshot]) -> RoutingDecision:
+        """Choose a backend for `query` among `snapshots` (in backend order) and record it.
+
+        A pinned query (`query.backend`) bypasses the policy. Raises InvalidRequest for an
+        unknown pinned backend, BackendUnavailable if the chosen/pinned backend or every
+        backend is unhealthy.
+        """
+        if not snapshots:
+            raise BackendUnavailable("no backends")
+        with self._lock:
+            policy = self._policy
+            budget = self._budget
+            ratio = self._ratio.value if budget == "ratio" else None
+            decode_budget = DecodeBudget("ratio", ratio) if ratio is not None else RAW
+            scores = tuple(policy.score(query, snap, decode_budget) for snap in snapshots)
+
+            if query.backend is not None:
+                backend, reason = _pin(query.backend, scores)
+                pinned = True
+            else:
+                if not any(s.eligible for s in scores):
+                    raise BackendUnavailable(f"no healthy backend among {_names(scores)}")
+                backend, reason = policy.choose(query, scores)
+                pinned = False
+
+            if budget == "ratio":
+                self._ratio.step()
+            decision = RoutingDecision(
+                time=self._clock(),
+                request_id=query.request_id,
+                policy=policy.name,
+                backend=backend,
+                reason=reason,
+                scores=scores,
+                budget=budget,
+                new_token_ratio=ratio if policy.uses_budget else None,
+                pinned=pinned,
+            )
+            self._history.append(decision)
+            return decision
+
+    def recent(self, n: int | None = None) -> list[RoutingDecision]:
+        """The last `n` decisions (all kept if None), oldest first."""
+        with self._lock:
+            items = list(self._history)
+        if n is None:
+            return items
+        return items[-n:] if n > 0 else []
+
+    def clear(self) -> None:
+        """Forget recorded decisions and policy state (e.g. between benchmark runs)."""
+        with self._lock:
+            self._history.clear()
+            self._policy = make_policy(self._policy.name)
+            self._ratio.reset()
+
+
+##### Internal Helper Functions #####
+
+
+def _check_budget(mode: str) -> str:
+    if mode not in BUDGET_MODES:
+        raise InvalidRequest(
+            f"unknown decode budget mode {mode!r}; valid: {', '.join(BUDGET_MODES)}", param="budget"
+        )
+    return mode
+
+
+def _device_kind(device: str) -> str:
+    return "cpu" if device.strip().lower() == "cpu" else "gpu"
+
+
+def _pin(name: str, scores: Sequence[BackendScore]) -> tuple[str, str]:
+    for s in scores:
+        if s.name == name:
+            if not s.eligible:
+                raise BackendUnavailable(f"backend {name!r} is unhealthy")
+            return name, f"pinned to {name} by the request (policy bypassed)"
+    raise InvalidRequest(f"unknown backend {name!r}; backends: {_names(scores)}", param="backend")
+
+
+def _seconds(tokens: float, rate: float) -> float:
+    if tokens <= 0:
+        return 0.0
+    return tokens / rate if rate > 0 else math.inf
+
+
+def _step_s(rates: Rates, batch: int) -> float:
+    if not (rates.step_alpha_s or rates.step_beta_s) and rates.decode_tok_s <= 0:
+        return math.inf
+    return rates.step_s(batch)
+
+
+def _score(snap, cached, prefill, decode, prefill_s, decode_s) -> BackendScore:
+    return BackendScore(
+        name=snap.name,
+        device=snap.device,
+        cached_tokens=cached,
+        prefill_tokens=prefill,
+        decode_tokens=decode,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        score_s=prefill_s + decode_s,
+        rates=snap.rates,
+        n_running=len(snap.running),
+        n_waiting=len(snap.waiting),
+        cap=snap.cap,
+        eligible=snap.healthy,
+    )
+
+
+def _lowest(scores, key, explain) -> tuple[str, str]:
+    """Eligible entry with the lowest key (first wins ties) and the explanation against the runner-up."""
+    eligible = [s for s in scores if s.eligible]
+    best = min(eligible, key=key)  # min() keeps the first of equal keys
+    others = [s for s in eligible if s is not best]
+    if not others:
+        skipped = [s.name for s in scores if not s.eligible]
+        why = f" ({', '.join(skipped)} unhealthy)" if skipped else ""
+        return best.name, f"only eligible backend{why}: " + explain(best, None)
+    runner_up = min(others, key=key)
+    return best.name, explain(best, runner_up)
+
+
+def _explain_seconds(best: BackendScore, other: BackendScore | None) -> str:
+    if other is None:
+        return f"{best.name} {best.score_s:.3f} s"
+    rel = "=" if best.score_s == other.score_s else ">"
+    tie = f" (tie goes to {best.name}, first in order)" if rel == "=" else ""
+    return (
+        f"{other.name} {other.score_s:.3f} s {rel} {best.name} {best.score_s:.3f} s{tie}: "
+        f"{_tok(other.prefill_tokens)} prefill + {_tok(other.decode_tokens)} decode tokens queued on "
+        f"{other.name}, {_tok(best.prefill_tokens)} + {_tok(best.decode_tokens)} on {best.name}"
+    )
+
+
+def _explain_finish(best: BackendScore, other: BackendScore | None) -> str:
+    if other is None:
+        return f"{best.name} would finish in {best.score_s:.3f} s"
+    rel = "=" if best.score_s == other.score_s else ">"
+    return (
+        f"{other.name} finish {other.score_s:.3f} s {rel} {best.name} finish {best.score_s:.3f} s: "
+        f"{other.n_running} running + {other.n_waiting} queued on {other.name} (cap {other.cap}), "
+        f"{best.n_running} + {best.n_waiting} on {best.name} (cap {best.cap})"
+    )
+
+
+def _explain_work(best: BackendScore, other: BackendScore | None) -> str:
+    if other is None:
+        return f"{best.name} {_tok(best.work_tokens)} tokens of work"
+    rel = "=" if best.work_tokens == other.work_tokens else ">"
+    return (
+        f"{other.name} {_tok(other.work_tokens)} tokens {rel} {best.name} {_tok(best.work_tokens)} tokens "
+        f"of remaining prefill + decode work"
+    )
+
+
+def _tok(x: float) -> str:
+    """Token counts: whole numbers plain, ratio-scaled ones with one decimal."""
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def _names(scores: Sequence[BackendScore]) -> str:
+    return ", ".join(s.name for s in scores)
+
+
+def _json_number(x):
+    """JSON has no infinity: an unreachable backend's infinite score becomes null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

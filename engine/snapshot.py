@@ -1,0 +1,94 @@
+"""Immutable views of a backend's state, taken on the backend's thread and read anywhere.
+
+The router scores snapshots; the UI draws them; `/v1/routing` serialises them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """A backend's measured speeds. `step_alpha_s + step_beta_s * b` is one decode step at batch b."""
+
+    prefill_tok_s: float
+    decode_tok_s: float
+    step_alpha_s: float = 0.0
+    step_beta_s: float = 0.0
+    source: str = "default"  # "calibrated", "override", "default", "online"
+
+    def step_s(self, batch: int) -> float:
+        """Seconds for one decode step with `batch` running sequences."""
+        if self.step_alpha_s or self.step_beta_s:
+            return self.step_alpha_s + self.step_beta_s * max(batch, 1)
+        return max(batch, 1) / self.decode_tok_s
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One request a backend holds, as the router sees it.
+
+    `prefill_left` counts prompt tokens still to compute (cached ones excluded: for a queued
+    request this is the estimate made when it was routed, kept pinned); `decode_left` is the
+    unused `max_tokens` budget; `generated` how many tokens it has produced so far.
+    """
+
+    request_id: str
+    running: bool
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_left: int
+    decode_left: int
+    generated: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    enabled: bool = True
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    cached_tokens: int = 0
+    pinned_tokens: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSnapshot:
+    """A backend at one instant. `items` lists running requests first, then the queue in order."""
+
+    name: str
+    device: str
+    cap: int
+    n_ctx: int
+    rates: Rates
+    items: tuple[WorkItem, ...] = ()
+    healthy: bool = True
+    threads: int = 0
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
+    kv_bytes: int = 0
+    cache: CacheStats = field(default_factory=CacheStats)
+    prefill_tok_s: float = 0.0  # observed, recent
+    decode_tok_s: float = 0.0  # observed, recent
+    steps: int = 0
+    time: float = 0.0
+
+    @property
+    def running(self) -> tuple[WorkItem, ...]:
+        return tuple(i for i in self.items if i.running)
+
+    @property
+    def waiting(self) -> tuple[WorkItem, ...]:
+        return tuple(i for i in self.items if not i.running)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["n_running"] = len(self.running)
+        d["n_waiting"] = len(self.waiting)
+        d["cache"]["hit_rate"] = self.cache.hit_rate
+        return d

@@ -1,0 +1,486 @@
+"""Router policies over hand-built snapshots: no model, no threads.
+
+The golden numbers come from the seed study (`SEED.md`): CPU prefill 73 tok/s, decode 45 tok/s;
+GPU prefill 2551 tok/s, decode 293 tok/s; cap 4 each; 516-token prompts with a 496-token
+cached prefix; 128 tokens generated each.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from engine.errors import BackendUnavailable, InvalidRequest
+from engine.router import (
+    BUDGET_MODES,
+    POLICIES,
+    BackendScore,
+    DecodeBudget,
+    NewTokenRatio,
+    OnlyBackend,
+    RouteQuery,
+    Router,
+    RoutingDecision,
+    make_policy,
+    policy_names,
+    predicted_finish,
+    seed_score,
+)
+from engine.snapshot import BackendSnapshot, Rates, WorkItem
+
+CPU_RATES = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
+GPU_RATES = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
+PROMPT, CACHED, MAX_TOKENS = 516, 496, 128
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def running(n: int, decode_left: int, prefill_left: int = 0, prefix: str = "r") -> list[WorkItem]:
+    return [
+        WorkItem(f"{prefix}{k}", True, PROMPT, CACHED, prefill_left, decode_left, MAX_TOKENS - decode_left)
+        for k in range(n)
+    ]
+
+
+def queued(n: int, prefill_left: int = PROMPT - CACHED, decode_left: int = MAX_TOKENS, prefix: str = "q"):
+    return [WorkItem(f"{prefix}{k}", False, PROMPT, PROMPT - prefill_left, prefill_left, decode_left)
+            for k in range(n)]
+
+
+def snap(name: str, device: str, rates: Rates, items=(), cap: int = 4, healthy: bool = True) -> BackendSnapshot:
+    return BackendSnapshot(name=name, device=device, cap=cap, n_ctx=4096, rates=rates,
+                           items=tuple(items), healthy=healthy)
+
+
+def gpu(items=(), **kw) -> BackendSnapshot:
+    return snap("GPU", "gpu", GPU_RATES, items, **kw)
+
+
+def cpu(items=(), **kw) -> BackendSnapshot:
+    return snap("CPU", "cpu", CPU_RATES, items, **kw)
+
+
+def query(rid: str = "req", backend: str | None = None, cached: int = CACHED, **kw) -> RouteQuery:
+    args = dict(prompt_tokens=PROMPT, max_tokens=MAX_TOKENS, cached={"GPU": cached, "CPU": cached})
+    args.update(kw)
+    return RouteQuery(request_id=rid, backend=backend, **args)
+
+
+def clock():
+    t = iter(range(10**6))
+    return lambda: float(next(t))
+
+
+# ---------------------------------------------------------------------------- golden numbers
+
+
+class TestSeedGolden:
+    def test_idle_cpu_score(self):
+        s = seed_score(query(), cpu())
+        assert round(s.score_s, 3) == 3.118
+        assert (s.cached_tokens, s.prefill_tokens, s.decode_tokens) == (496, 20, 128)
+        assert s.prefill_s == pytest.approx(20 / 73)
+        assert s.decode_s == pytest.approx(128 / 45)
+
+    def test_request_7_stays_on_gpu(self):
+        g = gpu(running(4, decode_left=124) + queued(2))
+        s = seed_score(query(), g)
+        assert (s.prefill_tokens, s.decode_tokens) == (60, 880)
+        assert round(s.score_s, 3) == 3.027
+        assert (s.n_running, s.n_waiting) == (4, 2)
+
+        d = Router(clock=clock()).route(query("req-7"), [g, cpu()])
+        assert d.backend == "GPU"
+        assert round(d.score_of("GPU").score_s, 3) == 3.027
+        assert round(d.score_of("CPU").score_s, 3) == 3.118
+        assert "3.027" in d.reason and "3.118" in d.reason
+
+    def test_request_8_goes_to_cpu(self):
+        g = gpu(running(4, decode_left=122) + queued(3))
+        s = seed_score(query(), g)
+        assert (s.prefill_tokens, s.decode_tokens) == (80, 1000)
+        assert round(s.score_s, 3) == 3.444
+
+        d = Router(clock=clock()).route(query("req-8"), [g, cpu()])
+        assert d.backend == "CPU"
+        assert d.policy == "seed-score" and not d.pinned
+        assert "3.444" in d.reason and "3.118" in d.reason
+        assert d.reason.startswith("GPU 3.444 s > CPU 3.118 s: 80 prefill + 1000 decode tokens")
+
+    def test_full_gpu_alone_does_not_offload(self):
+        # All 4 slots busy, nothing queued: the GPU still wins (SEED: "a full GPU is not enough").
+        d = Router().route(query(), [gpu(running(4, decode_left=124)), cpu()])
+        assert d.backend == "GPU"
+
+    def test_lost_cache_discount_would_offload_earlier(self):
+        # The study's disclosed bug: queued requests without their cache estimate (516 prefill
+        # each) overstate GPU prefill. With the estimate kept, request 7 stays on the GPU.
+        kept = seed_score(query(), gpu(running(4, 124) + queued(2)))
+        lost = seed_score(query(), gpu(running(4, 124) + queued(2, prefill_left=PROMPT)))
+        assert round(kept.score_s, 3) == 3.027 < 3.118 < lost.score_s  # the bug offloads request 7
+        assert lost.prefill_tokens - kept.prefill_tokens == 2 * CACHED
+
+    def test_uncached_prompt_waits_for_gpu(self):
+        # A cold prompt costs the CPU 516/73 s of prefill; the busy GPU still wins.
+        d = Router().route(query(cached=0), [gpu(running(4, 122) + queued(3)), cpu()])
+        assert d.backend == "GPU"
+
+    def test_decision_to_dict_is_json(self):
+        d = Router(clock=clock()).route(query("req-8"), [gpu(running(4, 122) + queued(3)), cpu()])
+        j = json.loads(json.dumps(d.to_dict()))
+        assert j["backend"] == "CPU" and j["request_id"] == "req-8" and j["policy"] == "seed-score"
+        gpu_score = next(s for s in j["scores"] if s["name"] == "GPU")
+        assert gpu_score["prefill_tokens"] == 80 and gpu_score["decode_tokens"] == 1000
+        assert gpu_score["rates"]["prefill_tok_s"] == 2551
+        assert gpu_score["n_running"] == 4 and gpu_score["n_waiting"] == 3 and gpu_score["eligible"]
+
+
+# ---------------------------------------------------------------------------- policy table
+
+
+BUSY_GPU = running(4, 122) + queued(3)
+CASES = [
+    # (policy, gpu items, cpu items, expected backend)
+    ("seed-score", (), (), "GPU"),
+    ("seed-score", BUSY_GPU, (), "CPU"),
+    ("least-work", (), (), "GPU"),  # equal work: first backend wins the tie
+    ("least-work", running(1, 10), (), "CPU"),
+    ("least-work", (), running(1, 10), "GPU"),
+    ("predicted-finish", (), (), "GPU"),
+    ("predicted-finish", BUSY_GPU, (), "CPU"),
+    ("gpu-only", BUSY_GPU, (), "GPU"),
+    ("cpu-only", (), (), "CPU"),
+    ("only:CPU", (), (), "CPU"),
+    ("only:GPU", BUSY_GPU, (), "GPU"),
+    ("round-robin", (), (), "GPU"),
+]
+
+
+@pytest.mark.parametrize("policy,gpu_items,cpu_items,expected", CASES)
+def test_policy_table(policy, gpu_items, cpu_items, expected):
+    router = Router(policy)
+    d = router.route(query(), [gpu(gpu_items), cpu(cpu_items)])
+    assert d.backend == expected, d.reason
+    assert d.policy == policy
+    assert len(d.scores) == 2 and all(isinstance(s, BackendScore) for s in d.scores)
+    assert d.reason
+    for s in d.scores:
+        assert s.score_s == pytest.approx(s.prefill_s + s.decode_s)
+
+
+def test_registry_and_names():
+    assert set(POLICIES) == {"seed-score", "predicted-finish", "least-work", "round-robin",
+                             "gpu-only", "cpu-only"}
+    for name in POLICIES:
+        assert make_policy(name).name == name
+    assert make_policy("only:GPU").name == "only:GPU"
+    assert make_policy(" only:CPU ").backend == "CPU"
+    assert "only:NAME" in policy_names()
+    assert make_policy("round-robin") is not make_policy("round-robin")  # fresh state each time
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+class TestBaselines:
+    def test_gpu_only_and_cpu_only_pick_by_device(self):
+        snaps = [snap("b0", "cpu", CPU_RATES), snap("b1", "CUDA0", GPU_RATES), snap("b2", "Metal", GPU_RATES)]
+        assert Router("gpu-only").route(query(), snaps).backend == "b1"
+        assert Router("cpu-only").route(query(), snaps).backend == "b0"
+
+    def test_device_only_without_such_device(self):
+        with pytest.raises(BackendUnavailable, match="cpu"):
+            Router("cpu-only").route(query(), [gpu()])
+
+    def test_only_name(self):
+        r = Router("only:CPU")
+        for k in range(5):
+            assert r.route(query(f"r{k}"), [gpu(), cpu()]).backend == "CPU"
+        with pytest.raises(BackendUnavailable, match="NPU"):
+            Router("only:NPU").route(query(), [gpu(), cpu()])
+
+    def test_only_unhealthy(self):
+        with pytest.raises(BackendUnavailable, match="unhealthy"):
+            Router("only:CPU").route(query(), [gpu(), cpu(healthy=False)])
+
+    def test_only_backend_needs_one_target(self):
+        with pytest.raises(ValueError):
+            OnlyBackend()
+
+    def test_round_robin_cycles(self):
+        r = Router("round-robin")
+        snaps = [gpu(), cpu(), snap("NPU", "npu", GPU_RATES)]
+        got = [r.route(query(f"r{k}"), snaps).backend for k in range(7)]
+        assert got == ["GPU", "CPU", "NPU", "GPU", "CPU", "NPU", "GPU"]
+
+    def test_round_robin_skips_unhealthy(self):
+        r = Router("round-robin")
+        snaps = [gpu(), cpu(healthy=False), snap("NPU", "npu", GPU_RATES)]
+        got = [r.route(query(f"r{k}"), snaps).backend for k in range(4)]
+        assert got == ["GPU", "NPU", "GPU", "NPU"]
+
+    def test_set_policy_restarts_round_robin(self):
+        r = Router("round-robin")
+        assert r.route(query(), [gpu(), cpu()]).backend == "GPU"
+        r.set_policy("round-robin")
+        assert r.route(query(), [gpu(), cpu()]).backend == "GPU"
+
+    def test_least_work_counts_tokens_not_seconds(self):
+        # GPU: 4 x 50 decode + 20 + 128 = 348 tokens; CPU: 20 + 128 + 1 running x 150 = 298.
+        snaps = [gpu(running(4, 50)), cpu(running(1, 150))]
+        d = Router("least-work").route(query(), snaps)
+        assert d.backend == "CPU"
+        assert d.score_of("GPU").work_tokens == 348 and d.score_of("CPU").work_tokens == 298
+        assert "348" in d.reason and "298" in d.reason
+        # seed-score, pricing the same work by rate, keeps it on the GPU.
+        assert Router("seed-score").route(query(), snaps).backend == "GPU"
+
+
+# ---------------------------------------------------------------------------- predicted-finish
+
+
+CAL_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, step_alpha_s=0.010, step_beta_s=0.001, source="calibrated")
+
+
+class TestPredictedFinish:
+    def test_idle_matches_closed_form(self):
+        s = predicted_finish(query(), snap("GPU", "gpu", CAL_GPU))
+        assert s.score_s == pytest.approx(20 / 2551 + 128 * (0.010 + 0.001))
+        assert (s.prefill_tokens, s.decode_tokens) == (20, 128)
+
+    def test_uncalibrated_idle_equals_seed_score(self):
+        assert predicted_finish(query(), cpu()).score_s == pytest.approx(seed_score(query(), cpu()).score_s)
+
+    def test_waits_for_a_slot(self):
+        # cap 1: one running item with 10 left, then the new request (prefill 20, 128 steps).
+        g = snap("GPU", "gpu", CAL_GPU, running(1, 10), cap=1)
+        s = predicted_finish(query(), g)
+        step1 = 0.011
+        assert s.score_s == pytest.approx(10 * step1 + 20 / 2551 + 128 * step1)
+        assert s.decode_tokens == 138
+
+    def test_batches_share_steps(self):
+        # cap 4, 2 running (5 and 50 left): new joins at once; steps at b=3 then b=2 after 5.
+        g = snap("GPU", "gpu", CAL_GPU, running(1, 5) + running(1, 50, prefix="s"), cap=4)
+        s = predicted_finish(query(), g)
+        expected = 20 / 2551 + 5 * (0.010 + 0.003) + 45 * (0.010 + 0.002) + 78 * (0.010 + 0.001)
+        assert s.score_s == pytest.approx(expected)
+        assert s.decode_tokens == 5 * 3 + 45 * 2 + 78
+
+    def test_queue_prefill_is_paid(self):
+        g = snap("GPU", "gpu", CAL_GPU, queued(2, prefill_left=100), cap=4)
+        s = predicted_finish(query(), g)
+        assert s.prefill_tokens == 220
+        assert s.prefill_s == pytest.approx(220 / 2551)
+        assert s.decode_s == pytest.approx(128 * (0.010 + 0.003))
+
+    def test_prefers_fast_backend_when_idle(self):
+        d = Router("predicted-finish").route(query(), [snap("GPU", "gpu", CAL_GPU), cpu()])
+        assert d.backend == "GPU"
+        assert d.score_of("GPU").score_s < 1.5
+
+    def test_prefers_idle_slow_backend_over_long_queue(self):
+        g = snap("GPU", "gpu", CAL_GPU, running(4, 128) + queued(8))
+        d = Router("predicted-finish").route(query(), [g, cpu()])
+        assert d.backend == "CPU"
+        # Three full waves of 128 steps at b=4 come first (plus prefill).
+        assert d.score_of("GPU").score_s > 3 * 128 * 0.014
+        assert "finish" in d.reason and "GPU" in d.reason and "CPU" in d.reason
+
+    def test_ignores_budget_mode(self):
+        r = Router("predicted-finish", budget="ratio")
+        d = r.route(query(), [gpu(running(4, 100)), cpu()])
+        assert d.new_token_ratio is None
+        assert d.score_of("GPU").score_s == pytest.approx(predicted_finish(query(), gpu(running(4, 100))).score_s)
+
+    def test_long_queue_is_fast(self):
+        import time
+
+        g = snap("GPU", "gpu", CAL_GPU, running(64, 4000) + queued(2000, decode_left=4000), cap=64)
+        t0 = time.perf_counter()
+        s = predicted_finish(query(), g)
+        assert time.perf_counter() - t0 < 0.5
+        assert s.score_s > 0
+
+
+# ---------------------------------------------------------------------------- decode budget
+
+
+class TestDecodeBudget:
+    def test_new_token_ratio_decays_and_resets(self):
+        r = NewTokenRatio()
+        assert r.value == 0.7
+        values = [r.step() for _ in range(100)]
+        assert values[0] == pytest.approx(0.69)
+        assert all(a >= b for a, b in zip(values, values[1:]))
+        assert r.value == pytest.approx(0.1)
+        assert r.reset() == 0.7
+        with pytest.raises(ValueError):
+            NewTokenRatio(initial=0.05, floor=0.1)
+
+    def test_ratio_scales_running_only(self):
+        g = gpu(running(4, 124) + queued(2))
+        raw = seed_score(query(), g)
+        scaled = seed_score(query(), g, DecodeBudget("ratio", 0.5))
+        assert raw.decode_tokens == 880
+        assert scaled.decode_tokens == 4 * 124 * 0.5 + 2 * 128 + 128
+        assert scaled.decode_s < raw.decode_s
+        assert scaled.prefill_s == raw.prefill_s
+        # An idle backend has nothing running to scale.
+        assert seed_score(query(), cpu(), DecodeBudget("ratio", 0.5)).score_s == raw_cpu_score()
+
+    def test_router_ratio_mode_lowers_decode_term_and_steps(self):
+        g = gpu(running(4, 122) + queued(3))
+        raw = Router().route(query(), [g, cpu()])
+        r = Router(budget="ratio")
+        d = r.route(query(), [g, cpu()])
+        assert d.budget == "ratio" and d.new_token_ratio == 0.7
+        assert d.score_of("GPU").decode_s < raw.score_of("GPU").decode_s
+        assert d.backend == "GPU"  # 488 x 0.7 running tokens: the GPU keeps request 8
+        assert r.new_token_ratio == pytest.approx(0.69)
+        assert r.reset_ratio() == 0.7
+
+    def test_least_work_uses_ratio(self):
+        g = gpu(running(4, 100))
+        d = Router("least-work", budget="ratio").route(query(), [g, cpu()])
+        assert d.score_of("GPU").decode_tokens == pytest.approx(4 * 100 * 0.7 + 128)
+
+    def test_raw_mode_leaves_ratio_alone(self):
+        r = Router()
+        r.route(query(), [gpu(running(4, 100)), cpu()])
+        assert r.new_token_ratio == 0.7
+
+    def test_unknown_budget(self):
+        assert BUDGET_MODES == ("raw", "ratio")
+        with pytest.raises(InvalidRequest, match="raw"):
+            Router(budget="magic")
+        with pytest.raises(InvalidRequest):
+            Router().set_budget("predicted")
+
+
+def raw_cpu_score() -> float:
+    return seed_score(query(), cpu()).score_s
+
+
+# ---------------------------------------------------------------------------- Router
+
+
+class TestRouter:
+    def test_pin_bypasses_policy(self):
+        r = Router("only:GPU")
+        d = r.route(query(backend="CPU"), [gpu(), cpu()])
+        assert d.backend == "CPU" and d.pinned
+        assert "pinned" in d.reason
+        assert len(d.scores) == 2  # scores are still recorded
+
+    def test_pin_unknown_backend(self):
+        with pytest.raises(InvalidRequest, match="NPU") as e:
+            Router().route(query(backend="NPU"), [gpu(), cpu()])
+        assert e.value.param == "backend"
+
+    def test_pin_unhealthy_backend(self):
+        with pytest.raises(BackendUnavailable):
+            Router().route(query(backend="CPU"), [gpu(), cpu(healthy=False)])
+
+    def test_unknown_policy_lists_valid_names(self):
+        for bad in ("fastest", "only:", "", "seed"):
+            with pytest.raises(InvalidRequest) as e:
+                make_policy(bad)
+            for name in policy_names():
+                assert name in e.value.message
+        r = Router()
+        with pytest.raises(InvalidRequest):
+            r.set_policy("nope")
+        assert r.policy == "seed-score"  # unchanged
+        assert r.set_policy("least-work") == "least-work" and r.policy == "least-work"
+
+    @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "cpu-only"])
+    def test_unhealthy_backend_is_skipped(self, policy):
+        # The healthy GPU would lose on every score; the unhealthy CPU is not eligible.
+        d = Router(policy).route(query(), [cpu(healthy=False), gpu(BUSY_GPU)])
+        assert d.backend == "GPU"
+        assert not d.score_of("CPU").eligible and d.score_of("GPU").eligible
+
+    def test_pinning_policy_to_unhealthy_backend_fails(self):
+        with pytest.raises(BackendUnavailable, match="unhealthy"):
+            Router("cpu-only").route(query(), [cpu(healthy=False), gpu(BUSY_GPU)])
+
+    def test_all_unhealthy(self):
+        for policy in POLICIES:
+            with pytest.raises(BackendUnavailable):
+                Router(policy).route(query(), [gpu(healthy=False), cpu(healthy=False)])
+        with pytest.raises(BackendUnavailable):
+            Router().route(query(), [])
+
+    def test_only_eligible_reason(self):
+        d = Router().route(query(), [gpu(healthy=False), cpu()])
+        assert d.backend == "CPU" and "GPU unhealthy" in d.reason
+
+    def test_tie_goes_to_first(self):
+        a = snap("A", "gpu", GPU_RATES)
+        b = snap("B", "gpu", GPU_RATES)
+        q = RouteQuery("t", PROMPT, MAX_TOKENS, {"A": 0, "B": 0})
+        assert Router().route(q, [a, b]).backend == "A"
+        assert Router().route(q, [b, a]).backend == "B"
+        assert "tie" in Router().route(q, [a, b]).reason
+
+    def test_zero_rate_is_never_chosen(self):
+        dead = snap("X", "gpu", Rates(prefill_tok_s=0, decode_tok_s=0))
+        for policy in ("seed-score", "predicted-finish"):
+            d = Router(policy).route(query(), [dead, cpu()])
+            assert d.backend == "CPU"
+            assert json.dumps(d.to_dict())  # infinite score serialises as null
+            assert d.to_dict()["scores"][0]["score_s"] is None
+
+    def test_cached_is_clamped_and_missing_means_zero(self):
+        q = RouteQuery("c", 100, 10, {"GPU": 500})
+        assert q.cached_on("GPU") == 100 and q.prefill_on("GPU") == 0
+        assert q.cached_on("CPU") == 0 and q.prefill_on("CPU") == 100
+
+    def test_recent_is_bounded_and_ordered(self):
+        r = Router(history=3, clock=clock())
+        for k in range(5):
+            r.route(query(f"r{k}"), [gpu(), cpu()])
+        assert [d.request_id for d in r.recent()] == ["r2", "r3", "r4"]
+        assert [d.request_id for d in r.recent(2)] == ["r3", "r4"]
+        assert r.recent(0) == []
+        assert [d.time for d in r.recent()] == [2.0, 3.0, 4.0]
+        r.clear()
+        assert r.recent() == []
+
+    def test_decisions_are_frozen(self):
+        d = Router().route(query(), [gpu(), cpu()])
+        assert isinstance(d, RoutingDecision)
+        with pytest.raises(AttributeError):
+            d.backend = "CPU"
+        with pytest.raises(AttributeError):
+            d.scores[0].score_s = 0.0
+
+    def test_from_request(self):
+        from engine.request import Request, SamplingParams
+
+        req = Request(prompt_tokens=tuple(range(PROMPT)), sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                      id="req-x", backend="CPU")
+        q = RouteQuery.from_request(req, {"CPU": CACHED})
+        assert (q.request_id, q.prompt_tokens, q.max_tokens, q.backend) == ("req-x", PROMPT, MAX_TOKENS, "CPU")
+        assert q.cached_on("CPU") == CACHED
+
+    def test_concurrent_routes_record_every_decision(self):
+        r = Router("round-robin", history=10_000)
+        snaps = [gpu(), cpu()]
+
+        def work(t):
+            for k in range(200):
+                r.route(query(f"t{t}-{k}"), snaps)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        decisions = r.recent()
+        assert len(decisions) == 1600
+        assert sum(d.backend == "GPU" for d in decisions) == 800
