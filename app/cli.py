@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stats", action="store_true", help="print the finish record to stderr")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus /metrics")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1/* (default: $TANDEM_API_KEY, else none)")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     ov = bsub.add_parser("overhead", help="engine decode tok/s vs llama-cpp-python's Llama, same run")
@@ -66,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.generate import run_generate
 
             return run_generate(args)
+        if command == "serve":
+            from app.server import run_serve
+
+            return run_serve(args)
         if command == "bench" and args.bench == "overhead":
             from app.bench_overhead import run_overhead
 

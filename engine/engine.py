@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .backend import Backend, BackendConfig
+from .calibrate import ModelRates
 from .errors import InvalidRequest
 from .events import EventBus, RequestRouted
 from .handle import RequestHandle
@@ -25,7 +26,8 @@ from .snapshot import BackendSnapshot, Rates
 
 log = logging.getLogger(__name__)
 
-# Used until calibration (`tandem calibrate`) has measured the backends.
+# Used for a backend that `tandem calibrate` has not measured (stored rates are picked up
+# by `Engine.load`; explicit `rates` win over both).
 DEFAULT_RATES = {
     "gpu": Rates(prefill_tok_s=20000.0, decode_tok_s=500.0, source="default"),
     "cpu": Rates(prefill_tok_s=400.0, decode_tok_s=40.0, source="default"),
@@ -49,15 +51,20 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path, configs: list[BackendConfig], *, policy: str = "seed-score",
              rates: dict[str, Rates] | None = None, progress=None) -> "Engine":
-        """Resolve the model, load it once per device, start one backend per config."""
+        """Resolve the model, load it once per device, start one backend per config.
+
+        Each backend's rates: `rates[name]` if given, else the calibrated ones stored for this
+        model file and backend config (`engine.calibrate`), else `DEFAULT_RATES`.
+        """
         path = resolve_model(str(model), progress=progress)
+        calibrated = ModelRates(path)
         registry = ModelRegistry()
         bus = EventBus()
         backends: list[Backend] = []
         try:
             for c in configs:
                 m = registry.acquire(path, c.device, progress=progress)
-                r = (rates or {}).get(c.name) or DEFAULT_RATES[m.device]
+                r = (rates or {}).get(c.name) or calibrated.get(c, m.device) or DEFAULT_RATES[m.device]
                 backends.append(Backend(c, m, bus, r).start())
         except BaseException:
             for b in backends:
@@ -115,6 +122,10 @@ class Engine:
         except KeyError:
             raise InvalidRequest(f"unknown backend {name!r} (have: {', '.join(self.backends)})",
                                  param="backend") from None
+
+    def set_rates(self, name: str, rates: Rates) -> None:
+        """Replace one backend's rates (calibration, online refresh, a typed override)."""
+        self.backend(name).set_rates(rates)
 
     def warm(self, tokens, backend: str | None = None, timeout: float | None = None) -> None:
         """Prefill `tokens` into the prefix cache of one backend or all; wait until done."""

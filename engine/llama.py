@@ -82,3 +82,6 @@ def cpu_only(model_params) -> None:
 def system_info() -> str:
     init()
     return lc.llama_print_system_info().decode("utf-8", "replace")
+
+
+init()

@@ -1,0 +1,118 @@
+"""`tandem bench overhead`: our backend's decode speed against llama-cpp-python's `Llama`.
+
+Both decode `--gen-tokens` tokens after the same `--prompt-tokens`-token prompt, on the same
+model, threads and device. The two are measured in alternation (A B A B ...) so that drift
+of a noisy machine hits both alike, and the ratios are of the medians.
+
+Engine side: one backend; for batch B the prompt (all but its last token) is warmed into
+the prefix cache, then B requests with that prompt run together (each decodes its own
+continuation; ignore_eos so all run to the end). Decode tok/s = tokens generated after the
+first one, summed over the B sequences, divided by the time from the last first-token to the
+last token. Baseline: `Llama.generate()` on one sequence, timed the same way (first token →
+last token). The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+from engine.backend import Backend, BackendConfig
+from engine.model import Model, resolve_model
+from engine.request import Request, SamplingParams
+
+
+def run_overhead(args) -> int:
+    path = resolve_model(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    threads = args.threads or None
+    model = Model(path, args.device)
+    # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
+    prompt = _prompt(model, args.prompt_tokens)
+    n_ctx = _ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
+    backend = Backend(
+        BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
+                      threads=threads or 0),
+        model,
+    ).start()
+    llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx)
+    print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
+          f"{backend.config.threads}, prompt {len(prompt)} tokens, generate {args.gen_tokens}", file=sys.stderr)
+    results: dict[str, list[float]] = {f"engine_b{b}": [] for b in batches}
+    if llama is not None:
+        results["llama_b1"] = []
+    try:
+        # One unmeasured round warms caches, threads and the allocator on both sides.
+        for rnd in range(args.repeats + 1):
+            for b in batches:
+                v = _engine_decode(backend, prompt, args.gen_tokens, b)
+                if rnd:
+                    results[f"engine_b{b}"].append(v)
+            if llama is not None:
+                v = _llama_decode(llama, prompt, args.gen_tokens)
+                if rnd:
+                    results["llama_b1"].append(v)
+            if rnd:
+                row = "  ".join(f"{k} {v[-1]:7.1f}" for k, v in results.items())
+                print(f"round {rnd}/{args.repeats}: {row} tok/s", file=sys.stderr)
+    finally:
+        backend.stop()
+        model.close()
+    out = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
+    out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
+    if llama is not None:
+        for b in batches:
+            out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
+    out.update(model=path.name, device=model.device, threads=backend.config.threads,
+               prompt_tokens=len(prompt), gen_tokens=args.gen_tokens, repeats=args.repeats)
+    print(json.dumps(out))
+    return 0
+
+
+def _prompt(model: Model, n: int) -> list[int]:
+    text = ("The history of computing is a story of people who wanted machines to do their "
+            "arithmetic, then their bookkeeping, then their thinking. ") * (n // 8 + 1)
+    tokens = model.tokenize(text, add_special=False)
+    return tokens[:n]
+
+
+def _ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
+    need = n_prompt + batch * (n_gen + 1) + 64
+    return 1 << (need - 1).bit_length()
+
+
+def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int) -> float:
+    backend.flush().result(60)
+    backend.warm(prompt[:-1]).result(120)
+    sp = SamplingParams(temperature=0.0, max_tokens=n_gen, ignore_eos=True)
+    handles = [backend.enqueue(Request(tuple(prompt), sp, source="bench")) for _ in range(batch)]
+    records = [h.result(600) for h in handles]
+    for r in records:
+        if r.error:
+            raise RuntimeError(r.error)
+    start = max(r.ttft_s for r in records)
+    end = max(r.e2e_s for r in records)
+    return sum(r.output_tokens - 1 for r in records) / (end - start)
+
+
+def _baseline(path, device: str, threads: int, n_ctx: int):
+    from llama_cpp import Llama
+
+    return Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                 n_gpu_layers=-1 if device == "gpu" else 0, verbose=False)
+
+
+def _llama_decode(llama, prompt: list[int], n_gen: int) -> float:
+    llama.reset()
+    t_first = t_last = 0.0
+    n = 0
+    for _tok in llama.generate(prompt, temp=0.0, reset=True):
+        n += 1
+        t_last = time.perf_counter()
+        if n == 1:
+            t_first = t_last
+        if n == n_gen:
+            break
+    return (n - 1) / (t_last - t_first)

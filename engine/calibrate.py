@@ -1,0 +1,458 @@
+"""Backend rates: measure them (`calibrate_backend`), store them, load them, keep them fresh.
+
+What is measured, on one backend alone (the others idle), with random prompt tokens:
+
+- **prefill tok/s**: a `prompt_tokens` (512) prompt with nothing cached (the backend's prefix
+  cache is flushed first), after one unmeasured warm-up prompt; prompt tokens over the
+  seconds of the `llama_decode` calls that held them, median of `repeats`.
+- **step time at batch b = 1..cap**: `b` requests share a warmed `prompt_tokens` prefix plus
+  4 tokens of their own and generate `gen_tokens` each (`ignore_eos`). A step counts when it
+  decoded exactly `b` sequences and no prompt chunk; its time is the wall time since the
+  backend's previous step ended (the whole cycle: batch building, `llama_decode`, sampling,
+  bookkeeping — what a request waits for), median over the steps.
+- **α, β**: least squares of `step(b) = α + β·b` over the measured batches.
+- **decode tok/s**: at the cap, `cap / step(cap)` — the backend's throughput when full.
+
+Rates are stored as JSON in the user cache (`cache_dir()`: `$TANDEM_CACHE_DIR`, else
+platformdirs' `user_cache_dir("tandem")`), one entry per (model file fingerprint, backend
+config key). `config_key()` keeps only what changes speed (device, threads, batch sizes, KV
+layout, flash attention) and not the name or cap, so `cpu0` and `cpu1` with the same threads
+share an entry. `Engine.load` picks a stored entry up automatically (`source="calibrated"`);
+explicit rates (`parse_rates()`, `source="override"`) win over it.
+
+`OnlineRefresh` keeps a running engine's rates current from its own steps (EWMA), leaving
+overridden rates alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .backend import Backend, BackendConfig
+from .errors import InvalidRequest
+from .events import StepDone
+from .model import file_fingerprint
+from .request import Request, SamplingParams
+from .snapshot import Rates
+
+log = logging.getLogger(__name__)
+
+STORE_FILE = "rates.json"
+STORE_VERSION = 1
+CALIBRATION_PROMPT = 512
+CALIBRATION_GEN = 32
+OWN_TOKENS = 4  # tokens of its own each decode-measuring request adds to the shared prompt
+
+Progress = Callable[[int, int, str], None]  # (done, total, what is being measured)
+
+
+# ---------------------------------------------------------------------------- where and under which key
+
+
+def cache_dir() -> Path:
+    """`$TANDEM_CACHE_DIR`, else the platform's user cache dir for "tandem"."""
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    try:
+        from platformdirs import user_cache_dir
+    except ImportError:  # the GPU machine has no platformdirs: the XDG default it would give
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem"
+    return Path(user_cache_dir("tandem"))
+
+
+def config_key(config: BackendConfig, device: str | None = None) -> str:
+    """What about a backend's configuration changes its speed, as a stable string."""
+    c = config.resolved()
+    return (f"{device or c.device}:threads={c.threads},threads_batch={c.threads_batch},"
+            f"n_batch={c.n_batch},n_ubatch={min(c.n_ubatch, c.n_batch)},"
+            f"kv_unified={int(c.kv_unified)},flash_attn={c.flash_attn}")
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+class RateStore:
+    """The calibration file: `{"version", "entries": {"FINGERPRINT|CONFIG_KEY": entry}}`.
+
+    Thread-safe within a process (one lock); writes are atomic (temp file + rename), so a
+    reader never sees half a file. Unreadable files are treated as empty, with a warning.
+    """
+
+    def __init__(self, path: Path | None = None):
+        self.path = Path(path) if path is not None else cache_dir() / STORE_FILE
+        self._lock = threading.Lock()
+
+    def entries(self) -> dict[str, dict]:
+        with self._lock:
+            return self._read()
+
+    def lookup(self, fingerprint: str, key: str) -> dict | None:
+        return self.entries().get(f"{fingerprint}|{key}")
+
+    def save(self, fingerprint: str, key: str, entry: dict) -> None:
+        with self._lock:
+            entries = self._read()
+            entries[f"{fingerprint}|{key}"] = {"fingerprint": fingerprint, "config": key, **entry}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps({"version": STORE_VERSION, "entries": entries}, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+
+    def _read(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable calibration file %s: %s", self.path, e)
+            return {}
+        if not isinstance(data, dict) or data.get("version") != STORE_VERSION:
+            log.warning("ignoring calibration file %s: not version %d", self.path, STORE_VERSION)
+            return {}
+        return dict(data.get("entries") or {})
+
+
+def rates_from_entry(entry: dict) -> Rates:
+    r = entry["rates"]
+    return Rates(prefill_tok_s=float(r["prefill_tok_s"]), decode_tok_s=float(r["decode_tok_s"]),
+                 step_alpha_s=float(r.get("step_alpha_s", 0.0)), step_beta_s=float(r.get("step_beta_s", 0.0)),
+                 source="calibrated")
+
+
+class ModelRates:
+    """The stored rates of one model file, looked up per backend config. Never raises."""
+
+    def __init__(self, model_path: Path, store: RateStore | None = None):
+        self.store = store or RateStore()
+        try:
+            self.fingerprint = file_fingerprint(Path(model_path))
+            self._entries = self.store.entries()
+        except OSError as e:
+            log.warning("no calibrated rates for %s: %s", model_path, e)
+            self.fingerprint, self._entries = "", {}
+
+    def get(self, config: BackendConfig, device: str | None = None) -> Rates | None:
+        entry = self._entries.get(f"{self.fingerprint}|{config_key(config, device)}")
+        if entry is None:
+            return None
+        try:
+            return rates_from_entry(entry)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("ignoring a malformed calibration entry in %s: %s", self.store.path, e)
+            return None
+
+
+def parse_rates(spec: str) -> tuple[str, Rates]:
+    """`NAME:prefill=73,decode=45[,alpha=S,beta=S]` → (backend name, override rates).
+
+    Rates in tokens/s, alpha/beta in seconds (one decode step at batch b is alpha + beta*b).
+    """
+    name, sep, rest = spec.partition(":")
+    values: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in ("prefill", "decode", "alpha", "beta"):
+            raise InvalidRequest(f"rates {spec!r}: use NAME:prefill=TOK_S,decode=TOK_S[,alpha=S,beta=S]",
+                                 param="rates")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise InvalidRequest(f"rates {spec!r}: {key} must be a number", param="rates") from None
+    if not name.strip() or not sep or "prefill" not in values or "decode" not in values:
+        raise InvalidRequest(f"rates {spec!r}: use NAME:prefill=TOK_S,decode=TOK_S[,alpha=S,beta=S]",
+                             param="rates")
+    if values["prefill"] <= 0 or values["decode"] <= 0 or values.get("alpha", 0) < 0 or values.get("beta", 0) < 0:
+        raise InvalidRequest(f"rates {spec!r}: rates must be > 0 and alpha, beta >= 0", param="rates")
+    return name.strip(), Rates(prefill_tok_s=values["prefill"], decode_tok_s=values["decode"],
+                               step_alpha_s=values.get("alpha", 0.0), step_beta_s=values.get("beta", 0.0),
+                               source="override")
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One backend's measured speeds (see the module docstring for how)."""
+
+    backend: str
+    device: str
+    config_key: str
+    cap: int
+    threads: int
+    prompt_tokens: int
+    gen_tokens: int
+    prefill_tok_s: float
+    prefill_runs: tuple[float, ...]
+    step_s: dict[int, float]  # batch -> median step cycle, seconds
+    decode_only_s: dict[int, float]  # batch -> median llama_decode time alone, seconds
+    step_alpha_s: float
+    step_beta_s: float
+    decode_tok_s: float
+    seconds: float  # how long calibrating took
+    notes: tuple[str, ...] = ()
+    measured_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def rates(self) -> Rates:
+        return Rates(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s,
+                     step_alpha_s=self.step_alpha_s, step_beta_s=self.step_beta_s, source="calibrated")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["step_s"] = {str(b): s for b, s in self.step_s.items()}
+        d["decode_only_s"] = {str(b): s for b, s in self.decode_only_s.items()}
+        d["rates"] = {k: v for k, v in asdict(self.rates()).items() if k != "source"}
+        return d
+
+
+def fit_step_model(points: dict[int, float]) -> tuple[float, float]:
+    """Least-squares `step(b) = alpha + beta*b`, both kept >= 0. One point: alpha 0, beta = t/b."""
+    if not points:
+        raise ValueError("no step times to fit")
+    bs = sorted(points)
+    if len(bs) == 1:
+        return 0.0, points[bs[0]] / bs[0]
+    n = len(bs)
+    mb = sum(bs) / n
+    mt = sum(points[b] for b in bs) / n
+    sbb = sum((b - mb) ** 2 for b in bs)
+    beta = sum((b - mb) * (points[b] - mt) for b in bs) / sbb
+    alpha = mt - beta * mb
+    if beta < 0:  # noise on a flat curve: a constant step time
+        return mt, 0.0
+    if alpha < 0:  # through the origin instead
+        return 0.0, sum(b * points[b] for b in bs) / sum(b * b for b in bs)
+    return alpha, beta
+
+
+def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT,
+                      gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None,
+                      repeats: int = 3, seed: int = 0, timeout: float = 600.0,
+                      progress: Progress | None = None) -> Calibration:
+    """Measure one idle, started backend (see the module docstring). Its prefix cache is flushed.
+
+    Raises InvalidRequest for sizes that cannot work; a batch that does not fit the context
+    is skipped with a note.
+    """
+    if prompt_tokens < 8 or gen_tokens < 4 or repeats < 1:
+        raise InvalidRequest("calibration needs prompt_tokens >= 8, gen_tokens >= 4, repeats >= 1")
+    t_start = time.monotonic()
+    notes: list[str] = []
+    n_ctx = backend.n_ctx
+    prompt = min(prompt_tokens, n_ctx - gen_tokens - OWN_TOKENS - 2)
+    if prompt < 8:
+        raise InvalidRequest(f"{backend.name}: context of {n_ctx} cells is too small to calibrate")
+    if prompt < prompt_tokens:
+        notes.append(f"prompt shortened to {prompt} tokens to fit the {n_ctx}-cell context")
+    wanted = sorted(set(batches or range(1, backend.cap + 1)))
+    if not wanted or wanted[0] < 1:
+        raise InvalidRequest(f"batches must be >= 1, got {list(batches or [])}")
+    per_seq = OWN_TOKENS + gen_tokens + 1
+    fits = [b for b in wanted if prompt + b * per_seq <= n_ctx and b <= backend.config.n_seq_max - 1]
+    if len(fits) < len(wanted):
+        notes.append(f"skipped batches {sorted(set(wanted) - set(fits))}: they do not fit "
+                     f"{n_ctx} KV cells / {backend.config.n_seq_max} sequences")
+    if not fits:
+        raise InvalidRequest(f"{backend.name}: no batch size fits the context; lower --gen-tokens or raise ctx")
+    old_cap = backend.cap
+    if max(fits) > old_cap:
+        backend.set_cap(max(fits))
+
+    rng = random.Random(seed)
+    vocab_high = min(backend.model.n_vocab, 32000)
+
+    def tokens(n):
+        return tuple(rng.randrange(256, vocab_high) for _ in range(n))
+
+    events: list[StepDone] = []
+    unsubscribe = backend.bus.subscribe(
+        lambda ev: events.append(ev) if ev.backend == backend.name else None, (StepDone,))
+    total = 1 + repeats + len(fits)
+    done = 0
+
+    def tick(what: str):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, f"{backend.name}: {what}")
+
+    def run(requests: list[Request]) -> list[StepDone]:
+        events.clear()
+        handles = [backend.enqueue(r) for r in requests]
+        for h in handles:
+            record = h.result(timeout)
+            if record.error:
+                raise InvalidRequest(f"calibrating {backend.name} failed: {record.error}")
+        return list(events)
+
+    greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
+    try:
+        backend.flush().result(timeout)
+        run([Request(tokens(prompt), greedy1, source="calibrate")])  # warm-up, not measured
+        tick("warm-up")
+        prefill_runs = []
+        for k in range(repeats):
+            backend.flush().result(timeout)
+            steps = [e for e in run([Request(tokens(prompt), greedy1, source="calibrate")]) if e.n_prefill]
+            prefill_runs.append(sum(e.n_prefill for e in steps) / sum(e.seconds for e in steps))
+            tick(f"prefill {k + 1}/{repeats}")
+
+        backend.flush().result(timeout)
+        shared = tokens(prompt)
+        backend.warm(shared).result(timeout)
+        sampling = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+        step_s: dict[int, float] = {}
+        decode_only_s: dict[int, float] = {}
+        for b in fits:
+            steps = run([Request(shared + tokens(OWN_TOKENS), sampling, source="calibrate") for _ in range(b)])
+            steady = [k for k, e in enumerate(steps) if e.n_decode == b and e.n_prefill == 0]
+            cycles = [steps[k].time - steps[k - 1].time for k in steady if k > 0]
+            if not steady:
+                notes.append(f"batch {b}: never ran {b} sequences together; skipped")
+            else:
+                decode_only_s[b] = statistics.median(steps[k].seconds for k in steady)
+                step_s[b] = statistics.median(cycles) if cycles else decode_only_s[b]
+            tick(f"decode batch {b}")
+    finally:
+        unsubscribe()
+        if backend.cap != old_cap:
+            backend.set_cap(old_cap)
+        try:
+            backend.flush().result(timeout)
+        except Exception:  # a stopped backend has nothing left to flush
+            pass
+
+    if not step_s:
+        raise InvalidRequest(f"{backend.name}: no decode step could be measured")
+    alpha, beta = fit_step_model(step_s)
+    cap = backend.cap
+    at_cap = step_s.get(cap) or (alpha + beta * cap)
+    return Calibration(
+        backend=backend.name,
+        device=backend.model.device,
+        config_key=config_key(backend.config, backend.model.device),
+        cap=cap,
+        threads=backend.config.threads,
+        prompt_tokens=prompt,
+        gen_tokens=gen_tokens,
+        prefill_tok_s=statistics.median(prefill_runs),
+        prefill_runs=tuple(prefill_runs),
+        step_s=step_s,
+        decode_only_s=decode_only_s,
+        step_alpha_s=alpha,
+        step_beta_s=beta,
+        decode_tok_s=cap / at_cap,
+        seconds=time.monotonic() - t_start,
+        notes=tuple(notes),
+    )
+
+
+def save_calibration(store: RateStore, model_path: Path, cal: Calibration, model_name: str = "") -> str:
+    """Store `cal` under its (fingerprint, config key); returns the entry's key."""
+    fingerprint = file_fingerprint(Path(model_path))
+    store.save(fingerprint, cal.config_key, {"model": model_name or Path(model_path).name,
+                                             "model_path": str(model_path), **cal.to_dict()})
+    return f"{fingerprint}|{cal.config_key}"
+
+
+# ---------------------------------------------------------------------------- online refresh
+
+
+@dataclass
+class _Track:
+    base: Rates
+    set_last: Rates | None = None
+    factor: float = 1.0  # observed / predicted decode step time, EWMA
+    prefill: float = 0.0  # observed prefill tok/s, EWMA (0: none seen yet)
+    last: StepDone | None = None
+    seen: int = 0
+
+
+class OnlineRefresh:
+    """Keeps an engine's rates current from the steps its backends report (EWMA).
+
+    Decode: each decode-only step's cycle time (since the backend's previous step ended, as in
+    calibration) over the step time the base rates predict for that batch gives a correction
+    factor; its EWMA scales α, β and the decode rate. Prefill: prompt-only steps of at least
+    `min_prefill` tokens update an EWMA of prefill tok/s. Every `every` steps the backend gets
+    `Rates(..., source="online")`. A backend whose rates someone else set takes them as its
+    new base; rates with `source="override"` are never touched.
+
+    Thread contract: `_on_step` runs on each backend's worker thread and touches only that
+    backend's `_Track`, so no lock is needed; `attach`/`detach`/`reset` from any thread
+    between runs.
+    """
+
+    def __init__(self, engine, weight: float = 0.1, every: int = 8, min_prefill: int = 32):
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.engine = engine
+        self.weight = weight
+        self.every = max(1, every)
+        self.min_prefill = min_prefill
+        self._tracks: dict[str, _Track] = {}
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def attach(self) -> "OnlineRefresh":
+        self.reset()
+        if self._unsubscribe is None:
+            self._unsubscribe = self.engine.bus.subscribe(self._on_step, (StepDone,))
+        return self
+
+    def detach(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def reset(self, rates: dict[str, Rates] | None = None) -> None:
+        """Start over from `rates` (default: each backend's current rates), applied now."""
+        for name, b in self.engine.backends.items():
+            base = (rates or {}).get(name) or b.rates
+            if rates and name in rates:
+                self.engine.set_rates(name, base)
+            self._tracks[name] = _Track(base=base, set_last=b.rates)
+
+    def _on_step(self, ev: StepDone) -> None:
+        track = self._tracks.get(ev.backend)
+        backend = self.engine.backends.get(ev.backend)
+        if track is None or backend is None:
+            return
+        prev, track.last = track.last, ev
+        current = backend.rates
+        if current.source == "override":
+            return
+        if current is not track.set_last:  # set from elsewhere: a new base
+            track.base, track.set_last, track.factor, track.prefill = current, current, 1.0, 0.0
+        w = self.weight
+        if ev.n_decode and not ev.n_prefill and prev is not None:
+            predicted = track.base.step_s(ev.n_decode)
+            cycle = ev.time - prev.time
+            if predicted > 0 and math.isfinite(predicted) and cycle > 0:
+                track.factor += w * (cycle / predicted - track.factor)
+        elif not ev.n_decode and ev.n_prefill >= self.min_prefill and ev.seconds > 0:
+            observed = ev.n_prefill / ev.seconds
+            track.prefill = observed if not track.prefill else track.prefill + w * (observed - track.prefill)
+        track.seen += 1
+        if track.seen % self.every == 0:
+            track.set_last = self.rates_of(track)
+            self.engine.set_rates(ev.backend, track.set_last)
+
+    @staticmethod
+    def rates_of(track: _Track) -> Rates:
+        f = track.factor
+        b = track.base
+        return replace(b, prefill_tok_s=track.prefill or b.prefill_tok_s, decode_tok_s=b.decode_tok_s / f,
+                       step_alpha_s=b.step_alpha_s * f, step_beta_s=b.step_beta_s * f, source="online")

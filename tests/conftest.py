@@ -1,0 +1,66 @@
+"""Shared fixtures: real models (the tiny synthetic one and the default SmolLM2) and a
+backend factory that owns teardown. Every wait in the tests is bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import engine  # noqa: F401  (llama.cpp before numpy)
+from engine.backend import Backend, BackendConfig
+from engine.model import Model, resolve_model
+
+WAIT = 120  # seconds: the bound on any single wait for a request
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    return resolve_model("synthetic:tiny")
+
+
+@pytest.fixture(scope="session")
+def default_path():
+    return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_path):
+    m = Model(tiny_path, "cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_path):
+    m = Model(default_path, "cpu")
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def make_backend():
+    """`make_backend(model, **config)` → a started Backend, stopped at teardown."""
+    made: list[Backend] = []
+
+    def make(model, **kw):
+        kw.setdefault("threads", 1)
+        kw.setdefault("n_ctx", 1024)
+        b = Backend(BackendConfig(**kw), model).start()
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak():
+    """Every test must leave no worker thread behind."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    leaked = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("backend-")]
+    for t in leaked:
+        t.join(5)
+    assert not [t for t in leaked if t.is_alive()], f"threads left running: {leaked}"

@@ -1,0 +1,173 @@
+"""The continuous-batching backend on real models: batching, cancellation, caps, bad input."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
+from engine.model import Model, resolve_model
+from engine.request import Request, RequestStatus, SamplingParams
+
+WAIT = 120  # seconds: the bound on any single wait
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def _req(model, text, sp=GREEDY):
+    return Request(tuple(model.tokenize(text)), sp)
+
+
+def _wait(cond, timeout=WAIT, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s")
+        time.sleep(0.01)
+
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land", "def fibonacci(n):", "Paris is the capital of"]
+
+
+@pytest.mark.parametrize("which", ["tiny_model", "default_model"])
+def test_greedy_output_is_the_same_alone_and_batched(request, make_backend, which):
+    model = request.getfixturevalue(which)
+    b = make_backend(model, cap=4, cache=False)
+    alone = b.enqueue(_req(model, PROMPTS[0])).text(WAIT)
+    handles = [b.enqueue(_req(model, p)) for p in PROMPTS]
+    batched = [h.text(WAIT) for h in handles]
+    assert batched[0] == alone
+    assert alone, "the model produced no text"
+    # The four really ran in shared steps.
+    assert max(len(rows) for _, _, rows in b.step_log) == 4
+
+
+def test_concurrent_requests_share_steps_and_record_the_batch(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    handles = [b.enqueue(_req(tiny_model, p, sp)) for p in PROMPTS]
+    records = [h.result(WAIT) for h in handles]
+    assert all(r.output_tokens == 16 for r in records)
+    shared = [rows for n_dec, _, rows in b.step_log if n_dec == 4]
+    assert len(shared) >= 14, f"expected most decode steps to hold all 4 sequences, got {len(shared)}"
+    assert all(len(set(rows)) == 4 for rows in shared), "one row per sequence"
+
+
+def test_prefill_is_chunked_and_decode_goes_first(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=2, n_batch=64, n_ctx=2048)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = b.enqueue(_req(tiny_model, "short", SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)))
+    _wait(lambda: b.snapshot().items and b.snapshot().items[0].generated > 2, what="first decoding")
+    long = b.enqueue(_req(tiny_model, "x" * 300, sp))
+    first.result(WAIT), long.result(WAIT)
+    mixed = [(d, p) for d, p, _ in b.step_log if d >= 1 and p > 0]
+    assert mixed, "a decode token and a prompt chunk should share a step"
+    assert all(d + p <= 64 for d, p, _ in b.step_log), "no step exceeds n_batch"
+    assert sum(1 for _, p, _ in b.step_log if p > 0) >= 5, "a 300-token prompt takes several 64-token chunks"
+
+
+@pytest.mark.parametrize("phase", ["queued", "prefilling", "decoding"])
+def test_cancel_frees_kv_at_any_point(make_backend, tiny_model, phase):
+    b = make_backend(tiny_model, cap=1, n_batch=32, n_ctx=2048, cache=False)
+    base_cells, base_bytes = b.kv_cells_used(), b.kv_state_bytes()
+    sp = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    blocker = b.enqueue(_req(tiny_model, "blocker " * 20, sp)) if phase == "queued" else None
+    victim = b.enqueue(_req(tiny_model, "y" * 600, sp))
+    if phase == "prefilling":
+        _wait(lambda: any(i.running and 0 < i.prefill_left < 590 for i in b.snapshot().items), what="mid-prefill")
+    elif phase == "decoding":
+        _wait(lambda: any(i.generated > 3 for i in b.snapshot().items), what="decoding")
+    victim.cancel()
+    record = victim.result(WAIT)
+    assert record.status == RequestStatus.FINISHED_CANCELLED
+    if blocker is not None:
+        blocker.cancel()
+        blocker.result(WAIT)
+    _wait(lambda: not b.snapshot().items, what="idle")
+    assert b.kv_cells_used() == base_cells
+    assert b.kv_state_bytes() == base_bytes, "llama.cpp still holds cells of a cancelled request"
+
+
+def test_cap_changes_take_effect(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for h in [b.enqueue(_req(tiny_model, p, sp)) for p in PROMPTS[:3]]:
+        h.result(WAIT)
+    assert max(len(rows) for _, _, rows in b.step_log) == 1
+    b.step_log.clear()
+    b.set_cap(3)
+    for h in [b.enqueue(_req(tiny_model, p, sp)) for p in PROMPTS[:3]]:
+        h.result(WAIT)
+    assert max(len(rows) for _, _, rows in b.step_log) == 3
+    with pytest.raises(InvalidRequest):
+        b.set_cap(0)
+
+
+def test_bad_input_gets_a_clear_error_and_the_backend_keeps_serving(make_backend, tiny_model, tmp_path):
+    b = make_backend(tiny_model, n_ctx=256)
+    with pytest.raises(ContextLengthExceeded, match="256"):
+        b.enqueue(Request(tuple([65] * 300), GREEDY))
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        Request((1, 2, 3), SamplingParams(max_tokens=0))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        Request((1, 2, 3), SamplingParams(temperature=-0.5))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        Request((1, 2, 3), SamplingParams(top_p=1.5))
+    with pytest.raises(InvalidRequest, match="empty"):
+        Request((), GREEDY)
+    junk = tmp_path / "notes.gguf"
+    junk.write_text("this is not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        resolve_model(str(junk))
+    with pytest.raises(ModelLoadError, match="not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(resolve_model("synthetic:tiny").read_bytes()[:5000])
+    with pytest.raises(ModelLoadError, match="could not load"):
+        Model(truncated, "cpu")
+    # Still serving.
+    assert b.enqueue(_req(tiny_model, "still here")).result(WAIT).status.finished
+    assert b.healthy
+
+
+def test_sampling_is_seeded_and_stop_strings_cut_the_text(make_backend, default_model):
+    b = make_backend(default_model, cap=2)
+    sp = SamplingParams(temperature=0.9, seed=1234, max_tokens=20)
+    a = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
+    c = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
+    assert a == c
+    full = b.enqueue(_req(default_model, "Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=20))).text(WAIT)
+    stop = full.strip()[:3]
+    cut = b.enqueue(_req(default_model, "Count: 1, 2, 3,",
+                         SamplingParams(temperature=0, max_tokens=20, stop=(stop,)))).result(WAIT)
+    assert stop not in cut.text and cut.finish_reason == "stop"
+    assert full.startswith(cut.text)
+
+
+def test_streamed_deltas_add_up_to_the_text(make_backend, default_model):
+    b = make_backend(default_model)
+    h = b.enqueue(_req(default_model, "Write a word in French with accents, like café or élève:"))
+    deltas = list(h)
+    assert "".join(deltas) == h.result(WAIT).text
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_finish_record_has_timings(make_backend, tiny_model):
+    b = make_backend(tiny_model)
+    r = b.enqueue(_req(tiny_model, "timings", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))).result(WAIT)
+    assert r.finish_reason == "length" and r.output_tokens == 8
+    assert 0 <= r.queue_s <= r.ttft_s <= r.e2e_s and r.itl_s > 0
+    assert r.prompt_tokens == len(tiny_model.tokenize("timings"))
+
+
+def test_stopped_backend_refuses_work_and_leaves_no_thread(tiny_model):
+    from engine.backend import Backend, BackendConfig
+
+    b = Backend(BackendConfig(threads=1, n_ctx=512), tiny_model).start()
+    h = b.enqueue(_req(tiny_model, "long", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
+    b.stop()
+    assert h.result(5).status == RequestStatus.FINISHED_CANCELLED
+    assert b._thread is None
+    with pytest.raises(BackendUnavailable):
+        b.enqueue(_req(tiny_model, "late"))

@@ -1,0 +1,170 @@
+"""Latency and throughput figures the views draw, kept Qt-free so they test without a screen.
+
+`LatencyStore` collects finished requests per backend; `step_histogram` bins them into fixed,
+log-spaced edges (one set per metric, never re-binned, so histograms stay comparable while a
+run grows); `RingSeries` is a bounded time series for "per second over time" plots;
+`summarize` turns a run's records into the figures of an experiment row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Fixed bin edges (seconds), log-spaced so a 5 ms inter-token gap and a 60 s end-to-end time
+# both land in readable bins.
+EDGES = {
+    "ttft": np.logspace(-3, 2, 51),  # 1 ms .. 100 s
+    "e2e": np.logspace(-2, 2.5, 46),  # 10 ms .. 316 s
+    "itl": np.logspace(-4, 0.5, 46),  # 0.1 ms .. 3.2 s
+}
+METRIC_TITLES = {"ttft": "Time to first token", "e2e": "End-to-end latency", "itl": "Inter-token latency"}
+
+
+def step_histogram(values, edges) -> np.ndarray:
+    """Counts of `values` in `edges` (values outside fall into the first/last bin)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return np.zeros(len(edges) - 1)
+    v = np.clip(v, edges[0], np.nextafter(edges[-1], 0))
+    counts, _ = np.histogram(v, bins=edges)
+    return counts.astype(float)
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (linear interpolation), NaN when empty."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    return float(np.percentile(v, q)) if v.size else math.nan
+
+
+class LatencyStore:
+    """Per-backend TTFT, end-to-end and inter-token latencies of finished requests.
+
+    Only requests that produced tokens count (cancelled and failed ones are tallied apart).
+    `version` grows on every change so a view redraws only when something is new.
+    """
+
+    def __init__(self, backends: list[str], limit: int = 20000):
+        self.backends = list(backends)
+        self.limit = limit
+        self._data = {b: {m: [] for m in EDGES} for b in self.backends}
+        self.finished = {b: 0 for b in self.backends}
+        self.failed = {b: 0 for b in self.backends}
+        self.version = 0
+
+    def add(self, record) -> None:
+        """Record one `FinishRecord`."""
+        b = record.backend
+        if b not in self._data:
+            self.backends.append(b)
+            self._data[b] = {m: [] for m in EDGES}
+            self.finished[b] = self.failed[b] = 0
+        self.version += 1
+        if record.error or record.ttft_s is None:
+            self.failed[b] += 1
+            return
+        self.finished[b] += 1
+        d = self._data[b]
+        d["ttft"].append(record.ttft_s)
+        d["e2e"].append(record.e2e_s)
+        if record.itl_s is not None:
+            d["itl"].append(record.itl_s)
+        for m in d:
+            if len(d[m]) > self.limit:
+                del d[m][: len(d[m]) - self.limit]
+
+    def values(self, metric: str, backend: str) -> np.ndarray:
+        return np.asarray(self._data.get(backend, {}).get(metric, ()), dtype=float)
+
+    def histogram(self, metric: str, backend: str) -> np.ndarray:
+        return step_histogram(self.values(metric, backend), EDGES[metric])
+
+    def percentiles(self, metric: str, backend: str) -> tuple[float, float]:
+        v = self.values(metric, backend)
+        return percentile(v, 50), percentile(v, 95)
+
+    def clear(self) -> None:
+        for b in self._data:
+            for m in self._data[b]:
+                self._data[b][m].clear()
+            self.finished[b] = self.failed[b] = 0
+        self.version += 1
+
+
+class RingSeries:
+    """A fixed-size (x, y...) series: append shifts the window once full (no reallocation)."""
+
+    def __init__(self, size: int, n_y: int):
+        self.x = np.full(size, np.nan)
+        self.y = np.full((n_y, size), np.nan)
+        self.n = 0
+
+    def append(self, x: float, ys) -> None:
+        size = self.x.size
+        if self.n < size:
+            i = self.n
+            self.n += 1
+        else:
+            self.x[:-1] = self.x[1:]
+            self.y[:, :-1] = self.y[:, 1:]
+            i = size - 1
+        self.x[i] = x
+        self.y[:, i] = ys
+
+    def view(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[: self.n], self.y[k, : self.n]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run of a workload, the figures an experiments row shows."""
+
+    label: str
+    policy: str
+    n_requests: int
+    n_ok: int
+    makespan_s: float
+    output_tok_s: float
+    ttft_p50_s: float
+    ttft_p95_s: float
+    e2e_p50_s: float
+    e2e_p95_s: float
+    per_backend: dict
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def summarize(label: str, policy: str, records, t_start: float, t_end: float) -> RunSummary:
+    """Figures for a run whose requests were submitted from `t_start` and all ended by `t_end`."""
+    ok = [r for r in records if not r.error and r.ttft_s is not None]
+    makespan = max(t_end - t_start, 1e-9)
+    per_backend: dict[str, int] = {}
+    for r in records:
+        per_backend[r.backend] = per_backend.get(r.backend, 0) + 1
+    return RunSummary(
+        label=label,
+        policy=policy,
+        n_requests=len(records),
+        n_ok=len(ok),
+        makespan_s=makespan,
+        output_tok_s=sum(r.output_tokens for r in ok) / makespan,
+        ttft_p50_s=percentile([r.ttft_s for r in ok], 50),
+        ttft_p95_s=percentile([r.ttft_s for r in ok], 95),
+        e2e_p50_s=percentile([r.e2e_s for r in ok], 50),
+        e2e_p95_s=percentile([r.e2e_s for r in ok], 95),
+        per_backend=dict(sorted(per_backend.items())),
+    )
+
+
+def fmt_seconds(s: float | None) -> str:
+    """0.0123 -> '12.3 ms', 3.2 -> '3.20 s'; None/NaN -> '–'."""
+    if s is None or not math.isfinite(s):
+        return "–"
+    if s < 1.0:
+        return f"{s * 1000:.1f} ms"
+    return f"{s:.2f} s"

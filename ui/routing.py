@@ -1,0 +1,335 @@
+"""The routing view: every decision with each backend's score terms, a score plot, the why.
+
+`RoutingTableModel` keeps the `RoutingDecision`s the bridge delivers (one row per arriving
+request) and shows, per backend, the cached tokens, the prefill and decode tokens the score
+counted, the rates it used and the score, with the chosen backend's cells highlighted.
+`RoutingView` adds a plot of each backend's score over time with the decisions marked, and
+explains the selected row in words with its arithmetic.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
+from PySide6.QtGui import QBrush, QColor
+from PySide6.QtWidgets import (
+    QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QSplitter, QTableView,
+    QTextBrowser, QVBoxLayout, QWidget,
+)
+
+from .theme import CHOSEN_BG, MUTED, backend_color, qcolor, style_plot
+
+TERMS = ("cached", "prefill", "decode", "rates", "score")
+FIXED = ("#", "t (s)", "request", "policy", "→ backend")
+MAX_ROWS = 5000
+
+
+class RoutingTableModel(QAbstractTableModel):
+    """Decisions, oldest first; at most `MAX_ROWS` (the oldest drop off)."""
+
+    def __init__(self, backends: list[str], t0: float, parent=None):
+        super().__init__(parent)
+        self.backends = list(backends)
+        self.t0 = t0
+        self.decisions: list = []
+        self.count = 0  # decisions ever added (row numbers keep counting after drops)
+        self._first_number = 1
+        self._colors = {b: QColor(backend_color(i)) for i, b in enumerate(self.backends)}
+        self._chosen = QBrush(QColor(CHOSEN_BG))
+
+    # ---- data ----
+
+    def add(self, decision) -> None:
+        if len(self.decisions) >= MAX_ROWS:
+            self.beginRemoveRows(QModelIndex(), 0, 0)
+            self.decisions.pop(0)
+            self._first_number += 1
+            self.endRemoveRows()
+        row = len(self.decisions)
+        self.beginInsertRows(QModelIndex(), row, row)
+        self.decisions.append(decision)
+        self.count += 1
+        self.endInsertRows()
+
+    def clear(self) -> None:
+        self.beginResetModel()
+        self.decisions.clear()
+        self._first_number = self.count + 1
+        self.endResetModel()
+
+    def column_of(self, backend: str, term: str) -> int:
+        return len(FIXED) + self.backends.index(backend) * len(TERMS) + TERMS.index(term)
+
+    # ---- Qt model ----
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.decisions)
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(FIXED) + len(TERMS) * len(self.backends)
+
+    def headerData(self, section, orientation, role=Qt.DisplayRole):
+        if orientation != Qt.Horizontal:
+            return None
+        if role == Qt.DisplayRole:
+            if section < len(FIXED):
+                return FIXED[section]
+            b, t = divmod(section - len(FIXED), len(TERMS))
+            return f"{self.backends[b]} {TERMS[t]}"
+        if role == Qt.ForegroundRole and section >= len(FIXED):
+            b = (section - len(FIXED)) // len(TERMS)
+            return QBrush(self._colors[self.backends[b]])
+        if role == Qt.ToolTipRole and section >= len(FIXED):
+            t = TERMS[(section - len(FIXED)) % len(TERMS)]
+            return {
+                "cached": "prompt tokens of the new request already in this backend's prefix cache",
+                "prefill": "prompt tokens left to compute: queued + running + the new request (minus cached)",
+                "decode": "decode-token budget: unused max_tokens of every request there + the new one",
+                "rates": "prefill / decode tok/s the router priced the work at",
+                "score": "prefill/rate + decode/rate in seconds; lower wins",
+            }[t]
+        return None
+
+    def data(self, index, role=Qt.DisplayRole):
+        if not index.isValid():
+            return None
+        d = self.decisions[index.row()]
+        col = index.column()
+        if col < len(FIXED):
+            if role == Qt.DisplayRole:
+                return [
+                    str(self._first_number + index.row()),
+                    f"{d.time - self.t0:.2f}",
+                    d.request_id,
+                    d.policy + (" (pinned)" if d.pinned else ""),
+                    d.backend,
+                ][col]
+            if role == Qt.ForegroundRole and col == 4 and d.backend in self._colors:
+                return QBrush(self._colors[d.backend])
+            if role == Qt.ToolTipRole:
+                return d.reason
+            if role == Qt.TextAlignmentRole and col in (0, 1):
+                return int(Qt.AlignRight | Qt.AlignVCenter)
+            return None
+        b, t = divmod(col - len(FIXED), len(TERMS))
+        name = self.backends[b]
+        try:
+            s = d.score_of(name)
+        except KeyError:
+            return None
+        if role == Qt.DisplayRole:
+            return score_term(s, TERMS[t])
+        if role == Qt.BackgroundRole and name == d.backend:
+            return self._chosen
+        if role == Qt.TextAlignmentRole:
+            return int(Qt.AlignRight | Qt.AlignVCenter)
+        if role == Qt.ToolTipRole:
+            return explain_score(s)
+        return None
+
+
+def score_term(s, term: str) -> str:
+    """A `BackendScore` term as the table shows it."""
+    if term == "cached":
+        return str(s.cached_tokens)
+    if term == "prefill":
+        return _tok(s.prefill_tokens)
+    if term == "decode":
+        return _tok(s.decode_tokens)
+    if term == "rates":
+        return f"{s.rates.prefill_tok_s:g} / {s.rates.decode_tok_s:g}"
+    if term == "score":
+        return "∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f}"
+    raise KeyError(term)
+
+
+def explain_score(s) -> str:
+    """One backend's arithmetic in words."""
+    state = f"{s.n_running} running, {s.n_waiting} queued, cap {s.cap}, {s.cached_tokens} cached"
+    if not s.eligible:
+        return f"{s.name}: unhealthy ({state})"
+    return (f"{s.name}: {_tok(s.prefill_tokens)} prefill tok / {s.rates.prefill_tok_s:g} tok/s = {s.prefill_s:.3f} s"
+            f"  +  {_tok(s.decode_tokens)} decode tok / {s.rates.decode_tok_s:g} tok/s = {s.decode_s:.3f} s"
+            f"  →  {_secs(s.score_s)}   ({state})")
+
+
+def explain_decision(d, colors: dict | None = None) -> str:
+    """The selected decision in words (HTML): who won, by how much, and every backend's sum."""
+    colors = colors or {}
+    chosen = d.chosen
+    others = sorted((s for s in d.scores if s.name != d.backend), key=lambda s: s.score_s)
+    head = f"<b>{html.escape(d.request_id)}</b> → <b style='color:{colors.get(d.backend, '#fff')}'>{html.escape(d.backend)}</b>"
+    if d.pinned:
+        line = "Pinned by the request: the policy was bypassed."
+    elif others:
+        o = others[0]
+        rel = ">" if o.score_s > chosen.score_s else ("=" if o.score_s == chosen.score_s else "<")
+        line = (f"{html.escape(o.name)} {_secs(o.score_s)} {rel} {html.escape(chosen.name)} {_secs(chosen.score_s)}: "
+                f"{_tok(o.prefill_tokens)} prefill + {_tok(o.decode_tokens)} decode tokens queued on {html.escape(o.name)}, "
+                f"{_tok(chosen.prefill_tokens)} + {_tok(chosen.decode_tokens)} on {html.escape(chosen.name)}.")
+    else:
+        line = "The only backend."
+    budget = d.budget + (f", new_token_ratio {d.new_token_ratio:.2f}" if d.new_token_ratio is not None else "")
+    rows = "".join(f"<li><span style='color:{colors.get(s.name, '#fff')}'>■</span> {html.escape(explain_score(s))}</li>"
+                   for s in d.scores)
+    return (f"<p style='font-size:11pt'>{head} &nbsp; <span style='color:{MUTED}'>policy {html.escape(d.policy)} · "
+            f"decode budget {html.escape(budget)}</span></p>"
+            f"<p>{line}</p><ul style='margin-left:-20px'>{rows}</ul>"
+            f"<p style='color:{MUTED}'>Router's record: {html.escape(d.reason)}</p>")
+
+
+class RoutingView(QWidget):
+    """Table + score plot + explanation; decisions arrive via `bridge.routed`."""
+
+    def __init__(self, engine, bridge, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.engine = engine
+        self.backends = list(engine.backends)
+        self.colors = {b: backend_color(i) for i, b in enumerate(self.backends)}
+        import time
+
+        self.t0 = time.monotonic()
+        self.model = RoutingTableModel(self.backends, self.t0, self)
+        self._plot_dirty = False
+        self._build()
+        for d in engine.router.recent():  # decisions made before the view existed
+            if d.time >= self.t0 - 3600:
+                self.add_decision(d)
+        bridge.routed.connect(self.add_decision)
+        bridge.tick.connect(self._on_tick)
+
+    def _build(self) -> None:
+        self.table = QTableView()
+        self.table.setModel(self.model)
+        self.table.setAlternatingRowColors(True)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
+        self.table.verticalHeader().setVisible(False)
+        self.table.verticalHeader().setDefaultSectionSize(22)
+        h = self.table.horizontalHeader()
+        h.setSectionResizeMode(QHeaderView.Interactive)
+        h.setDefaultSectionSize(78)
+        for col, w in enumerate((40, 56, 70, 96, 80)):
+            self.table.setColumnWidth(col, w)
+        for b in self.backends:
+            self.table.setColumnWidth(self.model.column_of(b, "rates"), 92)
+        self.table.selectionModel().currentRowChanged.connect(self._on_row)
+        self.model.rowsInserted.connect(self._follow)
+
+        self.plot_widget = pg.PlotWidget()
+        p = self.plot = self.plot_widget.getPlotItem()
+        style_plot(p, "Score of each backend per arriving request (lower wins)", "time (s)", "score (s)")
+        p.addLegend(offset=(8, 8), labelTextSize="9pt")
+        self.curves = {}
+        for b in self.backends:
+            c = self.colors[b]
+            self.curves[b] = p.plot(pen=pg.mkPen(c, width=1.5), symbol="o", symbolSize=4, symbolBrush=c,
+                                    symbolPen=None, name=f"{b} score", connect="finite")
+        self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
+        p.addItem(self.marks)
+        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#ffffff", width=1, style=Qt.DotLine))
+        self.selected_line.setVisible(False)
+        p.addItem(self.selected_line)
+
+        self.explain = QTextBrowser()
+        self.explain.setHtml(f"<p style='color:{MUTED}'>Select a row to see why the request went where it went.</p>")
+
+        self.clear_button = QPushButton("Clear")
+        self.clear_button.setToolTip("Forget the rows shown here (the router keeps its own record)")
+        self.clear_button.clicked.connect(self.clear)
+        self.count_label = QLabel()
+        self.count_label.setObjectName("muted")
+        bar = QHBoxLayout()
+        bar.addWidget(QLabel("<b>Decisions</b> — one row per arriving request; the chosen backend's cells are green"))
+        bar.addStretch(1)
+        bar.addWidget(self.count_label)
+        bar.addWidget(self.clear_button)
+
+        left = QWidget()
+        lv = QVBoxLayout(left)
+        lv.setContentsMargins(0, 0, 0, 0)
+        lv.addLayout(bar)
+        lv.addWidget(self.table, 1)
+        right = QSplitter(Qt.Vertical)
+        right.addWidget(self.plot_widget)
+        right.addWidget(self.explain)
+        right.setSizes([260, 170])
+        split = QSplitter(Qt.Horizontal)
+        split.addWidget(left)
+        split.addWidget(right)
+        split.setSizes([900, 600])
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(6, 6, 6, 6)
+        outer.addWidget(split)
+
+    # ---- updates ----
+
+    def add_decision(self, decision) -> None:
+        self.model.add(decision)
+        self._plot_dirty = True
+
+    def clear(self) -> None:
+        self.model.clear()
+        self._plot_dirty = True
+        self.explain.clear()
+
+    def _follow(self, *_):
+        bar = self.table.verticalScrollBar()
+        if bar.value() >= bar.maximum() - 2 and not self.table.selectionModel().hasSelection():
+            self.table.scrollToBottom()
+
+    def _on_tick(self, tick) -> None:
+        self.count_label.setText(f"{len(self.model.decisions)} rows · policy {self.engine.router.policy}")
+        if self._plot_dirty:
+            self._plot_dirty = False
+            self._redraw()
+
+    def _redraw(self) -> None:
+        ds = self.model.decisions
+        t = np.array([d.time - self.t0 for d in ds], dtype=float)
+        for b, curve in self.curves.items():
+            y = np.array([_finite(_score_or_nan(d, b)) for d in ds], dtype=float)
+            curve.setData(t, y)
+        spots = []
+        for d, x in zip(ds, t):
+            y = _finite(d.chosen.score_s)
+            if math.isfinite(y):
+                spots.append({"pos": (x, y), "brush": pg.mkBrush(self.colors.get(d.backend, "#fff"))})
+        self.marks.setData(spots)
+
+    def _on_row(self, current, _previous) -> None:
+        if not current.isValid() or current.row() >= len(self.model.decisions):
+            return
+        d = self.model.decisions[current.row()]
+        self.explain.setHtml(explain_decision(d, self.colors))
+        self.selected_line.setPos(d.time - self.t0)
+        self.selected_line.setVisible(True)
+
+    def select_row(self, row: int) -> None:
+        self.table.selectRow(row)
+
+
+def _score_or_nan(d, backend: str) -> float:
+    try:
+        return d.score_of(backend).score_s
+    except KeyError:
+        return math.nan
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else math.nan
+
+
+def _tok(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def _secs(x: float) -> str:
+    return "∞ s" if not math.isfinite(x) else f"{x:.3f} s"
+
+
+__all__ = ["RoutingTableModel", "RoutingView", "explain_decision", "explain_score", "score_term", "qcolor"]
