@@ -56,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--gen-tokens", type=int, default=128)
     ov.add_argument("--repeats", type=int, default=3)
     ov.add_argument("--no-llama", action="store_true", help="skip the high-level Llama baseline")
+
+    from app import bench as _bench, calibrate_cmd as _calibrate
+
+    seed = bsub.add_parser("seed", help="the seed study's experiment, several policies interleaved")
+    _bench.add_seed_arguments(seed)
+    grid = bsub.add_parser("grid", help="the study's missing baselines: caps, prefix share, outputs, arrivals, KV")
+    _bench.add_grid_arguments(grid)
+
+    cal = sub.add_parser("calibrate", help="measure each backend's rates and store them for this model")
+    _add_model_args(cal)
+    _calibrate.add_arguments(cal)
     return parser
 
 
@@ -81,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
             from app.bench_overhead import run_overhead
 
             return run_overhead(args)
+        if command == "bench" and args.bench in ("seed", "grid"):
+            from app.bench import run_grid, run_seed
+
+            return (run_seed if args.bench == "seed" else run_grid)(args)
+        if command == "calibrate":
+            from app.calibrate_cmd import run_calibrate
+
+            return run_calibrate(args)
     except EngineError as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 2

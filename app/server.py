@@ -61,6 +61,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 MAX_BODY_BYTES = 4 << 20
 MAX_ROUTING_DECISIONS = 1000
+BACKLOG = 1024  # many clients connect at once (benchmarks open hundreds of streams)
+SHUTDOWN_TIMEOUT_S = 5.0  # on shutdown, open streams get this long before they are cancelled
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,9 @@ async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int
 
     Port 0 picks a free port. Stop with `await runner.cleanup()`.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, shutdown_timeout=5.0)
+    site = web.TCPSite(runner, host, port, backlog=BACKLOG)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, f"http://{_url_host(bound_host)}:{bound_port}"
@@ -141,8 +143,8 @@ def run_serve(args) -> int:
     backends = ", ".join(f"{b.name} ({b.model.device}, cap {b.cap})" for b in engine.backends.values())
     print(f"tandem: serving {app[SETTINGS].served.id} on http://{_url_host(args.host)}:{args.port}/v1 "
           f"with {backends}", file=sys.stderr)
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=5.0,
-                backlog=1024, print=None, access_log=log if args.verbose else None)
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                backlog=BACKLOG, print=None, access_log=log if args.verbose else None)
     return 0
 
 

@@ -497,6 +497,7 @@ class Backend:
         if s.sampler is not None:
             s.sampler.free()
             s.sampler = None
+        cached = s.n_shared
         if s.seq_id >= 0:
             keep = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
             self._retire(s, keep)
@@ -512,7 +513,7 @@ class Backend:
             status=status,
             text=s.stream.text,
             prompt_tokens=s.n_prompt,
-            cached_tokens=s.n_shared,
+            cached_tokens=cached,
             output_tokens=s.generated,
             queue_s=(s.t_admit or now) - s.t_submit,
             ttft_s=(s.t_first - s.t_submit) if s.generated else None,

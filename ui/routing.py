@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+import time
 
 import numpy as np
 import pyqtgraph as pg
@@ -21,7 +22,7 @@ from PySide6.QtWidgets import (
     QTextBrowser, QVBoxLayout, QWidget,
 )
 
-from .theme import CHOSEN_BG, MUTED, backend_color, qcolor, style_plot
+from .theme import CHOSEN_BG, MUTED, backend_color, style_plot
 
 TERMS = ("cached", "prefill", "decode", "rates", "score")
 FIXED = ("#", "t (s)", "request", "policy", "→ backend")
@@ -190,8 +191,6 @@ class RoutingView(QWidget):
         self.engine = engine
         self.backends = list(engine.backends)
         self.colors = {b: backend_color(i) for i, b in enumerate(self.backends)}
-        import time
-
         self.t0 = time.monotonic()
         self.model = RoutingTableModel(self.backends, self.t0, self)
         self._plot_dirty = False
@@ -331,5 +330,3 @@ def _tok(x: float) -> str:
 def _secs(x: float) -> str:
     return "∞ s" if not math.isfinite(x) else f"{x:.3f} s"
 
-
-__all__ = ["RoutingTableModel", "RoutingView", "explain_decision", "explain_score", "score_term", "qcolor"]

@@ -1,0 +1,530 @@
+"""`tandem bench seed` and `tandem bench grid`: the study's experiment, its missing baselines,
+and HTTP peers, side by side in one invocation.
+
+One *variant* is one row of the results: a routing policy on the engine (optionally with the
+swept backend's cap changed, `gpu-only@cap=8`) or an HTTP peer (`target:llama-server`).
+Variants run interleaved, run by run (run 1 of every variant and N, then run 2, ...), so
+drift hits all alike.
+
+Fresh state per run, without reloading the model: the engine stays loaded (per KV budget) and
+each run first flushes every backend's prefix cache (freeing its KV), re-warms the workload's
+shared prefix on every backend, clears the router's history and policy state (round-robin's
+turn, `new_token_ratio`), restores caps and rates; timing starts at the first submission.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from engine import llama
+from engine.benchmark import RequestRecord, aggregate, decision_line, oracle, run_metrics
+from engine.calibrate import OnlineRefresh, parse_rates
+from engine.config import default_specs, parse_backend_specs
+from engine.engine import Engine
+from engine.errors import EngineError, InvalidRequest
+from engine.model import file_fingerprint
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.router import RouteQuery, Router, make_policy
+from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
+                             SEED_SUFFIX_TOKENS, Workload, WorkloadSpec, build_workload, seed_workload,
+                             shared_tokens_for, with_requests)
+
+from . import bench_report
+from .progress import Progress
+
+FRESH_STATE = ("the engine is loaded once{per_kv} and kept across runs; each run starts from a fresh "
+               "engine state: every backend's prefix cache flushed (KV freed), the shared prefix "
+               "re-warmed on every backend, router history and policy state cleared, caps and rates "
+               "restored; timing starts at the first submission")
+SINGLE_POLICIES = ("gpu-only", "cpu-only")
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def add_common_arguments(p, *, requests: str, runs: int) -> None:
+    p.add_argument("--model", default="default", help="default | PATH.gguf | synthetic:SHAPE[:QUANT]")
+    p.add_argument("--backend", action="append", default=None, metavar="SPEC",
+                   help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: GPU+CPU, or two CPU backends)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated routing policies, run interleaved; 'none' for targets only "
+                        "(default: seed-score,predicted-finish and the first GPU backend alone)")
+    p.add_argument("--requests", default=requests, help="request counts N (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=runs, help="runs per configuration (default: %(default)s)")
+    p.add_argument("--interval-ms", type=float, default=50.0, help="fixed arrival interval (default: %(default)s)")
+    p.add_argument("--gen-tokens", type=int, default=SEED_GEN_TOKENS, help="fixed output length (default: %(default)s)")
+    p.add_argument("--identical-prompts", action="store_true",
+                   help="send the very same prompt every time, as the study did (default: a prefix "
+                        "shared by all plus a suffix of each request's own)")
+    p.add_argument("--budget", default="raw", choices=["raw", "ratio"], help="router decode budget mode")
+    p.add_argument("--rates", action="append", default=[], metavar="NAME:prefill=R,decode=R[,alpha=S,beta=S]",
+                   help="override a backend's rates (tokens/s; step seconds); repeatable")
+    p.add_argument("--online-rates", action="store_true",
+                   help="refresh rates from observed steps during each run (reset at each run's start)")
+    p.add_argument("--target", action="append", default=[], metavar="[LABEL=]URL",
+                   help="also run the workload against this OpenAI-compatible server (repeatable)")
+    p.add_argument("--target-api", default="auto", choices=["auto", "completion", "openai"],
+                   help="llama-server's /completion or /v1/completions (default: probe)")
+    p.add_argument("--target-warm", type=int, default=1,
+                   help="concurrent prefix-warming requests per target run, e.g. its slot count")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--out", default=None, help="output directory (default: out/bench-KIND-TIME)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def add_seed_arguments(p) -> None:
+    add_common_arguments(p, requests="4,8,48", runs=3)
+    p.add_argument("--prefix-tokens", type=int, default=SEED_PREFIX_TOKENS, help="shared prefix (default: %(default)s)")
+    p.add_argument("--suffix-tokens", type=int, default=SEED_SUFFIX_TOKENS,
+                   help="prompt tokens after the prefix (default: %(default)s)")
+
+
+def add_grid_arguments(p) -> None:
+    add_common_arguments(p, requests="48", runs=3)
+    p.add_argument("--prompt-tokens", type=int, default=SEED_PREFIX_TOKENS + SEED_SUFFIX_TOKENS,
+                   help="prompt length (default: %(default)s)")
+    p.add_argument("--shared", default="0,50,96", help="shared-prefix percentages of the prompt (default: %(default)s)")
+    p.add_argument("--outputs", default="fixed,uniform", help=f"output lengths: {', '.join(OUTPUT_MODES)}")
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256, help="uniform output's upper bound and budget")
+    p.add_argument("--arrivals", default="interval,poisson", help=f"arrival processes: {', '.join(ARRIVAL_MODES)}")
+    p.add_argument("--rate", type=float, default=0.0, help="poisson/gamma requests/s (default: 1000/interval-ms)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    p.add_argument("--caps", default="1,2,4,8,16,32,64",
+                   help="caps of the swept backend for the --sweep-policies (default: %(default)s; 'none' to skip)")
+    p.add_argument("--sweep-policies", default=None,
+                   help="policies run at every --caps value (default: the first GPU backend alone)")
+    p.add_argument("--sweep-backend", default=None, help="backend whose cap and KV budget vary (default: first GPU, else first)")
+    p.add_argument("--kv-seqs", default=None,
+                   help="KV budgets of the swept backend: room for K whole sequences of the workload "
+                        "(e.g. 4,8,16,64; default: unconstrained)")
+
+
+# ---------------------------------------------------------------------------- variants and runs
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    policy: str | None = None  # engine routing policy
+    cap: int | None = None  # cap of the swept backend for this variant
+    target: object = None  # bench_target.Target
+
+    @property
+    def single(self) -> bool:
+        """Everything on one engine backend."""
+        return self.policy is not None and (self.policy in SINGLE_POLICIES or self.policy.startswith("only:"))
+
+
+@dataclass
+class Collected:
+    records: list[RequestRecord] = dataclasses.field(default_factory=list)
+    decisions: list[dict] = dataclasses.field(default_factory=list)
+
+
+class EngineRunner:
+    """Runs one workload under one variant on a loaded engine, from a fresh state."""
+
+    def __init__(self, eng: Engine, *, sweep_backend: str | None, budget: str, online: bool,
+                 timeout: float):
+        self.eng = eng
+        self.sweep_backend = sweep_backend
+        self.timeout = timeout
+        self.caps = {n: b.cap for n, b in eng.backends.items()}
+        self.rates = {n: b.rates for n, b in eng.backends.items()}
+        eng.router.set_budget(budget)
+        self.online = OnlineRefresh(eng).attach() if online else None
+
+    def run(self, workload: Workload, variant: Variant, on_done=None) -> Collected:
+        eng = self.eng
+        self._fresh_state(workload, variant)
+        sampling = [SamplingParams(temperature=0.0, max_tokens=s.output_tokens, ignore_eos=True)
+                    for s in workload.requests]
+        submitted = []
+        t0 = time.monotonic()
+        for spec, sp in zip(workload.requests, sampling):
+            delay = t0 + spec.arrival_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            t_submit = time.monotonic() - t0
+            try:
+                handle = eng.submit(Request(spec.prompt, sp, source="bench"))
+            except EngineError as e:  # a failure is data
+                submitted.append((spec, t_submit, None, str(e)))
+                continue
+            submitted.append((spec, t_submit, handle, None))
+        out = Collected()
+        name = workload.spec.name()
+        for spec, t_submit, handle, error in submitted:
+            record = handle.result(self.timeout) if handle is not None else None
+            out.records.append(_engine_record(name, variant.label, workload, spec, t_submit, handle, record, error))
+            if handle is not None and handle.decision is not None:
+                out.decisions.append(decision_line(handle.decision, t0, workload=name, run=workload.run,
+                                                   requests=len(workload.requests), label=variant.label))
+            if on_done is not None:
+                on_done()
+        return out
+
+    def _fresh_state(self, workload: Workload, variant: Variant) -> None:
+        eng = self.eng
+        eng.router.set_policy(variant.policy)
+        eng.router.clear()
+        for n, b in eng.backends.items():
+            cap = variant.cap if (variant.cap is not None and n == self.sweep_backend) else self.caps[n]
+            if b.cap != cap:
+                b.set_cap(cap)
+        if self.online is not None:
+            self.online.reset(self.rates)
+        else:
+            for n, r in self.rates.items():
+                eng.set_rates(n, r)
+        eng.flush(timeout=self.timeout)
+        if workload.prefix:
+            eng.warm(workload.prefix, timeout=self.timeout)
+
+    def close(self) -> None:
+        if self.online is not None:
+            self.online.detach()
+
+
+def _engine_record(name, label, workload, spec, t_submit, handle, record, error) -> RequestRecord:
+    if record is None:
+        return RequestRecord(workload=name, policy=label, run=workload.run, requests=len(workload.requests),
+                             index=spec.index, request_id=handle.id if handle else f"unsubmitted-{spec.index}",
+                             backend=handle.backend or "" if handle else "", success=False,
+                             finish_reason="error", prompt_tokens=len(spec.prompt), cached_tokens=-1,
+                             output_tokens=0, t_submit_s=t_submit, queue_s=None, ttft_s=None, e2e_s=None,
+                             itl_s=None, error=error)
+    ok = record.error is None and record.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+    return RequestRecord(workload=name, policy=label, run=workload.run, requests=len(workload.requests),
+                         index=spec.index, request_id=record.request_id, backend=record.backend, success=ok,
+                         finish_reason=record.finish_reason, prompt_tokens=record.prompt_tokens,
+                         cached_tokens=record.cached_tokens, output_tokens=record.output_tokens,
+                         t_submit_s=t_submit, queue_s=record.queue_s, ttft_s=record.ttft_s, e2e_s=record.e2e_s,
+                         itl_s=record.itl_s, error=record.error)
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def run_seed(args) -> int:
+    n_list = _int_list(args.requests, "--requests")
+    spec = seed_workload(1, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                         gen_tokens=args.gen_tokens, interval_s=args.interval_ms / 1e3,
+                         identical=args.identical_prompts, seed=args.seed)
+    return _bench(args, "seed", [spec], n_list, caps=[], kv_seqs=[None])
+
+
+def run_grid(args) -> int:
+    n_list = _int_list(args.requests, "--requests")
+    shared = _int_list(args.shared, "--shared", low=0)
+    if max(shared) > 100:
+        raise InvalidRequest(f"--shared takes percentages in [0, 100], got {args.shared!r}")
+    outputs = _choices(args.outputs, OUTPUT_MODES, "--outputs")
+    arrivals = _choices(args.arrivals, ARRIVAL_MODES, "--arrivals")
+    specs = []
+    for pct in shared:
+        for output in outputs:
+            for arrival in arrivals:
+                specs.append(WorkloadSpec(
+                    n_requests=1, prompt_tokens=args.prompt_tokens,
+                    shared_tokens=shared_tokens_for(pct / 100, args.prompt_tokens), output=output,
+                    gen_tokens=args.gen_tokens, min_output=args.min_output, max_output=args.max_output,
+                    arrival=arrival, interval_s=args.interval_ms / 1e3, rate=args.rate,
+                    burstiness=args.burstiness, identical=args.identical_prompts, seed=args.seed).validate())
+    caps = [] if args.caps.strip().lower() == "none" else _int_list(args.caps, "--caps")
+    kv = [None] if not args.kv_seqs else _int_list(args.kv_seqs, "--kv-seqs")
+    return _bench(args, "grid", specs, n_list, caps=caps, kv_seqs=kv)
+
+
+def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, caps: list[int],
+           kv_seqs: list) -> int:
+    if args.runs < 1:
+        raise InvalidRequest("--runs must be >= 1")
+    out_dir = Path(args.out or f"out/bench-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
+    overrides = dict(parse_rates(s) for s in args.rates)
+    policies = _policy_list(args.policies)
+    targets = _probe_targets(args)
+    engine_wanted = policies != []
+    if not engine_wanted and not targets:
+        raise InvalidRequest("nothing to run: --policies none and no --target")
+    notes: list[str] = []
+    if any(s.output == "uniform" for s in specs):
+        notes.append("variable output: each request is sent with max_tokens = its drawn length (ignore_eos), "
+                     "so routers see the true length as the budget; a hidden early stop needs an engine feature")
+
+    collected = Collected()
+    rows_meta: dict = {}
+    engine_info = None
+    model_info = {"spec": args.model}
+    sweep = None
+    with _Session(kind) as session:
+        for kv in kv_seqs:
+            eng = None
+            if engine_wanted:
+                eng, sweep, cfg_notes = _load_engine(args, specs, n_list, caps, kv, overrides)
+                notes.extend(n for n in cfg_notes if n not in notes)
+            try:
+                variants = _variants(eng, policies, caps, targets, args, sweep)
+                if eng is not None:
+                    _check_policies(eng, [v for v in variants if v.policy], sweep)
+                    engine_info = _engine_info(eng, sweep)
+                    model_info = _model_info(args.model, eng)
+                vocab = eng.model.n_vocab if eng else 32000
+                runner = (EngineRunner(eng, sweep_backend=sweep, budget=args.budget, online=args.online_rates,
+                                       timeout=args.timeout) if eng else None)
+                total = args.runs * len(specs) * sum(n_list) * len(variants)
+                session.progress_add(total)
+                for run in range(args.runs):
+                    for spec in specs:
+                        for n in n_list:
+                            wl = build_workload(dataclasses.replace(with_requests(spec, n), vocab_size=vocab,
+                                                                    label=_label(spec, kv)), run)
+                            for v in variants:
+                                session.status(f"{v.label} N={n} run {run + 1}/{args.runs}")
+                                if v.target is not None:
+                                    from .bench_target import run_target
+
+                                    recs = run_target(v.target, wl, run=run, warm_copies=args.target_warm,
+                                                      timeout=args.timeout, on_done=lambda _r: session.tick())
+                                    collected.records.extend(recs)
+                                else:
+                                    got = runner.run(wl, v, on_done=session.tick)
+                                    collected.records.extend(got.records)
+                                    collected.decisions.extend(got.decisions)
+                                rows_meta[(wl.spec.name(), v.label)] = {"kv_seqs": kv, "cap": v.cap,
+                                                                        "single": v.single,
+                                                                        "target": v.target is not None}
+                if runner is not None:
+                    runner.close()
+            finally:
+                if eng is not None:
+                    eng.close()
+
+    rows = summarize(collected.records, rows_meta)
+    single = {label for (_, label), m in rows_meta.items() if m["single"]}
+    summary = {
+        "tool": f"tandem bench {kind}",
+        "argv": list(sys.argv),
+        "created": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "model": model_info,
+        "backends": engine_info,
+        "targets": [t.to_dict() for t in targets],
+        "workloads": [s.to_dict() for s in specs],
+        "requests": n_list,
+        "runs": args.runs,
+        "policies": list(dict.fromkeys(label for _, label in rows_meta)),
+        "engine_state": FRESH_STATE.format(per_kv=" per KV budget" if kv_seqs != [None] else ""),
+        "notes": notes,
+        "results": rows,
+        "oracle": oracle(rows, group=("workload", "requests"), single=single),
+    }
+    written = bench_report.write_all(out_dir, summary, collected.records, collected.decisions,
+                                     plots=not args.no_plots)
+    print(bench_report.markdown(summary))
+    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return 0 if all(r.success for r in collected.records) else 1
+
+
+def summarize(records: list[RequestRecord], meta: dict | None = None) -> list[dict]:
+    """Summary rows, one per (workload, policy, N), in first-seen order, metrics over runs."""
+    groups: dict[tuple, dict[int, list[RequestRecord]]] = {}
+    for r in records:
+        groups.setdefault((r.workload, r.policy, r.requests), {}).setdefault(r.run, []).append(r)
+    rows = []
+    for (workload, policy, n), runs in groups.items():
+        per_run = [run_metrics(recs) for _, recs in sorted(runs.items())]
+        rows.append({"workload": workload, "policy": policy, "requests": n,
+                     **(meta or {}).get((workload, policy), {}), **aggregate(per_run)})
+    return rows
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+class _Session:
+    """The progress bar across every engine (KV budget) of one invocation."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.bar: Progress | None = None
+
+    def progress_add(self, n: int) -> None:
+        if self.bar is None:
+            self.bar = Progress(n, f"bench {self.kind}")
+        else:
+            self.bar.add_total(n)
+
+    def status(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(0, text)
+
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _load_engine(args, specs, n_list, caps, kv, overrides):
+    """Load the engine for one KV budget; returns (engine, swept backend name, notes)."""
+    notes = []
+    raw = args.backend or default_specs(gpu=llama.gpu_offload_supported())
+    configs = parse_backend_specs(raw)
+    sweep = args.sweep_backend if getattr(args, "sweep_backend", None) else _default_sweep(configs)
+    if sweep not in {c.name for c in configs}:
+        raise InvalidRequest(f"--sweep-backend {sweep!r} is not a backend ({', '.join(c.name for c in configs)})")
+    explicit_ctx = {c.name for c, s in zip(configs, raw) if "ctx=" in s}
+    max_cap = max(caps, default=0)
+    per_seq = max(s.prompt_tokens + s.max_tokens for s in specs)
+    new = []
+    for c, s in zip(configs, raw):
+        if c.name == sweep and (max_cap or kv):
+            if max_cap and "n_seq_max=" not in s:
+                c = dataclasses.replace(c, n_seq_max=max(c.resolved().n_seq_max, min(256, 2 * max_cap + 8)))
+            if kv:
+                c = dataclasses.replace(c, n_ctx=kv * per_seq)
+                notes.append(f"KV budget: {sweep}'s context holds {kv} whole sequences of "
+                             f"{per_seq} tokens ({kv * per_seq} cells); a shared prefix lets more run")
+            elif max_cap and c.name not in explicit_ctx:
+                need = max_cap * per_seq
+                if need > c.n_ctx:
+                    c = dataclasses.replace(c, n_ctx=need)
+                    notes.append(f"{sweep}'s context raised to {need} cells so cap {max_cap} is not memory-bound "
+                                 f"(the model's training context still caps it)")
+        new.append(c)
+    rates = {n: r for n, r in overrides.items()}
+    unknown = set(rates) - {c.name for c in new}
+    if unknown:
+        raise InvalidRequest(f"--rates names unknown backend(s) {', '.join(sorted(unknown))}")
+    eng = Engine.load(args.model, new, rates=rates)
+    return eng, sweep, notes
+
+
+def _default_sweep(configs) -> str:
+    for c in configs:
+        if c.device != "cpu":
+            return c.name
+    return configs[0].name
+
+
+def _variants(eng, policies, caps, targets, args, sweep) -> list[Variant]:
+    out = []
+    if eng is not None:
+        single = _single_policy(eng)
+        for p in (policies if policies is not None else ["seed-score", "predicted-finish", single]):
+            out.append(Variant(label=p, policy=p))
+        sweep_policies = _policy_list(getattr(args, "sweep_policies", None)) if caps else []
+        if caps and sweep_policies is None:
+            sweep_policies = [single]
+        for p in sweep_policies or []:
+            for cap in caps:
+                out.append(Variant(label=f"{p}@cap={cap}", policy=p, cap=cap))
+    for t in targets:
+        out.append(Variant(label=t.label, target=t))
+    labels = [v.label for v in out]
+    if len(set(labels)) != len(labels):
+        raise InvalidRequest(f"two variants share a label: {labels}")
+    return out
+
+
+def _single_policy(eng) -> str:
+    if any(b.model.device != "cpu" for b in eng.backends.values()):
+        return "gpu-only"
+    return f"only:{next(iter(eng.backends))}"
+
+
+def _check_policies(eng, variants, sweep) -> None:
+    """Fail early, with the reason, for a policy that cannot route on these backends."""
+    snaps = eng.snapshot()
+    for v in variants:
+        make_policy(v.policy)
+        try:
+            Router(v.policy).route(RouteQuery("dry-run", 1, 1), snaps)
+        except EngineError as e:
+            raise InvalidRequest(f"policy {v.policy}: {e}") from None
+        if v.cap is not None and v.cap > eng.backends[sweep].config.n_seq_max:
+            raise InvalidRequest(f"cap {v.cap} exceeds {sweep}'s n_seq_max {eng.backends[sweep].config.n_seq_max}")
+
+
+def _probe_targets(args) -> list:
+    if not args.target:
+        return []
+    import asyncio
+
+    from .bench_target import parse_target, probe
+
+    targets = []
+    for text in args.target:
+        try:
+            label, url = parse_target(text)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        try:
+            targets.append(asyncio.run(probe(url, args.target_api, label)))
+        except (ConnectionError, OSError) as e:
+            raise InvalidRequest(f"--target {url}: {e}") from None
+    return targets
+
+
+def _engine_info(eng, sweep) -> list[dict]:
+    out = []
+    for b in eng.backends.values():
+        c = b.config
+        out.append({"name": b.name, "device": b.model.device, "cap": c.cap, "n_ctx": b.n_ctx,
+                    "threads": c.threads, "n_seq_max": c.n_seq_max, "n_batch": c.n_batch,
+                    "kv_unified": c.kv_unified, "swept": b.name == sweep,
+                    "rates": dataclasses.asdict(b.rates)})
+    return out
+
+
+def _model_info(spec, eng) -> dict:
+    m = eng.model
+    return {"spec": spec, "name": m.info.name, "path": str(m.path), "fingerprint": file_fingerprint(m.path),
+            "synthetic": m.synthetic, "n_params": m.info.n_params, "n_vocab": m.n_vocab,
+            "text": "noise (synthetic weights)" if m.synthetic else "real model"}
+
+
+def _label(spec: WorkloadSpec, kv) -> str:
+    return spec.name() + (f", kv {kv} seqs" if kv else "")
+
+
+def _policy_list(text):
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return []
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    for p in names:
+        make_policy(p)
+    return names
+
+
+def _int_list(text: str, flag: str, low: int = 1) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequest(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < low:
+        raise InvalidRequest(f"{flag} must list integers >= {low}, got {text!r}")
+    return values
+
+
+def _choices(text: str, valid, flag: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in values if v not in valid]
+    if not values or bad:
+        raise InvalidRequest(f"{flag}: {', '.join(bad) or 'nothing'} not in {', '.join(valid)}")
+    return values
+

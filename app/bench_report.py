@@ -1,0 +1,179 @@
+"""Writing a benchmark's results: summary.json, requests.csv, decisions.jsonl, results.md and
+PNG plots (makespan by policy, TTFT CDF).
+
+Plots need matplotlib, which the GPU machine lacks: without it they are skipped, and
+`summary.json` and `results.md` say so (`plots_skipped`). Non-finite numbers are written to
+JSON as null.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from engine.benchmark import CSV_FIELDS, RequestRecord
+
+
+def write_all(out_dir: Path, summary: dict, records: list[RequestRecord], decisions: list[dict], *,
+              plots: bool = True) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if plots:
+        made, skipped = write_plots(out_dir, summary, records)
+        summary["plots"] = [p.name for p in made]
+        summary["plots_skipped"] = skipped
+        written += made
+    else:
+        summary["plots"], summary["plots_skipped"] = [], "--no-plots"
+    files = {"summary": "summary.json", "requests": "requests.csv", "decisions": "decisions.jsonl",
+             "table": "results.md"}
+    summary["files"] = {**files, "plots": summary["plots"]}
+
+    with (out_dir / files["requests"]).open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in records:
+            w.writerow({k: ("" if v is None else v) for k, v in r.to_dict().items()})
+    with (out_dir / files["decisions"]).open("w") as f:
+        for d in decisions:
+            f.write(json.dumps(_clean(d)) + "\n")
+    (out_dir / files["table"]).write_text(markdown(summary) + "\n")
+    (out_dir / files["summary"]).write_text(json.dumps(_clean(summary), indent=1) + "\n")
+    return [out_dir / name for name in files.values()] + written
+
+
+# ---------------------------------------------------------------------------- Markdown
+
+
+def markdown(summary: dict) -> str:
+    """The results as Markdown: one table per workload, then the oracle and the notes."""
+    lines = [f"# {summary['tool']}", ""]
+    model = summary.get("model") or {}
+    if model.get("name"):
+        lines.append(f"Model: {model['name']} ({model.get('text', '')}), {summary['runs']} run(s) per row; "
+                     f"mean ± std over runs.")
+    for b in summary.get("backends") or []:
+        r = b["rates"]
+        lines.append(f"- backend {b['name']}: {b['device']}, cap {b['cap']}, {b['threads']} threads, "
+                     f"ctx {b['n_ctx']}; rates ({r['source']}) prefill {r['prefill_tok_s']:,.0f} tok/s, "
+                     f"decode {r['decode_tok_s']:,.1f} tok/s")
+    for t in summary.get("targets") or []:
+        lines.append(f"- peer {t['label']}: {t['url']} ({t['api']})")
+    lines.append("")
+    by_workload: dict[str, list[dict]] = {}
+    for row in summary["results"]:
+        by_workload.setdefault(row["workload"], []).append(row)
+    for workload, rows in by_workload.items():
+        lines += [f"## {workload}", "",
+                  "| policy | N | makespan s | output tok/s | TTFT p50 s | TTFT p95 s | E2E p50 s | E2E p95 s | routed | failed |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in sorted(rows, key=lambda r: (r["requests"], r["makespan_s"]["mean"] is None, r["makespan_s"]["mean"] or 0)):
+            routed = ", ".join(f"{b} {n:g}" for b, n in sorted(row["routed"].items()))
+            lines.append(f"| {row['policy']} | {row['requests']} | {_pm(row['makespan_s'])} | "
+                         f"{_pm(row['output_tok_s'], 1)} | {_pm(row['ttft_p50_s'])} | {_pm(row['ttft_p95_s'])} | "
+                         f"{_pm(row['e2e_p50_s'])} | {_pm(row['e2e_p95_s'])} | {routed} | {row['failed']} |")
+        lines.append("")
+    if summary.get("oracle"):
+        lines += ["## Best in hindsight (oracle: lowest mean makespan)", "",
+                  "| workload | N | best | policy: gap to best (within run spread of the best single backend?) |",
+                  "|---|---|---|---|"]
+        for o in summary["oracle"]:
+            gaps = "; ".join(
+                f"{p['policy']} +{p['gap_pct']:.1f}%" + (
+                    "" if "within_spread" not in p else (" ✓" if p["within_spread"] else " ✗"))
+                for p in o["policies"])
+            lines.append(f"| {o['workload']} | {o['requests']} | {o['best']} | {gaps} |")
+        lines.append("")
+    notes = [summary.get("engine_state", "")] + list(summary.get("notes") or [])
+    if summary.get("plots_skipped"):
+        notes.append(f"plots skipped: {summary['plots_skipped']}")
+    lines += [f"- {n}" for n in notes if n]
+    return "\n".join(lines)
+
+
+def _pm(s: dict, digits: int = 3) -> str:
+    if s["mean"] is None:
+        return "–"
+    if s["std"]:
+        return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
+    return f"{s['mean']:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------- plots
+
+
+def write_plots(out_dir: Path, summary: dict, records: list[RequestRecord]) -> tuple[list[Path], str | None]:
+    """makespan.png and ttft_cdf.png; returns (files, why skipped or None)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "matplotlib is not installed (pip install matplotlib to get PNG plots)"
+    rows = summary["results"]
+    groups = list(dict.fromkeys((r["workload"], r["requests"]) for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    many = len({w for w, _ in groups}) > 1
+    made = []
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(policies)) * 0.35 + 3), 4.2))
+    width = 0.8 / max(len(policies), 1)
+    index = {(r["workload"], r["requests"], r["policy"]): r for r in rows}
+    for k, policy in enumerate(policies):
+        xs, ys, es = [], [], []
+        for g, (workload, n) in enumerate(groups):
+            row = index.get((workload, n, policy))
+            if row and row["makespan_s"]["mean"] is not None:
+                xs.append(g + (k - (len(policies) - 1) / 2) * width)
+                ys.append(row["makespan_s"]["mean"])
+                es.append(row["makespan_s"]["std"] or 0.0)
+        ax.bar(xs, ys, width, yerr=es, capsize=2, label=policy)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{w}\nN={n}" if many else f"N={n}" for w, n in groups], fontsize=7 if many else 9,
+                       rotation=30 if many else 0, ha="right" if many else "center")
+    ax.set_ylabel("makespan (s), mean ± std over runs")
+    ax.set_title(f"{summary['tool']}: makespan by policy")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    made.append(out_dir / "makespan.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+
+    shown = groups[:12]
+    cols = min(3, len(shown))
+    nrows = math.ceil(len(shown) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    for ax, (workload, n) in zip(axes.flat, shown):
+        for policy in policies:
+            ttft = sorted(r.ttft_s for r in records if r.success and r.ttft_s is not None
+                          and r.workload == workload and r.requests == n and r.policy == policy)
+            if ttft:
+                ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=policy)
+        ax.set_title(f"{workload}, N={n}" if many else f"N={n}", fontsize=8)
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("TTFT CDF (all runs)" + (f"; first {len(shown)} of {len(groups)} groups" if len(groups) > 12 else ""))
+    fig.tight_layout()
+    made.append(out_dir / "ttft_cdf.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+    return made, None
+
+
+def _clean(obj):
+    """JSON has no NaN or infinity: write null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj

@@ -1,0 +1,224 @@
+"""The benchmark's workload against an HTTP peer (e.g. `llama-server`), with aiohttp.
+
+Two wire formats, both streamed (SSE, `data: {json}` lines), prompts sent as token ids:
+
+- `completion`: llama-server's native `POST /completion` with `prompt` (token ids),
+  `n_predict`, `ignore_eos`, `cache_prompt`; its last chunk (`"stop": true`) reports
+  `tokens_predicted` and `timings.cache_n` (prompt tokens reused from its cache).
+- `openai`: `POST /v1/completions` with `prompt` (token ids), `max_tokens`, `ignore_eos`
+  (an extension llama-server and vLLM accept), `stream_options.include_usage`; ends with
+  `data: [DONE]`.
+
+`probe()` picks the format: a server answering `GET /props` is llama-server (`completion`),
+anything else is spoken to as OpenAI-compatible. TTFT is the arrival of the first streamed
+token chunk after the request was sent; a request that fails (HTTP error, broken stream,
+timeout) becomes a `RequestRecord` with `success=False` and its error — never an exception.
+
+Nothing here can flush a peer's cache: each run warms the shared prefix (`warm_copies`
+concurrent prefix-only requests, e.g. one per llama-server slot) and uses suffixes of its
+own (see `engine.workload`), so earlier runs cannot give it full-prompt hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from engine.benchmark import RequestRecord
+from engine.workload import RequestSpec, Workload
+
+APIS = ("auto", "completion", "openai")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    url: str  # base URL, no trailing slash
+    label: str  # the "policy" column of its rows, e.g. target:llama-server
+    api: str  # completion | openai
+    model: str | None = None  # the model name sent to an OpenAI-compatible server
+
+    def to_dict(self) -> dict:
+        return {"url": self.url, "label": self.label, "api": self.api, "model": self.model}
+
+
+def parse_target(text: str) -> tuple[str | None, str]:
+    """`URL` or `LABEL=URL` → (label or None, base URL)."""
+    label, eq, url = text.partition("=")
+    if not eq or "://" in label:
+        label, url = None, text
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--target {text!r}: expected [LABEL=]http://HOST:PORT")
+    return (label.strip() or None) if label else None, url
+
+
+async def probe(url: str, api: str = "auto", label: str | None = None, timeout: float = 10.0) -> Target:
+    """Find out what `url` speaks (see the module docstring); raises ConnectionError if nothing answers."""
+    import aiohttp
+
+    if api not in APIS:
+        raise ValueError(f"target api must be one of {', '.join(APIS)}, got {api!r}")
+    hostport = urlsplit(url).netloc
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        is_llama_server = False
+        if api in ("auto", "completion"):
+            try:
+                async with session.get(f"{url}/props") as r:
+                    is_llama_server = r.status == 200 and "default_generation_settings" in await r.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+        model = None
+        try:
+            async with session.get(f"{url}/v1/models") as r:
+                if r.status == 200:
+                    data = (await r.json(content_type=None)).get("data") or []
+                    model = data[0].get("id") if data else None
+                reachable = True
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            reachable = is_llama_server
+        if not reachable:
+            raise ConnectionError(f"--target {url}: no answer from /props or /v1/models")
+    if api == "auto":
+        api = "completion" if is_llama_server else "openai"
+    name = label or ("llama-server" if is_llama_server else hostport)
+    return Target(url=url, label=f"target:{name}", api=api, model=model)
+
+
+def run_target(target: Target, workload: Workload, *, run: int, warm_copies: int = 1,
+               timeout: float = 600.0, on_done=None) -> list[RequestRecord]:
+    """Warm the prefix, then send the workload on its schedule; one record per request."""
+    return asyncio.run(_run(target, workload, run, warm_copies, timeout, on_done))
+
+
+async def _run(target, workload, run, warm_copies, timeout, on_done):
+    import aiohttp
+
+    conn = aiohttp.TCPConnector(limit=0)
+    client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout)
+    async with aiohttp.ClientSession(connector=conn, timeout=client_timeout) as session:
+        if workload.prefix:
+            warm = [_send(session, target, workload.prefix, 1) for _ in range(max(1, warm_copies))]
+            for result in await asyncio.gather(*warm):
+                if result["error"]:
+                    raise ConnectionError(f"{target.label}: warming the prefix failed: {result['error']}")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def one(spec: RequestSpec) -> RequestRecord:
+            await asyncio.sleep(max(0.0, t0 + spec.arrival_s - loop.time()))
+            t_submit = loop.time() - t0
+            result = await _send(session, target, spec.prompt, spec.output_tokens)
+            record = _record(target, workload, run, spec, t_submit, result)
+            if on_done is not None:
+                on_done(record)
+            return record
+
+        return list(await asyncio.gather(*(one(s) for s in workload.requests)))
+
+
+async def _send(session, target: Target, prompt, n_tokens: int) -> dict:
+    """One streamed request; returns timings and counts, with `error` set instead of raising."""
+    import aiohttp
+
+    if target.api == "completion":
+        path = "/completion"
+        body = {"prompt": list(prompt), "n_predict": n_tokens, "ignore_eos": True, "cache_prompt": True,
+                "temperature": 0.0, "stream": True}
+    else:
+        path = "/v1/completions"
+        body = {"prompt": list(prompt), "max_tokens": n_tokens, "ignore_eos": True, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if target.model:
+            body["model"] = target.model
+    out = {"ttft": None, "e2e": None, "itl": [], "tokens": 0, "reported_tokens": None, "cached": -1,
+           "finish_reason": None, "error": None}
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with session.post(target.url + path, json=body) as r:
+            if r.status != 200:
+                text = (await r.text())[:500]
+                out["error"] = f"HTTP {r.status}: {text}"
+                return out
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    out["error"] = json.dumps(chunk["error"])[:500]
+                    break
+                now = time.perf_counter()
+                if _is_token(target, chunk):
+                    if out["ttft"] is None:
+                        out["ttft"] = now - t0
+                    else:
+                        out["itl"].append(now - last)
+                    last = now
+                    out["tokens"] += 1
+                _read_final(target, chunk, out)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["e2e"] = time.perf_counter() - t0
+    return out
+
+
+def _is_token(target: Target, chunk: dict) -> bool:
+    if target.api == "completion":
+        return not chunk.get("stop") or bool(chunk.get("content"))
+    choices = chunk.get("choices") or []
+    return bool(choices) and (bool(choices[0].get("text")) or choices[0].get("finish_reason") is None)
+
+
+def _read_final(target: Target, chunk: dict, out: dict) -> None:
+    if target.api == "completion":
+        if chunk.get("stop"):
+            out["reported_tokens"] = chunk.get("tokens_predicted")
+            timings = chunk.get("timings") or {}
+            cached = timings.get("cache_n", chunk.get("tokens_cached"))
+            out["cached"] = -1 if cached is None else int(cached)
+            out["finish_reason"] = "length" if chunk.get("stop_type") in (None, "limit") else chunk.get("stop_type")
+        return
+    for c in chunk.get("choices") or []:
+        if c.get("finish_reason"):
+            out["finish_reason"] = c["finish_reason"]
+    usage = chunk.get("usage")
+    if usage:
+        out["reported_tokens"] = usage.get("completion_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            out["cached"] = int(cached)
+
+
+def _record(target: Target, workload: Workload, run: int, spec: RequestSpec, t_submit: float,
+            result: dict) -> RequestRecord:
+    tokens = result["reported_tokens"] if result["reported_tokens"] is not None else result["tokens"]
+    itl = result["itl"]
+    ok = result["error"] is None and tokens > 0
+    return RequestRecord(
+        workload=workload.spec.name(),
+        policy=target.label,
+        run=run,
+        requests=len(workload.requests),
+        index=spec.index,
+        request_id=f"{target.label}-{run}-{spec.index}",
+        backend=target.label,
+        success=ok,
+        finish_reason=result["finish_reason"] if ok else "error",
+        prompt_tokens=len(spec.prompt),
+        cached_tokens=result["cached"],
+        output_tokens=int(tokens),
+        t_submit_s=t_submit,
+        queue_s=None,
+        ttft_s=result["ttft"],
+        e2e_s=result["e2e"],
+        itl_s=sum(itl) / len(itl) if itl else None,
+        error=result["error"] if result["error"] or ok else "the stream ended without a token",
+    )

@@ -1,0 +1,111 @@
+"""`tandem calibrate`: measure each backend's rates and store them for `Engine.load`.
+
+Prints a table, then one JSON line (the last line of stdout) with every measurement.
+`--list` prints what the store holds instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, RateStore, calibrate_backend,
+                              save_calibration)
+from engine.errors import InvalidRequest
+from engine.model import file_fingerprint
+
+from .engine_setup import engine_from_args
+from .progress import Progress
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=CALIBRATION_PROMPT,
+                   help="prefill prompt length, also the shared context of decode steps (default: %(default)s)")
+    p.add_argument("--gen-tokens", type=int, default=CALIBRATION_GEN,
+                   help="tokens each decode-measuring request generates (default: %(default)s)")
+    p.add_argument("--batches", default=None, metavar="B,B,...",
+                   help="batch sizes to time (default: 1..cap of each backend)")
+    p.add_argument("--repeats", type=int, default=3, help="prefill measurements, median kept (default: %(default)s)")
+    p.add_argument("--only", default=None, metavar="NAME,...", help="calibrate only these backends")
+    p.add_argument("--no-save", action="store_true", help="measure and print, do not store")
+    p.add_argument("--list", action="store_true", help="print the stored calibrations and exit")
+
+
+def run_calibrate(args) -> int:
+    store = RateStore()
+    if args.list:
+        return _list(store)
+    batches = _int_list(args.batches, "--batches") if args.batches else None
+    with engine_from_args(args, progress=False) as eng:
+        names = list(eng.backends)
+        if args.only:
+            wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+            unknown = [n for n in wanted if n not in eng.backends]
+            if unknown:
+                raise InvalidRequest(f"--only: unknown backend(s) {', '.join(unknown)}; have {', '.join(names)}")
+            names = wanted
+        model = eng.model
+        if model.synthetic:
+            print("(synthetic model: random weights; its timing is the real shape's)", file=sys.stderr)
+        steps = {n: 1 + args.repeats + len(batches or range(eng.backends[n].cap)) for n in names}
+        results = []
+        with Progress(sum(steps.values()), "calibrating") as bar:
+            offset = 0
+            for n in names:
+                def tick(done, _total, what, base=offset):
+                    bar.set(base + done, what)
+
+                cal = calibrate_backend(eng.backends[n], prompt_tokens=args.prompt_tokens,
+                                        gen_tokens=args.gen_tokens, batches=batches,
+                                        repeats=args.repeats, progress=tick)
+                offset += steps[n]
+                bar.set(offset)
+                key = None if args.no_save else save_calibration(store, model.path, cal, model.info.name)
+                results.append((cal, key))
+        print(format_table(model.info.name, results))
+        print(json.dumps({
+            "model": model.info.name,
+            "model_path": str(model.path),
+            "fingerprint": file_fingerprint(model.path),
+            "synthetic": model.synthetic,
+            "store": None if args.no_save else str(store.path),
+            "backends": [{**cal.to_dict(), "stored_as": key} for cal, key in results],
+        }))
+    return 0
+
+
+def format_table(model_name: str, results) -> str:
+    lines = [f"calibration of {model_name}",
+             "| backend | device | threads | cap | prefill tok/s | step ms at b=1..cap | α ms | β ms | decode tok/s at cap |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for cal, _ in results:
+        steps = " / ".join(f"{cal.step_s[b] * 1e3:.2f}" for b in sorted(cal.step_s))
+        lines.append(f"| {cal.backend} | {cal.device} | {cal.threads} | {cal.cap} | {cal.prefill_tok_s:,.0f} | "
+                     f"{steps} | {cal.step_alpha_s * 1e3:.2f} | {cal.step_beta_s * 1e3:.2f} | {cal.decode_tok_s:,.1f} |")
+    notes = [f"{cal.backend}: {n}" for cal, _ in results for n in cal.notes]
+    stored = [k for _, k in results if k]
+    if stored:
+        notes.append(f"stored in {RateStore().path}; `Engine.load` uses them for this model file and these configs")
+    return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+def _list(store: RateStore) -> int:
+    entries = store.entries()
+    print(f"{len(entries)} calibration(s) in {store.path}")
+    for key, e in sorted(entries.items()):
+        r = e.get("rates", {})
+        print(f"- {e.get('model', '?')} [{e.get('fingerprint')}] {e.get('config')}: prefill "
+              f"{r.get('prefill_tok_s', 0):,.0f} tok/s, decode {r.get('decode_tok_s', 0):,.1f} tok/s, "
+              f"step {r.get('step_alpha_s', 0) * 1e3:.2f} + {r.get('step_beta_s', 0) * 1e3:.2f}·b ms "
+              f"({e.get('measured_at', '?')})")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequest(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise InvalidRequest(f"{flag} must list integers >= 1, got {text!r}")
+    return values

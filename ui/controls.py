@@ -1,0 +1,237 @@
+"""Controls: routing policy, decode-budget mode, per-backend rates, caps, cache.
+
+Every control writes through the engine's thread-safe setters (`Router.set_policy`,
+`Router.set_budget`, `Backend.set_rates`, `Backend.set_cap`, `Backend.flush`) and applies at
+once; the next request is routed with it. Values the engine changes by itself (a cap set from
+a backend card) are read back from the tick.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
+    QPushButton, QSpinBox, QVBoxLayout, QWidget,
+)
+
+from engine.errors import EngineError
+from engine.router import BUDGET_MODES, POLICIES
+from engine.snapshot import Rates
+
+from .theme import backend_color
+
+POLICY_HELP = {
+    "seed-score": "The study's score: prefill tokens / prefill rate + decode budget / decode rate; lowest wins.",
+    "predicted-finish": "Simulates each backend's queue under its cap and picks the earliest finish of the new request.",
+    "least-work": "Fewest remaining prefill + decode tokens; ignores the rates.",
+    "round-robin": "Takes turns, ignoring load (a baseline).",
+    "gpu-only": "Everything to the first GPU backend (the study's baseline).",
+    "cpu-only": "Everything to the first CPU backend.",
+}
+BUDGET_HELP = {
+    "raw": "Every request counts its whole unused max_tokens budget (the study's rule).",
+    "ratio": "Running requests' budget scaled by SGLang's new_token_ratio (starts 0.7, decays to 0.1).",
+}
+
+
+def policy_choices(engine) -> list[str]:
+    """Policies that make sense for this engine's backends (device-only ones need the device)."""
+    devices = {("cpu" if b.model.device == "cpu" else "gpu") for b in engine.backends.values()}
+    out = []
+    for name in POLICIES:
+        if name == "gpu-only" and "gpu" not in devices:
+            continue
+        if name == "cpu-only" and "cpu" not in devices:
+            continue
+        out.append(name)
+    out += [f"only:{b}" for b in engine.backends]
+    return out
+
+
+class ControlsPanel(QWidget):
+    status_message = Signal(str)
+    rates_changed = Signal()
+
+    def __init__(self, engine, bridge, recalibrate=None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.engine = engine
+        self._recalibrate = recalibrate
+        self._initial_rates = {name: b.rates for name, b in engine.backends.items()}
+        self._build()
+        bridge.tick.connect(self._on_tick)
+
+    def _build(self) -> None:
+        router = self.engine.router
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 6, 6, 6)
+        lay.setSpacing(8)
+
+        routing = QGroupBox("Routing")
+        f = QFormLayout(routing)
+        self.policy_combo = QComboBox()
+        self.policy_combo.addItems(policy_choices(self.engine))
+        self.policy_combo.setCurrentText(router.policy)
+        self.policy_combo.currentTextChanged.connect(self.set_policy)
+        self.budget_combo = QComboBox()
+        self.budget_combo.addItems(list(BUDGET_MODES))
+        self.budget_combo.setCurrentText(router.budget)
+        self.budget_combo.currentTextChanged.connect(self.set_budget)
+        self.policy_help = QLabel()
+        self.policy_help.setWordWrap(True)
+        self.policy_help.setObjectName("muted")
+        self.ratio_label = QLabel()
+        self.ratio_label.setObjectName("muted")
+        f.addRow("Policy", self.policy_combo)
+        f.addRow("Decode budget", self.budget_combo)
+        f.addRow(self.policy_help)
+        f.addRow(self.ratio_label)
+        lay.addWidget(routing)
+
+        rates = QGroupBox("Rates the router prices work at (tok/s)")
+        g = QGridLayout(rates)
+        for col, text in enumerate(("", "prefill", "decode", "source", "cap", "cache")):
+            lab = QLabel(text)
+            lab.setObjectName("muted")
+            g.addWidget(lab, 0, col)
+        self.prefill_spins: dict[str, QDoubleSpinBox] = {}
+        self.decode_spins: dict[str, QDoubleSpinBox] = {}
+        self.source_labels: dict[str, QLabel] = {}
+        self.cap_spins: dict[str, QSpinBox] = {}
+        self.cache_checks: dict[str, QCheckBox] = {}
+        for row, (name, b) in enumerate(self.engine.backends.items(), start=1):
+            i = row - 1
+            g.addWidget(QLabel(f"<span style='color:{backend_color(i)}'>■</span> {name}"), row, 0)
+            ps = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e7, value=b.rates.prefill_tok_s)
+            ds = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e6, value=b.rates.decode_tok_s)
+            for s in (ps, ds):
+                s.setKeyboardTracking(False)  # apply on Enter / focus out / arrows, not per digit
+                s.valueChanged.connect(lambda _v, n=name: self.apply_rates(n))
+            src = QLabel(b.rates.source)
+            src.setObjectName("muted")
+            cap = QSpinBox(minimum=1, maximum=b.config.n_seq_max, value=b.cap)
+            cap.setKeyboardTracking(False)
+            cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
+            cache = QCheckBox()
+            cache.setChecked(b.cache.enabled)
+            cache.setEnabled(False)
+            cache.setToolTip("Prefix cache on/off is fixed when the engine is loaded (backend spec "
+                             "`cache=off`); the engine has no runtime switch yet. Flush empties it.")
+            self.prefill_spins[name], self.decode_spins[name] = ps, ds
+            self.source_labels[name], self.cap_spins[name], self.cache_checks[name] = src, cap, cache
+            for col, w in enumerate((ps, ds, src, cap, cache), start=1):
+                g.addWidget(w, row, col)
+        buttons = QHBoxLayout()
+        self.reset_button = QPushButton("Reset rates")
+        self.reset_button.setToolTip("Back to the rates the engine started with")
+        self.reset_button.clicked.connect(self.reset_rates)
+        self.recal_button = QPushButton("Recalibrate")
+        if self._recalibrate is None:
+            self.recal_button.setEnabled(False)
+            self.recal_button.setToolTip("Calibration is not available in this engine build yet")
+        else:
+            self.recal_button.clicked.connect(self._on_recalibrate)
+        self.flush_button = QPushButton("Flush all caches")
+        self.flush_button.clicked.connect(self.flush_all)
+        buttons.addWidget(self.reset_button)
+        buttons.addWidget(self.recal_button)
+        buttons.addWidget(self.flush_button)
+        buttons.addStretch(1)
+        g.addLayout(buttons, len(self.engine.backends) + 1, 0, 1, 6)
+        lay.addWidget(rates)
+        lay.addStretch(1)
+        self._update_help()
+
+    # ---- actions (GUI thread; engine setters are thread-safe) ----
+
+    def set_policy(self, name: str) -> None:
+        try:
+            self.engine.router.set_policy(name)
+            self.status_message.emit(f"routing policy: {name}")
+        except EngineError as e:
+            self.status_message.emit(str(e))
+            self.policy_combo.blockSignals(True)
+            self.policy_combo.setCurrentText(self.engine.router.policy)
+            self.policy_combo.blockSignals(False)
+        self._update_help()
+
+    def set_budget(self, mode: str) -> None:
+        try:
+            self.engine.router.set_budget(mode)
+            self.status_message.emit(f"decode budget: {mode}")
+        except EngineError as e:
+            self.status_message.emit(str(e))
+        self._update_help()
+
+    def apply_rates(self, name: str) -> None:
+        b = self.engine.backend(name)
+        old = b.rates
+        new = Rates(prefill_tok_s=self.prefill_spins[name].value(), decode_tok_s=self.decode_spins[name].value(),
+                    source="override")
+        if (new.prefill_tok_s, new.decode_tok_s) == (old.prefill_tok_s, old.decode_tok_s):
+            return
+        b.set_rates(new)
+        self.status_message.emit(f"{name}: rates set to prefill {new.prefill_tok_s:g}, decode {new.decode_tok_s:g} tok/s")
+        self.rates_changed.emit()
+
+    def reset_rates(self) -> None:
+        for name, rates in self._initial_rates.items():
+            self.engine.backend(name).set_rates(rates)
+            self._show_rates(name, rates)
+        self.status_message.emit("rates reset")
+        self.rates_changed.emit()
+
+    def set_cap(self, name: str, cap: int) -> None:
+        try:
+            self.engine.backend(name).set_cap(cap)
+            self.status_message.emit(f"{name}: cap set to {cap}")
+        except EngineError as e:
+            self.status_message.emit(str(e))
+
+    def flush_all(self) -> None:
+        for b in self.engine.backends.values():
+            b.flush()
+        self.status_message.emit("every prefix cache flushed")
+
+    def _on_recalibrate(self) -> None:
+        try:
+            self._recalibrate()
+        except Exception as e:  # noqa: BLE001
+            self.status_message.emit(f"recalibration failed: {e}")
+
+    # ---- per tick ----
+
+    def _show_rates(self, name: str, rates: Rates) -> None:
+        for spin, v in ((self.prefill_spins[name], rates.prefill_tok_s), (self.decode_spins[name], rates.decode_tok_s)):
+            if not spin.hasFocus() and abs(spin.value() - v) > 1e-9:
+                spin.blockSignals(True)
+                spin.setValue(v)
+                spin.blockSignals(False)
+        self.source_labels[name].setText(rates.source)
+
+    def _on_tick(self, tick) -> None:
+        for snap in tick.snapshots:
+            if snap.name not in self.cap_spins:
+                continue
+            self._show_rates(snap.name, snap.rates)
+            spin = self.cap_spins[snap.name]
+            if not spin.hasFocus() and spin.value() != snap.cap:
+                spin.blockSignals(True)
+                spin.setValue(snap.cap)
+                spin.blockSignals(False)
+            self.cache_checks[snap.name].setChecked(snap.cache.enabled)
+        router = self.engine.router
+        if router.policy != self.policy_combo.currentText() and not self.policy_combo.hasFocus():
+            self.policy_combo.blockSignals(True)
+            self.policy_combo.setCurrentText(router.policy)
+            self.policy_combo.blockSignals(False)
+            self._update_help()
+        if router.budget == "ratio":
+            self.ratio_label.setText(f"new_token_ratio now {router.new_token_ratio:.2f}")
+
+    def _update_help(self) -> None:
+        router = self.engine.router
+        name = router.policy
+        text = POLICY_HELP.get(name) or (f"Everything to {name[5:]}." if name.startswith("only:") else "")
+        self.policy_help.setText(f"{text}\n{BUDGET_HELP.get(router.budget, '')}")
+        self.ratio_label.setText(f"new_token_ratio now {router.new_token_ratio:.2f}" if router.budget == "ratio" else "")
+        self.ratio_label.setVisible(router.budget == "ratio")

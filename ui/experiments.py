@@ -1,0 +1,303 @@
+"""Experiments: run the study's workload live under several policies and compare them.
+
+Each run starts from flushed caches and a freshly warmed prefix on every backend
+(`ui.workload.WorkloadRun`), with one policy; runs go one after another, then the original
+policy is restored. Results (makespan, output tok/s, TTFT and end-to-end p50/p95, requests per
+backend) fill a table that exports to CSV, JSON or PNG. This measures the engine as loaded in
+the app; `tandem bench` is the headless, fresh-engine-per-run benchmark.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QAbstractItemView, QCheckBox, QFileDialog, QFormLayout, QGridLayout, QGroupBox, QHBoxLayout,
+    QHeaderView, QLabel, QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget,
+    QTableWidgetItem, QVBoxLayout, QWidget,
+)
+
+from .controls import policy_choices
+from .metrics import RunSummary, fmt_seconds
+from .theme import backend_color, qcolor, style_plot
+from .workload import STUDY, WorkloadRun, WorkloadSpec
+
+COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
+           "E2E p50", "E2E p95", "per backend"]
+
+
+class ExperimentsPanel(QWidget):
+    status_message = Signal(str)
+    run_finished = Signal(object)  # RunSummary
+
+    def __init__(self, engine, bridge, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.engine = engine
+        self.bridge = bridge
+        self.summaries: list[RunSummary] = []
+        self._queue: list[str] = []
+        self._run: WorkloadRun | None = None
+        self._restore_policy: str | None = None
+        self._total = 0
+        self._done_before = 0
+        self._build()
+
+    def _build(self) -> None:
+        wl = QGroupBox("Workload (the study's, by default)")
+        f = QFormLayout(wl)
+        self.n_requests = QSpinBox(minimum=1, maximum=1000, value=STUDY.n_requests)
+        self.interval = QSpinBox(minimum=0, maximum=10000, value=round(STUDY.interval_s * 1000), suffix=" ms")
+        self.prefix = QSpinBox(minimum=0, maximum=100000, value=STUDY.prefix_tokens, suffix=" tokens")
+        self.suffix = QSpinBox(minimum=1, maximum=100000, value=STUDY.suffix_tokens, suffix=" tokens")
+        self.max_tokens = QSpinBox(minimum=1, maximum=100000, value=STUDY.max_tokens, suffix=" tokens")
+        f.addRow("Requests", self.n_requests)
+        f.addRow("Arrival every", self.interval)
+        f.addRow("Shared, warmed prefix", self.prefix)
+        f.addRow("Unique suffix", self.suffix)
+        f.addRow("Generated per request", self.max_tokens)
+        presets = QHBoxLayout()
+        for n in (4, 8, 48):
+            b = QPushButton(f"{n} requests")
+            b.clicked.connect(lambda _=False, n=n: self.n_requests.setValue(n))
+            presets.addWidget(b)
+        f.addRow(presets)
+
+        pol = QGroupBox("Policies to compare (one run each)")
+        pv = QVBoxLayout(pol)
+        self.policy_checks: dict[str, QCheckBox] = {}
+        choices = policy_choices(self.engine)
+        baseline = "gpu-only" if "gpu-only" in choices else f"only:{next(iter(self.engine.backends))}"
+        for name in choices:
+            cb = QCheckBox(name)
+            cb.setChecked(name in ("seed-score", baseline))
+            self.policy_checks[name] = cb
+            pv.addWidget(cb)
+
+        self.run_button = QPushButton("Run")
+        self.run_button.setObjectName("primary")
+        self.run_button.clicked.connect(self.toggle)
+        self.progress = QProgressBar()
+        self.progress.setFormat("%v / %m requests")
+        self.phase_label = QLabel("idle")
+        self.phase_label.setObjectName("muted")
+        left = QWidget()
+        lv = QVBoxLayout(left)
+        lv.setContentsMargins(0, 0, 0, 0)
+        lv.addWidget(wl)
+        lv.addWidget(pol)
+        lv.addWidget(self.run_button)
+        lv.addWidget(self.progress)
+        lv.addWidget(self.phase_label)
+        lv.addStretch(1)
+
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.table.setAlternatingRowColors(True)
+        self.table.verticalHeader().setVisible(False)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+        self.table.horizontalHeader().setStretchLastSection(True)
+
+        self.chart = pg.PlotWidget()
+        p = self.chart.getPlotItem()
+        style_plot(p, "Makespan per run (lower is better)", "", "seconds")
+        p.setMouseEnabled(False, False)
+        p.hideButtons()
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=qcolor(backend_color(0), 200))
+        p.addItem(self.bars)
+
+        exports = QHBoxLayout()
+        self.csv_button = QPushButton("Export CSV…")
+        self.json_button = QPushButton("Export JSON…")
+        self.png_button = QPushButton("Export PNG…")
+        self.clear_button = QPushButton("Clear")
+        self.csv_button.clicked.connect(lambda: self._ask_export("csv"))
+        self.json_button.clicked.connect(lambda: self._ask_export("json"))
+        self.png_button.clicked.connect(lambda: self._ask_export("png"))
+        self.clear_button.clicked.connect(self.clear)
+        for b in (self.csv_button, self.json_button, self.png_button, self.clear_button):
+            exports.addWidget(b)
+        exports.addStretch(1)
+        note = QLabel("Live runs on the engine loaded here (caches flushed and the prefix re-warmed before each run). "
+                      "For fresh-engine, repeated runs use `tandem bench`.")
+        note.setObjectName("muted")
+        note.setWordWrap(True)
+
+        right_split = QSplitter(Qt.Vertical)
+        right_split.addWidget(self.table)
+        right_split.addWidget(self.chart)
+        right_split.setSizes([250, 200])
+        right = QWidget()
+        rv = QVBoxLayout(right)
+        rv.setContentsMargins(0, 0, 0, 0)
+        rv.addWidget(right_split, 1)
+        rv.addLayout(exports)
+        rv.addWidget(note)
+
+        split = QSplitter(Qt.Horizontal)
+        split.addWidget(left)
+        split.addWidget(right)
+        split.setSizes([330, 1100])
+        outer = QGridLayout(self)
+        outer.setContentsMargins(6, 6, 6, 6)
+        outer.addWidget(split)
+        self._update_exports()
+
+    # ---- running ----
+
+    def spec(self) -> WorkloadSpec:
+        return WorkloadSpec(n_requests=self.n_requests.value(), prefix_tokens=self.prefix.value(),
+                            suffix_tokens=self.suffix.value(), max_tokens=self.max_tokens.value(),
+                            interval_s=self.interval.value() / 1000.0)
+
+    @property
+    def running(self) -> bool:
+        return self._run is not None and self._run.running or bool(self._queue)
+
+    def toggle(self) -> None:
+        if self.running:
+            self.stop()
+        else:
+            self.start([n for n, cb in self.policy_checks.items() if cb.isChecked()])
+
+    def start(self, policies: list[str]) -> bool:
+        if self.running or not policies:
+            return False
+        self._restore_policy = self.engine.router.policy
+        self._queue = list(policies)
+        self._total = len(policies) * self.n_requests.value()
+        self._done_before = 0
+        self.progress.setMaximum(self._total)
+        self.progress.setValue(0)
+        self.run_button.setText("Stop")
+        self._next()
+        return True
+
+    def stop(self) -> None:
+        self._queue = []
+        if self._run is not None and self._run.running:
+            self._run.stop()
+
+    def _next(self) -> None:
+        if not self._queue:
+            self._end()
+            return
+        policy = self._queue.pop(0)
+        try:
+            self.engine.router.set_policy(policy)
+        except Exception as e:  # noqa: BLE001
+            self.status_message.emit(f"policy {policy}: {e}")
+            self._next()
+            return
+        label = f"#{len(self.summaries) + 1}"
+        self._run = WorkloadRun(self.engine, self.bridge, self.spec(), label=label, parent=self)
+        self._run.progress.connect(lambda done, _t: self.progress.setValue(self._done_before + done))
+        self._run.phase.connect(lambda ph, p=policy: self.phase_label.setText(f"{p}: {ph}"))
+        self._run.done.connect(self._on_done)
+        self._run.start()
+
+    def _on_done(self, result) -> None:
+        self._done_before += result.spec.n_requests
+        if result.error:
+            self.status_message.emit(f"experiment run failed: {result.error}")
+        elif result.records:
+            summary = result.summary()
+            self.add_summary(summary)
+            self.run_finished.emit(summary)
+        if self._queue and not result.error and len(result.records) == result.spec.n_requests:
+            self._next()
+        else:
+            self._queue = []
+            self._end()
+
+    def _end(self) -> None:
+        if self._restore_policy:
+            self.engine.router.set_policy(self._restore_policy)
+            self._restore_policy = None
+        self.run_button.setText("Run")
+        self.phase_label.setText("idle")
+
+    # ---- results ----
+
+    def add_summary(self, s: RunSummary) -> None:
+        self.summaries.append(s)
+        row = self.table.rowCount()
+        self.table.insertRow(row)
+        cells = [s.label, s.policy, f"{s.n_ok}/{s.n_requests}", fmt_seconds(s.makespan_s), f"{s.output_tok_s:.1f}",
+                 fmt_seconds(s.ttft_p50_s), fmt_seconds(s.ttft_p95_s), fmt_seconds(s.e2e_p50_s), fmt_seconds(s.e2e_p95_s),
+                 ", ".join(f"{b}: {n}" for b, n in s.per_backend.items())]
+        for col, text in enumerate(cells):
+            item = QTableWidgetItem(text)
+            if 2 <= col <= 8:
+                item.setTextAlignment(int(Qt.AlignRight | Qt.AlignVCenter))
+            self.table.setItem(row, col, item)
+        self._update_chart()
+        self._update_exports()
+
+    def clear(self) -> None:
+        self.summaries.clear()
+        self.table.setRowCount(0)
+        self._update_chart()
+        self._update_exports()
+
+    def _update_chart(self) -> None:
+        xs = list(range(len(self.summaries)))
+        hs = [s.makespan_s if math.isfinite(s.makespan_s) else 0.0 for s in self.summaries]
+        self.bars.setOpts(x=xs, height=hs)
+        self.chart.getPlotItem().getAxis("bottom").setTicks([[(i, f"{s.label} {s.policy}") for i, s in enumerate(self.summaries)]])
+        if hs:
+            self.chart.getPlotItem().setXRange(-0.6, len(hs) - 0.4, padding=0)
+            self.chart.getPlotItem().setYRange(0, max(hs) * 1.15, padding=0)
+
+    def _update_exports(self) -> None:
+        has = bool(self.summaries)
+        for b in (self.csv_button, self.json_button):
+            b.setEnabled(has)
+
+    # ---- export ----
+
+    def export_csv(self, path: str | Path) -> Path:
+        path = Path(path)
+        backends = sorted({b for s in self.summaries for b in s.per_backend})
+        fields = ["label", "policy", "n_requests", "n_ok", "makespan_s", "output_tok_s", "ttft_p50_s",
+                  "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", *[f"requests_{b}" for b in backends]]
+        with path.open("w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh)
+            w.writerow(fields)
+            for s in self.summaries:
+                d = s.to_dict()
+                w.writerow([d[k] for k in fields[:10]] + [s.per_backend.get(b, 0) for b in backends])
+        return path
+
+    def export_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        doc = {"workload": self.spec().__dict__, "runs": [s.to_dict() for s in self.summaries]}
+        path.write_text(json.dumps(doc, indent=2, default=_json_default), encoding="utf-8")
+        return path
+
+    def export_png(self, path: str | Path) -> Path:
+        path = Path(path)
+        self.grab().save(str(path))
+        return path
+
+    def _ask_export(self, kind: str) -> None:
+        filters = {"csv": "CSV (*.csv)", "json": "JSON (*.json)", "png": "PNG image (*.png)"}
+        path, _ = QFileDialog.getSaveFileName(self, f"Export {kind.upper()}", f"tandem-experiments.{kind}", filters[kind])
+        if not path:
+            return
+        try:
+            getattr(self, f"export_{kind}")(path)
+            self.status_message.emit(f"exported {path}")
+        except OSError as e:
+            self.status_message.emit(f"export failed: {e}")
+
+
+def _json_default(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)

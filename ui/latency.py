@@ -1,0 +1,153 @@
+"""The latency view: TTFT, end-to-end and inter-token step histograms per backend, with p50/p95
+markers, and output throughput over time.
+
+Histograms use fixed log-spaced edges (`ui.metrics.EDGES`) and are drawn with
+`stepMode="center"`; every curve and marker is created once and only `setData`/`setPos` is
+called afterwards, from the bridge's tick (and only when a request finished since the last
+redraw). Throughput comes from the decoded-token counts each tick carries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+
+from .metrics import EDGES, METRIC_TITLES, LatencyStore, RingSeries, fmt_seconds
+from .theme import backend_color, qcolor, style_plot
+
+THROUGHPUT_WINDOW_S = 120.0
+SMOOTH_S = 1.0  # throughput is averaged over this many seconds
+
+
+class LatencyView(QWidget):
+    def __init__(self, engine, bridge, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.backends = list(engine.backends)
+        self.colors = {b: backend_color(i) for i, b in enumerate(self.backends)}
+        self.store = LatencyStore(self.backends)
+        self._drawn_version = -1
+        hz = max(1, round(1000 / bridge.interval_ms))
+        self._smooth = max(1, round(SMOOTH_S * hz))
+        self._recent = {b: [] for b in self.backends}  # last `_smooth` ticks of (dt, tokens)
+        self._series = RingSeries(int(THROUGHPUT_WINDOW_S * hz), len(self.backends) + 1)
+        self._t0 = None
+        self._build()
+        bridge.finished.connect(self.add_record)
+        bridge.tick.connect(self._on_tick)
+
+    def _build(self) -> None:
+        grid = QGridLayout()
+        grid.setSpacing(6)
+        self.hist_curves: dict[str, dict[str, pg.PlotDataItem]] = {}
+        self.p_lines: dict[str, dict[str, tuple[pg.InfiniteLine, pg.InfiniteLine]]] = {}
+        self.plots: dict[str, pg.PlotItem] = {}
+        for k, metric in enumerate(("ttft", "e2e", "itl")):
+            w = pg.PlotWidget()
+            p = w.getPlotItem()
+            style_plot(p, f"{METRIC_TITLES[metric]} — p50 solid, p95 dashed", "seconds (log scale)", "requests")
+            p.setLogMode(x=True, y=False)
+            p.addLegend(offset=(-8, 8), labelTextSize="9pt")
+            edges = EDGES[metric]
+            self.plots[metric] = p
+            self.hist_curves[metric] = {}
+            self.p_lines[metric] = {}
+            zero = np.zeros(len(edges) - 1)
+            for b in self.backends:
+                c = self.colors[b]
+                curve = p.plot(edges, zero, stepMode="center", fillLevel=0, brush=qcolor(c, 50),
+                               pen=pg.mkPen(c, width=1.6), name=b)
+                p50 = pg.InfiniteLine(angle=90, pen=pg.mkPen(c, width=1.3))
+                p95 = pg.InfiniteLine(angle=90, pen=pg.mkPen(c, width=1.3, style=Qt.DashLine))
+                for line in (p50, p95):
+                    line.setVisible(False)
+                    p.addItem(line, ignoreBounds=True)
+                self.hist_curves[metric][b] = curve
+                self.p_lines[metric][b] = (p50, p95)
+            grid.addWidget(w, k // 2, k % 2)
+
+        w = pg.PlotWidget()
+        p = self.throughput_plot = w.getPlotItem()
+        style_plot(p, "Output throughput (1 s average)", "time (s)", "tokens / s")
+        p.addLegend(offset=(8, 8), labelTextSize="9pt")
+        self.tput_curves = []
+        for b in self.backends:
+            self.tput_curves.append(p.plot(pen=pg.mkPen(self.colors[b], width=1.6), name=b))
+        self.tput_curves.append(p.plot(pen=pg.mkPen("#e6e9ef", width=1.2, style=Qt.DashLine), name="total"))
+        grid.addWidget(w, 1, 1)
+
+        self.summary = QLabel()
+        self.summary.setTextFormat(Qt.RichText)
+        self.summary.setWordWrap(True)
+        self.clear_button = QPushButton("Clear")
+        self.clear_button.setToolTip("Forget the latencies collected so far")
+        self.clear_button.clicked.connect(self.clear)
+        top = QHBoxLayout()
+        top.addWidget(self.summary, 1)
+        top.addWidget(self.clear_button, 0, Qt.AlignTop)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(6, 6, 6, 6)
+        outer.addLayout(top)
+        outer.addLayout(grid, 1)
+        self._update_summary()
+
+    # ---- data ----
+
+    def add_record(self, record) -> None:
+        if record.backend not in self.colors:
+            return
+        self.store.add(record)
+
+    def clear(self) -> None:
+        self.store.clear()
+
+    # ---- per tick ----
+
+    def _on_tick(self, tick) -> None:
+        if self._t0 is None:
+            self._t0 = tick.time
+        totals = []
+        for b in self.backends:
+            r = self._recent[b]
+            r.append((tick.dt, tick.decode_tokens.get(b, 0)))
+            if len(r) > self._smooth:
+                del r[0]
+            secs = sum(x[0] for x in r)
+            totals.append(sum(x[1] for x in r) / secs if secs > 0 else 0.0)
+        self._series.append(tick.time - self._t0, (*totals, sum(totals)))
+        for k, curve in enumerate(self.tput_curves):
+            x, y = self._series.view(k)
+            curve.setData(x, y)
+        if self.store.version != self._drawn_version:
+            self._drawn_version = self.store.version
+            self._redraw_histograms()
+
+    def _redraw_histograms(self) -> None:
+        for metric, curves in self.hist_curves.items():
+            edges = EDGES[metric]
+            for b, curve in curves.items():
+                curve.setData(edges, self.store.histogram(metric, b))
+                p50, p95 = self.store.percentiles(metric, b)
+                for line, v in zip(self.p_lines[metric][b], (p50, p95)):
+                    if math.isfinite(v) and v > 0:
+                        line.setPos(math.log10(v))  # the axis is log10(seconds)
+                        line.setVisible(True)
+                    else:
+                        line.setVisible(False)
+        self._update_summary()
+
+    def _update_summary(self) -> None:
+        parts = []
+        for b in self.backends:
+            n = self.store.finished.get(b, 0)
+            bits = [f"<b style='color:{self.colors[b]}'>{b}</b> {n} done"]
+            if self.store.failed.get(b):
+                bits.append(f"{self.store.failed[b]} stopped/failed")
+            for metric, short in (("ttft", "TTFT"), ("e2e", "E2E"), ("itl", "ITL")):
+                p50, p95 = self.store.percentiles(metric, b)
+                bits.append(f"{short} p50 {fmt_seconds(p50)} / p95 {fmt_seconds(p95)}")
+            parts.append(" · ".join(bits))
+        self.summary.setText("<br>".join(parts))
