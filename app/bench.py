@@ -14,10 +14,9 @@ turn, `new_token_ratio`), restores caps and rates; timing starts at the first su
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from engine.model import file_fingerprint
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.router import RouteQuery, Router, make_policy
 from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
-                             SEED_SUFFIX_TOKENS, Workload, WorkloadSpec, build_workload, seed_workload,
+                             SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
                              shared_tokens_for, with_requests)
 
 from . import bench_report
@@ -72,6 +71,8 @@ def add_common_arguments(p, *, requests: str, runs: int) -> None:
                    help="llama-server's /completion or /v1/completions (default: probe)")
     p.add_argument("--target-warm", type=int, default=1,
                    help="concurrent prefix-warming requests per target run, e.g. its slot count")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unrecorded runs of every variant at the smallest N before timing (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", default=None, help="output directory (default: out/bench-KIND-TIME)")
@@ -124,8 +125,8 @@ class Variant:
 
 @dataclass
 class Collected:
-    records: list[RequestRecord] = dataclasses.field(default_factory=list)
-    decisions: list[dict] = dataclasses.field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
 
 
 class EngineRunner:
@@ -144,11 +145,10 @@ class EngineRunner:
     def run(self, workload: Workload, variant: Variant, on_done=None) -> Collected:
         eng = self.eng
         self._fresh_state(workload, variant)
-        sampling = [SamplingParams(temperature=0.0, max_tokens=s.output_tokens, ignore_eos=True)
-                    for s in workload.requests]
         submitted = []
         t0 = time.monotonic()
-        for spec, sp in zip(workload.requests, sampling):
+        for spec in workload.requests:
+            sp = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
             delay = t0 + spec.arrival_s - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -162,7 +162,13 @@ class EngineRunner:
         out = Collected()
         name = workload.spec.name()
         for spec, t_submit, handle, error in submitted:
-            record = handle.result(self.timeout) if handle is not None else None
+            record = None
+            if handle is not None:
+                try:
+                    record = handle.result(self.timeout)
+                except TimeoutError as e:
+                    handle.cancel()
+                    error = str(e)
             out.records.append(_engine_record(name, variant.label, workload, spec, t_submit, handle, record, error))
             if handle is not None and handle.decision is not None:
                 out.decisions.append(decision_line(handle.decision, t0, workload=name, run=workload.run,
@@ -194,20 +200,20 @@ class EngineRunner:
 
 
 def _engine_record(name, label, workload, spec, t_submit, handle, record, error) -> RequestRecord:
+    """A request's record from its finish record, or a failed one from `error`."""
+    common = dict(workload=name, policy=label, run=workload.run, requests=len(workload.requests),
+                  index=spec.index, t_submit_s=t_submit)
     if record is None:
-        return RequestRecord(workload=name, policy=label, run=workload.run, requests=len(workload.requests),
-                             index=spec.index, request_id=handle.id if handle else f"unsubmitted-{spec.index}",
-                             backend=handle.backend or "" if handle else "", success=False,
+        return RequestRecord(**common, request_id=handle.id if handle else f"unsubmitted-{spec.index}",
+                             backend=(handle.backend if handle else None) or "", success=False,
                              finish_reason="error", prompt_tokens=len(spec.prompt), cached_tokens=-1,
-                             output_tokens=0, t_submit_s=t_submit, queue_s=None, ttft_s=None, e2e_s=None,
-                             itl_s=None, error=error)
+                             output_tokens=0, queue_s=None, ttft_s=None, e2e_s=None, itl_s=None, error=error)
     ok = record.error is None and record.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
-    return RequestRecord(workload=name, policy=label, run=workload.run, requests=len(workload.requests),
-                         index=spec.index, request_id=record.request_id, backend=record.backend, success=ok,
+    return RequestRecord(**common, request_id=record.request_id, backend=record.backend, success=ok,
                          finish_reason=record.finish_reason, prompt_tokens=record.prompt_tokens,
                          cached_tokens=record.cached_tokens, output_tokens=record.output_tokens,
-                         t_submit_s=t_submit, queue_s=record.queue_s, ttft_s=record.ttft_s, e2e_s=record.e2e_s,
-                         itl_s=record.itl_s, error=record.error)
+                         queue_s=record.queue_s, ttft_s=record.ttft_s, e2e_s=record.e2e_s, itl_s=record.itl_s,
+                         error=record.error)
 
 
 # ---------------------------------------------------------------------------- commands
@@ -245,91 +251,124 @@ def run_grid(args) -> int:
 
 def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, caps: list[int],
            kv_seqs: list) -> int:
-    if args.runs < 1:
-        raise InvalidRequest("--runs must be >= 1")
+    if args.runs < 1 or args.warmup < 0:
+        raise InvalidRequest("--runs must be >= 1 and --warmup >= 0")
+    bench = Bench(args, kind, specs, n_list, caps=caps, kv_seqs=kv_seqs)
+    with Progress(0, f"bench {kind}") as bar:
+        bench.run(bar)
+    summary = bench.summary()
     out_dir = Path(args.out or f"out/bench-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
-    overrides = dict(parse_rates(s) for s in args.rates)
-    policies = _policy_list(args.policies)
-    targets = _probe_targets(args)
-    engine_wanted = policies != []
-    if not engine_wanted and not targets:
-        raise InvalidRequest("nothing to run: --policies none and no --target")
-    notes: list[str] = []
-    if any(s.output == "uniform" for s in specs):
-        notes.append("variable output: each request is sent with max_tokens = its drawn length (ignore_eos), "
-                     "so routers see the true length as the budget; a hidden early stop needs an engine feature")
+    written = bench_report.write_all(out_dir, summary, bench.records, bench.decisions, plots=not args.no_plots)
+    print(bench_report.markdown(summary))
+    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return 0 if all(r.success for r in bench.records) else 1
 
-    collected = Collected()
-    rows_meta: dict = {}
-    engine_info = None
-    model_info = {"spec": args.model}
-    sweep = None
-    with _Session(kind) as session:
-        for kv in kv_seqs:
-            eng = None
-            if engine_wanted:
-                eng, sweep, cfg_notes = _load_engine(args, specs, n_list, caps, kv, overrides)
-                notes.extend(n for n in cfg_notes if n not in notes)
+
+class Bench:
+    """One invocation: every KV budget (an engine each) x run x workload x N x variant."""
+
+    def __init__(self, args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *,
+                 caps: list[int], kv_seqs: list):
+        self.args = args
+        self.kind = kind
+        self.specs = specs
+        self.n_list = n_list
+        self.caps = caps
+        self.kv_seqs = kv_seqs
+        self.overrides = dict(parse_rates(s) for s in args.rates)
+        self.policies = _policy_list(args.policies)  # None: defaults, []: no engine
+        self.targets = _probe_targets(args)
+        if self.policies == [] and not self.targets:
+            raise InvalidRequest("nothing to run: --policies none and no --target")
+        self.records: list[RequestRecord] = []
+        self.decisions: list[dict] = []
+        self.meta: dict[tuple[str, str], dict] = {}  # (workload, label) -> row facts
+        self.engines: list[dict] = []  # per KV budget: backends as configured
+        self.model_info = {"spec": args.model}
+        self.notes: list[str] = []
+        if args.warmup:
+            self.notes.append(f"before timing, {args.warmup} unrecorded warm-up run(s) of every variant "
+                              f"at N={min(n_list)}")
+        if any(s.output == "uniform" for s in specs):
+            self.notes.append("variable output: each request is sent with max_tokens = its drawn length "
+                              "(ignore_eos), so routers see the true length as the budget; a hidden early "
+                              "stop needs an engine feature")
+
+    def run(self, bar: Progress) -> None:
+        for k, kv in enumerate(self.kv_seqs):
+            eng = sweep = None
+            if self.policies != []:
+                eng, sweep, notes = _load_engine(self.args, self.specs, self.caps, kv, self.overrides)
+                self.notes.extend(n for n in notes if n not in self.notes)
             try:
-                variants = _variants(eng, policies, caps, targets, args, sweep)
+                variants = _variants(eng, self.policies, self.caps, [] if k else self.targets, self.args, sweep)
+                runner = None
                 if eng is not None:
                     _check_policies(eng, [v for v in variants if v.policy], sweep)
-                    engine_info = _engine_info(eng, sweep)
-                    model_info = _model_info(args.model, eng)
-                vocab = eng.model.n_vocab if eng else 32000
-                runner = (EngineRunner(eng, sweep_backend=sweep, budget=args.budget, online=args.online_rates,
-                                       timeout=args.timeout) if eng else None)
-                total = args.runs * len(specs) * sum(n_list) * len(variants)
-                session.progress_add(total)
-                for run in range(args.runs):
-                    for spec in specs:
-                        for n in n_list:
-                            wl = build_workload(dataclasses.replace(with_requests(spec, n), vocab_size=vocab,
-                                                                    label=_label(spec, kv)), run)
-                            for v in variants:
-                                session.status(f"{v.label} N={n} run {run + 1}/{args.runs}")
-                                if v.target is not None:
-                                    from .bench_target import run_target
-
-                                    recs = run_target(v.target, wl, run=run, warm_copies=args.target_warm,
-                                                      timeout=args.timeout, on_done=lambda _r: session.tick())
-                                    collected.records.extend(recs)
-                                else:
-                                    got = runner.run(wl, v, on_done=session.tick)
-                                    collected.records.extend(got.records)
-                                    collected.decisions.extend(got.decisions)
-                                rows_meta[(wl.spec.name(), v.label)] = {"kv_seqs": kv, "cap": v.cap,
-                                                                        "single": v.single,
-                                                                        "target": v.target is not None}
+                    self.engines.append({"kv_seqs": kv, "backends": _engine_info(eng, sweep)})
+                    self.model_info = _model_info(self.args.model, eng)
+                    runner = EngineRunner(eng, sweep_backend=sweep, budget=self.args.budget,
+                                          online=self.args.online_rates, timeout=self.args.timeout)
+                per_variant = (self.args.runs * len(self.specs) * sum(self.n_list)
+                               + self.args.warmup * min(self.n_list))
+                bar.add_total(len(variants) * per_variant)
+                self._run_variants(variants, runner, kv, eng.model.n_vocab if eng else TOKEN_HIGH, bar)
                 if runner is not None:
                     runner.close()
             finally:
                 if eng is not None:
                     eng.close()
 
-    rows = summarize(collected.records, rows_meta)
-    single = {label for (_, label), m in rows_meta.items() if m["single"]}
-    summary = {
-        "tool": f"tandem bench {kind}",
-        "argv": list(sys.argv),
-        "created": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "model": model_info,
-        "backends": engine_info,
-        "targets": [t.to_dict() for t in targets],
-        "workloads": [s.to_dict() for s in specs],
-        "requests": n_list,
-        "runs": args.runs,
-        "policies": list(dict.fromkeys(label for _, label in rows_meta)),
-        "engine_state": FRESH_STATE.format(per_kv=" per KV budget" if kv_seqs != [None] else ""),
-        "notes": notes,
-        "results": rows,
-        "oracle": oracle(rows, group=("workload", "requests"), single=single),
-    }
-    written = bench_report.write_all(out_dir, summary, collected.records, collected.decisions,
-                                     plots=not args.no_plots)
-    print(bench_report.markdown(summary))
-    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
-    return 0 if all(r.success for r in collected.records) else 1
+    def _run_variants(self, variants, runner, kv, vocab: int, bar: Progress) -> None:
+        args = self.args
+        for k in range(args.warmup):
+            wl = build_workload(replace(with_requests(self.specs[0], min(self.n_list)), vocab_size=vocab), -1 - k)
+            for v in variants:
+                self._one(wl, v, runner, kv, bar, keep=False)
+        for run in range(args.runs):
+            for spec in self.specs:
+                for n in self.n_list:
+                    wl = build_workload(replace(with_requests(spec, n), vocab_size=vocab,
+                                                label=spec.name() + (f", kv {kv} seqs" if kv else "")), run)
+                    for v in variants:
+                        self._one(wl, v, runner, kv, bar)
+
+    def _one(self, wl: Workload, v: Variant, runner, kv, bar: Progress, keep: bool = True) -> None:
+        args = self.args
+        bar.update(0, f"{v.label} N={len(wl.requests)} " + (f"run {wl.run + 1}/{args.runs}" if keep else "warm-up"))
+        if v.target is not None:
+            from .bench_target import run_target
+
+            got = Collected(run_target(v.target, wl, run=wl.run, warm_copies=args.target_warm,
+                                       timeout=args.timeout, on_done=lambda _r: bar.update(1)))
+        else:
+            got = runner.run(wl, v, on_done=bar.update)
+        if keep:
+            self.records.extend(got.records)
+            self.decisions.extend(got.decisions)
+            self.meta[(wl.spec.name(), v.label)] = {"kv_seqs": kv, "cap": v.cap, "single": v.single,
+                                                    "target": v.target is not None}
+
+    def summary(self) -> dict:
+        rows = summarize(self.records, self.meta)
+        single = {label for (_, label), m in self.meta.items() if m["single"]}
+        return {
+            "tool": f"tandem bench {self.kind}",
+            "argv": list(sys.argv),
+            "created": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "model": self.model_info,
+            "backends": self.engines[0]["backends"] if self.engines else [],
+            "engines": self.engines,
+            "targets": [t.to_dict() for t in self.targets],
+            "workloads": [s.to_dict() for s in self.specs],
+            "requests": self.n_list,
+            "runs": self.args.runs,
+            "policies": list(dict.fromkeys(label for _, label in self.meta)),
+            "engine_state": FRESH_STATE.format(per_kv=" per KV budget" if self.kv_seqs != [None] else ""),
+            "notes": self.notes,
+            "results": rows,
+            "oracle": oracle(rows, group=("workload", "requests"), single=single),
+        }
 
 
 def summarize(records: list[RequestRecord], meta: dict | None = None) -> list[dict]:
@@ -348,36 +387,7 @@ def summarize(records: list[RequestRecord], meta: dict | None = None) -> list[di
 # ---------------------------------------------------------------------------- helpers
 
 
-class _Session:
-    """The progress bar across every engine (KV budget) of one invocation."""
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        self.bar: Progress | None = None
-
-    def progress_add(self, n: int) -> None:
-        if self.bar is None:
-            self.bar = Progress(n, f"bench {self.kind}")
-        else:
-            self.bar.add_total(n)
-
-    def status(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.update(0, text)
-
-    def tick(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _load_engine(args, specs, n_list, caps, kv, overrides):
+def _load_engine(args, specs, caps, kv, overrides):
     """Load the engine for one KV budget; returns (engine, swept backend name, notes)."""
     notes = []
     raw = args.backend or default_specs(gpu=llama.gpu_offload_supported())
@@ -392,23 +402,24 @@ def _load_engine(args, specs, n_list, caps, kv, overrides):
     for c, s in zip(configs, raw):
         if c.name == sweep and (max_cap or kv):
             if max_cap and "n_seq_max=" not in s:
-                c = dataclasses.replace(c, n_seq_max=max(c.resolved().n_seq_max, min(256, 2 * max_cap + 8)))
+                c = replace(c, n_seq_max=max(c.resolved().n_seq_max, min(256, 2 * max_cap + 8)))
             if kv:
-                c = dataclasses.replace(c, n_ctx=kv * per_seq)
-                notes.append(f"KV budget: {sweep}'s context holds {kv} whole sequences of "
-                             f"{per_seq} tokens ({kv * per_seq} cells); a shared prefix lets more run")
+                c = replace(c, n_ctx=kv * per_seq)
             elif max_cap and c.name not in explicit_ctx:
                 need = max_cap * per_seq
                 if need > c.n_ctx:
-                    c = dataclasses.replace(c, n_ctx=need)
+                    c = replace(c, n_ctx=need)
                     notes.append(f"{sweep}'s context raised to {need} cells so cap {max_cap} is not memory-bound "
                                  f"(the model's training context still caps it)")
         new.append(c)
-    rates = {n: r for n, r in overrides.items()}
-    unknown = set(rates) - {c.name for c in new}
+    unknown = set(overrides) - {c.name for c in new}
     if unknown:
         raise InvalidRequest(f"--rates names unknown backend(s) {', '.join(sorted(unknown))}")
-    eng = Engine.load(args.model, new, rates=rates)
+    eng = Engine.load(args.model, new, rates=overrides)
+    if kv:
+        notes.append(f"KV budget {kv}: {sweep}'s context asked for room for {kv} whole sequences of "
+                     f"{per_seq} tokens ({kv * per_seq} cells; llama.cpp made {eng.backends[sweep].n_ctx}); "
+                     f"a shared prefix lets more run")
     return eng, sweep, notes
 
 
@@ -485,7 +496,7 @@ def _engine_info(eng, sweep) -> list[dict]:
         out.append({"name": b.name, "device": b.model.device, "cap": c.cap, "n_ctx": b.n_ctx,
                     "threads": c.threads, "n_seq_max": c.n_seq_max, "n_batch": c.n_batch,
                     "kv_unified": c.kv_unified, "swept": b.name == sweep,
-                    "rates": dataclasses.asdict(b.rates)})
+                    "rates": asdict(b.rates)})
     return out
 
 

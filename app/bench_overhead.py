@@ -34,17 +34,21 @@ def run_overhead(args) -> int:
     n_ctx = _ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
     backend = Backend(
         BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
-                      threads=threads or 0),
+                      threads=threads or 0, backend_sampling=not args.host_sampling,
+                      flash_attn=args.flash_attn),
         model,
     ).start()
-    llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx)
+    llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,
+                                                 flash=args.flash_attn != "off")
     print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
           f"{backend.config.threads}, prompt {len(prompt)} tokens, generate {args.gen_tokens}", file=sys.stderr)
     results: dict[str, list[float]] = {f"engine_b{b}": [] for b in batches}
     if llama is not None:
         results["llama_b1"] = []
+    if args.batched_bench:
+        results.update({f"batched_b{b}": [] for b in batches})
     try:
-        # One unmeasured round warms caches, threads and the allocator on both sides.
+        # One unmeasured round warms caches, threads and the allocator on all sides.
         for rnd in range(args.repeats + 1):
             for b in batches:
                 v = _engine_decode(backend, prompt, args.gen_tokens, b)
@@ -54,6 +58,11 @@ def run_overhead(args) -> int:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
                     results["llama_b1"].append(v)
+            if args.batched_bench and rnd:
+                bb = _batched_bench(args.batched_bench, path, model.device, backend.config.threads,
+                                    n_ctx, len(prompt), args.gen_tokens, batches)
+                for b in batches:
+                    results[f"batched_b{b}"].append(bb[b])
             if rnd:
                 row = "  ".join(f"{k} {v[-1]:7.1f}" for k, v in results.items())
                 print(f"round {rnd}/{args.repeats}: {row} tok/s", file=sys.stderr)
@@ -62,9 +71,11 @@ def run_overhead(args) -> int:
         model.close()
     out = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
-    if llama is not None:
-        for b in batches:
+    for b in batches:
+        if llama is not None:
             out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
+        if args.batched_bench:
+            out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
     out.update(model=path.name, device=model.device, threads=backend.config.threads,
                prompt_tokens=len(prompt), gen_tokens=args.gen_tokens, repeats=args.repeats)
     print(json.dumps(out))
@@ -97,10 +108,32 @@ def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int) 
     return sum(r.output_tokens - 1 for r in records) / (end - start)
 
 
-def _baseline(path, device: str, threads: int, n_ctx: int):
+def _batched_bench(binary: str, path, device: str, threads: int, n_ctx: int, n_prompt: int,
+                   n_gen: int, batches: list[int]) -> dict[int, float]:
+    """Run llama.cpp's `llama-batched-bench` with the same shape (shared prompt, unified KV,
+    as our engine with a warm prefix) and return decode tok/s (S_TG) per batch size."""
+    import subprocess
+
+    cmd = [binary, "-m", str(path), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
+           "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, batches)),
+           "-pps", "-kvu", "-t", str(threads), "-tb", str(threads),
+           "-ngl", "99" if device == "gpu" else "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    speeds = {}
+    for line in (out.stdout + out.stderr).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[0].isdigit():
+            speeds[int(cells[2])] = float(cells[7])
+    missing = [b for b in batches if b not in speeds]
+    if missing:
+        raise RuntimeError(f"llama-batched-bench printed no result for B={missing}: {out.stderr[-2000:]}")
+    return speeds
+
+
+def _baseline(path, device: str, threads: int, n_ctx: int, flash: bool):
     from llama_cpp import Llama
 
-    return Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+    return Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash,
                  n_gpu_layers=-1 if device == "gpu" else 0, verbose=False)
 
 

@@ -152,7 +152,8 @@ def write_plots(out_dir: Path, summary: dict, records: list[RequestRecord]) -> t
             ttft = sorted(r.ttft_s for r in records if r.success and r.ttft_s is not None
                           and r.workload == workload and r.requests == n and r.policy == policy)
             if ttft:
-                ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=policy)
+                ax.step([ttft[0], *ttft], [0.0, *((i + 1) / len(ttft) for i in range(len(ttft)))],
+                        where="post", label=policy)
         ax.set_title(f"{workload}, N={n}" if many else f"N={n}", fontsize=8)
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")

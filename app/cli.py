@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--gen-tokens", type=int, default=128)
     ov.add_argument("--repeats", type=int, default=3)
     ov.add_argument("--no-llama", action="store_true", help="skip the high-level Llama baseline")
+    ov.add_argument("--batched-bench", metavar="BIN", default=None,
+                    help="also run llama.cpp's llama-batched-bench (path) with the same shape")
+    ov.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
+    ov.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
 
     from app import bench as _bench, calibrate_cmd as _calibrate
 

@@ -12,7 +12,7 @@ import time
 
 class Progress:
     def __init__(self, total: int, desc: str = "", *, enabled: bool = True, stream=None):
-        self.total = max(int(total), 1)
+        self.total = max(int(total), 0)
         self.n = 0
         self.desc = desc
         self.stream = stream or sys.stderr
@@ -71,7 +71,7 @@ class Progress:
         return bool(getattr(self.stream, "isatty", lambda: False)())
 
     def _fallback(self) -> None:
-        line = f"{self.desc} {self.n}/{self.total} ({100 * self.n // self.total}%)"
+        line = f"{self.desc} {self.n}/{self.total} ({100 * self.n // max(self.total, 1)}%)"
         if self._tty():
             now = time.monotonic()
             if now - self._last_print >= 0.2 or self.n == self.total:
@@ -79,7 +79,7 @@ class Progress:
                 self.stream.write("\r" + line[:160].ljust(60))
                 self.stream.flush()
             return
-        decile = 10 * self.n // self.total
+        decile = 10 * self.n // max(self.total, 1)
         if decile != self._last_decile:
             self._last_decile = decile
             self.stream.write(line + "\n")

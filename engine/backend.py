@@ -55,6 +55,7 @@ class BackendConfig:
     flash_attn: str = "auto"  # auto | on | off
     cache: bool = True
     max_queue: int = 4096
+    backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
 
     def resolved(self) -> "BackendConfig":
         threads = self.threads or os.cpu_count() or 1
@@ -401,6 +402,8 @@ class Backend:
                                              f"{self.n_ctx - self.kv_cells_used()} free")
             return False
         seq.seq_id = self._free_ids.pop()
+        if seq.sampler is not None and self.config.backend_sampling:
+            seq.sampler.attach(self._ctx, seq.seq_id)
         if hit:
             lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(lock.node), seq.seq_id, 0, hit)
         seq.lock = lock

@@ -15,12 +15,21 @@ from .request import SamplingParams
 
 
 class Sampler:
-    __slots__ = ("ptr", "_bias")
+    """A sampler chain for one sequence; on the device when llama.cpp can take it there.
+
+    `attach()` hands the chain to the context for `seq_id` (backend sampling: the token is
+    chosen inside the decode graph, so the logits never leave the device); `sample()` then
+    reads that token and falls back to host sampling when the backend chose none.
+    """
+
+    __slots__ = ("ptr", "_bias", "_ctx", "_seq")
 
     def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int]):
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
         self._bias = None
+        self._ctx = None
+        self._seq = -1
         if params.ignore_eos and eog_tokens:
             self._bias = (lc.llama_logit_bias * len(eog_tokens))(
                 *[lc.llama_logit_bias(t, float("-inf")) for t in eog_tokens]
@@ -42,11 +51,27 @@ class Sampler:
             add(lc.llama_sampler_init_dist(seed))
         self.ptr = chain
 
+    def attach(self, ctx, seq_id: int) -> bool:
+        """Sample `seq_id` on the device from now on; False if llama.cpp keeps it on the host."""
+        if lc.llama_set_sampler(ctx, seq_id, self.ptr):
+            self._ctx, self._seq = ctx, seq_id
+            return True
+        return False
+
     def sample(self, ctx, row: int) -> int:
-        """Sample from output row `row` of the last decode and accept the token."""
+        """The token chosen for output row `row` of the last decode; the chain accepts it."""
+        if self._ctx is not None:
+            tok = lc.llama_get_sampled_token_ith(ctx, row)
+            if tok != lc.LLAMA_TOKEN_NULL:
+                lc.llama_sampler_accept(self.ptr, tok)
+                return tok
         return lc.llama_sampler_sample(self.ptr, ctx, row)
 
     def free(self) -> None:
+        """Detach from the context (if attached) and free the chain."""
+        if self._ctx is not None:
+            lc.llama_set_sampler(self._ctx, self._seq, None)
+            self._ctx = None
         if self.ptr:
             lc.llama_sampler_free(self.ptr)
             self.ptr = None

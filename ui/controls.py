@@ -8,7 +8,9 @@ a backend card) are read back from the tick.
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
+import threading
+
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
     QPushButton, QSpinBox, QVBoxLayout, QWidget,
@@ -49,13 +51,21 @@ def policy_choices(engine) -> list[str]:
 
 
 class ControlsPanel(QWidget):
+    """`recalibrate(engine, progress)` (optional, blocking) measures and applies fresh rates; it runs
+    on a worker thread and reports through `progress(text)`."""
+
     status_message = Signal(str)
     rates_changed = Signal()
+    _recal_progress = Signal(str)
+    _recal_done = Signal(str)
 
     def __init__(self, engine, bridge, recalibrate=None, parent: QWidget | None = None):
         super().__init__(parent)
         self.engine = engine
         self._recalibrate = recalibrate
+        self._recal_thread: threading.Thread | None = None
+        self._recal_progress.connect(self.status_message)
+        self._recal_done.connect(self._on_recal_done)
         self._initial_rates = {name: b.rates for name, b in engine.backends.items()}
         self._build()
         bridge.tick.connect(self._on_tick)
@@ -129,6 +139,8 @@ class ControlsPanel(QWidget):
             self.recal_button.setEnabled(False)
             self.recal_button.setToolTip("Calibration is not available in this engine build yet")
         else:
+            self.recal_button.setToolTip("Measure every backend's prefill rate and decode step times now "
+                                         "(backends should be idle; takes a while) and use them")
             self.recal_button.clicked.connect(self._on_recalibrate)
         self.flush_button = QPushButton("Flush all caches")
         self.flush_button.clicked.connect(self.flush_all)
@@ -193,10 +205,25 @@ class ControlsPanel(QWidget):
         self.status_message.emit("every prefix cache flushed")
 
     def _on_recalibrate(self) -> None:
+        if self._recal_thread is not None and self._recal_thread.is_alive():
+            return
+        self.recal_button.setEnabled(False)
+        self.recal_button.setText("Calibrating…")
+        self._recal_thread = threading.Thread(target=self._recal_work, name="recalibrate", daemon=True)
+        self._recal_thread.start()
+
+    def _recal_work(self) -> None:  # worker thread: only emits signals
         try:
-            self._recalibrate()
-        except Exception as e:  # noqa: BLE001
-            self.status_message.emit(f"recalibration failed: {e}")
+            self._recalibrate(self.engine, self._recal_progress.emit)
+            self._recal_done.emit("recalibrated: the router now uses the measured rates")
+        except Exception as e:  # noqa: BLE001  (shown, the app goes on)
+            self._recal_done.emit(f"recalibration failed: {e}")
+
+    def _on_recal_done(self, message: str) -> None:
+        self.recal_button.setEnabled(True)
+        self.recal_button.setText("Recalibrate")
+        self.status_message.emit(message)
+        self.rates_changed.emit()
 
     # ---- per tick ----
 

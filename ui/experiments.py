@@ -1,10 +1,12 @@
-"""Experiments: run the study's workload live under several policies and compare them.
+"""Experiments: run the study's workload (or a variant) under several policies and compare them.
 
-Each run starts from flushed caches and a freshly warmed prefix on every backend
-(`ui.workload.WorkloadRun`), with one policy; runs go one after another, then the original
-policy is restored. Results (makespan, output tok/s, TTFT and end-to-end p50/p95, requests per
-backend) fill a table that exports to CSV, JSON or PNG. This measures the engine as loaded in
-the app; `tandem bench` is the headless, fresh-engine-per-run benchmark.
+With a `bench_runner` (the app passes one built on `tandem bench`'s `EngineRunner`), each run
+goes through the benchmark runner itself on a worker thread: fresh engine state per run (caches
+flushed, prefix re-warmed, router cleared, caps and rates restored), the same workloads and the
+same metrics as the command line. Without one, runs are driven from the GUI thread by
+`ui.workload.WorkloadRun`. Either way the routing and latency views show the run live, a
+progress bar counts requests, and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
+requests per backend) fill a table that exports to CSV, JSON or PNG.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import threading
 from pathlib import Path
 
 import pyqtgraph as pg
@@ -25,7 +28,7 @@ from PySide6.QtWidgets import (
 from .controls import policy_choices
 from .metrics import RunSummary, fmt_seconds
 from .theme import backend_color, qcolor, style_plot
-from .workload import STUDY, WorkloadRun, WorkloadSpec
+from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
            "E2E p50", "E2E p95", "per backend"]
@@ -34,11 +37,22 @@ COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", 
 class ExperimentsPanel(QWidget):
     status_message = Signal(str)
     run_finished = Signal(object)  # RunSummary
+    _worker_progress = Signal()
+    _worker_result = Signal(object)  # RunSummary
+    _worker_error = Signal(str)
+    _worker_done = Signal()
 
-    def __init__(self, engine, bridge, parent: QWidget | None = None):
+    def __init__(self, engine, bridge, bench_runner=None, parent: QWidget | None = None):
         super().__init__(parent)
         self.engine = engine
         self.bridge = bridge
+        self.bench_runner = bench_runner  # fn(spec, policy, run, on_done) -> RunSummary, blocking
+        self._thread: threading.Thread | None = None
+        self._stop_flag = threading.Event()
+        self._worker_progress.connect(self._on_worker_progress)
+        self._worker_result.connect(self._on_worker_result)
+        self._worker_error.connect(lambda msg: self.status_message.emit(f"experiment run failed: {msg}"))
+        self._worker_done.connect(self._end)
         self.summaries: list[RunSummary] = []
         self._queue: list[str] = []
         self._run: WorkloadRun | None = None
@@ -52,9 +66,10 @@ class ExperimentsPanel(QWidget):
         f = QFormLayout(wl)
         self.n_requests = QSpinBox(minimum=1, maximum=1000, value=STUDY.n_requests)
         self.interval = QSpinBox(minimum=0, maximum=10000, value=round(STUDY.interval_s * 1000), suffix=" ms")
-        self.prefix = QSpinBox(minimum=0, maximum=100000, value=STUDY.prefix_tokens, suffix=" tokens")
-        self.suffix = QSpinBox(minimum=1, maximum=100000, value=STUDY.suffix_tokens, suffix=" tokens")
-        self.max_tokens = QSpinBox(minimum=1, maximum=100000, value=STUDY.max_tokens, suffix=" tokens")
+        self.prefix = QSpinBox(minimum=0, maximum=100000, value=STUDY.shared_tokens, suffix=" tokens")
+        self.suffix = QSpinBox(minimum=1, maximum=100000, value=STUDY.prompt_tokens - STUDY.shared_tokens,
+                               suffix=" tokens")
+        self.max_tokens = QSpinBox(minimum=1, maximum=100000, value=STUDY.gen_tokens, suffix=" tokens")
         f.addRow("Requests", self.n_requests)
         f.addRow("Arrival every", self.interval)
         f.addRow("Shared, warmed prefix", self.prefix)
@@ -151,12 +166,14 @@ class ExperimentsPanel(QWidget):
     # ---- running ----
 
     def spec(self) -> WorkloadSpec:
-        return WorkloadSpec(n_requests=self.n_requests.value(), prefix_tokens=self.prefix.value(),
-                            suffix_tokens=self.suffix.value(), max_tokens=self.max_tokens.value(),
-                            interval_s=self.interval.value() / 1000.0)
+        return seed_workload(self.n_requests.value(), prefix_tokens=self.prefix.value(),
+                             suffix_tokens=self.suffix.value(), gen_tokens=self.max_tokens.value(),
+                             interval_s=self.interval.value() / 1000.0)
 
     @property
     def running(self) -> bool:
+        if self._thread is not None and self._thread.is_alive():
+            return True
         return self._run is not None and self._run.running or bool(self._queue)
 
     def toggle(self) -> None:
@@ -175,13 +192,52 @@ class ExperimentsPanel(QWidget):
         self.progress.setMaximum(self._total)
         self.progress.setValue(0)
         self.run_button.setText("Stop")
-        self._next()
+        if self.bench_runner is not None:
+            spec = self.spec()
+            self._stop_flag.clear()
+            self._thread = threading.Thread(target=self._work, args=(list(policies), spec), name="experiments",
+                                            daemon=True)
+            self._queue = []
+            self.phase_label.setText(f"running {len(policies)} policies with the benchmark runner…")
+            self._thread.start()
+        else:
+            self._next()
         return True
 
     def stop(self) -> None:
         self._queue = []
+        self._stop_flag.set()
+        if self._thread is not None and self._thread.is_alive():
+            self.phase_label.setText("stopping after the current run…")
         if self._run is not None and self._run.running:
             self._run.stop()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Join the benchmark worker thread (tests, shutdown)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the benchmark runner, on a worker thread ----
+
+    def _work(self, policies: list[str], spec) -> None:
+        try:
+            for i, policy in enumerate(policies):
+                if self._stop_flag.is_set():
+                    break
+                summary = self.bench_runner(spec, policy, i, self._worker_progress.emit)
+                self._worker_result.emit(summary)
+        except Exception as e:  # noqa: BLE001  (a failure is shown, the app goes on)
+            self._worker_error.emit(str(e))
+        finally:
+            self._worker_done.emit()
+
+    def _on_worker_progress(self) -> None:
+        self.progress.setValue(self.progress.value() + 1)
+
+    def _on_worker_result(self, summary) -> None:
+        summary = _numbered(summary, len(self.summaries) + 1)
+        self.add_summary(summary)
+        self.run_finished.emit(summary)
 
     def _next(self) -> None:
         if not self._queue:
@@ -216,6 +272,7 @@ class ExperimentsPanel(QWidget):
             self._end()
 
     def _end(self) -> None:
+        self._thread = None  # the worker emits its done signal last
         if self._restore_policy:
             self.engine.router.set_policy(self._restore_policy)
             self._restore_policy = None
@@ -295,6 +352,12 @@ class ExperimentsPanel(QWidget):
             self.status_message.emit(f"exported {path}")
         except OSError as e:
             self.status_message.emit(f"export failed: {e}")
+
+
+def _numbered(s: RunSummary, n: int) -> RunSummary:
+    from dataclasses import replace
+
+    return replace(s, label=f"#{n}")
 
 
 def _json_default(x):

@@ -62,9 +62,12 @@ class ModelLoader(QObject):
     # ---- worker thread ----
 
     def _work(self, spec: ModelSpec) -> None:
-        def progress(fraction: float) -> bool:
+        def progress(*args) -> bool:
+            # llama.cpp model loading calls progress(fraction); writing a synthetic model file
+            # calls progress(done, total).
             if self._cancelled.is_set():
                 return False  # llama.cpp aborts the load
+            fraction = args[0] / args[1] if len(args) >= 2 and args[1] else args[0]
             self.progress.emit(float(fraction))
             return True
 

@@ -440,7 +440,7 @@ class TeachingPanel(QWidget):
         running = phase in ("flushing", "warming", "running")
         self.live_button.setText("Stop" if running else "Run live")
         self.live_note.setText({"flushing": "Flushing the prefix caches…",
-                                "warming": f"Warming the {STUDY.prefix_tokens}-token prefix on every backend…",
+                                "warming": f"Warming the {STUDY.shared_tokens}-token prefix on every backend…",
                                 "running": "Sending 8 requests, 50 ms apart…",
                                 "done": self._live_summary(),
                                 "stopped": "Stopped.",

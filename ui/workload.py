@@ -1,15 +1,14 @@
-"""The study's workload, run live on the current engine from the GUI thread.
+"""The study's workload, run live on the current engine without blocking the GUI thread.
 
-`study_prompts()` builds the study's requests for any model: a shared prefix of
-`prefix_tokens` (warmed into every backend's cache first) followed by a unique suffix, so each
-request can reuse exactly the warmed prefix (the study: 496 cached + 20 new = 516 tokens), and
-a fixed `max_tokens` with end-of-sequence ignored (every request generates exactly that many).
+Prompts, lengths and arrival times come from `engine.workload` (the same workloads `tandem
+bench` runs): by default the study's, a 496-token prefix shared by every prompt plus 20 tokens
+of its own, 128 generated tokens each (end-of-sequence ignored), one request every 50 ms.
 
-`WorkloadRun` is a small state machine driven by Qt timers and the bridge's signals: optionally
-flush the caches, warm the prefix on every backend, submit one request every `interval_s`
+`WorkloadRun` is a small state machine driven by Qt timers and the bridge's signals: flush the
+caches, warm the shared prefix on every backend, submit each request at its arrival time
 without waiting, collect each `FinishRecord` from `bridge.finished`, and emit `done` with the
-records and the routing decisions. Nothing blocks the GUI thread: warm and flush run on the
-backends' workers and are polled each tick.
+records and the routing decisions. Warm and flush run on the backends' workers and are polled
+once per tick, so nothing here blocks.
 """
 
 from __future__ import annotations
@@ -17,56 +16,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
 from engine.request import Request, SamplingParams
+from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
 from .metrics import RunSummary, summarize
 
-_TEXT = (
-    "Tandem runs one language model on two devices at once. Each request goes, whole, to the "
-    "backend whose queue would finish it soonest by a simple score: prompt tokens left to compute "
-    "divided by the prefill rate, plus the decode budget divided by the decode rate. The study this "
-    "project re-creates found that a CPU backend can take a few requests while the GPU queue is "
-    "deep and the prompts reuse a cached prefix, and the whole batch finishes earlier. "
-)
+STUDY = seed_workload(8)
+
+__all__ = ["STUDY", "RunResult", "WorkloadRun", "WorkloadSpec", "seed_workload", "with_requests"]
 
 
-@dataclass(frozen=True)
-class WorkloadSpec:
-    n_requests: int = 8
-    prefix_tokens: int = 496
-    suffix_tokens: int = 20
-    max_tokens: int = 128
-    interval_s: float = 0.05
-    flush_first: bool = True
-    warm: bool = True
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.prefix_tokens + self.suffix_tokens
-
-
-STUDY = WorkloadSpec()
-
-
-def study_prompts(model, spec: WorkloadSpec) -> tuple[list[int], list[tuple[int, ...]]]:
-    """(shared prefix, one prompt per request): prompts are prefix + a unique suffix."""
-    prefix: list[int] = []
-    while len(prefix) < spec.prefix_tokens:
-        prefix = model.tokenize(_TEXT * (1 + len(prefix) // 40 + spec.prefix_tokens // 60))
-    prefix = prefix[: spec.prefix_tokens]
-    filler = model.tokenize(" Please answer in one short paragraph, with an example.", add_special=False)
-    prompts = []
-    for i in range(spec.n_requests):
-        suffix = model.tokenize(f" Request {i + 1}:", add_special=False)
-        while len(suffix) < spec.suffix_tokens:
-            suffix += filler
-        prompts.append(tuple(prefix + suffix[: spec.suffix_tokens]))
-    return prefix, prompts
-
-
-@dataclass
 class RunResult:
     label: str
     policy: str
@@ -95,7 +56,7 @@ class WorkloadRun(QObject):
     progress = Signal(int, int)  # finished requests, total
     done = Signal(object)  # RunResult
 
-    def __init__(self, engine, bridge, spec: WorkloadSpec = STUDY, label: str = "run",
+    def __init__(self, engine, bridge, spec: WorkloadSpec = STUDY, label: str = "run", run: int = 0,
                  parent: QObject | None = None):
         super().__init__(parent)
         self.engine = engine
@@ -106,10 +67,12 @@ class WorkloadRun(QObject):
         self._handles = {}
         self._pending = []  # futures / warm handles we wait for
         self._next = 0
-        self._prefix, self._prompts = study_prompts(engine.model, spec)
+        vocab = min(engine.model.n_vocab, TOKEN_HIGH)
+        self.workload = build_workload(replace(spec, vocab_size=vocab), run)
         self._submit_timer = QTimer(self)
-        self._submit_timer.setInterval(max(1, round(spec.interval_s * 1000)))
-        self._submit_timer.timeout.connect(self._submit_next)
+        self._submit_timer.setSingleShot(True)
+        self._submit_timer.setTimerType(Qt.PreciseTimer)
+        self._submit_timer.timeout.connect(self._submit_due)
         bridge.tick.connect(self._on_tick)
         bridge.finished.connect(self._on_finished)
 
@@ -121,11 +84,8 @@ class WorkloadRun(QObject):
         if self.state != "idle":
             raise RuntimeError("a WorkloadRun runs once")
         try:
-            if self.spec.flush_first:
-                self._pending = [b.flush() for b in self.engine.backends.values()]
-                self._set("flushing")
-            else:
-                self._start_warm()
+            self._pending = [b.flush() for b in self.engine.backends.values()]
+            self._set("flushing")
         except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
             self._fail(str(e))
 
@@ -145,8 +105,8 @@ class WorkloadRun(QObject):
         self.phase.emit(state)
 
     def _start_warm(self) -> None:
-        if self.spec.warm and self.spec.prefix_tokens > 0:
-            self._pending = [b.warm(self._prefix) for b in self.engine.backends.values()]
+        if self.workload.prefix:
+            self._pending = [b.warm(self.workload.prefix) for b in self.engine.backends.values()]
             self._set("warming")
         else:
             self._start_submitting()
@@ -156,27 +116,27 @@ class WorkloadRun(QObject):
         self._set("running")
         self.result.policy = self.engine.router.policy
         self.result.t_start = time.monotonic()
-        self._submit_next()
-        if self._next < len(self._prompts):
-            self._submit_timer.start()
+        self._submit_due()
 
-    def _submit_next(self) -> None:
-        if self._next >= len(self._prompts) or self.state != "running":
-            self._submit_timer.stop()
-            return
-        sampling = SamplingParams(temperature=0.0, max_tokens=self.spec.max_tokens, ignore_eos=True)
-        request = Request(self._prompts[self._next], sampling, source="workload")
-        self._next += 1
-        try:
-            handle = self.engine.submit(request)
-        except Exception as e:  # noqa: BLE001
-            self._fail(f"submitting request {self._next}: {e}")
-            return
-        self.result.request_ids.append(handle.id)
-        self.result.decisions[handle.id] = handle.decision
-        self._handles[handle.id] = handle
-        if self._next >= len(self._prompts):
-            self._submit_timer.stop()
+    def _submit_due(self) -> None:
+        """Submit every request whose arrival time has come, then sleep until the next one."""
+        requests = self.workload.requests
+        elapsed = time.monotonic() - self.result.t_start
+        while self.state == "running" and self._next < len(requests) and requests[self._next].arrival_s <= elapsed + 0.001:
+            spec = requests[self._next]
+            self._next += 1
+            sampling = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+            try:
+                handle = self.engine.submit(Request(spec.prompt, sampling, source="workload"))
+            except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
+                self._fail(f"submitting request {self._next}: {e}")
+                return
+            self.result.request_ids.append(handle.id)
+            self.result.decisions[handle.id] = handle.decision
+            self._handles[handle.id] = handle
+        if self.state == "running" and self._next < len(requests):
+            wait = requests[self._next].arrival_s - (time.monotonic() - self.result.t_start)
+            self._submit_timer.start(max(0, round(wait * 1000)))
 
     def _on_tick(self, _tick) -> None:
         if self.state not in ("flushing", "warming"):
@@ -197,7 +157,7 @@ class WorkloadRun(QObject):
             return
         self.result.records[record.request_id] = record
         self.progress.emit(len(self.result.records), self.spec.n_requests)
-        if self.state == "running" and len(self.result.records) == self.spec.n_requests:
+        if self.state == "running" and len(self.result.records) == len(self.workload.requests):
             self._finish("done")
 
     def _fail(self, why: str) -> None:
@@ -214,6 +174,3 @@ class WorkloadRun(QObject):
         self._set(state)
         self.done.emit(self.result)
 
-
-def with_requests(spec: WorkloadSpec, n: int) -> WorkloadSpec:
-    return replace(spec, n_requests=n)

@@ -1,0 +1,173 @@
+"""`tandem gui`: the desktop app, started with a qasync event loop.
+
+The window appears at once; the model loads on a worker thread with its progress shown, and a
+failure is shown in the window (the app keeps running so another model can be picked).
+
+Also runnable as `python -m app.gui` with extra options for docs and checks:
+
+    --screenshot PATH   save the main window to PATH once the model is loaded (and the demo has
+                        run for --delay seconds), then exit
+    --demo N            send N of the study's requests (516-token prompts sharing a warmed
+                        496-token prefix, 128 tokens each, 50 ms apart) once loaded
+    --panel NAME        bring a panel to the front: routing, latency, teaching, experiments, controls
+    --responsiveness    print the event loop's lateness (p50/p95/max) over the demo run and exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import engine  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
+from engine import llama
+from engine.config import default_specs, parse_backend_specs
+from engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def load_engine(spec, progress=None) -> Engine:
+    """Build an engine for a `ui.loader.ModelSpec` (same defaults as `engine_from_args`)."""
+    specs = list(spec.backends) or default_specs(gpu=llama.gpu_offload_supported())
+    return Engine.load(spec.model, parse_backend_specs(specs), policy=spec.policy, progress=progress)
+
+
+def recalibrate(eng: Engine, progress) -> None:
+    """Measure every backend (they should be idle), apply and store the rates. Blocking."""
+    from engine.calibrate import RateStore, calibrate_backend, save_calibration
+
+    store = RateStore()
+    for name, backend in eng.backends.items():
+        cal = calibrate_backend(backend, progress=lambda done, total, what: progress(f"calibrating {what} ({done}/{total})"))
+        backend.set_rates(cal.rates())
+        save_calibration(store, eng.model.path, cal, eng.model.info.name)
+        progress(f"{name}: prefill {cal.prefill_tok_s:.0f} tok/s, decode {cal.decode_tok_s:.1f} tok/s at cap {cal.cap}")
+
+
+def bench_runner(eng: Engine):
+    """The GUI's experiments go through `tandem bench`'s runner: fn(spec, policy, run, on_done) -> RunSummary.
+
+    Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
+    (caches flushed, prefix re-warmed, router cleared, caps and rates restored).
+    """
+    from dataclasses import replace
+
+    from engine.benchmark import run_metrics
+    from engine.workload import TOKEN_HIGH, build_workload
+    from ui.metrics import RunSummary
+
+    from .bench import EngineRunner, Variant
+
+    def run(spec, policy: str, run_index: int, on_done) -> RunSummary:
+        runner = EngineRunner(eng, sweep_backend=None, budget=eng.router.budget, online=False, timeout=600.0)
+        try:
+            workload = build_workload(replace(spec, vocab_size=min(eng.model.n_vocab, TOKEN_HIGH)), run_index)
+            collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done)
+        finally:
+            runner.close()
+        m = run_metrics(collected.records)
+        return RunSummary(label=policy, policy=policy, n_requests=len(collected.records), n_ok=m.completed,
+                          makespan_s=m.makespan_s, output_tok_s=m.output_tok_s, ttft_p50_s=m.ttft_p50_s,
+                          ttft_p95_s=m.ttft_p95_s, e2e_p50_s=m.e2e_p50_s, e2e_p95_s=m.e2e_p95_s,
+                          per_backend=dict(sorted(m.routed.items())))
+
+    return run
+
+
+def run_gui(args) -> int:
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    import qasync
+
+    from ui.loader import ModelSpec
+    from ui.main_window import MainWindow
+    from ui.theme import style_sheet
+    from ui.workload import seed_workload
+
+    gpu = llama.gpu_offload_supported()
+    print(f"tandem: llama_supports_gpu_offload() = {gpu}", file=sys.stderr)
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("Tandem")
+    app.setOrganizationName("tandem")
+    app.setStyleSheet(style_sheet())
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+
+    window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
+                        bench_runner_factory=bench_runner)
+    window.show()
+    status = {"rc": 0}
+
+    screenshot = getattr(args, "screenshot", None)
+    demo = getattr(args, "demo", None) or 0
+    panel = getattr(args, "panel", None)
+    delay = getattr(args, "delay", None)
+    responsiveness = getattr(args, "responsiveness", False)
+
+    def finish(rc: int = 0) -> None:
+        if screenshot:
+            path = window.save_screenshot(screenshot)
+            print(f"tandem: screenshot saved to {path}", file=sys.stderr)
+        status["rc"] = rc
+        window.close()
+        app.quit()
+
+    def on_loaded(_engine) -> None:
+        if panel:
+            window.show_panel(panel)
+        run = window.start_demo(seed_workload(demo)) if demo else None
+        if responsiveness and run is not None:
+            def report(result):
+                p = window.probe
+                print(f"event-loop lateness during a {result.spec.n_requests}-request run "
+                      f"({result.summary().makespan_s:.1f} s, {len(p.samples)} samples): "
+                      f"p50 {p.percentile(50) * 1000:.1f} ms, p95 {p.percentile(95) * 1000:.1f} ms, "
+                      f"max {max(p.samples, default=0) * 1000:.1f} ms")
+                finish(0 if p.percentile(95) <= 0.050 else 1)
+
+            run.phase.connect(lambda ph: window.probe.reset() if ph == "running" else None)
+            run.done.connect(report)
+        elif screenshot:
+            QTimer.singleShot(int((delay if delay is not None else (8.0 if demo else 1.5)) * 1000), finish)
+
+    def on_failed(message: str) -> None:
+        print(f"tandem: could not load the model: {message}", file=sys.stderr)
+        if screenshot or responsiveness:
+            QTimer.singleShot(500, lambda: finish(1))
+
+    window.engine_loaded.connect(on_loaded)
+    window.load_failed.connect(on_failed)
+    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), getattr(args, "policy", "seed-score")))
+
+    closed = asyncio.Event()
+    app.aboutToQuit.connect(closed.set)
+    with loop:
+        loop.run_until_complete(closed.wait())
+    window.shutdown()
+    return status["rc"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m app.gui", description="Tandem desktop app")
+    p.add_argument("--model", default="default")
+    p.add_argument("--backend", action="append", default=None, metavar="SPEC")
+    p.add_argument("--policy", default="seed-score")
+    p.add_argument("--screenshot", metavar="PATH")
+    p.add_argument("--demo", type=int, default=0, metavar="N")
+    p.add_argument("--panel", choices=["routing", "latency", "teaching", "experiments", "controls", "backends"])
+    p.add_argument("--delay", type=float, default=None, help="seconds to wait before the screenshot")
+    p.add_argument("--responsiveness", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_gui(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

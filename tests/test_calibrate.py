@@ -1,0 +1,206 @@
+"""Calibration (`engine.calibrate`, `tandem calibrate`): the pure parts table-driven, the
+measuring on the real tiny model with two CPU backends, the store as the engine reads it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from app.cli import main
+from engine.backend import BackendConfig
+from engine.calibrate import (OnlineRefresh, RateStore, cache_dir, calibrate_backend, config_key,
+                              fit_step_model, parse_rates, save_calibration)
+from engine.config import parse_backend_specs
+from engine.engine import DEFAULT_RATES, Engine
+from engine.errors import InvalidRequest
+from engine.model import file_fingerprint
+from engine.request import Request, SamplingParams
+from engine.snapshot import Rates
+
+SPECS = ["cpu:threads=1,cap=3,ctx=512", "cpu:threads=1,cap=3,ctx=512"]
+SMALL = dict(prompt_tokens=64, gen_tokens=8, repeats=1)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch, tiny_path):
+    """Each test gets an empty calibration store (the tiny model is resolved before)."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def make_engine(tiny_path):
+    made = []
+
+    def make(specs=SPECS, **kw):
+        eng = Engine.load(str(tiny_path), parse_backend_specs(specs), **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+# ---------------------------------------------------------------------------- pure
+
+
+class TestKeysAndStore:
+    def test_cache_dir_honours_the_environment(self, own_cache):
+        assert cache_dir() == own_cache
+        assert RateStore().path == own_cache / "rates.json"
+
+    def test_config_key_keeps_what_changes_speed_only(self):
+        a = BackendConfig(name="cpu0", device="cpu", threads=2, cap=4)
+        assert config_key(a) == config_key(BackendConfig(name="other", device="cpu", threads=2, cap=64, n_ctx=99))
+        assert config_key(a) != config_key(BackendConfig(device="cpu", threads=3))
+        assert config_key(a) != config_key(BackendConfig(device="cpu", threads=2, n_batch=256))
+        assert config_key(BackendConfig(device="auto", threads=2), "gpu").startswith("gpu:")
+
+    def test_round_trip_and_atomic_file(self, own_cache):
+        store = RateStore()
+        store.save("fp1", "cpu:k", {"rates": {"prefill_tok_s": 100.0, "decode_tok_s": 10.0}})
+        store.save("fp2", "cpu:k", {"rates": {"prefill_tok_s": 200.0, "decode_tok_s": 20.0}})
+        assert RateStore().lookup("fp1", "cpu:k")["rates"]["prefill_tok_s"] == 100.0
+        assert set(RateStore().entries()) == {"fp1|cpu:k", "fp2|cpu:k"}
+        assert [p.name for p in own_cache.iterdir()] == ["rates.json"]  # no temp file left behind
+
+    @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "entries": {}}), "[]"])
+    def test_unreadable_store_is_empty_with_a_warning(self, own_cache, caplog, content):
+        own_cache.mkdir(parents=True)
+        (own_cache / "rates.json").write_text(content)
+        assert RateStore().entries() == {}
+        assert "ignoring" in caplog.text
+
+
+class TestFit:
+    @pytest.mark.parametrize("points, alpha, beta", [
+        ({1: 0.012, 2: 0.014, 4: 0.018}, 0.010, 0.002),  # exact line
+        ({4: 0.02}, 0.0, 0.005),  # one point: through the origin
+        ({1: 0.010, 2: 0.009, 3: 0.0095}, 0.0095, 0.0),  # falling: constant
+        ({1: 0.001, 2: 0.004, 3: 0.007}, 0.0, 0.03 / 14),  # negative intercept: through the origin
+    ])
+    def test_table(self, points, alpha, beta):
+        a, b = fit_step_model(points)
+        assert (a, b) == pytest.approx((alpha, beta), abs=1e-6)
+        assert a >= 0 and b >= 0
+
+    def test_nothing_to_fit(self):
+        with pytest.raises(ValueError):
+            fit_step_model({})
+
+
+class TestParseRates:
+    def test_the_studys_cpu(self):
+        name, r = parse_rates("cpu:prefill=73,decode=45")
+        assert name == "cpu" and (r.prefill_tok_s, r.decode_tok_s, r.source) == (73, 45, "override")
+
+    def test_with_step_model(self):
+        _, r = parse_rates("gpu:prefill=2551,decode=293,alpha=0.01,beta=0.002")
+        assert r.step_s(4) == pytest.approx(0.018)
+
+    @pytest.mark.parametrize("spec", ["cpu", "cpu:prefill=73", ":prefill=1,decode=1", "cpu:prefill=x,decode=1",
+                                      "cpu:prefill=0,decode=1", "cpu:prefill=1,decode=1,gamma=2", "cpu:prefill"])
+    def test_bad_specs_say_the_format(self, spec):
+        with pytest.raises(InvalidRequest, match="rates"):
+            parse_rates(spec)
+
+
+# ---------------------------------------------------------------------------- real model
+
+
+class TestCalibrateOnTheTinyModel:
+    def test_measures_stores_and_the_engine_loads_it(self, make_engine, tiny_path):
+        eng = make_engine()
+        assert {b.rates.source for b in eng.backends.values()} == {"default"}
+        b0 = eng.backends["cpu0"]
+        seen = []
+        cal = calibrate_backend(b0, progress=lambda d, t, what: seen.append((d, t, what)), **SMALL)
+        assert [d for d, _, _ in seen] == list(range(1, 1 + 1 + 1 + 3)) and seen[-1][1] == 5
+        assert cal.prefill_tok_s > 0 and math.isfinite(cal.prefill_tok_s)
+        assert sorted(cal.step_s) == [1, 2, 3]
+        assert all(s > 0 for s in cal.step_s.values())
+        assert cal.step_alpha_s >= 0 and cal.step_beta_s >= 0
+        assert cal.decode_tok_s == pytest.approx(3 / cal.step_s[3])
+        assert b0.cap == 3 and b0.cache.cached_tokens == 0  # cap restored, cache flushed
+
+        # the backend still serves after calibrating
+        h = eng.submit(Request(tuple(range(300, 340)), SamplingParams(max_tokens=4, ignore_eos=True), backend="cpu0"))
+        assert h.result(60).output_tokens == 4
+
+        key = save_calibration(RateStore(), tiny_path, cal, "tiny")
+        assert key == f"{file_fingerprint(tiny_path)}|{cal.config_key}"
+        eng.close()
+
+        again = make_engine()  # cpu0 and cpu1 have the same speed-relevant config: both pick it up
+        for b in again.backends.values():
+            assert b.rates == cal.rates() and b.rates.source == "calibrated"
+        other = make_engine(["cpu:threads=2,cap=2,ctx=512"])
+        assert other.backends["cpu"].rates == DEFAULT_RATES["cpu"]  # another config: not calibrated
+        override = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
+        pinned = make_engine(rates={"cpu1": override})
+        assert pinned.backends["cpu1"].rates == override
+        assert pinned.backends["cpu0"].rates.source == "calibrated"
+
+    def test_prompt_shrinks_to_fit_a_small_context(self, make_engine):
+        eng = make_engine(["cpu:threads=1,cap=2,ctx=256"])
+        cal = calibrate_backend(eng.backends["cpu"], prompt_tokens=512, gen_tokens=8, repeats=1, batches=[1, 2])
+        assert cal.prompt_tokens < 256
+        assert any("shortened" in n for n in cal.notes)
+
+    def test_bad_sizes_are_refused(self, make_engine):
+        eng = make_engine(["cpu:threads=1,cap=2,ctx=256"])
+        with pytest.raises(InvalidRequest):
+            calibrate_backend(eng.backends["cpu"], prompt_tokens=4)
+        with pytest.raises(InvalidRequest):
+            calibrate_backend(eng.backends["cpu"], batches=[0], **SMALL)
+
+    def test_online_refresh_follows_observed_steps_and_leaves_overrides(self, make_engine):
+        wrong = Rates(prefill_tok_s=1e7, decode_tok_s=1e6, step_alpha_s=1e-7, step_beta_s=1e-7, source="calibrated")
+        typed = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
+        eng = make_engine(rates={"cpu0": wrong, "cpu1": typed})
+        refresh = OnlineRefresh(eng, weight=0.5, every=1).attach()
+        try:
+            sp = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+            handles = [eng.submit(Request(tuple(range(300 + k, 364 + k)), sp, backend=name))
+                       for k, name in enumerate(["cpu0", "cpu0", "cpu1"])]
+            for h in handles:
+                assert h.result(60).error is None
+            r0 = eng.backends["cpu0"].rates
+            assert r0.source == "online"
+            assert r0.step_beta_s > wrong.step_beta_s and r0.decode_tok_s < wrong.decode_tok_s  # slower than claimed
+            assert r0.prefill_tok_s < wrong.prefill_tok_s
+            assert r0.step_alpha_s / r0.step_beta_s == pytest.approx(1.0)  # scaled together
+            assert eng.backends["cpu1"].rates == typed
+
+            refresh.reset({"cpu0": wrong})
+            assert eng.backends["cpu0"].rates == wrong
+        finally:
+            refresh.detach()
+
+
+class TestCommand:
+    def test_calibrate_prints_a_table_and_a_json_line_then_lists(self, tiny_path, own_cache, capsys):
+        rc = main(["calibrate", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512",
+                   "--prompt-tokens", "64", "--gen-tokens", "8", "--repeats", "1"])
+        assert rc == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert out[1].startswith("| backend | device | threads | cap | prefill tok/s")
+        final = json.loads(out[-1])
+        assert final["fingerprint"] == file_fingerprint(tiny_path)
+        assert final["store"] == str(own_cache / "rates.json")
+        (b,) = final["backends"]
+        assert b["backend"] == "cpu" and sorted(b["step_s"]) == ["1", "2"]
+        assert b["stored_as"] in RateStore().entries()
+
+        assert main(["calibrate", "--list"]) == 0
+        listing = capsys.readouterr().out
+        assert "1 calibration(s)" in listing and "threads=1" in listing
+
+    def test_unknown_backend_is_a_clear_error(self, tiny_path, capsys):
+        rc = main(["calibrate", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512",
+                   "--only", "gpu", "--prompt-tokens", "64", "--gen-tokens", "8", "--repeats", "1"])
+        assert rc == 2
+        assert "unknown backend" in capsys.readouterr().err

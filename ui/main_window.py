@@ -1,0 +1,356 @@
+"""The main window: chat in the middle, live panels in docks, the engine's state in the status bar.
+
+The window can start without an engine (while the model loads, or after a failed load); panels
+are built when an engine arrives (`set_engine`) and rebuilt when another model is loaded, each
+taking the engine and the bridge in its constructor. A failed load shows an error dialog and
+leaves the current engine serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
+    QStackedWidget, QVBoxLayout, QWidget,
+)
+
+from .backends import BackendsPanel
+from .bridge import EngineBridge
+from .chat import ChatPanel
+from .controls import ControlsPanel
+from .experiments import ExperimentsPanel
+from .history import ChatStore
+from .latency import LatencyView
+from .loader import ModelLoader, ModelSpec
+from .loop_probe import LoopProbe
+from .model_dialog import ModelDialog
+from .routing import RoutingView
+from .teaching import TeachingPanel
+from .theme import configure_pyqtgraph
+from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
+
+log = logging.getLogger(__name__)
+
+
+class MainWindow(QMainWindow):
+    engine_loaded = Signal(object)  # Engine
+    load_failed = Signal(str)
+
+    def __init__(self, engine=None, *, load_fn=None, store: ChatStore | None = None, owns_engine: bool = True,
+                 gpu_offload: bool | None = None, recalibrate=None, bench_runner_factory=None, hz: int = 15,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        configure_pyqtgraph()
+        self.engine = None
+        self.spec: ModelSpec | None = None
+        self.bridge: EngineBridge | None = None
+        self.store = store or ChatStore()
+        self.gpu_offload = gpu_offload
+        self._owns_engine = owns_engine
+        self._recalibrate = recalibrate  # fn(engine) -> None, blocking (run on a worker thread)
+        self._bench_runner_factory = bench_runner_factory  # fn(engine) -> ExperimentsPanel's bench_runner
+        self._hz = hz
+        self._docks: list[QDockWidget] = []
+        self.panels: dict[str, QWidget] = {}
+        self.demo: WorkloadRun | None = None
+        self.loader = ModelLoader(load_fn, self) if load_fn is not None else None
+        if self.loader is not None:
+            self.loader.progress.connect(self._on_load_progress)
+            self.loader.loaded.connect(self._on_loaded)
+            self.loader.failed.connect(self._on_load_failed)
+        self.error_dialog = QMessageBox(QMessageBox.Critical, "Could not load the model", "", QMessageBox.Ok, self)
+        self.probe = LoopProbe(parent=self)
+        self.probe.start()
+
+        self.setWindowTitle("Tandem")
+        self.resize(1600, 1000)
+        self.setDockOptions(QMainWindow.AnimatedDocks | QMainWindow.AllowTabbedDocks | QMainWindow.AllowNestedDocks)
+        self.setCorner(Qt.BottomRightCorner, Qt.RightDockWidgetArea)
+        self.setCorner(Qt.TopRightCorner, Qt.RightDockWidgetArea)
+        self._build_central()
+        self._build_status()
+        self._build_menus()
+        if engine is not None:
+            self.set_engine(engine, owns=owns_engine)
+
+    # ---- layout ----
+
+    def _build_central(self) -> None:
+        self.stack = QStackedWidget()
+        placeholder = QWidget()
+        lay = QVBoxLayout(placeholder)
+        lay.addStretch(1)
+        self.placeholder_label = QLabel("No model loaded.")
+        self.placeholder_label.setAlignment(Qt.AlignCenter)
+        self.placeholder_label.setObjectName("big")
+        self.placeholder_label.setWordWrap(True)
+        self.placeholder_progress = QProgressBar()
+        self.placeholder_progress.setMaximumWidth(420)
+        self.placeholder_progress.setVisible(False)
+        load = QPushButton("Load a model…")
+        load.setObjectName("primary")
+        load.setMaximumWidth(220)
+        load.clicked.connect(self.choose_model)
+        lay.addWidget(self.placeholder_label)
+        lay.addWidget(self.placeholder_progress, 0, Qt.AlignHCenter)
+        lay.addWidget(load, 0, Qt.AlignHCenter)
+        lay.addStretch(2)
+        self.stack.addWidget(placeholder)
+        self.setCentralWidget(self.stack)
+
+    def _build_status(self) -> None:
+        sb = self.statusBar()
+        self.model_label = QLabel("no model")
+        self.backends_label = QLabel("")
+        self.device_label = QLabel(self._device_text())
+        self.state_label = QLabel("idle")
+        self.lag_label = QLabel("")
+        self.lag_label.setToolTip("How late the GUI event loop runs (p95 of a 10 ms timer over the last 30 s)")
+        self.load_bar = QProgressBar()
+        self.load_bar.setMaximumWidth(160)
+        self.load_bar.setVisible(False)
+        for w in (self.model_label, self.backends_label, self.device_label, self.state_label, self.load_bar, self.lag_label):
+            sb.addPermanentWidget(w)
+
+    def _build_menus(self) -> None:
+        m = self.menuBar().addMenu("&File")
+        a = QAction("&Load model…", self, shortcut=QKeySequence.Open, triggered=self.choose_model)
+        m.addAction(a)
+        self.new_chat_action = QAction("&New chat", self, shortcut=QKeySequence.New, triggered=self._new_chat)
+        m.addAction(self.new_chat_action)
+        m.addAction(QAction("Save &screenshot…", self, triggered=self._ask_screenshot))
+        m.addSeparator()
+        m.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
+        self.view_menu = self.menuBar().addMenu("&View")
+        run = self.menuBar().addMenu("&Run")
+        run.addAction(QAction("Send the study's 8 requests", self, triggered=lambda: self.start_demo(STUDY)))
+        run.addAction(QAction("Send 48 study requests", self,
+                              triggered=lambda: self.start_demo(seed_workload(48))))
+        run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))
+        help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction(QAction("&About Tandem", self, triggered=self._about))
+
+    # ---- engine ----
+
+    def load_model(self, spec: ModelSpec) -> bool:
+        """Load `spec` in the background; the current engine keeps serving until it is ready."""
+        if self.loader is None:
+            self._on_load_failed("this window was built without a model loader", spec)
+            return False
+        if not self.loader.start(spec):
+            self.statusBar().showMessage("a model is already loading", 4000)
+            return False
+        self.state_label.setText(f"loading {spec.model}…")
+        self.load_bar.setValue(0)
+        self.load_bar.setVisible(True)
+        if self.engine is None:
+            self.placeholder_label.setText(f"Loading {spec.describe()}…")
+            self.placeholder_progress.setValue(0)
+            self.placeholder_progress.setVisible(True)
+        return True
+
+    def choose_model(self) -> None:
+        dialog = ModelDialog(self.spec, self)
+        if dialog.exec() == ModelDialog.Accepted:
+            self.load_model(dialog.spec())
+
+    def set_engine(self, engine, spec: ModelSpec | None = None, owns: bool = True) -> None:
+        """Show `engine` (replacing and, if owned, closing the previous one)."""
+        old, old_owned = self.engine, self._owns_engine
+        self._teardown_panels()
+        if old is not None and old_owned and old is not engine:
+            threading.Thread(target=old.close, name="engine-close", daemon=True).start()
+        self.engine = engine
+        self.spec = spec
+        self._owns_engine = owns
+        self._build_panels()
+        info = engine.model.info
+        synthetic = " (synthetic: text is noise)" if getattr(engine.model, "synthetic", False) else ""
+        self.setWindowTitle(f"Tandem — {info.name}")
+        self.model_label.setText(f"Model: {info.name}{synthetic} · {info.n_params / 1e6:.0f}M params")
+        self.model_label.setToolTip(info.path)
+        self.state_label.setText("engine ready")
+        self.engine_loaded.emit(engine)
+
+    def _build_panels(self) -> None:
+        engine = self.engine
+        self.bridge = EngineBridge(engine, self._hz, self)
+        self.bridge.tick.connect(self._on_tick)
+        chat = ChatPanel(engine, self.store)
+        backends = BackendsPanel(engine, self.bridge, warm_tokens=self._system_prefix_tokens)
+        controls = ControlsPanel(engine, self.bridge, recalibrate=self._recalibrate)
+        routing = RoutingView(engine, self.bridge)
+        latency = LatencyView(engine, self.bridge)
+        teaching = TeachingPanel(engine, self.bridge)
+        runner = self._bench_runner_factory(engine) if self._bench_runner_factory else None
+        experiments = ExperimentsPanel(engine, self.bridge, bench_runner=runner)
+        self.panels = {"chat": chat, "backends": backends, "controls": controls, "routing": routing,
+                       "latency": latency, "teaching": teaching, "experiments": experiments}
+        for p in self.panels.values():
+            if hasattr(p, "status_message"):
+                p.status_message.connect(lambda msg: self.statusBar().showMessage(msg, 5000))
+        self.stack.addWidget(chat)
+        self.stack.setCurrentWidget(chat)
+
+        right_b = self._dock("Backends", backends, Qt.RightDockWidgetArea)
+        right_c = self._dock("Controls", controls, Qt.RightDockWidgetArea)
+        self.tabifyDockWidget(right_b, right_c)
+        bottom = [self._dock(t, self.panels[k], Qt.BottomDockWidgetArea)
+                  for t, k in (("Routing", "routing"), ("Latency", "latency"), ("Teaching", "teaching"),
+                               ("Experiments", "experiments"))]
+        for d in bottom[1:]:
+            self.tabifyDockWidget(bottom[0], d)
+        right_b.raise_()
+        bottom[0].raise_()
+        self.resizeDocks([right_b], [470], Qt.Horizontal)
+        self.resizeDocks([bottom[0]], [470], Qt.Vertical)
+
+    def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
+        d = QDockWidget(title, self)
+        d.setObjectName(f"dock-{title.lower()}")
+        d.setWidget(widget)
+        d.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable | QDockWidget.DockWidgetClosable)
+        self.addDockWidget(area, d)
+        self.view_menu.addAction(d.toggleViewAction())
+        self._docks.append(d)
+        return d
+
+    def show_panel(self, key: str) -> None:
+        """Bring a panel's dock tab to the front."""
+        for d in self._docks:
+            if d.widget() is self.panels.get(key):
+                d.show()
+                d.raise_()
+
+    def _teardown_panels(self) -> None:
+        self.stop_demo()
+        chat = self.panels.get("chat")
+        if chat is not None:
+            chat.shutdown()
+            self.stack.removeWidget(chat)
+            chat.deleteLater()
+        for d in self._docks:
+            self.view_menu.removeAction(d.toggleViewAction())
+            self.removeDockWidget(d)
+            d.deleteLater()
+        self._docks = []
+        self.panels = {}
+        if self.bridge is not None:
+            self.bridge.close()
+            self.bridge.deleteLater()
+            self.bridge = None
+
+    def _system_prefix_tokens(self):
+        """Tokens of the chat's system prompt as the template renders it (what Warm fills)."""
+        chat = self.panels.get("chat")
+        if chat is None or self.engine is None or not chat.chat.system.strip():
+            return None
+        return self.engine.chat_tokens([{"role": "system", "content": chat.chat.system}])
+
+    # ---- loader signals ----
+
+    def _on_load_progress(self, fraction: float) -> None:
+        v = int(fraction * 100)
+        self.load_bar.setValue(v)
+        self.placeholder_progress.setValue(v)
+
+    def _on_loaded(self, engine, spec) -> None:
+        self.load_bar.setVisible(False)
+        self.placeholder_progress.setVisible(False)
+        self.set_engine(engine, spec, owns=True)
+        self.statusBar().showMessage(f"loaded {spec.describe()}", 5000)
+
+    def _on_load_failed(self, message: str, spec) -> None:
+        self.load_bar.setVisible(False)
+        self.placeholder_progress.setVisible(False)
+        what = spec.describe() if spec is not None else "the model"
+        if self.engine is None:
+            self.placeholder_label.setText(f"Could not load {what}:\n{message}")
+            self.state_label.setText("no model")
+        else:
+            self.state_label.setText("engine ready (last load failed)")
+        self.error_dialog.setText(f"Could not load {what}.")
+        self.error_dialog.setInformativeText(message)
+        self.error_dialog.open()  # window-modal, does not block the event loop
+        self.load_failed.emit(message)
+
+    # ---- per tick ----
+
+    def _on_tick(self, tick) -> None:
+        parts = []
+        for s in tick.snapshots:
+            dot = "●" if s.healthy else "✖"
+            parts.append(f"{dot} {s.name}: {len(s.running)} running, {len(s.waiting)} waiting")
+        self.backends_label.setText("   ".join(parts))
+        p95 = self.probe.percentile(95)
+        if p95 == p95:
+            self.lag_label.setText(f"UI lag p95 {p95 * 1000:.0f} ms")
+        busy = any(s.items for s in tick.snapshots)
+        if self.demo is not None and self.demo.running:
+            self.state_label.setText(f"demo: {len(self.demo.result.records)}/{self.demo.spec.n_requests} done")
+        elif not self.load_bar.isVisible():
+            self.state_label.setText("engine busy" if busy else "engine idle")
+
+    def _device_text(self) -> str:
+        if self.gpu_offload is None:
+            return ""
+        return "GPU offload: yes" if self.gpu_offload else "GPU offload: no (CPU-only llama.cpp build)"
+
+    # ---- demo workload ----
+
+    def start_demo(self, spec: WorkloadSpec = STUDY) -> WorkloadRun | None:
+        if self.engine is None or self.bridge is None or (self.demo is not None and self.demo.running):
+            return None
+        self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
+        self.demo.done.connect(lambda r: self.statusBar().showMessage(
+            f"demo {r.summary().n_ok}/{r.spec.n_requests} requests in {r.summary().makespan_s:.1f} s"
+            + (f" — {r.error}" if r.error else ""), 8000))
+        self.demo.start()
+        return self.demo
+
+    def stop_demo(self) -> None:
+        if self.demo is not None and self.demo.running:
+            self.demo.stop()
+
+    # ---- misc ----
+
+    def save_screenshot(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.grab().save(str(path))
+        return path
+
+    def _ask_screenshot(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save screenshot", "tandem.png", "PNG image (*.png)")
+        if path:
+            self.save_screenshot(path)
+
+    def _new_chat(self) -> None:
+        chat = self.panels.get("chat")
+        if chat is not None:
+            chat.new_chat()
+
+    def _about(self) -> None:
+        QMessageBox.about(self, "About Tandem",
+                          "<b>Tandem</b><br>One local model on two backends at once, a router that sends each "
+                          "request where its score is lowest, and a live view of why.")
+
+    def shutdown(self) -> None:
+        """Stop timers, cancel the loader, close the engine if the window owns it. Idempotent."""
+        self.probe.stop()
+        if self.loader is not None:
+            self.loader.cancel()
+        engine, owned = self.engine, self._owns_engine
+        self._teardown_panels()
+        self.engine = None
+        if engine is not None and owned:
+            engine.close()
+
+    def closeEvent(self, event) -> None:
+        self.shutdown()
+        super().closeEvent(event)
