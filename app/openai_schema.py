@@ -94,7 +94,7 @@ def parse_chat(body, engine: "Engine", served: ServedModel) -> ApiRequest:
     except Exception as e:  # the model's own Jinja template refused these messages
         raise InvalidRequest(f"the model's chat template cannot render these messages: {e}",
                              param="messages") from None
-    return _api_request("chat", body, tokens, model, "messages")
+    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab)
 
 
 def parse_completion(body, engine: "Engine", served: ServedModel) -> ApiRequest:
@@ -103,11 +103,14 @@ def parse_completion(body, engine: "Engine", served: ServedModel) -> ApiRequest:
     model = served.check(body)
     _refuse_unsupported(body)
     tokens = _prompt_tokens(body.get("prompt"), engine)
-    return _api_request("completion", body, tokens, model, "prompt")
+    return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab)
 
 
-def _api_request(kind: str, body: dict, tokens: list[int], model: str, prompt_param: str) -> ApiRequest:
+def _api_request(kind: str, body: dict, tokens: list[int], model: str, prompt_param: str,
+                 n_vocab: int) -> ApiRequest:
     sampling = _sampling(body)
+    if sampling.top_k > n_vocab:  # the same filter (none); llama.cpp's on-device top-k asserts k <= n_vocab
+        sampling = dataclasses.replace(sampling, top_k=n_vocab)
     backend = _optional(body, "backend", str)
     stream = bool(_optional(body, "stream", bool))
     options = _optional(body, "stream_options", dict) or {}
@@ -307,7 +310,7 @@ def _type(v) -> str:
 # ---------------------------------------------------------------------------- OpenAPI
 
 
-def openapi_document(served: ServedModel, n_vocab: int, *, auth: bool = False) -> dict:
+def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, auth: bool = False) -> dict:
     """The server's OpenAPI 3.0 document (served at `GET /openapi.json`, fuzzed by schemathesis)."""
     def ref(name):
         return {"$ref": f"#/components/schemas/{name}"}
@@ -358,7 +361,7 @@ def openapi_document(served: ServedModel, n_vocab: int, *, auth: bool = False) -
         "stream_options": {"type": "object", "nullable": True,
                            "properties": {"include_usage": {"type": "boolean"}}},
         "n": {"type": "integer", "enum": [1], "nullable": True},
-        "backend": {"type": "string", "nullable": True,
+        "backend": {"type": "string", "enum": list(backends), "nullable": True,
                     "description": "extension: pin the request to this backend (see /v1/routing)"},
         "ignore_eos": {"type": "boolean", "nullable": True, "description": "extension: never stop at end-of-text"},
     }

@@ -91,7 +91,8 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[SETTINGS] = ServerSettings(api_key or None, served,
-                                   openapi_document(served, engine.model.n_vocab, auth=bool(api_key)),
+                                   openapi_document(served, engine.model.n_vocab, list(engine.backends),
+                                                    auth=bool(api_key)),
                                    int(time.time()))
     if metrics is not None:
         app[METRICS] = metrics

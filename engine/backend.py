@@ -133,6 +133,7 @@ class Backend:
         self.healthy = True
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (n_decode, n_prefill, seq ids)
         self.steps = 0
+        self.decode_s = 0.0  # time inside llama_decode (+ device sync), summed over steps
         self._obs_prefill = self._obs_decode = 0.0
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -450,15 +451,18 @@ class Backend:
                 chunks.append((s, k))
         t0 = time.perf_counter()
         rc = lc.llama_decode(self._ctx, batch.full())
+        if rc == 0:
+            lc.llama_synchronize(self._ctx)  # so `dt` is the device's time, not a launch
         dt = time.perf_counter() - t0
         if rc != 0:
             self._decode_failed(rc, decoding + [s for s, _ in chunks])
             return
         self.steps += 1
+        self.decode_s += dt
         n_prefill = batch.n - n_decode
-        self.step_log.append((n_decode, n_prefill, tuple(int(x) for x in batch.seq[:batch.n][batch.logits[:batch.n] == 1])))
         self._observe(n_decode, n_prefill, dt)
         now = time.monotonic()
+        sampled = [s.seq_id for s in decoding]
         for s in decoding:
             s.n_past += 1
             self._sampled(s, now)
@@ -468,7 +472,9 @@ class Backend:
                 if s.warm:
                     self._finish(s, RequestStatus.FINISHED_STOPPED)
                 else:
+                    sampled.append(s.seq_id)
                     self._sampled(s, now)
+        self.step_log.append((n_decode, n_prefill, tuple(sampled)))
         self.bus.publish(StepDone(self.name, n_decode, n_prefill, len(self._running), dt, now))
 
     def _sampled(self, s: _Seq, now: float) -> None:

@@ -290,8 +290,15 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
             progress(done, total, f"{backend.name}: {what}")
 
     def run(requests: list[Request]) -> list[StepDone]:
+        """Enqueue `requests` while the worker waits in a call, so it admits them all at once."""
         events.clear()
-        handles = [backend.enqueue(r) for r in requests]
+        gate = threading.Event()
+        held = backend.call(lambda _b: gate.wait(timeout))
+        try:
+            handles = [backend.enqueue(r) for r in requests]
+        finally:
+            gate.set()
+        held.result(timeout)
         for h in handles:
             record = h.result(timeout)
             if record.error:

@@ -442,6 +442,16 @@ def test_200_concurrent_streams_complete_and_metrics_move(engine, url, http):
     wait_until(lambda: idle(engine), what="engine idle")
     empty = kv_state(engine)
     before = http.get("/metrics").text
+    finished = lambda t: metric(t, "tandem:request_success_total", finished_reason="length")  # noqa: E731
+    waiting = lambda t, b: metric(t, "tandem:num_requests_waiting", backend=b)  # noqa: E731
+
+    # The tiny model outruns any client, so hold each backend's worker (between two steps) to
+    # scrape /metrics at known points of the run: all queued, cpu0 done, everything done.
+    gates = {name: threading.Event() for name in engine.backends}
+    held = [threading.Event() for _ in engine.backends]
+    blockers = [b.call(lambda b, gate=gates[name], h=h: (h.set(), gate.wait(WAIT)))
+                for (name, b), h in zip(engine.backends.items(), held)]
+    assert all(h.wait(WAIT) for h in held)
 
     async def one(client, i):
         stream = await client.chat.completions.create(
@@ -454,23 +464,38 @@ def test_200_concurrent_streams_complete_and_metrics_move(engine, url, http):
                 finish = chunk.choices[0].finish_reason or finish
         return "".join(parts), finish
 
-    async def scrape(http_async, done, samples):
-        while not done.is_set():
-            samples.append((await http_async.get("/metrics")).text)
-            await asyncio.sleep(0.05)
+    async def until(cond, what):
+        deadline = time.monotonic() + WAIT
+        while not cond():
+            assert time.monotonic() < deadline, f"{what} not reached within {WAIT} s"
+            await asyncio.sleep(0.01)
 
     async def run():
-        samples: list[str] = []
-        done = asyncio.Event()
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=WAIT) as client, \
-                httpx.AsyncClient(base_url=url, timeout=WAIT) as http_async:
-            scraper = asyncio.create_task(scrape(http_async, done, samples))
-            results = await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(n))), WAIT)
-            done.set()
-            await scraper
-        return results, samples
+                httpx.AsyncClient(base_url=url, timeout=WAIT) as scraper:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(n)]
+            await until(lambda: sum(len(s.items) for s in engine.snapshot()) == n, "all requests queued")
+            queued = (await scraper.get("/metrics")).text
+            gates["cpu0"].set()
+            on_cpu0 = waiting(queued, "cpu0")
+            half = queued
+            deadline = time.monotonic() + WAIT
+            while finished(half) - finished(before) < on_cpu0:  # cpu0's share finishes and is counted
+                assert time.monotonic() < deadline, "cpu0's requests did not finish"
+                await asyncio.sleep(0.01)
+                half = (await scraper.get("/metrics")).text
+            gates["cpu1"].set()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+            return results, queued, half
 
-    results, samples = asyncio.run(run())
+    try:
+        results, queued, half = asyncio.run(run())
+    finally:
+        for gate in gates.values():
+            gate.set()
+    for blocker in blockers:
+        blocker.result(WAIT)
+
     assert len(results) == n
     assert all(text and finish == "length" for text, finish in results)
     # Same prompt, same greedy text, whichever backend and batch it ran in.
@@ -479,17 +504,19 @@ def test_200_concurrent_streams_complete_and_metrics_move(engine, url, http):
         by_prompt.setdefault(i % 10, set()).add(text)
     assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
 
+    # Scraped during the run: first everything waits, then cpu0's share has finished while
+    # cpu1's still waits, then all are counted.
     after = http.get("/metrics").text
-    finished = lambda t: metric(t, "tandem:request_success_total", finished_reason="length")  # noqa: E731
+    assert finished(queued) == finished(before)
+    assert waiting(queued, "cpu0") + waiting(queued, "cpu1") == n
+    on_cpu0 = waiting(queued, "cpu0")
+    assert 0 < on_cpu0 < n, "the router should have used both backends"
+    assert finished(half) - finished(before) == on_cpu0
+    assert waiting(half, "cpu0") == 0 and waiting(half, "cpu1") == n - on_cpu0
     assert finished(after) - finished(before) == n
     assert metric(after, "tandem:generation_tokens_total") - metric(before, "tandem:generation_tokens_total") == n * 12
     assert metric(after, "tandem:time_to_first_token_seconds_count") >= n
     assert metric(after, "tandem:prefix_cache_hits_total") > metric(before, "tandem:prefix_cache_hits_total")
-    # Scraped during the run: the counters moved between scrapes, some scrapes saw the run half
-    # done, and every scrape carried each backend's gauges.
-    counts = [finished(s) - finished(before) for s in samples]
-    assert counts == sorted(counts) and any(0 < c < n for c in counts), counts
-    assert all('tandem:num_requests_running{backend="cpu1"}' in s for s in samples)
 
     wait_until(lambda: idle(engine), what="engine idle")
     engine.flush(timeout=WAIT)
@@ -502,13 +529,14 @@ def test_200_concurrent_streams_complete_and_metrics_move(engine, url, http):
 def test_schemathesis_finds_no_5xx(url, engine):
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     failures = []
     for result in schema.get_all_operations():
         operation = result.ok()
-        examples = 15 if operation.method.upper() == "POST" else 4
+        examples = 25 if operation.method.upper() == "POST" else 5
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
@@ -522,7 +550,10 @@ def test_schemathesis_finds_no_5xx(url, engine):
                 elif response.status_code >= 400:
                     assert set(response.json()) == {"error"}, response.text
 
-            check()
+            try:
+                check()
+            except Unsatisfiable:
+                assert mode == GenerationMode.NEGATIVE, operation.label  # nothing there to make invalid
     assert not failures, failures
     wait_until(lambda: idle(engine), what="engine idle after the fuzz run")
 

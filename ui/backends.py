@@ -54,7 +54,9 @@ class BackendCard(QFrame):
         title.setObjectName("title")
         threads = b.config.threads
         self.facts = QLabel(f"{b.model.device.upper()} · {threads} thread{'s' if threads != 1 else ''} · "
-                            f"ctx {b.n_ctx} · {b.model.info.name}")
+                            f"ctx {b.n_ctx} · {b.config.n_seq_max} seqs")
+        self.facts.setToolTip(f"{b.model.info.name} on {b.model.device}; n_batch {b.config.n_batch}, "
+                              f"flash attention {b.config.flash_attn}, unified KV {b.config.kv_unified}")
         self.facts.setObjectName("muted")
         self.health = QLabel("healthy")
         head = QHBoxLayout()

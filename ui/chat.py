@@ -148,6 +148,11 @@ class ChatPanel(QWidget):
         self.state_label.setObjectName("muted")
         for b in (self.send_button, self.stop_button, self.regen_button, self.copy_button):
             buttons.addWidget(b)
+        send_to = QLabel("Send to")
+        send_to.setObjectName("muted")
+        buttons.addSpacing(8)
+        buttons.addWidget(send_to)
+        buttons.addWidget(self.backend_combo)
         buttons.addWidget(self.state_label, 1)
         rv.addLayout(buttons)
 
@@ -156,7 +161,9 @@ class ChatPanel(QWidget):
         split.addWidget(right)
         split.setStretchFactor(0, 0)
         split.setStretchFactor(1, 1)
-        split.setSizes([190, 900])
+        left.setMinimumWidth(140)
+        left.setMaximumWidth(260)
+        split.setSizes([170, 900])
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(split)
@@ -197,7 +204,10 @@ class ChatPanel(QWidget):
         field("Repeat", self.repeat_penalty, "Repetition penalty (1 = off)")
         field("Max tokens", self.max_tokens, "Generation budget; the router counts it as decode work")
         field("Seed", self.seed, "Sampling seed (random when unset)")
-        field("Send to", self.backend_combo, "Pin replies to one backend, bypassing the routing policy")
+        for w in (self.temperature, self.top_p, self.top_k, self.repeat_penalty, self.max_tokens):
+            w.setFixedWidth(72)
+        self.seed.setFixedWidth(96)
+        self.backend_combo.setToolTip("Pin replies to one backend, bypassing the routing policy")
         row.addStretch(1)
         return box
 

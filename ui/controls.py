@@ -114,6 +114,7 @@ class ControlsPanel(QWidget):
             ps = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e7, value=b.rates.prefill_tok_s)
             ds = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e6, value=b.rates.decode_tok_s)
             for s in (ps, ds):
+                s.setFixedWidth(92)
                 s.setKeyboardTracking(False)  # apply on Enter / focus out / arrows, not per digit
                 s.valueChanged.connect(lambda _v, n=name: self.apply_rates(n))
             src = QLabel(b.rates.source)
@@ -131,6 +132,7 @@ class ControlsPanel(QWidget):
             for col, w in enumerate((ps, ds, src, cap, cache), start=1):
                 g.addWidget(w, row, col)
         buttons = QHBoxLayout()
+        buttons.setSpacing(4)
         self.reset_button = QPushButton("Reset rates")
         self.reset_button.setToolTip("Back to the rates the engine started with")
         self.reset_button.clicked.connect(self.reset_rates)
@@ -142,7 +144,7 @@ class ControlsPanel(QWidget):
             self.recal_button.setToolTip("Measure every backend's prefill rate and decode step times now "
                                          "(backends should be idle; takes a while) and use them")
             self.recal_button.clicked.connect(self._on_recalibrate)
-        self.flush_button = QPushButton("Flush all caches")
+        self.flush_button = QPushButton("Flush caches")
         self.flush_button.clicked.connect(self.flush_all)
         buttons.addWidget(self.reset_button)
         buttons.addWidget(self.recal_button)

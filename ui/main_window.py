@@ -15,8 +15,8 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
-    QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
-    QStackedWidget, QVBoxLayout, QWidget,
+    QDockWidget, QFileDialog, QFrame, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
+    QScrollArea, QStackedWidget, QVBoxLayout, QWidget,
 )
 
 from .backends import BackendsPanel
@@ -52,10 +52,11 @@ class MainWindow(QMainWindow):
         self.store = store or ChatStore()
         self.gpu_offload = gpu_offload
         self._owns_engine = owns_engine
-        self._recalibrate = recalibrate  # fn(engine) -> None, blocking (run on a worker thread)
+        self._recalibrate = recalibrate  # fn(engine, progress) -> None, blocking (run on a worker thread)
         self._bench_runner_factory = bench_runner_factory  # fn(engine) -> ExperimentsPanel's bench_runner
         self._hz = hz
         self._docks: list[QDockWidget] = []
+        self._dock_of: dict[QWidget, QDockWidget] = {}
         self.panels: dict[str, QWidget] = {}
         self.demo: WorkloadRun | None = None
         self.loader = ModelLoader(load_fn, self) if load_fn is not None else None
@@ -207,13 +208,21 @@ class MainWindow(QMainWindow):
             self.tabifyDockWidget(bottom[0], d)
         right_b.raise_()
         bottom[0].raise_()
-        self.resizeDocks([right_b], [470], Qt.Horizontal)
-        self.resizeDocks([bottom[0]], [470], Qt.Vertical)
+        self.resizeDocks([right_b], [440], Qt.Horizontal)
+        self.resizeDocks([bottom[0]], [420], Qt.Vertical)
 
     def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
         d = QDockWidget(title, self)
         d.setObjectName(f"dock-{title.lower()}")
-        d.setWidget(widget)
+        if isinstance(widget, QScrollArea):
+            d.setWidget(widget)
+        else:  # a dock smaller than its panel scrolls instead of forcing the window wider
+            scroll = QScrollArea()
+            scroll.setWidgetResizable(True)
+            scroll.setFrameShape(QFrame.NoFrame)
+            scroll.setWidget(widget)
+            d.setWidget(scroll)
+        self._dock_of[widget] = d
         d.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable | QDockWidget.DockWidgetClosable)
         self.addDockWidget(area, d)
         self.view_menu.addAction(d.toggleViewAction())
@@ -222,10 +231,10 @@ class MainWindow(QMainWindow):
 
     def show_panel(self, key: str) -> None:
         """Bring a panel's dock tab to the front."""
-        for d in self._docks:
-            if d.widget() is self.panels.get(key):
-                d.show()
-                d.raise_()
+        d = self._dock_of.get(self.panels.get(key))
+        if d is not None:
+            d.show()
+            d.raise_()
 
     def _teardown_panels(self) -> None:
         self.stop_demo()
@@ -239,6 +248,7 @@ class MainWindow(QMainWindow):
             self.removeDockWidget(d)
             d.deleteLater()
         self._docks = []
+        self._dock_of = {}
         self.panels = {}
         if self.bridge is not None:
             self.bridge.close()

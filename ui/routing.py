@@ -80,7 +80,7 @@ class RoutingTableModel(QAbstractTableModel):
             if section < len(FIXED):
                 return FIXED[section]
             b, t = divmod(section - len(FIXED), len(TERMS))
-            return f"{self.backends[b]} {TERMS[t]}"
+            return f"{self.backends[b]}\n{TERMS[t]}"
         if role == Qt.ForegroundRole and section >= len(FIXED):
             b = (section - len(FIXED)) // len(TERMS)
             return QBrush(self._colors[self.backends[b]])
@@ -211,11 +211,11 @@ class RoutingView(QWidget):
         self.table.verticalHeader().setDefaultSectionSize(22)
         h = self.table.horizontalHeader()
         h.setSectionResizeMode(QHeaderView.Interactive)
-        h.setDefaultSectionSize(78)
-        for col, w in enumerate((40, 56, 70, 96, 80)):
+        h.setDefaultSectionSize(64)
+        for col, w in enumerate((40, 56, 64, 90, 74)):
             self.table.setColumnWidth(col, w)
         for b in self.backends:
-            self.table.setColumnWidth(self.model.column_of(b, "rates"), 92)
+            self.table.setColumnWidth(self.model.column_of(b, "rates"), 84)
         self.table.selectionModel().currentRowChanged.connect(self._on_row)
         self.model.rowsInserted.connect(self._follow)
 

@@ -28,6 +28,7 @@ STUDY = seed_workload(8)
 __all__ = ["STUDY", "RunResult", "WorkloadRun", "WorkloadSpec", "seed_workload", "with_requests"]
 
 
+@dataclass
 class RunResult:
     label: str
     policy: str

@@ -1,0 +1,470 @@
+"""Benchmarks: pure metric functions on hand-made records; `tandem bench seed|grid` end to end
+on the real tiny model with two CPU backends; the HTTP peer client against a stub that streams
+SSE and against our own server."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import math
+import sys
+import threading
+
+import pytest
+
+from app import bench_report
+from app.bench_target import Target, parse_target, probe, run_target
+from app.cli import main
+from app.progress import Progress
+from engine.benchmark import (RequestRecord, aggregate, decision_line, makespan, oracle, output_throughput,
+                              percentile, run_metrics, seed_formula)
+from engine.config import parse_backend_specs
+from engine.engine import Engine
+from engine.workload import build_workload, seed_workload
+
+BACKENDS = ["--backend", "cpu:threads=1,cap=2,ctx=512", "--backend", "cpu:threads=1,cap=2,ctx=512"]
+SMALL_SEED = ["--prefix-tokens", "48", "--suffix-tokens", "8", "--gen-tokens", "8"]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch, tiny_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def rec(t_submit, e2e, *, ok=True, backend="gpu", ttft=0.1, out=10, policy="p", run=0, n=3, workload="w"):
+    return RequestRecord(workload=workload, policy=policy, run=run, requests=n, index=0, request_id="r",
+                         backend=backend, success=ok, finish_reason="length" if ok else "error",
+                         prompt_tokens=20, cached_tokens=10, output_tokens=out if ok else 0,
+                         t_submit_s=t_submit, queue_s=0.0, ttft_s=ttft if ok else None,
+                         e2e_s=e2e if ok else None, itl_s=0.01, error=None if ok else "boom")
+
+
+# ---------------------------------------------------------------------------- pure metrics
+
+
+class TestMetrics:
+    @pytest.mark.parametrize("values, q, expected", [
+        ([1, 2, 3, 4, 5], 50, 3), ([1, 2, 3, 4], 50, 2.5), ([10], 95, 10), ([1, 2, 3, 4, 5], 95, 4.8),
+        ([5, 1, 3], 0, 1), ([5, 1, 3], 100, 5),
+    ])
+    def test_percentile_interpolates_like_numpy(self, values, q, expected):
+        assert percentile(values, q) == pytest.approx(expected)
+
+    def test_percentile_of_nothing_is_nan(self):
+        assert math.isnan(percentile([], 50))
+
+    def test_makespan_from_the_first_submission_to_the_last_success(self):
+        records = [rec(0.0, 1.0), rec(0.05, 2.0), rec(0.1, None, ok=False)]
+        assert makespan(records) == pytest.approx(2.05)
+        assert output_throughput(records, 2.05) == pytest.approx(20 / 2.05)
+        assert math.isnan(makespan([rec(0.0, None, ok=False)]))
+
+    def test_run_metrics_keeps_failures_as_data(self):
+        m = run_metrics([rec(0.0, 1.0, ttft=0.1), rec(0.1, 1.5, ttft=0.3, backend="cpu"),
+                         rec(0.2, None, ok=False, backend="cpu")])
+        assert (m.completed, m.failed, m.output_tokens) == (2, 1, 20)
+        assert m.routed == {"gpu": 1, "cpu": 2}
+        assert m.ttft_p50_s == pytest.approx(0.2) and m.e2e_p95_s == pytest.approx(1.475)
+
+    def test_aggregate_gives_mean_and_spread(self):
+        runs = [run_metrics([rec(0.0, 1.0)]), run_metrics([rec(0.0, 3.0, backend="cpu")])]
+        a = aggregate(runs)
+        assert a["makespan_s"]["mean"] == 2.0 and a["makespan_s"]["std"] == pytest.approx(math.sqrt(2))
+        assert (a["makespan_s"]["min"], a["makespan_s"]["max"]) == (1.0, 3.0)
+        assert a["routed"] == {"cpu": 0.5, "gpu": 0.5}
+        assert a["routed_per_run"] == [{"gpu": 1}, {"cpu": 1}]
+
+    def test_oracle_and_distance_from_the_best_single_backend(self):
+        def row(policy, mean, std):
+            return {"workload": "w", "requests": 8, "policy": policy,
+                    "makespan_s": {"mean": mean, "std": std}}
+
+        (o,) = oracle([row("gpu-only", 10.0, 0.2), row("seed-score", 9.0, 0.1), row("cpu-only", 30.0, 1.0),
+                       row("predicted-finish", 10.1, 0.05)],
+                      group=("workload", "requests"), single={"gpu-only", "cpu-only"})
+        assert (o["best"], o["best_single"]) == ("seed-score", "gpu-only")
+        by = {p["policy"]: p for p in o["policies"]}
+        assert by["gpu-only"]["gap_pct"] == pytest.approx(100 / 9)
+        assert by["seed-score"]["vs_single_s"] == pytest.approx(-1.0) and by["seed-score"]["within_spread"]
+        assert by["predicted-finish"]["within_spread"]  # 0.1 s worse, gpu-only's std is 0.2
+        assert not by["cpu-only"]["within_spread"]
+
+
+class TestDecisionLine:
+    def test_format_of_the_router_issue(self):
+        from engine.router import RouteQuery, Router
+        from engine.snapshot import BackendSnapshot, Rates
+
+        snaps = [BackendSnapshot("gpu", "gpu", 4, 4096, Rates(2551, 293)),
+                 BackendSnapshot("cpu", "cpu", 4, 4096, Rates(73, 45))]
+        d = Router("seed-score", clock=lambda: 12.5).route(RouteQuery("r1", 516, 128, {"gpu": 496, "cpu": 496}), snaps)
+        line = decision_line(d, t0=10.0, run=0)
+        assert set(line) == {"t", "request_id", "policy", "chosen", "candidates", "run"}
+        assert (line["t"], line["request_id"], line["policy"], line["chosen"]) == (2.5, "r1", "seed-score", "gpu")
+        cpu = line["candidates"][1]
+        assert set(cpu) == {"backend", "cached_tokens", "prefill_tokens", "decode_tokens", "prefill_rate",
+                            "decode_rate", "score"}
+        assert cpu["score"] == pytest.approx(3.118, abs=5e-4)
+        assert cpu["score"] == pytest.approx(seed_formula(cpu), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------- progress and report
+
+
+class TestProgress:
+    def test_without_tqdm_a_plain_line_per_tenth(self, monkeypatch):
+        monkeypatch.setitem(sys.modules, "tqdm", None)
+        out = io.StringIO()
+        with Progress(20, "bench", stream=out) as bar:
+            for _ in range(20):
+                bar.update(1, "seed-score N=4")
+        lines = out.getvalue().splitlines()
+        assert lines[-1] == "seed-score N=4 20/20 (100%)"
+        assert 5 <= len(lines) <= 11
+
+    def test_total_can_grow(self, monkeypatch):
+        monkeypatch.setitem(sys.modules, "tqdm", None)
+        bar = Progress(0, "x", stream=io.StringIO())
+        bar.add_total(5)
+        bar.update(5)
+        assert (bar.n, bar.total) == (5, 5)
+
+
+def test_report_without_matplotlib_says_plots_were_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    records = [rec(0.0, 1.0, policy="a"), rec(0.0, 2.0, policy="b")]
+    from app.bench import summarize
+
+    rows = summarize(records)
+    summary = {"tool": "tandem bench seed", "runs": 1, "results": rows,
+               "oracle": oracle(rows, group=("workload", "requests"))}
+    written = bench_report.write_all(tmp_path, summary, records, [])
+    assert {p.name for p in written} == {"summary.json", "requests.csv", "decisions.jsonl", "results.md"}
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert "matplotlib" in saved["plots_skipped"] and saved["plots"] == []
+    assert "plots skipped: matplotlib" in (tmp_path / "results.md").read_text()
+
+
+# ---------------------------------------------------------------------------- real runs
+
+
+def read_outputs(out):
+    summary = json.loads((out / "summary.json").read_text())
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    return summary, rows, decisions
+
+
+POLICIES = ["seed-score", "predicted-finish", "round-robin", "only:cpu0"]
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory, tiny_path):
+    """One `bench seed` invocation shared by the checks below."""
+    out = tmp_path_factory.mktemp("seed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CACHE_DIR", str(out / "cache"))
+        # Lopsided rates: cpu0 prefills fast but decodes slowly, so seed-score offloads to cpu1
+        # as soon as cpu0 holds work; all requests at once so that queues build.
+        rc = main(["bench", "seed", "--model", str(tiny_path), *BACKENDS, "--policies", ",".join(POLICIES),
+                   "--requests", "2,6", "--runs", "2", "--interval-ms", "0", *SMALL_SEED,
+                   "--rates", "cpu0:prefill=2551,decode=30", "--rates", "cpu1:prefill=73,decode=45",
+                   "--out", str(out / "bench")])
+    return rc, out / "bench"
+
+
+class TestBenchSeed:
+    POLICIES = POLICIES
+
+    @pytest.fixture
+    def run(self, seed_run):
+        return seed_run
+
+    def test_files_and_keys(self, run):
+        rc, out = run
+        assert rc == 0
+        assert {p.name for p in out.iterdir()} == {"summary.json", "requests.csv", "decisions.jsonl", "results.md",
+                                                   "makespan.png", "ttft_cdf.png"}
+        summary, rows, decisions = read_outputs(out)
+        assert summary["policies"] == self.POLICIES
+        assert summary["requests"] == [2, 6] and summary["runs"] == 2
+        assert "fresh engine state" in summary["engine_state"] and "loaded once" in summary["engine_state"]
+        assert [b["rates"]["source"] for b in summary["backends"]] == ["override", "override"]
+        assert len(summary["results"]) == len(self.POLICIES) * 2
+        for row in summary["results"]:
+            for key in ("makespan_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s"):
+                assert set(row[key]) == {"mean", "std", "min", "max", "values"}
+                assert len(row[key]["values"]) == 2
+            assert row["makespan_s"]["mean"] > 0 and row["output_tok_s"]["mean"] > 0
+            assert row["ttft_p50_s"]["mean"] <= row["ttft_p95_s"]["mean"] <= row["e2e_p95_s"]["mean"]
+            assert sum(row["routed"].values()) == row["requests"]
+            assert all(sum(r.values()) == row["requests"] for r in row["routed_per_run"])
+            assert row["failed"] == 0 and row["completed"] == 2 * row["requests"]
+        only = [r for r in summary["results"] if r["policy"] == "only:cpu0"]
+        assert all(r["routed"] == {"cpu0": r["requests"]} for r in only)
+        rr = [r for r in summary["results"] if r["policy"] == "round-robin" and r["requests"] == 6]
+        assert rr[0]["routed"] == {"cpu0": 3, "cpu1": 3}
+        assert {(o["workload"], o["requests"]) for o in summary["oracle"]} == {("seed", 2), ("seed", 6)}
+        assert "| seed-score | 6 |" in (out / "results.md").read_text()
+
+    def test_requests_csv_one_row_per_request(self, run):
+        _, out = run
+        summary, rows, _ = read_outputs(out)
+        assert len(rows) == len(self.POLICIES) * 2 * (2 + 6)
+        for r in rows:
+            assert r["success"] == "True" and r["finish_reason"] == "length"
+            assert (int(r["prompt_tokens"]), int(r["cached_tokens"]), int(r["output_tokens"])) == (56, 48, 8)
+            assert float(r["queue_s"]) >= 0 and 0 < float(r["ttft_s"]) <= float(r["e2e_s"])
+            assert r["backend"] in ("cpu0", "cpu1")
+
+    def test_decisions_one_per_request_and_the_score_is_the_formula(self, run):
+        _, out = run
+        summary, rows, decisions = read_outputs(out)
+        assert len(decisions) == len(rows)
+        assert {d["request_id"] for d in decisions} == {r["request_id"] for r in rows}
+        chosen = {r["request_id"]: r["backend"] for r in rows}
+        rates = {b["name"]: b["rates"] for b in summary["backends"]}
+        offloaded = 0
+        for d in decisions:
+            assert set(d) >= {"t", "request_id", "policy", "chosen", "candidates"}
+            assert d["chosen"] == chosen[d["request_id"]]  # the decision is where it ran
+            assert d["t"] >= 0
+            scores = {c["backend"]: c["score"] for c in d["candidates"]}
+            for c in d["candidates"]:
+                assert (c["prefill_rate"], c["decode_rate"]) == (rates[c["backend"]]["prefill_tok_s"],
+                                                                 rates[c["backend"]]["decode_tok_s"])
+            if d["policy"] == "seed-score":
+                for c in d["candidates"]:
+                    assert c["score"] == pytest.approx(seed_formula(c), rel=1e-12)
+                    assert c["prefill_tokens"] >= 8 and c["decode_tokens"] >= 8  # the new request included
+                    assert c["cached_tokens"] == 48
+                offloaded += d["chosen"] == "cpu1"
+            if d["policy"] in ("seed-score", "predicted-finish"):
+                assert scores[d["chosen"]] == min(scores.values())
+        assert offloaded >= 1  # the lopsided rates made seed-score offload at least once
+
+
+def test_bench_grid_sweeps_caps_and_reports_the_oracle(tmp_path, tiny_path):
+    out = tmp_path / "grid"
+    rc = main(["bench", "grid", "--model", str(tiny_path), *BACKENDS, "--policies", "seed-score",
+               "--requests", "3", "--runs", "1", "--prompt-tokens", "40", "--shared", "0,96",
+               "--outputs", "fixed,uniform", "--arrivals", "poisson", "--min-output", "4", "--max-output", "12",
+               "--gen-tokens", "8", "--caps", "1,2", "--kv-seqs", "3", "--warmup", "0", "--no-plots",
+               "--out", str(out)])
+    assert rc == 0
+    summary, rows, decisions = read_outputs(out)
+    workloads = {w["name"] for w in summary["workloads"]}
+    assert len(workloads) == 4 and any("out 4-12" in w for w in workloads)
+    assert summary["policies"] == ["seed-score", "only:cpu0@cap=1", "only:cpu0@cap=2"]
+    assert len(summary["results"]) == 4 * 3
+    assert all(r["workload"].endswith("kv 3 seqs") and r["kv_seqs"] == 3 for r in summary["results"])
+    assert len(summary["oracle"]) == 4
+    for o in summary["oracle"]:
+        assert o["best_single"] in ("only:cpu0@cap=1", "only:cpu0@cap=2")
+        assert {p["policy"] for p in o["policies"]} == set(summary["policies"])
+        assert min(p["gap_pct"] for p in o["policies"]) == 0.0
+    swept = [b for b in summary["backends"] if b["swept"]]
+    assert [b["name"] for b in swept] == ["cpu0"] and swept[0]["n_ctx"] >= 3 * (40 + 12)
+    assert any("KV budget 3" in n for n in summary["notes"])
+    assert any("max_tokens = its drawn length" in n for n in summary["notes"])
+    assert summary["plots_skipped"] == "--no-plots"
+    uniform = [r for r in rows if "out 4-12" in r["workload"]]
+    assert {int(r["output_tokens"]) for r in uniform} <= set(range(4, 13)) and len(uniform) == 2 * 3 * 3
+    assert len(decisions) == len(rows)
+
+
+def test_unusable_policy_is_a_clear_error(tmp_path, tiny_path, capsys):
+    rc = main(["bench", "seed", "--model", str(tiny_path), *BACKENDS, "--policies", "gpu-only",
+               "--requests", "2", "--runs", "1", *SMALL_SEED, "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "gpu-only" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------- HTTP peers
+
+
+class StubServer:
+    """A tiny aiohttp server in its own thread that speaks llama-server's /completion and the
+    OpenAI /v1/completions, streaming one SSE chunk per token. It records the bodies it got."""
+
+    def __init__(self, *, llama_server=True, fail=False):
+        self.llama_server = llama_server
+        self.fail = fail
+        self.bodies: list[dict] = []
+        self.url = None
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def _serve(self):
+        from aiohttp import web
+
+        async def props(request):
+            if not self.llama_server:
+                raise web.HTTPNotFound()
+            return web.json_response({"default_generation_settings": {}, "total_slots": 4})
+
+        async def models(request):
+            return web.json_response({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+        async def stream(request, chunks):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.fail:
+                return web.json_response({"error": {"message": "no", "type": "server_error"}}, status=500)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for c in chunks(body):
+                await asyncio.sleep(0.002)
+                await resp.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        async def completion(request):
+            return await stream(request, lambda b: [{"content": "x", "stop": False} for _ in range(b["n_predict"])] + [
+                {"content": "", "stop": True, "stop_type": "limit", "tokens_predicted": b["n_predict"],
+                 "timings": {"cache_n": 5, "prompt_n": 3}}])
+
+        async def v1(request):
+            return await stream(request, lambda b: [{"choices": [{"index": 0, "text": "y", "finish_reason": None}]}
+                                                    for _ in range(b["max_tokens"])] + [
+                {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+                {"choices": [], "usage": {"completion_tokens": b["max_tokens"],
+                                          "prompt_tokens_details": {"cached_tokens": 7}}}])
+
+        async def main_():
+            app = web.Application()
+            app.add_routes([web.get("/props", props), web.get("/v1/models", models),
+                            web.post("/completion", completion), web.post("/v1/completions", v1)])
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            self._stop = asyncio.Event()
+            self._ready.set()
+            await self._stop.wait()
+            await runner.cleanup()
+
+        self._loop.run_until_complete(main_())
+
+
+def small_workload(n=3):
+    return build_workload(seed_workload(n, prefix_tokens=6, suffix_tokens=3, gen_tokens=4, interval_s=0.01))
+
+
+class TestTargetClient:
+    def test_parse_target(self):
+        assert parse_target("http://h:1/") == (None, "http://h:1")
+        assert parse_target("peer=http://h:1") == ("peer", "http://h:1")
+        with pytest.raises(ValueError):
+            parse_target("h:1")
+
+    def test_llama_server_completion_stream(self):
+        with StubServer() as stub:
+            target = asyncio.run(probe(stub.url))
+            assert (target.label, target.api) == ("target:llama-server", "completion")
+            wl = small_workload()
+            records = run_target(target, wl, run=0, warm_copies=2)
+        warm, sent = stub.bodies[:2], stub.bodies[2:]
+        assert [b["n_predict"] for b in warm] == [1, 1] and warm[0]["prompt"] == list(wl.prefix)
+        assert [b["prompt"] for b in sent] and all(b["ignore_eos"] and b["cache_prompt"] for b in sent)
+        assert sorted(tuple(b["prompt"]) for b in sent) == sorted(r.prompt for r in wl.requests)
+        assert [r.index for r in records] == [0, 1, 2]
+        for r in records:
+            assert r.success and r.backend == "target:llama-server" and r.policy == "target:llama-server"
+            assert (r.output_tokens, r.cached_tokens, r.prompt_tokens) == (4, 5, 9)
+            assert 0 < r.ttft_s < r.e2e_s and r.itl_s > 0 and r.queue_s is None
+        assert records[2].t_submit_s == pytest.approx(0.02, abs=0.015)
+
+    def test_openai_stream_and_usage(self):
+        with StubServer(llama_server=False) as stub:
+            target = asyncio.run(probe(stub.url))
+            assert (target.api, target.model, target.label) == ("openai", "stub-model", f"target:{stub.url[7:]}")
+            records = run_target(target, small_workload(), run=1)
+        assert all(b["model"] == "stub-model" and b["max_tokens"] == 4 for b in stub.bodies[1:])
+        for r in records:
+            assert r.success and (r.output_tokens, r.cached_tokens, r.run) == (4, 7, 1)
+
+    def test_failures_are_records_not_exceptions(self):
+        with StubServer(fail=True) as stub:
+            target = Target(url=stub.url, label="target:x", api="completion")
+            wl = build_workload(seed_workload(2, prefix_tokens=0, suffix_tokens=3, gen_tokens=4))
+            records = run_target(target, wl, run=0)
+        assert [r.success for r in records] == [False, False]
+        assert all("HTTP 500" in r.error and r.output_tokens == 0 for r in records)
+        m = run_metrics(records)
+        assert (m.completed, m.failed) == (0, 2) and math.isnan(m.makespan_s)
+
+    def test_nothing_listening(self):
+        with pytest.raises(ConnectionError):
+            asyncio.run(probe("http://127.0.0.1:9", timeout=2))
+        target = Target(url="http://127.0.0.1:9", label="target:gone", api="openai")
+        wl = build_workload(seed_workload(2, prefix_tokens=0, suffix_tokens=3, gen_tokens=4))
+        records = run_target(target, wl, run=0)
+        assert not any(r.success for r in records) and all(r.error for r in records)
+
+    def test_targets_only_run_against_the_stub(self, tmp_path):
+        with StubServer() as stub:
+            rc = main(["bench", "seed", "--policies", "none", "--target", stub.url, "--requests", "2,3",
+                       "--runs", "2", "--prefix-tokens", "6", "--suffix-tokens", "3", "--gen-tokens", "4",
+                       "--interval-ms", "5", "--no-plots", "--out", str(tmp_path)])
+        assert rc == 0
+        summary, rows, decisions = read_outputs(tmp_path)
+        assert summary["policies"] == ["target:llama-server"] and decisions == []
+        assert [(r["requests"], r["routed"]) for r in summary["results"]] == [
+            (2, {"target:llama-server": 2.0}), (3, {"target:llama-server": 3.0})]
+        assert len(rows) == 2 * (2 + 3)
+
+
+def test_side_by_side_with_our_own_server(tmp_path, tiny_path):
+    """The engine's policies and a `tandem serve` peer (our aiohttp app) in one invocation."""
+    from app.server import create_app, start_server
+
+    peer = Engine.load(str(tiny_path), parse_backend_specs(["cpu:threads=1,cap=2,ctx=512"]))
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box = {}
+
+    def serve():
+        async def go():
+            box["runner"], box["url"] = await start_server(create_app(peer), "127.0.0.1", 0)
+            box["stop"] = asyncio.Event()
+            started.set()
+            await box["stop"].wait()
+            await box["runner"].cleanup()
+
+        loop.run_until_complete(go())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(30)
+        rc = main(["bench", "seed", "--model", str(tiny_path), *BACKENDS, "--policies", "seed-score",
+                   "--target", f"tandem={box['url']}", "--requests", "3", "--runs", "1", *SMALL_SEED,
+                   "--no-plots", "--out", str(tmp_path)])
+    finally:
+        if "stop" in box:
+            loop.call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+        peer.close()
+    assert rc == 0
+    summary, rows, _ = read_outputs(tmp_path)
+    assert summary["policies"] == ["seed-score", "target:tandem"]
+    assert summary["targets"][0]["api"] == "openai"
+    peer_rows = [r for r in rows if r["policy"] == "target:tandem"]
+    assert len(peer_rows) == 3 and all(r["success"] == "True" and r["output_tokens"] == "8" for r in peer_rows)
+    assert all(int(r["cached_tokens"]) == 48 for r in peer_rows)  # the warmed prefix, reported in usage
