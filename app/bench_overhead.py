@@ -35,7 +35,7 @@ def run_overhead(args) -> int:
     backend = Backend(
         BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
                       threads=threads or 0, backend_sampling=not args.host_sampling,
-                      flash_attn=args.flash_attn),
+                      flash_attn=args.flash_attn, n_seq_max=args.n_seq_max),
         model,
     ).start()
     llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run llama.cpp's llama-batched-bench (path) with the same shape")
     ov.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
     ov.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
+    ov.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: 2 x cap + 8)")
 
     from app import bench as _bench, calibrate_cmd as _calibrate
 
