@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jinja2 import TemplateError
+
 from engine.errors import EngineError, InvalidRequest
 from engine.request import Request, SamplingParams
 
@@ -81,7 +83,7 @@ class ServedModel:
 # ---------------------------------------------------------------------------- parsing
 
 
-def parse_chat(body, engine: "Engine", served: ServedModel) -> ApiRequest:
+def parse_chat(body, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/chat/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
     body = _object(body)
     model = served.check(body)
@@ -91,13 +93,14 @@ def parse_chat(body, engine: "Engine", served: ServedModel) -> ApiRequest:
         tokens = engine.chat_tokens(messages)
     except EngineError:
         raise
-    except Exception as e:  # the model's own Jinja template refused these messages
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        # The model's own Jinja template refused them (`raise_exception('roles must alternate')`).
         raise InvalidRequest(f"the model's chat template cannot render these messages: {e}",
                              param="messages") from None
     return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab)
 
 
-def parse_completion(body, engine: "Engine", served: ServedModel) -> ApiRequest:
+def parse_completion(body, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
     body = _object(body)
     model = served.check(body)
@@ -170,7 +173,7 @@ def _content(value, where: str, allow_null: bool) -> str:
                          param="messages")
 
 
-def _prompt_tokens(value, engine: "Engine") -> list[int]:
+def _prompt_tokens(value, engine: Engine) -> list[int]:
     """A completion prompt: a string, a list of token ids, or a one-element list of either."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]

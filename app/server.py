@@ -118,8 +118,11 @@ async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int
     """
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=BACKLOG)
-    await site.start()
+    try:
+        await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, f"http://{_url_host(bound_host)}:{bound_port}"
 
@@ -135,17 +138,18 @@ def run_serve(args) -> int:
     if engine.model.synthetic:
         print("(synthetic model: random weights, the text is noise)", file=sys.stderr)
     app = create_app(engine, api_key, aliases=(args.model,))
-
-    async def close_engine(app):
-        yield
-        await asyncio.to_thread(engine.close)
-
-    app.cleanup_ctx.append(close_engine)
     backends = ", ".join(f"{b.name} ({b.model.device}, cap {b.cap})" for b in engine.backends.values())
     print(f"tandem: serving {app[SETTINGS].served.id} on http://{_url_host(args.host)}:{args.port}/v1 "
           f"with {backends}", file=sys.stderr)
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-                backlog=BACKLOG, print=None, access_log=log if args.verbose else None)
+    try:
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
+                    shutdown_timeout=SHUTDOWN_TIMEOUT_S, backlog=BACKLOG, print=None,
+                    access_log=log if args.verbose else None)
+    except OSError as e:  # the address is taken or not ours
+        print(f"tandem: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()  # after the server stopped: streams still open were cancelled first
     return 0
 
 
@@ -229,13 +233,18 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_chat(await _json_body(request), request.app[ENGINE], request.app[SETTINGS].served)
-    return await _serve(request, parsed)
+    return await _serve(request, await _parse(request, parse_chat))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_completion(await _json_body(request), request.app[ENGINE], request.app[SETTINGS].served)
-    return await _serve(request, parsed)
+    return await _serve(request, await _parse(request, parse_completion))
+
+
+async def _parse(request: web.Request, parse) -> ApiRequest:
+    """Check the body and tokenize its prompt on a worker thread: a long prompt (templating,
+    tokenizing megabytes) must not stall the loop that streams everyone else's tokens."""
+    body = await _json_body(request)
+    return await asyncio.to_thread(parse, body, request.app[ENGINE], request.app[SETTINGS].served)
 
 
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:
@@ -257,7 +266,7 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
         handle.cancel()  # a no-op once finished; on disconnect, frees the request's KV
 
 
-async def _stream(request: web.Request, handle: RequestHandle, reply: "Reply") -> web.StreamResponse:
+async def _stream(request: web.Request, handle: RequestHandle, reply: Reply) -> web.StreamResponse:
     deltas = handle.astream()
     first = await anext(deltas, None)
     if first is None:

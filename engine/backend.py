@@ -50,7 +50,7 @@ class BackendConfig:
     n_ubatch: int = 512
     threads: int = 0  # 0: all cores
     threads_batch: int = 0  # 0: same as threads
-    n_seq_max: int = 0  # 0: 2 * cap + 8, at least 16 (room for cache holders)
+    n_seq_max: int = 0  # 0: cap + 8, at least 32 (sequence slots: running + cache holders)
     kv_unified: bool = True
     flash_attn: str = "auto"  # auto | on | off
     cache: bool = True
@@ -59,7 +59,8 @@ class BackendConfig:
 
     def resolved(self) -> "BackendConfig":
         threads = self.threads or os.cpu_count() or 1
-        n_seq_max = self.n_seq_max or min(256, max(16, 2 * self.cap + 8))
+        # Fewer slots make each step cheaper (measured: GPU b32 +5 % at 33 slots vs 72).
+        n_seq_max = self.n_seq_max or min(256, max(32, self.cap + 8))
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max)
 
 
@@ -139,6 +140,7 @@ class Backend:
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
         self._cancelled: set[str] = set()
+        self._blocked = False  # the queue's head waits for KV room that only a finish frees
         self._calls: list[tuple] = []
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -251,6 +253,7 @@ class Backend:
                 self._release_pin(seq)
                 raise QueueFull(f"backend {self.name} has {len(self._waiting)} requests waiting")
             self._waiting.append(seq)
+            self._blocked = False
             self._lock.notify()
 
     def cancel(self, request_id: str) -> None:
@@ -264,6 +267,7 @@ class Backend:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {cap}", param="cap")
         with self._lock:
             self.cap = cap
+            self._blocked = False
             self._lock.notify()
 
     def set_rates(self, rates: Rates) -> None:
@@ -276,6 +280,7 @@ class Backend:
             if self._stop:
                 raise BackendUnavailable(f"backend {self.name} is stopped")
             self._calls.append((fn, fut))
+            self._blocked = False
             self._lock.notify()
         return fut
 
@@ -301,7 +306,7 @@ class Backend:
             n_ctx=self.n_ctx,
             rates=self.rates,
             items=tuple(s.work_item(True) for s in running) + tuple(s.work_item(False) for s in waiting),
-            healthy=self.healthy,
+            healthy=self.healthy and not self._stop,
             threads=self.config.threads,
             kv_cells_used=used,
             kv_cells_total=self.n_ctx,
@@ -336,14 +341,15 @@ class Backend:
             while True:
                 with self._lock:
                     while not (self._stop or self._calls or self._cancelled or self._running
-                               or (self._waiting and len(self._running) < self.cap)):
+                               or (self._waiting and len(self._running) < self.cap and not self._blocked)):
                         self._lock.wait()
                     if self._stop:
                         break
                     calls, self._calls = self._calls, []
-                    cancelled, self._cancelled = self._cancelled, set()
                 for fn, fut in calls:
                     _run_call(fn, self, fut)
+                with self._lock:
+                    cancelled, self._cancelled = self._cancelled, set()
                 if cancelled:
                     self._apply_cancel(cancelled)
                 self._admit()
@@ -367,6 +373,8 @@ class Backend:
             self._finish(s, RequestStatus.FINISHED_CANCELLED)
 
     def _admit(self) -> None:
+        if self._blocked:
+            return
         while True:
             with self._lock:
                 if not self._waiting or len(self._running) >= self.cap:
@@ -398,9 +406,12 @@ class Backend:
         if not self._make_room(need):
             if lock is not None:
                 self.cache.unpin(lock)
-            if not self._running and not self.cache.pinned_tokens:
+            if not self._running:  # nothing will free cells: waiting would be forever
                 self._fail_waiting_head(seq, f"needs {need} KV cells and the context has "
-                                             f"{self.n_ctx - self.kv_cells_used()} free")
+                                             f"{self.n_ctx - self.kv_cells_used()} free "
+                                             f"({self.cache.pinned_tokens} held for queued requests)")
+            else:
+                self._blocked = True  # retry when a running request ends
             return False
         seq.seq_id = self._free_ids.pop()
         if seq.sampler is not None and self.config.backend_sampling:
@@ -514,6 +525,7 @@ class Backend:
         with self._lock:
             if s in self._running:
                 self._running.remove(s)
+            self._blocked = False
         s.status = status
         now = time.monotonic()
         record = FinishRecord(

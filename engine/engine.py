@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .backend import Backend, BackendConfig
 from .calibrate import ModelRates
-from .errors import InvalidRequest
+from .errors import BackendUnavailable, InvalidRequest
 from .events import EventBus, RequestRouted
 from .handle import RequestHandle
 from .model import Model, ModelRegistry, resolve_model
@@ -83,6 +83,7 @@ class Engine:
         handle = RequestHandle(request, loop)
         t_submit = time.monotonic()
         with self._lock:
+            self._check_open()
             candidates = [b for b in self.backends.values() if request.backend in (None, b.name)]
             for b in candidates:
                 b.validate(request)
@@ -98,6 +99,7 @@ class Engine:
 
     def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
         """Submit raw text (tokenized with BOS) or token ids."""
+        self._check_open()
         tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
 
@@ -107,9 +109,19 @@ class Engine:
         return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:
+        """Render `messages` with the model's chat template and tokenize the result."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        return self.model.tokenize(self.model.apply_chat_template(messages), add_special=False)
+        self._check_open()
+        try:
+            text = self.model.apply_chat_template(messages)
+        except Exception as e:  # the template's own errors (Jinja raises its own types)
+            raise InvalidRequest(f"the chat template rejected these messages: {e}", param="messages") from e
+        return self.model.tokenize(text, add_special=False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendUnavailable("the engine is closed")
 
     # ---- state and controls ----
 

@@ -34,11 +34,11 @@ class ContextLengthExceeded(InvalidRequest):
 
     kind = "exceed_context_size_error"
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int):
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, param: str = "prompt"):
         super().__init__(
             f"the prompt has {n_prompt_tokens} tokens but the context holds {n_ctx} "
             f"(at most {n_ctx - 1} prompt tokens leave room for one generated token)",
-            param="messages",
+            param=param,
         )
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx

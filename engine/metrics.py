@@ -52,7 +52,7 @@ _FINISHED_REASON = {
 class EngineMetrics:
     """The Prometheus view of one engine. Subscribes to its bus; `close()` unsubscribes."""
 
-    def __init__(self, engine: "Engine", registry: CollectorRegistry | None = None):
+    def __init__(self, engine: Engine, registry: CollectorRegistry | None = None):
         self.engine = engine
         self.registry = registry or CollectorRegistry()
         r, b = self.registry, ["backend"]
@@ -118,7 +118,7 @@ class EngineMetrics:
 class _SnapshotCollector:
     """Per-backend gauges and cache counters, read from `Engine.snapshot()` at scrape time."""
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: Engine):
         self._engine = engine
 
     def describe(self):

@@ -183,17 +183,22 @@ class PrefixCache:
     # ---- locks ----
 
     def pin(self, match: Match) -> Pin:
-        """Lock the path of `match` so eviction leaves it alone.
+        """Lock the matched prefix (and nothing more) so eviction leaves it alone.
 
-        Locks `match.node`, which for a match ending inside an edge is the node at that
-        edge's end, and every ancestor. Raises ValueError if the node has been evicted since
-        the match was made.
+        A match that ends inside an edge splits that edge there first (SGLang's habit), so
+        the tail past the match stays evictable: a pin on a short shared prefix (a chat
+        template, say) must not hold a long cached reply hostage. Raises ValueError if the
+        node has been evicted since the match was made.
         """
         with self._lock:
-            if not self._attached(match.node):
-                raise ValueError(f"stale match: {match.node!r} has been evicted; match again")
-            self._inc_lock(match.node)
-            return Pin(match.length, match.node)
+            node = match.node
+            if not self._attached(node):
+                raise ValueError(f"stale match: {node!r} has been evicted; match again")
+            start = node.end - len(node.key)
+            if start < match.length < node.end:
+                node = self._split(node, match.length - start)
+            self._inc_lock(node)
+            return Pin(match.length, node)
 
     def unpin(self, pin: Pin) -> None:
         """Release `pin`. Idempotent: a second release, or releasing a pin taken before

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequest
 
 _ids = itertools.count(1)
+MAX_TOKENS = 1 << 20  # beyond any context; keeps values inside llama.cpp's int32
 
 
 def next_request_id() -> str:
@@ -38,13 +39,15 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequest` naming the first value out of range; return self."""
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("max_tokens", isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS,
+             f"an integer in [1, {MAX_TOKENS}]"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "a number >= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_k", isinstance(self.top_k, int) and 0 <= self.top_k < 2**31, "an integer >= 0 (0 = off)"),
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
             ("repeat_penalty", _finite(self.repeat_penalty) and self.repeat_penalty > 0, "a number > 0"),
-            ("repeat_last_n", isinstance(self.repeat_last_n, int) and self.repeat_last_n >= 0, "an integer >= 0"),
+            ("repeat_last_n", isinstance(self.repeat_last_n, int) and 0 <= self.repeat_last_n <= 8192,
+             "an integer in [0, 8192]"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "in [0, 2^32)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
              "at most 16 non-empty strings"),

@@ -41,7 +41,7 @@ class Sampler:
             add(lc.llama_sampler_init_greedy())
         else:
             if params.top_k > 0:
-                add(lc.llama_sampler_init_top_k(params.top_k))
+                add(lc.llama_sampler_init_top_k(min(params.top_k, n_vocab)))
             if params.top_p < 1.0:
                 add(lc.llama_sampler_init_top_p(params.top_p, 1))
             if params.min_p > 0.0:

@@ -30,12 +30,16 @@ def _wait(cond, timeout=WAIT, what="condition"):
 PROMPTS = ["The quick brown fox", "Once upon a time in a land", "def fibonacci(n):", "Paris is the capital of"]
 
 
-@pytest.mark.parametrize("which", ["tiny_model", "default_model"])
-def test_greedy_output_is_the_same_alone_and_batched(request, make_backend, which):
+# On the Q4_1 default model a long greedy run can flip a near-tie between batch sizes (llama.cpp
+# does not promise bit-equal logits across batch shapes); 24 tokens stay clear of that here.
+@pytest.mark.parametrize("which, n", [("tiny_model", 64), ("default_model", 24)])
+def test_greedy_output_is_the_same_alone_and_batched(request, make_backend, which, n):
     model = request.getfixturevalue(which)
     b = make_backend(model, cap=4, cache=False)
-    alone = b.enqueue(_req(model, PROMPTS[0])).text(WAIT)
-    handles = [b.enqueue(_req(model, p)) for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=n)
+    alone = b.enqueue(_req(model, PROMPTS[0], sp)).text(WAIT)
+    requests = [_req(model, p, sp) for p in PROMPTS]  # tokenize first: enqueue back to back
+    handles = [b.enqueue(r) for r in requests]
     batched = [h.text(WAIT) for h in handles]
     assert batched[0] == alone
     assert alone, "the model produced no text"
@@ -45,12 +49,13 @@ def test_greedy_output_is_the_same_alone_and_batched(request, make_backend, whic
 
 def test_concurrent_requests_share_steps_and_record_the_batch(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=4)
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    handles = [b.enqueue(_req(tiny_model, p, sp)) for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    requests = [_req(tiny_model, p, sp) for p in PROMPTS]
+    handles = [b.enqueue(r) for r in requests]
     records = [h.result(WAIT) for h in handles]
-    assert all(r.output_tokens == 16 for r in records)
+    assert all(r.output_tokens == 64 for r in records)
     shared = [rows for n_dec, _, rows in b.step_log if n_dec == 4]
-    assert len(shared) >= 14, f"expected most decode steps to hold all 4 sequences, got {len(shared)}"
+    assert len(shared) >= 48, f"expected most decode steps to hold all 4 sequences, got {len(shared)}"
     assert all(len(set(rows)) == 4 for rows in shared), "one row per sequence"
 
 

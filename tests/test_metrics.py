@@ -111,6 +111,8 @@ def test_prefix_cache_counters_and_kv_usage_come_from_snapshots(engine, metrics)
     snap = engine.backend("cpu1").snapshot()
     assert value(metrics, "tandem:prefix_cache_queries_total", backend="cpu1") - q0 == 2 * first.prompt_tokens
     assert value(metrics, "tandem:prefix_cache_hits_total", backend="cpu1") - h0 == first.prompt_tokens - 1
+    assert second.cached_tokens == first.prompt_tokens - 1
+    assert value(metrics, "tandem:prompt_tokens_cached_total", backend="cpu1") == second.cached_tokens
     assert value(metrics, "tandem:kv_cache_cells_used", backend="cpu1") == snap.kv_cells_used > 0
     assert value(metrics, "tandem:kv_cache_usage_perc", backend="cpu1") == pytest.approx(
         snap.kv_cells_used / snap.kv_cells_total)

@@ -115,15 +115,25 @@ class TestMatch:
 class TestPin:
     def test_totals_follow_lock_refs(self):
         cache = make_cache(([1, 2, 3, 4], 1), ([1, 2, 5], 2))  # [1,2] -> [3,4], [5]
-        deep = cache.pin(cache.match([1, 2, 3]))  # ends inside [3,4]: locks that whole edge
+        deep = cache.pin(cache.match([1, 2, 3]))  # ends inside [3,4]: splits it, locks [1,2,3]
         assert deep.length == 3
-        assert_totals(cache, 5, 4)
-        shallow = cache.pin(cache.match([1]))
-        assert_totals(cache, 5, 4)
+        assert_totals(cache, 5, 3)
+        shallow = cache.pin(cache.match([1]))  # splits [1,2]
+        assert_totals(cache, 5, 3)
         cache.unpin(deep)
-        assert_totals(cache, 5, 2)
+        assert_totals(cache, 5, 1)
         cache.unpin(shallow)
         assert_totals(cache, 5, 0)
+
+    def test_a_short_pin_leaves_the_long_tail_evictable(self):
+        cache = make_cache((list(range(1, 11)), 1))  # one leaf of 10 tokens
+        pin = cache.pin(cache.match([1, 2, 99]))
+        assert pin.length == 2
+        actions = cache.evict(need_tokens=8)
+        assert [(a.seq_id, a.keep, a.tokens) for a in actions] == [(1, 2, 8)]
+        assert cache.match_length([1, 2, 3]) == 2
+        assert cache.holder_for(pin.node) == 1
+        assert_totals(cache, 2, 2)
 
     def test_unpin_twice_is_a_no_op(self):
         cache = make_cache(([1, 2], 1))
@@ -171,12 +181,12 @@ class TestEvict:
 
     def test_never_touches_pinned(self):
         cache = make_cache(([1, 2], 1), ([3, 4], 2))
-        pin = cache.pin(cache.match([1]))
-        assert cache.evict(need_tokens=100, need_seqs=5) == [EvictAction(2, 0, 2)]
-        assert cache.match_length([1, 2]) == 2
-        assert_totals(cache, 2, 2)
+        pin = cache.pin(cache.match([1]))  # splits [1,2]; only [1] is locked
+        assert cache.evict(need_tokens=100, need_seqs=5) == [EvictAction(2, 0, 2), EvictAction(1, 1, 1)]
+        assert cache.match_length([1, 2]) == 1
+        assert_totals(cache, 1, 1)
         cache.unpin(pin)
-        assert cache.evict(need_seqs=1) == [EvictAction(1, 0, 2)]
+        assert cache.evict(need_seqs=1) == [EvictAction(1, 0, 1)]
 
     CASES = {
         # name: (inserts, evict kwargs, actions, holders after, cached after)

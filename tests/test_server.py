@@ -358,9 +358,9 @@ def test_api_key_is_required_on_v1_only(keyed_url):
         assert http.get("/metrics").status_code == 200
     with openai.OpenAI(base_url=keyed_url + "/v1", api_key=KEY, max_retries=0, timeout=WAIT) as good:
         assert good.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3).usage.completion_tokens == 3
-    with openai.OpenAI(base_url=keyed_url + "/v1", api_key="wrong", max_retries=0, timeout=WAIT) as bad:
-        with pytest.raises(openai.AuthenticationError):
-            bad.models.list()
+    with openai.OpenAI(base_url=keyed_url + "/v1", api_key="wrong", max_retries=0, timeout=WAIT) as bad, \
+            pytest.raises(openai.AuthenticationError):
+        bad.models.list()
 
 
 def test_queue_full_is_429_with_retry_after_and_a_stopped_backend_is_503(loop_thread):
@@ -394,14 +394,17 @@ def test_queue_full_is_429_with_retry_after_and_a_stopped_backend_is_503(loop_th
 # ---------------------------------------------------------------------------- disconnect, load
 
 
-def test_disconnect_mid_stream_cancels_the_request_and_frees_its_kv(engine, url, exits, http):
+@pytest.mark.parametrize("stream,when", [(True, "mid-stream"), (True, "before the first token"),
+                                         (False, "mid-generation")])
+def test_a_client_that_leaves_cancels_its_request_and_frees_its_kv(engine, url, exits, http, stream, when):
     engine.flush(timeout=WAIT)
     wait_until(lambda: idle(engine), what="engine idle")
     baseline = kv_state(engine)
     aborts = metric(http.get("/metrics").text, "tandem:request_success_total", backend="cpu0", finished_reason="abort")
 
-    # Freeze cpu0's worker after its 8th step (a bus subscriber runs on the worker thread), so
-    # the request is surely mid-stream when the client leaves, however fast the model is.
+    # Freeze cpu0's worker so the request surely is where we want it when the client leaves,
+    # however fast the model is: before admission (a call that waits between steps), or after
+    # its 8th step (a bus subscriber runs on the worker thread).
     gate, frozen, steps = threading.Event(), threading.Event(), []
 
     def freeze(event):
@@ -411,25 +414,37 @@ def test_disconnect_mid_stream_cancels_the_request_and_frees_its_kv(engine, url,
                 frozen.set()
                 gate.wait(WAIT)
 
-    unsubscribe = engine.bus.subscribe(freeze, (StepDone,))
+    if when == "before the first token":
+        blocker = engine.backend("cpu0").call(lambda b: (frozen.set(), gate.wait(WAIT)))
+        assert frozen.wait(WAIT)
+
+        def release():
+            blocker.result(WAIT)
+    else:
+        release = engine.bus.subscribe(freeze, (StepDone,))
     n_exits = len(exits.paths)
+    body = {"messages": HELLO, "max_tokens": 900, "temperature": 0, "stream": stream, "backend": "cpu0",
+            "ignore_eos": True}
     try:
-        body = {"messages": HELLO, "max_tokens": 900, "temperature": 0, "stream": True, "backend": "cpu0",
-                "ignore_eos": True}
-        with httpx.Client(base_url=url, timeout=WAIT) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            contents = 0
-            while contents < 2:  # the role chunk, then text
-                line = next(lines)
-                contents += line.startswith("data: {")
-            assert frozen.wait(WAIT)
+        with httpx.Client(base_url=url, timeout=WAIT) as c:
+            if when == "mid-stream":
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    lines = r.iter_lines()
+                    chunks = 0
+                    while chunks < 2:  # the role chunk, then text
+                        chunks += next(lines).startswith("data: {")
+                    assert frozen.wait(WAIT)
+            else:  # nothing can arrive while the worker is frozen: give up waiting
+                with pytest.raises(httpx.ReadTimeout):
+                    c.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(WAIT, read=0.5))
+                assert frozen.is_set()
             assert not idle(engine)
         # The connection is closed: the server cancels the handler, whose `finally` cancels.
         exits.wait_for(n_exits + 1)
     finally:
         gate.set()
-        unsubscribe()
+        release()
     wait_until(lambda: idle(engine), what="the cancelled request to leave cpu0")
     wait_until(lambda: kv_state(engine) == baseline, what="KV back to its baseline")
     text = http.get("/metrics").text
@@ -442,8 +457,12 @@ def test_200_concurrent_streams_complete_and_metrics_move(engine, url, http):
     wait_until(lambda: idle(engine), what="engine idle")
     empty = kv_state(engine)
     before = http.get("/metrics").text
-    finished = lambda t: metric(t, "tandem:request_success_total", finished_reason="length")  # noqa: E731
-    waiting = lambda t, b: metric(t, "tandem:num_requests_waiting", backend=b)  # noqa: E731
+
+    def finished(text):
+        return metric(text, "tandem:request_success_total", finished_reason="length")
+
+    def waiting(text, backend):
+        return metric(text, "tandem:num_requests_waiting", backend=backend)
 
     # The tiny model outruns any client, so hold each backend's worker (between two steps) to
     # scrape /metrics at known points of the run: all queued, cpu0 done, everything done.
@@ -543,7 +562,6 @@ def test_schemathesis_finds_no_5xx(url, engine):
             @given(case=operation.as_strategy(generation_mode=mode))
             def check(case):
                 _bound_generation(case.body)
-                engine.flush(timeout=WAIT)  # see the xfail test below: the engine hang needs a full cache
                 response = case.call(base_url=url, timeout=FUZZ_WAIT)
                 if response.status_code >= 500:
                     failures.append((case.method, case.path, case.body, response.status_code, response.text[:300]))
@@ -571,9 +589,6 @@ def _bound_generation(body) -> None:
                 body[name] = FUZZ_MAX_TOKENS
 
 
-@pytest.mark.xfail(strict=True, raises=httpx.ReadTimeout,
-                   reason="engine: a request whose cached prefix sits on a longer cached sequence pins "
-                          "that whole sequence, then waits forever for cells only it blocks")
 def test_a_long_request_after_a_long_cached_reply_finishes(loop_thread):
     eng = Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=4,ctx=512"]))
     runner = None
