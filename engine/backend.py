@@ -56,6 +56,7 @@ class BackendConfig:
     cache: bool = True
     max_queue: int = 4096
     backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
+    queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
 
     def resolved(self) -> "BackendConfig":
         threads = self.threads or os.cpu_count() or 1
@@ -116,8 +117,18 @@ class _Seq:
         )
 
 
+class BackendFault(RuntimeError):
+    """The backend cannot go on (device error, failed decode, injected fault)."""
+
+
 class Backend:
-    """A llama.cpp context with a continuous-batching scheduler in a worker thread."""
+    """A llama.cpp context with a continuous-batching scheduler in a worker thread.
+
+    Health: a fatal decode error or a crash of the worker marks the backend unhealthy. Its
+    queued requests (and running ones that asked for `retry` and have produced nothing) are
+    handed to `on_unhealthy(backend, requests)` — the engine re-routes them — and the rest
+    end with a clear error. `restart()` builds a fresh context and serves again.
+    """
 
     def __init__(self, config: BackendConfig, model: Model, bus: EventBus | None = None,
                  rates: Rates | None = None):
@@ -143,6 +154,11 @@ class Backend:
         self._blocked = False  # the queue's head waits for KV room that only a finish frees
         self._calls: list[tuple] = []
         self._stop = False
+        self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
+        self.error: str | None = None  # why the backend is unhealthy
+        self.on_unhealthy = None  # callable(backend, [(request, handle, t_submit)]), set by the engine
+        self._prefill_budget = self.config.n_batch  # halved after a "no KV room" decode
+        self._next_timeout_check = 0.0
         self._thread: threading.Thread | None = None
         self._ctx = None
         self._open_context()
@@ -355,10 +371,9 @@ class Backend:
                 self._admit()
                 if self._running:
                     self._step()
-        except Exception as e:  # a bug or a device failure: fail everything, keep the process
+        except Exception as e:  # a device failure or a bug: this backend stops, the process goes on
             log.exception("%s: worker failed", self.name)
-            self.healthy = False
-            self._fail_all(f"backend {self.name} failed: {e}")
+            self._die(f"backend {self.name} failed: {e}")
         finally:
             self._shutdown()
 
@@ -373,6 +388,8 @@ class Backend:
             self._finish(s, RequestStatus.FINISHED_CANCELLED)
 
     def _admit(self) -> None:
+        if self.config.queue_timeout_s:
+            self._expire_waiting()
         if self._blocked:
             return
         while True:
@@ -445,7 +462,7 @@ class Backend:
     def _step(self) -> None:
         batch = self._batch
         batch.clear()
-        budget = self.config.n_batch
+        budget = self._prefill_budget
         decoding = [s for s in self._running if not s.prefilling]
         for s in decoding:
             s.row = batch.add_one(s.tokens[s.n_past], s.seq_id, s.n_past)
@@ -460,14 +477,17 @@ class Backend:
                 done = s.n_past + k == s.n_prompt
                 s.row = batch.add(s.tokens[s.n_past:s.n_past + k], s.seq_id, s.n_past, done and not s.warm)
                 chunks.append((s, k))
+        if self._fault is not None:
+            self._inject()
         t0 = time.perf_counter()
         rc = lc.llama_decode(self._ctx, batch.full())
         if rc == 0:
             lc.llama_synchronize(self._ctx)  # so `dt` is the device's time, not a launch
         dt = time.perf_counter() - t0
         if rc != 0:
-            self._decode_failed(rc, decoding + [s for s, _ in chunks])
+            self._decode_failed(rc, bool(chunks))
             return
+        self._prefill_budget = self.config.n_batch
         self.steps += 1
         self.decode_s += dt
         n_prefill = batch.n - n_decode
@@ -584,26 +604,109 @@ class Backend:
             self.cache.unpin(s.pin)
             s.pin = None
 
-    def _decode_failed(self, rc: int, seqs: list[_Seq]) -> None:
-        why = "no KV room for the batch" if rc == 1 else f"llama_decode returned {rc}"
-        log.error("%s: %s; failing %d sequences", self.name, why, len(seqs))
-        for s in seqs:
-            self._finish(s, RequestStatus.FINISHED_ERROR, f"backend {self.name}: {why}")
+    def _decode_failed(self, rc: int, had_prefill: bool) -> None:
+        """llama.cpp server's answer: no KV room → smaller batch, then fail the youngest."""
+        if rc != 1:
+            raise BackendFault(f"llama_decode returned {rc}")
+        if had_prefill and self._prefill_budget > 1:
+            self._prefill_budget //= 2
+            log.warning("%s: no KV room for the batch; prefill budget now %d", self.name, self._prefill_budget)
+            return
+        youngest = self._running[-1]
+        log.warning("%s: no KV room even for one token per sequence; failing %s", self.name, youngest.req.id)
+        self._finish(youngest, RequestStatus.FINISHED_ERROR,
+                     f"backend {self.name}: the context ran out of KV cells for this request")
+
+    # ---- health ----
+
+    def inject_fault(self, kind: str = "decode") -> None:
+        """Test hook: make the next step fail like a device error (`decode`) or kill the
+        worker thread with an exception (`crash`). Real llama.cpp state is untouched."""
+        if kind not in ("decode", "crash"):
+            raise InvalidRequest(f"unknown fault {kind!r}: decode or crash")
+        with self._lock:
+            self._fault = kind
+            self._lock.notify()
+
+    def _inject(self) -> None:
+        kind, self._fault = self._fault, None
+        if kind == "decode":
+            raise BackendFault("llama_decode returned -1 (injected fault)")
+        raise RuntimeError("worker crashed (injected fault)")
+
+    def _die(self, why: str) -> None:
+        """Mark unhealthy; hand movable requests to `on_unhealthy`, fail the rest."""
+        self.healthy = False
+        self.error = why
+        with self._lock:
+            queued = list(self._waiting)
+            self._waiting.clear()
+            running = list(self._running)
+        movable = [s for s in running if s.req.retry and s.generated == 0]
+        for s in running:
+            if s not in movable:
+                self._finish(s, RequestStatus.FINISHED_ERROR, why)
+        handed = []
+        for s in queued + movable:
+            self._drop_quietly(s)
+            handed.append((s.req, s.handle, s.t_submit))
+        callback = self.on_unhealthy
+        if callback is not None and handed:
+            callback(self, handed)
+        else:
+            for req, handle, t_submit in handed:
+                handle._deliver_finish(error_record(req, self.name, why, t_submit))
+
+    def _drop_quietly(self, s: _Seq) -> None:
+        """Forget a sequence without finishing its handle (it moves to another backend)."""
+        if s.sampler is not None:
+            s.sampler.free()
+            s.sampler = None
+        if s.seq_id >= 0:
+            self._retire(s, keep=False)
+        elif s.lock is not None:
+            self.cache.unpin(s.lock)
+            s.lock = None
+        self._release_pin(s)
+        with self._lock:
+            if s in self._running:
+                self._running.remove(s)
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Throw the context away and serve again with a fresh one (and an empty cache)."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise BackendUnavailable(f"backend {self.name}: the worker did not stop within {timeout} s")
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        self.cache = PrefixCache(enabled=self.config.cache and self.config.kv_unified)
+        self._open_context()
+        self.healthy, self.error, self._stop, self._fault, self._blocked = True, None, False, None, False
+        self.start()
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        if now < self._next_timeout_check:
+            return
+        self._next_timeout_check = now + 0.05
+        limit = self.config.queue_timeout_s
+        with self._lock:
+            expired = [s for s in self._waiting if now - s.t_submit > limit]
+            for s in expired:
+                self._waiting.remove(s)
+        for s in expired:
+            self._finish(s, RequestStatus.FINISHED_ERROR,
+                         f"backend {self.name}: waited more than {limit:g} s in the queue")
 
     def _fail_waiting_head(self, seq: _Seq, why: str) -> None:
         with self._lock:
             self._waiting.remove(seq)
         self._finish(seq, RequestStatus.FINISHED_ERROR, f"backend {self.name}: {why}")
-
-    def _fail_all(self, why: str) -> None:
-        with self._lock:
-            seqs = list(self._running) + list(self._waiting)
-            self._waiting.clear()
-        for s in seqs:
-            try:
-                self._finish(s, RequestStatus.FINISHED_ERROR, why)
-            except Exception:
-                log.exception("%s: could not finish %s", self.name, s.req.id)
 
     def _shutdown(self) -> None:
         with self._lock:
@@ -629,6 +732,14 @@ class Backend:
         if self._eog_cache is None:
             self._eog_cache = [t for t in range(self.model.n_vocab) if self.model.is_eog(t)]
         return self._eog_cache
+
+
+def error_record(req: Request, backend: str, why: str, t_submit: float) -> FinishRecord:
+    now = time.monotonic()
+    return FinishRecord(request_id=req.id, backend=backend, status=RequestStatus.FINISHED_ERROR, text="",
+                        prompt_tokens=len(req.prompt_tokens), cached_tokens=0, output_tokens=0,
+                        queue_s=now - t_submit, ttft_s=None, e2e_s=now - t_submit, itl_s=None,
+                        error=why, error_kind="unavailable_error")
 
 
 def _run_call(fn, backend, fut: Future) -> None:

@@ -16,6 +16,7 @@ _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "t
              "threads_batch", "n_seq_max", "max_queue"}
 _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
 _BOOL_KEYS = {"kv_unified", "cache", "backend_sampling"}
+_FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 
 def parse_backend_spec(spec: str, **defaults) -> BackendConfig:
@@ -35,12 +36,17 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig:
                 fields[key] = int(value)
             except ValueError:
                 raise InvalidRequest(f"backend spec {spec!r}: {key} must be an integer") from None
+        elif key in _FLOAT_KEYS:
+            try:
+                fields[_FLOAT_KEYS[key]] = float(value)
+            except ValueError:
+                raise InvalidRequest(f"backend spec {spec!r}: {key} must be a number") from None
         elif key in _BOOL_KEYS:
             fields[key] = value.lower() in ("1", "true", "yes", "on")
         elif key in ("name", "flash_attn"):
             fields[key] = value
         else:
-            valid = sorted(_INT_KEYS | _BOOL_KEYS | {"name", "flash_attn"})
+            valid = sorted(_INT_KEYS | _BOOL_KEYS | set(_FLOAT_KEYS) | {"name", "flash_attn"})
             raise InvalidRequest(f"backend spec {spec!r}: unknown key {key!r} (valid: {', '.join(valid)})")
     fields.setdefault("name", device)
     return BackendConfig(**fields)

@@ -14,9 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from .backend import Backend, BackendConfig
+from .backend import Backend, BackendConfig, error_record
 from .calibrate import ModelRates
-from .errors import BackendUnavailable, InvalidRequest
+from .errors import BackendUnavailable, EngineError, InvalidRequest
 from .events import EventBus, RequestRouted
 from .handle import RequestHandle
 from .model import Model, ModelRegistry, resolve_model
@@ -42,6 +42,8 @@ class Engine:
         if not backends:
             raise InvalidRequest("an engine needs at least one backend")
         self.backends = {b.name: b for b in backends}
+        for b in backends:
+            b.on_unhealthy = self._rehome
         self.router = router or Router()
         self.bus = bus or backends[0].bus
         self._registry = registry
@@ -81,7 +83,10 @@ class Engine:
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
         handle = RequestHandle(request, loop)
-        t_submit = time.monotonic()
+        self._route(request, handle, time.monotonic())
+        return handle
+
+    def _route(self, request: Request, handle: RequestHandle, t_submit: float) -> None:
         with self._lock:
             self._check_open()
             candidates = [b for b in self.backends.values() if request.backend in (None, b.name)]
@@ -95,7 +100,21 @@ class Engine:
             handle.decision = decision
             backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
         self.bus.publish(RequestRouted(decision))
-        return handle
+
+    def _rehome(self, failed: Backend, moved: list) -> None:
+        """A backend went unhealthy: route its movable requests to the others (its thread)."""
+        log.warning("%s is unhealthy (%s); re-routing %d requests", failed.name, failed.error, len(moved))
+        for request, handle, t_submit in moved:
+            try:
+                if request.backend == failed.name:  # pinned to the failed backend: nowhere to go
+                    raise BackendUnavailable(f"backend {failed.name} is unhealthy: {failed.error}")
+                self._route(request, handle, t_submit)
+            except EngineError as e:
+                handle._deliver_finish(error_record(request, failed.name, f"{e} (after {failed.error})", t_submit))
+
+    def restart_backend(self, name: str) -> None:
+        """Give an (unhealthy) backend a fresh context; it serves again afterwards."""
+        self.backend(name).restart()
 
     def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
         """Submit raw text (tokenized with BOS) or token ids."""

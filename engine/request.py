@@ -74,6 +74,7 @@ class Request:
     id: str = field(default_factory=next_request_id)
     backend: str | None = None
     source: str = "api"
+    retry: bool = False  # may restart from its prompt on another backend if its own fails early
 
     def __post_init__(self):
         if not self.prompt_tokens:
