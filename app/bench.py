@@ -41,6 +41,7 @@ FRESH_STATE = ("the engine is loaded once{per_kv} and kept across runs; each run
                "re-warmed on every backend, router history and policy state cleared, caps and rates "
                "restored; timing starts at the first submission")
 SINGLE_POLICIES = ("gpu-only", "cpu-only")
+WARMUP_MAX_N = 8  # warm-up runs pay first-use costs (allocations, kernels); they need not be long
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -72,7 +73,8 @@ def add_common_arguments(p, *, requests: str, runs: int) -> None:
     p.add_argument("--target-warm", type=int, default=1,
                    help="concurrent prefix-warming requests per target run, e.g. its slot count")
     p.add_argument("--warmup", type=int, default=1,
-                   help="unrecorded runs of every variant at the smallest N before timing (default: %(default)s)")
+                   help="unrecorded runs of every variant before timing, at the smallest N (at most "
+                        f"{WARMUP_MAX_N}) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", default=None, help="output directory (default: out/bench-KIND-TIME)")
@@ -254,13 +256,22 @@ def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, cap
     if args.runs < 1 or args.warmup < 0:
         raise InvalidRequest("--runs must be >= 1 and --warmup >= 0")
     bench = Bench(args, kind, specs, n_list, caps=caps, kv_seqs=kv_seqs)
+    interrupted = False
     with Progress(0, f"bench {kind}") as bar:
-        bench.run(bar)
+        try:
+            bench.run(bar)
+        except KeyboardInterrupt:  # keep what was measured
+            interrupted = True
+            bench.notes.append("INTERRUPTED: the results below are partial")
+    if not bench.records:
+        return 130 if interrupted else 1
     summary = bench.summary()
     out_dir = Path(args.out or f"out/bench-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
     written = bench_report.write_all(out_dir, summary, bench.records, bench.decisions, plots=not args.no_plots)
     print(bench_report.markdown(summary))
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    if interrupted:
+        return 130
     return 0 if all(r.success for r in bench.records) else 1
 
 
@@ -286,9 +297,10 @@ class Bench:
         self.engines: list[dict] = []  # per KV budget: backends as configured
         self.model_info = {"spec": args.model}
         self.notes: list[str] = []
+        self.warmup_n = min(min(n_list), WARMUP_MAX_N)
         if args.warmup:
             self.notes.append(f"before timing, {args.warmup} unrecorded warm-up run(s) of every variant "
-                              f"at N={min(n_list)}")
+                              f"at N={self.warmup_n}")
         if any(s.output == "uniform" for s in specs):
             self.notes.append("variable output: each request is sent with max_tokens = its drawn length "
                               "(ignore_eos), so routers see the true length as the budget; a hidden early "
@@ -296,13 +308,12 @@ class Bench:
 
     def run(self, bar: Progress) -> None:
         for k, kv in enumerate(self.kv_seqs):
-            eng = sweep = None
-            if self.policies != []:
-                eng, sweep, notes = _load_engine(self.args, self.specs, self.caps, kv, self.overrides)
-                self.notes.extend(n for n in notes if n not in self.notes)
+            eng = sweep = runner = None
             try:
+                if self.policies != []:
+                    eng, sweep, notes = _load_engine(self.args, self.specs, self.caps, kv, self.overrides)
+                    self.notes.extend(n for n in notes if n not in self.notes)
                 variants = _variants(eng, self.policies, self.caps, [] if k else self.targets, self.args, sweep)
-                runner = None
                 if eng is not None:
                     _check_policies(eng, [v for v in variants if v.policy], sweep)
                     self.engines.append({"kv_seqs": kv, "backends": _engine_info(eng, sweep)})
@@ -310,19 +321,19 @@ class Bench:
                     runner = EngineRunner(eng, sweep_backend=sweep, budget=self.args.budget,
                                           online=self.args.online_rates, timeout=self.args.timeout)
                 per_variant = (self.args.runs * len(self.specs) * sum(self.n_list)
-                               + self.args.warmup * min(self.n_list))
+                               + self.args.warmup * self.warmup_n)
                 bar.add_total(len(variants) * per_variant)
                 self._run_variants(variants, runner, kv, eng.model.n_vocab if eng else TOKEN_HIGH, bar)
+            finally:
                 if runner is not None:
                     runner.close()
-            finally:
                 if eng is not None:
                     eng.close()
 
     def _run_variants(self, variants, runner, kv, vocab: int, bar: Progress) -> None:
         args = self.args
         for k in range(args.warmup):
-            wl = build_workload(replace(with_requests(self.specs[0], min(self.n_list)), vocab_size=vocab), -1 - k)
+            wl = build_workload(replace(with_requests(self.specs[0], self.warmup_n), vocab_size=vocab), -1 - k)
             for v in variants:
                 self._one(wl, v, runner, kv, bar, keep=False)
         for run in range(args.runs):
@@ -402,7 +413,7 @@ def _load_engine(args, specs, caps, kv, overrides):
     for c, s in zip(configs, raw):
         if c.name == sweep and (max_cap or kv):
             if max_cap and "n_seq_max=" not in s:
-                c = replace(c, n_seq_max=max(c.resolved().n_seq_max, min(256, 2 * max_cap + 8)))
+                c = replace(c, n_seq_max=max(c.resolved().n_seq_max, min(256, max_cap + 8)))
             if kv:
                 c = replace(c, n_ctx=kv * per_seq)
             elif max_cap and c.name not in explicit_ctx:
@@ -460,7 +471,6 @@ def _check_policies(eng, variants, sweep) -> None:
     """Fail early, with the reason, for a policy that cannot route on these backends."""
     snaps = eng.snapshot()
     for v in variants:
-        make_policy(v.policy)
         try:
             Router(v.policy).route(RouteQuery("dry-run", 1, 1), snaps)
         except EngineError as e:

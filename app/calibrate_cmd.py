@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, RateStore, calibrate_backend,
+from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, RateStore, calibrate_backend, config_key,
                               save_calibration)
 from engine.errors import InvalidRequest
 from engine.model import file_fingerprint
@@ -47,11 +47,13 @@ def run_calibrate(args) -> int:
         model = eng.model
         if model.synthetic:
             print("(synthetic model: random weights; its timing is the real shape's)", file=sys.stderr)
-        steps = {n: 1 + args.repeats + len(batches or range(eng.backends[n].cap)) for n in names}
+        twins = _one_per_config(eng, names)
+        measured = list(twins)
+        steps = {n: 1 + args.repeats + len(batches or range(eng.backends[n].cap)) for n in measured}
         results = []
         with Progress(sum(steps.values()), "calibrating") as bar:
             offset = 0
-            for n in names:
+            for n in measured:
                 def tick(done, _total, what, base=offset):
                     bar.set(base + done, what)
 
@@ -61,7 +63,7 @@ def run_calibrate(args) -> int:
                 offset += steps[n]
                 bar.set(offset)
                 key = None if args.no_save else save_calibration(store, model.path, cal, model.info.name)
-                results.append((cal, key))
+                results.append((cal, key, twins[n]))
         print(format_table(model.info.name, results))
         print(json.dumps({
             "model": model.info.name,
@@ -69,21 +71,39 @@ def run_calibrate(args) -> int:
             "fingerprint": file_fingerprint(model.path),
             "synthetic": model.synthetic,
             "store": None if args.no_save else str(store.path),
-            "backends": [{**cal.to_dict(), "stored_as": key} for cal, key in results],
+            "backends": [{**cal.to_dict(), "stored_as": key, "also_for": also} for cal, key, also in results],
         }))
     return 0
+
+
+def _one_per_config(eng, names: list[str]) -> dict[str, list[str]]:
+    """Backends with the same speed-relevant config share one stored entry, so only the first
+    is measured: {measured backend: the others that share its entry}."""
+    first_of: dict[str, str] = {}
+    twins: dict[str, list[str]] = {}
+    for n in names:
+        b = eng.backends[n]
+        key = config_key(b.config, b.model.device)
+        if key in first_of:
+            twins[first_of[key]].append(n)
+        else:
+            first_of[key] = n
+            twins[n] = []
+    return twins
 
 
 def format_table(model_name: str, results) -> str:
     lines = [f"calibration of {model_name}",
              "| backend | device | threads | cap | prefill tok/s | step ms at b=1..cap | α ms | β ms | decode tok/s at cap |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for cal, _ in results:
+    for cal, _, _ in results:
         steps = " / ".join(f"{cal.step_s[b] * 1e3:.2f}" for b in sorted(cal.step_s))
         lines.append(f"| {cal.backend} | {cal.device} | {cal.threads} | {cal.cap} | {cal.prefill_tok_s:,.0f} | "
                      f"{steps} | {cal.step_alpha_s * 1e3:.2f} | {cal.step_beta_s * 1e3:.2f} | {cal.decode_tok_s:,.1f} |")
-    notes = [f"{cal.backend}: {n}" for cal, _ in results for n in cal.notes]
-    stored = [k for _, k in results if k]
+    notes = [f"{cal.backend}: {n}" for cal, _, _ in results for n in cal.notes]
+    notes += [f"{', '.join(also)}: same speed-relevant config as {cal.backend}, so the same entry (measured once)"
+              for cal, _, also in results if also]
+    stored = [k for _, k, _ in results if k]
     if stored:
         notes.append(f"stored in {RateStore().path}; `Engine.load` uses them for this model file and these configs")
     return "\n".join(lines + [f"note: {n}" for n in notes])

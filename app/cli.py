@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import engine  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
@@ -60,14 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run llama.cpp's llama-batched-bench (path) with the same shape")
     ov.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
     ov.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
-    ov.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: 2 x cap + 8)")
+    ov.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
 
-    from app import bench as _bench, calibrate_cmd as _calibrate
+    tg = bsub.add_parser("together", help="GPU and CPU backends decoding at once vs each alone")
+    tg.add_argument("--model", default="default")
+    tg.add_argument("--gpu-batch", type=int, default=16)
+    tg.add_argument("--cpu-batch", type=int, default=4)
+    tg.add_argument("--gpu-threads", type=int, default=1, help="host threads of the GPU context")
+    tg.add_argument("--cpu-threads", type=int, default=0, help="0: all cores but one")
+    tg.add_argument("--prompt-tokens", type=int, default=516)
+    tg.add_argument("--gen-tokens", type=int, default=128)
+    tg.add_argument("--repeats", type=int, default=3)
+
+    from app import bench as _bench, bench_soak as _soak, calibrate_cmd as _calibrate
 
     seed = bsub.add_parser("seed", help="the seed study's experiment, several policies interleaved")
     _bench.add_seed_arguments(seed)
     grid = bsub.add_parser("grid", help="the study's missing baselines: caps, prefix share, outputs, arrivals, KV")
     _bench.add_grid_arguments(grid)
+    soak = bsub.add_parser("soak", help="leak and hang hunt: mixed chat/API traffic with cancellations for N minutes")
+    _soak.add_arguments(soak)
 
     cal = sub.add_parser("calibrate", help="measure each backend's rates and store them for this model")
     _add_model_args(cal)
@@ -93,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             from app.server import run_serve
 
             return run_serve(args)
+        if command == "bench" and args.bench == "together":
+            from app.bench_together import run_together
+
+            if not args.cpu_threads:
+                args.cpu_threads = max((os.cpu_count() or 2) - 1, 1)
+            return run_together(args)
         if command == "bench" and args.bench == "overhead":
             from app.bench_overhead import run_overhead
 
@@ -101,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.bench import run_grid, run_seed
 
             return (run_seed if args.bench == "seed" else run_grid)(args)
+        if command == "bench" and args.bench == "soak":
+            from app.bench_soak import run_soak
+
+            return run_soak(args)
         if command == "calibrate":
             from app.calibrate_cmd import run_calibrate
 

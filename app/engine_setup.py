@@ -22,13 +22,13 @@ def engine_from_args(args, *, progress: bool = True) -> Engine:
 
 
 def _progress_bar(label: str):
-    from tqdm import tqdm
+    """A model-loading bar fed with llama.cpp's progress fraction (0..1)."""
+    from .progress import Progress
 
-    bar = tqdm(total=100, desc=label, unit="%", leave=False, file=sys.stderr)
+    bar = Progress(100, label)
 
     def update(fraction: float) -> bool:
-        bar.n = int(fraction * 100)
-        bar.refresh()
+        bar.set(int(fraction * 100))
         if fraction >= 1.0:
             bar.close()
         return True

@@ -15,9 +15,10 @@ What is measured, on one backend alone (the others idle), with random prompt tok
 
 Rates are stored as JSON in the user cache (`cache_dir()`: `$TANDEM_CACHE_DIR`, else
 platformdirs' `user_cache_dir("tandem")`), one entry per (model file fingerprint, backend
-config key). `config_key()` keeps only what changes speed (device, threads, batch sizes, KV
-layout, flash attention) and not the name or cap, so `cpu0` and `cpu1` with the same threads
-share an entry. `Engine.load` picks a stored entry up automatically (`source="calibrated"`);
+config key). `config_key()` keeps what changes speed (device, threads, batch sizes, KV layout,
+flash attention, sampling in the graph) and not the name, cap, context size or sequence
+slots (second-order: a few per cent, which online refresh absorbs), so `cpu0` and `cpu1`
+with the same threads share an entry, and so do a GPU backend's cap-sweep variants. `Engine.load` picks a stored entry up automatically (`source="calibrated"`);
 explicit rates (`parse_rates()`, `source="override"`) win over it.
 
 `OnlineRefresh` keeps a running engine's rates current from its own steps (EWMA), leaving
@@ -45,6 +46,7 @@ from .events import StepDone
 from .model import file_fingerprint
 from .request import Request, SamplingParams
 from .snapshot import Rates
+from .workload import TOKEN_HIGH, TOKEN_LOW
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ def config_key(config: BackendConfig, device: str | None = None) -> str:
     c = config.resolved()
     return (f"{device or c.device}:threads={c.threads},threads_batch={c.threads_batch},"
             f"n_batch={c.n_batch},n_ubatch={min(c.n_ubatch, c.n_batch)},"
-            f"kv_unified={int(c.kv_unified)},flash_attn={c.flash_attn}")
+            f"kv_unified={int(c.kv_unified)},flash_attn={c.flash_attn},"
+            f"backend_sampling={int(c.backend_sampling)}")
 
 
 # ---------------------------------------------------------------------------- the store
@@ -267,21 +270,9 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
                      f"{n_ctx} KV cells / {backend.config.n_seq_max} sequences")
     if not fits:
         raise InvalidRequest(f"{backend.name}: no batch size fits the context; lower --gen-tokens or raise ctx")
-    old_cap = backend.cap
-    if max(fits) > old_cap:
-        backend.set_cap(max(fits))
 
-    rng = random.Random(seed)
-    vocab_high = min(backend.model.n_vocab, 32000)
-
-    def tokens(n):
-        return tuple(rng.randrange(256, vocab_high) for _ in range(n))
-
-    events: list[StepDone] = []
-    unsubscribe = backend.bus.subscribe(
-        lambda ev: events.append(ev) if ev.backend == backend.name else None, (StepDone,))
-    total = 1 + repeats + len(fits)
-    done = 0
+    probe = _Probe(backend, seed, timeout)
+    total, done = 1 + repeats + len(fits), 0
 
     def tick(what: str):
         nonlocal done
@@ -289,52 +280,24 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         if progress is not None:
             progress(done, total, f"{backend.name}: {what}")
 
-    def run(requests: list[Request]) -> list[StepDone]:
-        """Enqueue `requests` while the worker waits in a call, so it admits them all at once."""
-        events.clear()
-        gate = threading.Event()
-        held = backend.call(lambda _b: gate.wait(timeout))
-        try:
-            handles = [backend.enqueue(r) for r in requests]
-        finally:
-            gate.set()
-        held.result(timeout)
-        for h in handles:
-            record = h.result(timeout)
-            if record.error:
-                raise InvalidRequest(f"calibrating {backend.name} failed: {record.error}")
-        return list(events)
-
+    old_cap = backend.cap
+    if max(fits) > old_cap:
+        backend.set_cap(max(fits))
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
     try:
         backend.flush().result(timeout)
-        run([Request(tokens(prompt), greedy1, source="calibrate")])  # warm-up, not measured
+        probe.run([Request(probe.tokens(prompt), greedy1, source="calibrate")])  # warm-up, not measured
         tick("warm-up")
         prefill_runs = []
         for k in range(repeats):
             backend.flush().result(timeout)
-            steps = [e for e in run([Request(tokens(prompt), greedy1, source="calibrate")]) if e.n_prefill]
+            steps = [e for e in probe.run([Request(probe.tokens(prompt), greedy1, source="calibrate")])
+                     if e.n_prefill]
             prefill_runs.append(sum(e.n_prefill for e in steps) / sum(e.seconds for e in steps))
             tick(f"prefill {k + 1}/{repeats}")
-
-        backend.flush().result(timeout)
-        shared = tokens(prompt)
-        backend.warm(shared).result(timeout)
-        sampling = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
-        step_s: dict[int, float] = {}
-        decode_only_s: dict[int, float] = {}
-        for b in fits:
-            steps = run([Request(shared + tokens(OWN_TOKENS), sampling, source="calibrate") for _ in range(b)])
-            steady = [k for k, e in enumerate(steps) if e.n_decode == b and e.n_prefill == 0]
-            cycles = [steps[k].time - steps[k - 1].time for k in steady if k > 0]
-            if not steady:
-                notes.append(f"batch {b}: never ran {b} sequences together; skipped")
-            else:
-                decode_only_s[b] = statistics.median(steps[k].seconds for k in steady)
-                step_s[b] = statistics.median(cycles) if cycles else decode_only_s[b]
-            tick(f"decode batch {b}")
+        step_s, decode_only_s = probe.step_times(prompt, gen_tokens, fits, tick, notes)
     finally:
-        unsubscribe()
+        probe.close()
         if backend.cap != old_cap:
             backend.set_cap(old_cap)
         try:
@@ -365,6 +328,63 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         seconds=time.monotonic() - t_start,
         notes=tuple(notes),
     )
+
+
+class _Probe:
+    """Sends calibration requests to one backend and collects the steps they caused."""
+
+    def __init__(self, backend: Backend, seed: int, timeout: float):
+        self.backend = backend
+        self.timeout = timeout
+        self._rng = random.Random(seed)
+        self._high = min(backend.model.n_vocab, TOKEN_HIGH)
+        self._events: list[StepDone] = []
+        self._unsubscribe = backend.bus.subscribe(
+            lambda ev: self._events.append(ev) if ev.backend == backend.name else None, (StepDone,))
+
+    def tokens(self, n: int) -> tuple[int, ...]:
+        return tuple(self._rng.randrange(TOKEN_LOW, self._high) for _ in range(n))
+
+    def run(self, requests: list[Request]) -> list[StepDone]:
+        """Enqueue `requests` while the worker waits in a call, so it admits them all at once;
+        wait for them; return the steps taken meanwhile."""
+        self._events.clear()
+        gate = threading.Event()
+        held = self.backend.call(lambda _b: gate.wait(self.timeout))
+        try:
+            handles = [self.backend.enqueue(r) for r in requests]
+        finally:
+            gate.set()
+        held.result(self.timeout)
+        for h in handles:
+            record = h.result(self.timeout)
+            if record.error:
+                raise InvalidRequest(f"calibrating {self.backend.name} failed: {record.error}")
+        return list(self._events)
+
+    def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick, notes: list[str]):
+        """Median step cycle and median `llama_decode` time per batch size (see the module docstring)."""
+        self.backend.flush().result(self.timeout)
+        shared = self.tokens(prompt)
+        self.backend.warm(shared).result(self.timeout)
+        sampling = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+        step_s: dict[int, float] = {}
+        decode_only_s: dict[int, float] = {}
+        for b in batches:
+            steps = self.run([Request(shared + self.tokens(OWN_TOKENS), sampling, source="calibrate")
+                              for _ in range(b)])
+            steady = [k for k, e in enumerate(steps) if e.n_decode == b and e.n_prefill == 0]
+            cycles = [steps[k].time - steps[k - 1].time for k in steady if k > 0]
+            if not steady:
+                notes.append(f"batch {b}: never ran {b} sequences together; skipped")
+            else:
+                decode_only_s[b] = statistics.median(steps[k].seconds for k in steady)
+                step_s[b] = statistics.median(cycles) if cycles else decode_only_s[b]
+            tick(f"decode batch {b}")
+        return step_s, decode_only_s
+
+    def close(self) -> None:
+        self._unsubscribe()
 
 
 def save_calibration(store: RateStore, model_path: Path, cal: Calibration, model_name: str = "") -> str:

@@ -14,6 +14,20 @@ from engine.model import Model, resolve_model
 WAIT = 120  # seconds: the bound on any single wait for a request
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """Synthetic models and stored calibrations go to a fresh directory, never the user's."""
+    import os
+
+    old = os.environ.get("TANDEM_CACHE_DIR")
+    os.environ["TANDEM_CACHE_DIR"] = str(tmp_path_factory.mktemp("tandem-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TANDEM_CACHE_DIR", None)
+    else:
+        os.environ["TANDEM_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_path():
     return resolve_model("synthetic:tiny")

@@ -57,6 +57,8 @@ class TestKeysAndStore:
         assert config_key(a) == config_key(BackendConfig(name="other", device="cpu", threads=2, cap=64, n_ctx=99))
         assert config_key(a) != config_key(BackendConfig(device="cpu", threads=3))
         assert config_key(a) != config_key(BackendConfig(device="cpu", threads=2, n_batch=256))
+        assert config_key(a) != config_key(BackendConfig(device="cpu", threads=2, backend_sampling=False))
+        assert config_key(a) == config_key(BackendConfig(device="cpu", threads=2, n_seq_max=100))
         assert config_key(BackendConfig(device="auto", threads=2), "gpu").startswith("gpu:")
 
     def test_round_trip_and_atomic_file(self, own_cache):
@@ -184,15 +186,18 @@ class TestCalibrateOnTheTinyModel:
 class TestCommand:
     def test_calibrate_prints_a_table_and_a_json_line_then_lists(self, tiny_path, own_cache, capsys):
         rc = main(["calibrate", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512",
-                   "--prompt-tokens", "64", "--gen-tokens", "8", "--repeats", "1"])
+                   "--backend", "cpu:threads=1,cap=2,ctx=512", "--prompt-tokens", "64", "--gen-tokens", "8",
+                   "--repeats", "1"])
         assert rc == 0
         out = capsys.readouterr().out.strip().splitlines()
         assert out[1].startswith("| backend | device | threads | cap | prefill tok/s")
+        assert out[3].startswith("| cpu0 | cpu | 1 | 2 |")
+        assert any("cpu1: same speed-relevant config as cpu0" in line for line in out)
         final = json.loads(out[-1])
         assert final["fingerprint"] == file_fingerprint(tiny_path)
         assert final["store"] == str(own_cache / "rates.json")
-        (b,) = final["backends"]
-        assert b["backend"] == "cpu" and sorted(b["step_s"]) == ["1", "2"]
+        (b,) = final["backends"]  # the twins share one entry, measured once
+        assert (b["backend"], b["also_for"]) == ("cpu0", ["cpu1"]) and sorted(b["step_s"]) == ["1", "2"]
         assert b["stored_as"] in RateStore().entries()
 
         assert main(["calibrate", "--list"]) == 0
