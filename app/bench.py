@@ -256,6 +256,14 @@ def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, cap
     if args.runs < 1 or args.warmup < 0:
         raise InvalidRequest("--runs must be >= 1 and --warmup >= 0")
     bench = Bench(args, kind, specs, n_list, caps=caps, kv_seqs=kv_seqs)
+    out_dir = Path(args.out or f"out/bench-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
+
+    def save() -> list:
+        return bench_report.write_all(out_dir, bench.summary(), bench.records, bench.decisions,
+                                      plots=not args.no_plots)
+
+    # Results are saved before each engine is closed too: measurements must outlive a crash there.
+    bench.checkpoint = lambda: save() if bench.records else None
     interrupted = False
     with Progress(0, f"bench {kind}") as bar:
         try:
@@ -266,8 +274,7 @@ def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, cap
     if not bench.records:
         return 130 if interrupted else 1
     summary = bench.summary()
-    out_dir = Path(args.out or f"out/bench-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
-    written = bench_report.write_all(out_dir, summary, bench.records, bench.decisions, plots=not args.no_plots)
+    written = save()
     print(bench_report.markdown(summary))
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     if interrupted:
@@ -297,6 +304,7 @@ class Bench:
         self.engines: list[dict] = []  # per KV budget: backends as configured
         self.model_info = {"spec": args.model}
         self.notes: list[str] = []
+        self.checkpoint = lambda: None  # saves what was measured so far (set by the command)
         self.warmup_n = min(min(n_list), WARMUP_MAX_N)
         if args.warmup:
             self.notes.append(f"before timing, {args.warmup} unrecorded warm-up run(s) of every variant "
@@ -328,6 +336,7 @@ class Bench:
                 if runner is not None:
                     runner.close()
                 if eng is not None:
+                    self.checkpoint()
                     eng.close()
 
     def _run_variants(self, variants, runner, kv, vocab: int, bar: Progress) -> None:
