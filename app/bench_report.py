@@ -11,6 +11,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
+from dataclasses import fields
 from pathlib import Path
 
 from engine.benchmark import CSV_FIELDS, RequestRecord
@@ -18,20 +21,17 @@ from engine.benchmark import CSV_FIELDS, RequestRecord
 
 def write_all(out_dir: Path, summary: dict, records: list[RequestRecord], decisions: list[dict], *,
               plots: bool = True) -> list[Path]:
+    """Write the data files first, then draw the plots in a child process.
+
+    The child keeps a crash in a plotting library (seen: matplotlib segfaulting on import in
+    a process that has CUDA's llama.cpp loaded) from costing the measurements.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    if plots:
-        made, skipped = write_plots(out_dir, summary, records)
-        summary["plots"] = [p.name for p in made]
-        summary["plots_skipped"] = skipped
-        written += made
-    else:
-        summary["plots"], summary["plots_skipped"] = [], "--no-plots"
     files = {"summary": "summary.json", "requests": "requests.csv", "decisions": "decisions.jsonl",
              "table": "results.md"}
-    summary["files"] = {**files, "plots": summary["plots"]}
-
+    summary["plots"], summary["plots_skipped"] = [], None if plots else "--no-plots"
+    summary["files"] = {**files, "plots": []}
     with (out_dir / files["requests"]).open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
@@ -40,9 +40,53 @@ def write_all(out_dir: Path, summary: dict, records: list[RequestRecord], decisi
     with (out_dir / files["decisions"]).open("w") as f:
         for d in decisions:
             f.write(json.dumps(_clean(d)) + "\n")
-    (out_dir / files["table"]).write_text(markdown(summary) + "\n")
-    (out_dir / files["summary"]).write_text(json.dumps(_clean(summary), indent=1) + "\n")
-    return [out_dir / name for name in files.values()] + written
+    _write_summary(out_dir, summary)
+    made = []
+    if plots:
+        proc = subprocess.run([sys.executable, "-m", "app.bench_report", str(out_dir)],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            summary["plots_skipped"] = f"the plotting process failed ({proc.returncode}): {proc.stderr[-300:]}"
+            _write_summary(out_dir, summary)
+        else:
+            summary.update(json.loads((out_dir / files["summary"]).read_text()))
+            made = [out_dir / name for name in summary["plots"]]
+    return [out_dir / name for name in files.values()] + made
+
+
+def _write_summary(out_dir: Path, summary: dict) -> None:
+    (out_dir / "results.md").write_text(markdown(summary) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=1) + "\n")
+
+
+def plot_dir(out_dir: Path) -> None:
+    """Draw the PNGs of a written result directory and record them in its summary."""
+    summary = json.loads((out_dir / "summary.json").read_text())
+    with (out_dir / "requests.csv").open() as f:
+        records = [_record_from_csv(row) for row in csv.DictReader(f)]
+    made, skipped = write_plots(out_dir, summary, records)
+    summary["plots"] = [p.name for p in made]
+    summary["plots_skipped"] = skipped
+    summary["files"]["plots"] = summary["plots"]
+    _write_summary(out_dir, summary)
+
+
+def _record_from_csv(row: dict) -> RequestRecord:
+    types = {f.name: f.type for f in fields(RequestRecord)}
+    out = {}
+    for k, v in row.items():
+        t = str(types[k])
+        if v == "":
+            out[k] = None
+        elif "bool" in t:
+            out[k] = v == "True"
+        elif "int" in t:
+            out[k] = int(v)
+        elif "float" in t:
+            out[k] = float(v)
+        else:
+            out[k] = v
+    return RequestRecord(**out)
 
 
 # ---------------------------------------------------------------------------- Markdown
@@ -178,3 +222,7 @@ def _clean(obj):
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
     return obj
+
+
+if __name__ == "__main__":  # python -m app.bench_report DIR: (re)draw a result directory's plots
+    plot_dir(Path(sys.argv[1]))

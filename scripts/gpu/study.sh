@@ -23,19 +23,19 @@ study)
   serve 4 8091; wait_up 8091
   python3 -X faulthandler -m app bench seed --model "$M" --backend "$GPU" --backend "$CPU" --requests 4,8,48 --runs 3 \
     --policies seed-score,predicted-finish,gpu-only --target llama-server-np4=http://127.0.0.1:8091 \
-    --target-warm 4 --out "$OUT/study-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+    --target-warm 4 --no-plots --out "$OUT/study-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
 sweep)
   serve 4 8091; serve 16 8092; serve 64 8093; wait_up 8091; wait_up 8092; wait_up 8093
   python3 -X faulthandler -m app bench grid --model "$M" --backend "$GPU" --backend "$CPU" --requests ${N:-48} --runs ${RUNS:-3} \
     --shared 96 --outputs fixed --arrivals interval --caps ${CAPS:-1,4,8,16,32,64} \
     --sweep-policies gpu-only,seed-score,predicted-finish --policies none \
     --target llama-server-np4=http://127.0.0.1:8091 --target llama-server-np16=http://127.0.0.1:8092 \
-    --target llama-server-np64=http://127.0.0.1:8093 --target-warm 4 --out "$OUT/sweep-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+    --target llama-server-np64=http://127.0.0.1:8093 --target-warm 4 --no-plots --out "$OUT/sweep-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
 grid)
   python3 -X faulthandler -m app bench grid --model "$M" --backend "$GPU" --backend "$CPU" --requests ${N:-48} --runs ${RUNS:-2} \
     --shared ${SHARED:-0,50,96} --outputs ${OUTPUTS:-fixed,uniform} --arrivals ${ARRIVALS:-interval,poisson} \
     --caps none --policies gpu-only,seed-score,predicted-finish ${KV:+--kv-seqs $KV} \
-    --out "$OUT/grid-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+    --no-plots --out "$OUT/grid-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
 together)
   python3 -m app bench together --model "$M" --gpu-batch 16 --cpu-batch 4 --gpu-threads 1 --cpu-threads 15 \
     --repeats 3 2>&1 | tail -6 | tee "$OUT/together-$Q.txt" ;;
