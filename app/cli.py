@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gui = sub.add_parser("gui", help="the desktop app (the default command)")
     _add_model_args(gui)
+    from app.gui import add_gui_arguments  # argparse only: Qt is imported when the app runs
+
+    add_gui_arguments(gui)
 
     gen = sub.add_parser("generate", help="stream one chat reply to stdout")
     _add_model_args(gen)

@@ -11,6 +11,7 @@ Also runnable as `python -m app.gui` with extra options for docs and checks:
                         496-token prefix, 128 tokens each, 50 ms apart) once loaded
     --panel NAME        bring a panel to the front: routing, latency, teaching, experiments, controls
     --responsiveness    print the event loop's lateness (p50/p95/max) over the demo run and exit
+    --tour DIR          run the scripted tour (`ui.tour`) and save its screenshots in DIR
 """
 
 from __future__ import annotations
@@ -97,10 +98,31 @@ def run_gui(args) -> int:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
 
+    store = None
+    if getattr(args, "tour", None):  # screenshots without the user's own chats
+        import tempfile
+
+        from ui.history import ChatStore
+
+        store = ChatStore(tempfile.mkdtemp(prefix="tandem-tour-"))
     window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
-                        bench_runner_factory=bench_runner)
+                        bench_runner_factory=bench_runner, store=store)
     window.show()
     status = {"rc": 0}
+
+    tour_dir = getattr(args, "tour", None)
+    if tour_dir:
+        from pathlib import Path
+
+        from ui.tour import tour
+
+        window.resize(1600, 1000)
+        with loop:
+            try:
+                loop.run_until_complete(tour(window, Path(tour_dir), args))
+            finally:
+                window.shutdown()
+        return 0
 
     screenshot = getattr(args, "screenshot", None)
     demo = getattr(args, "demo", None) or 0
@@ -129,7 +151,7 @@ def run_gui(args) -> int:
                       f"max {max(p.samples, default=0) * 1000:.1f} ms")
                 finish(0 if p.percentile(95) <= 0.050 else 1)
 
-            run.phase.connect(lambda ph: window.probe.reset() if ph == "running" else None)
+            run.phase.connect(lambda ph: window.probe.reset(keep_all=True) if ph == "running" else None)
             run.done.connect(report)
         elif screenshot:
             QTimer.singleShot(int((delay if delay is not None else (8.0 if demo else 1.5)) * 1000), finish)
@@ -151,16 +173,24 @@ def run_gui(args) -> int:
     return status["rc"]
 
 
+def add_gui_arguments(p: argparse.ArgumentParser) -> None:
+    """The GUI's own options (for `tandem gui` next to the model arguments). No Qt imported."""
+    p.add_argument("--screenshot", metavar="PATH", help="save the main window to PATH once loaded, then exit")
+    p.add_argument("--demo", type=int, default=0, metavar="N", help="send N of the study's requests once loaded")
+    p.add_argument("--panel", choices=["routing", "latency", "teaching", "experiments", "controls", "backends"],
+                   help="bring this panel to the front")
+    p.add_argument("--delay", type=float, default=None, help="seconds to wait before the screenshot")
+    p.add_argument("--responsiveness", action="store_true",
+                   help="print the event loop's lateness over the --demo run (p95 must be <= 50 ms), then exit")
+    p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app.gui", description="Tandem desktop app")
     p.add_argument("--model", default="default")
     p.add_argument("--backend", action="append", default=None, metavar="SPEC")
     p.add_argument("--policy", default="seed-score")
-    p.add_argument("--screenshot", metavar="PATH")
-    p.add_argument("--demo", type=int, default=0, metavar="N")
-    p.add_argument("--panel", choices=["routing", "latency", "teaching", "experiments", "controls", "backends"])
-    p.add_argument("--delay", type=float, default=None, help="seconds to wait before the screenshot")
-    p.add_argument("--responsiveness", action="store_true")
+    add_gui_arguments(p)
     return p
 
 

@@ -25,6 +25,7 @@ from .theme import backend_color, qcolor
 log = logging.getLogger(__name__)
 
 HISTORY_S = 30.0
+CARD_WIDTH = 320  # narrowest a card stays readable
 
 
 class BackendCard(QFrame):
@@ -41,6 +42,7 @@ class BackendCard(QFrame):
         self._t0 = None
         self._history = RingSeries(int(HISTORY_S * hz) + 1, 2)
         self.setObjectName("card")
+        self.setMinimumWidth(CARD_WIDTH)
         self._build()
 
     def _build(self) -> None:
@@ -61,9 +63,11 @@ class BackendCard(QFrame):
         self.health = QLabel("healthy")
         head = QHBoxLayout()
         head.addWidget(title)
-        head.addWidget(self.facts, 1)
+        head.addStretch(1)
         head.addWidget(self.health)
         grid.addLayout(head, 0, 0, 1, 4)
+        self.facts.setWordWrap(True)
+        grid.addWidget(self.facts, 1, 0, 1, 4)
 
         self.running_bar = _bar("running")
         self.waiting_bar = _bar("waiting")
@@ -72,17 +76,17 @@ class BackendCard(QFrame):
         self.cap_spin.setToolTip("Concurrency cap: at most this many requests run at once on this "
                                  "backend. Applies at once; running ones finish.")
         self.cap_spin.valueChanged.connect(self._on_cap)
-        grid.addWidget(_muted("Running"), 1, 0)
-        grid.addWidget(self.running_bar, 1, 1)
-        grid.addWidget(_muted("Cap"), 1, 2, Qt.AlignRight)
-        grid.addWidget(self.cap_spin, 1, 3)
-        grid.addWidget(_muted("Waiting"), 2, 0)
-        grid.addWidget(self.waiting_bar, 2, 1, 1, 3)
-        grid.addWidget(_muted("KV cells"), 3, 0)
-        grid.addWidget(self.kv_bar, 3, 1, 1, 3)
+        grid.addWidget(_muted("Running"), 2, 0)
+        grid.addWidget(self.running_bar, 2, 1)
+        grid.addWidget(_muted("Cap"), 2, 2, Qt.AlignRight)
+        grid.addWidget(self.cap_spin, 2, 3)
+        grid.addWidget(_muted("Waiting"), 3, 0)
+        grid.addWidget(self.waiting_bar, 3, 1, 1, 3)
+        grid.addWidget(_muted("KV cells"), 4, 0)
+        grid.addWidget(self.kv_bar, 4, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
-        self.plot.setFixedHeight(70)
+        self.plot.setFixedHeight(56)
         p = self.plot.getPlotItem()
         p.setMenuEnabled(False)
         p.setMouseEnabled(False, False)
@@ -93,9 +97,9 @@ class BackendCard(QFrame):
         p.setXRange(-HISTORY_S, 0, padding=0)
         self.running_curve = p.plot(pen=pg.mkPen(self.color, width=1.5), fillLevel=0,
                                     brush=qcolor(self.color, 70), name="running")
-        self.waiting_curve = p.plot(pen=pg.mkPen("#c98a2b", width=1.5, style=Qt.DashLine), name="waiting")
+        self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.DashLine), name="waiting")
         self.plot.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests")
-        grid.addWidget(self.plot, 4, 0, 1, 4)
+        grid.addWidget(self.plot, 5, 0, 1, 4)
 
         self.hit_label = QLabel()
         self.cache_label = QLabel()
@@ -103,13 +107,15 @@ class BackendCard(QFrame):
         self.speed_label = QLabel()
         self.rates_label = QLabel()
         self.rates_label.setObjectName("muted")
-        grid.addWidget(_muted("Prefix hits"), 5, 0)
-        grid.addWidget(self.hit_label, 5, 1, 1, 3)
-        grid.addWidget(self.cache_label, 6, 1, 1, 3)
-        grid.addWidget(_muted("Observed"), 7, 0)
-        grid.addWidget(self.speed_label, 7, 1, 1, 3)
-        grid.addWidget(_muted("Router rates"), 8, 0)
-        grid.addWidget(self.rates_label, 8, 1, 1, 3)
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label):
+            lab.setWordWrap(True)
+        grid.addWidget(_muted("Prefix hits"), 6, 0)
+        grid.addWidget(self.hit_label, 6, 1, 1, 3)
+        grid.addWidget(self.cache_label, 7, 1, 1, 3)
+        grid.addWidget(_muted("Observed"), 8, 0)
+        grid.addWidget(self.speed_label, 8, 1, 1, 3)
+        grid.addWidget(_muted("Priced at"), 9, 0)
+        grid.addWidget(self.rates_label, 9, 1, 1, 3)
 
         buttons = QHBoxLayout()
         self.warm_button = QPushButton("Warm prefix")
@@ -122,7 +128,7 @@ class BackendCard(QFrame):
         buttons.addWidget(self.warm_button)
         buttons.addWidget(self.flush_button)
         buttons.addStretch(1)
-        grid.addLayout(buttons, 9, 0, 1, 4)
+        grid.addLayout(buttons, 10, 0, 1, 4)
         grid.setColumnStretch(1, 1)
 
     # ---- actions ----
@@ -177,13 +183,12 @@ class BackendCard(QFrame):
         if not c.enabled:
             self.hit_label.setText("cache off")
         else:
-            self.hit_label.setText(f"<b>{c.hit_rate * 100:.1f} %</b>  ({c.hit_tokens:,} of {c.query_tokens:,} prompt tokens)")
-        self.cache_label.setText(f"{c.cached_tokens:,} tokens cached · {c.pinned_tokens:,} pinned · "
-                                 f"{c.evictions} evictions")
-        self.speed_label.setText(f"prefill {_rate(snap.prefill_tok_s)} · decode {_rate(snap.decode_tok_s)} · "
-                                 f"{snap.steps:,} steps")
+            self.hit_label.setText(f"<b>{c.hit_rate * 100:.1f} %</b>  ({c.hit_tokens:,} / {c.query_tokens:,} tokens)")
+        self.cache_label.setText(f"{c.cached_tokens:,} cached · {c.pinned_tokens:,} pinned · {c.evictions} evicted")
+        self.speed_label.setText(f"prefill {_rate(snap.prefill_tok_s)} · decode {_rate(snap.decode_tok_s)}")
+        self.speed_label.setToolTip(f"{snap.steps:,} llama_decode steps so far")
         r = snap.rates
-        self.rates_label.setText(f"prefill {r.prefill_tok_s:g} · decode {r.decode_tok_s:g} tok/s ({r.source})")
+        self.rates_label.setText(f"prefill {r.prefill_tok_s:,.0f} · decode {r.decode_tok_s:,.1f} tok/s ({r.source})")
         self.health.setText("● healthy" if snap.healthy else "● failed")
         self.health.setStyleSheet(f"color:{'#7ed67e' if snap.healthy else '#ff6b6b'}")
 
@@ -210,17 +215,19 @@ class BackendsPanel(QScrollArea):
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.NoFrame)
         inner = QWidget()
-        lay = QVBoxLayout(inner)
+        lay = QGridLayout(inner)
         lay.setContentsMargins(6, 6, 6, 6)
         lay.setSpacing(8)
         hz = max(1, round(1000 / bridge.interval_ms))
+        columns = 2 if len(engine.backends) >= 2 else 1  # side by side: the dock is wide, not tall
         self.cards: dict[str, BackendCard] = {}
         for i, (name, backend) in enumerate(engine.backends.items()):
             card = BackendCard(backend, i, warm_tokens, hz)
             card.status_message.connect(self.status_message)
             self.cards[name] = card
-            lay.addWidget(card)
-        lay.addStretch(1)
+            lay.addWidget(card, i // columns, i % columns, Qt.AlignTop)
+        lay.setRowStretch(lay.rowCount(), 1)
+        self.setMinimumWidth(min(columns * CARD_WIDTH + 24, 720))
         self.setWidget(inner)
         bridge.tick.connect(self.on_tick)
 

@@ -18,7 +18,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout, QLabel, QListWidget,
-    QListWidgetItem, QPlainTextEdit, QPushButton, QSpinBox, QSplitter, QTextBrowser, QToolButton,
+    QListWidgetItem, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QToolButton,
     QVBoxLayout, QWidget,
 )
 
@@ -77,14 +77,14 @@ class ChatPanel(QWidget):
         left = QWidget()
         lv = QVBoxLayout(left)
         lv.setContentsMargins(0, 0, 4, 0)
-        self.new_button = QPushButton("＋ New chat")
+        self.new_button = QPushButton("+ New chat")
         self.new_button.setToolTip("Start an empty chat (the current one stays in the list)")
         self.new_button.clicked.connect(self.new_chat)
         self.chat_list = QListWidget()
         self.chat_list.itemClicked.connect(self._on_pick_chat)
         lv.addWidget(self.new_button)
         lv.addWidget(self.chat_list, 1)
-        saved = QLabel("Saved in the user data dir")
+        saved = QLabel("Saved locally")
         saved.setObjectName("muted")
         saved.setToolTip(str(self.store.dir))
         lv.addWidget(saved)
@@ -146,6 +146,8 @@ class ChatPanel(QWidget):
         self.copy_button.clicked.connect(self.copy_reply)
         self.state_label = QLabel("")
         self.state_label.setObjectName("muted")
+        # Long stats must not widen the window: the label takes what room is left.
+        self.state_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
         for b in (self.send_button, self.stop_button, self.regen_button, self.copy_button):
             buttons.addWidget(b)
         send_to = QLabel("Send to")
@@ -176,7 +178,7 @@ class ChatPanel(QWidget):
         box = QFrame()
         row = QHBoxLayout(box)
         row.setContentsMargins(0, 0, 0, 0)
-        row.setSpacing(14)
+        row.setSpacing(10)
 
         def field(label: str, widget: QWidget, tip: str) -> None:
             f = QFormLayout()
@@ -202,11 +204,11 @@ class ChatPanel(QWidget):
         field("Top-p", self.top_p, "Nucleus sampling: keep the smallest set of tokens with this much probability")
         field("Top-k", self.top_k, "Keep the k most likely tokens (0 = off)")
         field("Repeat", self.repeat_penalty, "Repetition penalty (1 = off)")
-        field("Max tokens", self.max_tokens, "Generation budget; the router counts it as decode work")
+        field("Max", self.max_tokens, "Max tokens: the generation budget; the router counts it as decode work")
         field("Seed", self.seed, "Sampling seed (random when unset)")
         for w in (self.temperature, self.top_p, self.top_k, self.repeat_penalty, self.max_tokens):
-            w.setFixedWidth(72)
-        self.seed.setFixedWidth(96)
+            w.setFixedWidth(66)
+        self.seed.setFixedWidth(90)
         self.backend_combo.setToolTip("Pin replies to one backend, bypassing the routing policy")
         row.addStretch(1)
         return box

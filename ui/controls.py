@@ -20,7 +20,7 @@ from engine.errors import EngineError
 from engine.router import BUDGET_MODES, POLICIES
 from engine.snapshot import Rates
 
-from .theme import backend_color
+from .theme import backend_color, wrap_label
 
 POLICY_HELP = {
     "seed-score": "The study's score: prefill tokens / prefill rate + decode budget / decode rate; lowest wins.",
@@ -87,7 +87,7 @@ class ControlsPanel(QWidget):
         self.budget_combo.setCurrentText(router.budget)
         self.budget_combo.currentTextChanged.connect(self.set_budget)
         self.policy_help = QLabel()
-        self.policy_help.setWordWrap(True)
+        wrap_label(self.policy_help)
         self.policy_help.setObjectName("muted")
         self.ratio_label = QLabel()
         self.ratio_label.setObjectName("muted")

@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 
 from .controls import policy_choices
 from .metrics import RunSummary, fmt_seconds
-from .theme import backend_color, qcolor, style_plot
+from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
@@ -59,6 +59,7 @@ class ExperimentsPanel(QWidget):
         self._restore_policy: str | None = None
         self._total = 0
         self._done_before = 0
+        self._last_spec = None
         self._build()
 
     def _build(self) -> None:
@@ -83,15 +84,15 @@ class ExperimentsPanel(QWidget):
         f.addRow(presets)
 
         pol = QGroupBox("Policies to compare (one run each)")
-        pv = QVBoxLayout(pol)
+        pv = QGridLayout(pol)
         self.policy_checks: dict[str, QCheckBox] = {}
         choices = policy_choices(self.engine)
         baseline = "gpu-only" if "gpu-only" in choices else f"only:{next(iter(self.engine.backends))}"
-        for name in choices:
+        for i, name in enumerate(choices):
             cb = QCheckBox(name)
             cb.setChecked(name in ("seed-score", baseline))
             self.policy_checks[name] = cb
-            pv.addWidget(cb)
+            pv.addWidget(cb, i // 2, i % 2)
 
         self.run_button = QPushButton("Run")
         self.run_button.setObjectName("primary")
@@ -138,10 +139,10 @@ class ExperimentsPanel(QWidget):
         for b in (self.csv_button, self.json_button, self.png_button, self.clear_button):
             exports.addWidget(b)
         exports.addStretch(1)
-        note = QLabel("Live runs on the engine loaded here (caches flushed and the prefix re-warmed before each run). "
-                      "For fresh-engine, repeated runs use `tandem bench`.")
+        note = QLabel("Each run starts from a fresh engine state (caches flushed, the prefix re-warmed, the router "
+                      "cleared). For repeated runs and HTTP peers use `tandem bench`.")
         note.setObjectName("muted")
-        note.setWordWrap(True)
+        wrap_label(note)
 
         right_split = QSplitter(Qt.Vertical)
         right_split.addWidget(self.table)
@@ -155,9 +156,9 @@ class ExperimentsPanel(QWidget):
         rv.addWidget(note)
 
         split = QSplitter(Qt.Horizontal)
-        split.addWidget(left)
+        split.addWidget(scrollable(left, 300))
         split.addWidget(right)
-        split.setSizes([330, 1100])
+        split.setSizes([340, 1100])
         outer = QGridLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(split)
@@ -186,6 +187,7 @@ class ExperimentsPanel(QWidget):
         if self.running or not policies:
             return False
         self._restore_policy = self.engine.router.policy
+        self._last_spec = self.spec()
         self._queue = list(policies)
         self._total = len(policies) * self.n_requests.value()
         self._done_before = 0
@@ -193,7 +195,7 @@ class ExperimentsPanel(QWidget):
         self.progress.setValue(0)
         self.run_button.setText("Stop")
         if self.bench_runner is not None:
-            spec = self.spec()
+            spec = self._last_spec
             self._stop_flag.clear()
             self._thread = threading.Thread(target=self._work, args=(list(policies), spec), name="experiments",
                                             daemon=True)
@@ -251,7 +253,7 @@ class ExperimentsPanel(QWidget):
             self._next()
             return
         label = f"#{len(self.summaries) + 1}"
-        self._run = WorkloadRun(self.engine, self.bridge, self.spec(), label=label, parent=self)
+        self._run = WorkloadRun(self.engine, self.bridge, self._last_spec, label=label, parent=self)
         self._run.progress.connect(lambda done, _t: self.progress.setValue(self._done_before + done))
         self._run.phase.connect(lambda ph, p=policy: self.phase_label.setText(f"{p}: {ph}"))
         self._run.done.connect(self._on_done)
@@ -291,7 +293,7 @@ class ExperimentsPanel(QWidget):
         for col, text in enumerate(cells):
             item = QTableWidgetItem(text)
             if 2 <= col <= 8:
-                item.setTextAlignment(int(Qt.AlignRight | Qt.AlignVCenter))
+                item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
             self.table.setItem(row, col, item)
         self._update_chart()
         self._update_exports()
@@ -333,7 +335,8 @@ class ExperimentsPanel(QWidget):
 
     def export_json(self, path: str | Path) -> Path:
         path = Path(path)
-        doc = {"workload": self.spec().__dict__, "runs": [s.to_dict() for s in self.summaries]}
+        spec = self._last_spec or self.spec()
+        doc = {"workload": spec.to_dict(), "runs": [s.to_dict() for s in self.summaries]}
         path.write_text(json.dumps(doc, indent=2, default=_json_default), encoding="utf-8")
         return path
 

@@ -17,10 +17,10 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from .metrics import EDGES, METRIC_TITLES, LatencyStore, RingSeries, fmt_seconds
-from .theme import backend_color, qcolor, style_plot
+from .theme import LEGEND_BG, backend_color, qcolor, style_plot
 
 THROUGHPUT_WINDOW_S = 120.0
-SMOOTH_S = 1.0  # throughput is averaged over this many seconds
+SMOOTH_S = 2.0  # throughput is averaged over this many seconds
 
 
 class LatencyView(QWidget):
@@ -48,9 +48,9 @@ class LatencyView(QWidget):
         for k, metric in enumerate(("ttft", "e2e", "itl")):
             w = pg.PlotWidget()
             p = w.getPlotItem()
-            style_plot(p, f"{METRIC_TITLES[metric]} — p50 solid, p95 dashed", "seconds (log scale)", "requests")
+            style_plot(p, METRIC_TITLES[metric], "seconds (log scale) — p50 solid, p95 dashed", "requests")
             p.setLogMode(x=True, y=False)
-            p.addLegend(offset=(-8, 8), labelTextSize="9pt")
+            p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
             edges = EDGES[metric]
             self.plots[metric] = p
             self.hist_curves[metric] = {}
@@ -67,21 +67,20 @@ class LatencyView(QWidget):
                     p.addItem(line, ignoreBounds=True)
                 self.hist_curves[metric][b] = curve
                 self.p_lines[metric][b] = (p50, p95)
-            grid.addWidget(w, k // 2, k % 2)
+            grid.addWidget(w, 0, k)
 
         w = pg.PlotWidget()
         p = self.throughput_plot = w.getPlotItem()
-        style_plot(p, "Output throughput (1 s average)", "time (s)", "tokens / s")
-        p.addLegend(offset=(8, 8), labelTextSize="9pt")
+        style_plot(p, "Output throughput (2 s average)", "time (s)", "tokens / s")
+        p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
         self.tput_curves = []
         for b in self.backends:
             self.tput_curves.append(p.plot(pen=pg.mkPen(self.colors[b], width=1.6), name=b))
         self.tput_curves.append(p.plot(pen=pg.mkPen("#e6e9ef", width=1.2, style=Qt.DashLine), name="total"))
-        grid.addWidget(w, 1, 1)
+        grid.addWidget(w, 0, 3)
 
         self.summary = QLabel()
         self.summary.setTextFormat(Qt.RichText)
-        self.summary.setWordWrap(True)
         self.clear_button = QPushButton("Clear")
         self.clear_button.setToolTip("Forget the latencies collected so far")
         self.clear_button.clicked.connect(self.clear)

@@ -32,8 +32,9 @@ class LoopProbe(QObject):
     def stop(self) -> None:
         self._timer.stop()
 
-    def reset(self) -> None:
-        self.samples.clear()
+    def reset(self, keep_all: bool = False) -> None:
+        """Forget the samples; with `keep_all`, keep every later sample (a benchmark's whole run)."""
+        self.samples = collections.deque(maxlen=None if keep_all else self.samples.maxlen)
         self._last = time.perf_counter()
 
     def _on_timeout(self) -> None:

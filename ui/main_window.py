@@ -15,8 +15,8 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
-    QDockWidget, QFileDialog, QFrame, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
-    QScrollArea, QStackedWidget, QVBoxLayout, QWidget,
+    QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
+    QStackedWidget, QVBoxLayout, QWidget,
 )
 
 from .backends import BackendsPanel
@@ -71,7 +71,9 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("Tandem")
         self.resize(1600, 1000)
         self.setDockOptions(QMainWindow.AnimatedDocks | QMainWindow.AllowTabbedDocks | QMainWindow.AllowNestedDocks)
-        self.setCorner(Qt.BottomRightCorner, Qt.RightDockWidgetArea)
+        # The analysis views (bottom) span the full width; backends and controls sit beside the chat.
+        self.setCorner(Qt.BottomRightCorner, Qt.BottomDockWidgetArea)
+        self.setCorner(Qt.BottomLeftCorner, Qt.BottomDockWidgetArea)
         self.setCorner(Qt.TopRightCorner, Qt.RightDockWidgetArea)
         self._build_central()
         self._build_status()
@@ -117,6 +119,7 @@ class MainWindow(QMainWindow):
         self.load_bar.setVisible(False)
         for w in (self.model_label, self.backends_label, self.device_label, self.state_label, self.load_bar, self.lag_label):
             sb.addPermanentWidget(w)
+
 
     def _build_menus(self) -> None:
         m = self.menuBar().addMenu("&File")
@@ -208,20 +211,13 @@ class MainWindow(QMainWindow):
             self.tabifyDockWidget(bottom[0], d)
         right_b.raise_()
         bottom[0].raise_()
-        self.resizeDocks([right_b], [440], Qt.Horizontal)
-        self.resizeDocks([bottom[0]], [420], Qt.Vertical)
+        self.resizeDocks([right_b], [min(340 * len(engine.backends), 700)], Qt.Horizontal)
+        self.resizeDocks([bottom[0]], [500], Qt.Vertical)
 
     def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
         d = QDockWidget(title, self)
         d.setObjectName(f"dock-{title.lower()}")
-        if isinstance(widget, QScrollArea):
-            d.setWidget(widget)
-        else:  # a dock smaller than its panel scrolls instead of forcing the window wider
-            scroll = QScrollArea()
-            scroll.setWidgetResizable(True)
-            scroll.setFrameShape(QFrame.NoFrame)
-            scroll.setWidget(widget)
-            d.setWidget(scroll)
+        d.setWidget(widget)
         self._dock_of[widget] = d
         d.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable | QDockWidget.DockWidgetClosable)
         self.addDockWidget(area, d)
@@ -238,6 +234,10 @@ class MainWindow(QMainWindow):
 
     def _teardown_panels(self) -> None:
         self.stop_demo()
+        for key in ("experiments", "teaching"):
+            panel = self.panels.get(key)
+            if panel is not None:
+                panel.stop()
         chat = self.panels.get("chat")
         if chat is not None:
             chat.shutdown()
@@ -295,8 +295,8 @@ class MainWindow(QMainWindow):
         parts = []
         for s in tick.snapshots:
             dot = "●" if s.healthy else "✖"
-            parts.append(f"{dot} {s.name}: {len(s.running)} running, {len(s.waiting)} waiting")
-        self.backends_label.setText("   ".join(parts))
+            parts.append(f"{dot} {s.name} {len(s.running)}/{s.cap} running, {len(s.waiting)} waiting")
+        self.backends_label.setText("  ".join(parts))
         p95 = self.probe.percentile(95)
         if p95 == p95:
             self.lag_label.setText(f"UI lag p95 {p95 * 1000:.0f} ms")

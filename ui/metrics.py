@@ -53,7 +53,7 @@ class LatencyStore:
         self.limit = limit
         self._data = {b: {m: [] for m in EDGES} for b in self.backends}
         self.finished = {b: 0 for b in self.backends}
-        self.failed = {b: 0 for b in self.backends}
+        self.failed = {b: 0 for b in self.backends}  # errors and cancelled requests
         self.version = 0
 
     def add(self, record) -> None:
@@ -63,8 +63,10 @@ class LatencyStore:
             self.backends.append(b)
             self._data[b] = {m: [] for m in EDGES}
             self.finished[b] = self.failed[b] = 0
+        if record.error is None and record.output_tokens == 0 and record.finish_reason == "stop":
+            return  # a prefix warm-up: prefill only, nothing to time
         self.version += 1
-        if record.error or record.ttft_s is None:
+        if record.error or record.ttft_s is None or record.finish_reason == "cancelled":
             self.failed[b] += 1
             return
         self.finished[b] += 1

@@ -11,7 +11,15 @@ from engine.router import POLICIES
 
 from .loader import ModelSpec
 
-SYNTHETIC_SHAPES = ["tiny", "qwen2.5-0.5b"]
+
+
+def synthetic_shapes() -> list[str]:
+    try:
+        from engine.synthetic import spec_names
+
+        return list(spec_names())
+    except Exception:  # noqa: BLE001  (the picker still takes a typed name)
+        return ["tiny"]
 
 
 class ModelDialog(QDialog):
@@ -32,7 +40,7 @@ class ModelDialog(QDialog):
         browse.clicked.connect(self._browse)
         self.shape_combo = QComboBox()
         self.shape_combo.setEditable(True)
-        self.shape_combo.addItems(SYNTHETIC_SHAPES)
+        self.shape_combo.addItems(synthetic_shapes())
         self.backends_edit = QLineEdit(" ".join(current.backends))
         self.backends_edit.setPlaceholderText("default: GPU + CPU, or two CPU backends splitting the cores")
         self.backends_edit.setToolTip("Space-separated backend specs, e.g. `gpu:cap=4 cpu:threads=8,cap=4,ctx=4096`")

@@ -22,10 +22,11 @@ from PySide6.QtWidgets import (
     QTextBrowser, QVBoxLayout, QWidget,
 )
 
-from .theme import CHOSEN_BG, MUTED, backend_color, style_plot
+from .theme import CHOSEN_BG, LEGEND_BG, MUTED, backend_color, style_plot
 
 TERMS = ("cached", "prefill", "decode", "rates", "score")
-FIXED = ("#", "t (s)", "request", "policy", "→ backend")
+FIXED = ("#", "t (s)", "request", "→ backend")
+BACKEND_COLUMN = FIXED.index("→ backend")
 MAX_ROWS = 5000
 
 
@@ -106,13 +107,12 @@ class RoutingTableModel(QAbstractTableModel):
                     str(self._first_number + index.row()),
                     f"{d.time - self.t0:.2f}",
                     d.request_id,
-                    d.policy + (" (pinned)" if d.pinned else ""),
-                    d.backend,
+                    d.backend + (" (pinned)" if d.pinned else ""),
                 ][col]
-            if role == Qt.ForegroundRole and col == 4 and d.backend in self._colors:
+            if role == Qt.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
                 return QBrush(self._colors[d.backend])
             if role == Qt.ToolTipRole:
-                return d.reason
+                return f"{d.policy}: {d.reason}"
             if role == Qt.TextAlignmentRole and col in (0, 1):
                 return int(Qt.AlignRight | Qt.AlignVCenter)
             return None
@@ -211,18 +211,18 @@ class RoutingView(QWidget):
         self.table.verticalHeader().setDefaultSectionSize(22)
         h = self.table.horizontalHeader()
         h.setSectionResizeMode(QHeaderView.Interactive)
-        h.setDefaultSectionSize(64)
-        for col, w in enumerate((40, 56, 64, 90, 74)):
+        h.setDefaultSectionSize(62)
+        for col, w in enumerate((38, 54, 72, 84)):
             self.table.setColumnWidth(col, w)
         for b in self.backends:
-            self.table.setColumnWidth(self.model.column_of(b, "rates"), 84)
+            self.table.setColumnWidth(self.model.column_of(b, "rates"), 78)
         self.table.selectionModel().currentRowChanged.connect(self._on_row)
         self.model.rowsInserted.connect(self._follow)
 
         self.plot_widget = pg.PlotWidget()
         p = self.plot = self.plot_widget.getPlotItem()
         style_plot(p, "Score of each backend per arriving request (lower wins)", "time (s)", "score (s)")
-        p.addLegend(offset=(8, 8), labelTextSize="9pt")
+        p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
         self.curves = {}
         for b in self.backends:
             c = self.colors[b]

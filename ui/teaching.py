@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
 from engine.router import RouteQuery, Router
 from engine.snapshot import BackendSnapshot, Rates, WorkItem
 
-from .theme import MUTED, backend_color, qcolor, style_plot
+from .theme import MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
 from .workload import STUDY, WorkloadRun
 
 # The article's rates (Apple M2, Qwen2.5-0.5B, profiled alone).
@@ -230,7 +230,6 @@ class TeachingPanel(QWidget):
         f.addRow(reset)
 
         self.chart = pg.PlotWidget()
-        self.chart.setMinimumHeight(170)
         p = self.chart.getPlotItem()
         style_plot(p, "Score of the arriving request", "", "seconds")
         p.setMouseEnabled(False, False)
@@ -255,6 +254,7 @@ class TeachingPanel(QWidget):
         lv.setContentsMargins(0, 0, 0, 0)
         lv.addWidget(inputs)
         lv.addWidget(self.chart, 1)
+        self.chart.setMinimumHeight(150)
 
         # The steps.
         self.step_title = QLabel()
@@ -279,7 +279,7 @@ class TeachingPanel(QWidget):
         nav.addWidget(self.step_count)
         nav.addWidget(self.back_button)
         nav.addWidget(self.next_button)
-        self.step_title.setWordWrap(True)
+        wrap_label(self.step_title)
         middle = QWidget()
         mv = QVBoxLayout(middle)
         mv.setContentsMargins(0, 0, 0, 0)
@@ -322,12 +322,12 @@ class TeachingPanel(QWidget):
         self.live_note = QLabel("Change caps, rates or the policy in Controls, then run again to see where "
                                 "the boundary falls here.")
         self.live_note.setObjectName("muted")
-        self.live_note.setWordWrap(True)
+        wrap_label(self.live_note)
         lv2.addWidget(self.live_table, 1)
         lv2.addWidget(self.live_note)
 
         split = QSplitter(Qt.Horizontal)
-        split.addWidget(left)
+        split.addWidget(scrollable(left, 260))
         split.addWidget(middle)
         split.addWidget(live)
         split.setSizes([330, 640, 480])
@@ -422,6 +422,12 @@ class TeachingPanel(QWidget):
         for b in backends:
             b.set_rates(ARTICLE_RATES["gpu"] if b is gpu_role else ARTICLE_RATES["cpu"])
         self.status_message.emit(f"{gpu_role.name} priced as the article's GPU, the others as its CPU")
+
+    def stop(self) -> None:
+        """Stop the replay's timer and cancel a live run (the panel is going away)."""
+        self._play.stop()
+        if self.run is not None and self.run.running:
+            self.run.stop()
 
     def run_live(self) -> None:
         if self.run is not None and self.run.running:

@@ -15,6 +15,7 @@ BACKEND_COLORS = ["#4c9aff", "#f5a623", "#7ed67e", "#d987f5", "#ff6b6b", "#4fd1c
 PLOT_BG = "#171a1f"
 PLOT_FG = "#aab2bf"
 GRID_ALPHA = 0.18
+LEGEND_BG = (23, 26, 31, 210)  # legends stay readable over the curves
 CHOSEN_BG = "#2d4a33"  # table cell background of the backend a decision chose
 TEXT = "#d8dee9"
 MUTED = "#8b95a5"
@@ -48,3 +49,26 @@ def style_plot(plot: pg.PlotItem, title: str, x: str, y: str) -> None:
     plot.setLabel("left", y)
     plot.showGrid(x=True, y=True, alpha=GRID_ALPHA)
     plot.setMenuEnabled(False)
+
+
+def scrollable(widget, min_width: int = 0):
+    """`widget` inside a frameless, resizable scroll area (a tall form in a short dock scrolls)."""
+    from PySide6.QtWidgets import QFrame, QScrollArea
+
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.NoFrame)
+    area.setWidget(widget)
+    if min_width:
+        area.setMinimumWidth(min_width)
+    return area
+
+
+def wrap_label(label, wrap: bool = True):
+    """Word-wrap a label without making its layout height-for-width (which makes docks and
+    scroll areas ask for the height of an unwrapped plot at their full width)."""
+    label.setWordWrap(wrap)
+    policy = label.sizePolicy()
+    policy.setHeightForWidth(False)
+    label.setSizePolicy(policy)
+    return label

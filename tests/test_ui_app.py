@@ -1,0 +1,198 @@
+"""The window as a whole: loading models (and failing to), teaching, experiments."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
+
+from app.gui import bench_runner, load_engine
+from ui.loader import ModelSpec
+from ui.workload import seed_workload
+
+TINY_RUN = dict(n=3, prefix=32, suffix=4, gen=4)
+
+
+def test_bad_model_path_shows_an_error_and_the_app_keeps_working(qtbot, make_window, ui_engine, tmp_path):
+    w = make_window(load_fn=load_engine)
+    failures = []
+    w.load_failed.connect(failures.append)
+    assert w.load_model(ModelSpec(str(tmp_path / "missing.gguf"), tuple(UI_SPECS)))
+    qtbot.waitUntil(lambda: bool(failures), timeout=WAIT_MS)
+    assert w.error_dialog.isVisible()
+    assert "missing.gguf" in w.error_dialog.text() + w.error_dialog.informativeText()
+    assert "not found" in w.error_dialog.informativeText()
+    w.error_dialog.accept()
+    # The engine that was serving still serves.
+    assert w.engine is ui_engine
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(4)
+    assert chat.send("still there?")
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert chat.chat.messages[-1].meta["output_tokens"] >= 1
+
+    # A file that is not GGUF is refused with a message too.
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"hello world")
+    failures.clear()
+    w.load_model(ModelSpec(str(bad), tuple(UI_SPECS)))
+    qtbot.waitUntil(lambda: bool(failures), timeout=WAIT_MS)
+    assert "not a GGUF file" in failures[0]
+    w.error_dialog.accept()
+
+
+def test_loading_a_model_replaces_the_panels(qtbot, make_window, ui_engine):
+    w = make_window(load_fn=load_engine)
+    old_chat = w.panels["chat"]
+    progress = []
+    w.loader.progress.connect(progress.append)
+    loaded = []
+    w.engine_loaded.connect(loaded.append)
+    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
+    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    assert w.engine is not ui_engine and list(w.engine.backends) == ["cpu"]
+    assert w.panels["chat"] is not old_chat
+    assert progress and progress[-1] == 1.0
+    assert list(w.panels["backends"].cards) == ["cpu"]
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(4)
+    assert chat.send("hi")
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert chat.chat.messages[-1].meta["backend"] == "cpu"
+
+
+def test_window_starts_empty_and_shows_the_loaded_model(qtbot, qasync_loop, tmp_path):
+    from ui.history import ChatStore
+    from ui.main_window import MainWindow
+
+    w = MainWindow(load_fn=load_engine, store=ChatStore(tmp_path), gpu_offload=False)
+    try:
+        assert w.panels == {} and "No model" in w.placeholder_label.text()
+        assert "GPU offload: no" in w.device_label.text()
+        w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
+        assert "Loading" in w.placeholder_label.text()
+        qtbot.waitUntil(lambda: w.engine is not None, timeout=WAIT_MS)
+        assert w.engine.model.info.name in w.model_label.text()
+        assert w.stack.currentWidget() is w.panels["chat"]
+    finally:
+        w.shutdown()
+
+
+def test_teaching_replay_shows_the_golden_numbers(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    assert t.step == 0 and not t.back_button.isEnabled()
+    seen = []
+    while t.next_button.isEnabled():
+        t.next_button.click()
+        seen.append(t.shown_text())
+    text = "\n".join(seen)
+    for golden in ("3.027 s", "3.444 s", "3.118 s", "stays on the GPU", "CPU takes request 8"):
+        assert golden in text
+    # The chart shows request 8's bars: GPU prefill + decode stacked to 3.444 s.
+    t.go(6)
+    heights = [p + d for p, d in zip(t.bar_prefill.opts["height"], t.bar_decode.opts["height"])]
+    assert [round(h, 3) for h in heights] == [3.444, 3.118]
+    # A faster GPU keeps request 8: the verdict moves.
+    t.gpu_decode.setValue(400.0)
+    assert "stays on the GPU" in t.shown_text()
+    t.reset_inputs()
+    assert "3.444 s" in t.shown_text()
+
+
+def test_teaching_runs_the_eight_arrivals_live(qtbot, make_window, ui_engine):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.live_button.click()
+    assert t.run is not None
+    qtbot.waitUntil(lambda: t.run.state == "done", timeout=WAIT_MS)
+    decisions = t.run.result.ordered_decisions()
+    assert len(decisions) == 8
+    for row, d in enumerate(decisions):
+        assert t.live_table.item(row, 1).text() == d.backend
+        assert t.live_table.item(row, 2).text() == "496"  # the warmed prefix
+    assert "The article sent 7 to the GPU" in t.live_note.text()
+    t.use_article_rates()
+    assert ui_engine.backend("cpu0").rates.prefill_tok_s == 2551.0
+    assert ui_engine.backend("cpu1").rates.decode_tok_s == 45.0
+
+
+def _configure(panel, n, prefix, suffix, gen):
+    panel.n_requests.setValue(n)
+    panel.prefix.setValue(prefix)
+    panel.suffix.setValue(suffix)
+    panel.max_tokens.setValue(gen)
+    panel.interval.setValue(10)
+
+
+def test_experiments_compare_policies_and_export(qtbot, make_window, ui_engine, tmp_path):
+    w = make_window()  # no bench runner: runs driven from the GUI thread
+    ex = w.panels["experiments"]
+    _configure(ex, **TINY_RUN)
+    assert ex.start(["seed-score", "only:cpu1"])
+    qtbot.waitUntil(lambda: not ex.running and len(ex.summaries) == 2, timeout=WAIT_MS)
+    assert [s.policy for s in ex.summaries] == ["seed-score", "only:cpu1"]
+    assert ex.summaries[1].per_backend == {"cpu1": 3}
+    assert ex.table.rowCount() == 2 and ex.progress.value() == 6
+    assert ui_engine.router.policy == "seed-score"  # restored
+    rows = list(csv.DictReader(open(ex.export_csv(tmp_path / "r.csv"))))
+    assert [r["policy"] for r in rows] == ["seed-score", "only:cpu1"] and rows[1]["requests_cpu1"] == "3"
+    doc = json.loads(ex.export_json(tmp_path / "r.json").read_text())
+    assert doc["workload"]["n_requests"] == 3 and len(doc["runs"]) == 2
+    assert ex.export_png(tmp_path / "r.png").stat().st_size > 0
+
+
+def test_experiments_through_the_benchmark_runner(qtbot, make_window, ui_engine):
+    w = make_window(bench_runner_factory=bench_runner)
+    ex = w.panels["experiments"]
+    assert ex.bench_runner is not None
+    _configure(ex, **TINY_RUN)
+    assert ex.start(["least-work"])
+    qtbot.waitUntil(lambda: not ex.running and len(ex.summaries) == 1, timeout=WAIT_MS)
+    s = ex.summaries[0]
+    assert s.policy == "least-work" and s.n_ok == 3 and s.makespan_s > 0
+    assert w.panels["routing"].model.rowCount() >= 3  # the run showed up live
+    assert ui_engine.router.policy == "seed-score"
+
+
+def test_demo_workload_from_the_run_menu(qtbot, make_window):
+    w = make_window()
+    run = w.start_demo(seed_workload(4, prefix_tokens=32, suffix_tokens=4, gen_tokens=4, interval_s=0.01))
+    assert run is not None and w.start_demo() is None  # one at a time
+    qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
+    assert len(run.result.records) == 4
+    assert w.panels["routing"].model.rowCount() == 4
+
+
+def test_recalibrate_runs_off_the_gui_thread_and_reports(qtbot, make_window, ui_engine):
+    """The Controls button runs the app's recalibrate function on a worker thread, shows its
+    progress and outcome, and the router uses the rates it set. (The function here sets rates
+    directly; `app.gui.recalibrate` wraps `engine.calibrate.calibrate_backend`.)"""
+    import threading
+
+    from engine.snapshot import Rates
+
+    threads = []
+
+    def recalibrate(eng, progress):
+        threads.append(threading.current_thread())
+        for i, b in enumerate(eng.backends.values()):
+            progress(f"measuring {b.name}")
+            b.set_rates(Rates(100.0 + i, 10.0 + i, source="calibrated"))
+        if len(threads) > 1:
+            raise RuntimeError("no KV room")
+
+    w = make_window(recalibrate=recalibrate)
+    c = w.panels["controls"]
+    messages = []
+    c.status_message.connect(messages.append)
+    c.recal_button.click()
+    assert not c.recal_button.isEnabled()
+    qtbot.waitUntil(lambda: c.recal_button.isEnabled(), timeout=WAIT_MS)
+    assert threads[0] is not threading.main_thread()
+    assert "measuring cpu0" in messages and messages[-1].startswith("recalibrated")
+    assert ui_engine.backend("cpu1").rates == Rates(101.0, 11.0, source="calibrated")
+    c.recal_button.click()  # a failure is shown, the button comes back
+    qtbot.waitUntil(lambda: c.recal_button.isEnabled(), timeout=WAIT_MS)
+    assert messages[-1] == "recalibration failed: no KV room"

@@ -1,0 +1,149 @@
+"""Live panels on a real engine: backend cards, controls, the routing table, latency histograms."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
+
+from PySide6.QtCore import Qt
+
+from engine.snapshot import Rates
+from ui.metrics import EDGES
+from ui.routing import BACKEND_COLUMN, TERMS, score_term
+from ui.workload import WorkloadRun, seed_workload
+
+SMALL = seed_workload(6, prefix_tokens=64, suffix_tokens=8, gen_tokens=8, interval_s=0.02)
+
+
+def run_workload(qtbot, w, spec=SMALL):
+    run = WorkloadRun(w.engine, w.bridge, spec, label="test", parent=w)
+    phases = []
+    run.phase.connect(phases.append)
+    run.start()
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+    assert run.state == "done", (phases, run.result.error)
+    assert phases[:3] == ["flushing", "warming", "running"]
+    return run.result
+
+
+def tick(qtbot, w):
+    """Let the bridge's timer fire at least once more."""
+    seen = []
+    w.bridge.tick.connect(seen.append)
+    qtbot.waitUntil(lambda: bool(seen), timeout=WAIT_MS)
+    w.bridge.tick.disconnect(seen.append)
+
+
+def test_bridge_delivers_engine_events_on_the_gui_thread(qtbot, make_window):
+    w = make_window()
+    threads = []
+    w.bridge.finished.connect(lambda _r: threads.append(threading.current_thread()))
+    run_workload(qtbot, w, seed_workload(2, prefix_tokens=16, suffix_tokens=4, gen_tokens=4))
+    assert threads and all(t is threading.main_thread() for t in threads)
+
+
+def test_cap_spin_box_sets_the_backend_cap_at_once(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    card.cap_spin.setValue(2)
+    assert ui_engine.backend("cpu0").cap == 2
+    tick(qtbot, w)
+    assert card.running_bar.format() == "0 / 2"
+    controls = w.panels["controls"]
+    assert controls.cap_spins["cpu0"].value() == 2  # the other view of the same cap follows
+    controls.cap_spins["cpu1"].setValue(3)
+    assert ui_engine.backend("cpu1").cap == 3
+
+
+def test_controls_set_policy_budget_and_rates(qtbot, make_window, ui_engine):
+    w = make_window()
+    c = w.panels["controls"]
+    assert "gpu-only" not in [c.policy_combo.itemText(i) for i in range(c.policy_combo.count())]  # no GPU here
+    c.policy_combo.setCurrentText("least-work")
+    assert ui_engine.router.policy == "least-work"
+    c.budget_combo.setCurrentText("ratio")
+    assert ui_engine.router.budget == "ratio"
+    c.prefill_spins["cpu1"].setValue(73.0)
+    c.decode_spins["cpu1"].setValue(45.0)
+    assert ui_engine.backend("cpu1").rates == Rates(73.0, 45.0, source="override")
+    tick(qtbot, w)
+    assert c.source_labels["cpu1"].text() == "override"
+    c.reset_rates()
+    assert ui_engine.backend("cpu1").rates.source != "override"
+
+
+def test_routing_table_gains_a_row_per_request_equal_to_the_engines_record(qtbot, make_window, ui_engine):
+    w = make_window()
+    view = w.panels["routing"]
+    result = run_workload(qtbot, w)
+    model = view.model
+    assert model.rowCount() == SMALL.n_requests
+    recorded = {d.request_id: d for d in ui_engine.router.recent()}
+    for row, d in enumerate(model.decisions):
+        assert d.request_id in result.decisions
+        assert recorded[d.request_id] == d
+        assert model.index(row, BACKEND_COLUMN).data() == d.backend
+        for b in model.backends:
+            s = d.score_of(b)
+            for term in TERMS:
+                assert model.index(row, model.column_of(b, term)).data() == score_term(s, term)
+            bg = model.index(row, model.column_of(b, "score")).data(Qt.BackgroundRole)
+            assert (bg is not None) == (b == d.backend)  # only the chosen backend is highlighted
+    # Cached tokens are the warmed prefix the router saw.
+    assert all(d.chosen.cached_tokens == 64 for d in model.decisions)
+
+    view.select_row(3)
+    d = model.decisions[3]
+    text = view.explain.toPlainText()
+    assert d.request_id in text and d.reason in text
+    assert f"{d.chosen.score_s:.3f} s" in text
+    tick(qtbot, w)
+    x, y = view.curves["cpu0"].getData()
+    assert len(x) == SMALL.n_requests
+    assert len(view.marks.data) == SMALL.n_requests
+
+
+def test_histograms_and_hit_rates_update_during_a_run(qtbot, make_window, ui_engine):
+    w = make_window()
+    latency = w.panels["latency"]
+    cards = w.panels["backends"].cards
+    tick(qtbot, w)
+    before = {n: c.hit_label.text() for n, c in cards.items()}
+    hits_before = {s.name: s.cache.hit_tokens for s in ui_engine.snapshot()}
+    result = run_workload(qtbot, w)
+    tick(qtbot, w)
+    done = {b: 0 for b in ui_engine.backends}
+    for r in result.records.values():
+        done[r.backend] += 1
+    for b, n in done.items():
+        for metric in ("ttft", "e2e", "itl"):
+            x, y = latency.hist_curves[metric][b].getData()
+            assert y.sum() == n  # every finished request is in exactly one bin
+        if n:
+            p50_line, p95_line = latency.p_lines["ttft"][b]
+            p50, p95 = latency.store.percentiles("ttft", b)
+            assert p50_line.isVisible() and math.isclose(p50_line.value(), math.log10(p50))
+            assert math.isclose(p95_line.value(), math.log10(p95))
+        assert f"{b}</b> {n} done" in latency.summary.text()
+    for snap in ui_engine.snapshot():
+        card = cards[snap.name]
+        assert card.hit_label.text() != before[snap.name]  # warm-ups and requests were counted
+        assert f"{snap.cache.hit_rate * 100:.1f} %" in card.hit_label.text()
+        if done[snap.name]:  # each request it served hit the warmed prefix
+            assert snap.cache.hit_tokens - hits_before[snap.name] == 64 * done[snap.name]
+    x, y = latency.tput_curves[-1].getData()
+    assert len(x) > 0 and max(y) > 0  # throughput over time saw the decoded tokens
+    assert len(EDGES["ttft"]) == len(latency.hist_curves["ttft"]["cpu0"].getData()[0])
+
+
+def test_flush_and_warm_buttons(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu1"]
+    card.warm()  # the chat's system prompt
+    qtbot.waitUntil(lambda: ui_engine.backend("cpu1").snapshot().cache.cached_tokens > 0, timeout=WAIT_MS)
+    tick(qtbot, w)
+    assert not card.cache_label.text().startswith("0 cached")
+    card.flush()
+    qtbot.waitUntil(lambda: ui_engine.backend("cpu1").snapshot().cache.cached_tokens == 0, timeout=WAIT_MS)

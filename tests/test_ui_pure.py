@@ -1,0 +1,137 @@
+"""UI logic tested without any widget: metrics, chat history, the teaching replay's numbers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import engine  # noqa: F401  (llama.cpp before numpy)
+from engine.request import FinishRecord, RequestStatus
+from engine.snapshot import Rates
+from ui.history import Chat, ChatStore, Message
+from ui.metrics import EDGES, LatencyStore, RingSeries, fmt_seconds, percentile, step_histogram, summarize
+from ui.teaching import ARTICLE_RATES, gpu_decode_to_keep, study_arrivals, teaching_steps
+
+
+def record(backend="cpu0", ttft=0.1, e2e=1.0, itl=0.01, out=10, error=None, rid="r"):
+    status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_LENGTH
+    return FinishRecord(rid, backend, status, "x", 20, 0, out, 0.0, ttft, e2e, itl, error)
+
+
+class TestStepHistogram:
+    @pytest.mark.parametrize("values, expect_total", [([], 0), ([0.01, 0.02, 0.5], 3), ([1e-9, 1e9], 2)])
+    def test_counts_every_finite_value_once(self, values, expect_total):
+        counts = step_histogram(values + [math.nan, math.inf], EDGES["ttft"])
+        assert counts.sum() == expect_total
+        assert len(counts) == len(EDGES["ttft"]) - 1  # stepMode="center" needs len(x) = len(y) + 1
+
+    def test_out_of_range_values_land_in_the_end_bins(self):
+        counts = step_histogram([1e-9, 1e9], EDGES["ttft"])
+        assert counts[0] == 1 and counts[-1] == 1
+
+    def test_percentile_matches_numpy_and_is_nan_when_empty(self):
+        v = [0.3, 0.1, 0.2, 0.9]
+        assert percentile(v, 95) == pytest.approx(np.percentile(v, 95))
+        assert math.isnan(percentile([], 50))
+
+
+class TestLatencyStore:
+    def test_keeps_successes_per_backend_and_counts_failures(self):
+        s = LatencyStore(["cpu0", "cpu1"])
+        v0 = s.version
+        s.add(record("cpu0", ttft=0.1))
+        s.add(record("cpu0", ttft=0.3))
+        s.add(record("cpu1", error="boom", ttft=None))
+        assert s.version == v0 + 3
+        assert list(s.values("ttft", "cpu0")) == [0.1, 0.3]
+        assert s.finished == {"cpu0": 2, "cpu1": 0} and s.failed == {"cpu0": 0, "cpu1": 1}
+        assert s.histogram("ttft", "cpu0").sum() == 2
+        assert s.percentiles("ttft", "cpu0") == pytest.approx((0.2, 0.29))
+        s.clear()
+        assert s.histogram("ttft", "cpu0").sum() == 0
+
+    def test_single_token_replies_have_no_itl(self):
+        s = LatencyStore(["cpu0"])
+        s.add(record(itl=None, out=1))
+        assert s.values("itl", "cpu0").size == 0 and s.values("e2e", "cpu0").size == 1
+
+
+def test_ring_series_shifts_once_full():
+    r = RingSeries(3, 2)
+    for i in range(5):
+        r.append(float(i), (i, 10 * i))
+    x, y = r.view(1)
+    assert list(x) == [2.0, 3.0, 4.0] and list(y) == [20, 30, 40]
+
+
+def test_summarize_run():
+    recs = [record("cpu0", ttft=0.1, e2e=1.0, out=8, rid="a"), record("cpu1", ttft=0.3, e2e=2.0, out=8, rid="b"),
+            record("cpu1", error="x", ttft=None, rid="c")]
+    s = summarize("#1", "seed-score", recs, 10.0, 12.0)
+    assert (s.n_requests, s.n_ok, s.makespan_s, s.output_tok_s) == (3, 2, 2.0, 8.0)
+    assert s.per_backend == {"cpu0": 1, "cpu1": 2}
+    assert s.ttft_p50_s == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("s, text", [(0.0123, "12.3 ms"), (3.2, "3.20 s"), (None, "–"), (math.nan, "–")])
+def test_fmt_seconds(s, text):
+    assert fmt_seconds(s) == text
+
+
+class TestChatStore:
+    def test_round_trip_and_order(self, tmp_path):
+        store = ChatStore(tmp_path / "chats")
+        a = Chat(system="Be brief.", messages=[Message("user", "hello"), Message("assistant", "hi", {"backend": "cpu0"})])
+        b = Chat(messages=[Message("user", "second chat")])
+        store.save(a)
+        store.save(b)
+        listed = store.list()
+        assert [c.id for c in listed] == [b.id, a.id]  # most recently updated first
+        back = store.load(a.id)
+        assert back.system == "Be brief." and back.messages[1].meta == {"backend": "cpu0"}
+        assert back.prompt_messages()[0] == {"role": "system", "content": "Be brief."}
+        assert a.title == "hello"
+        store.delete(a.id)
+        assert [c.id for c in store.list()] == [b.id]
+
+    def test_unreadable_files_are_skipped(self, tmp_path):
+        store = ChatStore(tmp_path)
+        (tmp_path / "broken.json").write_text("{not json")
+        store.save(Chat(messages=[Message("user", "ok")]))
+        assert len(store.list()) == 1
+
+    def test_empty_system_prompt_is_left_out(self):
+        assert Chat(system="  ", messages=[Message("user", "x")]).prompt_messages() == [{"role": "user", "content": "x"}]
+
+
+class TestTeachingReplay:
+    """The worked example goes through the real router; the golden numbers of SEED.md."""
+
+    def test_golden_numbers(self):
+        a7, a8 = study_arrivals()
+        g7, c7 = a7.decision.score_of("gpu"), a7.decision.score_of("cpu")
+        assert (g7.prefill_tokens, g7.decode_tokens) == (60, 880)
+        assert round(g7.score_s, 3) == 3.027 and round(c7.score_s, 3) == 3.118
+        assert a7.decision.backend == "gpu"
+        g8, c8 = a8.decision.score_of("gpu"), a8.decision.score_of("cpu")
+        assert (g8.prefill_tokens, g8.decode_tokens) == (80, 1000)
+        assert round(g8.score_s, 3) == 3.444 and round(c8.score_s, 3) == 3.118
+        assert a8.decision.backend == "cpu"
+
+    def test_steps_show_the_arithmetic(self):
+        steps = teaching_steps(study_arrivals(), ARTICLE_RATES, 496)
+        text = " ".join(body for _, body, _ in steps)
+        for golden in ("3.027 s", "3.118 s", "3.444 s", "60/2551 + 880/293", "80/2551 + 1000/293"):
+            assert golden in text
+
+    def test_a_faster_gpu_keeps_request_8(self):
+        keep = gpu_decode_to_keep(study_arrivals()[1])
+        rates = dict(ARTICLE_RATES, gpu=Rates(2551.0, keep * 1.01))
+        assert study_arrivals(rates)[1].decision.backend == "gpu"
+        rates = dict(ARTICLE_RATES, gpu=Rates(2551.0, keep * 0.99))
+        assert study_arrivals(rates)[1].decision.backend == "cpu"
+
+    def test_without_the_cached_prefix_the_gpu_keeps_both(self):
+        assert [a.decision.backend for a in study_arrivals(cached=0)] == ["gpu", "gpu"]

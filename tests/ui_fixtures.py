@@ -1,0 +1,124 @@
+"""Fixtures for the GUI tests (import with `from ui_fixtures import *` in a tests/test_ui_*.py).
+
+- Qt runs offscreen (`QT_QPA_PLATFORM=offscreen`, set before any QApplication exists), so the
+  tests need no display server; pytest-qt's `qapp`/`qtbot` drive a real Qt event loop.
+- `ui_engine`: one real engine per session — the tiny synthetic model on two 1-thread CPU
+  backends (`TANDEM_UI_MODEL=default` runs the same tests on SmolLM2-135M).
+- `qasync_loop`: an asyncio loop bound to the Qt loop pytest-qt runs, so chat streaming goes
+  through qasync exactly as in the app.
+- `make_window`: a factory that builds hidden `MainWindow`s on `ui_engine`, and at teardown shuts
+  them down, checks no bridge is left subscribed to the engine (a leak), waits until the engine
+  is idle and restores its caps, rates, policy and caches for the next test.
+- `StepGate`: holds one backend's worker thread inside its `StepDone` publication so a test can
+  act while a reply is mid-stream (through the engine's public event bus, no mocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+import engine  # noqa: E402,F401  (llama.cpp before numpy)
+from engine.config import parse_backend_specs  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.events import StepDone  # noqa: E402
+
+UI_MODEL = os.environ.get("TANDEM_UI_MODEL", "synthetic:tiny")
+UI_SPECS = ["cpu:threads=1,cap=4,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]
+WAIT_MS = 60_000  # the bound on any single wait in a GUI test
+
+
+@pytest.fixture(scope="session")
+def ui_engine():
+    eng = Engine.load(UI_MODEL, parse_backend_specs(UI_SPECS))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def qasync_loop(qapp):
+    """One loop for the session, as in the app (a second QEventLoop on the same QApplication
+    after closing the first stops delivering callbacks)."""
+    import qasync
+
+    loop = qasync.QEventLoop(qapp, already_running=True)
+    asyncio.set_event_loop(loop)
+    yield loop
+    loop.stop()
+    loop.close()
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(None)
+
+
+def engine_idle(eng) -> bool:
+    return all(not s.items for s in eng.snapshot())
+
+
+@pytest.fixture
+def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
+    from ui.history import ChatStore
+    from ui.main_window import MainWindow
+    from ui.theme import style_sheet
+
+    qtbot_app = qasync_loop  # noqa: F841  (the loop must exist before any panel streams)
+    subs_before = len(ui_engine.bus._subs)
+    initial = {n: (b.cap, b.rates) for n, b in ui_engine.backends.items()}
+    made: list[MainWindow] = []
+
+    def make(**kw) -> MainWindow:
+        kw.setdefault("store", ChatStore(tmp_path / "chats"))
+        kw.setdefault("owns_engine", False)
+        w = MainWindow(ui_engine, **kw)
+        w.setStyleSheet(style_sheet())
+        made.append(w)  # never shown: widgets, timers and signals all work hidden
+        return w
+
+    yield make
+
+    for w in made:
+        w.shutdown()
+        w.deleteLater()
+    leaked = len(ui_engine.bus._subs) - subs_before
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not engine_idle(ui_engine) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for name, (cap, rates) in initial.items():
+        b = ui_engine.backend(name)
+        b.set_cap(cap)
+        b.set_rates(rates)
+    ui_engine.router.set_policy("seed-score")
+    ui_engine.router.set_budget("raw")
+    ui_engine.router.clear()
+    ui_engine.flush(timeout=30)
+    assert leaked == 0, f"{leaked} engine-bus subscription(s) outlived their window"
+    assert engine_idle(ui_engine), "the engine was still busy after the test"
+
+
+class StepGate:
+    """Block `backend`'s worker after its `after`-th step until `release()` (or 30 s)."""
+
+    def __init__(self, bus, backend: str, after: int = 2):
+        self.backend = backend
+        self.after = after
+        self.count = 0
+        self.reached = threading.Event()
+        self._released = threading.Event()
+        self._unsubscribe = bus.subscribe(self._on_step, (StepDone,))
+
+    def _on_step(self, event) -> None:  # the backend's worker thread
+        if event.backend != self.backend or self._released.is_set():
+            return
+        self.count += 1
+        if self.count >= self.after:
+            self.reached.set()
+            self._released.wait(30)
+
+    def release(self) -> None:
+        self._released.set()
+        self._unsubscribe()

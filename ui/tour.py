@@ -1,0 +1,93 @@
+"""A scripted tour of the app that saves the screenshots in docs/screenshots/.
+
+    xvfb-run -s "-screen 0 1600x1000x24" python -m app.gui --tour docs/screenshots
+
+It loads the model, chats once, runs the study's 48-request workload (screenshots mid-run and
+after), steps the teaching replay to request 8, and runs a small experiment. Every wait is an
+`asyncio.sleep` on the qasync loop, so the window stays live the whole time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+
+async def _until(predicate, timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(step)
+    return True
+
+
+async def tour(window, out: Path, args) -> None:
+    from .loader import ModelSpec
+    from .workload import seed_workload
+
+    def shot(name: str) -> None:
+        path = window.save_screenshot(out / f"{name}.png")
+        print(f"saved {path}", file=sys.stderr)
+
+    loaded = []
+    window.engine_loaded.connect(loaded.append)
+    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), args.policy))
+    if not await _until(lambda: bool(loaded), 300):
+        raise SystemExit("the model did not load")
+    await asyncio.sleep(1.0)
+
+    chat = window.panels["chat"]
+    chat.temperature.setValue(0.3)
+    chat.max_tokens.setValue(120)
+    chat.send("In two sentences: why would a CPU take a request while a faster GPU is busy?")
+    await _until(lambda: not chat.busy, 120)
+    chat.input.setPlainText("And what does a prefix cache change?")
+    await asyncio.sleep(0.5)
+    shot("main-idle")
+
+    run = window.start_demo(seed_workload(args.demo or 48))
+    routing = window.panels["routing"]
+    # Mid-run: every request routed, the first ones finished, the queues still deep.
+    await _until(lambda: routing.model.rowCount() >= run.spec.n_requests and len(run.result.records) >= 4, 300)
+    await asyncio.sleep(args.delay or 2.0)
+    rows = routing.model.rowCount()
+    if rows:
+        routing.select_row(rows - 1)
+    await asyncio.sleep(0.3)
+    shot("main-midrun")
+    await _until(lambda: run is None or not run.running, 900)
+    window.show_panel("latency")
+    await asyncio.sleep(1.0)
+    shot("latency")
+    window.show_panel("routing")
+    # Select the first request that went to the second backend, if any, to explain a switch.
+    names = list(window.engine.backends)
+    pick = next((i for i, d in enumerate(routing.model.decisions) if len(names) > 1 and d.backend == names[1]), 0)
+    routing.select_row(pick)
+    routing.table.scrollTo(routing.model.index(pick, 0))
+    await asyncio.sleep(0.5)
+    shot("routing")
+
+    window.show_panel("teaching")
+    teaching = window.panels["teaching"]
+    teaching.go(6)  # request 8: the CPU's score and the verdict
+    teaching.use_article_rates()  # price the real queues as the article did
+    teaching.run_live()
+    await _until(lambda: teaching.run is not None and not teaching.run.running, 600)
+    await asyncio.sleep(0.5)
+    shot("teaching")
+    window.panels["controls"].reset_rates()
+
+    window.show_panel("experiments")
+    ex = window.panels["experiments"]
+    ex.n_requests.setValue(8)
+    policies = ["seed-score", "predicted-finish", f"only:{names[0]}"]
+    for name, box in ex.policy_checks.items():
+        box.setChecked(name in policies)
+    ex.start(policies)
+    await _until(lambda: not ex.running, 1800)
+    await asyncio.sleep(0.5)
+    shot("experiments")
