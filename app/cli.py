@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     ov.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
 
+    ca = bsub.add_parser("cache", help="TTFT with a warm cached prefix vs cold")
+    ca.add_argument("--model", default="default")
+    ca.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    ca.add_argument("--threads", type=int, default=0, help="0: all cores")
+    ca.add_argument("--prefix-tokens", type=int, default=496)
+    ca.add_argument("--suffix-tokens", type=int, default=20)
+    ca.add_argument("--repeats", type=int, default=5)
+
     tg = bsub.add_parser("together", help="GPU and CPU backends decoding at once vs each alone")
     tg.add_argument("--model", default="default")
     tg.add_argument("--gpu-batch", type=int, default=16)
@@ -109,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.server import run_serve
 
             return run_serve(args)
+        if command == "bench" and args.bench == "cache":
+            from app.bench_cache import run_cache
+
+            return run_cache(args)
         if command == "bench" and args.bench == "together":
             from app.bench_together import run_together
 
