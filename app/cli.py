@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1/* (default: $TANDEM_API_KEY, else none)")
 
+    be = sub.add_parser("backend", help="act on a backend of a running server")
+    besub = be.add_subparsers(dest="backend_command", required=True)
+    rs = besub.add_parser("restart", help="give a (failed) backend a fresh context")
+    rs.add_argument("name")
+    rs.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default: %(default)s)")
+    rs.add_argument("--api-key", default=None, help="its API key (default: $TANDEM_API_KEY)")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     ov = bsub.add_parser("overhead", help="engine decode tok/s vs llama-cpp-python's Llama, same run")
@@ -117,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.server import run_serve
 
             return run_serve(args)
+        if command == "backend":
+            from app.backend_cmd import run_backend
+
+            return run_backend(args)
         if command == "bench" and args.bench == "cache":
             from app.bench_cache import run_cache
 

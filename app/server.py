@@ -103,6 +103,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
         web.post("/v1/completions", completions),
         web.get("/v1/models", models),
         web.get("/v1/routing", routing),
+        web.post("/v1/backends/{name}/restart", restart_backend),
         web.get("/health", health),
         web.get("/metrics", metrics_text),
         web.get("/openapi.json", openapi),
@@ -414,12 +415,20 @@ async def routing(request: web.Request) -> web.Response:
     })
 
 
+async def restart_backend(request: web.Request) -> web.Response:
+    """Give a backend a fresh context (after a failure); answers with its new snapshot."""
+    engine = request.app[ENGINE]
+    backend = engine.backend(request.match_info["name"])  # unknown name: 400 invalid_request_error
+    await asyncio.get_running_loop().run_in_executor(None, engine.restart_backend, backend.name)
+    return web.json_response(backend.snapshot().to_dict())
+
+
 async def health(request: web.Request) -> web.Response:
     snaps = request.app[ENGINE].snapshot()
     ok = any(s.healthy for s in snaps)
     return web.json_response({
         "status": "ok" if ok else "unavailable",
-        "backends": [{"name": s.name, "device": s.device, "healthy": s.healthy,
+        "backends": [{"name": s.name, "device": s.device, "healthy": s.healthy, "error": s.error,
                       "running": len(s.running), "waiting": len(s.waiting)} for s in snaps],
     }, status=200 if ok else 503)
 

@@ -323,6 +323,7 @@ class Backend:
             rates=self.rates,
             items=tuple(s.work_item(True) for s in running) + tuple(s.work_item(False) for s in waiting),
             healthy=self.healthy and not self._stop,
+            error=self.error,
             threads=self.config.threads,
             kv_cells_used=used,
             kv_cells_total=self.n_ctx,

@@ -68,6 +68,7 @@ class BackendSnapshot:
     rates: Rates
     items: tuple[WorkItem, ...] = ()
     healthy: bool = True
+    error: str | None = None  # why it is unhealthy
     threads: int = 0
     kv_cells_used: int = 0
     kv_cells_total: int = 0

@@ -643,3 +643,32 @@ def test_tandem_serve_subprocess_serves_the_openai_client(tmp_path):
         log.close()
     assert rc == 0, output
     assert f"serving {served}" in output
+
+
+# ---------------------------------------------------------------------------- a failing backend
+
+
+def test_a_failed_backend_shows_in_health_and_routing_and_restarts_from_the_cli(url, http, engine, capsys):
+    import json
+
+    from app.cli import main
+
+    name = next(iter(engine.backends))
+    engine.backends[name].inject_fault("crash")
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "backend": name})
+    assert r.status_code >= 500 and "injected" in r.json()["error"]["message"]
+    health = http.get("/health").json()
+    failed = next(b for b in health["backends"] if b["name"] == name)
+    assert failed["healthy"] is False and "injected" in failed["error"]
+    assert health["status"] == "ok", "the other backend still serves"
+    routing = http.get("/v1/routing").json()
+    assert next(b for b in routing["backends"] if b["name"] == name)["healthy"] is False
+    # Unpinned work goes to the healthy backend meanwhile.
+    r = http.post("/v1/completions", json={"prompt": "y", "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["X-Tandem-Backend"] != name
+    assert main(["backend", "restart", name, "--url", url]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {
+        "backend": name, "healthy": True, "device": "cpu"}
+    r = http.post("/v1/completions", json={"prompt": "z", "max_tokens": 4, "backend": name})
+    assert r.status_code == 200 and r.headers["X-Tandem-Backend"] == name
+    assert main(["backend", "restart", "nope", "--url", url]) == 1
