@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from engine import llama
@@ -9,8 +10,13 @@ from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 
 
+log = logging.getLogger("tandem")
+
+
 def engine_from_args(args, *, progress: bool = True) -> Engine:
-    specs = args.backend or default_specs(gpu=llama.gpu_offload_supported())
+    gpu = llama.gpu_offload_supported()
+    log.info("llama.cpp GPU offload: %s", "yes" if gpu else "no (CPU build)")
+    specs = args.backend or default_specs(gpu=gpu)
     configs = parse_backend_specs(specs)
     bar = _progress_bar("loading model") if progress and sys.stderr.isatty() else None
     try:
