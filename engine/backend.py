@@ -196,18 +196,23 @@ class Backend:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel everything, stop the worker, free the context. Idempotent."""
+        if not self._halt(timeout):
+            log.error("%s: worker did not stop within %.1f s", self.name, timeout)
+
+    def _halt(self, timeout: float) -> bool:
+        """Stop the worker (it cancels what it holds) and free the context; False if it hung."""
         with self._lock:
             self._stop = True
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.error("%s: worker did not stop within %.1f s", self.name, timeout)
-                return
+                return False
             self._thread = None
         if self._ctx:
             lc.llama_free(self._ctx)
             self._ctx = None
+        return True
 
     # ---- any thread ----
 
@@ -675,16 +680,8 @@ class Backend:
 
     def restart(self, timeout: float = 30.0) -> None:
         """Throw the context away and serve again with a fresh one (and an empty cache)."""
-        with self._lock:
-            self._stop = True
-            self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise BackendUnavailable(f"backend {self.name}: the worker did not stop within {timeout} s")
-        if self._ctx:
-            lc.llama_free(self._ctx)
-            self._ctx = None
+        if not self._halt(timeout):
+            raise BackendUnavailable(f"backend {self.name}: the worker did not stop within {timeout} s")
         self.cache = PrefixCache(enabled=self.config.cache and self.config.kv_unified)
         self._open_context()
         self.healthy, self.error, self._stop, self._fault, self._blocked = True, None, False, None, False

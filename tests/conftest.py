@@ -11,7 +11,7 @@ import engine  # noqa: F401  (llama.cpp before numpy)
 from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 
-WAIT = 120  # seconds: the bound on any single wait for a request
+
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from engine.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
 from engine.model import Model, resolve_model
 from engine.request import Request, RequestStatus, SamplingParams
 
-WAIT = 120  # seconds: the bound on any single wait
+from waiting import WAIT, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 def _req(model, text, sp=GREEDY):
     return Request(tuple(model.tokenize(text)), sp)
-
-
-def _wait(cond, timeout=WAIT, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s")
-        time.sleep(0.01)
 
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land", "def fibonacci(n):", "Paris is the capital of"]
@@ -63,7 +53,7 @@ def test_prefill_is_chunked_and_decode_goes_first(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=2, n_batch=64, n_ctx=2048)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = b.enqueue(_req(tiny_model, "short", SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)))
-    _wait(lambda: b.snapshot().items and b.snapshot().items[0].generated > 2, what="first decoding")
+    wait_until(lambda: b.snapshot().items and b.snapshot().items[0].generated > 2, what="first decoding")
     long = b.enqueue(_req(tiny_model, "x" * 300, sp))
     first.result(WAIT), long.result(WAIT)
     mixed = [(d, p) for d, p, _ in b.step_log if d >= 1 and p > 0]
@@ -80,16 +70,16 @@ def test_cancel_frees_kv_at_any_point(make_backend, tiny_model, phase):
     blocker = b.enqueue(_req(tiny_model, "blocker " * 20, sp)) if phase == "queued" else None
     victim = b.enqueue(_req(tiny_model, "y" * 600, sp))
     if phase == "prefilling":
-        _wait(lambda: any(i.running and 0 < i.prefill_left < 590 for i in b.snapshot().items), what="mid-prefill")
+        wait_until(lambda: any(i.running and 0 < i.prefill_left < 590 for i in b.snapshot().items), what="mid-prefill")
     elif phase == "decoding":
-        _wait(lambda: any(i.generated > 3 for i in b.snapshot().items), what="decoding")
+        wait_until(lambda: any(i.generated > 3 for i in b.snapshot().items), what="decoding")
     victim.cancel()
     record = victim.result(WAIT)
     assert record.status == RequestStatus.FINISHED_CANCELLED
     if blocker is not None:
         blocker.cancel()
         blocker.result(WAIT)
-    _wait(lambda: not b.snapshot().items, what="idle")
+    wait_until(lambda: not b.snapshot().items, what="idle")
     assert b.kv_cells_used() == base_cells
     assert b.kv_state_bytes() == base_bytes, "llama.cpp still holds cells of a cancelled request"
 

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 from engine.request import Request, RequestStatus, SamplingParams
 
-WAIT = 120
-
-
-def _wait(cond, timeout=WAIT, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s")
-        time.sleep(0.01)
+from waiting import WAIT, wait_until
 
 
 def _text_tokens(model, n, seed):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import threading
 
-from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
+from ui_fixtures import WAIT_MS, make_window, qasync_loop, spare_engine, ui_engine  # noqa: F401
 
 from PySide6.QtCore import Qt
 
+from engine.request import Request, RequestStatus, SamplingParams
 from engine.snapshot import Rates
 from ui.metrics import EDGES
 from ui.routing import BACKEND_COLUMN, TERMS, score_term
@@ -147,3 +148,33 @@ def test_flush_and_warm_buttons(qtbot, make_window, ui_engine):
     assert not card.cache_label.text().startswith("0 cached")
     card.flush()
     qtbot.waitUntil(lambda: ui_engine.backend("cpu1").snapshot().cache.cached_tokens == 0, timeout=WAIT_MS)
+
+
+def test_a_failed_backend_shows_why_and_restarts_from_its_card(qtbot, spare_engine, make_window):
+    eng = spare_engine  # its own engine: the shared one is never broken (see ui_fixtures)
+    w = make_window(engine=eng)
+    card = w.panels["backends"].cards["cpu0"]
+    tick(qtbot, w)
+    assert card.health.text() == "● healthy" and card.problem.isHidden()
+    tokens = tuple(eng.model.tokenize("a request that meets a crash"))
+    sampling = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    eng.backends["cpu0"].inject_fault("crash")  # fires at the next step: this request's
+    record = eng.submit(Request(tokens, sampling, backend="cpu0")).result(WAIT_MS / 1000)
+    assert record.error and "injected" in record.error
+    qtbot.waitUntil(lambda: card.health.text() == "● failed" and not card.problem.isHidden(), timeout=WAIT_MS)
+    assert card.error_label.text() == eng.backends["cpu0"].error and "injected" in card.error_label.text()
+    assert "#ff6b6b" in card.error_label.styleSheet()
+    assert card.restart_button.isEnabled() and not card.restart_button.isHidden()
+    assert w.panels["backends"].cards["cpu1"].problem.isHidden()  # the other backend is fine
+
+    messages = []
+    card.status_message.connect(messages.append)
+    qtbot.mouseClick(card.restart_button, Qt.LeftButton)
+    assert card.restarting or messages[-1].endswith("restarted with a fresh context")
+    qtbot.waitUntil(lambda: card.health.text() == "● healthy" and card.problem.isHidden(), timeout=WAIT_MS)
+    assert messages[0] == "cpu0: restarting" and messages[-1] == "cpu0: restarted with a fresh context"
+    assert card.restart_button.text() == "Restart"
+
+    record = eng.submit(Request(tokens, sampling, backend="cpu0")).result(WAIT_MS / 1000)
+    assert record.error is None and record.backend == "cpu0" and record.status == RequestStatus.FINISHED_LENGTH

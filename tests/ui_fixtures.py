@@ -6,9 +6,14 @@
   backends (`TANDEM_UI_MODEL=default` runs the same tests on SmolLM2-135M).
 - `qasync_loop`: an asyncio loop bound to the Qt loop pytest-qt runs, so chat streaming goes
   through qasync exactly as in the app.
-- `make_window`: a factory that builds hidden `MainWindow`s on `ui_engine`, and at teardown shuts
-  them down, checks no bridge is left subscribed to the engine (a leak), waits until the engine
-  is idle and restores its caps, rates, policy and caches for the next test.
+- `make_window`: a factory that builds hidden `MainWindow`s on `ui_engine` (or on `engine=`), and at
+  teardown shuts them down, checks no bridge is left subscribed to the engine (a leak), waits
+  until the engine is idle and restores its caps, rates, policy and caches for the next test.
+- `spare_engine`: a second engine like `ui_engine`, for a test that breaks a backend and restarts
+  it. A restart starts a new `backend-*` worker thread, which conftest's `no_thread_leak` wants
+  gone by the end of the test; closing this engine at teardown ends it, and the shared engine is
+  never broken.
+- `free_port()`: a TCP port nothing listens on (bound to port 0, then released).
 - `StepGate`: holds one backend's worker thread inside its `StepDone` publication so a test can
   act while a reply is mid-stream (through the engine's public event bus, no mocks).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 import time
 
@@ -56,6 +62,20 @@ def qasync_loop(qapp):
     asyncio.set_event_loop(None)
 
 
+@pytest.fixture
+def spare_engine():
+    """Request it before `make_window`, so it is closed after the windows on it."""
+    eng = Engine.load(UI_MODEL, parse_backend_specs(UI_SPECS))
+    yield eng
+    eng.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def engine_idle(eng) -> bool:
     return all(not s.items for s in eng.snapshot())
 
@@ -74,7 +94,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     def make(**kw) -> MainWindow:
         kw.setdefault("store", ChatStore(tmp_path / "chats"))
         kw.setdefault("owns_engine", False)
-        w = MainWindow(ui_engine, **kw)
+        w = MainWindow(kw.pop("engine", ui_engine), **kw)
         w.setStyleSheet(style_sheet())
         made.append(w)  # never shown: widgets, timers and signals all work hidden
         return w
