@@ -333,6 +333,9 @@ class Backend:
             kv_cells_used=used,
             kv_cells_total=self.n_ctx,
             kv_bytes=used * self._kv_cell_bytes,
+            kv_bytes_total=self.kv_bytes_total,
+            model_bytes=self.model.info.size_bytes,
+            process_rss_bytes=_process_rss(),
             cache=CacheStats(
                 enabled=self.cache.enabled,
                 query_tokens=stats.query_tokens,
@@ -745,6 +748,15 @@ def _run_call(fn, backend, fut: Future) -> None:
         fut.set_result(fn(backend))
     except Exception as e:
         fut.set_exception(e)
+
+
+def _process_rss() -> int:
+    """Resident set size of this process from /proc (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _kv_bytes_per_cell(model: Model) -> int:

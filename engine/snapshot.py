@@ -72,7 +72,10 @@ class BackendSnapshot:
     threads: int = 0
     kv_cells_used: int = 0
     kv_cells_total: int = 0
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # KV cells in use × bytes per cell
+    kv_bytes_total: int = 0  # the context's whole KV buffer
+    model_bytes: int = 0  # weights on this backend's device (shared by backends on the same device)
+    process_rss_bytes: int = 0  # host memory of the whole process (backends share one process)
     cache: CacheStats = field(default_factory=CacheStats)
     prefill_tok_s: float = 0.0  # observed, recent
     decode_tok_s: float = 0.0  # observed, recent

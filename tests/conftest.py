@@ -12,8 +12,6 @@ from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 
 
-
-
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir(tmp_path_factory):
     """Synthetic models and stored calibrations go to a fresh directory, never the user's."""

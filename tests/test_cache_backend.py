@@ -108,3 +108,12 @@ def test_cache_can_be_disabled(make_backend, tiny_model):
         r = b.enqueue(Request(p, SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
         assert r.cached_tokens == 0
     assert b.kv_cells_used() == 0 and b.snapshot().cache.enabled is False
+
+
+def test_snapshot_reports_memory(make_backend, tiny_model):
+    b = make_backend(tiny_model, n_ctx=512)
+    b.warm(list(range(10, 60))).result(WAIT)
+    s = b.snapshot()
+    assert s.kv_cells_used == 50 and s.kv_bytes == 50 * (s.kv_bytes_total // s.kv_cells_total)
+    assert s.model_bytes == tiny_model.info.size_bytes > 0
+    assert s.process_rss_bytes > s.model_bytes
