@@ -137,7 +137,9 @@ class Backend:
         self.model = model
         self.bus = bus or EventBus()
         self.rates = rates or Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="default")
-        self.cache = PrefixCache(enabled=self.config.cache and self.config.kv_unified)
+        self.cache = PrefixCache()
+        # Prefix reuse needs unified KV (aliased cells); `set_cache_enabled` switches it live.
+        self.cache_enabled = self.config.cache and self.config.kv_unified
         self.cap = self.config.cap
         if not 1 <= self.cap <= self.config.n_seq_max:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {self.cap}")
@@ -226,6 +228,8 @@ class Backend:
 
         Capped at `len(tokens) - 1`: the last prompt token is always decoded for logits.
         """
+        if not self.cache_enabled:
+            return 0
         return self.cache.match_length(tokens, max_len=len(tokens) - 1)
 
     def pin_prefix(self, tokens) -> tuple[int, object]:
@@ -234,7 +238,7 @@ class Backend:
         The pin keeps the prefix from eviction until the request is admitted (or cancelled),
         so the estimate the router used stays true. `pin` is None when nothing matched.
         """
-        for _ in range(3):  # the worker may evict between match and pin; match again
+        for _ in range(3 if self.cache_enabled else 0):  # the worker may evict in between: again
             m = self.cache.match(tokens, max_len=len(tokens) - 1)
             if m.length == 0:
                 return 0, None
@@ -305,6 +309,19 @@ class Backend:
             self._lock.notify()
         return fut
 
+    def set_cache_enabled(self, enabled: bool) -> Future:
+        """Switch prefix reuse on or off while serving. Off: nothing new is cached or reused,
+        and what is cached is dropped (prefixes still pinned go as their requests end)."""
+        if enabled and not self.config.kv_unified:
+            raise InvalidRequest(f"backend {self.name}: the prefix cache needs unified KV (kv_unified=true)")
+
+        def switch(b: "Backend") -> None:
+            b.cache_enabled = enabled
+            if not enabled:
+                b._apply_evictions(b.cache.flush())
+
+        return self.call(switch)
+
     def flush(self) -> Future:
         """Drop every unpinned cached prefix and free its KV."""
         return self.call(lambda b: b._apply_evictions(b.cache.flush()))
@@ -337,7 +354,7 @@ class Backend:
             model_bytes=self.model.info.size_bytes,
             process_rss_bytes=_process_rss(),
             cache=CacheStats(
-                enabled=self.cache.enabled,
+                enabled=self.cache_enabled,
                 query_tokens=stats.query_tokens,
                 hit_tokens=stats.hit_tokens,
                 cached_tokens=stats.cached_tokens,
@@ -425,7 +442,8 @@ class Backend:
             seq.sampler = Sampler(seq.sp, self.model.n_vocab, self._eog_tokens())
         n_prompt = seq.n_prompt
         decode_room = 0 if seq.warm else min(seq.sp.max_tokens, self.n_ctx - n_prompt)
-        match = self.cache.match(seq.tokens, max_len=n_prompt - (0 if seq.warm else 1))
+        usable = n_prompt - (0 if seq.warm else 1) if self.cache_enabled else 0
+        match = self.cache.match(seq.tokens, max_len=usable)
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
         hit = match.length
         need = n_prompt - hit + decode_room
@@ -578,7 +596,7 @@ class Backend:
     def _retire(self, s: _Seq, keep: bool) -> None:
         """Hand a finished sequence's KV to the prefix cache, or free it."""
         sid, s.seq_id = s.seq_id, -1
-        if not keep or not self.cache.enabled:
+        if not keep or not self.cache_enabled:
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
             self._free_ids.append(sid)
         else:
@@ -594,6 +612,8 @@ class Backend:
         if s.lock is not None:
             self.cache.unpin(s.lock)
             s.lock = None
+            if not self.cache_enabled:  # switched off while this ran: drop what it held
+                self._apply_evictions(self.cache.flush())
         s.n_shared = s.n_past = 0
 
     def _apply_free(self, seq_ids) -> None:
@@ -685,7 +705,7 @@ class Backend:
         """Throw the context away and serve again with a fresh one (and an empty cache)."""
         if not self._halt(timeout):
             raise BackendUnavailable(f"backend {self.name}: the worker did not stop within {timeout} s")
-        self.cache = PrefixCache(enabled=self.config.cache and self.config.kv_unified)
+        self.cache = PrefixCache()
         self._open_context()
         self.healthy, self.error, self._stop, self._fault, self._blocked = True, None, False, None, False
         self.start()

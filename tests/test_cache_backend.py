@@ -117,3 +117,23 @@ def test_snapshot_reports_memory(make_backend, tiny_model):
     assert s.kv_cells_used == 50 and s.kv_bytes == 50 * (s.kv_bytes_total // s.kv_cells_total)
     assert s.model_bytes == tiny_model.info.size_bytes > 0
     assert s.process_rss_bytes > s.model_bytes
+
+
+def test_cache_switches_off_and_on_while_serving(make_backend, tiny_model):
+    b = make_backend(tiny_model, n_ctx=1024)
+    prefix = list(range(10, 70))
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    b.warm(prefix).result(WAIT)
+    long = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    running = b.enqueue(Request(tuple(prefix + [80]), long))  # holds the prefix while it runs
+    wait_until(lambda: any(i.generated > 2 for i in b.snapshot().items), what="running")
+    b.set_cache_enabled(False).result(WAIT)
+    assert b.match(prefix + [81]) == 0 and not b.snapshot().cache.enabled
+    r = b.enqueue(Request(tuple(prefix + [82]), SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
+    assert r.cached_tokens == 0
+    assert running.result(WAIT).cached_tokens == 60, "a running request keeps the prefix it aliased"
+    wait_until(lambda: not b.snapshot().items, what="idle")
+    assert b.kv_cells_used() == 0 and b.cache.n_holders == 0, "off: nothing stays cached"
+    b.set_cache_enabled(True).result(WAIT)
+    b.warm(prefix).result(WAIT)
+    assert b.enqueue(Request(tuple(prefix + [83]), sp)).result(WAIT).cached_tokens == 60
