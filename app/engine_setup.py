@@ -21,7 +21,7 @@ def engine_from_args(args, *, progress: bool = True) -> Engine:
     bar = _progress_bar("loading model") if progress and sys.stderr.isatty() else None
     try:
         return Engine.load(args.model, configs, policy=getattr(args, "policy", "seed-score"),
-                           progress=bar)
+                           progress=bar, online_rates=True)
     finally:
         if bar is not None:
             bar(1.0)

@@ -49,14 +49,17 @@ class Engine:
         self._registry = registry
         self._lock = threading.Lock()
         self._closed = False
+        self.online = None  # OnlineRefresh, when rates are refreshed from observed steps
 
     @classmethod
     def load(cls, model: str | Path, configs: list[BackendConfig], *, policy: str = "seed-score",
-             rates: dict[str, Rates] | None = None, progress=None) -> "Engine":
+             rates: dict[str, Rates] | None = None, progress=None, online_rates: bool = False) -> "Engine":
         """Resolve the model, load it once per device, start one backend per config.
 
         Each backend's rates: `rates[name]` if given, else the calibrated ones stored for this
-        model file and backend config (`engine.calibrate`), else `DEFAULT_RATES`.
+        model file and backend config (`engine.calibrate`), else `DEFAULT_RATES`. With
+        `online_rates` they are then kept current from the steps the backends run (EWMA);
+        benchmarks leave it off so that every run is priced alike.
         """
         path = resolve_model(str(model), progress=progress)
         calibrated = ModelRates(path)
@@ -72,7 +75,12 @@ class Engine:
             for b in backends:
                 b.stop()
             raise
-        return cls(backends, Router(policy), bus, registry)
+        engine = cls(backends, Router(policy), bus, registry)
+        if online_rates:
+            from .calibrate import OnlineRefresh
+
+            engine.online = OnlineRefresh(engine).attach()
+        return engine
 
     # ---- requests ----
 
@@ -178,6 +186,8 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+        if self.online is not None:
+            self.online.detach()
         for b in self.backends.values():
             b.stop()
         if self._registry is not None:

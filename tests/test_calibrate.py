@@ -209,3 +209,20 @@ class TestCommand:
                    "--only", "gpu", "--prompt-tokens", "64", "--gen-tokens", "8", "--repeats", "1"])
         assert rc == 2
         assert "unknown backend" in capsys.readouterr().err
+
+
+def test_engine_load_can_refresh_rates_online(tiny_path):
+    from engine.config import parse_backend_specs
+    from engine.engine import Engine
+    from engine.request import Request, SamplingParams
+
+    eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=1024"]), online_rates=True)
+    try:
+        b = eng.backends["cpu"]
+        sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        for h in [eng.submit(Request(tuple(range(10, 50)), sp)) for _ in range(2)]:
+            h.result(60)
+        assert b.rates.source == "online"
+    finally:
+        eng.close()
+    assert eng.online._unsubscribe is None
