@@ -439,7 +439,7 @@ class Backend:
     def _place(self, seq: _Seq) -> bool:
         """Give `seq` a sequence id and its cached prefix, if KV room allows. Worker thread."""
         if not seq.warm and seq.sampler is None:
-            seq.sampler = Sampler(seq.sp, self.model.n_vocab, self._eog_tokens())
+            seq.sampler = Sampler(seq.sp, self.model.n_vocab, self.model.eog_tokens)
         n_prompt = seq.n_prompt
         decode_room = 0 if seq.warm else min(seq.sp.max_tokens, self.n_ctx - n_prompt)
         usable = n_prompt - (0 if seq.warm else 1) if self.cache_enabled else 0
@@ -557,7 +557,9 @@ class Backend:
 
     def _finish(self, s: _Seq, status: RequestStatus, error: str | None = None) -> None:
         """End a sequence: stream the rest, keep or free its KV, publish its record."""
-        if status in (RequestStatus.FINISHED_LENGTH,) or (status == RequestStatus.FINISHED_STOPPED and not s.stream.stopped):
+        if status == RequestStatus.FINISHED_LENGTH or (status == RequestStatus.FINISHED_STOPPED
+                                                       and not s.stream.stopped):
+            # Release what the stream held back (a partial stop string, a split character).
             rest = s.stream.flush()
             if rest:
                 s.handle._deliver_text(rest)
@@ -746,13 +748,6 @@ class Backend:
             self._obs_decode = n_decode / dt if not self._obs_decode else (1 - a) * self._obs_decode + a * n_decode / dt
         elif n_prefill >= 32 and n_decode == 0:
             self._obs_prefill = n_prefill / dt if not self._obs_prefill else (1 - a) * self._obs_prefill + a * n_prefill / dt
-
-    _eog_cache: list[int] | None = None
-
-    def _eog_tokens(self) -> list[int]:
-        if self._eog_cache is None:
-            self._eog_cache = [t for t in range(self.model.n_vocab) if self.model.is_eog(t)]
-        return self._eog_cache
 
 
 def error_record(req: Request, backend: str, why: str, t_submit: float) -> FinishRecord:

@@ -133,6 +133,7 @@ class Model:
         self.synthetic = path.name.startswith("synthetic-")
         self._pieces: dict[int, bytes] = {}
         self._eog = [bool(lc.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)]
+        self.eog_tokens = [t for t, eog in enumerate(self._eog) if eog]
         self._chat = None
         self.info = ModelInfo(
             path=str(path),
