@@ -12,6 +12,9 @@ Also runnable as `python -m app.gui` with extra options for docs and checks:
     --panel NAME        bring a panel to the front: routing, latency, teaching, experiments, controls
     --responsiveness    print the event loop's lateness (p50/p95/max) over the demo run and exit
     --tour DIR          run the scripted tour (`ui.tour`) and save its screenshots in DIR
+
+`--serve [HOST:]PORT` (also for `tandem gui`) starts the OpenAI-compatible server inside the
+app once the model is loaded, on the app's own event loop (Server menu: start/stop it later).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 import engine  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
@@ -77,6 +81,26 @@ def bench_runner(eng: Engine):
     return run
 
 
+async def serve(eng: Engine, host: str, port: int, api_key: str | None):
+    """The window's server: `tandem serve`'s app on the running (qasync) loop -> (runner, url)."""
+    from .server import create_app, start_server
+
+    return await start_server(create_app(eng, api_key), host, port)
+
+
+def serve_address(text: str) -> tuple[str, int]:
+    """`--serve`'s `[HOST:]PORT` (an IPv6 host in brackets: `[::1]:8080`)."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected [HOST:]PORT, got {text!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"expected [HOST:]PORT with a port in 0-65535, got {text!r}")
+    return host, number
+
+
 def run_gui(args) -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
@@ -85,6 +109,7 @@ def run_gui(args) -> int:
 
     from ui.loader import ModelSpec
     from ui.main_window import MainWindow
+    from ui.server import ServerOptions
     from ui.theme import style_sheet
     from ui.workload import seed_workload
 
@@ -106,7 +131,7 @@ def run_gui(args) -> int:
 
         store = ChatStore(tempfile.mkdtemp(prefix="tandem-tour-"))
     window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
-                        bench_runner_factory=bench_runner, store=store)
+                        bench_runner_factory=bench_runner, serve_fn=serve, store=store)
     window.show()
     status = {"rc": 0}
 
@@ -129,6 +154,8 @@ def run_gui(args) -> int:
     panel = getattr(args, "panel", None)
     delay = getattr(args, "delay", None)
     responsiveness = getattr(args, "responsiveness", False)
+    address = getattr(args, "serve", None)
+    api_key = getattr(args, "api_key", None) or os.environ.get("TANDEM_API_KEY") or None
 
     def finish(rc: int = 0) -> None:
         if screenshot:
@@ -138,7 +165,13 @@ def run_gui(args) -> int:
         window.close()
         app.quit()
 
+    if address is not None:  # what the server does, on the terminal that asked for it
+        window.server.state_changed.connect(
+            lambda _text: print(f"tandem: server: {window.server.detail()}", file=sys.stderr))
+
     def on_loaded(_engine) -> None:
+        if address is not None and not window.server.running:
+            window.start_server(ServerOptions(*address, api_key))
         if panel:
             window.show_panel(panel)
         run = window.start_demo(seed_workload(demo)) if demo else None
@@ -169,6 +202,7 @@ def run_gui(args) -> int:
     app.aboutToQuit.connect(closed.set)
     with loop:
         loop.run_until_complete(closed.wait())
+        loop.run_until_complete(window.server.aclose())  # if the app quit without closing the window
     window.shutdown()
     return status["rc"]
 
@@ -183,6 +217,12 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responsiveness", action="store_true",
                    help="print the event loop's lateness over the --demo run (p95 must be <= 50 ms), then exit")
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
+    p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",
+                   help="start the OpenAI-compatible server in the app once the model is loaded "
+                        "(HOST defaults to 127.0.0.1; others need an API key)")
+    p.add_argument("--api-key", default=None,
+                   help="the in-app server's key: `Authorization: Bearer KEY` on /v1/* "
+                        "(default: $TANDEM_API_KEY, else none)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,9 +7,10 @@ import socket
 
 import aiohttp
 import pytest
-from ui_fixtures import WAIT_MS, free_port, make_window, qasync_loop, ui_engine  # noqa: F401
+from ui_fixtures import UI_MODEL, WAIT_MS, free_port, make_window, qasync_loop, ui_engine  # noqa: F401
 
-from app.gui import build_parser, serve
+from app.gui import build_parser, load_engine, serve
+from ui.loader import ModelSpec
 from ui.server import ServerDialog, ServerOptions
 
 
@@ -41,6 +42,7 @@ def test_server_started_from_the_window_shows_its_traffic_live(qtbot, make_windo
     start(qtbot, w, ServerOptions("127.0.0.1", port))
     url = f"http://127.0.0.1:{port}"
     assert w.server.url == url and w.server_label.text() == f"server: {url}"
+    assert f"{url}/v1" in w.server_label.toolTip()
     assert not w.start_server_action.isEnabled() and w.stop_server_action.isEnabled()
     routing = w.panels["routing"].model
     rows = routing.rowCount()
@@ -86,8 +88,8 @@ def test_a_port_in_use_shows_the_bind_error(qtbot, make_window):
         port = taken.getsockname()[1]
         start(qtbot, w, ServerOptions("127.0.0.1", port))
     assert w.server.state == "failed" and not w.server.running
-    assert w.server_label.text().startswith(f"server: cannot listen on 127.0.0.1:{port}")
-    assert "in use" in w.server_label.text()
+    assert w.server_label.text() == f"server: address already in use (127.0.0.1:{port})"
+    assert w.server_label.toolTip() == f"Cannot listen on 127.0.0.1:{port}: Address already in use"
     assert w.start_server_action.isEnabled()  # try again on another port
     start(qtbot, w, ServerOptions("127.0.0.1", free_port()))
     assert w.server.state == "on"
@@ -98,7 +100,8 @@ def test_a_port_in_use_shows_the_bind_error(qtbot, make_window):
 def test_an_open_address_needs_an_api_key(qtbot, make_window):
     w = make_window(serve_fn=serve)
     assert w.start_server(ServerOptions("0.0.0.0", free_port())) is None
-    assert not w.server.running and "set an API key" in w.server_label.text()
+    assert not w.server.running and w.server_label.text() == "server: not started (0.0.0.0 needs an API key)"
+    assert "set an API key" in w.server_label.toolTip()
     dialog = ServerDialog(parent=w)
     assert dialog.options() == ServerOptions()  # 127.0.0.1:8080, no key
     dialog.host_edit.setText("0.0.0.0")
@@ -118,6 +121,26 @@ def test_closing_the_window_stops_the_server_first(qtbot, make_window, ui_engine
     assert w.engine is ui_engine  # the close waits for the server
     qtbot.waitUntil(lambda: w.engine is None, timeout=WAIT_MS)
     assert w.server.state == "off" and port_closed(port)
+
+
+def test_the_server_follows_a_newly_loaded_model(qtbot, make_window, qasync_loop, ui_engine):
+    w = make_window(serve_fn=serve, load_fn=load_engine)
+    port = free_port()
+    start(qtbot, w, ServerOptions("127.0.0.1", port))
+    states = []
+    w.server.state_changed.connect(states.append)
+    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
+    qtbot.waitUntil(lambda: w.engine is not ui_engine and w.server.state == "on", timeout=WAIT_MS)
+    assert states == ["server: stopping…", "server: off", "server: starting…", f"server: http://127.0.0.1:{port}"]
+
+    async def client():
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "hello", "max_tokens": 4}
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                return r.status, r.headers["X-Tandem-Backend"]
+
+    assert on_loop(qtbot, qasync_loop, client()) == (200, "cpu")  # the new engine's only backend
+    qtbot.waitUntil(w.stop_server().done, timeout=WAIT_MS)
 
 
 def test_serve_option():

@@ -3,11 +3,17 @@
 Cards update from the bridge's tick (a `BackendSnapshot` each) and write only through the
 backend's thread-safe controls: `set_cap` (applies at once), `warm` and `flush` (both run on
 the backend's worker; the card never waits for them).
+
+A backend that failed (a device error, a crashed worker) shows why in red and a Restart
+button. `restart(name)` (the engine's `restart_backend`) joins the dead worker and builds a
+fresh llama.cpp context, so it runs on a worker thread and reports back through a queued
+signal; the next tick shows the backend healthy again.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import pyqtgraph as pg
@@ -20,7 +26,7 @@ from PySide6.QtWidgets import (
 from engine.errors import EngineError
 
 from .metrics import RingSeries
-from .theme import backend_color, qcolor
+from .theme import FAILED, HEALTHY, WORKING, backend_color, qcolor, wrap_label
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +35,23 @@ CARD_WIDTH = 320  # narrowest a card stays readable
 
 
 class BackendCard(QFrame):
-    """A live view of one backend. `warm_tokens()` gives the prefix the Warm button fills."""
+    """A live view of one backend. `warm_tokens()` gives the prefix the Warm button fills;
+    `restart(name)` (blocking, run on a worker thread) brings a failed backend back."""
 
     status_message = Signal(str)
+    _restart_done = Signal(str)
 
-    def __init__(self, backend, index: int, warm_tokens=None, hz: int = 15, parent: QWidget | None = None):
+    def __init__(self, backend, index: int, warm_tokens=None, hz: int = 15, restart=None,
+                 parent: QWidget | None = None):
         super().__init__(parent)
         self.backend = backend
         self.index = index
         self.color = backend_color(index)
         self._warm_tokens = warm_tokens
+        self._restart = restart
+        self._restart_thread: threading.Thread | None = None
+        self._restart_error: str | None = None
+        self._restart_done.connect(self._on_restart_done)
         self._t0 = None
         self._history = RingSeries(int(HISTORY_S * hz) + 1, 2)
         self.setObjectName("card")
@@ -69,6 +82,26 @@ class BackendCard(QFrame):
         self.facts.setWordWrap(True)
         grid.addWidget(self.facts, 1, 0, 1, 4)
 
+        # Shown only while the backend is down: why, and the way back.
+        self.problem = QWidget()
+        self.problem.setObjectName("problem")
+        self.problem.setStyleSheet("QWidget#problem { background: transparent; }")  # the card's colour
+        problem = QHBoxLayout(self.problem)
+        problem.setContentsMargins(0, 2, 0, 2)
+        self.error_label = wrap_label(QLabel())
+        self.error_label.setStyleSheet(f"color:{FAILED}")
+        self.error_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.restart_button = QPushButton("Restart")
+        self.restart_button.setObjectName("danger")
+        self.restart_button.setToolTip("Throw this backend's context away and start it again with a fresh one "
+                                       "(and an empty prefix cache); it serves again afterwards")
+        self.restart_button.clicked.connect(self.restart)
+        self.restart_button.setEnabled(self._restart is not None)
+        problem.addWidget(self.error_label, 1)
+        problem.addWidget(self.restart_button, 0, Qt.AlignTop)
+        self.problem.setVisible(False)
+        grid.addWidget(self.problem, 2, 0, 1, 4)
+
         self.running_bar = _bar("running")
         self.waiting_bar = _bar("waiting")
         self.kv_bar = _bar("kv")
@@ -76,14 +109,14 @@ class BackendCard(QFrame):
         self.cap_spin.setToolTip("Concurrency cap: at most this many requests run at once on this "
                                  "backend. Applies at once; running ones finish.")
         self.cap_spin.valueChanged.connect(self._on_cap)
-        grid.addWidget(_muted("Running"), 2, 0)
-        grid.addWidget(self.running_bar, 2, 1)
-        grid.addWidget(_muted("Cap"), 2, 2, Qt.AlignRight)
-        grid.addWidget(self.cap_spin, 2, 3)
-        grid.addWidget(_muted("Waiting"), 3, 0)
-        grid.addWidget(self.waiting_bar, 3, 1, 1, 3)
-        grid.addWidget(_muted("KV cells"), 4, 0)
-        grid.addWidget(self.kv_bar, 4, 1, 1, 3)
+        grid.addWidget(_muted("Running"), 3, 0)
+        grid.addWidget(self.running_bar, 3, 1)
+        grid.addWidget(_muted("Cap"), 3, 2, Qt.AlignRight)
+        grid.addWidget(self.cap_spin, 3, 3)
+        grid.addWidget(_muted("Waiting"), 4, 0)
+        grid.addWidget(self.waiting_bar, 4, 1, 1, 3)
+        grid.addWidget(_muted("KV cells"), 5, 0)
+        grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
         self.plot.setFixedHeight(56)
@@ -99,7 +132,7 @@ class BackendCard(QFrame):
                                     brush=qcolor(self.color, 70), name="running")
         self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.DashLine), name="waiting")
         self.plot.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests")
-        grid.addWidget(self.plot, 5, 0, 1, 4)
+        grid.addWidget(self.plot, 6, 0, 1, 4)
 
         self.hit_label = QLabel()
         self.cache_label = QLabel()
@@ -109,13 +142,13 @@ class BackendCard(QFrame):
         self.rates_label.setObjectName("muted")
         for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label):
             lab.setWordWrap(True)
-        grid.addWidget(_muted("Prefix hits"), 6, 0)
-        grid.addWidget(self.hit_label, 6, 1, 1, 3)
-        grid.addWidget(self.cache_label, 7, 1, 1, 3)
-        grid.addWidget(_muted("Observed"), 8, 0)
-        grid.addWidget(self.speed_label, 8, 1, 1, 3)
-        grid.addWidget(_muted("Priced at"), 9, 0)
-        grid.addWidget(self.rates_label, 9, 1, 1, 3)
+        grid.addWidget(_muted("Prefix hits"), 7, 0)
+        grid.addWidget(self.hit_label, 7, 1, 1, 3)
+        grid.addWidget(self.cache_label, 8, 1, 1, 3)
+        grid.addWidget(_muted("Observed"), 9, 0)
+        grid.addWidget(self.speed_label, 9, 1, 1, 3)
+        grid.addWidget(_muted("Priced at"), 10, 0)
+        grid.addWidget(self.rates_label, 10, 1, 1, 3)
 
         buttons = QHBoxLayout()
         self.warm_button = QPushButton("Warm prefix")
@@ -128,7 +161,7 @@ class BackendCard(QFrame):
         buttons.addWidget(self.warm_button)
         buttons.addWidget(self.flush_button)
         buttons.addStretch(1)
-        grid.addLayout(buttons, 10, 0, 1, 4)
+        grid.addLayout(buttons, 11, 0, 1, 4)
         grid.setColumnStretch(1, 1)
 
     # ---- actions ----
@@ -157,6 +190,38 @@ class BackendCard(QFrame):
             self.status_message.emit(f"{self.backend.name}: prefix cache flushed")
         except EngineError as e:
             self.status_message.emit(str(e))
+
+    @property
+    def restarting(self) -> bool:
+        return self._restart_thread is not None and self._restart_thread.is_alive()
+
+    def restart(self) -> None:
+        if self._restart is None or self.restarting:
+            return
+        self.restart_button.setEnabled(False)
+        self.restart_button.setText("Restarting…")
+        self.status_message.emit(f"{self.backend.name}: restarting")
+        self._restart_thread = threading.Thread(target=self._restart_work, name=f"restart-{self.backend.name}",
+                                                daemon=True)
+        self._restart_thread.start()
+
+    def _restart_work(self) -> None:  # worker thread: only emits signals
+        name = self.backend.name
+        try:
+            self._restart(name)
+            self._restart_done.emit("")
+        except Exception as e:  # noqa: BLE001  (shown on the card, the app goes on)
+            log.exception("restarting %s failed", name)
+            self._restart_done.emit(str(e) or type(e).__name__)
+
+    def _on_restart_done(self, error: str) -> None:
+        self._restart_thread = None
+        self._restart_error = error or None
+        self.restart_button.setEnabled(True)
+        self.restart_button.setText("Restart")
+        name = self.backend.name
+        self.status_message.emit(f"{name}: restart failed: {error}" if error
+                                 else f"{name}: restarted with a fresh context")
 
     # ---- per tick ----
 
@@ -189,8 +254,7 @@ class BackendCard(QFrame):
         self.speed_label.setToolTip(f"{snap.steps:,} llama_decode steps so far")
         r = snap.rates
         self.rates_label.setText(f"prefill {r.prefill_tok_s:,.0f} · decode {r.decode_tok_s:,.1f} tok/s ({r.source})")
-        self.health.setText("● healthy" if snap.healthy else "● failed")
-        self.health.setStyleSheet(f"color:{'#7ed67e' if snap.healthy else '#ff6b6b'}")
+        self._show_health(snap.healthy)
 
         if self._t0 is None:
             self._t0 = now
@@ -202,6 +266,26 @@ class BackendCard(QFrame):
         self.waiting_curve.setData(xs, y_wait)
         top = max(float(np.nanmax(y_run)) if y_run.size else 0, float(np.nanmax(y_wait)) if y_wait.size else 0, cap)
         self.plot.getPlotItem().setYRange(0, top + 0.5, padding=0)
+
+    def _show_health(self, healthy: bool) -> None:
+        error = self.backend.error  # set by the worker before it marks the backend unhealthy
+        if self.restarting:
+            text, color = "● restarting…", WORKING
+        elif healthy:
+            text, color = "● healthy", HEALTHY
+        else:
+            text, color = ("● failed", FAILED) if error else ("● stopped", FAILED)
+        if self.health.text() != text:
+            self.health.setText(text)
+            self.health.setStyleSheet(f"color:{color}")
+        if healthy:
+            self._restart_error = None
+        down = not healthy and (error is not None or self.restarting)
+        self.problem.setVisible(down)
+        if down and error:
+            text = error + (f"\nRestart failed: {self._restart_error}" if self._restart_error else "")
+            if self.error_label.text() != text:
+                self.error_label.setText(text)
 
 
 class BackendsPanel(QScrollArea):
@@ -222,7 +306,7 @@ class BackendsPanel(QScrollArea):
         columns = 2 if len(engine.backends) >= 2 else 1  # side by side: the dock is wide, not tall
         self.cards: dict[str, BackendCard] = {}
         for i, (name, backend) in enumerate(engine.backends.items()):
-            card = BackendCard(backend, i, warm_tokens, hz)
+            card = BackendCard(backend, i, warm_tokens, hz, restart=engine.restart_backend)
             card.status_message.connect(self.status_message)
             self.cards[name] = card
             lay.addWidget(card, i // columns, i % columns, Qt.AlignTop)

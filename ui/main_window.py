@@ -4,6 +4,11 @@ The window can start without an engine (while the model loads, or after a failed
 are built when an engine arrives (`set_engine`) and rebuilt when another model is loaded, each
 taking the engine and the bridge in its constructor. A failed load shows an error dialog and
 leaves the current engine serving.
+
+With a `serve_fn` the Server menu runs the OpenAI-compatible server in this process, on the
+window's asyncio loop (`ui.server`): its requests go to the shown engine and appear in the
+views live; the status bar shows its address or why it is not serving. Loading another model
+moves the server to the new engine; closing the window stops the server first.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from .loader import ModelLoader, ModelSpec
 from .loop_probe import LoopProbe
 from .model_dialog import ModelDialog
 from .routing import RoutingView
+from .server import ServerControl, ServerDialog, ServerOptions
 from .teaching import TeachingPanel
-from .theme import configure_pyqtgraph
+from .theme import FAILED, configure_pyqtgraph
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 log = logging.getLogger(__name__)
@@ -42,8 +48,8 @@ class MainWindow(QMainWindow):
     load_failed = Signal(str)
 
     def __init__(self, engine=None, *, load_fn=None, store: ChatStore | None = None, owns_engine: bool = True,
-                 gpu_offload: bool | None = None, recalibrate=None, bench_runner_factory=None, hz: int = 15,
-                 parent: QWidget | None = None):
+                 gpu_offload: bool | None = None, recalibrate=None, bench_runner_factory=None, serve_fn=None,
+                 hz: int = 15, parent: QWidget | None = None):
         super().__init__(parent)
         configure_pyqtgraph()
         self.engine = None
@@ -59,6 +65,8 @@ class MainWindow(QMainWindow):
         self._dock_of: dict[QWidget, QDockWidget] = {}
         self.panels: dict[str, QWidget] = {}
         self.demo: WorkloadRun | None = None
+        # serve_fn(engine, host, port, api_key) -> (runner, url), a coroutine (app.gui.serve)
+        self.server = ServerControl(serve_fn, self) if serve_fn is not None else None
         self.loader = ModelLoader(load_fn, self) if load_fn is not None else None
         if self.loader is not None:
             self.loader.progress.connect(self._on_load_progress)
@@ -111,15 +119,22 @@ class MainWindow(QMainWindow):
         self.model_label = QLabel("no model")
         self.backends_label = QLabel("")
         self.device_label = QLabel(self._device_text())
+        if self.gpu_offload is False:  # the status bar is crowded: the why goes in the tooltip
+            self.device_label.setToolTip("This llama.cpp build is CPU-only (llama_supports_gpu_offload() is false)")
         self.state_label = QLabel("idle")
         self.lag_label = QLabel("")
         self.lag_label.setToolTip("How late the GUI event loop runs (p95 of a 10 ms timer over the last 30 s)")
         self.load_bar = QProgressBar()
         self.load_bar.setMaximumWidth(160)
         self.load_bar.setVisible(False)
-        for w in (self.model_label, self.backends_label, self.device_label, self.state_label, self.load_bar, self.lag_label):
+        self.server_label = QLabel("server: off")
+        self.server_label.setVisible(self.server is not None)
+        self.server_label.setToolTip("The OpenAI-compatible server in this window (Server menu)")
+        if self.server is not None:
+            self.server.state_changed.connect(self._on_server_state)
+        for w in (self.model_label, self.backends_label, self.device_label, self.state_label, self.server_label,
+                  self.load_bar, self.lag_label):
             sb.addPermanentWidget(w)
-
 
     def _build_menus(self) -> None:
         m = self.menuBar().addMenu("&File")
@@ -136,6 +151,13 @@ class MainWindow(QMainWindow):
         run.addAction(QAction("Send 48 study requests", self,
                               triggered=lambda: self.start_demo(seed_workload(48))))
         run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))
+        self.start_server_action = QAction("&Start server…", self, triggered=self.choose_server)
+        self.stop_server_action = QAction("S&top server", self, triggered=self.stop_server)
+        if self.server is not None:
+            server = self.menuBar().addMenu("&Server")
+            server.addAction(self.start_server_action)
+            server.addAction(self.stop_server_action)
+        self._update_server_actions()
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction(QAction("&About Tandem", self, triggered=self._about))
 
@@ -173,6 +195,8 @@ class MainWindow(QMainWindow):
         self.spec = spec
         self._owns_engine = owns
         self._build_panels()
+        if self.server is not None and old is not engine:
+            self.server.restart(engine)  # a no-op while the server is off
         info = engine.model.info
         synthetic = " (synthetic: text is noise)" if getattr(engine.model, "synthetic", False) else ""
         self.setWindowTitle(f"Tandem — {info.name}")
@@ -309,7 +333,7 @@ class MainWindow(QMainWindow):
     def _device_text(self) -> str:
         if self.gpu_offload is None:
             return ""
-        return "GPU offload: yes" if self.gpu_offload else "GPU offload: no (CPU-only llama.cpp build)"
+        return "GPU offload: yes" if self.gpu_offload else "GPU offload: no"
 
     # ---- demo workload ----
 
@@ -326,6 +350,42 @@ class MainWindow(QMainWindow):
     def stop_demo(self) -> None:
         if self.demo is not None and self.demo.running:
             self.demo.stop()
+
+    # ---- in-process server ----
+
+    def choose_server(self) -> None:
+        if self.server is None:
+            return
+        dialog = ServerDialog(self.server.options, self)
+        if dialog.exec() == ServerDialog.Accepted:
+            self.start_server(dialog.options())
+
+    def start_server(self, options: ServerOptions | None = None):
+        """Serve the shown engine (a task on the running loop), or None if it cannot start."""
+        if self.server is None:
+            return None
+        if self.engine is None:
+            self.statusBar().showMessage("load a model before starting the server", 5000)
+            return None
+        return self.server.start(self.engine, options or ServerOptions())
+
+    def stop_server(self):
+        return self.server.stop() if self.server is not None else None
+
+    def _on_server_state(self, text: str) -> None:
+        failed = self.server.state == "failed"
+        self.server_label.setText(text)
+        self.server_label.setStyleSheet(f"color:{FAILED}" if failed else "")
+        detail = self.server.detail()
+        if self.server.state == "on":
+            detail += "; its requests show up in the routing and latency views"
+        self.server_label.setToolTip(detail[:1].upper() + detail[1:])
+        self._update_server_actions()
+
+    def _update_server_actions(self) -> None:
+        on = self.server is not None and self.server.state in ("on", "starting")
+        self.start_server_action.setEnabled(self.server is not None and self.server.state in ("off", "failed"))
+        self.stop_server_action.setEnabled(on)
 
     # ---- misc ----
 
@@ -353,6 +413,8 @@ class MainWindow(QMainWindow):
     def shutdown(self) -> None:
         """Stop timers, cancel the loader, close the engine if the window owns it. Idempotent."""
         self.probe.stop()
+        if self.server is not None:
+            self.server.stop()  # finishes on the loop; `closeEvent` waits for it instead
         if self.loader is not None:
             self.loader.cancel()
         engine, owned = self.engine, self._owns_engine
@@ -362,5 +424,10 @@ class MainWindow(QMainWindow):
             engine.close()
 
     def closeEvent(self, event) -> None:
+        if self.server is not None and (self.server.running or self.server.busy):
+            # Stop serving before the engine goes away, then close for real.
+            event.ignore()
+            self.server.stop().add_done_callback(lambda _task: self.close())
+            return
         self.shutdown()
         super().closeEvent(event)

@@ -19,6 +19,9 @@ LEGEND_BG = (23, 26, 31, 210)  # legends stay readable over the curves
 CHOSEN_BG = "#2d4a33"  # table cell background of the backend a decision chose
 TEXT = "#d8dee9"
 MUTED = "#8b95a5"
+HEALTHY = "#7ed67e"
+FAILED = "#ff6b6b"  # errors: a failed backend, a server that could not start
+WORKING = "#f5a623"  # a restart under way
 
 
 def backend_color(index: int) -> str:
