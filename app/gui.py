@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 def load_engine(spec, progress=None) -> Engine:
     """Build an engine for a `ui.loader.ModelSpec` (same defaults as `engine_from_args`)."""
     specs = list(spec.backends) or default_specs(gpu=llama.gpu_offload_supported())
-    return Engine.load(spec.model, parse_backend_specs(specs), policy=spec.policy, progress=progress)
+    return Engine.load(spec.model, parse_backend_specs(specs), policy=spec.policy, progress=progress,
+                       online_rates=True)
 
 
 def recalibrate(eng: Engine, progress) -> None:

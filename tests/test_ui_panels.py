@@ -178,3 +178,19 @@ def test_a_failed_backend_shows_why_and_restarts_from_its_card(qtbot, spare_engi
 
     record = eng.submit(Request(tokens, sampling, backend="cpu0")).result(WAIT_MS / 1000)
     assert record.error is None and record.backend == "cpu0" and record.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_cache_checkbox_switches_the_prefix_cache_live(qtbot, make_window, ui_engine):
+    w = make_window()
+    check = w.panels["controls"].cache_checks["cpu1"]
+    b = ui_engine.backend("cpu1")
+    assert check.isEnabled() and check.isChecked()
+    try:
+        check.setChecked(False)
+        qtbot.waitUntil(lambda: not b.snapshot().cache.enabled, timeout=10_000)
+        assert b.match(list(range(10, 40))) == 0
+        tick(qtbot, w)
+        assert not check.isChecked()
+    finally:
+        check.setChecked(True)
+        qtbot.waitUntil(lambda: b.snapshot().cache.enabled, timeout=10_000)

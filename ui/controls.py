@@ -123,10 +123,11 @@ class ControlsPanel(QWidget):
             cap.setKeyboardTracking(False)
             cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
             cache = QCheckBox()
-            cache.setChecked(b.cache.enabled)
-            cache.setEnabled(False)
-            cache.setToolTip("Prefix cache on/off is fixed when the engine is loaded (backend spec "
-                             "`cache=off`); the engine has no runtime switch yet. Flush empties it.")
+            cache.setChecked(b.cache_enabled)
+            cache.setEnabled(b.config.kv_unified)
+            cache.setToolTip("Prefix cache on/off, live: off drops what is cached and reuses nothing"
+                             if b.config.kv_unified else "The prefix cache needs unified KV (kv_unified=true)")
+            cache.toggled.connect(lambda on, n=name: self.set_cache(n, on))
             self.prefill_spins[name], self.decode_spins[name] = ps, ds
             self.source_labels[name], self.cap_spins[name], self.cache_checks[name] = src, cap, cache
             for col, w in enumerate((ps, ds, src, cap, cache), start=1):
@@ -201,6 +202,13 @@ class ControlsPanel(QWidget):
         except EngineError as e:
             self.status_message.emit(str(e))
 
+    def set_cache(self, name: str, enabled: bool) -> None:
+        try:
+            self.engine.backend(name).set_cache_enabled(enabled)  # applied on the worker, not waited for
+            self.status_message.emit(f"{name}: prefix cache {'on' if enabled else 'off'}")
+        except EngineError as e:
+            self.status_message.emit(str(e))
+
     def flush_all(self) -> None:
         for b in self.engine.backends.values():
             b.flush()
@@ -247,7 +255,11 @@ class ControlsPanel(QWidget):
                 spin.blockSignals(True)
                 spin.setValue(snap.cap)
                 spin.blockSignals(False)
-            self.cache_checks[snap.name].setChecked(snap.cache.enabled)
+            check = self.cache_checks[snap.name]
+            if check.isChecked() != snap.cache.enabled:
+                check.blockSignals(True)
+                check.setChecked(snap.cache.enabled)
+                check.blockSignals(False)
         router = self.engine.router
         if router.policy != self.policy_combo.currentText() and not self.policy_combo.hasFocus():
             self.policy_combo.blockSignals(True)
