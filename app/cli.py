@@ -106,7 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _limit_malloc_arenas(n: int = 2) -> None:
+    """glibc gives each thread that allocates its own heap arena and keeps freed memory in it;
+    with a dozen worker, HTTP and client threads, RSS then wanders by tens of MB (seen in the
+    30-minute soak: +9 % at the end, −21 % after `malloc_trim`). Two arenas keep it flat."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name and "musl" not in name:
+        try:
+            ctypes.CDLL(name).mallopt(-8, n)  # M_ARENA_MAX
+        except (OSError, AttributeError):
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _limit_malloc_arenas()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
