@@ -7,7 +7,6 @@ counters are read from snapshots at scrape time. Every wait is bounded.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from prometheus_client import REGISTRY
@@ -17,6 +16,8 @@ from engine.config import parse_backend_specs
 from engine.engine import Engine
 from engine.metrics import ITL_BUCKETS, EngineMetrics, _WeightedHistogram
 from engine.request import FinishRecord, RequestStatus, SamplingParams
+
+from waiting import wait_until
 
 WAIT = 60
 SPECS = ["cpu:threads=1,cap=4,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]
@@ -42,14 +43,6 @@ def value(m: EngineMetrics, name: str, **labels) -> float:
     v = m.registry.get_sample_value(name, labels)
     assert v is not None, f"no sample {name}{labels}"
     return v
-
-
-def wait_until(cond, timeout: float = WAIT, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s")
-        time.sleep(0.01)
 
 
 def run(engine, prompts, backend=None, sampling=GREEDY):

@@ -97,15 +97,17 @@ def test_kv_exhaustion_completes_or_fails_clearly_and_frees_everything(tiny_path
 def test_queue_limit_refuses_new_work_and_loses_nothing(tiny_path):
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=1,ctx=1024,max_queue=3"]))
     try:
-        sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        # Long enough that nothing finishes while the ten are submitted, even on a busy machine.
+        sp = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
+        requests = [Request(tuple(eng.model.tokenize(f"q{i}")), sp) for i in range(10)]
         accepted, refused = [], 0
-        for i in range(10):
+        for r in requests:
             try:
-                accepted.append(eng.submit(Request(tuple(eng.model.tokenize(f"q{i}")), sp)))
+                accepted.append(eng.submit(r))
             except QueueFull:
                 refused += 1
         assert 3 <= len(accepted) <= 4 and refused == 10 - len(accepted)  # 3 queued (+1 running)
-        assert all(h.result(WAIT).output_tokens == 50 for h in accepted)
+        assert all(h.result(WAIT).output_tokens == 800 for h in accepted)
     finally:
         eng.close()
 

@@ -27,6 +27,8 @@ from engine.engine import Engine
 from engine.events import StepDone
 from engine.model import resolve_model
 
+from waiting import wait_until
+
 WAIT = 60  # seconds: the bound on any single wait
 MODEL = "synthetic:tiny"
 SPECS = ["cpu:threads=1,cap=4,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]
@@ -77,14 +79,6 @@ class HandlerExits:
         with self._cond:
             if not self._cond.wait_for(lambda: len(self.paths) >= n, timeout):
                 raise TimeoutError(f"{n} handlers did not finish within {timeout} s (got {self.paths})")
-
-
-def wait_until(cond, timeout: float = WAIT, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s")
-        time.sleep(0.01)
 
 
 def idle(engine: Engine) -> bool:
