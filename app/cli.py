@@ -123,10 +123,13 @@ def _limit_malloc_arenas(n: int = 2) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _limit_malloc_arenas()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # plain `tandem`: the app, with the gui command's defaults
+        args = parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "gui"])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    command = args.command or "gui"
+    command = args.command
     try:
         if command == "gui":
             from app.gui import run_gui
