@@ -121,12 +121,17 @@ def _limit_malloc_arenas(n: int = 2) -> None:
             pass
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; plain `tandem` means `tandem gui` with its defaults."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    return parser.parse_args([*argv, "gui"]) if args.command is None else args
+
+
 def main(argv: list[str] | None = None) -> int:
     _limit_malloc_arenas()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:  # plain `tandem`: the app, with the gui command's defaults
-        args = parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "gui"])
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = args.command
