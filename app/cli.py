@@ -106,21 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _limit_malloc_arenas(n: int = 2) -> None:
-    """glibc gives each thread that allocates its own heap arena and keeps freed memory in it;
-    with a dozen worker, HTTP and client threads, RSS then wanders by tens of MB (seen in the
-    30-minute soak: +9 % at the end, −21 % after `malloc_trim`). Two arenas keep it flat."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name and "musl" not in name:
-        try:
-            ctypes.CDLL(name).mallopt(-8, n)  # M_ARENA_MAX
-        except (OSError, AttributeError):
-            pass
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse a command line; plain `tandem` means `tandem gui` with its defaults."""
     parser = build_parser()
@@ -130,8 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _limit_malloc_arenas()
     args = parse_args(argv)
+    if args.command in ("gui", "serve") or getattr(args, "bench", None) == "soak":
+        from app.memory import start_heap_trimmer
+
+        start_heap_trimmer()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = args.command
