@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine import benchmark
+
 # Fixed bin edges (seconds), log-spaced so a 5 ms inter-token gap and a 60 s end-to-end time
 # both land in readable bins.
 EDGES = {
@@ -35,10 +37,8 @@ def step_histogram(values, edges) -> np.ndarray:
 
 
 def percentile(values, q: float) -> float:
-    """The q-th percentile (linear interpolation), NaN when empty."""
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    return float(np.percentile(v, q)) if v.size else math.nan
+    """The benchmark's percentile over the finite values (missing ones are skipped); NaN when empty."""
+    return benchmark.percentile([v for v in values if v is not None and math.isfinite(v)], q)
 
 
 class LatencyStore:
@@ -145,9 +145,6 @@ def summarize(label: str, policy: str, records, t_start: float, t_end: float) ->
     """Figures for a run whose requests were submitted from `t_start` and all ended by `t_end`."""
     ok = [r for r in records if not r.error and r.ttft_s is not None]
     makespan = max(t_end - t_start, 1e-9)
-    per_backend: dict[str, int] = {}
-    for r in records:
-        per_backend[r.backend] = per_backend.get(r.backend, 0) + 1
     return RunSummary(
         label=label,
         policy=policy,
@@ -159,7 +156,7 @@ def summarize(label: str, policy: str, records, t_start: float, t_end: float) ->
         ttft_p95_s=percentile([r.ttft_s for r in ok], 95),
         e2e_p50_s=percentile([r.e2e_s for r in ok], 50),
         e2e_p95_s=percentile([r.e2e_s for r in ok], 95),
-        per_backend=dict(sorted(per_backend.items())),
+        per_backend=dict(sorted(benchmark.routed(records).items())),
     )
 
 
