@@ -73,6 +73,8 @@ def run_overhead(args) -> int:
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
     # Share of the engine's wall time spent outside llama_decode (scheduling, sampling, events).
     out["host_share"] = {f"b{b}": round(statistics.median(v), 3) for b, v in HOST_SHARE.items()}
+    # Share of steps that reused the previous step's graph (no rebuild, no scheduler reset).
+    out["graph_reuse"] = {f"b{b}": round(statistics.median(v), 3) for b, v in GRAPH_REUSE.items()}
     for b in batches:
         if llama is not None:
             out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
@@ -97,12 +99,13 @@ def _ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
 
 
 HOST_SHARE: dict[int, list[float]] = {}
+GRAPH_REUSE: dict[int, list[float]] = {}
 
 
 def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int) -> float:
     backend.flush().result(60)
     backend.warm(prompt[:-1]).result(120)
-    d0, t0 = backend.decode_s, time.perf_counter()
+    d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused
     sp = SamplingParams(temperature=0.0, max_tokens=n_gen, ignore_eos=True)
     handles = [backend.enqueue(Request(tuple(prompt), sp, source="bench")) for _ in range(batch)]
     records = [h.result(600) for h in handles]
@@ -110,6 +113,7 @@ def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int) 
         if r.error:
             raise RuntimeError(r.error)
     HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / (time.perf_counter() - t0))
+    GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
     start = max(r.ttft_s for r in records)
     end = max(r.e2e_s for r in records)
     return sum(r.output_tokens - 1 for r in records) / (end - start)

@@ -31,7 +31,7 @@ from .llama import lc
 from .model import Model
 from .prefix_cache import PrefixCache
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
-from .sampling import Sampler
+from .sampling import Sampler, SamplerSlots
 from .snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from .textstream import TextStream
 
@@ -190,6 +190,7 @@ class Backend:
         self._batch = Batch(max(c.n_batch, c.n_seq_max))
         self._free_ids = list(range(c.n_seq_max - 1, -1, -1))
         self._kv_cell_bytes = _kv_bytes_per_cell(self.model)
+        self._samplers = SamplerSlots(self.model.n_vocab, self.model.eog_tokens, c.backend_sampling)
 
     def start(self) -> "Backend":
         self._thread = threading.Thread(target=self._run, name=f"backend-{self.name}", daemon=True)
@@ -214,6 +215,7 @@ class Backend:
         if self._ctx:
             lc.llama_free(self._ctx)
             self._ctx = None
+            self._samplers.close()
         return True
 
     # ---- any thread ----
@@ -376,6 +378,16 @@ class Backend:
     def kv_bytes_total(self) -> int:
         return self.n_ctx * self._kv_cell_bytes
 
+    @property
+    def graphs_reused(self) -> int:
+        """Decodes that reused the previous step's compute graph (llama.cpp's own count)."""
+        return lc.llama_perf_context(self._ctx).n_reused if self._ctx else 0
+
+    @property
+    def sampler_attaches(self) -> int:
+        """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
+        return self._samplers.attaches
+
     # ---- worker thread ----
 
     def _run(self) -> None:
@@ -438,8 +450,6 @@ class Backend:
 
     def _place(self, seq: _Seq) -> bool:
         """Give `seq` a sequence id and its cached prefix, if KV room allows. Worker thread."""
-        if not seq.warm and seq.sampler is None:
-            seq.sampler = Sampler(seq.sp, self.model.n_vocab, self.model.eog_tokens)
         n_prompt = seq.n_prompt
         decode_room = 0 if seq.warm else min(seq.sp.max_tokens, self.n_ctx - n_prompt)
         usable = n_prompt - (0 if seq.warm else 1) if self.cache_enabled else 0
@@ -458,8 +468,8 @@ class Backend:
                 self._blocked = True  # retry when a running request ends
             return False
         seq.seq_id = self._free_ids.pop()
-        if seq.sampler is not None and self.config.backend_sampling:
-            seq.sampler.attach(self._ctx, seq.seq_id)
+        if not seq.warm:
+            seq.sampler = self._samplers.acquire(self._ctx, seq.seq_id, seq.sp)
         if hit:
             lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(lock.node), seq.seq_id, 0, hit)
         seq.lock = lock
@@ -563,9 +573,7 @@ class Backend:
             rest = s.stream.flush()
             if rest:
                 s.handle._deliver_text(rest)
-        if s.sampler is not None:
-            s.sampler.free()
-            s.sampler = None
+        s.sampler = None  # its chain stays with the sequence id (SamplerSlots)
         cached = s.n_shared
         if s.seq_id >= 0:
             keep = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -690,9 +698,7 @@ class Backend:
 
     def _drop_quietly(self, s: _Seq) -> None:
         """Forget a sequence without finishing its handle (it moves to another backend)."""
-        if s.sampler is not None:
-            s.sampler.free()
-            s.sampler = None
+        s.sampler = None
         if s.seq_id >= 0:
             self._retire(s, keep=False)
         elif s.lock is not None:

@@ -2,13 +2,11 @@
 
 Greedy (temperature 0) is the `greedy` sampler after optional penalties; otherwise
 penalties → top-k → top-p → min-p → temperature → seeded distribution. `ignore_eos` adds a
-logit bias of -inf on every end-of-generation token. The chain is owned by the caller and
-freed with `free()`; all calls happen on the backend's thread.
+logit bias of -inf on every end-of-generation token. `SamplerSlots` keeps each sequence id's chain attached between requests; all calls happen on
+the backend's thread.
 """
 
 from __future__ import annotations
-
-import random
 
 from .llama import lc
 from .request import SamplingParams
@@ -22,11 +20,21 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "_bias", "_ctx", "_seq")
+    __slots__ = ("ptr", "key", "_bias", "_ctx", "_seq")
+
+    @staticmethod
+    def key_of(params: SamplingParams) -> tuple:
+        """What makes two chains the same once reset (an unset seed draws anew at each reset)."""
+        penalty = (params.repeat_penalty, params.repeat_last_n) if params.repeat_penalty != 1.0 else None
+        if params.greedy:
+            return ("greedy", params.ignore_eos, penalty)
+        return ("dist", params.ignore_eos, penalty, params.top_k, params.top_p, params.min_p,
+                params.temperature, params.seed)
 
     def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int]):
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+        self.key = self.key_of(params)
         self._bias = None
         self._ctx = None
         self._seq = -1
@@ -47,8 +55,7 @@ class Sampler:
             if params.min_p > 0.0:
                 add(lc.llama_sampler_init_min_p(params.min_p, 1))
             add(lc.llama_sampler_init_temp(params.temperature))
-            seed = params.seed if params.seed is not None else random.getrandbits(32)
-            add(lc.llama_sampler_init_dist(seed))
+            add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else lc.LLAMA_DEFAULT_SEED))
         self.ptr = chain
 
     def attach(self, ctx, seq_id: int) -> bool:
@@ -57,6 +64,9 @@ class Sampler:
             self._ctx, self._seq = ctx, seq_id
             return True
         return False
+
+    def on_device(self) -> bool:
+        return self._ctx is not None
 
     def sample(self, ctx, row: int) -> int:
         """The token chosen for output row `row` of the last decode; the chain accepts it."""
@@ -67,11 +77,62 @@ class Sampler:
                 return tok
         return lc.llama_sampler_sample(self.ptr, ctx, row)
 
-    def free(self) -> None:
-        """Detach from the context (if attached) and free the chain."""
-        if self._ctx is not None:
+    def reset(self) -> None:
+        """Forget the previous request: penalty history, and a fresh draw of an unset seed."""
+        lc.llama_sampler_reset(self.ptr)
+
+    def free(self, detach: bool = True) -> None:
+        """Free the chain, detaching it from the context first unless `detach` is False (the
+        context is gone, or another chain already took its sequence id)."""
+        if self._ctx is not None and detach:
             lc.llama_set_sampler(self._ctx, self._seq, None)
-            self._ctx = None
+        self._ctx = None
         if self.ptr:
             lc.llama_sampler_free(self.ptr)
             self.ptr = None
+
+
+class SamplerSlots:
+    """One chain per sequence id, kept attached after its request ends.
+
+    Attaching or detaching a device sampler makes llama.cpp re-reserve its compute graph
+    before the next decode (a stall of every running sequence), and a graph can only be
+    reused from step to step while the set of attached chains stays the same. So a slot keeps
+    its chain, and the next request on that id with the same settings (`Sampler.key_of`) resets
+    and reuses it: a server of greedy or same-settings requests attaches each id once. Chains
+    of idle ids sit in the graph unevaluated (llama.cpp builds them on a dummy row).
+    """
+
+    def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool):
+        self._n_vocab = n_vocab
+        self._eog = eog_tokens
+        self.on_device = on_device
+        self._slots: dict[int, Sampler] = {}
+        self.attaches = 0  # chains handed to the context (each costs llama.cpp a graph reserve)
+
+    def acquire(self, ctx, seq_id: int, params: SamplingParams) -> Sampler:
+        """The chain for the request about to run on `seq_id`, reset or newly attached."""
+        old = self._slots.get(seq_id)
+        if old is not None and old.key == Sampler.key_of(params):
+            old.reset()
+            return old
+        new = Sampler(params, self._n_vocab, self._eog)
+        if self.on_device:
+            new.attach(ctx, seq_id)  # replaces the old chain for this id in one reserve
+            self.attaches += 1
+        if old is not None:
+            old.free(detach=False)  # llama.cpp already dropped it for `new`
+        self._slots[seq_id] = new
+        return new
+
+    def drop(self, seq_id: int) -> None:
+        """Detach and free the chain of `seq_id`, if any."""
+        s = self._slots.pop(seq_id, None)
+        if s is not None:
+            s.free()
+
+    def close(self) -> None:
+        """Free every chain; call after the context is freed (nothing to detach from)."""
+        for s in self._slots.values():
+            s.free(detach=False)
+        self._slots.clear()

@@ -140,6 +140,28 @@ def test_sampling_is_seeded_and_stop_strings_cut_the_text(make_backend, default_
     assert full.startswith(cut.text)
 
 
+@pytest.mark.parametrize("on_device", [True, False])
+def test_sampler_chains_stay_with_their_sequence_id(make_backend, default_model, on_device):
+    """A slot's chain is reset and reused by the next request with the same settings, so
+    llama.cpp re-reserves its graph only when settings change; reuse changes no output."""
+    b = make_backend(default_model, cap=1, cache=False, backend_sampling=on_device)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=12, repeat_penalty=1.3)
+
+    def text(prompt, sp):
+        return b.enqueue(_req(default_model, prompt, sp)).text(WAIT)
+
+    first = text("The sea is", greedy)
+    assert [text("The sea is", greedy) for _ in range(3)] == [first] * 3
+    assert b.sampler_attaches == (1 if on_device else 0)
+    story = text("Once upon a time", seeded)  # new settings: a new chain on the same id
+    assert b.sampler_attaches == (2 if on_device else 0)
+    # Same seed and penalty after a reset: the same draw (the penalty history was cleared).
+    assert text("Once upon a time", seeded) == story
+    assert b.sampler_attaches == (2 if on_device else 0)
+    assert text("The sea is", greedy) == first
+
+
 def test_streamed_deltas_add_up_to_the_text(make_backend, default_model):
     b = make_backend(default_model)
     h = b.enqueue(_req(default_model, "Write a word in French with accents, like café or élève:"))
