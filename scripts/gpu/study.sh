@@ -24,17 +24,19 @@ study)
   python3 -X faulthandler -m app bench seed --model "$M" --backend "$GPU" --backend "$CPU" --requests 4,8,48 --runs 3 \
     --policies seed-score,predicted-finish,gpu-only --target llama-server-np4=http://127.0.0.1:8091 \
     --target-warm 4 --no-plots --out "$OUT/study-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
-sweep)  # TARGETS=1 adds llama-server at -np 4, 16 and 64
+sweep)  # TARGETS=1 adds llama-server at each -np of NP (default 4 16 64)
   targets=()
   if [ -n "${TARGETS:-}" ]; then
-    serve 4 8091; serve 16 8092; serve 64 8093; wait_up 8091; wait_up 8092; wait_up 8093
-    targets=(--target llama-server-np4=http://127.0.0.1:8091 --target llama-server-np16=http://127.0.0.1:8092
-             --target llama-server-np64=http://127.0.0.1:8093 --target-warm 4)
+    port=8091
+    for np in ${NP:-4 16 64}; do
+      serve "$np" $port; wait_up $port; targets+=(--target llama-server-np$np=http://127.0.0.1:$port); port=$((port + 1))
+    done
+    targets+=(--target-warm 4)
   fi
   python3 -X faulthandler -m app bench grid --model "$M" --backend "$GPU" --backend "$CPU" --requests ${N:-48} --runs ${RUNS:-3} \
     --shared 96 --outputs fixed --arrivals interval --caps ${CAPS:-1,4,8,16,32,64} \
-    --sweep-policies gpu-only,seed-score,predicted-finish --policies ${POLICIES:-gpu-only} \
-    "${targets[@]}" --no-plots --out "$OUT/sweep-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
+    --sweep-policies ${SWEEP_POLICIES:-gpu-only,seed-score,predicted-finish} --policies ${POLICIES:-gpu-only} \
+    "${targets[@]}" --no-plots --out "$OUT/sweep${TAG:-}-$Q" 2>&1 | grep -v "^\s*$" | tail -40 ;;
 grid)
   python3 -X faulthandler -m app bench grid --model "$M" --backend "$GPU" --backend "$CPU" --requests ${N:-48} --runs ${RUNS:-2} \
     --shared ${SHARED:-0,50,96} --outputs ${OUTPUTS:-fixed,uniform} --arrivals ${ARRIVALS:-interval,poisson} \
