@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
@@ -31,13 +32,14 @@ def run_overhead(args) -> int:
     model = Model(path, args.device)
     # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
     prompt = _prompt(model, args.prompt_tokens)
+    unified = args.kv == "unified"
     n_ctx = _ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
-    backend = Backend(
-        BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
-                      threads=threads or 0, backend_sampling=not args.host_sampling,
-                      flash_attn=args.flash_attn, n_seq_max=args.n_seq_max),
-        model,
-    ).start()
+    config = BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
+                           threads=threads or 0, backend_sampling=not args.host_sampling,
+                           flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified)
+    if not unified:  # every stream holds the prompt and one sequence's tokens
+        config = replace(config, n_ctx=config.resolved().n_seq_max * _ctx_for(args.prompt_tokens, args.gen_tokens, 1))
+    backend = Backend(config, model).start()
     llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,
                                                  flash=args.flash_attn != "off")
     print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
@@ -60,7 +62,8 @@ def run_overhead(args) -> int:
                     results["llama_b1"].append(v)
             if args.batched_bench and rnd:
                 bb = _batched_bench(args.batched_bench, path, model.device, backend.config.threads,
-                                    n_ctx, len(prompt), args.gen_tokens, batches)
+                                    n_ctx if unified else len(prompt) * max(batches) + n_ctx,
+                                    len(prompt), args.gen_tokens, batches, unified)
                 for b in batches:
                     results[f"batched_b{b}"].append(bb[b])
             if rnd:
@@ -80,7 +83,7 @@ def run_overhead(args) -> int:
             out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
         if args.batched_bench:
             out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
-    out.update(model=path.name, device=model.device, threads=backend.config.threads,
+    out.update(model=path.name, device=model.device, kv=args.kv, threads=backend.config.threads,
                prompt_tokens=len(prompt), gen_tokens=args.gen_tokens, repeats=args.repeats)
     print(json.dumps(out))
     return 0
@@ -120,14 +123,15 @@ def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int) 
 
 
 def _batched_bench(binary: str, path, device: str, threads: int, n_ctx: int, n_prompt: int,
-                   n_gen: int, batches: list[int]) -> dict[int, float]:
-    """Run llama.cpp's `llama-batched-bench` with the same shape (shared prompt, unified KV,
-    as our engine with a warm prefix) and return decode tok/s (S_TG) per batch size."""
+                   n_gen: int, batches: list[int], unified: bool = True) -> dict[int, float]:
+    """Run llama.cpp's `llama-batched-bench` with the same shape (a shared prompt, in one
+    unified KV buffer or copied into each sequence's stream, as our engine with a warm
+    prefix) and return decode tok/s (S_TG) per batch size."""
     import subprocess
 
     cmd = [binary, "-m", str(path), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
            "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, batches)),
-           "-pps", "-kvu", "-t", str(threads), "-tb", str(threads),
+           "-pps", *(["-kvu"] if unified else []), "-t", str(threads), "-tb", str(threads),
            "-ngl", "99" if device == "gpu" else "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     speeds = {}

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
     ov.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     ov.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
+    ov.add_argument("--kv", default="unified", choices=["unified", "split"],
+                    help="KV layout: one buffer with the prompt aliased, or one stream per sequence "
+                         "with the prompt copied (llama-batched-bench then runs without -kvu)")
 
     ca = bsub.add_parser("cache", help="TTFT with a warm cached prefix vs cold")
     ca.add_argument("--model", default="default")

@@ -16,6 +16,7 @@ Other threads talk to the backend only through `enqueue`, `cancel`, `set_cap`, `
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import os
 import threading
@@ -63,6 +64,10 @@ class BackendConfig:
         # Fewer slots make each step cheaper (measured: GPU b32 +5 % at 33 slots vs 72).
         n_seq_max = self.n_seq_max or min(256, max(32, self.cap + 8))
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max)
+
+
+def _seq_id(s) -> int:
+    return s.seq_id
 
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -138,8 +143,9 @@ class Backend:
         self.bus = bus or EventBus()
         self.rates = rates or Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="default")
         self.cache = PrefixCache()
-        # Prefix reuse needs unified KV (aliased cells); `set_cache_enabled` switches it live.
-        self.cache_enabled = self.config.cache and self.config.kv_unified
+        # Unified KV aliases a cached prefix's cells; split KV copies the holder's stream.
+        # `set_cache_enabled` switches the cache live.
+        self.cache_enabled = self.config.cache
         self.cap = self.config.cap
         if not 1 <= self.cap <= self.config.n_seq_max:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {self.cap}")
@@ -170,7 +176,8 @@ class Backend:
     def _open_context(self) -> None:
         c = self.config
         p = lc.llama_context_default_params()
-        p.n_ctx = min(c.n_ctx, self.model.n_ctx_train) if self.model.n_ctx_train > 0 else c.n_ctx
+        train = self.model.n_ctx_train * (1 if c.kv_unified else c.n_seq_max)  # per sequence
+        p.n_ctx = min(c.n_ctx, train) if train > 0 else c.n_ctx
         p.n_batch = c.n_batch
         p.n_ubatch = min(c.n_ubatch, c.n_batch)
         p.n_seq_max = c.n_seq_max
@@ -185,10 +192,14 @@ class Backend:
         self._ctx = lc.llama_init_from_model(self.model.ptr, p)
         if not self._ctx:
             raise BackendUnavailable(f"{self.name}: llama.cpp could not create a context ({c})")
-        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_ctx = lc.llama_n_ctx(self._ctx)  # cells, all sequences together
+        # The most one sequence may hold: all cells (unified KV) or its own stream's (split).
+        self.n_ctx_seq = lc.llama_n_ctx_seq(self._ctx)
         self._mem = lc.llama_get_memory(self._ctx)
         self._batch = Batch(max(c.n_batch, c.n_seq_max))
-        self._free_ids = list(range(c.n_seq_max - 1, -1, -1))
+        # A min-heap: the lowest free id first, so running sequences stay on few, low ids
+        # (split KV decodes consecutive ids in one ubatch; a gap starts another).
+        self._free_ids = list(range(c.n_seq_max))
         self._kv_cell_bytes = _kv_bytes_per_cell(self.model)
         self._samplers = SamplerSlots(self.model.n_vocab, self.model.eog_tokens, c.backend_sampling)
 
@@ -222,8 +233,8 @@ class Backend:
 
     def validate(self, request: Request) -> None:
         """Raise if this backend can never serve `request` (prompt does not fit the context)."""
-        if len(request.prompt_tokens) >= self.n_ctx:
-            raise ContextLengthExceeded(len(request.prompt_tokens), self.n_ctx)
+        if len(request.prompt_tokens) >= self.n_ctx_seq:
+            raise ContextLengthExceeded(len(request.prompt_tokens), self.n_ctx_seq)
 
     def match(self, tokens) -> int:
         """Longest usable cached prefix of `tokens` (cheap, read-only; any thread).
@@ -314,8 +325,6 @@ class Backend:
     def set_cache_enabled(self, enabled: bool) -> Future:
         """Switch prefix reuse on or off while serving. Off: nothing new is cached or reused,
         and what is cached is dropped (prefixes still pinned go as their requests end)."""
-        if enabled and not self.config.kv_unified:
-            raise InvalidRequest(f"backend {self.name}: the prefix cache needs unified KV (kv_unified=true)")
 
         def switch(b: "Backend") -> None:
             b.cache_enabled = enabled
@@ -370,8 +379,12 @@ class Backend:
         )
 
     def kv_cells_used(self, running=None) -> int:
-        """Cells in use: cached tokens (shared ones once) plus each running sequence's own tail."""
+        """Cells in use. Unified KV: cached tokens (shared ones once) plus each running
+        sequence's own tail. Split KV: each holder's whole path plus each running sequence's
+        whole context, its copied prefix included."""
         running = self._running if running is None else running
+        if not self.config.kv_unified:
+            return self.cache.held_tokens + sum(s.n_past for s in running)
         return self.cache.cached_tokens + sum(s.n_past - s.n_shared for s in running)
 
     @property
@@ -451,7 +464,7 @@ class Backend:
     def _place(self, seq: _Seq) -> bool:
         """Give `seq` a sequence id and its cached prefix, if KV room allows. Worker thread."""
         n_prompt = seq.n_prompt
-        decode_room = 0 if seq.warm else min(seq.sp.max_tokens, self.n_ctx - n_prompt)
+        decode_room = 0 if seq.warm else min(seq.sp.max_tokens, self.n_ctx_seq - n_prompt)
         usable = n_prompt - (0 if seq.warm else 1) if self.cache_enabled else 0
         match = self.cache.match(seq.tokens, max_len=usable)
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
@@ -467,11 +480,11 @@ class Backend:
             else:
                 self._blocked = True  # retry when a running request ends
             return False
-        seq.seq_id = self._free_ids.pop()
+        seq.seq_id = heapq.heappop(self._free_ids)
         if not seq.warm:
             seq.sampler = self._samplers.acquire(self._ctx, seq.seq_id, seq.sp)
         if hit:
-            lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(lock.node), seq.seq_id, 0, hit)
+            self._reuse_prefix(self.cache.holder_for(lock.node), seq.seq_id, hit)
         seq.lock = lock
         self._release_pin(seq)
         seq.n_past = seq.n_shared = hit
@@ -481,8 +494,21 @@ class Backend:
         seq.status = RequestStatus.RUNNING
         return True
 
+    def _reuse_prefix(self, holder: int, seq_id: int, n: int) -> None:
+        """Give `seq_id` the KV of the holder's first `n` tokens."""
+        if self.config.kv_unified:  # the same cells, aliased: no copy
+            lc.llama_memory_seq_cp(self._mem, holder, seq_id, 0, n)
+        else:  # another stream: llama.cpp copies the whole stream, then we drop its tail
+            lc.llama_memory_seq_cp(self._mem, holder, seq_id, -1, -1)
+            lc.llama_memory_seq_rm(self._mem, seq_id, n, -1)
+
     def _make_room(self, need_cells: int) -> bool:
-        """Evict unpinned cached prefixes until `need_cells` cells and one seq id are free."""
+        """Evict unpinned cached prefixes until `need_cells` cells and one seq id are free.
+
+        Split KV gives every seq id its own stream, sized for one sequence, so there only
+        the seq id counts."""
+        if not self.config.kv_unified:
+            need_cells = 0
         deficit = need_cells - (self.n_ctx - self.kv_cells_used() - self._reserved())
         if deficit > 0:
             self._apply_evictions(self.cache.evict(need_tokens=deficit))
@@ -501,6 +527,8 @@ class Backend:
         batch.clear()
         budget = self._prefill_budget
         decoding = [s for s in self._running if not s.prefilling]
+        if not self.config.kv_unified:  # llama.cpp's split-KV ubatches take ids in rising order
+            decoding.sort(key=_seq_id)
         for s in decoding:
             s.row = batch.add_one(s.tokens[s.n_past], s.seq_id, s.n_past)
         n_decode = batch.n
@@ -562,7 +590,7 @@ class Backend:
             s.handle._deliver_text(delta)
         if s.stream.stopped:
             self._finish(s, RequestStatus.FINISHED_STOPPED)
-        elif s.generated >= s.sp.max_tokens or s.n_past + 1 >= self.n_ctx:
+        elif s.generated >= s.sp.max_tokens or s.n_past + 1 >= self.n_ctx_seq:
             self._finish(s, RequestStatus.FINISHED_LENGTH)
 
     def _finish(self, s: _Seq, status: RequestStatus, error: str | None = None) -> None:
@@ -608,15 +636,17 @@ class Backend:
         sid, s.seq_id = s.seq_id, -1
         if not keep or not self.cache_enabled:
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
-            self._free_ids.append(sid)
+            heapq.heappush(self._free_ids, sid)
         else:
             in_kv = s.tokens[:s.n_past]
             match = self.cache.match(in_kv)
-            if match.length > s.n_shared:
+            if match.length > s.n_shared and self.config.kv_unified:
                 # The sequence computed its own copy of a prefix the cache already holds:
                 # drop the copy and alias the cached cells, so shared cells exist once.
                 lc.llama_memory_seq_rm(self._mem, sid, 0, match.length)
                 lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(match.node), sid, 0, match.length)
+            elif not self.config.kv_unified:
+                sid = self._park(sid)
             result = self.cache.insert(in_kv, sid)
             self._apply_free(result.free_seqs)
         if s.lock is not None:
@@ -626,10 +656,24 @@ class Backend:
                 self._apply_evictions(self.cache.flush())
         s.n_shared = s.n_past = 0
 
+    def _park(self, sid: int) -> int:
+        """Split KV: move a finished sequence's stream to the highest free id, so cached
+        prefixes sit above the running sequences and those stay consecutive (one ubatch per
+        decode step). A device-side copy of one stream; returns the id that now holds it."""
+        top = max(self._free_ids, default=-1)
+        if top < sid:
+            return sid
+        self._free_ids.remove(top)
+        heapq.heapify(self._free_ids)
+        lc.llama_memory_seq_cp(self._mem, sid, top, -1, -1)
+        lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+        heapq.heappush(self._free_ids, sid)
+        return top
+
     def _apply_free(self, seq_ids) -> None:
         for sid in seq_ids:
             lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
-            self._free_ids.append(sid)
+            heapq.heappush(self._free_ids, sid)
 
     def _apply_evictions(self, actions) -> None:
         for a in actions:

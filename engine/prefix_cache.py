@@ -312,6 +312,13 @@ class PrefixCache:
             return self._cached_tokens
 
     @property
+    def held_tokens(self) -> int:
+        """Tokens summed over holders' whole paths: the cells a context needs when every
+        holder keeps its own copy of its path (split KV), shared prefixes counted each time."""
+        with self._lock:
+            return sum(leaf.end for leaf in self._leaves())
+
+    @property
     def pinned_tokens(self) -> int:
         """Cached tokens on pinned nodes (a pin ending inside an edge pins the whole edge)."""
         with self._lock:
@@ -385,6 +392,14 @@ class PrefixCache:
                    f"evictable_tokens {self._evictable_tokens} != {cached - pinned}")
 
     # ---- internal helpers ----
+
+    def _leaves(self):
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            if node.holder is not None:
+                yield node
+            stack.extend(node.children.values())
 
     def _reset(self) -> None:
         self._root = TreeNode(next(self._node_ids), (), None, 0, 0)

@@ -11,6 +11,18 @@ from engine.request import Request, RequestStatus, SamplingParams
 from waiting import WAIT, wait_until
 
 
+# Both KV layouts: unified (a cached prefix's cells are aliased) and split (one stream per
+# sequence; a cached prefix is copied from its holder's stream). Split KV gives each of the
+# n_seq_max sequences n_ctx / n_seq_max cells, so those tests size the context per sequence.
+LAYOUTS = pytest.mark.parametrize("unified", [True, False], ids=["unified", "split"])
+
+
+def _layout(unified: bool, per_seq: int, n_seq_max: int = 8, **kw) -> dict:
+    if unified:
+        return kw
+    return {**kw, "kv_unified": False, "n_seq_max": n_seq_max, "n_ctx": per_seq * n_seq_max}
+
+
 def _text_tokens(model, n, seed):
     rng = random.Random(seed)
     words = "river stone light garden paper window music winter orange silver mountain city".split()
@@ -18,8 +30,9 @@ def _text_tokens(model, n, seed):
     return model.tokenize(text, add_special=False)[:n]
 
 
+@LAYOUTS
 @pytest.mark.parametrize("shared", [0.0, 0.5, 0.96])
-def test_greedy_output_is_identical_with_cache_on_and_off(make_backend, tiny_model, shared):
+def test_greedy_output_is_identical_with_cache_on_and_off(make_backend, tiny_model, shared, unified):
     """Bit-exact on the F16 tiny model. (On a Q4 model a near-tie can flip when the same
     tokens sit in other KV cells: llama.cpp's sums then run in another order. llama-server
     documents the same caveat for its prompt cache; see docs/performance.md.)"""
@@ -29,8 +42,8 @@ def test_greedy_output_is_identical_with_cache_on_and_off(make_backend, tiny_mod
     base = [rng.randrange(3, tiny_model.n_vocab) for _ in range(n)]
     prompts = [base[:k] + [rng.randrange(3, tiny_model.n_vocab) for _ in range(n - k)] for _ in range(5)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    on = make_backend(tiny_model, cache=True, n_ctx=4096)
-    off = make_backend(tiny_model, cache=False, n_ctx=4096)
+    on = make_backend(tiny_model, **_layout(unified, 256, cache=True, n_ctx=4096))
+    off = make_backend(tiny_model, **_layout(unified, 256, cache=False, n_ctx=4096))
     for p in prompts:  # one after another, so later ones find earlier ones cached
         r_on = on.enqueue(Request(tuple(p), sp)).result(WAIT)
         r_off = off.enqueue(Request(tuple(p), sp)).result(WAIT)
@@ -39,8 +52,9 @@ def test_greedy_output_is_identical_with_cache_on_and_off(make_backend, tiny_mod
     assert on.cache.stats().hit_tokens >= 4 * k
 
 
-def test_a_warm_496_token_prefix_leaves_20_tokens_to_prefill(make_backend, default_model):
-    b = make_backend(default_model, n_ctx=2048, n_batch=512)
+@LAYOUTS
+def test_a_warm_496_token_prefix_leaves_20_tokens_to_prefill(make_backend, default_model, unified):
+    b = make_backend(default_model, **_layout(unified, 768, n_seq_max=4, n_ctx=2048, n_batch=512))
     prefix = _text_tokens(default_model, 496, seed=2)
     assert len(prefix) == 496
     b.warm(prefix).result(WAIT)
@@ -66,9 +80,11 @@ def test_pins_keep_a_routed_estimate_and_are_released(make_backend, tiny_model):
     assert b.cache.pinned_tokens == 0, "admission and finish release every pin"
 
 
-def test_kv_pressure_breaks_nothing_and_returns_to_zero(make_backend, tiny_model):
-    # 512 cells, many distinct 60-token prompts: the cache must evict to admit new work.
-    b = make_backend(tiny_model, n_ctx=512, cap=4)
+@LAYOUTS
+def test_kv_pressure_breaks_nothing_and_returns_to_zero(make_backend, tiny_model, unified):
+    # Unified: 512 cells; split: 8 streams. Many distinct 60-token prompts: the cache must
+    # evict (cells, or holders' streams) to admit new work.
+    b = make_backend(tiny_model, **_layout(unified, 128, n_ctx=512, cap=4))
     keep = _text_tokens(tiny_model, 80, seed=5)
     b.warm(keep).result(WAIT)
     n, pin = b.pin_prefix(keep + [70])
@@ -85,9 +101,11 @@ def test_kv_pressure_breaks_nothing_and_returns_to_zero(make_backend, tiny_model
     assert b.cache.n_holders == 0
 
 
-def test_kv_accounting_matches_llama_cpp(make_backend, tiny_model):
-    """Our cell count (shared cells once) tracks llama.cpp's own state size, cell for cell."""
-    b = make_backend(tiny_model, n_ctx=1024, cap=4)
+@LAYOUTS
+def test_kv_accounting_matches_llama_cpp(make_backend, tiny_model, unified):
+    """Our cell count tracks llama.cpp's own state size, cell for cell: shared cells once
+    (unified), or each holder's whole copy (split)."""
+    b = make_backend(tiny_model, **_layout(unified, 256, n_ctx=1024, cap=4))
     empty = b.kv_state_bytes()
     prefix = _text_tokens(tiny_model, 50, seed=6)
     b.warm(prefix).result(WAIT)
@@ -97,7 +115,8 @@ def test_kv_accounting_matches_llama_cpp(make_backend, tiny_model):
     for h in [b.enqueue(Request(tuple(prefix + [80 + i, 90]), sp)) for i in range(3)]:
         h.result(WAIT)
     # each request added its 2 new prompt tokens + 9 decoded tokens (the 10th was never fed back)
-    assert b.kv_cells_used() == 50 + 3 * 11
+    # unified: the prefix once; split: three holders, each with its own copy of the prefix
+    assert b.kv_cells_used() == (50 + 3 * 11 if unified else 3 * (50 + 11))
     assert b.kv_state_bytes() - empty == pytest.approx(b.kv_cells_used() * per_cell, rel=0.02)
 
 
@@ -137,3 +156,24 @@ def test_cache_switches_off_and_on_while_serving(make_backend, tiny_model):
     b.set_cache_enabled(True).result(WAIT)
     b.warm(prefix).result(WAIT)
     assert b.enqueue(Request(tuple(prefix + [83]), sp)).result(WAIT).cached_tokens == 60
+
+
+@LAYOUTS
+def test_decode_steps_reuse_the_compute_graph(make_backend, tiny_model, unified):
+    """Steady decode reuses llama.cpp's graph from step to step. Split KV needs the batch's
+    sequence ids consecutive and rising (else llama.cpp cuts it into several ubatches, each
+    step building graphs anew), which low-first id allocation and sorted rows give."""
+    b = make_backend(tiny_model, **_layout(unified, 256, n_ctx=2048, cap=4))
+    prefix = _text_tokens(tiny_model, 60, seed=8)
+    b.warm(prefix).result(WAIT)
+    steps, reused = b.steps, b.graphs_reused
+    # Uneven lengths: requests finish (and are cached) between others, and new ones start.
+    lengths = [40, 12, 30, 20, 36, 16, 28, 24]
+    handles = [b.enqueue(Request(tuple(prefix + [90 + i]),
+                                 SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+               for i, n in enumerate(lengths)]
+    assert [h.result(WAIT).output_tokens for h in handles] == lengths
+    assert b.cache.n_holders >= 4, "finished requests stay cached between the running ones"
+    b.cache.check_invariants()
+    share = (b.graphs_reused - reused) / (b.steps - steps)
+    assert share > 0.6

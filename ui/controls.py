@@ -124,9 +124,8 @@ class ControlsPanel(QWidget):
             cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
             cache = QCheckBox()
             cache.setChecked(b.cache_enabled)
-            cache.setEnabled(b.config.kv_unified)
             cache.setToolTip("Prefix cache on/off, live: off drops what is cached and reuses nothing"
-                             if b.config.kv_unified else "The prefix cache needs unified KV (kv_unified=true)")
+                             + ("" if b.config.kv_unified else " (split KV: a cached prefix is copied)"))
             cache.toggled.connect(lambda on, n=name: self.set_cache(n, on))
             self.prefill_spins[name], self.decode_spins[name] = ps, ds
             self.source_labels[name], self.cap_spins[name], self.cache_checks[name] = src, cap, cache
