@@ -237,7 +237,10 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
 
     - Running items are active; any `prefill_left` they still have is paid first.
     - The queue, then the new request last (FCFS), is admitted while fewer than `cap`
-      sequences are active. Admitting an item costs `prefill_left / prefill_tok_s` seconds
+      sequences are active and the KV cells they reserve fit: each reserves its uncached
+      prompt plus its whole decode budget (the backend's admission rule), out of the context's
+      cells minus pinned cached prefixes. So a GPU whose memory, not its cap, bounds
+      concurrency is seen to queue. Admitting an item costs `prefill_left / prefill_tok_s` seconds
       during which nothing decodes: llama.cpp puts prompt chunks into the same batch as the
       decode tokens, so a step with a prompt chunk is longer by about the chunk's prefill time.
     - With `b` active sequences, one decode step takes `rates.step_s(b)` (alpha + beta*b when
@@ -257,23 +260,27 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
     prefill_s = 0.0
     decode_s = 0.0
 
-    # Each active entry: [decode_left, is_new]
+    room = snap.kv_cells_total - snap.cache.pinned_tokens if snap.kv_cells_total else math.inf
+    # Each active entry: [decode_left, is_new, KV cells reserved]
     active: list[list] = []
     for item in snap.running:
         prefill_tokens += item.prefill_left
         if item.decode_left > 0:
-            active.append([item.decode_left, False])
-    queue: deque[tuple[int, int, bool]] = deque(
-        (i.prefill_left, i.decode_left, False) for i in snap.waiting
+            active.append([item.decode_left, False, _cells(item)])
+    queue: deque[tuple[int, int, bool, int]] = deque(
+        (i.prefill_left, i.decode_left, False, _cells(i)) for i in snap.waiting
     )
-    queue.append((query.prompt_tokens - cached, max(query.max_tokens, 1), True))
+    n_new = max(query.max_tokens, 1)
+    queue.append((query.prompt_tokens - cached, n_new, True, query.prompt_tokens - cached + n_new))
 
     while True:
-        while queue and len(active) < cap:
-            p, d, is_new = queue.popleft()
+        used = sum(entry[2] for entry in active)
+        while queue and len(active) < cap and (not active or used + queue[0][3] <= room):
+            p, d, is_new, cells = queue.popleft()
             prefill_tokens += p
+            used += cells
             if d > 0:
-                active.append([d, is_new])
+                active.append([d, is_new, cells])
         if not active:  # only reachable if every queued item had nothing to decode
             break
         b = len(active)
@@ -294,6 +301,11 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
 
     prefill_s = _seconds(prefill_tokens, rates.prefill_tok_s)
     return _score(snap, cached, prefill_tokens, decode_tokens, prefill_s, decode_s)
+
+
+def _cells(item: WorkItem) -> int:
+    """KV cells the backend reserves for `item`: its uncached prompt and whole decode budget."""
+    return item.prompt_tokens - item.cached_tokens + item.generated + item.decode_left
 
 
 # ----------------------------------------------------------------------------------------

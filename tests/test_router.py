@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import threading
 
+from dataclasses import replace
+
 import pytest
 
 from engine.errors import BackendUnavailable, InvalidRequest
@@ -28,7 +30,7 @@ from engine.router import (
     predicted_finish,
     seed_score,
 )
-from engine.snapshot import BackendSnapshot, Rates, WorkItem
+from engine.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 CPU_RATES = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
 GPU_RATES = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
@@ -289,6 +291,20 @@ class TestPredictedFinish:
         # Three full waves of 128 steps at b=4 come first (plus prefill).
         assert d.score_of("GPU").score_s > 3 * 128 * 0.014
         assert "finish" in d.reason and "GPU" in d.reason and "CPU" in d.reason
+
+    def test_kv_room_not_the_cap_bounds_concurrency(self):
+        # Cap 64, but the context has cells for 2 requests' reservations (uncached prompt +
+        # whole budget each) besides the pinned shared prefix: the new request waits a wave.
+        per = PROMPT - CACHED + MAX_TOKENS
+        roomy = replace(snap("GPU", "gpu", CAL_GPU, running(2, 128), cap=64), kv_cells_total=100_000)
+        tight = replace(roomy, kv_cells_total=CACHED + 2 * per + per // 2,
+                        cache=CacheStats(cached_tokens=CACHED, pinned_tokens=CACHED))
+        joins = predicted_finish(query(), roomy)
+        waits = predicted_finish(query(), tight)
+        assert joins.score_s == pytest.approx(20 / 2551 + 128 * (0.010 + 0.003))
+        assert waits.score_s == pytest.approx(128 * (0.010 + 0.002) + 20 / 2551 + 128 * (0.010 + 0.001))
+        d = Router("predicted-finish").route(query(), [tight, replace(cpu(), cap=4)])
+        assert d.score_of("GPU").score_s == pytest.approx(waits.score_s)
 
     def test_ignores_budget_mode(self):
         r = Router("predicted-finish", budget="ratio")
