@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -44,7 +45,11 @@ def run_overhead(args) -> int:
                                                  flash=args.flash_attn != "off")
     print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
           f"{backend.config.threads}, prompt {len(prompt)} tokens, generate {args.gen_tokens}", file=sys.stderr)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     results: dict[str, list[float]] = {f"engine_b{b}": [] for b in batches}
+    if args.busy_thread:
+        results.update({f"busy_b{b}": [] for b in batches})
     if llama is not None:
         results["llama_b1"] = []
     if args.batched_bench:
@@ -56,6 +61,11 @@ def run_overhead(args) -> int:
                 v = _engine_decode(backend, prompt, args.gen_tokens, b)
                 if rnd:
                     results[f"engine_b{b}"].append(v)
+                if args.busy_thread:
+                    with _BusyThread():
+                        v = _engine_decode(backend, prompt, args.gen_tokens, b, record=False)
+                    if rnd:
+                        results[f"busy_b{b}"].append(v)
             if llama is not None:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
@@ -81,9 +91,12 @@ def run_overhead(args) -> int:
     for b in batches:
         if llama is not None:
             out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
+        if args.busy_thread:
+            out[f"gil_ratio_b{b}"] = round(out[f"busy_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         if args.batched_bench:
             out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
     out.update(model=path.name, device=model.device, kv=args.kv, threads=backend.config.threads,
+               switch_interval_ms=round(sys.getswitchinterval() * 1000, 3),
                prompt_tokens=len(prompt), gen_tokens=args.gen_tokens, repeats=args.repeats)
     print(json.dumps(out))
     return 0
@@ -105,7 +118,29 @@ HOST_SHARE: dict[int, list[float]] = {}
 GRAPH_REUSE: dict[int, list[float]] = {}
 
 
-def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int) -> float:
+class _BusyThread:
+    """A thread running pure-Python work until stopped: it holds the GIL whenever it can,
+    so the backend's worker must win it back (Python's switch interval) after every
+    `llama_decode`."""
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, name="busy", daemon=True)
+        self._thread.start()
+        return self
+
+    def _spin(self) -> None:
+        x = 0
+        while not self._stop.is_set():
+            for i in range(1000):
+                x += i * i
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True) -> float:
     backend.flush().result(60)
     backend.warm(prompt[:-1]).result(120)
     d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused
@@ -115,8 +150,14 @@ def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int) 
     for r in records:
         if r.error:
             raise RuntimeError(r.error)
+    if not record:
+        return _decode_rate(records)
     HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / (time.perf_counter() - t0))
     GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
+    return _decode_rate(records)
+
+
+def _decode_rate(records) -> float:
     start = max(r.ttft_s for r in records)
     end = max(r.e2e_s for r in records)
     return sum(r.output_tokens - 1 for r in records) / (end - start)

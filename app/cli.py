@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
     ov.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     ov.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
+    ov.add_argument("--busy-thread", action="store_true",
+                    help="also decode beside a pure-Python thread that wants the GIL all the time "
+                         "(the worst a UI or HTTP thread could do): reports busy_bB and gil_ratio_bB")
+    ov.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the run (Python's default: 5 ms)")
     ov.add_argument("--kv", default="unified", choices=["unified", "split"],
                     help="KV layout: one buffer with the prompt aliased, or one stream per sequence "
                          "with the prompt copied (llama-batched-bench then runs without -kvu)")

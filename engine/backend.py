@@ -401,6 +401,11 @@ class Backend:
         """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
         return self._samplers.attaches
 
+    @property
+    def samplers_attached(self) -> int:
+        """Sampler chains attached now, running sequences' and idle ones."""
+        return self._samplers.attached
+
     # ---- worker thread ----
 
     def _run(self) -> None:
@@ -422,6 +427,7 @@ class Backend:
                 self._admit()
                 if self._running:
                     self._step()
+                self._samplers.trim(len(self._running) + len(self._waiting))  # queued ones reuse them
         except Exception as e:  # a device failure or a bug: this backend stops, the process goes on
             log.exception("%s: worker failed", self.name)
             self._die(f"backend {self.name} failed: {e}")
@@ -480,7 +486,7 @@ class Backend:
             else:
                 self._blocked = True  # retry when a running request ends
             return False
-        seq.seq_id = heapq.heappop(self._free_ids)
+        seq.seq_id = self._take_id(seq)
         if not seq.warm:
             seq.sampler = self._samplers.acquire(self._ctx, seq.seq_id, seq.sp)
         if hit:
@@ -493,6 +499,19 @@ class Backend:
         seq.t_admit = time.monotonic()
         seq.status = RequestStatus.RUNNING
         return True
+
+    def _take_id(self, seq: _Seq) -> int:
+        """The lowest free seq id; with unified KV (where ids need not be consecutive) the
+        lowest free one whose idle sampler chain the request can reuse, if any."""
+        if self.config.kv_unified and not seq.warm:
+            free = set(self._free_ids)
+            ready = [i for i in self._samplers.idle_ids(seq.sp) if i in free]
+            if ready:
+                sid = min(ready)
+                self._free_ids.remove(sid)
+                heapq.heapify(self._free_ids)
+                return sid
+        return heapq.heappop(self._free_ids)
 
     def _reuse_prefix(self, holder: int, seq_id: int, n: int) -> None:
         """Give `seq_id` the KV of the holder's first `n` tokens."""
@@ -601,7 +620,9 @@ class Backend:
             rest = s.stream.flush()
             if rest:
                 s.handle._deliver_text(rest)
-        s.sampler = None  # its chain stays with the sequence id (SamplerSlots)
+        if s.sampler is not None:  # its chain stays with the sequence id, idle (SamplerSlots)
+            self._samplers.release(s.seq_id)
+            s.sampler = None
         cached = s.n_shared
         if s.seq_id >= 0:
             keep = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -742,7 +763,9 @@ class Backend:
 
     def _drop_quietly(self, s: _Seq) -> None:
         """Forget a sequence without finishing its handle (it moves to another backend)."""
-        s.sampler = None
+        if s.sampler is not None:
+            self._samplers.release(s.seq_id)
+            s.sampler = None
         if s.seq_id >= 0:
             self._retire(s, keep=False)
         elif s.lock is not None:

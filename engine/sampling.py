@@ -93,14 +93,16 @@ class Sampler:
 
 
 class SamplerSlots:
-    """One chain per sequence id, kept attached after its request ends.
+    """One chain per sequence id, kept attached for a while after its request ends.
 
     Attaching or detaching a device sampler makes llama.cpp re-reserve its compute graph
     before the next decode (a stall of every running sequence), and a graph can only be
-    reused from step to step while the set of attached chains stays the same. So a slot keeps
-    its chain, and the next request on that id with the same settings (`Sampler.key_of`) resets
-    and reuses it: a server of greedy or same-settings requests attaches each id once. Chains
-    of idle ids sit in the graph unevaluated (llama.cpp builds them on a dummy row).
+    reused from step to step while the set of attached chains stays the same. So an id keeps
+    its chain when its request ends, and the next request with the same settings
+    (`Sampler.key_of`) that lands on that id resets and reuses it (`idle_ids` lets the backend
+    steer it there). Idle chains are not free either — each still costs the GPU step a little —
+    so `trim` detaches all of them at once (one reserve) when they outnumber the running and
+    queued requests, and whenever there are none.
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool):
@@ -108,10 +110,21 @@ class SamplerSlots:
         self._eog = eog_tokens
         self.on_device = on_device
         self._slots: dict[int, Sampler] = {}
+        self._busy: set[int] = set()
         self.attaches = 0  # chains handed to the context (each costs llama.cpp a graph reserve)
+
+    @property
+    def attached(self) -> int:
+        return sum(1 for s in self._slots.values() if s.on_device())
+
+    def idle_ids(self, params: SamplingParams) -> list[int]:
+        """Ids whose idle chain a request with `params` would reuse as it is."""
+        key = Sampler.key_of(params)
+        return [i for i, s in self._slots.items() if i not in self._busy and s.key == key]
 
     def acquire(self, ctx, seq_id: int, params: SamplingParams) -> Sampler:
         """The chain for the request about to run on `seq_id`, reset or newly attached."""
+        self._busy.add(seq_id)
         old = self._slots.get(seq_id)
         if old is not None and old.key == Sampler.key_of(params):
             old.reset()
@@ -125,14 +138,23 @@ class SamplerSlots:
         self._slots[seq_id] = new
         return new
 
-    def drop(self, seq_id: int) -> None:
-        """Detach and free the chain of `seq_id`, if any."""
-        s = self._slots.pop(seq_id, None)
-        if s is not None:
-            s.free()
+    def release(self, seq_id: int) -> None:
+        """The request on `seq_id` ended; its chain stays, idle."""
+        self._busy.discard(seq_id)
+
+    def trim(self, n_active: int) -> int:
+        """Detach every idle chain if they outnumber the `n_active` requests (running and
+        queued; so all of them when there are none); returns how many went."""
+        idle = [i for i in self._slots if i not in self._busy]
+        if len(idle) <= n_active or not idle:
+            return 0
+        for i in idle:
+            self._slots.pop(i).free()
+        return len(idle)
 
     def close(self) -> None:
         """Free every chain; call after the context is freed (nothing to detach from)."""
         for s in self._slots.values():
             s.free(detach=False)
         self._slots.clear()
+        self._busy.clear()

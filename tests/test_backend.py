@@ -142,24 +142,28 @@ def test_sampling_is_seeded_and_stop_strings_cut_the_text(make_backend, default_
 
 @pytest.mark.parametrize("on_device", [True, False])
 def test_sampler_chains_stay_with_their_sequence_id(make_backend, default_model, on_device):
-    """A slot's chain is reset and reused by the next request with the same settings, so
-    llama.cpp re-reserves its graph only when settings change; reuse changes no output."""
+    """Requests queued behind each other reuse the chain of the id before them (reset), so
+    llama.cpp re-reserves its graph only when settings change; reuse changes no output, and
+    an idle backend keeps no chain attached."""
     b = make_backend(default_model, cap=1, cache=False, backend_sampling=on_device)
     greedy = SamplingParams(temperature=0, max_tokens=12)
     seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=12, repeat_penalty=1.3)
 
-    def text(prompt, sp):
-        return b.enqueue(_req(default_model, prompt, sp)).text(WAIT)
+    def texts(*jobs):
+        handles = [b.enqueue(_req(default_model, prompt, sp)) for prompt, sp in jobs]
+        return [h.text(WAIT) for h in handles]
 
-    first = text("The sea is", greedy)
-    assert [text("The sea is", greedy) for _ in range(3)] == [first] * 3
-    assert b.sampler_attaches == (1 if on_device else 0)
-    story = text("Once upon a time", seeded)  # new settings: a new chain on the same id
-    assert b.sampler_attaches == (2 if on_device else 0)
+    first = texts(("The sea is", greedy))[0]
+    wait_until(lambda: b.samplers_attached == 0, what="an idle backend detaches its chains")
+    n0 = b.sampler_attaches
+    out = texts(*[("The sea is", greedy)] * 3, ("Once upon a time", seeded), ("Once upon a time", seeded),
+                ("The sea is", greedy))
+    assert out[:3] == [first] * 3 and out[-1] == first
     # Same seed and penalty after a reset: the same draw (the penalty history was cleared).
-    assert text("Once upon a time", seeded) == story
-    assert b.sampler_attaches == (2 if on_device else 0)
-    assert text("The sea is", greedy) == first
+    assert out[3] == out[4]
+    # greedy once, seeded once (reused by the second), greedy again
+    assert b.sampler_attaches - n0 == (3 if on_device else 0)
+    wait_until(lambda: b.samplers_attached == 0, what="an idle backend detaches its chains")
 
 
 def test_streamed_deltas_add_up_to_the_text(make_backend, default_model):

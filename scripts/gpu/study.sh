@@ -11,7 +11,7 @@ P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.m
 servers=()
 serve() {  # serve NP PORT: llama-server with NP slots, unified KV, the same model
   $LCBIN/llama-server -m "$P" -ngl 99 -np "$1" -c $(( $1 * 1024 > 16384 ? $1 * 1024 : 16384 )) -kvu \
-    --port "$2" --host 127.0.0.1 -fa auto > "$OUT/llama-server-np$1.log" 2>&1 &
+    --port "$2" --host 127.0.0.1 -fa auto > "/tmp/llama-server-np$1.log" 2>&1 &
   servers+=($!)
 }
 wait_up() { for i in $(seq 100); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.2; done; return 1; }
