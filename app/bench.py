@@ -150,13 +150,15 @@ class EngineRunner:
         submitted = []
         t0 = time.monotonic()
         for spec in workload.requests:
-            sp = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+            # The budget the router sees; a shorter drawn length ends the request early, unseen.
+            sp = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
             delay = t0 + spec.arrival_s - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
             t_submit = time.monotonic() - t0
             try:
-                handle = eng.submit(Request(spec.prompt, sp, source="bench"))
+                stop = spec.output_tokens if spec.output_tokens < spec.max_tokens else None
+                handle = eng.submit(Request(spec.prompt, sp, source="bench", stop_after=stop))
             except EngineError as e:  # a failure is data
                 submitted.append((spec, t_submit, None, str(e)))
                 continue
@@ -310,9 +312,9 @@ class Bench:
             self.notes.append(f"before timing, {args.warmup} unrecorded warm-up run(s) of every variant "
                               f"at N={self.warmup_n}")
         if any(s.output == "uniform" for s in specs):
-            self.notes.append("variable output: each request is sent with max_tokens = its drawn length "
-                              "(ignore_eos), so routers see the true length as the budget; a hidden early "
-                              "stop needs an engine feature")
+            self.notes.append("variable output: engine requests carry max_tokens = the budget (routers and "
+                              "KV reservations see only that) and stop early at their drawn length, unseen; "
+                              "peers (--target) are sent max_tokens = the drawn length")
 
     def run(self, bar: Progress) -> None:
         for k, kv in enumerate(self.kv_seqs):

@@ -601,7 +601,7 @@ class Backend:
         else:
             s.itl_sum += now - s.t_last
         s.t_last = now
-        if self.model.is_eog(tok) and not s.sp.ignore_eos:
+        if (self.model.is_eog(tok) and not s.sp.ignore_eos) or s.generated == s.req.stop_after:
             self._finish(s, RequestStatus.FINISHED_STOPPED)
             return
         delta = s.stream.push(self.model.piece(tok))

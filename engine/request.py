@@ -75,11 +75,16 @@ class Request:
     backend: str | None = None
     source: str = "api"
     retry: bool = False  # may restart from its prompt on another backend if its own fails early
+    # End after this many tokens as if the model had stopped there; routers and admission see
+    # only `max_tokens`. Benchmarks use it for outputs whose length no one knows in advance.
+    stop_after: int | None = None
 
     def __post_init__(self):
         if not self.prompt_tokens:
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.sampling.validate()
+        if self.stop_after is not None and not (isinstance(self.stop_after, int) and self.stop_after >= 1):
+            raise InvalidRequest(f"stop_after must be a positive integer, got {self.stop_after!r}")
 
 
 class RequestStatus(enum.IntEnum):

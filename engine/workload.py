@@ -21,10 +21,9 @@ Choices this module makes, and why:
   requests within a run.
 - **Variable output length.** `output="uniform"` draws each request's length uniformly in
   `[min_output, max_output]` (16–256). The study's budget is `max_tokens`; the request should
-  stop early at its drawn length while the router still sees the 256 budget. The engine has no
-  "stop after n tokens" that the router cannot see, so runners send `max_tokens = output_tokens`
-  (with `ignore_eos`): the router then knows each request's true length (an oracle budget).
-  `RequestSpec` keeps both numbers so a runner can switch once the engine can.
+  stop early at its drawn length while the router still sees the 256 budget. Engine runners
+  send `max_tokens` = the budget and `Request.stop_after` = the drawn length (an early stop
+  no router or admission sees); peers behind `--target` get `max_tokens = output_tokens`.
 - **Arrivals.** `interval`: request i at `i * interval_s`. `poisson`/`gamma`: gaps drawn from a
   gamma distribution with shape `burstiness` (1 = Poisson) and mean `1 / rate`, then rescaled so
   the last arrival is at `(n - 1) / rate` (vLLM's `benchmarks/serve.py` habit: the offered load

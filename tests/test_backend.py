@@ -166,6 +166,20 @@ def test_sampler_chains_stay_with_their_sequence_id(make_backend, default_model,
     wait_until(lambda: b.samplers_attached == 0, what="an idle backend detaches its chains")
 
 
+def test_a_hidden_stop_ends_early_but_admission_reserves_the_budget(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=1)
+    blocker = b.enqueue(Request((5, 6, 7), SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)))
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    h = b.enqueue(Request(tuple(tiny_model.tokenize("hidden stop")), sp, stop_after=5))
+    queued = [i for i in b.snapshot().items if i.request_id == h.request.id]
+    assert queued and queued[0].decode_left == 20, "routers see the whole budget"
+    blocker.cancel()
+    r = h.result(WAIT)
+    assert (r.output_tokens, r.finish_reason) == (5, "stop")
+    with pytest.raises(InvalidRequest, match="stop_after"):
+        Request((1, 2), sp, stop_after=0)
+
+
 def test_streamed_deltas_add_up_to_the_text(make_backend, default_model):
     b = make_backend(default_model)
     h = b.enqueue(_req(default_model, "Write a word in French with accents, like café or élève:"))
