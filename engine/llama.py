@@ -14,8 +14,27 @@ import os
 import threading
 
 import llama_cpp as lc  # noqa: E402  (must stay the first heavy import)
+from llama_cpp.llama_cpp import _lib as _lc_lib  # noqa: E402
 
 log = logging.getLogger("llama.cpp")
+
+# Calls made for every generated token return within microseconds. Through ctypes.CDLL (as
+# llama_cpp binds everything) each one releases the GIL and must win it back, and while a
+# UI or HTTP thread runs Python that can take the whole switch interval (5 ms) — per call.
+# These bindings of the same functions keep the GIL (ctypes.PyDLL); llama_decode and
+# llama_synchronize, which wait on the device, still release it.
+_held = ctypes.PyDLL(_lc_lib._name)
+
+
+def _holding_gil(name: str, argtypes: list, restype):
+    f = getattr(_held, name)
+    f.argtypes, f.restype = argtypes, restype
+    return f
+
+
+get_sampled_token_ith = _holding_gil("llama_get_sampled_token_ith", [lc.llama_context_p_ctypes, ctypes.c_int32],
+                                     lc.llama_token)
+sampler_accept = _holding_gil("llama_sampler_accept", [lc.llama_sampler_p_ctypes, lc.llama_token], None)
 
 _init_lock = threading.Lock()
 _initialized = False

@@ -8,6 +8,7 @@ the backend's thread.
 
 from __future__ import annotations
 
+from . import llama
 from .llama import lc
 from .request import SamplingParams
 
@@ -71,9 +72,9 @@ class Sampler:
     def sample(self, ctx, row: int) -> int:
         """The token chosen for output row `row` of the last decode; the chain accepts it."""
         if self._ctx is not None:
-            tok = lc.llama_get_sampled_token_ith(ctx, row)
+            tok = llama.get_sampled_token_ith(ctx, row)  # both keep the GIL (engine/llama.py)
             if tok != lc.LLAMA_TOKEN_NULL:
-                lc.llama_sampler_accept(self.ptr, tok)
+                llama.sampler_accept(self.ptr, tok)
                 return tok
         return lc.llama_sampler_sample(self.ptr, ctx, row)
 
