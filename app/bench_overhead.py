@@ -141,6 +141,7 @@ class _BusyThread:
 
 
 def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True) -> float:
+    backend.set_cap(batch)  # B at a time, and no more idle sampler chains than that
     backend.flush().result(60)
     backend.warm(prompt[:-1]).result(120)
     d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused

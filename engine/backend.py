@@ -427,7 +427,7 @@ class Backend:
                 self._admit()
                 if self._running:
                     self._step()
-                self._samplers.trim(len(self._running) + len(self._waiting))  # queued ones reuse them
+                self._samplers.trim(self.cap)
         except Exception as e:  # a device failure or a bug: this backend stops, the process goes on
             log.exception("%s: worker failed", self.name)
             self._die(f"backend {self.name} failed: {e}")
@@ -488,7 +488,11 @@ class Backend:
             return False
         seq.seq_id = self._take_id(seq)
         if not seq.warm:
+            attached = self._samplers.attaches
             seq.sampler = self._samplers.acquire(self._ctx, seq.seq_id, seq.sp)
+            if self._samplers.on_device and self._samplers.attaches > attached:  # a reserve is due anyway
+                room = self.cap - self._samplers.attached
+                self._samplers.prepare(self._ctx, heapq.nsmallest(max(room, 0), self._free_ids), seq.sp)
         if hit:
             self._reuse_prefix(self.cache.holder_for(lock.node), seq.seq_id, hit)
         seq.lock = lock

@@ -94,16 +94,17 @@ class Sampler:
 
 
 class SamplerSlots:
-    """One chain per sequence id, kept attached for a while after its request ends.
+    """One chain per sequence id, kept attached after its request ends, up to the cap.
 
     Attaching or detaching a device sampler makes llama.cpp re-reserve its compute graph
-    before the next decode (a stall of every running sequence), and a graph can only be
-    reused from step to step while the set of attached chains stays the same. So an id keeps
-    its chain when its request ends, and the next request with the same settings
-    (`Sampler.key_of`) that lands on that id resets and reuses it (`idle_ids` lets the backend
-    steer it there). Idle chains are not free either — each still costs the GPU step a little —
-    so `trim` detaches all of them at once (one reserve) when they outnumber the running and
-    queued requests, and whenever there are none.
+    before the next decode (measured on the GPU: tens of ms, a stall of every running
+    sequence), and a graph can only be reused from step to step while the set of attached
+    chains stays the same. So an id keeps its chain when its request ends, and the next request
+    with the same settings (`Sampler.key_of`) that lands on that id resets and reuses it
+    (`idle_ids` lets the backend steer it there); when a request does need a new chain,
+    `prepare` attaches the same chain to more free ids in the same reserve, so a burst
+    ramping up to the cap pays one reserve, not one per sequence. Idle chains are not free
+    either (each still adds a little to a GPU step), so `trim` keeps at most the cap's worth.
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool):
@@ -139,16 +140,29 @@ class SamplerSlots:
         self._slots[seq_id] = new
         return new
 
+    def prepare(self, ctx, seq_ids, params: SamplingParams) -> int:
+        """Attach a chain for `params` to each of `seq_ids` that has none; returns how many."""
+        n = 0
+        for i in seq_ids:
+            if i not in self._slots:
+                s = Sampler(params, self._n_vocab, self._eog)
+                s.attach(ctx, i)
+                self._slots[i] = s
+                self.attaches += 1
+                n += 1
+        return n
+
     def release(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its chain stays, idle."""
         self._busy.discard(seq_id)
 
-    def trim(self, n_active: int) -> int:
-        """Detach every idle chain if they outnumber the `n_active` requests (running and
-        queued; so all of them when there are none); returns how many went."""
-        idle = [i for i in self._slots if i not in self._busy]
-        if len(idle) <= n_active or not idle:
+    def trim(self, limit: int) -> int:
+        """Detach idle chains, highest ids first, until at most `limit` are attached (one
+        reserve for all of them); returns how many went."""
+        excess = len(self._slots) - limit
+        if excess <= 0:
             return 0
+        idle = sorted((i for i in self._slots if i not in self._busy), reverse=True)[:excess]
         for i in idle:
             self._slots.pop(i).free()
         return len(idle)

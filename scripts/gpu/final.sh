@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call (through call.sh): GPU decode vs llama-batched-bench, the study's N=48 workload at
+# the GPU caps that decide it beside llama-server -np 8 and our own server, then the boundary
+# where hybrid routing starts to pay (boundary.sh).
+set -uo pipefail
+M=synthetic:qwen2.5-0.5b:${QUANT:-q8_0}
+T0=$SECONDS
+stamp() { echo "== $1 ($((SECONDS - T0)) s)"; }
+P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.model import resolve_model; print(resolve_model('$M'))")
+python3 -m app serve --model "$M" --backend gpu:cap=32,ctx=32768,threads=8 --port 8095 > /tmp/tandem-serve.log 2>&1 &
+SERVE=$!
+$LCBIN/llama-server -m "$P" -ngl 99 -np 8 -c 16384 -kvu --port 8092 --host 127.0.0.1 -fa auto > /tmp/llama-server-np8.log 2>&1 &
+LS=$!
+trap 'kill $SERVE $LS 2>/dev/null' EXIT
+stamp "GPU decode vs batched-bench"
+python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,8,16,32 \
+  --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 3 2>&1 | tail -5 | tee "$OUT/overhead_gpu.txt"
+for port in 8095 8092; do
+  for i in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+done
+stamp "N=48 at GPU caps 8/16/32, llama-server -np 8, our server at cap 32"
+python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:cap=16,ctx=32768,threads=8 --backend cpu:cap=4,threads=15 \
+  --requests 48 --runs 3 --shared 96 --outputs fixed --arrivals interval --caps 8,16,32 \
+  --sweep-policies gpu-only --policies none \
+  --target llama-server-np8=http://127.0.0.1:8092 --target tandem-serve-cap32=http://127.0.0.1:8095 --target-warm 4 \
+  --no-plots --out "$OUT/n48" 2>&1 | grep -v "it/s\]" | tail -16
+kill $SERVE $LS 2>/dev/null
+RUNS=2 bash scripts/gpu/boundary.sh
+stamp done
