@@ -9,4 +9,4 @@ export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}; mkdir -p "$TANDE
 # Reuse the committed calibration when the model file is the same (the store keys by fingerprint).
 [ -f docs/results/gpu/rates.json ] && [ ! -f "$TANDEM_CACHE_DIR/rates.json" ] && cp docs/results/gpu/rates.json "$TANDEM_CACHE_DIR/"
 trap 'cp "$TANDEM_CACHE_DIR/rates.json" "$OUT/" 2>/dev/null; tar czf "$DEST/results.tgz" -C "$OUT" .' EXIT
-bash "scripts/gpu/$1.sh"
+timeout "${TIMEOUT:-560}" bash "scripts/gpu/$1.sh"
