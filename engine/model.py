@@ -76,6 +76,32 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
 
 
+def _in_passing_thread(fn):
+    """Run `fn` in a thread that ends right after.
+
+    llama.cpp's CPU backend (an OpenMP build) converts weights for AMX at load time inside an
+    OpenMP parallel region, and OpenMP keeps a team of threads for every thread that opened
+    one. A team left on the loading thread doubles the threads OpenMP manages beside the one
+    the backend's worker uses for decoding; with more managed threads than cores, libgomp
+    stops spinning at its barriers and every op's barrier becomes a sleep and a wake-up. A
+    team dies with its thread, so load where the thread ends.
+    """
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="model-load")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def file_fingerprint(path: Path) -> str:
     """A cheap, stable identity for a model file: size + hash of its first and last MiB."""
     h = hashlib.sha256()
@@ -121,7 +147,7 @@ class Model:
         if progress is not None:
             self._progress_cb = lc.llama_progress_callback(lambda p, _: bool(progress(float(p)) is not False))
             params.progress_callback = self._progress_cb
-        self.ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        self.ptr = _in_passing_thread(lambda: lc.llama_model_load_from_file(str(path).encode(), params))
         if not self.ptr:
             raise ModelLoadError(f"llama.cpp could not load {path} (see the log above for why)")
         self.vocab = lc.llama_model_get_vocab(self.ptr)

@@ -15,6 +15,9 @@ trap 'kill $SERVE $LS 2>/dev/null' EXIT
 stamp "GPU decode vs batched-bench"
 python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,8,16,32 \
   --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 3 2>&1 | tail -5 | tee "$OUT/overhead_gpu.txt"
+stamp "CPU decode vs batched-bench, 15 threads (model loaded in a passing thread)"
+python3 -m app bench overhead --model "$M" --device cpu --threads 15 --batches 1,4 \
+  --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 2 2>&1 | tail -1 | tee "$OUT/overhead_cpu15.txt"
 for port in 8095 8092; do
   for i in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
 done
