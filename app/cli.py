@@ -99,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     tg.add_argument("--gen-tokens", type=int, default=128)
     tg.add_argument("--repeats", type=int, default=3)
 
-    from app import bench as _bench, bench_soak as _soak, calibrate_cmd as _calibrate
+    from app import bench as _bench, bench_soak as _soak, bench_ui as _bench_ui, calibrate_cmd as _calibrate
+
+    ui = bsub.add_parser("ui", help="what the live desktop app costs the backends' decode (needs a screen)")
+    _bench_ui.add_arguments(ui)
 
     seed = bsub.add_parser("seed", help="the seed study's experiment, several policies interleaved")
     _bench.add_seed_arguments(seed)
@@ -174,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.bench import run_grid, run_seed
 
             return (run_seed if args.bench == "seed" else run_grid)(args)
+        if command == "bench" and args.bench == "ui":
+            from app.bench_ui import run_ui_bench
+
+            return run_ui_bench(args)
         if command == "bench" and args.bench == "soak":
             from app.bench_soak import run_soak
 

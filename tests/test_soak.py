@@ -26,7 +26,7 @@ def test_a_short_soak_leaves_nothing_behind(capsys, tmp_path):
     assert summary["kv_cells_idle"] == 0
     assert summary["kv_state_bytes_growth"] == 0, "llama.cpp still holds cells after the flush"
     assert summary["threads_end"] == 0, summary["threads_left"]  # every thread the soak started is gone
-    assert summary["fds_growth"] == 0
+    assert summary["fds_growth"] <= 0  # fewer at the end: an earlier test's files closed meanwhile
     assert summary["engine_finished"].get("finished_error", 0) == 0
     assert summary["engine_finished"]["finished_stopped"] > 0, "stop strings end some requests"
     # Time series: a line per interval plus the warm-up and idle lines; the files agree with stdout.
