@@ -10,7 +10,9 @@ What is measured, on one backend alone (the others idle), with random prompt tok
   decoded exactly `b` sequences and no prompt chunk; its time is the wall time since the
   backend's previous step ended (the whole cycle: batch building, `llama_decode`, sampling,
   bookkeeping — what a request waits for), median over the steps.
-- **α, β**: least squares of `step(b) = α + β·b` over the measured batches.
+- **α, β**: least squares of `step(b) = α + β·b` over the measured batches. The measured
+  steps themselves also go to the router as `Rates.step_table` (GPU kernels change at some
+  batch sizes, which a line smooths over); α and β extend it past the cap.
 - **decode tok/s**: at the cap, `cap / step(cap)` — the backend's throughput when full.
 
 Rates are stored as JSON in the user cache (`cache_dir()`: `$TANDEM_CACHE_DIR`, else
@@ -127,11 +129,26 @@ class RateStore:
         return dict(data.get("entries") or {})
 
 
+def step_table(step_s: dict[int, float]) -> tuple[float, ...]:
+    """Measured step times at batch 1..max as a table; batches not measured are interpolated
+    linearly between their measured neighbours. Empty without a measurement at batch 1."""
+    if 1 not in step_s:
+        return ()
+    points = sorted(step_s.items())
+    table = []
+    for b in range(1, points[-1][0] + 1):
+        lo = max((p for p in points if p[0] <= b), key=lambda p: p[0])
+        hi = min((p for p in points if p[0] >= b), key=lambda p: p[0])
+        t = lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (b - lo[0]) / (hi[0] - lo[0])
+        table.append(t)
+    return tuple(table)
+
+
 def rates_from_entry(entry: dict) -> Rates:
     r = entry["rates"]
     return Rates(prefill_tok_s=float(r["prefill_tok_s"]), decode_tok_s=float(r["decode_tok_s"]),
                  step_alpha_s=float(r.get("step_alpha_s", 0.0)), step_beta_s=float(r.get("step_beta_s", 0.0)),
-                 source="calibrated")
+                 step_table=tuple(float(t) for t in r.get("step_table") or ()), source="calibrated")
 
 
 class ModelRates:
@@ -211,7 +228,8 @@ class Calibration:
 
     def rates(self) -> Rates:
         return Rates(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s,
-                     step_alpha_s=self.step_alpha_s, step_beta_s=self.step_beta_s, source="calibrated")
+                     step_alpha_s=self.step_alpha_s, step_beta_s=self.step_beta_s,
+                     step_table=step_table(self.step_s), source="calibrated")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -481,5 +499,6 @@ class OnlineRefresh:
     def rates_of(track: _Track) -> Rates:
         f = track.factor
         b = track.base
+        alpha, beta, table = b.scaled(f)
         return replace(b, prefill_tok_s=track.prefill or b.prefill_tok_s, decode_tok_s=b.decode_tok_s / f,
-                       step_alpha_s=b.step_alpha_s * f, step_beta_s=b.step_beta_s * f, source="online")
+                       step_alpha_s=alpha, step_beta_s=beta, step_table=table, source="online")

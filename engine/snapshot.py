@@ -10,19 +10,38 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """A backend's measured speeds. `step_alpha_s + step_beta_s * b` is one decode step at batch b."""
+    """A backend's measured speeds.
+
+    One decode step at batch b takes `step_table[b - 1]` seconds where calibration measured
+    it (GPU kernels change at some batch sizes: llama.cpp's small-batch matrix kernels stop
+    at 8, and a step at 9 costs ~1.5x one at 8, which no straight line follows), else
+    `step_alpha_s + step_beta_s * b`, else `b / decode_tok_s`.
+    """
 
     prefill_tok_s: float
     decode_tok_s: float
     step_alpha_s: float = 0.0
     step_beta_s: float = 0.0
     source: str = "default"  # "calibrated", "override", "default", "online"
+    step_table: tuple[float, ...] = ()  # measured seconds per step at batch 1, 2, ...
 
     def step_s(self, batch: int) -> float:
         """Seconds for one decode step with `batch` running sequences."""
+        b = max(batch, 1)
+        table = self.step_table
+        if table:
+            if b <= len(table):
+                return table[b - 1]
+            slope = self.step_beta_s or (table[-1] - table[-2] if len(table) > 1 else table[-1])
+            return table[-1] + slope * (b - len(table))
         if self.step_alpha_s or self.step_beta_s:
-            return self.step_alpha_s + self.step_beta_s * max(batch, 1)
-        return max(batch, 1) / self.decode_tok_s
+            return self.step_alpha_s + self.step_beta_s * b
+        return b / self.decode_tok_s
+
+    def scaled(self, factor: float) -> tuple[float, float, tuple[float, ...]]:
+        """(alpha, beta, table) with every step time multiplied by `factor`."""
+        return (self.step_alpha_s * factor, self.step_beta_s * factor,
+                tuple(t * factor for t in self.step_table))
 
 
 @dataclass(frozen=True, slots=True)

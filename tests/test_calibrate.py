@@ -11,7 +11,7 @@ import pytest
 from app.cli import main
 from engine.backend import BackendConfig
 from engine.calibrate import (OnlineRefresh, RateStore, cache_dir, calibrate_backend, config_key,
-                              fit_step_model, parse_rates, save_calibration)
+                              fit_step_model, parse_rates, save_calibration, step_table)
 from engine.config import parse_backend_specs
 from engine.engine import DEFAULT_RATES, Engine
 from engine.errors import InvalidRequest
@@ -94,6 +94,22 @@ class TestFit:
             fit_step_model({})
 
 
+class TestStepTable:
+    def test_measured_points_become_a_table_with_gaps_interpolated(self):
+        assert step_table({1: 1.0, 2: 1.5, 4: 2.5, 8: 3.0}) == (1.0, 1.5, 2.0, 2.5, 2.625, 2.75, 2.875, 3.0)
+        assert step_table({2: 1.0, 4: 2.0}) == (), "without batch 1 there is no table"
+
+    def test_a_step_uses_the_table_then_extends_it(self):
+        # a GPU's cliff: 3 ms at 8, 4.6 ms at 9; alpha + beta*b would put both near 3.6 ms
+        table = (1.2e-3, 1.6e-3, 1.8e-3, 2.0e-3, 2.3e-3, 2.6e-3, 2.8e-3, 3.0e-3, 4.6e-3, 4.7e-3)
+        r = Rates(prefill_tok_s=5e4, decode_tok_s=3e3, step_alpha_s=1.0e-3, step_beta_s=0.3e-3, step_table=table)
+        assert r.step_s(8) == 3.0e-3 and r.step_s(9) == 4.6e-3 and r.step_s(0) == 1.2e-3
+        assert r.step_s(12) == pytest.approx(4.7e-3 + 2 * 0.3e-3)  # beyond the table: beta per sequence
+        assert Rates(1.0, 1.0, step_table=(1.0, 3.0)).step_s(4) == pytest.approx(7.0)  # no beta: last slope
+        alpha, beta, scaled = r.scaled(2.0)
+        assert (alpha, beta, scaled[8]) == (2.0e-3, 0.6e-3, 9.2e-3)
+
+
 class TestParseRates:
     def test_the_studys_cpu(self):
         name, r = parse_rates("cpu:prefill=73,decode=45")
@@ -126,6 +142,7 @@ class TestCalibrateOnTheTinyModel:
         assert all(s > 0 for s in cal.step_s.values())
         assert cal.step_alpha_s >= 0 and cal.step_beta_s >= 0
         assert cal.decode_tok_s == pytest.approx(3 / cal.step_s[3])
+        assert cal.rates().step_table == (cal.step_s[1], cal.step_s[2], cal.step_s[3])  # the router's table
         assert b0.cap == 3 and b0.cache.cached_tokens == 0  # cap restored, cache flushed
 
         # the backend still serves after calibrating
