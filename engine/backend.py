@@ -58,6 +58,7 @@ class BackendConfig:
     max_queue: int = 4096
     backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
     queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
+    idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
 
     def resolved(self) -> "BackendConfig":
         threads = self.threads or os.cpu_count() or 1
@@ -201,7 +202,8 @@ class Backend:
         # (split KV decodes consecutive ids in one ubatch; a gap starts another).
         self._free_ids = list(range(c.n_seq_max))
         self._kv_cell_bytes = _kv_bytes_per_cell(self.model)
-        self._samplers = SamplerSlots(self.model.n_vocab, self.model.eog_tokens, c.backend_sampling)
+        self._samplers = SamplerSlots(self.model.n_vocab, self.model.eog_tokens, c.backend_sampling,
+                                      idle_s=c.idle_sampler_s)
 
     def start(self) -> "Backend":
         self._thread = threading.Thread(target=self._run, name=f"backend-{self.name}", daemon=True)
@@ -414,7 +416,10 @@ class Backend:
                 with self._lock:
                     while not (self._stop or self._calls or self._cancelled or self._running
                                or (self._waiting and len(self._running) < self.cap and not self._blocked)):
-                        self._lock.wait()
+                        due = self._samplers.expires_in(time.monotonic())  # idle chains to detach
+                        if due is not None and due <= 0:
+                            break
+                        self._lock.wait(due)
                     if self._stop:
                         break
                     calls, self._calls = self._calls, []

@@ -8,6 +8,8 @@ the backend's thread.
 
 from __future__ import annotations
 
+import time
+
 from . import llama
 from .llama import lc
 from .request import SamplingParams
@@ -104,15 +106,19 @@ class SamplerSlots:
     (`idle_ids` lets the backend steer it there); when a request does need a new chain,
     `prepare` attaches the same chain to more free ids in the same reserve, so a burst
     ramping up to the cap pays one reserve, not one per sequence. Idle chains are not free
-    either (each still adds a little to a GPU step), so `trim` keeps at most the cap's worth.
+    either (each still adds a little to a GPU step: 32 idle ones cost batch-1 decode 30 %), so
+    `trim` keeps at most the cap's worth, and none that sat idle for `idle_s` seconds — a
+    burst keeps its chains, a chat after it gets its speed back.
     """
 
-    def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool):
+    def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0):
         self._n_vocab = n_vocab
         self._eog = eog_tokens
         self.on_device = on_device
         self._slots: dict[int, Sampler] = {}
         self._busy: set[int] = set()
+        self._idle_since: dict[int, float] = {}
+        self.idle_s = idle_s
         self.attaches = 0  # chains handed to the context (each costs llama.cpp a graph reserve)
 
     @property
@@ -127,6 +133,7 @@ class SamplerSlots:
     def acquire(self, ctx, seq_id: int, params: SamplingParams) -> Sampler:
         """The chain for the request about to run on `seq_id`, reset or newly attached."""
         self._busy.add(seq_id)
+        self._idle_since.pop(seq_id, None)
         old = self._slots.get(seq_id)
         if old is not None and old.key == Sampler.key_of(params):
             old.reset()
@@ -148,6 +155,7 @@ class SamplerSlots:
                 s = Sampler(params, self._n_vocab, self._eog)
                 s.attach(ctx, i)
                 self._slots[i] = s
+                self._idle_since[i] = time.monotonic()
                 self.attaches += 1
                 n += 1
         return n
@@ -155,17 +163,27 @@ class SamplerSlots:
     def release(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its chain stays, idle."""
         self._busy.discard(seq_id)
+        if seq_id in self._slots:
+            self._idle_since[seq_id] = time.monotonic()
 
-    def trim(self, limit: int) -> int:
-        """Detach idle chains, highest ids first, until at most `limit` are attached (one
-        reserve for all of them); returns how many went."""
-        excess = len(self._slots) - limit
-        if excess <= 0:
-            return 0
-        idle = sorted((i for i in self._slots if i not in self._busy), reverse=True)[:excess]
-        for i in idle:
+    def expires_in(self, now: float) -> float | None:
+        """Seconds until the oldest idle chain is due for `trim`; None when none is idle."""
+        if not self._idle_since:
+            return None
+        return min(self._idle_since.values()) + self.idle_s - now
+
+    def trim(self, limit: int, now: float | None = None) -> int:
+        """Detach idle chains that sat idle `idle_s` seconds, then more, highest ids first,
+        until at most `limit` are attached (one reserve for all of them); returns how many."""
+        now = time.monotonic() if now is None else now
+        idle = sorted(self._idle_since, reverse=True)
+        stale = {i for i in idle if now - self._idle_since[i] >= self.idle_s}
+        excess = len(self._slots) - len(stale) - limit
+        going = stale | set([i for i in idle if i not in stale][:max(excess, 0)])
+        for i in going:
             self._slots.pop(i).free()
-        return len(idle)
+            del self._idle_since[i]
+        return len(going)
 
     def close(self) -> None:
         """Free every chain; call after the context is freed (nothing to detach from)."""
@@ -173,3 +191,4 @@ class SamplerSlots:
             s.free(detach=False)
         self._slots.clear()
         self._busy.clear()
+        self._idle_since.clear()

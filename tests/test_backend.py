@@ -92,7 +92,8 @@ def test_cap_changes_take_effect(make_backend, tiny_model):
     assert max(len(rows) for _, _, rows in b.step_log) == 1
     b.step_log.clear()
     b.set_cap(3)
-    for h in [b.enqueue(_req(tiny_model, p, sp)) for p in PROMPTS[:3]]:
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # surely overlapping
+    for h in [b.enqueue(_req(tiny_model, p, long)) for p in PROMPTS[:3]]:
         h.result(WAIT)
     assert max(len(rows) for _, _, rows in b.step_log) == 3
     with pytest.raises(InvalidRequest):
@@ -165,8 +166,8 @@ def test_sampler_chains_stay_with_their_sequence_id(make_backend, default_model,
 
 
 def test_a_burst_attaches_chains_for_the_cap_at_once_and_a_lower_cap_trims_them(make_backend, tiny_model):
-    b = make_backend(tiny_model, cap=4)
-    long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    b = make_backend(tiny_model, cap=4, idle_sampler_s=1.5, n_ctx=4096)
+    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     h = b.enqueue(Request((5, 6, 7), long))
     wait_until(lambda: b.snapshot().running, what="admitted")
     assert b.samplers_attached == 4, "the free ids the next requests take got the chain in the same reserve"
@@ -174,6 +175,8 @@ def test_a_burst_attaches_chains_for_the_cap_at_once_and_a_lower_cap_trims_them(
     wait_until(lambda: b.samplers_attached == 2, what="idle chains beyond the cap detached")
     h.cancel()
     h.result(WAIT)
+    assert b.samplers_attached >= 1, "a chain outlives its request for a while"
+    wait_until(lambda: b.samplers_attached == 0, what="chains idle for idle_sampler_s detached")
 
 
 def test_a_hidden_stop_ends_early_but_admission_reserves_the_budget(make_backend, tiny_model):
