@@ -20,7 +20,7 @@ from engine.engine import Engine
 from engine.request import Request, SamplingParams
 
 from .bench_overhead import _decode_rate, _prompt
-from .cli import SWITCH_INTERVAL_S
+from .runtime import SWITCH_INTERVAL_S
 
 
 def add_arguments(p) -> None:

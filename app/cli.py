@@ -125,20 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args([*argv, "gui"]) if args.command is None else args
 
 
-# Python's GIL switch interval for processes where backend workers share the interpreter with
-# a UI or an HTTP server. Each decode step must win the GIL back after llama_decode; while
-# another thread runs Python that takes up to one interval (default 5 ms, longer than a GPU
-# step). `tandem bench overhead --busy-thread` measures it (docs/performance.md).
-SWITCH_INTERVAL_S = 0.001
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command in ("gui", "serve") or getattr(args, "bench", None) == "soak":
-        from app.memory import start_heap_trimmer
+        from app.runtime import settle_for_serving
 
-        start_heap_trimmer()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        settle_for_serving()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = args.command
