@@ -163,10 +163,51 @@ def write_plots(out_dir: Path, summary: dict, records: list[RequestRecord]) -> t
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     many = len({w for w, _ in groups}) > 1
     made = []
+    if len(groups) == 1:  # one workload: a labelled bar per variant, fastest on top
+        made.append(_makespan_ranked(plt, out_dir, summary, rows, groups[0]))
+    else:
+        made.append(_makespan_grouped(plt, out_dir, summary, rows, groups, policies, many))
+    made.append(_ttft_cdfs(plt, out_dir, records, groups, policies, many))
+    return made, None
 
+
+def _family(policy: str) -> str:
+    """The colour group of a variant label: its policy without the cap, or `target`."""
+    return "target" if policy.startswith("target:") else policy.split("@")[0]
+
+
+_FAMILY_COLORS = {"gpu-only": "#1f77b4", "predicted-finish": "#2ca02c", "seed-score": "#ff7f0e",
+                  "target": "#7f7f7f"}
+
+
+def _makespan_ranked(plt, out_dir: Path, summary: dict, rows: list[dict], group) -> Path:
+    workload, n = group
+    ranked = sorted((r for r in rows if r["makespan_s"]["mean"] is not None), key=lambda r: r["makespan_s"]["mean"])
+    fig, ax = plt.subplots(figsize=(8.0, 1.2 + 0.32 * len(ranked)))
+    ys = range(len(ranked))
+    means = [r["makespan_s"]["mean"] for r in ranked]
+    colors = [_FAMILY_COLORS.get(_family(r["policy"]), "#9467bd") for r in ranked]
+    ax.barh(ys, means, xerr=[r["makespan_s"]["std"] or 0.0 for r in ranked], color=colors, capsize=2)
+    for y, m in zip(ys, means):
+        ax.text(m, y, f" {m:.2f}", va="center", fontsize=7)
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([r["policy"] for r in ranked], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("makespan (s), mean ± std over runs")
+    ax.set_title(f"{summary['tool']}: {workload}, N={n}", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "makespan.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _makespan_grouped(plt, out_dir: Path, summary: dict, rows, groups, policies, many) -> Path:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(policies)) * 0.35 + 3), 4.2))
     width = 0.8 / max(len(policies), 1)
     index = {(r["workload"], r["requests"], r["policy"]): r for r in rows}
+    palette = plt.get_cmap("tab20" if len(policies) > 10 else "tab10")
     for k, policy in enumerate(policies):
         xs, ys, es = [], [], []
         for g, (workload, n) in enumerate(groups):
@@ -175,18 +216,21 @@ def write_plots(out_dir: Path, summary: dict, records: list[RequestRecord]) -> t
                 xs.append(g + (k - (len(policies) - 1) / 2) * width)
                 ys.append(row["makespan_s"]["mean"])
                 es.append(row["makespan_s"]["std"] or 0.0)
-        ax.bar(xs, ys, width, yerr=es, capsize=2, label=policy)
+        ax.bar(xs, ys, width, yerr=es, capsize=2, label=policy, color=palette(k % palette.N))
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{w}\nN={n}" if many else f"N={n}" for w, n in groups], fontsize=7 if many else 9,
                        rotation=30 if many else 0, ha="right" if many else "center")
     ax.set_ylabel("makespan (s), mean ± std over runs")
     ax.set_title(f"{summary['tool']}: makespan by policy")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    made.append(out_dir / "makespan.png")
-    fig.savefig(made[-1], dpi=110)
+    path = out_dir / "makespan.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
+
+def _ttft_cdfs(plt, out_dir: Path, records, groups, policies, many) -> Path:
     shown = groups[:12]
     cols = min(3, len(shown))
     nrows = math.ceil(len(shown) / cols)
@@ -207,10 +251,10 @@ def write_plots(out_dir: Path, summary: dict, records: list[RequestRecord]) -> t
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("TTFT CDF (all runs)" + (f"; first {len(shown)} of {len(groups)} groups" if len(groups) > 12 else ""))
     fig.tight_layout()
-    made.append(out_dir / "ttft_cdf.png")
-    fig.savefig(made[-1], dpi=110)
+    path = out_dir / "ttft_cdf.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return made, None
+    return path
 
 
 def _clean(obj):

@@ -177,6 +177,20 @@ def seed_run(tmp_path_factory, tiny_path):
     return rc, out / "bench"
 
 
+def test_one_workload_is_drawn_as_ranked_labelled_bars(tmp_path):
+    records = [rec(0.0, 1.0 + k, policy=p) for k, p in enumerate(["gpu-only@cap=8", "target:peer", "seed-score"])]
+    from app.bench import summarize
+
+    rows = summarize(records)
+    summary = {"tool": "tandem bench grid", "runs": 1, "results": rows,
+               "oracle": oracle(rows, group=("workload", "requests"))}
+    bench_report.write_all(tmp_path, summary, records, [], plots=False)
+    bench_report.plot_dir(tmp_path)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["plots"] == ["makespan.png", "ttft_cdf.png"]  # matplotlib is a test dependency
+    assert bench_report._family("gpu-only@cap=8") == "gpu-only" and bench_report._family("target:x") == "target"
+
+
 class TestBenchSeed:
     POLICIES = POLICIES
 
