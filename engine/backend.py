@@ -675,7 +675,7 @@ class Backend:
                 # drop the copy and alias the cached cells, so shared cells exist once.
                 lc.llama_memory_seq_rm(self._mem, sid, 0, match.length)
                 lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(match.node), sid, 0, match.length)
-            elif not self.config.kv_unified:
+            elif not self.config.kv_unified and match.length < len(in_kv):  # it will be kept
                 sid = self._park(sid)
             result = self.cache.insert(in_kv, sid)
             self._apply_free(result.free_seqs)

@@ -175,7 +175,11 @@ class SamplerSlots:
     def trim(self, limit: int, now: float | None = None) -> int:
         """Detach idle chains that sat idle `idle_s` seconds, then more, highest ids first,
         until at most `limit` are attached (one reserve for all of them); returns how many."""
+        if not self._idle_since:
+            return 0
         now = time.monotonic() if now is None else now
+        if len(self._slots) <= limit and min(self._idle_since.values()) + self.idle_s > now:
+            return 0  # the common case, once per step: nothing to do
         idle = sorted(self._idle_since, reverse=True)
         stale = {i for i in idle if now - self._idle_since[i] >= self.idle_s}
         excess = len(self._slots) - len(stale) - limit
