@@ -2,8 +2,8 @@
 
 Greedy (temperature 0) is the `greedy` sampler after optional penalties; otherwise
 penalties → top-k → top-p → min-p → temperature → seeded distribution. `ignore_eos` adds a
-logit bias of -inf on every end-of-generation token. `SamplerSlots` keeps each sequence id's chain attached between requests; all calls happen on
-the backend's thread.
+logit bias of -inf on every end-of-generation token. `SamplerSlots` keeps each sequence id's
+chain attached between requests. All calls happen on the backend's thread.
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ class SamplerSlots:
         self._eog = eog_tokens
         self.on_device = on_device
         self._slots: dict[int, Sampler] = {}
-        self._busy: set[int] = set()
-        self._idle_since: dict[int, float] = {}
+        self._idle_since: dict[int, float] = {}  # ids whose chain no request uses: since when
         self.idle_s = idle_s
         self.attaches = 0  # chains handed to the context (each costs llama.cpp a graph reserve)
 
@@ -128,11 +127,10 @@ class SamplerSlots:
     def idle_ids(self, params: SamplingParams) -> list[int]:
         """Ids whose idle chain a request with `params` would reuse as it is."""
         key = Sampler.key_of(params)
-        return [i for i, s in self._slots.items() if i not in self._busy and s.key == key]
+        return [i for i in self._idle_since if self._slots[i].key == key]
 
     def acquire(self, ctx, seq_id: int, params: SamplingParams) -> Sampler:
         """The chain for the request about to run on `seq_id`, reset or newly attached."""
-        self._busy.add(seq_id)
         self._idle_since.pop(seq_id, None)
         old = self._slots.get(seq_id)
         if old is not None and old.key == Sampler.key_of(params):
@@ -162,7 +160,6 @@ class SamplerSlots:
 
     def release(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its chain stays, idle."""
-        self._busy.discard(seq_id)
         if seq_id in self._slots:
             self._idle_since[seq_id] = time.monotonic()
 
@@ -194,5 +191,4 @@ class SamplerSlots:
         for s in self._slots.values():
             s.free(detach=False)
         self._slots.clear()
-        self._busy.clear()
         self._idle_since.clear()
