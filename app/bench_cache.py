@@ -16,13 +16,13 @@ from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 from engine.request import Request, SamplingParams
 
-from .bench_overhead import _prompt
+from .bench_overhead import filler_prompt
 
 
 def run_cache(args) -> int:
     path = resolve_model(args.model)
     model = Model(path, args.device)
-    prompt = _prompt(model, args.prefix_tokens + args.suffix_tokens)
+    prompt = filler_prompt(model, args.prefix_tokens + args.suffix_tokens)
     prefix = prompt[:args.prefix_tokens]
     backend = Backend(BackendConfig(name="bench", device=model.device, cap=1, n_ctx=2048,
                                     threads=args.threads), model).start()

@@ -32,7 +32,7 @@ def run_overhead(args) -> int:
     threads = args.threads or None
     model = Model(path, args.device)
     # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
-    prompt = _prompt(model, args.prompt_tokens)
+    prompt = filler_prompt(model, args.prompt_tokens)
     unified = args.kv == "unified"
     n_ctx = _ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
     config = BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
@@ -102,7 +102,8 @@ def run_overhead(args) -> int:
     return 0
 
 
-def _prompt(model: Model, n: int) -> list[int]:
+def filler_prompt(model: Model, n: int) -> list[int]:
+    """A fixed pseudo-text prompt of `n` tokens (the same every run)."""
     text = ("The history of computing is a story of people who wanted machines to do their "
             "arithmetic, then their bookkeeping, then their thinking. ") * (n // 8 + 1)
     tokens = model.tokenize(text, add_special=False)
@@ -152,13 +153,15 @@ def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, 
         if r.error:
             raise RuntimeError(r.error)
     if not record:
-        return _decode_rate(records)
+        return decode_rate(records)
     HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / (time.perf_counter() - t0))
     GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
-    return _decode_rate(records)
+    return decode_rate(records)
 
 
-def _decode_rate(records) -> float:
+def decode_rate(records) -> float:
+    """Decode tok/s of requests that ran together: tokens after each one's first, summed,
+    over the time from the last first token to the last token."""
     start = max(r.ttft_s for r in records)
     end = max(r.e2e_s for r in records)
     return sum(r.output_tokens - 1 for r in records) / (end - start)

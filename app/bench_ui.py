@@ -19,7 +19,7 @@ from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 
-from .bench_overhead import _decode_rate, _prompt
+from .bench_overhead import decode_rate, filler_prompt
 from .runtime import SWITCH_INTERVAL_S
 
 
@@ -51,7 +51,7 @@ def run_ui_bench(args) -> int:
     window.resize(1600, 1000)
     window.show()
     window.show_panel(args.panel)
-    prompt = _prompt(eng.model, args.prompt_tokens)
+    prompt = filler_prompt(eng.model, args.prompt_tokens)
     sp = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
 
     def batch(live_ui: bool) -> float:
@@ -66,7 +66,7 @@ def run_ui_bench(args) -> int:
         for r in records:
             if r.error:
                 raise RuntimeError(r.error)
-        return _decode_rate(records)
+        return decode_rate(records)
 
     results: dict[str, list[float]] = {"no_ui": [], "ui": []}
     try:

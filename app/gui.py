@@ -73,11 +73,7 @@ def bench_runner(eng: Engine):
             collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done)
         finally:
             runner.close()
-        m = run_metrics(collected.records)
-        return RunSummary(label=policy, policy=policy, n_requests=len(collected.records), n_ok=m.completed,
-                          makespan_s=m.makespan_s, output_tok_s=m.output_tok_s, ttft_p50_s=m.ttft_p50_s,
-                          ttft_p95_s=m.ttft_p95_s, e2e_p50_s=m.e2e_p50_s, e2e_p95_s=m.e2e_p95_s,
-                          per_backend=dict(sorted(m.routed.items())))
+        return RunSummary.of(policy, policy, run_metrics(collected.records))
 
     return run
 

@@ -273,8 +273,8 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
     n_new = max(query.max_tokens, 1)
     queue.append((query.prompt_tokens - cached, n_new, True, query.prompt_tokens - cached + n_new))
 
+    used = sum(entry[2] for entry in active)
     while True:
-        used = sum(entry[2] for entry in active)
         while queue and len(active) < cap and (not active or used + queue[0][3] <= room):
             p, d, is_new, cells = queue.popleft()
             prefill_tokens += p
@@ -293,8 +293,9 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
             entry[0] -= k
             if entry[0] > 0:
                 remaining.append(entry)
-            elif entry[1]:
-                new_done = True
+            else:
+                used -= entry[2]
+                new_done = new_done or entry[1]
         active = remaining
         if new_done:
             break

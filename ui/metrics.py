@@ -137,6 +137,14 @@ class RunSummary:
     e2e_p95_s: float
     per_backend: dict
 
+    @classmethod
+    def of(cls, label: str, policy: str, m: "benchmark.RunMetrics") -> "RunSummary":
+        """From the benchmark's own metrics of a run."""
+        return cls(label=label, policy=policy, n_requests=m.completed + m.failed, n_ok=m.completed,
+                   makespan_s=m.makespan_s, output_tok_s=m.output_tok_s, ttft_p50_s=m.ttft_p50_s,
+                   ttft_p95_s=m.ttft_p95_s, e2e_p50_s=m.e2e_p50_s, e2e_p95_s=m.e2e_p95_s,
+                   per_backend=dict(sorted(m.routed.items())))
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
