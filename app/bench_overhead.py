@@ -37,7 +37,8 @@ def run_overhead(args) -> int:
     n_ctx = _ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
     config = BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
                            threads=threads or 0, backend_sampling=not args.host_sampling,
-                           flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified)
+                           flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified,
+                           fused_greedy=not args.no_fused_greedy)
     if not unified:  # every stream holds the prompt and one sequence's tokens
         config = replace(config, n_ctx=config.resolved().n_seq_max * _ctx_for(args.prompt_tokens, args.gen_tokens, 1))
     backend = Backend(config, model).start()
@@ -95,7 +96,9 @@ def run_overhead(args) -> int:
             out[f"gil_ratio_b{b}"] = round(out[f"busy_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         if args.batched_bench:
             out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
-    out.update(model=path.name, device=model.device, kv=args.kv, threads=backend.config.threads,
+    out["eog_redos"] = backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
+    out.update(model=path.name, device=model.device, kv=args.kv, fused_greedy=backend.config.fused_greedy,
+               threads=backend.config.threads,
                switch_interval_ms=round(sys.getswitchinterval() * 1000, 3),
                prompt_tokens=len(prompt), gen_tokens=args.gen_tokens, repeats=args.repeats)
     print(json.dumps(out))

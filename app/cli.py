@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--batched-bench", metavar="BIN", default=None,
                     help="also run llama.cpp's llama-batched-bench (path) with the same shape")
     ov.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
+    ov.add_argument("--no-fused-greedy", action="store_true",
+                    help="llama.cpp's greedy sampler per sequence (and its logit bias for ignore_eos) "
+                         "instead of one argmax for all sequences of a step")
     ov.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     ov.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
     ov.add_argument("--busy-thread", action="store_true",

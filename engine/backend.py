@@ -58,6 +58,7 @@ class BackendConfig:
     cache: bool = True
     max_queue: int = 4096
     backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
+    fused_greedy: bool = True  # on the device, one argmax for all greedy sequences of a step
     queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
     idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
 
@@ -152,6 +153,7 @@ class Backend:
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (n_decode, n_prefill, seq ids)
         self.steps = 0
         self.decode_s = 0.0  # time inside llama_decode (+ device sync), summed over steps
+        self.eog_redos = 0  # end tokens a guarding chain sampled and the backend took back
         self._obs_prefill = self._obs_decode = 0.0
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -200,7 +202,7 @@ class Backend:
         self._free_ids = list(range(c.n_seq_max))
         self._kv_cell_bytes = _kv_bytes_per_cell(self.model)
         self._samplers = SamplerSlots(self.model.n_vocab, self.model.eog_tokens, c.backend_sampling,
-                                      idle_s=c.idle_sampler_s)
+                                      idle_s=c.idle_sampler_s, fused=c.fused_greedy)
 
     def start(self) -> "Backend":
         self._thread = threading.Thread(target=self._run, name=f"backend-{self.name}", daemon=True)
@@ -600,6 +602,9 @@ class Backend:
 
     def _sampled(self, s: _Seq, now: float) -> None:
         tok = s.sampler.sample(self._ctx, s.row)
+        if s.sampler.guards_eog and self.model.is_eog(tok):
+            self._pick_again(s)
+            return
         s.tokens.append(tok)
         s.generated += 1
         if s.generated == 1:
@@ -617,6 +622,14 @@ class Backend:
             self._finish(s, RequestStatus.FINISHED_STOPPED)
         elif s.generated >= s.sp.max_tokens or s.n_past + 1 >= self.n_ctx_seq:
             self._finish(s, RequestStatus.FINISHED_LENGTH)
+
+    def _pick_again(self, s: _Seq) -> None:
+        """`s` ignores end tokens and its chain guarded one (engine/sampling.py): forget it,
+        and decode the same input again next step, with a chain that bans end tokens."""
+        s.sampler = self._samplers.ban_eog(self._ctx, s.seq_id, s.sp, s.tokens[s.n_prompt:])
+        s.n_past -= 1
+        lc.llama_memory_seq_rm(self._mem, s.seq_id, s.n_past, -1)
+        self.eog_redos += 1
 
     def _finish(self, s: _Seq, status: RequestStatus, error: str | None = None) -> None:
         """End a sequence: stream the rest, keep or free its KV, publish its record."""

@@ -22,19 +22,21 @@ log = logging.getLogger("llama.cpp")
 # llama_cpp binds everything) each one releases the GIL and must win it back, and while a
 # UI or HTTP thread runs Python that can take the whole switch interval (5 ms) — per call.
 # These bindings of the same functions keep the GIL (ctypes.PyDLL); llama_decode and
-# llama_synchronize, which wait on the device, still release it.
+# llama_synchronize, which wait on the device, still release it. ggml's functions resolve
+# through the same handle (libllama's dependencies).
 _held = ctypes.PyDLL(_lc_lib._name)
 
 
-def _holding_gil(name: str, argtypes: list, restype):
+def holding_gil(name: str, argtypes: list, restype):
+    """A binding of llama.cpp's (or ggml's) function `name` that keeps the GIL."""
     f = getattr(_held, name)
     f.argtypes, f.restype = argtypes, restype
     return f
 
 
-get_sampled_token_ith = _holding_gil("llama_get_sampled_token_ith", [lc.llama_context_p_ctypes, ctypes.c_int32],
-                                     lc.llama_token)
-sampler_accept = _holding_gil("llama_sampler_accept", [lc.llama_sampler_p_ctypes, lc.llama_token], None)
+get_sampled_token_ith = holding_gil("llama_get_sampled_token_ith", [lc.llama_context_p_ctypes, ctypes.c_int32],
+                                    lc.llama_token)
+sampler_accept = holding_gil("llama_sampler_accept", [lc.llama_sampler_p_ctypes, lc.llama_token], None)
 
 _init_lock = threading.Lock()
 _initialized = False

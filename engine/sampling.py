@@ -2,8 +2,14 @@
 
 Greedy (temperature 0) is the `greedy` sampler after optional penalties; otherwise
 penalties → top-k → top-p → min-p → temperature → seeded distribution. `ignore_eos` adds a
-logit bias of -inf on every end-of-generation token. `SamplerSlots` keeps each sequence id's
-chain attached between requests. All calls happen on the backend's thread.
+logit bias of -inf on every end-of-generation token. On the device, greedy chains use
+`fused_greedy` (one argmax for the whole step, `engine/greedy.py`) and `ignore_eos` is
+enforced differently: llama.cpp's logit bias costs every sequence three kernels and two
+blocking uploads per step, so the chain runs unbiased and *guards* end tokens instead — when
+one comes up, the backend rewinds that token and the sequence takes the biased chain
+(`SamplerSlots.ban_eog`), which picks from the same logits with the end tokens banned. The
+tokens are the same either way. `SamplerSlots` keeps each sequence id's chain attached
+between requests. All calls happen on the backend's thread.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import time
 
 from . import llama
+from .greedy import fused_greedy
 from .llama import lc
 from .request import SamplingParams
 
@@ -23,7 +30,7 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "_bias", "_ctx", "_seq")
+    __slots__ = ("ptr", "key", "guards_eog", "_bias", "_ctx", "_seq")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
@@ -34,14 +41,18 @@ class Sampler:
         return ("dist", params.ignore_eos, penalty, params.top_k, params.top_p, params.min_p,
                 params.temperature, params.seed)
 
-    def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int]):
+    def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False):
+        """`fused`: a greedy chain for the device, with `fused_greedy` and, for `ignore_eos`,
+        no bias but `guards_eog` (the caller must not keep an end token it samples)."""
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+        fused = fused and params.greedy
         self.key = self.key_of(params)
+        self.guards_eog = fused and params.ignore_eos
         self._bias = None
         self._ctx = None
         self._seq = -1
-        if params.ignore_eos and eog_tokens:
+        if params.ignore_eos and eog_tokens and not fused:
             self._bias = (lc.llama_logit_bias * len(eog_tokens))(
                 *[lc.llama_logit_bias(t, float("-inf")) for t in eog_tokens]
             )
@@ -49,7 +60,7 @@ class Sampler:
         if params.repeat_penalty != 1.0:
             add(lc.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
         if params.greedy:
-            add(lc.llama_sampler_init_greedy())
+            add(fused_greedy() if fused else lc.llama_sampler_init_greedy())
         else:
             if params.top_k > 0:
                 add(lc.llama_sampler_init_top_k(min(params.top_k, n_vocab)))
@@ -84,6 +95,11 @@ class Sampler:
         """Forget the previous request: penalty history, and a fresh draw of an unset seed."""
         lc.llama_sampler_reset(self.ptr)
 
+    def accept(self, tokens) -> None:
+        """Replay tokens chosen before this chain took over (penalty history)."""
+        for t in tokens:
+            llama.sampler_accept(self.ptr, t)
+
     def free(self, detach: bool = True) -> None:
         """Free the chain, detaching it from the context first unless `detach` is False (the
         context is gone, or another chain already took its sequence id)."""
@@ -111,10 +127,12 @@ class SamplerSlots:
     burst keeps its chains, a chat after it gets its speed back.
     """
 
-    def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0):
+    def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
+                 fused: bool = True):
         self._n_vocab = n_vocab
         self._eog = eog_tokens
         self.on_device = on_device
+        self.fused = on_device and fused  # greedy chains take `fused_greedy` (engine/greedy.py)
         self._slots: dict[int, Sampler] = {}
         self._idle_since: dict[int, float] = {}  # ids whose chain no request uses: since when
         self.idle_s = idle_s
@@ -136,7 +154,17 @@ class SamplerSlots:
         if old is not None and old.key == Sampler.key_of(params):
             old.reset()
             return old
-        new = Sampler(params, self._n_vocab, self._eog)
+        return self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog, self.fused))
+
+    def ban_eog(self, ctx, seq_id: int, params: SamplingParams, accepted) -> Sampler:
+        """Swap `seq_id`'s guarding chain for one that bans end tokens (logit bias), with the
+        request's `accepted` tokens replayed into it."""
+        new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog))
+        new.accept(accepted)
+        return new
+
+    def _replace(self, ctx, seq_id: int, new: Sampler) -> Sampler:
+        old = self._slots.get(seq_id)
         if self.on_device:
             new.attach(ctx, seq_id)  # replaces the old chain for this id in one reserve
             self.attaches += 1
@@ -150,7 +178,7 @@ class SamplerSlots:
         n = 0
         for i in seq_ids:
             if i not in self._slots:
-                s = Sampler(params, self._n_vocab, self._eog)
+                s = Sampler(params, self._n_vocab, self._eog, self.fused)
                 s.attach(ctx, i)
                 self._slots[i] = s
                 self._idle_since[i] = time.monotonic()

@@ -1,0 +1,85 @@
+"""Device sampling: the fused greedy argmax and the guarded `ignore_eos` chain choose exactly
+the tokens llama.cpp's own greedy and logit-bias chain choose."""
+
+from __future__ import annotations
+
+import ctypes
+
+from engine import greedy
+from engine.llama import holding_gil
+from engine.request import Request, SamplingParams
+
+WAIT = 120
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def test_the_tensor_mirror_reads_ggml_views():
+    """`_row_of` finds the matrix and row behind a row view, read through our mirror of
+    `struct ggml_tensor` from tensors the real library made."""
+    P = ctypes.c_void_p
+    ggml_init = holding_gil("ggml_init", [_InitParams], P)
+    ggml_free = holding_gil("ggml_free", [P], None)
+    new_2d = holding_gil("ggml_new_tensor_2d", [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], P)
+    new_1d = holding_gil("ggml_new_tensor_1d", [P, ctypes.c_int, ctypes.c_int64], P)
+    ctx = ggml_init(_InitParams(1 << 20, None, True))
+    try:
+        m = new_2d(ctx, 0, 1000, 7)
+        row = greedy.ggml_view_1d(ctx, m, 1000, 5 * 1000 * 4)
+        assert greedy._row_of(row) == (m, 5)
+        assert greedy._row_of(m) is None  # not a view
+        assert greedy._row_of(greedy.ggml_view_1d(ctx, m, 999, 4000)) is None  # not a whole row
+        assert greedy._row_of(new_1d(ctx, 0, 1000)) is None
+    finally:
+        ggml_free(ctx)
+
+
+def _texts(b, model, prompts, sp, together=True):
+    if together:
+        handles = [b.enqueue(Request(tuple(p), sp)) for p in prompts]
+        return [h.result(WAIT) for h in handles]
+    return [b.enqueue(Request(tuple(p), sp)).result(WAIT) for p in prompts]
+
+
+def test_fused_greedy_chooses_what_llama_greedy_chooses(make_backend, tiny_model):
+    """Four sequences decoding together take their rows of one argmax; the tokens are those
+    of llama.cpp's per-sequence greedy (bit-exact on the F16 tiny model)."""
+    prompts = [[5 + i, 9, 3 * i + 1, 40 + i] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    fused = make_backend(tiny_model, cap=4, cache=False)
+    before = greedy.BUILDS.copy()
+    out = _texts(fused, tiny_model, prompts, sp)
+    built = greedy.BUILDS - before
+    plain = _texts(make_backend(tiny_model, cap=4, cache=False, fused_greedy=False), tiny_model, prompts, sp)
+    assert [r.text for r in out] == [r.text for r in plain]
+    assert all(r.output_tokens == 20 for r in out)
+    # Each graph build made one argmax and the four chains took their rows of it.
+    assert built["shared"] >= 1 and built["row"] == 4 * built["shared"], built
+
+
+def test_ignore_eos_guard_takes_back_end_tokens(make_backend, default_model):
+    """A chat model wants to stop; with `ignore_eos` the guarding chain's end token is taken
+    back and picked again with end tokens banned: the text is that of the biased chain."""
+    prompts = [default_model.tokenize(f"<|im_start|>user\nSay {w}.<|im_end|>\n<|im_start|>assistant\n",
+                                      add_special=False) for w in ("hi", "yes")]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    guarded = make_backend(default_model, cap=2, cache=False)
+    out = _texts(guarded, default_model, prompts, sp, together=False)
+    biased = _texts(make_backend(default_model, cap=2, cache=False, fused_greedy=False), default_model,
+                    prompts, sp, together=False)
+    assert [r.text for r in out] == [r.text for r in biased]
+    assert all(r.output_tokens == 24 and r.finish_reason == "length" for r in out)
+    assert guarded.eog_redos >= 1, "the prompts were chosen for a model that wants to end early"
+    # Together, too: every request runs to its length and no end token leaks into the text.
+    again = _texts(guarded, default_model, prompts * 2, sp)
+    assert all(r.output_tokens == 24 and "<|im_end|>" not in r.text for r in again)
+
+
+def test_host_sampling_keeps_llama_chains(make_backend, tiny_model):
+    """Without device sampling nothing is fused or guarded (the logit bias is cheap on the host)."""
+    b = make_backend(tiny_model, cap=2, cache=False, backend_sampling=False)
+    before = greedy.BUILDS.copy()
+    r = b.enqueue(Request((5, 6, 7), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))).result(WAIT)
+    assert r.output_tokens == 8 and greedy.BUILDS == before and b.eog_redos == 0
