@@ -34,13 +34,13 @@ def run_overhead(args) -> int:
     # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
     prompt = filler_prompt(model, args.prompt_tokens)
     unified = args.kv == "unified"
-    n_ctx = _ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
+    n_ctx = ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
     config = BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
                            threads=threads or 0, backend_sampling=not args.host_sampling,
                            flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified,
                            fused_greedy=not args.no_fused_greedy)
     if not unified:  # every stream holds the prompt and one sequence's tokens
-        config = replace(config, n_ctx=config.resolved().n_seq_max * _ctx_for(args.prompt_tokens, args.gen_tokens, 1))
+        config = replace(config, n_ctx=config.resolved().n_seq_max * ctx_for(args.prompt_tokens, args.gen_tokens, 1))
     backend = Backend(config, model).start()
     llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,
                                                  flash=args.flash_attn != "off")
@@ -59,12 +59,12 @@ def run_overhead(args) -> int:
         # One unmeasured round warms caches, threads and the allocator on all sides.
         for rnd in range(args.repeats + 1):
             for b in batches:
-                v = _engine_decode(backend, prompt, args.gen_tokens, b)
+                v = engine_decode(backend, prompt, args.gen_tokens, b)
                 if rnd:
                     results[f"engine_b{b}"].append(v)
                 if args.busy_thread:
                     with _BusyThread():
-                        v = _engine_decode(backend, prompt, args.gen_tokens, b, record=False)
+                        v = engine_decode(backend, prompt, args.gen_tokens, b, record=False)
                     if rnd:
                         results[f"busy_b{b}"].append(v)
             if llama is not None:
@@ -113,7 +113,7 @@ def filler_prompt(model: Model, n: int) -> list[int]:
     return tokens[:n]
 
 
-def _ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
+def ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
     need = n_prompt + batch * (n_gen + 1) + 64
     return 1 << (need - 1).bit_length()
 
@@ -144,7 +144,7 @@ class _BusyThread:
         self._thread.join()
 
 
-def _engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True) -> float:
+def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True) -> float:
     backend.set_cap(batch)  # B at a time, and no more idle sampler chains than that
     backend.flush().result(60)
     backend.warm(prompt[:-1]).result(120)

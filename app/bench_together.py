@@ -16,19 +16,19 @@ import threading
 from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 
-from .bench_overhead import _ctx_for, _engine_decode, _prompt
+from .bench_overhead import ctx_for, engine_decode, filler_prompt
 
 
 def run_together(args) -> int:
     path = resolve_model(args.model)
-    gpu_model, cpu_model = Model(path, "gpu"), Model(path, "cpu")
-    prompt = _prompt(cpu_model, args.prompt_tokens)
+    gpu_model, cpu_model = Model(path, args.gpu_device), Model(path, "cpu")
+    prompt = filler_prompt(cpu_model, args.prompt_tokens)
     batches = {"gpu": args.gpu_batch, "cpu": args.cpu_batch}
     backends = {
-        "gpu": Backend(BackendConfig(name="gpu", device="gpu", cap=args.gpu_batch, threads=args.gpu_threads,
-                                     n_ctx=_ctx_for(len(prompt), args.gen_tokens, args.gpu_batch)), gpu_model).start(),
+        "gpu": Backend(BackendConfig(name="gpu", device=gpu_model.device, cap=args.gpu_batch, threads=args.gpu_threads,
+                                     n_ctx=ctx_for(len(prompt), args.gen_tokens, args.gpu_batch)), gpu_model).start(),
         "cpu": Backend(BackendConfig(name="cpu", device="cpu", cap=args.cpu_batch, threads=args.cpu_threads,
-                                     n_ctx=_ctx_for(len(prompt), args.gen_tokens, args.cpu_batch)), cpu_model).start(),
+                                     n_ctx=ctx_for(len(prompt), args.gen_tokens, args.cpu_batch)), cpu_model).start(),
     }
     print(f"model {path.name}; gpu batch {args.gpu_batch} ({args.gpu_threads} host threads), "
           f"cpu batch {args.cpu_batch} ({args.cpu_threads} threads)", file=sys.stderr)
@@ -36,7 +36,7 @@ def run_together(args) -> int:
     together = {k: [] for k in backends}
 
     def measure(name, into):
-        into[name].append(_engine_decode(backends[name], prompt, args.gen_tokens, batches[name]))
+        into[name].append(engine_decode(backends[name], prompt, args.gen_tokens, batches[name]))
 
     try:
         for rnd in range(args.repeats + 1):

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     tg.add_argument("--gpu-batch", type=int, default=16)
     tg.add_argument("--cpu-batch", type=int, default=4)
     tg.add_argument("--gpu-threads", type=int, default=1, help="host threads of the GPU context")
+    tg.add_argument("--gpu-device", default="gpu", choices=["gpu", "cpu"],
+                    help="device of the first backend (cpu: a smoke run on a machine without a GPU)")
     tg.add_argument("--cpu-threads", type=int, default=0, help="0: all cores but one")
     tg.add_argument("--prompt-tokens", type=int, default=516)
     tg.add_argument("--gen-tokens", type=int, default=128)

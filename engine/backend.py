@@ -685,7 +685,7 @@ class Backend:
                 # drop the copy and alias the cached cells, so shared cells exist once.
                 lc.llama_memory_seq_rm(self._mem, sid, 0, match.length)
                 lc.llama_memory_seq_cp(self._mem, self.cache.holder_for(match.node), sid, 0, match.length)
-            elif not self.config.kv_unified and match.length < len(in_kv):  # it will be kept
+            if match.length < len(in_kv):  # it will be kept, on an id of its own
                 sid = self._park(sid)
             result = self.cache.insert(in_kv, sid)
             self._apply_free(result.free_seqs)
@@ -697,9 +697,13 @@ class Backend:
         s.n_shared = s.n_past = 0
 
     def _park(self, sid: int) -> int:
-        """Split KV: move a finished sequence's stream to the highest free id, so cached
-        prefixes sit above the running sequences and those stay consecutive (one ubatch per
-        decode step). A device-side copy of one stream; returns the id that now holds it."""
+        """Move a finished sequence's KV to the highest free id, which the cache then holds;
+        returns that id. Running sequences keep the low ids, and with them the sampler chains
+        attached there (SamplerSlots): a cache holder left on a chained id would send the next
+        request to an id without one, and each attach costs a graph reserve. In split KV it
+        also keeps the running ids consecutive (one ubatch per decode step). Unified KV: the
+        cells gain and lose a sequence id, nothing moves; split KV: one stream is copied on
+        the device."""
         top = max(self._free_ids, default=-1)
         if top < sid:
             return sid

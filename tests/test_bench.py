@@ -308,6 +308,28 @@ def test_unusable_policy_is_a_clear_error(tmp_path, tiny_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def _last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_overhead_prints_rates_and_shares(tiny_path, capsys):
+    rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "1,2",
+               "--repeats", "1", "--no-llama", "--prompt-tokens", "64", "--gen-tokens", "16"])
+    out = _last_json(capsys)
+    assert rc == 0 and out["engine_b1_tok_s"] > 0 and out["engine_b2_tok_s"] > 0
+    assert set(out["graph_reuse"]) == {"b1", "b2"} and out["fused_greedy"] is True and out["eog_redos"] == 0
+
+
+def test_bench_together_runs_two_backends_at_once(tiny_path, capsys):
+    """Smoke run on a machine without a GPU: both backends on the CPU, one thread each."""
+    rc = main(["bench", "together", "--model", str(tiny_path), "--gpu-device", "cpu", "--gpu-batch", "2",
+               "--cpu-batch", "2", "--cpu-threads", "1", "--repeats", "1", "--prompt-tokens", "64",
+               "--gen-tokens", "16"])
+    out = _last_json(capsys)
+    assert rc == 0 and out["gpu_alone_tok_s"] > 0 and out["cpu_together_tok_s"] > 0
+    assert 0 < out["gpu_keep"] and 0 < out["cpu_keep"]
+
+
 # ---------------------------------------------------------------------------- HTTP peers
 
 

@@ -83,3 +83,18 @@ def test_host_sampling_keeps_llama_chains(make_backend, tiny_model):
     before = greedy.BUILDS.copy()
     r = b.enqueue(Request((5, 6, 7), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))).result(WAIT)
     assert r.output_tokens == 8 and greedy.BUILDS == before and b.eog_redos == 0
+
+
+def test_cached_sequences_leave_the_chained_ids_to_new_requests(make_backend, tiny_model):
+    """Finished sequences the prefix cache keeps move to high ids, so each new request lands
+    on an id whose chain is still attached: one attach per id for the whole run, not one per
+    request (each attach is a graph reserve, which stalls every running sequence on a GPU)."""
+    b = make_backend(tiny_model, cap=4, n_ctx=8192)
+    prefix = [(7 * i) % 200 + 5 for i in range(200)]
+    b.warm(prefix).result(WAIT)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    handles = [b.enqueue(Request(tuple(prefix + [210 + i, 240 + i]), sp)) for i in range(24)]
+    assert all(h.result(WAIT).output_tokens == 16 for h in handles)
+    assert b.cache.n_holders == 24, "every reply is cached, each on its own holder id"
+    assert b.sampler_attaches == 4 and b.samplers_attached == 4
+    assert b.kv_cells_used() == 200 + 24 * (2 + 15), "the prefix once, each request's own cells once"
