@@ -233,9 +233,15 @@ class Backend:
     # ---- any thread ----
 
     def validate(self, request: Request) -> None:
-        """Raise if this backend can never serve `request` (prompt does not fit the context)."""
-        if len(request.prompt_tokens) >= self.n_ctx_seq:
-            raise ContextLengthExceeded(len(request.prompt_tokens), self.n_ctx_seq)
+        """Raise if this backend can never serve `request`: the prompt does not fit the
+        context, or holds a token id the model does not have (llama.cpp would fail the
+        whole step, and every sequence in it)."""
+        tokens = request.prompt_tokens
+        if len(tokens) >= self.n_ctx_seq:
+            raise ContextLengthExceeded(len(tokens), self.n_ctx_seq)
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.model.n_vocab):
+            bad = next(t for t in tokens if not 0 <= t < self.model.n_vocab)
+            raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary [0, {self.model.n_vocab})")
 
     def match(self, tokens) -> int:
         """Longest usable cached prefix of `tokens` (cheap, read-only; any thread).

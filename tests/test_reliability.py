@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import parse_backend_specs
 from engine.engine import Engine
-from engine.errors import BackendUnavailable, QueueFull
+from engine.errors import BackendUnavailable, InvalidRequest, QueueFull
 from engine.request import Request, RequestStatus, SamplingParams
 
 from waiting import WAIT, wait_until
@@ -110,6 +110,18 @@ def test_queue_limit_refuses_new_work_and_loses_nothing(tiny_path):
         assert all(h.result(WAIT).output_tokens == 800 for h in accepted)
     finally:
         eng.close()
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_and_the_rest_goes_on(engine):
+    """Through the Python API (the HTTP server checks ids itself): llama.cpp would fail the
+    whole step, and every running sequence with it."""
+    running = engine.submit(_long(engine, 1))
+    for bad in (engine.model.n_vocab, -1):
+        with pytest.raises(InvalidRequest, match="vocabulary"):
+            engine.submit(Request((5, bad, 6), SamplingParams(max_tokens=4)))
+    record = running.result(WAIT)
+    assert record.output_tokens == 300 and record.error is None
+    assert all(b.healthy for b in engine.backends.values())
 
 
 def test_queued_requests_time_out(tiny_path):
