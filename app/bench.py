@@ -338,6 +338,8 @@ class Bench:
                 if runner is not None:
                     runner.close()
                 if eng is not None:
+                    if self.engines and self.engines[-1]["kv_seqs"] == kv:
+                        self.engines[-1]["counters"] = _engine_counters(eng)
                     self.checkpoint()
                     eng.close()
 
@@ -519,6 +521,13 @@ def _engine_info(eng, sweep) -> list[dict]:
                     "kv_unified": c.kv_unified, "swept": b.name == sweep,
                     "rates": asdict(b.rates)})
     return out
+
+
+def _engine_counters(eng) -> dict:
+    """Per backend, over the whole invocation: steps, how many reused the previous step's
+    graph, sampler chains attached (each a graph reserve) and end tokens taken back."""
+    return {b.name: {"steps": b.steps, "graphs_reused": b.graphs_reused, "sampler_attaches": b.sampler_attaches,
+                     "eog_redos": b.eog_redos} for b in eng.backends.values()}
 
 
 def _model_info(spec, eng) -> dict:

@@ -208,6 +208,9 @@ class TestBenchSeed:
         assert summary["requests"] == [2, 6] and summary["runs"] == 2
         assert "fresh engine state" in summary["engine_state"] and "loaded once" in summary["engine_state"]
         assert [b["rates"]["source"] for b in summary["backends"]] == ["override", "override"]
+        counters = summary["engines"][0]["counters"]
+        assert set(counters) == {"cpu0", "cpu1"} and all(c["steps"] >= c["graphs_reused"] for c in counters.values())
+        assert sum(c["steps"] for c in counters.values()) > 0
         assert len(summary["results"]) == len(self.POLICIES) * 2
         for row in summary["results"]:
             for key in ("makespan_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s"):
