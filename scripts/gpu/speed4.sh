@@ -9,6 +9,9 @@ T0=$SECONDS
 stamp() { echo "== $1 ($((SECONDS - T0)) s)"; }
 P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.model import resolve_model; print(resolve_model('$M'))")
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+stamp "GPU decode vs batched-bench"
+python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,8,16,32 \
+  --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 3 2>&1 | tail -5 | tee "$OUT/overhead_gpu.txt"
 python3 -m app serve --model "$M" --backend gpu:cap=32,ctx=32768,threads=8 --port 8095 > /tmp/tandem-serve.log 2>&1 &
 SERVE=$!
 $LCBIN/llama-server -m "$P" -ngl 99 -np 8 -c 16384 -kvu --port 8092 --host 127.0.0.1 -fa auto > /tmp/llama-server-np8.log 2>&1 &
@@ -16,9 +19,6 @@ LS8=$!
 $LCBIN/llama-server -m "$P" -ngl 99 -np 4 -c 16384 -kvu --port 8094 --host 127.0.0.1 -fa auto > /tmp/llama-server-np4.log 2>&1 &
 LS4=$!
 trap 'kill $SERVE $LS8 $LS4 2>/dev/null' EXIT
-stamp "GPU decode vs batched-bench (servers loaded, idle)"
-python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,8,16,32 \
-  --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 3 2>&1 | tail -5 | tee "$OUT/overhead_gpu.txt"
 for port in 8095 8092 8094; do
   for i in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
 done
