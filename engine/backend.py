@@ -28,7 +28,7 @@ from operator import attrgetter
 from .batch import Batch
 from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull
 from .events import EventBus, RequestAdmitted, RequestFinished, StepDone
-from .handle import RequestHandle
+from .handle import Outbox, RequestHandle
 from .llama import lc
 from .model import Model
 from .prefix_cache import PrefixCache
@@ -417,32 +417,38 @@ class Backend:
 
     def _run(self) -> None:
         try:
-            while True:
-                with self._lock:
-                    while not (self._stop or self._calls or self._cancelled or self._running
-                               or (self._waiting and len(self._running) < self.cap and not self._blocked)):
-                        due = self._samplers.expires_in(time.monotonic())  # idle chains to detach
-                        if due is not None and due <= 0:
-                            break
-                        self._lock.wait(due)
-                    if self._stop:
-                        break
-                    calls, self._calls = self._calls, []
-                for fn, fut in calls:
-                    _run_call(fn, self, fut)
-                with self._lock:
-                    cancelled, self._cancelled = self._cancelled, set()
-                if cancelled:
-                    self._apply_cancel(cancelled)
-                self._admit()
-                if self._running:
-                    self._step()
-                self._samplers.trim(self.cap)
+            with Outbox() as outbox:  # text for asyncio consumers, handed over once per iteration
+                self._loop(outbox)
         except Exception as e:  # a device failure or a bug: this backend stops, the process goes on
             log.exception("%s: worker failed", self.name)
             self._die(f"backend {self.name} failed: {e}")
         finally:
             self._shutdown()
+
+    def _loop(self, outbox: Outbox) -> None:
+        """Queued calls, cancellations, admissions, one step; until stopped."""
+        while True:
+            with self._lock:
+                while not (self._stop or self._calls or self._cancelled or self._running
+                           or (self._waiting and len(self._running) < self.cap and not self._blocked)):
+                    due = self._samplers.expires_in(time.monotonic())  # idle chains to detach
+                    if due is not None and due <= 0:
+                        break
+                    self._lock.wait(due)
+                if self._stop:
+                    break
+                calls, self._calls = self._calls, []
+            for fn, fut in calls:
+                _run_call(fn, self, fut)
+            with self._lock:
+                cancelled, self._cancelled = self._cancelled, set()
+            if cancelled:
+                self._apply_cancel(cancelled)
+            self._admit()
+            if self._running:
+                self._step()
+            self._samplers.trim(self.cap)
+            outbox.flush()
 
     def _apply_cancel(self, ids: set[str]) -> None:
         with self._lock:

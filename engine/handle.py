@@ -3,7 +3,9 @@
 A backend thread delivers text deltas and, last, one `FinishRecord`. The handle hands them
 to a blocking iterator (`for delta in handle`) or, when created with an asyncio loop, to an
 async iterator (`async for delta in handle.astream()`), marshalled with
-`loop.call_soon_threadsafe`. `cancel()` may be called from any thread, at any time.
+`loop.call_soon_threadsafe` — once per backend step for all of a loop's handles when the
+delivering thread gathers them in an `Outbox`. `cancel()` may be called from any thread, at
+any time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,48 @@ from .errors import RequestFailed
 from .request import FinishRecord, Request
 
 _END = object()
+_gathering = threading.local()
+
+
+class Outbox:
+    """Deliveries to asyncio handles, gathered on one thread and handed to each event loop in
+    one `call_soon_threadsafe` at `flush()`.
+
+    A backend worker gathers a whole step's text (`with Outbox():` around its loop, a flush
+    per iteration). Handed over token by token, every delivery would wake the loop, whose
+    thread then wants the GIL while the worker is still sampling and bookkeeping — and the
+    worker waits a switch interval to get it back. Handed over once per step, the loop runs
+    while the worker is inside `llama_decode`, which releases the GIL.
+    """
+
+    def __init__(self):
+        self._batches: dict[asyncio.AbstractEventLoop, list] = {}
+
+    def __enter__(self) -> "Outbox":
+        _gathering.outbox = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _gathering.outbox = None
+        self.flush()
+
+    def add(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+        self._batches.setdefault(loop, []).append((q, item))
+
+    def flush(self) -> None:
+        if not self._batches:
+            return
+        batches, self._batches = self._batches, {}
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_hand_over, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _hand_over(batch) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 class RequestHandle:
@@ -44,6 +88,10 @@ class RequestHandle:
 
     def _put(self, item) -> None:
         if self._aq is not None:
+            outbox = getattr(_gathering, "outbox", None)
+            if outbox is not None:
+                outbox.add(self._loop, self._aq, item)
+                return
             try:
                 self._loop.call_soon_threadsafe(self._aq.put_nowait, item)
             except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -61,11 +109,19 @@ class RequestHandle:
             yield item
 
     async def astream(self):
-        """Yield text deltas until the request ends (asyncio)."""
+        """Yield text deltas until the request ends (asyncio). Text that piled up while the
+        consumer was busy comes as one delta."""
         if self._aq is None:
             raise TypeError("this handle was created without a loop: iterate it instead")
-        while (item := await self._aq.get()) is not _END:
-            yield item
+        q = self._aq
+        while (item := await q.get()) is not _END:
+            parts = [item]
+            while not q.empty():
+                if (more := q.get_nowait()) is _END:
+                    yield "".join(parts)
+                    return
+                parts.append(more)
+            yield parts[0] if len(parts) == 1 else "".join(parts)
 
     def result(self, timeout: float | None = None) -> FinishRecord:
         """Wait for the finish record (does not consume the stream)."""
