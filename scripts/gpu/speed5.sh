@@ -19,9 +19,9 @@ trap 'kill $SERVE $LS8 2>/dev/null' EXIT
 for port in 8095 8092; do
   for i in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
 done
-stamp "N=48 at GPU caps 8/16/32, llama-server -np 8, tandem serve cap 16"
+stamp "N=48 at GPU caps 8 (the spec)/16/32, llama-server -np 8, tandem serve cap 16"
 python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:cap=8,ctx=32768,threads=8 --backend cpu:cap=4,threads=15 \
-  --requests 48 --runs 5 --shared 96 --outputs fixed --arrivals interval --caps 8,16,32 \
+  --requests 48 --runs 5 --shared 96 --outputs fixed --arrivals interval --caps 16,32 \
   --sweep-policies gpu-only --policies gpu-only \
   --target llama-server-np8=http://127.0.0.1:8092 --target tandem-serve-cap16=http://127.0.0.1:8095 --target-warm 4 \
   --no-plots --out "$OUT/n48" 2>&1 | grep -v "it/s\]" | tail -16
