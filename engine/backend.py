@@ -692,6 +692,11 @@ class Backend:
         else:
             in_kv = s.tokens[:s.n_past]
             match = self.cache.match(in_kv)
+            if match.length < len(in_kv) and not any(i > sid for i in self._free_ids):
+                # It will be kept, and `_park` needs a free id above: the least recently used
+                # cached sequence makes way (else this one would stay on a chained id).
+                self._apply_evictions(self.cache.evict(need_seqs=1))
+                match = self.cache.match(in_kv)
             if match.length > s.n_shared and self.config.kv_unified:
                 # The sequence computed its own copy of a prefix the cache already holds:
                 # drop the copy and alias the cached cells, so shared cells exist once.

@@ -98,3 +98,7 @@ def test_cached_sequences_leave_the_chained_ids_to_new_requests(make_backend, ti
     assert b.cache.n_holders == 24, "every reply is cached, each on its own holder id"
     assert b.sampler_attaches == 4 and b.samplers_attached == 4
     assert b.kv_cells_used() == 200 + 24 * (2 + 15), "the prefix once, each request's own cells once"
+    # More than the ids left for the cache (32 - 4): the oldest cached replies make way.
+    handles = [b.enqueue(Request(tuple(prefix + [1 + i, 240 + i]), sp)) for i in range(16)]
+    assert all(h.result(WAIT).output_tokens == 16 for h in handles)
+    assert b.cache.n_holders == 32 - 4 and b.sampler_attaches == 4 and b.samplers_attached == 4
