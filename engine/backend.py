@@ -61,6 +61,9 @@ class BackendConfig:
     fused_greedy: bool = True  # on the device, one argmax for all greedy sequences of a step
     queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
     idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
+    # Unified KV: while B sequences run, the prefix cache keeps at most idle_cache_cells / B
+    # cells that none of them uses (every step attends over all cells in use). -1: n_ctx.
+    idle_cache_cells: int = -1
 
     def resolved(self) -> "BackendConfig":
         threads = self.threads or os.cpu_count() or 1
@@ -446,6 +449,7 @@ class Backend:
                 self._apply_cancel(cancelled)
             self._admit()
             if self._running:
+                self._shed_idle_cache()
                 self._step()
             self._samplers.trim(self.cap)
             outbox.flush()
@@ -482,6 +486,18 @@ class Backend:
                 self._waiting.popleft()
                 self._running.append(seq)
             self.bus.publish(RequestAdmitted(self.name, seq.req.id, seq.n_shared, seq.t_admit))
+
+    def _shed_idle_cache(self) -> None:
+        """Unified KV: evict least recently used cached sequences that no running sequence
+        uses until at most `idle_cache_cells / B` such cells remain. Each decode token attends
+        over every cell in use, so an idle cached cell costs every running sequence at every
+        step: a lone chat keeps its history, a batch of B keeps a B-th of it."""
+        if not self.config.kv_unified or not self.cache_enabled:
+            return
+        budget = self.n_ctx if self.config.idle_cache_cells < 0 else self.config.idle_cache_cells
+        excess = self.cache.evictable_tokens - budget // len(self._running)
+        if excess > 0:
+            self._apply_evictions(self.cache.evict(need_tokens=excess))
 
     def _place(self, seq: _Seq) -> bool:
         """Give `seq` a sequence id and its cached prefix, if KV room allows. Worker thread."""

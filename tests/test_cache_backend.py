@@ -177,3 +177,24 @@ def test_decode_steps_reuse_the_compute_graph(make_backend, tiny_model, unified)
     b.cache.check_invariants()
     share = (b.graphs_reused - reused) / (b.steps - steps)
     assert share > 0.6
+
+
+@pytest.mark.parametrize("budget", [-1, 300])
+def test_idle_cached_cells_shrink_as_the_batch_grows(make_backend, tiny_model, budget):
+    """Unified KV: while B sequences run, the cache keeps at most idle_cache_cells / B cells
+    that none of them uses (-1: n_ctx); the least recently used go first."""
+    b = make_backend(tiny_model, cap=4, n_ctx=4096, idle_cache_cells=budget)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i in range(6):  # one at a time: each leaves ~115 cached cells
+        b.enqueue(Request(tuple(_text_tokens(tiny_model, 100, seed=40 + i)), sp)).result(WAIT)
+    kept, cached = b.cache.evictable_tokens, b.cache.cached_tokens
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    handles = [b.enqueue(Request(tuple(_text_tokens(tiny_model, 20, seed=60 + i)), long)) for i in range(3)]
+    wait_until(lambda: len(b.snapshot().running) == 3, what="three running")
+    if budget < 0:
+        assert kept > 600 and b.cache.cached_tokens == cached, "4096 / 3 cells is room for all of it"
+    else:
+        assert kept <= 300 + 120  # B = 1 while each ran; the last one's cells came after
+        wait_until(lambda: b.cache.evictable_tokens <= 300 // 3, what="idle cache shed to budget / B")
+    assert all(h.result(WAIT).output_tokens == 400 for h in handles)
+    assert b.kv_cells_used() == b.cache.cached_tokens
