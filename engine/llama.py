@@ -38,6 +38,23 @@ get_sampled_token_ith = holding_gil("llama_get_sampled_token_ith", [lc.llama_con
                                     lc.llama_token)
 sampler_accept = holding_gil("llama_sampler_accept", [lc.llama_sampler_p_ctypes, lc.llama_token], None)
 
+
+def _sampled_token_after_sync():
+    """`llama_get_sampled_token_ith` synchronises the context (a stream sync per backend)
+    before every read: B times per step, where the backend has synchronised once already.
+    The context's own method, which libllama exports as a C++ symbol, reads the same token
+    without that; a build without the symbol gets the public function."""
+    try:
+        f = holding_gil("_ZN13llama_context21get_sampled_token_ithEi",  # llama_context::get_sampled_token_ith(int)
+                        [lc.llama_context_p_ctypes, ctypes.c_int32], lc.llama_token)
+    except AttributeError:
+        return get_sampled_token_ith
+    return f
+
+
+# Only after `llama_synchronize` following the last decode (Backend._step does it).
+sampled_token_after_sync = _sampled_token_after_sync()
+
 _init_lock = threading.Lock()
 _initialized = False
 

@@ -30,7 +30,7 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "guards_eog", "_bias", "_ctx", "_seq")
+    __slots__ = ("ptr", "key", "guards_eog", "_stateless", "_bias", "_ctx", "_seq")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
@@ -49,6 +49,7 @@ class Sampler:
         fused = fused and params.greedy
         self.key = self.key_of(params)
         self.guards_eog = fused and params.ignore_eos
+        self._stateless = fused and params.repeat_penalty == 1.0  # nothing in it keeps history
         self._bias = None
         self._ctx = None
         self._seq = -1
@@ -83,11 +84,13 @@ class Sampler:
         return self._ctx is not None
 
     def sample(self, ctx, row: int) -> int:
-        """The token chosen for output row `row` of the last decode; the chain accepts it."""
+        """The token chosen for output row `row` of the last decode (the caller synchronised
+        the context after it); the chain accepts it."""
         if self._ctx is not None:
-            tok = llama.get_sampled_token_ith(ctx, row)  # both keep the GIL (engine/llama.py)
+            tok = llama.sampled_token_after_sync(ctx, row)  # both keep the GIL (engine/llama.py)
             if tok != lc.LLAMA_TOKEN_NULL:
-                llama.sampler_accept(self.ptr, tok)
+                if not self._stateless:
+                    llama.sampler_accept(self.ptr, tok)
                 return tok
         return lc.llama_sampler_sample(self.ptr, ctx, row)
 

@@ -102,3 +102,22 @@ def test_cached_sequences_leave_the_chained_ids_to_new_requests(make_backend, ti
     handles = [b.enqueue(Request(tuple(prefix + [1 + i, 240 + i]), sp)) for i in range(16)]
     assert all(h.result(WAIT).output_tokens == 16 for h in handles)
     assert b.cache.n_holders == 32 - 4 and b.sampler_attaches == 4 and b.samplers_attached == 4
+
+
+def test_the_token_read_after_sync_is_the_public_functions(make_backend, tiny_model):
+    """The backend reads sampled tokens through llama_context's own method (no stream sync per
+    read); after a step's sync it returns what llama_get_sampled_token_ith returns."""
+    from engine import llama
+
+    assert llama.sampled_token_after_sync is not llama.get_sampled_token_ith, "libllama exports the method"
+    b = make_backend(tiny_model, cap=4, cache=False)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for h in [b.enqueue(Request((5 + i, 9, 13), sp)) for i in range(4)]:
+        h.result(WAIT)
+
+    def read(bk):  # the last step decoded the four sequences' 8th tokens: rows 0..3
+        return [(llama.get_sampled_token_ith(bk._ctx, i), llama.sampled_token_after_sync(bk._ctx, i))
+                for i in range(4)]
+
+    pairs = b.call(read).result(WAIT)
+    assert all(a == c and 0 <= a < tiny_model.n_vocab for a, c in pairs), pairs
