@@ -52,7 +52,8 @@ def run_cache(args) -> int:
         "ttft_cold_s": round(cold, 4), "ttft_warm_s": round(warm, 4), "speedup": round(cold / warm, 2),
         "cached_tokens": statistics.median(cached), "prompt_tokens": len(prompt),
         "warm_hit_rate": round(statistics.median(cached) / len(prompt), 3),
-        "cache_hit_rate_all": round(stats.hit_rate, 3),  # every admission: cold runs and warm-ups too "samples": {k: [round(x, 4) for x in v] for k, v in ttft.items()},
+        "cache_hit_rate_all": round(stats.hit_rate, 3),  # every admission: cold runs and warm-ups too
+        "samples": {k: [round(x, 4) for x in v] for k, v in ttft.items()},
         "model": path.name, "threads": backend.config.threads, "repeats": args.repeats,
     }))
     return 0

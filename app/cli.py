@@ -92,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--suffix-tokens", type=int, default=20)
     ca.add_argument("--repeats", type=int, default=5)
 
+    pf = bsub.add_parser("prefill", help="prefill speed and decode stalls for n_batch/n_ubatch pairs")
+    pf.add_argument("--model", default="default")
+    pf.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    pf.add_argument("--threads", type=int, default=0, help="0: all cores")
+    pf.add_argument("--sizes", default="512/512,2048/512,2048/2048",
+                    help="comma-separated N_BATCH/N_UBATCH pairs (default: %(default)s)")
+    pf.add_argument("--prompt-tokens", type=int, default=2048)
+    pf.add_argument("--decoders", type=int, default=8, help="sequences decoding when the prompt arrives")
+    pf.add_argument("--decode-tokens", type=int, default=1024, help="their length (they are cancelled after)")
+    pf.add_argument("--repeats", type=int, default=3)
+
     tg = bsub.add_parser("together", help="GPU and CPU backends decoding at once vs each alone")
     tg.add_argument("--model", default="default")
     tg.add_argument("--gpu-batch", type=int, default=16)
@@ -160,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.bench_cache import run_cache
 
             return run_cache(args)
+        if command == "bench" and args.bench == "prefill":
+            from app.bench_prefill import run_prefill
+
+            return run_prefill(args)
         if command == "bench" and args.bench == "together":
             from app.bench_together import run_together
 

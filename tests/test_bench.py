@@ -323,6 +323,25 @@ def test_bench_overhead_prints_rates_and_shares(tiny_path, capsys):
     assert set(out["graph_reuse"]) == {"b1", "b2"} and out["fused_greedy"] is True and out["eog_redos"] == 0
 
 
+def test_bench_prefill_measures_each_batch_size_alone_and_beside_decoding(tiny_path, capsys):
+    rc = main(["bench", "prefill", "--model", str(tiny_path), "--threads", "1", "--sizes", "64/64,256/64",
+               "--prompt-tokens", "256", "--decoders", "2", "--decode-tokens", "128", "--repeats", "1"])
+    out = _last_json(capsys)
+    assert rc == 0 and set(out["sizes"]) == {"64/64", "256/64"}
+    for r in out["sizes"].values():
+        assert r["prefill_tok_s"] > 0 and 0 < r["beside_max_step_s"] <= r["beside_ttft_s"]
+        assert len(r["samples"]["alone_ttft_s"]) == 1
+
+
+def test_prefill_sizes_are_checked():
+    from app.bench_prefill import parse_sizes
+
+    assert parse_sizes("512/128, 2048") == [(512, 128), (2048, 2048)]
+    for bad in ("128/512", "x/1", "0/0"):
+        with pytest.raises(SystemExit):
+            parse_sizes(bad)
+
+
 def test_bench_together_runs_two_backends_at_once(tiny_path, capsys):
     """Smoke run on a machine without a GPU: both backends on the CPU, one thread each."""
     rc = main(["bench", "together", "--model", str(tiny_path), "--gpu-device", "cpu", "--gpu-batch", "2",
