@@ -64,6 +64,10 @@ class BackendConfig:
     # Unified KV: while B sequences run, the prefix cache keeps at most idle_cache_cells / B
     # cells that none of them uses (every step attends over all cells in use). -1: n_ctx.
     idle_cache_cells: int = -1
+    # Turn a step's tokens into text (pieces, deliveries) while the next step runs on the
+    # device, for requests without stop strings. None: on for GPU backends, whose
+    # llama_decode returns before the device is done; on the CPU nothing would overlap.
+    overlap_text: bool | None = None
 
     def resolved(self) -> "BackendConfig":
         threads = self.threads or os.cpu_count() or 1
@@ -206,6 +210,8 @@ class Backend:
         self._kv_cell_bytes = _kv_bytes_per_cell(self.model)
         self._samplers = SamplerSlots(self.model.n_vocab, self.model.eog_tokens, c.backend_sampling,
                                       idle_s=c.idle_sampler_s, fused=c.fused_greedy)
+        self._overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
+        self._pending_text: list[tuple[_Seq, int]] = []  # tokens whose text waits for the next launch
 
     def start(self) -> "Backend":
         self._thread = threading.Thread(target=self._run, name=f"backend-{self.name}", daemon=True)
@@ -451,6 +457,8 @@ class Backend:
             if self._running:
                 self._shed_idle_cache()
                 self._step()
+            if self._pending_text and not self._running:
+                self._emit_pending()
             self._samplers.trim(self.cap)
             outbox.flush()
 
@@ -601,6 +609,8 @@ class Backend:
             self._inject()
         t0 = time.perf_counter()
         rc = lc.llama_decode(self._ctx, batch.full())
+        if self._pending_text:  # the previous step's text, while the device runs this one
+            self._emit_pending()
         if rc == 0:
             lc.llama_synchronize(self._ctx)  # so `dt` is the device's time, not a launch
         dt = time.perf_counter() - t0
@@ -643,13 +653,31 @@ class Backend:
         if (self.model.is_eog(tok) and not s.sp.ignore_eos) or s.generated == s.req.stop_after:
             self._finish(s, RequestStatus.FINISHED_STOPPED)
             return
+        if self._overlap and not s.sp.stop:  # no stop string can end it: its text can wait
+            self._pending_text.append((s, tok))
+        elif self._emit(s, tok):
+            self._finish(s, RequestStatus.FINISHED_STOPPED)
+            return
+        if s.generated >= s.sp.max_tokens or s.n_past + 1 >= self.n_ctx_seq:
+            self._finish(s, RequestStatus.FINISHED_LENGTH)
+
+    def _emit(self, s: _Seq, tok: int) -> bool:
+        """Push a token's text to the request's stream; True if a stop string ended it."""
         delta = s.stream.push(self.model.piece(tok))
         if delta:
             s.handle._deliver_text(delta)
-        if s.stream.stopped:
-            self._finish(s, RequestStatus.FINISHED_STOPPED)
-        elif s.generated >= s.sp.max_tokens or s.n_past + 1 >= self.n_ctx_seq:
-            self._finish(s, RequestStatus.FINISHED_LENGTH)
+        return s.stream.stopped
+
+    def _emit_pending(self, only: _Seq | None = None) -> None:
+        """Text for the tokens `_sampled` left pending (all, or `only`'s, before it ends)."""
+        if only is None:
+            pending, self._pending_text = self._pending_text, []
+        else:
+            pending = [p for p in self._pending_text if p[0] is only]
+            self._pending_text = [p for p in self._pending_text if p[0] is not only]
+        for s, tok in pending:
+            if s.status == RequestStatus.RUNNING:
+                self._emit(s, tok)
 
     def _pick_again(self, s: _Seq) -> None:
         """`s` ignores end tokens and its chain guarded one (engine/sampling.py): forget it,
@@ -661,6 +689,8 @@ class Backend:
 
     def _finish(self, s: _Seq, status: RequestStatus, error: str | None = None) -> None:
         """End a sequence: stream the rest, keep or free its KV, publish its record."""
+        if self._pending_text:
+            self._emit_pending(only=s)
         if status == RequestStatus.FINISHED_LENGTH or (status == RequestStatus.FINISHED_STOPPED
                                                        and not s.stream.stopped):
             # Release what the stream held back (a partial stop string, a split character).

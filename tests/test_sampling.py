@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
+
 from engine import greedy
 from engine.llama import holding_gil
-from engine.request import Request, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams
 
 WAIT = 120
 
@@ -121,3 +123,46 @@ def test_the_token_read_after_sync_is_the_public_functions(make_backend, tiny_mo
 
     pairs = b.call(read).result(WAIT)
     assert all(a == c and 0 <= a < tiny_model.n_vocab for a, c in pairs), pairs
+
+
+def test_text_made_while_the_next_step_runs_is_the_same_text(make_backend, default_model):
+    """`overlap_text` (on by default for GPU backends) turns a step's tokens into text after
+    the next step is launched; requests end the same way and stream the same text."""
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    jobs = [
+        (chat.format("Say hi."), SamplingParams(temperature=0, max_tokens=40)),  # ends on its end token
+        (chat.format("Count to twenty."), SamplingParams(temperature=0, max_tokens=12)),  # length
+        (chat.format("Count to twenty."), SamplingParams(temperature=0, max_tokens=40, stop=(" of",))),  # stop string
+        ("The sea is", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
+    ]
+    runs = {}
+    for overlap in (False, True):
+        b = make_backend(default_model, cap=4, cache=False, overlap_text=overlap)
+        handles = [b.enqueue(Request(tuple(default_model.tokenize(p, add_special=False)), sp)) for p, sp in jobs]
+        streamed = ["".join(h) for h in handles]
+        records = [h.result(WAIT) for h in handles]
+        assert streamed == [r.text for r in records]
+        runs[overlap] = [(r.text, r.finish_reason, r.output_tokens) for r in records]
+    assert runs[True] == runs[False]
+    assert [r[1] for r in runs[True]] == ["stop", "length", "stop", "length"]
+    assert " of" not in runs[True][2][0] and runs[True][2][0]
+
+
+@pytest.mark.parametrize("how", ["cancel", "crash"])
+def test_pending_text_is_not_lost_when_a_request_ends_early(make_backend, tiny_model, how):
+    """With `overlap_text`, a request that is cancelled, or whose backend fails, still gets
+    every token's text it was counted for: what streamed is what its record says."""
+    from waiting import wait_until
+
+    b = make_backend(tiny_model, cap=2, cache=False, overlap_text=True)
+    sp = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+    h = b.enqueue(Request((5, 6, 7), sp))
+    wait_until(lambda: any(i.generated > 20 for i in b.snapshot().items), what="decoding")
+    if how == "cancel":
+        h.cancel()
+    else:
+        b.inject_fault("crash")
+    streamed = "".join(h)
+    record = h.result(WAIT)
+    assert record.status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_ERROR)
+    assert streamed == record.text and 20 < record.output_tokens < 3000
