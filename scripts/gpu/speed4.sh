@@ -1,39 +1,13 @@
 #!/usr/bin/env bash
-# One call (through call.sh), after cached sequences stopped taking the chained sequence ids:
-# GPU decode vs llama-batched-bench again; the study's N=48 workload at GPU caps 16/32/48
-# beside llama-server -np 4 and -np 8 and our own server (5 runs each); both backends at once;
-# the CPU backend (15 threads) vs batched-bench.
-set -uo pipefail
-M=synthetic:qwen2.5-0.5b:${QUANT:-q8_0}
-T0=$SECONDS
-stamp() { echo "== $1 ($((SECONDS - T0)) s)"; }
-P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.model import resolve_model; print(resolve_model('$M'))")
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-stamp "GPU decode vs batched-bench"
-python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,8,16,32 \
-  --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 3 2>&1 | tail -5 | tee "$OUT/overhead_gpu.txt"
-python3 -m app serve --model "$M" --backend gpu:cap=32,ctx=32768,threads=8 --port 8095 > /tmp/tandem-serve.log 2>&1 &
-SERVE=$!
-$LCBIN/llama-server -m "$P" -ngl 99 -np 8 -c 16384 -kvu --port 8092 --host 127.0.0.1 -fa auto > /tmp/llama-server-np8.log 2>&1 &
-LS8=$!
-$LCBIN/llama-server -m "$P" -ngl 99 -np 4 -c 16384 -kvu --port 8094 --host 127.0.0.1 -fa auto > /tmp/llama-server-np4.log 2>&1 &
-LS4=$!
-trap 'kill $SERVE $LS8 $LS4 2>/dev/null' EXIT
-for port in 8095 8092 8094; do
-  for i in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
-done
-stamp "N=48 at GPU caps 16/32/48, llama-server -np 4 / -np 8, tandem serve cap 32"
-python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:cap=8,ctx=32768,threads=8 --backend cpu:cap=4,threads=15 \
-  --requests 48 --runs 5 --shared 96 --outputs fixed --arrivals interval --caps 16,32,48 \
-  --sweep-policies gpu-only --policies gpu-only \
-  --target llama-server-np8=http://127.0.0.1:8092 --target llama-server-np4=http://127.0.0.1:8094 \
-  --target tandem-serve-cap32=http://127.0.0.1:8095 --target-warm 4 \
-  --no-plots --out "$OUT/n48" 2>&1 | grep -v "it/s\]" | tail -18
-kill $SERVE $LS8 $LS4 2>/dev/null
-stamp "both backends at once"
-python3 -m app bench together --model "$M" --gpu-batch 16 --cpu-batch 4 --gpu-threads 1 --cpu-threads 15 \
-  --repeats 3 2>&1 | tail -5 | tee "$OUT/together.txt"
-stamp "CPU decode vs batched-bench, 15 threads"
-python3 -m app bench overhead --model "$M" --device cpu --threads 15 --batches 1,4 \
-  --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 2 2>&1 | tail -1 | tee "$OUT/overhead_cpu15.txt"
-stamp done
+# After cached sequences stopped taking the chained sequence ids: GPU decode; N=48 at GPU caps
+# 16/32/48 beside llama-server -np 4 / -np 8 and our own server; both backends at once; the
+# CPU backend (15 threads) vs batched-bench.
+source scripts/gpu/lib.sh
+gpu_info
+decode overhead_gpu.txt 3 1,4,8,16,32
+tandem_server 32 8095; llama_server 8 8092; llama_server 4 8094; wait_ready 8095 8092 8094
+n48 16,32,48 5 --target llama-server-np8=http://127.0.0.1:8092 --target llama-server-np4=http://127.0.0.1:8094 \
+  --target tandem-serve-cap32=http://127.0.0.1:8095
+stop_servers
+together
+cpu15
