@@ -426,8 +426,8 @@ class Backend:
 
     def _run(self) -> None:
         try:
-            with Outbox() as outbox:  # text for asyncio consumers, handed over once per iteration
-                self._loop(outbox)
+            with Outbox() as self._outbox:  # text for asyncio consumers, handed over once per step
+                self._loop(self._outbox)
         except Exception as e:  # a device failure or a bug: this backend stops, the process goes on
             log.exception("%s: worker failed", self.name)
             self._die(f"backend {self.name} failed: {e}")
@@ -609,8 +609,9 @@ class Backend:
             self._inject()
         t0 = time.perf_counter()
         rc = lc.llama_decode(self._ctx, batch.full())
-        if self._pending_text:  # the previous step's text, while the device runs this one
+        if self._pending_text:  # the previous step's text, while the device runs this one,
             self._emit_pending()
+            self._outbox.flush()  # and to the event loops while this thread waits for the device
         if rc == 0:
             lc.llama_synchronize(self._ctx)  # so `dt` is the device's time, not a launch
         dt = time.perf_counter() - t0
