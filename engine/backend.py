@@ -161,6 +161,7 @@ class Backend:
         self.steps = 0
         self.decode_s = 0.0  # time inside llama_decode (+ device sync), summed over steps
         self.eog_redos = 0  # end tokens a guarding chain sampled and the backend took back
+        self._outbox = Outbox()  # the worker's deliveries to asyncio consumers (engine/handle.py)
         self._obs_prefill = self._obs_decode = 0.0
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -426,15 +427,15 @@ class Backend:
 
     def _run(self) -> None:
         try:
-            with Outbox() as self._outbox:  # text for asyncio consumers, handed over once per step
-                self._loop(self._outbox)
+            with self._outbox:  # text for asyncio consumers, handed over once per step
+                self._loop()
         except Exception as e:  # a device failure or a bug: this backend stops, the process goes on
             log.exception("%s: worker failed", self.name)
             self._die(f"backend {self.name} failed: {e}")
         finally:
             self._shutdown()
 
-    def _loop(self, outbox: Outbox) -> None:
+    def _loop(self) -> None:
         """Queued calls, cancellations, admissions, one step; until stopped."""
         while True:
             with self._lock:
@@ -460,7 +461,7 @@ class Backend:
             if self._pending_text and not self._running:
                 self._emit_pending()
             self._samplers.trim(self.cap)
-            outbox.flush()
+            self._outbox.flush()
 
     def _apply_cancel(self, ids: set[str]) -> None:
         with self._lock:
