@@ -26,11 +26,12 @@ class Outbox:
     """Deliveries to asyncio handles, gathered on one thread and handed to each event loop in
     one `call_soon_threadsafe` at `flush()`.
 
-    A backend worker gathers a whole step's text (`with Outbox():` around its loop, a flush
-    per iteration). Handed over token by token, every delivery would wake the loop, whose
-    thread then wants the GIL while the worker is still sampling and bookkeeping — and the
-    worker waits a switch interval to get it back. Handed over once per step, the loop runs
-    while the worker is inside `llama_decode`, which releases the GIL.
+    A backend worker gathers a whole step's text (`with outbox:` around its loop) and flushes
+    once the text is made — on a GPU backend while it waits for the device to finish the next
+    step (`Backend._step`), else at the end of its iteration. Handed over token by token,
+    every delivery would wake the loop, whose thread then wants the GIL while the worker is
+    still sampling and bookkeeping — and the worker waits a switch interval to get it back.
+    Handed over in one go, the loop runs while the worker waits in llama.cpp, without the GIL.
     """
 
     def __init__(self):
