@@ -26,7 +26,7 @@ from engine.events import EventBus, StepDone
 from engine.model import Model, resolve_model
 from engine.request import Request, SamplingParams
 
-from .bench_overhead import filler_prompt
+from .bench_overhead import ctx_for, filler_prompt
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -49,7 +49,7 @@ def run_prefill(args) -> int:
     path = resolve_model(args.model)
     model = Model(path, args.device)
     prompt = filler_prompt(model, args.prompt_tokens)
-    n_ctx = 1 << (len(prompt) + args.decoders * (args.decode_tokens + 32) + 64).bit_length()
+    n_ctx = ctx_for(len(prompt), args.decode_tokens + 4, args.decoders)  # decoders' prompts: 4 tokens
     steps: list[StepDone] = []
     bus = EventBus()
     bus.subscribe(steps.append, (StepDone,))

@@ -157,7 +157,7 @@ class SamplerSlots:
         if old is not None and old.key == Sampler.key_of(params):
             old.reset()
             return old
-        return self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog, self.fused))
+        return self._replace(ctx, seq_id, self._chain(params))
 
     def ban_eog(self, ctx, seq_id: int, params: SamplingParams, accepted) -> Sampler:
         """Swap `seq_id`'s guarding chain for one that bans end tokens (logit bias), with the
@@ -165,6 +165,9 @@ class SamplerSlots:
         new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog))
         new.accept(accepted)
         return new
+
+    def _chain(self, params: SamplingParams) -> Sampler:
+        return Sampler(params, self._n_vocab, self._eog, self.fused)
 
     def _replace(self, ctx, seq_id: int, new: Sampler) -> Sampler:
         old = self._slots.get(seq_id)
@@ -181,7 +184,7 @@ class SamplerSlots:
         n = 0
         for i in seq_ids:
             if i not in self._slots:
-                s = Sampler(params, self._n_vocab, self._eog, self.fused)
+                s = self._chain(params)
                 s.attach(ctx, i)
                 self._slots[i] = s
                 self._idle_since[i] = time.monotonic()
