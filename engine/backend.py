@@ -253,21 +253,25 @@ class Backend:
             bad = next(t for t in tokens if not 0 <= t < self.model.n_vocab)
             raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary [0, {self.model.n_vocab})")
 
-    def match(self, tokens) -> int:
-        """Longest usable cached prefix of `tokens` (cheap, read-only; any thread).
+    def match(self, request: Request) -> int:
+        """Longest usable cached prefix of the request's prompt (cheap, read-only; any thread).
 
         Capped at `len(tokens) - 1`: the last prompt token is always decoded for logits.
         """
+        return self._match_tokens(request.prompt_tokens)
+
+    def _match_tokens(self, tokens) -> int:
         if not self.cache_enabled:
             return 0
         return self.cache.match_length(tokens, max_len=len(tokens) - 1)
 
-    def pin_prefix(self, tokens) -> tuple[int, object]:
-        """Match and pin the usable cached prefix of `tokens` (any thread): `(length, pin)`.
+    def pin_prefix(self, request: Request) -> tuple[int, object]:
+        """Match and pin the usable cached prefix of the prompt (any thread): `(length, pin)`.
 
         The pin keeps the prefix from eviction until the request is admitted (or cancelled),
         so the estimate the router used stays true. `pin` is None when nothing matched.
         """
+        tokens = request.prompt_tokens
         for _ in range(3 if self.cache_enabled else 0):  # the worker may evict in between: again
             m = self.cache.match(tokens, max_len=len(tokens) - 1)
             if m.length == 0:
@@ -284,7 +288,7 @@ class Backend:
         self.validate(request)
         handle = handle or RequestHandle(request)
         if cached_estimate is None:
-            cached_estimate = self.match(request.prompt_tokens)
+            cached_estimate = self.match(request)
         seq = _Seq(request, handle, pin, cached_estimate, t_submit or time.monotonic())
         self._submit(seq)
         return handle
@@ -294,7 +298,7 @@ class Backend:
         req = Request(tuple(tokens), SamplingParams(max_tokens=1, temperature=0.0), source="warm")
         self.validate(req)
         handle = RequestHandle(req)
-        self._submit(_Seq(req, handle, None, self.match(req.prompt_tokens), time.monotonic(), warm=True))
+        self._submit(_Seq(req, handle, None, self.match(req), time.monotonic(), warm=True))
         return handle
 
     def _submit(self, seq: _Seq) -> None:

@@ -100,11 +100,11 @@ class Engine:
             candidates = [b for b in self.backends.values() if request.backend in (None, b.name)]
             for b in candidates:
                 b.validate(request)
-            cached = {b.name: b.match(request.prompt_tokens) for b in self.backends.values()}
+            cached = {b.name: b.match(request) for b in self.backends.values()}
             query = RouteQuery.from_request(request, cached)
             decision = self.router.route(query, self.snapshot())
             backend = self.backends[decision.backend]
-            estimate, pin = backend.pin_prefix(request.prompt_tokens)
+            estimate, pin = backend.pin_prefix(request)
             handle.decision = decision
             backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
         self.bus.publish(RequestRouted(decision))

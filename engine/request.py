@@ -64,9 +64,14 @@ def _finite(x) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One whole generation request: a tokenized prompt and how to sample its continuation.
+    """One whole generation request: a prompt and how to sample its continuation.
 
     `backend` names a backend to pin the request to, bypassing the routing policy.
+
+    The prompt is `prompt_tokens` wherever a tokenizer is at hand (local backends need it).
+    A request that came in as text keeps it in `text` (a completion prompt) or `messages`
+    (a chat, as the client sent it): a remote engine is sent those, and a router with no
+    model at all routes on them, with `prompt_tokens` left empty.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -78,9 +83,11 @@ class Request:
     # End after this many tokens as if the model had stopped there; routers and admission see
     # only `max_tokens`. Benchmarks use it for outputs whose length no one knows in advance.
     stop_after: int | None = None
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None
 
     def __post_init__(self):
-        if not self.prompt_tokens:
+        if not (self.prompt_tokens or self.text or self.messages):
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.sampling.validate()
         if self.stop_after is not None and not (isinstance(self.stop_after, int) and self.stop_after >= 1):

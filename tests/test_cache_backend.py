@@ -70,10 +70,10 @@ def test_pins_keep_a_routed_estimate_and_are_released(make_backend, tiny_model):
     b = make_backend(tiny_model, n_ctx=1024)
     prefix = _text_tokens(tiny_model, 100, seed=4)
     b.warm(prefix).result(WAIT)
-    n, pin = b.pin_prefix(prefix + [65, 66])
+    n, pin = b.pin_prefix(Request(tuple(prefix + [65, 66])))
     assert n == 100 and b.cache.pinned_tokens >= 100
     b.flush().result(WAIT)
-    assert b.match(prefix + [65, 66]) == 100, "a pinned prefix survives a flush"
+    assert b.match(Request(tuple(prefix + [65, 66]))) == 100, "a pinned prefix survives a flush"
     h = b.enqueue(Request(tuple(prefix + [65, 66]), SamplingParams(temperature=0, max_tokens=2)),
                   pin=pin, cached_estimate=n)
     assert h.result(WAIT).cached_tokens == 100
@@ -87,13 +87,13 @@ def test_kv_pressure_breaks_nothing_and_returns_to_zero(make_backend, tiny_model
     b = make_backend(tiny_model, **_layout(unified, 128, n_ctx=512, cap=4))
     keep = _text_tokens(tiny_model, 80, seed=5)
     b.warm(keep).result(WAIT)
-    n, pin = b.pin_prefix(keep + [70])
+    n, pin = b.pin_prefix(Request(tuple(keep + [70])))
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     handles = [b.enqueue(Request(tuple(_text_tokens(tiny_model, 60, seed=100 + i)), sp)) for i in range(40)]
     records = [h.result(WAIT) for h in handles]
     assert all(r.status == RequestStatus.FINISHED_LENGTH and r.output_tokens == 30 for r in records)
     assert b.cache.stats().evictions > 0, "the test must actually put the cache under pressure"
-    assert b.match(keep + [70]) == n == 80, "the pinned prefix survived"
+    assert b.match(Request(tuple(keep + [70]))) == n == 80, "the pinned prefix survived"
     b.cache.check_invariants()
     b.cache.unpin(pin)
     b.flush().result(WAIT)
@@ -147,7 +147,7 @@ def test_cache_switches_off_and_on_while_serving(make_backend, tiny_model):
     running = b.enqueue(Request(tuple(prefix + [80]), long))  # holds the prefix while it runs
     wait_until(lambda: any(i.generated > 2 for i in b.snapshot().items), what="running")
     b.set_cache_enabled(False).result(WAIT)
-    assert b.match(prefix + [81]) == 0 and not b.snapshot().cache.enabled
+    assert b.match(Request(tuple(prefix + [81]))) == 0 and not b.snapshot().cache.enabled
     r = b.enqueue(Request(tuple(prefix + [82]), SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
     assert r.cached_tokens == 0
     assert running.result(WAIT).cached_tokens == 60, "a running request keeps the prefix it aliased"

@@ -188,7 +188,7 @@ def test_cache_checkbox_switches_the_prefix_cache_live(qtbot, make_window, ui_en
     try:
         check.setChecked(False)
         qtbot.waitUntil(lambda: not b.snapshot().cache.enabled, timeout=10_000)
-        assert b.match(list(range(10, 40))) == 0
+        assert b.match(Request(tuple(list(range(10, 40))))) == 0
         tick(qtbot, w)
         assert not check.isChecked()
     finally:
