@@ -163,6 +163,7 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "not_found_error": (404, "invalid_request_error", "model_not_found"),
     "authentication_error": (401, "invalid_request_error", "invalid_api_key"),
     "queue_full_error": (429, "rate_limit_error", "queue_full"),
+    "conflict_error": (409, "invalid_request_error", "restart_in_progress"),
     "unavailable_error": (503, "unavailable_error", None),
     "model_load_error": (500, "server_error", None),
     "server_error": (500, "server_error", None),

@@ -56,6 +56,12 @@ class BackendUnavailable(EngineError):
     kind = "unavailable_error"
 
 
+class RestartInProgress(EngineError):
+    """A restart of this backend is already running; this one was not started."""
+
+    kind = "conflict_error"
+
+
 class QueueFull(EngineError):
     """The backend's waiting queue is at its limit; try again later."""
 
