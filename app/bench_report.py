@@ -125,17 +125,26 @@ def markdown(summary: dict) -> str:
                   "| workload | N | best | policy: gap to best (within run spread of the best single backend?) |",
                   "|---|---|---|---|"]
         for o in summary["oracle"]:
-            gaps = "; ".join(
-                f"{p['policy']} +{p['gap_pct']:.1f}%" + (
-                    "" if "within_spread" not in p else (" ✓" if p["within_spread"] else " ✗"))
-                for p in o["policies"])
-            lines.append(f"| {o['workload']} | {o['requests']} | {o['best']} | {gaps} |")
+            gaps = "; ".join(_oracle_cell(p) for p in o["policies"])
+            lines.append(f"| {o['workload']} | {o['requests']} | {o['best'] or 'none (every row failed requests)'} "
+                         f"| {gaps} |")
+        lines.append("")
+        lines.append("Rows with failed requests are never best: they are listed last with their time and "
+                     "failure count.")
         lines.append("")
     notes = [summary.get("engine_state", "")] + list(summary.get("notes") or [])
     if summary.get("plots_skipped"):
         notes.append(f"plots skipped: {summary['plots_skipped']}")
     lines += [f"- {n}" for n in notes if n]
     return "\n".join(lines)
+
+
+def _oracle_cell(p: dict) -> str:
+    if p.get("excluded"):
+        value = "no time" if p["value"] is None else f"{p['value']:.3f} s"
+        return f"{p['policy']} {value} with {p['failed']} failed (excluded)"
+    return f"{p['policy']} +{p['gap_pct']:.1f}%" + (
+        "" if "within_spread" not in p else (" ✓" if p["within_spread"] else " ✗"))
 
 
 def _pm(s: dict, digits: int = 3) -> str:

@@ -161,11 +161,15 @@ def oracle(rows: Sequence[Mapping], *, group: Sequence[str], metric: str = "make
            single: Iterable[str] = ()) -> list[dict]:
     """Best variant in hindsight per group of rows, and every row's distance from it.
 
-    `rows` are summary rows (with `policy` and `metric` as a `spread` dict); rows sharing the
-    values of `group` keys (e.g. workload and N) compete. Lower `metric` wins. For each row:
-    `gap_pct` from the best; and, if `single` names the single-backend variants, the gap
-    `vs_single_s` to the best of those and whether it lies within the run-to-run spread
-    (`within_spread`: worse by no more than the larger of the two rows' std).
+    `rows` are summary rows (with `policy`, `failed` and `metric` as a `spread` dict); rows
+    sharing the values of `group` keys (e.g. workload and N) compete. Lower `metric` wins, but
+    only among rows without failed requests: a run that dropped requests finished less work,
+    so its makespan flatters it (seen: a peer that failed 117 of 128 requests ranked first).
+    Such rows are still listed, after the others, with `failed` and `excluded: True`, and no
+    gap. For each eligible row: `gap_pct` from the best; and, if `single` names the
+    single-backend variants, the gap `vs_single_s` to the best of those and whether it lies
+    within the run-to-run spread (`within_spread`: worse by no more than the larger of the two
+    rows' std). A group whose every row failed somewhere has `best` None.
     """
     single = set(single)
     groups: dict[tuple, list[Mapping]] = {}
@@ -174,22 +178,27 @@ def oracle(rows: Sequence[Mapping], *, group: Sequence[str], metric: str = "make
     out = []
     for key, members in groups.items():
         scored = [(m[metric]["mean"], m) for m in members if m[metric]["mean"] is not None]
-        if not scored:
+        excluded = [m for m in members if m.get("failed")]
+        eligible = [(v, m) for v, m in scored if not m.get("failed")]
+        if not scored and not excluded:
             continue
-        best_value, best = min(scored, key=lambda x: x[0])
-        singles = [(v, m) for v, m in scored if m["policy"] in single]
+        best_value, best = min(eligible, key=lambda x: x[0]) if eligible else (None, None)
+        singles = [(v, m) for v, m in eligible if m["policy"] in single]
         best_single = min(singles, key=lambda x: x[0]) if singles else None
-        entry = {**dict(zip(group, key)), "metric": metric, "best": best["policy"],
+        entry = {**dict(zip(group, key)), "metric": metric, "best": best["policy"] if best else None,
                  "best_value": best_value, "best_single": best_single[1]["policy"] if best_single else None,
                  "policies": []}
-        for value, m in sorted(scored, key=lambda x: x[0]):
-            p = {"policy": m["policy"], "value": value, "std": m[metric]["std"],
+        for value, m in sorted(eligible, key=lambda x: x[0]):
+            p = {"policy": m["policy"], "value": value, "std": m[metric]["std"], "failed": 0,
                  "gap_pct": 100.0 * (value / best_value - 1) if best_value else 0.0}
             if best_single is not None:
                 s_value, s_row = best_single
                 p["vs_single_s"] = value - s_value
                 p["within_spread"] = value - s_value <= max(m[metric]["std"] or 0.0, s_row[metric]["std"] or 0.0)
             entry["policies"].append(p)
+        for m in excluded:
+            entry["policies"].append({"policy": m["policy"], "value": m[metric]["mean"], "std": m[metric]["std"],
+                                      "failed": m["failed"], "excluded": True})
         out.append(entry)
     return out
 

@@ -28,6 +28,22 @@ Choices this module makes, and why:
   gamma distribution with shape `burstiness` (1 = Poisson) and mean `1 / rate`, then rescaled so
   the last arrival is at `(n - 1) / rate` (vLLM's `benchmarks/serve.py` habit: the offered load
   is exactly the asked-for rate, only its burstiness varies).
+- **Tenants** (`tenants=K`, the router benchmark's workload): K distinct shared prefixes of
+  `shared_tokens` each (a tenant's system prompt), each request = its tenant's prefix + its
+  own `prompt_tokens - shared_tokens`. Tenants are drawn per request from `tenant_skew`:
+  `uniform`, or `zipf[:S]` (tenant k has weight 1 / (k + 1)^S, S = 1 by default; tenant 0 is the
+  most popular). Nothing is warmed (`Workload.prefix` is empty): a router must learn where each
+  tenant's prefix lives; `Workload.prefixes` lists them for an explicit warm-up. Tenant
+  prefixes depend on the seed alone, like the single shared prefix.
+- **Text prompts.** Every request also carries its prompt as TEXT (`RequestSpec.text`), made
+  of common lower-case English words, each with a leading space — one token apiece in the
+  byte-pair vocabularies we use (Qwen2.5, SmolLM2), so a prompt of T words is ~T tokens, and a
+  tenant's prefix text tokenizes to the same tokens in every request (the suffix starts with a
+  space: no token straddles the boundary). Routers that match text (sglang-router's
+  cache-aware policy refuses token-id prompts with a 422) get the text; the in-process engine
+  gets `tokenized(workload, tokenize)`: the prefix and the suffix tokenized separately, so
+  every request of a tenant shares its prefix tokens exactly. The token-id `prompt` drawn here
+  (random ids) keeps the exact sizes for engines and peers that take token ids.
 """
 
 from __future__ import annotations
@@ -43,6 +59,19 @@ SEED_INTERVAL_S = 0.05
 
 OUTPUT_MODES = ("fixed", "uniform")
 ARRIVAL_MODES = ("interval", "poisson", "gamma")
+SKEW_MODES = ("uniform", "zipf")
+
+# Common English words, one byte-pair token each with a leading space in Qwen2.5's and
+# SmolLM2's vocabularies (the text prompts' alphabet; see the module docstring).
+WORDS = tuple(dict.fromkeys("""the of and to in is it that for on with as was at by be this are or from have not
+but had his they you one all were her she there can an which their has been if more when will
+would who so no out up into do any time about other what some could them then than these two may
+first new like only well way use our over such make many year its good most day also see work
+people back after just where long each much through how even because before right here think
+life old great world still last own part place same take help home made high man number off old
+end few small come put turn form line show hand find point move live name city state school
+open tree light food water house page land game plan play run read word book room side story
+""".split()))
 
 # Token ids are drawn from this range: above the control tokens most vocabularies start with,
 # below the size of every vocabulary we use (SmolLM2 49152, Qwen2.5 151936).
@@ -68,6 +97,8 @@ class WorkloadSpec:
     identical: bool = False  # every prompt the same tokens (no per-request suffix)
     seed: int = 0
     vocab_size: int = TOKEN_HIGH
+    tenants: int = 0  # K > 0: K tenant prefixes of shared_tokens each (see the module docstring)
+    tenant_skew: str = "zipf"  # uniform | zipf | zipf:S
     label: str = ""
 
     def validate(self) -> "WorkloadSpec":
@@ -85,6 +116,9 @@ class WorkloadSpec:
              "> 0 (or a positive interval_s) for poisson/gamma arrivals"),
             ("burstiness", self.burstiness > 0, "> 0"),
             ("vocab_size", self.vocab_size > TOKEN_LOW + 1, f"> {TOKEN_LOW + 1}"),
+            ("tenants", self.tenants >= 0 and (self.tenants == 0 or self.shared_tokens > 0),
+             ">= 0, with a shared prefix (shared_tokens > 0) when > 0"),
+            ("tenant_skew", _skew_ok(self.tenant_skew), "uniform, zipf or zipf:S with S >= 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -114,6 +148,9 @@ class WorkloadSpec:
         arrival = (f"every {self.interval_s * 1e3:g} ms" if self.arrival == "interval"
                    else f"{self.arrival} {self.arrival_rate:g}/s" + (f" b={self.burstiness:g}" if self.arrival == "gamma" else ""))
         out = f"out {self.gen_tokens}" if self.output == "fixed" else f"out {self.min_output}-{self.max_output}"
+        if self.tenants:
+            return (f"{self.tenants} tenants x {self.shared_tokens} ({self.tenant_skew}) "
+                    f"+ {self.prompt_tokens - self.shared_tokens}, {out}, {arrival}")
         return f"shared {self.shared_fraction:.0%}, {out}, {arrival}"
 
     def to_dict(self) -> dict:
@@ -137,6 +174,9 @@ class RequestSpec:
     prompt: tuple[int, ...] = field(repr=False)
     max_tokens: int
     output_tokens: int
+    tenant: int = -1  # -1: no tenants
+    text: str = field(default="", repr=False)  # the prompt as text (see the module docstring)
+    prefix_chars: int = 0  # text[:prefix_chars] is the shared (tenant's) prefix text
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +185,8 @@ class Workload:
     run: int
     prefix: tuple[int, ...]  # what to warm on every backend before timing starts
     requests: tuple[RequestSpec, ...]
+    prefixes: tuple[tuple[int, ...], ...] = ()  # tenants' prefixes (not warmed unless asked)
+    prefix_texts: tuple[str, ...] = ()  # the shared prefix's (or each tenant's) text
 
     @property
     def duration_s(self) -> float:
@@ -172,18 +214,66 @@ def build_workload(spec: WorkloadSpec, run: int = 0) -> Workload:
     """Concrete prompts, lengths and arrival times for run `run` (deterministic)."""
     spec.validate()
     high = min(spec.vocab_size, TOKEN_HIGH)
-    prefix = _tokens(random.Random(f"{spec.seed}:prefix"), spec.shared_tokens, high)
+    n_prefixes = spec.tenants or 1
+    # Tenant 0 (or the single shared prefix) keeps the seed's original prefix stream.
+    prefixes = tuple(_tokens(random.Random(f"{spec.seed}:prefix" + (f":{k}" if k else "")), spec.shared_tokens, high)
+                     for k in range(n_prefixes))
+    texts = tuple(_words(random.Random(f"{spec.seed}:prefix-text:{k}"), spec.shared_tokens)
+                  for k in range(n_prefixes))
     rng = random.Random(f"{spec.seed}:{run}:requests")
+    text_rng = random.Random(f"{spec.seed}:{run}:text")
     n_distinct = spec.prompt_tokens - spec.shared_tokens
     same_suffix = _tokens(rng, n_distinct, high) if spec.identical else None
+    same_text = _words(text_rng, n_distinct) if spec.identical else None
     lengths = output_lengths(spec, random.Random(f"{spec.seed}:{run}:lengths"))
     arrivals = arrival_times(spec, random.Random(f"{spec.seed}:{run}:arrivals"))
+    tenants = tenant_draws(spec, random.Random(f"{spec.seed}:{run}:tenants"))
     requests = []
     for i in range(spec.n_requests):
         suffix = same_suffix if same_suffix is not None else _tokens(rng, n_distinct, high)
-        requests.append(RequestSpec(index=i, arrival_s=arrivals[i], prompt=prefix + suffix,
-                                    max_tokens=spec.max_tokens, output_tokens=lengths[i]))
-    return Workload(spec=spec, run=run, prefix=prefix, requests=tuple(requests))
+        suffix_text = same_text if same_text is not None else _words(text_rng, n_distinct)
+        k = tenants[i] if spec.tenants else 0
+        requests.append(RequestSpec(index=i, arrival_s=arrivals[i], prompt=prefixes[k] + suffix,
+                                    max_tokens=spec.max_tokens, output_tokens=lengths[i],
+                                    tenant=k if spec.tenants else -1, text=texts[k] + suffix_text,
+                                    prefix_chars=len(texts[k])))
+    return Workload(spec=spec, run=run, prefix=() if spec.tenants else prefixes[0], requests=tuple(requests),
+                    prefixes=prefixes if spec.tenants else (), prefix_texts=texts)
+
+
+def tenant_weights(spec: WorkloadSpec) -> list[float]:
+    """Each tenant's probability under `spec.tenant_skew` (sums to 1)."""
+    mode, _, s = spec.tenant_skew.partition(":")
+    k = max(spec.tenants, 1)
+    raw = [1.0] * k if mode == "uniform" else [1.0 / (i + 1) ** (float(s) if s else 1.0) for i in range(k)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def tenant_draws(spec: WorkloadSpec, rng: random.Random) -> list[int]:
+    """The tenant of each request (all 0 without tenants)."""
+    if not spec.tenants:
+        return [0] * spec.n_requests
+    return rng.choices(range(spec.tenants), weights=tenant_weights(spec), k=spec.n_requests)
+
+
+def tokenized(workload: Workload, tokenize) -> Workload:
+    """`workload` with every prompt replaced by its text's tokens: `tokenize(text, first)` is
+    called on the shared prefix text (`first=True`: the model may add its BOS) and on the
+    request's own text (`first=False`) separately, so prompts of one tenant share their prefix
+    tokens exactly. Each distinct prefix is tokenized once."""
+    cache: dict[str, tuple[int, ...]] = {}
+
+    def prefix_tokens(text: str) -> tuple[int, ...]:
+        if text not in cache:
+            cache[text] = tuple(tokenize(text, True))
+        return cache[text]
+
+    requests = tuple(replace(r, prompt=prefix_tokens(r.text[:r.prefix_chars]) + tuple(tokenize(r.text[r.prefix_chars:], False)))
+                     for r in workload.requests)
+    prefixes = tuple(prefix_tokens(t) for t in workload.prefix_texts) if workload.prefixes else ()
+    prefix = prefix_tokens(workload.prefix_texts[0]) if workload.prefix else ()
+    return replace(workload, prefix=prefix, prefixes=prefixes, requests=requests)
 
 
 def output_lengths(spec: WorkloadSpec, rng: random.Random) -> list[int]:
@@ -218,3 +308,22 @@ def with_requests(spec: WorkloadSpec, n: int) -> WorkloadSpec:
 
 def _tokens(rng: random.Random, n: int, high: int) -> tuple[int, ...]:
     return tuple(rng.randrange(TOKEN_LOW, high) for _ in range(n))
+
+
+def _words(rng: random.Random, n: int) -> str:
+    """n words, each with its leading space (so texts concatenate without merging tokens)."""
+    return "".join(" " + rng.choice(WORDS) for _ in range(n))
+
+
+def _skew_ok(text: str) -> bool:
+    mode, colon, s = text.partition(":")
+    if mode == "uniform":
+        return not colon
+    if mode != "zipf":
+        return False
+    if not colon:
+        return True
+    try:
+        return float(s) >= 0 and math.isfinite(float(s))
+    except ValueError:
+        return False

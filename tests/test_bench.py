@@ -91,6 +91,33 @@ class TestMetrics:
         assert by["predicted-finish"]["within_spread"]  # 0.1 s worse, gpu-only's std is 0.2
         assert not by["cpu-only"]["within_spread"]
 
+    def test_oracle_never_calls_a_run_with_failed_requests_best(self):
+        # The case seen on the GPU: a peer that failed 117 of 128 requests had the lowest makespan.
+        rows = [{"workload": "w", "requests": 128, "policy": "gpu-only", "failed": 0,
+                 "makespan_s": {"mean": 10.0, "std": 0.1}},
+                {"workload": "w", "requests": 128, "policy": "target:llama-server", "failed": 117,
+                 "makespan_s": {"mean": 1.5, "std": 0.0}}]
+        (o,) = oracle(rows, group=("workload", "requests"), single={"gpu-only"})
+        assert (o["best"], o["best_value"]) == ("gpu-only", 10.0)
+        assert [p["policy"] for p in o["policies"]] == ["gpu-only", "target:llama-server"]
+        failed = o["policies"][1]
+        assert failed["excluded"] and failed["failed"] == 117 and failed["value"] == 1.5
+        assert "gap_pct" not in failed
+
+    def test_oracle_with_every_row_failing_has_no_best(self):
+        rows = [{"workload": "w", "requests": 4, "policy": p, "failed": 1,
+                 "makespan_s": {"mean": m, "std": 0.0}} for p, m in (("a", 1.0), ("b", 2.0))]
+        (o,) = oracle(rows, group=("workload", "requests"))
+        assert o["best"] is None and all(p["excluded"] for p in o["policies"])
+
+    def test_report_shows_the_failure_count_beside_an_excluded_time(self):
+        rows = [{"workload": "w", "requests": 128, "policy": p, "failed": f,
+                 "makespan_s": {"mean": m, "std": 0.0}} for p, f, m in (("gpu-only", 0, 10.0), ("peer", 117, 1.5))]
+        summary = {"tool": "t", "results": [], "oracle": oracle(rows, group=("workload", "requests"))}
+        table = bench_report.markdown(summary)
+        assert "| w | 128 | gpu-only |" in table
+        assert "peer 1.500 s with 117 failed (excluded)" in table
+
 
 class TestDecisionLine:
     def test_format_of_the_router_issue(self):

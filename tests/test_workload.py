@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
-from engine.workload import (TOKEN_LOW, WorkloadSpec, build_workload, seed_workload, shared_tokens_for,
+from engine.workload import (TOKEN_LOW, WorkloadSpec, build_workload, seed_workload, shared_tokens_for, tokenized,
                              with_requests)
 
 
@@ -144,3 +145,71 @@ class TestValidation:
         spec = WorkloadSpec(n_requests=4, shared_tokens=258, output="uniform", arrival="poisson", rate=20)
         assert spec.name() == "shared 50%, out 16-256, poisson 20/s"
         assert spec.to_dict()["max_tokens"] == 256
+
+
+def tenant_spec(**kw) -> WorkloadSpec:
+    base = dict(n_requests=300, prompt_tokens=1550, shared_tokens=1500, tenants=8, output="uniform",
+                min_output=32, max_output=256, arrival="poisson", rate=60.0)
+    return WorkloadSpec(**{**base, **kw}).validate()
+
+
+class TestTenants:
+    def test_each_request_is_its_tenants_prefix_plus_its_own_suffix(self):
+        wl = build_workload(tenant_spec())
+        assert len(wl.prefixes) == 8 and len({p for p in wl.prefixes}) == 8
+        assert wl.prefix == ()  # nothing is warmed: a router must learn where prefixes live
+        for r in wl.requests:
+            assert 0 <= r.tenant < 8 and len(r.prompt) == 1550
+            assert r.prompt[:1500] == wl.prefixes[r.tenant]
+            assert r.text[:r.prefix_chars] == wl.prefix_texts[r.tenant]
+            assert len(r.text.split()) == 1550 and r.text.startswith(" ")
+        assert len({r.prompt[1500:] for r in wl.requests}) == 300
+
+    def test_zipf_makes_tenant_zero_the_most_popular(self):
+        wl = build_workload(tenant_spec(n_requests=3000))
+        counts = Counter(r.tenant for r in wl.requests)
+        assert counts[0] > counts[1] > counts[7]
+        # weight of tenant 0 under zipf:1 over 8 tenants: 1 / H(8) = 0.368
+        assert counts[0] / 3000 == pytest.approx(1 / sum(1 / k for k in range(1, 9)), abs=0.03)
+
+    def test_zipf_exponent_and_uniform(self):
+        steep = Counter(r.tenant for r in build_workload(tenant_spec(n_requests=2000, tenant_skew="zipf:2")).requests)
+        flat = Counter(r.tenant for r in build_workload(tenant_spec(n_requests=2000, tenant_skew="uniform")).requests)
+        assert steep[0] / 2000 > 0.55
+        assert max(flat.values()) - min(flat.values()) < 100  # 250 each, give or take
+
+    def test_prefixes_depend_on_the_seed_alone_and_requests_on_the_run(self):
+        a, b = build_workload(tenant_spec(), 0), build_workload(tenant_spec(), 1)
+        assert a == build_workload(tenant_spec(), 0)
+        assert a.prefixes == b.prefixes and a.prefix_texts == b.prefix_texts
+        assert [r.text for r in a.requests] != [r.text for r in b.requests]
+
+    def test_poisson_at_sixty_per_second(self):
+        wl = build_workload(tenant_spec())
+        assert wl.duration_s == pytest.approx(299 / 60)
+        assert all(32 <= r.output_tokens <= 256 and r.max_tokens == 256 for r in wl.requests)
+
+    def test_tokenized_prompts_share_their_tenants_prefix_tokens(self):
+        # A stand-in tokenizer with the model's contract: one id per character (the real one is
+        # exercised by the fleet and grid tests); BOS only when asked.
+        def tokenize(text, first):
+            return ([1] if first else []) + [ord(c) for c in text]
+
+        wl = tokenized(build_workload(tenant_spec(n_requests=20, shared_tokens=40, prompt_tokens=45)), tokenize)
+        for r in wl.requests:
+            prefix = wl.prefixes[r.tenant]
+            assert prefix[0] == 1 and r.prompt[:len(prefix)] == prefix
+            assert r.prompt[len(prefix):] == tuple(ord(c) for c in r.text[r.prefix_chars:])
+
+    @pytest.mark.parametrize("field, value", [("tenant_skew", "pareto"), ("tenant_skew", "zipf:-1"),
+                                              ("tenant_skew", "uniform:2"), ("tenants", -1)])
+    def test_bad_tenant_fields_are_named(self, field, value):
+        with pytest.raises(ValueError, match=field):
+            tenant_spec(**{field: value})
+
+    def test_tenants_need_a_prefix(self):
+        with pytest.raises(ValueError, match="tenants"):
+            tenant_spec(shared_tokens=0)
+
+    def test_name_says_tenants(self):
+        assert tenant_spec().name() == "8 tenants x 1500 (zipf) + 50, out 32-256, poisson 60/s"
