@@ -10,6 +10,12 @@ Fresh state per run, without reloading the model: the engine stays loaded (per K
 each run first flushes every backend's prefix cache (freeing its KV), re-warms the workload's
 shared prefix on every backend, clears the router's history and policy state (round-robin's
 turn, `new_token_ratio`), restores caps and rates; timing starts at the first submission.
+
+Tenant workloads (`--tenants K`, see `engine.workload`): nothing is warmed — a router must
+learn where each tenant's prefix lives — unless `--warm-tenants` warms every tenant's prefix
+on every backend (engine) or sends each once through the target. The engine runs the text
+prompts tokenized by its model (`engine.workload.tokenized`), the same text peers get with
+`--target-prompt text`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.router import RouteQuery, Router, make_policy
 from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
                              SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
-                             shared_tokens_for, with_requests)
+                             shared_tokens_for, tokenized, with_requests)
 
 from . import bench_report
 from .progress import Progress
@@ -72,6 +78,9 @@ def add_common_arguments(p, *, requests: str, runs: int) -> None:
                    help="llama-server's /completion or /v1/completions (default: probe)")
     p.add_argument("--target-warm", type=int, default=1,
                    help="concurrent prefix-warming requests per target run, e.g. its slot count")
+    p.add_argument("--target-prompt", default="tokens", choices=["tokens", "text"],
+                   help="send targets the prompts as token ids or as text (routers match text) "
+                        "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1,
                    help="unrecorded runs of every variant before timing, at the smallest N (at most "
                         f"{WARMUP_MAX_N}) (default: %(default)s)")
@@ -107,6 +116,18 @@ def add_grid_arguments(p) -> None:
     p.add_argument("--kv-seqs", default=None,
                    help="KV budgets of the swept backend: room for K whole sequences of the workload "
                         "(e.g. 4,8,16,64; default: unconstrained)")
+    add_tenant_arguments(p)
+
+
+def add_tenant_arguments(p, *, tenants: str | None = None) -> None:
+    p.add_argument("--tenants", default=tenants,
+                   help="K[,K...]: K tenants, each with a shared prefix of its own (replaces --shared)")
+    p.add_argument("--tenant-prefix-tokens", type=int, default=1500, help="each tenant's prefix (default: %(default)s)")
+    p.add_argument("--tenant-suffix-tokens", type=int, default=50,
+                   help="each request's own tokens after its tenant's prefix (default: %(default)s)")
+    p.add_argument("--tenant-skew", default="zipf", help="tenant popularity: uniform | zipf | zipf:S (default: %(default)s)")
+    p.add_argument("--warm-tenants", action="store_true",
+                   help="warm every tenant's prefix before each run (default: nothing; routers must learn)")
 
 
 # ---------------------------------------------------------------------------- variants and runs
@@ -135,8 +156,9 @@ class EngineRunner:
     """Runs one workload under one variant on a loaded engine, from a fresh state."""
 
     def __init__(self, eng: Engine, *, sweep_backend: str | None, budget: str, online: bool,
-                 timeout: float):
+                 timeout: float, warm_tenants: bool = False):
         self.eng = eng
+        self.warm_tenants = warm_tenants
         self.sweep_backend = sweep_backend
         self.timeout = timeout
         self.caps = {n: b.cap for n, b in eng.backends.items()}
@@ -197,6 +219,9 @@ class EngineRunner:
         eng.flush(timeout=self.timeout)
         if workload.prefix:
             eng.warm(workload.prefix, timeout=self.timeout)
+        if self.warm_tenants:
+            for prefix in workload.prefixes:
+                eng.warm(prefix, timeout=self.timeout)
 
     def close(self) -> None:
         if self.online is not None:
@@ -239,15 +264,21 @@ def run_grid(args) -> int:
     outputs = _choices(args.outputs, OUTPUT_MODES, "--outputs")
     arrivals = _choices(args.arrivals, ARRIVAL_MODES, "--arrivals")
     specs = []
-    for pct in shared:
+    tenants = _int_list(args.tenants, "--tenants") if args.tenants else []
+    shapes = ([(args.tenant_prefix_tokens + args.tenant_suffix_tokens, args.tenant_prefix_tokens, k) for k in tenants]
+              or [(args.prompt_tokens, shared_tokens_for(pct / 100, args.prompt_tokens), 0) for pct in shared])
+    for prompt_tokens, shared_tokens, k in shapes:
         for output in outputs:
             for arrival in arrivals:
-                specs.append(WorkloadSpec(
-                    n_requests=1, prompt_tokens=args.prompt_tokens,
-                    shared_tokens=shared_tokens_for(pct / 100, args.prompt_tokens), output=output,
-                    gen_tokens=args.gen_tokens, min_output=args.min_output, max_output=args.max_output,
-                    arrival=arrival, interval_s=args.interval_ms / 1e3, rate=args.rate,
-                    burstiness=args.burstiness, identical=args.identical_prompts, seed=args.seed).validate())
+                try:
+                    specs.append(WorkloadSpec(
+                        n_requests=1, prompt_tokens=prompt_tokens, shared_tokens=shared_tokens, output=output,
+                        gen_tokens=args.gen_tokens, min_output=args.min_output, max_output=args.max_output,
+                        arrival=arrival, interval_s=args.interval_ms / 1e3, rate=args.rate,
+                        burstiness=args.burstiness, identical=args.identical_prompts, seed=args.seed,
+                        tenants=k, tenant_skew=args.tenant_skew).validate())
+                except ValueError as e:
+                    raise InvalidRequest(str(e)) from None
     caps = [] if args.caps.strip().lower() == "none" else _int_list(args.caps, "--caps")
     kv = [None] if not args.kv_seqs else _int_list(args.kv_seqs, "--kv-seqs")
     return _bench(args, "grid", specs, n_list, caps=caps, kv_seqs=kv)
@@ -329,7 +360,8 @@ class Bench:
                     self.engines.append({"kv_seqs": kv, "backends": _engine_info(eng, sweep)})
                     self.model_info = _model_info(self.args.model, eng)
                     runner = EngineRunner(eng, sweep_backend=sweep, budget=self.args.budget,
-                                          online=self.args.online_rates, timeout=self.args.timeout)
+                                          online=self.args.online_rates, timeout=self.args.timeout,
+                                          warm_tenants=getattr(self.args, "warm_tenants", False))
                 per_variant = (self.args.runs * len(self.specs) * sum(self.n_list)
                                + self.args.warmup * self.warmup_n)
                 bar.add_total(len(variants) * per_variant)
@@ -364,8 +396,12 @@ class Bench:
             from .bench_target import run_target
 
             got = Collected(run_target(v.target, wl, run=wl.run, warm_copies=args.target_warm,
-                                       timeout=args.timeout, on_done=lambda _r: bar.update(1)))
+                                       timeout=args.timeout, on_done=lambda _r: bar.update(1),
+                                       warm_tenants=getattr(args, "warm_tenants", False)))
         else:
+            if wl.spec.tenants:  # the same text the peers get, tokenized by the engine's model
+                model = runner.eng.model
+                wl = tokenized(wl, lambda text, first: model.tokenize(text, add_special=first, parse_special=False))
             got = runner.run(wl, v, on_done=bar.update)
         if keep:
             self.records.extend(got.records)
@@ -506,7 +542,8 @@ def _probe_targets(args) -> list:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         try:
-            targets.append(asyncio.run(probe(url, args.target_api, label)))
+            targets.append(asyncio.run(probe(url, args.target_api, label,
+                                             prompt=getattr(args, "target_prompt", "tokens"))))
         except (ConnectionError, OSError) as e:
             raise InvalidRequest(f"--target {url}: {e}") from None
     return targets

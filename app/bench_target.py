@@ -1,6 +1,8 @@
 """The benchmark's workload against an HTTP peer (e.g. `llama-server`), with aiohttp.
 
-Two wire formats, both streamed (SSE, `data: {json}` lines), prompts sent as token ids:
+Two wire formats, both streamed (SSE, `data: {json}` lines), prompts sent as token ids or,
+for a target with `prompt="text"`, as the workload's text (routers such as sglang-router match
+text prompts only and answer token ids with a 422):
 
 - `completion`: llama-server's native `POST /completion` with `prompt` (token ids),
   `n_predict`, `ignore_eos`, `cache_prompt`; its last chunk (`"stop": true`) reports
@@ -9,6 +11,10 @@ Two wire formats, both streamed (SSE, `data: {json}` lines), prompts sent as tok
   (an extension llama-server and vLLM accept), `stream_options.include_usage`; ends with
   `data: [DONE]`.
 
+A router in front of engines is just another target. Which engine served a request comes from
+the response where the router says it (Tandem's `X-Tandem-Backend` header) and is the target's
+label otherwise; `app.bench_fleet` reads the engines' own counters for the split.
+
 `probe()` picks the format: a server answering `GET /props` is llama-server (`completion`),
 anything else is spoken to as OpenAI-compatible. TTFT is the arrival of the first streamed
 token chunk after the request was sent; a request that fails (HTTP error, broken stream,
@@ -16,7 +22,9 @@ timeout) becomes a `RequestRecord` with `success=False` and its error — never 
 
 Nothing here can flush a peer's cache: each run warms the shared prefix (`warm_copies`
 concurrent prefix-only requests, e.g. one per llama-server slot) and uses suffixes of its
-own (see `engine.workload`), so earlier runs cannot give it full-prompt hits.
+own (see `engine.workload`), so earlier runs cannot give it full-prompt hits. A tenant
+workload warms nothing (a router must learn) unless `warm_tenants` asks for every tenant's
+prefix to be sent once first (through the target, so a router places it where it likes).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from engine.benchmark import RequestRecord
 from engine.workload import RequestSpec, Workload
 
 APIS = ("auto", "completion", "openai")
+PROMPTS = ("tokens", "text")
+BACKEND_HEADER = "X-Tandem-Backend"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +49,10 @@ class Target:
     label: str  # the "policy" column of its rows, e.g. target:llama-server
     api: str  # completion | openai
     model: str | None = None  # the model name sent to an OpenAI-compatible server
+    prompt: str = "tokens"  # tokens | text
 
     def to_dict(self) -> dict:
-        return {"url": self.url, "label": self.label, "api": self.api, "model": self.model}
+        return {"url": self.url, "label": self.label, "api": self.api, "model": self.model, "prompt": self.prompt}
 
 
 def parse_target(text: str) -> tuple[str | None, str]:
@@ -56,12 +67,15 @@ def parse_target(text: str) -> tuple[str | None, str]:
     return (label.strip() or None) if label else None, url
 
 
-async def probe(url: str, api: str = "auto", label: str | None = None, timeout: float = 10.0) -> Target:
+async def probe(url: str, api: str = "auto", label: str | None = None, timeout: float = 10.0,
+                prompt: str = "tokens") -> Target:
     """Find out what `url` speaks (see the module docstring); raises ConnectionError if nothing answers."""
     import aiohttp
 
     if api not in APIS:
         raise ValueError(f"target api must be one of {', '.join(APIS)}, got {api!r}")
+    if prompt not in PROMPTS:
+        raise ValueError(f"target prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
     hostport = urlsplit(url).netloc
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         is_llama_server = False
@@ -85,33 +99,39 @@ async def probe(url: str, api: str = "auto", label: str | None = None, timeout: 
     if api == "auto":
         api = "completion" if is_llama_server else "openai"
     name = label or ("llama-server" if is_llama_server else hostport)
-    return Target(url=url, label=f"target:{name}", api=api, model=model)
+    return Target(url=url, label=f"target:{name}", api=api, model=model, prompt=prompt)
 
 
 def run_target(target: Target, workload: Workload, *, run: int, warm_copies: int = 1,
-               timeout: float = 600.0, on_done=None) -> list[RequestRecord]:
+               timeout: float = 600.0, on_done=None, warm_tenants: bool = False) -> list[RequestRecord]:
     """Warm the prefix, then send the workload on its schedule; one record per request."""
-    return asyncio.run(_run(target, workload, run, warm_copies, timeout, on_done))
+    return asyncio.run(_run(target, workload, run, warm_copies, timeout, on_done, warm_tenants))
 
 
-async def _run(target, workload, run, warm_copies, timeout, on_done):
+async def _run(target, workload, run, warm_copies, timeout, on_done, warm_tenants=False):
     import aiohttp
 
     conn = aiohttp.TCPConnector(limit=0)
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout)
     async with aiohttp.ClientSession(connector=conn, timeout=client_timeout) as session:
+        text = target.prompt == "text"
+        warm = []
         if workload.prefix:
-            warm = [_send(session, target, workload.prefix, 1) for _ in range(max(1, warm_copies))]
-            for result in await asyncio.gather(*warm):
-                if result["error"]:
-                    raise ConnectionError(f"{target.label}: warming the prefix failed: {result['error']}")
+            prompt = workload.prefix_texts[0] if text else workload.prefix
+            warm = [_send(session, target, prompt, 1) for _ in range(max(1, warm_copies))]
+        elif warm_tenants:
+            warm = [_send(session, target, t if text else p, 1)
+                    for t, p in zip(workload.prefix_texts, workload.prefixes)]
+        for result in await asyncio.gather(*warm):
+            if result["error"]:
+                raise ConnectionError(f"{target.label}: warming the prefix failed: {result['error']}")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
         async def one(spec: RequestSpec) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + spec.arrival_s - loop.time()))
             t_submit = loop.time() - t0
-            result = await _send(session, target, spec.prompt, spec.output_tokens)
+            result = await _send(session, target, spec.text if text else spec.prompt, spec.output_tokens)
             record = _record(target, workload, run, spec, t_submit, result)
             if on_done is not None:
                 on_done(record)
@@ -121,28 +141,33 @@ async def _run(target, workload, run, warm_copies, timeout, on_done):
 
 
 async def _send(session, target: Target, prompt, n_tokens: int) -> dict:
-    """One streamed request; returns timings and counts, with `error` set instead of raising."""
+    """One streamed request; returns timings and counts, with `error` set instead of raising.
+
+    `prompt` is token ids or a string."""
     import aiohttp
 
+    prompt = prompt if isinstance(prompt, str) else list(prompt)
     if target.api == "completion":
         path = "/completion"
-        body = {"prompt": list(prompt), "n_predict": n_tokens, "ignore_eos": True, "cache_prompt": True,
+        body = {"prompt": prompt, "n_predict": n_tokens, "ignore_eos": True, "cache_prompt": True,
                 "temperature": 0.0, "stream": True}
     else:
         path = "/v1/completions"
-        body = {"prompt": list(prompt), "max_tokens": n_tokens, "ignore_eos": True, "temperature": 0.0,
+        body = {"prompt": prompt, "max_tokens": n_tokens, "ignore_eos": True, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}}
         if target.model:
             body["model"] = target.model
     out = {"ttft": None, "e2e": None, "itl": [], "tokens": 0, "reported_tokens": None, "cached": -1,
-           "finish_reason": None, "error": None}
+           "finish_reason": None, "error": None, "backend": None, "prompt_tokens": None}
     t0 = time.perf_counter()
     last = None
     try:
         async with session.post(target.url + path, json=body) as r:
+            out["backend"] = r.headers.get(BACKEND_HEADER) or None
             if r.status != 200:
                 text = (await r.text())[:500]
                 out["error"] = f"HTTP {r.status}: {text}"
+                out["e2e"] = time.perf_counter() - t0
                 return out
             async for raw in r.content:
                 line = raw.strip()
@@ -181,6 +206,7 @@ def _read_final(target: Target, chunk: dict, out: dict) -> None:
     if target.api == "completion":
         if chunk.get("stop"):
             out["reported_tokens"] = chunk.get("tokens_predicted")
+            out["prompt_tokens"] = chunk.get("tokens_evaluated")
             timings = chunk.get("timings") or {}
             cached = timings.get("cache_n", chunk.get("tokens_cached"))
             out["cached"] = -1 if cached is None else int(cached)
@@ -192,6 +218,7 @@ def _read_final(target: Target, chunk: dict, out: dict) -> None:
     usage = chunk.get("usage")
     if usage:
         out["reported_tokens"] = usage.get("completion_tokens")
+        out["prompt_tokens"] = usage.get("prompt_tokens")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if cached is not None:
             out["cached"] = int(cached)
@@ -209,10 +236,10 @@ def _record(target: Target, workload: Workload, run: int, spec: RequestSpec, t_s
         requests=len(workload.requests),
         index=spec.index,
         request_id=f"{target.label}-{run}-{spec.index}",
-        backend=target.label,
+        backend=result["backend"] or target.label,
         success=ok,
         finish_reason=result["finish_reason"] if ok else "error",
-        prompt_tokens=len(spec.prompt),
+        prompt_tokens=result["prompt_tokens"] if result["prompt_tokens"] is not None else len(spec.prompt),
         cached_tokens=result["cached"],
         output_tokens=int(tokens),
         t_submit_s=t_submit,

@@ -37,7 +37,8 @@ Choices this module makes, and why:
   prefixes depend on the seed alone, like the single shared prefix.
 - **Text prompts.** Every request also carries its prompt as TEXT (`RequestSpec.text`), made
   of common lower-case English words, each with a leading space — one token apiece in the
-  byte-pair vocabularies we use (Qwen2.5, SmolLM2), so a prompt of T words is ~T tokens, and a
+  vocabularies we use (Qwen2.5, SmolLM2, the synthetic Qwen2.5 shape; `WORDS`), so a prompt of
+  T words is ~T tokens (more with `synthetic:tiny`'s 512-piece vocabulary), and a
   tenant's prefix text tokenizes to the same tokens in every request (the suffix starts with a
   space: no token straddles the boundary). Routers that match text (sglang-router's
   cache-aware policy refuses token-id prompts with a 422) get the text; the in-process engine
@@ -61,17 +62,14 @@ OUTPUT_MODES = ("fixed", "uniform")
 ARRIVAL_MODES = ("interval", "poisson", "gamma")
 SKEW_MODES = ("uniform", "zipf")
 
-# Common English words, one byte-pair token each with a leading space in Qwen2.5's and
-# SmolLM2's vocabularies (the text prompts' alphabet; see the module docstring).
-WORDS = tuple(dict.fromkeys("""the of and to in is it that for on with as was at by be this are or from have not
-but had his they you one all were her she there can an which their has been if more when will
-would who so no out up into do any time about other what some could them then than these two may
-first new like only well way use our over such make many year its good most day also see work
-people back after just where long each much through how even because before right here think
-life old great world still last own part place same take help home made high man number off old
-end few small come put turn form line show hand find point move live name city state school
-open tree light food water house page land game plan play run read word book room side story
-""".split()))
+# Common English words of at most three letters. With a leading space each is one token in
+# Qwen2.5's and SmolLM2's vocabularies, and in the synthetic models' at Qwen2.5's size (every
+# "▁" + up to three letters is a piece there; `engine.synthetic`): T words are ~T tokens.
+WORDS = tuple(dict.fromkeys("""the of and to in is it for on as was at by be are or not but had his you one
+all her she can an has if who so no out up do any two may new its our way use see day man old end
+few put run set top yes yet big far low own red win ago air art bad bed box boy car cut dog eat eye
+fly fun hit hot job key law lay leg let lie lot mix net nor oil pay per sea sit six sky son sun tax
+ten tie toy try war web why age arm ask bag bit bus buy cup dry egg fit gas hat ice kid map mom""".split()))
 
 # Token ids are drawn from this range: above the control tokens most vocabularies start with,
 # below the size of every vocabulary we use (SmolLM2 49152, Qwen2.5 151936).
