@@ -62,13 +62,18 @@ def _write_summary(out_dir: Path, summary: dict) -> None:
 def plot_dir(out_dir: Path) -> None:
     """Draw the PNGs of a written result directory and record them in its summary."""
     summary = json.loads((out_dir / "summary.json").read_text())
-    with (out_dir / "requests.csv").open() as f:
-        records = [_record_from_csv(row) for row in csv.DictReader(f)]
+    records = read_records(out_dir / "requests.csv")
     made, skipped = write_plots(out_dir, summary, records)
     summary["plots"] = [p.name for p in made]
     summary["plots_skipped"] = skipped
     summary["files"]["plots"] = summary["plots"]
     _write_summary(out_dir, summary)
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    """The records of a written requests.csv."""
+    with Path(path).open() as f:
+        return [_record_from_csv(row) for row in csv.DictReader(f)]
 
 
 def _record_from_csv(row: dict) -> RequestRecord:
@@ -94,6 +99,8 @@ def _record_from_csv(row: dict) -> RequestRecord:
 
 def markdown(summary: dict) -> str:
     """The results as Markdown: one table per workload, then the oracle and the notes."""
+    if summary.get("tool") == "tandem bench fleet":
+        return fleet_markdown(summary)
     lines = [f"# {summary['tool']}", ""]
     model = summary.get("model") or {}
     if model.get("name"):
@@ -137,6 +144,57 @@ def markdown(summary: dict) -> str:
         notes.append(f"plots skipped: {summary['plots_skipped']}")
     lines += [f"- {n}" for n in notes if n]
     return "\n".join(lines)
+
+
+def fleet_markdown(summary: dict) -> str:
+    """`bench fleet`'s results: per workload, one row per variant (fastest first), per-engine
+    requests and computed prompt tokens, then the ratios the router work is judged by."""
+    lines = [f"# {summary['tool']}", "",
+             f"Model {summary['model']['spec']}; {summary['runs']} run(s) per row, mean ± std over runs; "
+             f"{summary['engine_state']}. Per-engine numbers: {summary['engines_counted_from']}.", ""]
+    for e in summary.get("engines") or []:
+        env = " ".join(f"{k}={v}" for k, v in (e.get("env") or {}).items())
+        lines.append(f"- engine {e['name']}: `{(env + ' ') if env else ''}{e['cmd']}`")
+    lines.append("")
+    by_workload: dict[str, list[dict]] = {}
+    for row in summary["results"]:
+        by_workload.setdefault(row["workload"], []).append(row)
+    for workload, rows in by_workload.items():
+        lines += [f"## {workload}, N={rows[0]['requests']}", "",
+                  "| variant | makespan s | output tok/s | TTFT p50 s | TTFT p95 s | E2E p50 s | failed "
+                  "| requests per engine | prompt tokens computed per engine |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in sorted(rows, key=lambda r: (bool(r["failed"]), r["makespan_s"]["mean"] is None,
+                                               r["makespan_s"]["mean"] or 0)):
+            engines = row.get("engines") or {}
+            per_req = ", ".join(f"{e} {_num(c.get('requests'))}" for e, c in engines.items()) or \
+                ", ".join(f"{b} {n:g}" for b, n in sorted(row["routed"].items()))
+            per_prompt = ", ".join(f"{e} {_num(c.get('prompt_tokens_computed'))}" for e, c in engines.items()) or "—"
+            killed = f" (killed {row['killed']['engine']} at {row['killed']['at_s']:g} s)" if row.get("killed") else ""
+            lines.append(f"| {row['policy']}{killed} | {_pm(row['makespan_s'])} | {_pm(row['output_tok_s'], 1)} | "
+                         f"{_pm(row['ttft_p50_s'])} | {_pm(row['ttft_p95_s'])} | {_pm(row['e2e_p50_s'])} | "
+                         f"{row['failed']} | {per_req} | {per_prompt} |")
+        lines.append("")
+    if summary.get("ratios"):
+        lines += ["## Ratios (a / b of the means; < 1 is better for times, > 1 for throughput)", "",
+                  "| workload | a | b | metric | a / b | failed a, b |", "|---|---|---|---|---|---|"]
+        for r in summary["ratios"]:
+            value = "—" if r["value"] is None else f"{r['value']:.3f}"
+            lines.append(f"| {r['workload']} | {r['a']} | {r['b']} | {r['metric']} | {value} | "
+                         f"{r['failed'][r['a']]}, {r['failed'][r['b']]} |")
+        lines.append("")
+    notes = list(summary.get("notes") or [])
+    notes.append("requests per engine: Tandem engines count finished requests; llama-server does not count "
+                 "requests (its split shows in prompt tokens computed); '?' where an engine did not answer "
+                 "(killed) or does not say; the in-process rows count routed requests per backend instead")
+    if summary.get("plots_skipped"):
+        notes.append(f"plots skipped: {summary['plots_skipped']}")
+    lines += [f"- {n}" for n in notes if n]
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "?" if x is None else f"{x:,.0f}"
 
 
 def _oracle_cell(p: dict) -> str:

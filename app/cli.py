@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bench.add_seed_arguments(seed)
     grid = bsub.add_parser("grid", help="the study's missing baselines: caps, prefix share, outputs, arrivals, KV")
     _bench.add_grid_arguments(grid)
+    from app import bench_fleet as _fleet
+
+    _fleet.add_arguments(bsub.add_parser("fleet", help="engines behind routers (Tandem, sglang-router), tenant workload"))
     soak = bsub.add_parser("soak", help="leak and hang hunt: mixed chat/API traffic with cancellations for N minutes")
     _soak.add_arguments(soak)
 
@@ -189,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.bench import run_grid, run_seed
 
             return (run_seed if args.bench == "seed" else run_grid)(args)
+        if command == "bench" and args.bench == "fleet":
+            from app.bench_fleet import run_fleet
+
+            return run_fleet(args)
         if command == "bench" and args.bench == "ui":
             from app.bench_ui import run_ui_bench
 
