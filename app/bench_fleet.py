@@ -58,6 +58,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -126,7 +127,8 @@ def add_arguments(p) -> None:
                    help="restart the engines before every run (default) or keep them (warm caches)")
     p.add_argument("--kill-one-at", type=float, default=None, metavar="S",
                    help="kill the last engine S seconds into every router run")
-    p.add_argument("--base-port", type=int, default=18200, help="engines get BASE+i, routers BASE+100+j")
+    p.add_argument("--base-port", type=int, default=0,
+                   help="engines get BASE+i, routers BASE+100+j (default: free ports the system picks)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds an engine or router may take to get healthy")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     p.add_argument("--out", default=None, help="output directory (default: out/bench-fleet-TIME)")
@@ -224,7 +226,7 @@ def engine_procs(args, log_dir: Path) -> list[Proc]:
     out = []
     if args.engine_cmd:
         for i, text in enumerate(args.engine_cmd):
-            port = args.base_port + i
+            port = args.base_port + i if args.base_port else free_port()
             if "{port}" not in text:
                 raise InvalidRequest(f"--engine-cmd {text!r} must contain {{port}}")
             out.append(Proc(f"e{i}", shlex.split(text.replace("{port}", str(port))), port, log_dir / f"e{i}.log"))
@@ -234,7 +236,7 @@ def engine_procs(args, log_dir: Path) -> list[Proc]:
     if n < 1:
         raise InvalidRequest("the fleet needs at least one engine (--gpus or --count)")
     for i in range(n):
-        port = args.base_port + i
+        port = args.base_port + i if args.base_port else free_port()
         env = {"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {}
         if args.engines == "llama-server":
             from engine.model import resolve_model
@@ -262,6 +264,13 @@ def router_proc(variant: str, engines: list[Proc], port: int, log_dir: Path, tim
                    "log_level": "warn", "request_timeout_secs": int(timeout),
                    "worker_startup_timeout_secs": 60, "worker_startup_check_interval": 1}
     return Proc(name, [sys.executable, "-c", SGLANG_CHILD, json.dumps(router_args)], port, log_dir / f"{name}.log")
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (the child binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- engine counters
@@ -385,8 +394,9 @@ class Fleet:
         if variant == "single":
             url = self.engines[0].url
         else:
-            router = router_proc(variant, self.engines, self.router_port, self.log_dir, self.args.timeout)
+            port = self.router_port if self.args.base_port else free_port()
             self.router_port += 1  # a fresh port per router: no TIME_WAIT clash with the last one
+            router = router_proc(variant, self.engines, port, self.log_dir, self.args.timeout)
             router.start()
             router.wait_healthy(self.args.start_timeout)
             url = router.url
