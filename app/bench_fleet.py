@@ -9,7 +9,9 @@ What one invocation does:
    binary on PATH or `--llama-server`, per GPU, `--metrics` plus `--llama-flags`), or
    `--engine-cmd 'CMD ... {port}'` (repeatable, any OpenAI-compatible server). It waits for each
    one's `GET /health`; an engine that exits or stays unhealthy is an `EngineStartError`
-   naming its command and the last lines of its log.
+   naming its command and the last lines of its log (the invocation stops: nothing could run).
+   A router or in-process run that fails the same way only loses its own rows: the error is
+   printed, kept in the report's notes, and the next variant runs.
 2. For each tenant count K (`--tenants 8,32`) and run, runs the workload through each variant
    of `--variants`, in the order given (put the deciding ones first: results are written after
    every run):
@@ -89,6 +91,10 @@ LOG_TAIL_LINES = 15
 
 class EngineStartError(EngineError):
     """An engine or router of the fleet exited or never became healthy."""
+
+
+class RouterStartError(EngineStartError):
+    """A router (or the in-process run) did not come up: its variant is skipped, with a note."""
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -372,16 +378,31 @@ class Fleet:
                     if spec.name() in inprocess_done:  # one child grid did every in-process variant and run
                         continue
                     inprocess_done.add(spec.name())
-                    got = self._inprocess(spec)
+                    try:
+                        got = self._inprocess(spec)
+                    except RouterStartError as e:
+                        self._skip(variant, spec, e)
+                        continue
                     bar.update(len(got))  # as many as all in-process steps of this workload
                 else:
-                    got = self._through(spec, run, variant, bar)
+                    try:
+                        got = self._through(spec, run, variant, bar)
+                    except (RouterStartError, ConnectionError) as e:
+                        # A router that does not come up costs its own rows, not the invocation's
+                        # (an engine that does not is an EngineStartError: nothing else could run).
+                        self._skip(variant, spec, e)
+                        continue
                 self.records.extend(got)
                 failed = sum(not r.success for r in got)
                 print(f"{head}: {len(got) - failed} ok, {failed} failed", file=sys.stderr, flush=True)
                 checkpoint()
         finally:
             self.stop_engines()
+
+    def _skip(self, variant: str, spec: WorkloadSpec, error: Exception) -> None:
+        line = f"{variant} skipped for {spec.name()}: {error}"
+        print(f"fleet: {line}", file=sys.stderr, flush=True)
+        self.notes.append(line)
 
     def _through(self, spec: WorkloadSpec, run: int, variant: str, bar: Progress) -> list[RequestRecord]:
         """One run of the workload through a router (or engine e0 alone)."""
@@ -397,8 +418,12 @@ class Fleet:
             port = self.router_port if self.args.base_port else free_port()
             self.router_port += 1  # a fresh port per router: no TIME_WAIT clash with the last one
             router = router_proc(variant, self.engines, port, self.log_dir, self.args.timeout)
-            router.start()
-            router.wait_healthy(self.args.start_timeout)
+            try:
+                router.start()
+                router.wait_healthy(self.args.start_timeout)
+            except EngineStartError as e:
+                router.stop()
+                raise RouterStartError(str(e)) from None
             url = router.url
         killer = None
         try:
@@ -450,7 +475,7 @@ class Fleet:
         csv_path = out / "requests.csv"
         if not csv_path.exists():
             tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            raise EngineStartError(f"in-process bench exited with code {proc.returncode} and no results: "
+            raise RouterStartError(f"in-process bench exited with code {proc.returncode} and no results: "
                                    f"{shlex.join(cmd)}\n" + "\n".join(f"    {line}" for line in tail))
         records = []
         for r in bench_report.read_records(csv_path):
@@ -615,13 +640,20 @@ def run_fleet(args) -> int:
     def save(plots: bool = False) -> list:
         return bench_report.write_all(out_dir, fleet.summary(), fleet.records, [], plots=plots)
 
+    def on_term(signum, frame):  # a wall-clock limit's SIGTERM: stop the engines, keep the results
+        raise KeyboardInterrupt
+
     interrupted = False
+    previous = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
     with Progress(0, "bench fleet") as bar:
         try:
             fleet.run(bar, checkpoint=save)
         except KeyboardInterrupt:
             interrupted = True
             fleet.notes.append("INTERRUPTED: the results below are partial")
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     if not fleet.records:
         return 130 if interrupted else 1
     written = save(plots=not args.no_plots)

@@ -161,3 +161,14 @@ class TestPureParts:
                    "--out", str(tmp_path / "x")])
         assert rc == 2 and message in capsys.readouterr().err
         assert not (tmp_path / "x").exists()
+
+
+def test_a_variant_that_cannot_start_is_skipped_with_its_reason_and_the_rest_run(tmp_path):
+    out = tmp_path / "skip"
+    rc = main(["bench", "fleet", *SMALL, "--variants", "in-process:round-robin,single",
+               "--inprocess-backend", "cpu:no_such_option=1", "--out", str(out)])
+    assert rc == 0
+    summary, rows = read(out)
+    assert summary["policies"] == ["single"] and len(rows) == 12
+    (note,) = [n for n in summary["notes"] if "skipped" in n]
+    assert note.startswith("in-process:round-robin skipped for 2 tenants") and "no_such_option" in note
