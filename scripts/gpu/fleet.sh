@@ -12,6 +12,8 @@
 #   ENGINES=llama-server|tandem (default llama-server)  KS="8 32"  N=300  RATE=60  RUNS=1
 #   VARIANTS=...  (default: the deciding ones first, then single, then in-process)
 #   KILL_AT=S     (also a run with one engine killed S seconds in, K = 8, sglang/Tandem cache-aware)
+#   BUDGET=540    seconds for the whole step (call.sh allows 560): an invocation still running at
+#                 the end gets SIGTERM, stops its engines and keeps every finished run's results
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 M=synthetic:qwen2.5-0.5b:${QUANT:-q8_0}
@@ -35,7 +37,9 @@ GPU_SPEC=gpu:cap=32,ctx=65536,threads=8
 fleet() {  # fleet NAME K [extra options...]
   local name=$1 k=$2; shift 2
   stamp "fleet $name: $ENGINES engines, K=$k"
-  timeout "${FLEET_TIMEOUT:-540}" python3 -X faulthandler -m app bench fleet --model "$M" --engines "$ENGINES" \
+  local left=$(( ${BUDGET:-540} - (SECONDS - T0) ))
+  [ "$left" -gt 30 ] || { echo "fleet: no time left for $name" >&2; return 1; }
+  timeout "$left" python3 -X faulthandler -m app bench fleet --model "$M" --engines "$ENGINES" \
     --gpus 0,1 --engine-backend "$GPU_SPEC" --llama-flags "-ngl 99 -kvu -c 65536 -np 32 --threads-http 32 -fa auto" \
     --inprocess-backend "gpu:device=0,cap=32,ctx=65536,threads=8" \
     --inprocess-backend "gpu:device=1,cap=32,ctx=65536,threads=8" \
