@@ -35,7 +35,7 @@ What one invocation does:
    by `--timeout`, so nothing hangs.
 
 Requests per engine come from each engine's own Prometheus `/metrics` counters, read before
-and after each run (deltas): Tandem engines count finished requests
+and after each run (deltas) (the in-process rows: from the engine's finish records): Tandem engines count finished requests
 (`tandem:request_success_total`), generated tokens and computed (uncached) prompt tokens;
 llama-server (started with `--metrics`) counts generated tokens (`llamacpp:tokens_predicted_total`)
 and computed prompt tokens (`llamacpp:prompt_tokens_total`) but not requests, so for it the
@@ -492,6 +492,9 @@ class Fleet:
         rows = summarize(self.records, self.meta)
         for row in rows:
             per_run = row.pop("engines_per_run", None) or []
+            if not per_run:  # in-process: its backends are the engines; the records say what each did
+                per_run = _record_counters([r for r in self.records
+                                            if (r.workload, r.policy) == (row["workload"], row["policy"])])
             row["engines"] = _mean_counters(per_run)
             row["engines_per_run"] = per_run
         return {
@@ -582,6 +585,19 @@ def _ratio(workload, rs, a, b, metric) -> list[dict]:
     value = va / vb if va is not None and vb else None
     return [{"workload": workload, "a": a, "b": b, "metric": metric, "value": value,
              "failed": {a: rs[a]["failed"], b: rs[b]["failed"]}}]
+
+
+def _record_counters(records: list[RequestRecord]) -> list[dict]:
+    """Per run, per backend: requests, output tokens and computed (uncached) prompt tokens,
+    from the engine's own finish records (the in-process rows)."""
+    runs: dict[int, dict[str, dict]] = {}
+    for r in records:
+        c = runs.setdefault(r.run, {}).setdefault(r.backend or "?", {"requests": 0, "output_tokens": 0,
+                                                                      "prompt_tokens_computed": 0})
+        c["requests"] += 1
+        c["output_tokens"] += r.output_tokens
+        c["prompt_tokens_computed"] += r.prompt_tokens - max(r.cached_tokens, 0)
+    return [runs[k] for k in sorted(runs)]
 
 
 def _mean_counters(per_run: list[dict]) -> dict:

@@ -186,7 +186,7 @@ def fleet_markdown(summary: dict) -> str:
     notes = list(summary.get("notes") or [])
     notes.append("requests per engine: Tandem engines count finished requests; llama-server does not count "
                  "requests (its split shows in prompt tokens computed); '?' where an engine did not answer "
-                 "(killed) or does not say; the in-process rows count routed requests per backend instead")
+                 "(killed) or does not say; in-process rows: each backend is an engine, counted from its finish records")
     if summary.get("plots_skipped"):
         notes.append(f"plots skipped: {summary['plots_skipped']}")
     lines += [f"- {n}" for n in notes if n]

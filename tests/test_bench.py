@@ -563,3 +563,50 @@ def test_side_by_side_with_our_own_server(tmp_path, tiny_path):
     peer_rows = [r for r in rows if r["policy"] == "target:tandem"]
     assert len(peer_rows) == 3 and all(r["success"] == "True" and r["output_tokens"] == "8" for r in peer_rows)
     assert all(int(r["cached_tokens"]) == 48 for r in peer_rows)  # the warmed prefix, reported in usage
+
+
+def test_tenants_as_text_give_the_engine_and_a_text_peer_the_same_prompts(tmp_path, tiny_path):
+    """`bench grid --tenants` with a `tandem serve` peer sent text: the peer tokenizes each
+    whole prompt, the engine its tenant's prefix and its suffix apart; the words make both the
+    same tokens, so prompt sizes agree request by request, and tenants' prefixes get cache hits."""
+    from app.server import create_app, start_server
+
+    peer = Engine.load(str(tiny_path), parse_backend_specs(["cpu:threads=1,cap=4,ctx=2048"]))
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box = {}
+
+    def serve():
+        async def go():
+            box["runner"], box["url"] = await start_server(create_app(peer), "127.0.0.1", 0)
+            box["stop"] = asyncio.Event()
+            started.set()
+            await box["stop"].wait()
+            await box["runner"].cleanup()
+
+        loop.run_until_complete(go())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(30)
+        rc = main(["bench", "grid", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=4,ctx=2048",
+                   "--backend", "cpu:threads=1,cap=4,ctx=2048", "--policies", "round-robin",
+                   "--target", f"tandem={box['url']}", "--target-prompt", "text", "--requests", "10", "--runs", "1",
+                   "--tenants", "2", "--tenant-prefix-tokens", "32", "--tenant-suffix-tokens", "6",
+                   "--outputs", "fixed", "--gen-tokens", "4", "--arrivals", "poisson", "--rate", "50",
+                   "--caps", "none", "--warmup", "0", "--no-plots", "--out", str(tmp_path)])
+    finally:
+        if "stop" in box:
+            loop.call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+        peer.close()
+    assert rc == 0
+    summary, rows, _ = read_outputs(tmp_path)
+    assert summary["workloads"][0]["tenants"] == 2 and summary["targets"][0]["prompt"] == "text"
+    engine = {r["index"]: r for r in rows if r["policy"] == "round-robin"}
+    text_peer = {r["index"]: r for r in rows if r["policy"] == "target:tandem"}
+    assert len(engine) == len(text_peer) == 10 and all(r["success"] == "True" for r in rows)
+    assert all(engine[i]["prompt_tokens"] == text_peer[i]["prompt_tokens"] for i in engine)
+    assert int(engine["0"]["prompt_tokens"]) > 38  # synthetic:tiny's 512 pieces split words
+    assert max(int(r["cached_tokens"]) for r in text_peer.values()) > 32  # a tenant's prefix reused

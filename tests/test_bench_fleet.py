@@ -76,6 +76,10 @@ class TestThroughSglangRouter:
         inproc = [r for r in rows if r["policy"] == "in-process:round-robin"]
         assert {r["backend"] for r in inproc} == {"a", "b"} and len(inproc) == 12
         assert {r["workload"] for r in rows} == {summary["workloads"][0]["name"]}
+        (row,) = [r for r in summary["results"] if r["policy"] == "in-process:round-robin"]
+        assert row["engines"]["a"]["requests"] == row["engines"]["b"]["requests"] == 6
+        computed = sum(int(r["prompt_tokens"]) - int(r["cached_tokens"]) for r in inproc)
+        assert sum(e["prompt_tokens_computed"] for e in row["engines"].values()) == computed
 
     def test_report_has_the_table_and_the_ratios(self, sglang_fleet):
         summary, _ = read(sglang_fleet[1])
