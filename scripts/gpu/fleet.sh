@@ -7,8 +7,12 @@
 # the in-process engine over both GPUs. The deciding points (K = 8: Tandem cache-aware vs sglang
 # cache_aware vs round-robin) run first; every run's results are written as soon as it ends.
 #
-# sglang-router is not on that machine: carry its wheel (sglang_router-0.3.2-*.whl, abi3) in
-# .gpukit/; it is unpacked onto PYTHONPATH here and started without its Python launcher.
+# sglang-router is not on that machine: carry its wheel (sglang_router-0.3.2-*.whl, abi3; 31 MB)
+# or a tarball of its package directory (sglang_router-*.tar.xz, e.g. with the .so stripped:
+# 17 MB, which fits beside the kit in a 64 MiB carry) in .gpukit/; it is unpacked onto
+# PYTHONPATH here and started without its Python launcher (no fastapi/uvicorn there). .whl/
+# (git-ignored) is searched too: the kit and the project already take most of a carry, so the
+# router can come in a second call to the same warm machine.
 #   ENGINES=llama-server|tandem (default llama-server)  KS="8 32"  N=300  RATE=60  RUNS=1
 #   VARIANTS=...  (default: the deciding ones first, then single, then in-process)
 #   KILL_AT=S     (also a run with one engine killed S seconds in, K = 8, sglang/Tandem cache-aware)
@@ -21,12 +25,17 @@ T0=$SECONDS
 stamp() { echo "== $1 ($((SECONDS - T0)) s)"; }
 
 if ! python3 -c "import sglang_router" 2>/dev/null; then
-  whl=$(ls .gpukit/sglang_router-*.whl 2>/dev/null | head -1)
+  whl=$(ls .gpukit/sglang_router-*.whl .whl/sglang_router-*.whl 2>/dev/null | head -1)
+  tarball=$(ls .gpukit/sglang_router-*.tar.* .whl/sglang_router-*.tar.* 2>/dev/null | head -1)
+  mkdir -p /tmp/sgr
   if [ -n "$whl" ]; then
-    mkdir -p /tmp/sgr && python3 -m zipfile -e "$whl" /tmp/sgr && export PYTHONPATH=/tmp/sgr:$PYTHONPATH
+    python3 -m zipfile -e "$whl" /tmp/sgr
+  elif [ -n "$tarball" ]; then
+    tar xf "$tarball" -C /tmp/sgr
   else
-    echo "fleet: no sglang_router wheel in .gpukit/: the sglang variants will be refused" >&2
+    echo "fleet: no sglang_router wheel or tarball in .gpukit/ or .whl/: the sglang variants will be refused" >&2
   fi
+  export PYTHONPATH=/tmp/sgr:$PYTHONPATH
 fi
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee "$OUT/gpus.txt"
 
