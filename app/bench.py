@@ -78,9 +78,12 @@ def add_common_arguments(p, *, requests: str, runs: int) -> None:
                    help="llama-server's /completion or /v1/completions (default: probe)")
     p.add_argument("--target-warm", type=int, default=1,
                    help="concurrent prefix-warming requests per target run, e.g. its slot count")
-    p.add_argument("--target-prompt", default="tokens", choices=["tokens", "text"],
-                   help="send targets the prompts as token ids or as text (routers match text) "
-                        "(default: %(default)s)")
+    p.add_argument("--target-prompt", default="auto", choices=["auto", "tokens", "text"],
+                   help="send targets the prompts as token ids or as text (routers such as sglang-router "
+                        "match text only); auto: text for --tenants workloads, else tokens (default: %(default)s)")
+    p.add_argument("--target-model", default=None,
+                   help="the model name sent to targets (default: the first of their /v1/models; a router "
+                        "that lists none of its engines' models, e.g. sglang-router's 'unknown', needs it)")
     p.add_argument("--warmup", type=int, default=1,
                    help="unrecorded runs of every variant before timing, at the smallest N (at most "
                         f"{WARMUP_MAX_N}) (default: %(default)s)")
@@ -542,8 +545,10 @@ def _probe_targets(args) -> list:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         try:
-            targets.append(asyncio.run(probe(url, args.target_api, label,
-                                             prompt=getattr(args, "target_prompt", "tokens"))))
+            target = asyncio.run(probe(url, args.target_api, label, prompt=getattr(args, "target_prompt", "auto")))
+            if getattr(args, "target_model", None):
+                target = replace(target, model=args.target_model)
+            targets.append(target)
         except (ConnectionError, OSError) as e:
             raise InvalidRequest(f"--target {url}: {e}") from None
     return targets

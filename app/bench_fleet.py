@@ -71,7 +71,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from engine.benchmark import RequestRecord
+from engine.benchmark import RequestRecord, oracle
 from engine.errors import EngineError, InvalidRequest
 from engine.workload import OUTPUT_MODES, WorkloadSpec, build_workload
 
@@ -514,6 +514,7 @@ class Fleet:
             "kill_one_at_s": self.args.kill_one_at,
             "notes": self.notes,
             "results": rows,
+            "oracle": oracle(rows, group=("workload", "requests"), single={"single"}),
             "ratios": ratios(rows),
         }
 

@@ -175,6 +175,11 @@ def fleet_markdown(summary: dict) -> str:
                          f"{_pm(row['ttft_p50_s'])} | {_pm(row['ttft_p95_s'])} | {_pm(row['e2e_p50_s'])} | "
                          f"{row['failed']} | {per_req} | {per_prompt} |")
         lines.append("")
+        for o in summary.get("oracle") or []:
+            if o["workload"] == workload:
+                excluded = [f"{p['policy']} ({p['failed']} failed)" for p in o["policies"] if p.get("excluded")]
+                lines += [f"Best makespan without failed requests: {o['best'] or 'none'}"
+                          + (f"; not ranked: {', '.join(excluded)}" if excluded else ""), ""]
     if summary.get("ratios"):
         lines += ["## Ratios (a / b of the means; < 1 is better for times, > 1 for throughput)", "",
                   "| workload | a | b | metric | a / b | failed a, b |", "|---|---|---|---|---|---|"]

@@ -39,7 +39,7 @@ from engine.benchmark import RequestRecord
 from engine.workload import RequestSpec, Workload
 
 APIS = ("auto", "completion", "openai")
-PROMPTS = ("tokens", "text")
+PROMPTS = ("auto", "tokens", "text")
 BACKEND_HEADER = "X-Tandem-Backend"
 
 
@@ -49,7 +49,7 @@ class Target:
     label: str  # the "policy" column of its rows, e.g. target:llama-server
     api: str  # completion | openai
     model: str | None = None  # the model name sent to an OpenAI-compatible server
-    prompt: str = "tokens"  # tokens | text
+    prompt: str = "tokens"  # tokens | text | auto (text for tenant workloads)
 
     def to_dict(self) -> dict:
         return {"url": self.url, "label": self.label, "api": self.api, "model": self.model, "prompt": self.prompt}
@@ -114,7 +114,7 @@ async def _run(target, workload, run, warm_copies, timeout, on_done, warm_tenant
     conn = aiohttp.TCPConnector(limit=0)
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout)
     async with aiohttp.ClientSession(connector=conn, timeout=client_timeout) as session:
-        text = target.prompt == "text"
+        text = target.prompt == "text" or (target.prompt == "auto" and workload.spec.tenants > 0)
         warm = []
         if workload.prefix:
             prompt = workload.prefix_texts[0] if text else workload.prefix
