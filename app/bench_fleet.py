@@ -531,7 +531,7 @@ def parse_variants(text: str, args) -> list[str]:
         if v == "single":
             pass
         elif kind == "tandem" and policy:
-            if importlib.util.find_spec("engine.remote") is None:
+            if not remote_backend_available():
                 raise InvalidRequest(f"variant {v}: Tandem's router needs the remote: backend (engine/remote.py), "
                                      f"which this build lacks")
             _policy(make_policy, policy, v)
@@ -553,6 +553,15 @@ def parse_variants(text: str, args) -> list[str]:
     if len(set(out)) != len(out):
         raise InvalidRequest(f"--variants repeats a variant: {text}")
     return out
+
+
+def remote_backend_available() -> bool:
+    """Whether this tree's engine has the remote: backend (engine/remote.py beside engine/__init__.py;
+    an editable install of another checkout can make `engine.remote` importable from there)."""
+    import engine
+
+    spec = importlib.util.find_spec("engine.remote")
+    return spec is not None and spec.origin is not None and Path(spec.origin).parent == Path(engine.__file__).parent
 
 
 def ratios(rows: list[dict]) -> list[dict]:
