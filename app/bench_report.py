@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import lzma
 import math
 import subprocess
 import sys
@@ -62,7 +63,9 @@ def _write_summary(out_dir: Path, summary: dict) -> None:
 def plot_dir(out_dir: Path) -> None:
     """Draw the PNGs of a written result directory and record them in its summary."""
     summary = json.loads((out_dir / "summary.json").read_text())
-    with (out_dir / "requests.csv").open() as f:
+    raw = out_dir / "requests.csv"
+    opener = (lambda: raw.open()) if raw.exists() else (lambda: lzma.open(raw.with_suffix(".csv.xz"), "rt"))
+    with opener() as f:  # committed results keep their raw files xz-compressed
         records = [_record_from_csv(row) for row in csv.DictReader(f)]
     made, skipped = write_plots(out_dir, summary, records)
     summary["plots"] = [p.name for p in made]
