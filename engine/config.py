@@ -28,7 +28,7 @@ REMOTE_APIS = ("auto", "openai", "llama-server", "vllm", "sglang", "tandem")
 @dataclass(frozen=True)
 class RemoteConfig:
     """An OpenAI-compatible engine as a backend: `remote:url=http://HOST:PORT[,name=…,api=…,
-    key=…,cap=…]`. `cap` bounds the requests in flight there (the rest wait here, FCFS, so
+    key=…,cap=…,tokenizer=MODEL]`. `cap` bounds the requests in flight there (the rest wait here, FCFS, so
     they can move if the engine dies); `api` says which load endpoints to read (`auto`:
     detect them); `key` is sent as `Authorization: Bearer KEY`."""
 
@@ -43,6 +43,9 @@ class RemoteConfig:
     poll_s: float = 0.3  # load polling period
     health_s: float = 1.0  # health probe period
     timeout_s: float = 600.0  # the most one request may take end to end
+    # A model spec (path, `default`, `synthetic:tiny`) whose vocabulary is the engine's: its
+    # tokenizer (loaded vocab-only) makes exact token keys for the cache prediction.
+    tokenizer: str | None = None
 
 
 def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
@@ -69,10 +72,10 @@ def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
                 raise InvalidRequest(f"backend spec {spec!r}: {key} must be a number") from None
             if not fields[key] > 0:
                 raise InvalidRequest(f"backend spec {spec!r}: {key} must be > 0")
-        elif key in ("url", "name", "key", "api"):
+        elif key in ("url", "name", "key", "api", "tokenizer"):
             fields[key] = value
         else:
-            valid = sorted(ints | floats | {"url", "name", "key", "api"})
+            valid = sorted(ints | floats | {"url", "name", "key", "api", "tokenizer"})
             raise InvalidRequest(f"backend spec {spec!r}: unknown key {key!r} (valid: {', '.join(valid)})")
     url = fields.get("url", "")
     parsed = urllib.parse.urlsplit(url)

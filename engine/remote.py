@@ -57,9 +57,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .approx_cache import ApproxTree
 from .config import RemoteConfig
-from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
+from .errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError, QueueFull,
+                     RestartInProgress)
 from .events import EventBus, RequestAdmitted, RequestFinished
 from .handle import Outbox, RequestHandle
+from .llama import cpu_only, lc
+from .model import Model, check_gguf, resolve_model
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
 from .snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
@@ -177,6 +180,8 @@ class RemoteBackend:
         self._inflight: dict[str, _Job] = {}
         self._tree = ApproxTree(config.cache_capacity)
         self._tree_lock = threading.Lock()
+        self.tokenizer = VocabOnly(resolve_model(config.tokenizer)) if config.tokenizer else None
+        self._keys: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # request id -> key
         self._queries = self._hits = 0
         self._budget_mean = float(DEFAULT_DECODE_BUDGET)
         self._load = _Load(0, 0, 0)
@@ -235,6 +240,8 @@ class RemoteBackend:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self.tokenizer is not None:
+            self.tokenizer.close()
 
     def restart(self, timeout: float = 30.0) -> None:
         """Reconnect: queued requests are handed to `on_unhealthy` (moved), in-flight ones end
@@ -261,17 +268,31 @@ class RemoteBackend:
         """Predicted cached prompt tokens on the engine (see the module docstring)."""
         if not self.cache_enabled:
             return 0
-        key, per_token = _key(request)
+        key, per_token = self._key(request)
         with self._tree_lock:
             n = self._tree.match(key)
         return self._tokens(n, per_token, request)
+
+    def _key(self, request: Request):
+        """`_key()`, remembered for the last requests (the router matches every backend)."""
+        with self._tree_lock:
+            hit = self._keys.get(request.id)
+        if hit is not None:
+            return hit
+        made = _key(request, self.tokenizer)
+        with self._tree_lock:
+            self._keys[request.id] = made
+            while len(self._keys) > 256:
+                self._keys.popitem(last=False)
+        return made
 
     def pin_prefix(self, request: Request) -> tuple[int, object]:
         """`(predicted cached tokens, None)`: nothing can be pinned on a remote engine. Counted
         in the snapshot's cache stats (queries and predicted hits)."""
         n = self.match(request)
+        prompt = self._prompt_estimate(request)
         with self._tree_lock:
-            self._queries += _prompt_estimate(request)
+            self._queries += prompt
             self._hits += n
         return n, None
 
@@ -282,8 +303,8 @@ class RemoteBackend:
         handle = handle or RequestHandle(request)
         if cached_estimate is None:
             cached_estimate = self.match(request)
-        key, per_token = _key(request)
-        job = _Job(request, handle, t_submit or time.monotonic(), cached_estimate, key, _prompt_estimate(request))
+        key, per_token = self._key(request)
+        job = _Job(request, handle, t_submit or time.monotonic(), cached_estimate, key, max(len(key) // per_token, 1))
         handle.backend = self.name
         handle._cancel = self.cancel
         with self._lock:
@@ -389,7 +410,11 @@ class RemoteBackend:
 
     def _tokens(self, n: int, per_token: int, request: Request) -> int:
         """Matched key elements → tokens, below the prompt's length (its last token is computed)."""
-        return max(min(n // per_token, _prompt_estimate(request) - 1), 0)
+        return max(min(n // per_token, self._prompt_estimate(request) - 1), 0)
+
+    def _prompt_estimate(self, request: Request) -> int:
+        key, per = self._key(request)
+        return max(len(key) // per, 1)
 
     # ---- the loop thread ----
 
@@ -718,7 +743,9 @@ class RemoteBackend:
         if not isinstance(cached, int):
             cached = job.estimate if job.chunks else 0  # no word from the engine: the prediction
         ttft = (job.t_first - job.t_submit) if job.chunks else None
-        itl = (job.t_last - job.t_first) / (output - 1) if job.chunks and output > 1 else None
+        # Chunks can carry several tokens (a busy engine joins them): the gaps between the first
+        # and last chunk over the tokens between them. One chunk says nothing about the gaps.
+        itl = (job.t_last - job.t_first) / (output - 1) if job.chunks > 1 and output > 1 else None
         record = FinishRecord(
             request_id=job.req.id, backend=self.name, status=status, text=text,
             prompt_tokens=job.prompt_tokens(), cached_tokens=cached, output_tokens=output,
@@ -742,6 +769,8 @@ class RemoteBackend:
         if isinstance(key, str):
             key = key + (_render_message({"role": "assistant", "content": text}) if job.req.messages
                          and job.req.text is None else text)
+        elif self.tokenizer is not None and job.req.text is not None:
+            key = key + tuple(self.tokenizer.tokenize(text, add_special=False))
         with self._tree_lock:
             self._tree.insert(key)
 
@@ -867,14 +896,63 @@ class RemoteBackend:
         self._set_unhealthy("stopped")
 
 
+# ---------------------------------------------------------------------------- tokens
+
+
+class VocabOnly:
+    """A GGUF's vocabulary and chat template without its weights (llama.cpp `vocab_only`):
+    the remote engine's tokenizer, when it serves the same model, for exact cache keys.
+
+    Thread contract: immutable after construction but for the piece cache (see `Model`)."""
+
+    tokenize = Model.tokenize
+    piece = Model.piece
+    apply_chat_template = Model.apply_chat_template
+
+    def __init__(self, path):
+        from pathlib import Path
+
+        path = Path(path)
+        check_gguf(path)
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        cpu_only(params)
+        self.path = path
+        self.ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise ModelLoadError(f"llama.cpp could not load the vocabulary of {path}")
+        self.vocab = lc.llama_model_get_vocab(self.ptr)
+        self.bos = lc.llama_vocab_bos(self.vocab)
+        self.eos = lc.llama_vocab_eos(self.vocab)
+        self._pieces: dict[int, bytes] = {}
+        self._chat = None
+
+    def close(self) -> None:
+        if self.ptr:
+            lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def key(self, request: Request) -> tuple[int, ...]:
+        """The token ids the engine will compute for this request's prompt (the same
+        tokenization `Engine.generate` and `Engine.chat` do)."""
+        if request.text is not None:
+            return tuple(self.tokenize(request.text))
+        return tuple(self.tokenize(self.apply_chat_template(list(request.messages)), add_special=False))
+
+
 # ---------------------------------------------------------------------------- helpers
 
 
-def _key(request: Request):
+def _key(request: Request, tokenizer: VocabOnly | None = None):
     """(cache-prediction key, key elements per token): token ids where the request carries
-    them, else its text, else its messages rendered as text."""
+    them or a tokenizer makes them, else its text, else its messages rendered as text."""
     if request.prompt_tokens:
         return tuple(request.prompt_tokens), 1
+    if tokenizer is not None:
+        try:
+            return tokenizer.key(request), 1
+        except Exception:  # a template that refuses these messages: the engine will say why
+            log.debug("tokenizing %s for the cache prediction failed", request.id, exc_info=True)
     if request.text is not None:
         return request.text, CHARS_PER_TOKEN
     return "".join(_render_message(m) for m in request.messages or ()), CHARS_PER_TOKEN
@@ -885,11 +963,6 @@ def _render_message(m: dict) -> str:
     if not isinstance(content, str):
         content = json.dumps(content, sort_keys=True, ensure_ascii=False)
     return f"<|{m.get('role', '')}|>{content}"
-
-
-def _prompt_estimate(request: Request) -> int:
-    key, per = _key(request)
-    return max(len(key) // per, 1)
 
 
 def _error_message(text) -> str:

@@ -137,15 +137,17 @@ def test_remote_spec_parses_and_rejects_bad_values():
 def test_streamed_text_matches_a_direct_greedy_call(engines, fleet):
     a = fleet.backends["a"]
     assert a.api == "tandem" and a.models and a.healthy
-    want = direct(engines, 0, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0})
-    handle = fleet.submit(Request((), GREEDY, text="Once upon a time", backend="a"))
+    sampling = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)  # long enough to stream
+    want = direct(engines, 0, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 256,
+                                                  "ignore_eos": True, "temperature": 0})
+    handle = fleet.submit(Request((), sampling, text="Once upon a time", backend="a"))
     deltas = list(handle)
     record = handle.result(10)
     assert record.error is None and record.backend == "a"
     assert "".join(deltas) == record.text == want
     assert len(deltas) > 1  # streamed, not delivered whole
-    assert record.output_tokens == 16 and record.prompt_tokens > 0
-    assert record.ttft_s is not None and record.itl_s is not None and record.e2e_s >= record.ttft_s
+    assert record.output_tokens == 256 and record.prompt_tokens > 0
+    assert record.ttft_s is not None and record.e2e_s > record.ttft_s
 
 
 def test_chat_messages_go_to_chat_completions(engines, fleet):
@@ -273,3 +275,44 @@ def test_restart_reconnects_and_a_second_one_conflicts(engines, fleet):
     a.restart(timeout=30)
     assert a.healthy and a.snapshot().cache.cached_tokens == 0
     assert fleet.submit(Request((), GREEDY, text="after restart", backend="a")).text(60)
+
+
+# ---------------------------------------------------------------------------- rates
+
+
+def test_calibrate_measures_a_remote_engine_by_sending_requests(fleet):
+    from engine.calibrate import calibrate_backend
+
+    b = fleet.backends["b"]
+    cal = calibrate_backend(b, prompt_tokens=64, gen_tokens=8, batches=[1, 2], repeats=1, timeout=60)
+    assert cal.device == "remote" and cal.config_key == f"remote:{b.url}"
+    assert cal.prefill_tok_s > 0 and set(cal.step_s) == {1, 2} and all(s > 0 for s in cal.step_s.values())
+    b.set_rates(cal.rates())
+    assert b.snapshot().rates.source == "calibrated"
+
+
+def test_finished_requests_refine_the_rates_online(fleet):
+    a = fleet.backends["a"]
+    before = a.rates
+    record = fleet.submit(Request((), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                                  text="refine the rates", backend="a")).result(60)
+    assert record.itl_s
+    snap = a.snapshot()
+    assert snap.rates.source == "online" and snap.rates.decode_tok_s != before.decode_tok_s
+    assert snap.decode_tok_s > 0
+
+
+def test_a_tokenizer_makes_the_prediction_in_tokens_and_it_matches_the_engine(engines):
+    backend = RemoteBackend.from_config(RemoteConfig(url=engines.url(0), name="t", tokenizer="synthetic:tiny"))
+    try:
+        shared = "The same long system prompt, sent twice to one engine. " * 6
+        backend.enqueue(Request((), GREEDY, text=shared + "First question?")).text(60)
+        again = Request((), GREEDY, text=shared + "Second question?")
+        predicted = backend.match(again)
+        assert backend.cache_units == "tokens"
+        assert predicted >= len(backend.tokenizer.tokenize(shared)) - 2
+        record = backend.enqueue(again).result(60)
+        assert record.error is None
+        assert abs(record.cached_tokens - predicted) <= 2  # the engine's own usage says what it reused
+    finally:
+        backend.stop()
