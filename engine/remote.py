@@ -380,11 +380,13 @@ class RemoteBackend:
             healthy=self.healthy and not self._stopped,
             error=self.error,
             cache=CacheStats(enabled=self.cache_enabled, query_tokens=queries, hit_tokens=hits,
-                             cached_tokens=size // per, evictions=evicted // per),
+                             cached_tokens=size // per, evictions=evicted // per, units=self.cache_units),
             prefill_tok_s=self._obs_prefill,
             decode_tok_s=self._obs_decode,
             steps=self.steps,
             time=time.monotonic(),
+            url=self.url,
+            model=self.model_name,
         )
 
     def describe(self) -> dict:

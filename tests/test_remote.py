@@ -148,6 +148,8 @@ def test_streamed_text_matches_a_direct_greedy_call(engines, fleet):
     assert len(deltas) > 1  # streamed, not delivered whole
     assert record.output_tokens == 256 and record.prompt_tokens > 0
     assert record.ttft_s is not None and record.e2e_s > record.ttft_s
+    snap = a.snapshot()
+    assert snap.device == "remote" and snap.url == engines.url(0) and snap.model == a.models[0]
 
 
 def test_chat_messages_go_to_chat_completions(engines, fleet):
@@ -198,7 +200,7 @@ def test_the_approximate_tree_predicts_a_repeated_prefix(fleet):
     fleet.submit(again).text(60)
     stats = a.snapshot().cache
     assert stats.hit_tokens > 0 and stats.query_tokens >= stats.hit_tokens
-    assert a.cache_units == "chars/4"
+    assert a.cache_units == stats.units == "chars/4"
 
 
 def test_load_polling_sees_requests_sent_directly_to_the_engine(engines, fleet):
@@ -234,24 +236,31 @@ def test_load_polling_sees_requests_sent_directly_to_the_engine(engines, fleet):
 
 def test_a_dead_engine_moves_its_queue_fails_streams_and_is_probed_back(engines, fleet):
     a, b = fleet.backends["a"], fleet.backends["b"]
-    a.set_cap(1)
+    a.set_cap(2)
     streaming = RequestHandle(Request((), LONG, text="a long one"))
     a.enqueue(streaming.request, streaming)
-    queued = [RequestHandle(Request((), GREEDY, text=f"queued {i}")) for i in range(2)]
-    for h in queued:
-        a.enqueue(h.request, h)
-    deltas = iter(streaming)
-    next(deltas)
-    engines.kill(0)
+    next(iter(streaming))  # it has streamed text
+    engines.procs[0].send_signal(signal.SIGSTOP)  # the engine still accepts, but answers nothing
+    try:
+        silent = RequestHandle(Request((), GREEDY, text="sent, nothing back yet"))
+        a.enqueue(silent.request, silent)
+        queued = [RequestHandle(Request((), GREEDY, text=f"queued {i}")) for i in range(2)]
+        for h in queued:
+            a.enqueue(h.request, h)
+        wait_until(lambda: [i.running for i in a.snapshot().items if not i.request_id.startswith("external:")]
+                   == [True, True, False, False], 10,
+                   "two requests in flight at a, two queued here")
+    finally:
+        engines.kill(0)
     try:
         record = streaming.result(30)
         assert record.status == RequestStatus.FINISHED_ERROR and record.error_kind == "unavailable_error"
         assert "backend a" in record.error and record.text  # it had streamed, so it cannot move
-        for h in queued:
+        for h in [silent, *queued]:
             moved = h.result(60)
-            assert moved.error is None and moved.backend == "b" and h.backend == "b"
+            assert moved.error is None and moved.backend == "b" and h.backend == "b" and moved.text
         snap = a.snapshot()
-        assert not snap.healthy and snap.error
+        assert not snap.healthy and snap.error and not snap.items
         assert b.snapshot().healthy
         assert fleet.submit(Request((), GREEDY, text="while a is down")).result(60).backend == "b"
     finally:
