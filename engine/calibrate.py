@@ -369,6 +369,7 @@ def calibrate_remote(backend, *, prompt_tokens: int = CALIBRATION_PROMPT, gen_to
     if not backend.healthy:
         raise InvalidRequest(f"{backend.name}: the engine is unhealthy ({backend.error}); nothing to calibrate")
     t_start = time.monotonic()
+    notes: list[str] = ["measured over HTTP: TTFT and ITL of requests sent to the engine"]
     rng = random.Random(seed)
     wanted = sorted(set(batches or range(1, backend.cap + 1)))
     if not wanted or wanted[0] < 1:
@@ -412,6 +413,9 @@ def calibrate_remote(backend, *, prompt_tokens: int = CALIBRATION_PROMPT, gen_to
             itls = [r.itl_s for r in run([words(OWN_TOKENS) for _ in range(b)], decode) if r.itl_s]
             if itls:
                 step_s[b] = statistics.median(itls)
+            else:
+                notes.append(f"batch {b}: each request streamed as one chunk, no gap to measure "
+                             f"(raise --gen-tokens)")
             tick(f"decode at batch {b}")
     finally:
         if backend.cap != old_cap:
@@ -425,8 +429,7 @@ def calibrate_remote(backend, *, prompt_tokens: int = CALIBRATION_PROMPT, gen_to
         backend=backend.name, device="remote", config_key=f"remote:{backend.url}", cap=cap, threads=0,
         prompt_tokens=prompt, gen_tokens=gen_tokens, prefill_tok_s=statistics.median(prefill_runs),
         prefill_runs=tuple(prefill_runs), step_s=step_s, decode_only_s={}, step_alpha_s=alpha, step_beta_s=beta,
-        decode_tok_s=cap / at_cap, seconds=time.monotonic() - t_start,
-        notes=("measured over HTTP: TTFT and ITL of requests sent to the engine",))
+        decode_tok_s=cap / at_cap, seconds=time.monotonic() - t_start, notes=tuple(notes))
 
 
 class _Probe:

@@ -61,8 +61,6 @@ from .errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, 
                      RestartInProgress)
 from .events import EventBus, RequestAdmitted, RequestFinished
 from .handle import Outbox, RequestHandle
-from .llama import cpu_only, lc
-from .model import Model, check_gguf, resolve_model
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
 from .snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
@@ -180,7 +178,7 @@ class RemoteBackend:
         self._inflight: dict[str, _Job] = {}
         self._tree = ApproxTree(config.cache_capacity)
         self._tree_lock = threading.Lock()
-        self.tokenizer = VocabOnly(resolve_model(config.tokenizer)) if config.tokenizer else None
+        self.tokenizer = VocabOnly(config.tokenizer) if config.tokenizer else None
         self._keys: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # request id -> key
         self._queries = self._hits = 0
         self._budget_mean = float(DEFAULT_DECODE_BUDGET)
@@ -907,14 +905,11 @@ class VocabOnly:
 
     Thread contract: immutable after construction but for the piece cache (see `Model`)."""
 
-    tokenize = Model.tokenize
-    piece = Model.piece
-    apply_chat_template = Model.apply_chat_template
+    def __init__(self, spec: str):
+        from .llama import cpu_only, lc  # native code only where a tokenizer is asked for
+        from .model import check_gguf, resolve_model
 
-    def __init__(self, path):
-        from pathlib import Path
-
-        path = Path(path)
+        path = resolve_model(spec)
         check_gguf(path)
         params = lc.llama_model_default_params()
         params.vocab_only = True
@@ -929,8 +924,26 @@ class VocabOnly:
         self._pieces: dict[int, bytes] = {}
         self._chat = None
 
+    # Model's own tokenize/piece/apply_chat_template, which use only what is set above.
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        from .model import Model
+
+        return Model.tokenize(self, text, add_special=add_special, parse_special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        from .model import Model
+
+        return Model.piece(self, token)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        from .model import Model
+
+        return Model.apply_chat_template(self, messages)
+
     def close(self) -> None:
         if self.ptr:
+            from .llama import lc
+
             lc.llama_model_free(self.ptr)
             self.ptr = None
 

@@ -293,7 +293,7 @@ def test_calibrate_measures_a_remote_engine_by_sending_requests(fleet):
     from engine.calibrate import calibrate_backend
 
     b = fleet.backends["b"]
-    cal = calibrate_backend(b, prompt_tokens=64, gen_tokens=8, batches=[1, 2], repeats=1, timeout=60)
+    cal = calibrate_backend(b, prompt_tokens=64, gen_tokens=64, batches=[1, 2], repeats=1, timeout=60)
     assert cal.device == "remote" and cal.config_key == f"remote:{b.url}"
     assert cal.prefill_tok_s > 0 and set(cal.step_s) == {1, 2} and all(s > 0 for s in cal.step_s.values())
     b.set_rates(cal.rates())
