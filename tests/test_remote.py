@@ -82,6 +82,13 @@ class Engines:
             p.send_signal(signal.SIGKILL)
             p.wait(30)
 
+    def aborted(self, i: int) -> float:
+        """Requests the engine counts as cancelled (`tandem:request_success{finished_reason="abort"}`)."""
+        with http(self.url(i) + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tandem:request_success_total{") and 'finished_reason="abort"' in line)
+
     def routing_items(self, i: int) -> list[dict]:
         with http(self.url(i) + "/v1/routing?n=0", timeout=5) as r:
             body = json.load(r)
@@ -160,15 +167,17 @@ def test_chat_messages_go_to_chat_completions(engines, fleet):
 
 
 def test_cancel_closes_the_connection_and_the_engine_stops(engines, fleet):
+    aborted = engines.aborted(0)
     handle = fleet.submit(Request((), LONG, text="Tell me a long story", backend="a"))
-    it = iter(handle)
-    next(it)  # it runs there
+    next(iter(handle))  # it runs there
     assert engines.routing_items(0), "the engine shows the request running"
     handle.cancel()
     record = handle.result(30)
     assert record.status == RequestStatus.FINISHED_CANCELLED
     assert record.output_tokens < LONG.max_tokens
-    wait_until(lambda: not engines.routing_items(0), 20, "the engine to drop the cancelled request")
+    # The engine itself cancelled it (its metrics count an abort), not merely finished it.
+    wait_until(lambda: engines.aborted(0) == aborted + 1, 20, "the engine to count the request aborted")
+    assert not engines.routing_items(0)
 
 
 def test_a_queued_request_waits_for_the_cap_and_cancels_locally(fleet):
