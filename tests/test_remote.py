@@ -22,6 +22,7 @@ import pytest
 from engine.config import RemoteConfig, parse_backend_spec
 from engine.engine import Engine
 from engine.errors import InvalidRequest
+from engine.events import EventBus
 from engine.handle import RequestHandle
 from engine.remote import RemoteBackend
 from engine.request import Request, RequestStatus, SamplingParams
@@ -112,9 +113,10 @@ def engines(tmp_path_factory):
 @pytest.fixture
 def fleet(engines):
     """An Engine over both engines: backends `a` and `b`, polled fast."""
-    backends = [RemoteBackend.from_config(RemoteConfig(url=engines.url(i), name=n, poll_s=0.25, health_s=0.5))
+    bus = EventBus()  # one bus for the engine and its backends, as `Engine.load` makes
+    backends = [RemoteBackend.from_config(RemoteConfig(url=engines.url(i), name=n, poll_s=0.25, health_s=0.5), bus)
                 for i, n in enumerate("ab")]
-    eng = Engine(backends, Router("round-robin"))
+    eng = Engine(backends, Router("round-robin"), bus)
     yield eng
     eng.close()
 
