@@ -61,12 +61,11 @@ from .errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, 
                      RestartInProgress)
 from .events import EventBus, RequestAdmitted, RequestFinished
 from .handle import Outbox, RequestHandle
-from .request import FinishRecord, Request, RequestStatus, SamplingParams
+from .request import CHARS_PER_TOKEN, FinishRecord, Request, RequestStatus, SamplingParams
 from .snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 log = logging.getLogger(__name__)
 
-CHARS_PER_TOKEN = 4  # text keys: a token estimate for English text and code (BPE vocabularies)
 DEFAULT_RATES = Rates(prefill_tok_s=2000.0, decode_tok_s=50.0, source="default")
 DEFAULT_DECODE_BUDGET = 256  # external requests' decode_left before we have seen a request
 PROBE_TIMEOUT_S = 5.0
