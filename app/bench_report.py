@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import lzma
 import math
 import subprocess
 import sys
@@ -71,8 +72,11 @@ def plot_dir(out_dir: Path) -> None:
 
 
 def read_records(path: Path) -> list[RequestRecord]:
-    """The records of a written requests.csv."""
-    with Path(path).open() as f:
+    """The records of a written requests.csv (or, where only that is there, its .csv.xz:
+    committed results keep their raw files xz-compressed)."""
+    path = Path(path)
+    opener = (lambda: path.open()) if path.exists() else (lambda: lzma.open(path.with_suffix(".csv.xz"), "rt"))
+    with opener() as f:
         return [_record_from_csv(row) for row in csv.DictReader(f)]
 
 

@@ -146,6 +146,7 @@ class Backend:
         self.config = config.resolved()
         self.name = self.config.name
         self.model = model
+        self.device = model.device
         self.bus = bus or EventBus()
         self.rates = rates or Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="default")
         self.cache = PrefixCache()

@@ -25,6 +25,12 @@ explicit rates (`parse_rates()`, `source="override"`) win over it.
 
 `OnlineRefresh` keeps a running engine's rates current from its own steps (EWMA), leaving
 overridden rates alone.
+
+A remote backend (engine/remote.py) has no steps to watch: `calibrate_remote` measures it by
+sending requests — prefill from the TTFT of fresh prompts that generate one token (prompt
+tokens from the engine's `usage`), the step time at batch b from the mean ITL of b requests
+run together (`ignore_eos` where the API has it). `calibrate_backend` takes that path for any
+backend whose `device` is "remote"; such a backend refines its rates online by itself.
 """
 
 from __future__ import annotations
@@ -270,6 +276,9 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     """
     if prompt_tokens < 8 or gen_tokens < 4 or repeats < 1:
         raise InvalidRequest("calibration needs prompt_tokens >= 8, gen_tokens >= 4, repeats >= 1")
+    if getattr(backend, "device", None) == "remote":
+        return calibrate_remote(backend, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batches=batches,
+                                repeats=repeats, seed=seed, timeout=timeout, progress=progress)
     t_start = time.monotonic()
     notes: list[str] = []
     n_ctx = backend.n_ctx
@@ -346,6 +355,81 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         seconds=time.monotonic() - t_start,
         notes=tuple(notes),
     )
+
+
+def calibrate_remote(backend, *, prompt_tokens: int = CALIBRATION_PROMPT, gen_tokens: int = CALIBRATION_GEN,
+                     batches: Sequence[int] | None = None, repeats: int = 3, seed: int = 0,
+                     timeout: float = 600.0, progress: Progress | None = None) -> Calibration:
+    """Measure an idle, healthy remote backend by sending it requests (see the module docstring).
+
+    Prompts are random words, different for every request, so the engine's prefix cache does
+    not hit; `prompt_tokens` is a target (about one token per word), the engine's `usage`
+    says how many there were. Time includes HTTP: it is what a request waits for.
+    """
+    if not backend.healthy:
+        raise InvalidRequest(f"{backend.name}: the engine is unhealthy ({backend.error}); nothing to calibrate")
+    t_start = time.monotonic()
+    notes: list[str] = ["measured over HTTP: TTFT and ITL of requests sent to the engine"]
+    rng = random.Random(seed)
+    wanted = sorted(set(batches or range(1, backend.cap + 1)))
+    if not wanted or wanted[0] < 1:
+        raise InvalidRequest(f"batches must be >= 1, got {list(batches or [])}")
+    total, done = 1 + repeats + len(wanted), 0
+
+    def tick(what: str):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, f"{backend.name}: {what}")
+
+    def words(n: int) -> str:
+        return " ".join(f"w{rng.randrange(10**6)}" for _ in range(n))
+
+    def run(prompts: list[str], sampling: SamplingParams) -> list:
+        handles = [backend.enqueue(Request((), sampling, text=p, source="calibrate")) for p in prompts]
+        records = [h.result(timeout) for h in handles]
+        for r in records:
+            if r.error:
+                raise InvalidRequest(f"calibrating {backend.name} failed: {r.error}")
+        return records
+
+    old_cap = backend.cap
+    if max(wanted) > old_cap:
+        backend.set_cap(max(wanted))
+    greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
+    try:
+        run([words(prompt_tokens)], greedy1)  # warm-up, not measured
+        tick("warm-up")
+        prefill_runs = []
+        prompt = prompt_tokens
+        for k in range(repeats):
+            (r,) = run([words(prompt_tokens)], greedy1)
+            prompt = r.prompt_tokens
+            prefill_runs.append((r.prompt_tokens - r.cached_tokens) / max(r.ttft_s or r.e2e_s, 1e-6))
+            tick(f"prefill {k + 1}/{repeats}")
+        decode = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+        step_s: dict[int, float] = {}
+        for b in wanted:
+            itls = [r.itl_s for r in run([words(OWN_TOKENS) for _ in range(b)], decode) if r.itl_s]
+            if itls:
+                step_s[b] = statistics.median(itls)
+            else:
+                notes.append(f"batch {b}: each request streamed as one chunk, no gap to measure "
+                             f"(raise --gen-tokens)")
+            tick(f"decode at batch {b}")
+    finally:
+        if backend.cap != old_cap:
+            backend.set_cap(old_cap)
+    if not step_s:
+        raise InvalidRequest(f"{backend.name}: no decode step could be measured (the engine streamed one chunk)")
+    alpha, beta = fit_step_model(step_s)
+    cap = backend.cap
+    at_cap = step_s.get(cap) or (alpha + beta * cap)
+    return Calibration(
+        backend=backend.name, device="remote", config_key=f"remote:{backend.url}", cap=cap, threads=0,
+        prompt_tokens=prompt, gen_tokens=gen_tokens, prefill_tok_s=statistics.median(prefill_runs),
+        prefill_runs=tuple(prefill_runs), step_s=step_s, decode_only_s={}, step_alpha_s=alpha, step_beta_s=beta,
+        decode_tok_s=cap / at_cap, seconds=time.monotonic() - t_start, notes=tuple(notes))
 
 
 class _Probe:

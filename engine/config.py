@@ -1,4 +1,5 @@
-"""Backend specs from the command line: `gpu:cap=4`, `cpu:threads=15,cap=4,name=big`.
+"""Backend specs from the command line: `gpu:cap=4`, `cpu:threads=15,cap=4,name=big`,
+`remote:url=http://host:8081,api=vllm,cap=32` (an OpenAI-compatible engine, `engine/remote.py`).
 
 `default_specs()` is a GPU and a CPU backend where the llama.cpp build can offload, and two
 CPU backends that split the cores otherwise (so routing is still live on a laptop).
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import urllib.parse
+from dataclasses import dataclass
 
 from .backend import BackendConfig
 from .errors import InvalidRequest
@@ -19,10 +22,83 @@ _BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overla
 _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 
-def parse_backend_spec(spec: str, **defaults) -> BackendConfig:
-    """`DEVICE[:key=value,...]` → a BackendConfig (name defaults to the device)."""
+REMOTE_APIS = ("auto", "openai", "llama-server", "vllm", "sglang", "tandem")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """An OpenAI-compatible engine as a backend: `remote:url=http://HOST:PORT[,name=…,api=…,
+    key=…,cap=…,tokenizer=MODEL]`. `cap` bounds the requests in flight there (the rest wait here, FCFS, so
+    they can move if the engine dies); `api` says which load endpoints to read (`auto`:
+    detect them); `key` is sent as `Authorization: Bearer KEY`."""
+
+    url: str
+    name: str = "remote"
+    device: str = "remote"
+    api: str = "auto"
+    key: str | None = None
+    cap: int = 64
+    max_queue: int = 4096
+    cache_capacity: int = 1 << 22  # elements (tokens or characters) the cache prediction keeps
+    poll_s: float = 0.3  # load polling period
+    health_s: float = 1.0  # health probe period
+    timeout_s: float = 600.0  # the most one request may take end to end
+    # A model spec (path, `default`, `synthetic:tiny`) whose vocabulary is the engine's: its
+    # tokenizer (loaded vocab-only) makes exact token keys for the cache prediction.
+    tokenizer: str | None = None
+
+
+def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
+    """The keys of a `remote:` spec (see `RemoteConfig`)."""
+    fields: dict = {}
+    ints = {"cap", "max_queue", "cache_capacity"}
+    floats = {"poll_s", "health_s", "timeout_s"}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq:
+            raise InvalidRequest(f"backend spec {spec!r}: {item!r} is not key=value")
+        if key in ints:
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise InvalidRequest(f"backend spec {spec!r}: {key} must be an integer") from None
+            if fields[key] < 1:
+                raise InvalidRequest(f"backend spec {spec!r}: {key} must be >= 1")
+        elif key in floats:
+            try:
+                fields[key] = float(value)
+            except ValueError:
+                raise InvalidRequest(f"backend spec {spec!r}: {key} must be a number") from None
+            if not fields[key] > 0:
+                raise InvalidRequest(f"backend spec {spec!r}: {key} must be > 0")
+        elif key in ("url", "name", "key", "api", "tokenizer"):
+            fields[key] = value
+        else:
+            valid = sorted(ints | floats | {"url", "name", "key", "api", "tokenizer"})
+            raise InvalidRequest(f"backend spec {spec!r}: unknown key {key!r} (valid: {', '.join(valid)})")
+    url = fields.get("url", "")
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise InvalidRequest(f"backend spec {spec!r}: url must be http://HOST:PORT or https://HOST:PORT, "
+                             f"got {url!r}")
+    fields["url"] = url.rstrip("/").removesuffix("/v1")
+    api = fields.get("api", "auto").lower()
+    if api not in REMOTE_APIS:
+        raise InvalidRequest(f"backend spec {spec!r}: api must be one of {', '.join(REMOTE_APIS)}, got {api!r}")
+    fields["api"] = api
+    if "cap" not in fields and "cap" in defaults:  # a command-line default cap applies here too
+        fields["cap"] = defaults["cap"]
+    return RemoteConfig(**fields)
+
+
+def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
+    """`DEVICE[:key=value,...]` → a BackendConfig (name defaults to the device), or
+    `remote:url=...` → a RemoteConfig."""
     device, _, rest = spec.partition(":")
     device = device.strip().lower()
+    if device == "remote":
+        return _parse_remote(spec, rest, defaults)
     if device not in ("cpu", "gpu", "auto"):
         raise InvalidRequest(f"backend spec {spec!r}: device must be cpu, gpu or auto")
     fields: dict = {"device": device, **defaults}
@@ -52,7 +128,7 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig:
     return BackendConfig(**fields)
 
 
-def name_backends(configs: list[BackendConfig], explicit: list[bool]) -> list[BackendConfig]:
+def name_backends(configs: list[BackendConfig | RemoteConfig], explicit: list[bool]) -> list[BackendConfig]:
     """Repeated devices without an explicit name become cpu0, cpu1, ..."""
     counts: dict[str, int] = {}
     for c, named in zip(configs, explicit):
@@ -73,7 +149,7 @@ def name_backends(configs: list[BackendConfig], explicit: list[bool]) -> list[Ba
     return out
 
 
-def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig]:
+def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | RemoteConfig]:
     configs = [parse_backend_spec(s, **defaults) for s in specs]
     explicit = ["name=" in s for s in specs]
     return name_backends(configs, explicit)

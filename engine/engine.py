@@ -1,5 +1,9 @@
 """The Engine: backends that share a model per device, a router, and an event bus.
 
+Backends are local llama.cpp contexts, remote OpenAI-compatible engines (engine/remote.py) or
+both. An engine with only remote backends loads no model: it is the router in front of a
+fleet, and requests carry their prompt as text or chat messages (`Request.text`/`messages`).
+
 `submit()` routes one whole request to one backend and returns its handle. Routing and
 enqueueing happen under one lock, so each request sees the queues its predecessors made,
 and the chosen backend's matched prefix is pinned until the request is admitted (the
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from .backend import Backend, BackendConfig, error_record
 from .calibrate import ModelRates
+from .config import RemoteConfig
 from .errors import BackendUnavailable, EngineError, InvalidRequest
 from .events import EventBus, RequestRouted
 from .handle import RequestHandle
@@ -52,22 +57,35 @@ class Engine:
         self.online = None  # OnlineRefresh, when rates are refreshed from observed steps
 
     @classmethod
-    def load(cls, model: str | Path, configs: list[BackendConfig], *, policy: str = "seed-score",
-             rates: dict[str, Rates] | None = None, progress=None, online_rates: bool = False) -> "Engine":
+    def load(cls, model: str | Path | None, configs: list[BackendConfig | RemoteConfig], *,
+             policy: str = "seed-score", rates: dict[str, Rates] | None = None, progress=None,
+             online_rates: bool = False) -> "Engine":
         """Resolve the model, load it once per device, start one backend per config.
+
+        `RemoteConfig`s become remote backends; with nothing but those, no model is loaded
+        (`model` may be None).
 
         Each backend's rates: `rates[name]` if given, else the calibrated ones stored for this
         model file and backend config (`engine.calibrate`), else `DEFAULT_RATES`. With
         `online_rates` they are then kept current from the steps the backends run (EWMA);
         benchmarks leave it off so that every run is priced alike.
         """
-        path = resolve_model(str(model), progress=progress)
-        calibrated = ModelRates(path)
+        local = [c for c in configs if not isinstance(c, RemoteConfig)]
+        if local and model is None:
+            raise InvalidRequest("local backends need a model (--model); only remote: backends run without one",
+                                 param="model")
+        path = resolve_model(str(model), progress=progress) if local else None
+        calibrated = ModelRates(path) if local else None
         registry = ModelRegistry()
         bus = EventBus()
-        backends: list[Backend] = []
+        backends: list = []
         try:
             for c in configs:
+                if isinstance(c, RemoteConfig):
+                    from .remote import RemoteBackend  # aiohttp; only fleets need it
+
+                    backends.append(RemoteBackend.from_config(c, bus, (rates or {}).get(c.name)))
+                    continue
                 m = registry.acquire(path, c.device, progress=progress)
                 r = (rates or {}).get(c.name) or calibrated.get(c, m.device) or DEFAULT_RATES[m.device]
                 backends.append(Backend(c, m, bus, r).start())
@@ -85,8 +103,28 @@ class Engine:
     # ---- requests ----
 
     @property
-    def model(self) -> Model:
-        return next(iter(self.backends.values())).model
+    def model(self) -> Model | None:
+        """The local model (every local backend runs the same file); None in a fleet of remote
+        engines only."""
+        return next((b.model for b in self.backends.values() if b.device != "remote"), None)
+
+    def model_ids(self) -> list[str]:
+        """The models this engine serves: the local model's file stem, then each remote
+        engine's models, in backend order, without repeats."""
+        ids: list[str] = []
+        for b in self.backends.values():
+            for m in (b.models if b.device == "remote" else [Path(b.model.path).stem]):
+                if m not in ids:
+                    ids.append(m)
+        return ids
+
+    def serves(self, backend, model: str | None) -> bool:
+        """Whether `backend` can take a request that names `model` (None: any)."""
+        if model is None:
+            return True
+        if backend.device == "remote":
+            return model in backend.models or not backend.models  # not known yet: let it try
+        return model == Path(backend.model.path).stem
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
@@ -97,12 +135,16 @@ class Engine:
     def _route(self, request: Request, handle: RequestHandle, t_submit: float) -> None:
         with self._lock:
             self._check_open()
-            candidates = [b for b in self.backends.values() if request.backend in (None, b.name)]
+            serving = [b for b in self.backends.values() if self.serves(b, request.model)]
+            if not serving:
+                raise InvalidRequest(f"no backend serves the model {request.model!r} "
+                                     f"(served: {', '.join(self.model_ids())})", param="model")
+            candidates = [b for b in serving if request.backend in (None, b.name)]
             for b in candidates:
                 b.validate(request)
-            cached = {b.name: b.match(request) for b in self.backends.values()}
+            cached = {b.name: b.match(request) for b in serving}
             query = RouteQuery.from_request(request, cached)
-            decision = self.router.route(query, self.snapshot())
+            decision = self.router.route(query, [b.snapshot() for b in serving])
             backend = self.backends[decision.backend]
             estimate, pin = backend.pin_prefix(request)
             handle.decision = decision
@@ -125,13 +167,20 @@ class Engine:
         self.backend(name).restart()
 
     def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
-        """Submit raw text (tokenized with BOS) or token ids."""
+        """Submit raw text (tokenized with BOS where a local model is at hand) or token ids."""
         self._check_open()
+        if isinstance(prompt, str) and self.model is None:
+            return self.submit(Request((), sampling or SamplingParams(), text=prompt, **kw))
         tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
-        """Submit a chat, rendered with the model's own template."""
+        """Submit a chat, rendered with the model's own template (remote engines only: as
+        messages, which each engine renders with its own)."""
+        if self.model is None:
+            if not messages:
+                raise InvalidRequest("messages must not be empty", param="messages")
+            return self.submit(Request((), sampling or SamplingParams(), messages=tuple(messages), **kw))
         tokens = self.chat_tokens(messages)
         return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
 
@@ -140,6 +189,8 @@ class Engine:
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         self._check_open()
+        if self.model is None:
+            raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
             text = self.model.apply_chat_template(messages)
         except Exception as e:  # the template's own errors (Jinja raises its own types)
@@ -192,7 +243,8 @@ class Engine:
             b.stop()
         if self._registry is not None:
             for b in self.backends.values():
-                self._registry.release(b.model)
+                if b.device != "remote":
+                    self._registry.release(b.model)
 
     def __enter__(self):
         return self

@@ -11,6 +11,7 @@ from .errors import InvalidRequest
 
 _ids = itertools.count(1)
 MAX_TOKENS = 1 << 20  # beyond any context; keeps values inside llama.cpp's int32
+CHARS_PER_TOKEN = 4  # English text in BPE vocabularies; only for prompts no tokenizer has seen
 
 
 def next_request_id() -> str:
@@ -85,6 +86,17 @@ class Request:
     stop_after: int | None = None
     text: str | None = None
     messages: tuple[dict, ...] | None = None
+    # The model the client named, where an engine serves several (a fleet): only backends
+    # that serve it are candidates. None: any backend.
+    model: str | None = None
+
+    @property
+    def prompt_estimate(self) -> int:
+        """Prompt tokens: exact when tokenized, else about one per `CHARS_PER_TOKEN` characters."""
+        if self.prompt_tokens:
+            return len(self.prompt_tokens)
+        chars = len(self.text or "") + sum(len(str(m.get("content") or "")) for m in self.messages or ())
+        return max(chars // CHARS_PER_TOKEN, 1)
 
     def __post_init__(self):
         if not (self.prompt_tokens or self.text or self.messages):

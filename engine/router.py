@@ -69,7 +69,7 @@ class RouteQuery:
         """Build the query for an engine `Request` and its per-backend cache matches."""
         return cls(
             request_id=request.id,
-            prompt_tokens=len(request.prompt_tokens),
+            prompt_tokens=request.prompt_estimate,
             max_tokens=request.sampling.max_tokens,
             cached=dict(cached or {}),
             backend=request.backend,

@@ -70,6 +70,9 @@ class CacheStats:
     cached_tokens: int = 0
     pinned_tokens: int = 0
     evictions: int = 0
+    # What the figures count: "tokens", or "chars/4" where a remote backend without a
+    # tokenizer predicts its engine's cache from text (characters / 4 as a token estimate).
+    units: str = "tokens"
 
     @property
     def hit_rate(self) -> float:
@@ -100,6 +103,8 @@ class BackendSnapshot:
     decode_tok_s: float = 0.0  # observed, recent
     steps: int = 0
     time: float = 0.0
+    url: str = ""  # a remote backend's engine (engine/remote.py); "" for a local one
+    model: str = ""  # the model a remote engine serves; "" for a local one
 
     @property
     def running(self) -> tuple[WorkItem, ...]:

@@ -1,0 +1,1015 @@
+"""An OpenAI-compatible engine elsewhere (llama-server, vLLM, SGLang, another Tandem) as a backend.
+
+`RemoteBackend` implements `BackendProtocol` (engine/protocol.py) by streaming each request to
+the engine over HTTP: `POST /v1/completions` (the request's `text`, else its token ids) or
+`/v1/chat/completions` (its `messages`), `stream: true`, with the sampling values that API
+accepts. Text deltas go to the request's handle as they arrive; the engine's `usage` (prompt,
+cached and completion tokens) goes into the `FinishRecord`, else counted chunks do.
+
+What the router sees (`snapshot()`):
+- `items`: every request Tandem has in flight there (running) or queued here (waiting), exact
+  and immediate — plus the engine's *external* load, requests others sent it, as items whose
+  `request_id` starts with `external:` (running or waiting as the engine reports them, with
+  `decode_left` the engine's own remaining budget where it tells — Tandem's `/v1/routing`,
+  llama-server's `/slots` — else the mean `max_tokens` of our recent requests). The engine's
+  load is polled every `poll_s` (llama-server `/slots` + `/metrics`, vLLM and SGLang
+  `/metrics`, Tandem `/v1/routing`); external = what it reported minus what of ours it held
+  *at that poll*, so our own changes since then are never counted twice or missed.
+- `cache`: a prediction. What was sent there is kept in an approximate radix tree
+  (engine/approx_cache.py, SGLang router's way); `match()` is the longest prefix of the new
+  prompt in it. Keys are token ids when the request carries them, else text (characters),
+  counted as `CHARS_PER_TOKEN` characters per token (`cache_units` says which; the snapshot's
+  `cache` figures are in tokens either way). `query_tokens`/`hit_tokens` count the
+  prediction at routing time (`pin_prefix`).
+- `device="remote"`, `kv_cells_total=0` (unknown: the router assumes room), `rates` from
+  calibration (`engine.calibrate.calibrate_remote`) refined online from each finished request's
+  TTFT and ITL (EWMA; `source="override"` rates are left alone).
+
+Flow control: at most `cap` requests are in flight at the engine; the rest wait here, FCFS, so
+that they can move elsewhere if the engine dies. `set_cap` applies at once.
+
+Health: `/health` (else `/v1/models`) is probed every `health_s`. A connection error or 5xx on
+a request or a probe marks the engine unhealthy: its queued requests and in-flight ones that
+had streamed nothing go to `on_unhealthy(backend, [(request, handle, t_submit), ...])` (the
+engine re-routes them); in-flight ones that had streamed text end with an `unavailable_error`.
+The probe keeps running and brings the engine back when it answers again.
+
+Thread contract: one thread per backend runs an asyncio loop that owns the HTTP session and
+every request's task; callers' methods (`enqueue`, `cancel`, `set_cap`, `snapshot`, ...) may be
+called from any thread: they take `_lock` for the queue and in-flight table, `_tree_lock` for
+the cache prediction, and hand work to the loop with `call_soon_threadsafe`.
+`on_unhealthy` is called on the backend's loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .approx_cache import ApproxTree
+from .config import RemoteConfig
+from .errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError, QueueFull,
+                     RestartInProgress)
+from .events import EventBus, RequestAdmitted, RequestFinished
+from .handle import Outbox, RequestHandle
+from .request import CHARS_PER_TOKEN, FinishRecord, Request, RequestStatus, SamplingParams
+from .snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RATES = Rates(prefill_tok_s=2000.0, decode_tok_s=50.0, source="default")
+DEFAULT_DECODE_BUDGET = 256  # external requests' decode_left before we have seen a request
+PROBE_TIMEOUT_S = 5.0
+PROBE_FAILURES = 3  # probes that time out in a row before a live-but-silent engine is unhealthy
+START_TIMEOUT_S = 10.0
+ONLINE_WEIGHT = 0.2
+
+# Sampling fields each API accepts beyond OpenAI's own (temperature, top_p, max_tokens, stop, seed).
+_EXTRA = {
+    "openai": (),
+    "llama-server": ("top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos"),
+    "tandem": ("top_k", "min_p", "repeat_penalty", "repeat_last_n", "ignore_eos"),
+    "vllm": ("top_k", "min_p", "repetition_penalty", "ignore_eos"),
+    "sglang": ("top_k", "min_p", "repetition_penalty", "ignore_eos"),
+}
+
+
+class _Unhealthy(Exception):
+    """The engine failed (connection lost, 5xx): the whole backend goes unhealthy."""
+
+
+class _Refused(Exception):
+    """The engine refused this one request (4xx, or an error in its stream)."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Job:
+    """A request inside the backend. Fields other than those the snapshot reads are loop-owned."""
+
+    __slots__ = ("req", "handle", "t_submit", "estimate", "key", "parts", "chunks", "t_sent", "t_first",
+                 "t_last", "usage", "finish_reason", "task", "moved", "fail", "done", "prompt_estimate")
+
+    def __init__(self, req: Request, handle: RequestHandle, t_submit: float, estimate: int, key, prompt_estimate):
+        self.req = req
+        self.handle = handle
+        self.t_submit = t_submit
+        self.estimate = estimate  # predicted cached tokens (routing time)
+        self.key = key  # the cache-prediction key of its prompt
+        self.prompt_estimate = prompt_estimate  # prompt tokens (exact for token prompts)
+        self.parts: list[str] = []
+        self.chunks = 0
+        self.t_sent = self.t_first = self.t_last = 0.0
+        self.usage: dict | None = None
+        self.finish_reason: str | None = None
+        self.task: asyncio.Task | None = None
+        self.moved = False  # handed to another backend: finish nothing here
+        self.fail: str | None = None  # end with this error when its task is cancelled
+        self.done = False
+
+    def work_item(self, running: bool) -> WorkItem:
+        generated = self.output_tokens()
+        prompt = self.prompt_tokens()
+        return WorkItem(request_id=self.req.id, running=running, prompt_tokens=prompt,
+                        cached_tokens=min(self.estimate, prompt),
+                        prefill_left=0 if self.chunks else max(prompt - self.estimate, 0),
+                        decode_left=max(self.req.sampling.max_tokens - generated, 0), generated=generated)
+
+    def prompt_tokens(self) -> int:
+        if self.usage and isinstance(self.usage.get("prompt_tokens"), int):
+            return self.usage["prompt_tokens"]
+        return self.prompt_estimate
+
+    def output_tokens(self) -> int:
+        if self.usage and isinstance(self.usage.get("completion_tokens"), int):
+            return self.usage["completion_tokens"]
+        return self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """The engine's own view of its load at one poll."""
+
+    running: int
+    waiting: int
+    ours: int  # our requests in flight there when the poll was answered
+    decode_left: tuple[int, ...] = ()  # remaining budgets the engine reported, longest first
+    time: float = 0.0
+
+
+class RemoteBackend:
+    """An OpenAI-compatible engine behind a URL, served by its own asyncio thread."""
+
+    def __init__(self, config: RemoteConfig, bus: EventBus | None = None, rates: Rates | None = None):
+        if not 1 <= config.cap <= 100_000:
+            raise InvalidRequest(f"cap must be in [1, 100000], got {config.cap}", param="cap")
+        self.config = config
+        self.name = config.name
+        self.device = "remote"
+        self.url = config.url
+        self.api = config.api  # resolved from "auto" at the first successful probe
+        self.bus = bus or EventBus()
+        self.rates = rates or DEFAULT_RATES
+        self._base_rates = self.rates
+        self._factor = 1.0  # observed / predicted step time, EWMA
+        self._obs_prefill = self._obs_decode = 0.0
+        self.healthy = False
+        self.error: str | None = "not started"
+        self.on_unhealthy = None  # callable(backend, [(request, handle, t_submit)]), set by the engine
+        self.models: list[str] = []  # model ids the engine serves (`/v1/models`)
+        self.n_ctx = 0  # the engine's context per request where it says, else 0
+        self.cache_enabled = True
+        self.cache_units = "tokens"  # "tokens" or "chars/4": what the last key counted
+        self._cap = config.cap
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._inflight: dict[str, _Job] = {}
+        self._tree = ApproxTree(config.cache_capacity)
+        self._tree_lock = threading.Lock()
+        self.tokenizer = VocabOnly(config.tokenizer) if config.tokenizer else None
+        self._keys: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # request id -> key
+        self._queries = self._hits = 0
+        self._budget_mean = float(DEFAULT_DECODE_BUDGET)
+        self._load = _Load(0, 0, 0)
+        self._probe_failures = 0
+        self._stopped = False
+        self._restarting = threading.Lock()
+        self._outbox = Outbox()
+        self._flush_pending = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.steps = 0  # requests finished (a remote engine's steps are not visible)
+
+    @classmethod
+    def from_config(cls, config: RemoteConfig, bus: EventBus | None = None,
+                    rates: Rates | None = None) -> "RemoteBackend":
+        """Build and start one (it probes the engine once, up to `START_TIMEOUT_S`; an engine
+        that does not answer yet starts unhealthy and is probed in when it does)."""
+        return cls(config, bus, rates).start()
+
+    @property
+    def cap(self) -> int:
+        return self._cap
+
+    @property
+    def model_name(self) -> str:
+        return self.models[0] if self.models else ""
+
+    # ---- lifecycle ----
+
+    def start(self) -> "RemoteBackend":
+        ready = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run_loop, args=(ready,), name=f"remote-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        ready.wait(START_TIMEOUT_S)
+        try:
+            self._submit_coro(self._connect()).result(START_TIMEOUT_S + 1)
+        except Exception as e:  # unreachable for now: the health loop keeps trying
+            self._set_unhealthy(f"cannot reach {self.url}: {e}")
+        self._submit_coro(self._start_pollers())
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything (in-flight requests' connections are closed), stop the thread. Idempotent."""
+        if self._loop is None or self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._submit_coro(self._shutdown()).result(timeout)
+        except Exception:
+            log.exception("%s: shutdown did not finish cleanly", self.name)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Reconnect: queued requests are handed to `on_unhealthy` (moved), in-flight ones end
+        with an error, the session and the cache prediction start afresh, the engine is probed.
+        Serialised: raises `RestartInProgress` while one runs."""
+        if not self._restarting.acquire(blocking=False):
+            raise RestartInProgress(f"backend {self.name} is already restarting")
+        try:
+            if self._loop is None or self._stopped:
+                raise BackendUnavailable(f"backend {self.name} is stopped")
+            self._submit_coro(self._reconnect()).result(timeout)
+        finally:
+            self._restarting.release()
+
+    # ---- requests (any thread) ----
+
+    def validate(self, request: Request) -> None:
+        """Raise if the engine can never serve `request`: a token prompt longer than its context."""
+        n = len(request.prompt_tokens)
+        if n and self.n_ctx and n >= self.n_ctx and not (request.text or request.messages):
+            raise ContextLengthExceeded(n, self.n_ctx)
+
+    def match(self, request: Request) -> int:
+        """Predicted cached prompt tokens on the engine (see the module docstring)."""
+        if not self.cache_enabled:
+            return 0
+        key, per_token = self._key(request)
+        with self._tree_lock:
+            n = self._tree.match(key)
+        return self._tokens(n, per_token, request)
+
+    def _key(self, request: Request):
+        """`_key()`, remembered for the last requests (the router matches every backend)."""
+        with self._tree_lock:
+            hit = self._keys.get(request.id)
+        if hit is not None:
+            return hit
+        made = _key(request, self.tokenizer)
+        with self._tree_lock:
+            self._keys[request.id] = made
+            while len(self._keys) > 256:
+                self._keys.popitem(last=False)
+        return made
+
+    def pin_prefix(self, request: Request) -> tuple[int, object]:
+        """`(predicted cached tokens, None)`: nothing can be pinned on a remote engine. Counted
+        in the snapshot's cache stats (queries and predicted hits)."""
+        n = self.match(request)
+        prompt = self._prompt_estimate(request)
+        with self._tree_lock:
+            self._queries += prompt
+            self._hits += n
+        return n, None
+
+    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin=None,
+                cached_estimate: int | None = None, t_submit: float | None = None) -> RequestHandle:
+        """Queue a request (FCFS); it is sent when fewer than `cap` of ours are in flight there."""
+        self.validate(request)
+        handle = handle or RequestHandle(request)
+        if cached_estimate is None:
+            cached_estimate = self.match(request)
+        key, per_token = self._key(request)
+        job = _Job(request, handle, t_submit or time.monotonic(), cached_estimate, key, max(len(key) // per_token, 1))
+        handle.backend = self.name
+        handle._cancel = self.cancel
+        with self._lock:
+            if self._stopped or not self.healthy or self._loop is None:
+                raise BackendUnavailable(f"backend {self.name} is not serving: {self.error or 'stopped'}")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(f"backend {self.name} has {len(self._waiting)} requests waiting")
+            self._waiting.append(job)
+        self._budget_mean += 0.05 * (request.sampling.max_tokens - self._budget_mean)
+        if self.cache_enabled:
+            with self._tree_lock:  # what is sent there is what its cache will hold (SGLang's rule)
+                self._tree.insert(key)
+            self.cache_units = "tokens" if per_token == 1 else f"chars/{per_token}"
+        self._wake(self._pump)
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        self._wake(self._cancel_now, request_id)
+
+    def warm(self, tokens) -> RequestHandle:
+        """Send `tokens` with one token to generate, so the engine caches them as a prefix."""
+        req = Request(tuple(tokens), SamplingParams(max_tokens=1, temperature=0.0), source="warm")
+        return self.enqueue(req)
+
+    # ---- controls ----
+
+    def set_cap(self, cap: int) -> None:
+        """Change how many requests may be in flight there; more are sent at once if it grew."""
+        if not 1 <= cap <= 100_000:
+            raise InvalidRequest(f"cap must be in [1, 100000], got {cap}", param="cap")
+        with self._lock:
+            self._cap = cap
+        self._wake(self._pump)
+
+    def set_rates(self, rates: Rates) -> None:
+        self.rates = self._base_rates = rates
+        self._factor = 1.0
+
+    def set_cache_enabled(self, enabled: bool) -> Future:
+        """Use the cache prediction or not (the engine's own cache is its business)."""
+        self.cache_enabled = enabled
+        if not enabled:
+            with self._tree_lock:
+                self._tree.clear()
+        return _done_future()
+
+    def flush(self) -> Future:
+        """Forget the cache prediction (the engine's cache is not ours to flush)."""
+        with self._tree_lock:
+            self._tree.clear()
+        return _done_future()
+
+    # ---- state ----
+
+    def snapshot(self) -> BackendSnapshot:
+        with self._lock:
+            running = list(self._inflight.values())
+            waiting = list(self._waiting)
+            cap = self._cap
+            load = self._load
+        with self._tree_lock:
+            size, evicted, queries, hits = self._tree.size, self._tree.evicted, self._queries, self._hits
+        per = 1 if self.cache_units == "tokens" else CHARS_PER_TOKEN
+        items = (tuple(j.work_item(True) for j in running) + self._external(load)
+                 + tuple(j.work_item(False) for j in waiting))
+        return BackendSnapshot(
+            name=self.name,
+            device="remote",
+            cap=cap,
+            n_ctx=self.n_ctx,
+            rates=self.rates,
+            items=items,
+            healthy=self.healthy and not self._stopped,
+            error=self.error,
+            cache=CacheStats(enabled=self.cache_enabled, query_tokens=queries, hit_tokens=hits,
+                             cached_tokens=size // per, evictions=evicted // per, units=self.cache_units),
+            prefill_tok_s=self._obs_prefill,
+            decode_tok_s=self._obs_decode,
+            steps=self.steps,
+            time=time.monotonic(),
+            url=self.url,
+            model=self.model_name,
+        )
+
+    def describe(self) -> dict:
+        """What the UI and `/v1/routing` can show beside the snapshot."""
+        load = self._load
+        return {"url": self.url, "api": self.api, "models": list(self.models), "cache_units": self.cache_units,
+                "external_running": max(load.running - load.ours, 0),
+                "external_waiting": max(load.waiting - max(load.ours - load.running, 0), 0)}
+
+    def _external(self, load: _Load) -> tuple[WorkItem, ...]:
+        """The engine's load that is not ours, as work items (see the module docstring)."""
+        if not load.time or time.monotonic() - load.time > 5 * self.config.poll_s + 2:
+            return ()  # too old to tell (the engine is not answering)
+        ext_running = max(load.running - load.ours, 0)
+        ext_waiting = max(load.waiting - max(load.ours - load.running, 0), 0)
+        budgets = list(load.decode_left) or []
+        items = []
+        for i in range(ext_running + ext_waiting):
+            left = budgets[i] if i < len(budgets) else int(self._budget_mean)
+            items.append(WorkItem(request_id=f"external:{self.name}:{i}", running=i < ext_running,
+                                  prompt_tokens=0, cached_tokens=0, prefill_left=0, decode_left=max(left, 0)))
+        return tuple(items)
+
+    def _tokens(self, n: int, per_token: int, request: Request) -> int:
+        """Matched key elements → tokens, below the prompt's length (its last token is computed)."""
+        return max(min(n // per_token, self._prompt_estimate(request) - 1), 0)
+
+    def _prompt_estimate(self, request: Request) -> int:
+        key, per = self._key(request)
+        return max(len(key) // per, 1)
+
+    # ---- the loop thread ----
+
+    def _run_loop(self, ready: threading.Event) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def _submit_coro(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _wake(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # closed in between
+                pass
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        headers = {"Authorization": f"Bearer {self.config.key}"} if self.config.key else {}
+        # No pool limit: `cap` is the bound on connections for requests; probes need their own.
+        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S))
+
+    async def _connect(self) -> None:
+        if self._session is None:
+            self._session = self._new_session()
+        await self._probe(first=True)
+
+    async def _start_pollers(self) -> None:
+        self._tasks = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._poll_loop())]
+
+    async def _get(self, path: str, timeout: float = PROBE_TIMEOUT_S):
+        """GET a path: (status, parsed JSON or text). Raises aiohttp/timeout errors."""
+        async with self._session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            body = await r.text()
+            if "json" in (r.content_type or ""):
+                try:
+                    return r.status, json.loads(body)
+                except ValueError:
+                    pass
+            return r.status, body
+
+    async def _probe(self, first: bool = False) -> None:
+        """One health probe; raises if the engine does not answer healthily. The first
+        successful one resolves `api: auto` and reads the served models."""
+        status, _ = await self._get("/health")
+        if status == 404:  # an engine without /health: its model list answers for it
+            status, _ = await self._get("/v1/models")
+        if status != 200:
+            raise _Unhealthy(f"{self.url}/health answered {status}")
+        if first or not self.healthy or not self.models:  # (back) up: what does it serve now
+            if self.api == "auto":
+                self.api = await self._detect()
+            await self._read_models()
+        self._probe_failures = 0
+        if not self.healthy:
+            self.healthy, self.error = True, None
+            log.info("%s: %s is healthy (%s, serving %s)", self.name, self.url, self.api, ", ".join(self.models))
+            self._pump()
+
+    async def _detect(self) -> str:
+        """Which engine this is, from the endpoints it has."""
+        try:
+            status, body = await self._get("/v1/routing?n=0")
+            if status == 200 and isinstance(body, dict) and "backends" in body:
+                return "tandem"
+            status, body = await self._get("/props")
+            if status == 200 and isinstance(body, dict) and "default_generation_settings" in body:
+                return "llama-server"
+            status, body = await self._get("/metrics")
+            if status == 200 and isinstance(body, str):
+                if "vllm:" in body:
+                    return "vllm"
+                if "sglang:" in body:
+                    return "sglang"
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        return "openai"
+
+    async def _read_models(self) -> None:
+        status, body = await self._get("/v1/models")
+        if status != 200 or not isinstance(body, dict):
+            return
+        data = [m for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
+        self.models = [str(m["id"]) for m in data]
+        for m in data:  # the context, where the engine says (vLLM: max_model_len; Tandem: meta)
+            n = m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx") or 0
+            if isinstance(n, int) and n > 0:
+                self.n_ctx = n
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_s)
+            try:
+                await self._probe()
+            except asyncio.CancelledError:
+                raise
+            except asyncio.TimeoutError:
+                self._probe_failures += 1
+                if self.healthy and self._probe_failures >= PROBE_FAILURES:
+                    self._engine_failed(f"{self.url} did not answer {PROBE_FAILURES} health probes")
+            except (aiohttp.ClientError, OSError, _Unhealthy) as e:
+                if self.healthy:
+                    self._engine_failed(f"{self.url} is unreachable: {_why(e)}")
+            except Exception:  # a bug must not end the probing
+                log.exception("%s: health probe failed", self.name)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_s)
+            if not self.healthy:
+                continue
+            try:
+                load = await self._poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the health probe decides about health; load is best effort
+                log.debug("%s: load poll failed: %s", self.name, e)
+                continue
+            if load is not None:
+                with self._lock:
+                    self._load = replace(load, ours=len(self._inflight), time=time.monotonic())
+
+    async def _poll(self) -> _Load | None:
+        """The engine's running and waiting requests, from its own endpoints."""
+        if self.api == "tandem":
+            status, body = await self._get("/v1/routing?n=0")
+            if status != 200 or not isinstance(body, dict):
+                return None
+            items = [i for b in body.get("backends") or [] for i in b.get("items") or []]
+            running = sum(1 for i in items if i.get("running"))
+            left = sorted((int(i.get("decode_left") or 0) for i in items), reverse=True)
+            return _Load(running, len(items) - running, 0, tuple(left))
+        if self.api == "llama-server":
+            status, body = await self._get("/slots")
+            running, left = 0, []
+            if status == 200 and isinstance(body, list):
+                busy = [s for s in body if isinstance(s, dict) and s.get("is_processing")]
+                running = len(busy)
+                for s in busy:
+                    remain = (s.get("next_token") or {}).get("n_remain")
+                    if isinstance(remain, int) and remain >= 0:
+                        left.append(remain)
+            metrics = await self._metrics()
+            if status != 200:
+                running = int(metrics.get("llamacpp:requests_processing", 0))
+            return _Load(running, int(metrics.get("llamacpp:requests_deferred", 0)), 0,
+                         tuple(sorted(left, reverse=True)))
+        if self.api in ("vllm", "sglang"):
+            m = await self._metrics()
+            if self.api == "vllm":
+                return _Load(int(m.get("vllm:num_requests_running", 0)), int(m.get("vllm:num_requests_waiting", 0)), 0)
+            return _Load(int(m.get("sglang:num_running_reqs", 0)), int(m.get("sglang:num_queue_reqs", 0)), 0)
+        return None  # a generic OpenAI API has no load endpoint: only our own requests count
+
+    async def _metrics(self) -> dict[str, float]:
+        """Prometheus gauges summed over their labels."""
+        status, body = await self._get("/metrics")
+        if status != 200 or not isinstance(body, str):
+            return {}
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    # ---- requests on the loop ----
+
+    def _pump(self) -> None:
+        """Send queued requests while fewer than `cap` are in flight (loop thread)."""
+        started = []
+        with self._lock:
+            while self._waiting and len(self._inflight) < self._cap and self.healthy and not self._stopped:
+                job = self._waiting.popleft()
+                self._inflight[job.req.id] = job
+                started.append(job)
+        for job in started:
+            job.t_sent = time.monotonic()
+            job.task = self._loop.create_task(self._run(job))
+            self.bus.publish(RequestAdmitted(self.name, job.req.id, job.estimate, job.t_sent))
+
+    def _cancel_now(self, request_id: str) -> None:
+        with self._lock:
+            queued = next((j for j in self._waiting if j.req.id == request_id), None)
+            if queued is not None:
+                self._waiting.remove(queued)
+            running = self._inflight.get(request_id)
+        if queued is not None:
+            self._finish(queued, RequestStatus.FINISHED_CANCELLED)
+        elif running is not None and running.task is not None:
+            running.task.cancel()  # closes its connection: the engine sees the disconnect
+
+    async def _run(self, job: _Job) -> None:
+        try:
+            await self._stream(job)
+        except asyncio.CancelledError:
+            if not job.moved:
+                if job.fail:
+                    self._finish(job, RequestStatus.FINISHED_ERROR, job.fail, "unavailable_error")
+                else:
+                    self._finish(job, RequestStatus.FINISHED_CANCELLED)
+            return
+        except _Refused as e:
+            self._finish(job, RequestStatus.FINISHED_ERROR, str(e), e.kind)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _Unhealthy) as e:
+            self._engine_failed(f"{self.url} failed: {_why(e)}", job)
+        except Exception as e:  # a bug or an answer we cannot read: this request fails, not the engine
+            log.exception("%s: request %s failed", self.name, job.req.id)
+            self._finish(job, RequestStatus.FINISHED_ERROR, f"backend {self.name}: {e}", "server_error")
+        else:
+            status = RequestStatus.FINISHED_LENGTH if job.finish_reason == "length" else RequestStatus.FINISHED_STOPPED
+            if job.req.stop_after is not None and job.output_tokens() >= job.req.stop_after:
+                status = RequestStatus.FINISHED_STOPPED
+            self._finish(job, status)
+
+    async def _stream(self, job: _Job) -> None:
+        chat = job.req.messages is not None and job.req.text is None
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body = self._body(job.req, chat)
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=PROBE_TIMEOUT_S)
+        async with self._session.post(self.url + path, json=body, timeout=timeout) as resp:
+            if resp.status >= 500:
+                raise _Unhealthy(f"{path} answered {resp.status}: {_error_message(await resp.text())}")
+            if resp.status >= 400:
+                text = await resp.text()
+                raise _Refused(f"{self.name} ({self.url}) refused the request: {_error_message(text)}",
+                               _error_kind(text, resp.status))
+            done = False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    raise _Refused(f"{self.name} ({self.url}): {_error_message(data)}", _error_kind(data, 500))
+                if obj.get("usage"):
+                    job.usage = obj["usage"]
+                for choice in obj.get("choices") or ():
+                    delta = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if delta:
+                        self._deliver(job, delta)
+                    if choice.get("finish_reason"):
+                        job.finish_reason = choice["finish_reason"]
+            if not done and job.finish_reason is None:
+                raise _Unhealthy("the stream ended before the request did")
+
+    def _body(self, req: Request, chat: bool) -> dict:
+        sp = req.sampling
+        body: dict = {"stream": True, "stream_options": {"include_usage": True},
+                      "temperature": sp.temperature, "top_p": sp.top_p,
+                      "max_tokens": min(sp.max_tokens, req.stop_after or sp.max_tokens)}
+        if self.model_name:
+            body["model"] = self.model_name
+        if chat:
+            body["messages"] = list(req.messages)
+        else:
+            body["prompt"] = req.text if req.text is not None else list(req.prompt_tokens)
+        if sp.stop:
+            body["stop"] = list(sp.stop)
+        if sp.seed is not None:
+            body["seed"] = sp.seed
+        extra = _EXTRA.get(self.api, ())
+        if "top_k" in extra and sp.top_k > 0:
+            body["top_k"] = sp.top_k
+        if "min_p" in extra:
+            body["min_p"] = sp.min_p
+        if "repeat_penalty" in extra:
+            body["repeat_penalty"] = sp.repeat_penalty
+            body["repeat_last_n"] = sp.repeat_last_n
+        if "repetition_penalty" in extra:
+            body["repetition_penalty"] = sp.repeat_penalty
+        if "ignore_eos" in extra and sp.ignore_eos:
+            body["ignore_eos"] = True
+        if self.api == "llama-server":
+            body["cache_prompt"] = True
+        return body
+
+    def _deliver(self, job: _Job, delta: str) -> None:
+        """Stream a delta to the handle. Deliveries made in one loop iteration (all streams'
+        data that arrived together) reach each consumer's loop in one hand-over (`Outbox`)."""
+        now = time.monotonic()
+        job.chunks += 1
+        if job.chunks == 1:
+            job.t_first = now
+        job.t_last = now
+        job.parts.append(delta)
+        self._gather()
+        job.handle._deliver_text(delta)
+
+    def _gather(self) -> None:
+        if not self._flush_pending:
+            self._flush_pending = True
+            self._outbox.__enter__()  # this thread's deliveries go to the outbox until the flush
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        self._outbox.__exit__(None, None, None)
+
+    def _finish(self, job: _Job, status: RequestStatus, error: str | None = None, error_kind: str | None = None) -> None:
+        """End a request: its record to the handle and the bus, rates refined, next one sent."""
+        if job.done:
+            return
+        job.done = True
+        with self._lock:
+            self._inflight.pop(job.req.id, None)
+            in_flight = len(self._inflight)
+            load = self._load
+        now = time.monotonic()
+        text = "".join(job.parts)
+        output = job.output_tokens()
+        usage = job.usage or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if not isinstance(cached, int):
+            cached = job.estimate if job.chunks else 0  # no word from the engine: the prediction
+        ttft = (job.t_first - job.t_submit) if job.chunks else None
+        # Chunks can carry several tokens (a busy engine joins them): the gaps between the first
+        # and last chunk over the tokens between them. One chunk says nothing about the gaps.
+        itl = (job.t_last - job.t_first) / (output - 1) if job.chunks > 1 and output > 1 else None
+        record = FinishRecord(
+            request_id=job.req.id, backend=self.name, status=status, text=text,
+            prompt_tokens=job.prompt_tokens(), cached_tokens=cached, output_tokens=output,
+            queue_s=(job.t_sent or now) - job.t_submit, ttft_s=ttft, e2e_s=now - job.t_submit, itl_s=itl,
+            error=error, error_kind=error_kind if error else None)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and self.cache_enabled:
+            self._remember(job, text)
+            self._observe(job, record, in_flight + 1 + max(load.running - load.ours, 0))
+        self.steps += 1
+        if self._loop is not None and threading.current_thread() is self._thread:
+            self._gather()  # behind this request's text in the same hand-over
+        job.handle._deliver_finish(record)
+        self.bus.publish(RequestFinished(record, now))
+        if not self._stopped:
+            self._pump()
+
+    def _remember(self, job: _Job, text: str) -> None:
+        """The engine caches prompt + output: so does the prediction (text keys only; a token
+        prompt's output tokens are not known here)."""
+        key = job.key
+        if isinstance(key, str):
+            key = key + (_render_message({"role": "assistant", "content": text}) if job.req.messages
+                         and job.req.text is None else text)
+        elif self.tokenizer is not None and job.req.text is not None:
+            key = key + tuple(self.tokenizer.tokenize(text, add_special=False))
+        with self._tree_lock:
+            self._tree.insert(key)
+
+    def _observe(self, job: _Job, record: FinishRecord, batch: int) -> None:
+        """Refine the rates from one finished request (EWMA): its ITL against the step time
+        the rates predict at the batch it ran in; its prefill speed when it ran alone."""
+        w = ONLINE_WEIGHT
+        if record.itl_s:
+            self._obs_decode = batch / record.itl_s if not self._obs_decode else \
+                self._obs_decode + w * (batch / record.itl_s - self._obs_decode)
+        new_prompt = record.prompt_tokens - record.cached_tokens
+        if record.ttft_s and new_prompt >= 32 and batch == 1:
+            observed = new_prompt / max(record.ttft_s - record.queue_s, 1e-6)
+            self._obs_prefill = observed if not self._obs_prefill else \
+                self._obs_prefill + w * (observed - self._obs_prefill)
+        if self.rates.source == "override" or not record.itl_s:
+            return
+        predicted = self._base_rates.step_s(batch)
+        if predicted > 0:
+            self._factor += w * (record.itl_s / predicted - self._factor)
+            b = self._base_rates
+            alpha, beta, table = b.scaled(self._factor)
+            self.rates = replace(b, prefill_tok_s=self._obs_prefill or b.prefill_tok_s,
+                                 decode_tok_s=b.decode_tok_s / self._factor, step_alpha_s=alpha,
+                                 step_beta_s=beta, step_table=table, source="online")
+
+    # ---- failure ----
+
+    def _set_unhealthy(self, why: str) -> None:
+        self.healthy = False
+        self.error = why
+
+    def _engine_failed(self, why: str, failing: _Job | None = None) -> None:
+        """Mark unhealthy (loop thread): hand queued and silent in-flight requests to
+        `on_unhealthy`; in-flight ones that streamed text end with the error."""
+        if self.healthy:
+            log.warning("%s: %s", self.name, why)
+        self._set_unhealthy(why)
+        with self._lock:
+            queued = list(self._waiting)
+            self._waiting.clear()
+            inflight = list(self._inflight.values())
+            self._inflight.clear()
+        handed = []
+        for job in inflight:
+            if job.done:
+                continue
+            if job.chunks == 0:
+                job.moved = True
+                job.done = True
+                handed.append(job)
+            else:
+                job.fail = f"backend {self.name} failed while streaming: {why}"
+            if job is failing:
+                if job.fail:
+                    self._finish(job, RequestStatus.FINISHED_ERROR, job.fail, "unavailable_error")
+            elif job.task is not None:
+                job.task.cancel()
+        moved = [(j.req, j.handle, j.t_submit) for j in queued + handed]
+        if not moved:
+            return
+        callback = self.on_unhealthy
+        if callback is not None:
+            callback(self, moved)
+        else:
+            for j in queued + handed:
+                j.done = False
+                self._finish(j, RequestStatus.FINISHED_ERROR, f"backend {self.name} is unhealthy: {why}",
+                             "unavailable_error")
+
+    async def _reconnect(self) -> None:
+        if self.healthy:  # drain first: queued requests move elsewhere
+            with self._lock:
+                queued = list(self._waiting)
+                self._waiting.clear()
+            if queued and self.on_unhealthy is not None:
+                self._set_unhealthy("restarting")
+                self.on_unhealthy(self, [(j.req, j.handle, j.t_submit) for j in queued])
+            else:
+                for j in queued:
+                    self._finish(j, RequestStatus.FINISHED_ERROR, f"backend {self.name} restarted",
+                                 "unavailable_error")
+        self._set_unhealthy("restarting")
+        await self._cancel_inflight(f"backend {self.name} restarted")
+        if self._session is not None:
+            await self._session.close()
+        self._session = self._new_session()
+        with self._tree_lock:
+            self._tree.clear()
+        with self._lock:
+            self._load = _Load(0, 0, 0)
+        try:
+            await self._probe(first=True)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _Unhealthy) as e:
+            self._set_unhealthy(f"cannot reach {self.url}: {_why(e)}")
+
+    async def _cancel_inflight(self, why: str) -> None:
+        with self._lock:
+            jobs = list(self._inflight.values())
+        tasks = []
+        for j in jobs:
+            j.fail = why
+            if j.task is not None:
+                j.task.cancel()
+                tasks.append(j.task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+    async def _shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        with self._lock:
+            queued = list(self._waiting)
+            self._waiting.clear()
+        for j in queued:
+            self._finish(j, RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
+        await self._cancel_inflight(f"backend {self.name} shut down")
+        if self._flush_pending:
+            self._flush()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._set_unhealthy("stopped")
+
+
+# ---------------------------------------------------------------------------- tokens
+
+
+class VocabOnly:
+    """A GGUF's vocabulary and chat template without its weights (llama.cpp `vocab_only`):
+    the remote engine's tokenizer, when it serves the same model, for exact cache keys.
+
+    Thread contract: immutable after construction but for the piece cache (see `Model`)."""
+
+    def __init__(self, spec: str):
+        from .llama import cpu_only, lc  # native code only where a tokenizer is asked for
+        from .model import check_gguf, resolve_model
+
+        path = resolve_model(spec)
+        check_gguf(path)
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        cpu_only(params)
+        self.path = path
+        self.ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise ModelLoadError(f"llama.cpp could not load the vocabulary of {path}")
+        self.vocab = lc.llama_model_get_vocab(self.ptr)
+        self.bos = lc.llama_vocab_bos(self.vocab)
+        self.eos = lc.llama_vocab_eos(self.vocab)
+        self._pieces: dict[int, bytes] = {}
+        self._chat = None
+
+    # Model's own tokenize/piece/apply_chat_template, which use only what is set above.
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        from .model import Model
+
+        return Model.tokenize(self, text, add_special=add_special, parse_special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        from .model import Model
+
+        return Model.piece(self, token)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        from .model import Model
+
+        return Model.apply_chat_template(self, messages)
+
+    def close(self) -> None:
+        if self.ptr:
+            from .llama import lc
+
+            lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def key(self, request: Request) -> tuple[int, ...]:
+        """The token ids the engine will compute for this request's prompt (the same
+        tokenization `Engine.generate` and `Engine.chat` do)."""
+        if request.text is not None:
+            return tuple(self.tokenize(request.text))
+        return tuple(self.tokenize(self.apply_chat_template(list(request.messages)), add_special=False))
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _key(request: Request, tokenizer: VocabOnly | None = None):
+    """(cache-prediction key, key elements per token): token ids where the request carries
+    them or a tokenizer makes them, else its text, else its messages rendered as text."""
+    if request.prompt_tokens:
+        return tuple(request.prompt_tokens), 1
+    if tokenizer is not None:
+        try:
+            return tokenizer.key(request), 1
+        except Exception:  # a template that refuses these messages: the engine will say why
+            log.debug("tokenizing %s for the cache prediction failed", request.id, exc_info=True)
+    if request.text is not None:
+        return request.text, CHARS_PER_TOKEN
+    return "".join(_render_message(m) for m in request.messages or ()), CHARS_PER_TOKEN
+
+
+def _render_message(m: dict) -> str:
+    content = m.get("content")
+    if not isinstance(content, str):
+        content = json.dumps(content, sort_keys=True, ensure_ascii=False)
+    return f"<|{m.get('role', '')}|>{content}"
+
+
+def _error_message(text) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:500]
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    if isinstance(err, str):
+        return err
+    return str(obj.get("message") or obj.get("detail") or text)[:500] if isinstance(obj, dict) else text[:500]
+
+
+def _error_kind(text, status: int) -> str:
+    try:
+        err = json.loads(text).get("error")
+        kind = err.get("type") if isinstance(err, dict) else None
+    except (ValueError, AttributeError):
+        kind = None
+    if isinstance(kind, str) and kind:
+        return kind
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _done_future() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f

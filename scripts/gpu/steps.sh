@@ -1,0 +1,127 @@
+# The steps of scripts/gpu/run.sh, one function each (names starting with _ are helpers).
+# Sourced on the GPU machine after `source .gpukit/enter.sh` ($LCBIN: llama.cpp's tools).
+# Knobs: QUANT (q8_0), RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
+M=synthetic:qwen2.5-0.5b:${QUANT:-q8_0}
+SERVERS=()
+
+_setup() {
+  T0=$SECONDS
+  P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.model import resolve_model; print(resolve_model('$M'))")
+  trap 'kill "${SERVERS[@]}" 2>/dev/null' EXIT
+}
+_stamp() { echo "== $1 ($((SECONDS - T0)) s)"; }
+
+# ---- peers and servers, in the background ----
+
+_llama_server() {  # _llama_server NP PORT
+  "$LCBIN/llama-server" -m "$P" -ngl 99 -np "$1" -c 16384 -kvu --port "$2" --host 127.0.0.1 -fa auto \
+    > "/tmp/llama-server-$2.log" 2>&1 &
+  SERVERS+=($!)
+}
+_tandem_server() {  # _tandem_server CAP PORT
+  python3 -m app serve --model "$M" --backend "gpu:cap=$1,ctx=32768,threads=8" --port "$2" > "/tmp/tandem-serve-$2.log" 2>&1 &
+  SERVERS+=($!)
+}
+_wait_ready() {  # _wait_ready PORT...
+  for port in "$@"; do
+    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+  done
+}
+_stop_servers() { kill "${SERVERS[@]}" 2>/dev/null; SERVERS=(); sleep 2; }
+
+_decode() {  # _decode FILE REPEATS BATCHES [bench overhead options...]
+  local file=$1 repeats=$2 batches=$3; shift 3
+  _stamp "GPU decode vs batched-bench $* ($file)"
+  python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches "$batches" "$@" \
+    --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats "$repeats" 2>&1 \
+    | tail -$((repeats + 2)) | tee "$OUT/$file"
+}
+
+# ---- steps ----
+
+info() {
+  nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+}
+
+calibrate() {  # rates for the router, stored in $TANDEM_CACHE_DIR/rates.json (packed with the results)
+  _stamp calibrate
+  python3 -m app calibrate --model "$M" --backend "gpu:cap=16,threads=8" --backend "cpu:cap=4,threads=15" 2>&1 \
+    | tail -4 | tee "$OUT/calibrate.txt"
+}
+
+decode() {  # our GPU decode vs llama-batched-bench, fused greedy, then llama.cpp's per-sequence greedy
+  _decode overhead_gpu.txt "${REPEATS:-5}" 1,4,8,16,32
+  _decode overhead_gpu_unfused.txt 2 1,4,16,32 --no-fused-greedy
+}
+
+decode_split() { _decode overhead_gpu_split.txt 2 1,4,16,32 --kv split; }
+
+threads() {  # host threads of the GPU context at small batches
+  for t in 1 4 8; do _decode "threads_gpu_$t.txt" 3 1,4,16 --threads "$t"; done
+}
+
+cpu15() {
+  _stamp "CPU decode vs batched-bench, 15 threads"
+  python3 -m app bench overhead --model "$M" --device cpu --threads 15 --batches 1,4 \
+    --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats 2 2>&1 | tail -1 | tee "$OUT/overhead_cpu15.txt"
+}
+
+together() {
+  _stamp "both backends at once"
+  python3 -m app bench together --model "$M" --gpu-batch 16 --cpu-batch 4 --gpu-threads 1 --cpu-threads 15 \
+    --repeats 3 2>&1 | tail -5 | tee "$OUT/together.txt"
+}
+
+gil() {
+  for si in 5 1; do
+    _stamp "GIL: beside a busy Python thread, switch interval $si ms"
+    python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,16 --busy-thread \
+      --switch-interval-ms "$si" --no-llama --repeats 2 2>&1 | tail -1 | tee -a "$OUT/gil_gpu.txt"
+  done
+}
+
+prefill() {  # n_batch / n_ubatch: a cold prompt alone, and arriving beside decoding sequences
+  _stamp "prefill GPU"
+  python3 -m app bench prefill --model "$M" --device gpu --threads 8 --prompt-tokens 2048 \
+    --sizes 256/256,512/512,1024/512,2048/512,2048/1024,2048/2048 --decoders 16 --decode-tokens 1024 \
+    --repeats 3 2>&1 | tail -1 | tee "$OUT/prefill_gpu.txt"
+  _stamp "prefill CPU, 15 threads"
+  python3 -m app bench prefill --model "$M" --device cpu --threads 15 --prompt-tokens 1024 \
+    --sizes 256/256,512/512,1024/512,1024/1024 --decoders 4 --decode-tokens 512 \
+    --repeats 2 2>&1 | tail -1 | tee "$OUT/prefill_cpu15.txt"
+}
+
+n48() {  # the study's N=48, GPU-only at caps 8 and CAPS, beside llama-server -np 8 and our server at cap 16
+  _tandem_server 16 8095; _llama_server 8 8092; _wait_ready 8095 8092
+  _stamp "N=48, GPU caps 8,${CAPS:-16,32}, ${RUNS:-5} runs"
+  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:cap=8,ctx=32768,threads=8 \
+    --backend cpu:cap=4,threads=15 --requests 48 --runs "${RUNS:-5}" --shared 96 --outputs fixed --arrivals interval \
+    --caps "${CAPS:-16,32}" --sweep-policies gpu-only --policies gpu-only --target-warm 4 \
+    --target llama-server-np8=http://127.0.0.1:8092 --target tandem-serve-cap16=http://127.0.0.1:8095 \
+    --no-plots --out "$OUT/n48" 2>&1 | grep -v "it/s\]" | tail -18
+  _stop_servers
+}
+
+grid() {  # the GPU's KV budget (room for KV whole sequences), then the unconstrained grid
+  _stamp "KV budgets"
+  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:cap=64,threads=8 --backend cpu:cap=4,threads=15 \
+    --requests 48 --runs "${RUNS:-2}" --shared 0,96 --outputs fixed --arrivals interval --caps none \
+    --policies gpu-only,seed-score,predicted-finish --kv-seqs "${KV:-4,8,16}" --no-plots --out "$OUT/grid-kv" 2>&1 \
+    | grep -v "it/s\]" | tail -60
+  _stamp "unconstrained, GPU cap ${GPU_CAP:-16}"
+  python3 -X faulthandler -m app bench grid --model "$M" --backend "gpu:cap=${GPU_CAP:-16},ctx=16384,threads=8" \
+    --backend cpu:cap=4,threads=15 --requests 48 --runs "${RUNS:-2}" --shared 0,50 --outputs fixed,uniform \
+    --arrivals interval,poisson --caps none --policies gpu-only,seed-score,predicted-finish --no-plots \
+    --out "$OUT/grid-open" 2>&1 | grep -v "it/s\]" | tail -60
+}
+
+boundary() {  # where hybrid routing starts to pay: KV for 4 sequences and a growing backlog
+  for load in "96 20" "192 50"; do
+    set -- $load
+    _stamp "KV budget 4, shared 0 %, N=$1 every $2 ms"
+    python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:cap=64,threads=8 --backend cpu:cap=4,threads=15 \
+      --requests "$1" --interval-ms "$2" --runs "${RUNS:-2}" --shared 0 --outputs fixed --arrivals interval --caps none \
+      --policies gpu-only,seed-score,predicted-finish --kv-seqs 4 --warmup 0 --no-plots --out "$OUT/boundary-n$1-i$2" 2>&1 \
+      | grep -v "it/s\]" | tail -16
+  done
+}

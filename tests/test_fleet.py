@@ -1,0 +1,165 @@
+"""A fleet: two real `tandem serve` engines behind a `tandem serve` that has only remote
+backends and loads no model (router-only mode), driven with the official `openai` client.
+
+Every process is real (`python -m app serve`, loopback only) and every wait is bounded; the
+fixtures kill what they started.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from waiting import wait_until
+
+WAIT = 90
+ENGINE_SPEC = "cpu:threads=1,cap=4,ctx=2048"
+TENANTS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m app serve ARGS` on a free loopback port, killed at close."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.devnull, "w")  # noqa: SIM115  (closed in close())
+        self.proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(self.port), *args],
+                                     stdout=self.log, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_healthy(self, timeout: float = WAIT) -> "Server":
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout, f"{self.url}/health")
+        return self
+
+    def get(self, path: str) -> dict:
+        r = httpx.get(self.url + path, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+@pytest.fixture
+def fleet():
+    """Two engines and a router in front of them (cache-aware)."""
+    started: list[Server] = []
+    try:
+        engines = [Server("--model", "synthetic:tiny", "--backend", ENGINE_SPEC) for _ in range(2)]
+        started += engines
+        for e in engines:
+            e.wait_healthy()
+        router = Server(*[a for i, e in enumerate(engines) for a in ("--backend", f"remote:url={e.url},name=e{i}")],
+                        "--policy", "cache-aware")
+        started.append(router)
+        router.wait_healthy()
+        yield router, engines
+    finally:
+        for s in started:
+            s.close()
+
+
+def _tenant_prompt(tenant: int, i: int) -> str:
+    """A long system text per tenant (the shared prefix) and a short question of its own."""
+    prefix = " ".join(f"tenant{tenant} rule {k} says the answer is {k * (tenant + 3)}." for k in range(40))
+    return f"{prefix}\nQuestion {i}: what is rule {i}?"
+
+
+def _backend_of(router: Server, completion_id: str) -> str:
+    request_id = completion_id.split("-", 1)[1]
+    for d in router.get("/v1/routing?n=1000")["decisions"]:
+        if d["request_id"] == request_id:
+            return d["backend"]
+    raise AssertionError(f"no routing decision for {request_id}")
+
+
+def test_router_only_mode_loads_no_model_and_lists_the_fleet(fleet):
+    router, engines = fleet
+    routing = router.get("/v1/routing")
+    assert {b["name"]: b["device"] for b in routing["backends"]} == {"e0": "remote", "e1": "remote"}
+    served = {m["id"] for m in router.get("/v1/models")["data"]}
+    assert served == {m["id"] for m in engines[0].get("/v1/models")["data"]}
+
+
+def test_cache_aware_keeps_each_tenant_on_one_engine_and_uses_both(fleet):
+    router, _ = fleet
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
+    model = router.get("/v1/models")["data"][0]["id"]
+    placed: dict[int, list[str]] = {t: [] for t in range(TENANTS)}
+    for i in range(4):  # rounds: every tenant sends one request per round, all at once
+        with cf.ThreadPoolExecutor(TENANTS) as pool:
+            futures = {t: pool.submit(client.completions.create, model=model, prompt=_tenant_prompt(t, i),
+                                      max_tokens=8, temperature=0) for t in range(TENANTS)}
+            for t, f in futures.items():
+                placed[t].append(_backend_of(router, f.result(WAIT).id))
+    for t, where in placed.items():
+        assert len(set(where[1:])) == 1, f"tenant {t} moved between engines after its first request: {where}"
+    assert {w for where in placed.values() for w in where[1:]} == {"e0", "e1"}, f"one engine idle: {placed}"
+
+
+def test_killing_one_engine_mid_run_moves_its_queue_and_nothing_hangs(fleet):
+    router, engines = fleet
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
+    model = router.get("/v1/models")["data"][0]["id"]
+
+    def ask(i: int):
+        try:
+            r = client.completions.create(model=model, prompt=_tenant_prompt(i % 2, i), max_tokens=48,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            return "ok", r.usage.completion_tokens
+        except openai.APIError as e:
+            return "error", str(e)
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(24) as pool:
+        futures = [pool.submit(ask, i) for i in range(24)]
+        wait_until(lambda: any(b["name"] == "e1" and b["items"] for b in router.get("/v1/routing")["backends"]),
+                   WAIT, "work on e1")
+        engines[1].kill()
+        results = [f.result(WAIT) for f in futures]
+    assert time.monotonic() - t0 < WAIT
+    ok = [r for r in results if r[0] == "ok"]
+    errors = [r for r in results if r[0] == "error"]
+    assert all(n == 48 for _, n in ok)
+    assert len(ok) >= 24 - 4 - 1, f"more failed than e1 had running (cap 4): {errors}"
+    assert all("e1" in msg or "unavailable" in msg.lower() or "disconnect" in msg.lower() for _, msg in errors), errors
+    e1 = next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e1")
+    assert not e1["healthy"]
+    # The rest of the fleet still serves.
+    r = client.completions.create(model=model, prompt="after the failure", max_tokens=4, temperature=0)
+    assert r.choices[0].text is not None
