@@ -121,11 +121,17 @@ def test_an_engine_that_does_not_start_is_named_with_its_log(tmp_path, capsys):
 @pytest.mark.skipif(not remote_backend_available(),
                     reason="Tandem's router needs the remote: backend (engine/remote.py), which has not landed in "
                            "this tree; this case runs once it has")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="`tandem serve` with only remote: backends exits at start: app/server.py assumes a local "
+                          "model (run_serve reads engine.model.synthetic, create_app engine.model.path; engine.model "
+                          "is None when every backend is remote); strict: this test fails once that is fixed, so "
+                          "the marker cannot outlive the bug")
 def test_through_tandems_router(tmp_path):
     out = tmp_path / "tandem"
     rc = main(["bench", "fleet", *SMALL, "--variants", "tandem:round-robin,single", "--out", str(out)])
     assert rc == 0
     summary, rows = read(out)
+    assert not [n for n in summary["notes"] if "skipped" in n]  # the router started
     by = {r["policy"]: r for r in summary["results"]}
     assert by["tandem:round-robin"]["failed"] == 0
     assert sum(e["requests"] for e in by["tandem:round-robin"]["engines"].values()) == 12
