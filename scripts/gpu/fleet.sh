@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The router benchmark on the two-GPU machine (called through call.sh, after
-# `source .gpukit/enter.sh`): one `tandem bench fleet` invocation per engine kind, the reference
+# The router benchmark on the two-GPU machine, the `fleet` step of the GPU driver
+# (`source .gpukit/enter.sh && bash scripts/gpu/run.sh fleet`; run.sh sets OUT and packs it): one `tandem bench fleet` invocation per engine kind, the reference
 # tenant workload (K = 8 then 32 tenants x 1,500-token prefixes, Zipf popularity, ~50 tokens of
 # each request's own, outputs uniform 32-256, N = 300, Poisson 60/s) through Tandem's router and
 # sglang-router (cache-aware, round-robin) in front of one engine per GPU, one engine alone, and
@@ -13,7 +13,7 @@
 # PYTHONPATH here and started without its Python launcher (no fastapi/uvicorn there). .whl/
 # (git-ignored) is searched too: the kit and the project already take most of a carry, so the
 # router can come in a second call to the same warm machine.
-#   ENGINES=llama-server|tandem (default llama-server)  KS="8 32"  N=300  RATE=60  RUNS=1
+#   ENGINES=llama-server|tandem (default llama-server)  TENANTS="8 32"  REQUESTS=300  RATE=60  RUNS=1
 #   VARIANTS=...  (default: the deciding ones first, then single, then in-process)
 #   KILL_AT=S     (also a run with one engine killed S seconds in, K = 8, sglang/Tandem cache-aware)
 #   BUDGET=540    seconds for the whole step (call.sh allows 560): an invocation still running at
@@ -53,11 +53,11 @@ fleet() {  # fleet NAME K [extra options...]
     --inprocess-backend "gpu:device=0,cap=32,ctx=65536,threads=8" \
     --inprocess-backend "gpu:device=1,cap=32,ctx=65536,threads=8" \
     --tenants "$k" --tenant-prefix-tokens 1500 --tenant-suffix-tokens 50 --tenant-skew zipf \
-    --requests "${N:-300}" --rate "${RATE:-60}" --min-output 32 --max-output 256 --runs "${RUNS:-1}" \
+    --requests "${REQUESTS:-300}" --rate "${RATE:-60}" --min-output 32 --max-output 256 --runs "${RUNS:-1}" \
     --start-timeout 120 --timeout 120 --no-plots --out "$OUT/fleet-$name" "$@" 2>&1 \
     | grep -v "it/s\]" | tail -40
 }
-for k in ${KS:-8 32}; do
+for k in ${TENANTS:-8 32}; do
   fleet "$ENGINES-k$k" "$k" --variants "${VARIANTS:-$DEFAULT_VARIANTS}"
 done
 if [ -n "${KILL_AT:-}" ]; then

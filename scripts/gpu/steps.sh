@@ -125,3 +125,7 @@ boundary() {  # where hybrid routing starts to pay: KV for 4 sequences and a gro
       | grep -v "it/s\]" | tail -16
   done
 }
+
+fleet() {  # one engine per GPU behind Tandem's router and sglang-router, the tenant workload (see fleet.sh)
+  bash scripts/gpu/fleet.sh
+}
