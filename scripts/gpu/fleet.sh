@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The router benchmark on the two-GPU machine, the `fleet` step of the GPU driver
-# (`source .gpukit/enter.sh && bash scripts/gpu/run.sh fleet`; run.sh sets OUT and packs it): one `tandem bench fleet` invocation per engine kind, the reference
-# tenant workload (K = 8 then 32 tenants x 1,500-token prefixes, Zipf popularity, ~50 tokens of
+# (`source .gpukit/enter.sh && bash scripts/gpu/run.sh fleet`; run.sh sets OUT and packs it):
+# `tandem bench fleet` once per tenant count, with the reference tenant workload (K = 8 then 32 tenants x 1,500-token prefixes, Zipf popularity, ~50 tokens of
 # each request's own, outputs uniform 32-256, N = 300, Poisson 60/s) through Tandem's router and
 # sglang-router (cache-aware, round-robin) in front of one engine per GPU, one engine alone, and
 # the in-process engine over both GPUs. The deciding points (K = 8: Tandem cache-aware vs sglang
@@ -14,9 +14,11 @@
 # (git-ignored) is searched too: the kit and the project already take most of a carry, so the
 # router can come in a second call to the same warm machine.
 #   ENGINES=llama-server|tandem (default llama-server)  TENANTS="8 32"  REQUESTS=300  RATE=60  RUNS=1
-#   VARIANTS=...  (default: the deciding ones first, then single, then in-process)
+#   VARIANTS=...  (default: the deciding ones first, then single, then in-process; every variant
+#                 is checked before anything starts: a policy or backend kind this build lacks is
+#                 refused by name, so drop it from VARIANTS rather than lose the step)
 #   KILL_AT=S     (also a run with one engine killed S seconds in, K = 8, sglang/Tandem cache-aware)
-#   BUDGET=540    seconds for the whole step (call.sh allows 560): an invocation still running at
+#   BUDGET=540    seconds for the whole step (run.sh allows 560): an invocation still running at
 #                 the end gets SIGTERM, stops its engines and keeps every finished run's results
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
