@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import chat
 from .backend import Backend, BackendConfig, error_record
 from .calibrate import ModelRates
 from .errors import BackendUnavailable, EngineError, InvalidRequest
@@ -141,10 +142,11 @@ class Engine:
             raise InvalidRequest("messages must not be empty", param="messages")
         self._check_open()
         try:
-            text = self.model.apply_chat_template(messages)
+            return chat.chat_tokens(self.model, messages)  # content is never parsed for special tokens
+        except InvalidRequest:
+            raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)
-            raise InvalidRequest(f"the chat template rejected these messages: {e}", param="messages") from e
-        return self.model.tokenize(text, add_special=False)
+            raise InvalidRequest(f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from e
 
     def _check_open(self) -> None:
         if self._closed:
