@@ -11,7 +11,7 @@ Two layers, both on aiohttp's public surfaces:
     oldest connection that is still waiting for its headers (a slow client cannot hold a
     slot a real one needs); when none can be evicted, the new one gets a raw `503` and is closed.
   Later requests on a kept-alive connection are bounded by aiohttp's `keepalive_timeout`
-  (which since 3.10 is also armed when a connection opens); reading a body is bounded by
+  (aiohttp 3.14 also arms it when a connection opens); reading a body is bounded by
   `body_timeout` (`read_body`). aiohttp has `keepalive_timeout` and `client_max_size` but no
   header-read timeout. We chose to wrap the protocol rather than move to another server
   (uvicorn has `--limit-concurrency` and `--timeout-keep-alive` but no header timeout either;
