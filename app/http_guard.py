@@ -146,6 +146,7 @@ class ConnectionGuard:
         self.evicted = 0
         self.refused = 0
         self.timed_out = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the site that serves
         self._waiting: collections.OrderedDict[int, GuardedProtocol] = collections.OrderedDict()
 
     def factory(self, server: web.Server):
@@ -190,8 +191,7 @@ class GuardedProtocol(asyncio.Protocol):
             transport.write(_BUSY)
             transport.close()
             return
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.call_later(self._guard.settings.header_timeout, self._header_timeout)
+        self._deadline = self._guard.loop.call_later(self._guard.settings.header_timeout, self._header_timeout)
         self._inner = self._server()
         self._inner.connection_made(transport)
 
@@ -259,7 +259,8 @@ class GuardedSite(web.TCPSite):
         await web.BaseSite.start(self)  # registers the site with its runner
         server = self._runner.server
         assert server is not None
-        self._server = await asyncio.get_running_loop().create_server(
+        loop = self.guard.loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
             self.guard.factory(server), self._host, self._port, backlog=self._backlog,
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)
 
