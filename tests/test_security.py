@@ -177,6 +177,21 @@ def test_a_body_that_stalls_gets_408_after_the_body_timeout(loop_thread, engine)
         loop_thread.run(runner.cleanup())
 
 
+def test_a_kept_alive_connection_that_dawdles_over_its_next_request_is_closed(loop_thread, engine):
+    runner, base = loop_thread.serve(create_app(engine, guard=GuardSettings(keepalive_timeout=1)))
+    try:
+        with slow_clients(base, 1, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") as (s,):
+            s.settimeout(10)
+            first = s.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200"), first
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")  # and stall
+            t0 = time.monotonic()
+            assert s.recv(65536) == b""  # closed by the server
+            assert time.monotonic() - t0 < 5
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
 def test_repeated_error_logs_are_rate_limited():
     logger = logging.getLogger("test-security-flood")
     seen: list[str] = []
