@@ -241,10 +241,7 @@ class GuardedProtocol(asyncio.Protocol):
             self._deadline = None
         transport = self._transport
         if transport is not None and not transport.is_closing():
-            try:
-                transport.write(reply)
-            except Exception:  # noqa: BLE001  (a dead socket: nothing left to tell)
-                pass
+            transport.write(reply)  # sent at once into the socket's buffer; best effort
             transport.abort()  # connection_lost follows on the loop and frees the slot
 
 
@@ -346,11 +343,10 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
         length = request.content_length
         if length is not None and length > settings.max_body_bytes:
             raise _too_large(request, settings)
-        if request.body_exists or (length or 0) > 0:
-            if request.content_type != "application/json":
-                raise UnsupportedMediaType(
-                    f"the body must be application/json, got {_cut(request.content_type or 'none')!r}",
-                    param="Content-Type")
+        if (request.body_exists or (length or 0) > 0) and request.content_type != "application/json":
+            raise UnsupportedMediaType(
+                f"the body must be application/json, got {_cut(request.content_type or 'none')!r}",
+                param="Content-Type")
     return await handler(request)
 
 

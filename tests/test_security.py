@@ -25,14 +25,14 @@ import time
 
 import httpx2 as httpx
 import pytest
+from test_server import HELLO, KEY, MODEL, WAIT, LoopThread, assert_openai_error, free_port
+from waiting import wait_until
 
 from app.http_guard import GuardSettings, RepeatFilter
 from app.server import create_app
 from engine.config import parse_backend_specs
 from engine.engine import Engine
 from engine.model import resolve_model
-from test_server import HELLO, KEY, MODEL, WAIT, LoopThread, assert_openai_error, free_port
-from waiting import wait_until
 
 SPEC = "cpu:threads=1,cap=4,ctx=1024"
 FOUR_MB = 4_000_000  # just under aiohttp's old 4 MiB default cap, like the attack's 3.9 MB prompts
@@ -396,7 +396,7 @@ def test_error_bodies_are_bounded(http):
 def test_no_path_or_version_in_any_reply(tmp_path):
     model = str(resolve_model(MODEL))  # an absolute path, as `--model /abs/path.gguf`
     assert os.path.isabs(model)
-    with serve("--api-key", KEY, model=model) as (proc, base):
+    with serve("--api-key", KEY, model=model) as (_, base):
         auth = {"Authorization": f"Bearer {KEY}"}
         replies = [httpx.get(base + "/v1/models", headers=auth), httpx.get(base + "/openapi.json", headers=auth),
                    httpx.get(base + "/health"), httpx.get(base + "/nothing"),
