@@ -201,24 +201,36 @@ class ApiRequest:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The one model a server serves: its id in `/v1/models` and the other names it answers to.
+    """The models a server serves: the first one's id in `/v1/models` and the other names it
+    answers to, then the ids of the fleet's other models (remote engines that serve another).
 
     `aliases` are accepted in `model`; only `public_aliases` (no paths) are ever shown."""
 
     id: str
     aliases: frozenset[str] = frozenset()
+    others: tuple[str, ...] = ()
 
     @property
     def public_aliases(self) -> list[str]:
         return sorted(a for a in self.aliases if "/" not in a and "\\" not in a)
 
+    @property
+    def ids(self) -> list[str]:
+        return [self.id, *self.others]
+
     def check(self, model: str | None) -> str:
-        """The model a body asks for: absent or null means ours; any other name is a 404."""
+        """The model a body asks for: absent or null means the first; any other name is a 404."""
         if model is None:
             return self.id
-        if model != self.id and model not in self.aliases:
-            raise ModelNotFound(model, self.id)
+        if model != self.id and model not in self.aliases and model not in self.others:
+            raise ModelNotFound(model, ", ".join(self.ids))
         return model
+
+    def routed(self, model: str) -> str | None:
+        """The model id the engine routes on: None (any backend) when the server serves one."""
+        if not self.others:
+            return None
+        return self.id if model in self.aliases else model
 
 
 def validate(cls: type[_Strict], raw: bytes) -> _Strict:
@@ -269,6 +281,8 @@ def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     body = validate(ChatCompletionRequest, raw)
     model = served.check(body.model)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    if engine.model is None:  # a router in front of remote engines: each renders its own template
+        return _api_request("chat", body, [], model, "messages", 0, served, messages=tuple(messages))
     try:
         tokens = engine.chat_tokens(messages)
     except EngineError:
@@ -277,7 +291,7 @@ def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
         # The model's own Jinja template refused them (`raise_exception('roles must alternate')`).
         raise InvalidRequest(f"the model's chat template cannot render these messages: {quote(str(e))}",
                              param="messages") from None
-    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab)
+    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab, served)
 
 
 def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
@@ -287,6 +301,9 @@ def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequ
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a one-element batch
+    if engine.model is None:  # a router in front of remote engines: they tokenize
+        text = prompt if isinstance(prompt, str) else None
+        return _api_request("completion", body, [] if text else list(prompt), model, "prompt", 0, served, text=text)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -297,17 +314,20 @@ def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequ
         if bad is not None:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {n_vocab}), got {bad}", param="prompt")
         tokens = list(prompt)
-    return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab)
+    return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab, served)
 
 
 def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prompt_param: str,
-                 n_vocab: int) -> ApiRequest:
-    sampling = body.sampling(n_vocab)
-    if not tokens:
+                 n_vocab: int, served: ServedModel, *, text: str | None = None,
+                 messages: tuple[dict, ...] | None = None) -> ApiRequest:
+    """`n_vocab` 0: unknown here (remote engines check their own vocabulary)."""
+    sampling = body.sampling(n_vocab or INT32_MAX)
+    if not (tokens or text or messages):
         raise InvalidRequest(f"the {prompt_param} is empty", param=prompt_param)
     stream = bool(body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage) and stream
-    request = Request(tuple(tokens), sampling, backend=body.backend, source="api")
+    request = Request(tuple(tokens), sampling, backend=body.backend, source="api", text=text, messages=messages,
+                      model=served.routed(model))
     return ApiRequest(kind, request, model, stream, include_usage, prompt_param)
 
 
@@ -362,12 +382,12 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
 
     schemas = request_schemas()
     # What only the running server knows, written into the generated schemas.
-    names = sorted({served.id, *served.public_aliases})
+    names = sorted({*served.ids, *served.public_aliases})
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
         props["model"]["anyOf"][0]["enum"] = names
         props["backend"]["anyOf"][0]["enum"] = list(backends)
-    for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+    for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] if n_vocab else ():
         items = branch.get("items", {})
         if items.get("type") == "integer":
             items["maximum"] = n_vocab - 1

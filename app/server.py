@@ -106,9 +106,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     answers to `aliases`, its GGUF `general.name` and its file name (aliases that are paths are
     accepted but never shown). `guard` holds the connection and browser-safety knobs.
     """
-    path = Path(engine.model.path)
-    served = ServedModel(model_id or path.stem,
-                         frozenset({*aliases, engine.model.info.name, path.name, path.stem}) - {""})
+    served = _served_models(engine, model_id, aliases)
     guard = guard or GuardSettings()
     app = web.Application(middlewares=[error_middleware, guard_middleware, auth_middleware],
                           client_max_size=guard.max_body_bytes)
@@ -116,7 +114,8 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     app[SETTINGS] = ServerSettings(api_key or None, served,
-                                   openapi_document(served, engine.model.n_vocab, list(engine.backends),
+                                   openapi_document(served, engine.model.n_vocab if engine.model else 0,
+                                                    list(engine.backends),
                                                     auth=bool(api_key)),
                                    int(time.time()))
     if metrics is not None:
@@ -134,6 +133,17 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
         web.get("/openapi.json", openapi),
     ])
     return app
+
+
+def _served_models(engine: Engine, model_id: str | None, aliases: tuple[str, ...]) -> ServedModel:
+    """The local model (its names) first, then the models of the remote engines; a router with
+    only remote engines serves theirs."""
+    ids = engine.model_ids()
+    if engine.model is None:
+        return ServedModel(model_id or (ids[0] if ids else "none"), frozenset(), tuple(ids[1:]))
+    path = Path(engine.model.path)
+    names = frozenset({*aliases, engine.model.info.name, path.name, path.stem}) - {""}
+    return ServedModel(model_id or path.stem, names, tuple(i for i in ids if i != path.stem))
 
 
 async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
@@ -180,10 +190,11 @@ def run_serve(args) -> int:
         return 2
     install_log_limits()
     engine = engine_from_args(args)
-    if engine.model.synthetic:
+    if engine.model is not None and engine.model.synthetic:
         print("(synthetic model: random weights, the text is noise)", file=sys.stderr)
-    app = create_app(engine, api_key, aliases=(args.model,), guard=guard)
-    backends = ", ".join(f"{b.name} ({b.model.device}, cap {b.cap})" for b in engine.backends.values())
+    app = create_app(engine, api_key, aliases=(args.model,) if engine.model else (), guard=guard)
+    backends = ", ".join(f"{b.name} ({getattr(b, 'url', None) or b.device}, cap {b.cap})"
+                         for b in engine.backends.values())
     print(f"tandem: serving {app[SETTINGS].served.id} on http://{_url_host(args.host)}:{args.port}/v1 "
           f"with {backends}", file=sys.stderr)
     try:
@@ -444,17 +455,20 @@ def _usage(record: FinishRecord) -> dict:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The local model (with its facts) and every model the fleet's remote engines serve, each
+    with the backends that serve it."""
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    info = engine.model.info
-    return web.json_response({"object": "list", "data": [{
-        "id": settings.served.id,
-        "object": "model",
-        "created": settings.started,
-        "owned_by": "tandem",
-        "meta": {"name": info.name, "n_params": info.n_params, "n_ctx_train": info.n_ctx_train,
-                 "n_vocab": info.n_vocab, "synthetic": info.synthetic,
-                 "aliases": settings.served.public_aliases},
-    }]})
+    data = []
+    for model_id in settings.served.ids:
+        routed = settings.served.routed(model_id)
+        meta: dict = {"backends": [b.name for b in engine.backends.values() if engine.serves(b, routed)]}
+        if engine.model is not None and model_id == settings.served.id:
+            info = engine.model.info
+            meta.update(name=info.name, n_params=info.n_params, n_ctx_train=info.n_ctx_train,
+                        n_vocab=info.n_vocab, synthetic=info.synthetic, aliases=settings.served.public_aliases)
+        data.append({"id": model_id, "object": "model", "created": settings.started, "owned_by": "tandem",
+                     "meta": meta})
+    return web.json_response({"object": "list", "data": data})
 
 
 async def routing(request: web.Request) -> web.Response:
