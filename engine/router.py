@@ -12,6 +12,9 @@ Policies (`POLICIES`, `make_policy()`):
   backend's cap with the batch-aware step time `Rates.step_s(b)` (`predicted_finish()`).
 - `least-work`: fewest remaining tokens (prefill + decode), rates ignored.
 - `round-robin`: cycle through the eligible backends.
+- `cache-aware`: prefix affinity while loads are balanced; when they are not, the soonest
+  predicted first token, which prices the prefill a cache hit saves against the queueing
+  delay (`CacheAware`; SGLang router's `cache_aware` and Dynamo's KV router are its models).
 - `only:NAME`, `gpu-only`, `cpu-only`: everything to one backend.
 
 Decode budget (`BUDGET_MODES`, applies to `seed-score` and `least-work`):
@@ -29,7 +32,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
@@ -56,6 +59,8 @@ class RouteQuery:
 
     `cached` maps backend name to the prefix tokens that backend's cache already holds for
     this prompt (a missing name means 0). `backend` pins the request to one backend.
+    `tokens`, when given, are the prompt's token ids: `cache-aware` remembers where recent
+    prompts went, so requests sharing a prefix that is still being computed find it too.
     """
 
     request_id: str
@@ -63,6 +68,7 @@ class RouteQuery:
     max_tokens: int
     cached: Mapping[str, int] = field(default_factory=dict)
     backend: str | None = None
+    tokens: tuple[int, ...] = field(default=(), repr=False)
 
     @classmethod
     def from_request(cls, request: "Request", cached: Mapping[str, int] | None = None) -> "RouteQuery":
@@ -73,6 +79,7 @@ class RouteQuery:
             max_tokens=request.sampling.max_tokens,
             cached=dict(cached or {}),
             backend=request.backend,
+            tokens=tuple(request.prompt_tokens),
         )
 
     def cached_on(self, backend: str) -> int:
@@ -230,7 +237,7 @@ def seed_score(query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget = 
     return _score(snap, cached, prefill, decode, prefill_s, decode_s)
 
 
-def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
+def predicted_finish(query: RouteQuery, snap: BackendSnapshot, cached: int | None = None) -> BackendScore:
     """Seconds until the new request's last token if it were sent to `snap`'s backend now.
 
     Model (event-driven, one event per sequence completion, so O(items x cap) work):
@@ -252,13 +259,30 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
     `prefill_s` is the prefill time paid before the new request finishes, `decode_s` the decode
     time; `decode_tokens` counts tokens decoded by all sequences over that span.
     """
+    return _simulate(query, snap, query.cached_on(snap.name) if cached is None else cached)[1]
+
+
+def predicted_first_token(query: RouteQuery, snap: BackendSnapshot, cached: int | None = None) -> BackendScore:
+    """Seconds until the new request's first token if it were sent to `snap`'s backend now.
+
+    The same model as `predicted_finish()`, stopped when the new request is admitted and its
+    uncached prompt computed: the wait for a slot (or KV room), the prefill of everything
+    admitted before it, and its own prefill. So a cache hit is priced in seconds of prefill
+    saved, against the queueing delay of a busier backend. `cached` overrides the query's
+    cache estimate for this backend (`cache-aware` adds prefixes still in flight).
+    """
+    return _simulate(query, snap, query.cached_on(snap.name) if cached is None else cached)[0]
+
+
+def _simulate(query: RouteQuery, snap: BackendSnapshot, cached: int) -> tuple[BackendScore, BackendScore]:
+    """(first token, finish) of the new request on `snap`'s backend; see `predicted_finish()`."""
     rates = snap.rates
     cap = max(snap.cap, 1)
-    cached = query.cached_on(snap.name)
+    cached = min(max(int(cached), 0), query.prompt_tokens)
     prefill_tokens = 0
     decode_tokens = 0
-    prefill_s = 0.0
     decode_s = 0.0
+    first: tuple[int, int, float] | None = None  # (prefill tokens, decode tokens, decode s) at admission
 
     room = snap.kv_cells_total - snap.cache.pinned_tokens if snap.kv_cells_total else math.inf
     # Each active entry: [decode_left, is_new, KV cells reserved]
@@ -279,6 +303,8 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
             p, d, is_new, cells = queue.popleft()
             prefill_tokens += p
             used += cells
+            if is_new:
+                first = (prefill_tokens, decode_tokens, decode_s)
             if d > 0:
                 active.append([d, is_new, cells])
         if not active:  # only reachable if every queued item had nothing to decode
@@ -300,8 +326,13 @@ def predicted_finish(query: RouteQuery, snap: BackendSnapshot) -> BackendScore:
         if new_done:
             break
 
-    prefill_s = _seconds(prefill_tokens, rates.prefill_tok_s)
-    return _score(snap, cached, prefill_tokens, decode_tokens, prefill_s, decode_s)
+    if first is None:  # not admitted (cannot happen: the new request always has a token to decode)
+        first = (prefill_tokens, decode_tokens, decode_s)
+    f_prefill, f_decode, f_decode_s = first
+    first_score = _score(snap, cached, f_prefill, f_decode, _seconds(f_prefill, rates.prefill_tok_s), f_decode_s)
+    finish = _score(snap, cached, prefill_tokens, decode_tokens, _seconds(prefill_tokens, rates.prefill_tok_s),
+                    decode_s)
+    return first_score, finish
 
 
 def _cells(item: WorkItem) -> int:
@@ -366,6 +397,185 @@ class LeastWork(Policy):
         return _lowest(scores, lambda s: s.work_tokens, _explain_work)
 
 
+class RecentPrefixes:
+    """Which backends recent prompts were routed to, by prefix blocks.
+
+    A backend's prefix cache learns a prompt only once its prefill has run; until then a
+    second request with the same prefix would find it nowhere. This remembers, for the last
+    `window` routed requests, the chain of hashes of each prompt's `block`-token blocks (block
+    k's hash covers tokens [0, (k+1) * block), so equal hashes mean equal prefixes: Dynamo's
+    and vLLM's block hashing) and where that request went. `match()` answers, per backend, the
+    longest remembered prefix in whole blocks. SGLang's router keeps such an approximate tree
+    as its only cache knowledge; here it only fills the gap before the real cache reports.
+
+    Bounded: at most `max_blocks` hashes, the oldest forgotten first. Not thread-safe alone;
+    `Router` calls it under its lock.
+    """
+
+    def __init__(self, block: int = 32, window: int = 256, max_blocks: int = 1 << 16):
+        if block < 1 or window < 1 or max_blocks < 1:
+            raise ValueError(f"block, window and max_blocks must be >= 1 (got {block}, {window}, {max_blocks})")
+        self.block = block
+        self.window = window
+        self.max_blocks = max_blocks
+        self._serial = 0  # requests recorded so far
+        self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()  # hash -> {backend: serial}
+
+    def hashes(self, tokens: Sequence[int]) -> list[int]:
+        """Chained hashes of the prompt's whole blocks (a trailing partial block is left out)."""
+        out: list[int] = []
+        h = 0
+        for start in range(0, len(tokens) - self.block + 1, self.block):
+            h = hash((h, tuple(tokens[start:start + self.block])))
+            out.append(h)
+        return out
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Backend name -> prefix tokens routed there within the window (whole blocks)."""
+        oldest = self._serial - self.window
+        found: dict[str, int] = {}
+        alive: set[str] | None = None
+        for k, h in enumerate(hashes):
+            seen = self._blocks.get(h)
+            here = {b for b, serial in seen.items() if serial > oldest} if seen else set()
+            alive = here if alive is None else alive & here
+            if not alive:
+                break
+            for b in alive:
+                found[b] = (k + 1) * self.block
+        return found
+
+    def record(self, hashes: Sequence[int], backend: str) -> None:
+        """Remember that a prompt with these block hashes was routed to `backend`."""
+        self._serial += 1
+        for h in hashes:
+            seen = self._blocks.get(h)
+            if seen is None:
+                seen = self._blocks[h] = {}
+            else:
+                self._blocks.move_to_end(h)
+            seen[backend] = self._serial
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        self._serial = 0
+        self._blocks.clear()
+
+
+class CacheAware(Policy):
+    """Prefix affinity while loads are balanced; the soonest first token when they are not.
+
+    For comparable backends with different caches (two GPUs, tenants with long shared
+    system prompts). Per request:
+
+    1. Each backend's hit is the longer of what its prefix cache holds for the prompt
+       (`query.cached`) and what `RecentPrefixes` remembers routing there (prefixes still
+       queued or in prefill). The affinity candidate `h` is the backend with the most cached
+       tokens (ties: fewer items, then sooner first token, then backend order).
+    2. Load is items held, running + waiting. Loads are imbalanced, as in SGLang's router,
+       when `h`'s load exceeds the least-loaded backend's by more than `balance_abs` items AND
+       by more than `balance_rel` times.
+    3. If `h` holds at least `cache_threshold` of the prompt and loads are balanced, `h` wins:
+       its cache stays warm for the tenant and nothing else is lost.
+    4. Otherwise (no real hit, or `h` is overloaded) the backend with the soonest predicted
+       first token wins (`predicted_first_token()`: slot wait + the prefill queued ahead +
+       the request's own uncached prefill). This prices a hit in seconds of prefill saved
+       against seconds of queueing, on every backend at once: a hot tenant whose backend is
+       saturated spills to the next one, which then warms the same prefix, and from there the
+       tenant's requests spread over both by load (equal hits tie-break on load, step 1).
+       Where SGLang falls back to pure shortest-queue (losing the hit entirely) or to the
+       smallest tree, this keeps the hit in the price.
+
+    Defaults: `cache_threshold=0.5` (SGLang's default match rate); `balance_abs=4` items and
+    `balance_rel=1.5`: imbalance is decided in items held, which matters little when loads
+    are near: a backend one step from a free slot beats a 1,500-token prefill either way.
+    Scores are `predicted_first_token()` seconds, each with the hit it assumed.
+    """
+
+    name = "cache-aware"
+    uses_budget = False
+
+    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 4, balance_rel: float = 1.5,
+                 recent: RecentPrefixes | None = None):
+        if not 0 <= cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if balance_abs < 0 or balance_rel < 1:
+            raise ValueError(f"need balance_abs >= 0 and balance_rel >= 1, got {balance_abs}, {balance_rel}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.recent = recent or RecentPrefixes()
+        self._query_id: str | None = None  # the query the memos below belong to
+        self._hashes: list[int] = []
+        self._remembered: dict[str, int] = {}
+
+    def score(self, query, snap, budget):
+        if self._query_id != query.request_id:
+            self._query_id = query.request_id
+            self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
+            self._remembered = self.recent.match(self._hashes) if self._hashes else {}
+        cached = max(query.cached_on(snap.name), min(self._remembered.get(snap.name, 0), query.prompt_tokens))
+        return predicted_first_token(query, snap, cached)
+
+    def choose(self, query, scores):
+        eligible = [s for s in scores if s.eligible]
+        order = {s.name: k for k, s in enumerate(scores)}
+        load = {s.name: s.n_running + s.n_waiting for s in eligible}
+        h = min(eligible, key=lambda s: (-s.cached_tokens, load[s.name], s.score_s, order[s.name]))
+        least = min(eligible, key=lambda s: (load[s.name], s.score_s, order[s.name]))
+        soonest = min(eligible, key=lambda s: (s.score_s, load[s.name], order[s.name]))
+        prompt = max(query.prompt_tokens, 1)
+        hit = h.cached_tokens / prompt
+        lh, ll = load[h.name], load[least.name]
+        imbalanced = lh - ll > self.balance_abs and lh > self.balance_rel * ll
+        where = self._where(query, h)
+
+        if hit >= self.cache_threshold and h.cached_tokens > 0 and not imbalanced:
+            chosen = h
+            if least is h:
+                loads = f"least loaded too ({lh} items)"
+            else:
+                loads = f"loads {lh} vs {ll} on {least.name}, within balance"
+            reason = f"{h.name}: {h.cached_tokens:,} of {query.prompt_tokens:,} tokens {where}; {loads}"
+        elif hit >= self.cache_threshold and h.cached_tokens > 0:
+            chosen = soonest
+            head = (f"loads {lh} on {h.name} vs {ll} on {least.name}, beyond balance "
+                    f"(>{self.balance_abs} apart and >{self.balance_rel:g}x)")
+            if chosen is h:
+                reason = (f"{head}, but {h.name}'s {h.cached_tokens:,} {where} tokens still give the soonest "
+                          f"first token: {_s(h.score_s)} vs {_s(_runner_up(eligible, h).score_s)} on "
+                          f"{_runner_up(eligible, h).name}")
+            else:
+                reason = (f"{head}: {chosen.name} first token in {_s(chosen.score_s)} "
+                          f"({chosen.cached_tokens:,} cached) vs {_s(h.score_s)} on {h.name} "
+                          f"({h.cached_tokens:,} {where}, queue {lh} items)")
+        else:
+            chosen = soonest
+            best = (f"best {h.name}: {h.cached_tokens:,} of {query.prompt_tokens:,} tokens"
+                    if h.cached_tokens else "nothing cached anywhere")
+            others = [s for s in eligible if s is not chosen]
+            if others:
+                other = min(others, key=lambda s: (s.score_s, load[s.name], order[s.name]))
+                vs = f" vs {_s(other.score_s)} on {other.name} (loads {load[chosen.name]} vs {load[other.name]})"
+            else:
+                vs = ""
+            reason = (f"no backend holds {self.cache_threshold:.0%} of the prompt ({best}): "
+                      f"{chosen.name} first token in {_s(chosen.score_s)}{vs}")
+        if len(eligible) < len(scores):
+            skipped = ", ".join(s.name for s in scores if not s.eligible)
+            reason += f" ({skipped} unhealthy)"
+        if self._hashes:
+            self.recent.record(self._hashes, chosen.name)
+        self._query_id = None
+        return chosen.name, reason
+
+    @staticmethod
+    def _where(query: RouteQuery, s: BackendScore) -> str:
+        """Whether a hit is in the backend's cache or only remembered as routed there."""
+        return "cached" if query.cached_on(s.name) >= s.cached_tokens else "routed there, in flight"
+
+
 class RoundRobin(Policy):
     """Cycle through the backends in order, skipping ineligible ones."""
 
@@ -419,6 +629,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "predicted-finish": PredictedFinish,
     "least-work": LeastWork,
     "round-robin": RoundRobin,
+    "cache-aware": CacheAware,
     "gpu-only": lambda: OnlyBackend(device="gpu"),
     "cpu-only": lambda: OnlyBackend(device="cpu"),
 }
@@ -622,6 +833,15 @@ def _lowest(scores, key, explain) -> tuple[str, str]:
         return best.name, f"only eligible backend{why}: " + explain(best, None)
     runner_up = min(others, key=key)
     return best.name, explain(best, runner_up)
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3f} s" if math.isfinite(seconds) else "never (no rate)"
+
+
+def _runner_up(eligible: Sequence[BackendScore], best: BackendScore) -> BackendScore:
+    others = [s for s in eligible if s is not best]
+    return min(others, key=lambda s: s.score_s) if others else best
 
 
 def _explain_seconds(best: BackendScore, other: BackendScore | None) -> str:

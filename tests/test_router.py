@@ -175,7 +175,7 @@ def test_policy_table(policy, gpu_items, cpu_items, expected):
 
 def test_registry_and_names():
     assert set(POLICIES) == {"seed-score", "predicted-finish", "least-work", "round-robin",
-                             "gpu-only", "cpu-only"}
+                             "cache-aware", "gpu-only", "cpu-only"}
     for name in POLICIES:
         assert make_policy(name).name == name
     assert make_policy("only:GPU").name == "only:GPU"
