@@ -478,26 +478,32 @@ class CacheAware(Policy):
        by more than `balance_rel` times.
     3. If `h` holds at least `cache_threshold` of the prompt and loads are balanced, `h` wins:
        its cache stays warm for the tenant and nothing else is lost.
-    4. Otherwise (no real hit, or `h` is overloaded) the backend with the soonest predicted
-       first token wins (`predicted_first_token()`: slot wait + the prefill queued ahead +
-       the request's own uncached prefill). This prices a hit in seconds of prefill saved
-       against seconds of queueing, on every backend at once: a hot tenant whose backend is
-       saturated spills to the next one, which then warms the same prefix, and from there the
-       tenant's requests spread over both by load (equal hits tie-break on load, step 1).
-       Where SGLang falls back to pure shortest-queue (losing the hit entirely) or to the
-       smallest tree, this keeps the hit in the price.
+    4. Otherwise (no real hit, or `h` is overloaded) the cheapest backend wins. Its price is
+       the predicted first token (`predicted_first_token()`: slot wait + the prefill queued
+       ahead + the request's own uncached prefill) plus the delay that own prefill adds to
+       every item the backend already holds (`delay_weight` x items x prefill seconds: a
+       prompt chunk stalls the whole batch's decoding). This prices a hit in seconds of
+       prefill saved against seconds of queueing, on every backend at once: a hot tenant
+       whose backend is saturated spills to the next one, which then warms the same prefix,
+       and from there the tenant's requests spread over both by load (equal hits tie-break on
+       load, step 1). Where SGLang falls back to pure shortest-queue (losing the hit
+       entirely) or to the smallest tree, this keeps the hit in the price. Ties go to fewer
+       items, then to the backend whose cache holds fewer tokens (SGLang's smallest tree:
+       cold tenants spread over the caches), then to backend order.
 
     Defaults: `cache_threshold=0.5` (SGLang's default match rate); `balance_abs=4` items and
-    `balance_rel=1.5`: imbalance is decided in items held, which matters little when loads
-    are near: a backend one step from a free slot beats a 1,500-token prefill either way.
-    Scores are `predicted_first_token()` seconds, each with the hit it assumed.
+    `balance_rel=1.5`; `delay_weight=1`. In tests/test_router_sim.py's toy (two backends,
+    8 tenants, caches for 4 each), delay weights 0, 1, 2 and 4 all beat an SGLang-style rule by
+    2-3 % of makespan and 15-30 % of median TTFT over 30 runs, and no weight won every run;
+    1 is the one that means something (each held item waits once). Scores are
+    `predicted_first_token()` seconds, each with the hit it assumed; the price is in `reason`.
     """
 
     name = "cache-aware"
     uses_budget = False
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 4, balance_rel: float = 1.5,
-                 recent: RecentPrefixes | None = None):
+                 delay_weight: float = 1.0, recent: RecentPrefixes | None = None):
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs < 0 or balance_rel < 1:
@@ -506,15 +512,19 @@ class CacheAware(Policy):
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.recent = recent or RecentPrefixes()
+        self.delay_weight = delay_weight
         self._query_id: str | None = None  # the query the memos below belong to
         self._hashes: list[int] = []
         self._remembered: dict[str, int] = {}
+        self._cache_size: dict[str, int] = {}
 
     def score(self, query, snap, budget):
         if self._query_id != query.request_id:
             self._query_id = query.request_id
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
             self._remembered = self.recent.match(self._hashes) if self._hashes else {}
+            self._cache_size = {}
+        self._cache_size[snap.name] = snap.cache.cached_tokens
         cached = max(query.cached_on(snap.name), min(self._remembered.get(snap.name, 0), query.prompt_tokens))
         return predicted_first_token(query, snap, cached)
 
@@ -522,46 +532,36 @@ class CacheAware(Policy):
         eligible = [s for s in scores if s.eligible]
         order = {s.name: k for k, s in enumerate(scores)}
         load = {s.name: s.n_running + s.n_waiting for s in eligible}
+        price = {s.name: self._price(query, s, load[s.name]) for s in eligible}
         h = min(eligible, key=lambda s: (-s.cached_tokens, load[s.name], s.score_s, order[s.name]))
         least = min(eligible, key=lambda s: (load[s.name], s.score_s, order[s.name]))
-        soonest = min(eligible, key=lambda s: (s.score_s, load[s.name], order[s.name]))
-        prompt = max(query.prompt_tokens, 1)
-        hit = h.cached_tokens / prompt
+        ranked = sorted(eligible, key=lambda s: (price[s.name][0], load[s.name], self._cache_size.get(s.name, 0),
+                                                 order[s.name]))
+        cheapest = ranked[0]
         lh, ll = load[h.name], load[least.name]
+        hit = h.cached_tokens > 0 and h.cached_tokens >= self.cache_threshold * query.prompt_tokens
         imbalanced = lh - ll > self.balance_abs and lh > self.balance_rel * ll
         where = self._where(query, h)
+        held = f"{h.name}: {h.cached_tokens:,} of {query.prompt_tokens:,} tokens {where}"
 
-        if hit >= self.cache_threshold and h.cached_tokens > 0 and not imbalanced:
+        if hit and not imbalanced:
             chosen = h
-            if least is h:
-                loads = f"least loaded too ({lh} items)"
-            else:
-                loads = f"loads {lh} vs {ll} on {least.name}, within balance"
-            reason = f"{h.name}: {h.cached_tokens:,} of {query.prompt_tokens:,} tokens {where}; {loads}"
-        elif hit >= self.cache_threshold and h.cached_tokens > 0:
-            chosen = soonest
-            head = (f"loads {lh} on {h.name} vs {ll} on {least.name}, beyond balance "
-                    f"(>{self.balance_abs} apart and >{self.balance_rel:g}x)")
-            if chosen is h:
-                reason = (f"{head}, but {h.name}'s {h.cached_tokens:,} {where} tokens still give the soonest "
-                          f"first token: {_s(h.score_s)} vs {_s(_runner_up(eligible, h).score_s)} on "
-                          f"{_runner_up(eligible, h).name}")
-            else:
-                reason = (f"{head}: {chosen.name} first token in {_s(chosen.score_s)} "
-                          f"({chosen.cached_tokens:,} cached) vs {_s(h.score_s)} on {h.name} "
-                          f"({h.cached_tokens:,} {where}, queue {lh} items)")
+            loads = f"least loaded too ({lh} items)" if least is h else f"loads {lh} vs {ll} on {least.name}, within balance"
+            reason = f"{held}; {loads}"
         else:
-            chosen = soonest
-            best = (f"best {h.name}: {h.cached_tokens:,} of {query.prompt_tokens:,} tokens"
-                    if h.cached_tokens else "nothing cached anywhere")
-            others = [s for s in eligible if s is not chosen]
-            if others:
-                other = min(others, key=lambda s: (s.score_s, load[s.name], order[s.name]))
-                vs = f" vs {_s(other.score_s)} on {other.name} (loads {load[chosen.name]} vs {load[other.name]})"
+            chosen = cheapest
+            if hit:
+                head = (f"{held}, but loads {lh} vs {ll} on {least.name} are beyond balance "
+                        f"(>{self.balance_abs} apart and >{self.balance_rel:g}x)")
             else:
-                vs = ""
-            reason = (f"no backend holds {self.cache_threshold:.0%} of the prompt ({best}): "
-                      f"{chosen.name} first token in {_s(chosen.score_s)}{vs}")
+                best = (f"best {h.name}: {h.cached_tokens:,} of {query.prompt_tokens:,} tokens"
+                        if h.cached_tokens else "nothing cached anywhere")
+                head = f"no backend holds {self.cache_threshold:.0%} of the prompt ({best})"
+            runner = ranked[1] if len(ranked) > 1 else None
+            vs = f" vs {self._explain_price(runner, price, load)}" if runner else ""
+            if hit and chosen is h:
+                head += ", and it is still the cheapest"
+            reason = f"{head}: {self._explain_price(chosen, price, load)}{vs}"
         if len(eligible) < len(scores):
             skipped = ", ".join(s.name for s in scores if not s.eligible)
             reason += f" ({skipped} unhealthy)"
@@ -569,6 +569,20 @@ class CacheAware(Policy):
             self.recent.record(self._hashes, chosen.name)
         self._query_id = None
         return chosen.name, reason
+
+    def _price(self, query: RouteQuery, s: BackendScore, load: int) -> tuple[float, float]:
+        """(price, delay): the first-token time plus the delay its own prefill adds to the
+        `load` items the backend holds (each waits that long once), weighted by `delay_weight`."""
+        own = _seconds(query.prompt_tokens - s.cached_tokens, s.rates.prefill_tok_s)
+        delay = self.delay_weight * load * own if load else 0.0
+        return s.score_s + delay, delay
+
+    @staticmethod
+    def _explain_price(s: BackendScore, price: dict, load: dict) -> str:
+        total, delay = price[s.name]
+        n = load[s.name]
+        return (f"{s.name} first token in {_s(s.score_s)} + {_s(delay)} delay to its {n} item{'' if n == 1 else 's'} "
+                f"({s.cached_tokens:,} cached)")
 
     @staticmethod
     def _where(query: RouteQuery, s: BackendScore) -> str:

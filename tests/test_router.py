@@ -531,14 +531,19 @@ CACHE_AWARE_CASES = [
     ((4, 3), {"a": 1500}, "a", ["a: 1,500 of 1,550 tokens cached", "loads 4 vs 3 on b, within balance"]),
     ((2, 2), {"a": 1500, "b": 1500}, "a", ["a: 1,500 of 1,550", "least loaded too"]),  # tie: order
     ((5, 2), {"a": 1500, "b": 1500}, "b", ["b: 1,500 of 1,550", "least loaded too"]),  # equal hits: load
-    ((20, 2), {"a": 1500}, "b", ["loads 20 on a vs 2 on b, beyond balance", "b first token in"]),
+    ((20, 2), {"a": 1500}, "b", ["a: 1,500 of 1,550 tokens cached, but loads 20 vs 2 on b are beyond balance",
+                                 "b first token in 0.077 s", "vs a first token in 2.833 s"]),
     ((0, 0), {}, "a", ["no backend holds 50% of the prompt", "nothing cached anywhere"]),
-    ((3, 1), {}, "b", ["no backend holds 50%", "b first token in", "loads 1 vs 3"]),
-    # 32 % is below the threshold, but 500 tokens of prefill saved still beat a free slot on b
-    ((3, 1), {"a": 500}, "a", ["best a: 500 of 1,550 tokens", "a first token in 0.052 s vs 0.077 s on b"]),
+    ((3, 1), {}, "b", ["no backend holds 50%", "b first token in 0.077 s + 0.077 s delay to its 1 item (0 cached)",
+                       "vs a first token in 0.077 s + 0.232 s delay to its 3 items"]),
+    # 32 % is below the threshold: priced, a's sooner first token (0.052 s) costs its 3 items more
+    ((3, 1), {"a": 500}, "b", ["best a: 500 of 1,550 tokens", "b first token in 0.077 s",
+                               "vs a first token in 0.052 s + 0.158 s delay to its 3 items (500 cached)"]),
+    ((1, 1), {"a": 500}, "a", ["best a: 500 of 1,550 tokens", "a first token in 0.052 s"]),
     ((2, 4, 1, 4), {"c": 1500}, "c", ["c: 1,500 of 1,550 tokens cached", "least loaded too"]),
     ((1, 4, 4, 4), {"c": 1500}, "c", ["c: 1,500", "loads 4 vs 1 on a, within balance"]),
-    ((1, 4, 16, 4), {"c": 1500}, "a", ["loads 16 on c vs 1 on a, beyond balance"]),
+    ((1, 4, 16, 4), {"c": 1500}, "a", ["c: 1,500 of 1,550 tokens cached, but loads 16 vs 1 on a are beyond balance",
+                                       "a first token in", "vs b first token in"]),
     ((1, 4, 16, 3), {"c": 1500, "d": 1500}, "d", ["d: 1,500 of 1,550 tokens cached"]),
 ]
 
@@ -569,7 +574,7 @@ class TestCacheAware:
         snaps = [replace(s, rates=slow) for s in gpus(6, 0)]
         d = Router("cache-aware").route(tenant_query(cached={"a": 1500}), snaps)
         assert d.backend == "a"
-        assert "beyond balance" in d.reason and "still give the soonest first token" in d.reason
+        assert "beyond balance (>4 apart and >1.5x), and it is still the cheapest" in d.reason
 
     def test_repeat_requests_stick_while_others_spread(self):
         # Each routed request adds one running item where it went; tenant 0 is warm on b.
@@ -626,7 +631,7 @@ class TestCacheAware:
         strict = CacheAware(balance_abs=0, balance_rel=1.0)
         scores = [strict.score(tenant_query(cached={"a": 1500}), s, DecodeBudget()) for s in gpus(2, 1)]
         name, reason = strict.choose(tenant_query(cached={"a": 1500}), scores)
-        assert "beyond balance (>0 apart and >1x)" in reason
+        assert "beyond balance (>0 apart and >1x)" in reason and name == "a"
 
 
 class TestRecentPrefixes:
