@@ -384,6 +384,9 @@ class Backend:
             kv_bytes=used * self._kv_cell_bytes,
             kv_bytes_total=self.kv_bytes_total,
             model_bytes=self.model.info.size_bytes,
+            device_memory_free_bytes=self.model.memory.read()[0],
+            device_memory_total_bytes=self.model.memory.read()[1],
+            device_name=self.model.info.device_name,
             process_rss_bytes=_process_rss(),
             cache=CacheStats(
                 enabled=self.cache_enabled,
