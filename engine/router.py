@@ -362,6 +362,9 @@ class Policy:
         """Return (backend name, reason) among the eligible `scores` (at least one exists)."""
         raise NotImplementedError
 
+    def pinned(self, query: RouteQuery, backend: str) -> None:
+        """The request named its backend and bypassed `choose`: a stateful policy may note it."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
@@ -584,6 +587,11 @@ class CacheAware(Policy):
         return (f"{s.name} first token in {_s(s.score_s)} + {_s(delay)} delay to its {n} item{'' if n == 1 else 's'} "
                 f"({s.cached_tokens:,} cached)")
 
+    def pinned(self, query, backend):
+        if self._query_id == query.request_id and self._hashes:
+            self.recent.record(self._hashes, backend)
+        self._query_id = None
+
     @staticmethod
     def _where(query: RouteQuery, s: BackendScore) -> str:
         """Whether a hit is in the backend's cache or only remembered as routed there."""
@@ -743,6 +751,7 @@ class Router:
 
             if query.backend is not None:
                 backend, reason = _pin(query.backend, scores)
+                policy.pinned(query, backend)
                 pinned = True
             else:
                 if not any(s.eligible for s in scores):
@@ -874,10 +883,14 @@ def _explain_finish(best: BackendScore, other: BackendScore | None) -> str:
     if other is None:
         return f"{best.name} would finish in {best.score_s:.3f} s"
     rel = "=" if best.score_s == other.score_s else ">"
+    cache = ""
+    if best.cached_tokens != other.cached_tokens:
+        cache = (f"; {best.cached_tokens:,} prompt tokens cached on {best.name}, "
+                 f"{other.cached_tokens:,} on {other.name}")
     return (
         f"{other.name} finish {other.score_s:.3f} s {rel} {best.name} finish {best.score_s:.3f} s: "
         f"{other.n_running} running + {other.n_waiting} queued on {other.name} (cap {other.cap}), "
-        f"{best.n_running} + {best.n_waiting} on {best.name} (cap {best.cap})"
+        f"{best.n_running} + {best.n_waiting} on {best.name} (cap {best.cap}){cache}"
     )
 
 

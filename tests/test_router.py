@@ -616,6 +616,14 @@ class TestCacheAware:
         d = r.route(tenant_query("r2", 1, own=2, tokens=True), gpus(1, 0))
         assert d.backend == "b" and "nothing cached anywhere" in d.reason
 
+    def test_pinned_request_is_remembered(self):
+        r = Router("cache-aware")
+        pinned = replace(tenant_query("r0", 3, tokens=True), backend="b")
+        d = r.route(pinned, gpus(0, 0))
+        assert d.pinned and d.backend == "b"
+        d = r.route(tenant_query("r1", 3, own=1, tokens=True), gpus(0, 1))
+        assert d.backend == "b" and "routed there, in flight" in d.reason
+
     def test_unhealthy_backend_with_the_hit_is_skipped(self):
         snaps = gpus(0, 3)
         snaps[0] = replace(snaps[0], healthy=False)
@@ -671,6 +679,7 @@ class TestPredictedFinishN:
         for k, name in enumerate("abcd"[:n]):
             d = Router("predicted-finish").route(tenant_query(cached={name: 1500}), gpus(*loads))
             assert d.backend == name, d.reason
+            assert f"1,500 prompt tokens cached on {name}, 0 on" in d.reason
             assert d.score_of(name).score_s < min(s.score_s for s in d.scores if s.name != name)
 
     @pytest.mark.parametrize("n", [3, 4])
