@@ -2,8 +2,10 @@
 
 Policies are pure functions over `BackendSnapshot`s (no model, no threads), so they can be
 tested with hand-built snapshots and replayed from recorded decisions. `Router` holds the
-current policy, the decode-budget mode and a bounded history of `RoutingDecision`s; it is the
-only stateful piece and guards itself with one lock.
+current policy, the decode-budget mode and a bounded history of `RoutingDecision`s, and
+guards them with one lock. Two policies keep state of their own under that lock: `round-robin`
+its turn and `cache-aware` where recent prompts went; a new policy (`set_policy`, `clear`)
+starts fresh.
 
 Policies (`POLICIES`, `make_policy()`):
 
@@ -271,11 +273,13 @@ def predicted_first_token(query: RouteQuery, snap: BackendSnapshot, cached: int 
     saved, against the queueing delay of a busier backend. `cached` overrides the query's
     cache estimate for this backend (`cache-aware` adds prefixes still in flight).
     """
-    return _simulate(query, snap, query.cached_on(snap.name) if cached is None else cached)[0]
+    return _simulate(query, snap, query.cached_on(snap.name) if cached is None else cached, first_only=True)[0]
 
 
-def _simulate(query: RouteQuery, snap: BackendSnapshot, cached: int) -> tuple[BackendScore, BackendScore]:
-    """(first token, finish) of the new request on `snap`'s backend; see `predicted_finish()`."""
+def _simulate(query: RouteQuery, snap: BackendSnapshot, cached: int,
+              first_only: bool = False) -> tuple[BackendScore, BackendScore]:
+    """(first token, finish) of the new request on `snap`'s backend; see `predicted_finish()`.
+    With `first_only` the run stops at the first token and both entries are that."""
     rates = snap.rates
     cap = max(snap.cap, 1)
     cached = min(max(int(cached), 0), query.prompt_tokens)
@@ -307,7 +311,7 @@ def _simulate(query: RouteQuery, snap: BackendSnapshot, cached: int) -> tuple[Ba
                 first = (prefill_tokens, decode_tokens, decode_s)
             if d > 0:
                 active.append([d, is_new, cells])
-        if not active:  # only reachable if every queued item had nothing to decode
+        if not active or (first_only and first is not None):  # (no active: nothing left to decode)
             break
         b = len(active)
         k = min(entry[0] for entry in active)
@@ -330,6 +334,8 @@ def _simulate(query: RouteQuery, snap: BackendSnapshot, cached: int) -> tuple[Ba
         first = (prefill_tokens, decode_tokens, decode_s)
     f_prefill, f_decode, f_decode_s = first
     first_score = _score(snap, cached, f_prefill, f_decode, _seconds(f_prefill, rates.prefill_tok_s), f_decode_s)
+    if first_only:
+        return first_score, first_score
     finish = _score(snap, cached, prefill_tokens, decode_tokens, _seconds(prefill_tokens, rates.prefill_tok_s),
                     decode_s)
     return first_score, finish
@@ -470,7 +476,8 @@ class CacheAware(Policy):
     """Prefix affinity while loads are balanced; the soonest first token when they are not.
 
     For comparable backends with different caches (two GPUs, tenants with long shared
-    system prompts). Per request:
+    system prompts). Balance is counted in items, so on a GPU + CPU pair, where an item on the
+    CPU costs many on the GPU, `predicted-finish` fits better. Per request:
 
     1. Each backend's hit is the longer of what its prefix cache holds for the prompt
        (`query.cached`) and what `RecentPrefixes` remembers routing there (prefixes still
@@ -494,7 +501,7 @@ class CacheAware(Policy):
        items, then to the backend whose cache holds fewer tokens (SGLang's smallest tree:
        cold tenants spread over the caches), then to backend order.
 
-    Defaults: `cache_threshold=0.5` (SGLang's default match rate); `balance_abs=4` items and
+    Defaults: `cache_threshold=0.5` (the match rate SGLang router's README gives as default); `balance_abs=4` items and
     `balance_rel=1.5`; `delay_weight=1`. In tests/test_router_sim.py's toy (two backends,
     8 tenants, caches for 4 each), delay weights 0, 1, 2 and 4 all beat an SGLang-style rule by
     2-3 % of makespan and 15-30 % of median TTFT over 30 runs, and no weight won every run;
@@ -549,7 +556,10 @@ class CacheAware(Policy):
 
         if hit and not imbalanced:
             chosen = h
-            loads = f"least loaded too ({lh} items)" if least is h else f"loads {lh} vs {ll} on {least.name}, within balance"
+            if least is h:
+                loads = f"least loaded too ({lh} items)"
+            else:
+                loads = f"loads {lh} vs {ll} on {least.name}, within balance"
             reason = f"{held}; {loads}"
         else:
             chosen = cheapest
