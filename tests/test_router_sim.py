@@ -3,9 +3,10 @@
 Two identical backends (cap 8) whose prefix caches hold 4 tenants' system prompts each
 (LRU); 8 tenants with a 1,500-token prefix, Zipf popularity, 50 tokens of their own, 16-64
 tokens out, Poisson arrivals. A step takes alpha + beta x batch plus the prompt tokens admitted
-in it at the prefill rate, so a cold 1,550-token prompt costs about as much as 8 decode steps.
+in it at the prefill rate, so a cold 1,550-token prompt costs about 5 full-batch decode steps.
 Round-robin shows every tenant to both backends and thrashes their caches; cache-aware keeps
-tenants where their prefix is warm while it balances load.
+tenants where their prefix is warm while it balances load. `SGLangStyle` is SGLang router's
+`cache_aware` rule, rebuilt here for comparison (the real router is not at hand in tests).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from engine.router import RouteQuery, Router
+import pytest
+
+from engine.router import Policy, RecentPrefixes, RouteQuery, Router
 from engine.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 PREFIX, OWN, CAP, CACHE_TENANTS, TENANTS = 1500, 50, 8, 4, 8
@@ -57,9 +60,10 @@ class Sim:
                                cache=CacheStats(cached_tokens=len(self.cache) * PREFIX))
 
 
-def run(policy: str, n: int = 300, rate: float = 24.0, seed: int = 1) -> dict:
+def run(policy: str, n: int = 300, rate: float = 24.0, seed: int = 1, cache_tenants: int = CACHE_TENANTS,
+        tenants: int = TENANTS) -> dict:
     rng = random.Random(seed)
-    weights = [1 / (k + 1) ** 1.1 for k in range(TENANTS)]
+    weights = [1 / (k + 1) ** 1.1 for k in range(tenants)]
     backends = {name: Sim(name) for name in ("a", "b")}
     router = Router(policy)
     events: list = []  # (time, order, kind, payload)
@@ -67,7 +71,7 @@ def run(policy: str, n: int = 300, rate: float = 24.0, seed: int = 1) -> dict:
     reqs = []
     for k in range(n):
         t += rng.expovariate(rate)
-        tenant = rng.choices(range(TENANTS), weights)[0]
+        tenant = rng.choices(range(tenants), weights)[0]
         tokens = tuple(range(tenant * 10_000, tenant * 10_000 + PREFIX)) + tuple(range(10**6 + k * OWN, 10**6 + (k + 1) * OWN))
         reqs.append(Req(f"r{k}", tenant, tokens, rng.randint(16, 64), t))
         heapq.heappush(events, (t, k, "arrive", reqs[-1]))
@@ -82,7 +86,7 @@ def run(policy: str, n: int = 300, rate: float = 24.0, seed: int = 1) -> dict:
             prefill += PREFIX + OWN - b.cached(r.tenant)
             b.cache[r.tenant] = None
             b.cache.move_to_end(r.tenant)
-            while len(b.cache) > CACHE_TENANTS:
+            while len(b.cache) > cache_tenants:
                 b.cache.popitem(last=False)
             r.left = r.max_tokens
             b.running.append(r)
@@ -131,7 +135,7 @@ def test_cache_aware_beats_round_robin_on_a_multi_tenant_workload():
     assert min(ca["used"].values()) >= 0.25 * sum(ca["used"].values()), ca["used"]  # both backends serve
 
 
-class SGLangStyle(CacheAwarePolicyBase := __import__("engine.router", fromlist=["Policy"]).Policy):
+class SGLangStyle(Policy):
     """SGLang router's `cache_aware` rule, for comparison: its knowledge is only where it sent
     prompts (an approximate tree, here `RecentPrefixes` with an unbounded window); balanced
     loads (abs 32, rel 1.5 in its defaults, scaled here to cap 8: abs 4) go to the best match above
@@ -141,8 +145,6 @@ class SGLangStyle(CacheAwarePolicyBase := __import__("engine.router", fromlist=[
     name = "sglang-style"
 
     def __init__(self):
-        from engine.router import RecentPrefixes
-
         self.recent = RecentPrefixes(window=10**9)
         self.sent: dict[str, int] = {}
 
@@ -163,13 +165,17 @@ class SGLangStyle(CacheAwarePolicyBase := __import__("engine.router", fromlist=[
         return name, "sglang-style"
 
 
-def test_cache_aware_beats_an_sglang_style_rule_over_seeds(monkeypatch):
+@pytest.mark.parametrize("tenants,cache_tenants", [(8, 4), (32, 8)])
+def test_cache_aware_beats_an_sglang_style_rule_over_seeds(monkeypatch, tenants, cache_tenants):
     # One seed is noisy either way (a few requests decide a makespan); over six seeds at the
-    # loaded rate, total makespan and summed median TTFT must both be lower.
+    # loaded rate, total makespan and summed median TTFT must both be lower. Measured: 8
+    # tenants, caches for 4: 13.3 s vs 14.4 s mean makespan, 0.37 s vs 0.86 s TTFT p50;
+    # 32 tenants, caches for 8: 14.6 s vs 15.0 s, 0.87 s vs 1.13 s.
     import engine.router as router
 
     monkeypatch.setitem(router.POLICIES, "sglang-style", SGLangStyle)
-    sg = [run("sglang-style", seed=seed) for seed in range(1, 7)]
-    ca = [run("cache-aware", seed=seed) for seed in range(1, 7)]
+    kw = dict(tenants=tenants, cache_tenants=cache_tenants)
+    sg = [run("sglang-style", seed=seed, **kw) for seed in range(1, 7)]
+    ca = [run("cache-aware", seed=seed, **kw) for seed in range(1, 7)]
     assert sum(r["makespan"] for r in ca) < sum(r["makespan"] for r in sg)
     assert sum(r["ttft_p50"] for r in ca) < sum(r["ttft_p50"] for r in sg)
