@@ -668,20 +668,50 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 
 def policy_names() -> list[str]:
-    """Every valid policy name, with `only:NAME` as its pattern."""
-    return [*POLICIES, "only:NAME"]
+    """Every valid policy name, with `only:NAME` and `cache-aware:KEY=VALUE,...` as patterns."""
+    return [*POLICIES, "only:NAME", "cache-aware:KEY=VALUE,..."]
 
 
 def make_policy(name: str) -> Policy:
-    """A fresh policy for `name` (`POLICIES` key or `only:NAME`); InvalidRequest otherwise."""
+    """A fresh policy for `name`; InvalidRequest otherwise.
+
+    `name` is a `POLICIES` key, `only:NAME`, or `cache-aware:` with `CacheAware`'s parameters,
+    e.g. `cache-aware:cache_threshold=0.3,balance_abs=8` (the policy's name is then that
+    spec with the parameters in a fixed order, so `Router.clear()` rebuilds the same policy).
+    """
     name = (name or "").strip()
     if name in POLICIES:
         return POLICIES[name]()
     if name.startswith("only:") and name[len("only:"):].strip():
         return OnlyBackend(backend=name[len("only:"):].strip())
+    if name.startswith("cache-aware:"):
+        return _cache_aware(name)
     raise InvalidRequest(
         f"unknown routing policy {name!r}; valid: {', '.join(policy_names())}", param="policy"
     )
+
+
+_CACHE_AWARE_PARAMS = {"cache_threshold": float, "balance_abs": int, "balance_rel": float, "delay_weight": float}
+
+
+def _cache_aware(spec: str) -> "CacheAware":
+    kw: dict = {}
+    for item in filter(None, (p.strip() for p in spec[len("cache-aware:"):].split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in _CACHE_AWARE_PARAMS:
+            raise InvalidRequest(f"policy {spec!r}: {item!r} is not one of "
+                                 f"{', '.join(k + '=' for k in _CACHE_AWARE_PARAMS)}", param="policy")
+        try:
+            kw[key] = _CACHE_AWARE_PARAMS[key](value)
+        except ValueError:
+            raise InvalidRequest(f"policy {spec!r}: {key} must be a number", param="policy") from None
+    try:
+        policy = CacheAware(**kw)
+    except ValueError as e:
+        raise InvalidRequest(f"policy {spec!r}: {e}", param="policy") from None
+    if kw:
+        policy.name = "cache-aware:" + ",".join(f"{k}={kw[k]:g}" for k in _CACHE_AWARE_PARAMS if k in kw)
+    return policy
 
 
 # ----------------------------------------------------------------------------------------

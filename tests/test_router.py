@@ -642,6 +642,28 @@ class TestCacheAware:
         assert "beyond balance (>0 apart and >1x)" in reason and name == "a"
 
 
+class TestCacheAwareParameters:
+    def test_spec_sets_parameters_and_survives_clear(self):
+        r = Router("cache-aware:balance_abs=0, balance_rel=1 ,cache_threshold=0.3")
+        assert r.policy == "cache-aware:cache_threshold=0.3,balance_abs=0,balance_rel=1"
+        d = r.route(tenant_query(cached={"a": 500}), gpus(2, 1))
+        assert "beyond balance (>0 apart and >1x)" in d.reason  # 32 % is a hit at 0.3
+        r.clear()
+        assert r.policy == "cache-aware:cache_threshold=0.3,balance_abs=0,balance_rel=1"
+        assert make_policy("cache-aware:").name == "cache-aware"
+
+    @pytest.mark.parametrize("spec,words", [
+        ("cache-aware:threshold=0.3", "is not one of cache_threshold="),
+        ("cache-aware:balance_abs=x", "balance_abs must be a number"),
+        ("cache-aware:balance_rel=0.5", "balance_rel >= 1"),
+        ("cache-aware:cache_threshold", "is not one of"),
+    ])
+    def test_bad_spec(self, spec, words):
+        with pytest.raises(InvalidRequest, match=words) as e:
+            make_policy(spec)
+        assert e.value.param == "policy"
+
+
 class TestRecentPrefixes:
     def test_match_is_whole_blocks_of_a_common_prefix(self):
         from engine.router import RecentPrefixes
