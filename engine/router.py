@@ -523,14 +523,14 @@ class CacheAware(Policy):
         self.balance_rel = balance_rel
         self.recent = recent or RecentPrefixes()
         self.delay_weight = delay_weight
-        self._query_id: str | None = None  # the query the memos below belong to
+        self._query: RouteQuery | None = None  # the query the memos below belong to (held, so unique)
         self._hashes: list[int] = []
         self._remembered: dict[str, int] = {}
         self._cache_size: dict[str, int] = {}
 
     def score(self, query, snap, budget):
-        if self._query_id != query.request_id:
-            self._query_id = query.request_id
+        if self._query is not query:
+            self._query = query
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
             self._remembered = self.recent.match(self._hashes) if self._hashes else {}
             self._cache_size = {}
@@ -578,9 +578,9 @@ class CacheAware(Policy):
         if len(eligible) < len(scores):
             skipped = ", ".join(s.name for s in scores if not s.eligible)
             reason += f" ({skipped} unhealthy)"
-        if self._hashes:
+        if self._query is query and self._hashes:
             self.recent.record(self._hashes, chosen.name)
-        self._query_id = None
+        self._query = None
         return chosen.name, reason
 
     def _price(self, query: RouteQuery, s: BackendScore, load: int) -> tuple[float, float]:
@@ -598,9 +598,9 @@ class CacheAware(Policy):
                 f"({s.cached_tokens:,} cached)")
 
     def pinned(self, query, backend):
-        if self._query_id == query.request_id and self._hashes:
+        if self._query is query and self._hashes:
             self.recent.record(self._hashes, backend)
-        self._query_id = None
+        self._query = None
 
     @staticmethod
     def _where(query: RouteQuery, s: BackendScore) -> str:
