@@ -85,7 +85,7 @@ def fleet():
         for e in engines:
             e.wait_healthy()
         router = Server(*[a for i, e in enumerate(engines) for a in ("--backend", f"remote:url={e.url},name=e{i}")],
-                        "--policy", os.environ.get("TANDEM_FLEET_POLICY", "cache-aware"))
+                        "--policy", "cache-aware")
         started.append(router)
         router.wait_healthy()
         yield router, engines
