@@ -48,6 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1/* (default: $TANDEM_API_KEY, else none)")
+    from app.http_guard import GuardSettings  # aiohttp only: no engine import
+
+    g = GuardSettings()
+    serve.add_argument("--max-connections", type=int, default=g.max_connections,
+                       help="open connections at most; above, a connection still sending its headers is "
+                            "dropped, else the new one gets 503 (default: %(default)s)")
+    serve.add_argument("--header-timeout", type=float, default=g.header_timeout, metavar="S",
+                       help="seconds a new connection has to send its request headers (default: %(default)s)")
+    serve.add_argument("--body-timeout", type=float, default=g.body_timeout, metavar="S",
+                       help="seconds a request has to send its body (default: %(default)s)")
+    serve.add_argument("--keepalive-timeout", type=float, default=g.keepalive_timeout, metavar="S",
+                       help="seconds an idle kept-alive connection stays open (default: %(default)s)")
+    serve.add_argument("--max-body-bytes", type=int, default=g.max_body_bytes, metavar="N",
+                       help="largest request body, refused before it is read (default: %(default)s)")
+    serve.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME...]",
+                       help="Host names to accept besides loopback and the address connected to "
+                            "(behind a proxy: its public name; '*' for any)")
+    serve.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN[,ORIGIN...]",
+                       help="browser origins allowed to call the API, with CORS (e.g. http://localhost:3000; "
+                            "default: none, cross-origin requests get 403)")
 
     be = sub.add_parser("backend", help="act on a backend of a running server")
     besub = be.add_subparsers(dest="backend_command", required=True)

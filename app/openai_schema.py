@@ -1,32 +1,49 @@
-"""The OpenAI API's request bodies, checked and turned into our `Request`; its OpenAPI document.
+"""The OpenAI API's request bodies as pydantic models: parsed, checked, turned into our `Request`,
+and documented (`/openapi.json`) from the same definitions.
 
-Everything a client can send wrong is caught here and raised as an `InvalidRequest` (or a
-subclass) naming the offending field, so the server answers 4xx, never 5xx, for bad input.
-Fields we do not know are ignored (like other local servers); fields we know but cannot honour
-(`n > 1`, `logprobs`, tools, ...) are refused with a message rather than silently dropped.
+One source of truth: every limit a client can hit lives in a `Field(...)` below; the validator
+is pydantic's, and `openapi_document()` is built from `model_json_schema()` of the same
+classes, so the documented limits and the enforced ones cannot drift apart (tested value by
+value in tests/test_security.py). The few facts only a running server knows (the model's
+names, its vocabulary size, its backends' names) are checked in code here and written into
+the generated schema by `openapi_document()`.
+
+Everything a client can send wrong is raised as an `InvalidRequest` (or a subclass) naming the
+offending top-level field in `param`, with the bad value quoted cut to `QUOTE_CHARS`, so the
+server answers 4xx, never 5xx, and never echoes megabytes. Fields we do not know are ignored
+(like other local servers); fields we know but cannot honour (`n > 1`, `logprobs`, tools, an
+assistant message's `tool_calls`, ...) are refused rather than silently dropped.
 
 Extensions beyond OpenAI's fields (llama-server's names where they exist): `backend` (pin the
 request to one backend), `ignore_eos`, `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`.
 Unset sampling fields take the engine's defaults (`SamplingParams`), like llama-server.
+
+Thread contract: pure functions of their inputs; `parse_chat`/`parse_completion` run on a worker
+thread (they tokenize).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.json_schema import models_json_schema
 
 from engine.errors import EngineError, InvalidRequest
-from engine.request import Request, SamplingParams
+from engine.request import MAX_TOKENS, Request, SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import Engine
 
 INT32_MAX = 2**31 - 1
-MAX_REPEAT_LAST_N = 1 << 16  # llama.cpp allocates a ring buffer this long per sequence
+MAX_REPEAT_LAST_N = 8192  # the engine's own bound (`SamplingParams.validate`)
+MAX_STOPS = 16  # the engine's own bound
+MAX_STOP_CHARS = 512
+QUOTE_CHARS = 200  # a bad value is quoted at most this long in an error message
+MESSAGE_CHARS = 600  # and a whole error message at most this long
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _DEFAULTS = SamplingParams()
 
@@ -38,7 +55,7 @@ class ModelNotFound(InvalidRequest):
     code = "model_not_found"
 
     def __init__(self, model: str, served: str):
-        super().__init__(f"the model {model!r} does not exist here; this server serves {served!r} "
+        super().__init__(f"the model {quote(model)} does not exist here; this server serves {served!r} "
                          f"(see GET /v1/models)", param="model")
 
 
@@ -47,6 +64,127 @@ class AuthenticationFailed(EngineError):
 
     kind = "authentication_error"
     code = "invalid_api_key"
+
+
+def quote(value: Any, n: int = QUOTE_CHARS) -> str:
+    """`repr(value)` cut to about `n` characters (an error never echoes a whole prompt)."""
+    if isinstance(value, (str, bytes)) and len(value) > n:
+        return repr(value[:n]) + f"… ({len(value)} long)"
+    if isinstance(value, (list, dict)) and len(value) > 20:
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "…"
+
+
+# ---------------------------------------------------------------------------- the models
+
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Nothing = Annotated[list, Field(max_length=0)]
+
+
+class _Strict(BaseModel):
+    # strict: "8" is not 8 and true is not 1; unknown fields are ignored, like OpenAI's other servers
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[TextPart] | None = Field(
+        default=None, description="required except on assistant messages")
+    tool_calls: Nothing | None = Field(
+        default=None, description="refused: tool calls in the history are not supported yet")
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content is required")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints: the model, sampling, streaming, extensions, refusals."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = Field(
+        default=None, description="OpenAI's newer name for max_tokens; wins when both are sent")
+    temperature: Annotated[Finite, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
+    top_k: Int32 | None = None
+    min_p: Annotated[Finite, Field(ge=0, le=1)] | None = None
+    repeat_penalty: Annotated[Finite, Field(ge=1e-3, le=1e3)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=0, le=MAX_REPEAT_LAST_N)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    backend: str | None = Field(default=None, description="extension: pin the request to this backend")
+    ignore_eos: bool | None = Field(default=None, description="extension: never stop at end-of-text")
+    # Understood but not honoured: only their neutral values pass.
+    n: Literal[1] | None = None
+    best_of: Literal[1] | None = None
+    logprobs: Literal[False] | None = None
+    top_logprobs: Literal[0] | None = None
+    echo: Literal[False] | None = None
+    suffix: Literal[""] | None = None
+    tools: Nothing | None = None
+    functions: Nothing | None = None
+    logit_bias: Annotated[dict, Field(max_length=0)] | None = None
+    response_format: ResponseFormat | None = None
+    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+
+    def sampling(self, n_vocab: int) -> SamplingParams:
+        values = {name: getattr(self, name) for name in
+                  ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "ignore_eos")
+                  if getattr(self, name) is not None}
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
+        if self.stop is not None:
+            values["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if values.get("top_k", 0) > n_vocab:  # the same filter (none); llama.cpp's top-k asserts k <= n_vocab
+            values["top_k"] = n_vocab
+        return dataclasses.replace(_DEFAULTS, **values).validate()
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class CompletionRequest(_Sampling):
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+             | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(min_length=1, max_length=1)]) = Field(
+        description="a string or a list of token ids (or a one-element list of either)")
+
+
+# Fields whose only accepted values are neutral ones, with how to say so.
+_UNSUPPORTED = {"n", "best_of", "logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias",
+                "response_format", "frequency_penalty", "presence_penalty"}
+
+
+# ---------------------------------------------------------------------------- parsing
 
 
 @dataclass(frozen=True)
@@ -63,246 +201,134 @@ class ApiRequest:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The one model a server serves: its id in `/v1/models` and the other names it answers to."""
+    """The models a server serves: the first one's id in `/v1/models` and the other names it
+    answers to, then the ids of the fleet's other models (remote engines that serve another).
+
+    `aliases` are accepted in `model`; only `public_aliases` (no paths) are ever shown."""
 
     id: str
     aliases: frozenset[str] = frozenset()
+    others: tuple[str, ...] = ()
 
-    def check(self, body: dict) -> str:
-        """The model a body asks for: absent or null means ours; any other name is a 404."""
-        model = body.get("model")
+    @property
+    def public_aliases(self) -> list[str]:
+        return sorted(a for a in self.aliases if "/" not in a and "\\" not in a)
+
+    @property
+    def ids(self) -> list[str]:
+        return [self.id, *self.others]
+
+    def check(self, model: str | None) -> str:
+        """The model a body asks for: absent or null means the first; any other name is a 404."""
         if model is None:
             return self.id
-        if not isinstance(model, str):
-            raise InvalidRequest(f"model must be a string, got {_type(model)}", param="model")
-        if model != self.id and model not in self.aliases:
-            raise ModelNotFound(model, self.id)
+        if model != self.id and model not in self.aliases and model not in self.others:
+            raise ModelNotFound(model, ", ".join(self.ids))
         return model
 
+    def routed(self, model: str) -> str | None:
+        """The model id the engine routes on: None (any backend) when the server serves one."""
+        if not self.others:
+            return None
+        return self.id if model in self.aliases else model
 
-# ---------------------------------------------------------------------------- parsing
+
+def validate(cls: type[_Strict], raw: bytes) -> _Strict:
+    """Raw JSON bytes → a checked model, or `InvalidRequest` naming the first bad field."""
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as e:
+        raise _invalid(e) from None
 
 
-def parse_chat(body, engine: Engine, served: ServedModel) -> ApiRequest:
+def _invalid(e: ValidationError) -> InvalidRequest:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return InvalidRequest(f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
+    if first["type"] == "model_type" and not first["loc"]:
+        return InvalidRequest(f"the request body must be a JSON object, got {_type(first['input'])}")
+    loc = first["loc"]
+    param = str(loc[0]) if loc else None
+    if param in _UNSUPPORTED:
+        return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server"
+                              f"{' (use repeat_penalty)' if param.endswith('_penalty') else ''}", param=param)
+    if param == "messages" and len(loc) >= 3 and loc[2] == "tool_calls":
+        return InvalidRequest(f"messages[{loc[1]}].tool_calls: assistant tool calls in the history are not "
+                              f"supported by this server yet", param="messages")
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        return InvalidRequest(f"{_path(loc)} is required", param=param)
+    return InvalidRequest(f"{_path(loc)}: {msg}, got {quote(first['input'])}", param=param)
+
+
+def _path(loc: tuple) -> str:
+    """('messages', 0, 'content', 'str') → 'messages[0].content' (union branch tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StreamOptions", "ResponseFormat"}
+
+
+def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/chat/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
-    body = _object(body)
-    model = served.check(body)
-    _refuse_unsupported(body)
-    messages = _messages(body.get("messages"))
+    body = validate(ChatCompletionRequest, raw)
+    model = served.check(body.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    if engine.model is None:  # a router in front of remote engines: each renders its own template
+        return _api_request("chat", body, [], model, "messages", 0, served, messages=tuple(messages))
     try:
         tokens = engine.chat_tokens(messages)
     except EngineError:
         raise
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         # The model's own Jinja template refused them (`raise_exception('roles must alternate')`).
-        raise InvalidRequest(f"the model's chat template cannot render these messages: {e}",
+        raise InvalidRequest(f"the model's chat template cannot render these messages: {quote(str(e))}",
                              param="messages") from None
-    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab)
+    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab, served)
 
 
-def parse_completion(body, engine: Engine, served: ServedModel) -> ApiRequest:
+def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
-    body = _object(body)
-    model = served.check(body)
-    _refuse_unsupported(body)
-    tokens = _prompt_tokens(body.get("prompt"), engine)
-    return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab)
-
-
-def _api_request(kind: str, body: dict, tokens: list[int], model: str, prompt_param: str,
-                 n_vocab: int) -> ApiRequest:
-    sampling = _sampling(body)
-    if sampling.top_k > n_vocab:  # the same filter (none); llama.cpp's on-device top-k asserts k <= n_vocab
-        sampling = dataclasses.replace(sampling, top_k=n_vocab)
-    backend = _optional(body, "backend", str)
-    stream = bool(_optional(body, "stream", bool))
-    options = _optional(body, "stream_options", dict) or {}
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise InvalidRequest("stream_options.include_usage must be a boolean", param="stream_options")
-    if not tokens:
-        raise InvalidRequest(f"the {prompt_param} is empty", param=prompt_param)
-    request = Request(tuple(tokens), sampling, backend=backend, source="api")
-    return ApiRequest(kind, request, model, stream, bool(include_usage) and stream, prompt_param)
-
-
-def _object(body) -> dict:
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {_type(body)}")
-    return body
-
-
-def _messages(value) -> list[dict]:
-    if value is None:
-        raise InvalidRequest("messages is required: a non-empty list of {role, content}", param="messages")
-    if not isinstance(value, list):
-        raise InvalidRequest(f"messages must be a list, got {_type(value)}", param="messages")
-    if not value:
-        raise InvalidRequest("messages must not be empty", param="messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"{where} must be an object, got {_type(m)}", param="messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
-                                 param="messages")
-        content = _content(m.get("content"), f"{where}.content", allow_null=role == "assistant")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
-
-
-def _content(value, where: str, allow_null: bool) -> str:
-    """A message's content: a string or a list of text parts (joined)."""
-    if value is None:
-        if allow_null:
-            return ""
-        raise InvalidRequest(f"{where} is required", param="messages")
-    if isinstance(value, str):
-        return _text(value, where, "messages")
-    if isinstance(value, list):
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
-                                     f"only text content is supported", param="messages")
-            texts.append(_text(part["text"], f"{where}[{j}].text", "messages"))
-        return "".join(texts)
-    raise InvalidRequest(f"{where} must be a string or a list of text parts, got {_type(value)}",
-                         param="messages")
-
-
-def _prompt_tokens(value, engine: Engine) -> list[int]:
-    """A completion prompt: a string, a list of token ids, or a one-element list of either."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if value is None:
-        raise InvalidRequest("prompt is required: a string or a list of token ids", param="prompt")
-    if isinstance(value, str):
-        if not value:
+    body = validate(CompletionRequest, raw)
+    model = served.check(body.model)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a one-element batch
+    if engine.model is None:  # a router in front of remote engines: they tokenize
+        text = prompt if isinstance(prompt, str) else None
+        return _api_request("completion", body, [] if text else list(prompt), model, "prompt", 0, served, text=text)
+    if isinstance(prompt, str):
+        if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        return engine.model.tokenize(_text(value, "prompt", "prompt"))
-    if isinstance(value, list):
-        if value and all(isinstance(v, (str, list)) for v in value):
-            raise InvalidRequest("batched prompts are not supported: send one prompt per request",
-                                 param="prompt")
+        tokens = engine.model.tokenize(prompt)  # the raw API: the client writes the whole prompt
+    else:
         n_vocab = engine.model.n_vocab
-        for t in value:
-            if not _is_int(t) or not 0 <= t < n_vocab:
-                raise InvalidRequest(f"prompt token ids must be integers in [0, {n_vocab}), got {t!r}",
-                                     param="prompt")
-        return list(value)
-    raise InvalidRequest(f"prompt must be a string or a list of token ids, got {_type(value)}", param="prompt")
+        bad = next((t for t in prompt if t >= n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {n_vocab}), got {bad}", param="prompt")
+        tokens = list(prompt)
+    return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab, served)
 
 
-def _text(value: str, where: str, param: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"{where} is not valid Unicode text (it holds a lone surrogate)", param=param) from None
-    return value
-
-
-# Fields we understand but cannot honour: refused, so a client never gets silently less.
-_UNSUPPORTED = {
-    "n": lambda v: not (_is_int(v) and v == 1),
-    "best_of": lambda v: not (_is_int(v) and v == 1),
-    "logprobs": lambda v: v not in (False, 0),
-    "top_logprobs": lambda v: v != 0,
-    "echo": lambda v: v is not False,
-    "suffix": lambda v: v != "",
-    "tools": lambda v: v != [],
-    "functions": lambda v: v != [],
-    "logit_bias": lambda v: v != {},
-    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
-    "frequency_penalty": lambda v: v != 0,
-    "presence_penalty": lambda v: v != 0,
-}
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for name, refused in _UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and refused(value):
-            hint = " (use repeat_penalty)" if name.endswith("_penalty") else ""
-            raise InvalidRequest(f"{name}={value!r} is not supported by this server{hint}", param=name)
-
-
-# ---------------------------------------------------------------------------- sampling
-
-_NUMBER, _INT = "a number", "an integer"
-_SAMPLING_TYPES = {
-    "temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER, "repeat_penalty": _NUMBER,
-    "top_k": _INT, "repeat_last_n": _INT, "seed": _INT, "max_tokens": _INT,
-}
-
-
-def _sampling(body: dict) -> SamplingParams:
-    values: dict = {}
-    for name, kind in _SAMPLING_TYPES.items():
-        field_name = name
-        if name == "max_tokens" and body.get("max_completion_tokens") is not None:
-            name = "max_completion_tokens"  # OpenAI's newer name wins when both are sent
-        value = body.get(name)
-        if value is None:
-            continue
-        if kind == _INT and not _is_int(value):
-            raise InvalidRequest(f"{name} must be an integer, got {value!r}", param=name)
-        if kind == _NUMBER and not (_is_number(value) and math.isfinite(value)):
-            raise InvalidRequest(f"{name} must be a finite number, got {value!r}", param=name)
-        values[field_name] = value
-    _bounds(values)
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise InvalidRequest("stop must be a string or a list of strings", param="stop")
-        values["stop"] = tuple(_text(s, "stop", "stop") for s in stop)
-    ignore_eos = _optional(body, "ignore_eos", bool)
-    if ignore_eos is not None:
-        values["ignore_eos"] = ignore_eos
-    return dataclasses.replace(_DEFAULTS, **values).validate()
-
-
-def _bounds(values: dict) -> None:
-    """Limits the engine does not check but llama.cpp needs: C ints, buffer sizes, and float32
-    values that keep the logits finite (an infinite temperature turns a -inf bias into NaN)."""
-    limits = {
-        "max_tokens": (1, INT32_MAX),
-        "top_k": (0, INT32_MAX),
-        "repeat_last_n": (0, MAX_REPEAT_LAST_N),
-        "temperature": (0, 1e6),
-        "repeat_penalty": (1e-3, 1e3),
-    }
-    for name, (lo, hi) in limits.items():
-        v = values.get(name)
-        if v is not None and not lo <= v <= hi:
-            raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {v!r}", param=name)
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def _optional(body: dict, name: str, kind: type):
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise InvalidRequest(f"{name} must be {_KIND_NAMES[kind]}, got {_type(value)}", param=name)
-    return value
-
-
-_KIND_NAMES = {str: "a string", bool: "a boolean", dict: "an object", int: "an integer", list: "a list"}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prompt_param: str,
+                 n_vocab: int, served: ServedModel, *, text: str | None = None,
+                 messages: tuple[dict, ...] | None = None) -> ApiRequest:
+    """`n_vocab` 0: unknown here (remote engines check their own vocabulary)."""
+    sampling = body.sampling(n_vocab or INT32_MAX)
+    if not (tokens or text or messages):
+        raise InvalidRequest(f"the {prompt_param} is empty", param=prompt_param)
+    stream = bool(body.stream)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage) and stream
+    request = Request(tuple(tokens), sampling, backend=body.backend, source="api", text=text, messages=messages,
+                      model=served.routed(model))
+    return ApiRequest(kind, request, model, stream, include_usage, prompt_param)
 
 
 def _type(v) -> str:
@@ -313,8 +339,15 @@ def _type(v) -> str:
 # ---------------------------------------------------------------------------- OpenAPI
 
 
+def request_schemas() -> dict[str, dict]:
+    """The request bodies' JSON Schemas, as `components.schemas` entries (from the models)."""
+    _, top = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                                ref_template="#/components/schemas/{model}")
+    return top["$defs"]
+
+
 def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, auth: bool = False) -> dict:
-    """The server's OpenAPI 3.0 document (served at `GET /openapi.json`, fuzzed by schemathesis)."""
+    """The server's OpenAPI 3.1 document (served at `GET /openapi.json`, fuzzed by schemathesis)."""
     def ref(name):
         return {"$ref": f"#/components/schemas/{name}"}
 
@@ -322,79 +355,49 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
         return {str(c): {"description": _STATUS_TEXT[c], "content": {"application/json": {"schema": ref("Error")}}}
                 for c in codes}
 
+    def secured(op):
+        if auth:
+            op["security"] = [{"bearer": []}]
+        return op
+
     def post(summary, request, reply):
-        op = {
+        return secured({
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
             "responses": {
                 "200": {"description": "the reply, or an SSE stream of chunks when `stream` is true",
                         "content": {"application/json": {"schema": ref(reply)},
                                     "text/event-stream": {"schema": {"type": "string"}}}},
-                **errors(400, 401, 404, 413, 429, 503),
+                **errors(400, 401, 403, 404, 408, 413, 415, 429, 503),
             },
-        }
-        if auth:
-            op["security"] = [{"bearer": []}]
-        return op
+        })
 
     def get(summary, content_type, schema, *extra_codes, params=None):
         op = {"summary": summary,
               "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}},
-                            **errors(*extra_codes)}}
+                            **errors(403, *extra_codes)}}
         if params:
             op["parameters"] = params
         return op
 
-    int32 = {"type": "integer", "minimum": 0, "maximum": INT32_MAX, "nullable": True}
-    sampling = {
-        "model": {"type": "string", "enum": sorted({served.id, *served.aliases}), "nullable": True},
-        "max_tokens": {**int32, "minimum": 1},
-        "max_completion_tokens": {**int32, "minimum": 1},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
-        "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
-        "top_k": int32,
-        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
-        "repeat_penalty": {"type": "number", "minimum": 0.001, "maximum": 1000, "nullable": True},
-        "repeat_last_n": {**int32, "maximum": MAX_REPEAT_LAST_N},
-        "seed": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1, "nullable": True},
-        "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                           {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}}],
-                 "nullable": True},
-        "stream": {"type": "boolean", "nullable": True},
-        "stream_options": {"type": "object", "nullable": True,
-                           "properties": {"include_usage": {"type": "boolean"}}},
-        "n": {"type": "integer", "enum": [1], "nullable": True},
-        "backend": {"type": "string", "enum": list(backends), "nullable": True,
-                    "description": "extension: pin the request to this backend (see /v1/routing)"},
-        "ignore_eos": {"type": "boolean", "nullable": True, "description": "extension: never stop at end-of-text"},
-    }
+    schemas = request_schemas()
+    # What only the running server knows, written into the generated schemas.
+    names = sorted({*served.ids, *served.public_aliases})
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = schemas[name]["properties"]
+        props["model"]["anyOf"][0]["enum"] = names
+        props["backend"]["anyOf"][0]["enum"] = list(backends)
+    for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] if n_vocab else ():
+        items = branch.get("items", {})
+        if items.get("type") == "integer":
+            items["maximum"] = n_vocab - 1
+        elif items.get("type") == "array":
+            items["items"]["maximum"] = n_vocab - 1
+
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
     finish = {"type": "string", "enum": ["stop", "length"]}
-    schemas = {
-        "ChatMessage": {
-            "type": "object", "required": ["role", "content"],
-            "properties": {
-                "role": {"type": "string", "enum": list(ROLES)},
-                "content": {"oneOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                                "properties": {"type": {"type": "string", "enum": ["text"]},
-                                                               "text": {"type": "string"}}}},
-                ]},
-            },
-        },
-        "ChatCompletionRequest": {
-            "type": "object", "required": ["messages"],
-            "properties": {"messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")}, **sampling},
-        },
-        "CompletionRequest": {
-            "type": "object", "required": ["prompt"],
-            "properties": {"prompt": {"oneOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": n_vocab - 1}},
-            ]}, **sampling},
-        },
+    schemas.update({
         "ChatCompletion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {
@@ -430,19 +433,19 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
             "type": "object", "required": ["error"],
             "properties": {"error": {
                 "type": "object", "required": ["message", "type", "param", "code"],
-                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                               "param": {"type": "string", "nullable": True},
-                               "code": {"type": "string", "nullable": True}}}},
+                "properties": {"message": {"type": "string", "maxLength": MESSAGE_CHARS + 1},
+                               "type": {"type": "string"},
+                               "param": {"type": ["string", "null"]},
+                               "code": {"type": ["string", "null"]}}}},
         },
-    }
-    models = get("the served model", "application/json", ref("ModelList"), 401)
-    routing = get("backends' snapshots and recent routing decisions", "application/json", {"type": "object"},
-                  400, 401, params=[{"name": "n", "in": "query", "required": False,
-                                     "schema": {"type": "integer", "minimum": 0, "maximum": 1000}}])
-    if auth:
-        models["security"] = routing["security"] = [{"bearer": []}]
+    })
+    models = secured(get("the served model", "application/json", ref("ModelList"), 401))
+    routing = secured(get("backends' snapshots and recent routing decisions", "application/json",
+                          {"type": "object"}, 400, 401,
+                          params=[{"name": "n", "in": "query", "required": False,
+                                   "schema": {"type": "integer", "minimum": 0, "maximum": 1000}}]))
     doc = {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
         "paths": {
             "/v1/chat/completions": {"post": post("chat completion", "ChatCompletionRequest", "ChatCompletion")},
@@ -459,5 +462,6 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
     return doc
 
 
-_STATUS_TEXT = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
-                413: "body too large", 429: "queue full, retry later", 503: "no backend can serve"}
+_STATUS_TEXT = {400: "invalid request", 401: "missing or wrong API key", 403: "foreign Host or Origin",
+                404: "unknown model", 408: "body too slow", 413: "body too large",
+                415: "body not application/json", 429: "queue full, retry later", 503: "no backend can serve"}

@@ -11,8 +11,15 @@ Routes:
 Handlers are thin: parse the body (`app.openai_schema`), submit to the engine, shape the reply.
 Every error leaves through one function, `error_response()`, which maps an `EngineError`'s
 `kind` to a status and OpenAI's `{"error": {message, type, param, code}}` (llama.cpp server's
-`format_error_response` table). With an API key, `/v1/*` needs `Authorization: Bearer KEY`;
-`/health`, `/metrics` and `/openapi.json` stay open (vLLM does the same).
+`format_error_response` table), its message cut to `MESSAGE_CHARS`. With an API key, `/v1/*`
+(completions, models, routing, backend restarts) and `/openapi.json` need
+`Authorization: Bearer KEY`; `/health` and `/metrics` stay open (vLLM does the same).
+
+Before any of that, `app.http_guard` bounds every connection (header, body and keep-alive
+timeouts, a connection cap, a body-size cap checked before reading) and refuses what a
+browser could be tricked into sending (foreign `Host`, disallowed `Origin`, non-JSON POST
+bodies). `docs/security.md` has the threat model and which test covers each defence. Replies
+name no file path and no library version (`Server: tandem`; the model id is the file's stem).
 
 Streaming pulls the first text before committing to SSE, so a request that fails early still
 gets a JSON error. The app must run with `handler_cancellation=True` (`start_server()` and
@@ -32,6 +39,7 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -46,7 +54,19 @@ from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import EngineMetrics
 from engine.request import FinishRecord, RequestStatus
 
+from .http_guard import (
+    GUARD,
+    ConnectionGuard,
+    GuardedSite,
+    GuardSettings,
+    guard_middleware,
+    install_log_limits,
+    on_prepare,
+    raise_fd_limit,
+    read_body,
+)
 from .openai_schema import (
+    MESSAGE_CHARS,
     ApiRequest,
     AuthenticationFailed,
     ServedModel,
@@ -59,7 +79,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
-MAX_BODY_BYTES = 4 << 20
 MAX_ROUTING_DECISIONS = 1000
 BACKLOG = 1024  # many clients connect at once (benchmarks open hundreds of streams)
 SHUTDOWN_TIMEOUT_S = 5.0  # on shutdown, open streams get this long before they are cancelled
@@ -79,19 +98,24 @@ SETTINGS = web.AppKey("settings", ServerSettings)
 
 
 def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | None = None,
-               aliases: tuple[str, ...] = (), metrics: EngineMetrics | None = None) -> web.Application:
+               aliases: tuple[str, ...] = (), metrics: EngineMetrics | None = None,
+               guard: GuardSettings | None = None) -> web.Application:
     """The aiohttp app serving `engine`. The caller owns the engine (and `metrics`, if given).
 
     `model_id` is the id `/v1/models` lists (default: the GGUF file's stem); the model also
-    answers to `aliases`, its GGUF `general.name` and its file name.
+    answers to `aliases`, its GGUF `general.name` and its file name (aliases that are paths are
+    accepted but never shown). `guard` holds the connection and browser-safety knobs.
     """
-    path = Path(engine.model.path)
-    served = ServedModel(model_id or path.stem,
-                         frozenset({*aliases, engine.model.info.name, path.name, path.stem}) - {""})
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=MAX_BODY_BYTES)
+    served = _served_models(engine, model_id, aliases)
+    guard = guard or GuardSettings()
+    app = web.Application(middlewares=[error_middleware, guard_middleware, auth_middleware],
+                          client_max_size=guard.max_body_bytes)
+    app[GUARD] = guard
+    app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     app[SETTINGS] = ServerSettings(api_key or None, served,
-                                   openapi_document(served, engine.model.n_vocab, list(engine.backends),
+                                   openapi_document(served, engine.model.n_vocab if engine.model else 0,
+                                                    list(engine.backends),
                                                     auth=bool(api_key)),
                                    int(time.time()))
     if metrics is not None:
@@ -111,21 +135,45 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     return app
 
 
-async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                       ) -> tuple[web.AppRunner, str]:
+def _served_models(engine: Engine, model_id: str | None, aliases: tuple[str, ...]) -> ServedModel:
+    """The local model (its names) first, then the models of the remote engines; a router with
+    only remote engines serves theirs."""
+    ids = engine.model_ids()
+    if engine.model is None:
+        return ServedModel(model_id or (ids[0] if ids else "none"), frozenset(), tuple(ids[1:]))
+    path = Path(engine.model.path)
+    names = frozenset({*aliases, engine.model.info.name, path.name, path.stem}) - {""}
+    return ServedModel(model_id or path.stem, names, tuple(i for i in ids if i != path.stem))
+
+
+async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
+                       access_log: logging.Logger | None = None) -> tuple[web.AppRunner, str]:
     """Serve `app` on the running loop (the GUI's, a test's); returns the runner and base URL.
 
-    Port 0 picks a free port. Stop with `await runner.cleanup()`.
+    Connections go through the app's `GuardSettings` (`app.http_guard`). Port 0 picks a free
+    port. Stop with `await runner.cleanup()`.
     """
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    guard = app[GUARD]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=guard.keepalive_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
+        await GuardedSite(runner, ConnectionGuard(guard), host, port, backlog=BACKLOG).start()
     except BaseException:
         await runner.cleanup()
         raise
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, f"http://{_url_host(bound_host)}:{bound_port}"
+
+
+def guard_from_args(args) -> GuardSettings:
+    """`tandem serve`'s connection and browser-safety flags → `GuardSettings`."""
+    return GuardSettings(
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        keepalive_timeout=args.keepalive_timeout, max_connections=args.max_connections,
+        max_body_bytes=args.max_body_bytes,
+        allowed_hosts=tuple(h for v in args.allowed_hosts or () for h in v.split(",") if h),
+        allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o))
 
 
 def run_serve(args) -> int:
@@ -135,23 +183,41 @@ def run_serve(args) -> int:
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     if not api_key and not _is_loopback(args.host):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+    try:
+        guard = raise_fd_limit(guard_from_args(args))
+    except ValueError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 2
+    install_log_limits()
     engine = engine_from_args(args)
-    if engine.model.synthetic:
+    if engine.model is not None and engine.model.synthetic:
         print("(synthetic model: random weights, the text is noise)", file=sys.stderr)
-    app = create_app(engine, api_key, aliases=(args.model,))
-    backends = ", ".join(f"{b.name} ({b.model.device}, cap {b.cap})" for b in engine.backends.values())
+    app = create_app(engine, api_key, aliases=(args.model,) if engine.model else (), guard=guard)
+    backends = ", ".join(f"{b.name} ({getattr(b, 'url', None) or b.device}, cap {b.cap})"
+                         for b in engine.backends.values())
     print(f"tandem: serving {app[SETTINGS].served.id} on http://{_url_host(args.host)}:{args.port}/v1 "
           f"with {backends}", file=sys.stderr)
     try:
-        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                    shutdown_timeout=SHUTDOWN_TIMEOUT_S, backlog=BACKLOG, print=None,
-                    access_log=log if args.verbose else None)
+        asyncio.run(_serve_until_signalled(app, args.host, args.port, log if args.verbose else None))
     except OSError as e:  # the address is taken or not ours
         print(f"tandem: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     finally:
         engine.close()  # after the server stopped: streams still open were cancelled first
     return 0
+
+
+async def _serve_until_signalled(app: web.Application, host: str, port: int, access_log) -> None:
+    """`web.run_app`'s job with our guarded site: serve until SIGINT/SIGTERM, then clean up."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner, _ = await start_server(app, host, port, access_log=access_log)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 # ---------------------------------------------------------------------------- errors
@@ -164,6 +230,10 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "authentication_error": (401, "invalid_request_error", "invalid_api_key"),
     "queue_full_error": (429, "rate_limit_error", "queue_full"),
     "conflict_error": (409, "invalid_request_error", "restart_in_progress"),
+    "forbidden_error": (403, "invalid_request_error", "forbidden"),
+    "request_timeout_error": (408, "invalid_request_error", "request_timeout"),
+    "payload_too_large_error": (413, "invalid_request_error", "payload_too_large"),
+    "unsupported_media_type_error": (415, "invalid_request_error", "unsupported_media_type"),
     "unavailable_error": (503, "unavailable_error", None),
     "model_load_error": (500, "server_error", None),
     "server_error": (500, "server_error", None),
@@ -174,7 +244,8 @@ RETRY_AFTER_S = 1
 def error_payload(exc: EngineError) -> tuple[int, dict]:
     """The one place an error becomes a status and OpenAI's error object."""
     status, type_, code = _ERRORS.get(exc.kind, _ERRORS["server_error"])
-    error = {"message": exc.message, "type": type_, "param": exc.param, "code": getattr(exc, "code", None) or code}
+    message = exc.message if len(exc.message) <= MESSAGE_CHARS else exc.message[:MESSAGE_CHARS] + "…"
+    error = {"message": message, "type": type_, "param": exc.param, "code": getattr(exc, "code", None) or code}
     if isinstance(exc, ContextLengthExceeded):
         error["n_prompt_tokens"] = exc.n_prompt_tokens
         error["n_ctx"] = exc.n_ctx
@@ -188,13 +259,17 @@ def error_response(exc: EngineError) -> web.Response:
         headers["Retry-After"] = str(RETRY_AFTER_S)
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return web.json_response(payload, status=status, headers=headers)
+    response = web.json_response(payload, status=status, headers=headers)
+    if getattr(exc, "close_connection", False):
+        response.force_close()
+    return response
 
 
 def _http_error_response(exc: web.HTTPException) -> web.Response:
     """aiohttp's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
     type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
     message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else exc.reason
+    message = message[:MESSAGE_CHARS]
     payload = {"error": {"message": message, "type": type_, "param": None, "code": None}}
     headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
     return web.json_response(payload, status=exc.status, headers=headers)
@@ -224,7 +299,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     key = request.app[SETTINGS].api_key
-    if key and request.path.startswith("/v1/"):
+    if key and (request.path.startswith("/v1/") or request.path == "/openapi.json"):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise AuthenticationFailed("missing or wrong API key: send `Authorization: Bearer KEY`")
@@ -245,8 +320,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _parse(request: web.Request, parse) -> ApiRequest:
     """Check the body and tokenize its prompt on a worker thread: a long prompt (templating,
     tokenizing megabytes) must not stall the loop that streams everyone else's tokens."""
-    body = await _json_body(request)
-    return await asyncio.to_thread(parse, body, request.app[ENGINE], request.app[SETTINGS].served)
+    raw = await read_body(request)  # bounded in size and time (`app.http_guard`)
+    return await asyncio.to_thread(parse, raw, request.app[ENGINE], request.app[SETTINGS].served)
 
 
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:
@@ -374,29 +449,26 @@ def _usage(record: FinishRecord) -> dict:
     }
 
 
-async def _json_body(request: web.Request):
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
 
 
 # ---------------------------------------------------------------------------- state
 
 
 async def models(request: web.Request) -> web.Response:
+    """The local model (with its facts) and every model the fleet's remote engines serve, each
+    with the backends that serve it."""
     engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    info = engine.model.info
-    return web.json_response({"object": "list", "data": [{
-        "id": settings.served.id,
-        "object": "model",
-        "created": settings.started,
-        "owned_by": "tandem",
-        "meta": {"name": info.name, "n_params": info.n_params, "n_ctx_train": info.n_ctx_train,
-                 "n_vocab": info.n_vocab, "synthetic": info.synthetic,
-                 "aliases": sorted(settings.served.aliases)},
-    }]})
+    data = []
+    for model_id in settings.served.ids:
+        routed = settings.served.routed(model_id)
+        meta: dict = {"backends": [b.name for b in engine.backends.values() if engine.serves(b, routed)]}
+        if engine.model is not None and model_id == settings.served.id:
+            info = engine.model.info
+            meta.update(name=info.name, n_params=info.n_params, n_ctx_train=info.n_ctx_train,
+                        n_vocab=info.n_vocab, synthetic=info.synthetic, aliases=settings.served.public_aliases)
+        data.append({"id": model_id, "object": "model", "created": settings.started, "owned_by": "tandem",
+                     "meta": meta})
+    return web.json_response({"object": "list", "data": data})
 
 
 async def routing(request: web.Request) -> web.Response:

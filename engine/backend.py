@@ -370,6 +370,7 @@ class Backend:
             cap = self.cap
         stats = self.cache.stats()
         used = self.kv_cells_used(running)
+        mem_free, mem_total = self.model.memory.read()
         return BackendSnapshot(
             name=self.name,
             device=self.model.device,
@@ -385,6 +386,9 @@ class Backend:
             kv_bytes=used * self._kv_cell_bytes,
             kv_bytes_total=self.kv_bytes_total,
             model_bytes=self.model.info.size_bytes,
+            device_memory_free_bytes=mem_free,
+            device_memory_total_bytes=mem_total,
+            device_name=self.model.info.device_name,
             process_rss_bytes=_process_rss(),
             cache=CacheStats(
                 enabled=self.cache_enabled,

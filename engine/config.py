@@ -1,8 +1,14 @@
 """Backend specs from the command line: `gpu:cap=4`, `cpu:threads=15,cap=4,name=big`,
-`remote:url=http://host:8081,api=vllm,cap=32` (an OpenAI-compatible engine, `engine/remote.py`).
+`gpu:device=1,cap=8`, `remote:url=http://host:8081,api=vllm,cap=32` (an OpenAI-compatible engine,
+`engine/remote.py`).
 
-`default_specs()` is a GPU and a CPU backend where the llama.cpp build can offload, and two
-CPU backends that split the cores otherwise (so routing is still live on a laptop).
+`gpu` offloads the model with llama.cpp's default (every GPU); `gpu:device=N` loads it on GPU N
+alone (`engine.llama.gpus()[N]`), as the device `gpuN`, and the backend is named `gpuN` unless
+named otherwise. Several backends on one GPU share its model; each GPU loads its own.
+
+`default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; a GPU
+and a CPU backend with one; two CPU backends that split the cores otherwise (so routing is
+still live on a laptop).
 """
 
 from __future__ import annotations
@@ -107,7 +113,9 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
         key = _ALIASES.get(key.strip(), key.strip())
         if not eq:
             raise InvalidRequest(f"backend spec {spec!r}: {item!r} is not key=value")
-        if key in _INT_KEYS or key in _ALIASES.values():
+        if key == "device":
+            fields["device"] = _gpu_device(spec, device, value)
+        elif key in _INT_KEYS or key in _ALIASES.values():
             try:
                 fields[key] = int(value)
             except ValueError:
@@ -122,10 +130,24 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
         elif key in ("name", "flash_attn"):
             fields[key] = value
         else:
-            valid = sorted(_INT_KEYS | _BOOL_KEYS | set(_FLOAT_KEYS) | {"name", "flash_attn"})
+            valid = sorted(_INT_KEYS | _BOOL_KEYS | set(_FLOAT_KEYS) | {"name", "flash_attn", "device"})
             raise InvalidRequest(f"backend spec {spec!r}: unknown key {key!r} (valid: {', '.join(valid)})")
-    fields.setdefault("name", device)
+    fields.setdefault("name", fields["device"])
     return BackendConfig(**fields)
+
+
+def _gpu_device(spec: str, device: str, value: str) -> str:
+    """`device=N` on a gpu spec → the device string `gpuN` (whether GPU N exists is checked
+    when the model loads, `engine.llama.pick_device`)."""
+    if device != "gpu":
+        raise InvalidRequest(f"backend spec {spec!r}: device=N picks one GPU, so it needs a gpu spec (gpu:device=N)")
+    try:
+        index = int(value)
+    except ValueError:
+        raise InvalidRequest(f"backend spec {spec!r}: device must be a GPU number (0, 1, ...)") from None
+    if index < 0:
+        raise InvalidRequest(f"backend spec {spec!r}: device must be a GPU number (0, 1, ...), got {index}")
+    return f"gpu{index}"
 
 
 def name_backends(configs: list[BackendConfig | RemoteConfig], explicit: list[bool]) -> list[BackendConfig]:
@@ -155,10 +177,29 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
     return name_backends(configs, explicit)
 
 
-def default_specs(gpu: bool, cores: int | None = None) -> list[str]:
-    """Two backends: GPU + CPU where offload works, else two CPU backends splitting the cores."""
+def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) -> list[str]:
+    """The backends to run when none are named.
+
+    - several GPUs: one backend per GPU (`gpu:device=N`, named gpu0, gpu1, ...) and a CPU
+      backend on the cores left after one per GPU backend's worker thread;
+    - one GPU: GPU + CPU, as before;
+    - no offload: two CPU backends splitting the cores.
+
+    `gpus` is the GPU count; None counts them (`engine.llama.gpu_count()`, no model loaded)
+    where `gpu` says the build can offload. A build that offloads but lists no GPU device
+    still gets one plain `gpu` backend (llama.cpp picks the device).
+    """
     cores = cores or os.cpu_count() or 2
-    if gpu:
+    if gpus is None:
+        if gpu:
+            from . import llama
+
+            gpus = max(llama.gpu_count(), 1)
+        else:
+            gpus = 0
+    if gpus >= 2:
+        return [f"gpu:device={n},cap=4" for n in range(gpus)] + [f"cpu:threads={max(cores - gpus, 1)},cap=4"]
+    if gpus == 1:
         return ["gpu:cap=4", f"cpu:threads={max(cores - 1, 1)},cap=4"]
     half = max(cores // 2, 1)
     return [f"cpu:threads={half},cap=4", f"cpu:threads={max(cores - half, 1)},cap=4"]

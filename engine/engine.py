@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import chat
 from .backend import Backend, BackendConfig, error_record
 from .calibrate import ModelRates
 from .config import RemoteConfig
@@ -192,10 +193,11 @@ class Engine:
         if self.model is None:
             raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
-            text = self.model.apply_chat_template(messages)
+            return chat.chat_tokens(self.model, messages)  # content is never parsed for special tokens
+        except InvalidRequest:
+            raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)
-            raise InvalidRequest(f"the chat template rejected these messages: {e}", param="messages") from e
-        return self.model.tokenize(text, add_special=False)
+            raise InvalidRequest(f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from e
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,5 +1,10 @@
 """The one place that loads llama.cpp: library start-up, its log, device facts.
 
+Devices: `devices()` lists ggml's backend devices (CPU, CUDA0, CUDA1, ...) through ggml's
+own registry, without loading a model; `gpus()` are the GPUs among them, in ggml's order, so
+"GPU N" (`gpu:device=N` in a backend spec) means `gpus()[N]`. `on_device()` restricts a model
+to one of them through `llama_model_params.devices`, as `cpu_only()` restricts it to none.
+
 Import order: on the GPU machine a process that had imported numpy *before* the llama.cpp
 shared libraries crashed while loading a CPU-only model. `engine/__init__.py` imports this
 module first, so any `import engine...` loads libllama (and its ggml backends) before numpy
@@ -12,6 +17,8 @@ import ctypes
 import logging
 import os
 import threading
+import time
+from dataclasses import dataclass
 
 import llama_cpp as lc  # noqa: E402  (must stay the first heavy import)
 from llama_cpp.llama_cpp import _lib as _lc_lib  # noqa: E402
@@ -92,19 +99,151 @@ def gpu_offload_supported() -> bool:
 
 
 def pick_device(device: str) -> str:
-    """Resolve `auto` and refuse a GPU request on a build without GPU offload."""
+    """Resolve `auto` and refuse a GPU request on a build without GPU offload.
+
+    `gpuN` (one GPU, see `gpus()`) resolves to itself once GPU N is known to exist; anything
+    else raises `ModelLoadError` naming the devices there are.
+    """
     from .errors import ModelLoadError
 
-    if device not in ("cpu", "gpu", "auto"):
-        raise ModelLoadError(f"unknown device {device!r}: use cpu, gpu or auto")
+    index = gpu_index(device)
+    if device not in ("cpu", "gpu", "auto") and index is None:
+        raise ModelLoadError(f"unknown device {device!r}: use cpu, gpu, gpuN or auto")
     if device == "auto":
         return "gpu" if gpu_offload_supported() else "cpu"
-    if device == "gpu" and not gpu_offload_supported():
+    if device != "cpu" and not gpu_offload_supported():
         raise ModelLoadError(
-            "device gpu asked for, but this llama-cpp-python build has no GPU backend "
-            "(reinstall it with CMAKE_ARGS, see the README)"
+            f"device {device} asked for, but this llama-cpp-python build has no GPU backend "
+            f"(devices here: {describe_devices()}; reinstall it with CMAKE_ARGS, see the README)"
         )
+    if index is not None:
+        gpu(index)  # raises if there is no such GPU
     return device
+
+
+def gpu_index(device: str) -> int | None:
+    """N for a device string `gpuN` (`gpu0`, `gpu1`, ...), else None."""
+    if device.startswith("gpu") and device[3:].isdigit():
+        return int(device[3:])
+    return None
+
+
+# ---- ggml's device registry ----
+
+# enum ggml_backend_dev_type (ggml-backend.h)
+_DEV_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+def _bind(name: str, argtypes: list, restype):
+    f = getattr(_lc_lib, name)  # ggml's symbols resolve through libllama's handle
+    f.argtypes, f.restype = argtypes, restype
+    return f
+
+
+_dev_count = _bind("ggml_backend_dev_count", [], ctypes.c_size_t)
+_dev_get = _bind("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p)
+_dev_name = _bind("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p)
+_dev_description = _bind("ggml_backend_dev_description", [ctypes.c_void_p], ctypes.c_char_p)
+_dev_type = _bind("ggml_backend_dev_type", [ctypes.c_void_p], ctypes.c_int)
+_dev_memory = _bind("ggml_backend_dev_memory",
+                    [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)], None)
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One ggml backend device. `index` is its place in ggml's registry, `kind` its type
+    (`cpu`, `gpu`, `igpu`, `accel`, `meta`), `handle` the `ggml_backend_dev_t`."""
+
+    index: int
+    name: str
+    description: str
+    kind: str
+    handle: int
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory, as ggml reports them now."""
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _dev_memory(self.handle, ctypes.byref(free), ctypes.byref(total))
+        return free.value, total.value
+
+
+def devices() -> list[Device]:
+    """Every device ggml registered in this process, in registry order (no model needed)."""
+    init()
+    out = []
+    for i in range(_dev_count()):
+        h = _dev_get(i)
+        out.append(Device(i, (_dev_name(h) or b"").decode(), (_dev_description(h) or b"").decode(),
+                          _DEV_TYPES.get(_dev_type(h), "unknown"), h))
+    return out
+
+
+def gpus() -> list[Device]:
+    """The GPUs, in registry order: dedicated ones, or the integrated ones where there is no
+    dedicated GPU (llama.cpp's own default offload list makes the same choice)."""
+    found = devices()
+    dedicated = [d for d in found if d.kind == "gpu"]
+    return dedicated or [d for d in found if d.kind == "igpu"]
+
+
+def gpu_count() -> int:
+    """How many GPUs `gpu:device=N` can name (0 on a CPU-only build or host)."""
+    return len(gpus())
+
+
+def gpu(index: int) -> Device:
+    """GPU `index` (see `gpus()`); `ModelLoadError` naming the devices there are otherwise."""
+    from .errors import ModelLoadError
+
+    found = gpus()
+    if not 0 <= index < len(found):
+        have = f"GPUs 0-{len(found) - 1}" if found else "no GPU"
+        raise ModelLoadError(f"GPU {index} asked for, but this host has {have} (devices: {describe_devices()})")
+    return found[index]
+
+
+def describe_devices() -> str:
+    """`CPU (cpu: Intel Xeon), CUDA0 (gpu: NVIDIA H200)`: for error messages and logs."""
+    return ", ".join(f"{d.name} ({d.kind}: {d.description})" for d in devices()) or "none"
+
+
+# One NULL-terminated single-device list per device, kept for the process's life: llama.cpp
+# reads the list while loading, and the model keeps using the device.
+_DEVICE_LISTS: dict[int, ctypes.Array] = {}
+
+
+def on_device(model_params, device: Device) -> None:
+    """Put the whole model (every layer) on `device` and nowhere else."""
+    lst = _DEVICE_LISTS.get(device.index)
+    if lst is None:
+        lst = _DEVICE_LISTS[device.index] = (ctypes.c_void_p * 2)(device.handle, None)
+    model_params.devices = ctypes.cast(lst, ctypes.c_void_p)
+    model_params.n_gpu_layers = -1
+
+
+class MemoryProbe:
+    """Devices' (free, total) memory, summed, asked of ggml at most every `max_age_s` seconds:
+    snapshots are taken for every routing decision, and on CUDA each ask is a driver call."""
+
+    def __init__(self, devices: list[Device], max_age_s: float = 0.5, clock=time.monotonic):
+        self.devices = list(devices)
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._at = -float("inf")
+        self._value = (0, 0)
+
+    def read(self) -> tuple[int, int]:
+        """(free, total) bytes; (0, 0) without a device."""
+        if not self.devices:
+            return 0, 0
+        with self._lock:
+            now = self._clock()
+            if now - self._at >= self.max_age_s:
+                both = [d.memory() for d in self.devices]
+                self._value = (sum(f for f, _ in both), sum(t for _, t in both))
+                self._at = now
+            return self._value
 
 
 # An empty, NULL-terminated device list: a model loaded with it never touches a GPU, even in

@@ -6,7 +6,9 @@ Model specs:
   `synthetic:SHAPE[:QUANT]` random weights of a real model's shape (see `engine.synthetic`)
 
 One `Model` per (file, device) is loaded and shared by every backend on that device
-(`ModelRegistry`). Loading happens on the caller's thread; the object is then read-only
+(`ModelRegistry`). Devices: `cpu` (no GPU at all), `gpu` (llama.cpp's default: every layer
+offloaded, over all GPUs), `gpuN` (every layer on GPU N alone, `engine.llama.gpus()[N]`), or
+`auto`. Loading happens on the caller's thread; the object is then read-only
 apart from a piece cache, so any thread may tokenize.
 """
 
@@ -26,7 +28,7 @@ lc = llama.lc
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-DEVICES = ("cpu", "gpu", "auto")
+DEVICES = ("cpu", "gpu", "auto")  # and gpuN
 
 
 def resolve_model(spec: str, progress=None) -> Path:
@@ -126,6 +128,7 @@ class ModelInfo:
     n_layer: int
     n_embd: int
     synthetic: bool
+    device_name: str = ""  # ggml's names of the devices holding the weights: "CPU", "CUDA1"
 
 
 class Model:
@@ -138,12 +141,26 @@ class Model:
     def __init__(self, path: Path, device: str = "auto", progress=None):
         check_gguf(path)
         self.path = path
-        self.device = llama.pick_device(device)
+        self.spec = llama.pick_device(device)  # cpu, gpu or gpuN: the registry's key
+        index = llama.gpu_index(self.spec)
+        self.device = "gpu" if index is not None else self.spec
+        self.gpu_index = index  # None: not one chosen GPU
         params = lc.llama_model_default_params()
         if self.device == "cpu":
             llama.cpu_only(params)
+            placed = [d for d in llama.devices() if d.kind == "cpu"]
+        elif index is not None:
+            placed = [llama.gpu(index)]
+            llama.on_device(params, placed[0])
         else:
             params.n_gpu_layers = -1
+            placed = llama.gpus()
+        self.devices = placed
+        # Memory of the devices the weights and KV live on; a CPU model reports none (host
+        # memory is the process's RSS, which snapshots report apart).
+        self.memory = llama.MemoryProbe(placed if self.device != "cpu" else [])
+        where = ", ".join(f"{d.name} ({d.description})" for d in placed) or "no ggml device"
+        log.info("loading %s on %s: %s", path.name, self.spec, where)
         if progress is not None:
             self._progress_cb = lc.llama_progress_callback(lambda p, _: bool(progress(float(p)) is not False))
             params.progress_callback = self._progress_cb
@@ -172,6 +189,7 @@ class Model:
             n_layer=lc.llama_model_n_layer(self.ptr),
             n_embd=lc.llama_model_n_embd(self.ptr),
             synthetic=self.synthetic,
+            device_name=",".join(d.name for d in placed),
         )
 
     def close(self) -> None:
@@ -246,7 +264,9 @@ def _model_name(ptr, path: Path) -> str:
 class ModelRegistry:
     """Loads each (file, device) once and hands the same `Model` to every backend that asks.
 
-    Thread-safe. `release()` frees a model when its last user lets go.
+    The device part of the key is the resolved device string, so `gpu0` and `gpu1` are two
+    models (one per GPU) and two backends on `gpu1` share one. Thread-safe. `release()` frees
+    a model when its last user lets go.
     """
 
     def __init__(self):
@@ -265,7 +285,7 @@ class ModelRegistry:
             return model
 
     def release(self, model: Model) -> None:
-        key = (str(model.path.resolve()), model.device)
+        key = (str(model.path.resolve()), model.spec)
         with self._lock:
             entry = self._models.get(key)
             if entry is None:

@@ -97,6 +97,11 @@ class BackendSnapshot:
     kv_bytes: int = 0  # KV cells in use × bytes per cell
     kv_bytes_total: int = 0  # the context's whole KV buffer
     model_bytes: int = 0  # weights on this backend's device (shared by backends on the same device)
+    # The backend's GPU memory as ggml reports it (ggml_backend_dev_memory; summed over GPUs
+    # for a plain `gpu` backend spread over all of them); 0 on a CPU backend.
+    device_memory_free_bytes: int = 0
+    device_memory_total_bytes: int = 0
+    device_name: str = ""  # ggml's device name(s): "CUDA1", "CPU"
     process_rss_bytes: int = 0  # host memory of the whole process (backends share one process)
     cache: CacheStats = field(default_factory=CacheStats)
     prefill_tok_s: float = 0.0  # observed, recent

@@ -175,7 +175,7 @@ def test_policy_table(policy, gpu_items, cpu_items, expected):
 
 def test_registry_and_names():
     assert set(POLICIES) == {"seed-score", "predicted-finish", "least-work", "round-robin",
-                             "gpu-only", "cpu-only"}
+                             "cache-aware", "gpu-only", "cpu-only"}
     for name in POLICIES:
         assert make_policy(name).name == name
     assert make_policy("only:GPU").name == "only:GPU"
@@ -500,3 +500,237 @@ class TestRouter:
         decisions = r.recent()
         assert len(decisions) == 1600
         assert sum(d.backend == "GPU" for d in decisions) == 800
+
+
+# ---------------------------------------------------------------------------- cache-aware
+
+# Two (or more) comparable GPUs, tenants with a 1,500-token system prefix, 50 tokens each.
+TENANT_PROMPT, TENANT_PREFIX, TENANT_OUT = 1550, 1500, 128
+H200 = Rates(prefill_tok_s=20_000, decode_tok_s=500, step_alpha_s=0.010, step_beta_s=0.0005, source="override")
+
+
+def gpus(*loads, cap: int = 8, names: str = "abcd") -> list[BackendSnapshot]:
+    """One identical GPU backend per load: `load` items, the first `cap` running, the rest queued."""
+    out = []
+    for name, n in zip(names, loads):
+        items = [WorkItem(f"{name}{k}", k < cap, TENANT_PROMPT, TENANT_PREFIX,
+                          0 if k < cap else TENANT_PROMPT - TENANT_PREFIX, 100) for k in range(n)]
+        out.append(snap(name, "gpu", H200, items, cap=cap))
+    return out
+
+
+def tenant_query(rid: str = "t", tenant: int = 0, own: int = 0, cached: dict | None = None, tokens: bool = False):
+    toks = tuple(range(tenant * 10_000, tenant * 10_000 + TENANT_PREFIX)) + tuple(
+        range(900_000 + own * 100, 900_000 + own * 100 + TENANT_PROMPT - TENANT_PREFIX))
+    return RouteQuery(rid, TENANT_PROMPT, TENANT_OUT, cached or {}, tokens=toks if tokens else ())
+
+
+CACHE_AWARE_CASES = [
+    # (loads, cached per backend, expected, words in the reason)
+    ((3, 4), {"b": 1500}, "b", ["b: 1,500 of 1,550 tokens cached", "loads 4 vs 3 on a, within balance"]),
+    ((4, 3), {"a": 1500}, "a", ["a: 1,500 of 1,550 tokens cached", "loads 4 vs 3 on b, within balance"]),
+    ((2, 2), {"a": 1500, "b": 1500}, "a", ["a: 1,500 of 1,550", "least loaded too"]),  # tie: order
+    ((5, 2), {"a": 1500, "b": 1500}, "b", ["b: 1,500 of 1,550", "least loaded too"]),  # equal hits: load
+    ((20, 2), {"a": 1500}, "b", ["a: 1,500 of 1,550 tokens cached, but loads 20 vs 2 on b are beyond balance",
+                                 "b first token in 0.077 s", "vs a first token in 2.833 s"]),
+    ((0, 0), {}, "a", ["no backend holds 50% of the prompt", "nothing cached anywhere"]),
+    ((3, 1), {}, "b", ["no backend holds 50%", "b first token in 0.077 s + 0.077 s delay to its 1 item (0 cached)",
+                       "vs a first token in 0.077 s + 0.232 s delay to its 3 items"]),
+    # 32 % is below the threshold: priced, a's sooner first token (0.052 s) costs its 3 items more
+    ((3, 1), {"a": 500}, "b", ["best a: 500 of 1,550 tokens", "b first token in 0.077 s",
+                               "vs a first token in 0.052 s + 0.158 s delay to its 3 items (500 cached)"]),
+    ((1, 1), {"a": 500}, "a", ["best a: 500 of 1,550 tokens", "a first token in 0.052 s"]),
+    ((2, 4, 1, 4), {"c": 1500}, "c", ["c: 1,500 of 1,550 tokens cached", "least loaded too"]),
+    ((1, 4, 4, 4), {"c": 1500}, "c", ["c: 1,500", "loads 4 vs 1 on a, within balance"]),
+    ((1, 4, 16, 4), {"c": 1500}, "a", ["c: 1,500 of 1,550 tokens cached, but loads 16 vs 1 on a are beyond balance",
+                                       "a first token in", "vs b first token in"]),
+    ((1, 4, 16, 3), {"c": 1500, "d": 1500}, "d", ["d: 1,500 of 1,550 tokens cached"]),
+]
+
+
+class TestCacheAware:
+    @pytest.mark.parametrize("loads,cached,expected,words", CACHE_AWARE_CASES)
+    def test_table(self, loads, cached, expected, words):
+        d = Router("cache-aware").route(tenant_query(cached=cached), gpus(*loads))
+        assert d.backend == expected, d.reason
+        for w in words:
+            assert w in d.reason
+        assert d.policy == "cache-aware" and d.new_token_ratio is None
+
+    def test_scores_are_predicted_first_tokens_with_the_hit(self):
+        snaps = gpus(0, 0)
+        q = tenant_query(cached={"b": 1500})
+        d = Router("cache-aware").route(q, snaps)
+        assert d.score_of("b").cached_tokens == 1500 and d.score_of("a").cached_tokens == 0
+        assert d.score_of("b").score_s == pytest.approx(50 / 20_000)
+        assert d.score_of("a").score_s == pytest.approx(1550 / 20_000)
+        for s in d.scores:
+            assert s.score_s == pytest.approx(s.prefill_s + s.decode_s)
+
+    def test_hit_outweighs_a_short_queue_beyond_balance(self):
+        # a holds 6 running (cap 8: the new request joins at once) vs an idle b: beyond the
+        # item thresholds, but prefill at 73 tok/s makes b's 1,550-token prompt the longer wait.
+        slow = replace(H200, prefill_tok_s=73)
+        snaps = [replace(s, rates=slow) for s in gpus(6, 0)]
+        d = Router("cache-aware").route(tenant_query(cached={"a": 1500}), snaps)
+        assert d.backend == "a"
+        assert "beyond balance (>4 apart and >1.5x), and it is still the cheapest" in d.reason
+
+    def test_repeat_requests_stick_while_others_spread(self):
+        # Each routed request adds one running item where it went; tenant 0 is warm on b.
+        r = Router("cache-aware")
+        loads = [0, 0]
+        got = []
+        for k in range(12):
+            tenant = k % 3  # tenants 1, 2 are cold everywhere
+            cached = {"b": 1500} if tenant == 0 else {}
+            d = r.route(tenant_query(f"r{k}", tenant, cached=cached), gpus(*loads))
+            got.append((tenant, d.backend))
+            loads["ab".index(d.backend)] += 1
+        assert {b for t, b in got if t == 0} == {"b"}
+        assert loads[0] >= 4  # the cold tenants balance the load
+        assert abs(loads[0] - loads[1]) <= 4
+
+    def test_in_flight_prefix_is_remembered(self):
+        # The first request of a tenant is still queued on a (its cache reports nothing yet):
+        # the second finds it through the router's memory and follows it, while balanced.
+        r = Router("cache-aware")
+        first = r.route(tenant_query("r0", 7, own=0, tokens=True), gpus(0, 0))
+        assert first.backend == "a"
+        second = r.route(tenant_query("r1", 7, own=1, tokens=True), gpus(1, 0))
+        assert second.backend == "a"
+        # 46 whole blocks of 32 tokens: the 47th mixes the prefix with the request's own tokens
+        assert "a: 1,472 of 1,550 tokens routed there, in flight" in second.reason
+        # Another tenant's prompt shares no block: it goes to the idle backend.
+        other = r.route(tenant_query("r2", 8, tokens=True), gpus(2, 0))
+        assert other.backend == "b" and "nothing cached anywhere" in other.reason
+
+    def test_memory_is_per_backend_and_clears(self):
+        r = Router("cache-aware")
+        r.route(tenant_query("r0", 1, tokens=True), gpus(0, 0))
+        d = r.route(tenant_query("r1", 1, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1))
+        assert d.backend == "b"  # b's real 1,500 cached tokens beat the 1,472 remembered on a
+        assert d.score_of("a").cached_tokens == 1472 and d.score_of("b").cached_tokens == 1500
+        assert d.reason.startswith("b: 1,500 of 1,550 tokens cached")
+        r.clear()
+        d = r.route(tenant_query("r2", 1, own=2, tokens=True), gpus(1, 0))
+        assert d.backend == "b" and "nothing cached anywhere" in d.reason
+
+    def test_pinned_request_is_remembered(self):
+        r = Router("cache-aware")
+        pinned = replace(tenant_query("r0", 3, tokens=True), backend="b")
+        d = r.route(pinned, gpus(0, 0))
+        assert d.pinned and d.backend == "b"
+        d = r.route(tenant_query("r1", 3, own=1, tokens=True), gpus(0, 1))
+        assert d.backend == "b" and "routed there, in flight" in d.reason
+
+    def test_unhealthy_backend_with_the_hit_is_skipped(self):
+        snaps = gpus(0, 3)
+        snaps[0] = replace(snaps[0], healthy=False)
+        d = Router("cache-aware").route(tenant_query(cached={"a": 1500}), snaps)
+        assert d.backend == "b" and "a unhealthy" in d.reason
+
+    def test_parameters_are_checked(self):
+        from engine.router import CacheAware
+
+        for bad in (dict(cache_threshold=1.5), dict(balance_abs=-1), dict(balance_rel=0.5)):
+            with pytest.raises(ValueError):
+                CacheAware(**bad)
+        strict = CacheAware(balance_abs=0, balance_rel=1.0)
+        scores = [strict.score(tenant_query(cached={"a": 1500}), s, DecodeBudget()) for s in gpus(2, 1)]
+        name, reason = strict.choose(tenant_query(cached={"a": 1500}), scores)
+        assert "beyond balance (>0 apart and >1x)" in reason and name == "a"
+
+
+class TestCacheAwareParameters:
+    def test_spec_sets_parameters_and_survives_clear(self):
+        r = Router("cache-aware:balance_abs=0, balance_rel=1 ,cache_threshold=0.3")
+        assert r.policy == "cache-aware:cache_threshold=0.3,balance_abs=0,balance_rel=1"
+        d = r.route(tenant_query(cached={"a": 500}), gpus(2, 1))
+        assert "beyond balance (>0 apart and >1x)" in d.reason  # 32 % is a hit at 0.3
+        r.clear()
+        assert r.policy == "cache-aware:cache_threshold=0.3,balance_abs=0,balance_rel=1"
+        assert make_policy("cache-aware:").name == "cache-aware"
+
+    @pytest.mark.parametrize("spec,words", [
+        ("cache-aware:threshold=0.3", "is not one of cache_threshold="),
+        ("cache-aware:balance_abs=x", "balance_abs must be a number"),
+        ("cache-aware:balance_rel=0.5", "balance_rel >= 1"),
+        ("cache-aware:cache_threshold", "is not one of"),
+    ])
+    def test_bad_spec(self, spec, words):
+        with pytest.raises(InvalidRequest, match=words) as e:
+            make_policy(spec)
+        assert e.value.param == "policy"
+
+
+class TestRecentPrefixes:
+    def test_match_is_whole_blocks_of_a_common_prefix(self):
+        from engine.router import RecentPrefixes
+
+        m = RecentPrefixes(block=4)
+        m.record(m.hashes(list(range(10))), "a")
+        assert m.match(m.hashes(list(range(10)))) == {"a": 8}
+        assert m.match(m.hashes([0, 1, 2, 3, 9, 9, 9, 9])) == {"a": 4}
+        assert m.match(m.hashes([9, 1, 2, 3])) == {}
+        m.record(m.hashes(list(range(6))), "b")
+        assert m.match(m.hashes(list(range(8)))) == {"a": 8, "b": 4}
+
+    def test_window_and_bound(self):
+        from engine.router import RecentPrefixes
+
+        m = RecentPrefixes(block=2, window=2, max_blocks=3)
+        m.record(m.hashes([1, 1]), "a")
+        m.record(m.hashes([2, 2]), "a")
+        assert m.match(m.hashes([1, 1])) == {"a": 2}
+        m.record(m.hashes([3, 3]), "a")  # the first record left the window
+        assert m.match(m.hashes([1, 1])) == {}
+        m.record(m.hashes([4, 4, 4, 4]), "b")  # two blocks: the oldest hashes go
+        assert len(m._blocks) == 3
+        with pytest.raises(ValueError):
+            RecentPrefixes(block=0)
+
+
+# ---------------------------------------------------------------------------- N backends
+
+
+class TestPredictedFinishN:
+    @pytest.mark.parametrize("n", [3, 4])
+    def test_hit_wins_among_equal_loads(self, n):
+        loads = [2] * n
+        for k, name in enumerate("abcd"[:n]):
+            d = Router("predicted-finish").route(tenant_query(cached={name: 1500}), gpus(*loads))
+            assert d.backend == name, d.reason
+            assert f"1,500 prompt tokens cached on {name}, 0 on" in d.reason
+            assert d.score_of(name).score_s < min(s.score_s for s in d.scores if s.name != name)
+
+    @pytest.mark.parametrize("n", [3, 4])
+    def test_least_load_wins_without_hits(self, n):
+        loads = [6, 5, 7, 6][:n]
+        loads[n - 1] = 1
+        d = Router("predicted-finish").route(tenant_query(), gpus(*loads))
+        assert d.backend == "abcd"[n - 1]
+        assert f"on {d.backend} (cap 8)" in d.reason
+
+    def test_overloaded_hit_loses_to_an_idle_third(self):
+        # c holds the prefix but has a long queue; a and b are busier than d, which is idle.
+        d = Router("predicted-finish").route(tenant_query(cached={"c": 1500}), gpus(4, 4, 30, 0))
+        assert d.backend == "d"
+
+    def test_all_backends_get_used(self):
+        r = Router("predicted-finish")
+        loads = [0, 0, 0, 0]
+        for k in range(16):
+            d = r.route(tenant_query(f"r{k}"), gpus(*loads))
+            loads["abcd".index(d.backend)] += 1
+        assert loads == [4, 4, 4, 4]
+
+    def test_first_token_golden(self):
+        from engine.router import predicted_first_token
+
+        assert predicted_first_token(query(), snap("GPU", "gpu", CAL_GPU)).score_s == pytest.approx(20 / 2551)
+        g = snap("GPU", "gpu", CAL_GPU, running(1, 10), cap=1)
+        s = predicted_first_token(query(), g)
+        assert s.score_s == pytest.approx(10 * 0.011 + 20 / 2551)
+        assert s.decode_tokens == 10 and s.prefill_tokens == 20
+        assert predicted_first_token(query(), g, cached=0).prefill_tokens == PROMPT

@@ -267,7 +267,7 @@ BAD_BODIES = [
     ("max_tokens negative", {"messages": HELLO, "max_tokens": -3}, 400, "max_tokens", None),
     ("max_tokens a string", {"messages": HELLO, "max_tokens": "8"}, 400, "max_tokens", None),
     ("max_tokens a boolean", {"messages": HELLO, "max_tokens": True}, 400, "max_tokens", None),
-    ("max_completion_tokens 0", {"messages": HELLO, "max_completion_tokens": 0}, 400, "max_tokens", None),
+    ("max_completion_tokens 0", {"messages": HELLO, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
     ("temperature negative", {"messages": HELLO, "temperature": -0.5}, 400, "temperature", None),
     ("temperature a string", {"messages": HELLO, "temperature": "hot"}, 400, "temperature", None),
     ("top_p 0", {"messages": HELLO, "top_p": 0}, 400, "top_p", None),

@@ -1,0 +1,447 @@
+"""Connection hygiene and browser safety for `tandem serve`: what sits between a socket and a handler.
+
+Two layers, both on aiohttp's public surfaces:
+
+* **Connections** (`ConnectionGuard`, `GuardedSite`). Every accepted socket gets a
+  `GuardedProtocol` wrapped around aiohttp's own `RequestHandler` (the protocol
+  `web.Server()` makes). The wrapper forwards every asyncio protocol call and adds:
+  - a *header deadline*: a connection that has not sent a whole request head
+    (`\\r\\n\\r\\n`) within `header_timeout` seconds of connecting gets a `408` and is closed;
+  - a *connection cap*: above `max_connections` open connections, a new one first evicts the
+    oldest connection that is still waiting for its headers (a slow client cannot hold a
+    slot a real one needs); when none can be evicted, the new one gets a raw `503` and is closed.
+  Later requests on a kept-alive connection are bounded by aiohttp's `keepalive_timeout`
+  (aiohttp 3.14 also arms it when a connection opens); reading a body is bounded by
+  `body_timeout` (`read_body`). aiohttp has `keepalive_timeout` and `client_max_size` but no
+  header-read timeout. We chose to wrap the protocol rather than move to another server
+  (uvicorn has `--limit-concurrency` and `--timeout-keep-alive` but no header timeout either;
+  hypercorn has one but would mean rewriting the streaming and cancellation paths that the
+  GUI also runs on its qasync loop): the wrapper is ~100 lines on asyncio's stable Protocol
+  API, keeps `handler_cancellation`, and needs nothing private from aiohttp beyond
+  `TCPSite`'s attribute names.
+* **Requests** (`guard_middleware`, `on_prepare`). Before auth and parsing: the `Host` must be
+  the address the connection arrived on, a loopback name, or one of `allowed_hosts` (DNS
+  rebinding); a request carrying an `Origin` that is not in `allowed_origins` is `403`
+  (cross-site forms and fetches); CORS preflights are answered only when origins are allowed;
+  a POST with a body must be `application/json` (`415`: no CORS-"simple" form or text POST
+  can reach a handler); a declared `Content-Length` above `max_body_bytes` is `413` before a
+  byte of the body is read, and a chunked body is cut off at the limit. Every response says
+  `Server: tandem` (no library versions), including aiohttp's own low-level error replies.
+
+Repeated error logs (`EMFILE` from `accept()`, a peer flood) are rate-limited by
+`RepeatFilter`: the attack this module answers logged "Too many open files" 150,000 times
+(68 MB) in 40 s.
+
+Thread contract: everything here runs on the server's event loop; `ConnectionGuard` is not
+thread-safe and needs none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ipaddress
+import json
+import logging
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import hdrs, web
+from aiohttp import web_response as _web_response
+
+from engine.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "tandem"
+# aiohttp puts `Python/3.x aiohttp/3.y` into every reply's `Server` header, including the
+# low-level 400s it writes itself before any app code runs; this is the one place it reads it.
+_web_response.SERVER_SOFTWARE = SERVER_NAME
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+CORS_MAX_AGE_S = 600
+CORS_ALLOWED_HEADERS = "Authorization, Content-Type"
+
+
+# ---------------------------------------------------------------------------- settings and errors
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """The knobs (each a `tandem serve` flag); defaults suit a local single-user server."""
+
+    header_timeout: float = 10.0  # s from connect to a whole request head
+    body_timeout: float = 30.0  # s to receive a whole request body
+    keepalive_timeout: float = 15.0  # s an idle kept-alive connection stays open
+    max_connections: int = 1000  # open connections; above, evict a header-waiting one or 503
+    max_body_bytes: int = 2 << 20  # a 128k-token prompt is ~0.5 MB of text; 2 MiB leaves room
+    allowed_hosts: tuple[str, ...] = ()  # more `Host` names to accept; "*" accepts any
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed (CORS on); "*" allows any
+
+    def __post_init__(self):
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_connections < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_connections and max_body_bytes must be >= 1")
+        object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
+        object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/").lower() for o in self.allowed_origins))
+
+
+class Forbidden(EngineError):
+    """A cross-site request or a foreign `Host` (403)."""
+
+    kind = "forbidden_error"
+
+
+class UnsupportedMediaType(EngineError):
+    """A POST body that is not `application/json` (415)."""
+
+    kind = "unsupported_media_type_error"
+
+
+class PayloadTooLarge(EngineError):
+    """A body above `max_body_bytes` (413). The connection closes after the reply: the unread
+    rest of the body is not worth reading."""
+
+    kind = "payload_too_large_error"
+    close_connection = True
+
+
+class BodyTimeout(EngineError):
+    """A body that did not arrive within `body_timeout` (408)."""
+
+    kind = "request_timeout_error"
+    close_connection = True
+
+
+GUARD = web.AppKey("guard", GuardSettings)
+
+
+# ---------------------------------------------------------------------------- connections
+
+
+def _raw_reply(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "unavailable_error" if status == 503
+                                 else "invalid_request_error", "param": None, "code": None}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nServer: {SERVER_NAME}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n")
+    if status == 503:
+        head += "Retry-After: 1\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+_BUSY = _raw_reply(503, "Service Unavailable", "too many open connections; retry later")
+_HEADER_TIMEOUT = _raw_reply(408, "Request Timeout", "the request headers did not arrive in time")
+
+
+class ConnectionGuard:
+    """Counts a server's connections and arms each one's header deadline (loop thread only)."""
+
+    def __init__(self, settings: GuardSettings):
+        self.settings = settings
+        self.open = 0
+        self.evicted = 0
+        self.refused = 0
+        self.timed_out = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the site that serves
+        self._waiting: collections.OrderedDict[int, GuardedProtocol] = collections.OrderedDict()
+
+    def factory(self, server: web.Server):
+        """The protocol factory for `loop.create_server`: aiohttp's handler, guarded."""
+        return lambda: GuardedProtocol(self, server)
+
+    def _admit(self, proto: GuardedProtocol) -> bool:
+        if self.open >= self.settings.max_connections:
+            if self._waiting:  # the oldest connection still dawdling over its headers makes room
+                _, victim = self._waiting.popitem(last=False)
+                self.evicted += 1
+                victim.drop(_HEADER_TIMEOUT)
+            else:
+                self.refused += 1
+                return False
+        self.open += 1
+        self._waiting[id(proto)] = proto
+        return True
+
+    def _headed(self, proto: GuardedProtocol) -> None:
+        self._waiting.pop(id(proto), None)
+
+    def _closed(self, proto: GuardedProtocol) -> None:
+        self._waiting.pop(id(proto), None)
+        self.open -= 1
+
+
+class GuardedProtocol(asyncio.Protocol):
+    """aiohttp's `RequestHandler` with a header deadline and a place in the connection count."""
+
+    def __init__(self, guard: ConnectionGuard, server: web.Server):
+        self._guard = guard
+        self._server = server
+        self._inner: asyncio.Protocol | None = None
+        self._transport: asyncio.Transport | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._tail = b""  # the last 3 bytes seen while looking for the end of the head
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        if not self._guard._admit(self):
+            transport.write(_BUSY)
+            transport.close()
+            return
+        self._deadline = self._guard.loop.call_later(self._guard.settings.header_timeout, self._header_timeout)
+        self._inner = self._server()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is None:
+            return
+        if self._deadline is not None:
+            seen = self._tail + data
+            if b"\r\n\r\n" in seen:
+                self._deadline.cancel()
+                self._deadline = None
+                self._guard._headed(self)
+            else:
+                self._tail = seen[-3:]
+        self._inner.data_received(data)
+
+    def eof_received(self):
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def connection_lost(self, exc) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if self._inner is not None:
+            self._guard._closed(self)
+            inner, self._inner = self._inner, None
+            inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def _header_timeout(self) -> None:
+        self._deadline = None
+        self._guard.timed_out += 1
+        self._guard._headed(self)
+        self.drop(_HEADER_TIMEOUT)
+
+    def drop(self, reply: bytes) -> None:
+        """Answer `reply` and let go of the socket now (no lingering on an unread buffer)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(reply)  # sent at once into the socket's buffer; best effort
+            transport.abort()  # connection_lost follows on the loop and frees the slot
+
+
+class GuardedSite(web.TCPSite):
+    """`web.TCPSite` whose connections go through a `ConnectionGuard`."""
+
+    def __init__(self, runner: web.BaseRunner, guard: ConnectionGuard, host: str, port: int, *, backlog: int):
+        super().__init__(runner, host, port, backlog=backlog)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        loop = self.guard.loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.guard.factory(server), self._host, self._port, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+
+
+def raise_fd_limit(settings: GuardSettings, reserve: int = 256) -> GuardSettings:
+    """Make room for `max_connections` sockets plus `reserve` other files (models, logs, threads):
+    raise this process's soft RLIMIT_NOFILE toward the hard one, or lower the cap (with a
+    warning) so accept() never runs into EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = settings.max_connections + reserve
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        cap = max(1, soft - reserve)
+        log.warning("the open-file limit is %d: serving at most %d connections, not %d",
+                    soft, cap, settings.max_connections)
+        from dataclasses import replace
+        return replace(settings, max_connections=cap)
+    return settings
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def _host_name(value: str) -> str:
+    """`Host` header → the bare lower-case name or address (port and IPv6 brackets dropped)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    if value.count(":") == 1:
+        value = value.split(":", 1)[0]
+    return value
+
+
+def _host_allowed(request: web.Request, settings: GuardSettings) -> bool:
+    if "*" in settings.allowed_hosts:
+        return True
+    name = _host_name(request.headers.get(hdrs.HOST, ""))
+    if not name:
+        return False
+    if name in LOOPBACK_NAMES or name in settings.allowed_hosts:
+        return True
+    sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if sock:  # the address this connection arrived on, whatever the bind (0.0.0.0 too)
+        try:
+            here = ipaddress.ip_address(sock[0].split("%", 1)[0])
+            there = ipaddress.ip_address(name.split("%", 1)[0])
+        except ValueError:
+            return False
+        mapped = getattr(here, "ipv4_mapped", None)
+        return there == here or (mapped is not None and there == mapped)
+    return False
+
+
+def origin_allowed(origin: str, settings: GuardSettings) -> bool:
+    return "*" in settings.allowed_origins or origin.rstrip("/").lower() in settings.allowed_origins
+
+
+def _cut(value: str, n: int = 100) -> str:
+    return value if len(value) <= n else value[:n] + "…"
+
+
+@web.middleware
+async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Host, Origin, CORS preflight, content type and declared size, before auth and parsing."""
+    settings = request.app[GUARD]
+    if not _host_allowed(request, settings):
+        raise Forbidden(f"Host {_cut(request.headers.get(hdrs.HOST, ''))!r} is not served here "
+                        f"(allow it with --allowed-hosts)", param="Host")
+    origin = request.headers.get(hdrs.ORIGIN)
+    if origin is not None and not origin_allowed(origin, settings):
+        raise Forbidden(f"cross-origin requests from {_cut(origin)!r} are not allowed "
+                        f"(allow an origin with --allowed-origins)", param="Origin")
+    if request.method == hdrs.METH_OPTIONS and origin is not None \
+            and hdrs.ACCESS_CONTROL_REQUEST_METHOD in request.headers:
+        return _preflight(request, origin)
+    if request.method == hdrs.METH_POST:
+        length = request.content_length
+        if length is not None and length > settings.max_body_bytes:
+            raise _too_large(request, settings)
+        if (request.body_exists or (length or 0) > 0) and request.content_type != "application/json":
+            raise UnsupportedMediaType(
+                f"the body must be application/json, got {_cut(request.content_type or 'none')!r}",
+                param="Content-Type")
+    return await handler(request)
+
+
+def _too_large(request: web.Request, settings: GuardSettings) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the body is larger than this server's limit of {settings.max_body_bytes} bytes")
+
+
+def _preflight(request: web.Request, origin: str) -> web.Response:
+    method = request.headers[hdrs.ACCESS_CONTROL_REQUEST_METHOD].upper()
+    if method not in (hdrs.METH_GET, hdrs.METH_POST):
+        raise Forbidden(f"CORS method {_cut(method)!r} is not allowed", param="Access-Control-Request-Method")
+    return web.Response(status=204, headers={
+        hdrs.ACCESS_CONTROL_ALLOW_ORIGIN: origin,
+        hdrs.ACCESS_CONTROL_ALLOW_METHODS: "GET, POST",
+        hdrs.ACCESS_CONTROL_ALLOW_HEADERS: CORS_ALLOWED_HEADERS,
+        hdrs.ACCESS_CONTROL_MAX_AGE: str(CORS_MAX_AGE_S),
+        hdrs.VARY: "Origin",
+    })
+
+
+async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Every app response, streamed or not: our `Server` name and, for allowed origins, CORS."""
+    response.headers[hdrs.SERVER] = SERVER_NAME
+    origin = request.headers.get(hdrs.ORIGIN)
+    if origin is not None and request.app[GUARD].allowed_origins and origin_allowed(origin, request.app[GUARD]):
+        response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = origin
+        response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = "X-Request-Id, X-Tandem-Backend"
+        response.headers.add(hdrs.VARY, "Origin")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, within `max_body_bytes` and `body_timeout` (413 / 408 otherwise).
+
+    Chunked bodies carry no length: reading stops at the limit."""
+    settings = request.app[GUARD]
+    limit = settings.max_body_bytes
+    body = bytearray()
+    try:
+        async with asyncio.timeout(settings.body_timeout):
+            while True:
+                chunk = await request.content.readany()
+                if not chunk:
+                    break
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(request, settings)
+    except TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {settings.body_timeout:g} s") from None
+    return bytes(body)
+
+
+# ---------------------------------------------------------------------------- logs
+
+
+@dataclass
+class RepeatFilter(logging.Filter):
+    """Lets each distinct message (logger + format string) through `burst` times per `window_s`,
+    then drops it, and says how many were dropped when the window turns over."""
+
+    burst: int = 5
+    window_s: float = 10.0
+    _seen: dict = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        super().__init__()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg)[:200])
+        now = time.monotonic()
+        with self._lock:
+            start, count, dropped = self._seen.get(key, (now, 0, 0))
+            if now - start >= self.window_s:
+                if dropped:
+                    record.msg = f"{record.msg} (and {dropped} more like it in the last {self.window_s:g} s)"
+                start, count, dropped = now, 0, 0
+            count += 1
+            if count > self.burst:
+                self._seen[key] = (start, count, dropped + 1)
+                return False
+            self._seen[key] = (start, count, dropped)
+            if len(self._seen) > 1000:  # a flood of distinct messages: forget the oldest windows
+                for k in list(self._seen)[:500]:
+                    del self._seen[k]
+        return True
+
+
+_LOGGERS = ("asyncio", "aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.internal")
+
+
+def install_log_limits(filter_: RepeatFilter | None = None) -> RepeatFilter:
+    """Rate-limit the loggers a connection flood writes to (idempotent)."""
+    filter_ = filter_ or RepeatFilter()
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RepeatFilter) for f in logger.filters):
+            logger.addFilter(filter_)
+    return filter_
