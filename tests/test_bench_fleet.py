@@ -121,21 +121,29 @@ def test_an_engine_that_does_not_start_is_named_with_its_log(tmp_path, capsys):
 @pytest.mark.skipif(not remote_backend_available(),
                     reason="Tandem's router needs the remote: backend (engine/remote.py), which has not landed in "
                            "this tree; this case runs once it has")
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="`tandem serve` with only remote: backends exits at start: app/server.py assumes a local "
-                          "model (run_serve reads engine.model.synthetic, create_app engine.model.path; engine.model "
-                          "is None when every backend is remote); strict: this test fails once that is fixed, so "
-                          "the marker cannot outlive the bug")
 def test_through_tandems_router(tmp_path):
     out = tmp_path / "tandem"
-    rc = main(["bench", "fleet", *SMALL, "--variants", "tandem:round-robin,single", "--out", str(out)])
+    rc = main(["bench", "fleet", *SMALL, "--variants", "tandem:cache-aware,tandem:round-robin,single",
+               "--out", str(out)])
     assert rc == 0
     summary, rows = read(out)
     assert not [n for n in summary["notes"] if "skipped" in n]  # the router started
     by = {r["policy"]: r for r in summary["results"]}
-    assert by["tandem:round-robin"]["failed"] == 0
-    assert sum(e["requests"] for e in by["tandem:round-robin"]["engines"].values()) == 12
-    assert {r["backend"] for r in rows if r["policy"] == "tandem:round-robin"} == {"e0", "e1"}
+    for variant in ("tandem:cache-aware", "tandem:round-robin"):
+        assert by[variant]["failed"] == 0
+        assert sum(e["requests"] for e in by[variant]["engines"].values()) == 12
+        # the router's X-Tandem-Backend names the remote backend, which the fleet calls like the engine
+        served = [r["backend"] for r in rows if r["policy"] == variant]
+        assert set(served) <= {"e0", "e1"} and len(served) == 12
+    assert by["tandem:round-robin"]["engines"]["e0"]["requests"] == 6
+
+    def computed(p):
+        return sum(e["prompt_tokens_computed"] for e in by[p]["engines"].values())
+
+    assert computed("tandem:cache-aware") < computed("tandem:round-robin")  # tenants stick to an engine
+    names = {(r["a"], r["b"], r["metric"]) for r in summary["ratios"]}
+    assert ("tandem:cache-aware", "tandem:round-robin", "makespan_s") in names
+    assert ("tandem:cache-aware", "single", "output_tok_s") in names
 
 
 class TestPureParts:
