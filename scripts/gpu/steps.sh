@@ -129,3 +129,7 @@ boundary() {  # where hybrid routing starts to pay: KV for 4 sequences and a gro
 fleet() {  # one engine per GPU behind Tandem's router and sglang-router, the tenant workload (see fleet.sh)
   bash scripts/gpu/fleet.sh
 }
+
+devices() {  # one backend per GPU through llama.cpp's device list, each snapshot with its GPU's memory
+  python3 scripts/gpu/devices.py 2>&1 | tail -30 | tee "$OUT/devices.txt"
+}
