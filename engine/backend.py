@@ -527,10 +527,8 @@ class Backend:
             elif isinstance(m, SetCap):
                 sched.set_cap(m.cap)
             elif isinstance(m, Call):
-                try:
-                    with self._state:
-                        result = m.fn(self)
-                    m.future.set_result(result)
+                try:  # not under the state lock: a call may take long (tests hold the worker)
+                    m.future.set_result(m.fn(self))
                 except Exception as e:
                     m.future.set_exception(e)
                 self._runner.apply(sched.take_ops())
@@ -638,8 +636,8 @@ class Backend:
 
     def _die(self, why: str) -> None:
         """Mark unhealthy; hand movable requests to `on_unhealthy`, fail the rest."""
+        self.error = why  # first: a snapshot that reads unhealthy has the reason
         self.healthy = False
-        self.error = why
         with self._state:
             movable, rest = self._sched.drain()
             for s in rest:
