@@ -242,17 +242,19 @@ class Engine:
     @property
     def devices(self) -> dict[str, str]:
         """Each backend's device ("cpu", "gpu", ...), by name."""
-        return {name: b.model.device for name, b in self.backends.items()}
+        return {name: b.device for name, b in self.backends.items()}
 
     def backend_snapshot(self, name: str) -> BackendSnapshot:
         return self.backend(name).snapshot()
 
     def info(self, name: str) -> BackendInfo:
         b = self.backend(name)
-        c = b.config
-        return BackendInfo(name=b.name, device=b.model.device, model=b.model.info.name, threads=c.threads,
-                           n_ctx=b.n_ctx, n_seq_max=c.n_seq_max, n_batch=c.n_batch, flash_attn=c.flash_attn,
-                           kv_unified=c.kv_unified)
+        snap = b.snapshot()
+        c, m = getattr(b, "config", None), getattr(b, "model", None)  # a remote backend has neither
+        return BackendInfo(name=b.name, device=b.device, model=m.info.name if m is not None else "",
+                           threads=snap.threads, n_ctx=snap.n_ctx,
+                           n_seq_max=getattr(c, "n_seq_max", snap.cap), n_batch=getattr(c, "n_batch", 0),
+                           flash_attn=getattr(c, "flash_attn", ""), kv_unified=getattr(c, "kv_unified", True))
 
     def rates(self, name: str) -> Rates:
         return self.backend(name).rates
