@@ -232,32 +232,39 @@ class Scheduler:
         if not self.running:
             return plan
         self._shed_idle_cache()
-        decoding = [s for s in self.running if not s.prefilling]
+        decoding, prefilling = [], []
+        for s in self.running:
+            (prefilling if s.prefilling else decoding).append(s)
         if not self.kv_unified:  # llama.cpp's split-KV ubatches take ids in rising order
             decoding.sort(key=_seq_id)
-        decoding = self._room_for_decode(decoding)
+        free = self._free_cells()
+        if len(decoding) > free:
+            decoding = self._room_for_decode(decoding)
+            prefilling = [s for s in prefilling if s.status == RequestStatus.RUNNING]
+            free = self._free_cells()
         plan.decode = decoding
-        others = len(self.running) + len(self.waiting) > 1
+        free -= len(decoding)
         budget = self.prefill_budget - len(decoding)
-        free = self._free_cells() - len(decoding)
-        for s in self.running:
-            if budget <= 0:
-                break
-            if not s.prefilling:
-                continue
-            left = len(s.tokens) - s.n_past
-            k = min(left, budget, self.busy_chunk if others else left)
-            if k > free:
-                self._evict_cells(k - free)
-                free = self._free_cells() - plan.n_tokens
-                k = min(k, free)
-                if k <= 0:
+        if prefilling:
+            others = len(self.running) + len(self.waiting) > 1
+            for s in prefilling:
+                if budget <= 0:
                     break
-            done = s.n_past + k == len(s.tokens)
-            plan.chunks.append((s, s.n_past, k, done and not s.warm))
-            budget -= k
-            free -= k
-        self._check(plan)
+                left = len(s.tokens) - s.n_past
+                k = min(left, budget, self.busy_chunk if others else left)
+                if k > free:
+                    self._evict_cells(k - free)
+                    free = self._free_cells() - plan.n_tokens
+                    k = min(k, free)
+                    if k <= 0:
+                        break
+                done = s.n_past + k == len(s.tokens)
+                plan.chunks.append((s, s.n_past, k, done and not s.warm))
+                budget -= k
+                free -= k
+        # The step's invariants (vLLM asserts its own at the end of `schedule`).
+        assert budget >= 0 or not plan.chunks, "step over the prefill budget"
+        assert free >= 0, "KV over capacity"
         return plan
 
     def update_from_output(self, plan: Plan, sampled) -> list[Finished]:
@@ -646,12 +653,6 @@ class Scheduler:
             self.waiting.remove(s)
             self._finish(s, RequestStatus.FINISHED_ERROR,
                          f"backend {self.name}: waited more than {limit:g} s in the queue")
-
-    def _check(self, plan: Plan) -> None:
-        """The step's invariants (vLLM asserts its own at the end of `schedule`)."""
-        assert plan.n_tokens <= max(self.prefill_budget, len(plan.decode)), "step over budget"
-        assert len(self.running) <= self.cap or not plan.admitted, "over the cap"
-        assert not self.kv_unified or self.kv_cells_used() + plan.n_tokens <= self.n_ctx, "KV over capacity"
 
 
 def _seq_id(s: SeqState) -> int:
