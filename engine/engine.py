@@ -171,11 +171,19 @@ class Engine:
                 b.validate(request)
             cached = {b.name: b.match(request) for b in self.backends.values()}
             query = RouteQuery.from_request(request, cached)
-            decision = self.router.route(query, self.snapshot())
-            backend = self.backends[decision.backend]
-            estimate, pin = backend.pin_prefix(request)
-            handle.decision = decision
-            backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+            for attempt in range(len(self.backends)):
+                decision = self.router.route(query, self.snapshot())
+                backend = self.backends[decision.backend]
+                estimate, pin = backend.pin_prefix(request)
+                handle.decision = decision
+                try:
+                    backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+                    break
+                except BackendUnavailable:
+                    # It began a restart (or failed) after the snapshot the router saw: the
+                    # next snapshot shows it unhealthy, so route again.
+                    if attempt == len(self.backends) - 1:
+                        raise
         self.bus.publish(RequestRouted(decision))
 
     def _rehome(self, failed: Backend, moved: list) -> None:
