@@ -244,23 +244,26 @@ class Backend:
             self._runner.close()
         return True
 
-    def restart(self, timeout: float = 30.0) -> None:
+    def restart(self, timeout: float = 30.0, drain_s: float = 10.0) -> None:
         """Throw the context away and serve again with a fresh one (and an empty cache).
 
         Serialised: a restart while one runs raises `RestartInProgress`. A healthy backend is
-        drained first: its queued requests, and running ones that allow `retry` and have
-        produced nothing, are handed to `on_unhealthy` (the engine routes them elsewhere);
-        running ones that produced text end cancelled."""
+        drained first: its queued requests, and running ones that have produced nothing yet,
+        are handed to `on_unhealthy` (the engine routes them elsewhere); running ones that
+        produced text may finish for up to `drain_s` seconds, then end cancelled."""
         if not self._restarting.acquire(blocking=False):
             raise RestartInProgress(f"backend {self.name} is already restarting")
         try:
             self._draining = True  # the router sees it unhealthy; enqueue refuses
+            deadline = time.monotonic() + min(drain_s, timeout)
             if self._thread is not None and self._thread.is_alive():
                 try:
                     handed = self.call(lambda b: b._drain()).result(timeout)
                 except Exception:  # stopped or hung: nothing to move, the halt below says
                     handed = []
                 self._hand_over(handed, f"backend {self.name} is restarting")
+                while self._sched.running and self.healthy and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the ones that produced text finish (bounded)
             if not self._halt(timeout):
                 raise BackendUnavailable(f"backend {self.name}: the worker did not stop within {timeout} s")
             self._runner = None
@@ -623,7 +626,7 @@ class Backend:
         """Worker thread: take the movable requests out (see `Scheduler.drain`); the rest run on
         until the halt cancels them."""
         with self._state:
-            movable, _ = self._sched.drain()
+            movable, _ = self._sched.drain(unstarted=True)
         self._settle()
         movable += self._inbox.take_enqueued()  # posted but not yet taken: they move too
         return [(s.req, s.handle, s.t_submit) for s in movable]

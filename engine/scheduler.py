@@ -320,13 +320,13 @@ class Scheduler:
         if not enabled:
             self.flush_cache()
 
-    def drain(self) -> tuple[list[SeqState], list[SeqState]]:
+    def drain(self, unstarted: bool = False) -> tuple[list[SeqState], list[SeqState]]:
         """Take every queued request, and every running one that may restart elsewhere
-        (`retry`, nothing produced yet), out of the scheduler without finishing them:
-        `(movable, rest)`; `rest` are the running ones left."""
+        (nothing produced yet, and `retry` unless `unstarted`), out of the scheduler without
+        finishing them: `(movable, rest)`; `rest` are the running ones left."""
         queued = list(self.waiting)
         self.waiting.clear()
-        movable = [s for s in self.running if s.req.retry and s.generated == 0]
+        movable = [s for s in self.running if (unstarted or s.req.retry) and s.generated == 0]
         for s in queued + movable:
             self._forget(s)
         return queued + movable, list(self.running)

@@ -98,3 +98,31 @@ def test_restarting_a_healthy_backend_moves_its_queue(served):
     assert {r.backend for r in records} == {"cpu1"}
     assert long.result(WAIT).status.finished
     assert b.snapshot().healthy and not b.snapshot().items
+
+
+def test_restarts_under_traffic_lose_no_request(served):
+    """Completions keep coming while cpu0 restarts ten times: what was queued or had produced
+    nothing moves to cpu1, what had produced text finishes first (bounded), and every reply is
+    a 200 (such restarts used to answer dozens of requests with 503 "shut down")."""
+    eng, base = served
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def traffic(i):
+        with httpx.Client(base_url=base, timeout=WAIT) as http:
+            while not stop.is_set():
+                r = http.post("/v1/completions", json={"prompt": [1, 40 + i], "max_tokens": 16})
+                codes.append(r.status_code)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(traffic, i) for i in range(4)]
+        try:
+            with httpx.Client(base_url=base, timeout=WAIT) as http:
+                wait_until(lambda: len(codes) >= 4, what="traffic flowing")
+                restarts = [http.post("/v1/backends/cpu0/restart").status_code for _ in range(10)]
+        finally:
+            stop.set()
+        for f in futures:
+            f.result(WAIT)
+    assert restarts == [200] * 10
+    assert len(codes) > 10 and set(codes) == {200}, sorted(set(codes))
