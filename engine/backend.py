@@ -510,7 +510,8 @@ class Backend:
             if idle:
                 due = samplers.expires_in(time.monotonic())  # idle chains to detach
                 timeout = None if due is None else max(due, 0.0)
-            if self._take(self._inbox.take(idle and timeout != 0.0, timeout)):
+            msgs = self._inbox.take(idle and timeout != 0.0, timeout)
+            if msgs and self._take(msgs):
                 return
             if sched.running or sched.waiting:
                 self._step()
@@ -550,10 +551,12 @@ class Backend:
     def _settle(self, finished=()) -> None:
         """Apply what the scheduler decided: KV ops, released ids, finish records."""
         sched, runner = self._sched, self._runner
-        runner.apply(sched.take_ops())
-        for s in sched.take_unplaced():
-            runner.release(s)
-        for f in [*finished, *sched.take_finished()]:
+        if sched.has_effects():
+            runner.apply(sched.take_ops())
+            for s in sched.take_unplaced():
+                runner.release(s)
+            finished = [*finished, *sched.take_finished()]
+        for f in finished:
             self._publish(f)
 
     def _step(self) -> None:
@@ -561,10 +564,11 @@ class Backend:
         with self._state:
             plan = sched.schedule()
         self._settle()
-        runner.admit(plan.admitted, sched.cap, sched.lowest_free_ids)
-        for s in plan.admitted:
-            if s.status == RequestStatus.RUNNING:
-                self.bus.publish(RequestAdmitted(self.name, s.req.id, s.n_shared, s.t_admit))
+        if plan.admitted:
+            runner.admit(plan.admitted, sched.cap, sched.lowest_free_ids)
+            for s in plan.admitted:
+                if s.status == RequestStatus.RUNNING:
+                    self.bus.publish(RequestAdmitted(self.name, s.req.id, s.n_shared, s.t_admit))
         if plan.empty:
             return
         if self._fault is not None:
@@ -584,8 +588,10 @@ class Backend:
         with self._state:
             finished = sched.update_from_output(plan, out.sampled)
         self._settle(finished)
-        sampled = tuple(s.ran_on for s in plan.decode) + tuple(s.ran_on for s, _, _, lg in plan.chunks if lg)
-        self.step_log.append((out.n_decode, out.n_prefill, sampled))
+        rows = [s.ran_on for s in plan.decode]
+        if plan.chunks:
+            rows += [s.ran_on for s, _, _, lg in plan.chunks if lg]
+        self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))
         self.bus.publish(StepDone(self.name, out.n_decode, out.n_prefill, len(sched.running), out.seconds,
                                   time.monotonic()))
 

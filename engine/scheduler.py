@@ -198,6 +198,10 @@ class Scheduler:
         self.cap = cap
         self.blocked = False
 
+    def has_effects(self) -> bool:
+        """KV ops, unplaced or finished sequences wait to be taken."""
+        return bool(self._ops or self._unplaced or self._finished)
+
     def take_ops(self) -> list[KvOp]:
         ops, self._ops = self._ops, []
         return ops
@@ -228,7 +232,8 @@ class Scheduler:
         plan = Plan()
         if self.queue_timeout_s:
             self._expire_waiting()
-        self._admit(plan)
+        if self.waiting and not self.blocked:
+            self._admit(plan)
         if not self.running:
             return plan
         self._shed_idle_cache()
