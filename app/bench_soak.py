@@ -387,7 +387,7 @@ class EngineTally:
 def _kv_state_bytes(engine: Engine) -> dict[str, int]:
     """llama.cpp's own serialised-state size per backend: it grows with the KV cells llama.cpp
     holds, so it checks the engine's bookkeeping (`kv_cells_used`) against the library."""
-    return {name: b.kv_state_bytes() for name, b in engine.backends.items()}
+    return {name: engine.kv_state_bytes(name) for name in engine.backend_names}
 
 
 def rss_bytes() -> int:
@@ -564,7 +564,7 @@ class Soak:
         self._series = series  # an open CSV file for the time series, or None
         self._csv = csv.writer(series) if series is not None else None
         if self._csv is not None:
-            self._csv.writerow(csv_header(list(engine.backends)))
+            self._csv.writerow(csv_header(engine.backend_names))
 
     async def run(self) -> dict:
         import aiohttp  # only this command needs the HTTP client

@@ -115,7 +115,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[ENGINE] = engine
     app[SETTINGS] = ServerSettings(api_key or None, served,
                                    openapi_document(served, engine.model.n_vocab if engine.model else 0,
-                                                    list(engine.backends),
+                                                    engine.backend_names,
                                                     auth=bool(api_key)),
                                    int(time.time()))
     if metrics is not None:
@@ -193,8 +193,7 @@ def run_serve(args) -> int:
     if engine.model is not None and engine.model.synthetic:
         print("(synthetic model: random weights, the text is noise)", file=sys.stderr)
     app = create_app(engine, api_key, aliases=(args.model,) if engine.model else (), guard=guard)
-    backends = ", ".join(f"{b.name} ({getattr(b, 'url', None) or b.device}, cap {b.cap})"
-                         for b in engine.backends.values())
+    backends = ", ".join(f"{s.name} ({s.url or s.device}, cap {s.cap})" for s in engine.snapshot())
     print(f"tandem: serving {app[SETTINGS].served.id} on http://{_url_host(args.host)}:{args.port}/v1 "
           f"with {backends}", file=sys.stderr)
     try:
@@ -491,9 +490,9 @@ async def routing(request: web.Request) -> web.Response:
 async def restart_backend(request: web.Request) -> web.Response:
     """Give a backend a fresh context (after a failure); answers with its new snapshot."""
     engine = request.app[ENGINE]
-    backend = engine.backend(request.match_info["name"])  # unknown name: 400 invalid_request_error
-    await asyncio.get_running_loop().run_in_executor(None, engine.restart_backend, backend.name)
-    return web.json_response(backend.snapshot().to_dict())
+    # unknown name: 400 invalid_request_error; a restart of it already running: 409 conflict_error
+    snap = await asyncio.get_running_loop().run_in_executor(None, engine.restart, request.match_info["name"])
+    return web.json_response(snap.to_dict())
 
 
 async def health(request: web.Request) -> web.Response:

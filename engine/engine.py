@@ -8,6 +8,15 @@ fleet, and requests carry their prompt as text or chat messages (`Request.text`/
 enqueueing happen under one lock, so each request sees the queues its predecessors made,
 and the chosen backend's matched prefix is pinned until the request is admitted (the
 router's cache estimate cannot be evicted under it).
+
+Every control is here (cap, cache on/off, warm, flush, restart, rates, snapshot, facts), so
+`ui/` and `app/` name backends by name and never hold a backend object. Backends are built
+from their configs through `BACKEND_KINDS` (config type -> builder): a new kind of backend is
+one module that registers its builder with `@backend_kind(ItsConfig)`, plus the line of the
+spec grammar (engine/config.py) that makes its config.
+
+Thread contract: every method may be called from any thread. `restart` blocks (run it off an
+event loop); a second restart of the same backend while one runs raises `RestartInProgress`.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import chat
@@ -26,6 +38,7 @@ from .errors import BackendUnavailable, EngineError, InvalidRequest
 from .events import EventBus, RequestRouted
 from .handle import RequestHandle
 from .model import Model, ModelRegistry, resolve_model
+from .protocol import BackendProtocol
 from .request import Request, SamplingParams
 from .router import RouteQuery, Router
 from .snapshot import BackendSnapshot, Rates
@@ -38,6 +51,68 @@ DEFAULT_RATES = {
     "gpu": Rates(prefill_tok_s=20000.0, decode_tok_s=500.0, source="default"),
     "cpu": Rates(prefill_tok_s=400.0, decode_tok_s=40.0, source="default"),
 }
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a backend builder may use: the resolved model file, the per-device model
+    registry, the shared bus, stored calibrations, explicit rates, a progress callback."""
+
+    model_path: Path | None  # None: no local backend, no model loaded
+    registry: ModelRegistry
+    bus: EventBus
+    calibrated: ModelRates
+    rates: dict
+    progress: Callable | None = None
+
+
+# config type -> builder(config, BuildContext) -> a started backend
+BACKEND_KINDS: dict[type, Callable[[object, BuildContext], BackendProtocol]] = {}
+
+
+def backend_kind(config_type: type):
+    """Register the builder of one kind of backend (decorator)."""
+
+    def register(build):
+        BACKEND_KINDS[config_type] = build
+        return build
+
+    return register
+
+
+@backend_kind(BackendConfig)
+def _build_local(c: BackendConfig, ctx: BuildContext) -> Backend:
+    """A llama.cpp context in this process, on the model loaded once per device."""
+    m = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
+    try:
+        r = ctx.rates.get(c.name) or ctx.calibrated.get(c, m.device) or DEFAULT_RATES[m.device]
+        return Backend(c, m, ctx.bus, r).start()
+    except BaseException:
+        ctx.registry.release(m)
+        raise
+
+
+@backend_kind(RemoteConfig)
+def _build_remote(c: RemoteConfig, ctx: BuildContext):
+    """An OpenAI-compatible engine elsewhere (engine/remote.py), started and probed."""
+    from .remote import RemoteBackend  # aiohttp and its loop thread: only fleets need them
+
+    return RemoteBackend.from_config(c, ctx.bus, ctx.rates.get(c.name))
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Facts about one backend that do not change while it serves (the GUI's card)."""
+
+    name: str
+    device: str
+    model: str
+    threads: int
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    flash_attn: str
+    kv_unified: bool
 
 
 class Engine:
@@ -79,17 +154,14 @@ class Engine:
         calibrated = ModelRates(path) if local else None
         registry = ModelRegistry()
         bus = EventBus()
+        ctx = BuildContext(Path(path) if path else None, registry, bus, calibrated, dict(rates or {}), progress)
         backends: list = []
         try:
             for c in configs:
-                if isinstance(c, RemoteConfig):
-                    from .remote import RemoteBackend  # aiohttp; only fleets need it
-
-                    backends.append(RemoteBackend.from_config(c, bus, (rates or {}).get(c.name)))
-                    continue
-                m = registry.acquire(path, c.device, progress=progress)
-                r = (rates or {}).get(c.name) or calibrated.get(c, m.device) or DEFAULT_RATES[m.device]
-                backends.append(Backend(c, m, bus, r).start())
+                build = BACKEND_KINDS.get(type(c))
+                if build is None:
+                    raise InvalidRequest(f"no backend kind builds a {type(c).__name__}")
+                backends.append(build(c, ctx))
         except BaseException:
             for b in backends:
                 b.stop()
@@ -145,27 +217,46 @@ class Engine:
                 b.validate(request)
             cached = {b.name: b.match(request) for b in serving}
             query = RouteQuery.from_request(request, cached)
-            decision = self.router.route(query, [b.snapshot() for b in serving])
-            backend = self.backends[decision.backend]
-            estimate, pin = backend.pin_prefix(request)
-            handle.decision = decision
-            backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+            for attempt in range(len(serving)):
+                decision = self.router.route(query, [b.snapshot() for b in serving])
+                backend = self.backends[decision.backend]
+                estimate, pin = backend.pin_prefix(request)
+                handle.decision = decision
+                try:
+                    backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+                    break
+                except BackendUnavailable:
+                    # It began a restart (or failed) after the snapshot the router saw: the
+                    # next snapshot shows it unhealthy, so route again.
+                    if attempt == len(serving) - 1:
+                        raise
         self.bus.publish(RequestRouted(decision))
 
     def _rehome(self, failed: Backend, moved: list) -> None:
-        """A backend went unhealthy: route its movable requests to the others (its thread)."""
-        log.warning("%s is unhealthy (%s); re-routing %d requests", failed.name, failed.error, len(moved))
+        """A backend went unhealthy or is restarting: route the requests it gave back to the
+        others (called on its worker thread, or on the restarting thread)."""
+        why = failed.error or f"backend {failed.name} is restarting"
+        log.warning("%s: %s; re-routing %d requests", failed.name, why, len(moved))
         for request, handle, t_submit in moved:
             try:
                 if request.backend == failed.name:  # pinned to the failed backend: nowhere to go
-                    raise BackendUnavailable(f"backend {failed.name} is unhealthy: {failed.error}")
+                    raise BackendUnavailable(f"backend {failed.name} is not serving: {why}")
                 self._route(request, handle, t_submit)
             except EngineError as e:
-                handle._deliver_finish(error_record(request, failed.name, f"{e} (after {failed.error})", t_submit))
+                handle._deliver_finish(error_record(request, failed.name, f"{e} (after: {why})", t_submit))
+
+    def restart(self, name: str, timeout: float = 30.0) -> BackendSnapshot:
+        """Give a backend a fresh context; it serves again afterwards. A healthy one is drained
+        first (its queue moves to the other backends). Raises `RestartInProgress` while a
+        restart of the same backend runs. Blocks: run it off an event loop."""
+        self._check_open()
+        b = self.backend(name)
+        b.restart(timeout)
+        return b.snapshot()
 
     def restart_backend(self, name: str) -> None:
-        """Give an (unhealthy) backend a fresh context; it serves again afterwards."""
-        self.backend(name).restart()
+        """Same as `restart` (kept for callers that used this name)."""
+        self.restart(name)
 
     def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
         """Submit raw text (tokenized with BOS where a local model is at hand) or token ids."""
@@ -208,6 +299,48 @@ class Engine:
     def snapshot(self) -> list[BackendSnapshot]:
         return [b.snapshot() for b in self.backends.values()]
 
+    @property
+    def backend_names(self) -> list[str]:
+        return list(self.backends)
+
+    @property
+    def devices(self) -> dict[str, str]:
+        """Each backend's device ("cpu", "gpu", ...), by name."""
+        return {name: b.device for name, b in self.backends.items()}
+
+    def backend_snapshot(self, name: str) -> BackendSnapshot:
+        return self.backend(name).snapshot()
+
+    def info(self, name: str) -> BackendInfo:
+        b = self.backend(name)
+        snap = b.snapshot()
+        c, m = getattr(b, "config", None), getattr(b, "model", None)  # a remote backend has neither
+        return BackendInfo(name=b.name, device=b.device, model=m.info.name if m is not None else "",
+                           threads=snap.threads, n_ctx=snap.n_ctx,
+                           n_seq_max=getattr(c, "n_seq_max", snap.cap), n_batch=getattr(c, "n_batch", 0),
+                           flash_attn=getattr(c, "flash_attn", ""), kv_unified=getattr(c, "kv_unified", True))
+
+    def rates(self, name: str) -> Rates:
+        return self.backend(name).rates
+
+    def cap(self, name: str) -> int:
+        return self.backend(name).cap
+
+    def set_cap(self, name: str, cap: int) -> None:
+        """Change one backend's concurrency cap (running requests finish; the next step uses it)."""
+        self.backend(name).set_cap(cap)
+
+    def set_cache_enabled(self, name: str, enabled: bool, timeout: float | None = None) -> Future:
+        """Switch one backend's prefix cache on or off; wait `timeout` s for it (None: don't)."""
+        fut = self.backend(name).set_cache_enabled(enabled)
+        if timeout is not None:
+            fut.result(timeout)
+        return fut
+
+    def kv_state_bytes(self, name: str) -> int:
+        """llama.cpp's own state size of one backend's context (grows with the KV in use)."""
+        return self.backend(name).kv_state_bytes()
+
     def backend(self, name: str) -> Backend:
         try:
             return self.backends[name]
@@ -219,19 +352,27 @@ class Engine:
         """Replace one backend's rates (calibration, online refresh, a typed override)."""
         self.backend(name).set_rates(rates)
 
-    def warm(self, tokens, backend: str | None = None, timeout: float | None = None) -> None:
-        """Prefill `tokens` into the prefix cache of one backend or all; wait until done."""
+    def warm(self, tokens, backend: str | None = None, timeout: float | None = None,
+             wait: bool = True) -> list[RequestHandle]:
+        """Prefill `tokens` into the prefix cache of one backend or all; with `wait`, until done."""
         targets = [self.backend(backend)] if backend else list(self.backends.values())
         handles = [b.warm(tokens) for b in targets]
+        if not wait:
+            return handles
         for h in handles:
             record = h.result(timeout)
             if record.error:
                 raise InvalidRequest(f"warming {record.backend} failed: {record.error}")
+        return handles
 
-    def flush(self, backend: str | None = None, timeout: float | None = 30) -> None:
+    def flush(self, backend: str | None = None, timeout: float | None = 30, wait: bool = True) -> list[Future]:
+        """Drop the unpinned cached prefixes of one backend or all; with `wait`, until done."""
         targets = [self.backend(backend)] if backend else list(self.backends.values())
-        for f in [b.flush() for b in targets]:
-            f.result(timeout)
+        futures = [b.flush() for b in targets]
+        if wait:
+            for f in futures:
+                f.result(timeout)
+        return futures
 
     def close(self) -> None:
         """Stop every backend (cancelling what they hold) and free the models. Idempotent."""

@@ -28,7 +28,7 @@ class Outbox:
 
     A backend worker gathers a whole step's text (`with outbox:` around its loop) and flushes
     once the text is made — on a GPU backend while it waits for the device to finish the next
-    step (`Backend._step`), else at the end of its iteration. Handed over token by token,
+    step (`Backend._step`, during `ContextRunner.execute`), else at the end of its iteration. Handed over token by token,
     every delivery would wake the loop, whose thread then wants the GIL while the worker is
     still sampling and bookkeeping — and the worker waits a switch interval to get it back.
     Handed over in one go, the loop runs while the worker waits in llama.cpp, without the GIL.

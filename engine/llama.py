@@ -59,7 +59,7 @@ def _sampled_token_after_sync():
     return f
 
 
-# Only after `llama_synchronize` following the last decode (Backend._step does it).
+# Only after `llama_synchronize` following the last decode (ContextRunner.execute does it).
 sampled_token_after_sync = _sampled_token_after_sync()
 
 _init_lock = threading.Lock()

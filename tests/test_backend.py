@@ -219,3 +219,109 @@ def test_stopped_backend_refuses_work_and_leaves_no_thread(tiny_model):
     assert b._thread is None
     with pytest.raises(BackendUnavailable):
         b.enqueue(_req(tiny_model, "late"))
+
+
+# ---- KV grows as sequences grow: no head-of-line blocking, preemption by recompute ----
+
+HUGE = SamplingParams(temperature=0.0, max_tokens=1048576, ignore_eos=True)
+
+
+def test_short_requests_do_not_wait_behind_huge_max_tokens(make_backend, tiny_model):
+    """Two requests that may generate a million tokens take cells as they grow, so 8-token
+    requests behind them start at once (admission used to reserve prompt + n_ctx each)."""
+    import time
+
+    b = make_backend(tiny_model, cap=4, n_ctx=4096)
+    longs = [b.enqueue(Request((1, 40 + i, 41), HUGE)) for i in range(2)]
+    wait_until(lambda: any(i.running and i.generated for i in b.snapshot().items), what="a long one decoding")
+    t0 = time.monotonic()
+    shorts = [b.enqueue(Request((1, 70 + i), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+              for i in range(2)]
+    records = [h.result(10) for h in shorts]
+    assert time.monotonic() - t0 < 1.0
+    assert [r.output_tokens for r in records] == [8, 8]
+    for h in longs:
+        h.cancel()
+        h.result(WAIT)
+
+
+def test_max_tokens_is_clamped_to_what_the_context_holds(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=1, n_ctx=256)
+    h = b.enqueue(Request((1, 40, 41), HUGE))
+    wait_until(lambda: b.snapshot().items, what="admitted")
+    assert b.snapshot().items[0].decode_left <= 256 - 3, "the router sees the clamped budget"
+    r = h.result(WAIT)
+    assert r.error is None and r.finish_reason == "length" and 0 < r.output_tokens <= 256 - 3
+
+
+def test_a_preempted_request_resumes_with_the_same_text(make_backend, tiny_model):
+    """Two 400-token requests in 512 cells cannot both grow to the end: the younger is
+    preempted (its cells freed), recomputed from prompt + what it generated, and goes on; its
+    text is the one it makes alone (greedy, F16: bit-exact) and nothing is streamed twice."""
+    sp = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    prompts = [(1, 40, 41), (1, 50, 51)]
+    solo = make_backend(tiny_model, cap=1, n_ctx=512, cache=False)
+    alone = [solo.enqueue(Request(p, sp)).result(WAIT).text for p in prompts]
+    b = make_backend(tiny_model, cap=2, n_ctx=512, cache=False)
+    handles = [b.enqueue(Request(p, sp)) for p in prompts]
+    streamed = ["".join(h) for h in handles]
+    records = [h.result(WAIT) for h in handles]
+    assert b.preemptions >= 1
+    assert [r.error for r in records] == [None, None]
+    assert [r.output_tokens for r in records] == [400, 400]
+    assert [r.text for r in records] == alone == streamed
+
+
+def test_a_preempted_request_goes_before_later_arrivals(make_backend, tiny_model):
+    """Fairness: the preempted request is queued first again, so it is re-admitted before a
+    request that arrived after it."""
+    from engine.events import RequestAdmitted
+
+    sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    b = make_backend(tiny_model, cap=2, n_ctx=512, cache=False)
+    admitted: list[str] = []
+    b.bus.subscribe(lambda ev: admitted.append(ev.request_id) if isinstance(ev, RequestAdmitted) else None)
+    first, second = (b.enqueue(Request(p, sp)) for p in [(1, 40, 41), (1, 50, 51)])
+    wait_until(lambda: len(admitted) == 2, what="both admitted")
+    late = b.enqueue(Request((1, 60, 61), SamplingParams(temperature=0.0, max_tokens=8)))
+    for h in (first, second, late):
+        assert h.result(WAIT).error is None
+    assert b.preemptions >= 1
+    assert admitted.index(second.id, 2) < admitted.index(late.id), admitted
+
+
+def test_a_request_that_cannot_fit_alone_fails_clearly(make_backend, tiny_model):
+    """A running sequence with nothing to preempt and no cell to take ends with an error that
+    says so; here a queued request pins a cached prefix over most of the context."""
+    b = make_backend(tiny_model, cap=1, n_ctx=256)
+    prefix = tuple((7 * i) % 200 + 5 for i in range(150))
+    b.warm(prefix).result(WAIT)
+    queued = Request(prefix + (9,), SamplingParams(temperature=0.0, max_tokens=4))
+    n, pin = b.pin_prefix(queued)
+    assert n == 150
+    grower = b.enqueue(Request((1, 40, 41), HUGE))
+    waiting = b.enqueue(queued, pin=pin, cached_estimate=n)
+    r = grower.result(WAIT)
+    assert r.status == RequestStatus.FINISHED_ERROR and "ran out of KV cells" in r.error, r.error
+    assert r.output_tokens > 50, "it ran until the cells were gone"
+    assert waiting.result(WAIT).error is None
+
+
+# ---- long prefills: short chunks while others wait, cancel at the next chunk boundary ----
+
+def test_long_prefill_takes_short_chunks_and_a_cancel_lands_at_the_next_one(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=2, n_ctx=8192, n_batch=512, cache=False)  # CPU: busy chunk 64
+    talker = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)))
+    wait_until(lambda: any(i.generated for i in b.snapshot().items), what="decoding")
+    long = b.enqueue(Request(tuple((7 * i) % 200 + 5 for i in range(3000)), GREEDY))
+    wait_until(lambda: any(i.request_id == long.id and i.running and i.prefill_left < 3000
+                           for i in b.snapshot().items), what="the long prefill started")
+    at_cancel = len(b.step_log)
+    long.cancel()
+    assert long.result(WAIT).status == RequestStatus.FINISHED_CANCELLED
+    wait_until(lambda: len(b.step_log) > at_cancel + 2, what="steps after the cancel")
+    steps = list(b.step_log)
+    assert max(p for _, p, _ in steps) <= 64, "no chunk longer than the busy chunk while another runs"
+    assert sum(p for _, p, _ in steps[at_cancel:]) <= 64, "at most the chunk in flight after the cancel"
+    talker.cancel()
+    talker.result(WAIT)

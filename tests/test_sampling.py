@@ -118,7 +118,7 @@ def test_the_token_read_after_sync_is_the_public_functions(make_backend, tiny_mo
         h.result(WAIT)
 
     def read(bk):  # the last step decoded the four sequences' 8th tokens: rows 0..3
-        return [(llama.get_sampled_token_ith(bk._ctx, i), llama.sampled_token_after_sync(bk._ctx, i))
+        return [(llama.get_sampled_token_ith(bk._runner.ctx, i), llama.sampled_token_after_sync(bk._runner.ctx, i))
                 for i in range(4)]
 
     pairs = b.call(read).result(WAIT)

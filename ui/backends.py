@@ -5,7 +5,7 @@ backend's thread-safe controls: `set_cap` (applies at once), `warm` and `flush` 
 the backend's worker; the card never waits for them).
 
 A backend that failed (a device error, a crashed worker) shows why in red and a Restart
-button. `restart(name)` (the engine's `restart_backend`) joins the dead worker and builds a
+button. `Engine.restart(name)` joins the dead worker and builds a
 fresh llama.cpp context, so it runs on a worker thread and reports back through a queued
 signal; the next tick shows the backend healthy again.
 """
@@ -35,20 +35,22 @@ CARD_WIDTH = 320  # narrowest a card stays readable
 
 
 class BackendCard(QFrame):
-    """A live view of one backend. `warm_tokens()` gives the prefix the Warm button fills;
-    `restart(name)` (blocking, run on a worker thread) brings a failed backend back."""
+    """A live view of one backend, named `name` in `engine`; its controls are the engine's.
+    `warm_tokens()` gives the prefix the Warm button fills; Restart (`Engine.restart`, blocking,
+    run on a worker thread) brings a failed backend back."""
 
     status_message = Signal(str)
     _restart_done = Signal(str)
 
-    def __init__(self, backend, index: int, warm_tokens=None, hz: int = 15, restart=None,
+    def __init__(self, engine, name: str, index: int, warm_tokens=None, hz: int = 15,
                  parent: QWidget | None = None):
         super().__init__(parent)
-        self.backend = backend
+        self.engine = engine
+        self.name = name
         self.index = index
         self.color = backend_color(index)
         self._warm_tokens = warm_tokens
-        self._restart = restart
+        self._restart = engine.restart
         self._restart_thread: threading.Thread | None = None
         self._restart_error: str | None = None
         self._restart_done.connect(self._on_restart_done)
@@ -59,7 +61,8 @@ class BackendCard(QFrame):
         self._build()
 
     def _build(self) -> None:
-        b = self.backend
+        b = self.engine.info(self.name)
+        snap = self.engine.backend_snapshot(self.name)
         grid = QGridLayout(self)
         grid.setContentsMargins(10, 8, 10, 8)
         grid.setHorizontalSpacing(8)
@@ -67,11 +70,11 @@ class BackendCard(QFrame):
 
         title = QLabel(f"<span style='color:{self.color}'>■</span> <b>{b.name}</b>")
         title.setObjectName("title")
-        threads = b.config.threads
-        self.facts = QLabel(f"{b.model.device.upper()} · {threads} thread{'s' if threads != 1 else ''} · "
-                            f"ctx {b.n_ctx} · {b.config.n_seq_max} seqs")
-        self.facts.setToolTip(f"{b.model.info.name} on {b.model.device}; n_batch {b.config.n_batch}, "
-                              f"flash attention {b.config.flash_attn}, unified KV {b.config.kv_unified}")
+        threads = b.threads
+        self.facts = QLabel(f"{b.device.upper()} · {threads} thread{'s' if threads != 1 else ''} · "
+                            f"ctx {b.n_ctx} · {b.n_seq_max} seqs")
+        self.facts.setToolTip(f"{b.model} on {b.device}; n_batch {b.n_batch}, "
+                              f"flash attention {b.flash_attn}, unified KV {b.kv_unified}")
         self.facts.setObjectName("muted")
         self.health = QLabel("healthy")
         head = QHBoxLayout()
@@ -105,7 +108,7 @@ class BackendCard(QFrame):
         self.running_bar = _bar("running")
         self.waiting_bar = _bar("waiting")
         self.kv_bar = _bar("kv")
-        self.cap_spin = QSpinBox(minimum=1, maximum=b.config.n_seq_max, value=b.cap)
+        self.cap_spin = QSpinBox(minimum=1, maximum=b.n_seq_max, value=snap.cap)
         self.cap_spin.setToolTip("Concurrency cap: at most this many requests run at once on this "
                                  "backend. Applies at once; running ones finish.")
         self.cap_spin.valueChanged.connect(self._on_cap)
@@ -168,8 +171,8 @@ class BackendCard(QFrame):
 
     def _on_cap(self, value: int) -> None:
         try:
-            self.backend.set_cap(value)
-            self.status_message.emit(f"{self.backend.name}: cap set to {value}")
+            self.engine.set_cap(self.name, value)
+            self.status_message.emit(f"{self.name}: cap set to {value}")
         except EngineError as e:
             self.status_message.emit(str(e))
 
@@ -179,15 +182,16 @@ class BackendCard(QFrame):
             self.status_message.emit("nothing to warm: the system prompt is empty")
             return
         try:
-            self.backend.warm(tokens)  # runs on the backend's worker; the card sees it in the snapshot
-            self.status_message.emit(f"{self.backend.name}: warming {len(tokens)} prefix tokens")
+            # runs on the backend's worker; the card sees it in the snapshot
+            self.engine.warm(tokens, backend=self.name, wait=False)
+            self.status_message.emit(f"{self.name}: warming {len(tokens)} prefix tokens")
         except EngineError as e:
             self.status_message.emit(str(e))
 
     def flush(self) -> None:
         try:
-            self.backend.flush()
-            self.status_message.emit(f"{self.backend.name}: prefix cache flushed")
+            self.engine.flush(self.name, wait=False)
+            self.status_message.emit(f"{self.name}: prefix cache flushed")
         except EngineError as e:
             self.status_message.emit(str(e))
 
@@ -200,13 +204,13 @@ class BackendCard(QFrame):
             return
         self.restart_button.setEnabled(False)
         self.restart_button.setText("Restarting…")
-        self.status_message.emit(f"{self.backend.name}: restarting")
-        self._restart_thread = threading.Thread(target=self._restart_work, name=f"restart-{self.backend.name}",
+        self.status_message.emit(f"{self.name}: restarting")
+        self._restart_thread = threading.Thread(target=self._restart_work, name=f"restart-{self.name}",
                                                 daemon=True)
         self._restart_thread.start()
 
     def _restart_work(self) -> None:  # worker thread: only emits signals
-        name = self.backend.name
+        name = self.name
         try:
             self._restart(name)
             self._restart_done.emit("")
@@ -219,7 +223,7 @@ class BackendCard(QFrame):
         self._restart_error = error or None
         self.restart_button.setEnabled(True)
         self.restart_button.setText("Restart")
-        name = self.backend.name
+        name = self.name
         self.status_message.emit(f"{name}: restart failed: {error}" if error
                                  else f"{name}: restarted with a fresh context")
 
@@ -254,7 +258,7 @@ class BackendCard(QFrame):
         self.speed_label.setToolTip(f"{snap.steps:,} llama_decode steps so far")
         r = snap.rates
         self.rates_label.setText(f"prefill {r.prefill_tok_s:,.0f} · decode {r.decode_tok_s:,.1f} tok/s ({r.source})")
-        self._show_health(snap.healthy)
+        self._show_health(snap.healthy, snap.error)
 
         if self._t0 is None:
             self._t0 = now
@@ -267,8 +271,8 @@ class BackendCard(QFrame):
         top = max(float(np.nanmax(y_run)) if y_run.size else 0, float(np.nanmax(y_wait)) if y_wait.size else 0, cap)
         self.plot.getPlotItem().setYRange(0, top + 0.5, padding=0)
 
-    def _show_health(self, healthy: bool) -> None:
-        error = self.backend.error  # set by the worker before it marks the backend unhealthy
+    def _show_health(self, healthy: bool, error: str | None) -> None:
+        # `error` is set before the backend is marked unhealthy, so a failed snapshot has it
         if self.restarting:
             text, color = "● restarting…", WORKING
         elif healthy:
@@ -303,10 +307,11 @@ class BackendsPanel(QScrollArea):
         lay.setContentsMargins(6, 6, 6, 6)
         lay.setSpacing(8)
         hz = max(1, round(1000 / bridge.interval_ms))
-        columns = 2 if len(engine.backends) >= 2 else 1  # side by side: the dock is wide, not tall
+        names = engine.backend_names
+        columns = 2 if len(names) >= 2 else 1  # side by side: the dock is wide, not tall
         self.cards: dict[str, BackendCard] = {}
-        for i, (name, backend) in enumerate(engine.backends.items()):
-            card = BackendCard(backend, i, warm_tokens, hz, restart=engine.restart_backend)
+        for i, name in enumerate(names):
+            card = BackendCard(engine, name, i, warm_tokens, hz)
             card.status_message.connect(self.status_message)
             self.cards[name] = card
             lay.addWidget(card, i // columns, i % columns, Qt.AlignTop)

@@ -198,7 +198,7 @@ class ChatPanel(QWidget):
         self.seed.setSpecialValueText("random")
         self.backend_combo = QComboBox()
         self.backend_combo.addItem(AUTO)
-        for name in self.engine.backends:
+        for name in self.engine.backend_names:
             self.backend_combo.addItem(name)
         field("Temp", self.temperature, "Sampling temperature; 0 = greedy")
         field("Top-p", self.top_p, "Nucleus sampling: keep the smallest set of tokens with this much probability")
@@ -398,7 +398,7 @@ class ChatPanel(QWidget):
                 + (f"<p style='color:{_ERROR}'>⚠ {html.escape(meta['error'])}</p>" if meta.get("error") else ""))
 
     def _backend_index(self, name) -> int:
-        names = list(self.engine.backends)
+        names = self.engine.backend_names
         return names.index(name) if name in names else 0
 
     def _update_buttons(self) -> None:
@@ -450,8 +450,8 @@ class ChatPanel(QWidget):
 
 
 def _welcome(engine) -> str:
-    names = ", ".join(engine.backends)
-    return (f"<p>Chatting with <b>{html.escape(engine.model.info.name)}</b> on {len(engine.backends)} "
+    names = ", ".join(engine.backend_names)
+    return (f"<p>Chatting with <b>{html.escape(engine.model.info.name)}</b> on {len(engine.backend_names)} "
             f"backends ({html.escape(names)}). Each reply says which backend served it and why; the "
             "Routing tab shows every decision.</p>")
 

@@ -40,7 +40,7 @@ BUDGET_HELP = {
 
 def policy_choices(engine) -> list[str]:
     """Policies that make sense for this engine's backends (device-only ones need the device)."""
-    devices = {("cpu" if b.model.device == "cpu" else "gpu") for b in engine.backends.values()}
+    devices = {("cpu" if d == "cpu" else "gpu") for d in engine.devices.values()}
     out = []
     for name in POLICIES:
         if name == "gpu-only" and "gpu" not in devices:
@@ -48,7 +48,7 @@ def policy_choices(engine) -> list[str]:
         if name == "cpu-only" and "cpu" not in devices:
             continue
         out.append(name)
-    out += [f"only:{b}" for b in engine.backends]
+    out += [f"only:{b}" for b in engine.backend_names]
     return out
 
 
@@ -68,7 +68,7 @@ class ControlsPanel(QWidget):
         self._recal_thread: threading.Thread | None = None
         self._recal_progress.connect(self.status_message)
         self._recal_done.connect(self._on_recal_done)
-        self._initial_rates = {name: b.rates for name, b in engine.backends.items()}
+        self._initial_rates = {name: engine.rates(name) for name in engine.backend_names}
         self._build()
         bridge.tick.connect(self._on_tick)
 
@@ -110,24 +110,25 @@ class ControlsPanel(QWidget):
         self.source_labels: dict[str, QLabel] = {}
         self.cap_spins: dict[str, QSpinBox] = {}
         self.cache_checks: dict[str, QCheckBox] = {}
-        for row, (name, b) in enumerate(self.engine.backends.items(), start=1):
+        for row, name in enumerate(self.engine.backend_names, start=1):
+            r, snap, info = self.engine.rates(name), self.engine.backend_snapshot(name), self.engine.info(name)
             i = row - 1
             g.addWidget(QLabel(f"<span style='color:{backend_color(i)}'>■</span> {name}"), row, 0)
-            ps = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e7, value=b.rates.prefill_tok_s)
-            ds = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e6, value=b.rates.decode_tok_s)
+            ps = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e7, value=r.prefill_tok_s)
+            ds = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e6, value=r.decode_tok_s)
             for s in (ps, ds):
                 s.setFixedWidth(92)
                 s.setKeyboardTracking(False)  # apply on Enter / focus out / arrows, not per digit
                 s.valueChanged.connect(lambda _v, n=name: self.apply_rates(n))
-            src = QLabel(b.rates.source)
+            src = QLabel(r.source)
             src.setObjectName("muted")
-            cap = QSpinBox(minimum=1, maximum=b.config.n_seq_max, value=b.cap)
+            cap = QSpinBox(minimum=1, maximum=info.n_seq_max, value=snap.cap)
             cap.setKeyboardTracking(False)
             cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
             cache = QCheckBox()
-            cache.setChecked(b.cache_enabled)
+            cache.setChecked(snap.cache.enabled)
             cache.setToolTip("Prefix cache on/off, live: off drops what is cached and reuses nothing"
-                             + ("" if b.config.kv_unified else " (split KV: a cached prefix is copied)"))
+                             + ("" if info.kv_unified else " (split KV: a cached prefix is copied)"))
             cache.toggled.connect(lambda on, n=name: self.set_cache(n, on))
             self.prefill_spins[name], self.decode_spins[name] = ps, ds
             self.source_labels[name], self.cap_spins[name], self.cache_checks[name] = src, cap, cache
@@ -152,7 +153,7 @@ class ControlsPanel(QWidget):
         buttons.addWidget(self.recal_button)
         buttons.addWidget(self.flush_button)
         buttons.addStretch(1)
-        g.addLayout(buttons, len(self.engine.backends) + 1, 0, 1, 6)
+        g.addLayout(buttons, len(self.engine.backend_names) + 1, 0, 1, 6)
         lay.addWidget(rates)
         lay.addStretch(1)
         self._update_help()
@@ -179,40 +180,38 @@ class ControlsPanel(QWidget):
         self._update_help()
 
     def apply_rates(self, name: str) -> None:
-        b = self.engine.backend(name)
-        old = b.rates
+        old = self.engine.rates(name)
         new = Rates(prefill_tok_s=self.prefill_spins[name].value(), decode_tok_s=self.decode_spins[name].value(),
                     source="override")
         if (new.prefill_tok_s, new.decode_tok_s) == (old.prefill_tok_s, old.decode_tok_s):
             return
-        b.set_rates(new)
+        self.engine.set_rates(name, new)
         self.status_message.emit(f"{name}: rates set to prefill {new.prefill_tok_s:g}, decode {new.decode_tok_s:g} tok/s")
         self.rates_changed.emit()
 
     def reset_rates(self) -> None:
         for name, rates in self._initial_rates.items():
-            self.engine.backend(name).set_rates(rates)
+            self.engine.set_rates(name, rates)
             self._show_rates(name, rates)
         self.status_message.emit("rates reset")
         self.rates_changed.emit()
 
     def set_cap(self, name: str, cap: int) -> None:
         try:
-            self.engine.backend(name).set_cap(cap)
+            self.engine.set_cap(name, cap)
             self.status_message.emit(f"{name}: cap set to {cap}")
         except EngineError as e:
             self.status_message.emit(str(e))
 
     def set_cache(self, name: str, enabled: bool) -> None:
         try:
-            self.engine.backend(name).set_cache_enabled(enabled)  # applied on the worker, not waited for
+            self.engine.set_cache_enabled(name, enabled)  # applied on the worker, not waited for
             self.status_message.emit(f"{name}: prefix cache {'on' if enabled else 'off'}")
         except EngineError as e:
             self.status_message.emit(str(e))
 
     def flush_all(self) -> None:
-        for b in self.engine.backends.values():
-            b.flush()
+        self.engine.flush(wait=False)
         self.status_message.emit("every prefix cache flushed")
 
     def _on_recalibrate(self) -> None:

@@ -87,7 +87,7 @@ class ExperimentsPanel(QWidget):
         pv = QGridLayout(pol)
         self.policy_checks: dict[str, QCheckBox] = {}
         choices = policy_choices(self.engine)
-        baseline = "gpu-only" if "gpu-only" in choices else f"only:{next(iter(self.engine.backends))}"
+        baseline = "gpu-only" if "gpu-only" in choices else f"only:{self.engine.backend_names[0]}"
         for i, name in enumerate(choices):
             cb = QCheckBox(name)
             cb.setChecked(name in ("seed-score", baseline))

@@ -26,7 +26,7 @@ SMOOTH_S = 2.0  # throughput is averaged over this many seconds
 class LatencyView(QWidget):
     def __init__(self, engine, bridge, parent: QWidget | None = None):
         super().__init__(parent)
-        self.backends = list(engine.backends)
+        self.backends = engine.backend_names
         self.colors = {b: backend_color(i) for i, b in enumerate(self.backends)}
         self.store = LatencyStore(self.backends)
         self._drawn_version = -1

@@ -235,7 +235,7 @@ class MainWindow(QMainWindow):
             self.tabifyDockWidget(bottom[0], d)
         right_b.raise_()
         bottom[0].raise_()
-        self.resizeDocks([right_b], [min(340 * len(engine.backends), 700)], Qt.Horizontal)
+        self.resizeDocks([right_b], [min(340 * len(engine.backend_names), 700)], Qt.Horizontal)
         self.resizeDocks([bottom[0]], [500], Qt.Vertical)
 
     def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:

@@ -189,7 +189,7 @@ class RoutingView(QWidget):
     def __init__(self, engine, bridge, parent: QWidget | None = None):
         super().__init__(parent)
         self.engine = engine
-        self.backends = list(engine.backends)
+        self.backends = engine.backend_names
         self.colors = {b: backend_color(i) for i, b in enumerate(self.backends)}
         self.t0 = time.monotonic()
         self.model = RoutingTableModel(self.backends, self.t0, self)

@@ -308,7 +308,7 @@ class TeachingPanel(QWidget):
         row.addWidget(self.article_rates_button)
         lv2.addLayout(row)
         lv2.addWidget(self.live_progress)
-        names = list(self.engine.backends)
+        names = self.engine.backend_names
         self.live_table = QTableWidget(STUDY.n_requests, 3 + len(names))
         self.live_table.setHorizontalHeaderLabels(["article", "here", "cached", *[f"{n} score" for n in names]])
         self.live_table.setVerticalHeaderLabels([f"req {i + 1}" for i in range(STUDY.n_requests)])
@@ -416,12 +416,12 @@ class TeachingPanel(QWidget):
     # ---- live ----
 
     def use_article_rates(self) -> None:
-        backends = list(self.engine.backends.values())
-        gpus = [b for b in backends if b.model.device != "cpu"]
-        gpu_role = gpus[0] if gpus else backends[0]
-        for b in backends:
-            b.set_rates(ARTICLE_RATES["gpu"] if b is gpu_role else ARTICLE_RATES["cpu"])
-        self.status_message.emit(f"{gpu_role.name} priced as the article's GPU, the others as its CPU")
+        devices = self.engine.devices
+        gpus = [name for name, d in devices.items() if d != "cpu"]
+        gpu_role = gpus[0] if gpus else next(iter(devices))
+        for name in devices:
+            self.engine.set_rates(name, ARTICLE_RATES["gpu"] if name == gpu_role else ARTICLE_RATES["cpu"])
+        self.status_message.emit(f"{gpu_role} priced as the article's GPU, the others as its CPU")
 
     def stop(self) -> None:
         """Stop the replay's timer and cancel a live run (the panel is going away)."""
@@ -472,7 +472,7 @@ class TeachingPanel(QWidget):
     def _refresh_live(self) -> None:
         if self.run is None:
             return
-        names = list(self.engine.backends)
+        names = self.engine.backend_names
         decisions = self.run.result.ordered_decisions()
         self._shown_live = len(self.run.result.decisions)
         for i, d in enumerate(decisions):

@@ -64,7 +64,7 @@ async def tour(window, out: Path, args) -> None:
     shot("latency")
     window.show_panel("routing")
     # Select the first request that went to the second backend, if any, to explain a switch.
-    names = list(window.engine.backends)
+    names = window.engine.backend_names
     pick = next((i for i, d in enumerate(routing.model.decisions) if len(names) > 1 and d.backend == names[1]), 0)
     routing.select_row(pick)
     routing.table.scrollTo(routing.model.index(pick, 0))

@@ -85,7 +85,7 @@ class WorkloadRun(QObject):
         if self.state != "idle":
             raise RuntimeError("a WorkloadRun runs once")
         try:
-            self._pending = [b.flush() for b in self.engine.backends.values()]
+            self._pending = self.engine.flush(wait=False)
             self._set("flushing")
         except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
             self._fail(str(e))
@@ -107,7 +107,7 @@ class WorkloadRun(QObject):
 
     def _start_warm(self) -> None:
         if self.workload.prefix:
-            self._pending = [b.warm(self.workload.prefix) for b in self.engine.backends.values()]
+            self._pending = self.engine.warm(self.workload.prefix, wait=False)
             self._set("warming")
         else:
             self._start_submitting()

@@ -1,0 +1,664 @@
+"""The continuous-batching scheduler of one backend: pure planning, no llama.cpp, no threads.
+
+vLLM v1's split (`vllm/v1/core/sched/scheduler.py`): `schedule()` returns a `Plan` value,
+the runner (engine/runner.py) executes it on a llama.cpp context, and
+`update_from_output(plan, output)` applies the sampled tokens and returns what finished.
+Every effect on the KV cache (alias a cached prefix, free a sequence, park it on another id,
+evict a cached prefix) is a `KvOp` the scheduler queues and the runner applies (`take_ops`),
+in order, before it decodes. Time comes from an injected `clock`, text from an injected
+`piece(token)`, so the same scheduler runs against simulated runners and in unit tests
+(tests/test_scheduler.py, milliseconds, no model).
+
+The rules, in the order each step applies them:
+  1. cancellations (`cancel`), queue timeouts;
+  2. admission, FCFS, while running < cap: a request is admitted when the cells for its
+     uncached prompt (+ `ADMIT_HEADROOM`) are free, after the cells running prefills still
+     need. KV is NOT reserved for `max_tokens`: a sequence takes its cells as it grows
+     (vLLM's habit), so long generations never hold short ones behind them;
+  3. the batch plan: one decode row for every generating sequence, then prompt chunks up to
+     the prefill budget (`n_batch`, halved after a "no KV room" decode). While any other
+     request runs or waits, each chunk is at most `busy_chunk` tokens, so a cancellation
+     takes effect at the next (short) chunk boundary and nobody waits behind a long chunk;
+  4. room for the plan: evict unpinned cached prefixes; if the decode rows alone still do not
+     fit, preempt by recompute — the youngest running sequence frees its cells and goes back
+     to the front of the queue with the tokens it generated kept as prompt (its stream goes
+     on: no text is repeated). A sequence that cannot fit even alone fails with a clear error;
+  5. finish rules (`update_from_output`): end-of-generation (unless `ignore_eos`), a stop
+     string, `max_tokens`, the context's end (`n_ctx_seq`), `stop_after`, cancel.
+
+`max_tokens` is clamped, not refused: a request asks for at most `n_ctx_seq - prompt` new
+tokens whatever it says (it ends with `length` there, like llama.cpp's server). The router
+and the snapshot see the clamped budget (`SeqState.max_new`).
+
+Thread contract: none. The owner (engine/backend.py's worker) calls everything from one
+thread; only `snapshot_items`, `kv_cells_used` and the counters are read by other threads
+under the owner's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .prefix_cache import PrefixCache
+from .request import Request, RequestStatus, SamplingParams
+from .snapshot import WorkItem
+from .textstream import TextStream
+
+# Cells a request needs free beyond its uncached prompt to be admitted: its first few decode
+# tokens, so that a fresh admission is not preempted at once.
+ADMIT_HEADROOM = 16
+
+
+@dataclass(frozen=True, slots=True)
+class KvOp:
+    """One change to the llama.cpp memory, applied by the runner in queue order.
+
+    `cp`: `llama_memory_seq_cp(src, dst, p0, p1)`; `rm`: `llama_memory_seq_rm(src, p0, p1)`.
+    `stream` marks a split-KV copy of a whole stream (p0 = p1 = -1)."""
+
+    kind: str  # "cp" | "rm"
+    src: int
+    dst: int = -1
+    p0: int = -1
+    p1: int = -1
+
+
+class SeqState:
+    """A request inside a backend. The scheduler owns every field except `sampler` and `row`,
+    which the runner sets."""
+
+    __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
+                 "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
+                 "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
+                 "preemptions", "ran_on")
+
+    def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
+                 n_ctx_seq: int | None = None):
+        self.req = req
+        self.handle = handle
+        self.sp: SamplingParams = req.sampling
+        self.tokens = list(req.prompt_tokens)
+        self.n_prompt = len(self.tokens)
+        # max_tokens, clamped to what the context can hold after the prompt.
+        room = (n_ctx_seq - self.n_prompt) if n_ctx_seq else self.sp.max_tokens
+        self.max_new = max(1, min(self.sp.max_tokens, room))
+        self.seq_id = -1
+        self.ran_on = -1  # the id it last ran on (its sampler chain stays there)
+        self.n_past = 0  # tokens whose KV is in the context
+        self.n_shared = 0  # leading tokens aliased from the prefix cache
+        self.generated = 0
+        self.sampler = None
+        self.stream = TextStream(self.sp.stop)
+        self.pin = pin  # routing-time pin on the cached prefix, released at admission
+        self.lock = None  # pin held while running, so the aliased prefix is never evicted
+        self.estimate = estimate  # cached tokens the router counted on
+        self.warm = warm
+        self.t_submit = t_submit
+        self.t_admit = self.t_first = self.t_last = 0.0
+        self.itl_sum = 0.0
+        self.row = -1
+        self.status = RequestStatus.WAITING
+        self.error: str | None = None
+        self.preemptions = 0
+
+    @property
+    def prefilling(self) -> bool:
+        """Tokens other than the next decode input still need computing."""
+        return len(self.tokens) - self.n_past > 1 or self.n_past < self.n_prompt
+
+    def work_item(self, running: bool) -> WorkItem:
+        cached = self.n_shared if running else self.estimate
+        return WorkItem(
+            request_id=self.req.id,
+            running=running,
+            prompt_tokens=self.n_prompt,
+            cached_tokens=cached,
+            prefill_left=max(len(self.tokens) - max(self.n_past, cached) - (1 if self.generated else 0), 0),
+            decode_left=0 if self.warm else self.max_new - self.generated,
+            generated=self.generated,
+        )
+
+
+@dataclass(slots=True)
+class Plan:
+    """One step: decode rows first (`decode`), then prompt chunks (`chunks`: seq, start, k,
+    logits). `admitted` are new this step (the runner gives them a sampler)."""
+
+    decode: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)
+    admitted: list = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.decode) + sum(k for _, _, k, _ in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.chunks
+
+
+@dataclass(slots=True)
+class Finished:
+    seq: SeqState
+    status: RequestStatus
+    error: str | None = None
+
+
+class Scheduler:
+    """Queues, admission, KV accounting, batch plans and finish rules of one backend."""
+
+    def __init__(self, *, cap: int, n_ctx: int, n_ctx_seq: int, n_seq_max: int, n_batch: int,
+                 kv_unified: bool = True, cache_enabled: bool = True, idle_cache_cells: int = -1,
+                 busy_chunk: int | None = None, queue_timeout_s: float = 0.0, name: str = "backend",
+                 piece: Callable[[int], str] = lambda t: "", is_eog: Callable[[int], bool] = lambda t: False,
+                 preferred_ids: Callable[[SamplingParams], list[int]] = lambda sp: [],
+                 clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None):
+        self.name = name
+        self.cap = cap
+        self.n_ctx = n_ctx
+        self.n_ctx_seq = n_ctx_seq
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self.kv_unified = kv_unified
+        self.cache = cache or PrefixCache()
+        self.cache_enabled = cache_enabled
+        self.idle_cache_cells = idle_cache_cells
+        self.busy_chunk = max(1, busy_chunk or n_batch)
+        self.queue_timeout_s = queue_timeout_s
+        self.piece = piece
+        self.is_eog = is_eog
+        self.preferred_ids = preferred_ids
+        self.clock = clock
+        self.waiting: collections.deque[SeqState] = collections.deque()
+        self.running: list[SeqState] = []
+        # A min-heap: the lowest free id first, so running sequences stay on few, low ids
+        # (split KV decodes consecutive ids in one ubatch; a gap starts another).
+        self.free_ids = list(range(n_seq_max))
+        self.prefill_budget = n_batch  # halved after a "no KV room" decode
+        self.blocked = False  # the queue's head waits for KV room that only a finish frees
+        self.preemptions = 0
+        self._ops: list[KvOp] = []
+        self._finished: list[Finished] = []
+        self._unplaced: list[SeqState] = []  # left the running set unfinished (preempted, drained)
+        self._next_timeout_check = 0.0
+        self.overlap = False  # text of requests without stop strings waits for `emit_pending`
+        self.pending_text: list[tuple[SeqState, int]] = []
+
+    # ---- what the owner calls ----
+
+    def add(self, seq: SeqState, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
+        self.blocked = False
+
+    def set_cap(self, cap: int) -> None:
+        self.cap = cap
+        self.blocked = False
+
+    def has_effects(self) -> bool:
+        """KV ops, unplaced or finished sequences wait to be taken."""
+        return bool(self._ops or self._unplaced or self._finished)
+
+    def take_ops(self) -> list[KvOp]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    def take_finished(self) -> list[Finished]:
+        done, self._finished = self._finished, []
+        return done
+
+    def take_unplaced(self) -> list[SeqState]:
+        """Sequences that left the running set without finishing (their samplers go)."""
+        out, self._unplaced = self._unplaced, []
+        return out
+
+    def cancel(self, ids) -> None:
+        """Cancel queued or running requests by id (finished ones are ignored)."""
+        for s in [s for s in self.waiting if s.req.id in ids]:
+            self.waiting.remove(s)
+            self._finish(s, RequestStatus.FINISHED_CANCELLED)
+        for s in [s for s in self.running if s.req.id in ids]:
+            self._finish(s, RequestStatus.FINISHED_CANCELLED)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or (bool(self.waiting) and len(self.running) < self.cap and not self.blocked)
+
+    def schedule(self) -> Plan:
+        """Admit what fits, then plan one step. KV ops to apply first are in `take_ops()`;
+        requests that ended while planning (timeouts, no room) in `take_finished()`."""
+        plan = Plan()
+        if self.queue_timeout_s:
+            self._expire_waiting()
+        if self.waiting and not self.blocked:
+            self._admit(plan)
+        if not self.running:
+            return plan
+        self._shed_idle_cache()
+        decoding, prefilling = [], []
+        for s in self.running:
+            (prefilling if s.prefilling else decoding).append(s)
+        if not self.kv_unified:  # llama.cpp's split-KV ubatches take ids in rising order
+            decoding.sort(key=_seq_id)
+        free = self._free_cells()
+        if len(decoding) > free:
+            decoding = self._room_for_decode(decoding)
+            prefilling = [s for s in prefilling if s.status == RequestStatus.RUNNING]
+            free = self._free_cells()
+        plan.decode = decoding
+        free -= len(decoding)
+        budget = self.prefill_budget - len(decoding)
+        if prefilling:
+            others = len(self.running) + len(self.waiting) > 1
+            for s in prefilling:
+                if budget <= 0:
+                    break
+                left = len(s.tokens) - s.n_past
+                k = min(left, budget, self.busy_chunk if others else left)
+                if k > free:
+                    self._evict_cells(k - free)
+                    free = self._free_cells() - plan.n_tokens
+                    k = min(k, free)
+                    if k <= 0:
+                        break
+                done = s.n_past + k == len(s.tokens)
+                plan.chunks.append((s, s.n_past, k, done and not s.warm))
+                budget -= k
+                free -= k
+        # The step's invariants (vLLM asserts its own at the end of `schedule`).
+        assert budget >= 0 or not plan.chunks, "step over the prefill budget"
+        assert free >= 0, "KV over capacity"
+        return plan
+
+    def update_from_output(self, plan: Plan, sampled) -> list[Finished]:
+        """Apply a decoded plan: `sampled[i]` is the token of the i-th row that asked for
+        logits (decode rows, then chunks that ended their prompt), or None when the runner
+        took the token back (an end token under `ignore_eos`: decode that input again)."""
+        now = self.clock()
+        i = 0
+        for s in plan.decode:
+            s.n_past += 1
+            tok = sampled[i]
+            i += 1
+            if s.status == RequestStatus.RUNNING:
+                self._sampled(s, tok, now)
+        for s, _, k, logits in plan.chunks:
+            s.n_past += k
+            if s.status != RequestStatus.RUNNING:
+                continue
+            if s.warm and s.n_past == len(s.tokens):
+                self._finish(s, RequestStatus.FINISHED_STOPPED)
+            elif logits:
+                tok = sampled[i]
+                i += 1
+                self._sampled(s, tok, now)
+        self.prefill_budget = self.n_batch
+        return self.take_finished()
+
+    def decode_failed(self, plan: Plan) -> None:
+        """llama.cpp server's answer to "no KV room": a smaller prefill budget, else give up
+        the youngest sequence's room (preempt it, or fail it when it runs alone)."""
+        if plan.chunks and self.prefill_budget > 1:
+            self.prefill_budget //= 2
+            return
+        youngest = self.running[-1]
+        if len(self.running) > 1:
+            self._preempt(youngest)
+        else:
+            self._finish(youngest, RequestStatus.FINISHED_ERROR,
+                         f"backend {self.name}: the context ran out of KV cells for this request")
+
+    def emit_pending(self) -> None:
+        """Text for the tokens `update_from_output` left pending (overlap mode)."""
+        pending, self.pending_text = self.pending_text, []
+        for s, tok in pending:
+            if s.status == RequestStatus.RUNNING:
+                self._emit(s, tok)
+
+    def flush_cache(self) -> None:
+        self._apply_evictions(self.cache.flush())
+
+    def set_cache_enabled(self, enabled: bool) -> None:
+        self.cache_enabled = enabled
+        if not enabled:
+            self.flush_cache()
+
+    def drain(self, unstarted: bool = False) -> tuple[list[SeqState], list[SeqState]]:
+        """Take every queued request, and every running one that may restart elsewhere
+        (nothing produced yet, and `retry` unless `unstarted`), out of the scheduler without
+        finishing them: `(movable, rest)`; `rest` are the running ones left."""
+        queued = list(self.waiting)
+        self.waiting.clear()
+        movable = [s for s in self.running if (unstarted or s.req.retry) and s.generated == 0]
+        for s in queued + movable:
+            self._forget(s)
+        return queued + movable, list(self.running)
+
+    def shutdown(self, status: RequestStatus, why: str) -> None:
+        """End everything with `status` and free every cached sequence."""
+        for s in list(self.running) + list(self.waiting):
+            if s in self.waiting:
+                self.waiting.remove(s)
+            self._finish(s, status, why)
+        self._apply_free(self.cache.clear())
+
+    def fail(self, s: SeqState, why: str) -> None:
+        if s in self.waiting:
+            self.waiting.remove(s)
+        self._finish(s, RequestStatus.FINISHED_ERROR, why)
+
+    def kv_cells_used(self, running=None) -> int:
+        """Cells in use. Unified KV: cached tokens (shared ones once) plus each running
+        sequence's own tail. Split KV: each holder's whole path plus each running sequence's
+        whole context, its copied prefix included."""
+        running = self.running if running is None else running
+        if not self.kv_unified:
+            return self.cache.held_tokens + sum(s.n_past for s in running)
+        return self.cache.cached_tokens + sum(s.n_past - s.n_shared for s in running)
+
+    def lowest_free_ids(self, n: int) -> list[int]:
+        return heapq.nsmallest(max(n, 0), self.free_ids)
+
+    def match_tokens(self, tokens) -> int:
+        if not self.cache_enabled:
+            return 0
+        return self.cache.match_length(tokens, max_len=len(tokens) - 1)
+
+    # ---- admission ----
+
+    def _admit(self, plan: Plan) -> None:
+        if self.blocked:
+            return
+        while self.waiting and len(self.running) < self.cap:
+            seq = self.waiting[0]
+            placed = self._place(seq)
+            if placed is None:  # failed, and taken out of the queue
+                continue
+            if not placed:
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan.admitted.append(seq)
+            if seq.warm and seq.n_past == len(seq.tokens):  # all of it is cached already
+                self._finish(seq, RequestStatus.FINISHED_STOPPED)
+
+    def _place(self, seq: SeqState) -> bool | None:
+        """Give `seq` a sequence id and its cached prefix, if KV room allows."""
+        n = len(seq.tokens)
+        usable = (n - (0 if seq.warm else 1)) if self.cache_enabled else 0
+        match = self.cache.match(seq.tokens, max_len=usable)
+        lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
+        hit = match.length
+        need = n - hit + (0 if seq.warm else min(ADMIT_HEADROOM, self.n_ctx_seq - n))
+        if not self._make_room(need + self._prefill_owed() + len(self.running)):
+            if lock is not None:
+                self.cache.unpin(lock)
+            if not self.running:  # nothing will free cells: waiting would be forever
+                self.waiting.remove(seq)
+                self._finish(seq, RequestStatus.FINISHED_ERROR,
+                             f"backend {self.name}: needs {need} KV cells and the context has "
+                             f"{self.n_ctx - self.kv_cells_used()} free "
+                             f"({self.cache.pinned_tokens} held for queued requests)")
+                return None
+            self.blocked = True  # retry when a running request ends
+            return False
+        seq.seq_id = seq.ran_on = self._take_id(seq)
+        if hit:
+            self._reuse_prefix(self.cache.holder_for(lock.node), seq.seq_id, hit)
+        seq.lock = lock
+        self._release_pin(seq)
+        seq.n_past = seq.n_shared = hit
+        self.cache.record_query(n, hit)
+        if not seq.t_admit:
+            seq.t_admit = self.clock()
+        seq.status = RequestStatus.RUNNING
+        return True
+
+    def _take_id(self, seq: SeqState) -> int:
+        """The lowest free seq id; with unified KV (where ids need not be consecutive) the
+        lowest free one whose idle sampler chain the request can reuse, if any."""
+        if self.kv_unified and not seq.warm:
+            free = set(self.free_ids)
+            ready = [i for i in self.preferred_ids(seq.sp) if i in free]
+            if ready:
+                sid = min(ready)
+                self.free_ids.remove(sid)
+                heapq.heapify(self.free_ids)
+                return sid
+        return heapq.heappop(self.free_ids)
+
+    def _reuse_prefix(self, holder: int, seq_id: int, n: int) -> None:
+        """Give `seq_id` the KV of the holder's first `n` tokens."""
+        if self.kv_unified:  # the same cells, aliased: no copy
+            self._ops.append(KvOp("cp", holder, seq_id, 0, n))
+        else:  # another stream: llama.cpp copies the whole stream, then we drop its tail
+            self._ops.append(KvOp("cp", holder, seq_id, -1, -1))
+            self._ops.append(KvOp("rm", seq_id, -1, n, -1))
+
+    def _free_cells(self) -> int:
+        if not self.kv_unified:
+            return 1 << 30
+        return self.n_ctx - self.kv_cells_used()
+
+    def _prefill_owed(self) -> int:
+        """Cells running prefills will still take (unified KV)."""
+        if not self.kv_unified:
+            return 0
+        return sum(len(s.tokens) - s.n_past for s in self.running if s.prefilling)
+
+    def _make_room(self, need_cells: int) -> bool:
+        """Evict unpinned cached prefixes until `need_cells` cells and one seq id are free.
+
+        Split KV gives every seq id its own stream, sized for one sequence, so there only
+        the seq id counts."""
+        if not self.kv_unified:
+            need_cells = 0
+        deficit = need_cells - self._free_cells()
+        if deficit > 0:
+            self._apply_evictions(self.cache.evict(need_tokens=deficit))
+            if need_cells > self._free_cells():
+                return False
+        if not self.free_ids:
+            self._apply_evictions(self.cache.evict(need_seqs=1))
+        return bool(self.free_ids)
+
+    def _evict_cells(self, deficit: int) -> None:
+        if deficit > 0:
+            self._apply_evictions(self.cache.evict(need_tokens=deficit))
+
+    def _shed_idle_cache(self) -> None:
+        """Unified KV: evict least recently used cached sequences that no running sequence
+        uses until at most `idle_cache_cells / B` such cells remain. Each decode token attends
+        over every cell in use, so an idle cached cell costs every running sequence at every
+        step: a lone chat keeps its history, a batch of B keeps a B-th of it."""
+        if not self.kv_unified or not self.cache_enabled:
+            return
+        budget = self.n_ctx if self.idle_cache_cells < 0 else self.idle_cache_cells
+        excess = self.cache.evictable_tokens - budget // len(self.running)
+        if excess > 0:
+            self._apply_evictions(self.cache.evict(need_tokens=excess))
+
+    # ---- growth and preemption ----
+
+    def _room_for_decode(self, decoding: list[SeqState]) -> list[SeqState]:
+        """Unified KV: a cell for every decode row; evict, then preempt the youngest."""
+        if not self.kv_unified:
+            return decoding
+        while decoding and len(decoding) > self._free_cells():
+            self._evict_cells(len(decoding) - self._free_cells())
+            if len(decoding) <= self._free_cells():
+                break
+            victim = self.running[-1]
+            if len(self.running) == 1:
+                self._finish(victim, RequestStatus.FINISHED_ERROR,
+                             f"backend {self.name}: the context ran out of KV cells for this request "
+                             f"({victim.n_past} cells; {self.cache.pinned_tokens} held for queued requests)")
+            else:
+                self._preempt(victim)
+            decoding = [s for s in decoding if s.status == RequestStatus.RUNNING]
+        return decoding
+
+    def _preempt(self, s: SeqState) -> None:
+        """Free `s`'s cells and queue it first again; what it generated becomes its prompt."""
+        self._forget(s)
+        s.status = RequestStatus.WAITING
+        s.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(s)
+        self.blocked = True  # nothing is admitted before someone finishes (vLLM's rule)
+
+    def _forget(self, s: SeqState) -> None:
+        """Take `s` out of the running set and free its KV, without finishing it."""
+        if s.seq_id >= 0:
+            self._retire(s, keep=False)
+        elif s.lock is not None:
+            self.cache.unpin(s.lock)
+            s.lock = None
+        self._release_pin(s)
+        if s in self.running:
+            self.running.remove(s)
+        s.estimate = 0
+        self._unplaced.append(s)
+
+    # ---- finish rules ----
+
+    def _sampled(self, s: SeqState, tok: int | None, now: float) -> None:
+        if tok is None:  # taken back: the same input is decoded again next step
+            s.n_past -= 1
+            self._ops.append(KvOp("rm", s.seq_id, -1, s.n_past, -1))
+            return
+        s.tokens.append(tok)
+        s.generated += 1
+        if s.generated == 1:
+            s.t_first = now
+        else:
+            s.itl_sum += now - s.t_last
+        s.t_last = now
+        if (self.is_eog(tok) and not s.sp.ignore_eos) or s.generated == s.req.stop_after:
+            self._finish(s, RequestStatus.FINISHED_STOPPED)
+            return
+        if self.overlap and not s.sp.stop:  # no stop string can end it: its text can wait
+            self.pending_text.append((s, tok))
+        elif self._emit(s, tok):
+            self._finish(s, RequestStatus.FINISHED_STOPPED)
+            return
+        if s.generated >= s.max_new or s.n_past + 1 >= self.n_ctx_seq:
+            self._finish(s, RequestStatus.FINISHED_LENGTH)
+
+    def _emit(self, s: SeqState, tok: int) -> bool:
+        """Push a token's text to the request's stream; True if a stop string ended it."""
+        delta = s.stream.push(self.piece(tok))
+        if delta:
+            s.handle._deliver_text(delta)
+        return s.stream.stopped
+
+    def _finish(self, s: SeqState, status: RequestStatus, error: str | None = None) -> None:
+        """End a sequence: stream the rest, keep or free its KV, queue its `Finished`."""
+        if self.pending_text:
+            mine = [p for p in self.pending_text if p[0] is s]
+            if mine:
+                self.pending_text = [p for p in self.pending_text if p[0] is not s]
+                for _, tok in mine:
+                    self._emit(s, tok)
+        if status == RequestStatus.FINISHED_LENGTH or (status == RequestStatus.FINISHED_STOPPED
+                                                       and not s.stream.stopped):
+            # Release what the stream held back (a partial stop string, a split character).
+            rest = s.stream.flush()
+            if rest:
+                s.handle._deliver_text(rest)
+        if s.seq_id >= 0:
+            keep = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            shared = s.n_shared
+            self._retire(s, keep)
+            s.n_shared = shared  # the record reports what it reused
+        elif s.lock is not None:
+            self.cache.unpin(s.lock)
+            s.lock = None
+        self._release_pin(s)
+        if s in self.running:
+            self.running.remove(s)
+        self.blocked = False
+        s.status = status
+        s.error = error
+        self._finished.append(Finished(s, status, error))
+
+    def _retire(self, s: SeqState, keep: bool) -> None:
+        """Hand a sequence's KV to the prefix cache, or free it."""
+        sid, s.seq_id = s.seq_id, -1
+        if not keep or not self.cache_enabled:
+            self._apply_free([sid])
+        else:
+            in_kv = s.tokens[:s.n_past]
+            match = self.cache.match(in_kv)
+            if match.length < len(in_kv) and not any(i > sid for i in self.free_ids):
+                # It will be kept, and `_park` needs a free id above: the least recently used
+                # cached sequence makes way (else this one would stay on a chained id).
+                self._apply_evictions(self.cache.evict(need_seqs=1))
+                match = self.cache.match(in_kv)
+            if match.length > s.n_shared and self.kv_unified:
+                # The sequence computed its own copy of a prefix the cache already holds:
+                # drop the copy and alias the cached cells, so shared cells exist once.
+                self._ops.append(KvOp("rm", sid, -1, 0, match.length))
+                self._ops.append(KvOp("cp", self.cache.holder_for(match.node), sid, 0, match.length))
+            if match.length < len(in_kv):  # it will be kept, on an id of its own
+                sid = self._park(sid)
+            result = self.cache.insert(in_kv, sid)
+            self._apply_free(result.free_seqs)
+        if s.lock is not None:
+            self.cache.unpin(s.lock)
+            s.lock = None
+            if not self.cache_enabled:  # switched off while this ran: drop what it held
+                self._apply_evictions(self.cache.flush())
+        s.n_shared = s.n_past = 0
+
+    def _park(self, sid: int) -> int:
+        """Move a finished sequence's KV to the highest free id, which the cache then holds;
+        returns that id. Running sequences keep the low ids, and with them the sampler chains
+        attached there (SamplerSlots): a cache holder left on a chained id would send the next
+        request to an id without one, and each attach costs a graph reserve. In split KV it
+        also keeps the running ids consecutive (one ubatch per decode step). Unified KV: the
+        cells gain and lose a sequence id, nothing moves; split KV: one stream is copied on
+        the device."""
+        top = max(self.free_ids, default=-1)
+        if top < sid:
+            return sid
+        self.free_ids.remove(top)
+        heapq.heapify(self.free_ids)
+        self._ops.append(KvOp("cp", sid, top, -1, -1))
+        self._ops.append(KvOp("rm", sid, -1, -1, -1))
+        heapq.heappush(self.free_ids, sid)
+        return top
+
+    def _apply_free(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self._ops.append(KvOp("rm", sid, -1, -1, -1))
+            heapq.heappush(self.free_ids, sid)
+
+    def _apply_evictions(self, actions) -> None:
+        for a in actions:
+            if a.keep == 0:
+                self._apply_free([a.seq_id])
+            else:
+                self._ops.append(KvOp("rm", a.seq_id, -1, a.keep, -1))
+
+    def _release_pin(self, s: SeqState) -> None:
+        if s.pin is not None:
+            self.cache.unpin(s.pin)
+            s.pin = None
+
+    def _expire_waiting(self) -> None:
+        now = self.clock()
+        if now < self._next_timeout_check:
+            return
+        self._next_timeout_check = now + 0.05
+        limit = self.queue_timeout_s
+        for s in [s for s in self.waiting if now - s.t_submit > limit]:
+            self.waiting.remove(s)
+            self._finish(s, RequestStatus.FINISHED_ERROR,
+                         f"backend {self.name}: waited more than {limit:g} s in the queue")
+
+
+def _seq_id(s: SeqState) -> int:
+    return s.seq_id

@@ -1,0 +1,350 @@
+"""The scheduler's rules without a model, in milliseconds (vLLM's tests/v1/core/test_scheduler.py
+habit): a simulated runner writes one KV cell per planned token into `Memory`, a model of
+llama.cpp's unified KV (cells shared by sequence ids, `seq_cp` aliases, `seq_rm` frees), and
+answers each logits row with a scripted token. After every step the invariants are asserted:
+the cap, the budget, the scheduler's cell count equals the memory's, each running sequence
+holds exactly its first `n_past` positions, and no two owners share a sequence id."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import ADMIT_HEADROOM, Scheduler, SeqState
+
+EOG = 2
+
+
+class Handle:
+    """What the scheduler uses of a request handle: text deliveries."""
+
+    def __init__(self):
+        self.deltas: list[str] = []
+
+    def _deliver_text(self, delta: str) -> None:
+        self.deltas.append(delta)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+
+class Memory:
+    """Unified KV: each sequence id maps positions to cells; a cell lives while any id uses it."""
+
+    def __init__(self):
+        self.seqs: dict[int, dict[int, int]] = {}
+        self._next = 0
+
+    def apply(self, ops) -> None:
+        for op in ops:
+            lo = op.p0 if op.p0 >= 0 else 0
+            hi = op.p1 if op.p1 >= 0 else math.inf
+            if op.kind == "cp":
+                dst = self.seqs.setdefault(op.dst, {})
+                dst.update({p: c for p, c in self.seqs.get(op.src, {}).items() if lo <= p < hi})
+            else:
+                seq = self.seqs.get(op.src, {})
+                for p in [p for p in seq if lo <= p < hi]:
+                    del seq[p]
+
+    def write(self, sid: int, pos: int) -> None:
+        seq = self.seqs.setdefault(sid, {})
+        assert pos not in seq, f"seq {sid} already has a cell at {pos}"
+        seq[pos] = self._next
+        self._next += 1
+
+    @property
+    def cells(self) -> int:
+        return len({c for seq in self.seqs.values() for c in seq.values()})
+
+
+def counting(s: SeqState) -> int:
+    """A deterministic 'model': the next token depends on the sequence's tokens only."""
+    return 10 + (sum(s.tokens) * 7 + len(s.tokens)) % 50
+
+
+class Sim:
+    def __init__(self, model=counting, clock=None, **kw):
+        kw.setdefault("cap", 4)
+        kw.setdefault("n_ctx", 1024)
+        kw.setdefault("n_seq_max", 16)
+        kw.setdefault("n_batch", 64)
+        kw.setdefault("n_ctx_seq", kw["n_ctx"])
+        self.now = 0.0
+        self.sched = Scheduler(piece=lambda t: bytes([ord("a") + t % 26]), is_eog=lambda t: t == EOG,
+                               clock=clock or (lambda: self.now), **kw)
+        self.mem = Memory()
+        self.model = model
+        self.finished: list = []
+        self.plans: list = []
+
+    def submit(self, prompt, warm=False, **sp) -> SeqState:
+        sp.setdefault("temperature", 0.0)
+        seq = SeqState(Request(tuple(prompt), SamplingParams(**sp)), Handle(), None, 0, self.now, warm=warm,
+                       n_ctx_seq=self.sched.n_ctx_seq)
+        self.sched.add(seq)
+        return seq
+
+    def step(self):
+        s = self.sched
+        plan = s.schedule()
+        self.mem.apply(s.take_ops())
+        s.take_unplaced()
+        self.finished += s.take_finished()
+        for q in plan.decode:
+            self.mem.write(q.seq_id, q.n_past)
+        for q, start, k, _ in plan.chunks:
+            for p in range(start, start + k):
+                self.mem.write(q.seq_id, p)
+        sampled = [self.model(q) for q in plan.decode] + [self.model(q) for q, _, _, lg in plan.chunks if lg]
+        self.now += 0.01
+        self.finished += s.update_from_output(plan, sampled)
+        self.mem.apply(s.take_ops())
+        self.plans.append(plan)
+        self.check(plan)
+        return plan
+
+    def run(self, steps=10_000):
+        for _ in range(steps):
+            if not (self.sched.running or self.sched.waiting):
+                return
+            self.step()
+        raise AssertionError("the scheduler did not drain")
+
+    def check(self, plan) -> None:
+        s = self.sched
+        assert len(s.running) <= s.cap
+        assert plan.n_tokens <= s.n_batch
+        assert s.kv_cells_used() == self.mem.cells <= s.n_ctx
+        ids = [q.seq_id for q in s.running]
+        holders = set(s.cache.holders())
+        assert len(set(ids)) == len(ids) and not set(ids) & holders
+        assert not (set(ids) | holders) & set(s.free_ids)
+        for q in s.running:
+            assert set(self.mem.seqs.get(q.seq_id, {})) == set(range(q.n_past)), q.req.id
+        for q in s.waiting:
+            assert q.seq_id == -1 and q.status == RequestStatus.WAITING
+
+    def record(self, seq):
+        return next(f for f in self.finished if f.seq is seq)
+
+
+# ---- admission ----
+
+@pytest.mark.parametrize("cap, n, running", [(1, 3, 1), (2, 3, 2), (4, 3, 3), (4, 8, 4)])
+def test_admission_stops_at_the_cap(cap, n, running):
+    sim = Sim(cap=cap)
+    for i in range(n):
+        sim.submit([1, 5 + i, 6], max_tokens=4)
+    sim.step()
+    assert len(sim.sched.running) == running and len(sim.sched.waiting) == n - running
+    sim.run()
+    assert len(sim.finished) == n
+
+
+@pytest.mark.parametrize("prompt, fits", [(33, True), (34, False)])
+def test_admission_needs_the_prompt_and_a_little_headroom_not_max_tokens(prompt, fits):
+    """Beside a running sequence holding 50 of 100 cells, a request is admitted when its
+    prompt, the headroom and this step's decode cell fit: 50 + prompt + 16 + 1 <= 100.
+    Its million-token `max_tokens` reserves nothing."""
+    sim = Sim(n_ctx=100)
+    sim.submit(range(3, 53), max_tokens=40, ignore_eos=True)
+    sim.step()
+    seq = sim.submit(range(3, 3 + prompt), max_tokens=1_000_000, ignore_eos=True)
+    sim.step()
+    assert ADMIT_HEADROOM == 16
+    assert (seq in sim.sched.running) is fits
+    assert seq.max_new == 100 - prompt, "max_tokens is clamped to what the context holds"
+
+
+def test_a_request_waits_for_kv_room_behind_a_running_one():
+    sim = Sim(n_ctx=128, cap=4)
+    a = sim.submit(range(3, 93), max_tokens=8)
+    sim.step()
+    b = sim.submit(range(3, 40), max_tokens=8)
+    sim.step()
+    assert a in sim.sched.running and b in sim.sched.waiting and sim.sched.blocked
+    sim.run()
+    assert [f.seq for f in sim.finished] == [a, b]
+
+
+def test_short_requests_start_beside_huge_budgets():
+    sim = Sim(n_ctx=4096, cap=4)
+    longs = [sim.submit([1, 40 + i], max_tokens=1_000_000, ignore_eos=True) for i in range(2)]
+    for _ in range(5):
+        sim.step()
+    short = sim.submit([1, 70], max_tokens=8, ignore_eos=True)
+    for _ in range(12):
+        sim.step()
+    assert sim.record(short).status == RequestStatus.FINISHED_LENGTH
+    assert all(q in sim.sched.running for q in longs)
+
+
+# ---- the batch plan ----
+
+def test_decode_rows_come_first_then_prefill_up_to_the_budget():
+    sim = Sim(n_batch=16, busy_chunk=16)
+    a = sim.submit([1, 2 + 1, 4], max_tokens=50, ignore_eos=True)
+    sim.step()
+    b = sim.submit(range(3, 60), max_tokens=4)
+    plan = sim.step()
+    assert plan.decode == [a]
+    assert [(q, k) for q, _, k, _ in plan.chunks] == [(b, 15)]
+
+
+@pytest.mark.parametrize("others, busy, chunks", [
+    (False, 8, [64, 64, 22]),  # alone: the whole budget
+    (True, 8, [8] * 18 + [6]),  # while another decodes: busy chunks
+])
+def test_chunked_prefill(others, busy, chunks):
+    sim = Sim(n_batch=64, busy_chunk=busy)
+    if others:
+        sim.submit([1, 3], max_tokens=200, ignore_eos=True)
+        sim.step()
+    seq = sim.submit(range(5, 155), max_tokens=2)
+    sizes = []
+    while seq.status <= RequestStatus.RUNNING and len(sizes) < 50:
+        plan = sim.step()
+        sizes += [k for q, _, k, _ in plan.chunks if q is seq]
+        if seq.generated:
+            break
+    assert sizes == chunks and sum(sizes) == 150
+    assert [lg for q, _, _, lg in sim.plans[-1].chunks if q is seq] == [True], "only the last chunk asks for logits"
+
+
+def test_a_no_room_decode_halves_the_prefill_budget():
+    sim = Sim(n_batch=64)
+    sim.submit(range(5, 105), max_tokens=2)
+    plan = sim.sched.schedule()
+    sim.sched.decode_failed(plan)
+    assert sim.sched.prefill_budget == 32
+
+
+# ---- finish rules ----
+
+def script(*tokens):
+    """A model that says `tokens` in order, then 11s."""
+    def model(s):
+        i = s.generated
+        return tokens[i] if i < len(tokens) else 11
+    return model
+
+
+@pytest.mark.parametrize("sp, tokens, status, n_out", [
+    ({"max_tokens": 10}, (12, 13, EOG), RequestStatus.FINISHED_STOPPED, 3),
+    ({"max_tokens": 10, "ignore_eos": True}, (12, 13, EOG), RequestStatus.FINISHED_LENGTH, 10),
+    ({"max_tokens": 4}, (), RequestStatus.FINISHED_LENGTH, 4),
+    ({"max_tokens": 10, "stop": ("no",)}, (13, 14, 15), RequestStatus.FINISHED_STOPPED, 2),  # n, o
+    ({"max_tokens": 10_000}, (), RequestStatus.FINISHED_LENGTH, 64 - 3),  # the context's end
+])
+def test_finish_rules(sp, tokens, status, n_out):
+    sim = Sim(model=script(*tokens), n_ctx=64)
+    seq = sim.submit([1, 5, 6], **sp)
+    sim.run()
+    f = sim.record(seq)
+    assert (f.status, seq.generated) == (status, n_out)
+    if "stop" in sp:
+        assert "no" not in seq.handle.text
+
+
+def test_stop_after_ends_as_if_the_model_stopped():
+    sim = Sim()
+    seq = SeqState(Request((1, 5), SamplingParams(max_tokens=50, temperature=0.0), stop_after=5), Handle(), None, 0, 0.0)
+    sim.sched.add(seq)
+    sim.run()
+    assert sim.record(seq).status == RequestStatus.FINISHED_STOPPED and seq.generated == 5
+
+
+@pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding"])
+def test_cancel_frees_what_the_request_held(when):
+    sim = Sim(cap=1, n_batch=16, busy_chunk=16)
+    blocker = sim.submit([1, 3], max_tokens=3) if when == "waiting" else None
+    seq = sim.submit(range(5, 60), max_tokens=100, ignore_eos=True)
+    sim.step()
+    if when == "decoding":
+        while not seq.generated:
+            sim.step()
+    sim.sched.cancel({seq.req.id})
+    sim.mem.apply(sim.sched.take_ops())
+    sim.finished += sim.sched.take_finished()
+    assert sim.record(seq).status == RequestStatus.FINISHED_CANCELLED
+    assert seq not in sim.sched.running and seq not in sim.sched.waiting
+    assert sim.sched.kv_cells_used() == sim.mem.cells
+    sim.run()
+    if blocker is not None:
+        assert sim.record(blocker).status == RequestStatus.FINISHED_LENGTH
+
+
+def test_time_comes_from_the_injected_clock():
+    sim = Sim()
+    seq = sim.submit([1, 5], max_tokens=3)
+    sim.run()
+    assert seq.t_first == pytest.approx(0.01) and seq.t_last == pytest.approx(0.03)
+
+
+# ---- growth and preemption ----
+
+def test_the_youngest_is_preempted_by_recompute_and_resumes_the_same():
+    alone = Sim(n_ctx=96, cap=1)
+    solo = [alone.submit([1, 40 + i], max_tokens=60, ignore_eos=True) for i in range(2)]
+    alone.run()
+    sim = Sim(n_ctx=96, cap=2)
+    old, young = (sim.submit([1, 40 + i], max_tokens=60, ignore_eos=True) for i in range(2))
+    while not young.preemptions:
+        sim.step()
+    assert young in sim.sched.waiting and sim.sched.waiting[0] is young
+    assert young.n_past == 0 and young.generated > 0 and len(young.tokens) == 2 + young.generated
+    sim.run()
+    assert old.preemptions == 0
+    assert [q.tokens for q in (old, young)] == [q.tokens for q in solo]
+    assert [q.handle.text for q in (old, young)] == [q.handle.text for q in solo], "no text twice"
+
+
+def test_a_preempted_request_is_readmitted_before_later_arrivals():
+    sim = Sim(n_ctx=96, cap=2)
+    _, young = (sim.submit([1, 40 + i], max_tokens=60, ignore_eos=True) for i in range(2))
+    while not young.preemptions:
+        sim.step()
+    n = len(sim.plans)
+    late = sim.submit([1, 70], max_tokens=4)
+    sim.run()
+    admitted = [q for plan in sim.plans[n:] for q in plan.admitted]
+    assert admitted.index(young) < admitted.index(late)
+    assert all(f.status == RequestStatus.FINISHED_LENGTH for f in sim.finished)
+
+
+def test_fcfs_under_a_cap_of_one():
+    sim = Sim(cap=1)
+    seqs = [sim.submit([1, 5 + i], max_tokens=3 + i) for i in range(5)]
+    sim.run()
+    assert [f.seq for f in sim.finished] == seqs
+
+
+def test_a_sequence_that_cannot_grow_alone_fails_with_a_clear_error():
+    sim = Sim(n_ctx=64, cap=1)
+    warm = sim.submit(range(100, 140), warm=True)
+    sim.run()
+    assert sim.record(warm).status == RequestStatus.FINISHED_STOPPED and sim.sched.cache.cached_tokens == 40
+    pin = sim.sched.cache.pin(sim.sched.cache.match(list(range(100, 140))))  # a queued request's pin
+    grower = sim.submit([1, 5], max_tokens=1000, ignore_eos=True)
+    sim.run()
+    f = sim.record(grower)
+    assert f.status == RequestStatus.FINISHED_ERROR and "ran out of KV cells" in f.error
+    assert grower.generated == 64 - 40 - 2 + 1
+    sim.sched.cache.unpin(pin)
+
+
+def test_prefix_reuse_aliases_cached_cells():
+    sim = Sim(n_ctx=256)
+    prefix = list(range(100, 180))
+    a = sim.submit(prefix + [5], max_tokens=4)
+    sim.run()
+    b = sim.submit(prefix + [6], max_tokens=4)
+    sim.step()
+    assert b.n_shared == 80, "the cached prefix is aliased, not recomputed"
+    sim.run()
+    assert sim.sched.kv_cells_used() == sim.mem.cells
+    assert a.generated == b.generated == 4
