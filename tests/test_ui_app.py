@@ -101,6 +101,26 @@ def test_teaching_replay_shows_the_golden_numbers(qtbot, make_window):
     assert "3.444 s" in t.shown_text()
 
 
+def test_teaching_verdict_for_request_7_is_shown_whole(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.go(3)  # request 7: the CPU's score, and the verdict
+    assert "3.027 s < 3.118 s: request 7 stays on the GPU" in t.shown_text()
+
+
+def test_teaching_narration_follows_the_cached_prefix(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.go(1)
+    assert "20 + 128" in t.shown_text()
+    t.cached.setValue(400)  # 116 prompt tokens left per request
+    for step in (1, 2, 4):
+        t.go(step)
+        assert "116 + 128" in t.shown_text() and "20 + 128" not in t.shown_text()
+    t.go(1)
+    assert "116 prompt tokens to compute" in t.shown_text()
+
+
 def test_teaching_runs_the_eight_arrivals_live(qtbot, make_window, ui_engine):
     w = make_window()
     t = w.panels["teaching"]

@@ -90,12 +90,13 @@ def gpu_decode_to_keep(arrival: Arrival) -> float:
 
 
 def _queue_html(arrival: Arrival) -> str:
-    """The GPU's slots and queue as coloured cells."""
+    """The GPU's slots and queue as coloured cells (each waiting request: prompt tokens left + budget)."""
+    left = arrival.query.prefill_on("gpu")
     cells = "".join(f"<td bgcolor='#24456e' align='center'>&nbsp;running&nbsp;<br><b>{arrival.gpu_left}</b> left&nbsp;</td>"
                     for _ in range(CAP))
-    queue = "".join("<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>20 + <b>128</b>&nbsp;</td>"
+    queue = "".join("<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
                     for _ in range(arrival.gpu_queued))
-    new = "<td bgcolor='#2d4a33' align='center'>&nbsp;<b>new</b>&nbsp;<br>20 + 128&nbsp;</td>"
+    new = f"<td bgcolor='#2d4a33' align='center'>&nbsp;<b>new</b>&nbsp;<br>{left} + {MAX_TOKENS}&nbsp;</td>"
     return (f"<table cellspacing='4' cellpadding='3'><tr><td><b style='color:{GPU_COLOR}'>GPU</b>&nbsp;</td>"
             f"{cells}<td>&nbsp;|&nbsp;</td>{queue}<td>&nbsp;+&nbsp;</td>{new}</tr>"
             f"<tr><td><b style='color:{CPU_COLOR}'>CPU</b></td><td colspan='{CAP}' style='color:{MUTED}'>idle: "
@@ -128,7 +129,7 @@ def _verdict_html(a: Arrival) -> str:
     d = a.decision
     g, c = d.score_of("gpu"), d.score_of("cpu")
     if d.backend == "gpu":
-        rel = "<" if g.score_s < c.score_s else "="
+        rel = "&lt;" if g.score_s < c.score_s else "="
         text = f"{g.score_s:.3f} s {rel} {c.score_s:.3f} s: request {a.number} <b>stays on the GPU</b>"
         color = GPU_COLOR
     else:
@@ -162,8 +163,8 @@ def teaching_steps(arrivals: tuple[Arrival, Arrival], rates, cached: int) -> lis
                  "and the queue has grown by one.</p>" if k == 1 else "")
         steps.append((f"Request {a.number} arrives{when}",
                       f"<p>What the router sees when request {a.number} arrives:</p>{_queue_html(a)}{extra}"
-                      "<p>Each queued request still has 20 prompt tokens to compute and its full 128-token budget; "
-                      f"each running one has {a.gpu_left} tokens of budget left.</p>", k))
+                      f"<p>Each queued request still has {a.query.prefill_on('gpu')} prompt tokens to compute and its "
+                      f"full {MAX_TOKENS}-token budget; each running one has {a.gpu_left} tokens of budget left.</p>", k))
         steps.append((f"Request {a.number}: the GPU's score", _queue_html(a) + _gpu_sum_html(a), k))
         steps.append((f"Request {a.number}: the CPU's score, and the verdict",
                       _gpu_sum_html(a) + _cpu_sum_html(a) + _verdict_html(a), k))
