@@ -194,3 +194,17 @@ def test_cache_checkbox_switches_the_prefix_cache_live(qtbot, make_window, ui_en
     finally:
         check.setChecked(True)
         qtbot.waitUntil(lambda: b.snapshot().cache.enabled, timeout=10_000)
+
+
+def test_cards_say_where_each_backends_rates_came_from(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    ui_engine.backend("cpu0").set_rates(Rates(400.0, 40.0, source="default"))
+    tick(qtbot, w)
+    assert "default" in card.rates_source_label.text() and "placeholder" in card.rates_source_label.text()
+    assert card.rates_label.text() == "prefill 400 tok/s · decode 40.0 tok/s"
+    ui_engine.backend("cpu0").set_rates(Rates(1234.5678, 76.2413, source="calibrated"))
+    tick(qtbot, w)
+    assert card.rates_source_label.text() == "calibrated rates"
+    assert "measured on this machine" in card.rates_source_label.toolTip()
+    assert card.rates_label.text() == "prefill 1,235 tok/s · decode 76.2 tok/s"

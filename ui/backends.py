@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (
 
 from engine.errors import EngineError
 
-from .metrics import RingSeries
-from .theme import FAILED, HEALTHY, WORKING, backend_color, qcolor, wrap_label
+from .metrics import RingSeries, fmt_rate, rates_source_text
+from .theme import FAILED, HEALTHY, MUTED, WORKING, backend_color, qcolor, wrap_label
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,10 @@ class BackendCard(QFrame):
         self.speed_label = QLabel()
         self.rates_label = QLabel()
         self.rates_label.setObjectName("muted")
-        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label):
+        # Where the rates the router prices this backend at came from: a placeholder ("default")
+        # is flagged, since every score is rough until it is measured.
+        self.rates_source_label = QLabel()
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label, self.rates_source_label):
             lab.setWordWrap(True)
         grid.addWidget(_muted("Prefix hits"), 7, 0)
         grid.addWidget(self.hit_label, 7, 1, 1, 3)
@@ -149,6 +152,7 @@ class BackendCard(QFrame):
         grid.addWidget(self.speed_label, 9, 1, 1, 3)
         grid.addWidget(_muted("Priced at"), 10, 0)
         grid.addWidget(self.rates_label, 10, 1, 1, 3)
+        grid.addWidget(self.rates_source_label, 11, 1, 1, 3)
 
         buttons = QHBoxLayout()
         self.warm_button = QPushButton("Warm prefix")
@@ -161,7 +165,7 @@ class BackendCard(QFrame):
         buttons.addWidget(self.warm_button)
         buttons.addWidget(self.flush_button)
         buttons.addStretch(1)
-        grid.addLayout(buttons, 11, 0, 1, 4)
+        grid.addLayout(buttons, 12, 0, 1, 4)
         grid.setColumnStretch(1, 1)
 
     # ---- actions ----
@@ -253,7 +257,8 @@ class BackendCard(QFrame):
         self.speed_label.setText(f"prefill {_rate(snap.prefill_tok_s)} · decode {_rate(snap.decode_tok_s)}")
         self.speed_label.setToolTip(f"{snap.steps:,} llama_decode steps so far")
         r = snap.rates
-        self.rates_label.setText(f"prefill {r.prefill_tok_s:,.0f} · decode {r.decode_tok_s:,.1f} tok/s ({r.source})")
+        self.rates_label.setText(f"prefill {fmt_rate(r.prefill_tok_s)} · decode {fmt_rate(r.decode_tok_s)}")
+        self._show_rates_source(r.source)
         self._show_health(snap.healthy)
 
         if self._t0 is None:
@@ -266,6 +271,15 @@ class BackendCard(QFrame):
         self.waiting_curve.setData(xs, y_wait)
         top = max(float(np.nanmax(y_run)) if y_run.size else 0, float(np.nanmax(y_wait)) if y_wait.size else 0, cap)
         self.plot.getPlotItem().setYRange(0, top + 0.5, padding=0)
+
+    def _show_rates_source(self, source: str) -> None:
+        placeholder = source == "default"
+        text = ("⚠ default rates: a placeholder, not measured" if placeholder
+                else f"{source} rates" if source in ("calibrated", "online", "override", "article") else source)
+        if self.rates_source_label.text() != text:
+            self.rates_source_label.setText(text)
+            self.rates_source_label.setStyleSheet(f"color:{WORKING if placeholder else MUTED}")
+            self.rates_source_label.setToolTip(rates_source_text(source))
 
     def _show_health(self, healthy: bool) -> None:
         error = self.backend.error  # set by the worker before it marks the backend unhealthy
@@ -338,4 +352,4 @@ def _muted(text: str) -> QLabel:
 
 
 def _rate(x: float) -> str:
-    return f"{x:,.0f} tok/s" if x >= 100 else (f"{x:.1f} tok/s" if x > 0 else "–")
+    return fmt_rate(x)
