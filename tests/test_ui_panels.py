@@ -208,3 +208,36 @@ def test_cards_say_where_each_backends_rates_came_from(qtbot, make_window, ui_en
     assert card.rates_source_label.text() == "calibrated rates"
     assert "measured on this machine" in card.rates_source_label.toolTip()
     assert card.rates_label.text() == "prefill 1,235 tok/s · decode 76.2 tok/s"
+
+
+def test_routing_rows_count_from_one_with_units_and_export_as_csv(qtbot, make_window, tmp_path):
+    import csv
+
+    w = make_window()
+    view = w.panels["routing"]
+    run_workload(qtbot, w)
+    model = view.model
+    assert model.index(0, 0).data() == "1" and model.index(0, 1).data() == "0.00 s"
+    assert model.index(model.rowCount() - 1, 0).data() == str(model.rowCount())
+    assert model.headerData(1, Qt.Horizontal) == "t"
+    rates = model.index(0, model.column_of("cpu0", "rates")).data()
+    assert rates.endswith(" tok/s") and model.index(0, model.column_of("cpu0", "score")).data().endswith(" s")
+    rows = list(csv.DictReader(view.export_csv(tmp_path / "routing.csv").open()))
+    assert len(rows) == model.rowCount()
+    d = model.decisions[2]
+    assert rows[2]["request"] == d.request_id and rows[2]["backend"] == d.backend
+    assert float(rows[2]["cpu0_score_s"]) == d.score_of("cpu0").score_s
+    view.clear()
+    run_workload(qtbot, w)
+    assert model.index(0, 0).data() == "1"  # numbering restarts after Clear
+
+
+def test_every_plot_offers_pyqtgraphs_export_on_right_click(qtbot, make_window):
+    import pyqtgraph as pg
+
+    w = make_window()
+    plots = [p for panel in w.panels.values() for p in panel.findChildren(pg.PlotWidget)]
+    assert len(plots) >= 4
+    for pw in plots:
+        assert pw.getPlotItem().getViewBox().menuEnabled()
+        assert "Export..." in [a.text() for a in pw.scene().contextMenu]

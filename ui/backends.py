@@ -121,7 +121,6 @@ class BackendCard(QFrame):
         self.plot = pg.PlotWidget()
         self.plot.setFixedHeight(56)
         p = self.plot.getPlotItem()
-        p.setMenuEnabled(False)
         p.setMouseEnabled(False, False)
         p.hideButtons()
         p.showGrid(y=True, alpha=0.15)
