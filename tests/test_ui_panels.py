@@ -241,3 +241,29 @@ def test_every_plot_offers_pyqtgraphs_export_on_right_click(qtbot, make_window):
     for pw in plots:
         assert pw.getPlotItem().getViewBox().menuEnabled()
         assert "Export..." in [a.text() for a in pw.scene().contextMenu]
+
+
+def test_latency_axes_fit_their_data_with_whole_request_counts(qtbot, make_window):
+    w = make_window()
+    latency = w.panels["latency"]
+    p = latency.plots["ttft"]
+    (x0, x1), (y0, y1) = p.viewRange()
+    assert (x0, x1) == (-3.0, 1.0) and (y0, y1) == (0.0, 2.0)  # idle: 1 ms .. 10 s, not -400..400
+    run_workload(qtbot, w)
+    tick(qtbot, w)
+    ttfts = [v for b in latency.backends for v in latency.store.values("ttft", b)]
+    (x0, x1), (y0, y1) = p.viewRange()
+    assert x0 <= math.log10(min(ttfts)) and math.log10(max(ttfts)) <= x1
+    assert x1 - x0 <= 1.0  # a few bins around the data, not 1 ms .. 100 s
+    most = max(max(latency.store.histogram("ttft", b)) for b in latency.backends)
+    assert most <= y1 <= most * 1.1 + 5 and float(y1).is_integer()
+    major = p.getAxis("left")._tickSpacing
+    assert major is not None and all(float(s).is_integer() for s, _ in major)
+
+
+def test_backend_sparklines_and_teaching_bars_have_legends(qtbot, make_window):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    assert [label.text for _, label in card.legend.items] == ["running", "waiting"]
+    teaching = w.panels["teaching"].chart.getPlotItem().legend
+    assert [label.text for _, label in teaching.items] == ["prefill time", "decode time"]

@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (
 
 from engine.errors import EngineError
 
-from .metrics import RingSeries, fmt_rate, rates_source_text
-from .theme import FAILED, HEALTHY, MUTED, WORKING, backend_color, qcolor, wrap_label
+from .metrics import RingSeries, count_axis_top, fmt_rate, rates_source_text
+from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, qcolor, wrap_label
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class BackendCard(QFrame):
         grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
-        self.plot.setFixedHeight(56)
+        self.plot.setFixedHeight(64)
         p = self.plot.getPlotItem()
         p.setMouseEnabled(False, False)
         p.hideButtons()
@@ -127,6 +127,9 @@ class BackendCard(QFrame):
         p.getAxis("bottom").setStyle(showValues=False)
         p.getAxis("left").setWidth(28)
         p.setXRange(-HISTORY_S, 0, padding=0)
+        p.getAxis("left").enableAutoSIPrefix(False)
+        self.legend = p.addLegend(offset=(30, 0), labelTextSize="7pt", colCount=2, brush=LEGEND_BG,
+                                  verSpacing=-6, horSpacing=10)
         self.running_curve = p.plot(pen=pg.mkPen(self.color, width=1.5), fillLevel=0,
                                     brush=qcolor(self.color, 70), name="running")
         self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.DashLine), name="waiting")
@@ -269,7 +272,9 @@ class BackendCard(QFrame):
         self.running_curve.setData(xs, y_run)
         self.waiting_curve.setData(xs, y_wait)
         top = max(float(np.nanmax(y_run)) if y_run.size else 0, float(np.nanmax(y_wait)) if y_wait.size else 0, cap)
-        self.plot.getPlotItem().setYRange(0, top + 0.5, padding=0)
+        axis_top, step = count_axis_top(top)
+        self.plot.getPlotItem().setYRange(0, axis_top, padding=0)
+        self.plot.getPlotItem().getAxis("left").setTickSpacing(step, step)
 
     def _show_rates_source(self, source: str) -> None:
         placeholder = source == "default"

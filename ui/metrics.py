@@ -209,3 +209,30 @@ def model_title(info) -> str:
     if not stem or stem.lower() in ("model", "ggml-model", "ggml-model-f16", "ggml-model-q4_0"):
         return info.name
     return stem
+
+
+def count_axis_top(top: float) -> tuple[float, int]:
+    """(axis maximum, tick step) for a count axis (requests): whole-number ticks, ~4 of them,
+    a little headroom; 0..2 when empty."""
+    top = max(float(top), 1.0)
+    raw = top / 4
+    step = 1
+    for s in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000):
+        step = s
+        if s >= raw:
+            break
+    return math.ceil(top * 1.1 / step) * step, step
+
+
+def occupied_log_range(histograms, edges) -> tuple[float, float] | None:
+    """log10(seconds) span of the bins any histogram uses, one bin of margin each side; None
+    when every histogram is empty."""
+    used = np.zeros(len(edges) - 1, dtype=bool)
+    for h in histograms:
+        used |= np.asarray(h) > 0
+    idx = np.flatnonzero(used)
+    if idx.size == 0:
+        return None
+    lo = max(int(idx[0]) - 1, 0)
+    hi = min(int(idx[-1]) + 2, len(edges) - 1)
+    return math.log10(edges[lo]), math.log10(edges[hi])

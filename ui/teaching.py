@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
 from engine.router import RouteQuery, Router
 from engine.snapshot import BackendSnapshot, Rates, WorkItem
 
-from .theme import MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
+from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
 from .workload import STUDY, WorkloadRun
 
 # The article's rates (Apple M2, Qwen2.5-0.5B, profiled alone).
@@ -244,6 +244,11 @@ class TeachingPanel(QWidget):
                                           brushes=[qcolor(GPU_COLOR, 230), qcolor(CPU_COLOR, 230)], pen=None)
         p.addItem(self.bar_prefill)
         p.addItem(self.bar_decode)
+        # The bars' colours are per backend: the legend explains the light/strong halves.
+        legend = p.addLegend(offset=(-6, 6), labelTextSize="8pt", brush=LEGEND_BG)
+        for name, alpha in (("prefill", 110), ("decode", 230)):
+            legend.addItem(pg.BarGraphItem(x=[0], height=[0], width=1, brush=qcolor("#c8ccd4", alpha), pen=None),
+                           f"{name} time")
         self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color="#e6e9ef") for _ in range(2)]
         for t in self.bar_labels:
             p.addItem(t)
