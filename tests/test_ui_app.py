@@ -216,3 +216,16 @@ def test_recalibrate_runs_off_the_gui_thread_and_reports(qtbot, make_window, ui_
     c.recal_button.click()  # a failure is shown, the button comes back
     qtbot.waitUntil(lambda: c.recal_button.isEnabled(), timeout=WAIT_MS)
     assert messages[-1] == "recalibration failed: no KV room"
+
+
+def test_tandem_without_a_command_takes_the_apps_options():
+    from app.cli import parse_args
+
+    args = parse_args(["--model", "default"])
+    assert args.command == "gui" and args.model == "default"
+    args = parse_args(["-v", "--model", "synthetic:tiny", "--screenshot", "out.png", "--demo", "8"])
+    assert (args.command, args.verbose, args.model, args.screenshot, args.demo) == \
+        ("gui", True, "synthetic:tiny", "out.png", 8)
+    args = parse_args(["gui", "--model", "synthetic:tiny", "--demo", "8"])
+    assert args.command == "gui" and args.demo == 8
+    assert parse_args(["serve", "--port", "9000"]).command == "serve"
