@@ -9,6 +9,7 @@ from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, u
 
 from app.gui import bench_runner, load_engine
 from ui.loader import ModelSpec
+from ui.metrics import model_title
 from ui.workload import seed_workload
 
 TINY_RUN = dict(n=3, prefix=32, suffix=4, gen=4)
@@ -73,7 +74,8 @@ def test_window_starts_empty_and_shows_the_loaded_model(qtbot, qasync_loop, tmp_
         w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
         assert "Loading" in w.placeholder_label.text()
         qtbot.waitUntil(lambda: w.engine is not None, timeout=WAIT_MS)
-        assert w.engine.model.info.name in w.model_label.text()
+        assert model_title(w.engine.model.info) in w.model_label.text()
+        assert w.engine.model.info.name in w.model_label.toolTip()
         assert w.stack.currentWidget() is w.panels["chat"]
     finally:
         w.shutdown()
@@ -131,7 +133,7 @@ def test_teaching_runs_the_eight_arrivals_live(qtbot, make_window, ui_engine):
     assert len(decisions) == 8
     for row, d in enumerate(decisions):
         assert t.live_table.item(row, 1).text() == d.backend
-        assert t.live_table.item(row, 2).text() == "496"  # the warmed prefix
+        assert t.live_table.item(row, 2).text() == "496 tok"  # the warmed prefix
     assert "The article sent 7 to the GPU" in t.live_note.text()
     t.use_article_rates()
     assert ui_engine.backend("cpu0").rates.prefill_tok_s == 2551.0
@@ -229,3 +231,34 @@ def test_tandem_without_a_command_takes_the_apps_options():
     args = parse_args(["gui", "--model", "synthetic:tiny", "--demo", "8"])
     assert args.command == "gui" and args.demo == 8
     assert parse_args(["serve", "--port", "9000"]).command == "serve"
+
+
+def _shown_in(widget, area) -> bool:
+    """`widget` is drawn whole inside `area` (a scroll area's viewport, a dock)."""
+    top_left = widget.mapTo(area, widget.rect().topLeft())
+    return area.rect().contains(top_left) and area.rect().contains(
+        widget.mapTo(area, widget.rect().bottomRight()))
+
+
+def test_the_window_fits_and_stays_usable_at_1280x720(qtbot, make_window, ui_engine):
+    w = make_window(engine=None, compact=True)  # as the app: the window shows, then the model arrives
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    w.set_engine(ui_engine, owns=False)
+    hint = w.minimumSizeHint()
+    assert hint.width() <= 1280 and hint.height() <= 720, hint
+    qtbot.waitUntil(lambda: w.width() == 1280 and w.height() == 720, timeout=WAIT_MS)
+    w.show_panel("backends")
+    backends = w.panels["backends"]
+    qtbot.waitUntil(lambda: backends.columns == 2, timeout=WAIT_MS)  # side by side at full width
+    for card in backends.cards.values():
+        for button in (card.warm_button, card.flush_button, card.cap_spin):
+            assert _shown_in(button, backends.viewport()), button.text() if hasattr(button, "text") else "cap"
+    w.show_panel("teaching")
+    table = w.panels["teaching"].live_table
+    qtbot.waitUntil(lambda: table.isVisible(), timeout=WAIT_MS)
+    last = table.rowViewportPosition(7) + table.rowHeight(7)
+    assert 0 < last <= table.viewport().height()  # all 8 rows without scrolling
+    chat = w.panels["chat"]
+    assert chat.view.height() >= 80 and _shown_in(chat.send_button, w)

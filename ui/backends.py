@@ -31,7 +31,7 @@ from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, qc
 log = logging.getLogger(__name__)
 
 HISTORY_S = 30.0
-CARD_WIDTH = 320  # narrowest a card stays readable
+CARD_WIDTH = 330  # narrowest a card stays readable (with Warm/Flush in its header)
 
 
 class BackendCard(QFrame):
@@ -74,10 +74,20 @@ class BackendCard(QFrame):
                               f"flash attention {b.config.flash_attn}, unified KV {b.config.kv_unified}")
         self.facts.setObjectName("muted")
         self.health = QLabel("healthy")
+        self.warm_button = QPushButton("Warm prefix")
+        self.warm_button.setToolTip("Prefill the chat's system prompt into this backend's prefix cache, "
+                                    "so requests that start with it skip that prefill")
+        self.warm_button.clicked.connect(self.warm)
+        self.flush_button = QPushButton("Flush cache")
+        self.flush_button.setToolTip("Drop every cached prefix not pinned by a request and free its KV cells")
+        self.flush_button.clicked.connect(self.flush)
         head = QHBoxLayout()
         head.addWidget(title)
         head.addStretch(1)
         head.addWidget(self.health)
+        head.addSpacing(6)
+        head.addWidget(self.warm_button)
+        head.addWidget(self.flush_button)
         grid.addLayout(head, 0, 0, 1, 4)
         self.facts.setWordWrap(True)
         grid.addWidget(self.facts, 1, 0, 1, 4)
@@ -119,7 +129,7 @@ class BackendCard(QFrame):
         grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
-        self.plot.setFixedHeight(64)
+        self.plot.setFixedHeight(58)
         p = self.plot.getPlotItem()
         p.setMouseEnabled(False, False)
         p.hideButtons()
@@ -145,7 +155,7 @@ class BackendCard(QFrame):
         # Where the rates the router prices this backend at came from: a placeholder ("default")
         # is flagged, since every score is rough until it is measured.
         self.rates_source_label = QLabel()
-        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label, self.rates_source_label):
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_source_label):
             lab.setWordWrap(True)
         grid.addWidget(_muted("Prefix hits"), 7, 0)
         grid.addWidget(self.hit_label, 7, 1, 1, 3)
@@ -153,21 +163,12 @@ class BackendCard(QFrame):
         grid.addWidget(_muted("Observed"), 9, 0)
         grid.addWidget(self.speed_label, 9, 1, 1, 3)
         grid.addWidget(_muted("Priced at"), 10, 0)
-        grid.addWidget(self.rates_label, 10, 1, 1, 3)
-        grid.addWidget(self.rates_source_label, 11, 1, 1, 3)
+        priced = QHBoxLayout()
+        priced.setSpacing(8)
+        priced.addWidget(self.rates_label)
+        priced.addWidget(self.rates_source_label, 1)
+        grid.addLayout(priced, 10, 1, 1, 3)
 
-        buttons = QHBoxLayout()
-        self.warm_button = QPushButton("Warm prefix")
-        self.warm_button.setToolTip("Prefill the chat's system prompt into this backend's prefix cache, "
-                                    "so requests that start with it skip that prefill")
-        self.warm_button.clicked.connect(self.warm)
-        self.flush_button = QPushButton("Flush cache")
-        self.flush_button.setToolTip("Drop every cached prefix not pinned by a request and free its KV cells")
-        self.flush_button.clicked.connect(self.flush)
-        buttons.addWidget(self.warm_button)
-        buttons.addWidget(self.flush_button)
-        buttons.addStretch(1)
-        grid.addLayout(buttons, 12, 0, 1, 4)
         grid.setColumnStretch(1, 1)
 
     # ---- actions ----
@@ -321,17 +322,38 @@ class BackendsPanel(QScrollArea):
         lay.setContentsMargins(6, 6, 6, 6)
         lay.setSpacing(8)
         hz = max(1, round(1000 / bridge.interval_ms))
-        columns = 2 if len(engine.backends) >= 2 else 1  # side by side: the dock is wide, not tall
+        self._grid = lay
+        self._columns = 0
         self.cards: dict[str, BackendCard] = {}
         for i, (name, backend) in enumerate(engine.backends.items()):
             card = BackendCard(backend, i, warm_tokens, hz, restart=engine.restart_backend)
             card.status_message.connect(self.status_message)
             self.cards[name] = card
-            lay.addWidget(card, i // columns, i % columns, Qt.AlignTop)
-        lay.setRowStretch(lay.rowCount(), 1)
-        self.setMinimumWidth(min(columns * CARD_WIDTH + 24, 720))
+        self._reflow(2 if len(self.cards) >= 2 else 1)
+        self.setMinimumWidth(CARD_WIDTH + 24)  # one column when narrow; side by side when there is room
         self.setWidget(inner)
         bridge.tick.connect(self.on_tick)
+
+    def _reflow(self, columns: int) -> None:
+        columns = max(1, min(columns, len(self.cards)))
+        if columns == self._columns:
+            return
+        self._columns = columns
+        for card in self.cards.values():
+            self._grid.removeWidget(card)
+        for i, card in enumerate(self.cards.values()):
+            self._grid.addWidget(card, i // columns, i % columns, Qt.AlignTop)
+        for r in range(self._grid.rowCount()):
+            self._grid.setRowStretch(r, 0)
+        self._grid.setRowStretch((len(self.cards) + columns - 1) // columns, 1)
+
+    @property
+    def columns(self) -> int:
+        return self._columns
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._reflow((self.viewport().width() - 12) // (CARD_WIDTH + 8))
 
     def on_tick(self, tick) -> None:
         for snap in tick.snapshots:

@@ -124,7 +124,7 @@ class ChatPanel(QWidget):
         sys_label = QLabel("System prompt")
         sys_label.setObjectName("muted")
         self.system_edit = QPlainTextEdit(self.chat.system)
-        self.system_edit.setFixedHeight(46)
+        self.system_edit.setFixedHeight(40)
         self.system_edit.setPlaceholderText("(none)")
         self.system_edit.textChanged.connect(self._on_system_changed)
         self.settings_button = QToolButton()
@@ -138,25 +138,30 @@ class ChatPanel(QWidget):
 
         self.settings = self._build_settings()
         self.settings_button.toggled.connect(self.settings.setVisible)
+        self.settings_button.toggled.connect(
+            lambda on: self.settings_button.setText("Sampling ▾" if on else "Sampling ▸"))
         rv.addWidget(self.settings)
 
         if getattr(self.engine.model, "synthetic", False):
             warn = QLabel("⚠ Synthetic model: random weights of a real model's shape — the text is noise; "
                           "use it for timing, not for answers.")
             warn.setStyleSheet("color:#f5c26b")
-            warn.setWordWrap(True)
+            warn.setToolTip(warn.text())
+            warn.setMinimumWidth(100)
+            warn.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # one line, cut rather than widening
             rv.addWidget(warn)
 
         self.view = QTextBrowser()
         self.view.setOpenExternalLinks(False)
         self.view.setOpenLinks(False)  # our links (copy, edit, delete) go to _on_link
         self.view.anchorClicked.connect(self._on_link)
+        self.view.setMinimumHeight(80)  # a few lines of the transcript, even on a 720 px screen
         self.view.setPlaceholderText("")
         rv.addWidget(self.view, 1)
 
         self.input = PromptEdit()
         self.input.setPlaceholderText("Message the model — Enter to send, Shift+Enter for a new line, Esc to stop")
-        self.input.setFixedHeight(64)
+        self.input.setFixedHeight(54)
         self.input.submitted.connect(self._on_submit)
         rv.addWidget(self.input)
 

@@ -9,6 +9,11 @@ With a `serve_fn` the Server menu runs the OpenAI-compatible server in this proc
 window's asyncio loop (`ui.server`): its requests go to the shown engine and appear in the
 views live; the status bar shows its address or why it is not serving. Loading another model
 moves the server to the new engine; closing the window stops the server first.
+
+The window sizes itself to the screen. On a short screen (under 900 px available, a 1280x720
+laptop) it uses the compact layout: every panel is a tab of the bottom dock area under the
+chat, so each gets the full width (two backend cards side by side with their buttons, the
+teaching table with all its rows); otherwise Backends and Controls sit beside the chat.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import threading
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
     QStackedWidget, QVBoxLayout, QWidget,
@@ -37,7 +42,8 @@ from .model_dialog import ModelDialog
 from .routing import RoutingView
 from .server import ServerControl, ServerDialog, ServerOptions
 from .teaching import TeachingPanel
-from .theme import FAILED, configure_pyqtgraph
+from .metrics import model_title
+from .theme import FAILED, configure_pyqtgraph, scrollable
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 log = logging.getLogger(__name__)
@@ -49,7 +55,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, engine=None, *, load_fn=None, store: ChatStore | None = None, owns_engine: bool = True,
                  gpu_offload: bool | None = None, recalibrate=None, bench_runner_factory=None, serve_fn=None,
-                 hz: int = 15, parent: QWidget | None = None):
+                 hz: int = 15, compact: bool | None = None, parent: QWidget | None = None):
         super().__init__(parent)
         configure_pyqtgraph()
         self.engine = None
@@ -77,7 +83,13 @@ class MainWindow(QMainWindow):
         self.probe.start()
 
         self.setWindowTitle("Tandem")
-        self.resize(1600, 1000)
+        screen = QGuiApplication.primaryScreen()
+        avail = screen.availableGeometry() if screen is not None else None
+        self.compact = compact if compact is not None else (avail is not None and avail.height() < 900)
+        if avail is not None:
+            self.resize(min(1600, avail.width()), min(1000, avail.height()))
+        else:
+            self.resize(1600, 1000)
         self.setDockOptions(QMainWindow.AnimatedDocks | QMainWindow.AllowTabbedDocks | QMainWindow.AllowNestedDocks)
         # The analysis views (bottom) span the full width; backends and controls sit beside the chat.
         self.setCorner(Qt.BottomRightCorner, Qt.BottomDockWidgetArea)
@@ -118,6 +130,7 @@ class MainWindow(QMainWindow):
         sb = self.statusBar()
         self.model_label = QLabel("no model")
         self.backends_label = QLabel("")
+        self.model_label.setMaximumWidth(300)
         self.device_label = QLabel(self._device_text())
         if self.gpu_offload is False:  # the status bar is crowded: the why goes in the tooltip
             self.device_label.setToolTip("This llama.cpp build is CPU-only (llama_supports_gpu_offload() is false)")
@@ -198,10 +211,13 @@ class MainWindow(QMainWindow):
         if self.server is not None and old is not engine:
             self.server.restart(engine)  # a no-op while the server is off
         info = engine.model.info
-        synthetic = " (synthetic: text is noise)" if getattr(engine.model, "synthetic", False) else ""
-        self.setWindowTitle(f"Tandem — {info.name}")
-        self.model_label.setText(f"Model: {info.name}{synthetic} · {info.n_params / 1e6:.0f}M params")
-        self.model_label.setToolTip(info.path)
+        synthetic = " (synthetic)" if getattr(engine.model, "synthetic", False) else ""
+        title = model_title(info)
+        self.setWindowTitle(f"Tandem — {title}")
+        text = f"{title}{synthetic} · {_params(info.n_params)}"
+        self.model_label.setText(self.model_label.fontMetrics().elidedText(text, Qt.ElideMiddle, 300))
+        self.model_label.setToolTip(f"{info.path}\nGGUF general.name: {info.name}"
+                                    + ("\nSynthetic: random weights, the text is noise" if synthetic else ""))
         self.state_label.setText("engine ready")
         self.engine_loaded.emit(engine)
 
@@ -221,27 +237,41 @@ class MainWindow(QMainWindow):
                        "latency": latency, "teaching": teaching, "experiments": experiments}
         for p in self.panels.values():
             if hasattr(p, "status_message"):
-                p.status_message.connect(lambda msg: self.statusBar().showMessage(msg, 5000))
+                p.status_message.connect(self.show_message)
         self.stack.addWidget(chat)
         self.stack.setCurrentWidget(chat)
 
-        right_b = self._dock("Backends", backends, Qt.RightDockWidgetArea)
-        right_c = self._dock("Controls", controls, Qt.RightDockWidgetArea)
-        self.tabifyDockWidget(right_b, right_c)
+        side = Qt.BottomDockWidgetArea if self.compact else Qt.RightDockWidgetArea
+        right_b = self._dock("Backends", backends, side)
+        right_c = self._dock("Controls", controls, side, scroll=True)
         bottom = [self._dock(t, self.panels[k], Qt.BottomDockWidgetArea)
                   for t, k in (("Routing", "routing"), ("Latency", "latency"), ("Teaching", "teaching"),
                                ("Experiments", "experiments"))]
+        if self.compact:
+            bottom = [right_b, right_c, *bottom]
+        else:
+            self.tabifyDockWidget(right_b, right_c)
         for d in bottom[1:]:
             self.tabifyDockWidget(bottom[0], d)
         right_b.raise_()
-        bottom[0].raise_()
-        self.resizeDocks([right_b], [min(340 * len(engine.backends), 700)], Qt.Horizontal)
-        self.resizeDocks([bottom[0]], [500], Qt.Vertical)
+        if not self.compact:
+            bottom[0].raise_()
+            self.resizeDocks([right_b], [min(340 * len(engine.backends), 700)], Qt.Horizontal)
+        # Compact: the chat keeps ~300 px, the panels get the rest of a 720 px screen.
+        self.resizeDocks([bottom[0]], [max(330, self.height() - 300) if self.compact else 500], Qt.Vertical)
+        if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
+            chat.settings_button.setChecked(False)
 
-    def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
+    def show_message(self, message: str, ms: int = 8000) -> None:
+        """A passing message in the status bar; the whole of it (and the last one) in its tooltip."""
+        sb = self.statusBar()
+        sb.showMessage(message, ms)
+        sb.setToolTip(f"Last message: {message}")
+
+    def _dock(self, title: str, widget: QWidget, area, scroll: bool = False) -> QDockWidget:
         d = QDockWidget(title, self)
         d.setObjectName(f"dock-{title.lower()}")
-        d.setWidget(widget)
+        d.setWidget(scrollable(widget) if scroll else widget)
         self._dock_of[widget] = d
         d.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable | QDockWidget.DockWidgetClosable)
         self.addDockWidget(area, d)
@@ -317,10 +347,16 @@ class MainWindow(QMainWindow):
 
     def _on_tick(self, tick) -> None:
         parts = []
+        tips = []
         for s in tick.snapshots:
             dot = "●" if s.healthy else "✖"
-            parts.append(f"{dot} {s.name} {len(s.running)}/{s.cap} running, {len(s.waiting)} waiting")
-        self.backends_label.setText("  ".join(parts))
+            parts.append(f"{dot} {s.name} {len(s.running)}/{s.cap} +{len(s.waiting)}")
+            tips.append(f"{s.name}: {len(s.running)} running (cap {s.cap}), {len(s.waiting)} waiting"
+                        + ("" if s.healthy else ", down"))
+        text = "  ".join(parts)
+        if self.backends_label.text() != text:
+            self.backends_label.setText(text)
+            self.backends_label.setToolTip("\n".join(tips))
         p95 = self.probe.percentile(95)
         if p95 == p95:
             self.lag_label.setText(f"UI lag p95 {p95 * 1000:.0f} ms")
@@ -431,3 +467,12 @@ class MainWindow(QMainWindow):
             return
         self.shutdown()
         super().closeEvent(event)
+
+
+def _params(n: int) -> str:
+    """1.35e8 -> '135M params', 4.1e5 -> '410K params'."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B params"
+    if n >= 1e6:
+        return f"{n / 1e6:.0f}M params"
+    return f"{n / 1e3:.0f}K params"

@@ -227,7 +227,7 @@ class RoutingView(QWidget):
         for col, w in enumerate((38, 54, 72, 84)):
             self.table.setColumnWidth(col, w)
         for b in self.backends:
-            self.table.setColumnWidth(self.model.column_of(b, "rates"), 118)
+            self.table.setColumnWidth(self.model.column_of(b, "rates"), 142)
             self.table.setColumnWidth(self.model.column_of(b, "score"), 70)
         self.table.selectionModel().currentRowChanged.connect(self._on_row)
         self.model.rowsInserted.connect(self._follow)
@@ -237,6 +237,8 @@ class RoutingView(QWidget):
         style_plot(p, "Score of each backend per arriving request (lower wins)", "time since the first row (s)",
                    "score (s)")
         p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+        for axis in ("left", "bottom"):
+            p.getAxis(axis).enableAutoSIPrefix(False)  # seconds stay seconds, no "(x0.001)"
         self.curves = {}
         for b in self.backends:
             c = self.colors[b]

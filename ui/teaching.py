@@ -211,7 +211,8 @@ class TeachingPanel(QWidget):
 
     def _build(self) -> None:
         # Inputs: the article's numbers, editable.
-        inputs = QGroupBox("The article's numbers (edit to move the boundary)")
+        inputs = QGroupBox("The article's numbers")
+        inputs.setToolTip("Edit a rate or the cached prefix: every step is recomputed by the real router")
         f = QFormLayout(inputs)
         self.gpu_prefill = _spin(ARTICLE_RATES["gpu"].prefill_tok_s)
         self.gpu_decode = _spin(ARTICLE_RATES["gpu"].decode_tok_s)
@@ -259,8 +260,8 @@ class TeachingPanel(QWidget):
         lv = QVBoxLayout(left)
         lv.setContentsMargins(0, 0, 0, 0)
         lv.addWidget(inputs)
-        lv.addWidget(self.chart, 1)
-        self.chart.setMinimumHeight(150)
+        lv.addStretch(1)
+        self.chart.setMinimumSize(200, 150)
 
         # The steps.
         self.step_title = QLabel()
@@ -290,7 +291,13 @@ class TeachingPanel(QWidget):
         mv = QVBoxLayout(middle)
         mv.setContentsMargins(0, 0, 0, 0)
         mv.addWidget(self.step_title)
-        mv.addWidget(self.text, 1)
+        body = QSplitter(Qt.Horizontal)  # the step's text with its chart beside it (fits a short screen)
+        body.addWidget(self.text)
+        body.addWidget(self.chart)
+        body.setStretchFactor(0, 3)
+        body.setStretchFactor(1, 2)
+        body.setChildrenCollapsible(False)
+        mv.addWidget(body, 1)
         mv.addLayout(nav)
 
         # Live: the same eight arrivals on this machine.
@@ -310,13 +317,16 @@ class TeachingPanel(QWidget):
         self.live_progress = QProgressBar()
         self.live_progress.setMaximum(STUDY.n_requests)
         self.live_progress.setFormat("%v / %m done")
+        self.live_progress.setMinimumWidth(70)
         row.addWidget(self.live_button)
         row.addWidget(self.article_rates_button)
+        row.addWidget(self.live_progress, 1)
         lv2.addLayout(row)
-        lv2.addWidget(self.live_progress)
         names = list(self.engine.backends)
         self.live_table = QTableWidget(STUDY.n_requests, 3 + len(names))
-        self.live_table.setHorizontalHeaderLabels(["article", "here", "cached", *[f"{n} score" for n in names]])
+        self.live_table.setHorizontalHeaderLabels(["article", "here", "cached", *names])
+        for k, n in enumerate(names):
+            self.live_table.horizontalHeaderItem(3 + k).setToolTip(f"{n}'s score for the request (seconds)")
         self.live_table.setVerticalHeaderLabels([f"req {i + 1}" for i in range(STUDY.n_requests)])
         self.live_table.setEditTriggers(QAbstractItemView.NoEditTriggers)
         self.live_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
@@ -333,10 +343,10 @@ class TeachingPanel(QWidget):
         lv2.addWidget(self.live_note)
 
         split = QSplitter(Qt.Horizontal)
-        split.addWidget(scrollable(left, 260))
+        split.addWidget(scrollable(left, 240))
         split.addWidget(middle)
         split.addWidget(live)
-        split.setSizes([330, 640, 480])
+        split.setSizes([260, 720, 420])
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(split)
@@ -485,7 +495,7 @@ class TeachingPanel(QWidget):
             here = QTableWidgetItem(d.backend)
             here.setForeground(qcolor(backend_color(names.index(d.backend)) if d.backend in names else "#ffffff"))
             self.live_table.setItem(i, 1, here)
-            self.live_table.setItem(i, 2, QTableWidgetItem(str(d.chosen.cached_tokens)))
+            self.live_table.setItem(i, 2, QTableWidgetItem(f"{d.chosen.cached_tokens} tok"))
             for k, n in enumerate(names):
                 try:
                     s = d.score_of(n)
