@@ -262,3 +262,24 @@ def test_the_window_fits_and_stays_usable_at_1280x720(qtbot, make_window, ui_eng
     assert 0 < last <= table.viewport().height()  # all 8 rows without scrolling
     chat = w.panels["chat"]
     assert chat.view.height() >= 80 and _shown_in(chat.send_button, w)
+
+
+def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
+    import time
+
+    from PySide6.QtCore import QTimer
+
+    from ui.loop_probe import LoopProbe
+
+    probe = LoopProbe(interval_ms=10)
+    probe.start()
+    start = time.perf_counter()
+    QTimer.singleShot(100, lambda: time.sleep(0.3))  # the GUI thread blocked for 300 ms
+    qtbot.wait(600)
+    elapsed = time.perf_counter() - start
+    probe.stop()
+    due = elapsed / 0.010
+    assert 0.85 * due <= len(probe.samples) <= due + 1  # a sample per scheduled tick, stall included
+    assert probe.missed >= 25  # the ticks that fell due during the stall
+    late = sorted(probe.samples, reverse=True)
+    assert late[0] >= 0.28 and late[14] >= 0.14  # the stall's ticks, 300 ms down to 0
