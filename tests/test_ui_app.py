@@ -187,6 +187,15 @@ def test_demo_workload_from_the_run_menu(qtbot, make_window):
     assert w.panels["routing"].model.rowCount() == 4
 
 
+def test_a_demo_run_appears_in_experiments(qtbot, make_window):
+    w = make_window()
+    run = w.start_demo(seed_workload(3, prefix_tokens=32, suffix_tokens=4, gen_tokens=4, interval_s=0.01))
+    qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
+    ex = w.panels["experiments"]
+    assert len(ex.summaries) == 1 and ex.summaries[0].label == "demo" and ex.summaries[0].n_ok == 3
+    assert ex.table.rowCount() == 1 and ex.table.item(0, 0).text() == "demo"
+
+
 def test_recalibrate_runs_off_the_gui_thread_and_reports(qtbot, make_window, ui_engine):
     """The Controls button runs the app's recalibrate function on a worker thread, shows its
     progress and outcome, and the router uses the rates it set. (The function here sets rates

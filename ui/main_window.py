@@ -377,11 +377,21 @@ class MainWindow(QMainWindow):
         if self.engine is None or self.bridge is None or (self.demo is not None and self.demo.running):
             return None
         self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
-        self.demo.done.connect(lambda r: self.statusBar().showMessage(
-            f"demo {r.summary().n_ok}/{r.spec.n_requests} requests in {r.summary().makespan_s:.1f} s"
-            + (f" — {r.error}" if r.error else ""), 8000))
+        self.demo.done.connect(self._on_demo_done)
         self.demo.start()
         return self.demo
+
+    def _on_demo_done(self, result) -> None:
+        """A demo run is an experiment like any other: its row goes to the Experiments table."""
+        if result.records:
+            summary = result.summary()
+            experiments = self.panels.get("experiments")
+            if experiments is not None:
+                experiments.add_summary(summary)
+            self.show_message(f"demo {summary.n_ok}/{result.spec.n_requests} requests in {summary.makespan_s:.1f} s"
+                              " (a row in Experiments)" + (f" — {result.error}" if result.error else ""))
+        else:
+            self.show_message(f"demo failed: {result.error or 'no request finished'}")
 
     def stop_demo(self) -> None:
         if self.demo is not None and self.demo.running:
