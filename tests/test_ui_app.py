@@ -67,7 +67,10 @@ def test_window_starts_empty_and_shows_the_loaded_model(qtbot, qasync_loop, tmp_
     from ui.history import ChatStore
     from ui.main_window import MainWindow
 
-    w = MainWindow(load_fn=load_engine, store=ChatStore(tmp_path), gpu_offload=False)
+    from PySide6.QtCore import QSettings
+
+    w = MainWindow(load_fn=load_engine, store=ChatStore(tmp_path), gpu_offload=False,
+                   settings=QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
     try:
         assert w.panels == {} and "No model" in w.placeholder_label.text()
         assert "GPU offload: no" in w.device_label.text()
@@ -292,3 +295,49 @@ def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
     assert probe.missed >= 25  # the ticks that fell due during the stall
     late = sorted(probe.samples, reverse=True)
     assert late[0] >= 0.28 and late[14] >= 0.14  # the stall's ticks, 300 ms down to 0
+
+
+def test_settings_persist_sampling_dock_layout_and_last_model(qtbot, make_window, tmp_path):
+    from PySide6.QtCore import QSettings
+
+    from ui.loader import ModelSpec
+
+    path = str(tmp_path / "kept.ini")
+    w = make_window(settings=QSettings(path, QSettings.IniFormat))
+    w.spec = ModelSpec(UI_MODEL)
+    chat = w.panels["chat"]
+    chat.temperature.setValue(0.3)
+    chat.max_tokens.setValue(77)
+    chat.seed.setValue(5)
+    w._dock_of[w.panels["latency"]].hide()
+    w.shutdown()
+
+    again = make_window(settings=QSettings(path, QSettings.IniFormat))
+    chat = again.panels["chat"]
+    assert (chat.temperature.value(), chat.max_tokens.value(), chat.seed.value()) == (0.3, 77, 5)
+    assert again._dock_of[again.panels["latency"]].isHidden()
+    assert not again._dock_of[again.panels["routing"]].isHidden()
+    assert QSettings(path, QSettings.IniFormat).value("model/last") == UI_MODEL
+
+
+def test_ctrl_slash_lists_the_shortcuts(qtbot, make_window):
+    w = make_window()
+    assert w.shortcuts_action.shortcut().toString() == "Ctrl+/"
+    w.shortcuts_action.trigger()
+    assert w.shortcuts_dialog.isVisible()
+    text = w.shortcuts_dialog.text()
+    for key in ("Ctrl+N", "Esc", "Shift+Enter", "Ctrl+/"):
+        assert key in text
+
+
+def test_context_meter_warns_before_sending_a_prompt_too_long(qtbot, make_window):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.update_context_meter()
+    assert chat.context_label.text().endswith("/ 1,024 tokens")
+    chat.input.setPlainText("word " * 3000)
+    qtbot.waitUntil(lambda: "too long" in chat.context_label.text(), timeout=WAIT_MS)
+    prompt, _, n_ctx = chat.context_usage()
+    assert prompt > n_ctx == 1024
+    chat.input.setPlainText("hi")
+    qtbot.waitUntil(lambda: "too long" not in chat.context_label.text(), timeout=WAIT_MS)

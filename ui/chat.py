@@ -23,7 +23,7 @@ import json
 import logging
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QInputDialog, QLabel,
@@ -81,6 +81,8 @@ class ChatPanel(QWidget):
         self._reload_list()
         self._render()
         self._update_buttons()
+        self.max_tokens.valueChanged.connect(self._context_timer.start)
+        self.update_context_meter()
 
     # ---- layout ----
 
@@ -164,6 +166,16 @@ class ChatPanel(QWidget):
         self.input.setFixedHeight(54)
         self.input.submitted.connect(self._on_submit)
         rv.addWidget(self.input)
+        # How much of the context the next request would use (chat so far + the draft + max tokens).
+        self.context_label = QLabel()
+        self.context_label.setObjectName("muted")
+        self.context_label.setToolTip("Tokens the next request needs (the whole chat with the chat template, the "
+                                      "draft and the max tokens to generate) against the largest backend context")
+        self._context_timer = QTimer(self)
+        self._context_timer.setSingleShot(True)
+        self._context_timer.setInterval(250)
+        self._context_timer.timeout.connect(self.update_context_meter)
+        self.input.textChanged.connect(self._context_timer.start)
 
         buttons = QHBoxLayout()
         self.send_button = QPushButton("Send")
@@ -188,6 +200,7 @@ class ChatPanel(QWidget):
         buttons.addWidget(send_to)
         buttons.addWidget(self.backend_combo)
         buttons.addWidget(self.state_label, 1)
+        buttons.addWidget(self.context_label)
         rv.addLayout(buttons)
 
         split = QSplitter(Qt.Horizontal)
@@ -393,6 +406,50 @@ class ChatPanel(QWidget):
         self._render()
         self._update_buttons()
 
+    def context_usage(self) -> tuple[int, int, int]:
+        """(prompt tokens of the chat plus the draft, max tokens, the largest backend context)."""
+        messages = self.chat.prompt_messages()
+        draft = self.input.toPlainText().strip()
+        if draft:
+            messages.append({"role": "user", "content": draft})
+        prompt = len(self.engine.chat_tokens(messages)) if len(messages) > (1 if self.chat.system.strip() else 0) else 0
+        n_ctx = max((s.n_ctx for s in self.engine.snapshot() if s.healthy), default=0)
+        return prompt, self.max_tokens.value(), n_ctx
+
+    def update_context_meter(self) -> None:
+        try:
+            prompt, budget, n_ctx = self.context_usage()
+        except (EngineError, ValueError) as e:
+            self.context_label.setText(f"context: ? ({e})")
+            return
+        over = prompt + 1 > n_ctx
+        self.context_label.setText(f"context {prompt:,} + {budget:,} / {n_ctx:,} tokens" + (" — too long" if over else ""))
+        color = _ERROR if over else ("#f5c26b" if prompt + budget > n_ctx else MUTED)
+        self.context_label.setStyleSheet(f"color:{color}")
+
+    def save_settings(self, settings: QSettings) -> None:
+        """Sampling settings and the Send-to choice, for the next session."""
+        settings.beginGroup("sampling")
+        for key, w in self._setting_widgets().items():
+            settings.setValue(key, w.value())
+        settings.setValue("expanded", self.settings_button.isChecked())
+        settings.endGroup()
+
+    def load_settings(self, settings: QSettings) -> None:
+        settings.beginGroup("sampling")
+        for key, w in self._setting_widgets().items():
+            v = settings.value(key)
+            if v is not None:
+                try:
+                    w.setValue(type(w.value())(v))
+                except (TypeError, ValueError):
+                    log.warning("ignoring the saved %s setting %r", key, v)
+        settings.endGroup()
+
+    def _setting_widgets(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "repeat_penalty": self.repeat_penalty, "max_tokens": self.max_tokens, "seed": self.seed}
+
     def transcript_text(self) -> str:
         return self.view.toPlainText()
 
@@ -474,6 +531,8 @@ class ChatPanel(QWidget):
         self._save()
         self._reload_list()
         self.state_label.setText(_meta_plain(meta))
+        self.state_label.setToolTip(_meta_plain(meta))
+        self.update_context_meter()
         self._update_buttons()
         self.reply_finished.emit(record)
 
@@ -495,6 +554,7 @@ class ChatPanel(QWidget):
         cursor.movePosition(QTextCursor.End)
         self._stream_cursor = cursor if streaming else None
         self.view.verticalScrollBar().setValue(self.view.verticalScrollBar().maximum())
+        self._context_timer.start()
 
     def _message_html(self, m: Message, index: int) -> str:
         links = [f"<a href='msg:copy:{index}' style='color:{MUTED}'>copy</a>"]

@@ -14,6 +14,10 @@ The window sizes itself to the screen. On a short screen (under 900 px available
 laptop) it uses the compact layout: every panel is a tab of the bottom dock area under the
 chat, so each gets the full width (two backend cards side by side with their buttons, the
 teaching table with all its rows); otherwise Backends and Controls sit beside the chat.
+
+Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
+window geometry, dock layout (one per layout), the chat's sampling settings and the last model
+loaded. Ctrl+/ lists the keyboard shortcuts.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSettings, Qt, Signal
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
@@ -55,8 +59,11 @@ class MainWindow(QMainWindow):
 
     def __init__(self, engine=None, *, load_fn=None, store: ChatStore | None = None, owns_engine: bool = True,
                  gpu_offload: bool | None = None, recalibrate=None, bench_runner_factory=None, serve_fn=None,
-                 hz: int = 15, compact: bool | None = None, parent: QWidget | None = None):
+                 hz: int = 15, compact: bool | None = None, settings: QSettings | None = None,
+                 parent: QWidget | None = None):
         super().__init__(parent)
+        self.settings = settings if settings is not None else QSettings()
+        self._layout_restored = False
         configure_pyqtgraph()
         self.engine = None
         self.spec: ModelSpec | None = None
@@ -90,6 +97,9 @@ class MainWindow(QMainWindow):
             self.resize(min(1600, avail.width()), min(1000, avail.height()))
         else:
             self.resize(1600, 1000)
+        geometry = self.settings.value("window/geometry")
+        if geometry is not None:
+            self.restoreGeometry(geometry)
         self.setDockOptions(QMainWindow.AnimatedDocks | QMainWindow.AllowTabbedDocks | QMainWindow.AllowNestedDocks)
         # The analysis views (bottom) span the full width; backends and controls sit beside the chat.
         self.setCorner(Qt.BottomRightCorner, Qt.BottomDockWidgetArea)
@@ -172,7 +182,11 @@ class MainWindow(QMainWindow):
             server.addAction(self.stop_server_action)
         self._update_server_actions()
         help_menu = self.menuBar().addMenu("&Help")
+        self.shortcuts_action = QAction("&Keyboard shortcuts", self, shortcut=QKeySequence("Ctrl+/"),
+                                        triggered=self.show_shortcuts)
+        help_menu.addAction(self.shortcuts_action)
         help_menu.addAction(QAction("&About Tandem", self, triggered=self._about))
+        self.shortcuts_dialog = QMessageBox(QMessageBox.Information, "Keyboard shortcuts", "", QMessageBox.Close, self)
 
     # ---- engine ----
 
@@ -194,7 +208,8 @@ class MainWindow(QMainWindow):
         return True
 
     def choose_model(self) -> None:
-        dialog = ModelDialog(self.spec, self)
+        last = self.settings.value("model/last")
+        dialog = ModelDialog(self.spec or (ModelSpec(str(last)) if last else None), self)
         if dialog.exec() == ModelDialog.Accepted:
             self.load_model(dialog.spec())
 
@@ -261,6 +276,36 @@ class MainWindow(QMainWindow):
         self.resizeDocks([bottom[0]], [max(330, self.height() - 300) if self.compact else 500], Qt.Vertical)
         if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
             chat.settings_button.setChecked(False)
+        chat.load_settings(self.settings)
+        state = self.settings.value(self._state_key())
+        if state is not None and not self._layout_restored:
+            self._layout_restored = self.restoreState(state)
+
+    def _state_key(self) -> str:
+        return "window/state-compact" if self.compact else "window/state"
+
+    def save_settings(self) -> None:
+        """Window geometry, dock layout, sampling settings, last model (on close; idempotent)."""
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        if self.panels:
+            self.settings.setValue(self._state_key(), self.saveState())
+            self.panels["chat"].save_settings(self.settings)
+        if self.spec is not None:
+            self.settings.setValue("model/last", self.spec.model)
+        self.settings.sync()
+
+    def show_shortcuts(self) -> None:
+        rows = [(a.shortcut().toString(QKeySequence.NativeText), a.text().replace("&", ""))
+                for a in self.findChildren(QAction) if not a.shortcut().isEmpty()]
+        rows += [("Enter", "Send the message"), ("Shift+Enter", "New line in the message"),
+                 ("Esc", "Stop the reply being streamed")]
+        seen, lines = set(), []
+        for key, what in rows:
+            if (key, what) not in seen:
+                seen.add((key, what))
+                lines.append(f"<tr><td><b>{key}</b>&nbsp;&nbsp;</td><td>{what}</td></tr>")
+        self.shortcuts_dialog.setText(f"<table>{''.join(lines)}</table>")
+        self.shortcuts_dialog.open()
 
     def show_message(self, message: str, ms: int = 8000) -> None:
         """A passing message in the status bar; the whole of it (and the last one) in its tooltip."""
@@ -457,7 +502,10 @@ class MainWindow(QMainWindow):
                           "request where its score is lowest, and a live view of why.")
 
     def shutdown(self) -> None:
-        """Stop timers, cancel the loader, close the engine if the window owns it. Idempotent."""
+        """Save the settings, stop timers, cancel the loader, close the engine if the window owns it.
+        Idempotent."""
+        if self.panels:
+            self.save_settings()
         self.probe.stop()
         if self.server is not None:
             self.server.stop()  # finishes on the loop; `closeEvent` waits for it instead
