@@ -74,10 +74,12 @@ def test_regenerate_copy_new_chat_and_reopen(qtbot, make_window):
     send(qtbot, chat, "first question")
     first_id = chat.chat.id
     old_request = chat.chat.messages[-1].meta["request_id"]
+    old_text = chat.chat.messages[-1].content
     assert chat.regenerate()
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
     assert len(chat.chat.messages) == 2  # the reply was replaced, not appended
     assert chat.chat.messages[-1].meta["request_id"] != old_request
+    assert [e["content"] for e in chat.chat.messages[-1].meta["earlier"]] == [old_text]  # and kept
     assert chat.copy_reply() == chat.chat.messages[-1].content
     assert QGuiApplication.clipboard().text() == chat.chat.messages[-1].content
 
@@ -198,3 +200,21 @@ def test_replies_render_markdown_with_code_kept_and_copyable(qtbot, make_window)
     assert "monospace" in html_out and "font-weight" in html_out
     chat._on_link(__import__("PySide6.QtCore", fromlist=["QUrl"]).QUrl("copy-code:0"))
     assert QGuiApplication.clipboard().text() == "def f():\n    return 1\n"
+
+
+def test_earlier_answers_are_shown_on_request(qtbot, make_window):
+    from PySide6.QtCore import QUrl
+
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(4)
+    send(qtbot, chat, "question")
+    first = chat.chat.messages[-1].content
+    assert chat.regenerate()
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert "show 1 earlier answer" in chat.transcript_text()
+    chat._on_link(QUrl("msg:earlier:1"))
+    assert "hide 1 earlier answer" in chat.transcript_text()
+    after = chat.transcript_text().split("hide 1 earlier answer")[1]
+    assert f"#1 ({chat.chat.messages[1].meta['earlier'][0]['backend']}): " in after
+    assert " ".join(first.split())[:20] in " ".join(after.split())

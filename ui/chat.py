@@ -76,6 +76,8 @@ class ChatPanel(QWidget):
         self._stream_cursor: QTextCursor | None = None
         self._streamed: list[str] = []
         self._refused: str | None = None  # why the engine refused the last prompt
+        self._earlier: list[dict] = []  # the answers a regenerate replaces, kept with the new one
+        self._expanded: set[int] = set()  # messages whose earlier answers are shown
         self._code_blocks: list[str] = []  # the shown transcript's code blocks, by their Copy link
         self._build()
         self._reload_list()
@@ -308,14 +310,24 @@ class ChatPanel(QWidget):
             self.state_label.setText("stopping…")
 
     def regenerate(self) -> bool:
-        """Drop the last reply and ask again."""
+        """Ask again for the last reply; the earlier answers stay with the new one (meta "earlier")."""
         if self.busy or not self.chat.messages:
             return False
-        if self.chat.messages[-1].role == "assistant":
-            self.chat.messages.pop()
+        popped = self.chat.messages.pop() if self.chat.messages[-1].role == "assistant" else None
         if not self.chat.messages or self.chat.messages[-1].role != "user":
+            if popped is not None:
+                self.chat.messages.append(popped)
             return False
-        return self._start_reply()
+        if popped is not None:
+            meta = popped.meta or {}
+            self._earlier = [{"content": popped.content, "backend": meta.get("backend")}, *meta.get("earlier", [])]
+        if self._start_reply():
+            return True
+        if popped is not None:  # refused: the chat stays as it was
+            self.chat.messages.append(popped)
+            self._earlier = []
+            self._render(notice=self._refused)
+        return False
 
     def copy_reply(self) -> str:
         for m in reversed(self.chat.messages):
@@ -523,6 +535,9 @@ class ChatPanel(QWidget):
             "policy": getattr(decision, "policy", None),
             "reason": getattr(decision, "reason", None),
         }
+        if self._earlier:
+            meta["earlier"] = self._earlier
+            self._earlier = []
         self.chat.messages.append(Message("assistant", record.text, meta))
         self.handle = None
         self._task = None
@@ -571,6 +586,16 @@ class ChatPanel(QWidget):
             body, self._code_blocks = render_markdown(m.content, self._code_blocks)
         else:
             body = f"<p><i style='color:{MUTED}'>(no text)</i></p>"
+        earlier = meta.get("earlier") or []
+        if earlier:
+            n = len(earlier)
+            shown = index in self._expanded
+            body += (f"<p style='font-size:small'><a href='msg:earlier:{index}' style='color:{MUTED}'>"
+                     f"{'hide' if shown else 'show'} {n} earlier answer{'s' if n != 1 else ''}</a></p>")
+            if shown:
+                for k, e in enumerate(earlier, 1):
+                    body += (f"<p style='color:{MUTED};margin-left:12px'>#{k} ({html.escape(str(e.get('backend')))}): "
+                             f"{html.escape(e.get('content', '')).replace(chr(10), '<br>')}</p>")
         return (f"<p style='margin-top:10px'><b style='color:{_ASSISTANT}'>Assistant</b> "
                 f"{_meta_html(meta, self._backend_index(meta.get('backend')))}{actions}</p>"
                 f"<div style='margin-left:8px'>{body}</div>"
@@ -594,6 +619,9 @@ class ChatPanel(QWidget):
                 self.edit_message(index)
             elif action == "delete":
                 self.delete_message(index)
+            elif action == "earlier":
+                self._expanded ^= {index}
+                self._render()
         elif url.scheme() in ("http", "https"):
             QDesktopServices.openUrl(url)
 
