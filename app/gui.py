@@ -139,7 +139,6 @@ def run_gui(args) -> int:
 
         from ui.tour import tour
 
-        window.resize(1600, 1000)
         with loop:
             try:
                 loop.run_until_complete(tour(window, Path(tour_dir), args))

@@ -334,7 +334,7 @@ def test_context_meter_warns_before_sending_a_prompt_too_long(qtbot, make_window
     w = make_window()
     chat = w.panels["chat"]
     chat.update_context_meter()
-    assert chat.context_label.text().endswith("/ 1,024 tokens")
+    assert chat.context_label.text().endswith("/ 1,024")
     chat.input.setPlainText("word " * 3000)
     qtbot.waitUntil(lambda: "too long" in chat.context_label.text(), timeout=WAIT_MS)
     prompt, _, n_ctx = chat.context_usage()

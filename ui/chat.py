@@ -435,7 +435,7 @@ class ChatPanel(QWidget):
             self.context_label.setText(f"context: ? ({e})")
             return
         over = prompt + 1 > n_ctx
-        self.context_label.setText(f"context {prompt:,} + {budget:,} / {n_ctx:,} tokens" + (" — too long" if over else ""))
+        self.context_label.setText(f"context {prompt:,} + {budget:,} / {n_ctx:,}" + (" — too long" if over else ""))
         color = _ERROR if over else ("#f5c26b" if prompt + budget > n_ctx else MUTED)
         self.context_label.setStyleSheet(f"color:{color}")
 

@@ -273,7 +273,7 @@ class MainWindow(QMainWindow):
             bottom[0].raise_()
             self.resizeDocks([right_b], [min(340 * len(engine.backends), 700)], Qt.Horizontal)
         # Compact: the chat keeps ~300 px, the panels get the rest of a 720 px screen.
-        self.resizeDocks([bottom[0]], [max(330, self.height() - 300) if self.compact else 500], Qt.Vertical)
+        self.resizeDocks([bottom[0]], [max(330, self.height() - 350) if self.compact else 500], Qt.Vertical)
         if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
             chat.settings_button.setChecked(False)
         chat.load_settings(self.settings)
