@@ -20,7 +20,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from .metrics import EDGES, METRIC_TITLES, LatencyStore, RingSeries, count_axis_top, fmt_seconds, occupied_log_range
+from .metrics import (
+    EDGES, METRIC_TITLES, LatencyStore, RingSeries, count_axis_top, fmt_seconds, log_ticks, occupied_log_range,
+)
 from .theme import LEGEND_BG, backend_color, qcolor, style_plot
 
 THROUGHPUT_WINDOW_S = 120.0
@@ -52,7 +54,7 @@ class LatencyView(QWidget):
         for k, metric in enumerate(("ttft", "e2e", "itl")):
             w = pg.PlotWidget()
             p = w.getPlotItem()
-            style_plot(p, METRIC_TITLES[metric], "seconds (log scale) — p50 solid, p95 dashed", "requests")
+            style_plot(p, METRIC_TITLES[metric], "log scale — p50 solid, p95 dashed", "requests")
             p.setLogMode(x=True, y=False)
             p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
             p.disableAutoRange()
@@ -162,6 +164,7 @@ class LatencyView(QWidget):
         if span is None:  # nothing yet: 1 ms .. 10 s, 0..1 request
             span = (-3.0, 1.0)
         p.setXRange(*span, padding=0)
+        p.getAxis("bottom").setTicks([log_ticks(*span), []])
         top, step = count_axis_top(max((float(h.max()) for h in hists if len(h)), default=0.0))
         p.setYRange(0, top, padding=0)
         p.getAxis("left").setTickSpacing(step, step)

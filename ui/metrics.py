@@ -236,3 +236,27 @@ def occupied_log_range(histograms, edges) -> tuple[float, float] | None:
     lo = max(int(idx[0]) - 1, 0)
     hi = min(int(idx[-1]) + 2, len(edges) - 1)
     return math.log10(edges[lo]), math.log10(edges[hi])
+
+
+def log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    """Ticks for a log10(seconds) axis from `lo` to `hi`: 1-2-5 steps, labelled '20 ms', '1 s'
+    (pyqtgraph's own log ticks crowd '2·10 3·10 …' when the range is under a decade)."""
+    out = []
+    for exp in range(math.floor(lo) - 1, math.ceil(hi) + 1):
+        for m in (1, 2, 5):
+            v = m * 10.0 ** exp
+            x = math.log10(v)
+            if lo - 1e-9 <= x <= hi + 1e-9:
+                out.append((x, fmt_seconds_short(v)))
+    if len(out) > 7:  # a wide range: decades only
+        out = [(x, t) for x, t in out if abs(x - round(x)) < 1e-9]
+    return out
+
+
+def fmt_seconds_short(s: float) -> str:
+    """0.02 -> '20 ms', 0.0005 -> '0.5 ms', 2 -> '2 s', 120 -> '120 s'."""
+    if s < 1e-3:
+        return f"{s * 1000:g} ms"
+    if s < 1.0:
+        return f"{s * 1000:.0f} ms"
+    return f"{s:g} s"

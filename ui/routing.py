@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
     QTextBrowser, QVBoxLayout, QWidget,
 )
 
-from .metrics import fmt_rate
+from .metrics import count_axis_top, fmt_rate
 from .theme import CHOSEN_BG, LEGEND_BG, MUTED, backend_color, style_plot
 
 TERMS = ("cached", "prefill", "decode", "rates", "score")
@@ -224,7 +224,7 @@ class RoutingView(QWidget):
         h = self.table.horizontalHeader()
         h.setSectionResizeMode(QHeaderView.Interactive)
         h.setDefaultSectionSize(62)
-        for col, w in enumerate((38, 54, 72, 84)):
+        for col, w in enumerate((38, 66, 72, 84)):
             self.table.setColumnWidth(col, w)
         for b in self.backends:
             self.table.setColumnWidth(self.model.column_of(b, "rates"), 142)
@@ -234,7 +234,8 @@ class RoutingView(QWidget):
 
         self.plot_widget = pg.PlotWidget()
         p = self.plot = self.plot_widget.getPlotItem()
-        style_plot(p, "Score of each backend per arriving request (lower wins)", "time since the first row (s)",
+        # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
+        style_plot(p, "Score of each backend per arriving request (lower wins)", "request # (table row)",
                    "score (s)")
         p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
         for axis in ("left", "bottom"):
@@ -341,8 +342,8 @@ class RoutingView(QWidget):
 
     def _redraw(self) -> None:
         ds = self.model.decisions
-        t0 = self.model.t0 or 0.0
-        t = np.array([d.time - t0 for d in ds], dtype=float)
+        t = np.arange(self.model._first_number, self.model._first_number + len(ds), dtype=float)
+        self.plot.getAxis("bottom").setTickSpacing(*([count_axis_top(len(ds))[1]] * 2))
         for b, curve in self.curves.items():
             y = np.array([_finite(_score_or_nan(d, b)) for d in ds], dtype=float)
             curve.setData(t, y)
@@ -358,7 +359,7 @@ class RoutingView(QWidget):
             return
         d = self.model.decisions[current.row()]
         self.explain.setHtml(explain_decision(d, self.colors))
-        self.selected_line.setPos(d.time - (self.model.t0 or d.time))
+        self.selected_line.setPos(self.model._first_number + current.row())
         self.selected_line.setVisible(True)
 
     def select_row(self, row: int) -> None:

@@ -346,7 +346,7 @@ class TeachingPanel(QWidget):
         split.addWidget(scrollable(left, 240))
         split.addWidget(middle)
         split.addWidget(live)
-        split.setSizes([260, 720, 420])
+        split.setSizes([230, 760, 400])
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(split)
@@ -427,7 +427,7 @@ class TeachingPanel(QWidget):
         for i, t in enumerate(self.bar_labels):
             t.setText(labels[i])
             t.setPos(i, heights_p[i] + heights_d[i])
-        self.chart.getPlotItem().setYRange(0, top * 1.18, padding=0)
+        self.chart.getPlotItem().setYRange(0, top * 1.4, padding=0)  # headroom: labels and the legend above the bars
 
     # ---- live ----
 
