@@ -121,15 +121,19 @@ def run_gui(args) -> int:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
 
-    store = None
-    if getattr(args, "tour", None):  # screenshots without the user's own chats
+    store = settings = None
+    if getattr(args, "tour", None):  # screenshots without the user's own chats, layout or settings
         import tempfile
+
+        from PySide6.QtCore import QSettings
 
         from ui.history import ChatStore
 
-        store = ChatStore(tempfile.mkdtemp(prefix="tandem-tour-"))
+        scratch = tempfile.mkdtemp(prefix="tandem-tour-")
+        store = ChatStore(os.path.join(scratch, "chats"))
+        settings = QSettings(os.path.join(scratch, "settings.ini"), QSettings.IniFormat)
     window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
-                        bench_runner_factory=bench_runner, serve_fn=serve, store=store)
+                        bench_runner_factory=bench_runner, serve_fn=serve, store=store, settings=settings)
     window.show()
     status = {"rc": 0}
 

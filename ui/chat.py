@@ -545,7 +545,8 @@ class ChatPanel(QWidget):
         self._render()
         self._save()
         self._reload_list()
-        self.state_label.setText(_meta_plain(meta))
+        # The label is short (it shares the row); the reply's header and the tooltip have it all.
+        self.state_label.setText(" · ".join([str(meta.get("backend", "?")), *_meta_bits(meta)[:2]]))
         self.state_label.setToolTip(_meta_plain(meta))
         self.update_context_meter()
         self._update_buttons()
