@@ -246,7 +246,7 @@ class TeachingPanel(QWidget):
         p.addItem(self.bar_prefill)
         p.addItem(self.bar_decode)
         # The bars' colours are per backend: the legend explains the light/strong halves.
-        legend = p.addLegend(offset=(-6, 6), labelTextSize="8pt", brush=LEGEND_BG)
+        legend = p.addLegend(offset=(6, 6), labelTextSize="8pt", brush=LEGEND_BG)  # top left, over the headroom
         for name, alpha in (("prefill", 110), ("decode", 230)):
             legend.addItem(pg.BarGraphItem(x=[0], height=[0], width=1, brush=qcolor("#c8ccd4", alpha), pen=None),
                            f"{name} time")
@@ -296,6 +296,7 @@ class TeachingPanel(QWidget):
         body.addWidget(self.chart)
         body.setStretchFactor(0, 3)
         body.setStretchFactor(1, 2)
+        body.setSizes([440, 260])
         body.setChildrenCollapsible(False)
         mv.addWidget(body, 1)
         mv.addLayout(nav)
@@ -427,7 +428,7 @@ class TeachingPanel(QWidget):
         for i, t in enumerate(self.bar_labels):
             t.setText(labels[i])
             t.setPos(i, heights_p[i] + heights_d[i])
-        self.chart.getPlotItem().setYRange(0, top * 1.4, padding=0)  # headroom: labels and the legend above the bars
+        self.chart.getPlotItem().setYRange(0, top * 1.55, padding=0)  # headroom: labels and the legend above the bars
 
     # ---- live ----
 
