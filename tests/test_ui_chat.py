@@ -218,3 +218,18 @@ def test_earlier_answers_are_shown_on_request(qtbot, make_window):
     after = chat.transcript_text().split("hide 1 earlier answer")[1]
     assert f"#1 ({chat.chat.messages[1].meta['earlier'][0]['backend']}): " in after
     assert " ".join(first.split())[:20] in " ".join(after.split())
+
+
+def test_long_chat_titles_are_elided_not_scrolled(qtbot, make_window):
+    from PySide6.QtCore import Qt
+
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(2)
+    title = "a very long first question " * 6
+    send(qtbot, chat, title)
+    item = chat.chat_list.item(0)
+    assert chat.chat_list.horizontalScrollBarPolicy() == Qt.ScrollBarAlwaysOff
+    assert chat.chat_list.textElideMode() == Qt.ElideRight
+    assert item.toolTip().startswith(chat.chat.title)  # the whole title on hover
+    assert "TTFT" in chat.state_label.toolTip() and "cached" in chat.state_label.toolTip()
