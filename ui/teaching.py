@@ -246,7 +246,7 @@ class TeachingPanel(QWidget):
         p.addItem(self.bar_prefill)
         p.addItem(self.bar_decode)
         # The bars' colours are per backend: the legend explains the light/strong halves.
-        legend = p.addLegend(offset=(6, 6), labelTextSize="8pt", brush=LEGEND_BG)  # top left, over the headroom
+        legend = p.addLegend(offset=(6, 4), labelTextSize="8pt", brush=LEGEND_BG, colCount=2)  # one row, top left
         for name, alpha in (("prefill", 110), ("decode", 230)):
             legend.addItem(pg.BarGraphItem(x=[0], height=[0], width=1, brush=qcolor("#c8ccd4", alpha), pen=None),
                            f"{name} time")
