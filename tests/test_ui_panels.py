@@ -272,4 +272,4 @@ def test_backend_sparklines_and_teaching_bars_have_legends(qtbot, make_window):
     card = w.panels["backends"].cards["cpu0"]
     assert [label.text for _, label in card.legend.items] == ["running", "waiting"]
     teaching = w.panels["teaching"].chart.getPlotItem().legend
-    assert [label.text for _, label in teaching.items] == ["prefill time", "decode time"]
+    assert [label.text for _, label in teaching.items] == ["prefill", "decode"]

@@ -249,7 +249,7 @@ class TeachingPanel(QWidget):
         legend = p.addLegend(offset=(6, 4), labelTextSize="8pt", brush=LEGEND_BG, colCount=2)  # one row, top left
         for name, alpha in (("prefill", 110), ("decode", 230)):
             legend.addItem(pg.BarGraphItem(x=[0], height=[0], width=1, brush=qcolor("#c8ccd4", alpha), pen=None),
-                           f"{name} time")
+                           name)
         self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color="#e6e9ef") for _ in range(2)]
         for t in self.bar_labels:
             p.addItem(t)
