@@ -157,11 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse a command line; plain `tandem` means `tandem gui` with its defaults."""
+    """Parse a command line; `tandem [gui] [--model M ...]`: without a command it is the app, so
+    `tandem`, `tandem -v` and `tandem --model M --demo 8` all mean `tandem gui ...`."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    return parser.parse_args([*argv, "gui"]) if args.command is None else args
+    argv = list(sys.argv[1:] if argv is None else argv)
+    lead = 0
+    while lead < len(argv) and argv[lead] in ("-v", "--verbose"):
+        lead += 1
+    if lead == len(argv) or (argv[lead].startswith("-") and argv[lead] not in ("-h", "--help")):
+        argv.insert(lead, "gui")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

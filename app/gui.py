@@ -10,7 +10,8 @@ Also runnable as `python -m app.gui` with extra options for docs and checks:
     --demo N            send N of the study's requests (516-token prompts sharing a warmed
                         496-token prefix, 128 tokens each, 50 ms apart) once loaded
     --panel NAME        bring a panel to the front: routing, latency, teaching, experiments, controls
-    --responsiveness    print the event loop's lateness (p50/p95/max) over the demo run and exit
+    --responsiveness    print the event loop's lateness (p50/p95/max) over the demo run (--demo N,
+                        48 requests by default) and exit
     --tour DIR          run the scripted tour (`ui.tour`) and save its screenshots in DIR
 
 `--serve [HOST:]PORT` (also for `tandem gui`) starts the OpenAI-compatible server inside the
@@ -120,15 +121,19 @@ def run_gui(args) -> int:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
 
-    store = None
-    if getattr(args, "tour", None):  # screenshots without the user's own chats
+    store = settings = None
+    if getattr(args, "tour", None):  # screenshots without the user's own chats, layout or settings
         import tempfile
+
+        from PySide6.QtCore import QSettings
 
         from ui.history import ChatStore
 
-        store = ChatStore(tempfile.mkdtemp(prefix="tandem-tour-"))
+        scratch = tempfile.mkdtemp(prefix="tandem-tour-")
+        store = ChatStore(os.path.join(scratch, "chats"))
+        settings = QSettings(os.path.join(scratch, "settings.ini"), QSettings.IniFormat)
     window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
-                        bench_runner_factory=bench_runner, serve_fn=serve, store=store)
+                        bench_runner_factory=bench_runner, serve_fn=serve, store=store, settings=settings)
     window.show()
     status = {"rc": 0}
 
@@ -138,7 +143,6 @@ def run_gui(args) -> int:
 
         from ui.tour import tour
 
-        window.resize(1600, 1000)
         with loop:
             try:
                 loop.run_until_complete(tour(window, Path(tour_dir), args))
@@ -151,6 +155,8 @@ def run_gui(args) -> int:
     panel = getattr(args, "panel", None)
     delay = getattr(args, "delay", None)
     responsiveness = getattr(args, "responsiveness", False)
+    if responsiveness and not demo:
+        demo = 48  # the lateness is measured over a demo run: without one it would never end
     address = getattr(args, "serve", None)
     api_key = getattr(args, "api_key", None) or os.environ.get("TANDEM_API_KEY") or None
 
@@ -176,13 +182,17 @@ def run_gui(args) -> int:
             def report(result):
                 p = window.probe
                 print(f"event-loop lateness during a {result.spec.n_requests}-request run "
-                      f"({result.summary().makespan_s:.1f} s, {len(p.samples)} samples): "
+                      f"({result.summary().makespan_s:.1f} s, {len(p.samples)} samples of a "
+                      f"{p.interval_s * 1000:.0f} ms schedule, {p.missed} missed ticks): "
                       f"p50 {p.percentile(50) * 1000:.1f} ms, p95 {p.percentile(95) * 1000:.1f} ms, "
                       f"max {max(p.samples, default=0) * 1000:.1f} ms")
                 finish(0 if p.percentile(95) <= 0.050 else 1)
 
             run.phase.connect(lambda ph: window.probe.reset(keep_all=True) if ph == "running" else None)
             run.done.connect(report)
+        elif responsiveness:
+            print("tandem: --responsiveness: the demo run could not start", file=sys.stderr)
+            finish(1)
         elif screenshot:
             QTimer.singleShot(int((delay if delay is not None else (8.0 if demo else 1.5)) * 1000), finish)
 
@@ -212,7 +222,8 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
                    help="bring this panel to the front")
     p.add_argument("--delay", type=float, default=None, help="seconds to wait before the screenshot")
     p.add_argument("--responsiveness", action="store_true",
-                   help="print the event loop's lateness over the --demo run (p95 must be <= 50 ms), then exit")
+                   help="print the event loop's lateness over the --demo run (48 requests unless --demo N; "
+                        "p95 must be <= 50 ms), then exit")
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
     p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",
                    help="start the OpenAI-compatible server in the app once the model is loaded "

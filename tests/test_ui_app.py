@@ -9,6 +9,7 @@ from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, u
 
 from app.gui import bench_runner, load_engine
 from ui.loader import ModelSpec
+from ui.metrics import model_title
 from ui.workload import seed_workload
 
 TINY_RUN = dict(n=3, prefix=32, suffix=4, gen=4)
@@ -66,14 +67,18 @@ def test_window_starts_empty_and_shows_the_loaded_model(qtbot, qasync_loop, tmp_
     from ui.history import ChatStore
     from ui.main_window import MainWindow
 
-    w = MainWindow(load_fn=load_engine, store=ChatStore(tmp_path), gpu_offload=False)
+    from PySide6.QtCore import QSettings
+
+    w = MainWindow(load_fn=load_engine, store=ChatStore(tmp_path), gpu_offload=False,
+                   settings=QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
     try:
         assert w.panels == {} and "No model" in w.placeholder_label.text()
         assert "GPU offload: no" in w.device_label.text()
         w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
         assert "Loading" in w.placeholder_label.text()
         qtbot.waitUntil(lambda: w.engine is not None, timeout=WAIT_MS)
-        assert w.engine.model.info.name in w.model_label.text()
+        assert model_title(w.engine.model.info) in w.model_label.text()
+        assert w.engine.model.info.name in w.model_label.toolTip()
         assert w.stack.currentWidget() is w.panels["chat"]
     finally:
         w.shutdown()
@@ -101,6 +106,26 @@ def test_teaching_replay_shows_the_golden_numbers(qtbot, make_window):
     assert "3.444 s" in t.shown_text()
 
 
+def test_teaching_verdict_for_request_7_is_shown_whole(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.go(3)  # request 7: the CPU's score, and the verdict
+    assert "3.027 s < 3.118 s: request 7 stays on the GPU" in t.shown_text()
+
+
+def test_teaching_narration_follows_the_cached_prefix(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.go(1)
+    assert "20 + 128" in t.shown_text()
+    t.cached.setValue(400)  # 116 prompt tokens left per request
+    for step in (1, 2, 4):
+        t.go(step)
+        assert "116 + 128" in t.shown_text() and "20 + 128" not in t.shown_text()
+    t.go(1)
+    assert "116 prompt tokens to compute" in t.shown_text()
+
+
 def test_teaching_runs_the_eight_arrivals_live(qtbot, make_window, ui_engine):
     w = make_window()
     t = w.panels["teaching"]
@@ -111,7 +136,7 @@ def test_teaching_runs_the_eight_arrivals_live(qtbot, make_window, ui_engine):
     assert len(decisions) == 8
     for row, d in enumerate(decisions):
         assert t.live_table.item(row, 1).text() == d.backend
-        assert t.live_table.item(row, 2).text() == "496"  # the warmed prefix
+        assert t.live_table.item(row, 2).text() == "496 tok"  # the warmed prefix
     assert "The article sent 7 to the GPU" in t.live_note.text()
     t.use_article_rates()
     assert ui_engine.backend("cpu0").rates.prefill_tok_s == 2551.0
@@ -165,6 +190,15 @@ def test_demo_workload_from_the_run_menu(qtbot, make_window):
     assert w.panels["routing"].model.rowCount() == 4
 
 
+def test_a_demo_run_appears_in_experiments(qtbot, make_window):
+    w = make_window()
+    run = w.start_demo(seed_workload(3, prefix_tokens=32, suffix_tokens=4, gen_tokens=4, interval_s=0.01))
+    qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
+    ex = w.panels["experiments"]
+    assert len(ex.summaries) == 1 and ex.summaries[0].label == "demo" and ex.summaries[0].n_ok == 3
+    assert ex.table.rowCount() == 1 and ex.table.item(0, 0).text() == "demo"
+
+
 def test_recalibrate_runs_off_the_gui_thread_and_reports(qtbot, make_window, ui_engine):
     """The Controls button runs the app's recalibrate function on a worker thread, shows its
     progress and outcome, and the router uses the rates it set. (The function here sets rates
@@ -196,3 +230,114 @@ def test_recalibrate_runs_off_the_gui_thread_and_reports(qtbot, make_window, ui_
     c.recal_button.click()  # a failure is shown, the button comes back
     qtbot.waitUntil(lambda: c.recal_button.isEnabled(), timeout=WAIT_MS)
     assert messages[-1] == "recalibration failed: no KV room"
+
+
+def test_tandem_without_a_command_takes_the_apps_options():
+    from app.cli import parse_args
+
+    args = parse_args(["--model", "default"])
+    assert args.command == "gui" and args.model == "default"
+    args = parse_args(["-v", "--model", "synthetic:tiny", "--screenshot", "out.png", "--demo", "8"])
+    assert (args.command, args.verbose, args.model, args.screenshot, args.demo) == \
+        ("gui", True, "synthetic:tiny", "out.png", 8)
+    args = parse_args(["gui", "--model", "synthetic:tiny", "--demo", "8"])
+    assert args.command == "gui" and args.demo == 8
+    assert parse_args(["serve", "--port", "9000"]).command == "serve"
+
+
+def _shown_in(widget, area) -> bool:
+    """`widget` is drawn whole inside `area` (a scroll area's viewport, a dock)."""
+    top_left = widget.mapTo(area, widget.rect().topLeft())
+    return area.rect().contains(top_left) and area.rect().contains(
+        widget.mapTo(area, widget.rect().bottomRight()))
+
+
+def test_the_window_fits_and_stays_usable_at_1280x720(qtbot, make_window, ui_engine):
+    w = make_window(engine=None, compact=True)  # as the app: the window shows, then the model arrives
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    w.set_engine(ui_engine, owns=False)
+    hint = w.minimumSizeHint()
+    assert hint.width() <= 1280 and hint.height() <= 720, hint
+    qtbot.waitUntil(lambda: w.width() == 1280 and w.height() == 720, timeout=WAIT_MS)
+    w.show_panel("backends")
+    backends = w.panels["backends"]
+    qtbot.waitUntil(lambda: backends.columns == 2, timeout=WAIT_MS)  # side by side at full width
+    for card in backends.cards.values():
+        for button in (card.warm_button, card.flush_button, card.cap_spin):
+            assert _shown_in(button, backends.viewport()), button.text() if hasattr(button, "text") else "cap"
+    w.show_panel("teaching")
+    table = w.panels["teaching"].live_table
+    qtbot.waitUntil(lambda: table.isVisible(), timeout=WAIT_MS)
+    last = table.rowViewportPosition(7) + table.rowHeight(7)
+    assert 0 < last <= table.viewport().height()  # all 8 rows without scrolling
+    chat = w.panels["chat"]
+    assert chat.view.height() >= 80 and _shown_in(chat.send_button, w)
+
+
+def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
+    import time
+
+    from PySide6.QtCore import QTimer
+
+    from ui.loop_probe import LoopProbe
+
+    probe = LoopProbe(interval_ms=10)
+    probe.start()
+    start = time.perf_counter()
+    QTimer.singleShot(100, lambda: time.sleep(0.3))  # the GUI thread blocked for 300 ms
+    qtbot.wait(600)
+    elapsed = time.perf_counter() - start
+    probe.stop()
+    due = elapsed / 0.010
+    assert 0.85 * due <= len(probe.samples) <= due + 1  # a sample per scheduled tick, stall included
+    assert probe.missed >= 25  # the ticks that fell due during the stall
+    late = sorted(probe.samples, reverse=True)
+    assert late[0] >= 0.28 and late[14] >= 0.14  # the stall's ticks, 300 ms down to 0
+
+
+def test_settings_persist_sampling_dock_layout_and_last_model(qtbot, make_window, tmp_path):
+    from PySide6.QtCore import QSettings
+
+    from ui.loader import ModelSpec
+
+    path = str(tmp_path / "kept.ini")
+    w = make_window(settings=QSettings(path, QSettings.IniFormat))
+    w.spec = ModelSpec(UI_MODEL)
+    chat = w.panels["chat"]
+    chat.temperature.setValue(0.3)
+    chat.max_tokens.setValue(77)
+    chat.seed.setValue(5)
+    w._dock_of[w.panels["latency"]].hide()
+    w.shutdown()
+
+    again = make_window(settings=QSettings(path, QSettings.IniFormat))
+    chat = again.panels["chat"]
+    assert (chat.temperature.value(), chat.max_tokens.value(), chat.seed.value()) == (0.3, 77, 5)
+    assert again._dock_of[again.panels["latency"]].isHidden()
+    assert not again._dock_of[again.panels["routing"]].isHidden()
+    assert QSettings(path, QSettings.IniFormat).value("model/last") == UI_MODEL
+
+
+def test_ctrl_slash_lists_the_shortcuts(qtbot, make_window):
+    w = make_window()
+    assert w.shortcuts_action.shortcut().toString() == "Ctrl+/"
+    w.shortcuts_action.trigger()
+    assert w.shortcuts_dialog.isVisible()
+    text = w.shortcuts_dialog.text()
+    for key in ("Ctrl+N", "Esc", "Shift+Enter", "Ctrl+/"):
+        assert key in text
+
+
+def test_context_meter_warns_before_sending_a_prompt_too_long(qtbot, make_window):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.update_context_meter()
+    assert chat.context_label.text().endswith("/ 1,024")
+    chat.input.setPlainText("word " * 3000)
+    qtbot.waitUntil(lambda: "too long" in chat.context_label.text(), timeout=WAIT_MS)
+    prompt, _, n_ctx = chat.context_usage()
+    assert prompt > n_ctx == 1024
+    chat.input.setPlainText("hi")
+    qtbot.waitUntil(lambda: "too long" not in chat.context_label.text(), timeout=WAIT_MS)

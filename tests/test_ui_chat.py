@@ -74,10 +74,12 @@ def test_regenerate_copy_new_chat_and_reopen(qtbot, make_window):
     send(qtbot, chat, "first question")
     first_id = chat.chat.id
     old_request = chat.chat.messages[-1].meta["request_id"]
+    old_text = chat.chat.messages[-1].content
     assert chat.regenerate()
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
     assert len(chat.chat.messages) == 2  # the reply was replaced, not appended
     assert chat.chat.messages[-1].meta["request_id"] != old_request
+    assert [e["content"] for e in chat.chat.messages[-1].meta["earlier"]] == [old_text]  # and kept
     assert chat.copy_reply() == chat.chat.messages[-1].content
     assert QGuiApplication.clipboard().text() == chat.chat.messages[-1].content
 
@@ -107,3 +109,127 @@ def test_a_prompt_too_long_is_reported_not_raised(qtbot, make_window):
     assert not chat.send("word " * 3000)  # more tokens than the 1024-cell context
     assert not chat.busy
     assert "context" in chat.transcript_text()
+
+
+def test_a_refused_prompt_leaves_the_chat_working(qtbot, make_window, tmp_path):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(4)
+    chat.input.setPlainText("word " * 3000)
+    chat.send_button.click()
+    assert not chat.busy and chat.chat.messages == []
+    assert chat.input.toPlainText().startswith("word word")  # the text is not lost
+    assert not (tmp_path / "chats" / f"{chat.chat.id}.json").exists()  # nothing broken saved
+    send(qtbot, chat, "hi")  # the next message works
+    assert [m.role for m in chat.chat.messages] == ["user", "assistant"]
+    assert not chat.chat.messages[-1].meta["error"]
+    assert chat.regenerate()
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert [m.role for m in chat.chat.messages] == ["user", "assistant"]
+
+
+def test_messages_and_chats_can_be_deleted_renamed_exported_and_searched(qtbot, make_window, tmp_path):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(4)
+    send(qtbot, chat, "first question")
+    send(qtbot, chat, "second question")
+    assert chat.delete_message(3) and chat.delete_message(2)
+    assert [m.content for m in chat.chat.messages][:1] == ["first question"] and len(chat.chat.messages) == 2
+    saved = json.loads((tmp_path / "chats" / f"{chat.chat.id}.json").read_text())
+    assert len(saved["messages"]) == 2
+
+    assert chat.edit_message(0)  # edit and resend: back in the box, dropped from the chat
+    assert chat.input.toPlainText() == "first question" and chat.chat.messages == []
+    send(qtbot, chat, "edited question")
+    chat.rename_chat(chat.chat.id, "My title")
+    assert chat.chat_list.item(0).text() == "My title"
+    md = chat.export_chat(tmp_path / "out.md").read_text()
+    assert md.startswith("# My title") and "edited question" in md
+    assert json.loads(chat.export_chat(tmp_path / "out.json").read_text())["name"] == "My title"
+
+    first = chat.chat.id
+    chat.new_button.click()
+    send(qtbot, chat, "another topic")
+    chat.search_edit.setText("edited")
+    shown = [chat.chat_list.item(i).data(0x0100) for i in range(chat.chat_list.count())]
+    assert first in shown
+    chat.search_edit.setText("")
+    assert chat.delete_chat(first)
+    assert not (tmp_path / "chats" / f"{first}.json").exists()
+    assert first not in [chat.chat_list.item(i).data(0x0100) for i in range(chat.chat_list.count())]
+
+
+def test_enter_while_a_reply_streams_says_so_and_keeps_the_text(qtbot, make_window, ui_engine):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.backend_combo.setCurrentText("cpu0")
+    chat.max_tokens.setValue(600)
+    gate = StepGate(ui_engine.bus, "cpu0", after=2)
+    try:
+        chat.input.setPlainText("first")
+        chat.send_button.click()
+        qtbot.waitUntil(gate.reached.is_set, timeout=WAIT_MS)
+        chat.input.setPlainText("follow-up")
+        with qtbot.waitSignal(chat.status_message, timeout=WAIT_MS) as sig:
+            chat.input.submitted.emit()
+        assert "still streaming" in sig.args[0] and "still streaming" in chat.state_label.text()
+        assert chat.input.toPlainText() == "follow-up"
+        chat.stop()
+    finally:
+        gate.release()
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+
+
+def _open_reply(chat, text: str) -> None:
+    from ui.history import Chat, Message
+
+    saved = Chat(messages=[Message("user", "show me"), Message("assistant", text, {"backend": "cpu0"})])
+    chat.store.save(saved)
+    chat.open_chat(saved.id)
+
+
+def test_replies_render_markdown_with_code_kept_and_copyable(qtbot, make_window):
+    w = make_window()
+    chat = w.panels["chat"]
+    _open_reply(chat, "Some **bold** text.\n\n```python\ndef f():\n    return 1\n```\n")
+    shown = chat.transcript_text()
+    assert "bold" in shown and "**" not in shown
+    assert "def f():\n    return 1" in shown  # indentation kept
+    html_out = chat.view.toHtml()
+    assert "monospace" in html_out and "font-weight" in html_out
+    chat._on_link(__import__("PySide6.QtCore", fromlist=["QUrl"]).QUrl("copy-code:0"))
+    assert QGuiApplication.clipboard().text() == "def f():\n    return 1\n"
+
+
+def test_earlier_answers_are_shown_on_request(qtbot, make_window):
+    from PySide6.QtCore import QUrl
+
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(4)
+    send(qtbot, chat, "question")
+    first = chat.chat.messages[-1].content
+    assert chat.regenerate()
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert "show 1 earlier answer" in chat.transcript_text()
+    chat._on_link(QUrl("msg:earlier:1"))
+    assert "hide 1 earlier answer" in chat.transcript_text()
+    after = chat.transcript_text().split("hide 1 earlier answer")[1]
+    assert f"#1 ({chat.chat.messages[1].meta['earlier'][0]['backend']}): " in after
+    assert " ".join(first.split())[:20] in " ".join(after.split())
+
+
+def test_long_chat_titles_are_elided_not_scrolled(qtbot, make_window):
+    from PySide6.QtCore import Qt
+
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(2)
+    title = "a very long first question " * 6
+    send(qtbot, chat, title)
+    item = chat.chat_list.item(0)
+    assert chat.chat_list.horizontalScrollBarPolicy() == Qt.ScrollBarAlwaysOff
+    assert chat.chat_list.textElideMode() == Qt.ElideRight
+    assert item.toolTip().startswith(chat.chat.title)  # the whole title on hover
+    assert "TTFT" in chat.state_label.toolTip() and "cached" in chat.state_label.toolTip()

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 import threading
 
+import pytest
+
 from ui_fixtures import WAIT_MS, make_window, qasync_loop, spare_engine, ui_engine  # noqa: F401
 
 from PySide6.QtCore import Qt
 
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.snapshot import Rates
-from ui.metrics import EDGES
+from ui.metrics import EDGES, occupied_log_range
 from ui.routing import BACKEND_COLUMN, TERMS, score_term
 from ui.workload import WorkloadRun, seed_workload
 
@@ -102,7 +104,7 @@ def test_routing_table_gains_a_row_per_request_equal_to_the_engines_record(qtbot
     assert f"{d.chosen.score_s:.3f} s" in text
     tick(qtbot, w)
     x, y = view.curves["cpu0"].getData()
-    assert len(x) == SMALL.n_requests
+    assert list(x) == list(range(1, SMALL.n_requests + 1))  # one point per row, by row number
     assert len(view.marks.data) == SMALL.n_requests
 
 
@@ -194,3 +196,80 @@ def test_cache_checkbox_switches_the_prefix_cache_live(qtbot, make_window, ui_en
     finally:
         check.setChecked(True)
         qtbot.waitUntil(lambda: b.snapshot().cache.enabled, timeout=10_000)
+
+
+def test_cards_say_where_each_backends_rates_came_from(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    ui_engine.backend("cpu0").set_rates(Rates(400.0, 40.0, source="default"))
+    tick(qtbot, w)
+    assert "default" in card.rates_source_label.text() and "placeholder" in card.rates_source_label.text()
+    assert card.rates_label.text() == "prefill 400 tok/s · decode 40.0 tok/s"
+    ui_engine.backend("cpu0").set_rates(Rates(1234.5678, 76.2413, source="calibrated"))
+    tick(qtbot, w)
+    assert card.rates_source_label.text() == "calibrated rates"
+    assert "measured on this machine" in card.rates_source_label.toolTip()
+    assert card.rates_label.text() == "prefill 1,235 tok/s · decode 76.2 tok/s"
+
+
+def test_routing_rows_count_from_one_with_units_and_export_as_csv(qtbot, make_window, tmp_path):
+    import csv
+
+    w = make_window()
+    view = w.panels["routing"]
+    run_workload(qtbot, w)
+    model = view.model
+    assert model.index(0, 0).data() == "1" and model.index(0, 1).data() == "0.00 s"
+    assert model.index(model.rowCount() - 1, 0).data() == str(model.rowCount())
+    assert model.headerData(1, Qt.Horizontal) == "t"
+    rates = model.index(0, model.column_of("cpu0", "rates")).data()
+    assert rates.endswith(" tok/s") and model.index(0, model.column_of("cpu0", "score")).data().endswith(" s")
+    rows = list(csv.DictReader(view.export_csv(tmp_path / "routing.csv").open()))
+    assert len(rows) == model.rowCount()
+    d = model.decisions[2]
+    assert rows[2]["request"] == d.request_id and rows[2]["backend"] == d.backend
+    assert float(rows[2]["cpu0_score_s"]) == d.score_of("cpu0").score_s
+    view.clear()
+    run_workload(qtbot, w)
+    assert model.index(0, 0).data() == "1"  # numbering restarts after Clear
+
+
+def test_every_plot_offers_pyqtgraphs_export_on_right_click(qtbot, make_window):
+    import pyqtgraph as pg
+
+    w = make_window()
+    plots = [p for panel in w.panels.values() for p in panel.findChildren(pg.PlotWidget)]
+    assert len(plots) >= 4
+    for pw in plots:
+        assert pw.getPlotItem().getViewBox().menuEnabled()
+        assert "Export..." in [a.text() for a in pw.scene().contextMenu]
+
+
+def test_latency_axes_fit_their_data_with_whole_request_counts(qtbot, make_window):
+    w = make_window()
+    latency = w.panels["latency"]
+    p = latency.plots["ttft"]
+    (x0, x1), (y0, y1) = p.viewRange()
+    assert (x0, x1) == (-3.0, 1.0) and (y0, y1) == (0.0, 2.0)  # idle: 1 ms .. 10 s, not -400..400
+    run_workload(qtbot, w)
+    tick(qtbot, w)
+    ttfts = [v for b in latency.backends for v in latency.store.values("ttft", b)]
+    (x0, x1), (y0, y1) = p.viewRange()
+    edges = EDGES["ttft"]  # values outside the edges are counted in the first/last bin
+    lo, hi = max(min(ttfts), edges[0]), min(max(ttfts), edges[-1])
+    assert x0 <= math.log10(lo) and math.log10(hi) <= x1
+    hists = [latency.store.histogram("ttft", b) for b in latency.backends]
+    assert (x0, x1) == pytest.approx(occupied_log_range(hists, EDGES["ttft"]))  # the bins in use ± 1
+    assert x1 - x0 < 4.0  # not the whole 1 ms .. 100 s
+    most = max(max(latency.store.histogram("ttft", b)) for b in latency.backends)
+    assert most <= y1 <= most * 1.1 + 5 and float(y1).is_integer()
+    major = p.getAxis("left")._tickSpacing
+    assert major is not None and all(float(s).is_integer() for s, _ in major)
+
+
+def test_backend_sparklines_and_teaching_bars_have_legends(qtbot, make_window):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    assert [label.text for _, label in card.legend.items] == ["running", "waiting"]
+    teaching = w.panels["teaching"].chart.getPlotItem().legend
+    assert [label.text for _, label in teaching.items] == ["prefill", "decode"]

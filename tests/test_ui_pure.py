@@ -135,3 +135,20 @@ class TestTeachingReplay:
 
     def test_without_the_cached_prefix_the_gpu_keeps_both(self):
         assert [a.decision.backend for a in study_arrivals(cached=0)] == ["gpu", "gpu"]
+
+
+def test_log_axis_ticks_are_few_and_read_as_seconds():
+    from ui.metrics import log_ticks
+
+    assert [t for _, t in log_ticks(-1.7, -0.3)] == ["20 ms", "50 ms", "100 ms", "200 ms", "500 ms"]
+    assert [t for _, t in log_ticks(-3, 1)] == ["1 ms", "10 ms", "100 ms", "1 s", "10 s"]  # decades when wide
+
+
+def test_rates_and_model_names_read_well():
+    from types import SimpleNamespace
+
+    from ui.metrics import fmt_rate, model_title
+
+    assert (fmt_rate(76.2413), fmt_rate(2551.0), fmt_rate(0.0)) == ("76.2 tok/s", "2,551 tok/s", "–")
+    info = SimpleNamespace(path="/m/SmolLM2-135M-Instruct.Q4_1.gguf", name="Smollm2 135M 8k Lc100K Mix1 Ep2")
+    assert model_title(info) == "SmolLM2-135M-Instruct.Q4_1"

@@ -6,7 +6,8 @@
   backends (`TANDEM_UI_MODEL=default` runs the same tests on SmolLM2-135M).
 - `qasync_loop`: an asyncio loop bound to the Qt loop pytest-qt runs, so chat streaming goes
   through qasync exactly as in the app.
-- `make_window`: a factory that builds hidden `MainWindow`s on `ui_engine` (or on `engine=`), and at
+- `make_window`: a factory that builds hidden `MainWindow`s on `ui_engine` (or on `engine=`), with
+  their chats and QSettings under the test's tmp_path (never the user's), and at
   teardown shuts them down, checks no bridge is left subscribed to the engine (a leak), waits
   until the engine is idle and restores its caps, rates, policy and caches for the next test.
 - `spare_engine`: a second engine like `ui_engine`, for a test that breaks a backend and restarts
@@ -82,6 +83,8 @@ def engine_idle(eng) -> bool:
 
 @pytest.fixture
 def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
+    from PySide6.QtCore import QSettings
+
     from ui.history import ChatStore
     from ui.main_window import MainWindow
     from ui.theme import style_sheet
@@ -93,6 +96,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
 
     def make(**kw) -> MainWindow:
         kw.setdefault("store", ChatStore(tmp_path / "chats"))
+        kw.setdefault("settings", QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))  # not the user's
         kw.setdefault("owns_engine", False)
         w = MainWindow(kw.pop("engine", ui_engine), **kw)
         w.setStyleSheet(style_sheet())

@@ -25,13 +25,13 @@ from PySide6.QtWidgets import (
 
 from engine.errors import EngineError
 
-from .metrics import RingSeries
-from .theme import FAILED, HEALTHY, WORKING, backend_color, qcolor, wrap_label
+from .metrics import RingSeries, count_axis_top, fmt_rate, rates_source_text
+from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, qcolor, wrap_label
 
 log = logging.getLogger(__name__)
 
 HISTORY_S = 30.0
-CARD_WIDTH = 320  # narrowest a card stays readable
+CARD_WIDTH = 330  # narrowest a card stays readable (with Warm/Flush in its header)
 
 
 class BackendCard(QFrame):
@@ -77,10 +77,20 @@ class BackendCard(QFrame):
                               f"flash attention {b.flash_attn}, unified KV {b.kv_unified}")
         self.facts.setObjectName("muted")
         self.health = QLabel("healthy")
+        self.warm_button = QPushButton("Warm prefix")
+        self.warm_button.setToolTip("Prefill the chat's system prompt into this backend's prefix cache, "
+                                    "so requests that start with it skip that prefill")
+        self.warm_button.clicked.connect(self.warm)
+        self.flush_button = QPushButton("Flush cache")
+        self.flush_button.setToolTip("Drop every cached prefix not pinned by a request and free its KV cells")
+        self.flush_button.clicked.connect(self.flush)
         head = QHBoxLayout()
         head.addWidget(title)
         head.addStretch(1)
         head.addWidget(self.health)
+        head.addSpacing(6)
+        head.addWidget(self.warm_button)
+        head.addWidget(self.flush_button)
         grid.addLayout(head, 0, 0, 1, 4)
         self.facts.setWordWrap(True)
         grid.addWidget(self.facts, 1, 0, 1, 4)
@@ -122,15 +132,17 @@ class BackendCard(QFrame):
         grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
-        self.plot.setFixedHeight(56)
+        self.plot.setFixedHeight(58)
         p = self.plot.getPlotItem()
-        p.setMenuEnabled(False)
         p.setMouseEnabled(False, False)
         p.hideButtons()
         p.showGrid(y=True, alpha=0.15)
         p.getAxis("bottom").setStyle(showValues=False)
         p.getAxis("left").setWidth(28)
         p.setXRange(-HISTORY_S, 0, padding=0)
+        p.getAxis("left").enableAutoSIPrefix(False)
+        self.legend = p.addLegend(offset=(30, 0), labelTextSize="7pt", colCount=2, brush=LEGEND_BG,
+                                  verSpacing=-6, horSpacing=10)
         self.running_curve = p.plot(pen=pg.mkPen(self.color, width=1.5), fillLevel=0,
                                     brush=qcolor(self.color, 70), name="running")
         self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.DashLine), name="waiting")
@@ -143,7 +155,10 @@ class BackendCard(QFrame):
         self.speed_label = QLabel()
         self.rates_label = QLabel()
         self.rates_label.setObjectName("muted")
-        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label):
+        # Where the rates the router prices this backend at came from: a placeholder ("default")
+        # is flagged, since every score is rough until it is measured.
+        self.rates_source_label = QLabel()
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_source_label):
             lab.setWordWrap(True)
         grid.addWidget(_muted("Prefix hits"), 7, 0)
         grid.addWidget(self.hit_label, 7, 1, 1, 3)
@@ -151,20 +166,12 @@ class BackendCard(QFrame):
         grid.addWidget(_muted("Observed"), 9, 0)
         grid.addWidget(self.speed_label, 9, 1, 1, 3)
         grid.addWidget(_muted("Priced at"), 10, 0)
-        grid.addWidget(self.rates_label, 10, 1, 1, 3)
+        priced = QHBoxLayout()
+        priced.setSpacing(8)
+        priced.addWidget(self.rates_label)
+        priced.addWidget(self.rates_source_label, 1)
+        grid.addLayout(priced, 10, 1, 1, 3)
 
-        buttons = QHBoxLayout()
-        self.warm_button = QPushButton("Warm prefix")
-        self.warm_button.setToolTip("Prefill the chat's system prompt into this backend's prefix cache, "
-                                    "so requests that start with it skip that prefill")
-        self.warm_button.clicked.connect(self.warm)
-        self.flush_button = QPushButton("Flush cache")
-        self.flush_button.setToolTip("Drop every cached prefix not pinned by a request and free its KV cells")
-        self.flush_button.clicked.connect(self.flush)
-        buttons.addWidget(self.warm_button)
-        buttons.addWidget(self.flush_button)
-        buttons.addStretch(1)
-        grid.addLayout(buttons, 11, 0, 1, 4)
         grid.setColumnStretch(1, 1)
 
     # ---- actions ----
@@ -257,7 +264,8 @@ class BackendCard(QFrame):
         self.speed_label.setText(f"prefill {_rate(snap.prefill_tok_s)} · decode {_rate(snap.decode_tok_s)}")
         self.speed_label.setToolTip(f"{snap.steps:,} llama_decode steps so far")
         r = snap.rates
-        self.rates_label.setText(f"prefill {r.prefill_tok_s:,.0f} · decode {r.decode_tok_s:,.1f} tok/s ({r.source})")
+        self.rates_label.setText(f"prefill {fmt_rate(r.prefill_tok_s)} · decode {fmt_rate(r.decode_tok_s)}")
+        self._show_rates_source(r.source)
         self._show_health(snap.healthy, snap.error)
 
         if self._t0 is None:
@@ -269,7 +277,18 @@ class BackendCard(QFrame):
         self.running_curve.setData(xs, y_run)
         self.waiting_curve.setData(xs, y_wait)
         top = max(float(np.nanmax(y_run)) if y_run.size else 0, float(np.nanmax(y_wait)) if y_wait.size else 0, cap)
-        self.plot.getPlotItem().setYRange(0, top + 0.5, padding=0)
+        axis_top, step = count_axis_top(top)
+        self.plot.getPlotItem().setYRange(0, axis_top, padding=0)
+        self.plot.getPlotItem().getAxis("left").setTickSpacing(step, step)
+
+    def _show_rates_source(self, source: str) -> None:
+        placeholder = source == "default"
+        text = ("⚠ default rates: a placeholder, not measured" if placeholder
+                else f"{source} rates" if source in ("calibrated", "online", "override", "article") else source)
+        if self.rates_source_label.text() != text:
+            self.rates_source_label.setText(text)
+            self.rates_source_label.setStyleSheet(f"color:{WORKING if placeholder else MUTED}")
+            self.rates_source_label.setToolTip(rates_source_text(source))
 
     def _show_health(self, healthy: bool, error: str | None) -> None:
         # `error` is set before the backend is marked unhealthy, so a failed snapshot has it
@@ -308,17 +327,38 @@ class BackendsPanel(QScrollArea):
         lay.setSpacing(8)
         hz = max(1, round(1000 / bridge.interval_ms))
         names = engine.backend_names
-        columns = 2 if len(names) >= 2 else 1  # side by side: the dock is wide, not tall
+        self._grid = lay
+        self._columns = 0
         self.cards: dict[str, BackendCard] = {}
         for i, name in enumerate(names):
             card = BackendCard(engine, name, i, warm_tokens, hz)
             card.status_message.connect(self.status_message)
             self.cards[name] = card
-            lay.addWidget(card, i // columns, i % columns, Qt.AlignTop)
-        lay.setRowStretch(lay.rowCount(), 1)
-        self.setMinimumWidth(min(columns * CARD_WIDTH + 24, 720))
+        self._reflow(2 if len(self.cards) >= 2 else 1)
+        self.setMinimumWidth(CARD_WIDTH + 24)  # one column when narrow; side by side when there is room
         self.setWidget(inner)
         bridge.tick.connect(self.on_tick)
+
+    def _reflow(self, columns: int) -> None:
+        columns = max(1, min(columns, len(self.cards)))
+        if columns == self._columns:
+            return
+        self._columns = columns
+        for card in self.cards.values():
+            self._grid.removeWidget(card)
+        for i, card in enumerate(self.cards.values()):
+            self._grid.addWidget(card, i // columns, i % columns, Qt.AlignTop)
+        for r in range(self._grid.rowCount()):
+            self._grid.setRowStretch(r, 0)
+        self._grid.setRowStretch((len(self.cards) + columns - 1) // columns, 1)
+
+    @property
+    def columns(self) -> int:
+        return self._columns
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._reflow((self.viewport().width() - 12) // (CARD_WIDTH + 8))
 
     def on_tick(self, tick) -> None:
         for snap in tick.snapshots:
@@ -343,4 +383,4 @@ def _muted(text: str) -> QLabel:
 
 
 def _rate(x: float) -> str:
-    return f"{x:,.0f} tok/s" if x >= 100 else (f"{x:.1f} tok/s" if x > 0 else "–")
+    return fmt_rate(x)

@@ -5,28 +5,38 @@ task iterates `handle.astream()`, so text deltas arrive on the GUI thread withou
 touching a widget. Each reply records the backend that served it, TTFT, decode tok/s and cached
 tokens; chats are saved as JSON under the user data dir (`ui.history.ChatStore`).
 
-Keys: Enter sends (Shift+Enter for a new line), Esc stops the reply being streamed.
+Replies are shown as Markdown (`ui.markdown`: markdown-it-py + Pygments), each code block with a
+Copy link; while a reply streams its text is shown plain and rendered once it ends. Each message
+has copy / edit / delete links; the chat list renames, deletes, exports (Markdown, JSON) and
+searches chats. A prompt the engine refuses (too long for the context, a bad setting) never
+joins the chat: the error is shown, the text stays in the message box, nothing is saved.
+
+Keys: Enter sends (Shift+Enter for a new line), Esc stops the reply being streamed; Enter while
+a reply streams says so and keeps the text in the box.
 """
 
 from __future__ import annotations
 
 import asyncio
 import html
+import json
 import logging
+from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut, QTextCursor
+from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
-    QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout, QLabel, QListWidget,
-    QListWidgetItem, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QSplitter, QTextBrowser, QToolButton,
-    QVBoxLayout, QWidget,
+    QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QInputDialog, QLabel,
+    QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy,
+    QSpinBox, QSplitter, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
 )
 
 from engine.errors import EngineError
 from engine.request import Request, SamplingParams
 
 from .history import Chat, ChatStore, Message
-from .metrics import fmt_seconds
+from .markdown import COPY_SCHEME, render_markdown
+from .metrics import fmt_seconds, model_title
 from .theme import MUTED, backend_color
 
 log = logging.getLogger(__name__)
@@ -65,10 +75,16 @@ class ChatPanel(QWidget):
         self._task: asyncio.Task | None = None
         self._stream_cursor: QTextCursor | None = None
         self._streamed: list[str] = []
+        self._refused: str | None = None  # why the engine refused the last prompt
+        self._earlier: list[dict] = []  # the answers a regenerate replaces, kept with the new one
+        self._expanded: set[int] = set()  # messages whose earlier answers are shown
+        self._code_blocks: list[str] = []  # the shown transcript's code blocks, by their Copy link
         self._build()
         self._reload_list()
         self._render()
         self._update_buttons()
+        self.max_tokens.valueChanged.connect(self._context_timer.start)
+        self.update_context_meter()
 
     # ---- layout ----
 
@@ -80,10 +96,23 @@ class ChatPanel(QWidget):
         self.new_button = QPushButton("+ New chat")
         self.new_button.setToolTip("Start an empty chat (the current one stays in the list)")
         self.new_button.clicked.connect(self.new_chat)
+        self.search_edit = QLineEdit()
+        self.search_edit.setPlaceholderText("Search chats")
+        self.search_edit.setClearButtonEnabled(True)
+        self.search_edit.textChanged.connect(lambda _t: self._reload_list())
         self.chat_list = QListWidget()
+        self.chat_list.setTextElideMode(Qt.ElideRight)
+        self.chat_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.chat_list.itemClicked.connect(self._on_pick_chat)
+        self.chat_list.setContextMenuPolicy(Qt.CustomContextMenu)
+        self.chat_list.customContextMenuRequested.connect(self._chat_menu)
+        self.delete_chat_button = QPushButton("Delete chat")
+        self.delete_chat_button.setToolTip("Delete the open chat from the disk (right-click a chat for more)")
+        self.delete_chat_button.clicked.connect(lambda: self.delete_chat(self.chat.id, confirm=True))
         lv.addWidget(self.new_button)
+        lv.addWidget(self.search_edit)
         lv.addWidget(self.chat_list, 1)
+        lv.addWidget(self.delete_chat_button)
         saved = QLabel("Saved locally")
         saved.setObjectName("muted")
         saved.setToolTip(str(self.store.dir))
@@ -99,7 +128,7 @@ class ChatPanel(QWidget):
         sys_label = QLabel("System prompt")
         sys_label.setObjectName("muted")
         self.system_edit = QPlainTextEdit(self.chat.system)
-        self.system_edit.setFixedHeight(46)
+        self.system_edit.setFixedHeight(40)
         self.system_edit.setPlaceholderText("(none)")
         self.system_edit.textChanged.connect(self._on_system_changed)
         self.settings_button = QToolButton()
@@ -113,25 +142,42 @@ class ChatPanel(QWidget):
 
         self.settings = self._build_settings()
         self.settings_button.toggled.connect(self.settings.setVisible)
+        self.settings_button.toggled.connect(
+            lambda on: self.settings_button.setText("Sampling ▾" if on else "Sampling ▸"))
         rv.addWidget(self.settings)
 
         if getattr(self.engine.model, "synthetic", False):
             warn = QLabel("⚠ Synthetic model: random weights of a real model's shape — the text is noise; "
                           "use it for timing, not for answers.")
             warn.setStyleSheet("color:#f5c26b")
-            warn.setWordWrap(True)
+            warn.setToolTip(warn.text())
+            warn.setMinimumWidth(100)
+            warn.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # one line, cut rather than widening
             rv.addWidget(warn)
 
         self.view = QTextBrowser()
         self.view.setOpenExternalLinks(False)
+        self.view.setOpenLinks(False)  # our links (copy, edit, delete) go to _on_link
+        self.view.anchorClicked.connect(self._on_link)
+        self.view.setMinimumHeight(80)  # a few lines of the transcript, even on a 720 px screen
         self.view.setPlaceholderText("")
         rv.addWidget(self.view, 1)
 
         self.input = PromptEdit()
         self.input.setPlaceholderText("Message the model — Enter to send, Shift+Enter for a new line, Esc to stop")
-        self.input.setFixedHeight(64)
+        self.input.setFixedHeight(54)
         self.input.submitted.connect(self._on_submit)
         rv.addWidget(self.input)
+        # How much of the context the next request would use (chat so far + the draft + max tokens).
+        self.context_label = QLabel()
+        self.context_label.setObjectName("muted")
+        self.context_label.setToolTip("Tokens the next request needs (the whole chat with the chat template, the "
+                                      "draft and the max tokens to generate) against the largest backend context")
+        self._context_timer = QTimer(self)
+        self._context_timer.setSingleShot(True)
+        self._context_timer.setInterval(250)
+        self._context_timer.timeout.connect(self.update_context_meter)
+        self.input.textChanged.connect(self._context_timer.start)
 
         buttons = QHBoxLayout()
         self.send_button = QPushButton("Send")
@@ -156,6 +202,7 @@ class ChatPanel(QWidget):
         buttons.addWidget(send_to)
         buttons.addWidget(self.backend_combo)
         buttons.addWidget(self.state_label, 1)
+        buttons.addWidget(self.context_label)
         rv.addLayout(buttons)
 
         split = QSplitter(Qt.Horizontal)
@@ -235,12 +282,26 @@ class ChatPanel(QWidget):
         return None if text == AUTO else text
 
     def send(self, text: str) -> bool:
-        """Append a user message and start streaming the reply; False if busy or empty."""
+        """Append a user message and start streaming the reply; False if busy, empty or refused.
+
+        A refused prompt (too long for the context, a bad setting) is taken back out of the chat:
+        the error is shown and the chat stays as it was, so the next message works.
+        """
         text = text.strip()
-        if self.busy or not text:
+        if not text:
+            return False
+        if self.busy:
+            msg = "a reply is still streaming: Esc stops it; your message stays in the box"
+            self.state_label.setText(msg)
+            self.status_message.emit(msg)
             return False
         self.chat.messages.append(Message("user", text))
-        return self._start_reply()
+        if self._start_reply():
+            return True
+        self.chat.messages.pop()
+        self._render(notice=self._refused)
+        self._update_buttons()
+        return False
 
     def stop(self) -> None:
         """Cancel the reply being streamed (its partial text is kept, marked stopped)."""
@@ -249,14 +310,24 @@ class ChatPanel(QWidget):
             self.state_label.setText("stopping…")
 
     def regenerate(self) -> bool:
-        """Drop the last reply and ask again."""
+        """Ask again for the last reply; the earlier answers stay with the new one (meta "earlier")."""
         if self.busy or not self.chat.messages:
             return False
-        if self.chat.messages[-1].role == "assistant":
-            self.chat.messages.pop()
+        popped = self.chat.messages.pop() if self.chat.messages[-1].role == "assistant" else None
         if not self.chat.messages or self.chat.messages[-1].role != "user":
+            if popped is not None:
+                self.chat.messages.append(popped)
             return False
-        return self._start_reply()
+        if popped is not None:
+            meta = popped.meta or {}
+            self._earlier = [{"content": popped.content, "backend": meta.get("backend")}, *meta.get("earlier", [])]
+        if self._start_reply():
+            return True
+        if popped is not None:  # refused: the chat stays as it was
+            self.chat.messages.append(popped)
+            self._earlier = []
+            self._render(notice=self._refused)
+        return False
 
     def copy_reply(self) -> str:
         for m in reversed(self.chat.messages):
@@ -265,6 +336,67 @@ class ChatPanel(QWidget):
                 self.status_message.emit("reply copied to the clipboard")
                 return m.content
         return ""
+
+    def delete_message(self, index: int) -> bool:
+        """Remove one message from the open chat (and save it); False if busy or out of range."""
+        if self.busy or not 0 <= index < len(self.chat.messages):
+            return False
+        del self.chat.messages[index]
+        self._render()
+        if self.chat.messages:
+            self._save()
+        else:
+            self.store.delete(self.chat.id)
+        self._reload_list()
+        self._update_buttons()
+        return True
+
+    def edit_message(self, index: int) -> bool:
+        """Put a user message back in the box and drop it and everything after it (edit and resend)."""
+        if self.busy or not 0 <= index < len(self.chat.messages) or self.chat.messages[index].role != "user":
+            return False
+        self.input.setPlainText(self.chat.messages[index].content)
+        del self.chat.messages[index:]
+        self._render()
+        self._save()
+        self._reload_list()
+        self._update_buttons()
+        self.input.setFocus()
+        return True
+
+    def delete_chat(self, chat_id: str, confirm: bool = False) -> bool:
+        """Delete a saved chat; the open one is replaced by an empty chat."""
+        if self.busy:
+            return False
+        if confirm and QMessageBox.question(self, "Delete chat", "Delete this chat? This cannot be undone.") \
+                != QMessageBox.Yes:
+            return False
+        self.store.delete(chat_id)
+        if chat_id == self.chat.id:
+            self.chat = Chat(system=self.system_edit.toPlainText())
+            self._render()
+        self._reload_list()
+        self._update_buttons()
+        self.status_message.emit("chat deleted")
+        return True
+
+    def rename_chat(self, chat_id: str, name: str) -> None:
+        chat = self.chat if chat_id == self.chat.id else self.store.load(chat_id)
+        chat.name = name.strip()
+        if chat.messages:
+            self.store.save(chat)
+        self._reload_list()
+
+    def export_chat(self, path: str | Path, chat_id: str | None = None) -> Path:
+        """Write a chat as Markdown (.md) or JSON (any other suffix)."""
+        chat = self.chat if chat_id in (None, self.chat.id) else self.store.load(chat_id)
+        path = Path(path)
+        if path.suffix.lower() in (".md", ".markdown"):
+            path.write_text(chat.to_markdown(), encoding="utf-8")
+        else:
+            path.write_text(json.dumps(chat.to_dict(), ensure_ascii=False, indent=1), encoding="utf-8")
+        self.status_message.emit(f"chat exported to {path}")
+        return path
 
     def new_chat(self) -> None:
         if self.busy:
@@ -286,6 +418,50 @@ class ChatPanel(QWidget):
         self._render()
         self._update_buttons()
 
+    def context_usage(self) -> tuple[int, int, int]:
+        """(prompt tokens of the chat plus the draft, max tokens, the largest backend context)."""
+        messages = self.chat.prompt_messages()
+        draft = self.input.toPlainText().strip()
+        if draft:
+            messages.append({"role": "user", "content": draft})
+        prompt = len(self.engine.chat_tokens(messages)) if len(messages) > (1 if self.chat.system.strip() else 0) else 0
+        n_ctx = max((s.n_ctx for s in self.engine.snapshot() if s.healthy), default=0)
+        return prompt, self.max_tokens.value(), n_ctx
+
+    def update_context_meter(self) -> None:
+        try:
+            prompt, budget, n_ctx = self.context_usage()
+        except (EngineError, ValueError) as e:
+            self.context_label.setText(f"context: ? ({e})")
+            return
+        over = prompt + 1 > n_ctx
+        self.context_label.setText(f"context {prompt:,} + {budget:,} / {n_ctx:,}" + (" — too long" if over else ""))
+        color = _ERROR if over else ("#f5c26b" if prompt + budget > n_ctx else MUTED)
+        self.context_label.setStyleSheet(f"color:{color}")
+
+    def save_settings(self, settings: QSettings) -> None:
+        """Sampling settings and the Send-to choice, for the next session."""
+        settings.beginGroup("sampling")
+        for key, w in self._setting_widgets().items():
+            settings.setValue(key, w.value())
+        settings.setValue("expanded", self.settings_button.isChecked())
+        settings.endGroup()
+
+    def load_settings(self, settings: QSettings) -> None:
+        settings.beginGroup("sampling")
+        for key, w in self._setting_widgets().items():
+            v = settings.value(key)
+            if v is not None:
+                try:
+                    w.setValue(type(w.value())(v))
+                except (TypeError, ValueError):
+                    log.warning("ignoring the saved %s setting %r", key, v)
+        settings.endGroup()
+
+    def _setting_widgets(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "repeat_penalty": self.repeat_penalty, "max_tokens": self.max_tokens, "seed": self.seed}
+
     def transcript_text(self) -> str:
         return self.view.toPlainText()
 
@@ -300,6 +476,7 @@ class ChatPanel(QWidget):
     # ---- streaming ----
 
     def _start_reply(self) -> bool:
+        self._refused = None
         try:
             sampling = self.sampling()
             tokens = self.engine.chat_tokens(self.chat.prompt_messages())
@@ -307,6 +484,7 @@ class ChatPanel(QWidget):
             loop = asyncio.get_event_loop()
             handle = self.engine.submit(request, loop=loop)
         except (EngineError, ValueError) as e:
+            self._refused = str(e)
             self._render(notice=str(e))
             self.status_message.emit(f"not sent: {e}")
             self._update_buttons()
@@ -357,6 +535,9 @@ class ChatPanel(QWidget):
             "policy": getattr(decision, "policy", None),
             "reason": getattr(decision, "reason", None),
         }
+        if self._earlier:
+            meta["earlier"] = self._earlier
+            self._earlier = []
         self.chat.messages.append(Message("assistant", record.text, meta))
         self.handle = None
         self._task = None
@@ -364,7 +545,10 @@ class ChatPanel(QWidget):
         self._render()
         self._save()
         self._reload_list()
-        self.state_label.setText(_meta_plain(meta))
+        # The label is short (it shares the row); the reply's header and the tooltip have it all.
+        self.state_label.setText(" · ".join([str(meta.get("backend", "?")), *_meta_bits(meta)[:2]]))
+        self.state_label.setToolTip(_meta_plain(meta))
+        self.update_context_meter()
         self._update_buttons()
         self.reply_finished.emit(record)
 
@@ -372,8 +556,9 @@ class ChatPanel(QWidget):
 
     def _render(self, streaming: bool = False, notice: str | None = None) -> None:
         parts = [f"<div style='color:{MUTED}'>{_welcome(self.engine)}</div>"] if not self.chat.messages else []
-        for m in self.chat.messages:
-            parts.append(self._message_html(m))
+        self._code_blocks = []
+        for i, m in enumerate(self.chat.messages):
+            parts.append(self._message_html(m, i))
         if notice:
             parts.append(f"<p style='color:{_ERROR}'>⚠ {html.escape(notice)}</p>")
         if streaming:
@@ -385,17 +570,61 @@ class ChatPanel(QWidget):
         cursor.movePosition(QTextCursor.End)
         self._stream_cursor = cursor if streaming else None
         self.view.verticalScrollBar().setValue(self.view.verticalScrollBar().maximum())
+        self._context_timer.start()
 
-    def _message_html(self, m: Message) -> str:
-        body = html.escape(m.content).replace("\n", "<br>") or f"<i style='color:{MUTED}'>(no text)</i>"
+    def _message_html(self, m: Message, index: int) -> str:
+        links = [f"<a href='msg:copy:{index}' style='color:{MUTED}'>copy</a>"]
         if m.role == "user":
-            return (f"<p style='margin-top:10px'><b style='color:{_USER}'>You</b></p>"
+            links.append(f"<a href='msg:edit:{index}' style='color:{MUTED}'>edit</a>")
+        links.append(f"<a href='msg:delete:{index}' style='color:{MUTED}'>delete</a>")
+        actions = f"<span style='font-size:small'>&nbsp;&nbsp;{' · '.join(links)}</span>"
+        if m.role == "user":
+            body = html.escape(m.content).replace("\n", "<br>") or f"<i style='color:{MUTED}'>(no text)</i>"
+            return (f"<p style='margin-top:10px'><b style='color:{_USER}'>You</b>{actions}</p>"
                     f"<p style='margin-left:8px'>{body}</p>")
         meta = m.meta or {}
+        if m.content.strip():
+            body, self._code_blocks = render_markdown(m.content, self._code_blocks)
+        else:
+            body = f"<p><i style='color:{MUTED}'>(no text)</i></p>"
+        earlier = meta.get("earlier") or []
+        if earlier:
+            n = len(earlier)
+            shown = index in self._expanded
+            body += (f"<p style='font-size:small'><a href='msg:earlier:{index}' style='color:{MUTED}'>"
+                     f"{'hide' if shown else 'show'} {n} earlier answer{'s' if n != 1 else ''}</a></p>")
+            if shown:
+                for k, e in enumerate(earlier, 1):
+                    body += (f"<p style='color:{MUTED};margin-left:12px'>#{k} ({html.escape(str(e.get('backend')))}): "
+                             f"{html.escape(e.get('content', '')).replace(chr(10), '<br>')}</p>")
         return (f"<p style='margin-top:10px'><b style='color:{_ASSISTANT}'>Assistant</b> "
-                f"{_meta_html(meta, self._backend_index(meta.get('backend')))}</p>"
-                f"<p style='margin-left:8px'>{body}</p>"
+                f"{_meta_html(meta, self._backend_index(meta.get('backend')))}{actions}</p>"
+                f"<div style='margin-left:8px'>{body}</div>"
                 + (f"<p style='color:{_ERROR}'>⚠ {html.escape(meta['error'])}</p>" if meta.get("error") else ""))
+
+    def _on_link(self, url: QUrl) -> None:
+        text = url.toString()
+        scheme, _, rest = text.partition(":")
+        if scheme == COPY_SCHEME:
+            index = int(rest)
+            if 0 <= index < len(self._code_blocks):
+                QGuiApplication.clipboard().setText(self._code_blocks[index])
+                self.status_message.emit("code copied to the clipboard")
+        elif scheme == "msg":
+            action, _, number = rest.partition(":")
+            index = int(number)
+            if action == "copy" and 0 <= index < len(self.chat.messages):
+                QGuiApplication.clipboard().setText(self.chat.messages[index].content)
+                self.status_message.emit("message copied to the clipboard")
+            elif action == "edit":
+                self.edit_message(index)
+            elif action == "delete":
+                self.delete_message(index)
+            elif action == "earlier":
+                self._expanded ^= {index}
+                self._render()
+        elif url.scheme() in ("http", "https"):
+            QDesktopServices.openUrl(url)
 
     def _backend_index(self, name) -> int:
         names = self.engine.backend_names
@@ -410,6 +639,7 @@ class ChatPanel(QWidget):
         self.copy_button.setEnabled(any(m.role == "assistant" for m in self.chat.messages))
         self.new_button.setEnabled(not busy)
         self.chat_list.setEnabled(not busy)
+        self.delete_chat_button.setEnabled(not busy)
 
     # ---- slots ----
 
@@ -434,15 +664,44 @@ class ChatPanel(QWidget):
         except OSError as e:
             self.status_message.emit(f"could not save the chat: {e}")
 
+    def _chat_menu(self, pos) -> None:
+        item = self.chat_list.itemAt(pos)
+        if item is None or self.busy:
+            return
+        chat_id = item.data(Qt.UserRole)
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self._ask_rename(chat_id, item.text()))
+        menu.addAction("Export as Markdown…", lambda: self._ask_export(chat_id, "Markdown (*.md)", ".md"))
+        menu.addAction("Export as JSON…", lambda: self._ask_export(chat_id, "JSON (*.json)", ".json"))
+        menu.addSeparator()
+        menu.addAction("Delete", lambda: self.delete_chat(chat_id, confirm=True))
+        menu.exec(self.chat_list.mapToGlobal(pos))
+
+    def _ask_rename(self, chat_id: str, current: str) -> None:
+        name, ok = QInputDialog.getText(self, "Rename chat", "Title", text=current)
+        if ok:
+            self.rename_chat(chat_id, name)
+
+    def _ask_export(self, chat_id: str, filt: str, suffix: str) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"chat{suffix}", filt)
+        if path:
+            try:
+                self.export_chat(path, chat_id)
+            except OSError as e:
+                self.status_message.emit(f"could not export the chat: {e}")
+
     def _reload_list(self) -> None:
         self.chat_list.clear()
         chats = self.store.list()
         if not any(c.id == self.chat.id for c in chats):
             chats.insert(0, self.chat)
+        query = self.search_edit.text()
         for c in chats:
+            if c.id != self.chat.id and not c.matches(query):
+                continue
             item = QListWidgetItem(c.title)
             item.setData(Qt.UserRole, c.id)
-            item.setToolTip(f"{len(c.messages)} messages")
+            item.setToolTip(f"{c.title}\n{len(c.messages)} messages")
             self.chat_list.addItem(item)
             if c.id == self.chat.id:
                 item.setSelected(True)
@@ -451,7 +710,7 @@ class ChatPanel(QWidget):
 
 def _welcome(engine) -> str:
     names = ", ".join(engine.backend_names)
-    return (f"<p>Chatting with <b>{html.escape(engine.model.info.name)}</b> on {len(engine.backend_names)} "
+    return (f"<p>Chatting with <b>{html.escape(model_title(engine.model.info))}</b> on {len(engine.backend_names)} "
             f"backends ({html.escape(names)}). Each reply says which backend served it and why; the "
             "Routing tab shows every decision.</p>")
 

@@ -154,6 +154,7 @@ class ControlsPanel(QWidget):
         buttons.addWidget(self.flush_button)
         buttons.addStretch(1)
         g.addLayout(buttons, len(self.engine.backend_names) + 1, 0, 1, 6)
+        g.setColumnStretch(6, 1)  # spare width goes right of the table, not into the cap boxes
         lay.addWidget(rates)
         lay.addStretch(1)
         self._update_help()

@@ -40,9 +40,12 @@ class Chat:
     messages: list[Message] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    name: str = ""  # the user's title (Rename); empty: the first user message
 
     @property
     def title(self) -> str:
+        if self.name.strip():
+            return self.name.strip()
         for m in self.messages:
             if m.role == "user":
                 text = " ".join(m.content.split())
@@ -58,6 +61,23 @@ class Chat:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_markdown(self) -> str:
+        """The chat as a Markdown document (title, system prompt, then each turn)."""
+        out = [f"# {self.title}", ""]
+        if self.system.strip():
+            out += ["**System:** " + self.system.strip(), ""]
+        for m in self.messages:
+            who = "You" if m.role == "user" else "Assistant"
+            meta = m.meta or {}
+            where = f" ({meta['backend']})" if meta.get("backend") else ""
+            out += [f"## {who}{where}", "", m.content, ""]
+        return "\n".join(out)
+
+    def matches(self, query: str) -> bool:
+        """Case-insensitive search over the title, system prompt and every message."""
+        q = query.casefold().strip()
+        return not q or any(q in t.casefold() for t in (self.title, self.system, *(m.content for m in self.messages)))
+
     @classmethod
     def from_dict(cls, d: dict) -> "Chat":
         return cls(
@@ -66,6 +86,7 @@ class Chat:
             messages=[Message(m["role"], m["content"], m.get("meta")) for m in d.get("messages", [])],
             created=float(d.get("created", 0.0)),
             updated=float(d.get("updated", 0.0)),
+            name=str(d.get("name", "")),
         )
 
 

@@ -5,6 +5,10 @@ Histograms use fixed log-spaced edges (`ui.metrics.EDGES`) and are drawn with
 `stepMode="center"`; every curve and marker is created once and only `setData`/`setPos` is
 called afterwards, from the bridge's tick (and only when a request finished since the last
 redraw). Throughput comes from the decoded-token counts each tick carries.
+
+Axes fit their data: a histogram's x axis spans the bins in use (one bin of margin), its y axis
+counts requests in whole numbers; empty plots show a fixed 0..1 range rather than pyqtgraph's
+default of a degenerate range. Throughput is timed from the view's first tick.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from .metrics import EDGES, METRIC_TITLES, LatencyStore, RingSeries, fmt_seconds
+from .metrics import (
+    EDGES, METRIC_TITLES, LatencyStore, RingSeries, count_axis_top, fmt_seconds, log_ticks, occupied_log_range,
+)
 from .theme import LEGEND_BG, backend_color, qcolor, style_plot
 
 THROUGHPUT_WINDOW_S = 120.0
@@ -48,9 +54,12 @@ class LatencyView(QWidget):
         for k, metric in enumerate(("ttft", "e2e", "itl")):
             w = pg.PlotWidget()
             p = w.getPlotItem()
-            style_plot(p, METRIC_TITLES[metric], "seconds (log scale) — p50 solid, p95 dashed", "requests")
+            style_plot(p, METRIC_TITLES[metric], "log scale — p50 solid, p95 dashed", "requests")
             p.setLogMode(x=True, y=False)
             p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+            p.disableAutoRange()
+            for axis in ("left", "bottom"):
+                p.getAxis(axis).enableAutoSIPrefix(False)
             edges = EDGES[metric]
             self.plots[metric] = p
             self.hist_curves[metric] = {}
@@ -73,6 +82,9 @@ class LatencyView(QWidget):
         p = self.throughput_plot = w.getPlotItem()
         style_plot(p, "Output throughput (2 s average)", "time (s)", "tokens / s")
         p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+        p.enableAutoRange(x=True, y=False)
+        for axis in ("left", "bottom"):
+            p.getAxis(axis).enableAutoSIPrefix(False)
         self.tput_curves = []
         for b in self.backends:
             self.tput_curves.append(p.plot(pen=pg.mkPen(self.colors[b], width=1.6), name=b))
@@ -91,6 +103,9 @@ class LatencyView(QWidget):
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addLayout(top)
         outer.addLayout(grid, 1)
+        for metric in self.plots:
+            self._fit_axes(metric, [])
+        self.throughput_plot.setYRange(0, 1, padding=0)
         self._update_summary()
 
     # ---- data ----
@@ -120,6 +135,9 @@ class LatencyView(QWidget):
         for k, curve in enumerate(self.tput_curves):
             x, y = self._series.view(k)
             curve.setData(x, y)
+        _, total = self._series.view(len(self.backends))
+        peak = float(np.nanmax(total)) if total.size else 0.0
+        self.throughput_plot.setYRange(0, max(peak * 1.15, 1.0), padding=0)
         if self.store.version != self._drawn_version:
             self._drawn_version = self.store.version
             self._redraw_histograms()
@@ -127,8 +145,9 @@ class LatencyView(QWidget):
     def _redraw_histograms(self) -> None:
         for metric, curves in self.hist_curves.items():
             edges = EDGES[metric]
+            hists = {b: self.store.histogram(metric, b) for b in curves}
             for b, curve in curves.items():
-                curve.setData(edges, self.store.histogram(metric, b))
+                curve.setData(edges, hists[b])
                 p50, p95 = self.store.percentiles(metric, b)
                 for line, v in zip(self.p_lines[metric][b], (p50, p95)):
                     if math.isfinite(v) and v > 0:
@@ -136,7 +155,19 @@ class LatencyView(QWidget):
                         line.setVisible(True)
                     else:
                         line.setVisible(False)
+            self._fit_axes(metric, list(hists.values()))
         self._update_summary()
+
+    def _fit_axes(self, metric: str, hists) -> None:
+        p = self.plots[metric]
+        span = occupied_log_range(hists, EDGES[metric])
+        if span is None:  # nothing yet: 1 ms .. 10 s, 0..1 request
+            span = (-3.0, 1.0)
+        p.setXRange(*span, padding=0)
+        p.getAxis("bottom").setTicks([log_ticks(*span), []])
+        top, step = count_axis_top(max((float(h.max()) for h in hists if len(h)), default=0.0))
+        p.setYRange(0, top, padding=0)
+        p.getAxis("left").setTickSpacing(step, step)
 
     def _update_summary(self) -> None:
         parts = []

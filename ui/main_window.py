@@ -9,6 +9,15 @@ With a `serve_fn` the Server menu runs the OpenAI-compatible server in this proc
 window's asyncio loop (`ui.server`): its requests go to the shown engine and appear in the
 views live; the status bar shows its address or why it is not serving. Loading another model
 moves the server to the new engine; closing the window stops the server first.
+
+The window sizes itself to the screen. On a short screen (under 900 px available, a 1280x720
+laptop) it uses the compact layout: every panel is a tab of the bottom dock area under the
+chat, so each gets the full width (two backend cards side by side with their buttons, the
+teaching table with all its rows); otherwise Backends and Controls sit beside the chat.
+
+Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
+window geometry, dock layout (one per layout), the chat's sampling settings and the last model
+loaded. Ctrl+/ lists the keyboard shortcuts.
 """
 
 from __future__ import annotations
@@ -17,8 +26,8 @@ import logging
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
     QStackedWidget, QVBoxLayout, QWidget,
@@ -37,7 +46,8 @@ from .model_dialog import ModelDialog
 from .routing import RoutingView
 from .server import ServerControl, ServerDialog, ServerOptions
 from .teaching import TeachingPanel
-from .theme import FAILED, configure_pyqtgraph
+from .metrics import model_title
+from .theme import FAILED, configure_pyqtgraph, scrollable
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 log = logging.getLogger(__name__)
@@ -49,8 +59,11 @@ class MainWindow(QMainWindow):
 
     def __init__(self, engine=None, *, load_fn=None, store: ChatStore | None = None, owns_engine: bool = True,
                  gpu_offload: bool | None = None, recalibrate=None, bench_runner_factory=None, serve_fn=None,
-                 hz: int = 15, parent: QWidget | None = None):
+                 hz: int = 15, compact: bool | None = None, settings: QSettings | None = None,
+                 parent: QWidget | None = None):
         super().__init__(parent)
+        self.settings = settings if settings is not None else QSettings()
+        self._layout_restored = False
         configure_pyqtgraph()
         self.engine = None
         self.spec: ModelSpec | None = None
@@ -77,7 +90,16 @@ class MainWindow(QMainWindow):
         self.probe.start()
 
         self.setWindowTitle("Tandem")
-        self.resize(1600, 1000)
+        screen = QGuiApplication.primaryScreen()
+        avail = screen.availableGeometry() if screen is not None else None
+        self.compact = compact if compact is not None else (avail is not None and avail.height() < 900)
+        if avail is not None:
+            self.resize(min(1600, avail.width()), min(1000, avail.height()))
+        else:
+            self.resize(1600, 1000)
+        geometry = self.settings.value("window/geometry")
+        if geometry is not None:
+            self.restoreGeometry(geometry)
         self.setDockOptions(QMainWindow.AnimatedDocks | QMainWindow.AllowTabbedDocks | QMainWindow.AllowNestedDocks)
         # The analysis views (bottom) span the full width; backends and controls sit beside the chat.
         self.setCorner(Qt.BottomRightCorner, Qt.BottomDockWidgetArea)
@@ -118,6 +140,7 @@ class MainWindow(QMainWindow):
         sb = self.statusBar()
         self.model_label = QLabel("no model")
         self.backends_label = QLabel("")
+        self.model_label.setMaximumWidth(300)
         self.device_label = QLabel(self._device_text())
         if self.gpu_offload is False:  # the status bar is crowded: the why goes in the tooltip
             self.device_label.setToolTip("This llama.cpp build is CPU-only (llama_supports_gpu_offload() is false)")
@@ -159,7 +182,11 @@ class MainWindow(QMainWindow):
             server.addAction(self.stop_server_action)
         self._update_server_actions()
         help_menu = self.menuBar().addMenu("&Help")
+        self.shortcuts_action = QAction("&Keyboard shortcuts", self, shortcut=QKeySequence("Ctrl+/"),
+                                        triggered=self.show_shortcuts)
+        help_menu.addAction(self.shortcuts_action)
         help_menu.addAction(QAction("&About Tandem", self, triggered=self._about))
+        self.shortcuts_dialog = QMessageBox(QMessageBox.Information, "Keyboard shortcuts", "", QMessageBox.Close, self)
 
     # ---- engine ----
 
@@ -181,7 +208,8 @@ class MainWindow(QMainWindow):
         return True
 
     def choose_model(self) -> None:
-        dialog = ModelDialog(self.spec, self)
+        last = self.settings.value("model/last")
+        dialog = ModelDialog(self.spec or (ModelSpec(str(last)) if last else None), self)
         if dialog.exec() == ModelDialog.Accepted:
             self.load_model(dialog.spec())
 
@@ -198,10 +226,13 @@ class MainWindow(QMainWindow):
         if self.server is not None and old is not engine:
             self.server.restart(engine)  # a no-op while the server is off
         info = engine.model.info
-        synthetic = " (synthetic: text is noise)" if getattr(engine.model, "synthetic", False) else ""
-        self.setWindowTitle(f"Tandem — {info.name}")
-        self.model_label.setText(f"Model: {info.name}{synthetic} · {info.n_params / 1e6:.0f}M params")
-        self.model_label.setToolTip(info.path)
+        synthetic = " (synthetic)" if getattr(engine.model, "synthetic", False) else ""
+        title = model_title(info)
+        self.setWindowTitle(f"Tandem — {title}")
+        text = f"{title}{synthetic} · {_params(info.n_params)}"
+        self.model_label.setText(self.model_label.fontMetrics().elidedText(text, Qt.ElideMiddle, 300))
+        self.model_label.setToolTip(f"{info.path}\nGGUF general.name: {info.name}"
+                                    + ("\nSynthetic: random weights, the text is noise" if synthetic else ""))
         self.state_label.setText("engine ready")
         self.engine_loaded.emit(engine)
 
@@ -221,27 +252,71 @@ class MainWindow(QMainWindow):
                        "latency": latency, "teaching": teaching, "experiments": experiments}
         for p in self.panels.values():
             if hasattr(p, "status_message"):
-                p.status_message.connect(lambda msg: self.statusBar().showMessage(msg, 5000))
+                p.status_message.connect(self.show_message)
         self.stack.addWidget(chat)
         self.stack.setCurrentWidget(chat)
 
-        right_b = self._dock("Backends", backends, Qt.RightDockWidgetArea)
-        right_c = self._dock("Controls", controls, Qt.RightDockWidgetArea)
-        self.tabifyDockWidget(right_b, right_c)
+        side = Qt.BottomDockWidgetArea if self.compact else Qt.RightDockWidgetArea
+        right_b = self._dock("Backends", backends, side)
+        right_c = self._dock("Controls", controls, side, scroll=True)
         bottom = [self._dock(t, self.panels[k], Qt.BottomDockWidgetArea)
                   for t, k in (("Routing", "routing"), ("Latency", "latency"), ("Teaching", "teaching"),
                                ("Experiments", "experiments"))]
+        if self.compact:
+            bottom = [right_b, right_c, *bottom]
+        else:
+            self.tabifyDockWidget(right_b, right_c)
         for d in bottom[1:]:
             self.tabifyDockWidget(bottom[0], d)
         right_b.raise_()
-        bottom[0].raise_()
-        self.resizeDocks([right_b], [min(340 * len(engine.backend_names), 700)], Qt.Horizontal)
-        self.resizeDocks([bottom[0]], [500], Qt.Vertical)
+        if not self.compact:
+            bottom[0].raise_()
+            self.resizeDocks([right_b], [min(340 * len(engine.backend_names), 700)], Qt.Horizontal)
+        # Compact: the chat keeps ~300 px, the panels get the rest of a 720 px screen.
+        self.resizeDocks([bottom[0]], [max(330, self.height() - 350) if self.compact else 500], Qt.Vertical)
+        if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
+            chat.settings_button.setChecked(False)
+        chat.load_settings(self.settings)
+        state = self.settings.value(self._state_key())
+        if state is not None and not self._layout_restored:
+            self._layout_restored = self.restoreState(state)
 
-    def _dock(self, title: str, widget: QWidget, area) -> QDockWidget:
+    def _state_key(self) -> str:
+        return "window/state-compact" if self.compact else "window/state"
+
+    def save_settings(self) -> None:
+        """Window geometry, dock layout, sampling settings, last model (on close; idempotent)."""
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        if self.panels:
+            self.settings.setValue(self._state_key(), self.saveState())
+            self.panels["chat"].save_settings(self.settings)
+        if self.spec is not None:
+            self.settings.setValue("model/last", self.spec.model)
+        self.settings.sync()
+
+    def show_shortcuts(self) -> None:
+        rows = [(a.shortcut().toString(QKeySequence.NativeText), a.text().replace("&", ""))
+                for a in self.findChildren(QAction) if not a.shortcut().isEmpty()]
+        rows += [("Enter", "Send the message"), ("Shift+Enter", "New line in the message"),
+                 ("Esc", "Stop the reply being streamed")]
+        seen, lines = set(), []
+        for key, what in rows:
+            if (key, what) not in seen:
+                seen.add((key, what))
+                lines.append(f"<tr><td><b>{key}</b>&nbsp;&nbsp;</td><td>{what}</td></tr>")
+        self.shortcuts_dialog.setText(f"<table>{''.join(lines)}</table>")
+        self.shortcuts_dialog.open()
+
+    def show_message(self, message: str, ms: int = 8000) -> None:
+        """A passing message in the status bar; the whole of it (and the last one) in its tooltip."""
+        sb = self.statusBar()
+        sb.showMessage(message, ms)
+        sb.setToolTip(f"Last message: {message}")
+
+    def _dock(self, title: str, widget: QWidget, area, scroll: bool = False) -> QDockWidget:
         d = QDockWidget(title, self)
         d.setObjectName(f"dock-{title.lower()}")
-        d.setWidget(widget)
+        d.setWidget(scrollable(widget) if scroll else widget)
         self._dock_of[widget] = d
         d.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable | QDockWidget.DockWidgetClosable)
         self.addDockWidget(area, d)
@@ -317,10 +392,16 @@ class MainWindow(QMainWindow):
 
     def _on_tick(self, tick) -> None:
         parts = []
+        tips = []
         for s in tick.snapshots:
             dot = "●" if s.healthy else "✖"
-            parts.append(f"{dot} {s.name} {len(s.running)}/{s.cap} running, {len(s.waiting)} waiting")
-        self.backends_label.setText("  ".join(parts))
+            parts.append(f"{dot} {s.name} {len(s.running)}/{s.cap} +{len(s.waiting)}")
+            tips.append(f"{s.name}: {len(s.running)} running (cap {s.cap}), {len(s.waiting)} waiting"
+                        + ("" if s.healthy else ", down"))
+        text = "  ".join(parts)
+        if self.backends_label.text() != text:
+            self.backends_label.setText(text)
+            self.backends_label.setToolTip("\n".join(tips))
         p95 = self.probe.percentile(95)
         if p95 == p95:
             self.lag_label.setText(f"UI lag p95 {p95 * 1000:.0f} ms")
@@ -341,11 +422,21 @@ class MainWindow(QMainWindow):
         if self.engine is None or self.bridge is None or (self.demo is not None and self.demo.running):
             return None
         self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
-        self.demo.done.connect(lambda r: self.statusBar().showMessage(
-            f"demo {r.summary().n_ok}/{r.spec.n_requests} requests in {r.summary().makespan_s:.1f} s"
-            + (f" — {r.error}" if r.error else ""), 8000))
+        self.demo.done.connect(self._on_demo_done)
         self.demo.start()
         return self.demo
+
+    def _on_demo_done(self, result) -> None:
+        """A demo run is an experiment like any other: its row goes to the Experiments table."""
+        if result.records:
+            summary = result.summary()
+            experiments = self.panels.get("experiments")
+            if experiments is not None:
+                experiments.add_summary(summary)
+            self.show_message(f"demo {summary.n_ok}/{result.spec.n_requests} requests in {summary.makespan_s:.1f} s"
+                              " (a row in Experiments)" + (f" — {result.error}" if result.error else ""))
+        else:
+            self.show_message(f"demo failed: {result.error or 'no request finished'}")
 
     def stop_demo(self) -> None:
         if self.demo is not None and self.demo.running:
@@ -411,7 +502,10 @@ class MainWindow(QMainWindow):
                           "request where its score is lowest, and a live view of why.")
 
     def shutdown(self) -> None:
-        """Stop timers, cancel the loader, close the engine if the window owns it. Idempotent."""
+        """Save the settings, stop timers, cancel the loader, close the engine if the window owns it.
+        Idempotent."""
+        if self.panels:
+            self.save_settings()
         self.probe.stop()
         if self.server is not None:
             self.server.stop()  # finishes on the loop; `closeEvent` waits for it instead
@@ -431,3 +525,12 @@ class MainWindow(QMainWindow):
             return
         self.shutdown()
         super().closeEvent(event)
+
+
+def _params(n: int) -> str:
+    """1.35e8 -> '135M params', 4.1e5 -> '410K params'."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B params"
+    if n >= 1e6:
+        return f"{n / 1e6:.0f}M params"
+    return f"{n / 1e3:.0f}K params"

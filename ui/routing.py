@@ -5,40 +5,48 @@ request) and shows, per backend, the cached tokens, the prefill and decode token
 counted, the rates it used and the score, with the chosen backend's cells highlighted.
 `RoutingView` adds a plot of each backend's score over time with the decisions marked, and
 explains the selected row in words with its arithmetic.
+
+Rows are numbered from 1 and timed from the first decision the view shows (both restart on
+Clear), so a run reads "#1 at 0.00 s" whatever happened before it. `export_csv(path)` writes
+every row with raw numbers (tokens, tok/s, seconds) for a spreadsheet.
 """
 
 from __future__ import annotations
 
+import csv
 import html
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
 from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import (
-    QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QSplitter, QTableView,
+    QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QPushButton, QSplitter, QTableView,
     QTextBrowser, QVBoxLayout, QWidget,
 )
 
+from .metrics import count_axis_top, fmt_rate
 from .theme import CHOSEN_BG, LEGEND_BG, MUTED, backend_color, style_plot
 
 TERMS = ("cached", "prefill", "decode", "rates", "score")
-FIXED = ("#", "t (s)", "request", "→ backend")
+FIXED = ("#", "t", "request", "→ backend")
 BACKEND_COLUMN = FIXED.index("→ backend")
 MAX_ROWS = 5000
 
 
 class RoutingTableModel(QAbstractTableModel):
-    """Decisions, oldest first; at most `MAX_ROWS` (the oldest drop off)."""
+    """Decisions, oldest first; at most `MAX_ROWS` (the oldest drop off). `t0` is the time of the
+    first decision since the last clear (None while empty)."""
 
-    def __init__(self, backends: list[str], t0: float, parent=None):
+    def __init__(self, backends: list[str], parent=None):
         super().__init__(parent)
         self.backends = list(backends)
-        self.t0 = t0
+        self.t0: float | None = None
         self.decisions: list = []
-        self.count = 0  # decisions ever added (row numbers keep counting after drops)
+        self.count = 0  # decisions added since the last clear (row numbers keep counting after drops)
         self._first_number = 1
         self._colors = {b: QColor(backend_color(i)) for i, b in enumerate(self.backends)}
         self._chosen = QBrush(QColor(CHOSEN_BG))
@@ -51,6 +59,8 @@ class RoutingTableModel(QAbstractTableModel):
             self.decisions.pop(0)
             self._first_number += 1
             self.endRemoveRows()
+        if self.t0 is None:
+            self.t0 = decision.time
         row = len(self.decisions)
         self.beginInsertRows(QModelIndex(), row, row)
         self.decisions.append(decision)
@@ -60,7 +70,9 @@ class RoutingTableModel(QAbstractTableModel):
     def clear(self) -> None:
         self.beginResetModel()
         self.decisions.clear()
-        self._first_number = self.count + 1
+        self.count = 0
+        self._first_number = 1
+        self.t0 = None
         self.endResetModel()
 
     def column_of(self, backend: str, term: str) -> int:
@@ -105,7 +117,7 @@ class RoutingTableModel(QAbstractTableModel):
             if role == Qt.DisplayRole:
                 return [
                     str(self._first_number + index.row()),
-                    f"{d.time - self.t0:.2f}",
+                    f"{d.time - self.t0:.2f} s",
                     d.request_id,
                     d.backend + (" (pinned)" if d.pinned else ""),
                 ][col]
@@ -142,9 +154,9 @@ def score_term(s, term: str) -> str:
     if term == "decode":
         return _tok(s.decode_tokens)
     if term == "rates":
-        return f"{s.rates.prefill_tok_s:g} / {s.rates.decode_tok_s:g}"
+        return f"{_num_rate(s.rates.prefill_tok_s)} / {_num_rate(s.rates.decode_tok_s)} tok/s"
     if term == "score":
-        return "∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f}"
+        return "∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f} s"
     raise KeyError(term)
 
 
@@ -153,9 +165,9 @@ def explain_score(s) -> str:
     state = f"{s.n_running} running, {s.n_waiting} queued, cap {s.cap}, {s.cached_tokens} cached"
     if not s.eligible:
         return f"{s.name}: unhealthy ({state})"
-    return (f"{s.name}: {_tok(s.prefill_tokens)} prefill tok / {s.rates.prefill_tok_s:g} tok/s = {s.prefill_s:.3f} s"
-            f"  +  {_tok(s.decode_tokens)} decode tok / {s.rates.decode_tok_s:g} tok/s = {s.decode_s:.3f} s"
-            f"  →  {_secs(s.score_s)}   ({state})")
+    return (f"{s.name}: {_tok(s.prefill_tokens)} prefill tok / {fmt_rate(s.rates.prefill_tok_s)} = {s.prefill_s:.3f} s"
+            f"  +  {_tok(s.decode_tokens)} decode tok / {fmt_rate(s.rates.decode_tok_s)} = {s.decode_s:.3f} s"
+            f"  →  {_secs(s.score_s)}   ({state}; {s.rates.source} rates)")
 
 
 def explain_decision(d, colors: dict | None = None) -> str:
@@ -191,8 +203,8 @@ class RoutingView(QWidget):
         self.engine = engine
         self.backends = engine.backend_names
         self.colors = {b: backend_color(i) for i, b in enumerate(self.backends)}
-        self.t0 = time.monotonic()
-        self.model = RoutingTableModel(self.backends, self.t0, self)
+        self.t0 = time.monotonic()  # decisions older than the view by an hour are not shown
+        self.model = RoutingTableModel(self.backends, self)
         self._plot_dirty = False
         self._build()
         for d in engine.router.recent():  # decisions made before the view existed
@@ -212,17 +224,22 @@ class RoutingView(QWidget):
         h = self.table.horizontalHeader()
         h.setSectionResizeMode(QHeaderView.Interactive)
         h.setDefaultSectionSize(62)
-        for col, w in enumerate((38, 54, 72, 84)):
+        for col, w in enumerate((38, 66, 72, 84)):
             self.table.setColumnWidth(col, w)
         for b in self.backends:
-            self.table.setColumnWidth(self.model.column_of(b, "rates"), 78)
+            self.table.setColumnWidth(self.model.column_of(b, "rates"), 142)
+            self.table.setColumnWidth(self.model.column_of(b, "score"), 70)
         self.table.selectionModel().currentRowChanged.connect(self._on_row)
         self.model.rowsInserted.connect(self._follow)
 
         self.plot_widget = pg.PlotWidget()
         p = self.plot = self.plot_widget.getPlotItem()
-        style_plot(p, "Score of each backend per arriving request (lower wins)", "time (s)", "score (s)")
+        # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
+        style_plot(p, "Score of each backend per arriving request (lower wins)", "request # (table row)",
+                   "score (s)")
         p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+        for axis in ("left", "bottom"):
+            p.getAxis(axis).enableAutoSIPrefix(False)  # seconds stay seconds, no "(x0.001)"
         self.curves = {}
         for b in self.backends:
             c = self.colors[b]
@@ -240,12 +257,18 @@ class RoutingView(QWidget):
         self.clear_button = QPushButton("Clear")
         self.clear_button.setToolTip("Forget the rows shown here (the router keeps its own record)")
         self.clear_button.clicked.connect(self.clear)
+        self.export_button = QPushButton("Export CSV…")
+        self.export_button.setToolTip("Save every row (raw tokens, tok/s and seconds) as a CSV file")
+        self.export_button.clicked.connect(self._ask_export)
         self.count_label = QLabel()
         self.count_label.setObjectName("muted")
         bar = QHBoxLayout()
-        bar.addWidget(QLabel("<b>Decisions</b> — one row per arriving request; the chosen backend's cells are green"))
-        bar.addStretch(1)
+        title = QLabel("<b>Decisions</b> — one row per arriving request; the chosen backend's cells are green")
+        title.setToolTip(title.text())
+        title.setMinimumWidth(40)
+        bar.addWidget(title, 1)
         bar.addWidget(self.count_label)
+        bar.addWidget(self.export_button)
         bar.addWidget(self.clear_button)
 
         left = QWidget()
@@ -276,6 +299,36 @@ class RoutingView(QWidget):
         self._plot_dirty = True
         self.explain.clear()
 
+    def export_csv(self, path: str | Path) -> Path:
+        """Write the rows shown, with raw numbers, as CSV."""
+        path = Path(path)
+        m = self.model
+        head = ["number", "t_s", "request", "backend", "pinned", "policy", "budget"]
+        for b in self.backends:
+            head += [f"{b}_{k}" for k in ("cached_tokens", "prefill_tokens", "decode_tokens", "prefill_tok_s",
+                                          "decode_tok_s", "rates_source", "score_s")]
+        with path.open("w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(head)
+            for row, d in enumerate(m.decisions):
+                out = [m._first_number + row, f"{d.time - m.t0:.4f}", d.request_id, d.backend, int(d.pinned),
+                       d.policy, d.budget]
+                for b in self.backends:
+                    try:
+                        s = d.score_of(b)
+                    except KeyError:
+                        out += [""] * 7
+                        continue
+                    out += [s.cached_tokens, s.prefill_tokens, s.decode_tokens, s.rates.prefill_tok_s,
+                            s.rates.decode_tok_s, s.rates.source, s.score_s]
+                w.writerow(out)
+        return path
+
+    def _ask_export(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export routing decisions", "routing.csv", "CSV (*.csv)")
+        if path:
+            self.export_csv(path)
+
     def _follow(self, *_):
         bar = self.table.verticalScrollBar()
         if bar.value() >= bar.maximum() - 2 and not self.table.selectionModel().hasSelection():
@@ -289,7 +342,8 @@ class RoutingView(QWidget):
 
     def _redraw(self) -> None:
         ds = self.model.decisions
-        t = np.array([d.time - self.t0 for d in ds], dtype=float)
+        t = np.arange(self.model._first_number, self.model._first_number + len(ds), dtype=float)
+        self.plot.getAxis("bottom").setTickSpacing(*([count_axis_top(len(ds))[1]] * 2))
         for b, curve in self.curves.items():
             y = np.array([_finite(_score_or_nan(d, b)) for d in ds], dtype=float)
             curve.setData(t, y)
@@ -305,7 +359,7 @@ class RoutingView(QWidget):
             return
         d = self.model.decisions[current.row()]
         self.explain.setHtml(explain_decision(d, self.colors))
-        self.selected_line.setPos(d.time - self.t0)
+        self.selected_line.setPos(self.model._first_number + current.row())
         self.selected_line.setVisible(True)
 
     def select_row(self, row: int) -> None:
@@ -325,6 +379,10 @@ def _finite(x: float) -> float:
 
 def _tok(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def _num_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
 def _secs(x: float) -> str:

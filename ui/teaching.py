@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
 from engine.router import RouteQuery, Router
 from engine.snapshot import BackendSnapshot, Rates, WorkItem
 
-from .theme import MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
+from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
 from .workload import STUDY, WorkloadRun
 
 # The article's rates (Apple M2, Qwen2.5-0.5B, profiled alone).
@@ -90,12 +90,13 @@ def gpu_decode_to_keep(arrival: Arrival) -> float:
 
 
 def _queue_html(arrival: Arrival) -> str:
-    """The GPU's slots and queue as coloured cells."""
+    """The GPU's slots and queue as coloured cells (each waiting request: prompt tokens left + budget)."""
+    left = arrival.query.prefill_on("gpu")
     cells = "".join(f"<td bgcolor='#24456e' align='center'>&nbsp;running&nbsp;<br><b>{arrival.gpu_left}</b> left&nbsp;</td>"
                     for _ in range(CAP))
-    queue = "".join("<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>20 + <b>128</b>&nbsp;</td>"
+    queue = "".join("<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
                     for _ in range(arrival.gpu_queued))
-    new = "<td bgcolor='#2d4a33' align='center'>&nbsp;<b>new</b>&nbsp;<br>20 + 128&nbsp;</td>"
+    new = f"<td bgcolor='#2d4a33' align='center'>&nbsp;<b>new</b>&nbsp;<br>{left} + {MAX_TOKENS}&nbsp;</td>"
     return (f"<table cellspacing='4' cellpadding='3'><tr><td><b style='color:{GPU_COLOR}'>GPU</b>&nbsp;</td>"
             f"{cells}<td>&nbsp;|&nbsp;</td>{queue}<td>&nbsp;+&nbsp;</td>{new}</tr>"
             f"<tr><td><b style='color:{CPU_COLOR}'>CPU</b></td><td colspan='{CAP}' style='color:{MUTED}'>idle: "
@@ -128,7 +129,7 @@ def _verdict_html(a: Arrival) -> str:
     d = a.decision
     g, c = d.score_of("gpu"), d.score_of("cpu")
     if d.backend == "gpu":
-        rel = "<" if g.score_s < c.score_s else "="
+        rel = "&lt;" if g.score_s < c.score_s else "="
         text = f"{g.score_s:.3f} s {rel} {c.score_s:.3f} s: request {a.number} <b>stays on the GPU</b>"
         color = GPU_COLOR
     else:
@@ -162,8 +163,8 @@ def teaching_steps(arrivals: tuple[Arrival, Arrival], rates, cached: int) -> lis
                  "and the queue has grown by one.</p>" if k == 1 else "")
         steps.append((f"Request {a.number} arrives{when}",
                       f"<p>What the router sees when request {a.number} arrives:</p>{_queue_html(a)}{extra}"
-                      "<p>Each queued request still has 20 prompt tokens to compute and its full 128-token budget; "
-                      f"each running one has {a.gpu_left} tokens of budget left.</p>", k))
+                      f"<p>Each queued request still has {a.query.prefill_on('gpu')} prompt tokens to compute and its "
+                      f"full {MAX_TOKENS}-token budget; each running one has {a.gpu_left} tokens of budget left.</p>", k))
         steps.append((f"Request {a.number}: the GPU's score", _queue_html(a) + _gpu_sum_html(a), k))
         steps.append((f"Request {a.number}: the CPU's score, and the verdict",
                       _gpu_sum_html(a) + _cpu_sum_html(a) + _verdict_html(a), k))
@@ -210,7 +211,8 @@ class TeachingPanel(QWidget):
 
     def _build(self) -> None:
         # Inputs: the article's numbers, editable.
-        inputs = QGroupBox("The article's numbers (edit to move the boundary)")
+        inputs = QGroupBox("The article's numbers")
+        inputs.setToolTip("Edit a rate or the cached prefix: every step is recomputed by the real router")
         f = QFormLayout(inputs)
         self.gpu_prefill = _spin(ARTICLE_RATES["gpu"].prefill_tok_s)
         self.gpu_decode = _spin(ARTICLE_RATES["gpu"].decode_tok_s)
@@ -243,6 +245,11 @@ class TeachingPanel(QWidget):
                                           brushes=[qcolor(GPU_COLOR, 230), qcolor(CPU_COLOR, 230)], pen=None)
         p.addItem(self.bar_prefill)
         p.addItem(self.bar_decode)
+        # The bars' colours are per backend: the legend explains the light/strong halves.
+        legend = p.addLegend(offset=(6, 4), labelTextSize="8pt", brush=LEGEND_BG, colCount=2)  # one row, top left
+        for name, alpha in (("prefill", 110), ("decode", 230)):
+            legend.addItem(pg.BarGraphItem(x=[0], height=[0], width=1, brush=qcolor("#c8ccd4", alpha), pen=None),
+                           name)
         self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color="#e6e9ef") for _ in range(2)]
         for t in self.bar_labels:
             p.addItem(t)
@@ -253,8 +260,8 @@ class TeachingPanel(QWidget):
         lv = QVBoxLayout(left)
         lv.setContentsMargins(0, 0, 0, 0)
         lv.addWidget(inputs)
-        lv.addWidget(self.chart, 1)
-        self.chart.setMinimumHeight(150)
+        lv.addStretch(1)
+        self.chart.setMinimumSize(200, 150)
 
         # The steps.
         self.step_title = QLabel()
@@ -284,7 +291,14 @@ class TeachingPanel(QWidget):
         mv = QVBoxLayout(middle)
         mv.setContentsMargins(0, 0, 0, 0)
         mv.addWidget(self.step_title)
-        mv.addWidget(self.text, 1)
+        body = QSplitter(Qt.Horizontal)  # the step's text with its chart beside it (fits a short screen)
+        body.addWidget(self.text)
+        body.addWidget(self.chart)
+        body.setStretchFactor(0, 3)
+        body.setStretchFactor(1, 2)
+        body.setSizes([440, 260])
+        body.setChildrenCollapsible(False)
+        mv.addWidget(body, 1)
         mv.addLayout(nav)
 
         # Live: the same eight arrivals on this machine.
@@ -304,13 +318,16 @@ class TeachingPanel(QWidget):
         self.live_progress = QProgressBar()
         self.live_progress.setMaximum(STUDY.n_requests)
         self.live_progress.setFormat("%v / %m done")
+        self.live_progress.setMinimumWidth(70)
         row.addWidget(self.live_button)
         row.addWidget(self.article_rates_button)
+        row.addWidget(self.live_progress, 1)
         lv2.addLayout(row)
-        lv2.addWidget(self.live_progress)
         names = self.engine.backend_names
         self.live_table = QTableWidget(STUDY.n_requests, 3 + len(names))
-        self.live_table.setHorizontalHeaderLabels(["article", "here", "cached", *[f"{n} score" for n in names]])
+        self.live_table.setHorizontalHeaderLabels(["article", "here", "cached", *names])
+        for k, n in enumerate(names):
+            self.live_table.horizontalHeaderItem(3 + k).setToolTip(f"{n}'s score for the request (seconds)")
         self.live_table.setVerticalHeaderLabels([f"req {i + 1}" for i in range(STUDY.n_requests)])
         self.live_table.setEditTriggers(QAbstractItemView.NoEditTriggers)
         self.live_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
@@ -327,10 +344,10 @@ class TeachingPanel(QWidget):
         lv2.addWidget(self.live_note)
 
         split = QSplitter(Qt.Horizontal)
-        split.addWidget(scrollable(left, 260))
+        split.addWidget(scrollable(left, 240))
         split.addWidget(middle)
         split.addWidget(live)
-        split.setSizes([330, 640, 480])
+        split.setSizes([230, 760, 400])
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(split)
@@ -411,7 +428,7 @@ class TeachingPanel(QWidget):
         for i, t in enumerate(self.bar_labels):
             t.setText(labels[i])
             t.setPos(i, heights_p[i] + heights_d[i])
-        self.chart.getPlotItem().setYRange(0, top * 1.18, padding=0)
+        self.chart.getPlotItem().setYRange(0, top * 1.55, padding=0)  # headroom: labels and the legend above the bars
 
     # ---- live ----
 
@@ -479,7 +496,7 @@ class TeachingPanel(QWidget):
             here = QTableWidgetItem(d.backend)
             here.setForeground(qcolor(backend_color(names.index(d.backend)) if d.backend in names else "#ffffff"))
             self.live_table.setItem(i, 1, here)
-            self.live_table.setItem(i, 2, QTableWidgetItem(str(d.chosen.cached_tokens)))
+            self.live_table.setItem(i, 2, QTableWidgetItem(f"{d.chosen.cached_tokens} tok"))
             for k, n in enumerate(names):
                 try:
                     s = d.score_of(n)

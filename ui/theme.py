@@ -51,7 +51,7 @@ def style_plot(plot: pg.PlotItem, title: str, x: str, y: str) -> None:
     plot.setLabel("bottom", x)
     plot.setLabel("left", y)
     plot.showGrid(x=True, y=True, alpha=GRID_ALPHA)
-    plot.setMenuEnabled(False)
+    plot.setMenuEnabled(True)  # right-click: View All, axes, and the scene's Export…
 
 
 def scrollable(widget, min_width: int = 0):

@@ -1,9 +1,12 @@
 """A scripted tour of the app that saves the screenshots in docs/screenshots/.
 
-    xvfb-run -s "-screen 0 1600x1000x24" python -m app.gui --tour docs/screenshots
+    xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui --model default --tour docs/screenshots
 
-It loads the model, chats once, runs the study's 48-request workload (screenshots mid-run and
-after), steps the teaching replay to request 8, and runs a small experiment. Every wait is an
+The window takes the screen's size (1280x720: the compact layout, every panel a tab under the
+chat). It loads the model, chats (one reply with a code block, to show the Markdown rendering),
+shows the backends and controls, runs the study's workload (`--demo N`, 48 by default;
+screenshots mid-run and after), steps the teaching replay to request 8, and runs a small
+experiment. Every wait is an
 `asyncio.sleep` on the qasync loop, so the window stays live the whole time.
 """
 
@@ -40,16 +43,23 @@ async def tour(window, out: Path, args) -> None:
     await asyncio.sleep(1.0)
 
     chat = window.panels["chat"]
-    chat.temperature.setValue(0.3)
-    chat.max_tokens.setValue(120)
-    chat.send("In two sentences: why would a CPU take a request while a faster GPU is busy?")
-    await _until(lambda: not chat.busy, 120)
+    chat.temperature.setValue(0.0)
+    chat.max_tokens.setValue(160)
+    chat.send("Write a Python function that returns the sum of a list of numbers. Use a Markdown code block.")
+    await _until(lambda: not chat.busy, 300)
     chat.input.setPlainText("And what does a prefix cache change?")
     await asyncio.sleep(0.5)
     shot("main-idle")
+    window.show_panel("backends")
+    await asyncio.sleep(1.0)
+    shot("backends")
+    window.show_panel("controls")
+    await asyncio.sleep(0.5)
+    shot("controls")
 
     run = window.start_demo(seed_workload(args.demo or 48))
     routing = window.panels["routing"]
+    window.show_panel("routing")
     # Mid-run: every request routed, the first ones finished, the queues still deep.
     await _until(lambda: routing.model.rowCount() >= run.spec.n_requests and len(run.result.records) >= 4, 300)
     await asyncio.sleep(args.delay or 2.0)
