@@ -15,7 +15,7 @@ fi
 for step in "$@"; do
   declare -F "$step" >/dev/null || { echo "unknown step: $step (run without arguments for the list)"; exit 2; }
 done
-DEST=${OUT:?set OUT to where results should go}
+DEST=${OUT:?set OUT to where results should go}; mkdir -p "$DEST"
 export OUT=/tmp/results; mkdir -p "$OUT"
 export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}; mkdir -p "$TANDEM_CACHE_DIR"
 # Reuse the committed calibration when the model file is the same (the store keys by fingerprint).
