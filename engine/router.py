@@ -501,8 +501,12 @@ class CacheAware(Policy):
        items, then to the backend whose cache holds fewer tokens (SGLang's smallest tree:
        cold tenants spread over the caches), then to backend order.
 
-    Defaults: `cache_threshold=0.5` (the match rate SGLang router's README gives as default); `balance_abs=4` items and
-    `balance_rel=1.5`; `delay_weight=1`. In tests/test_router_sim.py's toy (two backends,
+    Defaults: `cache_threshold=0.5` (the match rate SGLang router's README gives as default);
+    `balance_abs=32` items (SGLang router's default) and `balance_rel=1.5`; `delay_weight=1`.
+    On two H200s with Tandem engines at cap 32 (docs/results/gpu/fleet3), 32 items gave the
+    lowest makespan of 4, 32 and 1000 at 8 tenants (8.9 s vs 9.2 and 9.8; runs spread ±1 s) and
+    at 32 (11.9 s vs 12.0; sglang-router 13.6, round-robin 14.5); 4 items spilled a tenant at
+    every burst. In tests/test_router_sim.py's toy (two backends,
     8 tenants, caches for 4 each), delay weights 0, 1, 2 and 4 all beat an SGLang-style rule by
     2-3 % of makespan and 15-30 % of median TTFT over 30 runs, and no weight won every run;
     1 is the one that means something (each held item waits once). Scores are
@@ -512,7 +516,7 @@ class CacheAware(Policy):
     name = "cache-aware"
     uses_budget = False
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 4, balance_rel: float = 1.5,
+    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.5,
                  delay_weight: float = 1.0, recent: RecentPrefixes | None = None):
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")

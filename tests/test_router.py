@@ -548,19 +548,24 @@ CACHE_AWARE_CASES = [
 ]
 
 
+# The rule's cases are written for a tight balance threshold (4 items) so that small hand-built
+# loads cross it; the default (32) is checked on its own below.
+TABLE_POLICY = "cache-aware:balance_abs=4"
+
+
 class TestCacheAware:
     @pytest.mark.parametrize("loads,cached,expected,words", CACHE_AWARE_CASES)
     def test_table(self, loads, cached, expected, words):
-        d = Router("cache-aware").route(tenant_query(cached=cached), gpus(*loads))
+        d = Router(TABLE_POLICY).route(tenant_query(cached=cached), gpus(*loads))
         assert d.backend == expected, d.reason
         for w in words:
             assert w in d.reason
-        assert d.policy == "cache-aware" and d.new_token_ratio is None
+        assert d.policy == TABLE_POLICY and d.new_token_ratio is None
 
     def test_scores_are_predicted_first_tokens_with_the_hit(self):
         snaps = gpus(0, 0)
         q = tenant_query(cached={"b": 1500})
-        d = Router("cache-aware").route(q, snaps)
+        d = Router(TABLE_POLICY).route(q, snaps)
         assert d.score_of("b").cached_tokens == 1500 and d.score_of("a").cached_tokens == 0
         assert d.score_of("b").score_s == pytest.approx(50 / 20_000)
         assert d.score_of("a").score_s == pytest.approx(1550 / 20_000)
@@ -572,13 +577,13 @@ class TestCacheAware:
         # item thresholds, but prefill at 73 tok/s makes b's 1,550-token prompt the longer wait.
         slow = replace(H200, prefill_tok_s=73)
         snaps = [replace(s, rates=slow) for s in gpus(6, 0)]
-        d = Router("cache-aware").route(tenant_query(cached={"a": 1500}), snaps)
+        d = Router(TABLE_POLICY).route(tenant_query(cached={"a": 1500}), snaps)
         assert d.backend == "a"
         assert "beyond balance (>4 apart and >1.5x), and it is still the cheapest" in d.reason
 
     def test_repeat_requests_stick_while_others_spread(self):
         # Each routed request adds one running item where it went; tenant 0 is warm on b.
-        r = Router("cache-aware")
+        r = Router(TABLE_POLICY)
         loads = [0, 0]
         got = []
         for k in range(12):
@@ -594,7 +599,7 @@ class TestCacheAware:
     def test_in_flight_prefix_is_remembered(self):
         # The first request of a tenant is still queued on a (its cache reports nothing yet):
         # the second finds it through the router's memory and follows it, while balanced.
-        r = Router("cache-aware")
+        r = Router(TABLE_POLICY)
         first = r.route(tenant_query("r0", 7, own=0, tokens=True), gpus(0, 0))
         assert first.backend == "a"
         second = r.route(tenant_query("r1", 7, own=1, tokens=True), gpus(1, 0))
@@ -606,7 +611,7 @@ class TestCacheAware:
         assert other.backend == "b" and "nothing cached anywhere" in other.reason
 
     def test_memory_is_per_backend_and_clears(self):
-        r = Router("cache-aware")
+        r = Router(TABLE_POLICY)
         r.route(tenant_query("r0", 1, tokens=True), gpus(0, 0))
         d = r.route(tenant_query("r1", 1, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1))
         assert d.backend == "b"  # b's real 1,500 cached tokens beat the 1,472 remembered on a
@@ -617,7 +622,7 @@ class TestCacheAware:
         assert d.backend == "b" and "nothing cached anywhere" in d.reason
 
     def test_pinned_request_is_remembered(self):
-        r = Router("cache-aware")
+        r = Router(TABLE_POLICY)
         pinned = replace(tenant_query("r0", 3, tokens=True), backend="b")
         d = r.route(pinned, gpus(0, 0))
         assert d.pinned and d.backend == "b"
@@ -627,7 +632,7 @@ class TestCacheAware:
     def test_unhealthy_backend_with_the_hit_is_skipped(self):
         snaps = gpus(0, 3)
         snaps[0] = replace(snaps[0], healthy=False)
-        d = Router("cache-aware").route(tenant_query(cached={"a": 1500}), snaps)
+        d = Router(TABLE_POLICY).route(tenant_query(cached={"a": 1500}), snaps)
         assert d.backend == "b" and "a unhealthy" in d.reason
 
     def test_parameters_are_checked(self):
@@ -651,6 +656,9 @@ class TestCacheAwareParameters:
         r.clear()
         assert r.policy == "cache-aware:cache_threshold=0.3,balance_abs=0,balance_rel=1"
         assert make_policy("cache-aware:").name == "cache-aware"
+
+    def test_default_balance_threshold_is_sglang_routers(self):
+        assert make_policy("cache-aware").balance_abs == 32
 
     @pytest.mark.parametrize("spec,words", [
         ("cache-aware:threshold=0.3", "is not one of cache_threshold="),
