@@ -181,6 +181,14 @@ class Engine:
         engines only."""
         return next((b.model for b in self.backends.values() if b.device != "remote"), None)
 
+    @property
+    def n_vocab(self) -> int:
+        """Token ids every backend accepts: the local model's vocabulary, else the smallest a
+        remote engine reports (0: none says)."""
+        if self.model is not None:
+            return self.model.n_vocab
+        return min((b.n_vocab for b in self.backends.values() if getattr(b, "n_vocab", 0)), default=0)
+
     def model_ids(self) -> list[str]:
         """The models this engine serves: the local model's file stem, then each remote
         engine's models, in backend order, without repeats."""

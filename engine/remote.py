@@ -169,6 +169,7 @@ class RemoteBackend:
         self.on_unhealthy = None  # callable(backend, [(request, handle, t_submit)]), set by the engine
         self.models: list[str] = []  # model ids the engine serves (`/v1/models`)
         self.n_ctx = 0  # the engine's context per request where it says, else 0
+        self.n_vocab = 0  # the engine's vocabulary where it says, else 0 (token-id prompts check it)
         self.cache_enabled = True
         self.cache_units = "tokens"  # "tokens" or "chars/4": what the last key counted
         self._cap = config.cap
@@ -511,6 +512,9 @@ class RemoteBackend:
             n = m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx") or 0
             if isinstance(n, int) and n > 0:
                 self.n_ctx = n
+            v = (m.get("meta") or {}).get("n_vocab") or 0  # llama-server and Tandem say it
+            if isinstance(v, int) and v > 0:
+                self.n_vocab = v
 
     async def _health_loop(self) -> None:
         while True:

@@ -71,10 +71,15 @@ class BackendCard(QFrame):
         title = QLabel(f"<span style='color:{self.color}'>■</span> <b>{b.name}</b>")
         title.setObjectName("title")
         threads = b.threads
-        self.facts = QLabel(f"{b.device.upper()} · {threads} thread{'s' if threads != 1 else ''} · "
-                            f"ctx {b.n_ctx} · {b.n_seq_max} seqs")
-        self.facts.setToolTip(f"{b.model} on {b.device}; n_batch {b.n_batch}, "
-                              f"flash attention {b.flash_attn}, unified KV {b.kv_unified}")
+        if b.device == "remote":  # an engine elsewhere: where it is and what it serves
+            self.facts = QLabel(f"REMOTE · {snap.url.removeprefix('http://')} · {snap.model or '?'}")
+            self.facts.setToolTip(f"an OpenAI-compatible engine at {snap.url}; Tandem sends it at most "
+                                  f"{snap.cap} requests at a time and predicts its prefix cache")
+        else:
+            self.facts = QLabel(f"{b.device.upper()} · {threads} thread{'s' if threads != 1 else ''} · "
+                                f"ctx {b.n_ctx} · {b.n_seq_max} seqs")
+            self.facts.setToolTip(f"{b.model} on {b.device}; n_batch {b.n_batch}, "
+                                  f"flash attention {b.flash_attn}, unified KV {b.kv_unified}")
         self.facts.setObjectName("muted")
         self.health = QLabel("healthy")
         self.warm_button = QPushButton("Warm prefix")

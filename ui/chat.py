@@ -424,7 +424,12 @@ class ChatPanel(QWidget):
         draft = self.input.toPlainText().strip()
         if draft:
             messages.append({"role": "user", "content": draft})
-        prompt = len(self.engine.chat_tokens(messages)) if len(messages) > (1 if self.chat.system.strip() else 0) else 0
+        if len(messages) <= (1 if self.chat.system.strip() else 0):
+            prompt = 0
+        elif self.engine.model is None:  # remote engines only: they tokenize; estimate from characters
+            prompt = Request((), messages=tuple(messages)).prompt_estimate
+        else:
+            prompt = len(self.engine.chat_tokens(messages))
         n_ctx = max((s.n_ctx for s in self.engine.snapshot() if s.healthy), default=0)
         return prompt, self.max_tokens.value(), n_ctx
 
@@ -433,6 +438,10 @@ class ChatPanel(QWidget):
             prompt, budget, n_ctx = self.context_usage()
         except (EngineError, ValueError) as e:
             self.context_label.setText(f"context: ? ({e})")
+            return
+        if not n_ctx:  # remote engines that do not say their context: no bound to show
+            self.context_label.setText(f"context ~{prompt:,} + {budget:,} (the engines check the length)")
+            self.context_label.setStyleSheet(f"color:{MUTED}")
             return
         over = prompt + 1 > n_ctx
         self.context_label.setText(f"context {prompt:,} + {budget:,} / {n_ctx:,}" + (" — too long" if over else ""))
@@ -479,8 +488,13 @@ class ChatPanel(QWidget):
         self._refused = None
         try:
             sampling = self.sampling()
-            tokens = self.engine.chat_tokens(self.chat.prompt_messages())
-            request = Request(tuple(tokens), sampling, backend=self.backend_override(), source="gui")
+            messages = self.chat.prompt_messages()
+            if self.engine.model is None:  # remote engines only: each renders its own template
+                request = Request((), sampling, backend=self.backend_override(), source="gui",
+                                  messages=tuple(messages))
+            else:
+                tokens = self.engine.chat_tokens(messages)
+                request = Request(tuple(tokens), sampling, backend=self.backend_override(), source="gui")
             loop = asyncio.get_event_loop()
             handle = self.engine.submit(request, loop=loop)
         except (EngineError, ValueError) as e:
@@ -710,7 +724,8 @@ class ChatPanel(QWidget):
 
 def _welcome(engine) -> str:
     names = ", ".join(engine.backend_names)
-    return (f"<p>Chatting with <b>{html.escape(model_title(engine.model.info))}</b> on {len(engine.backend_names)} "
+    model = model_title(engine.model.info) if engine.model is not None else ", ".join(engine.model_ids()) or "?"
+    return (f"<p>Chatting with <b>{html.escape(model)}</b> on {len(engine.backend_names)} "
             f"backends ({html.escape(names)}). Each reply says which backend served it and why; the "
             "Routing tab shows every decision.</p>")
 

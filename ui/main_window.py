@@ -225,6 +225,18 @@ class MainWindow(QMainWindow):
         self._build_panels()
         if self.server is not None and old is not engine:
             self.server.restart(engine)  # a no-op while the server is off
+        if engine.model is None:  # a router in front of remote engines: no model here
+            title = ", ".join(engine.model_ids()) or "remote engines"
+            self.setWindowTitle(f"Tandem — {title}")
+            self.model_label.setText(self.model_label.fontMetrics().elidedText(
+                f"{title} · {len(engine.backend_names)} remote engines", Qt.ElideMiddle, 300))
+            self.model_label.setToolTip("\n".join(f"{s.name}: {s.url} ({s.model})" for s in engine.snapshot()))
+        else:
+            self._show_model(engine)
+        self.state_label.setText("engine ready")
+        self.engine_loaded.emit(engine)
+
+    def _show_model(self, engine) -> None:
         info = engine.model.info
         synthetic = " (synthetic)" if getattr(engine.model, "synthetic", False) else ""
         title = model_title(info)
@@ -233,8 +245,6 @@ class MainWindow(QMainWindow):
         self.model_label.setText(self.model_label.fontMetrics().elidedText(text, Qt.ElideMiddle, 300))
         self.model_label.setToolTip(f"{info.path}\nGGUF general.name: {info.name}"
                                     + ("\nSynthetic: random weights, the text is noise" if synthetic else ""))
-        self.state_label.setText("engine ready")
-        self.engine_loaded.emit(engine)
 
     def _build_panels(self) -> None:
         engine = self.engine
@@ -357,7 +367,7 @@ class MainWindow(QMainWindow):
     def _system_prefix_tokens(self):
         """Tokens of the chat's system prompt as the template renders it (what Warm fills)."""
         chat = self.panels.get("chat")
-        if chat is None or self.engine is None or not chat.chat.system.strip():
+        if chat is None or self.engine is None or self.engine.model is None or not chat.chat.system.strip():
             return None
         return self.engine.chat_tokens([{"role": "system", "content": chat.chat.system}])
 

@@ -68,7 +68,7 @@ class WorkloadRun(QObject):
         self._handles = {}
         self._pending = []  # futures / warm handles we wait for
         self._next = 0
-        vocab = min(engine.model.n_vocab, TOKEN_HIGH)
+        vocab = min(engine.n_vocab or TOKEN_HIGH, TOKEN_HIGH)
         self.workload = build_workload(replace(spec, vocab_size=vocab), run)
         self._submit_timer = QTimer(self)
         self._submit_timer.setSingleShot(True)
