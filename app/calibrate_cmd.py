@@ -112,7 +112,7 @@ def format_table(model_name: str, results) -> str:
 def _list(store: RateStore) -> int:
     entries = store.entries()
     print(f"{len(entries)} calibration(s) in {store.path}")
-    for key, e in sorted(entries.items()):
+    for _key, e in sorted(entries.items()):
         r = e.get("rates", {})
         print(f"- {e.get('model', '?')} [{e.get('fingerprint')}] {e.get('config')}: prefill "
               f"{r.get('prefill_tok_s', 0):,.0f} tok/s, decode {r.get('decode_tok_s', 0):,.1f} tok/s, "

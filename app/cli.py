@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-import engine  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
+import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
 from engine.errors import EngineError
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
