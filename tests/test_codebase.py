@@ -44,7 +44,7 @@ def test_mypy_passes_on_the_engine():
 def test_engine_importing_qt_breaks_a_contract(tmp_path):
     """The same contracts on a copy of the tree whose engine imports PySide6."""
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for package in ("app", "ui", "engine"):
+    for package in ("app", "bench", "ui", "engine"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "engine" / "qt_leak.py").write_text("from PySide6 import QtCore  # noqa: F401\n")
