@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 
+from bench.progress import loading_bar
 from engine import llama
 from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
-
 
 log = logging.getLogger("tandem")
 
@@ -18,25 +18,10 @@ def engine_from_args(args, *, progress: bool = True) -> Engine:
     log.info("llama.cpp GPU offload: %s", "yes" if gpu else "no (CPU build)")
     specs = args.backend or default_specs(gpu=gpu)
     configs = parse_backend_specs(specs)
-    bar = _progress_bar("loading model") if progress and sys.stderr.isatty() else None
+    bar = loading_bar("loading model") if progress and sys.stderr.isatty() else None
     try:
         return Engine.load(args.model, configs, policy=getattr(args, "policy", "seed-score"),
                            progress=bar, online_rates=True)
     finally:
         if bar is not None:
             bar(1.0)
-
-
-def _progress_bar(label: str):
-    """A model-loading bar fed with llama.cpp's progress fraction (0..1)."""
-    from .progress import Progress
-
-    bar = Progress(100, label)
-
-    def update(fraction: float) -> bool:
-        bar.set(int(fraction * 100))
-        if fraction >= 1.0:
-            bar.close()
-        return True
-
-    return update

@@ -26,9 +26,11 @@ import logging
 import os
 import sys
 
-import engine  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
+import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
 from engine import llama
 from engine.config import default_specs, parse_backend_specs
+from bench.calibrate import recalibrate
+from bench.study import experiment_runner as bench_runner
 from engine.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -39,44 +41,6 @@ def load_engine(spec, progress=None) -> Engine:
     specs = list(spec.backends) or default_specs(gpu=llama.gpu_offload_supported())
     return Engine.load(spec.model, parse_backend_specs(specs), policy=spec.policy, progress=progress,
                        online_rates=True)
-
-
-def recalibrate(eng: Engine, progress) -> None:
-    """Measure every backend (they should be idle), apply and store the rates. Blocking."""
-    from engine.calibrate import RateStore, calibrate_backend, save_calibration
-
-    store = RateStore()
-    for name, backend in eng.backends.items():
-        cal = calibrate_backend(backend, progress=lambda done, total, what: progress(f"calibrating {what} ({done}/{total})"))
-        backend.set_rates(cal.rates())
-        save_calibration(store, eng.model.path, cal, eng.model.info.name)
-        progress(f"{name}: prefill {cal.prefill_tok_s:.0f} tok/s, decode {cal.decode_tok_s:.1f} tok/s at cap {cal.cap}")
-
-
-def bench_runner(eng: Engine):
-    """The GUI's experiments go through `tandem bench`'s runner: fn(spec, policy, run, on_done) -> RunSummary.
-
-    Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
-    (caches flushed, prefix re-warmed, router cleared, caps and rates restored).
-    """
-    from dataclasses import replace
-
-    from engine.benchmark import run_metrics
-    from engine.workload import TOKEN_HIGH, build_workload
-    from ui.metrics import RunSummary
-
-    from .bench import EngineRunner, Variant
-
-    def run(spec, policy: str, run_index: int, on_done) -> RunSummary:
-        runner = EngineRunner(eng, sweep_backend=None, budget=eng.router.budget, online=False, timeout=600.0)
-        try:
-            workload = build_workload(replace(spec, vocab_size=min(eng.model.n_vocab, TOKEN_HIGH)), run_index)
-            collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done)
-        finally:
-            runner.close()
-        return RunSummary.of(policy, policy, run_metrics(collected.records))
-
-    return run
 
 
 async def serve(eng: Engine, host: str, port: int, api_key: str | None):

@@ -1,7 +1,7 @@
 """Tandem's Qt-free engine: llama.cpp backends, their schedulers and prefix caches, the router.
 
-`engine.llama` is imported first on purpose: it loads the llama.cpp shared libraries before
-anything of ours imports numpy (see that module's docstring).
+Importing the package loads no native code: the pure modules (router, prefix cache, requests,
+snapshots, scheduler rules, workloads, ...) import without llama.cpp. The native part starts at
+`engine.llama`, which `engine.model` (and so every backend) imports first; processes that load
+models import it before anything imports numpy (see that module's docstring).
 """
-
-from . import llama  # noqa: F401  (import order matters)

@@ -137,4 +137,5 @@ class ApproxTree:
 
 def _common(edge: Sequence, key: Sequence, start: int) -> int:
     """Length of the common prefix of `edge` and `key[start:]`."""
-    return len(os.path.commonprefix([edge, key[start:start + len(edge)]]))
+    # commonprefix works on any sequences; typeshed types it for paths and lists only.
+    return len(os.path.commonprefix([edge, key[start:start + len(edge)]]))  # type: ignore[list-item]

@@ -15,6 +15,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 METRICS = ("makespan_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s")
 
@@ -147,7 +148,7 @@ def spread(values: Sequence[float]) -> dict:
 
 def aggregate(runs: Sequence[RunMetrics]) -> dict:
     """One summary row's numbers over several runs of the same configuration."""
-    out = {m: spread([getattr(r, m) for r in runs]) for m in METRICS}
+    out: dict[str, Any] = {m: spread([getattr(r, m) for r in runs]) for m in METRICS}
     backends = sorted({b for r in runs for b in r.routed})
     out["routed"] = {b: statistics.fmean(r.routed.get(b, 0) for r in runs) for b in backends}
     out["routed_per_run"] = [dict(r.routed) for r in runs]

@@ -150,7 +150,8 @@ def _gpu_device(spec: str, device: str, value: str) -> str:
     return f"gpu{index}"
 
 
-def name_backends(configs: list[BackendConfig | RemoteConfig], explicit: list[bool]) -> list[BackendConfig]:
+def name_backends(configs: list[BackendConfig | RemoteConfig],
+                  explicit: list[bool]) -> list[BackendConfig | RemoteConfig]:
     """Repeated devices without an explicit name become cpu0, cpu1, ..."""
     counts: dict[str, int] = {}
     for c, named in zip(configs, explicit):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import chat
 from .backend import Backend, BackendConfig, error_record
@@ -42,6 +43,9 @@ from .protocol import BackendProtocol
 from .request import Request, SamplingParams
 from .router import RouteQuery, Router
 from .snapshot import BackendSnapshot, Rates
+
+if TYPE_CHECKING:
+    from .calibrate import OnlineRefresh
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +128,13 @@ class Engine:
             raise InvalidRequest("an engine needs at least one backend")
         self.backends = {b.name: b for b in backends}
         for b in backends:
-            b.on_unhealthy = self._rehome
+            b.on_unhealthy = self._rehome  # type: ignore[assignment]  # declared None in Backend
         self.router = router or Router()
         self.bus = bus or backends[0].bus
         self._registry = registry
         self._lock = threading.Lock()
         self._closed = False
-        self.online = None  # OnlineRefresh, when rates are refreshed from observed steps
+        self.online: OnlineRefresh | None = None  # when rates are refreshed from observed steps
 
     @classmethod
     def load(cls, model: str | Path | None, configs: list[BackendConfig | RemoteConfig], *,
@@ -194,7 +198,8 @@ class Engine:
         engine's models, in backend order, without repeats."""
         ids: list[str] = []
         for b in self.backends.values():
-            for m in (b.models if b.device == "remote" else [Path(b.model.path).stem]):
+            # a "remote" backend is a RemoteBackend, which lists its engine's models
+            for m in (b.models if b.device == "remote" else [Path(b.model.path).stem]):  # type: ignore[attr-defined]
                 if m not in ids:
                     ids.append(m)
         return ids

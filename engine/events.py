@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from .request import FinishRecord
 
@@ -54,10 +54,11 @@ Event = RequestRouted | RequestAdmitted | RequestFinished | StepDone
 class EventBus:
     def __init__(self):
         self._lock = threading.Lock()
-        self._subs: list[tuple[Callable[[Event], None], tuple[type, ...] | None]] = []
+        self._subs: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
 
-    def subscribe(self, fn: Callable[[Event], None], kinds: tuple[type, ...] | None = None) -> Callable[[], None]:
-        """Call `fn(event)` for every event (or only those of `kinds`); returns an unsubscribe."""
+    def subscribe(self, fn: Callable[[Any], None], kinds: tuple[type, ...] | None = None) -> Callable[[], None]:
+        """Call `fn(event)` for every event (or only those of `kinds`: `fn` may take just those);
+        returns an unsubscribe."""
         entry = (fn, kinds)
         with self._lock:
             self._subs = [*self._subs, entry]

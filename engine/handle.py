@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .errors import RequestFailed
 from .request import FinishRecord, Request
+
+if TYPE_CHECKING:
+    from .router import RoutingDecision
 
 _END = object()
 _gathering = threading.local()
@@ -69,7 +72,7 @@ class RequestHandle:
         self.request = request
         self.id = request.id
         self.backend: str | None = None
-        self.decision = None  # RoutingDecision, set by the engine
+        self.decision: RoutingDecision | None = None  # set by the engine
         self._loop = loop
         self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._q: queue.SimpleQueue | None = None if loop is not None else queue.SimpleQueue()

@@ -6,9 +6,12 @@ own registry, without loading a model; `gpus()` are the GPUs among them, in ggml
 to one of them through `llama_model_params.devices`, as `cpu_only()` restricts it to none.
 
 Import order: on the GPU machine a process that had imported numpy *before* the llama.cpp
-shared libraries crashed while loading a CPU-only model. `engine/__init__.py` imports this
-module first, so any `import engine...` loads libllama (and its ggml backends) before numpy
-is touched by our code; `tests/test_import_order.py` checks it.
+shared libraries crashed while loading a CPU-only model. So this module is the first import of
+`engine.model` (through which every backend loads its model), and the entry points that load
+models import it before anything imports numpy: `app/__init__.py` (every `tandem` and
+`python -m app...` command) and `tests/conftest.py`. The pure engine (`import engine`,
+`engine.router`, `engine.prefix_cache`, ...) loads no native code at all; import-linter's
+contracts in pyproject.toml and `tests/test_import_order.py` check both.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,7 +178,7 @@ class Model:
         self._pieces: dict[int, bytes] = {}
         self._eog = [bool(lc.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)]
         self.eog_tokens = [t for t, eog in enumerate(self._eog) if eog]
-        self._chat = None
+        self._chat: Callable[[list[dict]], str] | None = None
         self.info = ModelInfo(
             path=str(path),
             name=_model_name(self.ptr, path),

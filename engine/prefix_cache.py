@@ -412,7 +412,8 @@ class PrefixCache:
     def _walk(self, tokens: Sequence[int], max_len: int | None) -> tuple[int, TreeNode, list[TreeNode]]:
         """(matched length, node holding the last matched token, nodes entered)."""
         limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
-        node, pos, path = self._root, 0, []
+        node, pos = self._root, 0
+        path: list[TreeNode] = []
         if not self._enabled:
             return 0, node, path
         while pos < limit:

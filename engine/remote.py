@@ -931,17 +931,17 @@ class VocabOnly:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         from .model import Model
 
-        return Model.tokenize(self, text, add_special=add_special, parse_special=parse_special)
+        return Model.tokenize(self, text, add_special=add_special, parse_special=parse_special)  # type: ignore[arg-type]  # duck-typed
 
     def piece(self, token: int) -> bytes:
         from .model import Model
 
-        return Model.piece(self, token)
+        return Model.piece(self, token)  # type: ignore[arg-type]  # duck-typed
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         from .model import Model
 
-        return Model.apply_chat_template(self, messages)
+        return Model.apply_chat_template(self, messages)  # type: ignore[arg-type]  # duck-typed
 
     def close(self) -> None:
         if self.ptr:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from .errors import BackendUnavailable, InvalidRequest
-from .snapshot import BackendSnapshot, Rates
+from .snapshot import BackendSnapshot, Rates, WorkItem
 
 if TYPE_CHECKING:
     from .request import Request

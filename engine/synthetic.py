@@ -36,6 +36,7 @@ import itertools
 import logging
 import os
 import string
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -399,7 +400,7 @@ def write_gguf(
         done = 0
         for index, t in enumerate(plan):
             for chunk in _tensor_chunks(shape, t, index):
-                fout.write(memoryview(chunk).cast("B"))
+                fout.write(chunk.data.cast("B"))
                 done += chunk.nbytes
                 if progress is not None:
                     progress(done, total)
@@ -515,7 +516,7 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-try:
+if sys.platform != "win32":
     import fcntl
 
     def _lock_fd(fd: int) -> None:
@@ -524,7 +525,7 @@ try:
     def _unlock_fd(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
-except ImportError:  # pragma: no cover - Windows
+else:  # pragma: no cover - Windows
     import msvcrt
     import time
 

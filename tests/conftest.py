@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-import engine  # noqa: F401  (llama.cpp before numpy)
+import engine.llama  # noqa: F401  (llama.cpp before numpy: see engine/llama.py)
 from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 

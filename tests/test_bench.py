@@ -14,10 +14,10 @@ import threading
 
 import pytest
 
-from app import bench_report
-from app.bench_target import Target, parse_target, probe, run_target
 from app.cli import main
-from app.progress import Progress
+from bench import report as bench_report
+from bench.progress import Progress
+from bench.target import Target, parse_target, probe, run_target
 from engine.benchmark import (RequestRecord, aggregate, decision_line, makespan, oracle, output_throughput,
                               percentile, run_metrics, seed_formula)
 from engine.config import parse_backend_specs
@@ -162,7 +162,7 @@ class TestProgress:
 def test_report_without_matplotlib_says_plots_were_skipped(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     records = [rec(0.0, 1.0, policy="a"), rec(0.0, 2.0, policy="b")]
-    from app.bench import summarize
+    from bench.study import summarize
 
     rows = summarize(records)
     summary = {"tool": "tandem bench seed", "runs": 1, "results": rows,
@@ -206,7 +206,7 @@ def seed_run(tmp_path_factory, tiny_path):
 
 def test_one_workload_is_drawn_as_ranked_labelled_bars(tmp_path):
     records = [rec(0.0, 1.0 + k, policy=p) for k, p in enumerate(["gpu-only@cap=8", "target:peer", "seed-score"])]
-    from app.bench import summarize
+    from bench.study import summarize
 
     rows = summarize(records)
     summary = {"tool": "tandem bench grid", "runs": 1, "results": rows,
@@ -361,7 +361,7 @@ def test_bench_prefill_measures_each_batch_size_alone_and_beside_decoding(tiny_p
 
 
 def test_prefill_sizes_are_checked():
-    from app.bench_prefill import parse_sizes
+    from bench.prefill import parse_sizes
 
     assert parse_sizes("512/128, 2048") == [(512, 128), (2048, 2048)]
     for bad in ("128/512", "x/1", "0/0"):

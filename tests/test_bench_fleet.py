@@ -1,4 +1,4 @@
-"""`tandem bench fleet` (`app.bench_fleet`): real engines (`tandem serve --model synthetic:tiny`
+"""`tandem bench fleet` (`bench.fleet`): real engines (`tandem serve --model synthetic:tiny`
 subprocesses) behind real routers (sglang-router, Tandem's own once `engine.remote` exists),
 end to end on this machine; and the pure parts (counters, ratios, variant checks)."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from app.bench_fleet import counter_deltas, ratios, remote_backend_available
+from bench.fleet import counter_deltas, ratios, remote_backend_available
 from app.cli import main
 
 # Two tenants x 64-token prefixes, N=12 at 40/s: a few seconds per variant on one core.

@@ -17,7 +17,7 @@ def test_plain_tandem_means_the_app_with_its_defaults():
 
 def test_headless_commands_never_import_qt():
     """The GPU machine has no Qt: the CLI, engine, server and benchmarks must import without it."""
-    code = ("import sys; from app.cli import parse_args; import app.server, app.bench, app.bench_soak; "
+    code = ("import sys; from app.cli import parse_args; import app.server, bench.study, bench.soak; "
             "parse_args([]); parse_args(['serve']); "
             "bad = [m for m in sys.modules if m.startswith(('PySide6', 'pyqtgraph', 'qasync'))]; "
             "assert not bad, bad")

@@ -706,7 +706,7 @@ class TestPredictedFinishN:
     @pytest.mark.parametrize("n", [3, 4])
     def test_hit_wins_among_equal_loads(self, n):
         loads = [2] * n
-        for k, name in enumerate("abcd"[:n]):
+        for name in "abcd"[:n]:
             d = Router("predicted-finish").route(tenant_query(cached={name: 1500}), gpus(*loads))
             assert d.backend == name, d.reason
             assert f"1,500 prompt tokens cached on {name}, 0 on" in d.reason

@@ -11,7 +11,7 @@ import csv
 import json
 
 from app import cli
-from app.bench_soak import KINDS, Traffic, system_prompts, warmup_seconds
+from bench.soak import KINDS, Traffic, system_prompts, warmup_seconds
 
 
 def test_a_short_soak_leaves_nothing_behind(capsys, tmp_path):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-import engine  # noqa: F401  (llama.cpp before numpy)
+import engine.llama  # noqa: F401  (llama.cpp before numpy)
 from engine.request import FinishRecord, RequestStatus
 from engine.snapshot import Rates
 from ui.history import Chat, ChatStore, Message

@@ -31,7 +31,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
 
-import engine  # noqa: E402,F401  (llama.cpp before numpy)
+import engine.llama  # noqa: E402,F401  (llama.cpp before numpy)
 from engine.config import parse_backend_specs  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.events import StepDone  # noqa: E402

@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, ".")
 
-import engine  # noqa: F401,E402  (llama.cpp before numpy)
+import engine.llama  # noqa: F401,E402  (llama.cpp before numpy)
 from engine import llama  # noqa: E402
 from engine.config import default_specs, parse_backend_specs  # noqa: E402
 from engine.engine import Engine  # noqa: E402

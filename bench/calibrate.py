@@ -1,7 +1,8 @@
 """`tandem calibrate`: measure each backend's rates and store them for `Engine.load`.
 
 Prints a table, then one JSON line (the last line of stdout) with every measurement.
-`--list` prints what the store holds instead.
+`--list` prints what the store holds instead. The engine is built as every command builds it
+(`args.load_engine`, the app's `engine_from_args`, which `tandem calibrate` sets).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, RateStore, ca
 from engine.errors import InvalidRequest
 from engine.model import file_fingerprint
 
-from .engine_setup import engine_from_args
 from .progress import Progress
+
+
+HELP = "measure each backend's rates and store them for this model"
 
 
 def add_arguments(p) -> None:
@@ -36,7 +39,7 @@ def run_calibrate(args) -> int:
     if args.list:
         return _list(store)
     batches = _int_list(args.batches, "--batches") if args.batches else None
-    with engine_from_args(args, progress=False) as eng:
+    with args.load_engine(args, progress=False) as eng:
         names = list(eng.backends)
         if args.only:
             wanted = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -76,6 +79,17 @@ def run_calibrate(args) -> int:
     return 0
 
 
+def recalibrate(eng, progress) -> None:
+    """The desktop app's Recalibrate: measure every backend (they should be idle), apply and
+    store the rates; `progress(text)` hears each step. Blocking."""
+    store = RateStore()
+    for name, backend in eng.backends.items():
+        cal = calibrate_backend(backend, progress=lambda done, total, what: progress(f"calibrating {what} ({done}/{total})"))
+        backend.set_rates(cal.rates())
+        save_calibration(store, eng.model.path, cal, eng.model.info.name)
+        progress(f"{name}: prefill {cal.prefill_tok_s:.0f} tok/s, decode {cal.decode_tok_s:.1f} tok/s at cap {cal.cap}")
+
+
 def _one_per_config(eng, names: list[str]) -> dict[str, list[str]]:
     """Backends with the same speed-relevant config share one stored entry, so only the first
     is measured: {measured backend: the others that share its entry}."""
@@ -112,7 +126,7 @@ def format_table(model_name: str, results) -> str:
 def _list(store: RateStore) -> int:
     entries = store.entries()
     print(f"{len(entries)} calibration(s) in {store.path}")
-    for key, e in sorted(entries.items()):
+    for _key, e in sorted(entries.items()):
         r = e.get("rates", {})
         print(f"- {e.get('model', '?')} [{e.get('fingerprint')}] {e.get('config')}: prefill "
               f"{r.get('prefill_tok_s', 0):,.0f} tok/s, decode {r.get('decode_tok_s', 0):,.1f} tok/s, "

@@ -16,7 +16,19 @@ from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 from engine.request import Request, SamplingParams
 
-from .bench_overhead import filler_prompt
+from .common import filler_prompt
+
+
+HELP = "TTFT with a warm cached prefix vs cold"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--threads", type=int, default=0, help="0: all cores")
+    p.add_argument("--prefix-tokens", type=int, default=496)
+    p.add_argument("--suffix-tokens", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
 
 
 def run_cache(args) -> int:

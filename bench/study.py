@@ -39,7 +39,7 @@ from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_
                              SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
                              shared_tokens_for, tokenized, with_requests)
 
-from . import bench_report
+from . import report as bench_report
 from .progress import Progress
 
 FRESH_STATE = ("the engine is loaded once{per_kv} and kept across runs; each run starts from a fresh "
@@ -91,6 +91,10 @@ def add_common_arguments(p, *, requests: str, runs: int) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", default=None, help="output directory (default: out/bench-KIND-TIME)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+SEED_HELP = "the seed study's experiment, several policies interleaved"
+GRID_HELP = "the study's missing baselines: caps, prefix share, outputs, arrivals, KV"
 
 
 def add_seed_arguments(p) -> None:
@@ -396,7 +400,7 @@ class Bench:
         args = self.args
         bar.update(0, f"{v.label} N={len(wl.requests)} " + (f"run {wl.run + 1}/{args.runs}" if keep else "warm-up"))
         if v.target is not None:
-            from .bench_target import run_target
+            from .target import run_target
 
             got = Collected(run_target(v.target, wl, run=wl.run, warm_copies=args.target_warm,
                                        timeout=args.timeout, on_done=lambda _r: bar.update(1),
@@ -536,7 +540,7 @@ def _probe_targets(args) -> list:
         return []
     import asyncio
 
-    from .bench_target import parse_target, probe
+    from .target import parse_target, probe
 
     targets = []
     for text in args.target:
@@ -611,3 +615,22 @@ def _choices(text: str, valid, flag: str) -> list[str]:
         raise InvalidRequest(f"{flag}: {', '.join(bad) or 'nothing'} not in {', '.join(valid)}")
     return values
 
+
+def experiment_runner(eng: Engine):
+    """The desktop app's experiments run through this runner: fn(spec, policy, run, on_done) -> RunSummary.
+
+    Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
+    (caches flushed, prefix re-warmed, router cleared, caps and rates restored).
+    """
+    from ui.metrics import RunSummary
+
+    def run(spec, policy: str, run_index: int, on_done) -> RunSummary:
+        runner = EngineRunner(eng, sweep_backend=None, budget=eng.router.budget, online=False, timeout=600.0)
+        try:
+            workload = build_workload(replace(spec, vocab_size=min(eng.model.n_vocab, TOKEN_HIGH)), run_index)
+            collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done)
+        finally:
+            runner.close()
+        return RunSummary.of(policy, policy, run_metrics(collected.records))
+
+    return run

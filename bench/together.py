@@ -11,15 +11,34 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import os
 import threading
 
 from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 
-from .bench_overhead import ctx_for, engine_decode, filler_prompt
+from .common import ctx_for, engine_decode, filler_prompt
+
+
+HELP = "GPU and CPU backends decoding at once vs each alone"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--gpu-batch", type=int, default=16)
+    p.add_argument("--cpu-batch", type=int, default=4)
+    p.add_argument("--gpu-threads", type=int, default=1, help="host threads of the GPU context")
+    p.add_argument("--gpu-device", default="gpu", choices=["gpu", "cpu"],
+                   help="device of the first backend (cpu: a smoke run on a machine without a GPU)")
+    p.add_argument("--cpu-threads", type=int, default=0, help="0: all cores but one")
+    p.add_argument("--prompt-tokens", type=int, default=516)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
 
 
 def run_together(args) -> int:
+    if not args.cpu_threads:
+        args.cpu_threads = max((os.cpu_count() or 2) - 1, 1)
     path = resolve_model(args.model)
     gpu_model, cpu_model = Model(path, args.gpu_device), Model(path, "cpu")
     prompt = filler_prompt(cpu_model, args.prompt_tokens)

@@ -46,7 +46,7 @@ engine even through sglang-router): that is `requests.csv`'s `backend` column.
 Output (`--out`): summary.json, requests.csv, results.md (makespan, output tok/s, TTFT p50/p95,
 E2E p50, failures, requests and computed prompt tokens per engine, and the ratios: Tandem
 cache-aware vs round-robin, vs sglang-router, throughput vs one engine), plots drawn in a child
-process (`app.bench_report`), and each engine's and router's log under logs/.
+process (`bench.report`), and each engine's and router's log under logs/.
 
 Threads: everything runs on the calling thread, except the `--kill-one-at` timer, which only
 kills a process.
@@ -75,7 +75,7 @@ from engine.benchmark import RequestRecord, oracle
 from engine.errors import EngineError, InvalidRequest
 from engine.workload import OUTPUT_MODES, WorkloadSpec, build_workload
 
-from . import bench_report
+from . import report as bench_report
 from .progress import Progress
 
 DEFAULT_VARIANTS = "tandem:cache-aware,sglang:cache_aware,tandem:round-robin,sglang:round_robin,single"
@@ -100,8 +100,11 @@ class RouterStartError(EngineStartError):
 # ---------------------------------------------------------------------------- arguments
 
 
+HELP = "engines behind routers (Tandem, sglang-router), tenant workload"
+
+
 def add_arguments(p) -> None:
-    from .bench import add_tenant_arguments
+    from .study import add_tenant_arguments
 
     p.add_argument("--model", default="synthetic:qwen2.5-0.5b:q8_0",
                    help="model every engine serves (default: %(default)s)")
@@ -408,7 +411,7 @@ class Fleet:
         """One run of the workload through a router (or engine e0 alone)."""
         import asyncio
 
-        from .bench_target import Target, probe, run_target
+        from .target import Target, probe, run_target
 
         self.fresh_engines()
         router = None
@@ -487,7 +490,7 @@ class Fleet:
     # ---- results
 
     def summary(self) -> dict:
-        from .bench import summarize
+        from .study import summarize
 
         rows = summarize(self.records, self.meta)
         for row in rows:

@@ -13,7 +13,7 @@ text prompts only and answer token ids with a 422):
 
 A router in front of engines is just another target. Which engine served a request comes from
 the response where the router says it (Tandem's `X-Tandem-Backend` header) and is the target's
-label otherwise; `app.bench_fleet` reads the engines' own counters for the split.
+label otherwise; `bench.fleet` reads the engines' own counters for the split.
 
 `probe()` picks the format: a server answering `GET /props` is llama-server (`completion`),
 anything else is spoken to as OpenAI-compatible. TTFT is the arrival of the first streamed

@@ -26,7 +26,7 @@ from engine.events import EventBus, StepDone
 from engine.model import Model, resolve_model
 from engine.request import Request, SamplingParams
 
-from .bench_overhead import ctx_for, filler_prompt
+from .common import ctx_for, filler_prompt
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -42,6 +42,21 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--sizes: {item!r} needs 1 <= n_ubatch <= n_batch")
         sizes.append((n_batch, n_ubatch))
     return sizes
+
+
+HELP = "prefill speed and decode stalls for n_batch/n_ubatch pairs"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--threads", type=int, default=0, help="0: all cores")
+    p.add_argument("--sizes", default="512/512,2048/512,2048/2048",
+                   help="comma-separated N_BATCH/N_UBATCH pairs (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--decoders", type=int, default=8, help="sequences decoding when the prompt arrives")
+    p.add_argument("--decode-tokens", type=int, default=1024, help="their length (they are cancelled after)")
+    p.add_argument("--repeats", type=int, default=3)
 
 
 def run_prefill(args) -> int:

@@ -6,6 +6,9 @@ routing table, plots). This decodes the same batch with the real main window sho
 on the same engine, and with no UI running at all (the main thread blocked on the results),
 in alternation (A B A B ...), and prints the ratio of the medians. It needs a screen (or
 xvfb / QT_QPA_PLATFORM=offscreen). The last line of stdout is one JSON object.
+
+The GIL switch interval is the app's (`args.switch_interval_s`, which `tandem bench ui` sets
+from `app.runtime`): this package sits below the app and does not import it.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 
-from .bench_overhead import decode_rate, filler_prompt
-from .runtime import SWITCH_INTERVAL_S
+from .common import decode_rate, filler_prompt
+
+
+HELP = "what the live desktop app costs the backends' decode (needs a screen)"
 
 
 def add_arguments(p) -> None:
@@ -43,7 +48,7 @@ def run_ui_bench(args) -> int:
     from ui.theme import style_sheet
 
     previous = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as `tandem gui` runs
+    sys.setswitchinterval(args.switch_interval_s)  # as `tandem gui` runs (the app passes its value)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     eng = Engine.load(args.model, parse_backend_specs(args.backend or default_specs(gpu=False)))
     window = MainWindow(eng, owns_engine=False)
@@ -88,6 +93,6 @@ def run_ui_bench(args) -> int:
     out["ui_ratio"] = round(out["ui_tok_s"] / out["no_ui_tok_s"], 3)
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
     out.update(model=eng.model.path.name, backends=[b for b in eng.backends], batch=args.batch,
-               gen_tokens=args.gen_tokens, panel=args.panel, switch_interval_ms=SWITCH_INTERVAL_S * 1000)
+               gen_tokens=args.gen_tokens, panel=args.panel, switch_interval_ms=args.switch_interval_s * 1000)
     print(json.dumps(out))
     return 0

@@ -23,7 +23,38 @@ from dataclasses import replace
 
 from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
-from engine.request import Request, SamplingParams
+
+from .common import GRAPH_REUSE, HOST_SHARE, ctx_for, engine_decode, filler_prompt
+
+
+HELP = "engine decode tok/s vs llama-cpp-python's Llama, same run"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--threads", type=int, default=0, help="0: all cores")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--batches", default="1,4", help="parallel sequences to measure (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=516)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-llama", action="store_true", help="skip the high-level Llama baseline")
+    p.add_argument("--batched-bench", metavar="BIN", default=None,
+                   help="also run llama.cpp's llama-batched-bench (path) with the same shape")
+    p.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
+    p.add_argument("--no-fused-greedy", action="store_true",
+                   help="llama.cpp's greedy sampler per sequence (and its logit bias for ignore_eos) "
+                        "instead of one argmax for all sequences of a step")
+    p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
+    p.add_argument("--busy-thread", action="store_true",
+                   help="also decode beside a pure-Python thread that wants the GIL all the time "
+                        "(the worst a UI or HTTP thread could do): reports busy_bB and gil_ratio_bB")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the run (Python's default: 5 ms)")
+    p.add_argument("--kv", default="unified", choices=["unified", "split"],
+                   help="KV layout: one buffer with the prompt aliased, or one stream per sequence "
+                        "with the prompt copied (llama-batched-bench then runs without -kvu)")
 
 
 def run_overhead(args) -> int:
@@ -105,23 +136,6 @@ def run_overhead(args) -> int:
     return 0
 
 
-def filler_prompt(model: Model, n: int) -> list[int]:
-    """A fixed pseudo-text prompt of `n` tokens (the same every run)."""
-    text = ("The history of computing is a story of people who wanted machines to do their "
-            "arithmetic, then their bookkeeping, then their thinking. ") * (n // 8 + 1)
-    tokens = model.tokenize(text, add_special=False)
-    return tokens[:n]
-
-
-def ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
-    need = n_prompt + batch * (n_gen + 1) + 64
-    return 1 << (need - 1).bit_length()
-
-
-HOST_SHARE: dict[int, list[float]] = {}
-GRAPH_REUSE: dict[int, list[float]] = {}
-
-
 class _BusyThread:
     """A thread running pure-Python work until stopped: it holds the GIL whenever it can,
     so the backend's worker must win it back (Python's switch interval) after every
@@ -142,32 +156,6 @@ class _BusyThread:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-
-
-def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True) -> float:
-    backend.set_cap(batch)  # B at a time, and no more idle sampler chains than that
-    backend.flush().result(60)
-    backend.warm(prompt[:-1]).result(120)
-    d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused
-    sp = SamplingParams(temperature=0.0, max_tokens=n_gen, ignore_eos=True)
-    handles = [backend.enqueue(Request(tuple(prompt), sp, source="bench")) for _ in range(batch)]
-    records = [h.result(600) for h in handles]
-    for r in records:
-        if r.error:
-            raise RuntimeError(r.error)
-    if not record:
-        return decode_rate(records)
-    HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / (time.perf_counter() - t0))
-    GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
-    return decode_rate(records)
-
-
-def decode_rate(records) -> float:
-    """Decode tok/s of requests that ran together: tokens after each one's first, summed,
-    over the time from the last first token to the last token."""
-    start = max(r.ttft_s for r in records)
-    end = max(r.e2e_s for r in records)
-    return sum(r.output_tokens - 1 for r in records) / (end - start)
 
 
 def _batched_bench(binary: str, path, device: str, threads: int, n_ctx: int, n_prompt: int,

@@ -84,3 +84,16 @@ class Progress:
             self._last_decile = decile
             self.stream.write(line + "\n")
             self.stream.flush()
+
+
+def loading_bar(label: str):
+    """A model-loading bar fed with llama.cpp's progress fraction (0..1)."""
+    bar = Progress(100, label)
+
+    def update(fraction: float) -> bool:
+        bar.set(int(fraction * 100))
+        if fraction >= 1.0:
+            bar.close()
+        return True
+
+    return update

@@ -1,8 +1,8 @@
 """`tandem bench soak`: hours of mixed traffic in one process, watching for leaks and hangs.
 
-One process holds the engine, the OpenAI-compatible server (`app.server`) on 127.0.0.1 and
-the clients. `--concurrency` workers each send one request at a time, drawn from their own
-seeded RNG (`--seed`, so the traffic is the same from run to run):
+One process holds the engine, the OpenAI-compatible server on 127.0.0.1 and the clients.
+`--concurrency` workers each send one request at a time, drawn from their own seeded RNG
+(`--seed`, so the traffic is the same from run to run):
 
 - `chat`: `engine.chat(...)` from a client thread, streamed by iterating the handle; a chat
   may continue the worker's previous conversation (multi-turn, so prefixes are shared);
@@ -37,6 +37,10 @@ the server and clients close, `engine.close()`. The last stdout line is one JSON
 - `fds_growth`: open fds after everything closed minus open fds before the engine loaded;
 - `requests`, `errors`, `cancelled`, `minutes`, and details (per kind, RSS, engine-side
   finish counts, samples of error messages).
+
+The server is the app's (`app.server`): `tandem bench soak` hands it in as
+`args.start_api(engine)`, an awaitable of `(aiohttp runner, base URL)`, as this package sits
+below the app and does not import it.
 
 `--out DIR` writes `soak.csv` (the time series, one row per line printed, appended as it
 goes) and `soak.json` (the final object).
@@ -92,6 +96,9 @@ WORDS = ("the", "a", "model", "backend", "token", "cache", "prefix", "queue", "r
 
 
 # ---------------------------------------------------------------------------- arguments
+
+
+HELP = "leak and hang hunt: mixed chat/API traffic with cancellations for N minutes"
 
 
 def add_arguments(p) -> None:
@@ -569,11 +576,9 @@ class Soak:
     async def run(self) -> dict:
         import aiohttp  # only this command needs the HTTP client
 
-        from .server import create_app, start_server
-
         eng, args = self.engine, self.args
         unsubscribe = eng.bus.subscribe(self.engine_tally.observe, (RequestRouted, RequestFinished))
-        runner, base = await start_server(create_app(eng), "127.0.0.1", 0)
+        runner, base = await args.start_api(eng)
         pool = ThreadPoolExecutor(max_workers=args.concurrency, thread_name_prefix="soak-chat")
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
                                         connector=aiohttp.TCPConnector(limit=args.concurrency))

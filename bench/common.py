@@ -1,0 +1,58 @@
+"""What the benchmarks share: a fixed filler prompt, context sizes, and decoding a batch on one
+backend with its decode rate (`overhead`, `together`, `prefill`, `cache` and `ui` use them).
+
+`engine_decode` records, per batch size, the share of wall time spent outside `llama_decode`
+(`HOST_SHARE`) and the share of steps that reused llama.cpp's graph (`GRAPH_REUSE`); only
+`tandem bench overhead` reads them. Called from the bench's own (main) thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.backend import Backend
+from engine.model import Model
+from engine.request import Request, SamplingParams
+
+
+def filler_prompt(model: Model, n: int) -> list[int]:
+    """A fixed pseudo-text prompt of `n` tokens (the same every run)."""
+    text = ("The history of computing is a story of people who wanted machines to do their "
+            "arithmetic, then their bookkeeping, then their thinking. ") * (n // 8 + 1)
+    tokens = model.tokenize(text, add_special=False)
+    return tokens[:n]
+
+
+def ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
+    need = n_prompt + batch * (n_gen + 1) + 64
+    return 1 << (need - 1).bit_length()
+
+
+HOST_SHARE: dict[int, list[float]] = {}
+GRAPH_REUSE: dict[int, list[float]] = {}
+
+
+def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True) -> float:
+    backend.set_cap(batch)  # B at a time, and no more idle sampler chains than that
+    backend.flush().result(60)
+    backend.warm(prompt[:-1]).result(120)
+    d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused
+    sp = SamplingParams(temperature=0.0, max_tokens=n_gen, ignore_eos=True)
+    handles = [backend.enqueue(Request(tuple(prompt), sp, source="bench")) for _ in range(batch)]
+    records = [h.result(600) for h in handles]
+    for r in records:
+        if r.error:
+            raise RuntimeError(r.error)
+    if not record:
+        return decode_rate(records)
+    HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / (time.perf_counter() - t0))
+    GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
+    return decode_rate(records)
+
+
+def decode_rate(records) -> float:
+    """Decode tok/s of requests that ran together: tokens after each one's first, summed,
+    over the time from the last first token to the last token."""
+    start = max(r.ttft_s for r in records)
+    end = max(r.e2e_s for r in records)
+    return sum(r.output_tokens - 1 for r in records) / (end - start)

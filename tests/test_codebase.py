@@ -1,0 +1,56 @@
+"""The layout's rules as facts: import-linter's contracts, ruff and mypy (their settings are in
+pyproject.toml) pass on the tree, and a contract really fails when the engine imports Qt."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+TIMEOUT = 300  # seconds; mypy's first run over the engine takes ~10 s on one core
+
+
+def _run(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    exe = BIN / args[0]
+    if not exe.exists():
+        pytest.fail(f"{args[0]} is not installed next to {sys.executable}: run scripts/setup.sh (test extra)")
+    return subprocess.run([str(exe), *args[1:]], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _report(p: subprocess.CompletedProcess) -> str:
+    return f"exit {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-3000:]}"
+
+
+def test_import_contracts_are_kept():
+    p = _run(["lint-imports"])
+    assert p.returncode == 0, _report(p)
+
+
+def test_ruff_finds_nothing():
+    p = _run(["ruff", "check", "--no-cache", "."])
+    assert p.returncode == 0, _report(p)
+
+
+def test_mypy_passes_on_the_engine():
+    p = _run(["mypy", "engine"])
+    assert p.returncode == 0, _report(p)
+
+
+def test_engine_importing_qt_breaks_a_contract(tmp_path):
+    """The same contracts on a copy of the tree whose engine imports PySide6."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in ("app", "bench", "ui", "engine"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=skip)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "engine" / "qt_leak.py").write_text("from PySide6 import QtCore  # noqa: F401\n")
+
+    p = _run(["lint-imports", "--no-cache"], cwd=tmp_path)
+
+    assert p.returncode != 0, _report(p)
+    assert "The engine is Qt-free and knows nothing above it BROKEN" in p.stdout, _report(p)
+    assert "engine.qt_leak -> PySide6" in p.stdout, _report(p)

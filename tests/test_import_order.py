@@ -1,0 +1,63 @@
+"""Import order, checked in fresh interpreters: the pure engine loads no native code, and every
+entry point that can load a model loads llama.cpp before numpy (engine/llama.py says why)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 120  # seconds; each interpreter starts in a few
+
+# The modules that routing, caching and the simulator are made of (import-linter holds the same
+# list in pyproject.toml, statically; this checks what actually loads).
+PURE = ["engine", "engine.router", "engine.prefix_cache", "engine.request", "engine.snapshot",
+        "engine.approx_cache", "engine.scheduler", "engine.protocol", "engine.errors", "engine.events",
+        "engine.workload", "engine.benchmark", "engine.handle", "engine.textstream", "engine.metrics",
+        "engine.chat"]
+
+# Records the order in which top-level packages are first imported, then runs a module as
+# `python -m MODULE ARGS...` would (argparse's --help ends it with SystemExit).
+_ORDER_PROBE = """
+import json, runpy, sys
+order = []
+class Probe:
+    def find_spec(self, name, path=None, target=None):
+        if "." not in name and name not in order:
+            order.append(name)
+        return None
+sys.meta_path.insert(0, Probe())
+module, *args = sys.argv[1:]
+sys.argv = [module, *args]
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+print(json.dumps(order), file=sys.__stderr__)
+"""
+
+
+def _python(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_pure_engine_loads_no_native_code():
+    code = (f"import importlib, sys\nfor m in {PURE!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in ('llama_cpp', 'engine.llama', 'numpy') if m in sys.modules))")
+    p = _python("-c", code)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]", p.stdout
+
+
+@pytest.mark.parametrize("entry", [["app", "--help"], ["app", "bench", "seed", "--help"], ["app.gui", "--help"]],
+                         ids=" ".join)
+def test_entry_point_loads_llama_cpp_before_numpy(entry):
+    p = _python("-c", _ORDER_PROBE, *entry)
+    assert p.returncode == 0, p.stderr
+    order = json.loads(p.stderr.strip().splitlines()[-1])
+    assert "llama_cpp" in order and "numpy" in order, order
+    assert order.index("llama_cpp") < order.index("numpy"), order
