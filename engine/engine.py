@@ -191,7 +191,8 @@ class Engine:
         remote engine reports (0: none says)."""
         if self.model is not None:
             return self.model.n_vocab
-        return min((b.n_vocab for b in self.backends.values() if getattr(b, "n_vocab", 0)), default=0)
+        said = [getattr(b, "n_vocab", 0) for b in self.backends.values()]
+        return min((v for v in said if v), default=0)
 
     def model_ids(self) -> list[str]:
         """The models this engine serves: the local model's file stem, then each remote
