@@ -87,6 +87,8 @@ def run_overhead(args) -> int:
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
     # Share of the engine's wall time spent outside llama_decode (scheduling, sampling, events).
     out["host_share"] = {f"b{b}": round(statistics.median(v), 3) for b, v in HOST_SHARE.items()}
+    # The same per step, in µs: the host's cost of a step, whatever the device's speed.
+    out["host_us_per_step"] = {f"b{b}": round(statistics.median(v), 1) for b, v in HOST_US.items()}
     # Share of steps that reused the previous step's graph (no rebuild, no scheduler reset).
     out["graph_reuse"] = {f"b{b}": round(statistics.median(v), 3) for b, v in GRAPH_REUSE.items()}
     for b in batches:
@@ -119,6 +121,7 @@ def ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
 
 
 HOST_SHARE: dict[int, list[float]] = {}
+HOST_US: dict[int, list[float]] = {}  # µs of the worker's wall time outside llama_decode, per step
 GRAPH_REUSE: dict[int, list[float]] = {}
 
 
@@ -157,7 +160,9 @@ def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, r
             raise RuntimeError(r.error)
     if not record:
         return decode_rate(records)
-    HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / (time.perf_counter() - t0))
+    wall = time.perf_counter() - t0
+    HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / wall)
+    HOST_US.setdefault(batch, []).append(1e6 * (wall - (backend.decode_s - d0)) / max(backend.steps - s0, 1))
     GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
     return decode_rate(records)
 
