@@ -9,10 +9,11 @@ device) sampled one — the runner switches that sequence to a chain that bans t
 scheduler decodes the same input again.
 
 The hot path is the decode: nothing here adds per-token Python work beyond the batch's writes
-(three list assignments for 8 rows or more) and one token read per sampled row (a chain that
-is attached and stateless, `Sampler.direct`, is read in the loop itself). While the device runs a step, the `during`
-callback (the previous step's text and the Outbox flush, engine/backend.py) runs between
-`llama_decode`, which releases the GIL, and `llama_synchronize`.
+(three list assignments for 8 rows or more) and one token read per sampled row (the token of
+an attached stateless chain, `Sampler.direct`, is read in the loop itself). While the device
+runs a step, the `during` callback (the previous step's text and the Outbox flush,
+engine/backend.py) runs between `llama_decode`, which releases the GIL, and
+`llama_synchronize`.
 
 Thread contract: everything runs on the backend's worker thread, except the read-only counters
 (`graphs_reused`, `sampler_attaches`, `samplers_attached`), which any thread may read.
@@ -24,9 +25,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from . import llama
 from .batch import Batch
 from .errors import BackendUnavailable
-from . import llama
 from .llama import lc
 from .model import Model
 from .sampling import SamplerSlots
@@ -133,8 +134,9 @@ class ContextRunner:
         dt = time.perf_counter() - t0
         if rc != 0:
             return RunnerOutput(rc, [], n_decode, n_prefill, dt)
-        # One loop, no call per row beyond the token read (measured: 2 calls per row fewer
-        # took B = 32 from 9 to 5 µs of sampling per step on the CPU machine; docs/performance.md).
+        # One loop, no call per row beyond the token read: the host's share of a GPU step
+        # grows with every per-row call (docs/performance.md, "Host work per step after the
+        # backend split").
         read, null, is_eog = llama.sampled_token_after_sync, lc.LLAMA_TOKEN_NULL, self.model.is_eog
         sampled = []
         append = sampled.append
@@ -144,13 +146,15 @@ class ContextRunner:
             if tok == null:
                 tok = smp.sample(ctx, row)
             if smp.guards_eog and is_eog(tok):
-                tok = self._redo(s)
+                self._redo(s)
+                tok = None
             append(tok)
         for s, _, _, logits in plan.chunks:
             if logits:
                 tok = s.sampler.sample(ctx, s.row)
                 if s.sampler.guards_eog and is_eog(tok):
-                    tok = self._redo(s)
+                    self._redo(s)
+                    tok = None
                 append(tok)
         return RunnerOutput(0, sampled, n_decode, n_prefill, dt)
 
@@ -160,7 +164,6 @@ class ContextRunner:
         chain that bans end tokens."""
         s.sampler = self.samplers.ban_eog(self.ctx, s.seq_id, s.sp, s.tokens[s.n_prompt:])
         self.eog_redos += 1
-        return None
 
     # ---- state ----
 
