@@ -29,6 +29,7 @@ def ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
 
 
 HOST_SHARE: dict[int, list[float]] = {}
+HOST_US: dict[int, list[float]] = {}  # µs of the worker's wall time outside llama_decode, per step
 GRAPH_REUSE: dict[int, list[float]] = {}
 
 
@@ -45,7 +46,9 @@ def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, r
             raise RuntimeError(r.error)
     if not record:
         return decode_rate(records)
-    HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / (time.perf_counter() - t0))
+    wall = time.perf_counter() - t0
+    HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / wall)
+    HOST_US.setdefault(batch, []).append(1e6 * (wall - (backend.decode_s - d0)) / max(backend.steps - s0, 1))
     GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
     return decode_rate(records)
 

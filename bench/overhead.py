@@ -24,7 +24,7 @@ from dataclasses import replace
 from engine.backend import Backend, BackendConfig
 from engine.model import Model, resolve_model
 
-from .common import GRAPH_REUSE, HOST_SHARE, ctx_for, engine_decode, filler_prompt
+from .common import GRAPH_REUSE, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
 
 
 HELP = "engine decode tok/s vs llama-cpp-python's Llama, same run"
@@ -118,6 +118,8 @@ def run_overhead(args) -> int:
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
     # Share of the engine's wall time spent outside llama_decode (scheduling, sampling, events).
     out["host_share"] = {f"b{b}": round(statistics.median(v), 3) for b, v in HOST_SHARE.items()}
+    # The same per step, in µs: the host's cost of a step, whatever the device's speed.
+    out["host_us_per_step"] = {f"b{b}": round(statistics.median(v), 1) for b, v in HOST_US.items()}
     # Share of steps that reused the previous step's graph (no rebuild, no scheduler reset).
     out["graph_reuse"] = {f"b{b}": round(statistics.median(v), 3) for b, v in GRAPH_REUSE.items()}
     for b in batches:

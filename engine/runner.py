@@ -8,10 +8,12 @@ row that asked: the token, or None where a chain that guards end tokens (`ignore
 device) sampled one — the runner switches that sequence to a chain that bans them, and the
 scheduler decodes the same input again.
 
-The hot path is the decode: nothing here adds per-token Python work beyond the batch's slice
-writes and one `sample` call per sampled row. While the device runs a step, the `during`
-callback (the previous step's text and the Outbox flush, engine/backend.py) runs between
-`llama_decode`, which releases the GIL, and `llama_synchronize`.
+The hot path is the decode: nothing here adds per-token Python work beyond the batch's writes
+(three list assignments for 8 rows or more) and one token read per sampled row (the token of
+an attached stateless chain, `Sampler.direct`, is read in the loop itself). While the device
+runs a step, the `during` callback (the previous step's text and the Outbox flush,
+engine/backend.py) runs between `llama_decode`, which releases the GIL, and
+`llama_synchronize`.
 
 Thread contract: everything runs on the backend's worker thread, except the read-only counters
 (`graphs_reused`, `sampler_attaches`, `samplers_attached`), which any thread may read.
@@ -23,6 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from . import llama
 from .batch import Batch
 from .errors import BackendUnavailable
 from .llama import lc
@@ -115,36 +118,52 @@ class ContextRunner:
 
     def execute(self, plan: Plan, kv_unified: bool, during=None) -> RunnerOutput:
         batch = self._batch
-        batch.clear()
-        for s in plan.decode:
-            s.row = batch.add_one(s.tokens[s.n_past], s.seq_id, s.n_past)
+        decode = plan.decode
+        batch.set_decode(decode)  # decode rows are rows 0 .. n_decode - 1, in plan order
         n_decode = batch.n
         for s, start, k, logits in plan.chunks:
             s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits)
         n_prefill = batch.n - n_decode
+        ctx = self.ctx
         t0 = time.perf_counter()
-        rc = lc.llama_decode(self.ctx, batch.full())
+        rc = lc.llama_decode(ctx, batch.full())
         if during is not None:  # host work while the device runs this step
             during()
         if rc == 0:
-            lc.llama_synchronize(self.ctx)  # so `dt` is the device's time, not a launch
+            lc.llama_synchronize(ctx)  # so `dt` is the device's time, not a launch
         dt = time.perf_counter() - t0
         if rc != 0:
             return RunnerOutput(rc, [], n_decode, n_prefill, dt)
-        sampled = [self._sample(s) for s in plan.decode]
-        sampled += [self._sample(s) for s, _, _, logits in plan.chunks if logits]
+        # One loop, no call per row beyond the token read: the host's share of a GPU step
+        # grows with every per-row call (docs/performance.md, "Host work per step after the
+        # backend split").
+        read, null, is_eog = llama.sampled_token_after_sync, lc.LLAMA_TOKEN_NULL, self.model.is_eog
+        sampled = []
+        append = sampled.append
+        for row, s in enumerate(decode):
+            smp = s.sampler
+            tok = read(ctx, row) if smp.direct else null
+            if tok == null:
+                tok = smp.sample(ctx, row)
+            if smp.guards_eog and is_eog(tok):
+                self._redo(s)
+                tok = None
+            append(tok)
+        for s, _, _, logits in plan.chunks:
+            if logits:
+                tok = s.sampler.sample(ctx, s.row)
+                if s.sampler.guards_eog and is_eog(tok):
+                    self._redo(s)
+                    tok = None
+                append(tok)
         return RunnerOutput(0, sampled, n_decode, n_prefill, dt)
 
-    def _sample(self, s: SeqState) -> int | None:
-        tok = s.sampler.sample(self.ctx, s.row)
-        if s.sampler.guards_eog and self.model.is_eog(tok):
-            # `s` ignores end tokens and its chain guarded one (engine/sampling.py): forget it;
-            # the scheduler removes the cell and the same input is decoded again next step,
-            # with a chain that bans end tokens.
-            s.sampler = self.samplers.ban_eog(self.ctx, s.seq_id, s.sp, s.tokens[s.n_prompt:])
-            self.eog_redos += 1
-            return None
-        return tok
+    def _redo(self, s: SeqState) -> None:
+        """`s` ignores end tokens and its chain guarded one (engine/sampling.py): forget it;
+        the scheduler removes the cell and the same input is decoded again next step, with a
+        chain that bans end tokens."""
+        s.sampler = self.samplers.ban_eog(self.ctx, s.seq_id, s.sp, s.tokens[s.n_prompt:])
+        self.eog_redos += 1
 
     # ---- state ----
 

@@ -30,7 +30,7 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "guards_eog", "_stateless", "_bias", "_ctx", "_seq")
+    __slots__ = ("ptr", "key", "guards_eog", "direct", "_stateless", "_bias", "_ctx", "_seq")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
@@ -53,6 +53,9 @@ class Sampler:
         self._bias = None
         self._ctx = None
         self._seq = -1
+        # Attached and stateless: its token is read straight from the context, and nothing
+        # is accepted (the runner's per-row fast path; `sample` does the same, one call deeper).
+        self.direct = False
         if params.ignore_eos and eog_tokens and not fused:
             self._bias = (lc.llama_logit_bias * len(eog_tokens))(
                 *[lc.llama_logit_bias(t, float("-inf")) for t in eog_tokens]
@@ -77,6 +80,7 @@ class Sampler:
         """Sample `seq_id` on the device from now on; False if llama.cpp keeps it on the host."""
         if lc.llama_set_sampler(ctx, seq_id, self.ptr):
             self._ctx, self._seq = ctx, seq_id
+            self.direct = self._stateless
             return True
         return False
 
@@ -109,6 +113,7 @@ class Sampler:
         if self._ctx is not None and detach:
             lc.llama_set_sampler(self._ctx, self._seq, None)
         self._ctx = None
+        self.direct = False
         if self.ptr:
             lc.llama_sampler_free(self.ptr)
             self.ptr = None

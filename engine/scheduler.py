@@ -68,8 +68,8 @@ class KvOp:
 
 
 class SeqState:
-    """A request inside a backend. The scheduler owns every field except `sampler` and `row`,
-    which the runner sets."""
+    """A request inside a backend. The scheduler owns every field except `sampler` and `row`
+    (the batch row of a prompt chunk's last token), which the runner sets."""
 
     __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
                  "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
@@ -237,12 +237,22 @@ class Scheduler:
         if not self.running:
             return plan
         self._shed_idle_cache()
+        # One pass over the running set per step: decode rows, prefills, and the cells the
+        # running sequences own (`SeqState.prefilling` and `kv_cells_used`, inlined).
         decoding, prefilling = [], []
+        own = 0
         for s in self.running:
-            (prefilling if s.prefilling else decoding).append(s)
-        if not self.kv_unified:  # llama.cpp's split-KV ubatches take ids in rising order
+            n_past = s.n_past
+            own += n_past - s.n_shared
+            if len(s.tokens) - n_past > 1 or n_past < s.n_prompt:
+                prefilling.append(s)
+            else:
+                decoding.append(s)
+        if self.kv_unified:
+            free = self.n_ctx - self.cache.cached_tokens - own  # `_free_cells()`
+        else:  # llama.cpp's split-KV ubatches take ids in rising order
             decoding.sort(key=_seq_id)
-        free = self._free_cells()
+            free = self._free_cells()
         if len(decoding) > free:
             decoding = self._room_for_decode(decoding)
             prefilling = [s for s in prefilling if s.status == RequestStatus.RUNNING]
@@ -277,13 +287,12 @@ class Scheduler:
         logits (decode rows, then chunks that ended their prompt), or None when the runner
         took the token back (an end token under `ignore_eos`: decode that input again)."""
         now = self.clock()
-        i = 0
-        for s in plan.decode:
+        running, on_token = RequestStatus.RUNNING, self._sampled
+        for s, tok in zip(plan.decode, sampled):  # decode rows first, one token each
             s.n_past += 1
-            tok = sampled[i]
-            i += 1
-            if s.status == RequestStatus.RUNNING:
-                self._sampled(s, tok, now)
+            if s.status is running:
+                on_token(s, tok, now)
+        i = len(plan.decode)
         for s, _, k, logits in plan.chunks:
             s.n_past += k
             if s.status != RequestStatus.RUNNING:
@@ -536,7 +545,7 @@ class Scheduler:
         else:
             s.itl_sum += now - s.t_last
         s.t_last = now
-        if (self.is_eog(tok) and not s.sp.ignore_eos) or s.generated == s.req.stop_after:
+        if (not s.sp.ignore_eos and self.is_eog(tok)) or s.generated == s.req.stop_after:
             self._finish(s, RequestStatus.FINISHED_STOPPED)
             return
         if self.overlap and not s.sp.stop:  # no stop string can end it: its text can wait
