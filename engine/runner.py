@@ -138,7 +138,7 @@ class ContextRunner:
         # grows with every per-row call (docs/performance.md, "Host work per step after the
         # backend split").
         read, null, is_eog = llama.sampled_token_after_sync, lc.LLAMA_TOKEN_NULL, self.model.is_eog
-        sampled = []
+        sampled: list[int | None] = []
         append = sampled.append
         for row, s in enumerate(decode):
             smp = s.sampler
