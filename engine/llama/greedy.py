@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from .llama import holding_gil, lc
+from . import holding_gil, lc
 
 _GGML_TYPE_F32 = 0
 

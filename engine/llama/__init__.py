@@ -107,7 +107,7 @@ def pick_device(device: str) -> str:
     `gpuN` (one GPU, see `gpus()`) resolves to itself once GPU N is known to exist; anything
     else raises `ModelLoadError` naming the devices there are.
     """
-    from .errors import ModelLoadError
+    from ..errors import ModelLoadError
 
     index = gpu_index(device)
     if device not in ("cpu", "gpu", "auto") and index is None:
@@ -196,7 +196,7 @@ def gpu_count() -> int:
 
 def gpu(index: int) -> Device:
     """GPU `index` (see `gpus()`); `ModelLoadError` naming the devices there are otherwise."""
-    from .errors import ModelLoadError
+    from ..errors import ModelLoadError
 
     found = gpus()
     if not 0 <= index < len(found):

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import llama  # loads libllama before numpy; see engine/llama.py
-from .errors import ModelLoadError
+from .. import llama  # loads libllama before numpy; see engine/llama/__init__.py
+from ..errors import ModelLoadError
 
 lc = llama.lc
 log = logging.getLogger(__name__)
