@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,26 @@ def test_private_parts_are_touched_in_abi_only():
     assert len(files) > 50
     assert [u for f in files for u in _private_uses(f)] == []
     assert len(_private_uses(ABI)) >= 3, "the scan sees what _abi.py itself does"
+
+
+@pytest.mark.parametrize(("leak", "contract"), [
+    ("import llama_cpp  # noqa: F401\n", "llama.cpp is reached through engine.llama only"),
+    ("from .llama import _abi  # noqa: F401\n", "llama-cpp-python's private parts stay in engine.llama._abi"),
+], ids=["llama_cpp", "_abi"])
+def test_reaching_past_engine_llama_breaks_a_contract(tmp_path, leak, contract):
+    """import-linter's contracts (pyproject.toml) on a copy of the tree with one engine module
+    that imports llama_cpp, or engine.llama._abi, itself."""
+    exe = Path(sys.executable).parent / "lint-imports"
+    if not exe.exists():
+        pytest.fail(f"lint-imports is not installed next to {sys.executable}: run scripts/setup.sh (test extra)")
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in ("app", "bench", "ui", "engine"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=skip)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "engine" / "native_leak.py").write_text(leak)
+
+    p = subprocess.run([str(exe), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    assert p.returncode != 0, p.stdout[-4000:]
+    assert f"{contract} BROKEN" in p.stdout, p.stdout[-4000:]
+    assert "engine.native_leak" in p.stdout, p.stdout[-4000:]
