@@ -10,7 +10,7 @@ import importlib
 import logging
 import sys
 
-import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
+import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama/__init__.py)
 from engine.errors import EngineError
 
 DEFAULT_SYSTEM = "You are a helpful assistant."

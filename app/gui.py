@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 
-import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama.py)
+import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama/__init__.py)
 from engine import llama
 from engine.config import default_specs, parse_backend_specs
 from bench.calibrate import recalibrate

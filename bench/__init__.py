@@ -6,5 +6,5 @@ result directories, `target.py` drives HTTP peers, `progress.py` is the terminal
 Layering: above the engine and the UI, below the app (import-linter checks it). Two benches
 take what they need from the app through their arguments, set by `tandem bench`: the GIL
 switch interval (`ui`) and the HTTP server (`soak`). Processes that load models start through
-`app` (or tests/conftest.py), which load llama.cpp before numpy (engine/llama.py).
+`app` (or tests/conftest.py), which load llama.cpp before numpy (engine/llama/__init__.py).
 """

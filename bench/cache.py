@@ -13,7 +13,7 @@ import statistics
 import sys
 
 from engine.backend import Backend, BackendConfig
-from engine.model import Model, resolve_model
+from engine.llama.model import Model, resolve_model
 from engine.request import Request, SamplingParams
 
 from .common import filler_prompt

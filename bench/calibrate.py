@@ -13,7 +13,7 @@ import sys
 from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, RateStore, calibrate_backend, config_key,
                               save_calibration)
 from engine.errors import InvalidRequest
-from engine.model import file_fingerprint
+from engine.llama.model import file_fingerprint
 
 from .progress import Progress
 

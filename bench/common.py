@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from engine.backend import Backend
-from engine.model import Model
+from engine.llama.model import Model
 from engine.request import Request, SamplingParams
 
 

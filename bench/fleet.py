@@ -248,7 +248,7 @@ def engine_procs(args, log_dir: Path) -> list[Proc]:
         port = args.base_port + i if args.base_port else free_port()
         env = {"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else {}
         if args.engines == "llama-server":
-            from engine.model import resolve_model
+            from engine.llama.model import resolve_model
 
             binary = shutil.which(args.llama_server) or args.llama_server
             cmd = [binary, "-m", str(resolve_model(args.model)), "--host", "127.0.0.1", "--port", str(port),

@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 
 from engine.backend import Backend, BackendConfig
-from engine.model import Model, resolve_model
+from engine.llama.model import Model, resolve_model
 
 from .common import GRAPH_REUSE, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
 

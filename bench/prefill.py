@@ -23,7 +23,7 @@ import time
 
 from engine.backend import Backend, BackendConfig
 from engine.events import EventBus, StepDone
-from engine.model import Model, resolve_model
+from engine.llama.model import Model, resolve_model
 from engine.request import Request, SamplingParams
 
 from .common import ctx_for, filler_prompt

@@ -32,7 +32,7 @@ from engine.calibrate import OnlineRefresh, parse_rates
 from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.errors import EngineError, InvalidRequest
-from engine.model import file_fingerprint
+from engine.llama.model import file_fingerprint
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.router import RouteQuery, Router, make_policy
 from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,

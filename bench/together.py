@@ -15,7 +15,7 @@ import os
 import threading
 
 from engine.backend import Backend, BackendConfig
-from engine.model import Model, resolve_model
+from engine.llama.model import Model, resolve_model
 
 from .common import ctx_for, engine_decode, filler_prompt
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from .backend import Backend, BackendConfig
 from .errors import InvalidRequest
 from .events import StepDone
-from .model import file_fingerprint
+from .llama.model import file_fingerprint
 from .request import Request, SamplingParams
 from .snapshot import Rates
 from .workload import TOKEN_HIGH, TOKEN_LOW

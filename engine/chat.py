@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from .errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from .model import Model
+    from .llama.model import Model
 
 
 def chat_tokens(model: Model, messages: list[dict]) -> list[int]:

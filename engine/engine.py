@@ -38,7 +38,7 @@ from .config import RemoteConfig
 from .errors import BackendUnavailable, EngineError, InvalidRequest
 from .events import EventBus, RequestRouted
 from .handle import RequestHandle
-from .model import Model, ModelRegistry, resolve_model
+from .llama.model import Model, ModelRegistry, resolve_model
 from .protocol import BackendProtocol
 from .request import Request, SamplingParams
 from .router import RouteQuery, Router

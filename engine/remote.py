@@ -910,7 +910,7 @@ class VocabOnly:
 
     def __init__(self, spec: str):
         from .llama import cpu_only, lc  # native code only where a tokenizer is asked for
-        from .model import check_gguf, resolve_model
+        from .llama.model import check_gguf, resolve_model
 
         path = resolve_model(spec)
         check_gguf(path)
@@ -929,17 +929,17 @@ class VocabOnly:
 
     # Model's own tokenize/piece/apply_chat_template, which use only what is set above.
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        from .model import Model
+        from .llama.model import Model
 
         return Model.tokenize(self, text, add_special=add_special, parse_special=parse_special)  # type: ignore[arg-type]  # duck-typed
 
     def piece(self, token: int) -> bytes:
-        from .model import Model
+        from .llama.model import Model
 
         return Model.piece(self, token)  # type: ignore[arg-type]  # duck-typed
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        from .model import Model
+        from .llama.model import Model
 
         return Model.apply_chat_template(self, messages)  # type: ignore[arg-type]  # duck-typed
 

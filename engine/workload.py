@@ -64,7 +64,7 @@ SKEW_MODES = ("uniform", "zipf")
 
 # Common English words of at most three letters. With a leading space each is one token in
 # Qwen2.5's and SmolLM2's vocabularies, and in the synthetic models' at Qwen2.5's size (every
-# "▁" + up to three letters is a piece there; `engine.synthetic`): T words are ~T tokens.
+# "▁" + up to three letters is a piece there; `engine.llama.synthetic`): T words are ~T tokens.
 WORDS = tuple(dict.fromkeys("""the of and to in is it for on as was at by be are or not but had his you one
 all her she can an has if who so no out up do any two may new its our way use see day man old end
 few put run set top yes yet big far low own red win ago air art bad bed box boy car cut dog eat eye

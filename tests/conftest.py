@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-import engine.llama  # noqa: F401  (llama.cpp before numpy: see engine/llama.py)
+import engine.llama  # noqa: F401  (llama.cpp before numpy: see engine/llama/__init__.py)
 from engine.backend import Backend, BackendConfig
-from engine.model import Model, resolve_model
+from engine.llama.model import Model, resolve_model
 
 
 @pytest.fixture(scope="session", autouse=True)

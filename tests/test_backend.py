@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
-from engine.model import Model, resolve_model
+from engine.llama.model import Model, resolve_model
 from engine.request import Request, RequestStatus, SamplingParams
 
 from waiting import WAIT, wait_until

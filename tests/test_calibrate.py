@@ -15,7 +15,7 @@ from engine.calibrate import (OnlineRefresh, RateStore, cache_dir, calibrate_bac
 from engine.config import parse_backend_specs
 from engine.engine import DEFAULT_RATES, Engine
 from engine.errors import InvalidRequest
-from engine.model import file_fingerprint
+from engine.llama.model import file_fingerprint
 from engine.request import Request, SamplingParams
 from engine.snapshot import Rates
 

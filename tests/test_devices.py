@@ -11,7 +11,7 @@ import pytest
 from engine import llama
 from engine.config import default_specs, parse_backend_spec, parse_backend_specs
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.model import Model, ModelRegistry
+from engine.llama.model import Model, ModelRegistry
 
 
 # ---------------------------------------------------------------------------- spec grammar

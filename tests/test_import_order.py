@@ -1,5 +1,5 @@
 """Import order, checked in fresh interpreters: the pure engine loads no native code, and every
-entry point that can load a model loads llama.cpp before numpy (engine/llama.py says why)."""
+entry point that can load a model loads llama.cpp before numpy (engine/llama/__init__.py says why)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from engine import greedy
+from engine.llama import greedy
 from engine.llama import holding_gil
 from engine.request import Request, RequestStatus, SamplingParams
 

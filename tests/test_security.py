@@ -32,7 +32,7 @@ from app.http_guard import GuardSettings, RepeatFilter
 from app.server import create_app
 from engine.config import parse_backend_specs
 from engine.engine import Engine
-from engine.model import resolve_model
+from engine.llama.model import resolve_model
 
 SPEC = "cpu:threads=1,cap=4,ctx=1024"
 FOUR_MB = 4_000_000  # just under aiohttp's old 4 MiB default cap, like the attack's 3.9 MB prompts

@@ -25,7 +25,7 @@ from app.server import create_app, start_server
 from engine.config import parse_backend_specs
 from engine.engine import Engine
 from engine.events import StepDone
-from engine.model import resolve_model
+from engine.llama.model import resolve_model
 
 from waiting import wait_until
 

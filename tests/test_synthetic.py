@@ -11,12 +11,12 @@ import dataclasses
 import os
 import threading
 
-import llama_cpp  # before numpy (via engine.synthetic): the GPU machine crashes otherwise
+import llama_cpp  # before numpy (via engine.llama.synthetic): the GPU machine crashes otherwise
 import pytest
 
-from engine import synthetic
+from engine.llama import synthetic
 from engine.errors import ModelLoadError
-from engine.synthetic import SHAPES, parse_spec, synthetic_path, write_gguf
+from engine.llama.synthetic import SHAPES, parse_spec, synthetic_path, write_gguf
 
 
 @pytest.fixture(autouse=True)

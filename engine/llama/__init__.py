@@ -1,4 +1,11 @@
-"""The one place that loads llama.cpp: library start-up, its log, device facts.
+"""The one boundary between the engine and llama.cpp: library start-up, its log, device facts.
+
+The package: this module (start-up, GIL-keeping bindings, devices), `model` (finding, checking
+and loading GGUF models), `greedy` (our fused greedy sampler), `synthetic` (writing synthetic
+GGUF models) and `_abi`, the only module that touches llama-cpp-python's private parts (its
+library handle, a C++ symbol of libllama, a mirror of ggml's tensor struct). `_abi` checks them
+against the installed llama-cpp-python when this package is imported, so a version it was not
+written for stops here with a `NativeABIError` naming both versions, not with a crash later.
 
 Devices: `devices()` lists ggml's backend devices (CPU, CUDA0, CUDA1, ...) through ggml's
 own registry, without loading a model; `gpus()` are the GPUs among them, in ggml's order, so
@@ -6,9 +13,9 @@ own registry, without loading a model; `gpus()` are the GPUs among them, in ggml
 to one of them through `llama_model_params.devices`, as `cpu_only()` restricts it to none.
 
 Import order: on the GPU machine a process that had imported numpy *before* the llama.cpp
-shared libraries crashed while loading a CPU-only model. So this module is the first import of
-`engine.model` (through which every backend loads its model), and the entry points that load
-models import it before anything imports numpy: `app/__init__.py` (every `tandem` and
+shared libraries crashed while loading a CPU-only model. So this package is the first import of
+`engine.llama.model` (through which every backend loads its model), and the entry points that
+load models import it before anything imports numpy: `app/__init__.py` (every `tandem` and
 `python -m app...` command) and `tests/conftest.py`. The pure engine (`import engine`,
 `engine.router`, `engine.prefix_cache`, ...) loads no native code at all; import-linter's
 contracts in pyproject.toml and `tests/test_import_order.py` check both.
@@ -24,46 +31,34 @@ import time
 from dataclasses import dataclass
 
 import llama_cpp as lc  # noqa: E402  (must stay the first heavy import)
-from llama_cpp.llama_cpp import _lib as _lc_lib  # noqa: E402
+
+from . import _abi  # noqa: E402  (checks the installed llama-cpp-python before anything uses it)
 
 log = logging.getLogger("llama.cpp")
 
-# Calls made for every generated token return within microseconds. Through ctypes.CDLL (as
-# llama_cpp binds everything) each one releases the GIL and must win it back, and while a
-# UI or HTTP thread runs Python that can take the whole switch interval (5 ms) — per call.
-# These bindings of the same functions keep the GIL (ctypes.PyDLL); llama_decode and
-# llama_synchronize, which wait on the device, still release it. ggml's functions resolve
-# through the same handle (libllama's dependencies).
-_held = ctypes.PyDLL(_lc_lib._name)
-
 
 def holding_gil(name: str, argtypes: list, restype):
-    """A binding of llama.cpp's (or ggml's) function `name` that keeps the GIL."""
-    f = getattr(_held, name)
-    f.argtypes, f.restype = argtypes, restype
-    return f
+    """A binding of llama.cpp's (or ggml's) function `name` that keeps the GIL.
+
+    Calls made for every generated token return within microseconds. Through ctypes.CDLL (as
+    llama_cpp binds everything) each one releases the GIL and must win it back, and while a
+    UI or HTTP thread runs Python that can take the whole switch interval (5 ms) — per call.
+    These bindings of the same functions keep the GIL (ctypes.PyDLL); llama_decode and
+    llama_synchronize, which wait on the device, still release it.
+    """
+    return _abi.function(name, argtypes, restype, keep_gil=True)
 
 
 get_sampled_token_ith = holding_gil("llama_get_sampled_token_ith", [lc.llama_context_p_ctypes, ctypes.c_int32],
                                     lc.llama_token)
 sampler_accept = holding_gil("llama_sampler_accept", [lc.llama_sampler_p_ctypes, lc.llama_token], None)
 
-
-def _sampled_token_after_sync():
-    """`llama_get_sampled_token_ith` synchronises the context (a stream sync per backend)
-    before every read: B times per step, where the backend has synchronised once already.
-    The context's own method, which libllama exports as a C++ symbol, reads the same token
-    without that; a build without the symbol gets the public function."""
-    try:
-        f = holding_gil("_ZN13llama_context21get_sampled_token_ithEi",  # llama_context::get_sampled_token_ith(int)
-                        [lc.llama_context_p_ctypes, ctypes.c_int32], lc.llama_token)
-    except AttributeError:
-        return get_sampled_token_ith
-    return f
-
-
-# Only after `llama_synchronize` following the last decode (ContextRunner.execute does it).
-sampled_token_after_sync = _sampled_token_after_sync()
+# `llama_get_sampled_token_ith` synchronises the context (a stream sync per backend) before
+# every read: B times per step, where the backend has synchronised once already. The
+# context's own method, which libllama exports as a C++ symbol, reads the same token without
+# that; a build without the symbol gets the public function. Only after `llama_synchronize`
+# following the last decode (ContextRunner.execute does it).
+sampled_token_after_sync = _abi.sampled_token_method() or get_sampled_token_ith
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -107,7 +102,7 @@ def pick_device(device: str) -> str:
     `gpuN` (one GPU, see `gpus()`) resolves to itself once GPU N is known to exist; anything
     else raises `ModelLoadError` naming the devices there are.
     """
-    from .errors import ModelLoadError
+    from ..errors import ModelLoadError
 
     index = gpu_index(device)
     if device not in ("cpu", "gpu", "auto") and index is None:
@@ -138,9 +133,7 @@ _DEV_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
 
 def _bind(name: str, argtypes: list, restype):
-    f = getattr(_lc_lib, name)  # ggml's symbols resolve through libllama's handle
-    f.argtypes, f.restype = argtypes, restype
-    return f
+    return _abi.function(name, argtypes, restype, keep_gil=False)
 
 
 _dev_count = _bind("ggml_backend_dev_count", [], ctypes.c_size_t)
@@ -196,7 +189,7 @@ def gpu_count() -> int:
 
 def gpu(index: int) -> Device:
     """GPU `index` (see `gpus()`); `ModelLoadError` naming the devices there are otherwise."""
-    from .errors import ModelLoadError
+    from ..errors import ModelLoadError
 
     found = gpus()
     if not 0 <= index < len(found):
