@@ -1,7 +1,7 @@
 """Experiments: run the study's workload (or a variant) under several policies and compare them.
 
 With a `bench_runner` (the app passes one built on `tandem bench`'s `EngineRunner`), each run
-goes through the benchmark runner itself on a worker thread: fresh engine state per run (caches
+goes through the benchmark runner itself on a `ui.worker.Worker`, one policy after another: fresh engine state per run (caches
 flushed, prefix re-warmed, router cleared, caps and rates restored), the same workloads and the
 same metrics as the command line. Without one, runs are driven from the GUI thread by
 `ui.workload.WorkloadRun`. Either way the routing and latency views show the run live, a
@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import threading
 from pathlib import Path
 
 import pyqtgraph as pg
@@ -28,6 +27,7 @@ from PySide6.QtWidgets import (
 from .controls import policy_choices
 from .metrics import RunSummary, fmt_seconds
 from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
+from .worker import Worker
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
@@ -37,22 +37,13 @@ COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", 
 class ExperimentsPanel(QWidget):
     status_message = Signal(str)
     run_finished = Signal(object)  # RunSummary
-    _worker_progress = Signal()
-    _worker_result = Signal(object)  # RunSummary
-    _worker_error = Signal(str)
-    _worker_done = Signal()
 
     def __init__(self, engine, bridge, bench_runner=None, parent: QWidget | None = None):
         super().__init__(parent)
         self.engine = engine
         self.bridge = bridge
         self.bench_runner = bench_runner  # fn(spec, policy, run, on_done) -> RunSummary, blocking
-        self._thread: threading.Thread | None = None
-        self._stop_flag = threading.Event()
-        self._worker_progress.connect(self._on_worker_progress)
-        self._worker_result.connect(self._on_worker_result)
-        self._worker_error.connect(lambda msg: self.status_message.emit(f"experiment run failed: {msg}"))
-        self._worker_done.connect(self._end)
+        self._worker: Worker | None = None
         self.summaries: list[RunSummary] = []
         self._queue: list[str] = []
         self._run: WorkloadRun | None = None
@@ -173,7 +164,7 @@ class ExperimentsPanel(QWidget):
 
     @property
     def running(self) -> bool:
-        if self._thread is not None and self._thread.is_alive():
+        if self._worker is not None and self._worker.running:
             return True
         return self._run is not None and self._run.running or bool(self._queue)
 
@@ -195,51 +186,51 @@ class ExperimentsPanel(QWidget):
         self.progress.setValue(0)
         self.run_button.setText("Stop")
         if self.bench_runner is not None:
-            spec = self._last_spec
-            self._stop_flag.clear()
-            self._thread = threading.Thread(target=self._work, args=(list(policies), spec), name="experiments",
-                                            daemon=True)
-            self._queue = []
             self.phase_label.setText(f"running {len(policies)} policies with the benchmark runner…")
-            self._thread.start()
+            self._bench_next(0)
         else:
             self._next()
         return True
 
     def stop(self) -> None:
         self._queue = []
-        self._stop_flag.set()
-        if self._thread is not None and self._thread.is_alive():
+        if self._worker is not None and self._worker.running:
             self.phase_label.setText("stopping after the current run…")
         if self._run is not None and self._run.running:
             self._run.stop()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Join the benchmark worker thread (tests, shutdown)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Join the benchmark run's worker thread (tests, shutdown)."""
+        if self._worker is not None:
+            self._worker.join(timeout)
 
-    # ---- the benchmark runner, on a worker thread ----
+    # ---- the benchmark runner: one policy per worker, chained on the main thread ----
 
-    def _work(self, policies: list[str], spec) -> None:
-        try:
-            for i, policy in enumerate(policies):
-                if self._stop_flag.is_set():
-                    break
-                summary = self.bench_runner(spec, policy, i, self._worker_progress.emit)
-                self._worker_result.emit(summary)
-        except Exception as e:  # noqa: BLE001  (a failure is shown, the app goes on)
-            self._worker_error.emit(str(e))
-        finally:
-            self._worker_done.emit()
+    def _bench_next(self, index: int) -> None:
+        if not self._queue:
+            self._end()
+            return
+        policy = self._queue.pop(0)
+        worker = Worker(lambda: self.bench_runner(self._last_spec, policy, index, worker.report),
+                        name="experiments", owner=self)
+        worker.progress.connect(self._on_worker_progress)
+        worker.returned.connect(lambda summary: self._on_worker_result(summary, index + 1))
+        worker.errored.connect(self._on_worker_error)
+        self._worker = worker.start()
 
-    def _on_worker_progress(self) -> None:
+    def _on_worker_progress(self, _value) -> None:
         self.progress.setValue(self.progress.value() + 1)
 
-    def _on_worker_result(self, summary) -> None:
+    def _on_worker_result(self, summary, next_index: int) -> None:
         summary = _numbered(summary, len(self.summaries) + 1)
         self.add_summary(summary)
         self.run_finished.emit(summary)
+        self._bench_next(next_index)
+
+    def _on_worker_error(self, e: BaseException) -> None:
+        self.status_message.emit(f"experiment run failed: {e}")
+        self._queue = []
+        self._end()
 
     def _next(self) -> None:
         if not self._queue:
@@ -274,7 +265,7 @@ class ExperimentsPanel(QWidget):
             self._end()
 
     def _end(self) -> None:
-        self._thread = None  # the worker emits its done signal last
+        self._worker = None
         if self._restore_policy:
             self.engine.router.set_policy(self._restore_policy)
             self._restore_policy = None
