@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine import llama
-from engine.benchmark import RequestRecord, aggregate, decision_line, oracle, run_metrics
+from engine.benchmark import RequestRecord, RunSummary, aggregate, decision_line, oracle, run_metrics
 from engine.calibrate import OnlineRefresh, parse_rates
 from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
@@ -622,8 +622,6 @@ def experiment_runner(eng: Engine):
     Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
     (caches flushed, prefix re-warmed, router cleared, caps and rates restored).
     """
-    from ui.metrics import RunSummary
-
     def run(spec, policy: str, run_index: int, on_done) -> RunSummary:
         runner = EngineRunner(eng, sweep_backend=None, budget=eng.router.budget, online=False, timeout=600.0)
         try:
@@ -631,6 +629,6 @@ def experiment_runner(eng: Engine):
             collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done)
         finally:
             runner.close()
-        return RunSummary.of(policy, policy, run_metrics(collected.records))
+        return RunSummary(policy, policy, run_metrics(collected.records))
 
     return run

@@ -67,10 +67,17 @@ def test_ring_series_shifts_once_full():
 def test_summarize_run():
     recs = [record("cpu0", ttft=0.1, e2e=1.0, out=8, rid="a"), record("cpu1", ttft=0.3, e2e=2.0, out=8, rid="b"),
             record("cpu1", error="x", ttft=None, rid="c")]
-    s = summarize("#1", "seed-score", recs, 10.0, 12.0)
-    assert (s.n_requests, s.n_ok, s.makespan_s, s.output_tok_s) == (3, 2, 2.0, 8.0)
-    assert s.per_backend == {"cpu0": 1, "cpu1": 2}
-    assert s.ttft_p50_s == pytest.approx(0.2)
+    m = summarize("#1", "seed-score", recs, 10.0, 12.0).metrics
+    assert (m.requests, m.completed, m.failed, m.makespan_s, m.output_tok_s) == (3, 2, 1, 2.0, 8.0)
+    assert m.routed == {"cpu0": 1, "cpu1": 2}
+    assert m.ttft_p50_s == pytest.approx(0.2)
+
+
+def test_a_run_summary_exports_its_label_and_the_benchmarks_metrics():
+    s = summarize("#1", "seed-score", [record("cpu0", out=8)], 10.0, 12.0)
+    d = s.to_dict()
+    assert (d["label"], d["policy"], d["requests"]) == ("#1", "seed-score", 1)
+    assert {k: d[k] for k in s.metrics.to_dict()} == s.metrics.to_dict()
 
 
 @pytest.mark.parametrize("s, text", [(0.0123, "12.3 ms"), (3.2, "3.20 s"), (None, "–"), (math.nan, "–")])

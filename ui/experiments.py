@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pyqtgraph as pg
@@ -24,8 +25,10 @@ from PySide6.QtWidgets import (
     QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
+from engine.benchmark import METRICS, RunSummary
+
 from .controls import policy_choices
-from .metrics import RunSummary, fmt_seconds
+from .metrics import fmt_seconds
 from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
 from .worker import Worker
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
@@ -278,9 +281,10 @@ class ExperimentsPanel(QWidget):
         self.summaries.append(s)
         row = self.table.rowCount()
         self.table.insertRow(row)
-        cells = [s.label, s.policy, f"{s.n_ok}/{s.n_requests}", fmt_seconds(s.makespan_s), f"{s.output_tok_s:.1f}",
-                 fmt_seconds(s.ttft_p50_s), fmt_seconds(s.ttft_p95_s), fmt_seconds(s.e2e_p50_s), fmt_seconds(s.e2e_p95_s),
-                 ", ".join(f"{b}: {n}" for b, n in s.per_backend.items())]
+        m = s.metrics
+        cells = [s.label, s.policy, f"{m.completed}/{m.requests}", fmt_seconds(m.makespan_s), f"{m.output_tok_s:.1f}",
+                 fmt_seconds(m.ttft_p50_s), fmt_seconds(m.ttft_p95_s), fmt_seconds(m.e2e_p50_s), fmt_seconds(m.e2e_p95_s),
+                 ", ".join(f"{b}: {n}" for b, n in sorted(m.routed.items()))]
         for col, text in enumerate(cells):
             item = QTableWidgetItem(text)
             if 2 <= col <= 8:
@@ -297,7 +301,7 @@ class ExperimentsPanel(QWidget):
 
     def _update_chart(self) -> None:
         xs = list(range(len(self.summaries)))
-        hs = [s.makespan_s if math.isfinite(s.makespan_s) else 0.0 for s in self.summaries]
+        hs = [s.metrics.makespan_s if math.isfinite(s.metrics.makespan_s) else 0.0 for s in self.summaries]
         self.bars.setOpts(x=xs, height=hs)
         self.chart.getPlotItem().getAxis("bottom").setTicks([[(i, f"{s.label} {s.policy}") for i, s in enumerate(self.summaries)]])
         if hs:
@@ -313,15 +317,14 @@ class ExperimentsPanel(QWidget):
 
     def export_csv(self, path: str | Path) -> Path:
         path = Path(path)
-        backends = sorted({b for s in self.summaries for b in s.per_backend})
-        fields = ["label", "policy", "n_requests", "n_ok", "makespan_s", "output_tok_s", "ttft_p50_s",
-                  "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", *[f"requests_{b}" for b in backends]]
+        backends = sorted({b for s in self.summaries for b in s.metrics.routed})
+        columns = ["label", "policy", "requests", "completed", "failed", *METRICS, "output_tokens"]
         with path.open("w", newline="", encoding="utf-8") as fh:
             w = csv.writer(fh)
-            w.writerow(fields)
+            w.writerow(columns + [f"requests_{b}" for b in backends])
             for s in self.summaries:
                 d = s.to_dict()
-                w.writerow([d[k] for k in fields[:10]] + [s.per_backend.get(b, 0) for b in backends])
+                w.writerow([d[k] for k in columns] + [s.metrics.routed.get(b, 0) for b in backends])
         return path
 
     def export_json(self, path: str | Path) -> Path:
@@ -349,8 +352,6 @@ class ExperimentsPanel(QWidget):
 
 
 def _numbered(s: RunSummary, n: int) -> RunSummary:
-    from dataclasses import replace
-
     return replace(s, label=f"#{n}")
 
 

@@ -443,7 +443,8 @@ class MainWindow(QMainWindow):
             experiments = self.panels.get("experiments")
             if experiments is not None:
                 experiments.add_summary(summary)
-            self.show_message(f"demo {summary.n_ok}/{result.spec.n_requests} requests in {summary.makespan_s:.1f} s"
+            self.show_message(f"demo {summary.metrics.completed}/{result.spec.n_requests} requests in "
+                              f"{summary.metrics.makespan_s:.1f} s"
                               " (a row in Experiments)" + (f" — {result.error}" if result.error else ""))
         else:
             self.show_message(f"demo failed: {result.error or 'no request finished'}")

@@ -440,7 +440,7 @@ class TeachingPanel(QWidget):
             counts[d.backend] = counts.get(d.backend, 0) + 1
         s = self.run.result.summary()
         where = ", ".join(f"{n} to {b}" for b, n in counts.items())
-        return (f"Done in {s.makespan_s:.2f} s ({where}); policy {s.policy}. "
+        return (f"Done in {s.metrics.makespan_s:.2f} s ({where}); policy {s.policy}. "
                 "The article sent 7 to the GPU and 1 to the CPU.")
 
     def _on_tick(self, _tick) -> None:
