@@ -50,7 +50,7 @@ SINGLE_POLICIES = ("gpu-only", "cpu-only")
 WARMUP_MAX_N = 8  # warm-up runs pay first-use costs (allocations, kernels); they need not be long
 
 
-# ---------------------------------------------------------------------------- arguments
+# ---- arguments ----
 
 
 def add_common_arguments(p, *, requests: str, runs: int) -> None:
@@ -137,7 +137,7 @@ def add_tenant_arguments(p, *, tenants: str | None = None) -> None:
                    help="warm every tenant's prefix before each run (default: nothing; routers must learn)")
 
 
-# ---------------------------------------------------------------------------- variants and runs
+# ---- variants and runs ----
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def _engine_record(name, label, workload, spec, t_submit, handle, record, error)
                          error=record.error)
 
 
-# ---------------------------------------------------------------------------- commands
+# ---- commands ----
 
 
 def run_seed(args) -> int:
@@ -451,7 +451,7 @@ def summarize(records: list[RequestRecord], meta: dict | None = None) -> list[di
     return rows
 
 
-# ---------------------------------------------------------------------------- helpers
+# ---- helpers ----
 
 
 def _load_engine(args, specs, caps, kv, overrides):

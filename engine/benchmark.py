@@ -92,7 +92,7 @@ class RunSummary:
                 **self.metrics.to_dict()}
 
 
-# ---------------------------------------------------------------------------- pure metrics
+# ---- pure metrics ----
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -223,7 +223,7 @@ def oracle(rows: Sequence[Mapping], *, group: Sequence[str], metric: str = "make
     return out
 
 
-# ---------------------------------------------------------------------------- decisions
+# ---- decisions ----
 
 
 def decision_line(decision, t0: float = 0.0, **extra) -> dict:
