@@ -113,6 +113,13 @@ def test_teaching_verdict_for_request_7_is_shown_whole(qtbot, make_window):
     assert "3.027 s < 3.118 s: request 7 stays on the GPU" in t.shown_text()
 
 
+def test_teaching_queue_cells_show_each_waiting_requests_tokens(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.go(1)  # request 7 arrives: 2 queued + the new one, 20 prompt tokens left + 128 of budget each
+    assert t.shown_text().count("20 + 128") == 3
+
+
 def test_teaching_narration_follows_the_cached_prefix(qtbot, make_window):
     w = make_window()
     t = w.panels["teaching"]
