@@ -53,12 +53,11 @@ class ModelLoader(QObject):
         if self.busy:
             return False
         self._cancelled.clear()
-        worker = Worker(self._load, spec, name="model-loader", owner=self)
+        worker = Worker(lambda: self._load(spec, worker.report), name="model-loader", owner=self)
         worker.progress.connect(self.progress.emit)
         worker.returned.connect(lambda engine: self._on_loaded(engine, spec))
         worker.errored.connect(lambda e: self._on_failed(e, spec))
-        self._worker = worker  # before start: `_load` reads it on the worker thread
-        worker.start()
+        self._worker = worker.start()
         return True
 
     def cancel(self) -> None:
@@ -68,17 +67,14 @@ class ModelLoader(QObject):
         if self._worker is not None:
             self._worker.join(timeout)
 
-    def _load(self, spec: ModelSpec):  # worker thread
-        worker = self._worker
-
+    def _load(self, spec: ModelSpec, report):  # worker thread
         def progress(*args) -> bool:
             # llama.cpp model loading calls progress(fraction); writing a synthetic model file
             # calls progress(done, total).
             if self._cancelled.is_set():
                 return False  # llama.cpp aborts the load
             fraction = args[0] / args[1] if len(args) >= 2 and args[1] else args[0]
-            if worker is not None:
-                worker.report(float(fraction))
+            report(float(fraction))
             return True
 
         engine = self._load_fn(spec, progress)
