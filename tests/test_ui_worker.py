@@ -100,6 +100,16 @@ def test_no_thread_and_no_worker_is_left_behind(qtbot):
     assert ref() is None  # delivered: the worker no longer keeps itself alive
 
 
+def test_join_all_names_the_threads_still_running(qtbot):
+    gate = threading.Event()
+    worker = Worker(lambda: gate.wait(JOIN_S), name="test-held")
+    worker.start()
+    assert Worker.join_all(0.05) == ["test-held"]
+    gate.set()
+    assert Worker.join_all(JOIN_S) == []
+    qtbot.waitUntil(lambda: not worker.running, timeout=WAIT_MS)
+
+
 def test_an_unreferenced_worker_still_delivers(qtbot):
     seen: list = []
     Worker(lambda: 7, name="test-worker").start().returned.connect(seen.append)

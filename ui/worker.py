@@ -23,12 +23,16 @@ Thread contract:
   so `Worker(...).start()` without keeping a reference is fine.
 - `join(timeout)` waits for the thread (shutdown, tests; it does not pump Qt events, so nothing
   is delivered while it waits); `running` is true from `start()` until `finished` is delivered.
+  `Worker.join_all(timeout)` waits for every worker thread started so far (a test's teardown
+  uses it to fail on a thread left running).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+import weakref
 from typing import Any, Callable, ClassVar
 
 import shiboken6
@@ -48,6 +52,7 @@ class Worker(QObject):
     _outcome = Signal(bool, object)  # ok, value or exception
 
     _live: ClassVar[set[Worker]] = set()
+    _threads: ClassVar[weakref.WeakSet[threading.Thread]] = weakref.WeakSet()
 
     def __init__(self, fn: Callable[..., Any], *args: Any, name: str, owner: QObject | None = None,
                  **kwargs: Any):
@@ -70,8 +75,18 @@ class Worker(QObject):
 
     def start(self) -> Worker:
         Worker._live.add(self)
+        Worker._threads.add(self._thread)
         self._thread.start()
         return self
+
+    @classmethod
+    def join_all(cls, timeout: float) -> list[str]:
+        """Wait up to `timeout` seconds in all for every worker thread started so far to end;
+        the names of those still running."""
+        deadline = time.monotonic() + timeout
+        for t in list(cls._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+        return sorted(t.name for t in cls._threads if t.is_alive())
 
     def report(self, value: Any = None) -> None:
         """Called by the callable, on the worker thread: delivered as `progress` on the main thread."""
