@@ -146,7 +146,7 @@ def run_gui(args) -> int:
             def report(result):
                 p = window.probe
                 print(f"event-loop lateness during a {result.spec.n_requests}-request run "
-                      f"({result.summary().makespan_s:.1f} s, {len(p.samples)} samples of a "
+                      f"({result.summary().metrics.makespan_s:.1f} s, {len(p.samples)} samples of a "
                       f"{p.interval_s * 1000:.0f} ms schedule, {p.missed} missed ticks): "
                       f"p50 {p.percentile(50) * 1000:.1f} ms, p95 {p.percentile(95) * 1000:.1f} ms, "
                       f"max {max(p.samples, default=0) * 1000:.1f} ms")

@@ -65,7 +65,7 @@ CORS_MAX_AGE_S = 600
 CORS_ALLOWED_HEADERS = "Authorization, Content-Type"
 
 
-# ---------------------------------------------------------------------------- settings and errors
+# ---- settings and errors ----
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class BodyTimeout(EngineError):
 GUARD = web.AppKey("guard", GuardSettings)
 
 
-# ---------------------------------------------------------------------------- connections
+# ---- connections ----
 
 
 def _raw_reply(status: int, reason: str, message: str) -> bytes:
@@ -284,7 +284,7 @@ def raise_fd_limit(settings: GuardSettings, reserve: int = 256) -> GuardSettings
     return settings
 
 
-# ---------------------------------------------------------------------------- requests
+# ---- requests ----
 
 
 def _host_name(value: str) -> str:
@@ -398,7 +398,7 @@ async def read_body(request: web.Request) -> bytes:
     return bytes(body)
 
 
-# ---------------------------------------------------------------------------- logs
+# ---- logs ----
 
 
 @dataclass

@@ -76,7 +76,7 @@ def quote(value: Any, n: int = QUOTE_CHARS) -> str:
     return text if len(text) <= n else text[:n] + "…"
 
 
-# ---------------------------------------------------------------------------- the models
+# ---- the models ----
 
 Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -184,7 +184,7 @@ _UNSUPPORTED = {"n", "best_of", "logprobs", "top_logprobs", "echo", "suffix", "t
                 "response_format", "frequency_penalty", "presence_penalty"}
 
 
-# ---------------------------------------------------------------------------- parsing
+# ---- parsing ----
 
 
 @dataclass(frozen=True)
@@ -336,7 +336,7 @@ def _type(v) -> str:
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-# ---------------------------------------------------------------------------- OpenAPI
+# ---- OpenAPI ----
 
 
 def request_schemas() -> dict[str, dict]:

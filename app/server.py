@@ -219,7 +219,7 @@ async def _serve_until_signalled(app: web.Application, host: str, port: int, acc
         await runner.cleanup()
 
 
-# ---------------------------------------------------------------------------- errors
+# ---- errors ----
 
 # kind → (HTTP status, OpenAI `type`, OpenAI `code`); llama.cpp server's table, plus ours.
 _ERRORS: dict[str, tuple[int, str, str | None]] = {
@@ -305,7 +305,7 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     return await handler(request)
 
 
-# ---------------------------------------------------------------------------- completions
+# ---- completions ----
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -450,7 +450,7 @@ def _usage(record: FinishRecord) -> dict:
 
 
 
-# ---------------------------------------------------------------------------- state
+# ---- state ----
 
 
 async def models(request: web.Request) -> web.Response:

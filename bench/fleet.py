@@ -97,7 +97,7 @@ class RouterStartError(EngineStartError):
     """A router (or the in-process run) did not come up: its variant is skipped, with a note."""
 
 
-# ---------------------------------------------------------------------------- arguments
+# ---- arguments ----
 
 
 HELP = "engines behind routers (Tandem, sglang-router), tenant workload"
@@ -144,7 +144,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
-# ---------------------------------------------------------------------------- processes
+# ---- processes ----
 
 
 @dataclass
@@ -282,7 +282,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------------------- engine counters
+# ---- engine counters ----
 
 
 def scrape(url: str) -> dict | None:
@@ -320,7 +320,7 @@ def counter_deltas(before: dict, after: dict) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------- the fleet
+# ---- the fleet ----
 
 
 class Fleet:
@@ -347,7 +347,7 @@ class Fleet:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
-    # ---- engines
+    # ---- engines ----
 
     def start_engines(self) -> None:
         for e in self.engines:
@@ -366,7 +366,7 @@ class Fleet:
             self.stop_engines()
             self.start_engines()
 
-    # ---- runs
+    # ---- runs ----
 
     def run(self, bar: Progress, checkpoint) -> None:
         specs = self.specs()
@@ -487,7 +487,7 @@ class Fleet:
             self.meta.setdefault((r.workload, label), {"kind": "in-process", "engines_per_run": []})
         return records
 
-    # ---- results
+    # ---- results ----
 
     def summary(self) -> dict:
         from .study import summarize
@@ -649,7 +649,7 @@ def _ints(text, flag: str) -> list[int]:
     return values
 
 
-# ---------------------------------------------------------------------------- command
+# ---- command ----
 
 
 def run_fleet(args) -> int:

@@ -98,7 +98,7 @@ def _record_from_csv(row: dict) -> RequestRecord:
     return RequestRecord(**out)
 
 
-# ---------------------------------------------------------------------------- Markdown
+# ---- Markdown ----
 
 
 def markdown(summary: dict) -> str:
@@ -222,7 +222,7 @@ def _pm(s: dict, digits: int = 3) -> str:
     return f"{s['mean']:.{digits}f}"
 
 
-# ---------------------------------------------------------------------------- plots
+# ---- plots ----
 
 
 def write_plots(out_dir: Path, summary: dict, records: list[RequestRecord]) -> tuple[list[Path], str | None]:

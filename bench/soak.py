@@ -95,7 +95,7 @@ WORDS = ("the", "a", "model", "backend", "token", "cache", "prefix", "queue", "r
          "seven", "forty", "blue", "green", "quickly", "slowly", "naïve", "café", "日本語", "🙂")
 
 
-# ---------------------------------------------------------------------------- arguments
+# ---- arguments ----
 
 
 HELP = "leak and hang hunt: mixed chat/API traffic with cancellations for N minutes"
@@ -125,7 +125,7 @@ def warmup_seconds(duration_s: float) -> float:
     return min(max(0.1 * duration_s, 20.0), duration_s / 2)
 
 
-# ---------------------------------------------------------------------------- requests
+# ---- requests ----
 
 
 @dataclass(frozen=True)
@@ -346,7 +346,7 @@ def _message(body) -> str:
         return str(body)[:200]
 
 
-# ---------------------------------------------------------------------------- counting
+# ---- counting ----
 
 
 @dataclass
@@ -516,7 +516,7 @@ def summarize(*, minutes: float, elapsed_s: float, warmup_s: float, tally: Tally
     }
 
 
-# ---------------------------------------------------------------------------- the run
+# ---- the run ----
 
 
 def run_soak(args) -> int:

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine import llama
-from engine.benchmark import RequestRecord, aggregate, decision_line, oracle, run_metrics
+from engine.benchmark import RequestRecord, RunSummary, aggregate, decision_line, oracle, run_metrics
 from engine.calibrate import OnlineRefresh, parse_rates
 from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
@@ -50,7 +50,7 @@ SINGLE_POLICIES = ("gpu-only", "cpu-only")
 WARMUP_MAX_N = 8  # warm-up runs pay first-use costs (allocations, kernels); they need not be long
 
 
-# ---------------------------------------------------------------------------- arguments
+# ---- arguments ----
 
 
 def add_common_arguments(p, *, requests: str, runs: int) -> None:
@@ -137,7 +137,7 @@ def add_tenant_arguments(p, *, tenants: str | None = None) -> None:
                    help="warm every tenant's prefix before each run (default: nothing; routers must learn)")
 
 
-# ---------------------------------------------------------------------------- variants and runs
+# ---- variants and runs ----
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def _engine_record(name, label, workload, spec, t_submit, handle, record, error)
                          error=record.error)
 
 
-# ---------------------------------------------------------------------------- commands
+# ---- commands ----
 
 
 def run_seed(args) -> int:
@@ -451,7 +451,7 @@ def summarize(records: list[RequestRecord], meta: dict | None = None) -> list[di
     return rows
 
 
-# ---------------------------------------------------------------------------- helpers
+# ---- helpers ----
 
 
 def _load_engine(args, specs, caps, kv, overrides):
@@ -622,8 +622,6 @@ def experiment_runner(eng: Engine):
     Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
     (caches flushed, prefix re-warmed, router cleared, caps and rates restored).
     """
-    from ui.metrics import RunSummary
-
     def run(spec, policy: str, run_index: int, on_done) -> RunSummary:
         runner = EngineRunner(eng, sweep_backend=None, budget=eng.router.budget, online=False, timeout=600.0)
         try:
@@ -631,6 +629,6 @@ def experiment_runner(eng: Engine):
             collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done)
         finally:
             runner.close()
-        return RunSummary.of(policy, policy, run_metrics(collected.records))
+        return RunSummary(policy, policy, run_metrics(collected.records))
 
     return run

@@ -72,8 +72,27 @@ class RunMetrics:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def requests(self) -> int:
+        return self.completed + self.failed
 
-# ---------------------------------------------------------------------------- pure metrics
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One run's metrics under the label and policy it is listed with: a row of the desktop
+    app's experiments table, whether the run went through the benchmark runner (`run_metrics`)
+    or was driven live by the window."""
+
+    label: str
+    policy: str
+    metrics: RunMetrics
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "policy": self.policy, "requests": self.metrics.requests,
+                **self.metrics.to_dict()}
+
+
+# ---- pure metrics ----
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -204,7 +223,7 @@ def oracle(rows: Sequence[Mapping], *, group: Sequence[str], metric: str = "make
     return out
 
 
-# ---------------------------------------------------------------------------- decisions
+# ---- decisions ----
 
 
 def decision_line(decision, t0: float = 0.0, **extra) -> dict:

@@ -67,7 +67,7 @@ OWN_TOKENS = 4  # tokens of its own each decode-measuring request adds to the sh
 Progress = Callable[[int, int, str], None]  # (done, total, what is being measured)
 
 
-# ---------------------------------------------------------------------------- where and under which key
+# ---- where and under which key ----
 
 
 def cache_dir() -> Path:
@@ -91,7 +91,7 @@ def config_key(config: BackendConfig, device: str | None = None) -> str:
             f"backend_sampling={int(c.backend_sampling)}")
 
 
-# ---------------------------------------------------------------------------- the store
+# ---- the store ----
 
 
 class RateStore:
@@ -207,7 +207,7 @@ def parse_rates(spec: str) -> tuple[str, Rates]:
                                source="override")
 
 
-# ---------------------------------------------------------------------------- measuring
+# ---- measuring ----
 
 
 @dataclass(frozen=True)
@@ -497,7 +497,7 @@ def save_calibration(store: RateStore, model_path: Path, cal: Calibration, model
     return f"{fingerprint}|{cal.config_key}"
 
 
-# ---------------------------------------------------------------------------- online refresh
+# ---- online refresh ----
 
 
 @dataclass

@@ -899,7 +899,7 @@ class RemoteBackend:
         self._set_unhealthy("stopped")
 
 
-# ---------------------------------------------------------------------------- tokens
+# ---- tokens ----
 
 
 class VocabOnly:
@@ -958,7 +958,7 @@ class VocabOnly:
         return tuple(self.tokenize(self.apply_chat_template(list(request.messages)), add_special=False))
 
 
-# ---------------------------------------------------------------------------- helpers
+# ---- helpers ----
 
 
 def _key(request: Request, tokenizer: VocabOnly | None = None):

@@ -50,9 +50,7 @@ DEFAULT_POLICY = "seed-score"
 DEFAULT_HISTORY = 1000
 
 
-# ----------------------------------------------------------------------------------------
-# Values
-# ----------------------------------------------------------------------------------------
+# ---- values ----
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +214,7 @@ class NewTokenRatio:
         return f"NewTokenRatio(value={self.value:.3f}, initial={self.initial}, floor={self.floor})"
 
 
-# ----------------------------------------------------------------------------------------
-# Scores: pure functions of (query, snapshot)
-# ----------------------------------------------------------------------------------------
+# ---- scores: pure functions of (query, snapshot) ----
 
 
 def seed_score(query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget = RAW) -> BackendScore:
@@ -346,9 +342,7 @@ def _cells(item: WorkItem) -> int:
     return item.prompt_tokens - item.cached_tokens + item.generated + item.decode_left
 
 
-# ----------------------------------------------------------------------------------------
-# Policies
-# ----------------------------------------------------------------------------------------
+# ---- policies ----
 
 
 class Policy:
@@ -718,9 +712,7 @@ def _cache_aware(spec: str) -> "CacheAware":
     return policy
 
 
-# ----------------------------------------------------------------------------------------
-# Router
-# ----------------------------------------------------------------------------------------
+# ---- router ----
 
 
 class Router:
@@ -835,7 +827,7 @@ class Router:
             self._ratio.reset()
 
 
-##### Internal Helper Functions #####
+# ---- internal helpers ----
 
 
 def _check_budget(mode: str) -> str:

@@ -301,7 +301,7 @@ def with_requests(spec: WorkloadSpec, n: int) -> WorkloadSpec:
     return replace(spec, n_requests=n).validate()
 
 
-##### Internal Helper Functions #####
+# ---- internal helpers ----
 
 
 def _tokens(rng: random.Random, n: int, high: int) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ def rec(t_submit, e2e, *, ok=True, backend="gpu", ttft=0.1, out=10, policy="p", 
                          e2e_s=e2e if ok else None, itl_s=0.01, error=None if ok else "boom")
 
 
-# ---------------------------------------------------------------------------- pure metrics
+# ---- pure metrics ----
 
 
 class TestMetrics:
@@ -137,7 +137,7 @@ class TestDecisionLine:
         assert cpu["score"] == pytest.approx(seed_formula(cpu), rel=1e-12)
 
 
-# ---------------------------------------------------------------------------- progress and report
+# ---- progress and report ----
 
 
 class TestProgress:
@@ -175,7 +175,7 @@ def test_report_without_matplotlib_says_plots_were_skipped(tmp_path, monkeypatch
     assert "plots skipped: matplotlib" in (tmp_path / "results.md").read_text()
 
 
-# ---------------------------------------------------------------------------- real runs
+# ---- real runs ----
 
 
 def read_outputs(out):
@@ -379,7 +379,7 @@ def test_bench_together_runs_two_backends_at_once(tiny_path, capsys):
     assert 0 < out["gpu_keep"] and 0 < out["cpu_keep"]
 
 
-# ---------------------------------------------------------------------------- HTTP peers
+# ---- HTTP peers ----
 
 
 class StubServer:

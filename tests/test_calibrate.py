@@ -44,7 +44,7 @@ def make_engine(tiny_path):
         eng.close()
 
 
-# ---------------------------------------------------------------------------- pure
+# ---- pure ----
 
 
 class TestKeysAndStore:
@@ -126,7 +126,7 @@ class TestParseRates:
             parse_rates(spec)
 
 
-# ---------------------------------------------------------------------------- real model
+# ---- real model ----
 
 
 class TestCalibrateOnTheTinyModel:

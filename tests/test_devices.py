@@ -14,7 +14,7 @@ from engine.errors import InvalidRequest, ModelLoadError
 from engine.llama.model import Model, ModelRegistry
 
 
-# ---------------------------------------------------------------------------- spec grammar
+# ---- spec grammar ----
 
 
 SPEC_CASES = [
@@ -58,7 +58,7 @@ def test_names_one_backend_per_gpu():
         parse_backend_specs(["gpu:device=1", "cpu:name=gpu1"])
 
 
-# ---------------------------------------------------------------------------- default backends
+# ---- default backends ----
 
 
 DEFAULT_CASES = [
@@ -85,7 +85,7 @@ def test_default_specs_count_gpus_here():
     assert names == ["cpu0", "cpu1"]
 
 
-# ---------------------------------------------------------------------------- devices
+# ---- devices ----
 
 
 def test_devices_list_the_cpu_here():

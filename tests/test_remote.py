@@ -127,7 +127,7 @@ def direct(engines, i: int, path: str, body: dict) -> str:
     return choice["text"] if "text" in choice else choice["message"]["content"]
 
 
-# ---------------------------------------------------------------------------- spec
+# ---- spec ----
 
 
 def test_remote_spec_parses_and_rejects_bad_values():
@@ -140,7 +140,7 @@ def test_remote_spec_parses_and_rejects_bad_values():
             parse_backend_spec(bad)
 
 
-# ---------------------------------------------------------------------------- requests
+# ---- requests ----
 
 
 def test_streamed_text_matches_a_direct_greedy_call(engines, fleet):
@@ -198,7 +198,7 @@ def test_a_queued_request_waits_for_the_cap_and_cancels_locally(fleet):
     assert fleet.submit(Request((), GREEDY, text="third", backend="a")).text(60)
 
 
-# ---------------------------------------------------------------------------- prediction and load
+# ---- prediction and load ----
 
 
 def test_the_approximate_tree_predicts_a_repeated_prefix(fleet):
@@ -242,7 +242,7 @@ def test_load_polling_sees_requests_sent_directly_to_the_engine(engines, fleet):
                "the external request gone from b's snapshot")
 
 
-# ---------------------------------------------------------------------------- failure
+# ---- failure ----
 
 
 def test_a_dead_engine_moves_its_queue_fails_streams_and_is_probed_back(engines, fleet):
@@ -297,7 +297,7 @@ def test_restart_reconnects_and_a_second_one_conflicts(engines, fleet):
     assert fleet.submit(Request((), GREEDY, text="after restart", backend="a")).text(60)
 
 
-# ---------------------------------------------------------------------------- rates
+# ---- rates ----
 
 
 def test_calibrate_measures_a_remote_engine_by_sending_requests(fleet):

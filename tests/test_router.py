@@ -37,7 +37,7 @@ GPU_RATES = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
 PROMPT, CACHED, MAX_TOKENS = 516, 496, 128
 
 
-# ---------------------------------------------------------------------------- helpers
+# ---- helpers ----
 
 
 def running(n: int, decode_left: int, prefill_left: int = 0, prefix: str = "r") -> list[WorkItem]:
@@ -76,7 +76,7 @@ def clock():
     return lambda: float(next(t))
 
 
-# ---------------------------------------------------------------------------- golden numbers
+# ---- golden numbers ----
 
 
 class TestSeedGolden:
@@ -140,7 +140,7 @@ class TestSeedGolden:
         assert gpu_score["n_running"] == 4 and gpu_score["n_waiting"] == 3 and gpu_score["eligible"]
 
 
-# ---------------------------------------------------------------------------- policy table
+# ---- policy table ----
 
 
 BUSY_GPU = running(4, 122) + queued(3)
@@ -184,7 +184,7 @@ def test_registry_and_names():
     assert make_policy("round-robin") is not make_policy("round-robin")  # fresh state each time
 
 
-# ---------------------------------------------------------------------------- baselines
+# ---- baselines ----
 
 
 class TestBaselines:
@@ -241,7 +241,7 @@ class TestBaselines:
         assert Router("seed-score").route(query(), snaps).backend == "GPU"
 
 
-# ---------------------------------------------------------------------------- predicted-finish
+# ---- predicted-finish ----
 
 
 CAL_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, step_alpha_s=0.010, step_beta_s=0.001, source="calibrated")
@@ -322,7 +322,7 @@ class TestPredictedFinish:
         assert s.score_s > 0
 
 
-# ---------------------------------------------------------------------------- decode budget
+# ---- decode budget ----
 
 
 class TestDecodeBudget:
@@ -381,7 +381,7 @@ def raw_cpu_score() -> float:
     return seed_score(query(), cpu()).score_s
 
 
-# ---------------------------------------------------------------------------- Router
+# ---- Router ----
 
 
 class TestRouter:
@@ -502,7 +502,7 @@ class TestRouter:
         assert sum(d.backend == "GPU" for d in decisions) == 800
 
 
-# ---------------------------------------------------------------------------- cache-aware
+# ---- cache-aware ----
 
 # Two (or more) comparable GPUs, tenants with a 1,500-token system prefix, 50 tokens each.
 TENANT_PROMPT, TENANT_PREFIX, TENANT_OUT = 1550, 1500, 128
@@ -699,7 +699,7 @@ class TestRecentPrefixes:
             RecentPrefixes(block=0)
 
 
-# ---------------------------------------------------------------------------- N backends
+# ---- N backends ----
 
 
 class TestPredictedFinishN:

@@ -38,7 +38,7 @@ SPEC = "cpu:threads=1,cap=4,ctx=1024"
 FOUR_MB = 4_000_000  # just under aiohttp's old 4 MiB default cap, like the attack's 3.9 MB prompts
 
 
-# ---------------------------------------------------------------------------- harness
+# ---- harness ----
 
 
 @contextlib.contextmanager
@@ -117,7 +117,7 @@ def timed_get(url: str, timeout: float = 1.0) -> tuple[httpx.Response, float]:
     return r, time.monotonic() - t0
 
 
-# ---------------------------------------------------------------------------- slow and many connections
+# ---- slow and many connections ----
 
 
 def test_5000_slow_connections_do_not_starve_health_and_are_freed_after_the_header_timeout(many_files):
@@ -209,7 +209,7 @@ def test_repeated_error_logs_are_rate_limited():
     assert len(seen) == 6 and seen[-1] == "another message"
 
 
-# ---------------------------------------------------------------------------- browsers
+# ---- browsers ----
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +317,7 @@ def test_restart_and_the_openapi_document_need_the_key_when_one_is_set(engine, l
         loop_thread.run(runner.cleanup())
 
 
-# ---------------------------------------------------------------------------- special tokens
+# ---- special tokens ----
 
 
 def test_special_token_text_in_a_user_message_is_ordinary_text():
@@ -340,7 +340,7 @@ def test_special_token_text_in_a_user_message_is_ordinary_text():
         eng.close()
 
 
-# ---------------------------------------------------------------------------- big bodies
+# ---- big bodies ----
 
 
 def _post_big(base: str, chunked: bool = False) -> tuple[int, float, bytes]:
@@ -378,7 +378,7 @@ def test_a_chunked_body_is_cut_off_at_the_limit(url):
     assert took < 10
 
 
-# ---------------------------------------------------------------------------- leaks
+# ---- leaks ----
 
 
 def test_error_bodies_are_bounded(http):
@@ -424,7 +424,7 @@ def test_assistant_tool_calls_in_the_history_are_refused_naming_the_field(http):
     assert "messages[2].tool_calls" in r.json()["error"]["message"]
 
 
-# ---------------------------------------------------------------------------- limits agree
+# ---- limits agree ----
 
 
 def _edges(schema: dict):

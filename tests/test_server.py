@@ -36,7 +36,7 @@ KEY = "sk-test-key"
 HELLO = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 
 
-# ---------------------------------------------------------------------------- harness
+# ---- harness ----
 
 
 class LoopThread:
@@ -120,7 +120,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------------------- fixtures
+# ---- fixtures ----
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def http(url):
         yield c
 
 
-# ---------------------------------------------------------------------------- the happy paths
+# ---- the happy paths ----
 
 
 def test_models_lists_the_served_model(client, engine):
@@ -250,7 +250,7 @@ def test_health_routing_and_openapi(http):
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics"} <= set(doc["paths"])
 
 
-# ---------------------------------------------------------------------------- bad input → 4xx
+# ---- bad input → 4xx ----
 
 LONG = "word " * 1500  # well over the 1024-token context
 BAD_BODIES = [
@@ -339,7 +339,7 @@ def test_the_openai_client_raises_typed_errors(client):
     assert e.value.code == "model_not_found"
 
 
-# ---------------------------------------------------------------------------- auth, 429, 503
+# ---- auth, 429, 503 ----
 
 
 def test_api_key_is_required_on_v1_only(keyed_url):
@@ -385,7 +385,7 @@ def test_queue_full_is_429_with_retry_after_and_a_stopped_backend_is_503(loop_th
         eng.close()
 
 
-# ---------------------------------------------------------------------------- disconnect, load
+# ---- disconnect, load ----
 
 
 @pytest.mark.parametrize("stream,when", [(True, "mid-stream"), (True, "before the first token"),
@@ -536,7 +536,7 @@ def test_200_concurrent_streams_complete_and_metrics_move(engine, url, http):
     assert kv_state(engine) == empty
 
 
-# ---------------------------------------------------------------------------- fuzz
+# ---- fuzz ----
 
 
 def test_schemathesis_finds_no_5xx(url, engine):
@@ -600,7 +600,7 @@ def test_a_long_request_after_a_long_cached_reply_finishes(loop_thread):
         eng.close()
 
 
-# ---------------------------------------------------------------------------- `tandem serve`
+# ---- `tandem serve` ----
 
 
 def test_tandem_serve_subprocess_serves_the_openai_client(tmp_path):
@@ -639,7 +639,7 @@ def test_tandem_serve_subprocess_serves_the_openai_client(tmp_path):
     assert f"serving {served}" in output
 
 
-# ---------------------------------------------------------------------------- a failing backend
+# ---- a failing backend ----
 
 
 def test_a_failed_backend_shows_in_health_and_routing_and_restarts_from_the_cli(url, http, engine, capsys):

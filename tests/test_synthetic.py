@@ -93,7 +93,7 @@ def greedy(model: Model, prompt: str, n: int) -> list[int]:
         llama_cpp.llama_free(ctx)
 
 
-# --------------------------------------------------------------------------- shapes and specs
+# ---- shapes and specs ----
 
 
 def test_qwen_shape_is_exactly_qwen2_5_0_5b():
@@ -157,7 +157,7 @@ def test_cache_dir_default_is_user_cache(monkeypatch):
     assert synthetic.cache_dir() == platformdirs.user_cache_dir("tandem") / synthetic.Path("models")
 
 
-# --------------------------------------------------------------------------- tiny: write, load, reuse
+# ---- tiny: write, load, reuse ----
 
 
 def test_tiny_is_written_once_and_loads(cache):
@@ -254,7 +254,7 @@ def test_qwen2_architecture_small_model_loads(tmp_path):
         assert min(out) >= synthetic.N_FIXED
 
 
-# --------------------------------------------------------------------------- quantization
+# ---- quantization ----
 
 
 def test_tiny_q8_0_quantizes_and_loads(cache):
@@ -285,7 +285,7 @@ def test_quantize_failure_is_model_load_error(tmp_path):
         synthetic.quantize(bad, tmp_path / "out.gguf", "q8_0")
 
 
-# --------------------------------------------------------------------------- concurrency and crashes
+# ---- concurrency and crashes ----
 
 
 def test_concurrent_callers_share_one_file(cache):

@@ -113,6 +113,13 @@ def test_teaching_verdict_for_request_7_is_shown_whole(qtbot, make_window):
     assert "3.027 s < 3.118 s: request 7 stays on the GPU" in t.shown_text()
 
 
+def test_teaching_queue_cells_show_each_waiting_requests_tokens(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.go(1)  # request 7 arrives: 2 queued + the new one, 20 prompt tokens left + 128 of budget each
+    assert t.shown_text().count("20 + 128") == 3
+
+
 def test_teaching_narration_follows_the_cached_prefix(qtbot, make_window):
     w = make_window()
     t = w.panels["teaching"]
@@ -158,7 +165,7 @@ def test_experiments_compare_policies_and_export(qtbot, make_window, ui_engine, 
     assert ex.start(["seed-score", "only:cpu1"])
     qtbot.waitUntil(lambda: not ex.running and len(ex.summaries) == 2, timeout=WAIT_MS)
     assert [s.policy for s in ex.summaries] == ["seed-score", "only:cpu1"]
-    assert ex.summaries[1].per_backend == {"cpu1": 3}
+    assert ex.summaries[1].metrics.routed == {"cpu1": 3}
     assert ex.table.rowCount() == 2 and ex.progress.value() == 6
     assert ui_engine.router.policy == "seed-score"  # restored
     rows = list(csv.DictReader(open(ex.export_csv(tmp_path / "r.csv"))))
@@ -176,7 +183,7 @@ def test_experiments_through_the_benchmark_runner(qtbot, make_window, ui_engine)
     assert ex.start(["least-work"])
     qtbot.waitUntil(lambda: not ex.running and len(ex.summaries) == 1, timeout=WAIT_MS)
     s = ex.summaries[0]
-    assert s.policy == "least-work" and s.n_ok == 3 and s.makespan_s > 0
+    assert s.policy == "least-work" and s.metrics.completed == 3 and s.metrics.makespan_s > 0
     assert w.panels["routing"].model.rowCount() >= 3  # the run showed up live
     assert ui_engine.router.policy == "seed-score"
 
@@ -195,7 +202,7 @@ def test_a_demo_run_appears_in_experiments(qtbot, make_window):
     run = w.start_demo(seed_workload(3, prefix_tokens=32, suffix_tokens=4, gen_tokens=4, interval_s=0.01))
     qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
     ex = w.panels["experiments"]
-    assert len(ex.summaries) == 1 and ex.summaries[0].label == "demo" and ex.summaries[0].n_ok == 3
+    assert len(ex.summaries) == 1 and ex.summaries[0].label == "demo" and ex.summaries[0].metrics.completed == 3
     assert ex.table.rowCount() == 1 and ex.table.item(0, 0).text() == "demo"
 
 

@@ -1,4 +1,4 @@
-"""UI logic tested without any widget: metrics, chat history, the teaching replay's numbers."""
+"""UI logic tested without any widget: metrics, chat history (the teaching replay's numbers: tests/test_teaching.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import pytest
 
 import engine.llama  # noqa: F401  (llama.cpp before numpy)
 from engine.request import FinishRecord, RequestStatus
-from engine.snapshot import Rates
 from ui.history import Chat, ChatStore, Message
 from ui.metrics import EDGES, LatencyStore, RingSeries, fmt_seconds, percentile, step_histogram, summarize
-from ui.teaching import ARTICLE_RATES, gpu_decode_to_keep, study_arrivals, teaching_steps
 
 
 def record(backend="cpu0", ttft=0.1, e2e=1.0, itl=0.01, out=10, error=None, rid="r"):
@@ -69,10 +67,17 @@ def test_ring_series_shifts_once_full():
 def test_summarize_run():
     recs = [record("cpu0", ttft=0.1, e2e=1.0, out=8, rid="a"), record("cpu1", ttft=0.3, e2e=2.0, out=8, rid="b"),
             record("cpu1", error="x", ttft=None, rid="c")]
-    s = summarize("#1", "seed-score", recs, 10.0, 12.0)
-    assert (s.n_requests, s.n_ok, s.makespan_s, s.output_tok_s) == (3, 2, 2.0, 8.0)
-    assert s.per_backend == {"cpu0": 1, "cpu1": 2}
-    assert s.ttft_p50_s == pytest.approx(0.2)
+    m = summarize("#1", "seed-score", recs, 10.0, 12.0).metrics
+    assert (m.requests, m.completed, m.failed, m.makespan_s, m.output_tok_s) == (3, 2, 1, 2.0, 8.0)
+    assert m.routed == {"cpu0": 1, "cpu1": 2}
+    assert m.ttft_p50_s == pytest.approx(0.2)
+
+
+def test_a_run_summary_exports_its_label_and_the_benchmarks_metrics():
+    s = summarize("#1", "seed-score", [record("cpu0", out=8)], 10.0, 12.0)
+    d = s.to_dict()
+    assert (d["label"], d["policy"], d["requests"]) == ("#1", "seed-score", 1)
+    assert {k: d[k] for k in s.metrics.to_dict()} == s.metrics.to_dict()
 
 
 @pytest.mark.parametrize("s, text", [(0.0123, "12.3 ms"), (3.2, "3.20 s"), (None, "–"), (math.nan, "–")])
@@ -104,37 +109,6 @@ class TestChatStore:
 
     def test_empty_system_prompt_is_left_out(self):
         assert Chat(system="  ", messages=[Message("user", "x")]).prompt_messages() == [{"role": "user", "content": "x"}]
-
-
-class TestTeachingReplay:
-    """The worked example goes through the real router; the golden numbers of SEED.md."""
-
-    def test_golden_numbers(self):
-        a7, a8 = study_arrivals()
-        g7, c7 = a7.decision.score_of("gpu"), a7.decision.score_of("cpu")
-        assert (g7.prefill_tokens, g7.decode_tokens) == (60, 880)
-        assert round(g7.score_s, 3) == 3.027 and round(c7.score_s, 3) == 3.118
-        assert a7.decision.backend == "gpu"
-        g8, c8 = a8.decision.score_of("gpu"), a8.decision.score_of("cpu")
-        assert (g8.prefill_tokens, g8.decode_tokens) == (80, 1000)
-        assert round(g8.score_s, 3) == 3.444 and round(c8.score_s, 3) == 3.118
-        assert a8.decision.backend == "cpu"
-
-    def test_steps_show_the_arithmetic(self):
-        steps = teaching_steps(study_arrivals(), ARTICLE_RATES, 496)
-        text = " ".join(body for _, body, _ in steps)
-        for golden in ("3.027 s", "3.118 s", "3.444 s", "60/2551 + 880/293", "80/2551 + 1000/293"):
-            assert golden in text
-
-    def test_a_faster_gpu_keeps_request_8(self):
-        keep = gpu_decode_to_keep(study_arrivals()[1])
-        rates = dict(ARTICLE_RATES, gpu=Rates(2551.0, keep * 1.01))
-        assert study_arrivals(rates)[1].decision.backend == "gpu"
-        rates = dict(ARTICLE_RATES, gpu=Rates(2551.0, keep * 0.99))
-        assert study_arrivals(rates)[1].decision.backend == "cpu"
-
-    def test_without_the_cached_prefix_the_gpu_keeps_both(self):
-        assert [a.decision.backend for a in study_arrivals(cached=0)] == ["gpu", "gpu"]
 
 
 def test_log_axis_ticks_are_few_and_read_as_seconds():

@@ -9,7 +9,8 @@
 - `make_window`: a factory that builds hidden `MainWindow`s on `ui_engine` (or on `engine=`), with
   their chats and QSettings under the test's tmp_path (never the user's), and at
   teardown shuts them down, checks no bridge is left subscribed to the engine (a leak), waits
-  until the engine is idle and restores its caps, rates, policy and caches for the next test.
+  until the engine is idle, that no `ui.worker.Worker` thread is left running, and restores its
+  caps, rates, policy and caches for the next test.
 - `spare_engine`: a second engine like `ui_engine`, for a test that breaks a backend and restarts
   it. A restart starts a new `backend-*` worker thread, which conftest's `no_thread_leak` wants
   gone by the end of the test; closing this engine at teardown ends it, and the shared engine is
@@ -88,6 +89,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     from ui.history import ChatStore
     from ui.main_window import MainWindow
     from ui.theme import style_sheet
+    from ui.worker import Worker
 
     qtbot_app = qasync_loop  # noqa: F841  (the loop must exist before any panel streams)
     subs_before = len(ui_engine.bus._subs)
@@ -109,6 +111,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
         w.shutdown()
         w.deleteLater()
     leaked = len(ui_engine.bus._subs) - subs_before
+    workers_left = Worker.join_all(WAIT_MS / 1000)
     deadline = time.monotonic() + WAIT_MS / 1000
     while not engine_idle(ui_engine) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -122,6 +125,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     ui_engine.flush(timeout=30)
     assert leaked == 0, f"{leaked} engine-bus subscription(s) outlived their window"
     assert engine_idle(ui_engine), "the engine was still busy after the test"
+    assert not workers_left, f"worker threads left running: {workers_left}"
 
 
 class StepGate:

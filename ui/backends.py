@@ -6,14 +6,13 @@ the backend's worker; the card never waits for them).
 
 A backend that failed (a device error, a crashed worker) shows why in red and a Restart
 button. `Engine.restart(name)` joins the dead worker and builds a
-fresh llama.cpp context, so it runs on a worker thread and reports back through a queued
-signal; the next tick shows the backend healthy again.
+fresh llama.cpp context, so it runs on a `ui.worker.Worker` that reports back on the main
+thread; the next tick shows the backend healthy again.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 import numpy as np
 import pyqtgraph as pg
@@ -27,6 +26,7 @@ from engine.errors import EngineError
 
 from .metrics import RingSeries, count_axis_top, fmt_rate, rates_source_text
 from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, qcolor, wrap_label
+from .worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ class BackendCard(QFrame):
     run on a worker thread) brings a failed backend back."""
 
     status_message = Signal(str)
-    _restart_done = Signal(str)
 
     def __init__(self, engine, name: str, index: int, warm_tokens=None, hz: int = 15,
                  parent: QWidget | None = None):
@@ -51,9 +50,8 @@ class BackendCard(QFrame):
         self.color = backend_color(index)
         self._warm_tokens = warm_tokens
         self._restart = engine.restart
-        self._restart_thread: threading.Thread | None = None
+        self._restart_worker: Worker | None = None
         self._restart_error: str | None = None
-        self._restart_done.connect(self._on_restart_done)
         self._t0 = None
         self._history = RingSeries(int(HISTORY_S * hz) + 1, 2)
         self.setObjectName("card")
@@ -209,7 +207,7 @@ class BackendCard(QFrame):
 
     @property
     def restarting(self) -> bool:
-        return self._restart_thread is not None and self._restart_thread.is_alive()
+        return self._restart_worker is not None and self._restart_worker.running
 
     def restart(self) -> None:
         if self._restart is None or self.restarting:
@@ -217,21 +215,17 @@ class BackendCard(QFrame):
         self.restart_button.setEnabled(False)
         self.restart_button.setText("Restarting…")
         self.status_message.emit(f"{self.name}: restarting")
-        self._restart_thread = threading.Thread(target=self._restart_work, name=f"restart-{self.name}",
-                                                daemon=True)
-        self._restart_thread.start()
+        worker = Worker(self._restart, self.name, name=f"restart-{self.name}", owner=self)
+        worker.returned.connect(lambda _: self._on_restart_done(""))
+        worker.errored.connect(self._on_restart_failed)
+        self._restart_worker = worker.start()
 
-    def _restart_work(self) -> None:  # worker thread: only emits signals
-        name = self.name
-        try:
-            self._restart(name)
-            self._restart_done.emit("")
-        except Exception as e:  # noqa: BLE001  (shown on the card, the app goes on)
-            log.exception("restarting %s failed", name)
-            self._restart_done.emit(str(e) or type(e).__name__)
+    def _on_restart_failed(self, e: BaseException) -> None:
+        log.error("restarting %s failed", self.name, exc_info=e)
+        self._on_restart_done(str(e) or type(e).__name__)
 
     def _on_restart_done(self, error: str) -> None:
-        self._restart_thread = None
+        self._restart_worker = None
         self._restart_error = error or None
         self.restart_button.setEnabled(True)
         self.restart_button.setText("Restart")

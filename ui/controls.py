@@ -8,8 +8,6 @@ a backend card) are read back from the tick.
 
 from __future__ import annotations
 
-import threading
-
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
@@ -21,6 +19,7 @@ from engine.router import BUDGET_MODES, POLICIES
 from engine.snapshot import Rates
 
 from .theme import backend_color, wrap_label
+from .worker import Worker
 
 POLICY_HELP = {
     "seed-score": "The study's score: prefill tokens / prefill rate + decode budget / decode rate; lowest wins.",
@@ -58,16 +57,12 @@ class ControlsPanel(QWidget):
 
     status_message = Signal(str)
     rates_changed = Signal()
-    _recal_progress = Signal(str)
-    _recal_done = Signal(str)
 
     def __init__(self, engine, bridge, recalibrate=None, parent: QWidget | None = None):
         super().__init__(parent)
         self.engine = engine
         self._recalibrate = recalibrate
-        self._recal_thread: threading.Thread | None = None
-        self._recal_progress.connect(self.status_message)
-        self._recal_done.connect(self._on_recal_done)
+        self._recal_worker: Worker | None = None
         self._initial_rates = {name: engine.rates(name) for name in engine.backend_names}
         self._build()
         bridge.tick.connect(self._on_tick)
@@ -216,19 +211,15 @@ class ControlsPanel(QWidget):
         self.status_message.emit("every prefix cache flushed")
 
     def _on_recalibrate(self) -> None:
-        if self._recal_thread is not None and self._recal_thread.is_alive():
+        if self._recal_worker is not None and self._recal_worker.running:
             return
         self.recal_button.setEnabled(False)
         self.recal_button.setText("Calibrating…")
-        self._recal_thread = threading.Thread(target=self._recal_work, name="recalibrate", daemon=True)
-        self._recal_thread.start()
-
-    def _recal_work(self) -> None:  # worker thread: only emits signals
-        try:
-            self._recalibrate(self.engine, self._recal_progress.emit)
-            self._recal_done.emit("recalibrated: the router now uses the measured rates")
-        except Exception as e:  # noqa: BLE001  (shown, the app goes on)
-            self._recal_done.emit(f"recalibration failed: {e}")
+        worker = Worker(lambda: self._recalibrate(self.engine, worker.report), name="recalibrate", owner=self)
+        worker.progress.connect(self.status_message.emit)
+        worker.returned.connect(lambda _: self._on_recal_done("recalibrated: the router now uses the measured rates"))
+        worker.errored.connect(lambda e: self._on_recal_done(f"recalibration failed: {e}"))
+        self._recal_worker = worker.start()
 
     def _on_recal_done(self, message: str) -> None:
         self.recal_button.setEnabled(True)

@@ -1,7 +1,7 @@
 """Experiments: run the study's workload (or a variant) under several policies and compare them.
 
 With a `bench_runner` (the app passes one built on `tandem bench`'s `EngineRunner`), each run
-goes through the benchmark runner itself on a worker thread: fresh engine state per run (caches
+goes through the benchmark runner itself on a `ui.worker.Worker`, one policy after another: fresh engine state per run (caches
 flushed, prefix re-warmed, router cleared, caps and rates restored), the same workloads and the
 same metrics as the command line. Without one, runs are driven from the GUI thread by
 `ui.workload.WorkloadRun`. Either way the routing and latency views show the run live, a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pyqtgraph as pg
@@ -25,9 +25,12 @@ from PySide6.QtWidgets import (
     QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
+from engine.benchmark import METRICS, RunSummary
+
 from .controls import policy_choices
-from .metrics import RunSummary, fmt_seconds
+from .metrics import fmt_seconds
 from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
+from .worker import Worker
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
@@ -37,22 +40,13 @@ COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", 
 class ExperimentsPanel(QWidget):
     status_message = Signal(str)
     run_finished = Signal(object)  # RunSummary
-    _worker_progress = Signal()
-    _worker_result = Signal(object)  # RunSummary
-    _worker_error = Signal(str)
-    _worker_done = Signal()
 
     def __init__(self, engine, bridge, bench_runner=None, parent: QWidget | None = None):
         super().__init__(parent)
         self.engine = engine
         self.bridge = bridge
         self.bench_runner = bench_runner  # fn(spec, policy, run, on_done) -> RunSummary, blocking
-        self._thread: threading.Thread | None = None
-        self._stop_flag = threading.Event()
-        self._worker_progress.connect(self._on_worker_progress)
-        self._worker_result.connect(self._on_worker_result)
-        self._worker_error.connect(lambda msg: self.status_message.emit(f"experiment run failed: {msg}"))
-        self._worker_done.connect(self._end)
+        self._worker: Worker | None = None
         self.summaries: list[RunSummary] = []
         self._queue: list[str] = []
         self._run: WorkloadRun | None = None
@@ -173,7 +167,7 @@ class ExperimentsPanel(QWidget):
 
     @property
     def running(self) -> bool:
-        if self._thread is not None and self._thread.is_alive():
+        if self._worker is not None and self._worker.running:
             return True
         return self._run is not None and self._run.running or bool(self._queue)
 
@@ -195,51 +189,51 @@ class ExperimentsPanel(QWidget):
         self.progress.setValue(0)
         self.run_button.setText("Stop")
         if self.bench_runner is not None:
-            spec = self._last_spec
-            self._stop_flag.clear()
-            self._thread = threading.Thread(target=self._work, args=(list(policies), spec), name="experiments",
-                                            daemon=True)
-            self._queue = []
             self.phase_label.setText(f"running {len(policies)} policies with the benchmark runner…")
-            self._thread.start()
+            self._bench_next(0)
         else:
             self._next()
         return True
 
     def stop(self) -> None:
         self._queue = []
-        self._stop_flag.set()
-        if self._thread is not None and self._thread.is_alive():
+        if self._worker is not None and self._worker.running:
             self.phase_label.setText("stopping after the current run…")
         if self._run is not None and self._run.running:
             self._run.stop()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Join the benchmark worker thread (tests, shutdown)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Join the benchmark run's worker thread (tests, shutdown)."""
+        if self._worker is not None:
+            self._worker.join(timeout)
 
-    # ---- the benchmark runner, on a worker thread ----
+    # ---- the benchmark runner: one policy per worker, chained on the main thread ----
 
-    def _work(self, policies: list[str], spec) -> None:
-        try:
-            for i, policy in enumerate(policies):
-                if self._stop_flag.is_set():
-                    break
-                summary = self.bench_runner(spec, policy, i, self._worker_progress.emit)
-                self._worker_result.emit(summary)
-        except Exception as e:  # noqa: BLE001  (a failure is shown, the app goes on)
-            self._worker_error.emit(str(e))
-        finally:
-            self._worker_done.emit()
+    def _bench_next(self, index: int) -> None:
+        if not self._queue:
+            self._end()
+            return
+        policy = self._queue.pop(0)
+        worker = Worker(lambda: self.bench_runner(self._last_spec, policy, index, worker.report),
+                        name="experiments", owner=self)
+        worker.progress.connect(self._on_worker_progress)
+        worker.returned.connect(lambda summary: self._on_worker_result(summary, index + 1))
+        worker.errored.connect(self._on_worker_error)
+        self._worker = worker.start()
 
-    def _on_worker_progress(self) -> None:
+    def _on_worker_progress(self, _value) -> None:
         self.progress.setValue(self.progress.value() + 1)
 
-    def _on_worker_result(self, summary) -> None:
+    def _on_worker_result(self, summary, next_index: int) -> None:
         summary = _numbered(summary, len(self.summaries) + 1)
         self.add_summary(summary)
         self.run_finished.emit(summary)
+        self._bench_next(next_index)
+
+    def _on_worker_error(self, e: BaseException) -> None:
+        self.status_message.emit(f"experiment run failed: {e}")
+        self._queue = []
+        self._end()
 
     def _next(self) -> None:
         if not self._queue:
@@ -274,7 +268,7 @@ class ExperimentsPanel(QWidget):
             self._end()
 
     def _end(self) -> None:
-        self._thread = None  # the worker emits its done signal last
+        self._worker = None
         if self._restore_policy:
             self.engine.router.set_policy(self._restore_policy)
             self._restore_policy = None
@@ -287,9 +281,10 @@ class ExperimentsPanel(QWidget):
         self.summaries.append(s)
         row = self.table.rowCount()
         self.table.insertRow(row)
-        cells = [s.label, s.policy, f"{s.n_ok}/{s.n_requests}", fmt_seconds(s.makespan_s), f"{s.output_tok_s:.1f}",
-                 fmt_seconds(s.ttft_p50_s), fmt_seconds(s.ttft_p95_s), fmt_seconds(s.e2e_p50_s), fmt_seconds(s.e2e_p95_s),
-                 ", ".join(f"{b}: {n}" for b, n in s.per_backend.items())]
+        m = s.metrics
+        cells = [s.label, s.policy, f"{m.completed}/{m.requests}", fmt_seconds(m.makespan_s), f"{m.output_tok_s:.1f}",
+                 fmt_seconds(m.ttft_p50_s), fmt_seconds(m.ttft_p95_s), fmt_seconds(m.e2e_p50_s), fmt_seconds(m.e2e_p95_s),
+                 ", ".join(f"{b}: {n}" for b, n in sorted(m.routed.items()))]
         for col, text in enumerate(cells):
             item = QTableWidgetItem(text)
             if 2 <= col <= 8:
@@ -306,7 +301,7 @@ class ExperimentsPanel(QWidget):
 
     def _update_chart(self) -> None:
         xs = list(range(len(self.summaries)))
-        hs = [s.makespan_s if math.isfinite(s.makespan_s) else 0.0 for s in self.summaries]
+        hs = [s.metrics.makespan_s if math.isfinite(s.metrics.makespan_s) else 0.0 for s in self.summaries]
         self.bars.setOpts(x=xs, height=hs)
         self.chart.getPlotItem().getAxis("bottom").setTicks([[(i, f"{s.label} {s.policy}") for i, s in enumerate(self.summaries)]])
         if hs:
@@ -322,15 +317,14 @@ class ExperimentsPanel(QWidget):
 
     def export_csv(self, path: str | Path) -> Path:
         path = Path(path)
-        backends = sorted({b for s in self.summaries for b in s.per_backend})
-        fields = ["label", "policy", "n_requests", "n_ok", "makespan_s", "output_tok_s", "ttft_p50_s",
-                  "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", *[f"requests_{b}" for b in backends]]
+        backends = sorted({b for s in self.summaries for b in s.metrics.routed})
+        columns = ["label", "policy", "requests", "completed", "failed", *METRICS, "output_tokens"]
         with path.open("w", newline="", encoding="utf-8") as fh:
             w = csv.writer(fh)
-            w.writerow(fields)
+            w.writerow(columns + [f"requests_{b}" for b in backends])
             for s in self.summaries:
                 d = s.to_dict()
-                w.writerow([d[k] for k in fields[:10]] + [s.per_backend.get(b, 0) for b in backends])
+                w.writerow([d[k] for k in columns] + [s.metrics.routed.get(b, 0) for b in backends])
         return path
 
     def export_json(self, path: str | Path) -> Path:
@@ -358,8 +352,6 @@ class ExperimentsPanel(QWidget):
 
 
 def _numbered(s: RunSummary, n: int) -> RunSummary:
-    from dataclasses import replace
-
     return replace(s, label=f"#{n}")
 
 

@@ -1,9 +1,12 @@
 """Loading a model without freezing the window.
 
 `ModelLoader` runs a load function (`fn(spec, progress) -> Engine`, supplied by the app) on a
-worker thread. llama.cpp reports progress on that thread; the loader forwards it, and the
-outcome, through queued signals. If the loader is cancelled (the window closed) the engine
-it produced is closed on the worker thread instead of being handed over.
+`ui.worker.Worker`. llama.cpp reports progress on that thread; the worker delivers it, and the
+outcome, on the main thread, where the loader re-emits them. If the loader is cancelled (the
+window closed) the engine it produced is closed off the main thread instead of being handed over.
+
+Thread contract: `start`, `cancel`, `busy` and `wait` on the main thread; `cancel` is also read by
+the worker thread (a `threading.Event`). Signals fire on the main thread.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import threading
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal
+
+from .worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -37,51 +42,61 @@ class ModelLoader(QObject):
     def __init__(self, load_fn, parent: QObject | None = None):
         super().__init__(parent)
         self._load_fn = load_fn
-        self._thread: threading.Thread | None = None
+        self._worker: Worker | None = None
         self._cancelled = threading.Event()
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._worker is not None and self._worker.running
 
     def start(self, spec: ModelSpec) -> bool:
         if self.busy:
             return False
         self._cancelled.clear()
-        self._thread = threading.Thread(target=self._work, args=(spec,), name="model-loader", daemon=True)
-        self._thread.start()
+        worker = Worker(lambda: self._load(spec, worker.report), name="model-loader", owner=self)
+        worker.progress.connect(self.progress.emit)
+        worker.returned.connect(lambda engine: self._on_loaded(engine, spec))
+        worker.errored.connect(lambda e: self._on_failed(e, spec))
+        self._worker = worker.start()
         return True
 
     def cancel(self) -> None:
         self._cancelled.set()
 
     def wait(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._worker is not None:
+            self._worker.join(timeout)
 
-    # ---- worker thread ----
-
-    def _work(self, spec: ModelSpec) -> None:
+    def _load(self, spec: ModelSpec, report):  # worker thread
         def progress(*args) -> bool:
             # llama.cpp model loading calls progress(fraction); writing a synthetic model file
             # calls progress(done, total).
             if self._cancelled.is_set():
                 return False  # llama.cpp aborts the load
             fraction = args[0] / args[1] if len(args) >= 2 and args[1] else args[0]
-            self.progress.emit(float(fraction))
+            report(float(fraction))
             return True
 
-        try:
-            engine = self._load_fn(spec, progress)
-        except BaseException as e:  # noqa: BLE001  (every failure becomes a message in the window)
-            if not self._cancelled.is_set():
-                log.info("loading %s failed: %s", spec.describe(), e)
-                self.failed.emit(_message(e), spec)
-            return
+        engine = self._load_fn(spec, progress)
         if self._cancelled.is_set():
             engine.close()
+            return None
+        return engine
+
+    # ---- main thread ----
+
+    def _on_loaded(self, engine, spec: ModelSpec) -> None:
+        if engine is None:
+            return  # cancelled: already closed on the worker thread
+        if self._cancelled.is_set():  # cancelled after the load returned: nobody will take it
+            Worker(engine.close, name="engine-close").start()
             return
         self.loaded.emit(engine, spec)
+
+    def _on_failed(self, e: BaseException, spec: ModelSpec) -> None:
+        if not self._cancelled.is_set():
+            log.info("loading %s failed: %s", spec.describe(), e)
+            self.failed.emit(_message(e), spec)
 
 
 def _message(e: BaseException) -> str:

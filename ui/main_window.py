@@ -23,7 +23,6 @@ loaded. Ctrl+/ lists the keyboard shortcuts.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Signal
@@ -49,6 +48,7 @@ from .teaching import TeachingPanel
 from .metrics import model_title
 from .theme import FAILED, configure_pyqtgraph, scrollable
 from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
+from .worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class MainWindow(QMainWindow):
         old, old_owned = self.engine, self._owns_engine
         self._teardown_panels()
         if old is not None and old_owned and old is not engine:
-            threading.Thread(target=old.close, name="engine-close", daemon=True).start()
+            Worker(old.close, name="engine-close").start()
         self.engine = engine
         self.spec = spec
         self._owns_engine = owns
@@ -443,7 +443,8 @@ class MainWindow(QMainWindow):
             experiments = self.panels.get("experiments")
             if experiments is not None:
                 experiments.add_summary(summary)
-            self.show_message(f"demo {summary.n_ok}/{result.spec.n_requests} requests in {summary.makespan_s:.1f} s"
+            self.show_message(f"demo {summary.metrics.completed}/{result.spec.n_requests} requests in "
+                              f"{summary.metrics.makespan_s:.1f} s"
                               " (a row in Experiments)" + (f" — {result.error}" if result.error else ""))
         else:
             self.show_message(f"demo failed: {result.error or 'no request finished'}")

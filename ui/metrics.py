@@ -3,14 +3,13 @@
 `LatencyStore` collects finished requests per backend; `step_histogram` bins them into fixed,
 log-spaced edges (one set per metric, never re-binned, so histograms stay comparable while a
 run grows); `RingSeries` is a bounded time series for "per second over time" plots;
-`summarize` turns a run's records into the figures of an experiment row.
+`summarize` turns a live run's records into the engine's `benchmark.RunSummary` (an
+experiment row).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from engine import benchmark
@@ -121,51 +120,25 @@ class RingSeries:
         return self.x[: self.n], self.y[k, : self.n]
 
 
-@dataclass(frozen=True)
-class RunSummary:
-    """One run of a workload, the figures an experiments row shows."""
-
-    label: str
-    policy: str
-    n_requests: int
-    n_ok: int
-    makespan_s: float
-    output_tok_s: float
-    ttft_p50_s: float
-    ttft_p95_s: float
-    e2e_p50_s: float
-    e2e_p95_s: float
-    per_backend: dict
-
-    @classmethod
-    def of(cls, label: str, policy: str, m: "benchmark.RunMetrics") -> "RunSummary":
-        """From the benchmark's own metrics of a run."""
-        return cls(label=label, policy=policy, n_requests=m.completed + m.failed, n_ok=m.completed,
-                   makespan_s=m.makespan_s, output_tok_s=m.output_tok_s, ttft_p50_s=m.ttft_p50_s,
-                   ttft_p95_s=m.ttft_p95_s, e2e_p50_s=m.e2e_p50_s, e2e_p95_s=m.e2e_p95_s,
-                   per_backend=dict(sorted(m.routed.items())))
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def summarize(label: str, policy: str, records, t_start: float, t_end: float) -> RunSummary:
-    """Figures for a run whose requests were submitted from `t_start` and all ended by `t_end`."""
+def summarize(label: str, policy: str, records, t_start: float, t_end: float) -> benchmark.RunSummary:
+    """The benchmark's metrics of a live run (its `FinishRecord`s), whose requests were submitted
+    from `t_start` and all ended by `t_end`."""
     ok = [r for r in records if not r.error and r.ttft_s is not None]
     makespan = max(t_end - t_start, 1e-9)
-    return RunSummary(
-        label=label,
-        policy=policy,
-        n_requests=len(records),
-        n_ok=len(ok),
+    output_tokens = sum(r.output_tokens for r in ok)
+    metrics = benchmark.RunMetrics(
         makespan_s=makespan,
-        output_tok_s=sum(r.output_tokens for r in ok) / makespan,
+        output_tok_s=output_tokens / makespan,
         ttft_p50_s=percentile([r.ttft_s for r in ok], 50),
         ttft_p95_s=percentile([r.ttft_s for r in ok], 95),
         e2e_p50_s=percentile([r.e2e_s for r in ok], 50),
         e2e_p95_s=percentile([r.e2e_s for r in ok], 95),
-        per_backend=dict(sorted(benchmark.routed(records).items())),
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        output_tokens=output_tokens,
+        routed=dict(sorted(benchmark.routed(records).items())),
     )
+    return benchmark.RunSummary(label, policy, metrics)
 
 
 def fmt_seconds(s: float | None) -> str:

@@ -1,22 +1,23 @@
 """Teaching: the study's worked example replayed through the real router, step by step.
 
-Part 1 builds the backend states the article describes at requests 7 and 8 as hand-made
-`BackendSnapshot`s (GPU: 4 running with 124 then 122 tokens of budget left, 2 then 3 queued;
-CPU idle; every request can reuse a 496-token cached prefix) and routes them with
-`engine.router.Router` under `seed-score`. Every number on screen is read from the resulting
-`RoutingDecision` (3.027 s stays on the GPU; 3.444 s > 3.118 s goes to the CPU), so editing a
-rate or the cached prefix re-runs the router and the verdicts move.
+Part 1 renders `engine.teaching`: the backend states the article describes at requests 7 and 8,
+routed by `engine.router.Router` under `seed-score`, and every number the narration shows (3.027 s
+stays on the GPU; 3.444 s > 3.118 s goes to the CPU). This module only turns those numbers into
+HTML and a bar chart; editing a rate or the cached prefix re-runs the engine's replay and the
+verdicts move.
 
 Part 2 sends the same eight arrivals (516-token prompts sharing a warmed 496-token prefix,
 128 tokens each, 50 ms apart) to this machine's backends and lists where each went next to
 where the article's went.
+
+Thread contract: main thread only (a widget); the live run reports through `WorkloadRun`'s signals.
 """
 
 from __future__ import annotations
 
 import html
 import math
-from dataclasses import dataclass
+from typing import Mapping
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -26,76 +27,28 @@ from PySide6.QtWidgets import (
     QVBoxLayout, QWidget,
 )
 
-from engine.router import RouteQuery, Router
-from engine.snapshot import BackendSnapshot, Rates, WorkItem
+from engine.snapshot import Rates
+from engine.teaching import (
+    ARRIVAL_GAP_S, ARTICLE_CHOICES, ARTICLE_RATES, CACHED, CAP, MAX_TOKENS, PROMPT, Arrival, Step, boundary,
+    gpu_sum, score_formula, study_arrivals, teaching_steps, verdict,
+)
 
 from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
 from .workload import STUDY, WorkloadRun
 
-# The article's rates (Apple M2, Qwen2.5-0.5B, profiled alone).
-ARTICLE_RATES = {"gpu": Rates(2551.0, 293.0, source="article"), "cpu": Rates(73.0, 45.0, source="article")}
-PROMPT, CACHED, MAX_TOKENS, CAP = 516, 496, 128, 4
-# Where the article's eight requests went.
-ARTICLE_CHOICES = ["gpu"] * 7 + ["cpu"]
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
 
 
-@dataclass(frozen=True)
-class Arrival:
-    """One arrival of the worked example: the states the router saw and what it decided."""
-
-    number: int
-    gpu_left: int  # decode budget left on each of the 4 running GPU requests
-    gpu_queued: int
-    query: RouteQuery
-    snapshots: tuple
-    decision: object  # RoutingDecision
+# ---- step texts ----
 
 
-def study_snapshots(gpu_left: int, gpu_queued: int, rates=ARTICLE_RATES, cached: int = CACHED,
-                    prompt: int = PROMPT, max_tokens: int = MAX_TOKENS) -> tuple[BackendSnapshot, BackendSnapshot]:
-    """The GPU with 4 running (`gpu_left` budget each) + `gpu_queued` queued; the CPU idle."""
-    running = tuple(WorkItem(f"run-{i + 1}", True, prompt, cached, 0, gpu_left, max_tokens - gpu_left)
-                    for i in range(CAP))
-    queued = tuple(WorkItem(f"queued-{i + 1}", False, prompt, cached, prompt - cached, max_tokens)
-                   for i in range(gpu_queued))
-    gpu = BackendSnapshot("gpu", "gpu", CAP, 4096, rates["gpu"], running + queued)
-    cpu = BackendSnapshot("cpu", "cpu", CAP, 4096, rates["cpu"], ())
-    return gpu, cpu
-
-
-def replay_arrival(number: int, gpu_left: int, gpu_queued: int, rates=ARTICLE_RATES, cached: int = CACHED) -> Arrival:
-    """Route one arrival of the worked example through a fresh seed-score `Router`."""
-    snaps = study_snapshots(gpu_left, gpu_queued, rates, cached)
-    query = RouteQuery(f"request-{number}", PROMPT, MAX_TOKENS, {"gpu": cached, "cpu": cached})
-    decision = Router("seed-score").route(query, snaps)
-    return Arrival(number, gpu_left, gpu_queued, query, snaps, decision)
-
-
-def study_arrivals(rates=ARTICLE_RATES, cached: int = CACHED) -> tuple[Arrival, Arrival]:
-    """Requests 7 and 8 as the article describes them."""
-    return (replay_arrival(7, 124, 2, rates, cached), replay_arrival(8, 122, 3, rates, cached))
-
-
-def gpu_decode_to_keep(arrival: Arrival) -> float:
-    """The GPU decode rate at which this arrival's GPU score would equal the CPU's."""
-    gpu, cpu = arrival.decision.score_of("gpu"), arrival.decision.score_of("cpu")
-    room = cpu.score_s - gpu.prefill_s
-    return gpu.decode_tokens / room if room > 0 else math.inf
-
-
-# ----------------------------------------------------------------------------------------
-# Step texts
-# ----------------------------------------------------------------------------------------
-
-
-def _queue_html(arrival: Arrival) -> str:
+def _queue_html(a: Arrival) -> str:
     """The GPU's slots and queue as coloured cells (each waiting request: prompt tokens left + budget)."""
-    left = arrival.query.prefill_on("gpu")
-    cells = "".join(f"<td bgcolor='#24456e' align='center'>&nbsp;running&nbsp;<br><b>{arrival.gpu_left}</b> left&nbsp;</td>"
+    left = a.prompt_left
+    cells = "".join(f"<td bgcolor='#24456e' align='center'>&nbsp;running&nbsp;<br><b>{a.gpu_left}</b> left&nbsp;</td>"
                     for _ in range(CAP))
-    queue = "".join("<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
-                    for _ in range(arrival.gpu_queued))
+    queue = "".join(f"<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
+                    for _ in range(a.gpu_queued))
     new = f"<td bgcolor='#2d4a33' align='center'>&nbsp;<b>new</b>&nbsp;<br>{left} + {MAX_TOKENS}&nbsp;</td>"
     return (f"<table cellspacing='4' cellpadding='3'><tr><td><b style='color:{GPU_COLOR}'>GPU</b>&nbsp;</td>"
             f"{cells}<td>&nbsp;|&nbsp;</td>{queue}<td>&nbsp;+&nbsp;</td>{new}</tr>"
@@ -104,51 +57,45 @@ def _queue_html(arrival: Arrival) -> str:
 
 
 def _gpu_sum_html(a: Arrival) -> str:
-    s = a.decision.score_of("gpu")
-    q, left = a.gpu_queued, a.gpu_left
-    new_prefill = a.query.prefill_on("gpu")
+    t = gpu_sum(a)
+    s = t.score
     return (
-        f"<p><b style='color:{GPU_COLOR}'>GPU</b> prefill: {q} queued × {new_prefill} + new {new_prefill} = "
+        f"<p><b style='color:{GPU_COLOR}'>GPU</b> prefill: {t.queued} queued × {t.prompt_left} + new {t.prompt_left} = "
         f"<b>{s.prefill_tokens:.0f}</b> tokens → {s.prefill_tokens:.0f} / {s.rates.prefill_tok_s:g} = {s.prefill_s:.3f} s</p>"
-        f"<p><b style='color:{GPU_COLOR}'>GPU</b> decode budget: {q} queued × {MAX_TOKENS} + {CAP} running × {left} + "
-        f"new {MAX_TOKENS} = {q * MAX_TOKENS} + {CAP * left} + {MAX_TOKENS} = <b>{s.decode_tokens:.0f}</b> tokens → "
-        f"{s.decode_tokens:.0f} / {s.rates.decode_tok_s:g} = {s.decode_s:.3f} s</p>"
-        f"<p style='font-size:13pt'>GPU score = {s.prefill_tokens:.0f}/{s.rates.prefill_tok_s:g} + "
-        f"{s.decode_tokens:.0f}/{s.rates.decode_tok_s:g} = <b>{s.score_s:.3f} s</b></p>"
+        f"<p><b style='color:{GPU_COLOR}'>GPU</b> decode budget: {t.queued} queued × {MAX_TOKENS} + {CAP} running × "
+        f"{a.gpu_left} + new {MAX_TOKENS} = {t.queued_budget} + {t.running_budget} + {t.new_budget} = "
+        f"<b>{s.decode_tokens:.0f}</b> tokens → {s.decode_tokens:.0f} / {s.rates.decode_tok_s:g} = {s.decode_s:.3f} s</p>"
+        f"<p style='font-size:13pt'>GPU score = {score_formula(s)} = <b>{s.score_s:.3f} s</b></p>"
     )
 
 
 def _cpu_sum_html(a: Arrival) -> str:
-    c = a.decision.score_of("cpu")
+    c = a.cpu
     return (f"<p style='font-size:13pt'><b style='color:{CPU_COLOR}'>CPU</b> (idle) score = "
-            f"{c.prefill_tokens:.0f}/{c.rates.prefill_tok_s:g} + {c.decode_tokens:.0f}/{c.rates.decode_tok_s:g} = "
-            f"{c.prefill_s:.3f} + {c.decode_s:.3f} = <b>{c.score_s:.3f} s</b></p>")
+            f"{score_formula(c)} = {c.prefill_s:.3f} + {c.decode_s:.3f} = <b>{c.score_s:.3f} s</b></p>")
 
 
 def _verdict_html(a: Arrival) -> str:
-    d = a.decision
-    g, c = d.score_of("gpu"), d.score_of("cpu")
-    if d.backend == "gpu":
-        rel = "&lt;" if g.score_s < c.score_s else "="
-        text = f"{g.score_s:.3f} s {rel} {c.score_s:.3f} s: request {a.number} <b>stays on the GPU</b>"
+    v = verdict(a)
+    if v.stays_on_gpu:
+        rel = "&lt;" if v.relation == "<" else "="
+        text = f"{v.gpu_s:.3f} s {rel} {v.cpu_s:.3f} s: request {v.number} <b>stays on the GPU</b>"
         color = GPU_COLOR
     else:
-        text = f"{g.score_s:.3f} s &gt; {c.score_s:.3f} s: the <b>CPU takes request {a.number}</b>"
+        text = f"{v.gpu_s:.3f} s &gt; {v.cpu_s:.3f} s: the <b>CPU takes request {v.number}</b>"
         color = CPU_COLOR
     return (f"<p style='font-size:14pt;color:{color}'>{text}</p>"
-            f"<p style='color:{MUTED}'>Router's record: {html.escape(d.reason)}</p>")
+            f"<p style='color:{MUTED}'>Router's record: {html.escape(v.reason)}</p>")
 
 
-def teaching_steps(arrivals: tuple[Arrival, Arrival], rates, cached: int) -> list[tuple[str, str, int | None]]:
-    """(title, HTML, index of the arrival the chart shows) for each step of the replay."""
-    a7, a8 = arrivals
+def _setup_html(rates: Mapping[str, Rates], cached: int) -> str:
     g, c = rates["gpu"], rates["cpu"]
-    setup = (
+    return (
         f"<p>Two backends serve one model: a <b style='color:{GPU_COLOR}'>GPU</b> and a <b style='color:{CPU_COLOR}'>CPU</b>, "
         f"each with its own queue, a cap of {CAP} running requests and its own prefix cache.</p>"
         f"<p>Every request is a {PROMPT}-token prompt whose first {cached} tokens are already cached on both backends, "
         f"so only {PROMPT - cached} prompt tokens are left to compute; each generates {MAX_TOKENS} tokens. "
-        "Requests arrive every 50 ms.</p>"
+        f"Requests arrive every {ARRIVAL_GAP_S * 1000:.0f} ms.</p>"
         "<p>The router sends each <i>whole</i> request to the backend with the lowest score:</p>"
         "<p style='font-size:12pt' align='center'><b>score = prefill tokens left / prefill rate + "
         "decode budget left / decode rate</b></p>"
@@ -156,38 +103,49 @@ def teaching_steps(arrivals: tuple[Arrival, Arrival], rates, cached: int) -> lis
         f"CPU prefill {c.prefill_tok_s:g} tok/s, decode {c.decode_tok_s:g} tok/s.</p>"
         "<p>The decode term counts the unused <i>budget</i> (max_tokens), not a guess of the real output length.</p>"
     )
-    steps = [("The setup", setup, None)]
-    for k, a in enumerate(arrivals):
-        when = "" if k == 0 else " — 50 ms later"
-        extra = ("<p>Since request 7, the 4 running requests have used 2 more tokens of budget each, "
-                 "and the queue has grown by one.</p>" if k == 1 else "")
-        steps.append((f"Request {a.number} arrives{when}",
-                      f"<p>What the router sees when request {a.number} arrives:</p>{_queue_html(a)}{extra}"
-                      f"<p>Each queued request still has {a.query.prefill_on('gpu')} prompt tokens to compute and its "
-                      f"full {MAX_TOKENS}-token budget; each running one has {a.gpu_left} tokens of budget left.</p>", k))
-        steps.append((f"Request {a.number}: the GPU's score", _queue_html(a) + _gpu_sum_html(a), k))
-        steps.append((f"Request {a.number}: the CPU's score, and the verdict",
-                      _gpu_sum_html(a) + _cpu_sum_html(a) + _verdict_html(a), k))
-    keep = gpu_decode_to_keep(a8)
-    boundary = (
+
+
+def _arrival_html(a: Arrival, later: bool) -> str:
+    extra = ("<p>Since request 7, the 4 running requests have used 2 more tokens of budget each, "
+             "and the queue has grown by one.</p>" if later else "")
+    return (f"<p>What the router sees when request {a.number} arrives:</p>{_queue_html(a)}{extra}"
+            f"<p>Each queued request still has {a.prompt_left} prompt tokens to compute and its "
+            f"full {MAX_TOKENS}-token budget; each running one has {a.gpu_left} tokens of budget left.</p>")
+
+
+def _boundary_html(arrivals: tuple[Arrival, Arrival], rates: Mapping[str, Rates]) -> str:
+    b = boundary(arrivals, rates)
+    return (
         "<p>A full GPU (all 4 slots busy at request 7) was not enough to send work to the CPU: the cached prefix made "
         "the CPU's prefill cheap, and only when enough decode budget piled up on the GPU did its score pass the "
         "CPU's.</p>"
-        f"<p>Request 8 would have stayed on the GPU if the GPU decoded at ≥ <b>{keep:.0f} tok/s</b> "
-        f"(it is {g.decode_tok_s:g}).</p>"
-        f"<p>Without the cached prefix the idle CPU would score {PROMPT}/{c.prefill_tok_s:g} + "
-        f"{MAX_TOKENS}/{c.decode_tok_s:g} = <b>{PROMPT / c.prefill_tok_s + MAX_TOKENS / c.decode_tok_s:.3f} s</b>, "
-        "and the GPU would keep everything.</p>"
+        f"<p>Request 8 would have stayed on the GPU if the GPU decoded at ≥ <b>{b.keep_decode_tok_s:.0f} tok/s</b> "
+        f"(it is {b.gpu_decode_tok_s:g}).</p>"
+        f"<p>Without the cached prefix the idle CPU would score {b.uncached_cpu_formula} = "
+        f"<b>{b.uncached_cpu_s:.3f} s</b>, and the GPU would keep everything.</p>"
         "<p>Change a rate or the cached prefix on the left and step again: every number here is recomputed by the "
         "real router. Then run the same eight arrivals on this machine below.</p>"
     )
-    steps.append(("Where the boundary lies", boundary, 1))
-    return steps
 
 
-# ----------------------------------------------------------------------------------------
-# The panel
-# ----------------------------------------------------------------------------------------
+def step_html(step: Step, arrivals: tuple[Arrival, Arrival], rates: Mapping[str, Rates], cached: int) -> str:
+    """The HTML body of one step of `engine.teaching.teaching_steps`."""
+    if step.kind == "setup":
+        return _setup_html(rates, cached)
+    if step.kind == "boundary":
+        return _boundary_html(arrivals, rates)
+    assert step.arrival is not None
+    a = arrivals[step.arrival]
+    if step.kind == "arrival":
+        return _arrival_html(a, later=step.arrival > 0)
+    if step.kind == "gpu-score":
+        return _queue_html(a) + _gpu_sum_html(a)
+    if step.kind == "verdict":
+        return _gpu_sum_html(a) + _cpu_sum_html(a) + _verdict_html(a)
+    raise ValueError(f"unknown teaching step kind {step.kind!r}")
+
+
+# ---- the panel ----
 
 
 class TeachingPanel(QWidget):
@@ -359,13 +317,16 @@ class TeachingPanel(QWidget):
                 "cpu": Rates(self.cpu_prefill.value(), self.cpu_decode.value(), source="article")}
 
     def recompute(self) -> None:
-        self.arrivals = study_arrivals(self.rates(), self.cached.value())
-        self.steps = teaching_steps(self.arrivals, self.rates(), self.cached.value())
+        rates, cached = self.rates(), self.cached.value()
+        self.arrivals = study_arrivals(rates, cached)
+        self.steps = teaching_steps(self.arrivals)
+        self.bodies = [step_html(s, self.arrivals, rates, cached) for s in self.steps]
         self.go(min(self.step, len(self.steps) - 1))
 
     def reset_inputs(self) -> None:
-        for w, v in ((self.gpu_prefill, 2551.0), (self.gpu_decode, 293.0), (self.cpu_prefill, 73.0),
-                     (self.cpu_decode, 45.0), (self.cached, CACHED)):
+        g, c = ARTICLE_RATES["gpu"], ARTICLE_RATES["cpu"]
+        for w, v in ((self.gpu_prefill, g.prefill_tok_s), (self.gpu_decode, g.decode_tok_s),
+                     (self.cpu_prefill, c.prefill_tok_s), (self.cpu_decode, c.decode_tok_s), (self.cached, CACHED)):
             w.blockSignals(True)
             w.setValue(v)
             w.blockSignals(False)
@@ -373,13 +334,13 @@ class TeachingPanel(QWidget):
 
     def go(self, step: int) -> None:
         self.step = max(0, min(step, len(self.steps) - 1))
-        title, body, arrival = self.steps[self.step]
-        self.step_title.setText(title)
+        step = self.steps[self.step]
+        self.step_title.setText(step.title)
         self.step_count.setText(f"step {self.step + 1} of {len(self.steps)}")
-        self.text.setHtml(body)
+        self.text.setHtml(self.bodies[self.step])
         self.back_button.setEnabled(self.step > 0)
         self.next_button.setEnabled(self.step < len(self.steps) - 1)
-        self._show_chart(arrival)
+        self._show_chart(step.arrival)
 
     def next(self) -> None:
         self.go(self.step + 1)
@@ -413,8 +374,8 @@ class TeachingPanel(QWidget):
             self.cpu_line.setVisible(False)
             self.chart.getPlotItem().setTitle("Score of the arriving request")
         else:
-            d = self.arrivals[arrival].decision
-            g, c = d.score_of("gpu"), d.score_of("cpu")
+            a = self.arrivals[arrival]
+            d, g, c = a.decision, a.gpu, a.cpu
             heights_p = [g.prefill_s, c.prefill_s]
             heights_d = [g.decode_s, c.decode_s]
             labels = [f"{g.score_s:.3f} s", f"{c.score_s:.3f} s"]
@@ -479,7 +440,7 @@ class TeachingPanel(QWidget):
             counts[d.backend] = counts.get(d.backend, 0) + 1
         s = self.run.result.summary()
         where = ", ".join(f"{n} to {b}" for b, n in counts.items())
-        return (f"Done in {s.makespan_s:.2f} s ({where}); policy {s.policy}. "
+        return (f"Done in {s.metrics.makespan_s:.2f} s ({where}); policy {s.policy}. "
                 "The article sent 7 to the GPU and 1 to the CPU.")
 
     def _on_tick(self, _tick) -> None:

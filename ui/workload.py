@@ -21,7 +21,9 @@ from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from engine.request import Request, SamplingParams
 from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
-from .metrics import RunSummary, summarize
+from engine.benchmark import RunSummary
+
+from .metrics import summarize
 
 STUDY = seed_workload(8)
 
