@@ -1,4 +1,4 @@
-"""One backend: a scheduler (engine/scheduler.py) and a llama.cpp context (engine/runner.py)
+"""One backend: a scheduler (engine/scheduler.py) and a llama.cpp context (engine/llama/runner.py)
 served by one worker thread.
 
 The shell is llama.cpp server's loop (`server-queue.h`): other threads post typed messages
@@ -31,10 +31,10 @@ from dataclasses import dataclass, replace
 from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from .events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from .handle import Outbox, RequestHandle
-from .model import Model
+from .llama.model import Model
 from .prefix_cache import PrefixCache
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
-from .runner import ContextRunner, process_rss
+from .llama.runner import ContextRunner, process_rss
 from .scheduler import Finished, Scheduler, SeqState
 from .snapshot import BackendSnapshot, CacheStats, Rates
 

@@ -204,3 +204,13 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
         return ["gpu:cap=4", f"cpu:threads={max(cores - 1, 1)},cap=4"]
     half = max(cores // 2, 1)
     return [f"cpu:threads={half},cap=4", f"cpu:threads={max(cores - half, 1)},cap=4"]
+
+
+def synthetic_specs() -> list[str]:
+    """Every `synthetic:` model spec after the prefix (`tiny`, `tiny:q8_0`, ...), for pickers.
+
+    Imports `engine.llama.synthetic` (and so llama.cpp) on the first call, never at import.
+    """
+    from .llama.synthetic import spec_names
+
+    return spec_names()

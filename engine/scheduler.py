@@ -1,7 +1,7 @@
 """The continuous-batching scheduler of one backend: pure planning, no llama.cpp, no threads.
 
 vLLM v1's split (`vllm/v1/core/sched/scheduler.py`): `schedule()` returns a `Plan` value,
-the runner (engine/runner.py) executes it on a llama.cpp context, and
+the runner (engine/llama/runner.py) executes it on a llama.cpp context, and
 `update_from_output(plan, output)` applies the sampled tokens and returns what finished.
 Every effect on the KV cache (alias a cached prefix, free a sequence, park it on another id,
 evict a cached prefix) is a `KvOp` the scheduler queues and the runner applies (`take_ops`),

@@ -10,9 +10,18 @@ from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, u
 from app.gui import bench_runner, load_engine
 from ui.loader import ModelSpec
 from ui.metrics import model_title
+from ui.model_dialog import ModelDialog
 from ui.workload import seed_workload
 
 TINY_RUN = dict(n=3, prefix=32, suffix=4, gen=4)
+
+
+def test_model_dialog_offers_every_synthetic_spec(qtbot):
+    dialog = ModelDialog()
+    qtbot.addWidget(dialog)
+    offered = [dialog.shape_combo.itemText(i) for i in range(dialog.shape_combo.count())]
+    # The engine's list, not the picker's fallback of `tiny` alone.
+    assert {"tiny", "tiny:q8_0", "qwen2.5-0.5b", "qwen2.5-0.5b:q4_k_m"} <= set(offered)
 
 
 def test_bad_model_path_shows_an_error_and_the_app_keeps_working(qtbot, make_window, ui_engine, tmp_path):

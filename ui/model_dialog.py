@@ -15,9 +15,9 @@ from .loader import ModelSpec
 
 def synthetic_shapes() -> list[str]:
     try:
-        from engine.synthetic import spec_names
+        from engine.config import synthetic_specs
 
-        return list(spec_names())
+        return synthetic_specs()
     except Exception:  # noqa: BLE001  (the picker still takes a typed name)
         return ["tiny"]
 

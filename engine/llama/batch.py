@@ -11,7 +11,7 @@ import ctypes
 
 import numpy as np
 
-from .llama import lc
+from . import lc
 
 
 class Batch:

@@ -1,7 +1,7 @@
 """The llama.cpp side of a backend: one context, and the plans the scheduler makes run on it.
 
-`ContextRunner` owns a `llama_context`, its `Batch` (engine/batch.py) and the sampler chains
-(`SamplerSlots`, engine/sampling.py). It applies the scheduler's `KvOp`s
+`ContextRunner` owns a `llama_context`, its `Batch` (engine/llama/batch.py) and the sampler chains
+(`SamplerSlots`, engine/llama/sampling.py). It applies the scheduler's `KvOp`s
 (`llama_memory_seq_cp` / `seq_rm`), turns a `Plan` into one batch (decode rows first, then
 prompt chunks; only a chunk that ends its prompt asks for logits), decodes it and samples each
 row that asked: the token, or None where a chain that guards end tokens (`ignore_eos` on the
@@ -25,13 +25,13 @@ import os
 import time
 from dataclasses import dataclass
 
-from . import llama
+from .. import llama
+from ..errors import BackendUnavailable
+from ..scheduler import KvOp, Plan, SeqState
+from . import lc
 from .batch import Batch
-from .errors import BackendUnavailable
-from .llama import lc
 from .model import Model
 from .sampling import SamplerSlots
-from .scheduler import KvOp, Plan, SeqState
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -159,7 +159,7 @@ class ContextRunner:
         return RunnerOutput(0, sampled, n_decode, n_prefill, dt)
 
     def _redo(self, s: SeqState) -> None:
-        """`s` ignores end tokens and its chain guarded one (engine/sampling.py): forget it;
+        """`s` ignores end tokens and its chain guarded one (engine/llama/sampling.py): forget it;
         the scheduler removes the cell and the same input is decoded again next step, with a
         chain that bans end tokens."""
         s.sampler = self.samplers.ban_eog(self.ctx, s.seq_id, s.sp, s.tokens[s.n_prompt:])

@@ -3,7 +3,7 @@
 Greedy (temperature 0) is the `greedy` sampler after optional penalties; otherwise
 penalties → top-k → top-p → min-p → temperature → seeded distribution. `ignore_eos` adds a
 logit bias of -inf on every end-of-generation token. On the device, greedy chains use
-`fused_greedy` (one argmax for the whole step, `engine/greedy.py`) and `ignore_eos` is
+`fused_greedy` (one argmax for the whole step, `engine/llama/greedy.py`) and `ignore_eos` is
 enforced differently: llama.cpp's logit bias costs every sequence three kernels and two
 blocking uploads per step, so the chain runs unbiased and *guards* end tokens instead — when
 one comes up, the backend rewinds that token and the sequence takes the biased chain
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 
-from . import llama
+from .. import llama
+from ..request import SamplingParams
+from . import lc
 from .greedy import fused_greedy
-from .llama import lc
-from .request import SamplingParams
 
 
 class Sampler:
@@ -140,7 +140,7 @@ class SamplerSlots:
         self._n_vocab = n_vocab
         self._eog = eog_tokens
         self.on_device = on_device
-        self.fused = on_device and fused  # greedy chains take `fused_greedy` (engine/greedy.py)
+        self.fused = on_device and fused  # greedy chains take `fused_greedy` (engine/llama/greedy.py)
         self._slots: dict[int, Sampler] = {}
         self._idle_since: dict[int, float] = {}  # ids whose chain no request uses: since when
         self.idle_s = idle_s
