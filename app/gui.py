@@ -71,9 +71,9 @@ def run_gui(args) -> int:
 
     from ui.loader import ModelSpec
     from ui.main_window import MainWindow
-    from ui.server import ServerOptions
+    from ui.server_control import ServerOptions
     from ui.theme import style_sheet
-    from ui.workload import seed_workload
+    from ui.live_run import seed_workload
 
     gpu = llama.gpu_offload_supported()
     print(f"tandem: llama_supports_gpu_offload() = {gpu}", file=sys.stderr)

@@ -8,10 +8,10 @@ import json
 from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from app.gui import bench_runner, load_engine
+from ui.formatting import model_title
+from ui.live_run import seed_workload
 from ui.loader import ModelSpec
-from ui.metrics import model_title
 from ui.model_dialog import ModelDialog
-from ui.workload import seed_workload
 
 TINY_RUN = dict(n=3, prefix=32, suffix=4, gen=4)
 

@@ -13,9 +13,10 @@ from PySide6.QtCore import Qt
 
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.snapshot import Rates
-from ui.metrics import EDGES, occupied_log_range
+from ui.axes import occupied_log_range
+from ui.live_run import WorkloadRun, seed_workload
+from ui.live_stats import EDGES
 from ui.routing import BACKEND_COLUMN, TERMS, score_term
-from ui.workload import WorkloadRun, seed_workload
 
 SMALL = seed_workload(6, prefix_tokens=64, suffix_tokens=8, gen_tokens=8, interval_s=0.02)
 

@@ -1,4 +1,5 @@
-"""UI logic tested without any widget: metrics, chat history (the teaching replay's numbers: tests/test_teaching.py)."""
+"""UI logic tested without any widget: live statistics, formatting, plot axes, chat history
+(the teaching replay's numbers: tests/test_teaching.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 
 import engine.llama  # noqa: F401  (llama.cpp before numpy)
 from engine.request import FinishRecord, RequestStatus
+from ui.formatting import fmt_seconds
 from ui.history import Chat, ChatStore, Message
-from ui.metrics import EDGES, LatencyStore, RingSeries, fmt_seconds, percentile, step_histogram, summarize
+from ui.live_stats import EDGES, LatencyStore, RingSeries, percentile, step_histogram, summarize
 
 
 def record(backend="cpu0", ttft=0.1, e2e=1.0, itl=0.01, out=10, error=None, rid="r"):
@@ -112,7 +114,7 @@ class TestChatStore:
 
 
 def test_log_axis_ticks_are_few_and_read_as_seconds():
-    from ui.metrics import log_ticks
+    from ui.axes import log_ticks
 
     assert [t for _, t in log_ticks(-1.7, -0.3)] == ["20 ms", "50 ms", "100 ms", "200 ms", "500 ms"]
     assert [t for _, t in log_ticks(-3, 1)] == ["1 ms", "10 ms", "100 ms", "1 s", "10 s"]  # decades when wide
@@ -121,7 +123,7 @@ def test_log_axis_ticks_are_few_and_read_as_seconds():
 def test_rates_and_model_names_read_well():
     from types import SimpleNamespace
 
-    from ui.metrics import fmt_rate, model_title
+    from ui.formatting import fmt_rate, model_title
 
     assert (fmt_rate(76.2413), fmt_rate(2551.0), fmt_rate(0.0)) == ("76.2 tok/s", "2,551 tok/s", "–")
     info = SimpleNamespace(path="/m/SmolLM2-135M-Instruct.Q4_1.gguf", name="Smollm2 135M 8k Lc100K Mix1 Ep2")

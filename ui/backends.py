@@ -24,7 +24,9 @@ from PySide6.QtWidgets import (
 
 from engine.errors import EngineError
 
-from .metrics import RingSeries, count_axis_top, fmt_rate, rates_source_text
+from .axes import count_axis_top
+from .formatting import fmt_rate, rates_source_text
+from .live_stats import RingSeries
 from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, qcolor, wrap_label
 from .worker import Worker
 

@@ -34,9 +34,9 @@ from PySide6.QtWidgets import (
 from engine.errors import EngineError
 from engine.request import Request, SamplingParams
 
+from .formatting import fmt_seconds, model_title
 from .history import Chat, ChatStore, Message
 from .markdown import COPY_SCHEME, render_markdown
-from .metrics import fmt_seconds, model_title
 from .theme import MUTED, backend_color
 
 log = logging.getLogger(__name__)

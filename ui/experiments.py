@@ -4,7 +4,7 @@ With a `bench_runner` (the app passes one built on `tandem bench`'s `EngineRunne
 goes through the benchmark runner itself on a `ui.worker.Worker`, one policy after another: fresh engine state per run (caches
 flushed, prefix re-warmed, router cleared, caps and rates restored), the same workloads and the
 same metrics as the command line. Without one, runs are driven from the GUI thread by
-`ui.workload.WorkloadRun`. Either way the routing and latency views show the run live, a
+`ui.live_run.WorkloadRun`. Either way the routing and latency views show the run live, a
 progress bar counts requests, and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
 requests per backend) fill a table that exports to CSV, JSON or PNG.
 """
@@ -28,10 +28,10 @@ from PySide6.QtWidgets import (
 from engine.benchmark import METRICS, RunSummary
 
 from .controls import policy_choices
-from .metrics import fmt_seconds
+from .formatting import fmt_seconds
+from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
 from .worker import Worker
-from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 
 COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
            "E2E p50", "E2E p95", "per backend"]

@@ -1,7 +1,7 @@
 """The latency view: TTFT, end-to-end and inter-token step histograms per backend, with p50/p95
 markers, and output throughput over time.
 
-Histograms use fixed log-spaced edges (`ui.metrics.EDGES`) and are drawn with
+Histograms use fixed log-spaced edges (`ui.live_stats.EDGES`) and are drawn with
 `stepMode="center"`; every curve and marker is created once and only `setData`/`setPos` is
 called afterwards, from the bridge's tick (and only when a request finished since the last
 redraw). Throughput comes from the decoded-token counts each tick carries.
@@ -20,9 +20,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from .metrics import (
-    EDGES, METRIC_TITLES, LatencyStore, RingSeries, count_axis_top, fmt_seconds, log_ticks, occupied_log_range,
-)
+from .axes import count_axis_top, log_ticks, occupied_log_range
+from .formatting import fmt_seconds
+from .live_stats import EDGES, METRIC_TITLES, LatencyStore, RingSeries
 from .theme import LEGEND_BG, backend_color, qcolor, style_plot
 
 THROUGHPUT_WINDOW_S = 120.0

@@ -6,7 +6,7 @@ taking the engine and the bridge in its constructor. A failed load shows an erro
 leaves the current engine serving.
 
 With a `serve_fn` the Server menu runs the OpenAI-compatible server in this process, on the
-window's asyncio loop (`ui.server`): its requests go to the shown engine and appear in the
+window's asyncio loop (`ui.server_control`): its requests go to the shown engine and appear in the
 views live; the status bar shows its address or why it is not serving. Loading another model
 moves the server to the new engine; closing the window stops the server first.
 
@@ -37,17 +37,17 @@ from .bridge import EngineBridge
 from .chat import ChatPanel
 from .controls import ControlsPanel
 from .experiments import ExperimentsPanel
+from .formatting import model_title
 from .history import ChatStore
 from .latency import LatencyView
+from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .loader import ModelLoader, ModelSpec
 from .loop_probe import LoopProbe
 from .model_dialog import ModelDialog
 from .routing import RoutingView
-from .server import ServerControl, ServerDialog, ServerOptions
+from .server_control import ServerControl, ServerDialog, ServerOptions
 from .teaching import TeachingPanel
-from .metrics import model_title
 from .theme import FAILED, configure_pyqtgraph, scrollable
-from .workload import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .worker import Worker
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ from PySide6.QtWidgets import (
     QTextBrowser, QVBoxLayout, QWidget,
 )
 
-from .metrics import count_axis_top, fmt_rate
+from .axes import count_axis_top
+from .formatting import fmt_rate
 from .theme import CHOSEN_BG, LEGEND_BG, MUTED, backend_color, style_plot
 
 TERMS = ("cached", "prefill", "decode", "rates", "score")

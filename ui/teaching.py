@@ -33,8 +33,8 @@ from engine.teaching import (
     gpu_sum, score_formula, study_arrivals, teaching_steps, verdict,
 )
 
+from .live_run import STUDY, WorkloadRun
 from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
-from .workload import STUDY, WorkloadRun
 
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
 

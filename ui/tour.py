@@ -29,7 +29,7 @@ async def _until(predicate, timeout: float, step: float = 0.1) -> bool:
 
 async def tour(window, out: Path, args) -> None:
     from .loader import ModelSpec
-    from .workload import seed_workload
+    from .live_run import seed_workload
 
     def shot(name: str) -> None:
         path = window.save_screenshot(out / f"{name}.png")

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server inside the window's process, on the same asyncio loop (qasync).
+"""The GUI's control of the OpenAI-compatible server inside the window's process, on the same
+asyncio loop (qasync): its start/stop state machine and the dialog that picks its address.
 
 `ServerControl` starts and stops the app the window is given (`serve_fn(engine, host, port,
 api_key) -> (runner, url)`, a coroutine; the app passes one built on `app.server.create_app`

@@ -1,10 +1,11 @@
-"""Latency and throughput figures the views draw, kept Qt-free so they test without a screen.
+"""Statistics of live requests that the views draw, kept Qt-free so they test without a screen.
 
 `LatencyStore` collects finished requests per backend; `step_histogram` bins them into fixed,
 log-spaced edges (one set per metric, never re-binned, so histograms stay comparable while a
 run grows); `RingSeries` is a bounded time series for "per second over time" plots;
 `summarize` turns a live run's records into the engine's `benchmark.RunSummary` (an
-experiment row).
+experiment row). How the figures are written is `ui.formatting`; plot axes are `ui.axes`.
+Plain data: whoever owns one (a view, on the GUI thread) is the only one touching it.
 """
 
 from __future__ import annotations
@@ -139,97 +140,3 @@ def summarize(label: str, policy: str, records, t_start: float, t_end: float) ->
         routed=dict(sorted(benchmark.routed(records).items())),
     )
     return benchmark.RunSummary(label, policy, metrics)
-
-
-def fmt_seconds(s: float | None) -> str:
-    """0.0123 -> '12.3 ms', 3.2 -> '3.20 s'; None/NaN -> '–'."""
-    if s is None or not math.isfinite(s):
-        return "–"
-    if s < 1.0:
-        return f"{s * 1000:.1f} ms"
-    return f"{s:.2f} s"
-
-
-def fmt_rate(tok_s: float | None) -> str:
-    """76.2413 -> '76.2 tok/s', 2551.0 -> '2,551 tok/s', 0/None/NaN -> '–'."""
-    if tok_s is None or not math.isfinite(tok_s) or tok_s <= 0:
-        return "–"
-    return f"{tok_s:,.0f} tok/s" if tok_s >= 100 else f"{tok_s:.1f} tok/s"
-
-
-RATE_SOURCES = {
-    "calibrated": "calibrated: measured on this machine by `tandem calibrate`",
-    "online": "online: measured from the requests this backend has served",
-    "override": "override: set by hand (--rates or the Controls panel)",
-    "default": "default: a placeholder guess, not measured; the router's scores are rough until "
-               "this backend has served a request or is calibrated",
-    "article": "article: the study's rates (Apple M2, Qwen2.5-0.5B)",
-}
-
-
-def rates_source_text(source: str) -> str:
-    """What a `Rates.source` means, in a sentence."""
-    return RATE_SOURCES.get(source, source)
-
-
-def model_title(info) -> str:
-    """The name to show for a model: its file name (what the user picked, e.g.
-    'SmolLM2-135M-Instruct.Q4_1'), since GGUF `general.name` is often a training-run label
-    ('Smollm2 135M 8k Lc100K Mix1 Ep2'); `general.name` when the file name says nothing."""
-    from pathlib import Path
-
-    stem = Path(info.path).stem if info.path else ""
-    if not stem or stem.lower() in ("model", "ggml-model", "ggml-model-f16", "ggml-model-q4_0"):
-        return info.name
-    return stem
-
-
-def count_axis_top(top: float) -> tuple[float, int]:
-    """(axis maximum, tick step) for a count axis (requests): whole-number ticks, ~4 of them,
-    a little headroom; 0..2 when empty."""
-    top = max(float(top), 1.0)
-    raw = top / 4
-    step = 1
-    for s in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 5000, 10000):
-        step = s
-        if s >= raw:
-            break
-    return math.ceil(top * 1.1 / step) * step, step
-
-
-def occupied_log_range(histograms, edges) -> tuple[float, float] | None:
-    """log10(seconds) span of the bins any histogram uses, one bin of margin each side; None
-    when every histogram is empty."""
-    used = np.zeros(len(edges) - 1, dtype=bool)
-    for h in histograms:
-        used |= np.asarray(h) > 0
-    idx = np.flatnonzero(used)
-    if idx.size == 0:
-        return None
-    lo = max(int(idx[0]) - 1, 0)
-    hi = min(int(idx[-1]) + 2, len(edges) - 1)
-    return math.log10(edges[lo]), math.log10(edges[hi])
-
-
-def log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
-    """Ticks for a log10(seconds) axis from `lo` to `hi`: 1-2-5 steps, labelled '20 ms', '1 s'
-    (pyqtgraph's own log ticks crowd '2·10 3·10 …' when the range is under a decade)."""
-    out = []
-    for exp in range(math.floor(lo) - 1, math.ceil(hi) + 1):
-        for m in (1, 2, 5):
-            v = m * 10.0 ** exp
-            x = math.log10(v)
-            if lo - 1e-9 <= x <= hi + 1e-9:
-                out.append((x, fmt_seconds_short(v)))
-    if len(out) > 7:  # a wide range: decades only
-        out = [(x, t) for x, t in out if abs(x - round(x)) < 1e-9]
-    return out
-
-
-def fmt_seconds_short(s: float) -> str:
-    """0.02 -> '20 ms', 0.0005 -> '0.5 ms', 2 -> '2 s', 120 -> '120 s'."""
-    if s < 1e-3:
-        return f"{s * 1000:g} ms"
-    if s < 1.0:
-        return f"{s * 1000:.0f} ms"
-    return f"{s:g} s"

@@ -23,7 +23,7 @@ from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workl
 
 from engine.benchmark import RunSummary
 
-from .metrics import summarize
+from .live_stats import summarize
 
 STUDY = seed_workload(8)
 

@@ -11,7 +11,7 @@ from ui_fixtures import UI_MODEL, WAIT_MS, free_port, make_window, qasync_loop, 
 
 from app.gui import build_parser, load_engine, serve
 from ui.loader import ModelSpec
-from ui.server import ServerDialog, ServerOptions
+from ui.server_control import ServerDialog, ServerOptions
 
 
 def on_loop(qtbot, loop, coro):

@@ -1,0 +1,58 @@
+"""How figures and names are written for people: seconds, token rates, where a backend's rates
+came from, a model's title. Qt-free, so they test without a screen; pure functions, any thread.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def fmt_seconds(s: float | None) -> str:
+    """0.0123 -> '12.3 ms', 3.2 -> '3.20 s'; None/NaN -> '–'."""
+    if s is None or not math.isfinite(s):
+        return "–"
+    if s < 1.0:
+        return f"{s * 1000:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_seconds_short(s: float) -> str:
+    """0.02 -> '20 ms', 0.0005 -> '0.5 ms', 2 -> '2 s', 120 -> '120 s'."""
+    if s < 1e-3:
+        return f"{s * 1000:g} ms"
+    if s < 1.0:
+        return f"{s * 1000:.0f} ms"
+    return f"{s:g} s"
+
+def fmt_rate(tok_s: float | None) -> str:
+    """76.2413 -> '76.2 tok/s', 2551.0 -> '2,551 tok/s', 0/None/NaN -> '–'."""
+    if tok_s is None or not math.isfinite(tok_s) or tok_s <= 0:
+        return "–"
+    return f"{tok_s:,.0f} tok/s" if tok_s >= 100 else f"{tok_s:.1f} tok/s"
+
+
+RATE_SOURCES = {
+    "calibrated": "calibrated: measured on this machine by `tandem calibrate`",
+    "online": "online: measured from the requests this backend has served",
+    "override": "override: set by hand (--rates or the Controls panel)",
+    "default": "default: a placeholder guess, not measured; the router's scores are rough until "
+               "this backend has served a request or is calibrated",
+    "article": "article: the study's rates (Apple M2, Qwen2.5-0.5B)",
+}
+
+
+def rates_source_text(source: str) -> str:
+    """What a `Rates.source` means, in a sentence."""
+    return RATE_SOURCES.get(source, source)
+
+
+def model_title(info) -> str:
+    """The name to show for a model: its file name (what the user picked, e.g.
+    'SmolLM2-135M-Instruct.Q4_1'), since GGUF `general.name` is often a training-run label
+    ('Smollm2 135M 8k Lc100K Mix1 Ep2'); `general.name` when the file name says nothing."""
+    stem = Path(info.path).stem if info.path else ""
+    if not stem or stem.lower() in ("model", "ggml-model", "ggml-model-f16", "ggml-model-q4_0"):
+        return info.name
+    return stem
+
