@@ -483,6 +483,15 @@ class RemoteBackend:
             log.info("%s: %s is healthy (%s, serving %s)", self.name, self.url, self.api, ", ".join(self.models))
             self._pump()
 
+    async def _answers_health(self) -> bool:
+        """Whether the engine's health endpoint answers 200 now (a 5xx on one request from an
+        engine that does is that request's failure: its queue stays and it stays healthy)."""
+        try:
+            status, _ = await self._get("/health")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+        return status == 200
+
     async def _detect(self) -> str:
         """Which engine this is, from the endpoints it has."""
         try:
@@ -648,7 +657,10 @@ class RemoteBackend:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=PROBE_TIMEOUT_S)
         async with self._session.post(self.url + path, json=body, timeout=timeout) as resp:
             if resp.status >= 500:
-                raise _Unhealthy(f"{path} answered {resp.status}: {_error_message(await resp.text())}")
+                text = await resp.text()
+                if await self._answers_health():  # a live engine failed this request, not itself
+                    raise _Refused(f"{self.name} ({self.url}): {_error_message(text)}", _error_kind(text, resp.status))
+                raise _Unhealthy(f"{path} answered {resp.status}: {_error_message(text)}")
             if resp.status >= 400:
                 text = await resp.text()
                 raise _Refused(f"{self.name} ({self.url}) refused the request: {_error_message(text)}",

@@ -16,7 +16,7 @@ from servers import WAIT, Server
 
 from waiting import wait_until
 
-ENGINE_SPEC = "cpu:threads=1,cap=4,ctx=2048"
+ENGINE_SPEC = "cpu:threads=1,cap=4,ctx=4096"
 TENANTS = 4
 
 
@@ -41,15 +41,15 @@ def fleet():
 
 def _tenant_prompt(tenant: int, i: int) -> str:
     """A long system text per tenant (the shared prefix) and a short question of its own."""
-    prefix = " ".join(f"tenant{tenant} rule {k} says the answer is {k * (tenant + 3)}." for k in range(40))
+    prefix = " ".join(f"tenant{tenant} rule {k} says the answer is {k * (tenant + 3)}." for k in range(20))
     return f"{prefix}\nQuestion {i}: what is rule {i}?"
 
 
-def _backend_of(router: Server, completion_id: str) -> str:
+def _decision_of(router: Server, completion_id: str) -> dict:
     request_id = completion_id.split("-", 1)[1]
     for d in router.get("/v1/routing?n=1000")["decisions"]:
         if d["request_id"] == request_id:
-            return d["backend"]
+            return d
     raise AssertionError(f"no routing decision for {request_id}")
 
 
@@ -66,14 +66,17 @@ def test_cache_aware_keeps_each_tenant_on_one_engine_and_uses_both(fleet):
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
     model = router.get("/v1/models")["data"][0]["id"]
     placed: dict[int, list[str]] = {t: [] for t in range(TENANTS)}
+    why: dict[int, list[str]] = {t: [] for t in range(TENANTS)}
     for i in range(4):  # rounds: every tenant sends one request per round, all at once
         with cf.ThreadPoolExecutor(TENANTS) as pool:
             futures = {t: pool.submit(client.completions.create, model=model, prompt=_tenant_prompt(t, i),
                                       max_tokens=8, temperature=0) for t in range(TENANTS)}
             for t, f in futures.items():
-                placed[t].append(_backend_of(router, f.result(WAIT).id))
+                d = _decision_of(router, f.result(WAIT).id)
+                placed[t].append(d["backend"])
+                why[t].append(d["reason"])
     for t, where in placed.items():
-        assert len(set(where[1:])) == 1, f"tenant {t} moved between engines after its first request: {where}"
+        assert len(set(where[1:])) == 1, f"tenant {t} moved between engines after its first request: {where}: {why[t]}"
     assert {w for where in placed.values() for w in where[1:]} == {"e0", "e1"}, f"one engine idle: {placed}"
 
 
