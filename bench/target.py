@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from engine import sse
 from engine.benchmark import RequestRecord
 from engine.workload import RequestSpec, Workload
 
@@ -169,14 +170,9 @@ async def _send(session, target: Target, prompt, n_tokens: int) -> dict:
                 out["error"] = f"HTTP {r.status}: {text}"
                 out["e2e"] = time.perf_counter() - t0
                 return out
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
+            async for chunk in sse.data_events(r.content):
+                if chunk is sse.DONE:
                     break
-                chunk = json.loads(payload)
                 if "error" in chunk:
                     out["error"] = json.dumps(chunk["error"])[:500]
                     break

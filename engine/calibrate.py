@@ -299,13 +299,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         raise InvalidRequest(f"{backend.name}: no batch size fits the context; lower --gen-tokens or raise ctx")
 
     probe = _Probe(backend, seed, timeout)
-    total, done = 1 + repeats + len(fits), 0
-
-    def tick(what: str):
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total, f"{backend.name}: {what}")
+    tick = _ticker(progress, backend.name, 1 + repeats + len(fits))
 
     old_cap = backend.cap
     if max(fits) > old_cap:
@@ -374,13 +368,7 @@ def calibrate_remote(backend, *, prompt_tokens: int = CALIBRATION_PROMPT, gen_to
     wanted = sorted(set(batches or range(1, backend.cap + 1)))
     if not wanted or wanted[0] < 1:
         raise InvalidRequest(f"batches must be >= 1, got {list(batches or [])}")
-    total, done = 1 + repeats + len(wanted), 0
-
-    def tick(what: str):
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, total, f"{backend.name}: {what}")
+    tick = _ticker(progress, backend.name, 1 + repeats + len(wanted))
 
     def words(n: int) -> str:
         return " ".join(f"w{rng.randrange(10**6)}" for _ in range(n))
@@ -586,3 +574,16 @@ class OnlineRefresh:
         alpha, beta, table = b.scaled(f)
         return replace(b, prefill_tok_s=track.prefill or b.prefill_tok_s, decode_tok_s=b.decode_tok_s / f,
                        step_alpha_s=alpha, step_beta_s=beta, step_table=table, source="online")
+
+
+def _ticker(progress, name: str, total: int):
+    """`tick(what)`: one more of `total` calibration steps done, reported to `progress`."""
+    done = 0
+
+    def tick(what: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, f"{name}: {what}")
+
+    return tick

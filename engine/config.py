@@ -54,6 +54,15 @@ class RemoteConfig:
     tokenizer: str | None = None
 
 
+def _number(spec: str, key: str, value: str, kind: type):
+    """`value` as an int or a float, or the spec's error naming the key."""
+    try:
+        return kind(value)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise InvalidRequest(f"backend spec {spec!r}: {key} must be {what}") from None
+
+
 def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
     """The keys of a `remote:` spec (see `RemoteConfig`)."""
     fields: dict = {}
@@ -65,17 +74,11 @@ def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
         if not eq:
             raise InvalidRequest(f"backend spec {spec!r}: {item!r} is not key=value")
         if key in ints:
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise InvalidRequest(f"backend spec {spec!r}: {key} must be an integer") from None
+            fields[key] = _number(spec, key, value, int)
             if fields[key] < 1:
                 raise InvalidRequest(f"backend spec {spec!r}: {key} must be >= 1")
         elif key in floats:
-            try:
-                fields[key] = float(value)
-            except ValueError:
-                raise InvalidRequest(f"backend spec {spec!r}: {key} must be a number") from None
+            fields[key] = _number(spec, key, value, float)
             if not fields[key] > 0:
                 raise InvalidRequest(f"backend spec {spec!r}: {key} must be > 0")
         elif key in ("url", "name", "key", "api", "tokenizer"):
@@ -116,15 +119,9 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
         if key == "device":
             fields["device"] = _gpu_device(spec, device, value)
         elif key in _INT_KEYS or key in _ALIASES.values():
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise InvalidRequest(f"backend spec {spec!r}: {key} must be an integer") from None
+            fields[key] = _number(spec, key, value, int)
         elif key in _FLOAT_KEYS:
-            try:
-                fields[_FLOAT_KEYS[key]] = float(value)
-            except ValueError:
-                raise InvalidRequest(f"backend spec {spec!r}: {key} must be a number") from None
+            fields[_FLOAT_KEYS[key]] = _number(spec, key, value, float)
         elif key in _BOOL_KEYS:
             fields[key] = value.lower() in ("1", "true", "yes", "on")
         elif key in ("name", "flash_attn"):

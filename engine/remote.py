@@ -55,6 +55,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from . import sse
 from .approx_cache import ApproxTree
 from .config import RemoteConfig
 from .errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError, QueueFull,
@@ -666,17 +667,12 @@ class RemoteBackend:
                 raise _Refused(f"{self.name} ({self.url}) refused the request: {_error_message(text)}",
                                _error_kind(text, resp.status))
             done = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            async for obj in sse.data_events(resp.content):
+                if obj is sse.DONE:
                     done = True
                     break
-                obj = json.loads(data)
                 if obj.get("error"):
-                    raise _Refused(f"{self.name} ({self.url}): {_error_message(data)}", _error_kind(data, 500))
+                    raise _Refused(f"{self.name} ({self.url}): {_error_message(obj)}", _error_kind(obj, 500))
                 if obj.get("usage"):
                     job.usage = obj["usage"]
                 for choice in obj.get("choices") or ():
@@ -996,10 +992,11 @@ def _render_message(m: dict) -> str:
 
 
 def _error_message(text) -> str:
+    """An error body's message: `text` is the body (str or bytes) or its parsed JSON."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
     try:
-        obj = json.loads(text)
+        obj = text if isinstance(text, dict) else json.loads(text)
     except ValueError:
         return text[:500]
     err = obj.get("error") if isinstance(obj, dict) else None
@@ -1012,7 +1009,7 @@ def _error_message(text) -> str:
 
 def _error_kind(text, status: int) -> str:
     try:
-        err = json.loads(text).get("error")
+        err = (text if isinstance(text, dict) else json.loads(text)).get("error")
         kind = err.get("type") if isinstance(err, dict) else None
     except (ValueError, AttributeError):
         kind = None

@@ -520,16 +520,21 @@ class Scheduler:
 
     def _forget(self, s: SeqState) -> None:
         """Take `s` out of the running set and free its KV, without finishing it."""
+        self._leave(s, keep=False)
+        s.estimate = 0
+        self._unplaced.append(s)
+
+    def _leave(self, s: SeqState, keep: bool) -> None:
+        """Hand `s`'s KV to the prefix cache (`keep`) or free it, drop its pins, and take it
+        out of the running set: what finishing and preempting share."""
         if s.seq_id >= 0:
-            self._retire(s, keep=False)
+            self._retire(s, keep)
         elif s.lock is not None:
             self.cache.unpin(s.lock)
             s.lock = None
         self._release_pin(s)
         if s in self.running:
             self.running.remove(s)
-        s.estimate = 0
-        self._unplaced.append(s)
 
     # ---- finish rules ----
 
@@ -577,17 +582,9 @@ class Scheduler:
             rest = s.stream.flush()
             if rest:
                 s.handle._deliver_text(rest)
-        if s.seq_id >= 0:
-            keep = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-            shared = s.n_shared
-            self._retire(s, keep)
-            s.n_shared = shared  # the record reports what it reused
-        elif s.lock is not None:
-            self.cache.unpin(s.lock)
-            s.lock = None
-        self._release_pin(s)
-        if s in self.running:
-            self.running.remove(s)
+        shared = s.n_shared
+        self._leave(s, keep=status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
+        s.n_shared = shared  # the record reports what it reused
         self.blocked = False
         s.status = status
         s.error = error
