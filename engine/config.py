@@ -8,7 +8,11 @@ named otherwise. Several backends on one GPU share its model; each GPU loads its
 
 `default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; a GPU
 and a CPU backend with one; two CPU backends that split the cores otherwise (so routing is
-still live on a laptop).
+still live on a laptop), each with an adaptive cap.
+
+`cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
+(GPU 8, CPU 4) up to the device's ceiling (GPU 48, CPU 16); `cap=N` makes N the ceiling (the
+limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from .errors import InvalidRequest
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk"}
 _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
-_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text"}
+_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive"}
 _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 
@@ -118,6 +122,8 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
             raise InvalidRequest(f"backend spec {spec!r}: {item!r} is not key=value")
         if key == "device":
             fields["device"] = _gpu_device(spec, device, value)
+        elif key == "cap" and value.strip().lower() == "auto":
+            fields["cap"] = 0  # adaptive up to the device's ceiling (engine/limiter.py)
         elif key in _INT_KEYS or key in _ALIASES.values():
             fields[key] = _number(spec, key, value, int)
         elif key in _FLOAT_KEYS:
@@ -196,11 +202,11 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
         else:
             gpus = 0
     if gpus >= 2:
-        return [f"gpu:device={n},cap=4" for n in range(gpus)] + [f"cpu:threads={max(cores - gpus, 1)},cap=4"]
+        return [f"gpu:device={n}" for n in range(gpus)] + [f"cpu:threads={max(cores - gpus, 1)}"]
     if gpus == 1:
-        return ["gpu:cap=4", f"cpu:threads={max(cores - 1, 1)},cap=4"]
+        return ["gpu", f"cpu:threads={max(cores - 1, 1)}"]
     half = max(cores // 2, 1)
-    return [f"cpu:threads={half},cap=4", f"cpu:threads={max(cores - half, 1)},cap=4"]
+    return [f"cpu:threads={half}", f"cpu:threads={max(cores - half, 1)}"]
 
 
 def synthetic_specs() -> list[str]:
