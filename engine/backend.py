@@ -67,6 +67,9 @@ class BackendConfig:
     threads_batch: int = 0  # 0: same as threads
     n_seq_max: int = 0  # 0: cap + 8, at least 32 (sequence slots: running + cache holders)
     kv_unified: bool = True
+    # Split KV (`kv=split`): cells of each sequence's stream; the context is then seq_ctx ×
+    # n_seq_max cells. 0: n_ctx is the whole context, which llama.cpp divides among the streams.
+    seq_ctx: int = 0
     flash_attn: str = "auto"  # auto | on | off
     cache: bool = True
     max_queue: int = 4096
@@ -100,8 +103,9 @@ class BackendConfig:
         cap = self.cap or (AUTO_CAP[kind] if self.adaptive else 4)
         # Fewer slots make each step cheaper (measured: GPU b32 +5 % at 33 slots vs 72).
         n_seq_max = self.n_seq_max or min(256, max(32, cap + 8))
+        n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else self.n_ctx
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
-                       cap=cap)
+                       cap=cap, n_ctx=n_ctx)
 
 
 
