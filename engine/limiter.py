@@ -34,8 +34,8 @@ question is whether tok/s rose when the window did):
     chains kept for an old burst are given back.
 
 In a replay of the H200's step table on the study's workloads and the long-prompt one
-(tests/test_limiter.py), the limit lands within 1 % of the makespan of the best fixed cap in
-hindsight on every row.
+(tests/test_limiter.py), the limit lands within 2.1 % of the makespan of the best fixed cap
+in hindsight on every row.
 
 A user's explicit cap is the ceiling: the limiter starts there and moves only below it; with
 no cap (`cap=auto`) it starts at `initial` and may grow to the device's ceiling.

@@ -11,7 +11,9 @@ in order, before it decodes. Time comes from an injected `clock`, text from an i
 
 The rules, in the order each step applies them:
   1. cancellations (`cancel`), queue timeouts;
-  2. admission, FCFS, while running < cap: a request is admitted when the cells for its
+  2. admission, FCFS, while running < cap (with a `limiter`, engine/limiter.py, the cap is
+     its live value, moved by the step times `update_from_output` is given and by
+     preemptions): a request is admitted when the cells for its
      uncached prompt (+ `ADMIT_HEADROOM`) are free, after the cells running prefills still
      need. KV is NOT reserved for `max_tokens`: a sequence takes its cells as it grows
      (vLLM's habit), so long generations never hold short ones behind them;
