@@ -11,9 +11,10 @@ all between steps, in order, then runs a step:
      shell publishes their records and events, and hands text to the event loops once per
      step (`Outbox`).
 
-Thread contract: `enqueue`, `warm`, `cancel`, `set_cap`, `call`, `set_cache_enabled`,
-`flush`, `inject_fault` only post to the inbox (its condition is the one lock they take);
-`snapshot`, `match`, `pin_prefix` and `validate` read under the state lock, which the worker
+Thread contract: `enqueue`, `warm`, `cancel`, `call`, `set_cache_enabled`, `flush`,
+`inject_fault` only post to the inbox (its condition is the one lock they take); `set_cap`
+sets the scheduler's cap (and its limiter's ceiling) under the state lock, then posts to wake
+the worker; `snapshot`, `match`, `pin_prefix` and `validate` read under the state lock, which the worker
 holds only while it plans or applies a step's results (never during a decode). `restart` is
 serialised per backend: a second one while one runs raises `RestartInProgress`.
 """
@@ -100,7 +101,7 @@ class BackendConfig:
         sequence slots filled in."""
         threads = self.threads or os.cpu_count() or 1
         kind = "cpu" if (device or self.device) == "cpu" else "gpu"
-        cap = self.cap or (AUTO_CAP[kind] if self.adaptive else 4)
+        cap = self.cap or min(AUTO_CAP[kind] if self.adaptive else 4, self.n_seq_max or 256)
         # Fewer slots make each step cheaper (measured: GPU b32 +5 % at 33 slots vs 72).
         n_seq_max = self.n_seq_max or min(256, max(32, cap + 8))
         n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else self.n_ctx
@@ -124,9 +125,7 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class SetCap:
-    cap: int
-    adaptive: bool
-    start: int
+    cap: int  # already applied by `Backend.set_cap`; the message wakes the worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +438,9 @@ class Backend:
         self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
         self._auto = auto
         self._start = min(AUTO_START[self._kind], cap) if auto else cap
-        self._inbox.put(SetCap(cap, self._adaptive, self._start))
+        with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
+            self._sched.set_cap(cap, self._adaptive, self._start)
+        self._inbox.put(SetCap(cap))  # wakes the worker: queued requests may fit now
 
     def set_rates(self, rates: Rates) -> None:
         self.rates = rates
@@ -597,8 +598,7 @@ class Backend:
             elif isinstance(m, Cancel):
                 cancelled.add(m.request_id)
             elif isinstance(m, SetCap):
-                with self._state:
-                    sched.set_cap(m.cap, m.adaptive, m.start)
+                sched.blocked = False  # the head of the queue may fit under the new cap
             elif isinstance(m, Call):
                 try:  # not under the state lock: a call may take long (tests hold the worker)
                     m.future.set_result(m.fn(self))
