@@ -158,7 +158,7 @@ adaptive_grid() {  # the same on the unconstrained grid's rows (shared 0/50 %, o
   RUNS=${RUNS:-1} _caps_grid caps-grid --requests 48 --shared 0,50 --outputs fixed,uniform --arrivals interval,poisson
 }
 
-kvlayout() {  # many tenants and the context size, per KV layout (~5 min)
+kvlayout() {  # many tenants and the context size, per KV layout (~6 min)
   # Unified KV (one buffer: a step attends over every cell in use, other tenants' prefixes
   # included), the same with a small idle-cache budget, and split KV (a stream per sequence,
   # cached prefixes copied on the device). 1,500-token tenant prefixes, outputs 32-256, Poisson.
@@ -171,14 +171,19 @@ kvlayout() {  # many tenants and the context size, per KV layout (~5 min)
     --arrivals poisson --rate 30 --caps none --policies only:unified,only:idle2k,only:split --no-plots \
     --out "$OUT/kv-tenants" 2>&1 | grep -v "it/s\]" | tail -4
   python3 scripts/gpu/ratios.py tenants "$OUT/kv-tenants" | tee "$OUT/kv-tenants.txt"
+  # Unified twice more with an idle budget of 2,048 cells: the default budget (n_ctx / B) grows
+  # with the context, so it may be what makes the context size alone matter.
   _stamp "KV layout: the context size alone, 4 tenants (unified 12k vs 32k cells; split 2k vs 4k per stream)"
   python3 -X faulthandler -m app bench grid --model "$M" \
     --backend gpu:name=u12k,cap=32,ctx=12288,threads=8 --backend gpu:name=u32k,cap=32,ctx=32768,threads=8 \
+    --backend gpu:name=u12k-idle2k,cap=32,ctx=12288,idle_cache_cells=2048,threads=8 \
+    --backend gpu:name=u32k-idle2k,cap=32,ctx=32768,idle_cache_cells=2048,threads=8 \
     --backend gpu:name=s2k,kv=split,cap=32,seq_ctx=2048,threads=8 \
     --backend gpu:name=s4k,kv=split,cap=32,seq_ctx=4096,threads=8 \
     --requests 200 --runs "${RUNS:-2}" --tenants 4 --outputs uniform --min-output 32 --max-output 256 \
-    --arrivals poisson --rate 30 --caps none --policies only:u12k,only:u32k,only:s2k,only:s4k --no-plots \
+    --arrivals poisson --rate 30 --caps none --no-plots \
+    --policies only:u12k,only:u32k,only:u12k-idle2k,only:u32k-idle2k,only:s2k,only:s4k \
     --out "$OUT/kv-ctx" 2>&1 | grep -v "it/s\]" | tail -4
-  python3 scripts/gpu/ratios.py pairs "$OUT/kv-ctx" only:u32k/only:u12k only:s4k/only:s2k only:s2k/only:u12k \
-    | tee "$OUT/kv-ctx.txt"
+  python3 scripts/gpu/ratios.py pairs "$OUT/kv-ctx" only:u32k/only:u12k only:u32k-idle2k/only:u12k-idle2k \
+    only:s4k/only:s2k only:s2k/only:u12k | tee "$OUT/kv-ctx.txt"
 }
