@@ -309,8 +309,8 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     probe = _Probe(backend, seed, timeout)
     tick = _ticker(progress, backend.name, 1 + repeats + len(fits))
 
-    old_cap, old_adaptive = backend.cap, backend.cap_adaptive
-    backend.set_cap(max(max(fits), old_cap), adaptive=False)  # fixed: each batch runs b at once
+    old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
+    backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
     try:
         backend.flush().result(timeout)
