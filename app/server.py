@@ -4,6 +4,7 @@ Routes:
     POST /v1/chat/completions, POST /v1/completions   JSON or SSE (`stream: true`)
     GET  /v1/models        the one served model
     GET  /v1/routing       backends' snapshots and the router's recent decisions
+    GET  /v1/backends      backends' snapshots (each with its live cap and why it last moved)
     GET  /health           200 while a backend serves, else 503
     GET  /metrics          Prometheus text (`tandem:` names, see `engine.metrics`)
     GET  /openapi.json     the API's OpenAPI document
@@ -127,6 +128,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
         web.post("/v1/completions", completions),
         web.get("/v1/models", models),
         web.get("/v1/routing", routing),
+        web.get("/v1/backends", backends),
         web.post("/v1/backends/{name}/restart", restart_backend),
         web.get("/health", health),
         web.get("/metrics", metrics_text),
@@ -485,6 +487,11 @@ async def routing(request: web.Request) -> web.Response:
         "backends": [s.to_dict() for s in engine.snapshot()],
         "decisions": [d.to_dict() for d in engine.router.recent(n)],
     })
+
+
+async def backends(request: web.Request) -> web.Response:
+    """Every backend's snapshot: load, KV, cache, rates, and the live cap with its reason."""
+    return web.json_response({"backends": [s.to_dict() for s in request.app[ENGINE].snapshot()]})
 
 
 async def restart_backend(request: web.Request) -> web.Response:

@@ -11,7 +11,7 @@ import json
 import sys
 
 from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, RateStore, calibrate_backend, config_key,
-                              save_calibration)
+                              default_batches, save_calibration)
 from engine.errors import InvalidRequest
 from engine.llama.model import file_fingerprint
 
@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--gen-tokens", type=int, default=CALIBRATION_GEN,
                    help="tokens each decode-measuring request generates (default: %(default)s)")
     p.add_argument("--batches", default=None, metavar="B,B,...",
-                   help="batch sizes to time (default: 1..cap of each backend)")
+                   help="batch sizes to time (default: 1..16, then a few up to each backend's cap)")
     p.add_argument("--repeats", type=int, default=3, help="prefill measurements, median kept (default: %(default)s)")
     p.add_argument("--only", default=None, metavar="NAME,...", help="calibrate only these backends")
     p.add_argument("--no-save", action="store_true", help="measure and print, do not store")
@@ -52,7 +52,7 @@ def run_calibrate(args) -> int:
             print("(synthetic model: random weights; its timing is the real shape's)", file=sys.stderr)
         twins = _one_per_config(eng, names)
         measured = list(twins)
-        steps = {n: 1 + args.repeats + len(batches or range(eng.backends[n].cap)) for n in measured}
+        steps = {n: 1 + args.repeats + len(batches or default_batches(eng.backends[n].cap)) for n in measured}
         results = []
         with Progress(sum(steps.values()), "calibrating") as bar:
             offset = 0

@@ -116,7 +116,8 @@ def add_grid_arguments(p) -> None:
     p.add_argument("--rate", type=float, default=0.0, help="poisson/gamma requests/s (default: 1000/interval-ms)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     p.add_argument("--caps", default="1,2,4,8,16,32,64",
-                   help="caps of the swept backend for the --sweep-policies (default: %(default)s; 'none' to skip)")
+                   help="caps of the swept backend for the --sweep-policies, fixed; 'auto' for its adaptive "
+                        "cap (default: %(default)s; 'none' to skip)")
     p.add_argument("--sweep-policies", default=None,
                    help="policies run at every --caps value (default: the first GPU backend alone)")
     p.add_argument("--sweep-backend", default=None, help="backend whose cap and KV budget vary (default: first GPU, else first)")
@@ -168,7 +169,9 @@ class EngineRunner:
         self.warm_tenants = warm_tenants
         self.sweep_backend = sweep_backend
         self.timeout = timeout
-        self.caps = {n: b.cap for n, b in eng.backends.items()}
+        # Each backend's cap as loaded: (cap, adaptive), cap 0 for `auto`.
+        self.caps = {n: (0 if getattr(b, "cap_auto", False) else b.cap, getattr(b, "cap_adaptive", False))
+                     for n, b in eng.backends.items()}
         self.rates = {n: b.rates for n, b in eng.backends.items()}
         eng.router.set_budget(budget)
         self.online = OnlineRefresh(eng).attach() if online else None
@@ -215,8 +218,13 @@ class EngineRunner:
         eng.router.set_policy(variant.policy)
         eng.router.clear()
         for n, b in eng.backends.items():
-            cap = variant.cap if (variant.cap is not None and n == self.sweep_backend) else self.caps[n]
-            if b.cap != cap:
+            if variant.cap is not None and n == self.sweep_backend:  # a fixed cap, or 0: adaptive
+                cap, adaptive = variant.cap, variant.cap == 0
+            else:
+                cap, adaptive = self.caps[n]
+            if hasattr(b, "cap_adaptive"):  # every run starts the limiter afresh
+                b.set_cap(cap or None, adaptive=adaptive)
+            elif b.cap != cap:
                 b.set_cap(cap)
         if self.online is not None:
             self.online.reset(self.rates)
@@ -286,7 +294,7 @@ def run_grid(args) -> int:
                         tenants=k, tenant_skew=args.tenant_skew).validate())
                 except ValueError as e:
                     raise InvalidRequest(str(e)) from None
-    caps = [] if args.caps.strip().lower() == "none" else _int_list(args.caps, "--caps")
+    caps = [] if args.caps.strip().lower() == "none" else _cap_list(args.caps)
     kv = [None] if not args.kv_seqs else _int_list(args.kv_seqs, "--kv-seqs")
     return _bench(args, "grid", specs, n_list, caps=caps, kv_seqs=kv)
 
@@ -467,6 +475,8 @@ def _load_engine(args, specs, caps, kv, overrides):
     per_seq = max(s.prompt_tokens + s.max_tokens for s in specs)
     new = []
     for c, s in zip(configs, raw):
+        if c.name == sweep and 0 in caps:  # `auto`: room for its ceiling too
+            max_cap = max(max_cap, c.resolved().cap)
         if c.name == sweep and (max_cap or kv):
             if max_cap and "n_seq_max=" not in s:
                 c = replace(c, n_seq_max=max(c.resolved().n_seq_max, min(256, max_cap + 8)))
@@ -508,7 +518,7 @@ def _variants(eng, policies, caps, targets, args, sweep) -> list[Variant]:
             sweep_policies = [single]
         for p in sweep_policies or []:
             for cap in caps:
-                out.append(Variant(label=f"{p}@cap={cap}", policy=p, cap=cap))
+                out.append(Variant(label=f"{p}@cap={cap or 'auto'}", policy=p, cap=cap))
     for t in targets:
         out.append(Variant(label=t.label, target=t))
     labels = [v.label for v in out]
@@ -596,6 +606,16 @@ def _policy_list(text):
     for p in names:
         make_policy(p)
     return names
+
+
+def _cap_list(text: str) -> list[int]:
+    """`--caps`: integers >= 1 (fixed caps), or `auto` (0: the adaptive cap)."""
+    out = []
+    for x in (x.strip().lower() for x in str(text).split(",") if x.strip()):
+        out += [0] if x == "auto" else _int_list(x, "--caps")
+    if not out:
+        raise InvalidRequest(f"--caps must list caps, got {text!r}")
+    return out
 
 
 def _int_list(text: str, flag: str, low: int = 1) -> list[int]:

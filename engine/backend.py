@@ -11,9 +11,10 @@ all between steps, in order, then runs a step:
      shell publishes their records and events, and hands text to the event loops once per
      step (`Outbox`).
 
-Thread contract: `enqueue`, `warm`, `cancel`, `set_cap`, `call`, `set_cache_enabled`,
-`flush`, `inject_fault` only post to the inbox (its condition is the one lock they take);
-`snapshot`, `match`, `pin_prefix` and `validate` read under the state lock, which the worker
+Thread contract: `enqueue`, `warm`, `cancel`, `call`, `set_cache_enabled`, `flush`,
+`inject_fault` only post to the inbox (its condition is the one lock they take); `set_cap`
+sets the scheduler's cap (and its limiter's ceiling) under the state lock, then posts to wake
+the worker; `snapshot`, `match`, `pin_prefix` and `validate` read under the state lock, which the worker
 holds only while it plans or applies a step's results (never during a decode). `restart` is
 serialised per backend: a second one while one runs raises `RestartInProgress`.
 """
@@ -31,6 +32,7 @@ from dataclasses import dataclass, replace
 from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from .events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from .handle import Outbox, RequestHandle
+from .limiter import ConcurrencyLimiter
 from .llama.model import Model
 from .prefix_cache import PrefixCache
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
@@ -41,13 +43,24 @@ from .snapshot import BackendSnapshot, CacheStats, Rates
 log = logging.getLogger(__name__)
 
 
+# No cap given: the ceiling the limiter may grow to, and where it starts. A GPU's decode tok/s
+# still rises to b = 32 (6,016 tok/s against 3,916 at 16, H200, `docs/results/gpu/speed10`);
+# on a CPU it flattens sooner and each sequence's tokens come slower with every one added.
+AUTO_CAP = {"gpu": 48, "cpu": 16}
+AUTO_START = {"gpu": 8, "cpu": 4}
+
+
 @dataclass(frozen=True)
 class BackendConfig:
-    """How to build a backend. `cap` is the concurrency cap (max running sequences)."""
+    """How to build a backend. `cap` bounds the sequences running at once: with `adaptive`
+    (the default) it is the ceiling of the live limit (engine/limiter.py), which starts there;
+    0 (`cap=auto`) means the device's `AUTO_CAP` ceiling, starting at `AUTO_START`. With
+    `adaptive=False` the cap is fixed (4 when 0)."""
 
     name: str = "cpu"
     device: str = "cpu"
-    cap: int = 4
+    cap: int = 0
+    adaptive: bool = True
     n_ctx: int = 4096
     n_batch: int = 512
     n_ubatch: int = 512
@@ -55,6 +68,9 @@ class BackendConfig:
     threads_batch: int = 0  # 0: same as threads
     n_seq_max: int = 0  # 0: cap + 8, at least 32 (sequence slots: running + cache holders)
     kv_unified: bool = True
+    # Split KV (`kv=split`): cells of each sequence's stream; the context is then seq_ctx ×
+    # n_seq_max cells. 0: n_ctx is the whole context, which llama.cpp divides among the streams.
+    seq_ctx: int = 0
     flash_attn: str = "auto"  # auto | on | off
     cache: bool = True
     max_queue: int = 4096
@@ -75,11 +91,22 @@ class BackendConfig:
     # 512-token chunk held a cancel and the next request's first token for 4.3 s).
     busy_chunk: int = 0
 
-    def resolved(self) -> "BackendConfig":
+    @property
+    def auto_cap(self) -> bool:
+        """No cap given: the limiter starts low and may grow to the device's ceiling."""
+        return self.cap == 0 and self.adaptive
+
+    def resolved(self, device: str | None = None) -> "BackendConfig":
+        """Threads, the cap (0 → the ceiling for `device`, the model's device once known) and
+        sequence slots filled in."""
         threads = self.threads or os.cpu_count() or 1
+        kind = "cpu" if (device or self.device) == "cpu" else "gpu"
+        cap = self.cap or min(AUTO_CAP[kind] if self.adaptive else 4, self.n_seq_max or 256)
         # Fewer slots make each step cheaper (measured: GPU b32 +5 % at 33 slots vs 72).
-        n_seq_max = self.n_seq_max or min(256, max(32, self.cap + 8))
-        return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max)
+        n_seq_max = self.n_seq_max or min(256, max(32, cap + 8))
+        n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else self.n_ctx
+        return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
+                       cap=cap, n_ctx=n_ctx)
 
 
 
@@ -98,7 +125,7 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class SetCap:
-    cap: int
+    cap: int  # already applied by `Backend.set_cap`; the message wakes the worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,13 +206,17 @@ class Backend:
 
     def __init__(self, config: BackendConfig, model: Model, bus: EventBus | None = None,
                  rates: Rates | None = None):
-        self.config = config.resolved()
+        self.config = config.resolved(model.device)
         self.name = self.config.name
         self.model = model
         self.device = model.device
         self.bus = bus or EventBus()
         self.rates = rates or Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="default")
-        self._cap = self.config.cap
+        self._kind = "cpu" if model.device == "cpu" else "gpu"
+        self._cap = self.config.cap  # the user's cap: the limiter's ceiling
+        self._adaptive = self.config.adaptive
+        self._auto = config.auto_cap
+        self._start = min(AUTO_START[self._kind], self._cap) if self._auto else self._cap
         if not 1 <= self._cap <= self.config.n_seq_max:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {self._cap}")
         self.healthy = True
@@ -216,7 +247,8 @@ class Backend:
             cap=self._cap, n_ctx=r.n_ctx, n_ctx_seq=r.n_ctx_seq, n_seq_max=c.n_seq_max, n_batch=c.n_batch,
             kv_unified=c.kv_unified, cache_enabled=cache_enabled, idle_cache_cells=c.idle_cache_cells,
             busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, piece=self.model.piece,
-            is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache)
+            is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache,
+            limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive))
         self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
         self._inbox = Inbox()
 
@@ -278,7 +310,22 @@ class Backend:
 
     @property
     def cap(self) -> int:
+        """The user's cap (with `cap_adaptive`, the ceiling of the live `cap_limit`)."""
         return self._cap
+
+    @property
+    def cap_adaptive(self) -> bool:
+        return self._adaptive
+
+    @property
+    def cap_auto(self) -> bool:
+        """No cap was given (or `set_cap(None)`): the ceiling is the device's, the start low."""
+        return self._auto
+
+    @property
+    def cap_limit(self) -> int:
+        """Sequences the scheduler admits now: the limiter's live value."""
+        return self._sched.cap
 
     @property
     def cache(self) -> PrefixCache:
@@ -377,12 +424,23 @@ class Backend:
         except BackendUnavailable:
             pass  # stopped: everything it held has ended already
 
-    def set_cap(self, cap: int) -> None:
-        """Change the concurrency cap; takes effect at the next step (running ones finish)."""
+    def set_cap(self, cap: int | None, adaptive: bool | None = None) -> None:
+        """Change the concurrency cap; takes effect at the next step (running ones finish).
+        Adaptive: `cap` is the new ceiling and the live limit starts there again; None is
+        `auto` (the device's ceiling, starting low). `adaptive` switches adaptation on or off
+        (None: as it is)."""
+        auto = cap is None
+        if cap is None:
+            cap = min(AUTO_CAP[self._kind], self.config.n_seq_max)
         if not 1 <= cap <= self.config.n_seq_max:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {cap}", param="cap")
         self._cap = cap
-        self._inbox.put(SetCap(cap))
+        self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
+        self._auto = auto
+        self._start = min(AUTO_START[self._kind], cap) if auto else cap
+        with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
+            self._sched.set_cap(cap, self._adaptive, self._start)
+        self._inbox.put(SetCap(cap))  # wakes the worker: queued requests may fit now
 
     def set_rates(self, rates: Rates) -> None:
         self.rates = rates
@@ -418,12 +476,17 @@ class Backend:
             used = sched.kv_cells_used(running)
             stats = sched.cache.stats()
             enabled = sched.cache_enabled
+            limit = sched.cap
+            reason = sched.limiter.reason if sched.limiter is not None else ""
         cell_bytes = self._runner.kv_cell_bytes if self._runner is not None else 0
         mem_free, mem_total = self.model.memory.read()
         return BackendSnapshot(
             name=self.name,
             device=self.model.device,
-            cap=self._cap,
+            cap=limit,
+            cap_ceiling=self._cap,
+            cap_adaptive=self._adaptive,
+            cap_reason=reason,
             n_ctx=self.n_ctx,
             rates=self.rates,
             items=tuple(s.work_item(True) for s in running) + tuple(s.work_item(False) for s in waiting),
@@ -535,7 +598,7 @@ class Backend:
             elif isinstance(m, Cancel):
                 cancelled.add(m.request_id)
             elif isinstance(m, SetCap):
-                sched.set_cap(m.cap)
+                sched.blocked = False  # the head of the queue may fit under the new cap
             elif isinstance(m, Call):
                 try:  # not under the state lock: a call may take long (tests hold the worker)
                     m.future.set_result(m.fn(self))
@@ -590,7 +653,7 @@ class Backend:
         self.decode_s += out.seconds
         self._observe(out.n_decode, out.n_prefill, out.seconds)
         with self._state:
-            finished = sched.update_from_output(plan, out.sampled)
+            finished = sched.update_from_output(plan, out.sampled, out.seconds)
         self._settle(finished)
         rows = [s.ran_on for s in plan.decode]
         if plan.chunks:

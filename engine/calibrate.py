@@ -245,6 +245,14 @@ class Calibration:
         return d
 
 
+def default_batches(cap: int) -> list[int]:
+    """Batch sizes to time: every one up to 16 (GPU kernels change shape there: on the H200
+    b = 9 steps slower per token than b = 8), then a few up to the cap; the table between them
+    is interpolated (`step_table`)."""
+    sparse = [b for b in (24, 32, 48, 64, 96, 128, 192) if 16 < b < cap]
+    return list(range(1, min(cap, 16) + 1)) + sparse + ([cap] if cap > 16 else [])
+
+
 def fit_step_model(points: dict[int, float]) -> tuple[float, float]:
     """Least-squares `step(b) = alpha + beta*b`, both kept >= 0. One point: alpha 0, beta = t/b."""
     if not points:
@@ -287,7 +295,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         raise InvalidRequest(f"{backend.name}: context of {n_ctx} cells is too small to calibrate")
     if prompt < prompt_tokens:
         notes.append(f"prompt shortened to {prompt} tokens to fit the {n_ctx}-cell context")
-    wanted = sorted(set(batches or range(1, backend.cap + 1)))
+    wanted = sorted(set(batches or default_batches(backend.cap)))
     if not wanted or wanted[0] < 1:
         raise InvalidRequest(f"batches must be >= 1, got {list(batches or [])}")
     per_seq = OWN_TOKENS + gen_tokens + 1
@@ -301,9 +309,8 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     probe = _Probe(backend, seed, timeout)
     tick = _ticker(progress, backend.name, 1 + repeats + len(fits))
 
-    old_cap = backend.cap
-    if max(fits) > old_cap:
-        backend.set_cap(max(fits))
+    old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
+    backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
     try:
         backend.flush().result(timeout)
@@ -319,8 +326,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         step_s, decode_only_s = probe.step_times(prompt, gen_tokens, fits, tick, notes)
     finally:
         probe.close()
-        if backend.cap != old_cap:
-            backend.set_cap(old_cap)
+        backend.set_cap(old_cap, adaptive=old_adaptive)
         try:
             backend.flush().result(timeout)
         except Exception:  # a stopped backend has nothing left to flush

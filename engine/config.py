@@ -8,7 +8,15 @@ named otherwise. Several backends on one GPU share its model; each GPU loads its
 
 `default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; a GPU
 and a CPU backend with one; two CPU backends that split the cores otherwise (so routing is
-still live on a laptop).
+still live on a laptop), each with an adaptive cap.
+
+`cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
+(GPU 8, CPU 4) up to the device's ceiling (GPU 48, CPU 16); `cap=N` makes N the ceiling (the
+limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
+
+`kv=split` gives every sequence its own KV stream (`kv_unified=0`), so a step attends only
+over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes each stream
+(the context is then N × n_seq_max cells). See docs/NOTES.md ("KV layout for many prefixes").
 """
 
 from __future__ import annotations
@@ -22,9 +30,9 @@ from .backend import BackendConfig
 from .errors import InvalidRequest
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
-             "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk"}
+             "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx"}
 _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
-_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text"}
+_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive"}
 _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 
@@ -118,6 +126,12 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
             raise InvalidRequest(f"backend spec {spec!r}: {item!r} is not key=value")
         if key == "device":
             fields["device"] = _gpu_device(spec, device, value)
+        elif key == "cap" and value.strip().lower() == "auto":
+            fields["cap"] = 0  # adaptive up to the device's ceiling (engine/limiter.py)
+        elif key == "kv":
+            if value.strip().lower() not in ("unified", "split"):
+                raise InvalidRequest(f"backend spec {spec!r}: kv must be unified or split")
+            fields["kv_unified"] = value.strip().lower() == "unified"
         elif key in _INT_KEYS or key in _ALIASES.values():
             fields[key] = _number(spec, key, value, int)
         elif key in _FLOAT_KEYS:
@@ -127,7 +141,7 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
         elif key in ("name", "flash_attn"):
             fields[key] = value
         else:
-            valid = sorted(_INT_KEYS | _BOOL_KEYS | set(_FLOAT_KEYS) | {"name", "flash_attn", "device"})
+            valid = sorted(_INT_KEYS | _BOOL_KEYS | set(_FLOAT_KEYS) | {"name", "flash_attn", "device", "kv"})
             raise InvalidRequest(f"backend spec {spec!r}: unknown key {key!r} (valid: {', '.join(valid)})")
     fields.setdefault("name", fields["device"])
     return BackendConfig(**fields)
@@ -196,11 +210,11 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
         else:
             gpus = 0
     if gpus >= 2:
-        return [f"gpu:device={n},cap=4" for n in range(gpus)] + [f"cpu:threads={max(cores - gpus, 1)},cap=4"]
+        return [f"gpu:device={n}" for n in range(gpus)] + [f"cpu:threads={max(cores - gpus, 1)}"]
     if gpus == 1:
-        return ["gpu:cap=4", f"cpu:threads={max(cores - 1, 1)},cap=4"]
+        return ["gpu", f"cpu:threads={max(cores - 1, 1)}"]
     half = max(cores // 2, 1)
-    return [f"cpu:threads={half},cap=4", f"cpu:threads={max(cores - half, 1)},cap=4"]
+    return [f"cpu:threads={half}", f"cpu:threads={max(cores - half, 1)}"]
 
 
 def synthetic_specs() -> list[str]:

@@ -341,7 +341,8 @@ class Engine:
         return self.backend(name).cap
 
     def set_cap(self, name: str, cap: int) -> None:
-        """Change one backend's concurrency cap (running requests finish; the next step uses it)."""
+        """Change one backend's concurrency cap (running requests finish; the next step uses it).
+        On an adaptive backend it is the ceiling, and the live limit starts there again."""
         self.backend(name).set_cap(cap)
 
     def set_cache_enabled(self, name: str, enabled: bool, timeout: float | None = None) -> Future:

@@ -11,7 +11,9 @@ in order, before it decodes. Time comes from an injected `clock`, text from an i
 
 The rules, in the order each step applies them:
   1. cancellations (`cancel`), queue timeouts;
-  2. admission, FCFS, while running < cap: a request is admitted when the cells for its
+  2. admission, FCFS, while running < cap (with a `limiter`, engine/limiter.py, the cap is
+     its live value, moved by the step times `update_from_output` is given and by
+     preemptions): a request is admitted when the cells for its
      uncached prompt (+ `ADMIT_HEADROOM`) are free, after the cells running prefills still
      need. KV is NOT reserved for `max_tokens`: a sequence takes its cells as it grows
      (vLLM's habit), so long generations never hold short ones behind them;
@@ -43,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .limiter import ConcurrencyLimiter
 from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus, SamplingParams
 from .snapshot import WorkItem
@@ -156,9 +159,12 @@ class Scheduler:
                  busy_chunk: int | None = None, queue_timeout_s: float = 0.0, name: str = "backend",
                  piece: Callable[[int], str] = lambda t: "", is_eog: Callable[[int], bool] = lambda t: False,
                  preferred_ids: Callable[[SamplingParams], list[int]] = lambda sp: [],
-                 clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None):
+                 clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None,
+                 limiter: ConcurrencyLimiter | None = None):
         self.name = name
-        self.cap = cap
+        # The live cap; with a `limiter` (engine/limiter.py) it follows the measured steps.
+        self.limiter = limiter
+        self.cap = limiter.limit if limiter is not None else cap
         self.n_ctx = n_ctx
         self.n_ctx_seq = n_ctx_seq
         self.n_seq_max = n_seq_max
@@ -194,7 +200,11 @@ class Scheduler:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
         self.blocked = False
 
-    def set_cap(self, cap: int) -> None:
+    def set_cap(self, cap: int, adaptive: bool | None = None, start: int | None = None) -> None:
+        """A user's cap: with a limiter, its ceiling (the limit starts at `start`, else there)."""
+        if self.limiter is not None:
+            self.limiter.set_ceiling(cap, adaptive, start)
+            cap = self.limiter.limit
         self.cap = cap
         self.blocked = False
 
@@ -282,10 +292,13 @@ class Scheduler:
         assert free >= 0, "KV over capacity"
         return plan
 
-    def update_from_output(self, plan: Plan, sampled) -> list[Finished]:
+    def update_from_output(self, plan: Plan, sampled, seconds: float = 0.0) -> list[Finished]:
         """Apply a decoded plan: `sampled[i]` is the token of the i-th row that asked for
         logits (decode rows, then chunks that ended their prompt), or None when the runner
-        took the token back (an end token under `ignore_eos`: decode that input again)."""
+        took the token back (an end token under `ignore_eos`: decode that input again).
+        `seconds`: the step's time, which drives the limiter."""
+        if self.limiter is not None and seconds > 0:
+            self._adapt(plan, seconds)
         now = self.clock()
         running, on_token = RequestStatus.RUNNING, self._sampled
         for s, tok in zip(plan.decode, sampled):  # decode rows first, one token each
@@ -318,6 +331,22 @@ class Scheduler:
         else:
             self._finish(youngest, RequestStatus.FINISHED_ERROR,
                          f"backend {self.name}: the context ran out of KV cells for this request")
+
+    def _adapt(self, plan: Plan, seconds: float) -> None:
+        """Feed the step to the limiter; at a window's end, give it the KV room."""
+        lim = self.limiter
+        n_prefill = plan.n_tokens - len(plan.decode)
+        if not lim.observe(len(plan.decode), n_prefill, seconds, len(self.running), len(self.waiting)):
+            return
+        if self.kv_unified:
+            own = sum(s.n_past - s.n_shared for s in self.running)
+            free = self._free_cells() + self.cache.evictable_tokens
+            per_seq = own // max(len(self.running), 1) + ADMIT_HEADROOM
+        else:  # a stream per sequence: only the ids bound it
+            free, per_seq = len(self.free_ids), 1
+        if lim.decide(free, per_seq):
+            self.cap = lim.limit
+            self.blocked = False
 
     def emit_pending(self) -> None:
         """Text for the tokens `update_from_output` left pending (overlap mode)."""
@@ -517,6 +546,8 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(s)
         self.blocked = True  # nothing is admitted before someone finishes (vLLM's rule)
+        if self.limiter is not None and self.limiter.kv_full(len(self.running)):
+            self.cap = self.limiter.limit
 
     def _forget(self, s: SeqState) -> None:
         """Take `s` out of the running set and free its KV, without finishing it."""

@@ -85,7 +85,7 @@ class BackendSnapshot:
 
     name: str
     device: str
-    cap: int
+    cap: int  # sequences admitted at once now (an adaptive backend's live limit)
     n_ctx: int
     rates: Rates
     items: tuple[WorkItem, ...] = ()
@@ -108,6 +108,11 @@ class BackendSnapshot:
     decode_tok_s: float = 0.0  # observed, recent
     steps: int = 0
     time: float = 0.0
+    # The user's cap (the live `cap`'s ceiling when adaptive; 0: the same as `cap`), whether the
+    # cap adapts (engine/limiter.py), and why it last moved.
+    cap_ceiling: int = 0
+    cap_adaptive: bool = False
+    cap_reason: str = ""
     url: str = ""  # a remote backend's engine (engine/remote.py); "" for a local one
     model: str = ""  # the model a remote engine serves; "" for a local one
 

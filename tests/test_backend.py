@@ -254,6 +254,17 @@ def test_max_tokens_is_clamped_to_what_the_context_holds(make_backend, tiny_mode
     assert r.error is None and r.finish_reason == "length" and 0 < r.output_tokens <= 256 - 3
 
 
+def test_with_no_cap_the_limit_grows_while_requests_wait(make_backend, tiny_model):
+    b = make_backend(tiny_model, n_ctx=4096)  # no cap: adaptive, a CPU starts at 4 of 16
+    start = b.snapshot()
+    assert (start.cap, start.cap_ceiling, start.cap_adaptive) == (4, 16, True)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    handles = [b.enqueue(Request((1, 100 + i, 200 + i), sp)) for i in range(16)]
+    assert [h.result(WAIT).error for h in handles] == [None] * 16
+    assert max(len(rows) for _, _, rows in b.step_log) > 4
+    assert b.snapshot().cap_reason != "start"
+
+
 def test_a_preempted_request_resumes_with_the_same_text(make_backend, tiny_model):
     """Two 400-token requests in 512 cells cannot both grow to the end: the younger is
     preempted (its cells freed), recomputed from prompt + what it generated, and goes on; its

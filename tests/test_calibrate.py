@@ -169,6 +169,15 @@ class TestCalibrateOnTheTinyModel:
         assert cal.prompt_tokens < 256
         assert any("shortened" in n for n in cal.notes)
 
+    def test_an_adaptive_cap_is_pinned_while_timing_and_restored_after(self, make_engine):
+        eng = make_engine(["cpu:threads=1,ctx=1024"])  # no cap: adaptive, starts at 4 of 16
+        b = eng.backends["cpu"]
+        cal = calibrate_backend(b, prompt_tokens=64, gen_tokens=8, repeats=1, batches=[1, 6])
+        assert sorted(cal.step_s) == [1, 6]
+        assert max(len(rows) for _, _, rows in b.step_log) == 6  # 6 ran together, above the adaptive start
+        snap = b.snapshot()
+        assert (b.cap_auto, snap.cap, snap.cap_ceiling, snap.cap_adaptive) == (True, 4, 16, True)
+
     def test_bad_sizes_are_refused(self, make_engine):
         eng = make_engine(["cpu:threads=1,cap=2,ctx=256"])
         with pytest.raises(InvalidRequest):

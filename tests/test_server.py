@@ -241,6 +241,12 @@ def test_backend_pin_and_ignore_eos_extensions(client, http):
     assert e.value.body["param"] == "backend"
 
 
+def test_backends_show_each_live_cap_and_why_it_moved(http):
+    backends = http.get("/v1/backends").json()["backends"]
+    assert all({"cap", "cap_ceiling", "cap_adaptive", "cap_reason"} <= set(b) for b in backends)
+    assert all(1 <= b["cap"] <= b["cap_ceiling"] and b["cap_reason"] for b in backends)
+
+
 def test_health_routing_and_openapi(http):
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"

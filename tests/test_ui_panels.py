@@ -61,6 +61,14 @@ def test_cap_spin_box_sets_the_backend_cap_at_once(qtbot, make_window, ui_engine
     assert ui_engine.backend("cpu1").cap == 3
 
 
+def test_a_backend_card_shows_the_live_cap_and_why_it_moved(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    card.cap_spin.setValue(3)
+    tick(qtbot, w)
+    assert card.limit_label.text() == "<b>3</b> of ≤ 3 · set by the user"
+
+
 def test_controls_set_policy_budget_and_rates(qtbot, make_window, ui_engine):
     w = make_window()
     c = w.panels["controls"]

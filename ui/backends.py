@@ -123,9 +123,10 @@ class BackendCard(QFrame):
         self.running_bar = _bar("running")
         self.waiting_bar = _bar("waiting")
         self.kv_bar = _bar("kv")
-        self.cap_spin = QSpinBox(minimum=1, maximum=b.n_seq_max, value=snap.cap)
+        self.cap_spin = QSpinBox(minimum=1, maximum=b.n_seq_max, value=snap.cap_ceiling or snap.cap)
         self.cap_spin.setToolTip("Concurrency cap: at most this many requests run at once on this "
-                                 "backend. Applies at once; running ones finish.")
+                                 "backend (an adaptive cap moves below it with the measured steps). "
+                                 "Applies at once; running ones finish.")
         self.cap_spin.valueChanged.connect(self._on_cap)
         grid.addWidget(_muted("Running"), 3, 0)
         grid.addWidget(self.running_bar, 3, 1)
@@ -176,6 +177,11 @@ class BackendCard(QFrame):
         priced.addWidget(self.rates_label)
         priced.addWidget(self.rates_source_label, 1)
         grid.addLayout(priced, 10, 1, 1, 3)
+        # The adaptive cap's live value and why it last moved (engine/limiter.py).
+        self.limit_label = _muted("")
+        self.limit_label.setWordWrap(True)
+        grid.addWidget(_muted("Live cap"), 11, 0)
+        grid.addWidget(self.limit_label, 11, 1, 1, 3)
 
         grid.setColumnStretch(1, 1)
 
@@ -251,10 +257,14 @@ class BackendCard(QFrame):
         self.kv_bar.setMaximum(total)
         self.kv_bar.setValue(min(snap.kv_cells_used, total))
         self.kv_bar.setFormat(f"{snap.kv_cells_used} / {snap.kv_cells_total}  ({snap.kv_bytes / 2**20:.1f} MiB)")
-        if not self.cap_spin.hasFocus() and self.cap_spin.value() != cap:
+        ceiling = snap.cap_ceiling or cap
+        if not self.cap_spin.hasFocus() and self.cap_spin.value() != ceiling:
             self.cap_spin.blockSignals(True)
-            self.cap_spin.setValue(cap)
+            self.cap_spin.setValue(ceiling)
             self.cap_spin.blockSignals(False)
+        live = (f"<b>{cap}</b> of ≤ {ceiling} · {snap.cap_reason}" if snap.cap_adaptive else f"fixed at {cap}")
+        if self.limit_label.text() != live:
+            self.limit_label.setText(live)
 
         c = snap.cache
         if not c.enabled:

@@ -117,7 +117,7 @@ class ControlsPanel(QWidget):
                 s.valueChanged.connect(lambda _v, n=name: self.apply_rates(n))
             src = QLabel(r.source)
             src.setObjectName("muted")
-            cap = QSpinBox(minimum=1, maximum=info.n_seq_max, value=snap.cap)
+            cap = QSpinBox(minimum=1, maximum=info.n_seq_max, value=snap.cap_ceiling or snap.cap)
             cap.setKeyboardTracking(False)
             cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
             cache = QCheckBox()
@@ -243,9 +243,9 @@ class ControlsPanel(QWidget):
                 continue
             self._show_rates(snap.name, snap.rates)
             spin = self.cap_spins[snap.name]
-            if not spin.hasFocus() and spin.value() != snap.cap:
+            if not spin.hasFocus() and spin.value() != (snap.cap_ceiling or snap.cap):
                 spin.blockSignals(True)
-                spin.setValue(snap.cap)
+                spin.setValue(snap.cap_ceiling or snap.cap)
                 spin.blockSignals(False)
             check = self.cache_checks[snap.name]
             if check.isChecked() != snap.cache.enabled:

@@ -133,3 +133,57 @@ fleet() {  # one engine per GPU behind Tandem's router and sglang-router, the te
 devices() {  # one backend per GPU through llama.cpp's device list, each snapshot with its GPU's memory
   python3 scripts/gpu/devices.py 2>&1 | tail -30 | tee "$OUT/devices.txt"
 }
+
+# ---- adaptive cap and KV layout (each prints its ratios from one invocation) ----
+
+_caps_grid() {  # _caps_grid OUTDIR [bench grid workload options...]: the adaptive cap beside fixed caps
+  # The backend has no cap (adaptive); `gpu-only` runs it so, `gpu-only@cap=N` at a fixed cap N.
+  local dir=$1; shift
+  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:threads=8 --runs "${RUNS:-2}" \
+    --caps "${CAPS:-4,8,16,32,48}" --sweep-policies gpu-only --policies gpu-only --no-plots --out "$OUT/$dir" "$@" 2>&1 \
+    | grep -v "it/s\]" | tail -4
+  python3 scripts/gpu/ratios.py caps "$OUT/$dir" | tee "$OUT/$dir.txt"
+}
+
+adaptive() {  # no cap given vs fixed caps: the study's N=48 and the long-prompt workload (~4 min)
+  _stamp "adaptive cap vs fixed caps ${CAPS:-4,8,16,32,48}: the study's N=48"
+  _caps_grid caps-n48 --requests 48 --shared 96 --outputs fixed --arrivals interval
+  _stamp "adaptive cap vs fixed caps: 1,516-token prompts (1,000 shared), outputs 32-512, Poisson 20/s, N=64"
+  _caps_grid caps-long --requests 64 --prompt-tokens 1516 --shared 66 --outputs uniform --min-output 32 \
+    --max-output 512 --arrivals poisson --rate 20
+}
+
+adaptive_grid() {  # the same on the unconstrained grid's rows (shared 0/50 %, outputs, arrivals; ~5 min at RUNS=1)
+  _stamp "adaptive cap vs fixed caps: the grid"
+  RUNS=${RUNS:-1} _caps_grid caps-grid --requests 48 --shared 0,50 --outputs fixed,uniform --arrivals interval,poisson
+}
+
+kvlayout() {  # many tenants and the context size, per KV layout (~6 min)
+  # Unified KV (one buffer: a step attends over every cell in use, other tenants' prefixes
+  # included), the same with a small idle-cache budget, and split KV (a stream per sequence,
+  # cached prefixes copied on the device). 1,500-token tenant prefixes, outputs 32-256, Poisson.
+  _stamp "KV layout: 4, 16, 32 tenants, N=200, cap 32"
+  python3 -X faulthandler -m app bench grid --model "$M" \
+    --backend gpu:name=unified,cap=32,ctx=65536,threads=8 \
+    --backend gpu:name=idle2k,cap=32,ctx=65536,idle_cache_cells=2048,threads=8 \
+    --backend gpu:name=split,kv=split,cap=32,seq_ctx=2048,threads=8 \
+    --requests 200 --runs 1 --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 \
+    --arrivals poisson --rate 30 --caps none --policies only:unified,only:idle2k,only:split --no-plots \
+    --out "$OUT/kv-tenants" 2>&1 | grep -v "it/s\]" | tail -4
+  python3 scripts/gpu/ratios.py tenants "$OUT/kv-tenants" | tee "$OUT/kv-tenants.txt"
+  # Unified twice more with an idle budget of 2,048 cells: the default budget (n_ctx / B) grows
+  # with the context, so it may be what makes the context size alone matter.
+  _stamp "KV layout: the context size alone, 4 tenants (unified 12k vs 32k cells; split 2k vs 4k per stream)"
+  python3 -X faulthandler -m app bench grid --model "$M" \
+    --backend gpu:name=u12k,cap=32,ctx=12288,threads=8 --backend gpu:name=u32k,cap=32,ctx=32768,threads=8 \
+    --backend gpu:name=u12k-idle2k,cap=32,ctx=12288,idle_cache_cells=2048,threads=8 \
+    --backend gpu:name=u32k-idle2k,cap=32,ctx=32768,idle_cache_cells=2048,threads=8 \
+    --backend gpu:name=s2k,kv=split,cap=32,seq_ctx=2048,threads=8 \
+    --backend gpu:name=s4k,kv=split,cap=32,seq_ctx=4096,threads=8 \
+    --requests 200 --runs "${RUNS:-2}" --tenants 4 --outputs uniform --min-output 32 --max-output 256 \
+    --arrivals poisson --rate 30 --caps none --no-plots \
+    --policies only:u12k,only:u32k,only:u12k-idle2k,only:u32k-idle2k,only:s2k,only:s4k \
+    --out "$OUT/kv-ctx" 2>&1 | grep -v "it/s\]" | tail -4
+  python3 scripts/gpu/ratios.py pairs "$OUT/kv-ctx" only:u32k/only:u12k only:u32k-idle2k/only:u12k-idle2k \
+    only:s4k/only:s2k only:s2k/only:u12k | tee "$OUT/kv-ctx.txt"
+}

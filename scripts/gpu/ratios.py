@@ -1,0 +1,88 @@
+"""Ratios from one `tandem bench grid` result folder, printed by the GPU steps (stdlib only).
+
+    python3 scripts/gpu/ratios.py tenants DIR          # output tok/s at K tenants / at the fewest, per policy
+    python3 scripts/gpu/ratios.py pairs DIR A/B ...    # output tok/s of policy A / policy B, per workload
+    python3 scripts/gpu/ratios.py caps DIR             # adaptive cap vs the best fixed cap, per workload
+
+Every ratio compares rows of the same invocation (runs interleaved), never across calls.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def _rows(folder: str) -> tuple[list[dict], dict]:
+    summary = json.loads((Path(folder) / "summary.json").read_text())
+    tenants = {w["name"]: w.get("tenants", 0) for w in summary["workloads"]}
+    return summary["results"], tenants
+
+
+def _mean(row: dict, key: str) -> float:
+    return row[key]["mean"] or float("nan")
+
+
+def tenants(folder: str) -> None:
+    rows, k_of = _rows(folder)
+    by_policy: dict[str, dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        by_policy[r["policy"]][k_of[r["workload"]]] = _mean(r, "output_tok_s")
+    for policy, rates in sorted(by_policy.items()):
+        low = min(rates)
+        parts = [f"{k} tenants {v:,.0f} tok/s ({v / rates[low]:.2f}x)" for k, v in sorted(rates.items())]
+        print(f"{policy}: " + ", ".join(parts) + f"   [target: >= 0.90x of {low} tenants]")
+
+
+def pairs(folder: str, specs: list[str]) -> None:
+    rows, _ = _rows(folder)
+    rate = {(r["workload"], r["policy"]): _mean(r, "output_tok_s") for r in rows}
+    for spec in specs:
+        a, _, b = spec.partition("/")
+        for workload in sorted({w for w, _ in rate}):
+            if (workload, a) in rate and (workload, b) in rate:
+                print(f"{workload}: {a} / {b} = {rate[workload, a]:,.0f} / {rate[workload, b]:,.0f} tok/s "
+                      f"= {rate[workload, a] / rate[workload, b]:.3f}   [target: within 0.95-1.05]")
+
+
+def caps(folder: str) -> None:
+    rows, _ = _rows(folder)
+    by_workload: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by_workload[r["workload"]][r["policy"]] = r
+    for workload, variants in by_workload.items():
+        fixed = {p: r for p, r in variants.items() if "@cap=" in p and not p.endswith("@cap=auto")}
+        # the adaptive rows: `POLICY@cap=auto`, or the policy alone on a backend loaded without a cap
+        auto = [r for p, r in variants.items() if p.endswith("@cap=auto") or "@cap=" not in p]
+        if not fixed or not auto:
+            continue
+        best_name, best = min(fixed.items(), key=lambda kv: _mean(kv[1], "makespan_s"))
+        print(f"{workload}:")
+        for p, r in sorted(fixed.items(), key=lambda kv: int(kv[0].rpartition("=")[2])):
+            print(f"  {p}: makespan {_mean(r, 'makespan_s'):.3f} s, TTFT p95 {_mean(r, 'ttft_p95_s'):.3f} s")
+        for a in auto:
+            m = _mean(a, "makespan_s") / _mean(best, "makespan_s")
+            t = _mean(a, "ttft_p95_s") / _mean(best, "ttft_p95_s")
+            print(f"  {a['policy']} (adaptive): makespan {_mean(a, 'makespan_s'):.3f} s, TTFT p95 "
+                  f"{_mean(a, 'ttft_p95_s'):.3f} s -> {m:.3f}x / {t:.2f}x the best fixed cap ({best_name})"
+                  f"   [target: <= 1.05x / <= 1x]")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    kind, folder = argv[0], argv[1]
+    if kind == "tenants":
+        tenants(folder)
+    elif kind == "pairs":
+        pairs(folder, argv[2:])
+    else:
+        caps(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,31 @@
+"""Backend specs: the cap (adaptive, a ceiling, or fixed) and the KV layout keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import parse_backend_spec
+from engine.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("spec, cap, adaptive", [
+    ("gpu", 48, True),  # no cap: adaptive up to the device's ceiling
+    ("gpu:cap=auto", 48, True),
+    ("cpu:cap=auto", 16, True),
+    ("gpu:cap=16", 16, True),  # an explicit cap is the ceiling
+    ("gpu:cap=16,adaptive=0", 16, False),  # ... or fixed
+    ("cpu:adaptive=0", 4, False),
+])
+def test_cap_specs(spec, cap, adaptive):
+    c = parse_backend_spec(spec).resolved()
+    assert (c.cap, c.adaptive) == (cap, adaptive)
+
+
+def test_split_kv_sizes_each_stream():
+    c = parse_backend_spec("gpu:kv=split,seq_ctx=2048,n_seq_max=40").resolved()
+    assert (c.kv_unified, c.n_ctx) == (False, 81920)
+
+
+def test_an_unknown_kv_layout_is_refused():
+    with pytest.raises(InvalidRequest, match="kv must be unified or split"):
+        parse_backend_spec("gpu:kv=paged")
