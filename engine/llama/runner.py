@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from .. import llama
 from ..errors import BackendUnavailable
 from ..scheduler import KvOp, Plan, SeqState
-from . import lc
+from . import fused_dist, lc
 from .batch import Batch
 from .model import Model
 from .sampling import SamplerSlots
@@ -125,6 +125,9 @@ class ContextRunner:
             s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits)
         n_prefill = batch.n - n_decode
         ctx = self.ctx
+        if fused_dist.live():  # fused temperature chains: this step's uniforms, one upload
+            fused_dist.draw([(s.seq_id, s.sampler.dist) for s in decode]
+                            + [(s.seq_id, s.sampler.dist) for s, _, _, logits in plan.chunks if logits])
         t0 = time.perf_counter()
         rc = lc.llama_decode(ctx, batch.full())
         if during is not None:  # host work while the device runs this step
