@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+import logging
 import math
 import os
 import random
@@ -59,6 +60,7 @@ import numpy as np
 
 from . import _abi, holding_gil, lc
 
+log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
 _I64, _F = ctypes.c_int64, ctypes.c_float
 _F32, _I32 = 0, 26  # enum ggml_type
@@ -103,6 +105,7 @@ _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_backend_tensor_set", [_P, _P, ctypes.c_size_t, ctypes.c_size_t], None),
     ("ggml_backend_buft_get_device", [_P], _P),
     ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
+    ("ggml_op_desc", [_P], ctypes.c_char_p),
 ]
 _g = {name: holding_gil(name, args, res) for name, args, res in _SIGNATURES}  # ggml, keeping the GIL
 
@@ -139,11 +142,12 @@ def _settings(params, n_vocab: int) -> tuple[float, ...]:
 # ---- the computation ----
 
 def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
-           eog: int | None, ban: str, mixed_k: bool) -> int:
+           eog: int | None, ban: str, mixed_k: bool, top_k_op: bool = True) -> int:
     """Sampled tokens (I32, n_rows) for every row of the F32 logits matrix `m` (n_vocab x n_rows).
     `block`: F32 settings, column c of row r at c * stride + r; `uniforms`: F32, one per sequence
     id; `eog`: F32 n_vocab, `_BAN` at end-of-generation tokens; `ban`: "none", "all" or "mixed"
-    (rows whose `ban` column is 1)."""
+    (rows whose `ban` column is 1); `top_k_op`: the k best by `ggml_top_k` (else the first k of a
+    whole-row argsort, for a device without it)."""
     g = _g
 
     def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
@@ -155,7 +159,7 @@ def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: i
     elif ban == "mixed":
         lg = g["ggml_add"](ctx, m, g["ggml_mul"](ctx, g["ggml_repeat"](ctx, eog, m), col(5)))
     # the k best of each row, in descending order, and their token ids
-    if k < n_vocab:
+    if k < n_vocab and top_k_op:
         top = g["ggml_top_k"](ctx, lg, k)  # k x n_rows, in no particular order
         lk = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lg, 1, n_vocab, n_rows), top),
                                   k, n_rows)
@@ -165,6 +169,8 @@ def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: i
         ids = g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, top, 1, k, n_rows), order)  # 1 x k x n_rows
     else:
         order = g["ggml_argsort"](ctx, lg, _SORT_DESC)
+        if k < n_vocab:  # the first k of each sorted row
+            order = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, order, k, n_rows, n_vocab * 4, 0))
         logits = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lg, 1, n_vocab, n_rows),
                                                               order), k, n_rows)
         ids = g["ggml_reshape_3d"](ctx, order, 1, k, n_rows)
@@ -205,7 +211,8 @@ class _Table:
         self.uniforms = self.blocks = self.eog = None
         self.staged = np.zeros(_SEQS, dtype=np.float32)  # this step's uniform per sequence id
         self.active: set[int] = set()  # sequence ids that drew for this step
-        self.live = 0  # fused chains on the device, on this thread
+        self.live = 0  # fused chains made on this thread
+        self.top_k_op = True  # the device runs ggml_top_k (else a whole-row argsort)
         self.slot = 0
         self.builds: dict = {}  # (ggml ctx, matrix) -> _Build, for the graph being built
 
@@ -301,7 +308,7 @@ class _Build:
         ban = self.ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
         block = _g["ggml_view_1d"](ctx, t.blocks, _NC * n_rows, self.base * 4)
         self.tokens = _build(ctx, matrix, n_vocab, n_rows, self.k, block, n_rows, t.uniforms, t.eog, ban,
-                             len(ks) > 1)
+                             len(ks) > 1, t.top_k_op)
         self.owned = np.zeros(n_rows, dtype=bool)  # rows whose owner is known to be active
         self.pending: tuple | None = None  # the previous chain's (view, row, chain, seq): active or not?
         self._upload()
@@ -402,6 +409,10 @@ def _name_of(view: int) -> int | None:
 def _backend_apply(smpl, ctx, _gf, data) -> None:
     d, chain = data.contents, _of(smpl)
     t = chain._table
+    if t.blocks is None:  # a build before this chain's backend_init: not expected, but be safe
+        if chain.buft is None:
+            return
+        t.allocate(chain.buft, chain.n_vocab, chain.eog)
     seq = _name_of(d.logits)
     where = _row_of(d.logits)
     if where is None or seq is None or not 0 <= seq < _SEQS or where[2] > _ROWS:
@@ -453,34 +464,44 @@ def _backend_reset(_smpl) -> None:
 def _backend_init(smpl, buft, _n_outputs_max_per_seq) -> bool:
     chain = _of(smpl)
     chain.buft = buft
-    if not _device_supports(buft, chain):
-        BUILDS["host"] += 1
-        return False
-    chain._table.allocate(buft, chain.n_vocab, chain.eog)
+    t = chain._table
+    missing = _missing_op(buft, chain, top_k_op=True)
+    if missing is not None:
+        later = _missing_op(buft, chain, top_k_op=False)
+        if later is not None:
+            BUILDS["host"] += 1
+            log.warning("fused_dist: the device lacks %s; temperature chains sample on the host", later)
+            return False
+        t.top_k_op = False
+        log.info("fused_dist: the device lacks %s; top-k by a whole-row argsort", missing)
+    t.allocate(buft, chain.n_vocab, chain.eog)
     chain.on_device = True
     return True
 
 
-def _device_supports(buft, chain: FusedDist) -> bool:
-    """Whether the device behind `buft` runs every operation of the computation (the CPU does)."""
+def _missing_op(buft, chain: FusedDist, top_k_op: bool) -> str | None:
+    """The first operation of the computation the device behind `buft` does not run, by name;
+    None when it runs them all (the CPU runs them all)."""
     dev = _g["ggml_backend_buft_get_device"](buft)
     if not dev:
-        return True
+        return None
     g = _g
     ctx = g["ggml_init"](_abi.InitParams(256 * 1024, None, True))
     try:
         n_vocab = chain.n_vocab
-        m = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab * 2)
-        m = g["ggml_reshape_2d"](ctx, m, n_vocab, 2)
+        m = g["ggml_reshape_2d"](ctx, g["ggml_new_tensor_1d"](ctx, _F32, n_vocab * 2), n_vocab, 2)
         block = g["ggml_new_tensor_1d"](ctx, _F32, _NC * 2)
         uniforms = g["ggml_new_tensor_1d"](ctx, _F32, 4)
         eog = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab)
-        k = int(chain.row_settings[3])
-        out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True)
+        k = min(int(chain.row_settings[3]), n_vocab)
+        out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True, top_k_op)
         gf = g["ggml_new_graph"](ctx)
         g["ggml_build_forward_expand"](gf, out)
-        return all(g["ggml_backend_dev_supports_op"](dev, g["ggml_graph_node"](gf, i))
-                   for i in range(g["ggml_graph_n_nodes"](gf)))
+        for i in range(g["ggml_graph_n_nodes"](gf)):
+            node = g["ggml_graph_node"](gf, i)
+            if not g["ggml_backend_dev_supports_op"](dev, node):
+                return _g["ggml_op_desc"](node).decode()
+        return None
     finally:
         g["ggml_free"](ctx)
 
@@ -537,11 +558,11 @@ def fused_dist(params, n_vocab: int, eog_tokens: list[int]) -> FusedDist:
 
 # ---- the same computation on ggml's CPU backend, for tests and checks ----
 
-def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens=(), threads: int = 1
-                ) -> np.ndarray:
+def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens=(), threads: int = 1,
+                top_k_op: bool = True) -> np.ndarray:
     """Tokens the device computation draws for each row of `logits` (rows x n_vocab, F32), row r
     with `settings[r]` (`SamplingParams`) and uniform `uniforms[r]`, computed by ggml's CPU
-    backend from the graph `_build` makes."""
+    backend from the graph `_build` makes (`top_k_op`: as on a device with `ggml_top_k`)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     n_rows, n_vocab = logits.shape
     cols = np.zeros((_NC, n_rows), dtype=np.float32)
@@ -567,7 +588,7 @@ def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_to
 
         m = g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
         out = _build(ctx, m, n_vocab, n_rows, max(ks), tensor(cols.reshape(-1)), n_rows,
-                     tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1)
+                     tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1, top_k_op)
         gf = g["ggml_new_graph"](ctx)
         g["ggml_build_forward_expand"](gf, out)
         if g["ggml_graph_compute_with_ctx"](ctx, gf, threads) != 0:
