@@ -9,8 +9,10 @@ device) sampled one — the runner switches that sequence to a chain that bans t
 scheduler decodes the same input again.
 
 The hot path is the decode: nothing here adds per-token Python work beyond the batch's writes
-(three list assignments for 8 rows or more) and one token read per sampled row (the token of
-an attached stateless chain, `Sampler.direct`, is read in the loop itself). While the device
+(three list assignments for 8 rows or more), one token read per sampled row (the token of
+an attached stateless chain, `Sampler.direct`, is read in the loop itself) and, while fused
+temperature chains exist, one uniform per sampled row drawn before the step and uploaded in one
+copy (`fused_dist.draw`). While the device
 runs a step, the `during` callback (the previous step's text and the Outbox flush,
 engine/backend.py) runs between `llama_decode`, which releases the GIL, and
 `llama_synchronize`.

@@ -1,7 +1,9 @@
 """llama.cpp sampler chains built from `SamplingParams`, one per sequence.
 
 Greedy (temperature 0) is the `greedy` sampler after optional penalties; otherwise
-penalties → top-k → top-p → min-p → temperature → seeded distribution. `ignore_eos` adds a
+penalties → top-k → top-p → min-p → temperature → seeded distribution. On the device, a
+temperature chain without penalties is one `fused_dist` sampler instead (the same steps for all
+sequences of a step at once, `engine/llama/fused_dist.py`). `ignore_eos` adds a
 logit bias of -inf on every end-of-generation token. On the device, greedy chains use
 `fused_greedy` (one argmax for the whole step, `engine/llama/greedy.py`) and `ignore_eos` is
 enforced differently: llama.cpp's logit bias costs every sequence three kernels and two
