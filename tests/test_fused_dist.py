@@ -58,14 +58,16 @@ def test_rows_with_different_settings_draw_each_from_their_own_distribution():
         assert ok, f"{name} among mixed rows: chi-square {stat:.1f} > {crit:.1f}"
 
 
-def test_top_k_by_whole_row_sort_draws_the_same_distribution():
-    """A device without `ggml_top_k` takes the first k of a whole-row argsort instead."""
+@pytest.mark.parametrize("variant", [(True, False), (False, True), (False, False)])
+def test_variants_for_devices_lacking_an_operation_draw_the_same_distribution(variant):
+    """A device without `ggml_top_k` takes the first k of a whole-row argsort; one without I32
+    row gathers gathers token ids as F32. Same distribution."""
     p = CONFIGS["combined"]
     rows = np.tile(LOGITS, (DRAWS, 1))
-    tokens = fused_dist.sample_rows(rows, [p] * DRAWS, np.random.default_rng(4).random(DRAWS), EOG, top_k_op=False)
+    tokens = fused_dist.sample_rows(rows, [p] * DRAWS, np.random.default_rng(4).random(DRAWS), EOG, variant=variant)
     ok, stat, crit = fused_dist.chi_square_ok(np.bincount(tokens, minlength=LOGITS.size),
                                               fused_dist.reference_probs(LOGITS, p, EOG))
-    assert ok, f"chi-square {stat:.1f} > {crit:.1f}"
+    assert ok, f"{variant}: chi-square {stat:.1f} > {crit:.1f}"
 
 
 def test_ignore_eos_rows_never_draw_end_tokens():

@@ -37,8 +37,10 @@ flag (through our `ggml_tensor` mirror, `_abi.tensor_facts`) to learn whether th
 active. The last chain of a build is settled by the step's own list of sequences (`draw`).
 
 Where llama.cpp hands a chain anything but a row view of a matrix, the same computation runs on
-that row alone ("own" in `BUILDS`). A device that lacks one of the operations keeps the chain on
-the host (`backend_init` says no; "host" in `BUILDS`), where `apply` runs llama.cpp's own samplers.
+that row alone ("own" in `BUILDS`; llama.cpp's probes at attach land there). A device that lacks
+`ggml_top_k` or I32 row gathers runs a variant without it (`_VARIANTS`); one that lacks more
+keeps the chain on the host (`backend_init` says no; "host" in `BUILDS`, the missing operations
+in the log), where `apply` runs llama.cpp's own samplers.
 
 Thread contract: a context's graph builds and `draw` run on the thread that calls
 `llama_decode` (the backend's worker); each such thread has its own `_Table`. `BUILDS` is read
@@ -142,12 +144,14 @@ def _settings(params, n_vocab: int) -> tuple[float, ...]:
 # ---- the computation ----
 
 def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
-           eog: int | None, ban: str, mixed_k: bool, top_k_op: bool = True) -> int:
+           eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, bool] = (True, True)) -> int:
     """Sampled tokens (I32, n_rows) for every row of the F32 logits matrix `m` (n_vocab x n_rows).
     `block`: F32 settings, column c of row r at c * stride + r; `uniforms`: F32, one per sequence
     id; `eog`: F32 n_vocab, `_BAN` at end-of-generation tokens; `ban`: "none", "all" or "mixed"
-    (rows whose `ban` column is 1); `top_k_op`: the k best by `ggml_top_k` (else the first k of a
-    whole-row argsort, for a device without it)."""
+    (rows whose `ban` column is 1). `variant`, for devices that lack an operation: (the k best by
+    `ggml_top_k`, else the first k of a whole-row argsort; token ids gathered as I32, else as
+    F32, exact below 2^24)."""
+    top_k_op, int_ids = variant
     g = _g
 
     def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
@@ -166,14 +170,15 @@ def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: i
         order = g["ggml_argsort"](ctx, lk, _SORT_DESC)
         logits = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lk, 1, k, n_rows), order),
                                       k, n_rows)
-        ids = g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, top, 1, k, n_rows), order)  # 1 x k x n_rows
+        src = top if int_ids else g["ggml_cast"](ctx, top, _F32)
+        ids = g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, src, 1, k, n_rows), order)  # 1 x k x n_rows
     else:
         order = g["ggml_argsort"](ctx, lg, _SORT_DESC)
         if k < n_vocab:  # the first k of each sorted row
             order = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, order, k, n_rows, n_vocab * 4, 0))
         logits = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lg, 1, n_vocab, n_rows),
                                                               order), k, n_rows)
-        ids = g["ggml_reshape_3d"](ctx, order, 1, k, n_rows)
+        ids = g["ggml_reshape_3d"](ctx, order if int_ids else g["ggml_cast"](ctx, order, _F32), 1, k, n_rows)
     if mixed_k:  # rows that keep fewer than k: log(j < k_row) = -inf beyond their k
         pos = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(k), 1.0), k, 1)
         room = g["ggml_sub"](ctx, g["ggml_repeat"](ctx, col(4), logits), pos)  # k_row - j
@@ -195,6 +200,8 @@ def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: i
     past = g["ggml_sum_rows"](ctx, g["ggml_step"](ctx, g["ggml_sub"](ctx, cdf, target)))  # tokens beyond
     index = g["ggml_cast"](ctx, g["ggml_scale_bias"](ctx, past, -1.0, float(k)), _I32)
     tokens = g["ggml_get_rows"](ctx, ids, index)  # 1 x 1 x n_rows
+    if not int_ids:
+        tokens = g["ggml_cast"](ctx, tokens, _I32)
     return g["ggml_set_name"](g["ggml_reshape_1d"](ctx, tokens, n_rows), b"fused_dist_tokens")
 
 
@@ -212,7 +219,7 @@ class _Table:
         self.staged = np.zeros(_SEQS, dtype=np.float32)  # this step's uniform per sequence id
         self.active: set[int] = set()  # sequence ids that drew for this step
         self.live = 0  # fused chains made on this thread
-        self.top_k_op = True  # the device runs ggml_top_k (else a whole-row argsort)
+        self.variant = _VARIANTS[0]  # what the device runs (`_build`)
         self.slot = 0
         self.builds: dict = {}  # (ggml ctx, matrix) -> _Build, for the graph being built
 
@@ -308,7 +315,7 @@ class _Build:
         ban = self.ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
         block = _g["ggml_view_1d"](ctx, t.blocks, _NC * n_rows, self.base * 4)
         self.tokens = _build(ctx, matrix, n_vocab, n_rows, self.k, block, n_rows, t.uniforms, t.eog, ban,
-                             len(ks) > 1, t.top_k_op)
+                             len(ks) > 1, t.variant)
         self.owned = np.zeros(n_rows, dtype=bool)  # rows whose owner is known to be active
         self.pending: tuple | None = None  # the previous chain's (view, row, chain, seq): active or not?
         self._upload()
@@ -465,21 +472,29 @@ def _backend_init(smpl, buft, _n_outputs_max_per_seq) -> bool:
     chain = _of(smpl)
     chain.buft = buft
     t = chain._table
-    missing = _missing_op(buft, chain, top_k_op=True)
-    if missing is not None:
-        later = _missing_op(buft, chain, top_k_op=False)
-        if later is not None:
-            BUILDS["host"] += 1
-            log.warning("fused_dist: the device lacks %s; temperature chains sample on the host", later)
-            return False
-        t.top_k_op = False
-        log.info("fused_dist: the device lacks %s; top-k by a whole-row argsort", missing)
+    missing = []
+    for variant in _VARIANTS:
+        op = _missing_op(buft, chain, variant)
+        if op is None:
+            break
+        missing.append(op)
+    else:
+        BUILDS["host"] += 1
+        log.warning("fused_dist: the device lacks %s; temperature chains sample on the host", ", ".join(missing))
+        return False
+    if variant != t.variant:
+        log.info("fused_dist: the device lacks %s; running variant %s", ", ".join(missing), variant)
+        t.variant = variant
     t.allocate(buft, chain.n_vocab, chain.eog)
     chain.on_device = True
     return True
 
 
-def _missing_op(buft, chain: FusedDist, top_k_op: bool) -> str | None:
+# (ggml_top_k, I32 ids) first; then without what a device may lack
+_VARIANTS = ((True, True), (True, False), (False, True), (False, False))
+
+
+def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool]) -> str | None:
     """The first operation of the computation the device behind `buft` does not run, by name;
     None when it runs them all (the CPU runs them all)."""
     dev = _g["ggml_backend_buft_get_device"](buft)
@@ -494,7 +509,7 @@ def _missing_op(buft, chain: FusedDist, top_k_op: bool) -> str | None:
         uniforms = g["ggml_new_tensor_1d"](ctx, _F32, 4)
         eog = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab)
         k = min(int(chain.row_settings[3]), n_vocab)
-        out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True, top_k_op)
+        out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True, variant)
         gf = g["ggml_new_graph"](ctx)
         g["ggml_build_forward_expand"](gf, out)
         for i in range(g["ggml_graph_n_nodes"](gf)):
@@ -559,10 +574,10 @@ def fused_dist(params, n_vocab: int, eog_tokens: list[int]) -> FusedDist:
 # ---- the same computation on ggml's CPU backend, for tests and checks ----
 
 def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens=(), threads: int = 1,
-                top_k_op: bool = True) -> np.ndarray:
+                variant: tuple[bool, bool] = (True, True)) -> np.ndarray:
     """Tokens the device computation draws for each row of `logits` (rows x n_vocab, F32), row r
     with `settings[r]` (`SamplingParams`) and uniform `uniforms[r]`, computed by ggml's CPU
-    backend from the graph `_build` makes (`top_k_op`: as on a device with `ggml_top_k`)."""
+    backend from the graph `_build` makes (`variant`: see `_build`)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     n_rows, n_vocab = logits.shape
     cols = np.zeros((_NC, n_rows), dtype=np.float32)
@@ -588,7 +603,7 @@ def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_to
 
         m = g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
         out = _build(ctx, m, n_vocab, n_rows, max(ks), tensor(cols.reshape(-1)), n_rows,
-                     tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1, top_k_op)
+                     tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1, variant)
         gf = g["ggml_new_graph"](ctx)
         g["ggml_build_forward_expand"](gf, out)
         if g["ggml_graph_compute_with_ctx"](ctx, gf, threads) != 0:
