@@ -221,7 +221,6 @@ class _Table:
         self.live = 0  # fused chains made on this thread
         self.variant = _VARIANTS[0]  # what the device runs (`_build`)
         self.slot = 0
-        self.builds: dict = {}  # (ggml ctx, matrix) -> _Build, for the graph being built
 
     def allocate(self, buft, n_vocab: int, eog_tokens) -> None:
         if self.buft == buft and self.n_vocab == n_vocab:
@@ -250,12 +249,15 @@ class _Table:
         self.n_vocab = 0
 
     def next_block(self) -> tuple[int, int]:
-        """A settings block for a new build: (view of it, its index)."""
+        """A settings block for a new build: (its index, its first element)."""
         self.slot = (self.slot + 1) % _SLOTS
         return self.slot, self.slot * _NC * _ROWS
 
     def __del__(self):
-        self.free()
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone already
+            pass
 
 
 def _set(tensor: int, values: np.ndarray, offset: int = 0) -> None:
@@ -299,7 +301,11 @@ def draw(samplers) -> None:
 # ---- one graph build ----
 
 class _Build:
-    """The shared computation of one logits matrix in the graph being built, and its rows."""
+    """The shared computation of one logits matrix in the graph being built, and its rows.
+
+    Each of the graph's fused chains registers once (`add`, in llama.cpp's order of sequence
+    ids); the settings block goes to the device once all have (`expected`), so a build costs
+    two small copies: safe defaults at the start, the rows at the end."""
 
     def __init__(self, t: _Table, ctx, matrix: int, n_rows: int, chains: list):
         self.t = t
@@ -318,7 +324,9 @@ class _Build:
                              len(ks) > 1, t.variant)
         self.owned = np.zeros(n_rows, dtype=bool)  # rows whose owner is known to be active
         self.pending: tuple | None = None  # the previous chain's (view, row, chain, seq): active or not?
-        self._upload()
+        self.expected, self.seen = len(chains), 0
+        self.dirty = False
+        self.upload()  # no row of the block may name a sequence beyond the uniforms
 
     def add(self, ctx, row: int, chain: "FusedDist", seq: int) -> int:
         """A chain's view of its row's token; settles the previous chain with llama.cpp's flag."""
@@ -326,9 +334,12 @@ class _Build:
         view = _g["ggml_view_1d"](ctx, self.tokens, 1, row * 4)
         # Rows other than 0 are always their owner's; row 0 is also every idle chain's. Until
         # the next chain's build shows llama.cpp's choice, take this one if its sequence drew.
-        if (row != 0 or (seq in self.t.active and not self.owned[0])) and self._write(row, chain, seq):
-            self._upload()
+        if row != 0 or (seq in self.t.active and not self.owned[0]):
+            self.write(row, chain, seq)
         self.pending = (view, row, chain, seq)
+        self.seen += 1
+        if self.seen >= self.expected and self.dirty:
+            self.upload()
         return view
 
     def settle(self) -> None:
@@ -338,18 +349,17 @@ class _Build:
         self.pending = None
         if _abi.tensor_facts(view).flags & _FLAG_COMPUTE:
             self.owned[row] = True
-            if self._write(row, chain, seq):
-                self._upload()
+            self.write(row, chain, seq)
 
-    def _write(self, row: int, chain: "FusedDist", seq: int) -> bool:
+    def write(self, row: int, chain: "FusedDist", seq: int) -> None:
         new = (float(seq), *chain.row_settings)
-        if tuple(self.values[:, row]) == new:
-            return False
-        self.values[:, row] = new
-        return True
+        if tuple(self.values[:, row]) != new:
+            self.values[:, row] = new
+            self.dirty = True
 
-    def _upload(self) -> None:
+    def upload(self) -> None:
         _set(self.t.blocks, self.values.reshape(-1), self.base * 4)
+        self.dirty = False
 
 
 # ---- the sampler ----
@@ -446,8 +456,8 @@ def _alone(ctx, t: _Table, logits: int, chain: FusedDist, seq: int | None) -> in
     n = facts.ne[0] * facts.ne[1] * facts.ne[2] * facts.ne[3]
     matrix = _g["ggml_reshape_2d"](ctx, _g["ggml_cont"](ctx, logits), n, 1)
     b = _Build(t, ctx, matrix, 1, [chain])
-    b._write(0, chain, seq if seq is not None and 0 <= seq < _SEQS else 0)
-    b._upload()
+    b.write(0, chain, seq if seq is not None and 0 <= seq < _SEQS else 0)
+    b.upload()
     return _g["ggml_view_1d"](ctx, b.tokens, 1, 0)
 
 
