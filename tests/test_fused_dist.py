@@ -3,12 +3,14 @@ as llama.cpp's own chain, one computation for every row of a step, and a seed th
 
 from __future__ import annotations
 
+import ctypes
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from engine.llama import fused_dist
+from engine.llama import fused_dist, lc
 from engine.request import Request, SamplingParams
 
 WAIT = 120
@@ -130,3 +132,36 @@ def test_engine_first_tokens_follow_the_host_chain(make_backend, tiny_model):
     assert len(set(fused.tolist())) > 5, "the prompt was chosen for a spread first-token distribution"
     ok, stat, crit = _homogeneous(fused, host)
     assert ok, f"chi-square {stat:.1f} > {crit:.1f}"
+
+
+def test_on_the_host_the_sampler_runs_llama_chain():
+    """Where llama.cpp keeps a chain on the host it calls the sampler's `apply`: llama.cpp's own
+    samplers then choose, with the same distribution (and its seed reproduces after a reset)."""
+    p = CONFIGS["combined"]
+    sampler = fused_dist.fused_dist(replace(p, seed=5), LOGITS.size, [])
+    try:
+        def one() -> int:
+            arr = (lc.llama_token_data * LOGITS.size)(*[lc.llama_token_data(i, float(x), 0.0)
+                                                        for i, x in enumerate(LOGITS)])
+            cur = lc.llama_token_data_array(arr, LOGITS.size, -1, False)
+            lc.llama_sampler_apply(sampler.ptr, ctypes.byref(cur))
+            return arr[cur.selected].id
+
+        tokens = np.array([one() for _ in range(4000)])
+        lc.llama_sampler_reset(sampler.ptr)
+        again = [one() for _ in range(20)]
+    finally:
+        lc.llama_sampler_free(sampler.ptr)
+    ok, stat, crit = fused_dist.chi_square_ok(np.bincount(tokens, minlength=LOGITS.size),
+                                              fused_dist.reference_probs(LOGITS, p))
+    assert ok, f"chi-square {stat:.1f} > {crit:.1f}"
+    assert again == tokens[:20].tolist()
+
+
+def test_chains_with_a_repetition_penalty_keep_llama_samplers(make_backend, tiny_model):
+    """The fused sampler stands only for a chain with nothing before top-k."""
+    b = make_backend(tiny_model, cap=2, cache=False)
+    before = fused_dist.BUILDS.copy()
+    sp = SamplingParams(temperature=0.8, repeat_penalty=1.1, seed=3, max_tokens=8)
+    r = b.enqueue(Request((5, 6, 7), sp)).result(WAIT)
+    assert r.output_tokens == 8 and fused_dist.BUILDS == before
