@@ -113,7 +113,8 @@ _g = {name: holding_gil(name, args, res) for name, args, res in _SIGNATURES}  # 
 
 # "shared": computations over a whole logits matrix; "row": chain builds that took their row of
 # one; "own": chain builds that computed their row alone; "host": chains kept on the host because
-# the device lacks an operation
+# the device lacks an operation; "late": builds whose settings reached the device a step late
+# (fewer chains registered than were on the device: not expected)
 BUILDS: collections.Counter = collections.Counter()
 
 # Per-row settings, one column each, in this order (a row of a graph's settings block).
@@ -221,6 +222,7 @@ class _Table:
         self.live = 0  # fused chains made on this thread
         self.variant = _VARIANTS[0]  # what the device runs (`_build`)
         self.slot = 0
+        self.last: _Build | None = None  # the latest build of a shared computation
 
     def allocate(self, buft, n_vocab: int, eog_tokens) -> None:
         if self.buft == buft and self.n_vocab == n_vocab:
@@ -286,6 +288,9 @@ def draw(samplers) -> None:
     `(seq_id, FusedDist or None)`) draws its uniform from its own RNG; all go to the device in
     one copy."""
     t = _table()
+    if t.last is not None and t.last.dirty:  # a build where fewer chains registered than expected
+        BUILDS["late"] += 1
+        t.last.upload()
     staged, active = t.staged, t.active
     active.clear()
     top = -1
@@ -441,8 +446,8 @@ def _backend_apply(smpl, ctx, _gf, data) -> None:
     b = builds.get((ctx, matrix))
     if b is None:
         BUILDS["shared"] += 1
-        b = builds[(ctx, matrix)] = _Build(t, ctx, matrix, n_rows, [c for c in _chains.values()
-                                                                   if c._table is t and c.on_device] or [chain])
+        b = builds[(ctx, matrix)] = t.last = _Build(t, ctx, matrix, n_rows, [c for c in _chains.values()
+                                                                            if c._table is t and c.on_device] or [chain])
     if int(chain.row_settings[3]) > b.k or chain.row_settings[4] and b.ban == "none":
         d.sampled = _alone(ctx, t, d.logits, chain, seq)  # not covered by the shared part
         return
