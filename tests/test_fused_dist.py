@@ -165,3 +165,12 @@ def test_chains_with_a_repetition_penalty_keep_llama_samplers(make_backend, tiny
     sp = SamplingParams(temperature=0.8, repeat_penalty=1.1, seed=3, max_tokens=8)
     r = b.enqueue(Request((5, 6, 7), sp)).result(WAIT)
     assert r.output_tokens == 8 and fused_dist.BUILDS == before
+
+
+def test_only_settings_the_computation_covers_take_the_fused_path():
+    """Temperature, the cuts, the seed and ignore_eos are covered; a repetition penalty (or any
+    other setting away from its default) keeps llama.cpp's samplers, and greedy has its own."""
+    assert fused_dist.supports(SamplingParams(temperature=0.7, top_k=0, top_p=0.5, min_p=0.2, seed=1,
+                                              ignore_eos=True, max_tokens=9, stop=("x",)))
+    assert not fused_dist.supports(SamplingParams(temperature=0.7, repeat_penalty=1.2))
+    assert not fused_dist.supports(SamplingParams(temperature=0.0))

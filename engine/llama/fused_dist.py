@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import itertools
 import logging
 import math
@@ -127,10 +128,26 @@ _NO_CUT = 2.0  # top_p of a row without top-p: no cumulative probability reaches
 _BAN = -1e30  # ignore_eos: added to end-of-generation logits
 
 
+# SamplingParams fields the fused computation covers (or that do not touch the chain); any other
+# field away from its default (a repetition penalty, and whatever the chain learns later: a
+# grammar, logit biases, log-probabilities) keeps llama.cpp's samplers.
+_COVERED = {"temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos", "repeat_last_n"}
+
+
 def supports(params) -> bool:
-    """Whether `fused_dist` stands for the whole chain of `params` (a temperature chain with
-    nothing before top-k: no repetition penalty)."""
-    return not params.greedy and params.repeat_penalty == 1.0
+    """Whether `fused_dist` stands for the whole chain of `params`: a temperature chain with
+    nothing before top-k."""
+    if params.greedy:
+        return False
+    return all(getattr(params, f.name) == _default(f) for f in dataclasses.fields(params) if f.name not in _COVERED)
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return object()  # no default: never "at its default"
 
 
 def _settings(params, n_vocab: int) -> tuple[float, ...]:
