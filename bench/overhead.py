@@ -10,6 +10,11 @@ continuation; ignore_eos so all run to the end). Decode tok/s = tokens generated
 first one, summed over the B sequences, divided by the time from the last first-token to the
 last token. Baseline: `Llama.generate()` on one sequence, timed the same way (first token →
 last token). The last line of stdout is one JSON object.
+
+`--sampled` also decodes at temperature 0.8 / top-p 0.95 (top-k 40 and min-p 0.05 as a chat
+request gets them by default) in the same rounds: with the fused sampler (one computation for
+all sequences of a step, engine/llama/fused_dist.py) and, on a second backend without fused
+sampling, with llama.cpp's chains per sequence; each is printed as a ratio to the greedy decode.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import time
 from dataclasses import replace
 
 from engine.backend import Backend, BackendConfig
+from engine.llama import fused_dist
 from engine.llama.model import Model, resolve_model
+from engine.request import SamplingParams
 
 from .common import GRAPH_REUSE, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
 
@@ -45,6 +52,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-fused-greedy", action="store_true",
                    help="llama.cpp's greedy sampler per sequence (and its logit bias for ignore_eos) "
                         "instead of one argmax for all sequences of a step")
+    p.add_argument("--sampled", action="store_true",
+                   help="also decode at temperature 0.8 / top-p 0.95 with the fused sampler and with llama.cpp's "
+                        "per-sequence chains (a second backend), each as a ratio to greedy")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
     p.add_argument("--busy-thread", action="store_true",
@@ -73,6 +83,9 @@ def run_overhead(args) -> int:
     if not unified:  # every stream holds the prompt and one sequence's tokens
         config = replace(config, n_ctx=config.resolved().n_seq_max * ctx_for(args.prompt_tokens, args.gen_tokens, 1))
     backend = Backend(config, model).start()
+    chains = Backend(replace(config, name="bench-chains", fused_greedy=False), model).start() if args.sampled else None
+    chat = SamplingParams(temperature=0.8, top_p=0.95)  # top-k 40, min-p 0.05: the defaults
+    builds0 = fused_dist.BUILDS.copy()
     llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,
                                                  flash=args.flash_attn != "off")
     print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
@@ -82,6 +95,8 @@ def run_overhead(args) -> int:
     results: dict[str, list[float]] = {f"engine_b{b}": [] for b in batches}
     if args.busy_thread:
         results.update({f"busy_b{b}": [] for b in batches})
+    if chains is not None:
+        results.update({f"{k}_b{b}": [] for b in batches for k in ("fused_temp", "chain_temp")})
     if llama is not None:
         results["llama_b1"] = []
     if args.batched_bench:
@@ -98,6 +113,11 @@ def run_overhead(args) -> int:
                         v = engine_decode(backend, prompt, args.gen_tokens, b, record=False)
                     if rnd:
                         results[f"busy_b{b}"].append(v)
+                if chains is not None:
+                    for key, bk in (("fused_temp", backend), ("chain_temp", chains)):
+                        v = engine_decode(bk, prompt, args.gen_tokens, b, record=False, sampling=chat)
+                        if rnd:
+                            results[f"{key}_b{b}"].append(v)
             if llama is not None:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
@@ -113,6 +133,8 @@ def run_overhead(args) -> int:
                 print(f"round {rnd}/{args.repeats}: {row} tok/s", file=sys.stderr)
     finally:
         backend.stop()
+        if chains is not None:
+            chains.stop()
         model.close()
     out = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
@@ -129,6 +151,15 @@ def run_overhead(args) -> int:
             out[f"gil_ratio_b{b}"] = round(out[f"busy_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         if args.batched_bench:
             out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
+        if chains is not None:  # temperature decode against greedy, fused and per-sequence chains
+            for key in ("fused_temp", "chain_temp"):
+                out[f"ratio_{key}_greedy_b{b}"] = round(out[f"{key}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+    if chains is not None:
+        # how the fused sampler's builds went: "shared"/"row" on the device, "host" if it lacked an op
+        out["fused_dist_builds"] = dict(fused_dist.BUILDS - builds0)
+        print("temperature 0.8 / top-p 0.95 vs greedy: " + "  ".join(
+            f"B={b} fused {out[f'ratio_fused_temp_greedy_b{b}']:.3f} chains {out[f'ratio_chain_temp_greedy_b{b}']:.3f}"
+            for b in batches), file=sys.stderr)
     out["eog_redos"] = backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
     out.update(model=path.name, device=model.device, kv=args.kv, fused_greedy=backend.config.fused_greedy,
                threads=backend.config.threads,

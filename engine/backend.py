@@ -75,7 +75,7 @@ class BackendConfig:
     cache: bool = True
     max_queue: int = 4096
     backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
-    fused_greedy: bool = True  # on the device, one argmax for all greedy sequences of a step
+    fused_greedy: bool = True  # on the device, one computation for all sequences of a step (argmax, or fused_dist)
     queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
     idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
     # Unified KV: while B sequences run, the prefix cache keeps at most idle_cache_cells / B

@@ -350,6 +350,19 @@ def test_bench_overhead_prints_rates_and_shares(tiny_path, capsys):
     assert set(out["graph_reuse"]) == {"b1", "b2"} and out["fused_greedy"] is True and out["eog_redos"] == 0
 
 
+def test_bench_overhead_sampled_prints_temperature_decode_against_greedy(tiny_path, capsys):
+    """`--sampled`: temperature decode with the fused sampler and with per-sequence chains, each
+    as a ratio to the greedy decode of the same round, and how the fused sampler's builds went."""
+    rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "1,2",
+               "--repeats", "1", "--no-llama", "--prompt-tokens", "64", "--gen-tokens", "16", "--sampled"])
+    out = _last_json(capsys)
+    assert rc == 0
+    for b in (1, 2):
+        for key in ("fused_temp", "chain_temp"):
+            assert out[f"ratio_{key}_greedy_b{b}"] == round(out[f"{key}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+    assert out["fused_dist_builds"]["shared"] >= 1 and "host" not in out["fused_dist_builds"]
+
+
 def test_bench_prefill_measures_each_batch_size_alone_and_beside_decoding(tiny_path, capsys):
     rc = main(["bench", "prefill", "--model", str(tiny_path), "--threads", "1", "--sizes", "64/64,256/64",
                "--prompt-tokens", "256", "--decoders", "2", "--decode-tokens", "128", "--repeats", "1"])

@@ -1,7 +1,7 @@
 """The one boundary between the engine and llama.cpp: library start-up, its log, device facts.
 
 The package: this module (start-up, GIL-keeping bindings, devices), `model` (finding, checking
-and loading GGUF models), `greedy` (our fused greedy sampler), `synthetic` (writing synthetic
+and loading GGUF models), `greedy` and `fused_dist` (our fused greedy and temperature samplers), `synthetic` (writing synthetic
 GGUF models) and `_abi`, the only module that touches llama-cpp-python's private parts (its
 library handle, a C++ symbol of libllama, a mirror of ggml's tensor struct). `_abi` checks them
 against the installed llama-cpp-python when this package is imported, so a version it was not

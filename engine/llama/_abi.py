@@ -10,8 +10,9 @@ only this module does:
   `llama_context::get_sampled_token_ith(int)` that libllama exports: the sampled token without
   the stream sync of the public `llama_get_sampled_token_ith` (`sampled_token_method()`).
 * `GgmlTensor`, a ctypes mirror of `struct ggml_tensor` (ggml.h), through which the fused
-  greedy sampler (`engine.llama.greedy`) reads the shape and view source of the logits
-  llama.cpp hands it (`tensor_facts()`).
+  samplers (`engine.llama.greedy`, `engine.llama.fused_dist`) read the shape and view source of
+  the logits llama.cpp hands them, and which output llama.cpp chose for a chain (`flags`)
+  (`tensor_facts()`).
 
 None of these is covered by a stable ABI, so a different llama-cpp-python (another llama.cpp
 inside) could crash the process far from here. `check()` runs when `engine.llama` is first
@@ -22,7 +23,7 @@ imported, before anything else in the engine touches the library:
    supported, before a private part is touched.
 2. `_lib` must be there, a `ctypes.CDLL` with a path.
 3. The mirror must read what ggml wrote: a ggml context builds a matrix and a view of one of its
-   rows, and every field the sampler reads (`type`, `ne`, `nb`, `view_src`, `view_offs`) plus the
+   rows, and every field the samplers read (`type`, `ne`, `nb`, `view_src`, `view_offs`, `flags`) plus the
    fields around them (`buffer`, `op`, `op_params`, `flags`, `src`, `data`, `name`) is compared
    with what ggml's public functions report. Any difference is a `NativeABIError` naming the field.
 4. The C++ method is looked up. Its absence is not an error: `engine.llama` then reads tokens
@@ -89,12 +90,13 @@ class TensorFacts:
     nb: tuple[int, int, int, int]  # stride of each dimension, in bytes
     view_src: int  # the tensor this one is a view of; 0 when it is not a view
     view_offs: int  # where the view starts in `view_src`, in bytes
+    flags: int  # enum ggml_tensor_flag bits (16: GGML_TENSOR_FLAG_COMPUTE, set by ggml_build_forward_select)
 
 
 def tensor_facts(address: int) -> TensorFacts:
     """The facts of the live `ggml_tensor` at `address`."""
     t = GgmlTensor.from_address(address)
-    return TensorFacts(t.type, tuple(t.ne), tuple(t.nb), t.view_src or 0, t.view_offs)
+    return TensorFacts(t.type, tuple(t.ne), tuple(t.nb), t.view_src or 0, t.view_offs, t.flags)
 
 
 # ---- the library's handles ----
@@ -166,8 +168,8 @@ def check() -> Report:
     return Report(found, path, method)
 
 
-class _InitParams(ctypes.Structure):
-    """`struct ggml_init_params` (ggml.h)."""
+class InitParams(ctypes.Structure):
+    """`struct ggml_init_params` (ggml.h; public, but ggml is not bound by llama_cpp)."""
 
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
@@ -182,7 +184,7 @@ def check_tensor_layout(mirror: type[ctypes.Structure], version: str | None = No
     field that differs. The tensors are a 1000 x 7 F32 matrix named `abi-probe` and a view of
     its row 5, marked as a graph output, in a ggml context of their own."""
     P = ctypes.c_void_p
-    init = function("ggml_init", [_InitParams], P, keep_gil=False)
+    init = function("ggml_init", [InitParams], P, keep_gil=False)
     free = function("ggml_free", [P], None, keep_gil=False)
     new_2d = function("ggml_new_tensor_2d", [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], P, keep_gil=False)
     view_1d = function("ggml_view_1d", [P, P, ctypes.c_int64, ctypes.c_size_t], P, keep_gil=False)
@@ -193,7 +195,7 @@ def check_tensor_layout(mirror: type[ctypes.Structure], version: str | None = No
     op_name = function("ggml_op_name", [ctypes.c_int], ctypes.c_char_p, keep_gil=False)
     type_name = function("ggml_type_name", [ctypes.c_int], ctypes.c_char_p, keep_gil=False)
 
-    ctx = init(_InitParams(1 << 20, None, False))
+    ctx = init(InitParams(1 << 20, None, False))
     if not ctx:
         raise NativeABIError("ggml_init could not make a 1 MiB context to check the ggml_tensor layout")
     try:

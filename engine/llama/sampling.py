@@ -1,7 +1,9 @@
 """llama.cpp sampler chains built from `SamplingParams`, one per sequence.
 
 Greedy (temperature 0) is the `greedy` sampler after optional penalties; otherwise
-penalties → top-k → top-p → min-p → temperature → seeded distribution. `ignore_eos` adds a
+penalties → top-k → top-p → min-p → temperature → seeded distribution. On the device, a
+temperature chain without penalties is one `fused_dist` sampler instead (the same steps for all
+sequences of a step at once, `engine/llama/fused_dist.py`). `ignore_eos` adds a
 logit bias of -inf on every end-of-generation token. On the device, greedy chains use
 `fused_greedy` (one argmax for the whole step, `engine/llama/greedy.py`) and `ignore_eos` is
 enforced differently: llama.cpp's logit bias costs every sequence three kernels and two
@@ -18,7 +20,7 @@ import time
 
 from .. import llama
 from ..request import SamplingParams
-from . import lc
+from . import fused_dist, lc
 from .greedy import fused_greedy
 
 
@@ -30,7 +32,7 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "guards_eog", "direct", "_stateless", "_bias", "_ctx", "_seq")
+    __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "_stateless", "_bias", "_ctx", "_seq")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
@@ -42,13 +44,16 @@ class Sampler:
                 params.temperature, params.seed)
 
     def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False):
-        """`fused`: a greedy chain for the device, with `fused_greedy` and, for `ignore_eos`,
-        no bias but `guards_eog` (the caller must not keep an end token it samples)."""
+        """`fused`: a chain for the device: greedy takes `fused_greedy` and, for `ignore_eos`,
+        no bias but `guards_eog` (the caller must not keep an end token it samples); a
+        temperature chain without penalties is one `fused_dist` sampler (`dist`, whose
+        uniform the runner draws before each step: `fused_dist.draw`)."""
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
-        fused = fused and params.greedy
+        self.dist = fused_dist.fused_dist(params, n_vocab, eog_tokens) if fused and fused_dist.supports(params) else None
+        fused = fused and (params.greedy or self.dist is not None)
         self.key = self.key_of(params)
-        self.guards_eog = fused and params.ignore_eos
+        self.guards_eog = fused and params.greedy and params.ignore_eos
         self._stateless = fused and params.repeat_penalty == 1.0  # nothing in it keeps history
         self._bias = None
         self._ctx = None
@@ -56,7 +61,7 @@ class Sampler:
         # Attached and stateless: its token is read straight from the context, and nothing
         # is accepted (the runner's per-row fast path; `sample` does the same, one call deeper).
         self.direct = False
-        if params.ignore_eos and eog_tokens and not fused:
+        if params.ignore_eos and eog_tokens and not fused:  # (`dist` bans end tokens itself)
             self._bias = (lc.llama_logit_bias * len(eog_tokens))(
                 *[lc.llama_logit_bias(t, float("-inf")) for t in eog_tokens]
             )
@@ -65,6 +70,8 @@ class Sampler:
             add(lc.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
         if params.greedy:
             add(fused_greedy() if fused else lc.llama_sampler_init_greedy())
+        elif self.dist is not None:
+            add(self.dist.ptr)
         else:
             if params.top_k > 0:
                 add(lc.llama_sampler_init_top_k(min(params.top_k, n_vocab)))

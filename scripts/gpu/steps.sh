@@ -56,6 +56,14 @@ decode() {  # our GPU decode vs llama-batched-bench, fused greedy, then llama.cp
 
 decode_split() { _decode overhead_gpu_split.txt 2 1,4,16,32 --kv split; }
 
+sampling() {  # ~3 min: temperature 0.8 / top-p 0.95 (fused, and llama.cpp's per-sequence chains) against greedy,
+              # and greedy against llama-batched-bench, B = 1..128, in one run
+  _stamp "GPU decode: temperature sampling vs greedy, greedy vs batched-bench"
+  python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,16,32,64,128 --sampled \
+    --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats "${REPEATS:-3}" 2>&1 \
+    | tail -$((${REPEATS:-3} + 3)) | tee "$OUT/overhead_gpu_sampling.txt"
+}
+
 threads() {  # host threads of the GPU context at small batches
   for t in 1 4 8; do _decode "threads_gpu_$t.txt" 3 1,4,16 --threads "$t"; done
 }

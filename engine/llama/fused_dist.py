@@ -1,0 +1,683 @@
+"""Temperature sampling on the device: one top-k / top-p / min-p / temperature / draw for every
+sequence of a step.
+
+llama.cpp builds each sequence's device sampler chain on its own: top-k over that sequence's row
+of logits, an argsort, a softmax, a cumulative sum, the cut masks, another softmax and cumsum for
+the draw, each a kernel (or several) per sequence per step, and each `dist` sampler uploads its
+random number with a blocking copy. `fused_dist(params, ...)` is one sampler that stands for the
+chain's top-k → top-p → min-p → temperature → dist (the order `engine/llama/sampling.py`
+builds): the first chain to build its part of a step's graph adds the whole computation once,
+over the step's logits matrix (`_build`), and every chain takes its own row's token as a view
+of the result, as `fused_greedy` does for argmax (engine/llama/greedy.py). The same distribution
+as llama.cpp's chain (tests/test_fused_dist.py checks it against the chain itself):
+
+* top-k: `ggml_top_k` over each row (k = the largest k of the graph's chains; rows asking a
+  smaller k mask the rest), the k logits sorted by `ggml_argsort`;
+* top-p: softmax over the kept logits, a token stays while the probability before it is < p
+  (the token that crosses p stays, as llama.cpp's);
+* min-p: a token stays if its probability is ≥ min_p × the largest;
+* temperature: the kept logits divided by it; dist: a softmax, a cumulative sum, and the first
+  token whose cumulative sum reaches u × total, u uniform in [0, 1).
+* `ignore_eos`: end-of-generation logits get -1e30 before all of it (llama.cpp's logit bias
+  sets -inf: the same tokens, and none of them can be drawn).
+
+Rows with different settings share one graph: each row's settings are a column of numbers
+(`_COLUMNS`) in a small block of device memory this module owns (`_Table`), written when a graph
+is built (chains keep their settings while attached). Each sequence draws its uniform from its
+own RNG (`random.Random`, seeded with the request's seed: a seed reproduces, alone or batched)
+on the host before the step (`draw`, called by the runner before `llama_decode`) and all of a
+step's uniforms go to the device in one copy; the graph picks each row's by its sequence id. No
+Python runs inside a step unless the graph is rebuilt (the callbacks are `backend_apply` and
+`backend_reset`, at builds only; there is no `backend_set_input`).
+
+Which row belongs to which sequence: llama.cpp names each row view `logits_seq_<id>_<i>` and
+hands chains with no output in the step a view of row 0 as well; after each chain's build it
+marks the chosen output with `GGML_TENSOR_FLAG_COMPUTE`, so a build reads the previous chain's
+flag (through our `ggml_tensor` mirror, `_abi.tensor_facts`) to learn whether that one was
+active. The last chain of a build is settled by the step's own list of sequences (`draw`).
+
+Where llama.cpp hands a chain anything but a row view of a matrix, the same computation runs on
+that row alone ("own" in `BUILDS`; llama.cpp's probes at attach land there). A device that lacks
+`ggml_top_k` or I32 row gathers runs a variant without it (`_VARIANTS`); one that lacks more
+keeps the chain on the host (`backend_init` says no; "host" in `BUILDS`, the missing operations
+in the log), where `apply` runs llama.cpp's own samplers.
+
+Thread contract: a context's graph builds and `draw` run on the thread that calls
+`llama_decode` (the backend's worker); each such thread has its own `_Table`. `BUILDS` is read
+anywhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import random
+import threading
+
+import numpy as np
+
+from . import _abi, holding_gil, lc
+
+log = logging.getLogger(__name__)
+_P = ctypes.c_void_p
+_I64, _F = ctypes.c_int64, ctypes.c_float
+_F32, _I32 = 0, 26  # enum ggml_type
+_SORT_DESC = 1  # enum ggml_sort_order
+_FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: set on the output llama.cpp chose for a chain
+
+_SIGNATURES: list[tuple[str, list, object]] = [
+    ("ggml_top_k", [_P, _P, ctypes.c_int], _P),
+    ("ggml_argsort", [_P, _P, ctypes.c_int], _P),
+    ("ggml_get_rows", [_P, _P, _P], _P),
+    ("ggml_reshape_1d", [_P, _P, _I64], _P),
+    ("ggml_reshape_2d", [_P, _P, _I64, _I64], _P),
+    ("ggml_reshape_3d", [_P, _P, _I64, _I64, _I64], _P),
+    ("ggml_view_1d", [_P, _P, _I64, ctypes.c_size_t], _P),
+    ("ggml_view_2d", [_P, _P, _I64, _I64, ctypes.c_size_t, ctypes.c_size_t], _P),
+    ("ggml_soft_max", [_P, _P], _P),
+    ("ggml_cumsum", [_P, _P], _P),
+    ("ggml_add", [_P, _P, _P], _P),
+    ("ggml_sub", [_P, _P, _P], _P),
+    ("ggml_mul", [_P, _P, _P], _P),
+    ("ggml_step", [_P, _P], _P),
+    ("ggml_log", [_P, _P], _P),
+    ("ggml_cont", [_P, _P], _P),
+    ("ggml_sum_rows", [_P, _P], _P),
+    ("ggml_scale_bias", [_P, _P, _F, _F], _P),
+    ("ggml_cast", [_P, _P, ctypes.c_int], _P),
+    ("ggml_repeat", [_P, _P, _P], _P),
+    ("ggml_arange", [_P, _F, _F, _F], _P),
+    ("ggml_set_name", [_P, ctypes.c_char_p], _P),
+    ("ggml_get_name", [_P], ctypes.c_char_p),
+    ("ggml_new_tensor_1d", [_P, ctypes.c_int, _I64], _P),
+    ("ggml_get_data", [_P], _P),
+    ("ggml_init", [_abi.InitParams], _P),
+    ("ggml_free", [_P], None),
+    ("ggml_new_graph", [_P], _P),
+    ("ggml_build_forward_expand", [_P, _P], None),
+    ("ggml_graph_n_nodes", [_P], ctypes.c_int),
+    ("ggml_graph_node", [_P, ctypes.c_int], _P),
+    ("ggml_graph_compute_with_ctx", [_P, _P, ctypes.c_int], ctypes.c_int),
+    ("ggml_backend_alloc_ctx_tensors_from_buft", [_P, _P], _P),
+    ("ggml_backend_buffer_free", [_P], None),
+    ("ggml_backend_tensor_set", [_P, _P, ctypes.c_size_t, ctypes.c_size_t], None),
+    ("ggml_backend_buft_get_device", [_P], _P),
+    ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
+    ("ggml_op_desc", [_P], ctypes.c_char_p),
+]
+_g = {name: holding_gil(name, args, res) for name, args, res in _SIGNATURES}  # ggml, keeping the GIL
+
+# "shared": computations over a whole logits matrix; "row": chain builds that took their row of
+# one; "own": chain builds that computed their row alone; "host": chains kept on the host because
+# the device lacks an operation; "late": builds whose settings reached the device a step late
+# (fewer chains registered than were on the device: not expected)
+BUILDS: collections.Counter = collections.Counter()
+
+# Per-row settings, one column each, in this order (a row of a graph's settings block).
+_COLUMNS = ("seq", "inv_temp", "top_p", "min_p", "k", "ban")
+_NC = len(_COLUMNS)
+_SEQS = 8192  # sequence ids the uniforms table covers (llama.cpp's n_seq_max is far below)
+_ROWS = 8193  # rows of one graph's settings block (n_batch outputs + llama.cpp's padding row)
+_SLOTS = 16  # settings blocks, used in turn by successive builds (a step's ubatches may be in flight)
+_NO_CUT = 2.0  # top_p of a row without top-p: no cumulative probability reaches it
+_BAN = -1e30  # ignore_eos: added to end-of-generation logits
+
+
+# SamplingParams fields the fused computation covers (or that do not touch the chain); any other
+# field away from its default (a repetition penalty, and whatever the chain learns later: a
+# grammar, logit biases, log-probabilities) keeps llama.cpp's samplers.
+_COVERED = {"temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos", "repeat_last_n"}
+
+
+def supports(params) -> bool:
+    """Whether `fused_dist` stands for the whole chain of `params`: a temperature chain with
+    nothing before top-k."""
+    if params.greedy:
+        return False
+    return all(getattr(params, f.name) == _default(f) for f in dataclasses.fields(params) if f.name not in _COVERED)
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return object()  # no default: never "at its default"
+
+
+def _settings(params, n_vocab: int) -> tuple[float, ...]:
+    """A row's settings column values (`_COLUMNS` without the sequence id)."""
+    k = min(params.top_k, n_vocab) if params.top_k > 0 else n_vocab
+    top_p = params.top_p if params.top_p < 1.0 else _NO_CUT
+    # kept: p >= min_p * p_max; a hair below so that a tie with the largest stays (min_p = 1)
+    min_p = params.min_p * (1 - 1e-6) if params.min_p > 0.0 else -1e30
+    return (1.0 / params.temperature, top_p, min_p, float(k), 1.0 if params.ignore_eos else 0.0)
+
+
+# ---- the computation ----
+
+def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
+           eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, bool] = (True, True)) -> int:
+    """Sampled tokens (I32, n_rows) for every row of the F32 logits matrix `m` (n_vocab x n_rows).
+    `block`: F32 settings, column c of row r at c * stride + r; `uniforms`: F32, one per sequence
+    id; `eog`: F32 n_vocab, `_BAN` at end-of-generation tokens; `ban`: "none", "all" or "mixed"
+    (rows whose `ban` column is 1). `variant`, for devices that lack an operation: (the k best by
+    `ggml_top_k`, else the first k of a whole-row argsort; token ids gathered as I32, else as
+    F32, exact below 2^24)."""
+    top_k_op, int_ids = variant
+    g = _g
+
+    def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
+        return g["ggml_reshape_2d"](ctx, g["ggml_view_1d"](ctx, block, n_rows, c * stride * 4), 1, n_rows)
+
+    lg = m
+    if ban == "all":
+        lg = g["ggml_add"](ctx, m, eog)
+    elif ban == "mixed":
+        lg = g["ggml_add"](ctx, m, g["ggml_mul"](ctx, g["ggml_repeat"](ctx, eog, m), col(5)))
+    # the k best of each row, in descending order, and their token ids
+    if k < n_vocab and top_k_op:
+        top = g["ggml_top_k"](ctx, lg, k)  # k x n_rows, in no particular order
+        lk = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lg, 1, n_vocab, n_rows), top),
+                                  k, n_rows)
+        order = g["ggml_argsort"](ctx, lk, _SORT_DESC)
+        logits = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lk, 1, k, n_rows), order),
+                                      k, n_rows)
+        src = top if int_ids else g["ggml_cast"](ctx, top, _F32)
+        ids = g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, src, 1, k, n_rows), order)  # 1 x k x n_rows
+    else:
+        order = g["ggml_argsort"](ctx, lg, _SORT_DESC)
+        if k < n_vocab:  # the first k of each sorted row
+            order = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, order, k, n_rows, n_vocab * 4, 0))
+        logits = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lg, 1, n_vocab, n_rows),
+                                                              order), k, n_rows)
+        ids = g["ggml_reshape_3d"](ctx, order if int_ids else g["ggml_cast"](ctx, order, _F32), 1, k, n_rows)
+    if mixed_k:  # rows that keep fewer than k: log(j < k_row) = -inf beyond their k
+        pos = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(k), 1.0), k, 1)
+        room = g["ggml_sub"](ctx, g["ggml_repeat"](ctx, col(4), logits), pos)  # k_row - j
+        logits = g["ggml_add"](ctx, logits, g["ggml_log"](ctx, g["ggml_step"](ctx, g["ggml_scale_bias"](ctx, room, 1.0, -0.5))))
+    # top-p and min-p on the probabilities at temperature 1 over the top k
+    probs = g["ggml_soft_max"](ctx, logits)
+    before = g["ggml_sub"](ctx, probs, g["ggml_cumsum"](ctx, probs))  # -(probability before each token)
+    keep = g["ggml_step"](ctx, g["ggml_add"](ctx, before, col(2)))  # p - before > 0
+    largest = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, probs, 1, n_rows, k * 4, 0))
+    floor = g["ggml_mul"](ctx, largest, col(3))
+    keep = g["ggml_mul"](ctx, keep, g["ggml_step"](ctx, g["ggml_sub"](ctx, probs, floor)))
+    # temperature, then the draw: the first token whose cumulative sum reaches u x total
+    final = g["ggml_add"](ctx, g["ggml_mul"](ctx, logits, col(1)), g["ggml_log"](ctx, keep))
+    cdf = g["ggml_cumsum"](ctx, g["ggml_soft_max"](ctx, final))
+    total = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, cdf, 1, n_rows, k * 4, (k - 1) * 4))
+    seqs = g["ggml_cast"](ctx, g["ggml_view_1d"](ctx, block, n_rows, 0), _I32)
+    u = g["ggml_get_rows"](ctx, g["ggml_reshape_2d"](ctx, uniforms, 1, _abi.tensor_facts(uniforms).ne[0]), seqs)
+    target = g["ggml_mul"](ctx, g["ggml_reshape_2d"](ctx, u, 1, n_rows), total)
+    past = g["ggml_sum_rows"](ctx, g["ggml_step"](ctx, g["ggml_sub"](ctx, cdf, target)))  # tokens beyond
+    index = g["ggml_cast"](ctx, g["ggml_scale_bias"](ctx, past, -1.0, float(k)), _I32)
+    tokens = g["ggml_get_rows"](ctx, ids, index)  # 1 x 1 x n_rows
+    if not int_ids:
+        tokens = g["ggml_cast"](ctx, tokens, _I32)
+    return g["ggml_set_name"](g["ggml_reshape_1d"](ctx, tokens, n_rows), b"fused_dist_tokens")
+
+
+# ---- device memory: uniforms per sequence, settings blocks, the end-token bias ----
+
+class _Table:
+    """One thread's device memory for its context's fused chains, allocated at the first build
+    from the buffer type llama.cpp gave the chains, and what a step's builds share."""
+
+    def __init__(self):
+        self.buft = None
+        self.n_vocab = 0
+        self._ctx = self._buffer = None
+        self.uniforms = self.blocks = self.eog = None
+        self.staged = np.zeros(_SEQS, dtype=np.float32)  # this step's uniform per sequence id
+        self.active: set[int] = set()  # sequence ids that drew for this step
+        self.live = 0  # fused chains made on this thread
+        self.variant = _VARIANTS[0]  # what the device runs (`_build`)
+        self.slot = 0
+        self.last: _Build | None = None  # the latest build of a shared computation
+
+    def allocate(self, buft, n_vocab: int, eog_tokens) -> None:
+        if self.buft == buft and self.n_vocab == n_vocab:
+            return
+        self.free()
+        g = _g
+        self._ctx = g["ggml_init"](_abi.InitParams(8 * 1024, None, True))
+        self.uniforms = g["ggml_new_tensor_1d"](self._ctx, _F32, _SEQS)
+        self.blocks = g["ggml_new_tensor_1d"](self._ctx, _F32, _SLOTS * _NC * _ROWS)
+        self.eog = g["ggml_new_tensor_1d"](self._ctx, _F32, n_vocab)
+        self._buffer = g["ggml_backend_alloc_ctx_tensors_from_buft"](self._ctx, buft)
+        if not self._buffer:
+            raise MemoryError("fused_dist: could not allocate its device tables")
+        bias = np.zeros(n_vocab, dtype=np.float32)
+        bias[[t for t in eog_tokens if 0 <= t < n_vocab]] = _BAN
+        _set(self.eog, bias)
+        _set(self.uniforms, self.staged)
+        self.buft, self.n_vocab = buft, n_vocab
+
+    def free(self) -> None:
+        if self._buffer:
+            _g["ggml_backend_buffer_free"](self._buffer)
+        if self._ctx:
+            _g["ggml_free"](self._ctx)
+        self._ctx = self._buffer = self.buft = None
+        self.n_vocab = 0
+
+    def next_block(self) -> tuple[int, int]:
+        """A settings block for a new build: (its index, its first element)."""
+        self.slot = (self.slot + 1) % _SLOTS
+        return self.slot, self.slot * _NC * _ROWS
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone already
+            pass
+
+
+def _set(tensor: int, values: np.ndarray, offset: int = 0) -> None:
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    _g["ggml_backend_tensor_set"](tensor, values.ctypes.data, offset, values.nbytes)
+
+
+_local = threading.local()
+
+
+def _table() -> _Table:
+    t = getattr(_local, "table", None)
+    if t is None:
+        t = _local.table = _Table()
+    return t
+
+
+def live() -> bool:
+    """Whether fused chains are on the device on this thread (the runner then calls `draw`)."""
+    t = getattr(_local, "table", None)
+    return t is not None and t.live > 0
+
+
+def draw(samplers) -> None:
+    """Before a step: each fused chain among `samplers` (the step's output rows, as
+    `(seq_id, FusedDist or None)`) draws its uniform from its own RNG; all go to the device in
+    one copy."""
+    t = _table()
+    if t.last is not None and t.last.dirty:  # a build where fewer chains registered than expected
+        BUILDS["late"] += 1
+        t.last.upload()
+    staged, active = t.staged, t.active
+    active.clear()
+    top = -1
+    for seq, d in samplers:
+        if d is not None and 0 <= seq < _SEQS:
+            staged[seq] = d.rng.random()
+            active.add(seq)
+            top = max(top, seq)
+    if top >= 0 and t.uniforms:
+        _set(t.uniforms, staged[:top + 1])
+
+
+# ---- one graph build ----
+
+class _Build:
+    """The shared computation of one logits matrix in the graph being built, and its rows.
+
+    Each of the graph's fused chains registers once (`add`, in llama.cpp's order of sequence
+    ids); the settings block goes to the device once all have (`expected`), so a build costs
+    two small copies: safe defaults at the start, the rows at the end."""
+
+    def __init__(self, t: _Table, ctx, matrix: int, n_rows: int, chains: list):
+        self.t = t
+        self.n_rows = n_rows
+        self.slot, self.base = t.next_block()
+        self.values = np.zeros((_NC, n_rows), dtype=np.float32)
+        self.values[2] = _NO_CUT  # rows no fused chain owns: harmless settings
+        self.values[1] = self.values[4] = 1.0
+        n_vocab = _abi.tensor_facts(matrix).ne[0]  # the model's, but for llama.cpp's probes at attach
+        ks = {min(int(c.row_settings[3]), n_vocab) for c in chains}
+        self.k = max(ks)
+        bans = {c.row_settings[4] for c in chains} if n_vocab == t.n_vocab else {0.0}
+        ban = self.ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
+        block = _g["ggml_view_1d"](ctx, t.blocks, _NC * n_rows, self.base * 4)
+        self.tokens = _build(ctx, matrix, n_vocab, n_rows, self.k, block, n_rows, t.uniforms, t.eog, ban,
+                             len(ks) > 1, t.variant)
+        self.owned = np.zeros(n_rows, dtype=bool)  # rows whose owner is known to be active
+        self.pending: tuple | None = None  # the previous chain's (view, row, chain, seq): active or not?
+        self.expected, self.seen = len(chains), 0
+        self.dirty = False
+        self.upload()  # no row of the block may name a sequence beyond the uniforms
+
+    def add(self, ctx, row: int, chain: "FusedDist", seq: int) -> int:
+        """A chain's view of its row's token; settles the previous chain with llama.cpp's flag."""
+        self.settle()
+        view = _g["ggml_view_1d"](ctx, self.tokens, 1, row * 4)
+        # Rows other than 0 are always their owner's; row 0 is also every idle chain's. Until
+        # the next chain's build shows llama.cpp's choice, take this one if its sequence drew.
+        if row != 0 or (seq in self.t.active and not self.owned[0]):
+            self.write(row, chain, seq)
+        self.pending = (view, row, chain, seq)
+        self.seen += 1
+        if self.seen >= self.expected and self.dirty:
+            self.upload()
+        return view
+
+    def settle(self) -> None:
+        if self.pending is None:
+            return
+        view, row, chain, seq = self.pending
+        self.pending = None
+        if _abi.tensor_facts(view).flags & _FLAG_COMPUTE:
+            self.owned[row] = True
+            self.write(row, chain, seq)
+
+    def write(self, row: int, chain: "FusedDist", seq: int) -> None:
+        new = (float(seq), *chain.row_settings)
+        if tuple(self.values[:, row]) != new:
+            self.values[:, row] = new
+            self.dirty = True
+
+    def upload(self) -> None:
+        _set(self.t.blocks, self.values.reshape(-1), self.base * 4)
+        self.dirty = False
+
+
+# ---- the sampler ----
+
+_chains: dict[int, "FusedDist"] = {}
+_ids = itertools.count(1)
+_built = threading.local()  # per thread: (ggml ctx, matrix) -> _Build
+
+
+class FusedDist:
+    """One sequence's top-k → top-p → min-p → temperature → dist, for a llama.cpp chain."""
+
+    def __init__(self, params, n_vocab: int, eog_tokens: list[int]):
+        self.params = params
+        self.n_vocab = n_vocab
+        self.eog = list(eog_tokens)
+        self.row_settings = _settings(params, n_vocab)
+        self.rng = random.Random()
+        self.on_device = False
+        self.buft = None
+        self._table = _table()  # the creating thread's (the backend's worker)
+        self._table.live += 1
+        self._reseed()
+        # On the host (a chain llama.cpp keeps there): llama.cpp's own samplers, in the same order.
+        self._host = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        add = lambda s: lc.llama_sampler_chain_add(self._host, s)  # noqa: E731
+        self._bias = None
+        if params.ignore_eos and eog_tokens:
+            self._bias = (lc.llama_logit_bias * len(eog_tokens))(
+                *[lc.llama_logit_bias(t, float("-inf")) for t in eog_tokens])
+            add(lc.llama_sampler_init_logit_bias(n_vocab, len(eog_tokens), self._bias))
+        if params.top_k > 0:
+            add(lc.llama_sampler_init_top_k(min(params.top_k, n_vocab)))
+        if params.top_p < 1.0:
+            add(lc.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            add(lc.llama_sampler_init_min_p(params.min_p, 1))
+        add(lc.llama_sampler_init_temp(params.temperature))
+        add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else lc.LLAMA_DEFAULT_SEED))
+        self.id = next(_ids)
+        _chains[self.id] = self
+        self.ptr = lc.llama_sampler_init(ctypes.byref(_IFACE), ctypes.c_void_p(self.id))
+
+    def _reseed(self) -> None:
+        seed = self.params.seed
+        self.rng.seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+
+def _of(smpl) -> FusedDist:
+    return _chains[smpl.contents.ctx]
+
+
+def _name_of(view: int) -> int | None:
+    """The sequence id in llama.cpp's name of a chain's logits view (`logits_seq_<id>_<i>`)."""
+    name = _g["ggml_get_name"](view) or b""
+    if not name.startswith(b"logits_seq_"):
+        return None
+    try:
+        return int(name[len(b"logits_seq_"):].split(b"_")[0])
+    except ValueError:
+        return None
+
+
+def _backend_apply(smpl, ctx, _gf, data) -> None:
+    d, chain = data.contents, _of(smpl)
+    t = chain._table
+    if t.blocks is None:  # a build before this chain's backend_init: not expected, but be safe
+        if chain.buft is None:
+            return
+        t.allocate(chain.buft, chain.n_vocab, chain.eog)
+    seq = _name_of(d.logits)
+    where = _row_of(d.logits)
+    if where is None or seq is None or not 0 <= seq < _SEQS or where[2] > _ROWS:
+        d.sampled = _alone(ctx, t, d.logits, chain, seq)
+        return
+    matrix, row, n_rows = where
+    BUILDS["row"] += 1
+    builds = _built.__dict__.setdefault("builds", {})
+    b = builds.get((ctx, matrix))
+    if b is None:
+        BUILDS["shared"] += 1
+        b = builds[(ctx, matrix)] = t.last = _Build(t, ctx, matrix, n_rows, [c for c in _chains.values()
+                                                                            if c._table is t and c.on_device] or [chain])
+    if int(chain.row_settings[3]) > b.k or chain.row_settings[4] and b.ban == "none":
+        d.sampled = _alone(ctx, t, d.logits, chain, seq)  # not covered by the shared part
+        return
+    d.sampled = b.add(ctx, row, chain, seq)
+
+
+def _alone(ctx, t: _Table, logits: int, chain: FusedDist, seq: int | None) -> int:
+    """The computation on one chain's logits alone (its sequence's uniform, its settings)."""
+    BUILDS["own"] += 1
+    facts = _abi.tensor_facts(logits)
+    n = facts.ne[0] * facts.ne[1] * facts.ne[2] * facts.ne[3]
+    matrix = _g["ggml_reshape_2d"](ctx, _g["ggml_cont"](ctx, logits), n, 1)
+    b = _Build(t, ctx, matrix, 1, [chain])
+    b.write(0, chain, seq if seq is not None and 0 <= seq < _SEQS else 0)
+    b.upload()
+    return _g["ggml_view_1d"](ctx, b.tokens, 1, 0)
+
+
+def _row_of(logits: int) -> tuple[int, int, int] | None:
+    """(matrix, row, rows) when `logits` is one whole row of a contiguous 2-D F32 matrix."""
+    t = _abi.tensor_facts(logits)
+    if not t.view_src or t.type != _F32 or t.ne[1:] != (1, 1, 1):
+        return None
+    m = _abi.tensor_facts(t.view_src)
+    row_bytes = m.nb[1]
+    if (m.type != _F32 or m.ne[0] != t.ne[0] or m.nb[0] != 4 or row_bytes != 4 * m.ne[0]
+            or m.ne[2:] != (1, 1) or t.view_offs % row_bytes or t.view_offs // row_bytes >= m.ne[1]):
+        return None
+    return t.view_src, t.view_offs // row_bytes, m.ne[1]
+
+
+def _backend_reset(_smpl) -> None:
+    _built.__dict__.pop("builds", None)
+
+
+def _backend_init(smpl, buft, _n_outputs_max_per_seq) -> bool:
+    chain = _of(smpl)
+    chain.buft = buft
+    t = chain._table
+    missing = []
+    for variant in _VARIANTS:
+        op = _missing_op(buft, chain, variant)
+        if op is None:
+            break
+        missing.append(op)
+    else:
+        BUILDS["host"] += 1
+        log.warning("fused_dist: the device lacks %s; temperature chains sample on the host", ", ".join(missing))
+        return False
+    if variant != t.variant:
+        log.info("fused_dist: the device lacks %s; running variant %s", ", ".join(missing), variant)
+        t.variant = variant
+    t.allocate(buft, chain.n_vocab, chain.eog)
+    chain.on_device = True
+    return True
+
+
+# (ggml_top_k, I32 ids) first; then without what a device may lack
+_VARIANTS = ((True, True), (True, False), (False, True), (False, False))
+
+
+def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool]) -> str | None:
+    """The first operation of the computation the device behind `buft` does not run, by name;
+    None when it runs them all (the CPU runs them all)."""
+    dev = _g["ggml_backend_buft_get_device"](buft)
+    if not dev:
+        return None
+    g = _g
+    ctx = g["ggml_init"](_abi.InitParams(256 * 1024, None, True))
+    try:
+        n_vocab = chain.n_vocab
+        m = g["ggml_reshape_2d"](ctx, g["ggml_new_tensor_1d"](ctx, _F32, n_vocab * 2), n_vocab, 2)
+        block = g["ggml_new_tensor_1d"](ctx, _F32, _NC * 2)
+        uniforms = g["ggml_new_tensor_1d"](ctx, _F32, 4)
+        eog = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab)
+        k = min(int(chain.row_settings[3]), n_vocab)
+        out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True, variant)
+        gf = g["ggml_new_graph"](ctx)
+        g["ggml_build_forward_expand"](gf, out)
+        for i in range(g["ggml_graph_n_nodes"](gf)):
+            node = g["ggml_graph_node"](gf, i)
+            if not g["ggml_backend_dev_supports_op"](dev, node):
+                return _g["ggml_op_desc"](node).decode()
+        return None
+    finally:
+        g["ggml_free"](ctx)
+
+
+def _apply(smpl, cur_p) -> None:
+    """On the host: llama.cpp's own top-k, top-p, min-p, temperature and dist."""
+    lc.llama_sampler_apply(_of(smpl)._host, cur_p)
+
+
+def _reset(smpl) -> None:
+    chain = _of(smpl)
+    chain._reseed()
+    lc.llama_sampler_reset(chain._host)
+
+
+def _free(smpl) -> None:
+    chain = _chains.pop(smpl.contents.ctx, None)
+    if chain is None:
+        return
+    if chain._table is not None:
+        chain._table.live -= 1
+        chain._table = None
+    chain.on_device = False
+    lc.llama_sampler_free(chain._host)
+    chain._host = None
+
+
+_NAME = ctypes.create_string_buffer(b"fused-dist")
+_name_t = ctypes.CFUNCTYPE(ctypes.c_void_p, lc.llama_sampler_p_ctypes)
+_callbacks = (
+    _name_t(lambda _smpl: ctypes.addressof(_NAME)),
+    lc.llama_sampler_i_apply(_apply),
+    lc.llama_sampler_i_reset(_reset),
+    lc.llama_sampler_i_free(_free),
+    lc.llama_sampler_i_backend_init(_backend_init),
+    lc.llama_sampler_i_backend_apply(_backend_apply),
+    lc.llama_sampler_i_backend_reset(_backend_reset),
+)
+_IFACE = lc.llama_sampler_i(
+    name=ctypes.cast(_callbacks[0], lc.llama_sampler_i_name),
+    apply=_callbacks[1],
+    reset=_callbacks[2],
+    free=_callbacks[3],
+    backend_init=_callbacks[4],
+    backend_apply=_callbacks[5],
+    backend_reset=_callbacks[6],
+)
+
+
+def fused_dist(params, n_vocab: int, eog_tokens: list[int]) -> FusedDist:
+    """A new sampler for `params` (see `supports`); a chain that takes its `ptr` owns and frees it."""
+    return FusedDist(params, n_vocab, eog_tokens)
+
+
+# ---- the same computation on ggml's CPU backend, for tests and checks ----
+
+def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens=(), threads: int = 1,
+                variant: tuple[bool, bool] = (True, True)) -> np.ndarray:
+    """Tokens the device computation draws for each row of `logits` (rows x n_vocab, F32), row r
+    with `settings[r]` (`SamplingParams`) and uniform `uniforms[r]`, computed by ggml's CPU
+    backend from the graph `_build` makes (`variant`: see `_build`)."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    n_rows, n_vocab = logits.shape
+    cols = np.zeros((_NC, n_rows), dtype=np.float32)
+    cols[0] = np.arange(n_rows)
+    for r, p in enumerate(settings):
+        cols[1:, r] = _settings(p, n_vocab)
+    ks = {int(v) for v in cols[4]}
+    bans = set(cols[5].tolist())
+    ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
+    bias = np.zeros(n_vocab, dtype=np.float32)
+    bias[[t for t in eog_tokens if 0 <= t < n_vocab]] = _BAN
+    g = _g
+    work = logits.nbytes * 48 + (1 << 26)  # every intermediate of the graph lives in this context
+    ctx = g["ggml_init"](_abi.InitParams(work, None, False))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    try:
+        def tensor(values: np.ndarray) -> int:
+            x = g["ggml_new_tensor_1d"](ctx, _F32, values.size)
+            ctypes.memmove(g["ggml_get_data"](x), np.ascontiguousarray(values, np.float32).ctypes.data,
+                           values.size * 4)
+            return x
+
+        m = g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
+        out = _build(ctx, m, n_vocab, n_rows, max(ks), tensor(cols.reshape(-1)), n_rows,
+                     tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1, variant)
+        gf = g["ggml_new_graph"](ctx)
+        g["ggml_build_forward_expand"](gf, out)
+        if g["ggml_graph_compute_with_ctx"](ctx, gf, threads) != 0:
+            raise RuntimeError("ggml_graph_compute_with_ctx failed")
+        return np.ctypeslib.as_array(ctypes.cast(g["ggml_get_data"](out), ctypes.POINTER(ctypes.c_int32)),
+                                     shape=(n_rows,)).copy()
+    finally:
+        g["ggml_free"](ctx)
+
+
+def reference_probs(logits: np.ndarray, params, eog_tokens=()) -> np.ndarray:
+    """llama.cpp's own chain for `params` (logit bias for ignore_eos, top-k, top-p, min-p,
+    temperature, dist) applied on the host to one row of logits: the probability of each token."""
+    n_vocab = logits.shape[0]
+    chain = FusedDist(params, n_vocab, list(eog_tokens))
+    try:
+        arr = (lc.llama_token_data * n_vocab)(*[lc.llama_token_data(i, float(x), 0.0) for i, x in enumerate(logits)])
+        cur = lc.llama_token_data_array(arr, n_vocab, -1, False)
+        lc.llama_sampler_apply(chain._host, ctypes.byref(cur))
+        probs = np.zeros(n_vocab)
+        for i in range(cur.size):
+            probs[arr[i].id] = arr[i].p
+        return probs
+    finally:
+        lc.llama_sampler_free(chain.ptr)
+
+
+def chi_square_ok(counts: np.ndarray, probs: np.ndarray, alpha_z: float = 3.719) -> tuple[bool, float, float]:
+    """Pearson's chi-square of `counts` against `probs` (cells with expected < 5 pooled), and
+    its critical value at the one-sided normal quantile `alpha_z` (3.719: 1e-4) by the
+    Wilson–Hilferty approximation: (statistic <= critical, statistic, critical). Counts on a
+    zero-probability token fail outright."""
+    n = counts.sum()
+    if counts[probs <= 0].sum() > 0:
+        return False, math.inf, 0.0
+    exp = probs * n
+    big = exp >= 5
+    obs_cells = list(counts[big]) + [counts[~big & (probs > 0)].sum()]
+    exp_cells = list(exp[big]) + [exp[~big & (probs > 0)].sum()]
+    if exp_cells[-1] < 1e-9:
+        obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
+    stat = float(sum((o - e) ** 2 / e for o, e in zip(obs_cells, exp_cells)))
+    df = max(len(exp_cells) - 1, 1)
+    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat <= crit, stat, crit
