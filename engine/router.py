@@ -587,10 +587,11 @@ class CacheAware(Policy):
         self._query = query
         self._cache_size = {}
         self._members = {}
+        key: Sequence = query.tokens or query.text
         if query.tokens:
-            self._memory, key, per_token = self.recent, query.tokens, 1
+            self._memory, per_token = self.recent, 1
         else:
-            self._memory, key, per_token = self.recent_text, query.text, CHARS_PER_TOKEN
+            self._memory, per_token = self.recent_text, CHARS_PER_TOKEN
         self._hashes = self._memory.hashes(key) if key else []
         remembered = self._memory.match(self._hashes) if self._hashes else {}
         self._remembered = {b: n // per_token for b, n in remembered.items()}
