@@ -143,6 +143,10 @@ def test_through_tandems_router(tmp_path):
     names = {(r["a"], r["b"], r["metric"]) for r in summary["ratios"]}
     assert ("tandem:cache-aware", "tandem:round-robin", "makespan_s") in names
     assert ("tandem:cache-aware", "single", "output_tok_s") in names
+    # the router's own decisions, with the reasons it gave, one per request of each Tandem run
+    decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    assert sorted(d["variant"] for d in decisions) == ["tandem:cache-aware"] * 12 + ["tandem:round-robin"] * 12
+    assert all(d["reason"] and d["backend"] in ("e0", "e1") for d in decisions)
 
 
 class TestPureParts:
