@@ -497,12 +497,15 @@ class CacheAware(Policy):
     4. A hit on `h` with loads within balance: `h` wins (its cache stays warm for the tenant),
        unless loads are uneven. Then, if another backend also holds the hit and is less
        loaded, it takes the request (a hit there too, nothing lost); else, if the tenant's own
-       items on `h` are fewer than the gap, the WHOLE tenant moves to the least-loaded
+       items on `h` are at most half the gap, the WHOLE tenant moves to the least-loaded
        backend (this request goes there, is remembered there, and becomes the tenant's home,
-       so its next requests follow). A tenant that is itself most of the gap stays: moving it
-       would only turn the imbalance around, and its misses on the new backend would each
-       leave a private copy of the prefix there. This is the partition of tenants by load:
-       small tenants move off the busy backend until the hot ones have it to themselves.
+       so its next requests follow). Moving w items closes the gap by about 2w, so at most
+       half the gap never turns the imbalance around (no move back and forth); and w is also
+       about what the move costs: a Tandem engine caches a prompt when its request finishes,
+       so the tenant's requests that reach the new backend before its first one there has
+       finished (about as many as it holds now) each compute a private copy of the prefix.
+       A tenant that is itself most of the gap stays. This is the partition of tenants by
+       load: small tenants move off the busy backend until the hot ones have it to themselves.
     5. Otherwise (no real hit, or `h` is beyond balance) the cheapest backend wins. Its price
        is the predicted first token (`predicted_first_token()`: slot wait + the prefill queued
        ahead + the request's own uncached prefill) plus the delay that own prefill adds to
@@ -642,11 +645,11 @@ class CacheAware(Policy):
                 reason = (f"{held}, but loads {lh} vs {load[lighter.name]} on {lighter.name} are uneven "
                           f"(>{self.move_abs} apart and >{self.move_rel:.0%} of the mean {mean:.0f}); "
                           f"{lighter.name} holds {lighter.cached_tokens:,} too")
-            elif uneven and self._group is not None and mine < gap:
+            elif uneven and self._group is not None and 2 * mine <= gap:
                 chosen = least
                 reason = (f"{held}, but loads {lh} vs {ll} on {least.name} are uneven (>{self.move_abs} apart "
                           f"and >{self.move_rel:.0%} of the mean {mean:.0f}): the tenant's {mine} item"
-                          f"{'' if mine == 1 else 's'} on {h.name} fit the gap, so the tenant moves to {least.name} "
+                          f"{'' if mine == 1 else 's'} on {h.name} are at most half the gap, so the tenant moves to {least.name} "
                           f"({least.cached_tokens:,} cached there)")
             else:
                 chosen = h
@@ -654,7 +657,7 @@ class CacheAware(Policy):
                     loads = f"least loaded too ({lh} items)"
                 elif uneven and self._group is not None:
                     loads = (f"loads {lh} vs {ll} on {least.name} are uneven, but the tenant holds {mine} of "
-                             f"{h.name}'s items: moving it would not close the gap")
+                             f"{h.name}'s items: moving it would turn the gap around")
                 else:
                     loads = f"loads {lh} vs {ll} on {least.name}, within balance"
                 reason = f"{held}; {loads}"

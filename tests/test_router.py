@@ -682,7 +682,7 @@ class TestTenants:
         d = r.route(tenant_query("s9", 1, 9, cached={"a": 1500}, tokens=True), snaps)
         assert d.backend == "b", d.reason
         assert "loads 17 vs 5 on b are uneven" in d.reason
-        assert "the tenant's 3 items on a fit the gap, so the tenant moves to b" in d.reason
+        assert "the tenant's 3 items on a are at most half the gap, so the tenant moves to b" in d.reason
 
     def test_moved_tenant_follows_its_new_home(self):
         r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
@@ -698,7 +698,7 @@ class TestTenants:
         snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
         d = r.route(tenant_query("h99", 0, 99, cached={"a": 1500}, tokens=True), snaps)
         assert d.backend == "a", d.reason
-        assert "the tenant holds 14 of a's items: moving it would not close the gap" in d.reason
+        assert "the tenant holds 14 of a's items: moving it would turn the gap around" in d.reason
 
     def test_even_loads_keep_every_tenant_home(self):
         r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 6, 3)
@@ -719,7 +719,7 @@ class TestTenants:
         q = text_query("s9", 1, 9)
         d = r.route(replace(q, cached={"a": q.prompt_tokens}), snaps)
         assert d.backend == "b", d.reason
-        assert "the tenant's 3 items on a fit the gap" in d.reason
+        assert "the tenant's 3 items on a are at most half the gap" in d.reason
 
     def test_unrelated_prompts_are_no_tenant(self):
         r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
