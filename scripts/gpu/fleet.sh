@@ -8,7 +8,9 @@
 #   (b) two `tandem serve` engines, one per GPU,
 #   (c) two `llama-server` engines, one per GPU,
 # and (a) the in-process engine over `gpu:device=0` + `gpu:device=1` (cache-aware and
-# round-robin: sglang-router needs HTTP engines), plus one Tandem engine alone (the one-GPU
+# round-robin: sglang-router needs HTTP engines; priced at calibrated rates only where the
+# store holds gpu0/gpu1 entries: `run.sh calibrate_gpus` once, its rates.json merged into
+# docs/results/gpu/rates.json, which run.sh seeds the store with), plus one Tandem engine alone (the one-GPU
 # baseline, K = 8) and a run with one engine killed KILL_AT seconds in. Parts, in this order
 # (the points that decide the targets first; every run's results are written as it ends):
 #   tandem-k8      (b) K=8: tandem:cache-aware, sglang:cache_aware, tandem:round-robin, single  ~70 s
