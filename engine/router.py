@@ -432,12 +432,15 @@ class RecentPrefixes:
         self._serial = 0  # requests recorded so far
         self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()  # hash -> {backend: serial}
 
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        """Chained hashes of the prompt's whole blocks (a trailing partial block is left out)."""
+    def hashes(self, tokens: Sequence) -> list[int]:
+        """Chained hashes of the prompt's whole blocks (a trailing partial block is left out):
+        token ids, or a text's characters."""
         out: list[int] = []
         h = 0
+        whole = isinstance(tokens, (str, tuple))  # their slices hash as they are
         for start in range(0, len(tokens) - self.block + 1, self.block):
-            h = hash((h, tuple(tokens[start:start + self.block])))
+            chunk = tokens[start:start + self.block]
+            h = hash((h, chunk if whole else tuple(chunk)))
             out.append(h)
         return out
 
