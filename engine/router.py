@@ -499,8 +499,9 @@ class CacheAware(Policy):
        items AND `balance_rel` times.
     4. A hit on `h` with loads within balance: `h` wins (its cache stays warm for the tenant),
        unless loads are uneven. Then, if another backend also holds the hit and is less
-       loaded, it takes the request (a hit there too, nothing lost); else, if the tenant's own
-       items on `h` are at most half the gap, the WHOLE tenant moves to the least-loaded
+       loaded, it takes the request (a hit there too, nothing lost); else, if the tenant is
+       known (an earlier request of it was routed) and its own items on `h` are at most half
+       the gap, the WHOLE tenant moves to the least-loaded
        backend (this request goes there, is remembered there, and becomes the tenant's home,
        so its next requests follow). Moving w items closes the gap by about 2w, so at most
        half the gap never turns the imbalance around (no move back and forth); and w is also
@@ -648,7 +649,7 @@ class CacheAware(Policy):
                 reason = (f"{held}, but loads {lh} vs {load[lighter.name]} on {lighter.name} are uneven "
                           f"(>{self.move_abs} apart and >{self.move_rel:.0%} of the mean {mean:.0f}); "
                           f"{lighter.name} holds {lighter.cached_tokens:,} too")
-            elif uneven and self._group is not None and 2 * mine <= gap:
+            elif uneven and home is not None and 2 * mine <= gap:
                 chosen = least
                 reason = (f"{held}, but loads {lh} vs {ll} on {least.name} are uneven (>{self.move_abs} apart "
                           f"and >{self.move_rel:.0%} of the mean {mean:.0f}): the tenant's {mine} item"
@@ -658,7 +659,7 @@ class CacheAware(Policy):
                 chosen = h
                 if least is h:
                     loads = f"least loaded too ({lh} items)"
-                elif uneven and self._group is not None:
+                elif uneven and home is not None:
                     loads = (f"loads {lh} vs {ll} on {least.name} are uneven, but the tenant holds {mine} of "
                              f"{h.name}'s items: moving it would turn the gap around")
                 else:

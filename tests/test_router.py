@@ -721,6 +721,15 @@ class TestTenants:
         assert d.backend == "b", d.reason
         assert "the tenant's 3 items on a are at most half the gap" in d.reason
 
+    def test_a_prompt_whose_hit_sized_prefix_is_its_own_moves_nothing(self):
+        # 120 tokens, 60 of them a tenant's: the two 32-token blocks that cover half the prompt
+        # reach into the request's own tokens, so no earlier request shares them (no tenant)
+        r = Router("cache-aware")
+        toks = tuple(range(60)) + tuple(range(5000, 5060))
+        snaps = [held("a", [f"h{k}" for k in range(10)]), held("b", [])]
+        d = r.route(RouteQuery("q", 120, 16, {"a": 60}, tokens=toks), snaps)
+        assert d.backend == "a" and "within balance" in d.reason, d.reason
+
     def test_unrelated_prompts_are_no_tenant(self):
         r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
         snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
