@@ -327,7 +327,7 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
     stream = bool(body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage) and stream
     request = Request(tuple(tokens), sampling, backend=body.backend, source="api", text=text, messages=messages,
-                      model=served.routed(model))
+                      model=served.routed(model), stream=stream)
     return ApiRequest(kind, request, model, stream, include_usage, prompt_param)
 
 

@@ -43,7 +43,8 @@ split is in tokens. Responses also carry the serving backend where a router says
 `X-Tandem-Backend`; the fleet names each Tandem engine's backend `eI`, so that header names the
 engine even through sglang-router): that is `requests.csv`'s `backend` column.
 
-Output (`--out`): summary.json, requests.csv, results.md (makespan, output tok/s, TTFT p50/p95,
+Output (`--out`): summary.json, requests.csv, decisions.jsonl (Tandem's router's decisions
+with their reasons, read from its /v1/routing after each run), results.md (makespan, output tok/s, TTFT p50/p95,
 E2E p50, failures, requests and computed prompt tokens per engine, and the ratios: Tandem
 cache-aware vs round-robin, vs sglang-router, throughput vs one engine), plots drawn in a child
 process (`bench.report`), and each engine's and router's log under logs/.
@@ -309,6 +310,15 @@ def scrape(url: str) -> dict | None:
     return {"requests": None, "output_tokens": None, "prompt_tokens_computed": None}
 
 
+def routing_decisions(url: str, n: int) -> list[dict]:
+    """The last `n` routing decisions of a Tandem router (its /v1/routing), [] if it does not say."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/routing?n={n}", timeout=10) as r:
+            return list(json.loads(r.read()).get("decisions") or [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+
+
 def counter_deltas(before: dict, after: dict) -> dict:
     """Per engine: after - before of each counter; None where either side is unknown (a killed
     engine answers nothing after)."""
@@ -332,6 +342,7 @@ class Fleet:
         self.variants = parse_variants(args.variants, args)
         self.tenants = _ints(args.tenants, "--tenants")
         self.records: list[RequestRecord] = []
+        self.decisions: list[dict] = []  # Tandem's router's, from its /v1/routing after each run
         self.meta: dict[tuple[str, str], dict] = {}
         self.notes: list[str] = []
         self.model_id: str | None = None
@@ -445,6 +456,9 @@ class Fleet:
             records = run_target(target, wl, run=run, timeout=self.args.timeout, on_done=lambda _r: bar.update(1),
                                  warm_tenants=self.args.warm_tenants)
             after = {e.name: scrape(e.url) for e in self.engines}
+            if variant.startswith("tandem:"):
+                self.decisions += [{"workload": spec.name(), "variant": variant, "run": run, **d}
+                                   for d in routing_decisions(url, len(wl.requests))]
         finally:
             if killer is not None:
                 killer.cancel()
@@ -576,7 +590,8 @@ def ratios(rows: list[dict]) -> list[dict]:
              ("tandem:cache-aware", "sglang:cache_aware", "ttft_p50_s"),
              ("sglang:cache_aware", "sglang:round_robin", "makespan_s"),
              ("sglang:cache_aware", "sglang:round_robin", "ttft_p50_s"),
-             ("in-process:cache-aware", "in-process:round-robin", "makespan_s")]
+             ("in-process:cache-aware", "in-process:round-robin", "makespan_s"),
+             ("in-process:cache-aware", "in-process:round-robin", "ttft_p50_s")]
     out = []
     by_workload: dict[str, dict[str, dict]] = {}
     for r in rows:
@@ -667,7 +682,7 @@ def run_fleet(args) -> int:
                            f"router run; 'single' and in-process runs are not affected")
 
     def save(plots: bool = False) -> list:
-        return bench_report.write_all(out_dir, fleet.summary(), fleet.records, [], plots=plots)
+        return bench_report.write_all(out_dir, fleet.summary(), fleet.records, fleet.decisions, plots=plots)
 
     def on_term(signum, frame):  # a wall-clock limit's SIGTERM: stop the engines, keep the results
         raise KeyboardInterrupt

@@ -17,7 +17,8 @@ What is measured, on one backend alone (the others idle), with random prompt tok
 
 Rates are stored as JSON in the user cache (`cache_dir()`: `$TANDEM_CACHE_DIR`, else
 platformdirs' `user_cache_dir("tandem")`), one entry per (model file fingerprint, backend
-config key). `config_key()` keeps what changes speed (device, threads, batch sizes, KV layout,
+config key). `config_key()` keeps what changes speed (device — one GPU's `gpuN` apart from
+another's and from `gpu`, all GPUs —, threads, batch sizes, KV layout,
 flash attention, sampling in the graph) and not the name, cap, context size or sequence
 slots (second-order: a few per cent, which online refresh absorbs), so `cpu0` and `cpu1`
 with the same threads share an entry, and so do a GPU backend's cap-sweep variants. `Engine.load` picks a stored entry up automatically (`source="calibrated"`);
@@ -83,9 +84,15 @@ def cache_dir() -> Path:
 
 
 def config_key(config: BackendConfig, device: str | None = None) -> str:
-    """What about a backend's configuration changes its speed, as a stable string."""
+    """What about a backend's configuration changes its speed, as a stable string.
+
+    `device` is the model's resolved device (`cpu` or `gpu`); it names the key only where the
+    config says `auto`. A config for one GPU keeps its own (`gpu0`, `gpu1`): each GPU of a
+    fleet in one process is calibrated, and priced, on its own (two H200s of one host differ
+    by a few per cent, and a mixed host by much more)."""
     c = config.resolved()
-    return (f"{device or c.device}:threads={c.threads},threads_batch={c.threads_batch},"
+    dev = (device or c.device) if c.device == "auto" else c.device
+    return (f"{dev}:threads={c.threads},threads_batch={c.threads_batch},"
             f"n_batch={c.n_batch},n_ubatch={min(c.n_ubatch, c.n_batch)},"
             f"kv_unified={int(c.kv_unified)},flash_attn={c.flash_attn},"
             f"backend_sampling={int(c.backend_sampling)}")

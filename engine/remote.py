@@ -29,9 +29,12 @@ Flow control: at most `cap` requests are in flight at the engine; the rest wait 
 that they can move elsewhere if the engine dies. `set_cap` applies at once.
 
 Health: `/health` (else `/v1/models`) is probed every `health_s`. A connection error or 5xx on
-a request or a probe marks the engine unhealthy: its queued requests and in-flight ones that
-had streamed nothing go to `on_unhealthy(backend, [(request, handle, t_submit), ...])` (the
-engine re-routes them); in-flight ones that had streamed text end with an `unavailable_error`.
+a request or a probe marks the engine unhealthy: its queued requests, in-flight ones that had
+streamed nothing and in-flight ones whose caller does not stream (`Request.stream` false: their
+text is handed over whole at the end, so a dropped attempt was never seen) go to
+`on_unhealthy(backend, [(request, handle, t_submit), ...])` (the engine re-routes them and
+they start again from the prompt); in-flight ones that had streamed text to their caller end
+with an `unavailable_error`.
 The probe keeps running and brings the engine back when it answers again.
 
 Thread contract: one thread per backend runs an asyncio loop that owns the HTTP session and
@@ -724,8 +727,9 @@ class RemoteBackend:
             job.t_first = now
         job.t_last = now
         job.parts.append(delta)
-        self._gather()
-        job.handle._deliver_text(delta)
+        if job.req.stream:  # else the whole text goes at the end (`_finish`): an attempt may be dropped
+            self._gather()
+            job.handle._deliver_text(delta)
 
     def _gather(self) -> None:
         if not self._flush_pending:
@@ -768,6 +772,8 @@ class RemoteBackend:
         self.steps += 1
         if self._loop is not None and threading.current_thread() is self._thread:
             self._gather()  # behind this request's text in the same hand-over
+        if text and not job.req.stream:
+            job.handle._deliver_text(text)
         job.handle._deliver_finish(record)
         self.bus.publish(RequestFinished(record, now))
         if not self._stopped:
@@ -815,8 +821,10 @@ class RemoteBackend:
         self.error = why
 
     def _engine_failed(self, why: str, failing: _Job | None = None) -> None:
-        """Mark unhealthy (loop thread): hand queued and silent in-flight requests to
-        `on_unhealthy`; in-flight ones that streamed text end with the error."""
+        """Mark unhealthy (loop thread): hand queued requests, silent in-flight ones and
+        in-flight ones whose caller reads nothing until the end (`Request.stream` false: what
+        this engine made of them is dropped) to `on_unhealthy`; in-flight ones that streamed
+        text to their caller end with the error."""
         if self.healthy:
             log.warning("%s: %s", self.name, why)
         self._set_unhealthy(why)
@@ -829,7 +837,7 @@ class RemoteBackend:
         for job in inflight:
             if job.done:
                 continue
-            if job.chunks == 0:
+            if job.chunks == 0 or not job.req.stream:
                 job.moved = True
                 job.done = True
                 handed.append(job)

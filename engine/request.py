@@ -81,6 +81,10 @@ class Request:
     backend: str | None = None
     source: str = "api"
     retry: bool = False  # may restart from its prompt on another backend if its own fails early
+    # Whether the caller reads the text as it is made (an SSE stream, the chat panel). One that
+    # does not (`stream: false` over HTTP) sees nothing until the end, so a remote backend
+    # that dies mid-answer hands it to another backend, which starts again from the prompt.
+    stream: bool = True
     # End after this many tokens as if the model had stopped there; routers and admission see
     # only `max_tokens`. Benchmarks use it for outputs whose length no one knows in advance.
     stop_after: int | None = None

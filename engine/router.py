@@ -4,7 +4,7 @@ Policies are pure functions over `BackendSnapshot`s (no model, no threads), so t
 tested with hand-built snapshots and replayed from recorded decisions. `Router` holds the
 current policy, the decode-budget mode and a bounded history of `RoutingDecision`s, and
 guards them with one lock. Two policies keep state of their own under that lock: `round-robin`
-its turn and `cache-aware` where recent prompts went; a new policy (`set_policy`, `clear`)
+its turn and `cache-aware` where recent prompts and tenants went; a new policy (`set_policy`, `clear`)
 starts fresh.
 
 Policies (`POLICIES`, `make_policy()`):
@@ -14,9 +14,11 @@ Policies (`POLICIES`, `make_policy()`):
   backend's cap with the batch-aware step time `Rates.step_s(b)` (`predicted_finish()`).
 - `least-work`: fewest remaining tokens (prefill + decode), rates ignored.
 - `round-robin`: cycle through the eligible backends.
-- `cache-aware`: prefix affinity while loads are balanced; when they are not, the soonest
-  predicted first token, which prices the prefill a cache hit saves against the queueing
-  delay (`CacheAware`; SGLang router's `cache_aware` and Dynamo's KV router are its models).
+- `cache-aware`: prefix affinity for whole tenants (requests sharing a hit-sized prefix),
+  balanced by moving small tenants off a busier backend; a new prefix, or one whose backend is
+  beyond balance, goes where its predicted first token is soonest, which prices the prefill a
+  cache hit saves against the queueing delay (`CacheAware`; SGLang router's `cache_aware` and
+  Dynamo's KV router are its models).
 - `only:NAME`, `gpu-only`, `cpu-only`: everything to one backend.
 
 Decode budget (`BUDGET_MODES`, applies to `seed-score` and `least-work`):
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from .errors import BackendUnavailable, InvalidRequest
+from .request import CHARS_PER_TOKEN
 from .snapshot import BackendSnapshot, Rates, WorkItem
 
 if TYPE_CHECKING:
@@ -60,7 +63,10 @@ class RouteQuery:
     `cached` maps backend name to the prefix tokens that backend's cache already holds for
     this prompt (a missing name means 0). `backend` pins the request to one backend.
     `tokens`, when given, are the prompt's token ids: `cache-aware` remembers where recent
-    prompts went, so requests sharing a prefix that is still being computed find it too.
+    prompts went, so requests sharing a prefix that is still being computed find it too, and
+    groups requests by shared prefix (tenants). `text` is the prompt as text where no token ids
+    are at hand (a router in front of remote engines): `cache-aware` uses it the same way, in
+    blocks of characters.
     """
 
     request_id: str
@@ -69,6 +75,7 @@ class RouteQuery:
     cached: Mapping[str, int] = field(default_factory=dict)
     backend: str | None = None
     tokens: tuple[int, ...] = field(default=(), repr=False)
+    text: str = field(default="", repr=False)
 
     @classmethod
     def from_request(cls, request: "Request", cached: Mapping[str, int] | None = None) -> "RouteQuery":
@@ -80,6 +87,7 @@ class RouteQuery:
             cached=dict(cached or {}),
             backend=request.backend,
             tokens=tuple(request.prompt_tokens),
+            text="" if request.prompt_tokens else _prompt_text(request),
         )
 
     def cached_on(self, backend: str) -> int:
@@ -424,12 +432,15 @@ class RecentPrefixes:
         self._serial = 0  # requests recorded so far
         self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()  # hash -> {backend: serial}
 
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        """Chained hashes of the prompt's whole blocks (a trailing partial block is left out)."""
+    def hashes(self, tokens: Sequence) -> list[int]:
+        """Chained hashes of the prompt's whole blocks (a trailing partial block is left out):
+        token ids, or a text's characters."""
         out: list[int] = []
         h = 0
+        whole = isinstance(tokens, (str, tuple))  # their slices hash as they are
         for start in range(0, len(tokens) - self.block + 1, self.block):
-            h = hash((h, tuple(tokens[start:start + self.block])))
+            chunk = tokens[start:start + self.block]
+            h = hash((h, chunk if whole else tuple(chunk)))
             out.append(h)
         return out
 
@@ -467,7 +478,8 @@ class RecentPrefixes:
 
 
 class CacheAware(Policy):
-    """Prefix affinity while loads are balanced; the soonest first token when they are not.
+    """Prefix affinity for whole tenants, with their load balanced; the soonest first token
+    when a prefix is new or its backend is overloaded.
 
     For comparable backends with different caches (two GPUs, tenants with long shared
     system prompts). Balance is counted in items, so on a GPU + CPU pair, where an item on the
@@ -475,90 +487,184 @@ class CacheAware(Policy):
 
     1. Each backend's hit is the longer of what its prefix cache holds for the prompt
        (`query.cached`) and what `RecentPrefixes` remembers routing there (prefixes still
-       queued or in prefill). The affinity candidate `h` is the backend with the most cached
-       tokens (ties: fewer items, then sooner first token, then backend order).
-    2. Load is items held, running + waiting. Loads are imbalanced, as in SGLang's router,
-       when `h`'s load exceeds the least-loaded backend's by more than `balance_abs` items AND
-       by more than `balance_rel` times.
-    3. If `h` holds at least `cache_threshold` of the prompt and loads are balanced, `h` wins:
-       its cache stays warm for the tenant and nothing else is lost.
-    4. Otherwise (no real hit, or `h` is overloaded) the cheapest backend wins. Its price is
-       the predicted first token (`predicted_first_token()`: slot wait + the prefill queued
+       queued or in prefill). A hit is at least `cache_threshold` of the prompt.
+    2. Requests that share a hit-sized prefix are one *tenant* (a group keyed by the hash of
+       that prefix, from the token ids or, for text prompts, blocks of characters). A tenant
+       has a home: the backend its last request went to. The affinity candidate `h` is the
+       backend with the most cached tokens; among equal hits the tenant's home, then fewer
+       items, then sooner first token, then backend order.
+    3. Load is items held, running + waiting. Loads are *uneven* when `h`'s load exceeds the
+       least-loaded backend's by more than `move_abs` items and by more than `move_rel` of
+       the mean load; *beyond balance*, as in SGLang's router, when by more than `balance_abs`
+       items AND `balance_rel` times.
+    4. A hit on `h` with loads within balance: `h` wins (its cache stays warm for the tenant),
+       unless loads are uneven. Then, if another backend also holds the hit and is less
+       loaded, it takes the request (a hit there too, nothing lost); else, if the tenant is
+       known (an earlier request of it was routed) and its own items on `h` are at most half
+       the gap, the WHOLE tenant moves to the least-loaded
+       backend (this request goes there, is remembered there, and becomes the tenant's home,
+       so its next requests follow). Moving w items closes the gap by about 2w, so at most
+       half the gap never turns the imbalance around (no move back and forth); and w is also
+       about what the move costs: a Tandem engine caches a prompt when its request finishes,
+       so the tenant's requests that reach the new backend before its first one there has
+       finished (about as many as it holds now) each compute a private copy of the prefix.
+       A tenant that is itself most of the gap stays. This is the partition of tenants by
+       load: small tenants move off the busy backend until the hot ones have it to themselves.
+    5. Otherwise (no real hit, or `h` is beyond balance) the cheapest backend wins. Its price
+       is the predicted first token (`predicted_first_token()`: slot wait + the prefill queued
        ahead + the request's own uncached prefill) plus the delay that own prefill adds to
        every item the backend already holds (`delay_weight` x items x prefill seconds: a
-       prompt chunk stalls the whole batch's decoding). This prices a hit in seconds of
-       prefill saved against seconds of queueing, on every backend at once: a hot tenant
-       whose backend is saturated spills to the next one, which then warms the same prefix,
-       and from there the tenant's requests spread over both by load (equal hits tie-break on
-       load, step 1). Where SGLang falls back to pure shortest-queue (losing the hit
-       entirely) or to the smallest tree, this keeps the hit in the price. Ties go to fewer
-       items, then to the backend whose cache holds fewer tokens (SGLang's smallest tree:
-       cold tenants spread over the caches), then to backend order.
+       prompt chunk stalls the whole batch's decoding). A new tenant lands where its first
+       token is soonest; a hot tenant whose backend is saturated spills to the next one, which
+       warms the same prefix, and from there equal hits spread by load (step 4). Ties go to
+       fewer items, then to the backend whose cache holds fewer tokens (SGLang's smallest
+       tree: cold tenants spread over the caches), then to backend order.
+
+    Why whole tenants (docs/results/gpu/fleet2, two H200s, 8 Zipf tenants at 60/s): both
+    cache-aware routers kept every tenant on one engine, but an unlucky first placement put
+    the two hottest tenants (55 % of the traffic) on one engine, whose TTFT then ran 2-3x the
+    other's for the whole run; loads were ~30 items apart, under SGLang's 32-item threshold, so
+    nothing spilled, and at 4 items a spill of single requests of the hot tenant cost a
+    private prefix copy each. Moving a small tenant closes the gap for the price of that
+    tenant's first misses on the new engine.
 
     Defaults: `cache_threshold=0.5` (the match rate SGLang router's README gives as default);
-    `balance_abs=32` items (SGLang router's default) and `balance_rel=1.5`; `delay_weight=1`.
-    On two H200s with Tandem engines at cap 32 (docs/results/gpu/fleet3), 32 items gave the
-    lowest makespan of 4, 32 and 1000 at 8 tenants (8.9 s vs 9.2 and 9.8; runs spread ±1 s) and
-    at 32 (11.9 s vs 12.0; sglang-router 13.6, round-robin 14.5); 4 items spilled a tenant at
-    every burst. In tests/test_router_sim.py's toy (two backends,
-    8 tenants, caches for 4 each), delay weights 0, 1, 2 and 4 all beat an SGLang-style rule by
-    2-3 % of makespan and 15-30 % of median TTFT over 30 runs, and no weight won every run;
-    1 is the one that means something (each held item waits once). Scores are
-    `predicted_first_token()` seconds, each with the hit it assumed; the price is in `reason`.
+    `balance_abs=32` items (SGLang router's default) and `balance_rel=1.5`; `move_abs=4`
+    items and `move_rel=0.25` (a gap of a quarter of the mean load: between two backends of
+    ~90 items each, the Poisson noise of the gap at 60/s is ~13 items, so a move answers a
+    lasting imbalance more often than noise); `delay_weight=1`. On two H200s with Tandem
+    engines at cap 32 (docs/results/gpu/fleet3), 32 items gave the lowest makespan of 4, 32
+    and 1000 at 8 tenants (8.9 s vs 9.2 and 9.8; runs spread ±1 s) and at 32 (11.9 s vs 12.0;
+    sglang-router 13.6, round-robin 14.5); 4 items spilled a tenant at every burst. In
+    tests/test_router_sim.py's toy (two backends, 8 tenants, caches for 4 each), delay weights
+    0, 1, 2 and 4 all beat an SGLang-style rule by 2-3 % of makespan and 15-30 % of median
+    TTFT over 30 runs, and no weight won every run; 1 is the one that means something (each
+    held item waits once). Scores are `predicted_first_token()` seconds, each with the hit it
+    assumed; the price and any move are in `reason`.
+
+    Memory is bounded: `RecentPrefixes`' window, the last `max_groups` tenants' homes and the
+    last `max_members` requests' tenants.
     """
 
     name = "cache-aware"
     uses_budget = False
+    max_groups = 4096
+    max_members = 16384
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.5,
-                 delay_weight: float = 1.0, recent: RecentPrefixes | None = None):
+                 delay_weight: float = 1.0, recent: RecentPrefixes | None = None, *,
+                 move_abs: int = 4, move_rel: float = 0.25):
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs < 0 or balance_rel < 1:
             raise ValueError(f"need balance_abs >= 0 and balance_rel >= 1, got {balance_abs}, {balance_rel}")
+        if move_abs < 0 or move_rel < 0:
+            raise ValueError(f"need move_abs >= 0 and move_rel >= 0, got {move_abs}, {move_rel}")
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
+        self.move_abs = move_abs
+        self.move_rel = move_rel
         self.recent = recent or RecentPrefixes()
+        # Text prompts (no token ids): the same memory in blocks of characters.
+        self.recent_text = RecentPrefixes(block=self.recent.block * CHARS_PER_TOKEN, window=self.recent.window,
+                                          max_blocks=self.recent.max_blocks)
         self.delay_weight = delay_weight
         self._query: RouteQuery | None = None  # the query the memos below belong to (held, so unique)
         self._hashes: list[int] = []
+        self._memory: RecentPrefixes = self.recent
         self._remembered: dict[str, int] = {}
         self._cache_size: dict[str, int] = {}
+        self._group: int | None = None  # the query's tenant (a prefix hash), None without one
+        self._members: dict[str, int] = {}  # backend -> the tenant's items held there
+        self._homes: OrderedDict[int, str] = OrderedDict()  # tenant -> backend of its last request
+        self._tenant_of: OrderedDict[str, int] = OrderedDict()  # request id -> tenant
 
     def score(self, query, snap, budget):
         if self._query is not query:
-            self._query = query
-            self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
-            self._remembered = self.recent.match(self._hashes) if self._hashes else {}
-            self._cache_size = {}
+            self._start(query)
         self._cache_size[snap.name] = snap.cache.cached_tokens
+        if self._group is not None:
+            self._members[snap.name] = sum(1 for i in snap.items if self._tenant_of.get(i.request_id) == self._group)
         cached = max(query.cached_on(snap.name), min(self._remembered.get(snap.name, 0), query.prompt_tokens))
         return predicted_first_token(query, snap, cached)
+
+    def _start(self, query: RouteQuery) -> None:
+        """Memos for a new query: its block hashes, where they were routed, its tenant."""
+        self._query = query
+        self._cache_size = {}
+        self._members = {}
+        key: Sequence = query.tokens or query.text
+        if query.tokens:
+            self._memory, per_token = self.recent, 1
+        else:
+            self._memory, per_token = self.recent_text, CHARS_PER_TOKEN
+        self._hashes = self._memory.hashes(key) if key else []
+        remembered = self._memory.match(self._hashes) if self._hashes else {}
+        self._remembered = {b: n // per_token for b, n in remembered.items()}
+        self._group = self._tenant(self._hashes, self._memory.block // per_token, query.prompt_tokens)
+
+    def _tenant(self, hashes: Sequence[int], block_tokens: int, prompt_tokens: int) -> int | None:
+        """The tenant of a prompt: the deepest known tenant among its prefixes that cover at
+        least `cache_threshold` of it, else a new one keyed by the shortest such prefix."""
+        need = max(1, math.ceil(self.cache_threshold * prompt_tokens / max(block_tokens, 1)))
+        if need > len(hashes):
+            return None
+        for k in range(len(hashes), need - 1, -1):
+            if hashes[k - 1] in self._homes:
+                return hashes[k - 1]
+        return hashes[need - 1]
 
     def choose(self, query, scores):
         eligible = [s for s in scores if s.eligible]
         order = {s.name: k for k, s in enumerate(scores)}
         load = {s.name: s.n_running + s.n_waiting for s in eligible}
         price = {s.name: self._price(query, s, load[s.name]) for s in eligible}
-        h = min(eligible, key=lambda s: (-s.cached_tokens, load[s.name], s.score_s, order[s.name]))
+        home = self._homes.get(self._group) if self._group is not None and self._query is query else None
+        # Hits are compared in whole blocks (the memory's grain): a prefix remembered in flight
+        # on the tenant's home (1,472 tokens) ties the same prefix cached elsewhere (1,500).
+        grain = max(self.recent.block, 1)
+        h = min(eligible, key=lambda s: (-(s.cached_tokens // grain), s.name != home, -s.cached_tokens, load[s.name],
+                                         s.score_s, order[s.name]))
         least = min(eligible, key=lambda s: (load[s.name], s.score_s, order[s.name]))
         ranked = sorted(eligible, key=lambda s: (price[s.name][0], load[s.name], self._cache_size.get(s.name, 0),
                                                  order[s.name]))
         cheapest = ranked[0]
         lh, ll = load[h.name], load[least.name]
-        hit = h.cached_tokens > 0 and h.cached_tokens >= self.cache_threshold * query.prompt_tokens
-        imbalanced = lh - ll > self.balance_abs and lh > self.balance_rel * ll
+        need = max(1, self.cache_threshold * query.prompt_tokens)
+        hit = h.cached_tokens >= need
+        gap = lh - ll
+        imbalanced = gap > self.balance_abs and lh > self.balance_rel * ll
+        mean = sum(load.values()) / len(load)
+        uneven = gap > self.move_abs and gap > self.move_rel * mean
         where = self._where(query, h)
         held = f"{h.name}: {h.cached_tokens:,} of {query.prompt_tokens:,} tokens {where}"
+        mine = self._members.get(h.name, 0)
 
         if hit and not imbalanced:
-            chosen = h
-            if least is h:
-                loads = f"least loaded too ({lh} items)"
+            other_hits = [s for s in eligible if s is not h and s.cached_tokens >= need and load[s.name] < lh]
+            lighter = min(other_hits, key=lambda s: (load[s.name], order[s.name])) if other_hits else None
+            if uneven and lighter is not None and lh - load[lighter.name] > self.move_abs:
+                chosen = lighter
+                reason = (f"{held}, but loads {lh} vs {load[lighter.name]} on {lighter.name} are uneven "
+                          f"(>{self.move_abs} apart and >{self.move_rel:.0%} of the mean {mean:.0f}); "
+                          f"{lighter.name} holds {lighter.cached_tokens:,} too")
+            elif uneven and home is not None and 2 * mine <= gap:
+                chosen = least
+                reason = (f"{held}, but loads {lh} vs {ll} on {least.name} are uneven (>{self.move_abs} apart "
+                          f"and >{self.move_rel:.0%} of the mean {mean:.0f}): the tenant's {mine} item"
+                          f"{'' if mine == 1 else 's'} on {h.name} are at most half the gap, so the tenant moves to {least.name} "
+                          f"({least.cached_tokens:,} cached there)")
             else:
-                loads = f"loads {lh} vs {ll} on {least.name}, within balance"
-            reason = f"{held}; {loads}"
+                chosen = h
+                if least is h:
+                    loads = f"least loaded too ({lh} items)"
+                elif uneven and home is not None:
+                    loads = (f"loads {lh} vs {ll} on {least.name} are uneven, but the tenant holds {mine} of "
+                             f"{h.name}'s items: moving it would turn the gap around")
+                else:
+                    loads = f"loads {lh} vs {ll} on {least.name}, within balance"
+                reason = f"{held}; {loads}"
         else:
             chosen = cheapest
             if hit:
@@ -576,10 +682,25 @@ class CacheAware(Policy):
         if len(eligible) < len(scores):
             skipped = ", ".join(s.name for s in scores if not s.eligible)
             reason += f" ({skipped} unhealthy)"
-        if self._query is query and self._hashes:
-            self.recent.record(self._hashes, chosen.name)
-        self._query = None
+        self._remember(query, chosen.name, home=True)
         return chosen.name, reason
+
+    def _remember(self, query: RouteQuery, backend: str, home: bool) -> None:
+        """Note where `query` went: its prefix blocks, its tenant's membership and home."""
+        if self._query is not query:
+            return
+        if self._hashes:
+            self._memory.record(self._hashes, backend)
+        if self._group is not None:
+            if home or self._group not in self._homes:
+                self._homes[self._group] = backend
+            self._homes.move_to_end(self._group)
+            while len(self._homes) > self.max_groups:
+                self._homes.popitem(last=False)
+            self._tenant_of[query.request_id] = self._group
+            while len(self._tenant_of) > self.max_members:
+                self._tenant_of.popitem(last=False)
+        self._query = None
 
     def _price(self, query: RouteQuery, s: BackendScore, load: int) -> tuple[float, float]:
         """(price, delay): the first-token time plus the delay its own prefill adds to the
@@ -596,9 +717,7 @@ class CacheAware(Policy):
                 f"({s.cached_tokens:,} cached)")
 
     def pinned(self, query, backend):
-        if self._query is query and self._hashes:
-            self.recent.record(self._hashes, backend)
-        self._query = None
+        self._remember(query, backend, home=False)
 
     @staticmethod
     def _where(query: RouteQuery, s: BackendScore) -> str:
@@ -689,7 +808,8 @@ def make_policy(name: str) -> Policy:
     )
 
 
-_CACHE_AWARE_PARAMS = {"cache_threshold": float, "balance_abs": int, "balance_rel": float, "delay_weight": float}
+_CACHE_AWARE_PARAMS = {"cache_threshold": float, "balance_abs": int, "balance_rel": float, "delay_weight": float,
+                       "move_abs": int, "move_rel": float}
 
 
 def _cache_aware(spec: str) -> "CacheAware":
@@ -828,6 +948,13 @@ class Router:
 
 
 # ---- internal helpers ----
+
+
+def _prompt_text(request: "Request") -> str:
+    """A text request's prompt as one string (messages joined role by role), for prefix hashing."""
+    if request.text is not None:
+        return request.text
+    return "".join(f"<|{m.get('role', '')}|>{m.get('content') or ''}" for m in request.messages or ())
 
 
 def _check_budget(mode: str) -> str:

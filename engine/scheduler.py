@@ -16,7 +16,9 @@ The rules, in the order each step applies them:
      preemptions): a request is admitted when the cells for its
      uncached prompt (+ `ADMIT_HEADROOM`) are free, after the cells running prefills still
      need. KV is NOT reserved for `max_tokens`: a sequence takes its cells as it grows
-     (vLLM's habit), so long generations never hold short ones behind them;
+     (vLLM's habit), so long generations never hold short ones behind them. With nothing
+     running, a head that does not fit first drops the routing-time pins of the requests
+     queued behind it (their prefixes become evictable) and fails only if it still does not;
   3. the batch plan: one decode row for every generating sequence, then prompt chunks up to
      the prefill budget (`n_batch`, halved after a "no KV room" decode). While any other
      request runs or waits, each chunk is at most `busy_chunk` tokens, so a cancellation
@@ -433,6 +435,8 @@ class Scheduler:
         if not self._make_room(need + self._prefill_owed() + len(self.running)):
             if lock is not None:
                 self.cache.unpin(lock)
+            if not self.running and self._unpin_queued(seq):
+                return self._place(seq)  # once more, with what the queue behind it pinned evictable
             if not self.running:  # nothing will free cells: waiting would be forever
                 self.waiting.remove(seq)
                 self._finish(seq, RequestStatus.FINISHED_ERROR,
@@ -453,6 +457,21 @@ class Scheduler:
             seq.t_admit = self.clock()
         seq.status = RequestStatus.RUNNING
         return True
+
+    def _unpin_queued(self, head: SeqState) -> bool:
+        """Drop the routing-time pins of the requests queued behind `head`; True if any was held.
+
+        Those pins are estimates made when each request was routed, not promises: with nothing
+        running, nothing else will free cells, and a head that fits once their prefixes may be
+        evicted must not fail for them (a 2,048-cell engine failed a 1,237-token request with
+        1,222 cells pinned for two queued tenants' prefixes). They find what is still cached
+        when their turn comes."""
+        held = False
+        for s in self.waiting:
+            if s is not head and s.pin is not None:
+                self._release_pin(s)
+                held = True
+        return held
 
     def _take_id(self, seq: SeqState) -> int:
         """The lowest free seq id; with unified KV (where ids need not be consecutive) the

@@ -10,7 +10,7 @@ import pytest
 
 from app.cli import main
 from engine.backend import BackendConfig
-from engine.calibrate import (OnlineRefresh, RateStore, cache_dir, calibrate_backend, config_key,
+from engine.calibrate import (ModelRates, OnlineRefresh, RateStore, cache_dir, calibrate_backend, config_key,
                               fit_step_model, parse_rates, save_calibration, step_table)
 from engine.config import parse_backend_specs
 from engine.engine import DEFAULT_RATES, Engine
@@ -60,6 +60,19 @@ class TestKeysAndStore:
         assert config_key(a) != config_key(BackendConfig(device="cpu", threads=2, backend_sampling=False))
         assert config_key(a) == config_key(BackendConfig(device="cpu", threads=2, n_seq_max=100))
         assert config_key(BackendConfig(device="auto", threads=2), "gpu").startswith("gpu:")
+
+    def test_each_gpu_has_its_own_key(self):
+        # gpu:device=N loads the model as device "gpu"; the key keeps which GPU it is
+        keys = {config_key(c, "gpu") for c in parse_backend_specs(["gpu:device=0", "gpu:device=1", "gpu"])}
+        assert {k.partition(":")[0] for k in keys} == {"gpu0", "gpu1", "gpu"}
+
+    def test_a_gpus_stored_rates_price_that_gpu_only(self, tiny_path):
+        gpu0, gpu1 = parse_backend_specs(["gpu:device=0", "gpu:device=1"])
+        RateStore().save(file_fingerprint(tiny_path), config_key(gpu1, "gpu"),
+                         {"rates": {"prefill_tok_s": 9000.0, "decode_tok_s": 900.0}})
+        stored = ModelRates(tiny_path)
+        assert stored.get(gpu1, "gpu").prefill_tok_s == 9000.0
+        assert stored.get(gpu0, "gpu") is None
 
     def test_round_trip_and_atomic_file(self, own_cache):
         store = RateStore()

@@ -111,3 +111,33 @@ def test_killing_one_engine_mid_run_moves_its_queue_and_nothing_hangs(fleet):
     # The rest of the fleet still serves.
     r = client.completions.create(model=model, prompt="after the failure", max_tokens=4, temperature=0)
     assert r.choices[0].text is not None
+
+
+def test_non_streaming_requests_survive_their_engine_dying_mid_answer(fleet):
+    # A client that did not ask for a stream sees nothing until the end: when e1 dies while it
+    # is generating for such requests, they start again from the prompt on e0 and succeed.
+    router, engines = fleet
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
+    model = router.get("/v1/models")["data"][0]["id"]
+    n, out = 16, 160
+
+    def ask(i: int):
+        try:
+            r = client.completions.create(model=model, prompt=_tenant_prompt(i % 2, i), max_tokens=out,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            return "ok", r.usage.completion_tokens
+        except openai.APIError as e:
+            return "error", str(e)
+
+    def e1_generating() -> bool:
+        e1 = next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e1")
+        return any(i["running"] and i["generated"] > 0 for i in e1["items"])
+
+    with cf.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(ask, i) for i in range(n)]
+        wait_until(e1_generating, WAIT, "e1 generating")
+        engines[1].kill()
+        results = [f.result(WAIT) for f in futures]
+    assert results == [("ok", out)] * n
+    e1 = next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e1")
+    assert not e1["healthy"]

@@ -614,9 +614,11 @@ class TestCacheAware:
         r = Router(TABLE_POLICY)
         r.route(tenant_query("r0", 1, tokens=True), gpus(0, 0))
         d = r.route(tenant_query("r1", 1, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1))
-        assert d.backend == "b"  # b's real 1,500 cached tokens beat the 1,472 remembered on a
+        # b's real 1,500 cached tokens and the 1,472 remembered on a are the same 46 blocks:
+        # equal hits, and a is the tenant's home (where its last request went)
+        assert d.backend == "a"
         assert d.score_of("a").cached_tokens == 1472 and d.score_of("b").cached_tokens == 1500
-        assert d.reason.startswith("b: 1,500 of 1,550 tokens cached")
+        assert d.reason.startswith("a: 1,472 of 1,550 tokens routed there, in flight")
         r.clear()
         d = r.route(tenant_query("r2", 1, own=2, tokens=True), gpus(1, 0))
         assert d.backend == "b" and "nothing cached anywhere" in d.reason
@@ -647,6 +649,94 @@ class TestCacheAware:
         assert "beyond balance (>0 apart and >1x)" in reason and name == "a"
 
 
+def held(name: str, ids, cap: int = 8) -> BackendSnapshot:
+    """A GPU backend holding the requests `ids` (the first `cap` running), tenant-sized."""
+    items = [WorkItem(rid, k < cap, TENANT_PROMPT, TENANT_PREFIX, 0 if k < cap else TENANT_PROMPT - TENANT_PREFIX, 100)
+             for k, rid in enumerate(ids)]
+    return snap(name, "gpu", H200, items, cap=cap)
+
+
+def text_query(rid: str, tenant: int, own: int, cached: dict | None = None) -> RouteQuery:
+    """A text prompt (no token ids): a tenant's 6,000-character prefix and 200 of its own."""
+    text = f"tenant {tenant:03d} system prompt. " * 240 + f"question {own:05d} " * 20
+    return RouteQuery(rid, len(text) // 4, TENANT_OUT, cached or {}, text=text)
+
+
+class TestTenants:
+    """`cache-aware` groups requests that share a hit-sized prefix into tenants and balances
+    loads by moving whole small tenants (the default move thresholds: 4 items, 25 % of the mean)."""
+
+    @staticmethod
+    def seeded(make, hot: int, small: int) -> tuple[Router, list[str], list[str]]:
+        """A router that has sent `hot` requests of tenant 0 and `small` of tenant 1 to a."""
+        r = Router("cache-aware")
+        hot_ids = [f"h{k}" for k in range(hot)]
+        small_ids = [f"s{k}" for k in range(small)]
+        for rid, tenant in [(i, 0) for i in hot_ids] + [(i, 1) for i in small_ids]:
+            r.route(replace(make(rid, tenant, int(rid[1:])), backend="a"), [held("a", []), held("b", [])])
+        return r, hot_ids, small_ids
+
+    def test_small_tenant_moves_whole_when_loads_are_uneven(self):
+        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        d = r.route(tenant_query("s9", 1, 9, cached={"a": 1500}, tokens=True), snaps)
+        assert d.backend == "b", d.reason
+        assert "loads 17 vs 5 on b are uneven" in d.reason
+        assert "the tenant's 3 items on a are at most half the gap, so the tenant moves to b" in d.reason
+
+    def test_moved_tenant_follows_its_new_home(self):
+        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        r.route(tenant_query("s9", 1, 9, cached={"a": 1500}, tokens=True), snaps)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4", "s9"])]
+        d = r.route(tenant_query("s10", 1, 10, cached={"a": 1500}, tokens=True), snaps)
+        assert d.backend == "b", d.reason
+        assert d.reason.startswith("b: 1,472 of 1,550 tokens routed there, in flight")
+
+    def test_tenant_that_is_the_gap_stays(self):
+        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        d = r.route(tenant_query("h99", 0, 99, cached={"a": 1500}, tokens=True), snaps)
+        assert d.backend == "a", d.reason
+        assert "the tenant holds 14 of a's items: moving it would turn the gap around" in d.reason
+
+    def test_even_loads_keep_every_tenant_home(self):
+        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 6, 3)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4", "x5", "x6"])]
+        d = r.route(tenant_query("s9", 1, 9, cached={"a": 1500}, tokens=True), snaps)
+        assert d.backend == "a" and "within balance" in d.reason
+
+    def test_equal_hit_on_a_lighter_backend_takes_the_request(self):
+        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        d = r.route(tenant_query("h99", 0, 99, cached={"a": 1500, "b": 1500}, tokens=True), snaps)
+        assert d.backend == "b", d.reason
+        assert "b holds 1,500 too" in d.reason
+
+    def test_text_prompts_form_tenants(self):
+        r, hot, small = self.seeded(lambda rid, t, own: text_query(rid, t, own), 14, 3)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        q = text_query("s9", 1, 9)
+        d = r.route(replace(q, cached={"a": q.prompt_tokens}), snaps)
+        assert d.backend == "b", d.reason
+        assert "the tenant's 3 items on a are at most half the gap" in d.reason
+
+    def test_a_prompt_whose_hit_sized_prefix_is_its_own_moves_nothing(self):
+        # 120 tokens, 60 of them a tenant's: the two 32-token blocks that cover half the prompt
+        # reach into the request's own tokens, so no earlier request shares them (no tenant)
+        r = Router("cache-aware")
+        toks = tuple(range(60)) + tuple(range(5000, 5060))
+        snaps = [held("a", [f"h{k}" for k in range(10)]), held("b", [])]
+        d = r.route(RouteQuery("q", 120, 16, {"a": 60}, tokens=toks), snaps)
+        assert d.backend == "a" and "within balance" in d.reason, d.reason
+
+    def test_unrelated_prompts_are_no_tenant(self):
+        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
+        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        d = r.route(tenant_query("n0", 5, 0, tokens=True), snaps)
+        assert d.backend == "b" and "nothing cached anywhere" in d.reason
+
+
 class TestCacheAwareParameters:
     def test_spec_sets_parameters_and_survives_clear(self):
         r = Router("cache-aware:balance_abs=0, balance_rel=1 ,cache_threshold=0.3")
@@ -656,6 +746,13 @@ class TestCacheAwareParameters:
         r.clear()
         assert r.policy == "cache-aware:cache_threshold=0.3,balance_abs=0,balance_rel=1"
         assert make_policy("cache-aware:").name == "cache-aware"
+
+    def test_move_thresholds_are_parameters(self):
+        p = make_policy("cache-aware:move_abs=8,move_rel=0.5")
+        assert (p.move_abs, p.move_rel) == (8, 0.5)
+        assert p.name == "cache-aware:move_abs=8,move_rel=0.5"
+        with pytest.raises(InvalidRequest, match="move_rel >= 0"):
+            make_policy("cache-aware:move_rel=-1")
 
     def test_default_balance_threshold_is_sglang_routers(self):
         assert make_policy("cache-aware").balance_abs == 32

@@ -337,6 +337,27 @@ def test_a_sequence_that_cannot_grow_alone_fails_with_a_clear_error():
     sim.sched.cache.unpin(pin)
 
 
+def test_queued_requests_pins_give_way_to_the_head_when_nothing_runs():
+    # 128 cells: a cached 60-token prefix, pinned at routing for a request queued behind a
+    # 100-token head that needs 116 cells. Nothing runs, so only the pin stands in the way.
+    sim = Sim(n_ctx=128, cap=2)
+    prefix = list(range(100, 160))
+    sim.submit(prefix, warm=True)
+    sim.run()
+    cache = sim.sched.cache
+    assert cache.cached_tokens == 60
+    head = sim.submit(range(200, 300), max_tokens=2)
+    behind_tokens = (*prefix, 7)
+    behind = SeqState(Request(behind_tokens, SamplingParams(temperature=0.0, max_tokens=2)), Handle(),
+                      cache.pin(cache.match(behind_tokens, max_len=60)), 60, sim.now, n_ctx_seq=128)
+    sim.sched.add(behind)
+    assert cache.pinned_tokens == 60
+    sim.run()
+    assert sim.record(head).status == RequestStatus.FINISHED_LENGTH, sim.record(head).error
+    assert sim.record(behind).status == RequestStatus.FINISHED_LENGTH, sim.record(behind).error
+    assert cache.pinned_tokens == 0
+
+
 def test_prefix_reuse_aliases_cached_cells():
     sim = Sim(n_ctx=256)
     prefix = list(range(100, 180))

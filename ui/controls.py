@@ -26,8 +26,9 @@ POLICY_HELP = {
     "predicted-finish": "Simulates each backend's queue under its cap and picks the earliest finish of the new request.",
     "least-work": "Fewest remaining prefill + decode tokens; ignores the rates.",
     "round-robin": "Takes turns, ignoring load (a baseline).",
-    "cache-aware": "Keeps each prompt prefix on the backend that caches it while loads are balanced; "
-                   "otherwise the soonest first token, pricing the cached prefill against the queue.",
+    "cache-aware": "Keeps each tenant (requests sharing a prompt prefix) on the backend that caches it, moving "
+                   "small tenants off a busier backend; otherwise the soonest first token, pricing the cached "
+                   "prefill against the queue.",
     "gpu-only": "Everything to the first GPU backend (the study's baseline).",
     "cpu-only": "Everything to the first CPU backend.",
 }

@@ -49,6 +49,12 @@ calibrate() {  # rates for the router, stored in $TANDEM_CACHE_DIR/rates.json (p
     | tail -4 | tee "$OUT/calibrate.txt"
 }
 
+calibrate_gpus() {  # each GPU's rates under its own key (gpu0, gpu1), for the in-process fleet (two-GPU machine)
+  _stamp calibrate_gpus
+  python3 -m app calibrate --model "$M" --backend "gpu:device=0,cap=32,threads=8" \
+    --backend "gpu:device=1,cap=32,threads=8" 2>&1 | tail -6 | tee "$OUT/calibrate_gpus.txt"
+}
+
 decode() {  # our GPU decode vs llama-batched-bench, fused greedy, then llama.cpp's per-sequence greedy
   _decode overhead_gpu.txt "${REPEATS:-5}" 1,4,8,16,32
   _decode overhead_gpu_unfused.txt 2 1,4,16,32 --no-fused-greedy
