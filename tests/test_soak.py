@@ -36,7 +36,7 @@ def test_a_short_soak_leaves_nothing_behind(capsys, tmp_path):
     assert json.loads((tmp_path / "soak.json").read_text()) == summary
 
 
-def test_traffic_is_seeded_and_mixed():
+def test_seeded_traffic_mixes_every_kind():
     systems = system_prompts(0)
 
     def draw(seed: int) -> list:
@@ -50,7 +50,7 @@ def test_traffic_is_seeded_and_mixed():
     assert all(1 <= s.max_tokens <= 256 for s in first)
 
 
-def test_warmup_is_a_tenth_but_at_least_20_s_and_at_most_half():
+def test_warmup_is_a_tenth_clamped_to_20_s_or_half():
     assert warmup_seconds(1800) == 180
     assert warmup_seconds(180) == 20
     assert warmup_seconds(15) == 7.5
