@@ -16,7 +16,7 @@ def send(qtbot, chat, text: str) -> None:
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
 
 
-def test_reply_streams_into_the_view_and_stop_ends_it(qtbot, make_window, ui_engine):
+def test_stop_ends_a_streaming_reply(qtbot, make_window, ui_engine):
     w = make_window()
     chat = w.panels["chat"]
     chat.backend_combo.setCurrentText("cpu0")
@@ -27,8 +27,8 @@ def test_reply_streams_into_the_view_and_stop_ends_it(qtbot, make_window, ui_eng
         chat.send_button.click()
         assert chat.busy and not chat.send_button.isEnabled() and chat.stop_button.isEnabled()
         # The worker is held after a few steps: the tokens so far have streamed into the view.
-        qtbot.waitUntil(lambda: gate.reached.is_set() and "".join(chat._streamed) != "", timeout=WAIT_MS)
-        streamed = "".join(chat._streamed)
+        qtbot.waitUntil(lambda: gate.reached.is_set() and chat.streamed_text != "", timeout=WAIT_MS)
+        streamed = chat.streamed_text
         assert streamed in chat.transcript_text()
         assert "streaming" in chat.transcript_text()
         chat.stop_button.click()
@@ -44,7 +44,7 @@ def test_reply_streams_into_the_view_and_stop_ends_it(qtbot, make_window, ui_eng
     assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
 
 
-def test_reply_records_backend_ttft_and_cache_and_is_saved(qtbot, make_window, ui_engine, tmp_path):
+def test_a_reply_is_saved_with_what_served_it(qtbot, make_window, ui_engine, tmp_path):
     w = make_window()
     chat = w.panels["chat"]
     chat.max_tokens.setValue(12)
@@ -66,7 +66,7 @@ def test_reply_records_backend_ttft_and_cache_and_is_saved(qtbot, make_window, u
     assert saved["messages"][1]["meta"]["backend"] == meta["backend"]
 
 
-def test_regenerate_copy_new_chat_and_reopen(qtbot, make_window):
+def test_the_chat_actions_work_on_the_transcript(qtbot, make_window):
     w = make_window()
     chat = w.panels["chat"]
     chat.max_tokens.setValue(8)
@@ -128,7 +128,7 @@ def test_a_refused_prompt_leaves_the_chat_working(qtbot, make_window, tmp_path):
     assert [m.role for m in chat.chat.messages] == ["user", "assistant"]
 
 
-def test_messages_and_chats_can_be_deleted_renamed_exported_and_searched(qtbot, make_window, tmp_path):
+def test_chats_can_be_edited_exported_searched(qtbot, make_window, tmp_path):
     w = make_window()
     chat = w.panels["chat"]
     chat.max_tokens.setValue(4)
@@ -160,7 +160,7 @@ def test_messages_and_chats_can_be_deleted_renamed_exported_and_searched(qtbot, 
     assert first not in [chat.chat_list.item(i).data(0x0100) for i in range(chat.chat_list.count())]
 
 
-def test_enter_while_a_reply_streams_says_so_and_keeps_the_text(qtbot, make_window, ui_engine):
+def test_enter_while_a_reply_streams_keeps_the_text(qtbot, make_window, ui_engine):
     w = make_window()
     chat = w.panels["chat"]
     chat.backend_combo.setCurrentText("cpu0")
@@ -189,7 +189,7 @@ def _open_reply(chat, text: str) -> None:
     chat.open_chat(saved.id)
 
 
-def test_replies_render_markdown_with_code_kept_and_copyable(qtbot, make_window):
+def test_replies_render_markdown_keeping_code(qtbot, make_window):
     w = make_window()
     chat = w.panels["chat"]
     _open_reply(chat, "Some **bold** text.\n\n```python\ndef f():\n    return 1\n```\n")
@@ -198,7 +198,7 @@ def test_replies_render_markdown_with_code_kept_and_copyable(qtbot, make_window)
     assert "def f():\n    return 1" in shown  # indentation kept
     html_out = chat.view.toHtml()
     assert "monospace" in html_out and "font-weight" in html_out
-    chat._on_link(__import__("PySide6.QtCore", fromlist=["QUrl"]).QUrl("copy-code:0"))
+    chat.view.anchorClicked.emit(__import__("PySide6.QtCore", fromlist=["QUrl"]).QUrl("copy-code:0"))
     assert QGuiApplication.clipboard().text() == "def f():\n    return 1\n"
 
 
@@ -213,7 +213,7 @@ def test_earlier_answers_are_shown_on_request(qtbot, make_window):
     assert chat.regenerate()
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
     assert "show 1 earlier answer" in chat.transcript_text()
-    chat._on_link(QUrl("msg:earlier:1"))
+    chat.view.anchorClicked.emit(QUrl("msg:earlier:1"))
     assert "hide 1 earlier answer" in chat.transcript_text()
     after = chat.transcript_text().split("hide 1 earlier answer")[1]
     assert f"#1 ({chat.chat.messages[1].meta['earlier'][0]['backend']}): " in after
