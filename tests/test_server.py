@@ -372,13 +372,25 @@ def test_api_key_is_required_on_v1_only(keyed_url):
         bad.models.list()
 
 
-def test_refused_work_gets_429_or_503(loop_thread):
+@pytest.fixture
+def one_slot(loop_thread):
+    """A served engine whose one backend runs one request and queues one more: (engine, base URL)."""
     eng = Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=1,max_queue=1,ctx=512"]))
     runner = None
-    gate = threading.Event()
     try:
         runner, base = loop_thread.serve(create_app(eng))
-        (backend,) = eng.backends.values()
+        yield eng, base
+    finally:
+        if runner is not None:
+            loop_thread.run(runner.cleanup())
+        eng.close()
+
+
+def test_a_full_queue_is_429_with_retry_after(one_slot):
+    eng, base = one_slot
+    (backend,) = eng.backends.values()
+    gate = threading.Event()
+    try:
         # Hold the worker between steps, so the queue cannot drain: one waiting fills it.
         held = threading.Event()
         blocker = backend.call(lambda b: (held.set(), gate.wait(WAIT)))
@@ -386,18 +398,20 @@ def test_refused_work_gets_429_or_503(loop_thread):
         queued = eng.generate([1, 40, 41])
         with httpx.Client(base_url=base, timeout=WAIT) as http:
             r = http.post("/v1/completions", json={"prompt": [1, 40], "max_tokens": 2})
-            assert_openai_error(r, 429, code="queue_full")
-            assert r.headers["retry-after"] == "1"
-            gate.set()
-            blocker.result(WAIT)
-            assert queued.result(WAIT).error is None
-            backend.stop()
-            assert_openai_error(http.post("/v1/completions", json={"prompt": [1, 40], "max_tokens": 2}), 503)
+        assert_openai_error(r, 429, code="queue_full")
+        assert r.headers["retry-after"] == "1"
     finally:
         gate.set()
-        if runner is not None:
-            loop_thread.run(runner.cleanup())
-        eng.close()
+    blocker.result(WAIT)
+    assert queued.result(WAIT).error is None
+
+
+def test_a_stopped_backend_is_503(one_slot):
+    eng, base = one_slot
+    (backend,) = eng.backends.values()
+    backend.stop()
+    with httpx.Client(base_url=base, timeout=WAIT) as http:
+        assert_openai_error(http.post("/v1/completions", json={"prompt": [1, 40], "max_tokens": 2}), 503)
 
 
 # ---- disconnect, load ----
