@@ -135,11 +135,16 @@ def test_log_axis_ticks_are_few_readable_seconds():
     assert [t for _, t in log_ticks(-3, 1)] == ["1 ms", "10 ms", "100 ms", "1 s", "10 s"]  # decades when wide
 
 
-def test_labels_are_formatted_for_reading():
-    from types import SimpleNamespace
-
-    from ui.formatting import fmt_rate, model_title
+def test_rates_read_as_tokens_per_second():
+    from ui.formatting import fmt_rate
 
     assert (fmt_rate(76.2413), fmt_rate(2551.0), fmt_rate(0.0)) == ("76.2 tok/s", "2,551 tok/s", "–")
+
+
+def test_a_model_is_titled_by_its_file_name():
+    from types import SimpleNamespace
+
+    from ui.formatting import model_title
+
     info = SimpleNamespace(path="/m/SmolLM2-135M-Instruct.Q4_1.gguf", name="Smollm2 135M 8k Lc100K Mix1 Ep2")
     assert model_title(info) == "SmolLM2-135M-Instruct.Q4_1"
