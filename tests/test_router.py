@@ -334,6 +334,8 @@ class TestDecodeBudget:
         assert all(a >= b for a, b in zip(values, values[1:]))
         assert r.value == pytest.approx(0.1)
         assert r.reset() == 0.7
+
+    def test_a_new_token_ratio_starting_below_its_floor_is_refused(self):
         with pytest.raises(ValueError):
             NewTokenRatio(initial=0.05, floor=0.1)
 
@@ -454,6 +456,9 @@ class TestRouter:
     def test_cached_tokens_are_clamped_to_the_prompt(self):
         q = RouteQuery("c", 100, 10, {"GPU": 500})
         assert q.cached_on("GPU") == 100 and q.prefill_on("GPU") == 0
+
+    def test_a_backend_with_no_cache_entry_has_nothing_cached(self):
+        q = RouteQuery("c", 100, 10, {"GPU": 500})
         assert q.cached_on("CPU") == 0 and q.prefill_on("CPU") == 100
 
     def test_recent_decisions_are_a_bounded_ordered_window(self):
