@@ -61,12 +61,19 @@ class TestKeysAndStore:
         assert config_key(a) == config_key(BackendConfig(device="cpu", threads=2, n_seq_max=100))
         assert config_key(BackendConfig(device="auto", threads=2), "gpu").startswith("gpu:")
 
-    def test_saved_rates_round_trip_through_one_file(self, own_cache):
+    @staticmethod
+    def _save_two():
         store = RateStore()
         store.save("fp1", "cpu:k", {"rates": {"prefill_tok_s": 100.0, "decode_tok_s": 10.0}})
         store.save("fp2", "cpu:k", {"rates": {"prefill_tok_s": 200.0, "decode_tok_s": 20.0}})
+
+    def test_saved_rates_load_back_in_a_new_store(self, own_cache):
+        self._save_two()
         assert RateStore().lookup("fp1", "cpu:k")["rates"]["prefill_tok_s"] == 100.0
         assert set(RateStore().entries()) == {"fp1|cpu:k", "fp2|cpu:k"}
+
+    def test_saving_leaves_only_the_rates_file(self, own_cache):
+        self._save_two()
         assert [p.name for p in own_cache.iterdir()] == ["rates.json"]  # no temp file left behind
 
     @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "entries": {}}), "[]"])
