@@ -215,27 +215,41 @@ def test_completion_stream_text_equals_whole_text_at_temperature_0(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_a_token_id_prompt_is_cut_at_a_stop_string(client):
-    by_ids = client.completions.create(model="tiny", prompt=[1, 40, 41, 42, 43], max_tokens=12, temperature=0)
-    text = by_ids.choices[0].text
-    assert by_ids.usage.prompt_tokens == 5 and len(text) > 4
+def _by_ids(client, **kw):
+    return client.completions.create(model="tiny", prompt=[1, 40, 41, 42, 43], max_tokens=12, temperature=0, **kw)
+
+
+def test_a_prompt_of_token_ids_is_taken_as_is(client):
+    by_ids = _by_ids(client)
+    assert by_ids.usage.prompt_tokens == 5 and len(by_ids.choices[0].text) > 4
+
+
+def test_a_stop_string_cuts_the_reply_before_it(client):
+    text = _by_ids(client).choices[0].text
     stop = text[2:4]
-    cut = client.completions.create(model="tiny", prompt=[1, 40, 41, 42, 43], max_tokens=12, temperature=0,
-                                    stop=[stop])
+    cut = _by_ids(client, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[:text.index(stop)]
 
 
 def test_the_backend_pin_extension_routes_the_request(client, http):
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=HELLO, max_tokens=4, temperature=0, extra_body={"backend": "cpu1", "ignore_eos": True})
+        model="tiny", messages=HELLO, max_tokens=4, temperature=0, extra_body={"backend": "cpu1"})
     assert raw.headers["x-tandem-backend"] == "cpu1"
-    assert raw.parse().usage.completion_tokens == 4
     routing = http.get("/v1/routing", params={"n": 1}).json()
     assert [b["name"] for b in routing["backends"]] == ["cpu0", "cpu1"]
     (decision,) = routing["decisions"]
     assert decision["backend"] == "cpu1" and decision["pinned"]
     assert {s["name"] for s in decision["scores"]} == {"cpu0", "cpu1"}
+
+
+def test_the_ignore_eos_extension_runs_to_max_tokens(client):
+    reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+
+
+def test_an_unknown_backend_pin_is_a_400_on_backend(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=HELLO, extra_body={"backend": "nope"})
     assert e.value.body["param"] == "backend"
