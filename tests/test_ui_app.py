@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from app.gui import bench_runner, load_engine
@@ -313,10 +314,11 @@ def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
     assert late[0] >= 0.28 and late[14] >= 0.14  # the stall's ticks, 300 ms down to 0
 
 
-def test_the_settings_persist_across_windows(qtbot, make_window, tmp_path):
+@pytest.fixture
+def reopened(make_window, tmp_path):
+    """A window given a model, sampling settings and a hidden dock, shut down, then a second
+    window on the same settings file: (the settings file's path, the second window)."""
     from PySide6.QtCore import QSettings
-
-    from ui.loader import ModelSpec
 
     path = str(tmp_path / "kept.ini")
     w = make_window(settings=QSettings(path, QSettings.IniFormat))
@@ -327,12 +329,25 @@ def test_the_settings_persist_across_windows(qtbot, make_window, tmp_path):
     chat.seed.setValue(5)
     w.dock_of("latency").hide()
     w.shutdown()
+    return path, make_window(settings=QSettings(path, QSettings.IniFormat))
 
-    again = make_window(settings=QSettings(path, QSettings.IniFormat))
+
+def test_the_sampling_settings_persist_across_windows(reopened):
+    _, again = reopened
     chat = again.panels["chat"]
     assert (chat.temperature.value(), chat.max_tokens.value(), chat.seed.value()) == (0.3, 77, 5)
+
+
+def test_the_dock_layout_persists_across_windows(reopened):
+    _, again = reopened
     assert again.dock_of("latency").isHidden()
     assert not again.dock_of("routing").isHidden()
+
+
+def test_the_last_model_persists_across_windows(reopened):
+    from PySide6.QtCore import QSettings
+
+    path, _ = reopened
     assert QSettings(path, QSettings.IniFormat).value("model/last") == UI_MODEL
 
 
