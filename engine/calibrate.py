@@ -547,6 +547,11 @@ class OnlineRefresh:
             self._unsubscribe()
             self._unsubscribe = None
 
+    @property
+    def attached(self) -> bool:
+        """Whether it follows the engine's steps now (between `attach` and `detach`)."""
+        return self._unsubscribe is not None
+
     def reset(self, rates: dict[str, Rates] | None = None) -> None:
         """Start over from `rates` (default: each backend's current rates), applied now."""
         for name, b in self.engine.backends.items():

@@ -69,6 +69,11 @@ class EventBus:
 
         return unsubscribe
 
+    @property
+    def n_subscribers(self) -> int:
+        """Subscriptions now open (each `subscribe` not yet undone)."""
+        return len(self._subs)
+
     def publish(self, event: Event) -> None:
         for fn, kinds in self._subs:  # copy-on-write list: safe to iterate without the lock
             if kinds is None or isinstance(event, kinds):

@@ -11,17 +11,29 @@ def test_match_is_the_longest_known_prefix():
     assert t.match("the cat") == len("the cat")
 
 
-def test_insert_reports_what_was_already_there_and_splits_edges():
+def _forked() -> ApproxTree:
+    """(1 2 3 4) then (1 2 9): the second insert forks the first one's edge after two tokens."""
+    t = ApproxTree()
+    t.insert((1, 2, 3, 4))
+    t.insert((1, 2, 9))
+    return t
+
+
+def test_insert_reports_how_much_was_already_there():
     t = ApproxTree()
     assert t.insert((1, 2, 3, 4)) == 0
     assert t.insert((1, 2, 9)) == 2
+
+
+def test_insert_splits_the_edge_it_forks():
+    t = _forked()
     assert t.size == 5  # 1 2 | 3 4 | 9
     assert t.nodes == 3
     assert t.match((1, 2, 3, 4, 5)) == 4
     assert t.match((1, 2, 9)) == 3
 
 
-def test_tokens_and_text_keys_do_not_mix():
+def test_token_keys_never_match_text_keys():
     t = ApproxTree()
     t.insert((104, 105))
     assert t.match("hi") == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
@@ -23,7 +25,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land", "def fibonacci(n
 # On the Q4_1 default model a long greedy run can flip a near-tie between batch sizes (llama.cpp
 # does not promise bit-equal logits across batch shapes); 24 tokens stay clear of that here.
 @pytest.mark.parametrize("which, n", [("tiny_model", 64), ("default_model", 24)])
-def test_greedy_output_is_the_same_alone_and_batched(request, make_backend, which, n):
+def test_greedy_output_is_the_same_batched_as_alone(request, make_backend, which, n):
     model = request.getfixturevalue(which)
     b = make_backend(model, cap=4, cache=False)
     sp = SamplingParams(temperature=0.0, max_tokens=n)
@@ -37,7 +39,7 @@ def test_greedy_output_is_the_same_alone_and_batched(request, make_backend, whic
     assert max(len(rows) for _, _, rows in b.step_log) == 4
 
 
-def test_concurrent_requests_share_steps_and_record_the_batch(make_backend, tiny_model):
+def test_concurrent_requests_share_decode_steps(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=4)
     sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     requests = [_req(tiny_model, p, sp) for p in PROMPTS]
@@ -49,7 +51,7 @@ def test_concurrent_requests_share_steps_and_record_the_batch(make_backend, tiny
     assert all(len(set(rows)) == 4 for rows in shared), "one row per sequence"
 
 
-def test_prefill_is_chunked_and_decode_goes_first(make_backend, tiny_model):
+def test_a_long_prompt_prefills_in_chunks_beside_running_decodes(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=2, n_batch=64, n_ctx=2048)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = b.enqueue(_req(tiny_model, "short", SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)))
@@ -100,18 +102,19 @@ def test_cap_changes_take_effect(make_backend, tiny_model):
         b.set_cap(0)
 
 
-def test_bad_input_gets_a_clear_error_and_the_backend_keeps_serving(make_backend, tiny_model, tmp_path):
-    b = make_backend(tiny_model, n_ctx=256)
-    with pytest.raises(ContextLengthExceeded, match="256"):
-        b.enqueue(Request(tuple([65] * 300), GREEDY))
-    with pytest.raises(InvalidRequest, match="max_tokens"):
-        Request((1, 2, 3), SamplingParams(max_tokens=0))
-    with pytest.raises(InvalidRequest, match="temperature"):
-        Request((1, 2, 3), SamplingParams(temperature=-0.5))
-    with pytest.raises(InvalidRequest, match="top_p"):
-        Request((1, 2, 3), SamplingParams(top_p=1.5))
+@pytest.mark.parametrize("sampling, what", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=1.5), "top_p")])
+def test_a_bad_sampling_value_gets_a_clear_error(sampling, what):
+    with pytest.raises(InvalidRequest, match=what):
+        Request((1, 2, 3), SamplingParams(**sampling))
+
+
+def test_an_empty_prompt_gets_a_clear_error():
     with pytest.raises(InvalidRequest, match="empty"):
         Request((), GREEDY)
+
+
+def test_a_bad_model_file_gets_a_clear_error(tmp_path):
     junk = tmp_path / "notes.gguf"
     junk.write_text("this is not a model")
     with pytest.raises(ModelLoadError, match="not a GGUF"):
@@ -122,17 +125,26 @@ def test_bad_input_gets_a_clear_error_and_the_backend_keeps_serving(make_backend
     truncated.write_bytes(resolve_model("synthetic:tiny").read_bytes()[:5000])
     with pytest.raises(ModelLoadError, match="could not load"):
         Model(truncated, "cpu")
-    # Still serving.
+
+
+def test_the_backend_keeps_serving_after_refusing_an_overlong_prompt(make_backend, tiny_model):
+    b = make_backend(tiny_model, n_ctx=256)
+    with pytest.raises(ContextLengthExceeded, match="256"):
+        b.enqueue(Request(tuple([65] * 300), GREEDY))
     assert b.enqueue(_req(tiny_model, "still here")).result(WAIT).status.finished
     assert b.healthy
 
 
-def test_sampling_is_seeded_and_stop_strings_cut_the_text(make_backend, default_model):
+def test_seeded_sampling_repeats_itself(make_backend, default_model):
     b = make_backend(default_model, cap=2)
     sp = SamplingParams(temperature=0.9, seed=1234, max_tokens=20)
     a = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
     c = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
     assert a == c
+
+
+def test_a_stop_string_cuts_the_text_before_it(make_backend, default_model):
+    b = make_backend(default_model, cap=2)
     full = b.enqueue(_req(default_model, "Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=20))).text(WAIT)
     stop = full.strip()[:3]
     cut = b.enqueue(_req(default_model, "Count: 1, 2, 3,",
@@ -165,7 +177,7 @@ def test_sampler_chains_stay_with_their_sequence_id(make_backend, default_model,
     assert b.samplers_attached == (1 if on_device else 0)
 
 
-def test_a_burst_attaches_chains_for_the_cap_at_once_and_a_lower_cap_trims_them(make_backend, tiny_model):
+def test_idle_sampler_chains_follow_the_cap(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=4, idle_sampler_s=1.5, n_ctx=4096)
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     h = b.enqueue(Request((5, 6, 7), long))
@@ -209,14 +221,29 @@ def test_finish_record_has_timings(make_backend, tiny_model):
     assert r.prompt_tokens == len(tiny_model.tokenize("timings"))
 
 
-def test_stopped_backend_refuses_work_and_leaves_no_thread(tiny_model):
+@pytest.fixture
+def stopped(tiny_model):
+    """A backend stopped while a long request ran, and that request's handle."""
     from engine.backend import Backend, BackendConfig
 
     b = Backend(BackendConfig(threads=1, n_ctx=512), tiny_model).start()
     h = b.enqueue(_req(tiny_model, "long", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
     b.stop()
+    return b, h
+
+
+def test_stop_cancels_the_running_request(stopped):
+    _, h = stopped
     assert h.result(5).status == RequestStatus.FINISHED_CANCELLED
-    assert b._thread is None
+
+
+def test_a_stopped_backend_leaves_no_thread(stopped):
+    b, _ = stopped
+    assert not [t for t in threading.enumerate() if t.name == f"backend-{b.name}"]
+
+
+def test_a_stopped_backend_refuses_work(stopped, tiny_model):
+    b, _ = stopped
     with pytest.raises(BackendUnavailable):
         b.enqueue(_req(tiny_model, "late"))
 
@@ -320,7 +347,7 @@ def test_a_request_that_cannot_fit_alone_fails_clearly(make_backend, tiny_model)
 
 # ---- long prefills: short chunks while others wait, cancel at the next chunk boundary ----
 
-def test_long_prefill_takes_short_chunks_and_a_cancel_lands_at_the_next_one(make_backend, tiny_model):
+def test_a_cancelled_long_prefill_stops_within_one_short_chunk(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=2, n_ctx=8192, n_batch=512, cache=False)  # CPU: busy chunk 64
     talker = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)))
     wait_until(lambda: any(i.generated for i in b.snapshot().items), what="decoding")

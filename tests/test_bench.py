@@ -68,7 +68,7 @@ class TestMetrics:
         assert m.routed == {"gpu": 1, "cpu": 2}
         assert m.ttft_p50_s == pytest.approx(0.2) and m.e2e_p95_s == pytest.approx(1.475)
 
-    def test_aggregate_gives_mean_and_spread(self):
+    def test_aggregate_gives_the_spread_over_runs(self):
         runs = [run_metrics([rec(0.0, 1.0)]), run_metrics([rec(0.0, 3.0, backend="cpu")])]
         a = aggregate(runs)
         assert a["makespan_s"]["mean"] == 2.0 and a["makespan_s"]["std"] == pytest.approx(math.sqrt(2))
@@ -76,7 +76,7 @@ class TestMetrics:
         assert a["routed"] == {"cpu": 0.5, "gpu": 0.5}
         assert a["routed_per_run"] == [{"gpu": 1}, {"cpu": 1}]
 
-    def test_oracle_and_distance_from_the_best_single_backend(self):
+    def test_the_oracle_measures_each_policy_against_the_best_single_backend(self):
         def row(policy, mean, std):
             return {"workload": "w", "requests": 8, "policy": policy,
                     "makespan_s": {"mean": mean, "std": std}}
@@ -215,6 +215,7 @@ def test_one_workload_is_drawn_as_ranked_labelled_bars(tmp_path):
     bench_report.plot_dir(tmp_path)
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["plots"] == ["makespan.png", "ttft_cdf.png"]  # matplotlib is a test dependency
+    # `_family` groups the plots' colours: a report-internal helper, tested as such
     assert bench_report._family("gpu-only@cap=8") == "gpu-only" and bench_report._family("target:x") == "target"
 
 
@@ -225,7 +226,7 @@ class TestBenchSeed:
     def run(self, seed_run):
         return seed_run
 
-    def test_files_and_keys(self, run):
+    def test_a_run_writes_every_file_with_its_keys(self, run):
         rc, out = run
         assert rc == 0
         assert {p.name for p in out.iterdir()} == {"summary.json", "requests.csv", "decisions.jsonl", "results.md",
@@ -265,7 +266,7 @@ class TestBenchSeed:
             assert float(r["queue_s"]) >= 0 and 0 < float(r["ttft_s"]) <= float(r["e2e_s"])
             assert r["backend"] in ("cpu0", "cpu1")
 
-    def test_decisions_one_per_request_and_the_score_is_the_formula(self, run):
+    def test_each_request_has_one_decision_scored_by_the_formula(self, run):
         _, out = run
         summary, rows, decisions = read_outputs(out)
         assert len(decisions) == len(rows)
@@ -292,7 +293,7 @@ class TestBenchSeed:
         assert offloaded >= 1  # the lopsided rates made seed-score offload at least once
 
 
-def test_bench_grid_sweeps_caps_and_reports_the_oracle(tmp_path, tiny_path):
+def test_bench_grid_sweeps_caps_as_policies(tmp_path, tiny_path):
     out = tmp_path / "grid"
     rc = main(["bench", "grid", "--model", str(tiny_path), *BACKENDS, "--policies", "seed-score",
                "--requests", "3", "--runs", "1", "--prompt-tokens", "40", "--shared", "0,96",
@@ -342,7 +343,7 @@ def _last_json(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_bench_overhead_prints_rates_and_shares(tiny_path, capsys):
+def test_bench_overhead_prints_its_measures(tiny_path, capsys):
     rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "1,2",
                "--repeats", "1", "--no-llama", "--prompt-tokens", "64", "--gen-tokens", "16"])
     out = _last_json(capsys)
@@ -363,7 +364,7 @@ def test_bench_overhead_sampled_prints_temperature_decode_against_greedy(tiny_pa
     assert out["fused_dist_builds"]["shared"] >= 1 and "host" not in out["fused_dist_builds"]
 
 
-def test_bench_prefill_measures_each_batch_size_alone_and_beside_decoding(tiny_path, capsys):
+def test_bench_prefill_compares_each_batch_size_alone_with_beside_decoding(tiny_path, capsys):
     rc = main(["bench", "prefill", "--model", str(tiny_path), "--threads", "1", "--sizes", "64/64,256/64",
                "--prompt-tokens", "256", "--decoders", "2", "--decode-tokens", "128", "--repeats", "1"])
     out = _last_json(capsys)
@@ -498,7 +499,7 @@ class TestTargetClient:
             assert 0 < r.ttft_s < r.e2e_s and r.itl_s > 0 and r.queue_s is None
         assert records[2].t_submit_s == pytest.approx(0.02, abs=0.015)
 
-    def test_openai_stream_and_usage(self):
+    def test_an_openai_target_streams_with_usage(self):
         with StubServer(llama_server=False) as stub:
             target = asyncio.run(probe(stub.url))
             assert (target.api, target.model, target.label) == ("openai", "stub-model", f"target:{stub.url[7:]}")
@@ -578,7 +579,7 @@ def test_side_by_side_with_our_own_server(tmp_path, tiny_path):
     assert all(int(r["cached_tokens"]) == 48 for r in peer_rows)  # the warmed prefix, reported in usage
 
 
-def test_tenants_as_text_give_the_engine_and_a_text_peer_the_same_prompts(tmp_path, tiny_path):
+def test_tenants_as_text_give_a_text_peer_the_engines_prompts(tmp_path, tiny_path):
     """`bench grid --tenants` with a `tandem serve` peer sent text: the peer tokenizes each
     whole prompt, the engine its tenant's prefix and its suffix apart; the words make both the
     same tokens, so prompt sizes agree request by request, and tenants' prefixes get cache hits."""

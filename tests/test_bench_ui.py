@@ -7,7 +7,7 @@ import json
 from app.cli import main
 
 
-def test_bench_ui_measures_decode_with_and_without_the_live_window(qtbot, tiny_path, capsys):
+def test_bench_ui_measures_what_the_live_window_costs_decode(qtbot, tiny_path, capsys):
     rc = main(["bench", "ui", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2",
                "--batch", "2", "--prompt-tokens", "16", "--gen-tokens", "24", "--repeats", "1"])
     assert rc == 0

@@ -32,7 +32,7 @@ def _text_tokens(model, n, seed):
 
 @LAYOUTS
 @pytest.mark.parametrize("shared", [0.0, 0.5, 0.96])
-def test_greedy_output_is_identical_with_cache_on_and_off(make_backend, tiny_model, shared, unified):
+def test_the_cache_leaves_greedy_output_unchanged(make_backend, tiny_model, shared, unified):
     """Bit-exact on the F16 tiny model. (On a Q4 model a near-tie can flip when the same
     tokens sit in other KV cells: llama.cpp's sums then run in another order. llama-server
     documents the same caveat for its prompt cache; see docs/performance.md.)"""
@@ -66,7 +66,7 @@ def test_a_warm_496_token_prefix_leaves_20_tokens_to_prefill(make_backend, defau
     assert sum(p for _, p, _ in b.step_log) == 20, "only the 20 new tokens are prefilled"
 
 
-def test_pins_keep_a_routed_estimate_and_are_released(make_backend, tiny_model):
+def test_a_pin_holds_the_routed_prefix_until_admission(make_backend, tiny_model):
     b = make_backend(tiny_model, n_ctx=1024)
     prefix = _text_tokens(tiny_model, 100, seed=4)
     b.warm(prefix).result(WAIT)
@@ -81,7 +81,7 @@ def test_pins_keep_a_routed_estimate_and_are_released(make_backend, tiny_model):
 
 
 @LAYOUTS
-def test_kv_pressure_breaks_nothing_and_returns_to_zero(make_backend, tiny_model, unified):
+def test_the_cache_stays_consistent_under_kv_pressure(make_backend, tiny_model, unified):
     # Unified: 512 cells; split: 8 streams. Many distinct 60-token prompts: the cache must
     # evict (cells, or holders' streams) to admit new work.
     b = make_backend(tiny_model, **_layout(unified, 128, n_ctx=512, cap=4))
@@ -138,7 +138,7 @@ def test_snapshot_reports_memory(make_backend, tiny_model):
     assert s.process_rss_bytes > s.model_bytes
 
 
-def test_cache_switches_off_and_on_while_serving(make_backend, tiny_model):
+def test_the_cache_can_be_toggled_while_serving(make_backend, tiny_model):
     b = make_backend(tiny_model, n_ctx=1024)
     prefix = list(range(10, 70))
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

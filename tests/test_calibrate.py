@@ -74,12 +74,19 @@ class TestKeysAndStore:
         assert stored.get(gpu1, "gpu").prefill_tok_s == 9000.0
         assert stored.get(gpu0, "gpu") is None
 
-    def test_round_trip_and_atomic_file(self, own_cache):
+    @staticmethod
+    def _save_two():
         store = RateStore()
         store.save("fp1", "cpu:k", {"rates": {"prefill_tok_s": 100.0, "decode_tok_s": 10.0}})
         store.save("fp2", "cpu:k", {"rates": {"prefill_tok_s": 200.0, "decode_tok_s": 20.0}})
+
+    def test_saved_rates_load_back_in_a_new_store(self, own_cache):
+        self._save_two()
         assert RateStore().lookup("fp1", "cpu:k")["rates"]["prefill_tok_s"] == 100.0
         assert set(RateStore().entries()) == {"fp1|cpu:k", "fp2|cpu:k"}
+
+    def test_saving_leaves_only_the_rates_file(self, own_cache):
+        self._save_two()
         assert [p.name for p in own_cache.iterdir()] == ["rates.json"]  # no temp file left behind
 
     @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "entries": {}}), "[]"])
@@ -143,7 +150,7 @@ class TestParseRates:
 
 
 class TestCalibrateOnTheTinyModel:
-    def test_measures_stores_and_the_engine_loads_it(self, make_engine, tiny_path):
+    def test_calibration_measures_a_backend_for_the_engine_to_load(self, make_engine, tiny_path):
         eng = make_engine()
         assert {b.rates.source for b in eng.backends.values()} == {"default"}
         b0 = eng.backends["cpu0"]
@@ -182,7 +189,7 @@ class TestCalibrateOnTheTinyModel:
         assert cal.prompt_tokens < 256
         assert any("shortened" in n for n in cal.notes)
 
-    def test_an_adaptive_cap_is_pinned_while_timing_and_restored_after(self, make_engine):
+    def test_an_adaptive_cap_is_pinned_only_while_timing(self, make_engine):
         eng = make_engine(["cpu:threads=1,ctx=1024"])  # no cap: adaptive, starts at 4 of 16
         b = eng.backends["cpu"]
         cal = calibrate_backend(b, prompt_tokens=64, gen_tokens=8, repeats=1, batches=[1, 6])
@@ -198,7 +205,7 @@ class TestCalibrateOnTheTinyModel:
         with pytest.raises(InvalidRequest):
             calibrate_backend(eng.backends["cpu"], batches=[0], **SMALL)
 
-    def test_online_refresh_follows_observed_steps_and_leaves_overrides(self, make_engine):
+    def test_online_refresh_follows_observed_steps_except_overrides(self, make_engine):
         wrong = Rates(prefill_tok_s=1e7, decode_tok_s=1e6, step_alpha_s=1e-7, step_beta_s=1e-7, source="calibrated")
         typed = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
         eng = make_engine(rates={"cpu0": wrong, "cpu1": typed})
@@ -223,7 +230,7 @@ class TestCalibrateOnTheTinyModel:
 
 
 class TestCommand:
-    def test_calibrate_prints_a_table_and_a_json_line_then_lists(self, tiny_path, own_cache, capsys):
+    def test_the_calibrate_command_reports_what_it_stored(self, tiny_path, own_cache, capsys):
         rc = main(["calibrate", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512",
                    "--backend", "cpu:threads=1,cap=2,ctx=512", "--prompt-tokens", "64", "--gen-tokens", "8",
                    "--repeats", "1"])
@@ -264,4 +271,4 @@ def test_engine_load_can_refresh_rates_online(tiny_path):
         assert b.rates.source == "online"
     finally:
         eng.close()
-    assert eng.online._unsubscribe is None
+    assert not eng.online.attached

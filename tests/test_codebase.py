@@ -3,6 +3,7 @@ pyproject.toml) pass on the tree, and a contract really fails when the engine im
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -54,3 +55,12 @@ def test_engine_importing_qt_breaks_a_contract(tmp_path):
     assert p.returncode != 0, _report(p)
     assert "The engine is Qt-free and knows nothing above it BROKEN" in p.stdout, _report(p)
     assert "engine.qt_leak -> PySide6" in p.stdout, _report(p)
+
+
+def test_no_test_name_joins_two_behaviours():
+    """One behaviour per test: a name with `_and_` is two tests (split it) or one behaviour
+    named twice (rename it)."""
+    joined = re.compile(r"def (test_[a-z0-9_]*_and_[a-z0-9_]*)")
+    offenders = [f"{path.name}: {m.group(1)}" for path in sorted((ROOT / "tests").glob("*.py"))
+                 for m in joined.finditer(path.read_text())]
+    assert not offenders, "\n".join(offenders)

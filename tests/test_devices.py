@@ -155,7 +155,7 @@ def test_snapshot_reports_device_memory_fields(tiny_model, make_backend):
     assert d["device_memory_free_bytes"] == 0 and d["device_memory_total_bytes"] == 0
 
 
-def test_engine_with_a_missing_gpu_fails_clearly_and_frees_what_it_loaded(tiny_path):
+def test_engine_with_a_missing_gpu_fails_clearly(tiny_path):
     from engine.engine import Engine
 
     with pytest.raises(ModelLoadError, match="gpu1 asked for.*devices here: CPU"):

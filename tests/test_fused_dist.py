@@ -82,7 +82,7 @@ def _texts(backend, requests):
     return [h.result(WAIT).text for h in handles]
 
 
-def test_a_seed_reproduces_alone_and_batched(make_backend, tiny_model):
+def test_a_seed_gives_the_same_text_in_any_batch(make_backend, tiny_model):
     """Each sequence draws from its own RNG: a seed gives the same text in another run and
     when it decodes beside requests with other settings, through the fused computation (the
     backend keeps idle chains attached beside them, which llama.cpp hands row 0)."""

@@ -23,6 +23,9 @@ def loop():
     loop.close()
 
 
+# The producer side (`_deliver_text`, `_deliver_finish`) is the engine's own: backends and the
+# scheduler call it, callers never do; and `_aq`, the loop-side queue, is where the Outbox's
+# promise (nothing reaches the loop before a flush) can be seen. Both are tested as they are.
 def _handle(loop) -> RequestHandle:
     return RequestHandle(Request((1, 2), SamplingParams(max_tokens=4)), loop)
 
@@ -45,7 +48,7 @@ async def _collect(h):
     return [d async for d in h.astream()]
 
 
-def test_an_outbox_hands_over_at_flush_and_the_stream_joins_what_piled_up(loop):
+def test_an_outbox_holds_deliveries_until_it_flushes(loop):
     a, b = _handle(loop), _handle(loop)
     with Outbox() as box:
         for piece in ("he", "ll", "o"):

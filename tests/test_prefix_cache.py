@@ -68,7 +68,7 @@ class TestInsert:
 
 
 class TestMatch:
-    def test_inside_an_edge_is_exact_and_does_not_split(self):
+    def test_a_match_inside_an_edge_does_not_split_it(self):
         cache = make_cache(([1, 2, 3, 4], 7))
         match = cache.match([1, 2, 9])
         assert match.length == 2
@@ -209,7 +209,7 @@ class TestEvict:
         assert cache.holders() == holders
         assert_totals(cache, cached, 0)
 
-    def test_pinned_parent_inherits_and_stays(self):
+    def test_a_pinned_parent_inherits_its_evicted_childs_holder(self):
         cache = make_cache(([1, 2], 1))
         pin = cache.pin(cache.match([1, 2]))
         cache.insert([1, 2, 3], 2)

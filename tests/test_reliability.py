@@ -29,7 +29,7 @@ def _long(eng, i, **kw):
 
 
 @pytest.mark.parametrize("fault", ["decode", "crash"])
-def test_a_failing_backend_moves_its_queue_and_recovers_after_restart(engine, fault):
+def test_a_failing_backend_hands_its_queue_over_until_restarted(engine, fault):
     a, b = engine.backends["a"], engine.backends["b"]
     handles = [engine.submit(_long(engine, i)) for i in range(8)]  # 4 each: 2 running, 2 queued
     wait_until(lambda: a.snapshot().waiting and any(i.generated > 2 for i in a.snapshot().items), what="a busy")
@@ -73,7 +73,7 @@ def test_a_request_that_allows_retry_restarts_elsewhere(engine):
     assert not r.error and r.backend == "b"
 
 
-def test_kv_exhaustion_completes_or_fails_clearly_and_frees_everything(tiny_path):
+def test_kv_exhaustion_ends_every_request_cleanly(tiny_path):
     # 256 cells; prompts of ~40 tokens wanting up to 300 tokens each: far more than fits.
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=4,ctx=256"]))
     try:
@@ -94,7 +94,7 @@ def test_kv_exhaustion_completes_or_fails_clearly_and_frees_everything(tiny_path
         eng.close()
 
 
-def test_queue_limit_refuses_new_work_and_loses_nothing(tiny_path):
+def test_a_full_queue_refuses_only_the_overflow(tiny_path):
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=1,ctx=1024,max_queue=3"]))
     try:
         # Long enough that nothing finishes while the ten are submitted, even on a busy machine.
@@ -112,7 +112,7 @@ def test_queue_limit_refuses_new_work_and_loses_nothing(tiny_path):
         eng.close()
 
 
-def test_a_token_id_outside_the_vocabulary_is_refused_and_the_rest_goes_on(engine):
+def test_a_token_id_outside_the_vocabulary_is_refused_without_harm(engine):
     """Through the Python API (the HTTP server checks ids itself): llama.cpp would fail the
     whole step, and every running sequence with it."""
     running = engine.submit(_long(engine, 1))
@@ -138,7 +138,7 @@ def test_queued_requests_time_out(tiny_path):
         eng.close()
 
 
-def test_shutdown_under_load_ends_every_request_and_thread(tiny_path):
+def test_shutdown_under_load_ends_everything_it_started(tiny_path):
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=2048", "cpu:threads=1,cap=2,ctx=2048"]))
     handles = [eng.submit(_long(eng, i)) for i in range(10)]
     wait_until(lambda: any(i.generated for s in eng.snapshot() for i in s.items), what="decoding")

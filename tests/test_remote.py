@@ -130,14 +130,17 @@ def direct(engines, i: int, path: str, body: dict) -> str:
 # ---- spec ----
 
 
-def test_remote_spec_parses_and_rejects_bad_values():
+def test_a_remote_spec_parses_into_its_config():
     c = parse_backend_spec("remote:url=http://10.0.0.5:8000/v1,name=big,api=vllm,key=s3,cap=32")
     assert c == RemoteConfig(url="http://10.0.0.5:8000", name="big", api="vllm", key="s3", cap=32)
     assert parse_backend_spec("remote:url=http://h:1").name == "remote"
-    for bad in ("remote:url=h:1", "remote:url=http://h:1,api=nope", "remote:url=http://h:1,cap=0",
-                "remote:url=http://h:1,color=red"):
-        with pytest.raises(InvalidRequest):
-            parse_backend_spec(bad)
+
+
+@pytest.mark.parametrize("bad", ["remote:url=h:1", "remote:url=http://h:1,api=nope", "remote:url=http://h:1,cap=0",
+                                 "remote:url=http://h:1,color=red"])
+def test_a_remote_spec_with_a_bad_value_is_refused(bad):
+    with pytest.raises(InvalidRequest):
+        parse_backend_spec(bad)
 
 
 # ---- requests ----
@@ -168,7 +171,7 @@ def test_chat_messages_go_to_chat_completions(engines, fleet):
     assert handle.text(60) == want
 
 
-def test_cancel_closes_the_connection_and_the_engine_stops(engines, fleet):
+def test_a_cancel_stops_the_request_on_the_remote_engine(engines, fleet):
     aborted = engines.aborted(0)
     handle = fleet.submit(Request((), LONG, text="Tell me a long story", backend="a"))
     next(iter(handle))  # it runs there
@@ -182,7 +185,7 @@ def test_cancel_closes_the_connection_and_the_engine_stops(engines, fleet):
     assert not engines.routing_items(0)
 
 
-def test_a_queued_request_waits_for_the_cap_and_cancels_locally(fleet):
+def test_a_request_beyond_the_cap_queues_locally(fleet):
     a = fleet.backends["a"]
     a.set_cap(1)
     first = fleet.submit(Request((), LONG, text="first", backend="a"))
@@ -245,7 +248,7 @@ def test_load_polling_sees_requests_sent_directly_to_the_engine(engines, fleet):
 # ---- failure ----
 
 
-def test_a_dead_engine_moves_its_queue_fails_streams_and_is_probed_back(engines, fleet):
+def test_a_dead_engine_is_failed_over_until_probed_back(engines, fleet):
     a, b = fleet.backends["a"], fleet.backends["b"]
     a.set_cap(2)
     streaming = RequestHandle(Request((), LONG, text="a long one"))
@@ -281,20 +284,33 @@ def test_a_dead_engine_moves_its_queue_fails_streams_and_is_probed_back(engines,
     assert fleet.submit(Request((), GREEDY, text="a is back", backend="a")).text(60)
 
 
-def test_restart_reconnects_and_a_second_one_conflicts(engines, fleet):
+def test_restart_reconnects(fleet):
+    a = fleet.backends["a"]
+    assert a.healthy
+    a.restart(timeout=30)
+    assert a.healthy and a.snapshot().cache.cached_tokens == 0
+    assert fleet.submit(Request((), GREEDY, text="after restart", backend="a")).text(60)
+
+
+def test_a_second_restart_conflicts_with_one_under_way(engines, fleet):
+    """The engine is paused, so the first restart waits on its probe while the second comes."""
     from engine.errors import RestartInProgress
 
     a = fleet.backends["a"]
     assert a.healthy
-    a._restarting.acquire()  # as if a restart were running
+    first: dict = {}
+    engines.procs[0].send_signal(signal.SIGSTOP)
     try:
+        t = threading.Thread(target=lambda: first.update(done=a.restart(timeout=30)), name="first-restart")
+        t.start()
+        wait_until(lambda: a.snapshot().error == "restarting", 10, "the first restart under way")
         with pytest.raises(RestartInProgress):
             a.restart()
     finally:
-        a._restarting.release()
-    a.restart(timeout=30)
-    assert a.healthy and a.snapshot().cache.cached_tokens == 0
-    assert fleet.submit(Request((), GREEDY, text="after restart", backend="a")).text(60)
+        engines.procs[0].send_signal(signal.SIGCONT)
+    t.join(40)
+    assert not t.is_alive() and "done" in first
+    wait_until(lambda: a.healthy, 20, "a back after the first restart")
 
 
 # ---- rates ----
@@ -322,7 +338,7 @@ def test_finished_requests_refine_the_rates_online(fleet):
     assert snap.decode_tok_s > 0
 
 
-def test_a_tokenizer_makes_the_prediction_in_tokens_and_it_matches_the_engine(engines):
+def test_a_tokenizer_predicts_the_engines_cached_tokens(engines):
     backend = RemoteBackend.from_config(RemoteConfig(url=engines.url(0), name="t", tokenizer="synthetic:tiny"))
     try:
         shared = "The same long system prompt, sent twice to one engine. " * 6

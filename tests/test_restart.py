@@ -39,7 +39,7 @@ def served():
 
 
 @pytest.mark.parametrize("n", [10, 50])
-def test_parallel_restarts_are_200_or_409_and_the_server_stays_up(served, n):
+def test_parallel_restarts_answer_200_or_409_without_harm(served, n):
     eng, base = served
     barrier = threading.Barrier(n, timeout=WAIT)
 

@@ -173,7 +173,7 @@ def test_policy_table(policy, gpu_items, cpu_items, expected):
         assert s.score_s == pytest.approx(s.prefill_s + s.decode_s)
 
 
-def test_registry_and_names():
+def test_every_registered_policy_is_made_by_its_name():
     assert set(POLICIES) == {"seed-score", "predicted-finish", "least-work", "round-robin",
                              "cache-aware", "gpu-only", "cpu-only"}
     for name in POLICIES:
@@ -188,7 +188,7 @@ def test_registry_and_names():
 
 
 class TestBaselines:
-    def test_gpu_only_and_cpu_only_pick_by_device(self):
+    def test_device_only_policies_pick_by_device(self):
         snaps = [snap("b0", "cpu", CPU_RATES), snap("b1", "CUDA0", GPU_RATES), snap("b2", "Metal", GPU_RATES)]
         assert Router("gpu-only").route(query(), snaps).backend == "b1"
         assert Router("cpu-only").route(query(), snaps).backend == "b0"
@@ -326,7 +326,7 @@ class TestPredictedFinish:
 
 
 class TestDecodeBudget:
-    def test_new_token_ratio_decays_and_resets(self):
+    def test_the_new_token_ratio_decays_to_its_floor_until_reset(self):
         r = NewTokenRatio()
         assert r.value == 0.7
         values = [r.step() for _ in range(100)]
@@ -334,6 +334,8 @@ class TestDecodeBudget:
         assert all(a >= b for a, b in zip(values, values[1:]))
         assert r.value == pytest.approx(0.1)
         assert r.reset() == 0.7
+
+    def test_a_new_token_ratio_starting_below_its_floor_is_refused(self):
         with pytest.raises(ValueError):
             NewTokenRatio(initial=0.05, floor=0.1)
 
@@ -348,7 +350,7 @@ class TestDecodeBudget:
         # An idle backend has nothing running to scale.
         assert seed_score(query(), cpu(), DecodeBudget("ratio", 0.5)).score_s == raw_cpu_score()
 
-    def test_router_ratio_mode_lowers_decode_term_and_steps(self):
+    def test_the_ratio_budget_lowers_the_decode_term(self):
         g = gpu(running(4, 122) + queued(3))
         raw = Router().route(query(), [g, cpu()])
         r = Router(budget="ratio")
@@ -451,12 +453,15 @@ class TestRouter:
             assert json.dumps(d.to_dict())  # infinite score serialises as null
             assert d.to_dict()["scores"][0]["score_s"] is None
 
-    def test_cached_is_clamped_and_missing_means_zero(self):
+    def test_cached_tokens_are_clamped_to_the_prompt(self):
         q = RouteQuery("c", 100, 10, {"GPU": 500})
         assert q.cached_on("GPU") == 100 and q.prefill_on("GPU") == 0
+
+    def test_a_backend_with_no_cache_entry_has_nothing_cached(self):
+        q = RouteQuery("c", 100, 10, {"GPU": 500})
         assert q.cached_on("CPU") == 0 and q.prefill_on("CPU") == 100
 
-    def test_recent_is_bounded_and_ordered(self):
+    def test_recent_decisions_are_a_bounded_ordered_window(self):
         r = Router(history=3, clock=clock())
         for k in range(5):
             r.route(query(f"r{k}"), [gpu(), cpu()])
@@ -610,7 +615,7 @@ class TestCacheAware:
         other = r.route(tenant_query("r2", 8, tokens=True), gpus(2, 0))
         assert other.backend == "b" and "nothing cached anywhere" in other.reason
 
-    def test_memory_is_per_backend_and_clears(self):
+    def test_the_remembered_prefixes_are_per_backend(self):
         r = Router(TABLE_POLICY)
         r.route(tenant_query("r0", 1, tokens=True), gpus(0, 0))
         d = r.route(tenant_query("r1", 1, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1))
@@ -738,7 +743,7 @@ class TestTenants:
 
 
 class TestCacheAwareParameters:
-    def test_spec_sets_parameters_and_survives_clear(self):
+    def test_a_spec_sets_parameters_that_outlive_clear(self):
         r = Router("cache-aware:balance_abs=0, balance_rel=1 ,cache_threshold=0.3")
         assert r.policy == "cache-aware:cache_threshold=0.3,balance_abs=0,balance_rel=1"
         d = r.route(tenant_query(cached={"a": 500}), gpus(2, 1))
@@ -781,7 +786,7 @@ class TestRecentPrefixes:
         m.record(m.hashes(list(range(6))), "b")
         assert m.match(m.hashes(list(range(8)))) == {"a": 8, "b": 4}
 
-    def test_window_and_bound(self):
+    def test_records_older_than_the_window_are_forgotten(self):
         from engine.router import RecentPrefixes
 
         m = RecentPrefixes(block=2, window=2, max_blocks=3)
@@ -790,8 +795,21 @@ class TestRecentPrefixes:
         assert m.match(m.hashes([1, 1])) == {"a": 2}
         m.record(m.hashes([3, 3]), "a")  # the first record left the window
         assert m.match(m.hashes([1, 1])) == {}
-        m.record(m.hashes([4, 4, 4, 4]), "b")  # two blocks: the oldest hashes go
-        assert len(m._blocks) == 3
+
+    def test_past_max_blocks_the_oldest_hashes_are_forgotten(self):
+        from engine.router import RecentPrefixes
+
+        m = RecentPrefixes(block=2, window=100, max_blocks=3)
+        m.record(m.hashes([1, 1]), "a")
+        m.record(m.hashes([2, 2]), "a")
+        m.record(m.hashes([4, 4, 4, 4]), "b")  # two blocks: four in all, one too many
+        assert m.match(m.hashes([1, 1])) == {}
+        assert m.match(m.hashes([2, 2])) == {"a": 2}
+        assert m.match(m.hashes([4, 4, 4, 4])) == {"b": 4}
+
+    def test_a_block_of_zero_tokens_is_refused(self):
+        from engine.router import RecentPrefixes
+
         with pytest.raises(ValueError):
             RecentPrefixes(block=0)
 

@@ -30,7 +30,7 @@ def test_the_tensor_mirror_reads_ggml_views():
     try:
         m = new_2d(ctx, 0, 1000, 7)
         row = greedy.ggml_view_1d(ctx, m, 1000, 5 * 1000 * 4)
-        assert greedy._row_of(row) == (m, 5)
+        assert greedy._row_of(row) == (m, 5)  # a native-boundary helper: its contract is internal
         assert greedy._row_of(m) is None  # not a view
         assert greedy._row_of(greedy.ggml_view_1d(ctx, m, 999, 4000)) is None  # not a whole row
         assert greedy._row_of(new_1d(ctx, 0, 1000)) is None
@@ -117,6 +117,8 @@ def test_the_token_read_after_sync_is_the_public_functions(make_backend, tiny_mo
     for h in [b.enqueue(Request((5 + i, 9, 13), sp)) for i in range(4)]:
         h.result(WAIT)
 
+    # An ABI fact about the backend's own llama context, which nothing outside the worker holds:
+    # read through the private runner, on the worker thread.
     def read(bk):  # the last step decoded the four sequences' 8th tokens: rows 0..3
         return [(llama.get_sampled_token_ith(bk._runner.ctx, i), llama.sampled_token_after_sync(bk._runner.ctx, i))
                 for i in range(4)]

@@ -146,7 +146,7 @@ def test_admission_stops_at_the_cap(cap, n, running):
 
 
 @pytest.mark.parametrize("prompt, fits", [(33, True), (34, False)])
-def test_admission_needs_the_prompt_and_a_little_headroom_not_max_tokens(prompt, fits):
+def test_admission_reserves_the_prompt_plus_headroom_not_max_tokens(prompt, fits):
     """Beside a running sequence holding 50 of 100 cells, a request is admitted when its
     prompt, the headroom and this step's decode cell fit: 50 + prompt + 16 + 1 <= 100.
     Its million-token `max_tokens` reserves nothing."""
@@ -287,7 +287,7 @@ def test_time_comes_from_the_injected_clock():
 
 # ---- growth and preemption ----
 
-def test_the_youngest_is_preempted_by_recompute_and_resumes_the_same():
+def test_the_youngest_is_preempted_by_recompute_without_changing_its_output():
     alone = Sim(n_ctx=96, cap=1)
     solo = [alone.submit([1, 40 + i], max_tokens=60, ignore_eos=True) for i in range(2)]
     alone.run()

@@ -120,7 +120,7 @@ def timed_get(url: str, timeout: float = 1.0) -> tuple[httpx.Response, float]:
 # ---- slow and many connections ----
 
 
-def test_5000_slow_connections_do_not_starve_health_and_are_freed_after_the_header_timeout(many_files):
+def test_5000_slow_connections_cannot_hold_the_server(many_files):
     header_timeout = 5
     with serve("--header-timeout", str(header_timeout), "--max-connections", "6000") as (proc, base):
         baseline = open_fds(proc.pid)
@@ -261,7 +261,7 @@ def test_a_cross_origin_post_is_refused_with_403(http):
     assert_openai_error(r, 403)
 
 
-def test_a_foreign_host_is_refused_and_loopback_names_are_served(http, url):
+def test_only_loopback_host_names_are_served(http, url):
     assert_openai_error(http.get("/v1/models", headers={"Host": "attacker.example"}), 403, param="Host")
     assert_openai_error(http.post("/v1/completions", json=BODY, headers={"Host": "attacker.example:8080"}), 403)
     port = url.rsplit(":", 1)[1]
@@ -288,25 +288,37 @@ def test_cors_preflight_is_refused_when_not_configured(http):
     assert_openai_error(http.options("/v1/chat/completions", headers=PREFLIGHT), 403)
 
 
-def test_cors_preflight_and_requests_work_for_configured_origins(engine, loop_thread):
+@pytest.fixture
+def cors_http(engine, loop_thread):
+    """A client of a server that allows the origin http://localhost:3000."""
     app = create_app(engine, guard=GuardSettings(allowed_origins=("http://localhost:3000",)))
     runner, base = loop_thread.serve(app)
     try:
         with httpx.Client(base_url=base, timeout=WAIT) as http:
-            pre = http.options("/v1/chat/completions", headers=PREFLIGHT)
-            assert pre.status_code == 204
-            assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
-            assert "POST" in pre.headers["access-control-allow-methods"]
-            assert "authorization" in pre.headers["access-control-allow-headers"].lower()
-            r = http.post("/v1/completions", json=BODY, headers={"Origin": "http://localhost:3000"})
-            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
-            assert_openai_error(http.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"}),
-                                403)
+            yield http
     finally:
         loop_thread.run(runner.cleanup())
 
 
-def test_restart_and_the_openapi_document_need_the_key_when_one_is_set(engine, loop_thread):
+def test_cors_preflight_is_allowed_for_a_configured_origin(cors_http):
+    pre = cors_http.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert pre.status_code == 204
+    assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+
+
+def test_a_request_from_a_configured_origin_carries_cors_headers(cors_http):
+    r = cors_http.post("/v1/completions", json=BODY, headers={"Origin": "http://localhost:3000"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+def test_cors_preflight_from_another_origin_is_refused(cors_http):
+    assert_openai_error(cors_http.options("/v1/completions", headers={**PREFLIGHT, "Origin": "https://evil.example"}),
+                        403)
+
+
+def test_admin_routes_need_the_key_when_one_is_set(engine, loop_thread):
     runner, base = loop_thread.serve(create_app(engine, api_key=KEY))
     try:
         with httpx.Client(base_url=base, timeout=WAIT) as http:
@@ -357,7 +369,7 @@ def _post_big(base: str, chunked: bool = False) -> tuple[int, float, bytes]:
     return r.status_code, time.monotonic() - t0, r.content
 
 
-def test_4mb_bodies_are_refused_quickly_before_tokenizing_and_memory_stays_flat():
+def test_4mb_bodies_are_refused_cheaply():
     model = str(resolve_model(MODEL))
     with serve(model=model) as (proc, base):
         httpx.post(base + "/v1/completions", json=BODY, timeout=WAIT)  # warm: first request's allocations

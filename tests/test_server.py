@@ -215,43 +215,66 @@ def test_completion_stream_text_equals_whole_text_at_temperature_0(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_token_id_prompts_and_stop_strings(client):
-    by_ids = client.completions.create(model="tiny", prompt=[1, 40, 41, 42, 43], max_tokens=12, temperature=0)
-    text = by_ids.choices[0].text
-    assert by_ids.usage.prompt_tokens == 5 and len(text) > 4
+def _by_ids(client, **kw):
+    return client.completions.create(model="tiny", prompt=[1, 40, 41, 42, 43], max_tokens=12, temperature=0, **kw)
+
+
+def test_a_prompt_of_token_ids_is_taken_as_is(client):
+    by_ids = _by_ids(client)
+    assert by_ids.usage.prompt_tokens == 5 and len(by_ids.choices[0].text) > 4
+
+
+def test_a_stop_string_cuts_the_reply_before_it(client):
+    text = _by_ids(client).choices[0].text
     stop = text[2:4]
-    cut = client.completions.create(model="tiny", prompt=[1, 40, 41, 42, 43], max_tokens=12, temperature=0,
-                                    stop=[stop])
+    cut = _by_ids(client, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[:text.index(stop)]
 
 
-def test_backend_pin_and_ignore_eos_extensions(client, http):
+def test_the_backend_pin_extension_routes_the_request(client, http):
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=HELLO, max_tokens=4, temperature=0, extra_body={"backend": "cpu1", "ignore_eos": True})
+        model="tiny", messages=HELLO, max_tokens=4, temperature=0, extra_body={"backend": "cpu1"})
     assert raw.headers["x-tandem-backend"] == "cpu1"
-    assert raw.parse().usage.completion_tokens == 4
     routing = http.get("/v1/routing", params={"n": 1}).json()
     assert [b["name"] for b in routing["backends"]] == ["cpu0", "cpu1"]
     (decision,) = routing["decisions"]
     assert decision["backend"] == "cpu1" and decision["pinned"]
     assert {s["name"] for s in decision["scores"]} == {"cpu0", "cpu1"}
+
+
+def test_the_ignore_eos_extension_runs_to_max_tokens(client):
+    reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+
+
+def test_an_unknown_backend_pin_is_a_400_on_backend(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=HELLO, extra_body={"backend": "nope"})
     assert e.value.body["param"] == "backend"
 
 
-def test_backends_show_each_live_cap_and_why_it_moved(http):
+def test_backends_show_each_live_cap_with_its_reason(http):
     backends = http.get("/v1/backends").json()["backends"]
     assert all({"cap", "cap_ceiling", "cap_adaptive", "cap_reason"} <= set(b) for b in backends)
     assert all(1 <= b["cap"] <= b["cap_ceiling"] and b["cap_reason"] for b in backends)
 
 
-def test_health_routing_and_openapi(http):
+def test_health_says_ok(http):
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_routing_names_the_policy(http):
     assert http.get("/v1/routing").json()["policy"] == "seed-score"
+
+
+def test_routing_refuses_a_count_that_is_not_a_number(http):
     assert_openai_error(http.get("/v1/routing", params={"n": "many"}), 400, param="n")
+
+
+def test_the_openapi_document_lists_the_routes(http):
     doc = http.get("/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics"} <= set(doc["paths"])
 
@@ -325,7 +348,7 @@ def test_malformed_bytes_get_400(http, raw):
     assert_openai_error(r, 400)
 
 
-def test_unknown_routes_methods_and_huge_bodies_get_openai_errors(http):
+def test_unroutable_requests_get_openai_errors(http):
     assert_openai_error(http.get("/v1/nothing-here"), 404)
     r = http.get("/v1/chat/completions")
     assert_openai_error(r, 405)
@@ -363,13 +386,25 @@ def test_api_key_is_required_on_v1_only(keyed_url):
         bad.models.list()
 
 
-def test_queue_full_is_429_with_retry_after_and_a_stopped_backend_is_503(loop_thread):
+@pytest.fixture
+def one_slot(loop_thread):
+    """A served engine whose one backend runs one request and queues one more: (engine, base URL)."""
     eng = Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=1,max_queue=1,ctx=512"]))
     runner = None
-    gate = threading.Event()
     try:
         runner, base = loop_thread.serve(create_app(eng))
-        (backend,) = eng.backends.values()
+        yield eng, base
+    finally:
+        if runner is not None:
+            loop_thread.run(runner.cleanup())
+        eng.close()
+
+
+def test_a_full_queue_is_429_with_retry_after(one_slot):
+    eng, base = one_slot
+    (backend,) = eng.backends.values()
+    gate = threading.Event()
+    try:
         # Hold the worker between steps, so the queue cannot drain: one waiting fills it.
         held = threading.Event()
         blocker = backend.call(lambda b: (held.set(), gate.wait(WAIT)))
@@ -377,18 +412,20 @@ def test_queue_full_is_429_with_retry_after_and_a_stopped_backend_is_503(loop_th
         queued = eng.generate([1, 40, 41])
         with httpx.Client(base_url=base, timeout=WAIT) as http:
             r = http.post("/v1/completions", json={"prompt": [1, 40], "max_tokens": 2})
-            assert_openai_error(r, 429, code="queue_full")
-            assert r.headers["retry-after"] == "1"
-            gate.set()
-            blocker.result(WAIT)
-            assert queued.result(WAIT).error is None
-            backend.stop()
-            assert_openai_error(http.post("/v1/completions", json={"prompt": [1, 40], "max_tokens": 2}), 503)
+        assert_openai_error(r, 429, code="queue_full")
+        assert r.headers["retry-after"] == "1"
     finally:
         gate.set()
-        if runner is not None:
-            loop_thread.run(runner.cleanup())
-        eng.close()
+    blocker.result(WAIT)
+    assert queued.result(WAIT).error is None
+
+
+def test_a_stopped_backend_is_503(one_slot):
+    eng, base = one_slot
+    (backend,) = eng.backends.values()
+    backend.stop()
+    with httpx.Client(base_url=base, timeout=WAIT) as http:
+        assert_openai_error(http.post("/v1/completions", json={"prompt": [1, 40], "max_tokens": 2}), 503)
 
 
 # ---- disconnect, load ----
@@ -396,7 +433,7 @@ def test_queue_full_is_429_with_retry_after_and_a_stopped_backend_is_503(loop_th
 
 @pytest.mark.parametrize("stream,when", [(True, "mid-stream"), (True, "before the first token"),
                                          (False, "mid-generation")])
-def test_a_client_that_leaves_cancels_its_request_and_frees_its_kv(engine, url, exits, http, stream, when):
+def test_a_client_that_leaves_cancels_its_request(engine, url, exits, http, stream, when):
     engine.flush(timeout=WAIT)
     wait_until(lambda: idle(engine), what="engine idle")
     baseline = kv_state(engine)
@@ -451,7 +488,7 @@ def test_a_client_that_leaves_cancels_its_request_and_frees_its_kv(engine, url, 
     assert metric(text, "tandem:request_success_total", backend="cpu0", finished_reason="abort") == aborts + 1
 
 
-def test_200_concurrent_streams_complete_and_metrics_move(engine, url, http):
+def test_200_concurrent_streams_complete_as_the_metrics_show(engine, url, http):
     n = 200
     engine.flush(timeout=WAIT)
     wait_until(lambda: idle(engine), what="engine idle")
@@ -648,7 +685,7 @@ def test_tandem_serve_subprocess_serves_the_openai_client(tmp_path):
 # ---- a failing backend ----
 
 
-def test_a_failed_backend_shows_in_health_and_routing_and_restarts_from_the_cli(url, http, engine, capsys):
+def test_a_failed_backend_is_reported_until_restarted_from_the_cli(url, http, engine, capsys):
     import json
 
     from app.cli import main

@@ -36,21 +36,24 @@ def test_a_short_soak_leaves_nothing_behind(capsys, tmp_path):
     assert json.loads((tmp_path / "soak.json").read_text()) == summary
 
 
-def test_traffic_is_seeded_and_mixed():
-    systems = system_prompts(0)
+def _draw(seed: int) -> list:
+    traffic = Traffic(seed, 3, 0.2, system_prompts(0))
+    return [traffic.next() for _ in range(200)]
 
-    def draw(seed: int) -> list:
-        traffic = Traffic(seed, 3, 0.2, systems)
-        return [traffic.next() for _ in range(200)]
 
-    first, again, other = draw(0), draw(0), draw(1)
+def test_traffic_is_a_function_of_its_seed():
+    first, again, other = _draw(0), _draw(0), _draw(1)
     assert first == again and first != other
+
+
+def test_traffic_mixes_every_kind():
+    first = _draw(0)
     assert {s.kind for s in first} == set(KINDS)
     assert any(s.cancel_after for s in first) and any(s.abort_after_s for s in first)
     assert all(1 <= s.max_tokens <= 256 for s in first)
 
 
-def test_warmup_is_a_tenth_but_at_least_20_s_and_at_most_half():
+def test_warmup_is_a_tenth_clamped_to_20_s_or_half():
     assert warmup_seconds(1800) == 180
     assert warmup_seconds(180) == 20
     assert warmup_seconds(15) == 7.5

@@ -105,7 +105,7 @@ def test_qwen_shape_is_exactly_qwen2_5_0_5b():
     assert s.attn_bias and s.tied_embeddings
     assert (s.head_dim, s.n_embd_kv) == (64, 128)
     assert s.n_params == 494_032_768  # what llama.cpp reports for the real (and the synthetic) model
-    names = [t.name for t in synthetic._tensor_plan(s)]
+    names = [t.name for t in synthetic._tensor_plan(s)]  # the writer's plan: internal, tested as such
     assert len(names) == 2 + 24 * 12 and "output.weight" not in names
     assert {"blk.23.attn_q.bias", "blk.23.attn_k.bias", "blk.23.attn_v.bias"} <= set(names)
     assert synthetic._data_bytes(s) == 988_208_640
@@ -160,7 +160,7 @@ def test_cache_dir_default_is_user_cache(monkeypatch):
 # ---- tiny: write, load, reuse ----
 
 
-def test_tiny_is_written_once_and_loads(cache):
+def test_tiny_is_written_once_as_a_loadable_model(cache):
     calls = []
     path = synthetic_path("tiny", progress=lambda done, total: calls.append((done, total)))
     assert path == cache / "synthetic-tiny-f16.gguf" and path.is_file()
@@ -211,7 +211,7 @@ def test_tokenizer_round_trips_through_high_level_api():
     assert llm.detokenize(tokens[1:]).decode() == text
 
 
-def test_chat_template_formats_and_tokenizes_specials():
+def test_the_chat_template_formats_into_special_tokens():
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     path = synthetic_path("tiny")
@@ -227,7 +227,7 @@ def test_chat_template_formats_and_tokenizes_specials():
         assert llama_cpp.llama_vocab_is_eog(m.vocab, synthetic.EOS_ID)
 
 
-def test_tiny_greedy_generation_is_deterministic_and_varied():
+def test_tiny_greedy_generation_is_deterministic_over_ordinary_pieces():
     with Model(synthetic_path("tiny")) as m:
         first = greedy(m, "Once upon a time", 64)
         assert greedy(m, "Once upon a time", 64) == first
@@ -257,7 +257,7 @@ def test_qwen2_architecture_small_model_loads(tmp_path):
 # ---- quantization ----
 
 
-def test_tiny_q8_0_quantizes_and_loads(cache):
+def test_tiny_q8_0_quantizes_into_a_loadable_model(cache):
     calls = []
     path = synthetic_path("tiny:q8_0", progress=lambda d, t: calls.append((d, t)))
     assert path == cache / "synthetic-tiny-q8_0.gguf"
@@ -273,7 +273,7 @@ def test_tiny_q8_0_quantizes_and_loads(cache):
     assert synthetic_path("tiny:q8_0") == path and path.stat().st_mtime_ns == mtime
 
 
-def test_tiny_q4_k_m_quantizes_and_loads():
+def test_tiny_q4_k_m_quantizes_into_a_loadable_model():
     with Model(synthetic_path("tiny:q4_k_m")) as m:
         assert m.meta("general.file_type") == str(llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)
 
@@ -310,7 +310,7 @@ def test_concurrent_callers_share_one_file(cache):
 
 
 def test_crash_while_writing_leaves_no_file(cache, monkeypatch):
-    real = synthetic._tensor_chunks
+    real = synthetic._tensor_chunks  # the writer's one seam for a fault mid-file
 
     def failing(shape, t, index):
         if index == 3:

@@ -13,7 +13,7 @@ from engine.teaching import (
 
 @pytest.mark.parametrize("index, prefill, decode, gpu_s, backend", [(0, 60, 880, 3.027, "gpu"),
                                                                      (1, 80, 1000, 3.444, "cpu")])
-def test_golden_gpu_scores_and_verdicts(index, prefill, decode, gpu_s, backend):
+def test_golden_scores_give_the_verdicts(index, prefill, decode, gpu_s, backend):
     a = study_arrivals()[index]
     assert (a.gpu.prefill_tokens, a.gpu.decode_tokens) == (prefill, decode)
     assert round(a.gpu.score_s, 3) == gpu_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
 from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from app.gui import bench_runner, load_engine
@@ -24,7 +25,7 @@ def test_model_dialog_offers_every_synthetic_spec(qtbot):
     assert {"tiny", "tiny:q8_0", "qwen2.5-0.5b", "qwen2.5-0.5b:q4_k_m"} <= set(offered)
 
 
-def test_bad_model_path_shows_an_error_and_the_app_keeps_working(qtbot, make_window, ui_engine, tmp_path):
+def test_a_bad_model_path_shows_an_error_without_harm(qtbot, make_window, ui_engine, tmp_path):
     w = make_window(load_fn=load_engine)
     failures = []
     w.load_failed.connect(failures.append)
@@ -72,7 +73,7 @@ def test_loading_a_model_replaces_the_panels(qtbot, make_window, ui_engine):
     assert chat.chat.messages[-1].meta["backend"] == "cpu"
 
 
-def test_window_starts_empty_and_shows_the_loaded_model(qtbot, qasync_loop, tmp_path):
+def test_the_window_shows_the_model_once_loaded(qtbot, qasync_loop, tmp_path):
     from ui.history import ChatStore
     from ui.main_window import MainWindow
 
@@ -167,7 +168,7 @@ def _configure(panel, n, prefix, suffix, gen):
     panel.interval.setValue(10)
 
 
-def test_experiments_compare_policies_and_export(qtbot, make_window, ui_engine, tmp_path):
+def test_experiments_compare_policies(qtbot, make_window, ui_engine, tmp_path):
     w = make_window()  # no bench runner: runs driven from the GUI thread
     ex = w.panels["experiments"]
     _configure(ex, **TINY_RUN)
@@ -215,7 +216,7 @@ def test_a_demo_run_appears_in_experiments(qtbot, make_window):
     assert ex.table.rowCount() == 1 and ex.table.item(0, 0).text() == "demo"
 
 
-def test_recalibrate_runs_off_the_gui_thread_and_reports(qtbot, make_window, ui_engine):
+def test_recalibrate_runs_off_the_gui_thread(qtbot, make_window, ui_engine):
     """The Controls button runs the app's recalibrate function on a worker thread, shows its
     progress and outcome, and the router uses the rates it set. (The function here sets rates
     directly; `app.gui.recalibrate` wraps `engine.calibrate.calibrate_backend`.)"""
@@ -268,7 +269,7 @@ def _shown_in(widget, area) -> bool:
         widget.mapTo(area, widget.rect().bottomRight()))
 
 
-def test_the_window_fits_and_stays_usable_at_1280x720(qtbot, make_window, ui_engine):
+def test_the_window_stays_usable_at_1280x720(qtbot, make_window, ui_engine):
     w = make_window(engine=None, compact=True)  # as the app: the window shows, then the model arrives
     w.resize(1280, 720)
     w.show()
@@ -313,10 +314,11 @@ def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
     assert late[0] >= 0.28 and late[14] >= 0.14  # the stall's ticks, 300 ms down to 0
 
 
-def test_settings_persist_sampling_dock_layout_and_last_model(qtbot, make_window, tmp_path):
+@pytest.fixture
+def reopened(make_window, tmp_path):
+    """A window given a model, sampling settings and a hidden dock, shut down, then a second
+    window on the same settings file: (the settings file's path, the second window)."""
     from PySide6.QtCore import QSettings
-
-    from ui.loader import ModelSpec
 
     path = str(tmp_path / "kept.ini")
     w = make_window(settings=QSettings(path, QSettings.IniFormat))
@@ -325,14 +327,27 @@ def test_settings_persist_sampling_dock_layout_and_last_model(qtbot, make_window
     chat.temperature.setValue(0.3)
     chat.max_tokens.setValue(77)
     chat.seed.setValue(5)
-    w._dock_of[w.panels["latency"]].hide()
+    w.dock_of("latency").hide()
     w.shutdown()
+    return path, make_window(settings=QSettings(path, QSettings.IniFormat))
 
-    again = make_window(settings=QSettings(path, QSettings.IniFormat))
+
+def test_the_sampling_settings_persist_across_windows(reopened):
+    _, again = reopened
     chat = again.panels["chat"]
     assert (chat.temperature.value(), chat.max_tokens.value(), chat.seed.value()) == (0.3, 77, 5)
-    assert again._dock_of[again.panels["latency"]].isHidden()
-    assert not again._dock_of[again.panels["routing"]].isHidden()
+
+
+def test_the_dock_layout_persists_across_windows(reopened):
+    _, again = reopened
+    assert again.dock_of("latency").isHidden()
+    assert not again.dock_of("routing").isHidden()
+
+
+def test_the_last_model_persists_across_windows(reopened):
+    from PySide6.QtCore import QSettings
+
+    path, _ = reopened
     assert QSettings(path, QSettings.IniFormat).value("model/last") == UI_MODEL
 
 

@@ -16,7 +16,7 @@ def send(qtbot, chat, text: str) -> None:
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
 
 
-def test_reply_streams_into_the_view_and_stop_ends_it(qtbot, make_window, ui_engine):
+def test_stop_ends_a_streaming_reply(qtbot, make_window, ui_engine):
     w = make_window()
     chat = w.panels["chat"]
     chat.backend_combo.setCurrentText("cpu0")
@@ -27,8 +27,8 @@ def test_reply_streams_into_the_view_and_stop_ends_it(qtbot, make_window, ui_eng
         chat.send_button.click()
         assert chat.busy and not chat.send_button.isEnabled() and chat.stop_button.isEnabled()
         # The worker is held after a few steps: the tokens so far have streamed into the view.
-        qtbot.waitUntil(lambda: gate.reached.is_set() and "".join(chat._streamed) != "", timeout=WAIT_MS)
-        streamed = "".join(chat._streamed)
+        qtbot.waitUntil(lambda: gate.reached.is_set() and chat.streamed_text != "", timeout=WAIT_MS)
+        streamed = chat.streamed_text
         assert streamed in chat.transcript_text()
         assert "streaming" in chat.transcript_text()
         chat.stop_button.click()
@@ -44,7 +44,7 @@ def test_reply_streams_into_the_view_and_stop_ends_it(qtbot, make_window, ui_eng
     assert chat.send_button.isEnabled() and not chat.stop_button.isEnabled()
 
 
-def test_reply_records_backend_ttft_and_cache_and_is_saved(qtbot, make_window, ui_engine, tmp_path):
+def test_a_reply_is_saved_with_what_served_it(qtbot, make_window, ui_engine, tmp_path):
     w = make_window()
     chat = w.panels["chat"]
     chat.max_tokens.setValue(12)
@@ -66,13 +66,17 @@ def test_reply_records_backend_ttft_and_cache_and_is_saved(qtbot, make_window, u
     assert saved["messages"][1]["meta"]["backend"] == meta["backend"]
 
 
-def test_regenerate_copy_new_chat_and_reopen(qtbot, make_window):
-    w = make_window()
-    chat = w.panels["chat"]
+def _one_reply(qtbot, make_window):
+    """A window's chat panel after one question and its (seeded, 8-token) reply."""
+    chat = make_window().panels["chat"]
     chat.max_tokens.setValue(8)
     chat.seed.setValue(7)
     send(qtbot, chat, "first question")
-    first_id = chat.chat.id
+    return chat
+
+
+def test_regenerate_replaces_the_reply_keeping_the_earlier_one(qtbot, make_window):
+    chat = _one_reply(qtbot, make_window)
     old_request = chat.chat.messages[-1].meta["request_id"]
     old_text = chat.chat.messages[-1].content
     assert chat.regenerate()
@@ -80,15 +84,31 @@ def test_regenerate_copy_new_chat_and_reopen(qtbot, make_window):
     assert len(chat.chat.messages) == 2  # the reply was replaced, not appended
     assert chat.chat.messages[-1].meta["request_id"] != old_request
     assert [e["content"] for e in chat.chat.messages[-1].meta["earlier"]] == [old_text]  # and kept
+
+
+def test_copy_reply_puts_the_reply_on_the_clipboard(qtbot, make_window):
+    chat = _one_reply(qtbot, make_window)
     assert chat.copy_reply() == chat.chat.messages[-1].content
     assert QGuiApplication.clipboard().text() == chat.chat.messages[-1].content
 
+
+def test_a_new_chat_starts_empty_with_its_own_system_prompt(qtbot, make_window):
+    chat = _one_reply(qtbot, make_window)
+    first_id = chat.chat.id
     chat.new_button.click()
     assert chat.chat.messages == [] and chat.chat.id != first_id
     chat.system_edit.setPlainText("Answer in French.")  # the system prompt belongs to each chat
     send(qtbot, chat, "second chat")
     assert chat.chat.system == "Answer in French."
     assert chat.chat_list.count() == 2
+
+
+def test_reopening_a_chat_restores_its_transcript_with_its_system_prompt(qtbot, make_window):
+    chat = _one_reply(qtbot, make_window)
+    first_id = chat.chat.id
+    chat.new_button.click()
+    chat.system_edit.setPlainText("Answer in French.")
+    send(qtbot, chat, "second chat")
     chat.open_chat(first_id)
     assert "first question" in chat.transcript_text() and chat.system_edit.toPlainText() == "You are a helpful assistant."
 
@@ -128,10 +148,18 @@ def test_a_refused_prompt_leaves_the_chat_working(qtbot, make_window, tmp_path):
     assert [m.role for m in chat.chat.messages] == ["user", "assistant"]
 
 
-def test_messages_and_chats_can_be_deleted_renamed_exported_and_searched(qtbot, make_window, tmp_path):
-    w = make_window()
-    chat = w.panels["chat"]
+def _short_replies(make_window):
+    chat = make_window().panels["chat"]
     chat.max_tokens.setValue(4)
+    return chat
+
+
+def _listed(chat) -> list[str]:
+    return [chat.chat_list.item(i).data(0x0100) for i in range(chat.chat_list.count())]
+
+
+def test_deleted_messages_leave_the_saved_chat(qtbot, make_window, tmp_path):
+    chat = _short_replies(make_window)
     send(qtbot, chat, "first question")
     send(qtbot, chat, "second question")
     assert chat.delete_message(3) and chat.delete_message(2)
@@ -139,8 +167,16 @@ def test_messages_and_chats_can_be_deleted_renamed_exported_and_searched(qtbot, 
     saved = json.loads((tmp_path / "chats" / f"{chat.chat.id}.json").read_text())
     assert len(saved["messages"]) == 2
 
+
+def test_editing_a_message_moves_it_back_to_the_input_box(qtbot, make_window):
+    chat = _short_replies(make_window)
+    send(qtbot, chat, "first question")
     assert chat.edit_message(0)  # edit and resend: back in the box, dropped from the chat
     assert chat.input.toPlainText() == "first question" and chat.chat.messages == []
+
+
+def test_a_renamed_chat_exports_under_its_title(qtbot, make_window, tmp_path):
+    chat = _short_replies(make_window)
     send(qtbot, chat, "edited question")
     chat.rename_chat(chat.chat.id, "My title")
     assert chat.chat_list.item(0).text() == "My title"
@@ -148,19 +184,29 @@ def test_messages_and_chats_can_be_deleted_renamed_exported_and_searched(qtbot, 
     assert md.startswith("# My title") and "edited question" in md
     assert json.loads(chat.export_chat(tmp_path / "out.json").read_text())["name"] == "My title"
 
+
+def test_search_lists_the_chat_that_holds_the_words(qtbot, make_window):
+    chat = _short_replies(make_window)
+    send(qtbot, chat, "edited question")
     first = chat.chat.id
     chat.new_button.click()
     send(qtbot, chat, "another topic")
     chat.search_edit.setText("edited")
-    shown = [chat.chat_list.item(i).data(0x0100) for i in range(chat.chat_list.count())]
-    assert first in shown
-    chat.search_edit.setText("")
+    assert first in _listed(chat)
+
+
+def test_a_deleted_chat_is_gone_from_the_list_with_its_file(qtbot, make_window, tmp_path):
+    chat = _short_replies(make_window)
+    send(qtbot, chat, "first question")
+    first = chat.chat.id
+    chat.new_button.click()
+    send(qtbot, chat, "another topic")
     assert chat.delete_chat(first)
     assert not (tmp_path / "chats" / f"{first}.json").exists()
-    assert first not in [chat.chat_list.item(i).data(0x0100) for i in range(chat.chat_list.count())]
+    assert first not in _listed(chat)
 
 
-def test_enter_while_a_reply_streams_says_so_and_keeps_the_text(qtbot, make_window, ui_engine):
+def test_enter_while_a_reply_streams_keeps_the_text(qtbot, make_window, ui_engine):
     w = make_window()
     chat = w.panels["chat"]
     chat.backend_combo.setCurrentText("cpu0")
@@ -189,7 +235,7 @@ def _open_reply(chat, text: str) -> None:
     chat.open_chat(saved.id)
 
 
-def test_replies_render_markdown_with_code_kept_and_copyable(qtbot, make_window):
+def test_replies_render_markdown_keeping_code(qtbot, make_window):
     w = make_window()
     chat = w.panels["chat"]
     _open_reply(chat, "Some **bold** text.\n\n```python\ndef f():\n    return 1\n```\n")
@@ -198,7 +244,7 @@ def test_replies_render_markdown_with_code_kept_and_copyable(qtbot, make_window)
     assert "def f():\n    return 1" in shown  # indentation kept
     html_out = chat.view.toHtml()
     assert "monospace" in html_out and "font-weight" in html_out
-    chat._on_link(__import__("PySide6.QtCore", fromlist=["QUrl"]).QUrl("copy-code:0"))
+    chat.view.anchorClicked.emit(__import__("PySide6.QtCore", fromlist=["QUrl"]).QUrl("copy-code:0"))
     assert QGuiApplication.clipboard().text() == "def f():\n    return 1\n"
 
 
@@ -213,7 +259,7 @@ def test_earlier_answers_are_shown_on_request(qtbot, make_window):
     assert chat.regenerate()
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
     assert "show 1 earlier answer" in chat.transcript_text()
-    chat._on_link(QUrl("msg:earlier:1"))
+    chat.view.anchorClicked.emit(QUrl("msg:earlier:1"))
     assert "hide 1 earlier answer" in chat.transcript_text()
     after = chat.transcript_text().split("hide 1 earlier answer")[1]
     assert f"#1 ({chat.chat.messages[1].meta['earlier'][0]['backend']}): " in after

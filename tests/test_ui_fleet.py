@@ -40,7 +40,7 @@ def test_window_names_the_fleets_model_without_a_local_one(make_window, fleet_en
     assert "synthetic-tiny" in w.windowTitle()
 
 
-def test_a_chat_reply_comes_from_a_remote_engine_and_its_decision_is_shown(qtbot, make_window, fleet_engine):
+def test_a_chat_reply_from_a_remote_engine_shows_its_decision(qtbot, make_window, fleet_engine):
     w = make_window(engine=fleet_engine)
     chat, routing = w.panels["chat"], w.panels["routing"]
     chat.max_tokens.setValue(8)

@@ -61,7 +61,7 @@ def test_cap_spin_box_sets_the_backend_cap_at_once(qtbot, make_window, ui_engine
     assert ui_engine.backend("cpu1").cap == 3
 
 
-def test_a_backend_card_shows_the_live_cap_and_why_it_moved(qtbot, make_window, ui_engine):
+def test_a_backend_card_shows_the_live_cap_with_its_reason(qtbot, make_window, ui_engine):
     w = make_window()
     card = w.panels["backends"].cards["cpu0"]
     card.cap_spin.setValue(3)
@@ -69,19 +69,40 @@ def test_a_backend_card_shows_the_live_cap_and_why_it_moved(qtbot, make_window, 
     assert card.limit_label.text() == "<b>3</b> of ≤ 3 · set by the user"
 
 
-def test_controls_set_policy_budget_and_rates(qtbot, make_window, ui_engine):
-    w = make_window()
-    c = w.panels["controls"]
+def test_the_policy_list_offers_no_gpu_policy_without_a_gpu(make_window):
+    c = make_window().panels["controls"]
     assert "gpu-only" not in [c.policy_combo.itemText(i) for i in range(c.policy_combo.count())]  # no GPU here
+
+
+def test_the_policy_control_sets_the_routers_policy(make_window, ui_engine):
+    c = make_window().panels["controls"]
     c.policy_combo.setCurrentText("least-work")
     assert ui_engine.router.policy == "least-work"
+
+
+def test_the_budget_control_sets_the_routers_budget(make_window, ui_engine):
+    c = make_window().panels["controls"]
     c.budget_combo.setCurrentText("ratio")
     assert ui_engine.router.budget == "ratio"
+
+
+def _override_cpu1_rates(c) -> None:
     c.prefill_spins["cpu1"].setValue(73.0)
     c.decode_spins["cpu1"].setValue(45.0)
+
+
+def test_rates_typed_in_override_the_backends(qtbot, make_window, ui_engine):
+    w = make_window()
+    c = w.panels["controls"]
+    _override_cpu1_rates(c)
     assert ui_engine.backend("cpu1").rates == Rates(73.0, 45.0, source="override")
     tick(qtbot, w)
     assert c.source_labels["cpu1"].text() == "override"
+
+
+def test_reset_rates_drops_an_override(make_window, ui_engine):
+    c = make_window().panels["controls"]
+    _override_cpu1_rates(c)
     c.reset_rates()
     assert ui_engine.backend("cpu1").rates.source != "override"
 
@@ -117,7 +138,7 @@ def test_routing_table_gains_a_row_per_request_equal_to_the_engines_record(qtbot
     assert len(view.marks.data) == SMALL.n_requests
 
 
-def test_histograms_and_hit_rates_update_during_a_run(qtbot, make_window, ui_engine):
+def test_the_live_panels_update_during_a_run(qtbot, make_window, ui_engine):
     w = make_window()
     latency = w.panels["latency"]
     cards = w.panels["backends"].cards
@@ -150,18 +171,28 @@ def test_histograms_and_hit_rates_update_during_a_run(qtbot, make_window, ui_eng
     assert len(EDGES["ttft"]) == len(latency.hist_curves["ttft"]["cpu0"].getData()[0])
 
 
-def test_flush_and_warm_buttons(qtbot, make_window, ui_engine):
-    w = make_window()
+def _warmed_card(qtbot, w, ui_engine):
+    """cpu1's card after its Warm button cached the chat's system prompt."""
     card = w.panels["backends"].cards["cpu1"]
     card.warm()  # the chat's system prompt
     qtbot.waitUntil(lambda: ui_engine.backend("cpu1").snapshot().cache.cached_tokens > 0, timeout=WAIT_MS)
+    return card
+
+
+def test_a_cards_warm_button_fills_its_cache(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = _warmed_card(qtbot, w, ui_engine)
     tick(qtbot, w)
     assert not card.cache_label.text().startswith("0 cached")
+
+
+def test_a_cards_flush_button_empties_its_cache(qtbot, make_window, ui_engine):
+    card = _warmed_card(qtbot, make_window(), ui_engine)
     card.flush()
     qtbot.waitUntil(lambda: ui_engine.backend("cpu1").snapshot().cache.cached_tokens == 0, timeout=WAIT_MS)
 
 
-def test_a_failed_backend_shows_why_and_restarts_from_its_card(qtbot, spare_engine, make_window):
+def test_a_failed_backend_card_restarts_it(qtbot, spare_engine, make_window):
     eng = spare_engine  # its own engine: the shared one is never broken (see ui_fixtures)
     w = make_window(engine=eng)
     card = w.panels["backends"].cards["cpu0"]
@@ -221,7 +252,7 @@ def test_cards_say_where_each_backends_rates_came_from(qtbot, make_window, ui_en
     assert card.rates_label.text() == "prefill 1,235 tok/s · decode 76.2 tok/s"
 
 
-def test_routing_rows_count_from_one_with_units_and_export_as_csv(qtbot, make_window, tmp_path):
+def test_routing_rows_export_as_csv(qtbot, make_window, tmp_path):
     import csv
 
     w = make_window()
@@ -276,9 +307,11 @@ def test_latency_axes_fit_their_data_with_whole_request_counts(qtbot, make_windo
     assert major is not None and all(float(s).is_integer() for s, _ in major)
 
 
-def test_backend_sparklines_and_teaching_bars_have_legends(qtbot, make_window):
-    w = make_window()
-    card = w.panels["backends"].cards["cpu0"]
+def test_a_backend_sparkline_has_a_legend(make_window):
+    card = make_window().panels["backends"].cards["cpu0"]
     assert [label.text for _, label in card.legend.items] == ["running", "waiting"]
-    teaching = w.panels["teaching"].chart.getPlotItem().legend
+
+
+def test_the_teaching_bars_have_a_legend(make_window):
+    teaching = make_window().panels["teaching"].chart.getPlotItem().legend
     assert [label.text for _, label in teaching.items] == ["prefill", "decode"]

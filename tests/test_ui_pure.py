@@ -31,14 +31,16 @@ class TestStepHistogram:
         counts = step_histogram([1e-9, 1e9], EDGES["ttft"])
         assert counts[0] == 1 and counts[-1] == 1
 
-    def test_percentile_matches_numpy_and_is_nan_when_empty(self):
+    def test_percentile_matches_numpy(self):
         v = [0.3, 0.1, 0.2, 0.9]
         assert percentile(v, 95) == pytest.approx(np.percentile(v, 95))
+
+    def test_percentile_of_nothing_is_nan(self):
         assert math.isnan(percentile([], 50))
 
 
 class TestLatencyStore:
-    def test_keeps_successes_per_backend_and_counts_failures(self):
+    def test_keeps_each_backends_successes_apart_from_its_failures(self):
         s = LatencyStore(["cpu0", "cpu1"])
         v0 = s.version
         s.add(record("cpu0", ttft=0.1))
@@ -75,7 +77,7 @@ def test_summarize_run():
     assert m.ttft_p50_s == pytest.approx(0.2)
 
 
-def test_a_run_summary_exports_its_label_and_the_benchmarks_metrics():
+def test_a_run_summary_exports_the_benchmarks_metrics_under_its_label():
     s = summarize("#1", "seed-score", [record("cpu0", out=8)], 10.0, 12.0)
     d = s.to_dict()
     assert (d["label"], d["policy"], d["requests"]) == ("#1", "seed-score", 1)
@@ -88,18 +90,31 @@ def test_fmt_seconds(s, text):
 
 
 class TestChatStore:
-    def test_round_trip_and_order(self, tmp_path):
-        store = ChatStore(tmp_path / "chats")
+    @staticmethod
+    def _two_saved(store):
+        """Chat `a` (a system prompt, a reply with meta), then chat `b`, saved in that order."""
         a = Chat(system="Be brief.", messages=[Message("user", "hello"), Message("assistant", "hi", {"backend": "cpu0"})])
         b = Chat(messages=[Message("user", "second chat")])
         store.save(a)
         store.save(b)
-        listed = store.list()
-        assert [c.id for c in listed] == [b.id, a.id]  # most recently updated first
+        return a, b
+
+    def test_saved_chats_list_newest_first(self, tmp_path):
+        store = ChatStore(tmp_path / "chats")
+        a, b = self._two_saved(store)
+        assert [c.id for c in store.list()] == [b.id, a.id]  # most recently updated first
+
+    def test_a_saved_chat_loads_back_whole(self, tmp_path):
+        store = ChatStore(tmp_path / "chats")
+        a, _ = self._two_saved(store)
         back = store.load(a.id)
         assert back.system == "Be brief." and back.messages[1].meta == {"backend": "cpu0"}
         assert back.prompt_messages()[0] == {"role": "system", "content": "Be brief."}
-        assert a.title == "hello"
+        assert back.title == "hello"
+
+    def test_a_deleted_chat_leaves_the_list(self, tmp_path):
+        store = ChatStore(tmp_path / "chats")
+        a, b = self._two_saved(store)
         store.delete(a.id)
         assert [c.id for c in store.list()] == [b.id]
 
@@ -113,18 +128,23 @@ class TestChatStore:
         assert Chat(system="  ", messages=[Message("user", "x")]).prompt_messages() == [{"role": "user", "content": "x"}]
 
 
-def test_log_axis_ticks_are_few_and_read_as_seconds():
+def test_log_axis_ticks_are_few_readable_seconds():
     from ui.axes import log_ticks
 
     assert [t for _, t in log_ticks(-1.7, -0.3)] == ["20 ms", "50 ms", "100 ms", "200 ms", "500 ms"]
     assert [t for _, t in log_ticks(-3, 1)] == ["1 ms", "10 ms", "100 ms", "1 s", "10 s"]  # decades when wide
 
 
-def test_rates_and_model_names_read_well():
-    from types import SimpleNamespace
-
-    from ui.formatting import fmt_rate, model_title
+def test_rates_read_as_tokens_per_second():
+    from ui.formatting import fmt_rate
 
     assert (fmt_rate(76.2413), fmt_rate(2551.0), fmt_rate(0.0)) == ("76.2 tok/s", "2,551 tok/s", "–")
+
+
+def test_a_model_is_titled_by_its_file_name():
+    from types import SimpleNamespace
+
+    from ui.formatting import model_title
+
     info = SimpleNamespace(path="/m/SmolLM2-135M-Instruct.Q4_1.gguf", name="Smollm2 135M 8k Lc100K Mix1 Ep2")
     assert model_title(info) == "SmolLM2-135M-Instruct.Q4_1"

@@ -87,7 +87,7 @@ def test_running_lasts_until_the_outcome_is_delivered(qtbot):
     qtbot.waitUntil(lambda: not worker.running, timeout=WAIT_MS)
 
 
-def test_no_thread_and_no_worker_is_left_behind(qtbot):
+def test_a_finished_worker_leaves_nothing_behind(qtbot):
     before = set(threading.enumerate())
     worker = Worker(lambda: None, name="test-worker")
     with qtbot.waitSignal(worker.finished, timeout=WAIT_MS):

@@ -43,7 +43,7 @@ class TestSeedWorkload:
         assert len({r.prompt for r in wl.requests}) == 1
         assert wl.requests[0].prompt[:496] == wl.prefix
 
-    def test_deterministic_per_seed_and_run(self):
+    def test_a_workload_is_reproducible_per_seed_per_run(self):
         spec = seed_workload(6)
         a, b = build_workload(spec, 0), build_workload(spec, 0)
         assert a == b
@@ -84,7 +84,7 @@ class TestSharedFraction:
 
 
 class TestOutputLengths:
-    def test_uniform_within_range_and_budget_256(self):
+    def test_uniform_outputs_stay_within_the_256_budget(self):
         wl = build_workload(WorkloadSpec(n_requests=400, output="uniform"))
         lengths = [r.output_tokens for r in wl.requests]
         assert min(lengths) >= 16 and max(lengths) <= 256
@@ -121,7 +121,7 @@ class TestArrivals:
         assert bursty > poisson > smooth
         assert poisson == pytest.approx(1.0, abs=0.1)
 
-    def test_arrivals_are_deterministic_and_change_per_run(self):
+    def test_arrivals_are_a_function_of_the_run(self):
         spec = WorkloadSpec(n_requests=10, arrival="poisson", rate=5.0)
         assert build_workload(spec, 2).requests == build_workload(spec, 2).requests
         assert ([r.arrival_s for r in build_workload(spec, 0).requests]
@@ -172,13 +172,13 @@ class TestTenants:
         # weight of tenant 0 under zipf:1 over 8 tenants: 1 / H(8) = 0.368
         assert counts[0] / 3000 == pytest.approx(1 / sum(1 / k for k in range(1, 9)), abs=0.03)
 
-    def test_zipf_exponent_and_uniform(self):
+    def test_the_tenant_skew_shapes_the_tenant_counts(self):
         steep = Counter(r.tenant for r in build_workload(tenant_spec(n_requests=2000, tenant_skew="zipf:2")).requests)
         flat = Counter(r.tenant for r in build_workload(tenant_spec(n_requests=2000, tenant_skew="uniform")).requests)
         assert steep[0] / 2000 > 0.55
         assert max(flat.values()) - min(flat.values()) < 100  # 250 each, give or take
 
-    def test_prefixes_depend_on_the_seed_alone_and_requests_on_the_run(self):
+    def test_only_requests_change_with_the_run(self):
         a, b = build_workload(tenant_spec(), 0), build_workload(tenant_spec(), 1)
         assert a == build_workload(tenant_spec(), 0)
         assert a.prefixes == b.prefixes and a.prefix_texts == b.prefix_texts

@@ -92,7 +92,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     from ui.worker import Worker
 
     qtbot_app = qasync_loop  # noqa: F841  (the loop must exist before any panel streams)
-    subs_before = len(ui_engine.bus._subs)
+    subs_before = ui_engine.bus.n_subscribers
     initial = {n: (b.cap, b.rates) for n, b in ui_engine.backends.items()}
     made: list[MainWindow] = []
 
@@ -110,7 +110,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     for w in made:
         w.shutdown()
         w.deleteLater()
-    leaked = len(ui_engine.bus._subs) - subs_before
+    leaked = ui_engine.bus.n_subscribers - subs_before
     workers_left = Worker.join_all(WAIT_MS / 1000)
     deadline = time.monotonic() + WAIT_MS / 1000
     while not engine_idle(ui_engine) and time.monotonic() < deadline:

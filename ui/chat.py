@@ -474,6 +474,11 @@ class ChatPanel(QWidget):
     def transcript_text(self) -> str:
         return self.view.toPlainText()
 
+    @property
+    def streamed_text(self) -> str:
+        """The text of the reply streaming now (or the last one), as far as it has come."""
+        return "".join(self._streamed)
+
     def shutdown(self) -> None:
         """Cancel a running reply and save (the panel is going away)."""
         if self.handle is not None:

@@ -334,6 +334,10 @@ class MainWindow(QMainWindow):
         self._docks.append(d)
         return d
 
+    def dock_of(self, key: str) -> QDockWidget | None:
+        """The dock that holds a panel (`panels[key]`); None for a panel not docked."""
+        return self._dock_of.get(self.panels.get(key))
+
     def show_panel(self, key: str) -> None:
         """Bring a panel's dock tab to the front."""
         d = self._dock_of.get(self.panels.get(key))
