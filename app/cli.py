@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus /metrics")
     _add_model_args(serve)
     serve.set_defaults(func=_lazy("app.server", "run_serve"))
+    serve.add_argument("--no-calibrate", action="store_true",
+                       help="do not measure backends without stored rates at start (they are priced by "
+                            "placeholder rates until served steps refine them)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
     serve.add_argument("--api-key", default=None,

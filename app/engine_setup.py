@@ -24,7 +24,8 @@ def engine_from_args(args, *, progress: bool = True, calibrate: bool = True) -> 
     bar = loading_bar("loading model") if progress and sys.stderr.isatty() else None
     try:
         return Engine.load(args.model, configs, policy=getattr(args, "policy", "seed-score"),
-                           progress=bar, online_rates=True, calibrate=calibrate, status=_say)
+                           progress=bar, online_rates=True,
+                           calibrate=calibrate and not getattr(args, "no_calibrate", False), status=_say)
     finally:
         if bar is not None:
             bar(1.0)

@@ -293,3 +293,22 @@ def test_engine_load_can_refresh_rates_online(tiny_path):
     finally:
         eng.close()
     assert eng.online._unsubscribe is None
+
+
+def _serve_engine(tiny_path, *extra):
+    from app.cli import parse_args
+    from app.engine_setup import engine_from_args
+
+    args = parse_args(["serve", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512", *extra])
+    return engine_from_args(args, progress=False)
+
+
+def test_serve_measures_rates_at_load(tiny_path, capsys):
+    with _serve_engine(tiny_path) as eng:
+        assert eng.backends["cpu"].rates.origin == "measured at load"
+    assert "tandem: measuring cpu's speed" in capsys.readouterr().err
+
+
+def test_serve_without_calibration_keeps_placeholder_rates(tiny_path):
+    with _serve_engine(tiny_path, "--no-calibrate") as eng:
+        assert eng.backends["cpu"].rates.placeholder
