@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from app.cli import main
-from bench.laptop import LLAMA_CPP, format_summary, summarize
+from app.cli import main, parse_args
+from bench.laptop import LLAMA_CPP, format_summary, layouts, summarize
 
 
 def row(layout, makespan, ttft, failed=0, run=0):
@@ -46,17 +46,25 @@ def test_bad_layout_is_a_clear_error(tiny_path, capsys):
 
 def test_laptop_bench_serves_each_layout_from_an_empty_rate_cache(tiny_path, capsys):
     rc = main(["bench", "laptop", "--model", str(tiny_path), "--requests", "2", "--no-llama-cpp",
-               "--layout", "split=cpu:threads=1,cap=2;cpu:threads=1,cap=2", "--ready-timeout", "120",
-               "--timeout", "120"])
+               "--ready-timeout", "120", "--timeout", "120"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     final = json.loads(out[-1])
-    assert [r["layout"] for r in final["rows"]] == ["default", "one", "split"]
+    assert [r["layout"] for r in final["rows"]] == ["default", "one"]
     for r in final["rows"]:
-        assert r["completed"] == 2 and r["failed"] == 0 and r["makespan_s"] > 0
-    assert set(final["rows"][2]["routed"]) <= {"cpu0", "cpu1"}
+        assert r["completed"] == 2 and r["failed"] == 0 and r["makespan_s"] > 0 and r["ready_s"] > 0
     assert "makespan default / one" in final["summary"]["ratios"]
     assert any(line.startswith("ratio makespan default / one:") for line in out)
+
+
+def test_layouts_name_their_servers_backends():
+    args = parse_args(["bench", "laptop", "--cores", "4", "--layout", "split=cpu:threads=2,cap=4;cpu:threads=2,cap=4"])
+    got = {lay.label: lay for lay in layouts(args, "/m.gguf")}
+    assert list(got) == ["default", "one", "split", LLAMA_CPP]
+    assert "--backend" not in got["default"].argv
+    assert got["one"].argv[-2:] == ("--backend", "cpu:threads=4,cap=8")
+    assert got["split"].argv.count("--backend") == 2
+    assert ("--interrupt_requests", "False") == got[LLAMA_CPP].argv[-2:]
 
 
 def test_summary_without_the_default_layout_has_no_ratios():
