@@ -21,6 +21,7 @@ ratios the laptop target is judged by, and one JSON line (the last line of stdou
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -38,6 +39,8 @@ from engine.workload import build_workload, seed_workload
 
 HELP = "first use on a CPU-only machine: default `tandem serve` vs one all-core backend vs llama-cpp-python's server"
 LLAMA_CPP = "llama-cpp-python"
+# what llama-cpp-python's `[server]` extra adds (checked without importing llama_cpp here)
+SERVER_MODULES = ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
 
 
 @dataclass(frozen=True)
@@ -86,13 +89,11 @@ def run_laptop(args) -> int:
         raise InvalidRequest("--requests and --runs must be >= 1")
     model_path = str(resolve_model(args.model))
     plan = layouts(args, model_path)
-    if not args.no_llama_cpp:
-        try:
-            import llama_cpp.server.app  # noqa: F401
-        except ImportError as e:
-            raise InvalidRequest(f"llama-cpp-python's server is missing a package ({e}); install the [server] "
-                                 f"extra's packages (fastapi uvicorn sse-starlette starlette-context "
-                                 f"pydantic-settings) or pass --no-llama-cpp") from None
+    missing = [] if args.no_llama_cpp else [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InvalidRequest(f"llama-cpp-python's server needs {', '.join(missing)}: install the [server] extra's "
+                             f"packages (pip install fastapi uvicorn sse-starlette starlette-context "
+                             f"pydantic-settings) or pass --no-llama-cpp")
     spec = seed_workload(args.requests)
     rows: list[dict] = []
     for run in range(args.runs):
