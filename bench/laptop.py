@@ -136,10 +136,12 @@ def one_run(layout: Layout, spec, run: int, args) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
     m = run_metrics(records)
     failed = [r.error for r in records if not r.success]
+    if not failed:  # a failed run keeps its server's log for reading
+        os.unlink(log.name)
     return {"layout": layout.label, "run": run, "ready_s": ready_s, "makespan_s": m.makespan_s,
             "ttft_p50_s": m.ttft_p50_s, "ttft_p95_s": m.ttft_p95_s, "output_tok_s": m.output_tok_s,
             "completed": m.completed, "failed": m.failed, "routed": m.routed, "errors": failed[:3],
-            "server_log": log.name}
+            "server_log": log.name if failed else None}
 
 
 def summarize(rows: list[dict], order: list[str]) -> dict:
