@@ -21,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default | PATH.gguf | synthetic:SHAPE[:QUANT] (default: %(default)s)")
     p.add_argument("--backend", action="append", default=None, metavar="SPEC",
                    help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: GPU+CPU, "
-                        "or two CPU backends splitting the cores)")
+                        "or one CPU backend with every core)")
     p.add_argument("--policy", default="seed-score", help="routing policy (default: %(default)s)")
 
 
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus /metrics")
     _add_model_args(serve)
     serve.set_defaults(func=_lazy("app.server", "run_serve"))
+    serve.add_argument("--no-calibrate", action="store_true",
+                       help="do not measure backends without stored rates at start (they are priced by "
+                            "placeholder rates until served steps refine them)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
     serve.add_argument("--api-key", default=None,
@@ -98,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_benches(sub) -> None:
     """`tandem bench NAME`: each bench (bench/*.py) declares its own arguments."""
     from app.runtime import SWITCH_INTERVAL_S
-    from bench import cache, fleet, overhead, prefill, soak, study, together, ui as ui_cost
+    from bench import cache, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
 
     bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_, add_arguments, run in (
@@ -110,7 +113,8 @@ def _add_benches(sub) -> None:
             ("seed", study.SEED_HELP, study.add_seed_arguments, study.run_seed),
             ("grid", study.GRID_HELP, study.add_grid_arguments, study.run_grid),
             ("fleet", fleet.HELP, fleet.add_arguments, fleet.run_fleet),
-            ("soak", soak.HELP, soak.add_arguments, soak.run_soak)):
+            ("soak", soak.HELP, soak.add_arguments, soak.run_soak),
+            ("laptop", laptop.HELP, laptop.add_arguments, laptop.run_laptop)):
         p = bsub.add_parser(name, help=help_)
         add_arguments(p)
         p.set_defaults(func=run)

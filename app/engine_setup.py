@@ -13,7 +13,10 @@ from engine.engine import Engine
 log = logging.getLogger("tandem")
 
 
-def engine_from_args(args, *, progress: bool = True) -> Engine:
+def engine_from_args(args, *, progress: bool = True, calibrate: bool = True) -> Engine:
+    """The engine a command asked for. With `calibrate`, backends this machine has no stored
+    rates for are measured before it returns (a few seconds, once per model and config;
+    `Engine.load`), so nothing is routed on placeholder rates."""
     gpu = llama.gpu_offload_supported()
     log.info("llama.cpp GPU offload: %s", "yes" if gpu else "no (CPU build)")
     specs = args.backend or default_specs(gpu=gpu)
@@ -21,7 +24,12 @@ def engine_from_args(args, *, progress: bool = True) -> Engine:
     bar = loading_bar("loading model") if progress and sys.stderr.isatty() else None
     try:
         return Engine.load(args.model, configs, policy=getattr(args, "policy", "seed-score"),
-                           progress=bar, online_rates=True)
+                           progress=bar, online_rates=True,
+                           calibrate=calibrate and not getattr(args, "no_calibrate", False), status=_say)
     finally:
         if bar is not None:
             bar(1.0)
+
+
+def _say(text: str) -> None:
+    print(f"tandem: {text}", file=sys.stderr, flush=True)

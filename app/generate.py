@@ -15,7 +15,7 @@ def run_generate(args) -> int:
     sampling.validate()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
-    with engine_from_args(args) as eng:
+    with engine_from_args(args, calibrate=False) as eng:  # one request: nothing to route
         if eng.model.synthetic:
             print("(synthetic model: random weights, the text is noise)", file=sys.stderr)
         handle = eng.chat(messages, sampling, source="cli")

@@ -40,7 +40,7 @@ def load_engine(spec, progress=None) -> Engine:
     """Build an engine for a `ui.loader.ModelSpec` (same defaults as `engine_from_args`)."""
     specs = list(spec.backends) or default_specs(gpu=llama.gpu_offload_supported())
     return Engine.load(spec.model, parse_backend_specs(specs), policy=spec.policy, progress=progress,
-                       online_rates=True)
+                       online_rates=True, calibrate=True)
 
 
 async def serve(eng: Engine, host: str, port: int, api_key: str | None):

@@ -39,7 +39,7 @@ def run_calibrate(args) -> int:
     if args.list:
         return _list(store)
     batches = _int_list(args.batches, "--batches") if args.batches else None
-    with args.load_engine(args, progress=False) as eng:
+    with args.load_engine(args, progress=False, calibrate=False) as eng:
         names = list(eng.backends)
         if args.only:
             wanted = [n.strip() for n in args.only.split(",") if n.strip()]

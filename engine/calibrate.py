@@ -17,12 +17,23 @@ What is measured, on one backend alone (the others idle), with random prompt tok
 
 Rates are stored as JSON in the user cache (`cache_dir()`: `$TANDEM_CACHE_DIR`, else
 platformdirs' `user_cache_dir("tandem")`), one entry per (model file fingerprint, backend
-config key). `config_key()` keeps what changes speed (device — one GPU's `gpuN` apart from
+config key). The model file's fingerprint stands for the machine too: the store lives in this
+user's cache on this machine. `config_key()` keeps what changes speed (device — one GPU's `gpuN` apart from
 another's and from `gpu`, all GPUs —, threads, batch sizes, KV layout,
 flash attention, sampling in the graph) and not the name, cap, context size or sequence
 slots (second-order: a few per cent, which online refresh absorbs), so `cpu0` and `cpu1`
-with the same threads share an entry, and so do a GPU backend's cap-sweep variants. `Engine.load` picks a stored entry up automatically (`source="calibrated"`);
+with the same threads share an entry, and so do a GPU backend's cap-sweep variants. `Engine.load` picks a stored entry up automatically (`source="cached"`);
 explicit rates (`parse_rates()`, `source="override"`) win over it.
+
+`calibrate_at_load()` is the short version `Engine.load(calibrate=True)` runs (the app and
+`tandem serve` do) for every local backend that has neither: a 128-token prefill and decode
+steps at batch 1 and the cap, ~2–6 s per backend config on a 2-core laptop, stored like a
+full calibration (`source="measured"`, then `cached` on the next start). It runs before the
+engine serves anything, so the router never prices a local backend with placeholder rates
+(`DEFAULT_RATES`, `source="default"`) unless measuring failed, which the app's cards flag.
+Why before serving and not on the first request: on a CPU-only machine a request served
+while a backend calibrates shares its cores, which both slows that request and spoils the
+measurement; and the wait is the same for the first client either way.
 
 `OnlineRefresh` keeps a running engine's rates current from its own steps (EWMA), leaving
 overridden rates alone.
@@ -161,7 +172,8 @@ def rates_from_entry(entry: dict) -> Rates:
     r = entry["rates"]
     return Rates(prefill_tok_s=float(r["prefill_tok_s"]), decode_tok_s=float(r["decode_tok_s"]),
                  step_alpha_s=float(r.get("step_alpha_s", 0.0)), step_beta_s=float(r.get("step_beta_s", 0.0)),
-                 step_table=tuple(float(t) for t in r.get("step_table") or ()), source="calibrated")
+                 step_table=tuple(float(t) for t in r.get("step_table") or ()), source="cached",
+                 measured_at=str(entry.get("measured_at") or ""))
 
 
 class ModelRates:
@@ -242,13 +254,13 @@ class Calibration:
     def rates(self) -> Rates:
         return Rates(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s,
                      step_alpha_s=self.step_alpha_s, step_beta_s=self.step_beta_s,
-                     step_table=step_table(self.step_s), source="calibrated")
+                     step_table=step_table(self.step_s), source="calibrated", measured_at=self.measured_at)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["step_s"] = {str(b): s for b, s in self.step_s.items()}
         d["decode_only_s"] = {str(b): s for b, s in self.decode_only_s.items()}
-        d["rates"] = {k: v for k, v in asdict(self.rates()).items() if k != "source"}
+        d["rates"] = {k: v for k, v in asdict(self.rates()).items() if k not in ("source", "measured_at")}
         return d
 
 
@@ -496,6 +508,52 @@ def save_calibration(store: RateStore, model_path: Path, cal: Calibration, model
     store.save(fingerprint, cal.config_key, {"model": model_name or Path(model_path).name,
                                              "model_path": str(model_path), **cal.to_dict()})
     return f"{fingerprint}|{cal.config_key}"
+
+
+# ---- at load ----
+
+# The short calibration `Engine.load(calibrate=True)` runs: a few seconds per backend config.
+LOAD_PROMPT = 128
+LOAD_GEN = 8
+
+
+def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: RateStore | None = None,
+                      status: Callable[[str], None] | None = None, timeout: float = 300.0) -> dict[str, Rates]:
+    """Measure the local `backends` (started, idle) that still have placeholder rates, one per
+    speed-relevant config (`config_key`), apply the rates to every backend of that config
+    (`source="measured"`) and store them; return {backend name: rates} for those measured.
+
+    A backend that cannot be measured (a context too small, a failed step) keeps its
+    placeholder rates, with a warning: the engine still serves.
+    """
+    store = store or RateStore()
+    groups: dict[str, list] = {}
+    for b in backends:
+        if getattr(b, "device", "") == "remote" or not b.rates.placeholder:
+            continue
+        groups.setdefault(config_key(b.config, b.model.device), []).append(b)
+    applied: dict[str, Rates] = {}
+    for key, same in groups.items():
+        first = same[0]
+        if status is not None:
+            status(f"measuring {first.name}'s speed (first run of this model and config on this machine)")
+        try:
+            cal = calibrate_backend(first, prompt_tokens=LOAD_PROMPT, gen_tokens=LOAD_GEN,
+                                    batches=sorted({1, first.cap}), repeats=1, timeout=timeout)
+        except Exception as e:  # keep serving on the placeholder; the cards flag it
+            log.warning("%s: measuring rates at load failed, placeholder rates stay: %s", first.name, e)
+            continue
+        rates = replace(cal.rates(), source="measured")
+        for b in same:
+            b.set_rates(rates)
+            applied[b.name] = rates
+        try:
+            save_calibration(store, model_path, replace(cal, notes=(*cal.notes, "measured at load")), model_name)
+        except OSError as e:
+            log.warning("could not store the rates measured for %s: %s", first.name, e)
+        log.info("%s: rates measured at load in %.1f s: prefill %.0f tok/s, decode %.1f tok/s at cap %d (%s)",
+                 first.name, cal.seconds, cal.prefill_tok_s, cal.decode_tok_s, cal.cap, key)
+    return applied
 
 
 # ---- online refresh ----

@@ -7,9 +7,8 @@ alone (`engine.llama.gpus()[N]`), as the device `gpuN`, and the backend is named
 named otherwise. Several backends on one GPU share its model; each GPU loads its own.
 
 `default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; a GPU
-and a CPU backend with one; two CPU backends that split the cores otherwise (so routing is
-still live on a laptop), each with an adaptive cap.
-
+and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
+for the measurement that chose it).
 `cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
 (GPU 8, CPU 4) up to the device's ceiling (GPU 48, CPU 16); `cap=N` makes N the ceiling (the
 limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
@@ -189,13 +188,25 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
     return name_backends(configs, explicit)
 
 
+CPU_ONLY_CAP = 8  # the study's N=8 ran in 12.5 s at cap 8 on 2 cores (one 2-thread backend)
+
+
 def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) -> list[str]:
     """The backends to run when none are named.
 
     - several GPUs: one backend per GPU (`gpu:device=N`, named gpu0, gpu1, ...) and a CPU
       backend on the cores left after one per GPU backend's worker thread;
     - one GPU: GPU + CPU, as before;
-    - no offload: two CPU backends splitting the cores.
+    - no offload: one CPU backend with every core, cap 8 (`CPU_ONLY_CAP`).
+
+    Why one on a CPU-only machine (docs/performance.md, "First use on a laptop"): splitting the
+    cores halves each backend's prefill, and a backend that has not seen a prompt's shared
+    prefix computes it again for every request admitted before the first of them finishes
+    (the prefix cache takes a sequence at its finish). On 2 cores the study's N=8 over HTTP
+    took 12.5 s on one 2-thread backend at cap 8, 16.9 s on two 1-thread backends with
+    measured rates and 25.4 s with placeholder ones; two backends won only with both caches
+    already warm (9.6 vs 11.7 s). `--backend cpu:threads=1 --backend cpu:threads=1` still
+    gives two, for a routing view with a choice in it.
 
     `gpus` is the GPU count; None counts them (`engine.llama.gpu_count()`, no model loaded)
     where `gpu` says the build can offload. A build that offloads but lists no GPU device
@@ -213,8 +224,7 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
         return [f"gpu:device={n}" for n in range(gpus)] + [f"cpu:threads={max(cores - gpus, 1)}"]
     if gpus == 1:
         return ["gpu", f"cpu:threads={max(cores - 1, 1)}"]
-    half = max(cores // 2, 1)
-    return [f"cpu:threads={half}", f"cpu:threads={max(cores - half, 1)}"]
+    return [f"cpu:threads={cores},cap={CPU_ONLY_CAP}"]
 
 
 def synthetic_specs() -> list[str]:

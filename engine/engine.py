@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from . import chat
 from .backend import Backend, BackendConfig, error_record
-from .calibrate import ModelRates
+from .calibrate import ModelRates, calibrate_at_load
 from .config import RemoteConfig
 from .errors import BackendUnavailable, EngineError, InvalidRequest
 from .events import EventBus, RequestRouted
@@ -139,16 +139,20 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path | None, configs: list[BackendConfig | RemoteConfig], *,
              policy: str = "seed-score", rates: dict[str, Rates] | None = None, progress=None,
-             online_rates: bool = False) -> "Engine":
+             online_rates: bool = False, calibrate: bool = False,
+             status: Callable[[str], None] | None = None) -> "Engine":
         """Resolve the model, load it once per device, start one backend per config.
 
         `RemoteConfig`s become remote backends; with nothing but those, no model is loaded
         (`model` may be None).
 
         Each backend's rates: `rates[name]` if given, else the calibrated ones stored for this
-        model file and backend config (`engine.calibrate`), else `DEFAULT_RATES`. With
-        `online_rates` they are then kept current from the steps the backends run (EWMA);
-        benchmarks leave it off so that every run is priced alike.
+        model file and backend config (`engine.calibrate`), else `DEFAULT_RATES`, a placeholder.
+        With `calibrate`, placeholders are replaced before this returns by a short measurement
+        (`calibrate_at_load`, a few seconds per backend config, stored for the next start;
+        `status(text)` hears what is measured), so the router never prices a backend with
+        them. With `online_rates` rates are then kept current from the steps the backends
+        run (EWMA); benchmarks leave it off so that every run is priced alike.
         """
         local = [c for c in configs if not isinstance(c, RemoteConfig)]
         if local and model is None:
@@ -171,6 +175,13 @@ class Engine:
                 b.stop()
             raise
         engine = cls(backends, Router(policy), bus, registry)
+        if calibrate and path is not None:
+            try:
+                calibrate_at_load([b for b in backends if b.device != "remote"], Path(path),
+                                  engine.model.info.name if engine.model is not None else "", status=status)
+            except BaseException:
+                engine.close()
+                raise
         if online_rates:
             from .calibrate import OnlineRefresh
 

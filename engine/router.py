@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from .errors import BackendUnavailable, InvalidRequest
@@ -512,7 +512,9 @@ class CacheAware(Policy):
        load: small tenants move off the busy backend until the hot ones have it to themselves.
     5. Otherwise (no real hit, or `h` is beyond balance) the cheapest backend wins. Its price
        is the predicted first token (`predicted_first_token()`: slot wait + the prefill queued
-       ahead + the request's own uncached prefill) plus the delay that own prefill adds to
+       ahead + the request's own uncached prefill, uncached meaning not in the backend's cache
+       now: a prefix only remembered in flight is priced as computed again) plus the delay
+       that own prefill adds to
        every item the backend already holds (`delay_weight` x items x prefill seconds: a
        prompt chunk stalls the whole batch's decoding). A new tenant lands where its first
        token is soonest; a hot tenant whose backend is saturated spills to the next one, which
@@ -586,8 +588,14 @@ class CacheAware(Policy):
         self._cache_size[snap.name] = snap.cache.cached_tokens
         if self._group is not None:
             self._members[snap.name] = sum(1 for i in snap.items if self._tenant_of.get(i.request_id) == self._group)
-        cached = max(query.cached_on(snap.name), min(self._remembered.get(snap.name, 0), query.prompt_tokens))
-        return predicted_first_token(query, snap, cached)
+        held = query.cached_on(snap.name)
+        remembered = min(self._remembered.get(snap.name, 0), query.prompt_tokens)
+        # Priced on what the cache holds: a backend's prefix cache takes a sequence when it
+        # finishes, so a request admitted while the prefix is still in flight there computes it
+        # again (a cold prefill: 1,550 tokens at 73 tok/s is 21 s on one CPU core, not the
+        # 1 s of a hit). The remembered prefix still draws affinity (`cached_tokens`).
+        score = predicted_first_token(query, snap, held)
+        return replace(score, cached_tokens=remembered) if remembered > held else score
 
     def _start(self, query: RouteQuery) -> None:
         """Memos for a new query: its block hashes, where they were routed, its tenant."""
@@ -705,7 +713,7 @@ class CacheAware(Policy):
     def _price(self, query: RouteQuery, s: BackendScore, load: int) -> tuple[float, float]:
         """(price, delay): the first-token time plus the delay its own prefill adds to the
         `load` items the backend holds (each waits that long once), weighted by `delay_weight`."""
-        own = _seconds(query.prompt_tokens - s.cached_tokens, s.rates.prefill_tok_s)
+        own = _seconds(query.prefill_on(s.name), s.rates.prefill_tok_s)
         delay = self.delay_weight * load * own if load else 0.0
         return s.score_s + delay, delay
 

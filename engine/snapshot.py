@@ -22,8 +22,29 @@ class Rates:
     decode_tok_s: float
     step_alpha_s: float = 0.0
     step_beta_s: float = 0.0
-    source: str = "default"  # "calibrated", "override", "default", "online"
+    # "measured" (a short calibration when the engine loaded), "cached" (stored by an earlier
+    # run: `measured_at` says when), "calibrated" (`tandem calibrate` / Recalibrate), "online"
+    # (refined from served steps), "override" (typed), "default" (a placeholder guess)
+    source: str = "default"
     step_table: tuple[float, ...] = ()  # measured seconds per step at batch 1, 2, ...
+    measured_at: str = ""  # ISO time of the measurement these rates come from ("" if none)
+
+    @property
+    def placeholder(self) -> bool:
+        """Nothing measured these rates: a guess the router should not be trusted with."""
+        return self.source == "default"
+
+    @property
+    def origin(self) -> str:
+        """Where these rates came from, in a few words: `measured at load`, `cached
+        2026-12-01`, `placeholder`, `online`, `calibrated`, `override`."""
+        if self.source == "default":
+            return "placeholder"
+        if self.source == "measured":
+            return "measured at load"
+        if self.source == "cached":
+            return f"cached {self.measured_at[:10]}" if self.measured_at else "cached"
+        return self.source
 
     def step_s(self, batch: int) -> float:
         """Seconds for one decode step with `batch` running sequences."""
@@ -129,4 +150,5 @@ class BackendSnapshot:
         d["n_running"] = len(self.running)
         d["n_waiting"] = len(self.waiting)
         d["cache"]["hit_rate"] = self.cache.hit_rate
+        d["rates"]["origin"] = self.rates.origin
         return d

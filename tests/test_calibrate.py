@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -175,13 +176,13 @@ class TestCalibrateOnTheTinyModel:
 
         again = make_engine()  # cpu0 and cpu1 have the same speed-relevant config: both pick it up
         for b in again.backends.values():
-            assert b.rates == cal.rates() and b.rates.source == "calibrated"
+            assert b.rates == replace(cal.rates(), source="cached") and b.rates.origin == f"cached {cal.measured_at[:10]}"
         other = make_engine(["cpu:threads=2,cap=2,ctx=512"])
         assert other.backends["cpu"].rates == DEFAULT_RATES["cpu"]  # another config: not calibrated
         override = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
         pinned = make_engine(rates={"cpu1": override})
         assert pinned.backends["cpu1"].rates == override
-        assert pinned.backends["cpu0"].rates.source == "calibrated"
+        assert pinned.backends["cpu0"].rates.source == "cached"
 
     def test_prompt_shrinks_to_fit_a_small_context(self, make_engine):
         eng = make_engine(["cpu:threads=1,cap=2,ctx=256"])
@@ -229,6 +230,55 @@ class TestCalibrateOnTheTinyModel:
             refresh.detach()
 
 
+class TestCalibrateAtLoad:
+    def test_placeholder_rates_are_measured_before_the_engine_serves(self, make_engine):
+        eng = make_engine(calibrate=True)
+        rates = {name: b.rates for name, b in eng.backends.items()}
+        assert {r.origin for r in rates.values()} == {"measured at load"}
+        r = rates["cpu0"]
+        assert r.prefill_tok_s > 0 and math.isfinite(r.prefill_tok_s) and r.decode_tok_s > 0
+        assert len(r.step_table) == 3 and r.measured_at  # batches 1 and the cap, interpolated between
+        assert rates["cpu1"] == r  # the same speed-relevant config: measured once, applied to both
+        assert not any(s.rates.placeholder for s in eng.snapshot())
+
+    def test_rates_measured_at_load_are_stored_for_the_next_start(self, make_engine):
+        first = make_engine(calibrate=True).backends["cpu0"].rates
+        again = make_engine(calibrate=True).backends["cpu0"].rates
+        assert again.origin == f"cached {first.measured_at[:10]}"
+        assert (again.prefill_tok_s, again.decode_tok_s, again.step_table) == (
+            first.prefill_tok_s, first.decode_tok_s, first.step_table)
+
+    def test_each_config_is_measured_once_and_named_to_status(self, make_engine):
+        said = []
+        eng = make_engine([*SPECS, "cpu:threads=2,cap=2,ctx=512,name=big"], calibrate=True, status=said.append)
+        assert len(said) == 2 and "cpu0" in said[0] and "big" in said[1]
+        assert eng.backends["big"].rates.origin == "measured at load"
+        assert len(RateStore().entries()) == 2
+
+    def test_typed_rates_are_not_measured_at_load(self, make_engine):
+        typed = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
+        eng = make_engine(rates={"cpu0": typed, "cpu1": typed}, calibrate=True)
+        assert {b.rates for b in eng.backends.values()} == {typed}
+        assert RateStore().entries() == {}
+
+    def test_without_calibrate_rates_stay_placeholders(self, make_engine):
+        eng = make_engine()
+        assert {b.rates.origin for b in eng.backends.values()} == {"placeholder"}
+
+    def test_the_engine_serves_after_measuring_at_load(self, make_engine):
+        eng = make_engine(calibrate=True)
+        h = eng.submit(Request(tuple(range(300, 340)), SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert h.result(60).output_tokens == 4
+
+
+def test_snapshot_json_says_where_rates_came_from():
+    from engine.snapshot import BackendSnapshot
+
+    snap = BackendSnapshot(name="cpu", device="cpu", cap=4, n_ctx=512,
+                           rates=Rates(100, 50, source="cached", measured_at="2026-11-30T10:00:00+00:00"))
+    assert snap.to_dict()["rates"]["origin"] == "cached 2026-11-30"
+
+
 class TestCommand:
     def test_the_calibrate_command_reports_what_it_stored(self, tiny_path, own_cache, capsys):
         rc = main(["calibrate", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512",
@@ -272,3 +322,22 @@ def test_engine_load_can_refresh_rates_online(tiny_path):
     finally:
         eng.close()
     assert not eng.online.attached
+
+
+def _serve_engine(tiny_path, *extra):
+    from app.cli import parse_args
+    from app.engine_setup import engine_from_args
+
+    args = parse_args(["serve", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512", *extra])
+    return engine_from_args(args, progress=False)
+
+
+def test_serve_measures_rates_at_load(tiny_path, capsys):
+    with _serve_engine(tiny_path) as eng:
+        assert eng.backends["cpu"].rates.origin == "measured at load"
+    assert "tandem: measuring cpu's speed" in capsys.readouterr().err
+
+
+def test_serve_without_calibration_keeps_placeholder_rates(tiny_path):
+    with _serve_engine(tiny_path, "--no-calibrate") as eng:
+        assert eng.backends["cpu"].rates.placeholder

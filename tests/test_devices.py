@@ -63,7 +63,8 @@ def test_names_one_backend_per_gpu():
 
 DEFAULT_CASES = [
     # (gpu offload, GPU count, cores, specs)
-    (False, 0, 8, ["cpu:threads=4", "cpu:threads=4"]),
+    (False, 0, 8, ["cpu:threads=8,cap=8"]),
+    (False, 0, 2, ["cpu:threads=2,cap=8"]),
     (True, 1, 8, ["gpu", "cpu:threads=7"]),
     (True, 2, 16, ["gpu:device=0", "gpu:device=1", "cpu:threads=14"]),
     (True, 4, 2, ["gpu:device=0", "gpu:device=1", "gpu:device=2", "gpu:device=3",
@@ -78,11 +79,11 @@ def test_default_specs_per_gpu_count(gpu, gpus, cores, specs):
 
 
 def test_default_specs_count_gpus_here():
-    # This CPU build has no GPU: the count is 0 and the defaults are two CPU halves.
+    # This CPU build has no GPU: the count is 0 and the default is one backend on every core.
     assert llama.gpu_count() == 0
-    assert default_specs(gpu=False, cores=4) == ["cpu:threads=2", "cpu:threads=2"]
+    assert default_specs(gpu=False, cores=4) == ["cpu:threads=4,cap=8"]
     names = [c.name for c in parse_backend_specs(default_specs(gpu=False, cores=4))]
-    assert names == ["cpu0", "cpu1"]
+    assert names == ["cpu"]
 
 
 # ---- devices ----

@@ -586,6 +586,19 @@ class TestCacheAware:
         assert d.backend == "a"
         assert "beyond balance (>4 apart and >1.5x), and it is still the cheapest" in d.reason
 
+    def test_prefix_in_flight_is_priced_as_a_cold_prefill(self):
+        # As above, but a's hit is only remembered (the tenant's first request still runs
+        # there): a request admitted now computes the prefix again, 1,550 tokens at 73 tok/s.
+        slow = replace(H200, prefill_tok_s=73)
+        r = Router(TABLE_POLICY)
+        first = r.route(tenant_query("r0", 7, tokens=True), [replace(s, rates=slow) for s in gpus(0, 0)])
+        assert first.backend == "a"
+        d = r.route(tenant_query("r1", 7, own=1, tokens=True), [replace(s, rates=slow) for s in gpus(6, 0)])
+        assert d.backend == "b", d.reason
+        assert d.score_of("a").cached_tokens == 1472  # affinity still sees it
+        assert d.score_of("a").prefill_s == pytest.approx(1550 / 73)  # priced cold
+        assert "routed there, in flight" in d.reason
+
     def test_repeat_requests_stick_while_others_spread(self):
         # Each routed request adds one running item where it went; tenant 0 is warm on b.
         r = Router(TABLE_POLICY)

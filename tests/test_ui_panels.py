@@ -17,6 +17,7 @@ from ui.axes import occupied_log_range
 from ui.live_run import WorkloadRun, seed_workload
 from ui.live_stats import EDGES
 from ui.routing import BACKEND_COLUMN, TERMS, score_term
+from ui.theme import WORKING
 
 SMALL = seed_workload(6, prefix_tokens=64, suffix_tokens=8, gen_tokens=8, interval_s=0.02)
 
@@ -238,18 +239,35 @@ def test_cache_checkbox_switches_the_prefix_cache_live(qtbot, make_window, ui_en
         qtbot.waitUntil(lambda: b.snapshot().cache.enabled, timeout=10_000)
 
 
-def test_cards_say_where_each_backends_rates_came_from(qtbot, make_window, ui_engine):
+def test_cards_flag_placeholder_rates(qtbot, make_window, ui_engine):
     w = make_window()
     card = w.panels["backends"].cards["cpu0"]
     ui_engine.backend("cpu0").set_rates(Rates(400.0, 40.0, source="default"))
     tick(qtbot, w)
-    assert "default" in card.rates_source_label.text() and "placeholder" in card.rates_source_label.text()
+    assert card.rates_source_label.text() == "⚠ placeholder rates, not measured"
+    assert WORKING in card.rates_source_label.styleSheet()
+    assert "not measured" in card.rates_source_label.toolTip()
     assert card.rates_label.text() == "prefill 400 tok/s · decode 40.0 tok/s"
-    ui_engine.backend("cpu0").set_rates(Rates(1234.5678, 76.2413, source="calibrated"))
+
+
+def test_cards_say_rates_were_measured_at_load(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    ui_engine.backend("cpu0").set_rates(Rates(1234.5678, 76.2413, source="measured",
+                                              measured_at="2026-12-01T03:27:53+00:00"))
     tick(qtbot, w)
-    assert card.rates_source_label.text() == "calibrated rates"
-    assert "measured on this machine" in card.rates_source_label.toolTip()
+    assert card.rates_source_label.text() == "rates: measured at load"
+    assert WORKING not in card.rates_source_label.styleSheet()
     assert card.rates_label.text() == "prefill 1,235 tok/s · decode 76.2 tok/s"
+
+
+def test_cards_say_when_cached_rates_were_measured(qtbot, make_window, ui_engine):
+    w = make_window()
+    card = w.panels["backends"].cards["cpu0"]
+    ui_engine.backend("cpu0").set_rates(Rates(120.0, 50.0, source="cached", measured_at="2026-11-30T21:04:00+00:00"))
+    tick(qtbot, w)
+    assert card.rates_source_label.text() == "rates: cached 2026-11-30"
+    assert "earlier start" in card.rates_source_label.toolTip()
 
 
 def test_routing_rows_export_as_csv(qtbot, make_window, tmp_path):

@@ -276,7 +276,7 @@ class BackendCard(QFrame):
         self.speed_label.setToolTip(f"{snap.steps:,} llama_decode steps so far")
         r = snap.rates
         self.rates_label.setText(f"prefill {fmt_rate(r.prefill_tok_s)} · decode {fmt_rate(r.decode_tok_s)}")
-        self._show_rates_source(r.source)
+        self._show_rates_source(r)
         self._show_health(snap.healthy, snap.error)
 
         if self._t0 is None:
@@ -292,14 +292,14 @@ class BackendCard(QFrame):
         self.plot.getPlotItem().setYRange(0, axis_top, padding=0)
         self.plot.getPlotItem().getAxis("left").setTickSpacing(step, step)
 
-    def _show_rates_source(self, source: str) -> None:
-        placeholder = source == "default"
-        text = ("⚠ default rates: a placeholder, not measured" if placeholder
-                else f"{source} rates" if source in ("calibrated", "online", "override", "article") else source)
+    def _show_rates_source(self, rates) -> None:
+        """Where the router's rates came from (`Rates.origin`); a placeholder is flagged."""
+        placeholder = rates.placeholder
+        text = "⚠ placeholder rates, not measured" if placeholder else f"rates: {rates.origin}"
         if self.rates_source_label.text() != text:
             self.rates_source_label.setText(text)
             self.rates_source_label.setStyleSheet(f"color:{WORKING if placeholder else MUTED}")
-            self.rates_source_label.setToolTip(rates_source_text(source))
+            self.rates_source_label.setToolTip(rates_source_text(rates.source))
 
     def _show_health(self, healthy: bool, error: str | None) -> None:
         # `error` is set before the backend is marked unhealthy, so a failed snapshot has it

@@ -33,11 +33,13 @@ def fmt_rate(tok_s: float | None) -> str:
 
 
 RATE_SOURCES = {
+    "measured": "measured at load: a few seconds of calibration when the model loaded, stored for the next start",
+    "cached": "cached: measured on this machine by an earlier start or `tandem calibrate` (the date says when)",
     "calibrated": "calibrated: measured on this machine by `tandem calibrate`",
     "online": "online: measured from the requests this backend has served",
     "override": "override: set by hand (--rates or the Controls panel)",
-    "default": "default: a placeholder guess, not measured; the router's scores are rough until "
-               "this backend has served a request or is calibrated",
+    "default": "placeholder: a guess, not measured (measuring at load failed or was skipped); the "
+               "router's scores are rough until this backend has served requests or is calibrated",
     "article": "article: the study's rates (Apple M2, Qwen2.5-0.5B)",
 }
 
