@@ -26,6 +26,16 @@ The rules, in the order each step applies them:
   5. finish rules (`update_from_output`): end-of-generation (unless `ignore_eos`), a stop
      string, `max_tokens`, the context's end (`n_ctx_seq`), `stop_after`, cancel.
 
+Choices of one request (OpenAI's `n`) share their prompt's KV: the backend queues a warm-up
+of the prompt (`warm`: it prefills into the prefix cache and ends) followed by the choices,
+each with `after` pointing at it. A sequence with `after` is not admitted before that one
+has ended (the queue waits behind it: FCFS), so each choice then hits the cached prompt like
+any request — `llama_memory_seq_cp` aliases the cells (`_reuse_prefix`) and only its last
+prompt token is decoded again (the logits must be its own). The prompt is computed once; the
+cache's pins keep the shared cells counted once and alive while any choice runs. With the
+cache off (or the prefix evicted under KV pressure before the choices are admitted) each
+choice computes its own prompt: slower, never wrong.
+
 `max_tokens` is clamped, not refused: a request asks for at most `n_ctx_seq - prompt` new
 tokens whatever it says (it ends with `length` there, like llama.cpp's server). The router
 and the snapshot see the clamped budget (`SeqState.max_new`).
@@ -74,7 +84,7 @@ class SeqState:
     __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
                  "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
                  "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
-                 "preemptions", "ran_on")
+                 "preemptions", "ran_on", "after", "logprobs")
 
     def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
                  n_ctx_seq: int | None = None):
@@ -104,6 +114,9 @@ class SeqState:
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.preemptions = 0
+        self.after: SeqState | None = None  # admitted only once this one has ended (a choice of `n`)
+        # One TokenLogprob per generated token, when the request asked for logprobs.
+        self.logprobs: list | None = [] if self.sp.logprobs is not None else None
 
     @property
     def prefilling(self) -> bool:
@@ -282,10 +295,11 @@ class Scheduler:
         assert free >= 0, "KV over capacity"
         return plan
 
-    def update_from_output(self, plan: Plan, sampled) -> list[Finished]:
+    def update_from_output(self, plan: Plan, sampled, logprobs: dict | None = None) -> list[Finished]:
         """Apply a decoded plan: `sampled[i]` is the token of the i-th row that asked for
         logits (decode rows, then chunks that ended their prompt), or None when the runner
-        took the token back (an end token under `ignore_eos`: decode that input again)."""
+        took the token back (an end token under `ignore_eos`: decode that input again).
+        `logprobs[i]` is row i's `TokenLogprob`, for the rows whose request asked for them."""
         now = self.clock()
         running, on_token = RequestStatus.RUNNING, self._sampled
         for s, tok in zip(plan.decode, sampled):  # decode rows first, one token each
@@ -303,8 +317,19 @@ class Scheduler:
                 tok = sampled[i]
                 i += 1
                 self._sampled(s, tok, now)
+        if logprobs:
+            self._record_logprobs(plan, sampled, logprobs)
         self.prefill_budget = self.n_batch
         return self.take_finished()
+
+    @staticmethod
+    def _record_logprobs(plan: Plan, sampled, logprobs: dict) -> None:
+        """Keep each row's logprob with its sequence (after its token was applied)."""
+        rows = list(plan.decode) + [s for s, _, _, lg in plan.chunks if lg]
+        for i, lp in logprobs.items():
+            s = rows[i]
+            if sampled[i] is not None and s.logprobs is not None and len(s.logprobs) < s.generated:
+                s.logprobs.append(lp)
 
     def decode_failed(self, plan: Plan) -> None:
         """llama.cpp server's answer to "no KV room": a smaller prefill budget, else give up
@@ -382,6 +407,10 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.cap:
             seq = self.waiting[0]
+            if seq.after is not None:
+                if not seq.after.status.finished:
+                    return  # a choice waits for its prompt's warm-up (FCFS: so does the queue)
+                seq.after = None
             placed = self._place(seq)
             if placed is None:  # failed, and taken out of the queue
                 continue
