@@ -322,14 +322,17 @@ class Scheduler:
         self.prefill_budget = self.n_batch
         return self.take_finished()
 
-    @staticmethod
-    def _record_logprobs(plan: Plan, sampled, logprobs: dict) -> None:
-        """Keep each row's logprob with its sequence (after its token was applied)."""
+    def _record_logprobs(self, plan: Plan, sampled, logprobs: dict) -> None:
+        """Keep each row's logprob with its sequence, once its token was applied; an end
+        token that ended the request has no text and gets none (OpenAI lists none)."""
         rows = list(plan.decode) + [s for s, _, _, lg in plan.chunks if lg]
         for i, lp in logprobs.items():
-            s = rows[i]
-            if sampled[i] is not None and s.logprobs is not None and len(s.logprobs) < s.generated:
-                s.logprobs.append(lp)
+            s, tok = rows[i], sampled[i]
+            if tok is None or s.logprobs is None or len(s.logprobs) >= s.generated:
+                continue
+            if not s.sp.ignore_eos and self.is_eog(tok):
+                continue
+            s.logprobs.append(lp)
 
     def decode_failed(self, plan: Plan) -> None:
         """llama.cpp server's answer to "no KV room": a smaller prefill budget, else give up
