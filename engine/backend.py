@@ -202,6 +202,7 @@ class Backend:
         self.on_unhealthy = None  # callable(backend, [(request, handle, t_submit)]), set by the engine
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (n_decode, n_prefill, seq ids)
         self.steps = 0
+        self.prompt_tokens_computed = 0  # tokens decoded as prompt chunks (n choices share theirs)
         self.decode_s = 0.0  # time inside llama_decode (+ device sync), summed over steps
         self._obs_prefill = self._obs_decode = 0.0
         self._outbox = Outbox()  # the worker's deliveries to asyncio consumers (engine/handle.py)
@@ -484,6 +485,7 @@ class Backend:
             prefill_tok_s=self._obs_prefill,
             decode_tok_s=self._obs_decode,
             steps=self.steps,
+            prompt_tokens_computed=self.prompt_tokens_computed,
             time=time.monotonic(),
         )
 
@@ -621,6 +623,7 @@ class Backend:
             self._settle()
             return
         self.steps += 1
+        self.prompt_tokens_computed += out.n_prefill
         self.decode_s += out.seconds
         self._observe(out.n_decode, out.n_prefill, out.seconds)
         with self._state:

@@ -107,6 +107,7 @@ class BackendSnapshot:
     prefill_tok_s: float = 0.0  # observed, recent
     decode_tok_s: float = 0.0  # observed, recent
     steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens decoded since start (cache hits and shared prompts not)
     time: float = 0.0
     url: str = ""  # a remote backend's engine (engine/remote.py); "" for a local one
     model: str = ""  # the model a remote engine serves; "" for a local one
