@@ -56,6 +56,12 @@ decode() {  # our GPU decode vs llama-batched-bench, fused greedy, then llama.cp
 
 decode_split() { _decode overhead_gpu_split.txt 2 1,4,16,32 --kv split; }
 
+sampling() {  # what OpenAI's extras cost beside fused greedy (cost_MODE_bB = MODE tok/s / plain's)
+  _stamp "GPU decode with logprobs / logit_bias / penalties beside plain greedy"
+  python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,8,32 --no-llama --repeats 2 \
+    --sampling plain,logprobs,logit_bias,penalties 2>&1 | tail -6 | tee "$OUT/overhead_gpu_sampling.txt"
+}
+
 threads() {  # host threads of the GPU context at small batches
   for t in 1 4 8; do _decode "threads_gpu_$t.txt" 3 1,4,16 --threads "$t"; done
 }
