@@ -350,6 +350,16 @@ def test_bench_overhead_prints_rates_and_shares(tiny_path, capsys):
     assert set(out["graph_reuse"]) == {"b1", "b2"} and out["fused_greedy"] is True and out["eog_redos"] == 0
 
 
+def test_bench_overhead_sampling_reports_each_mode_over_plain_greedy(tiny_path, capsys):
+    rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "2",
+               "--repeats", "1", "--no-llama", "--prompt-tokens", "32", "--gen-tokens", "8",
+               "--sampling", "plain,logprobs,logit_bias,penalties"])
+    out = _last_json(capsys)
+    assert rc == 0
+    for mode in ("logprobs", "logit_bias", "penalties"):
+        assert out[f"cost_{mode}_b2"] == pytest.approx(out[f"{mode}_b2_tok_s"] / out["engine_b2_tok_s"], abs=1e-3)
+
+
 def test_bench_prefill_measures_each_batch_size_alone_and_beside_decoding(tiny_path, capsys):
     rc = main(["bench", "prefill", "--model", str(tiny_path), "--threads", "1", "--sizes", "64/64,256/64",
                "--prompt-tokens", "256", "--decoders", "2", "--decode-tokens", "128", "--repeats", "1"])
