@@ -14,6 +14,9 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from app.openai_schema import ApiRequest
+from engine.errors import InvalidRequest
+from engine.request import Request, SamplingParams
 from servers import Server
 
 SPEC = "cpu:threads=2,cap=4,ctx=2048"
@@ -48,6 +51,31 @@ def token_id(server, text: str) -> int:
     tokens = post(server, "/tokenize", {"content": text}).json()["tokens"]
     assert len(tokens) == 1, f"{text!r} is {len(tokens)} tokens"
     return tokens[0]
+
+
+# ---- pure: the engine's own bounds, the choices' seeds ----
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", tuple((i, 1.0) for i in range(301))),
+    ("logit_bias", ((3, -100.5),)),
+    ("logit_bias", ((-1, 1.0),)),
+    ("presence_penalty", 2.01),
+    ("frequency_penalty", float("nan")),
+    ("logprobs", 21),
+    ("logprobs", -1),
+])
+def test_sampling_params_refuse_extras_out_of_range(field, value):
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**{field: value}).validate()
+    assert e.value.param == field
+
+
+def test_choices_draw_from_consecutive_seeds():
+    base = Request((1, 2, 3), SamplingParams(seed=2**32 - 2))
+    choices = ApiRequest("chat", base, "m", False, False, "messages", n=3).requests()
+    assert [c.sampling.seed for c in choices] == [2**32 - 2, 2**32 - 1, 0]
+    assert len({c.id for c in choices}) == 3 and {c.prompt_tokens for c in choices} == {(1, 2, 3)}
 
 
 # ---- logprobs ----
