@@ -11,7 +11,7 @@ has copy / edit / delete links; the chat list renames, deletes, exports (Markdow
 searches chats. A prompt the engine refuses (too long for the context, a bad setting) never
 joins the chat: the error is shown, the text stays in the message box, nothing is saved.
 
-Replies ask for each token's logprob and its `TOP_ALTERNATIVES` most likely alternatives
+Replies from local backends ask for each token's logprob and its `TOP_ALTERNATIVES` most likely alternatives
 (kept in the message's meta and saved with it); a reply's "token probabilities" link shows it
 token by token, each shaded by its probability, and hovering a token shows its probability and
 the alternatives in a tooltip (`QTextBrowser.highlighted`: read from the stored meta, never
@@ -285,7 +285,8 @@ class ChatPanel(QWidget):
             repeat_penalty=self.repeat_penalty.value(),
             max_tokens=self.max_tokens.value(),
             seed=None if seed < 0 else seed,
-            logprobs=TOP_ALTERNATIVES,
+            # Remote engines do not relay logprobs (engine/remote.py refuses them).
+            logprobs=TOP_ALTERNATIVES if "remote" not in self.engine.devices.values() else None,
         ).validate()
 
     def backend_override(self) -> str | None:
