@@ -12,14 +12,14 @@ Everything a client can send wrong is raised as an `InvalidRequest` (or a subcla
 offending top-level field in `param`, with the bad value quoted cut to `QUOTE_CHARS`, so the
 server answers 4xx, never 5xx, and never echoes megabytes. Fields we do not know are ignored
 (like other local servers); fields we know but cannot honour (`best_of`, `suffix`, tools, an
-assistant message's `tool_calls`, `echo` with `logprobs`, ...) are refused rather than
-silently dropped.
+assistant message's `tool_calls`, ...) are refused rather than silently dropped.
 
 OpenAI's sampling extras, with OpenAI's limits: `n` (1–`MAX_N`, choices that share the
 prompt's KV), `logit_bias` (at most 300 token ids, each below the vocabulary size, bias in
 [-100, 100]), `logprobs` / `top_logprobs` (chat: a boolean and 0–20 alternatives;
 completions: an integer 0–5), `presence_penalty` / `frequency_penalty` (-2–2), `seed`,
-`stop` (at most 4 strings), `echo` (completions: the prompt's text before the reply).
+`stop` (at most 4 strings), `echo` (completions: the prompt's text before the reply; with
+`logprobs`, the prompt's tokens come first in the logprobs, the first with none, as OpenAI's).
 
 Extensions beyond OpenAI's fields (llama-server's names where they exist): `backend` (pin the
 request to one backend), `ignore_eos`, `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`.
@@ -171,6 +171,10 @@ class _Sampling(_Strict):
         """Alternatives per token the reply must carry; None: no logprobs."""
         raise NotImplementedError
 
+    def prompt_logprobs_asked(self) -> bool:
+        """The prompt's tokens' logprobs too (completions' echo)."""
+        return False
+
     def sampling(self, n_vocab: int) -> SamplingParams:
         values = {name: getattr(self, name) for name in
                   ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "ignore_eos",
@@ -183,6 +187,7 @@ class _Sampling(_Strict):
                                      f"[0, {n_vocab})", param="logit_bias")
             values["logit_bias"] = tuple(bias)
         values["logprobs"] = self.top_logprobs_asked()
+        values["prompt_logprobs"] = self.prompt_logprobs_asked()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
@@ -216,17 +221,14 @@ class CompletionRequest(_Sampling):
         description="a string or a list of token ids (or a one-element list of either)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(
         default=None, description="each output token's logprob and this many alternatives")
-    echo: bool | None = Field(default=None, description="the prompt's text before the reply (not with logprobs)")
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the prompt's tokens have no logprobs here); "
-                             "send one or the other")
-        return self
+    echo: bool | None = Field(default=None, description="the prompt's text before the reply; with logprobs, "
+                                                         "the prompt's tokens' logprobs too")
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> bool:
+        return bool(self.echo) and self.logprobs is not None
 
 
 class TokenizeRequest(_Strict):
@@ -363,7 +365,7 @@ def _invalid(e: ValidationError) -> InvalidRequest:
     param = str(loc[0]) if loc else None
     if param in _UNSUPPORTED:
         return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server", param=param)
-    if not loc and first["type"] == "value_error":  # a rule across fields (`_echo_without_logprobs`, ...)
+    if not loc and first["type"] == "value_error":  # a rule across fields (`_top_needs_logprobs`)
         msg = first["msg"].removeprefix("Value error, ")
         return InvalidRequest(msg, param=msg.split(" ", 1)[0])
     if param == "messages" and len(loc) >= 3 and loc[2] == "tool_calls":

@@ -352,7 +352,7 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
     except ContextLengthExceeded as e:
         e.param = parsed.prompt_param
         raise
-    reply = Reply(parsed, handles)
+    reply = Reply(parsed, handles, engine.model.piece if engine.model is not None else None)
     try:
         if parsed.stream:
             return await _stream(request, handles, reply)
@@ -442,7 +442,7 @@ class Reply:
     A stream sends each choice's entries with its text (`RequestHandle.logprobs`, read as the
     text arrives), and the rest with its closing chunk."""
 
-    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle]):
+    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], piece=None):
         self.chat = parsed.kind == "chat"
         handle = handles[0]
         self.handles = handles
@@ -453,14 +453,20 @@ class Reply:
         self.include_usage = parsed.include_usage
         self.echo = parsed.echo or ""
         self.logprobs = parsed.top_logprobs is not None
+        self.piece = piece  # token id -> bytes (a local model's), for the echoed prompt's first token
         self._sent = [0] * len(handles)  # logprob entries streamed, per choice
-        self._offset = [len(self.echo)] * len(handles)  # completions' text_offset, per choice
+        self._offset = [0 if self.logprobs else len(self.echo)] * len(handles)  # completions' text_offset
         self.headers = {"X-Request-Id": handle.id, "X-Tandem-Backend": handle.backend or ""}
 
     def whole(self, records: list[FinishRecord]) -> dict:
         choices = []
         for i, record in enumerate(records):
-            lp = self._logprobs(i, list(record.logprobs or ())) if self.logprobs else None
+            lp = None
+            if self.logprobs:
+                head = self._prompt_logprobs(i, record.prompt_logprobs) if self.echo and not self.chat else None
+                lp = self._logprobs(i, list(record.logprobs or ()))
+                if head is not None:
+                    lp = _joined(head, lp)
             if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": record.text},
                                 "logprobs": lp, "finish_reason": record.finish_reason})
@@ -475,7 +481,8 @@ class Reply:
         if self.chat:
             return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.handles))]
         if self.echo:
-            return [self._chunk(i, self.echo, None) for i in range(len(self.handles))]
+            return [self._chunk(i, self.echo, None, self._prompt_logprobs(i, h.prompt_logprobs))
+                    if self.logprobs else self._chunk(i, self.echo, None) for i, h in enumerate(self.handles)]
         return []
 
     def chunk(self, i: int, text: str) -> dict:
@@ -496,17 +503,35 @@ class Reply:
         self._sent[i] += len(new)
         return self._logprobs(i, new) if new else None
 
-    def _logprobs(self, i: int, entries: list) -> dict:
+    def _prompt_logprobs(self, i: int, entries) -> dict:
+        """Completions' echo with logprobs: the prompt's tokens first, the first of them with
+        no logprob (nothing predicts it), then the rest; text offsets run from 0."""
+        entries = list(entries or ())
+        first = self.handles[i].request.prompt_tokens[:1]
+        out = self._logprobs(i, entries, first_piece=self._piece(first[0]) if first else None)
+        self._offset[i] = max(self._offset[i], len(self.echo))  # the reply's tokens start after the echo
+        return out
+
+    def _piece(self, token: int) -> bytes:
+        return self.piece(token) if self.piece is not None else b""
+
+    def _logprobs(self, i: int, entries: list, first_piece: bytes | None = None) -> dict:
         if self.chat:
             return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
-        tokens, offsets = [], []
+        tokens, offsets, logprobs, tops = [], [], [], []
+        if first_piece is not None:  # a prompt's first token: nothing before it predicts it
+            tokens.append(_text(first_piece))
+            offsets.append(self._offset[i])
+            logprobs.append(None)
+            tops.append(None)
+            self._offset[i] += len(tokens[-1])
         for e in entries:
             text = _text(e.piece)
             tokens.append(text)
             offsets.append(self._offset[i])
             self._offset[i] += len(text)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{_text(p): lp for _, p, lp in e.top} for e in entries],
+        return {"tokens": tokens, "token_logprobs": logprobs + [e.logprob for e in entries],
+                "top_logprobs": tops + [{_text(p): lp for _, p, lp in e.top} for e in entries],
                 "text_offset": offsets}
 
     @property
@@ -523,6 +548,11 @@ class Reply:
         if self.include_usage:
             out["usage"] = None
         return out
+
+
+def _joined(head: dict, tail: dict) -> dict:
+    """Completions' logprobs of the echoed prompt, then of the reply."""
+    return {k: head[k] + tail[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def _text(piece: bytes) -> str:

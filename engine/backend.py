@@ -384,6 +384,7 @@ class Backend:
             seq.handle.backend = self.name
             seq.handle._cancel = self.cancel
             seq.handle.logprobs = seq.logprobs  # the worker appends; the caller reads as it streams
+            seq.handle.prompt_logprobs = seq.prompt_logprobs
         refused = None
         if not self.serving:
             refused = BackendUnavailable(f"backend {self.name} is not serving")
@@ -660,6 +661,7 @@ class Backend:
             error=f.error,
             error_kind="server_error" if f.error else None,
             logprobs=tuple(s.logprobs) if s.logprobs is not None else None,
+            prompt_logprobs=tuple(s.prompt_logprobs) if s.prompt_logprobs is not None else None,
         )
         s.handle._deliver_finish(record)
         self.bus.publish(RequestFinished(record, now))

@@ -84,6 +84,7 @@ class RequestHandle:
         # backend thread appends a token's entry before its text is delivered, so a reader
         # that got some text finds the entries of its tokens here (list appends are atomic).
         self.logprobs: list | None = None
+        self.prompt_logprobs: list | None = None  # the prompt's, filled while it is computed
 
     # ---- called by the backend thread ----
 

@@ -4,7 +4,7 @@
 id -> bias, applied in the sampler chain), `presence_penalty` / `frequency_penalty`
 (llama.cpp's penalties sampler, over the generated tokens), `seed`, `stop`, and `logprobs`
 (None: off; k >= 0: each output token's log-probability and its k most likely alternatives,
-`TokenLogprob`). A finished request's `FinishRecord.logprobs` holds one `TokenLogprob` per
+`TokenLogprob`; `prompt_logprobs` adds the prompt's tokens'). A finished request's `FinishRecord.logprobs` holds one `TokenLogprob` per
 output token; while it streams, the same values arrive through `RequestHandle.logprobs`.
 """
 
@@ -48,6 +48,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # None: no logprobs; k: each output token's logprob and its k most likely alternatives.
     logprobs: int | None = None
+    # Also each prompt token's logprob (after the first), with `logprobs` alternatives: the
+    # prompt is computed whole (no prefix-cache hit: cached tokens have no logits).
+    prompt_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +87,7 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
                                                    and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
              f"None or an integer in [0, {MAX_TOP_LOGPROBS}]"),
+            ("prompt_logprobs", not self.prompt_logprobs or self.logprobs is not None, "False unless logprobs is set"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -200,6 +204,7 @@ class FinishRecord:
     error: str | None = None
     error_kind: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per prompt token after the first
 
     @property
     def finish_reason(self) -> str | None:

@@ -78,13 +78,13 @@ class KvOp:
 
 
 class SeqState:
-    """A request inside a backend. The scheduler owns every field except `sampler` and `row`
-    (the batch row of a prompt chunk's last token), which the runner sets."""
+    """A request inside a backend. The scheduler owns every field except `sampler`, `row`
+    (the batch row of a prompt chunk's last token) and `prompt_logprobs`, which the runner sets."""
 
     __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
                  "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
                  "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
-                 "preemptions", "ran_on", "after", "logprobs")
+                 "preemptions", "ran_on", "after", "logprobs", "prompt_logprobs")
 
     def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
                  n_ctx_seq: int | None = None):
@@ -117,6 +117,8 @@ class SeqState:
         self.after: SeqState | None = None  # admitted only once this one has ended (a choice of `n`)
         # One TokenLogprob per generated token, when the request asked for logprobs.
         self.logprobs: list | None = [] if self.sp.logprobs is not None else None
+        # One TokenLogprob per prompt token after the first, when the request asked for them.
+        self.prompt_logprobs: list | None = [] if self.sp.prompt_logprobs else None
 
     @property
     def prefilling(self) -> bool:
@@ -428,7 +430,7 @@ class Scheduler:
     def _place(self, seq: SeqState) -> bool | None:
         """Give `seq` a sequence id and its cached prefix, if KV room allows."""
         n = len(seq.tokens)
-        usable = (n - (0 if seq.warm else 1)) if self.cache_enabled else 0
+        usable = (n - (0 if seq.warm else 1)) if self.cache_enabled and not seq.sp.prompt_logprobs else 0
         match = self.cache.match(seq.tokens, max_len=usable)
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
         hit = match.length

@@ -64,6 +64,7 @@ def token_id(server, text: str) -> int:
     ("frequency_penalty", float("nan")),
     ("logprobs", 21),
     ("logprobs", -1),
+    ("prompt_logprobs", True),  # without logprobs
 ])
 def test_sampling_params_refuse_extras_out_of_range(field, value):
     with pytest.raises(InvalidRequest) as e:
@@ -228,6 +229,27 @@ def test_echo_puts_the_prompt_before_the_reply(client, model):
     assert r.choices[0].text.startswith("The sky is") and len(r.choices[0].text) > len("The sky is")
 
 
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(client, model):
+    r = client.completions.create(model=model, prompt="The sky is", max_tokens=3, temperature=0, logprobs=2,
+                                  echo=True)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:n_prompt]) == "The sky is"
+
+
+def test_echo_with_logprobs_computes_the_cached_prompt_again(server, client, model):
+    prompt = f"{uuid.uuid4().hex} and the sky"
+    client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)  # now cached
+    before = prompt_tokens_computed(server)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=0, echo=True)
+    assert prompt_tokens_computed(server) - before == r.usage.prompt_tokens  # cached tokens have no logits
+    assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens + 1
+
+
 # ---- refusals ----
 
 
@@ -240,7 +262,6 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": ASK, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ("/v1/chat/completions", {"messages": ASK, "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": ASK, "frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": ASK, "n": 0}, "n"),

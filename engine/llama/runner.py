@@ -132,7 +132,7 @@ class ContextRunner:
         batch.set_decode(decode)  # decode rows are rows 0 .. n_decode - 1, in plan order
         n_decode = batch.n
         for s, start, k, logits in plan.chunks:
-            s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits)
+            s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits, s.prompt_logprobs is not None)
         n_prefill = batch.n - n_decode
         ctx = self.ctx
         t0 = time.perf_counter()
@@ -163,7 +163,9 @@ class ContextRunner:
                 self._redo(s)
                 tok = None
             append(tok)
-        for s, _, _, logits in plan.chunks:
+        for s, start, k, logits in plan.chunks:
+            if s.prompt_logprobs is not None:
+                self._prompt_logprobs(s, start, k)
             if logits:
                 smp = s.sampler
                 tok = smp.sample(ctx, s.row)
@@ -175,6 +177,15 @@ class ContextRunner:
                     tok = None
                 append(tok)
         return RunnerOutput(0, sampled, n_decode, n_prefill, dt, lps)
+
+    def _prompt_logprobs(self, s: SeqState, start: int, k: int) -> None:
+        """The logprob of each prompt token this chunk's rows predict (position p's row
+        predicts p + 1), appended in order; a recompute after a preemption adds nothing."""
+        row0 = s.row - k + 1
+        top = s.sampler.logprobs if s.sampler is not None else 0
+        for p in range(start, min(start + k, s.n_prompt - 1)):
+            if p == len(s.prompt_logprobs):  # not yet recorded
+                s.prompt_logprobs.append(self.token_logprob(row0 + p - start, s.tokens[p + 1], top or 0))
 
     def token_logprob(self, row: int, token: int, k: int) -> TokenLogprob:
         """`token`'s log-probability in output row `row` of the last decode, under the raw
