@@ -11,8 +11,15 @@ the generated schema by `openapi_document()`.
 Everything a client can send wrong is raised as an `InvalidRequest` (or a subclass) naming the
 offending top-level field in `param`, with the bad value quoted cut to `QUOTE_CHARS`, so the
 server answers 4xx, never 5xx, and never echoes megabytes. Fields we do not know are ignored
-(like other local servers); fields we know but cannot honour (`n > 1`, `logprobs`, tools, an
+(like other local servers); fields we know but cannot honour (`best_of`, `suffix`, tools, an
 assistant message's `tool_calls`, ...) are refused rather than silently dropped.
+
+OpenAI's sampling extras, with OpenAI's limits: `n` (1–`MAX_N`, choices that share the
+prompt's KV), `logit_bias` (at most 300 token ids, each below the vocabulary size, bias in
+[-100, 100]), `logprobs` / `top_logprobs` (chat: a boolean and 0–20 alternatives;
+completions: an integer 0–5), `presence_penalty` / `frequency_penalty` (-2–2), `seed`,
+`stop` (at most 4 strings), `echo` (completions: the prompt's text before the reply; with
+`logprobs`, the prompt's tokens come first in the logprobs, the first with none, as OpenAI's).
 
 Extensions beyond OpenAI's fields (llama-server's names where they exist): `backend` (pin the
 request to one backend), `ignore_eos`, `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`.
@@ -40,7 +47,11 @@ if TYPE_CHECKING:
 
 INT32_MAX = 2**31 - 1
 MAX_REPEAT_LAST_N = 8192  # the engine's own bound (`SamplingParams.validate`)
-MAX_STOPS = 16  # the engine's own bound
+MAX_STOPS = 4  # OpenAI's limit (the engine takes up to 16)
+MAX_N = 16  # choices per request
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits
+MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_CHARS = 512
 QUOTE_CHARS = 200  # a bad value is quoted at most this long in an error message
 MESSAGE_CHARS = 600  # and a whole error message at most this long
@@ -82,6 +93,9 @@ Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Nothing = Annotated[list, Field(max_length=0)]
+Penalty = Annotated[Finite, Field(ge=-2, le=2)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[Finite, Field(ge=-100, le=100)]
 
 
 class _Strict(BaseModel):
@@ -140,24 +154,40 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     backend: str | None = Field(default=None, description="extension: pin the request to this backend")
     ignore_eos: bool | None = Field(default=None, description="extension: never stop at end-of-text")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = Field(
+        default=None, description="choices; they share the prompt's KV (computed once)")
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        default=None, description="token id (a string) -> bias added to its logit; -100 bans it")
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     # Understood but not honoured: only their neutral values pass.
-    n: Literal[1] | None = None
     best_of: Literal[1] | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: Literal[0] | None = None
-    echo: Literal[False] | None = None
     suffix: Literal[""] | None = None
     tools: Nothing | None = None
     functions: Nothing | None = None
-    logit_bias: Annotated[dict, Field(max_length=0)] | None = None
     response_format: ResponseFormat | None = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per token the reply must carry; None: no logprobs."""
+        raise NotImplementedError
+
+    def prompt_logprobs_asked(self) -> bool:
+        """The prompt's tokens' logprobs too (completions' echo)."""
+        return False
 
     def sampling(self, n_vocab: int) -> SamplingParams:
         values = {name: getattr(self, name) for name in
-                  ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "ignore_eos")
+                  ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "ignore_eos",
+                   "presence_penalty", "frequency_penalty")
                   if getattr(self, name) is not None}
+        if self.logit_bias:
+            bias = sorted((int(k), float(v)) for k, v in self.logit_bias.items())
+            if bias[-1][0] >= n_vocab:
+                raise InvalidRequest(f"logit_bias: token id {bias[-1][0]} is not in the model's vocabulary "
+                                     f"[0, {n_vocab})", param="logit_bias")
+            values["logit_bias"] = tuple(bias)
+        values["logprobs"] = self.top_logprobs_asked()
+        values["prompt_logprobs"] = self.prompt_logprobs_asked()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
@@ -170,6 +200,18 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = Field(default=None, description="each output token's logprob")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = Field(
+        default=None, description="alternatives per token (needs logprobs: true)")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
@@ -177,11 +219,70 @@ class CompletionRequest(_Sampling):
              | Annotated[list[str], Field(min_length=1, max_length=1)]
              | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(min_length=1, max_length=1)]) = Field(
         description="a string or a list of token ids (or a one-element list of either)")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(
+        default=None, description="each output token's logprob and this many alternatives")
+    echo: bool | None = Field(default=None, description="the prompt's text before the reply; with logprobs, "
+                                                         "the prompt's tokens' logprobs too")
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_asked(self) -> bool:
+        return bool(self.echo) and self.logprobs is not None
+
+
+class TokenizeRequest(_Strict):
+    """llama-server's `POST /tokenize`."""
+
+    content: Annotated[str, Field(description="the text to tokenize")]
+    add_special: bool = Field(default=False, description="add the model's BOS (and other special) tokens")
+    parse_special: bool = Field(default=True, description="turn special-token text into the special token")
+    with_pieces: bool = Field(default=False, description="each token as {id, piece} (piece: a string, or its "
+                                                         "bytes when they are not valid UTF-8)")
+
+
+class DetokenizeRequest(_Strict):
+    """llama-server's `POST /detokenize`."""
+
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(description="token ids to turn back into text")
+
+
+def tokenize(raw: bytes, engine: Engine) -> dict:
+    """A `/tokenize` body → `{"tokens": [...]}` (raises `InvalidRequest`)."""
+    body = validate(TokenizeRequest, raw)
+    model = _local_model(engine)
+    tokens = model.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": tokens}
+    out = []
+    for t in tokens:
+        piece = model.piece(t)
+        try:
+            out.append({"id": t, "piece": piece.decode("utf-8")})
+        except UnicodeDecodeError:
+            out.append({"id": t, "piece": list(piece)})
+    return {"tokens": out}
+
+
+def detokenize(raw: bytes, engine: Engine) -> dict:
+    """A `/detokenize` body → `{"content": text}` (raises `InvalidRequest`)."""
+    body = validate(DetokenizeRequest, raw)
+    model = _local_model(engine)
+    bad = next((t for t in body.tokens if t >= model.n_vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"tokens: token ids must be integers in [0, {model.n_vocab}), got {bad}", param="tokens")
+    return {"content": model.detokenize(body.tokens)}
+
+
+def _local_model(engine: Engine):
+    if engine.model is None:
+        raise InvalidRequest("this server routes to remote engines and has no tokenizer of its own; "
+                             "ask an engine's /tokenize")
+    return engine.model
 
 
 # Fields whose only accepted values are neutral ones, with how to say so.
-_UNSUPPORTED = {"n", "best_of", "logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias",
-                "response_format", "frequency_penalty", "presence_penalty"}
+_UNSUPPORTED = {"best_of", "suffix", "tools", "functions", "response_format"}
 
 
 # ---- parsing ----
@@ -197,6 +298,18 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     prompt_param: str  # the body field a context-length error points at
+    n: int = 1  # choices (`requests()`)
+    echo: str | None = None  # the prompt's text, to put before each choice's text
+    top_logprobs: int | None = None  # None: no logprobs in the reply
+
+    def requests(self) -> list[Request]:
+        """One engine request per choice; with a seed, choice i draws from `seed + i` (the same
+        body gives the same choices, and the choices differ)."""
+        if self.n == 1:
+            return [self.request]
+        sp = self.request.sampling
+        return [dataclasses.replace(self.request, id=f"{self.request.id}-{i}", sampling=dataclasses.replace(
+            sp, seed=None if sp.seed is None else (sp.seed + i) % 2**32)) for i in range(self.n)]
 
 
 @dataclass(frozen=True)
@@ -251,11 +364,17 @@ def _invalid(e: ValidationError) -> InvalidRequest:
     loc = first["loc"]
     param = str(loc[0]) if loc else None
     if param in _UNSUPPORTED:
-        return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server"
-                              f"{' (use repeat_penalty)' if param.endswith('_penalty') else ''}", param=param)
+        return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server", param=param)
+    if not loc and first["type"] == "value_error":  # a rule across fields (`_top_needs_logprobs`)
+        msg = first["msg"].removeprefix("Value error, ")
+        return InvalidRequest(msg, param=msg.split(" ", 1)[0])
     if param == "messages" and len(loc) >= 3 and loc[2] == "tool_calls":
         return InvalidRequest(f"messages[{loc[1]}].tool_calls: assistant tool calls in the history are not "
                               f"supported by this server yet", param="messages")
+    if param == "stop" and len(loc) <= 3:  # the union's branch errors say less than this
+        return InvalidRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them "
+                              f"(each at most {MAX_STOP_CHARS} characters), got {quote(first['input'])}",
+                              param="stop")
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         return InvalidRequest(f"{_path(loc)} is required", param=param)
@@ -291,7 +410,7 @@ def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
         # The model's own Jinja template refused them (`raise_exception('roles must alternate')`).
         raise InvalidRequest(f"the model's chat template cannot render these messages: {quote(str(e))}",
                              param="messages") from None
-    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab, served)
+    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab, served, engine=engine)
 
 
 def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
@@ -314,21 +433,42 @@ def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequ
         if bad is not None:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {n_vocab}), got {bad}", param="prompt")
         tokens = list(prompt)
-    return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab, served)
+    echo = (prompt if isinstance(prompt, str) else engine.model.detokenize(tokens)) if body.echo else None
+    return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab, served, echo=echo,
+                        engine=engine)
 
 
 def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prompt_param: str,
                  n_vocab: int, served: ServedModel, *, text: str | None = None,
-                 messages: tuple[dict, ...] | None = None) -> ApiRequest:
+                 messages: tuple[dict, ...] | None = None, echo: str | None = None,
+                 engine: Engine | None = None) -> ApiRequest:
     """`n_vocab` 0: unknown here (remote engines check their own vocabulary)."""
     sampling = body.sampling(n_vocab or INT32_MAX)
+    n = body.n or 1
+    if n > 1 and engine is not None and engine.model is not None:
+        _check_choices_fit(n, len(tokens), sampling, engine)
     if not (tokens or text or messages):
         raise InvalidRequest(f"the {prompt_param} is empty", param=prompt_param)
     stream = bool(body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage) and stream
     request = Request(tuple(tokens), sampling, backend=body.backend, source="api", text=text, messages=messages,
                       model=served.routed(model), stream=stream)
-    return ApiRequest(kind, request, model, stream, include_usage, prompt_param)
+    return ApiRequest(kind, request, model, stream, include_usage, prompt_param, n=n, echo=echo,
+                      top_logprobs=sampling.logprobs)
+
+
+def _check_choices_fit(n: int, n_prompt: int, sampling: SamplingParams, engine: Engine) -> None:
+    """n choices share one prompt: prompt + n × max_tokens cells must fit one backend's KV
+    (they run on one backend). A budget left unset is the context's rest, as for n = 1."""
+    n_ctx = max((s.n_ctx for s in engine.snapshot() if s.device != "remote"), default=0)
+    if not n_ctx:
+        return
+    budget = min(sampling.max_tokens, max(n_ctx - n_prompt, 1))
+    if n_prompt + n * budget > n_ctx:
+        most = max((n_ctx - n_prompt) // budget, 0)
+        raise InvalidRequest(f"n={n} choices of up to {budget} tokens after a {n_prompt}-token prompt need "
+                             f"{n_prompt + n * budget} KV cells; a backend holds {n_ctx} (send n <= {most} or a "
+                             f"smaller max_tokens)", param="n")
 
 
 def _type(v) -> str:
@@ -341,7 +481,8 @@ def _type(v) -> str:
 
 def request_schemas() -> dict[str, dict]:
     """The request bodies' JSON Schemas, as `components.schemas` entries (from the models)."""
-    _, top = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+    _, top = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
+                                 (TokenizeRequest, "validation"), (DetokenizeRequest, "validation")],
                                 ref_template="#/components/schemas/{model}")
     return top["$defs"]
 
@@ -422,6 +563,18 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
                                    "finish_reason": finish}}},
             },
         },
+        "TokenizeResponse": {
+            "type": "object", "required": ["tokens"],
+            "properties": {"tokens": {"type": "array", "items": {"anyOf": [
+                {"type": "integer"},
+                {"type": "object", "required": ["id", "piece"],
+                 "properties": {"id": {"type": "integer"},
+                                "piece": {"anyOf": [{"type": "string"},
+                                                    {"type": "array", "items": {"type": "integer"}}]}}}]}}},
+        },
+        "DetokenizeResponse": {
+            "type": "object", "required": ["content"], "properties": {"content": {"type": "string"}},
+        },
         "ModelList": {
             "type": "object", "required": ["object", "data"],
             "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": {
@@ -451,6 +604,9 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
             "/v1/chat/completions": {"post": post("chat completion", "ChatCompletionRequest", "ChatCompletion")},
             "/v1/completions": {"post": post("text completion", "CompletionRequest", "Completion")},
             "/v1/models": {"get": models},
+            "/tokenize": {"post": post("text to token ids (llama-server's)", "TokenizeRequest", "TokenizeResponse")},
+            "/detokenize": {"post": post("token ids to text (llama-server's)", "DetokenizeRequest",
+                                         "DetokenizeResponse")},
             "/v1/routing": {"get": routing},
             "/v1/backends": {"get": secured(get("backends' snapshots, each with its live cap and why it last moved",
                                                 "application/json", {"type": "object"}, 401))},

@@ -2,6 +2,7 @@
 
 Routes:
     POST /v1/chat/completions, POST /v1/completions   JSON or SSE (`stream: true`)
+    POST /tokenize, POST /detokenize   llama-server's: text <-> token ids of the served model
     GET  /v1/models        the one served model
     GET  /v1/routing       backends' snapshots and the router's recent decisions
     GET  /v1/backends      backends' snapshots (each with its live cap and why it last moved)
@@ -13,7 +14,7 @@ Handlers are thin: parse the body (`app.openai_schema`), submit to the engine, s
 Every error leaves through one function, `error_response()`, which maps an `EngineError`'s
 `kind` to a status and OpenAI's `{"error": {message, type, param, code}}` (llama.cpp server's
 `format_error_response` table), its message cut to `MESSAGE_CHARS`. With an API key, `/v1/*`
-(completions, models, routing, backend restarts) and `/openapi.json` need
+(completions, models, routing, backend restarts), `/tokenize`, `/detokenize` and `/openapi.json` need
 `Authorization: Bearer KEY`; `/health` and `/metrics` stay open (vLLM does the same).
 
 Before any of that, `app.http_guard` bounds every connection (header, body and keep-alive
@@ -71,9 +72,11 @@ from .openai_schema import (
     ApiRequest,
     AuthenticationFailed,
     ServedModel,
+    detokenize,
     openapi_document,
     parse_chat,
     parse_completion,
+    tokenize,
 )
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,8 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app.add_routes([
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
+        web.post("/tokenize", tokenize_text),
+        web.post("/detokenize", detokenize_tokens),
         web.get("/v1/models", models),
         web.get("/v1/routing", routing),
         web.get("/v1/backends", backends),
@@ -297,10 +302,13 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
+_KEYED = frozenset({"/openapi.json", "/tokenize", "/detokenize"})  # beside /v1/*
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     key = request.app[SETTINGS].api_key
-    if key and (request.path.startswith("/v1/") or request.path == "/openapi.json"):
+    if key and (request.path.startswith("/v1/") or request.path in _KEYED):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise AuthenticationFailed("missing or wrong API key: send `Authorization: Bearer KEY`")
@@ -318,7 +326,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, await _parse(request, parse_completion))
 
 
-async def _parse(request: web.Request, parse) -> ApiRequest:
+async def tokenize_text(request: web.Request) -> web.Response:
+    """llama-server's `/tokenize`: `{content, add_special?, parse_special?, with_pieces?}` -> `{tokens}`."""
+    return web.json_response(await _parse(request, lambda raw, engine, _served: tokenize(raw, engine)))
+
+
+async def detokenize_tokens(request: web.Request) -> web.Response:
+    """llama-server's `/detokenize`: `{tokens}` -> `{content}`."""
+    return web.json_response(await _parse(request, lambda raw, engine, _served: detokenize(raw, engine)))
+
+
+async def _parse(request: web.Request, parse):
     """Check the body and tokenize its prompt on a worker thread: a long prompt (templating,
     tokenizing megabytes) must not stall the loop that streams everyone else's tokens."""
     raw = await read_body(request)  # bounded in size and time (`app.http_guard`)
@@ -327,53 +345,79 @@ async def _parse(request: web.Request, parse) -> ApiRequest:
 
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:
     engine = request.app[ENGINE]
+    loop = asyncio.get_running_loop()
     try:
-        handle = engine.submit(parsed.request, loop=asyncio.get_running_loop())
+        if parsed.n == 1:
+            handles = [engine.submit(parsed.request, loop=loop)]
+        else:  # the choices go to one backend together and share the prompt's KV
+            handles = engine.submit_group(parsed.requests(), loop=loop)
     except ContextLengthExceeded as e:
         e.param = parsed.prompt_param
         raise
-    reply = Reply(parsed, handle)
+    reply = Reply(parsed, handles, engine.model.piece if engine.model is not None else None)
     try:
         if parsed.stream:
-            return await _stream(request, handle, reply)
-        async for _ in handle.astream():
-            pass
-        record = _succeeded(handle.result(0))
-        return web.json_response(reply.whole(record), headers=reply.headers)
+            return await _stream(request, handles, reply)
+        for h in handles:
+            async for _ in h.astream():
+                pass
+        records = [_succeeded(h.result(0)) for h in handles]
+        return web.json_response(reply.whole(records), headers=reply.headers)
     finally:
-        handle.cancel()  # a no-op once finished; on disconnect, frees the request's KV
+        for h in handles:
+            h.cancel()  # a no-op once finished; on disconnect, frees the request's KV
 
 
-async def _stream(request: web.Request, handle: RequestHandle, reply: Reply) -> web.StreamResponse:
-    deltas = handle.astream()
-    first = await anext(deltas, None)
-    if first is None:
-        _succeeded(handle.result(0))  # failed before any text: still time for a JSON error
-    response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream; charset=utf-8",
-        "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no",
-        **reply.headers,
-    })
-    await response.prepare(request)
+async def _stream(request: web.Request, handles: list[RequestHandle], reply: Reply) -> web.StreamResponse:
+    """SSE for every choice, interleaved as their text comes (`choices[].index` says whose)."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for delta in handle.astream():
+                q.put_nowait((i, delta))
+        finally:
+            q.put_nowait((i, None))
+
+    pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     try:
-        for chunk in reply.opening():
-            await _send(response, chunk)
-        if first:
-            await _send(response, reply.chunk(first))
-        async for delta in deltas:
-            await _send(response, reply.chunk(delta))
-        record = handle.result(0)
-        if record.error:
-            await _send(response, error_payload(_failure(record))[1])
-        else:
-            await _send(response, reply.closing(record))
-            if reply.include_usage:
-                await _send(response, reply.usage_chunk(record))
-        await response.write(b"data: [DONE]\n\n")
-    except ConnectionResetError:
-        pass  # the client left; the caller's `finally` cancels the request
-    return response
+        item = await q.get()
+        if item[1] is None:
+            _succeeded(handles[item[0]].result(0))  # failed before any text: still time for a JSON error
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **reply.headers,
+        })
+        await response.prepare(request)
+        try:
+            for chunk in reply.opening():
+                await _send(response, chunk)
+            records: list[FinishRecord | None] = [None] * len(handles)
+            while True:
+                i, delta = item
+                if delta is not None:
+                    if delta:
+                        await _send(response, reply.chunk(i, delta))
+                else:
+                    record = records[i] = handles[i].result(0)
+                    if record.error:
+                        await _send(response, error_payload(_failure(record))[1])
+                        break
+                    await _send(response, reply.closing(i, record))
+                    if all(r is not None for r in records):
+                        if reply.include_usage:
+                            await _send(response, reply.usage_chunk(records))  # type: ignore[arg-type]
+                        break
+                item = await q.get()
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass  # the client left; the caller's `finally` cancels the request
+        return response
+    finally:
+        for t in pumps:
+            t.cancel()
 
 
 async def _send(response: web.StreamResponse, obj: dict) -> None:
@@ -393,37 +437,104 @@ def _failure(record: FinishRecord) -> EngineError:
 
 
 class Reply:
-    """Shapes one request's output as OpenAI chat or text-completion objects."""
+    """Shapes one request's output (one or `n` choices) as OpenAI chat or text-completion
+    objects, with logprobs in OpenAI's shape for each endpoint when they were asked for:
+    chat `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`,
+    completions `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`.
+    A stream sends each choice's entries with its text (`RequestHandle.logprobs`, read as the
+    text arrives), and the rest with its closing chunk."""
 
-    def __init__(self, parsed: ApiRequest, handle: RequestHandle):
+    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], piece=None):
         self.chat = parsed.kind == "chat"
+        handle = handles[0]
+        self.handles = handles
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{handle.id}"
         self.object = "chat.completion" if self.chat else "text_completion"
         self.created = int(time.time())
         self.model = parsed.model
         self.include_usage = parsed.include_usage
+        self.echo = parsed.echo or ""
+        self.logprobs = parsed.top_logprobs is not None
+        self.piece = piece  # token id -> bytes (a local model's), for the echoed prompt's first token
+        self._sent = [0] * len(handles)  # logprob entries streamed, per choice
+        self._offset = [0 if self.logprobs else len(self.echo)] * len(handles)  # completions' text_offset
         self.headers = {"X-Request-Id": handle.id, "X-Tandem-Backend": handle.backend or ""}
 
-    def whole(self, record: FinishRecord) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": record.text},
-                      "logprobs": None, "finish_reason": record.finish_reason}
-        else:
-            choice = {"index": 0, "text": record.text, "logprobs": None, "finish_reason": record.finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": _usage(record)}
+    def whole(self, records: list[FinishRecord]) -> dict:
+        choices = []
+        for i, record in enumerate(records):
+            lp = None
+            if self.logprobs:
+                head = self._prompt_logprobs(i, record.prompt_logprobs) if self.echo and not self.chat else None
+                lp = self._logprobs(i, list(record.logprobs or ()))
+                if head is not None:
+                    lp = _joined(head, lp)
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": record.text},
+                                "logprobs": lp, "finish_reason": record.finish_reason})
+            else:
+                choices.append({"index": i, "text": self.echo + record.text, "logprobs": lp,
+                                "finish_reason": record.finish_reason})
+        return {**self._head(self.object), "choices": choices, "usage": _usage(records)}
 
     def opening(self) -> list[dict]:
-        """Chunks before any text: chat announces the assistant's role."""
-        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
+        """Chunks before any text: chat announces the assistant's role (per choice); an echo
+        sends the prompt's text."""
+        if self.chat:
+            return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.handles))]
+        if self.echo:
+            return [self._chunk(i, self.echo, None, self._prompt_logprobs(i, h.prompt_logprobs))
+                    if self.logprobs else self._chunk(i, self.echo, None) for i, h in enumerate(self.handles)]
+        return []
 
-    def chunk(self, text: str) -> dict:
-        return self._chunk({"content": text} if self.chat else text, None)
+    def chunk(self, i: int, text: str) -> dict:
+        return self._chunk(i, {"content": text} if self.chat else text, None, self._new_logprobs(i))
 
-    def closing(self, record: FinishRecord) -> dict:
-        return self._chunk({} if self.chat else "", record.finish_reason)
+    def closing(self, i: int, record: FinishRecord) -> dict:
+        return self._chunk(i, {} if self.chat else "", record.finish_reason, self._new_logprobs(i))
 
-    def usage_chunk(self, record: FinishRecord) -> dict:
-        return {**self._head(self._chunk_object), "choices": [], "usage": _usage(record)}
+    def usage_chunk(self, records: list[FinishRecord]) -> dict:
+        return {**self._head(self._chunk_object), "choices": [], "usage": _usage(records)}
+
+    def _new_logprobs(self, i: int) -> dict | None:
+        """The entries of choice `i` not streamed yet (None without logprobs or when none)."""
+        entries = self.handles[i].logprobs
+        if not self.logprobs or entries is None:
+            return None
+        new = entries[self._sent[i]:]
+        self._sent[i] += len(new)
+        return self._logprobs(i, new) if new else None
+
+    def _prompt_logprobs(self, i: int, entries) -> dict:
+        """Completions' echo with logprobs: the prompt's tokens first, the first of them with
+        no logprob (nothing predicts it), then the rest; text offsets run from 0."""
+        entries = list(entries or ())
+        first = self.handles[i].request.prompt_tokens[:1]
+        out = self._logprobs(i, entries, first_piece=self._piece(first[0]) if first else None)
+        self._offset[i] = max(self._offset[i], len(self.echo))  # the reply's tokens start after the echo
+        return out
+
+    def _piece(self, token: int) -> bytes:
+        return self.piece(token) if self.piece is not None else b""
+
+    def _logprobs(self, i: int, entries: list, first_piece: bytes | None = None) -> dict:
+        if self.chat:
+            return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
+        tokens, offsets, logprobs, tops = [], [], [], []
+        if first_piece is not None:  # a prompt's first token: nothing before it predicts it
+            tokens.append(_text(first_piece))
+            offsets.append(self._offset[i])
+            logprobs.append(None)
+            tops.append(None)
+            self._offset[i] += len(tokens[-1])
+        for e in entries:
+            text = _text(e.piece)
+            tokens.append(text)
+            offsets.append(self._offset[i])
+            self._offset[i] += len(text)
+        return {"tokens": tokens, "token_logprobs": logprobs + [e.logprob for e in entries],
+                "top_logprobs": tops + [{_text(p): lp for _, p, lp in e.top} for e in entries],
+                "text_offset": offsets}
 
     @property
     def _chunk_object(self) -> str:
@@ -432,24 +543,39 @@ class Reply:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _chunk(self, delta, finish_reason: str | None) -> dict:
+    def _chunk(self, i: int, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         key = "delta" if self.chat else "text"
         out = {**self._head(self._chunk_object),
-               "choices": [{"index": 0, key: delta, "logprobs": None, "finish_reason": finish_reason}]}
+               "choices": [{"index": i, key: delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
         if self.include_usage:
             out["usage"] = None
         return out
 
 
-def _usage(record: FinishRecord) -> dict:
+def _joined(head: dict, tail: dict) -> dict:
+    """Completions' logprobs of the echoed prompt, then of the reply."""
+    return {k: head[k] + tail[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def _text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def _chat_logprob(e) -> dict:
+    return {"token": _text(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
+            "top_logprobs": [{"token": _text(p), "logprob": lp, "bytes": list(p)} for _, p, lp in e.top]}
+
+
+def _usage(records: list[FinishRecord]) -> dict:
+    """The prompt once (the choices share it), every choice's output tokens."""
+    prompt = records[0].prompt_tokens
+    out = sum(r.output_tokens for r in records)
     return {
-        "prompt_tokens": record.prompt_tokens,
-        "completion_tokens": record.output_tokens,
-        "total_tokens": record.prompt_tokens + record.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": max(record.cached_tokens, 0)},
+        "prompt_tokens": prompt,
+        "completion_tokens": out,
+        "total_tokens": prompt + out,
+        "prompt_tokens_details": {"cached_tokens": max(records[0].cached_tokens, 0)},
     }
-
-
 
 
 # ---- state ----

@@ -35,14 +35,15 @@ GRAPH_REUSE: dict[int, list[float]] = {}
 
 
 def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True,
-                  sampling: SamplingParams | None = None) -> float:
+                  sampling: SamplingParams | None = None, extra: dict | None = None) -> float:
     """Decode tok/s of `batch` requests of `prompt` run together for `n_gen` tokens each
-    (`ignore_eos`), greedy unless `sampling` says otherwise."""
+    (`ignore_eos`), greedy unless `sampling` says otherwise; `extra` adds sampling fields
+    (`logprobs`, `logit_bias`, ...: `tandem bench overhead --sampling`)."""
     backend.set_cap(batch)  # B at a time, and no more idle sampler chains than that
     backend.flush().result(60)
     backend.warm(prompt[:-1]).result(120)
     d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused
-    sp = replace(sampling or SamplingParams(temperature=0.0), max_tokens=n_gen, ignore_eos=True)
+    sp = replace(sampling or SamplingParams(temperature=0.0), max_tokens=n_gen, ignore_eos=True, **(extra or {}))
     handles = [backend.enqueue(Request(tuple(prompt), sp, source="bench")) for _ in range(batch)]
     records = [h.result(600) for h in handles]
     for r in records:

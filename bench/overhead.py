@@ -33,6 +33,14 @@ from engine.request import SamplingParams
 
 from .common import GRAPH_REUSE, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
 
+# `--sampling` modes: the sampling fields each adds to the plain greedy request.
+SAMPLING_MODES = {
+    "plain": {},
+    "logprobs": {"logprobs": 5},  # host chain; the row's logits read and log-softmaxed
+    "logit_bias": {"logit_bias": ((1, -5.0), (2, 5.0))},  # per-sequence bias + greedy on the device
+    "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5},  # llama.cpp penalties: host
+}
+
 
 HELP = "engine decode tok/s vs llama-cpp-python's Llama, same run"
 
@@ -55,6 +63,9 @@ def add_arguments(p) -> None:
     p.add_argument("--sampled", action="store_true",
                    help="also decode at temperature 0.8 / top-p 0.95 with the fused sampler and with llama.cpp's "
                         "per-sequence chains (a second backend), each as a ratio to greedy")
+    p.add_argument("--sampling", default="plain", metavar="MODES",
+                   help=f"comma-separated sampling modes, each measured beside plain greedy "
+                        f"({', '.join(SAMPLING_MODES)}; default: %(default)s)")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
     p.add_argument("--busy-thread", action="store_true",
@@ -70,6 +81,12 @@ def add_arguments(p) -> None:
 def run_overhead(args) -> int:
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
+    modes = [m for m in args.sampling.split(",") if m and m != "plain"]
+    unknown = [m for m in modes if m not in SAMPLING_MODES]
+    if unknown:
+        print(f"tandem: unknown sampling mode(s) {', '.join(unknown)}: use {', '.join(SAMPLING_MODES)}",
+              file=sys.stderr)
+        return 2
     threads = args.threads or None
     model = Model(path, args.device)
     # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
@@ -97,6 +114,8 @@ def run_overhead(args) -> int:
         results.update({f"busy_b{b}": [] for b in batches})
     if chains is not None:
         results.update({f"{k}_b{b}": [] for b in batches for k in ("fused_temp", "chain_temp")})
+    for m in modes:
+        results.update({f"{m}_b{b}": [] for b in batches})
     if llama is not None:
         results["llama_b1"] = []
     if args.batched_bench:
@@ -118,6 +137,10 @@ def run_overhead(args) -> int:
                         v = engine_decode(bk, prompt, args.gen_tokens, b, record=False, sampling=chat)
                         if rnd:
                             results[f"{key}_b{b}"].append(v)
+                for m in modes:
+                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, extra=SAMPLING_MODES[m])
+                    if rnd:
+                        results[f"{m}_b{b}"].append(v)
             if llama is not None:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
@@ -149,6 +172,8 @@ def run_overhead(args) -> int:
             out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
         if args.busy_thread:
             out[f"gil_ratio_b{b}"] = round(out[f"busy_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+        for m in modes:  # what leaving plain greedy costs: MODE's decode speed over plain's
+            out[f"cost_{m}_b{b}"] = round(out[f"{m}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         if args.batched_bench:
             out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
         if chains is not None:  # temperature decode against greedy, fused and per-sequence chains
@@ -161,6 +186,10 @@ def run_overhead(args) -> int:
             f"B={b} fused {out[f'ratio_fused_temp_greedy_b{b}']:.3f} chains {out[f'ratio_chain_temp_greedy_b{b}']:.3f}"
             for b in batches), file=sys.stderr)
     out["eog_redos"] = backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
+    if modes:
+        for b in batches:
+            row = "  ".join(f"{m} {out[f'cost_{m}_b{b}']:.3f}" for m in modes)
+            print(f"B={b}: tok/s over plain greedy: {row}", file=sys.stderr)
     out.update(model=path.name, device=model.device, kv=args.kv, fused_greedy=backend.config.fused_greedy,
                threads=backend.config.threads,
                switch_interval_ms=round(sys.getswitchinterval() * 1000, 3),

@@ -11,7 +11,12 @@ all between steps, in order, then runs a step:
      shell publishes their records and events, and hands text to the event loops once per
      step (`Outbox`).
 
-Thread contract: `enqueue`, `warm`, `cancel`, `call`, `set_cache_enabled`, `flush`,
+A request with `n` choices comes as a group (`enqueue_group`): one warm-up of the shared
+prompt, then the choices, posted to the inbox together so they stay next to each other in the
+queue; the scheduler admits the choices once the warm-up has put the prompt in the prefix
+cache (engine/scheduler.py), so the prompt is computed once.
+
+Thread contract: `enqueue`, `enqueue_group`, `warm`, `cancel`, `call`, `set_cache_enabled`, `flush`,
 `inject_fault` only post to the inbox (its condition is the one lock they take); `set_cap`
 sets the scheduler's cap (and its limiter's ceiling) under the state lock, then posts to wake
 the worker; `snapshot`, `match`, `pin_prefix` and `validate` read under the state lock, which the worker
@@ -153,10 +158,14 @@ class Inbox:
         self.closed = False
 
     def put(self, msg) -> None:
+        self.put_many([msg])
+
+    def put_many(self, msgs: list) -> None:
+        """Post messages next to each other (nothing another thread posts comes between)."""
         with self._cond:
-            if self.closed and not isinstance(msg, Stop):
+            if self.closed and not all(isinstance(m, Stop) for m in msgs):
                 raise BackendUnavailable("the backend is stopped")
-            self._items.append(msg)
+            self._items.extend(msgs)
             self._cond.notify()
 
     def take(self, wait: bool, timeout: float | None = None) -> list:
@@ -224,6 +233,7 @@ class Backend:
         self.on_unhealthy = None  # callable(backend, [(request, handle, t_submit)]), set by the engine
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (n_decode, n_prefill, seq ids)
         self.steps = 0
+        self.prompt_tokens_computed = 0  # tokens decoded as prompt chunks (n choices share theirs)
         self.decode_s = 0.0  # time inside llama_decode (+ device sync), summed over steps
         self._obs_prefill = self._obs_decode = 0.0
         self._outbox = Outbox()  # the worker's deliveries to asyncio consumers (engine/handle.py)
@@ -349,6 +359,10 @@ class Backend:
         if tokens and (min(tokens) < 0 or max(tokens) >= self.model.n_vocab):
             bad = next(t for t in tokens if not 0 <= t < self.model.n_vocab)
             raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary [0, {self.model.n_vocab})")
+        bias = request.sampling.logit_bias
+        if bias and bias[-1][0] >= self.model.n_vocab:  # sorted by id
+            raise InvalidRequest(f"logit_bias token id {bias[-1][0]} is not in the model's vocabulary "
+                                 f"[0, {self.model.n_vocab})", param="logit_bias")
 
     def match(self, request: Request) -> int:
         """Longest usable cached prefix of the request's prompt (cheap, read-only; any thread).
@@ -386,6 +400,24 @@ class Backend:
         self._submit(seq)
         return handle
 
+    def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin=None,
+                      cached_estimate: int | None = None, t_submit: float | None = None) -> None:
+        """Queue the choices of one request (same prompt): a warm-up of the prompt, then each
+        choice, admitted after it (engine/scheduler.py: they alias the cached prompt)."""
+        for r in requests:
+            self.validate(r)
+        t = t_submit or time.monotonic()
+        head = requests[0]
+        estimate = self.match(head) if cached_estimate is None else cached_estimate
+        warm_req = Request(head.prompt_tokens, SamplingParams(max_tokens=1, temperature=0.0), source="warm")
+        warm = SeqState(warm_req, RequestHandle(warm_req), pin, estimate, t, warm=True)
+        seqs = [warm]
+        for r, h in zip(requests, handles):
+            seq = SeqState(r, h, None, len(r.prompt_tokens) - 1, t, n_ctx_seq=self.n_ctx_seq)
+            seq.after = warm
+            seqs.append(seq)
+        self._submit(*seqs)
+
     def warm(self, tokens) -> RequestHandle:
         """Prefill `tokens` into the prefix cache (no generation); the handle ends when done."""
         req = Request(tuple(tokens), SamplingParams(max_tokens=1, temperature=0.0), source="warm")
@@ -394,24 +426,28 @@ class Backend:
         self._submit(SeqState(req, handle, None, self.match(req), time.monotonic(), warm=True))
         return handle
 
-    def _submit(self, seq: SeqState) -> None:
-        seq.handle.backend = self.name
-        seq.handle._cancel = self.cancel
+    def _submit(self, *seqs: SeqState) -> None:
+        for seq in seqs:
+            seq.handle.backend = self.name
+            seq.handle._cancel = self.cancel
+            seq.handle.logprobs = seq.logprobs  # the worker appends; the caller reads as it streams
+            seq.handle.prompt_logprobs = seq.prompt_logprobs
         refused = None
         if not self.serving:
             refused = BackendUnavailable(f"backend {self.name} is not serving")
-        elif len(self._sched.waiting) + len(self._inbox.queued()) >= self.config.max_queue:
+        elif len(self._sched.waiting) + len(self._inbox.queued()) + len(seqs) > self.config.max_queue:
             refused = QueueFull(f"backend {self.name} has {len(self._sched.waiting)} requests waiting")
         else:
             try:
-                self._inbox.put(Enqueue(seq))
+                self._inbox.put_many([Enqueue(seq) for seq in seqs])
             except BackendUnavailable:
                 refused = BackendUnavailable(f"backend {self.name} is not serving")
         if refused is not None:
-            if seq.pin is not None:
-                with self._state:
-                    self._sched.cache.unpin(seq.pin)
-                seq.pin = None
+            for seq in seqs:
+                if seq.pin is not None:
+                    with self._state:
+                        self._sched.cache.unpin(seq.pin)
+                    seq.pin = None
             raise refused
 
     @property
@@ -513,6 +549,7 @@ class Backend:
             prefill_tok_s=self._obs_prefill,
             decode_tok_s=self._obs_decode,
             steps=self.steps,
+            prompt_tokens_computed=self.prompt_tokens_computed,
             time=time.monotonic(),
         )
 
@@ -650,10 +687,11 @@ class Backend:
             self._settle()
             return
         self.steps += 1
+        self.prompt_tokens_computed += out.n_prefill
         self.decode_s += out.seconds
         self._observe(out.n_decode, out.n_prefill, out.seconds)
         with self._state:
-            finished = sched.update_from_output(plan, out.sampled, out.seconds)
+            finished = sched.update_from_output(plan, out.sampled, out.logprobs, seconds=out.seconds)
         self._settle(finished)
         rows = [s.ran_on for s in plan.decode]
         if plan.chunks:
@@ -685,6 +723,8 @@ class Backend:
             itl_s=s.itl_sum / (s.generated - 1) if s.generated > 1 else None,
             error=f.error,
             error_kind="server_error" if f.error else None,
+            logprobs=tuple(s.logprobs) if s.logprobs is not None else None,
+            prompt_logprobs=tuple(s.prompt_logprobs) if s.prompt_logprobs is not None else None,
         )
         s.handle._deliver_finish(record)
         self.bus.publish(RequestFinished(record, now))

@@ -4,7 +4,9 @@ Backends are local llama.cpp contexts, remote OpenAI-compatible engines (engine/
 both. An engine with only remote backends loads no model: it is the router in front of a
 fleet, and requests carry their prompt as text or chat messages (`Request.text`/`messages`).
 
-`submit()` routes one whole request to one backend and returns its handle. Routing and
+`submit()` routes one whole request to one backend and returns its handle; `submit_group()`
+routes the choices of one request (OpenAI's `n`) together, to one backend, which computes
+their shared prompt once (engine/backend.py `enqueue_group`). Routing and
 enqueueing happen under one lock, so each request sees the queues its predecessors made,
 and the chosen backend's matched prefix is pinned until the request is admitted (the
 router's cache estimate cannot be evicted under it).
@@ -230,7 +232,18 @@ class Engine:
         self._route(request, handle, time.monotonic())
         return handle
 
-    def _route(self, request: Request, handle: RequestHandle, t_submit: float) -> None:
+    def submit_group(self, requests: list[Request], loop: asyncio.AbstractEventLoop | None = None
+                     ) -> list[RequestHandle]:
+        """Route requests that share one prompt (the choices of one request) to ONE backend,
+        which computes the prompt once and lets every choice alias its KV. A backend without
+        group support (remote) gets them one by one, still all of them."""
+        if len({r.prompt_tokens for r in requests}) != 1:
+            raise InvalidRequest("the requests of a group must share their prompt")
+        handles = [RequestHandle(r, loop) for r in requests]
+        self._route(requests[0], handles[0], time.monotonic(), group=(requests, handles))
+        return handles
+
+    def _route(self, request: Request, handle: RequestHandle, t_submit: float, group=None) -> None:
         with self._lock:
             self._check_open()
             serving = [b for b in self.backends.values() if self.serves(b, request.model)]
@@ -248,7 +261,17 @@ class Engine:
                 estimate, pin = backend.pin_prefix(request)
                 handle.decision = decision
                 try:
-                    backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+                    if group is None:
+                        backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+                    elif hasattr(backend, "enqueue_group"):
+                        for h in group[1]:
+                            h.decision = decision
+                        backend.enqueue_group(*group, pin=pin, cached_estimate=estimate, t_submit=t_submit)
+                    else:  # a remote engine: each choice on its own, on the same engine
+                        for i, (r, h) in enumerate(zip(*group)):
+                            h.decision = decision
+                            backend.enqueue(r, h, pin=pin if i == 0 else None,
+                                            cached_estimate=estimate, t_submit=t_submit)
                     break
                 except BackendUnavailable:
                     # It began a restart (or failed) after the snapshot the router saw: the

@@ -4,7 +4,8 @@ A backend thread delivers text deltas and, last, one `FinishRecord`. The handle 
 to a blocking iterator (`for delta in handle`) or, when created with an asyncio loop, to an
 async iterator (`async for delta in handle.astream()`), marshalled with
 `loop.call_soon_threadsafe` — once per backend step for all of a loop's handles when the
-delivering thread gathers them in an `Outbox`. `cancel()` may be called from any thread, at
+delivering thread gathers them in an `Outbox`. Token logprobs, when asked for, are read from
+`handle.logprobs` beside the text. `cancel()` may be called from any thread, at
 any time.
 """
 
@@ -79,6 +80,11 @@ class RequestHandle:
         self._done = threading.Event()
         self._record: FinishRecord | None = None
         self._cancel: Callable[[str], None] | None = None
+        # One TokenLogprob per generated token when the request asked for logprobs: the
+        # backend thread appends a token's entry before its text is delivered, so a reader
+        # that got some text finds the entries of its tokens here (list appends are atomic).
+        self.logprobs: list | None = None
+        self.prompt_logprobs: list | None = None  # the prompt's, filled while it is computed
 
     # ---- called by the backend thread ----
 

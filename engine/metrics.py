@@ -4,7 +4,7 @@ Two sources feed them:
 - per request, `RequestFinished` events from the engine's bus (TTFT, inter-token and
   end-to-end latency, queue time, token counts, finish reasons);
 - per backend, a snapshot taken at scrape time (running and waiting requests, KV usage,
-  prefix-cache queries and hits, health), so the gauges are exact when they are read.
+  prefix-cache queries and hits, prompt tokens computed, health), so the gauges are exact when they are read.
 
 Every series is labelled by `backend`. Each `EngineMetrics` owns a `CollectorRegistry`
 (never the process-global one), so several engines, apps or tests never collide.
@@ -137,6 +137,9 @@ class _SnapshotCollector:
                                       "Prompt tokens looked up in the prefix cache at admission.", labels=b)
         hits = CounterMetricFamily("tandem:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache at admission.", labels=b)
+        computed = CounterMetricFamily("tandem:prompt_tokens_computed",
+                                       "Prompt tokens decoded (cache hits and the shared prompt of n choices "
+                                       "are not decoded again).", labels=b)
         for s in self._engine.snapshot():
             n = [s.name]
             running.add_metric(n, len(s.running))
@@ -147,7 +150,8 @@ class _SnapshotCollector:
             healthy.add_metric(n, 1.0 if s.healthy else 0.0)
             queries.add_metric(n, s.cache.query_tokens)
             hits.add_metric(n, s.cache.hit_tokens)
-        return [running, waiting, usage, cells, cap, healthy, queries, hits]
+            computed.add_metric(n, s.prompt_tokens_computed)
+        return [running, waiting, usage, cells, cap, healthy, queries, hits, computed]
 
 
 class _WeightedHistogram:

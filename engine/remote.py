@@ -261,7 +261,11 @@ class RemoteBackend:
     # ---- requests (any thread) ----
 
     def validate(self, request: Request) -> None:
-        """Raise if the engine can never serve `request`: a token prompt longer than its context."""
+        """Raise if the engine can never serve `request`: a token prompt longer than its context,
+        or logprobs (its stream's logprobs are not relayed)."""
+        if request.sampling.logprobs is not None:
+            raise InvalidRequest(f"backend {self.name} is a remote engine: logprobs are not relayed from it",
+                                 param="logprobs")
         n = len(request.prompt_tokens)
         if n and self.n_ctx and n >= self.n_ctx and not (request.text or request.messages):
             raise ContextLengthExceeded(n, self.n_ctx)
@@ -702,6 +706,12 @@ class RemoteBackend:
             body["stop"] = list(sp.stop)
         if sp.seed is not None:
             body["seed"] = sp.seed
+        if sp.logit_bias:  # OpenAI's own fields: every API takes them
+            body["logit_bias"] = {str(t): b for t, b in sp.logit_bias}
+        if sp.presence_penalty:
+            body["presence_penalty"] = sp.presence_penalty
+        if sp.frequency_penalty:
+            body["frequency_penalty"] = sp.frequency_penalty
         extra = _EXTRA.get(self.api, ())
         if "top_k" in extra and sp.top_k > 0:
             body["top_k"] = sp.top_k

@@ -1,4 +1,12 @@
-"""Values that describe a request and how it ended. They cross threads; treat them as frozen."""
+"""Values that describe a request and how it ended. They cross threads; treat them as frozen.
+
+`SamplingParams` holds OpenAI's sampling fields as the engine takes them: `logit_bias` (token
+id -> bias, applied in the sampler chain), `presence_penalty` / `frequency_penalty`
+(llama.cpp's penalties sampler, over the generated tokens), `seed`, `stop`, and `logprobs`
+(None: off; k >= 0: each output token's log-probability and its k most likely alternatives,
+`TokenLogprob`; `prompt_logprobs` adds the prompt's tokens'). A finished request's `FinishRecord.logprobs` holds one `TokenLogprob` per
+output token; while it streams, the same values arrive through `RequestHandle.logprobs`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,8 @@ from .errors import InvalidRequest
 
 _ids = itertools.count(1)
 MAX_TOKENS = 1 << 20  # beyond any context; keeps values inside llama.cpp's int32
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
+MAX_TOP_LOGPROBS = 20  # alternatives per token; OpenAI's chat limit
 CHARS_PER_TOKEN = 4  # English text in BPE vocabularies; only for prompts no tokenizer has seen
 
 
@@ -32,10 +42,26 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # (token id, bias) pairs, sorted by id; a bias of -100 or less bans the token outright.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # None: no logprobs; k: each output token's logprob and its k most likely alternatives.
+    logprobs: int | None = None
+    # Also each prompt token's logprob (after the first), with `logprobs` alternatives: the
+    # prompt is computed whole (no prefix-cache hit: cached tokens have no logits).
+    prompt_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing in it needs more than the fused greedy / device chain of plain sampling:
+        no bias, no OpenAI penalties, no logprobs."""
+        return (not self.logit_bias and self.logprobs is None and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0)
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequest` naming the first value out of range; return self."""
@@ -52,6 +78,16 @@ class SamplingParams:
             ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "in [0, 2^32)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
              "at most 16 non-empty strings"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+                isinstance(t, int) and t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+             f"at most {MAX_LOGIT_BIAS} (token id >= 0, bias in [-100, 100]) pairs"),
+            ("presence_penalty", _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "in [-2, 2]"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
+                                                   and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+             f"None or an integer in [0, {MAX_TOP_LOGPROBS}]"),
+            ("prompt_logprobs", not self.prompt_logprobs or self.logprobs is not None, "False unless logprobs is set"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -138,6 +174,19 @@ _FINISH_REASON = {
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token with its log-probability under the model's raw distribution
+    (log-softmax of the logits, before temperature, penalties or bias: what OpenAI and vLLM
+    report), and the `top` most likely tokens at that step as (token id, bytes, logprob),
+    most likely first. `piece` is the token's bytes."""
+
+    token: int
+    piece: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class FinishRecord:
     """How a request ended, with its timings in seconds (monotonic clock).
 
@@ -158,6 +207,8 @@ class FinishRecord:
     itl_s: float | None
     error: str | None = None
     error_kind: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per prompt token after the first
 
     @property
     def finish_reason(self) -> str | None:

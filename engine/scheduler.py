@@ -30,6 +30,16 @@ The rules, in the order each step applies them:
   5. finish rules (`update_from_output`): end-of-generation (unless `ignore_eos`), a stop
      string, `max_tokens`, the context's end (`n_ctx_seq`), `stop_after`, cancel.
 
+Choices of one request (OpenAI's `n`) share their prompt's KV: the backend queues a warm-up
+of the prompt (`warm`: it prefills into the prefix cache and ends) followed by the choices,
+each with `after` pointing at it. A sequence with `after` is not admitted before that one
+has ended (the queue waits behind it: FCFS), so each choice then hits the cached prompt like
+any request — `llama_memory_seq_cp` aliases the cells (`_reuse_prefix`) and only its last
+prompt token is decoded again (the logits must be its own). The prompt is computed once; the
+cache's pins keep the shared cells counted once and alive while any choice runs. With the
+cache off (or the prefix evicted under KV pressure before the choices are admitted) each
+choice computes its own prompt: slower, never wrong.
+
 `max_tokens` is clamped, not refused: a request asks for at most `n_ctx_seq - prompt` new
 tokens whatever it says (it ends with `length` there, like llama.cpp's server). The router
 and the snapshot see the clamped budget (`SeqState.max_new`).
@@ -73,13 +83,13 @@ class KvOp:
 
 
 class SeqState:
-    """A request inside a backend. The scheduler owns every field except `sampler` and `row`
-    (the batch row of a prompt chunk's last token), which the runner sets."""
+    """A request inside a backend. The scheduler owns every field except `sampler`, `row`
+    (the batch row of a prompt chunk's last token) and `prompt_logprobs`, which the runner sets."""
 
     __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
                  "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
                  "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
-                 "preemptions", "ran_on")
+                 "preemptions", "ran_on", "after", "logprobs", "prompt_logprobs")
 
     def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
                  n_ctx_seq: int | None = None):
@@ -109,6 +119,11 @@ class SeqState:
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.preemptions = 0
+        self.after: SeqState | None = None  # admitted only once this one has ended (a choice of `n`)
+        # One TokenLogprob per generated token, when the request asked for logprobs.
+        self.logprobs: list | None = [] if self.sp.logprobs is not None else None
+        # One TokenLogprob per prompt token after the first, when the request asked for them.
+        self.prompt_logprobs: list | None = [] if self.sp.prompt_logprobs else None
 
     @property
     def prefilling(self) -> bool:
@@ -294,10 +309,12 @@ class Scheduler:
         assert free >= 0, "KV over capacity"
         return plan
 
-    def update_from_output(self, plan: Plan, sampled, seconds: float = 0.0) -> list[Finished]:
+    def update_from_output(self, plan: Plan, sampled, logprobs: dict | None = None,
+                           seconds: float = 0.0) -> list[Finished]:
         """Apply a decoded plan: `sampled[i]` is the token of the i-th row that asked for
         logits (decode rows, then chunks that ended their prompt), or None when the runner
         took the token back (an end token under `ignore_eos`: decode that input again).
+        `logprobs[i]` is row i's `TokenLogprob`, for the rows whose request asked for them.
         `seconds`: the step's time, which drives the limiter."""
         if self.limiter is not None and seconds > 0:
             self._adapt(plan, seconds)
@@ -318,8 +335,22 @@ class Scheduler:
                 tok = sampled[i]
                 i += 1
                 self._sampled(s, tok, now)
+        if logprobs:
+            self._record_logprobs(plan, sampled, logprobs)
         self.prefill_budget = self.n_batch
         return self.take_finished()
+
+    def _record_logprobs(self, plan: Plan, sampled, logprobs: dict) -> None:
+        """Keep each row's logprob with its sequence, once its token was applied; an end
+        token that ended the request has no text and gets none (OpenAI lists none)."""
+        rows = list(plan.decode) + [s for s, _, _, lg in plan.chunks if lg]
+        for i, lp in logprobs.items():
+            s, tok = rows[i], sampled[i]
+            if tok is None or s.logprobs is None or len(s.logprobs) >= s.generated:
+                continue
+            if not s.sp.ignore_eos and self.is_eog(tok):
+                continue
+            s.logprobs.append(lp)
 
     def decode_failed(self, plan: Plan) -> None:
         """llama.cpp server's answer to "no KV room": a smaller prefill budget, else give up
@@ -413,6 +444,10 @@ class Scheduler:
             return
         while self.waiting and len(self.running) < self.cap:
             seq = self.waiting[0]
+            if seq.after is not None:
+                if not seq.after.status.finished:
+                    return  # a choice waits for its prompt's warm-up (FCFS: so does the queue)
+                seq.after = None
             placed = self._place(seq)
             if placed is None:  # failed, and taken out of the queue
                 continue
@@ -427,7 +462,7 @@ class Scheduler:
     def _place(self, seq: SeqState) -> bool | None:
         """Give `seq` a sequence id and its cached prefix, if KV room allows."""
         n = len(seq.tokens)
-        usable = (n - (0 if seq.warm else 1)) if self.cache_enabled else 0
+        usable = (n - (0 if seq.warm else 1)) if self.cache_enabled and not seq.sp.prompt_logprobs else 0
         match = self.cache.match(seq.tokens, max_len=usable)
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
         hit = match.length

@@ -128,6 +128,7 @@ class BackendSnapshot:
     prefill_tok_s: float = 0.0  # observed, recent
     decode_tok_s: float = 0.0  # observed, recent
     steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens decoded since start (cache hits and shared prompts not)
     time: float = 0.0
     # The user's cap (the live `cap`'s ceiling when adaptive; 0: the same as `cap`), whether the
     # cap adapts (engine/limiter.py), and why it last moved.

@@ -364,6 +364,16 @@ def test_bench_overhead_sampled_prints_temperature_decode_against_greedy(tiny_pa
     assert out["fused_dist_builds"]["shared"] >= 1 and "host" not in out["fused_dist_builds"]
 
 
+def test_bench_overhead_sampling_reports_each_mode_over_plain_greedy(tiny_path, capsys):
+    rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "2",
+               "--repeats", "1", "--no-llama", "--prompt-tokens", "32", "--gen-tokens", "8",
+               "--sampling", "plain,logprobs,logit_bias,penalties"])
+    out = _last_json(capsys)
+    assert rc == 0
+    for mode in ("logprobs", "logit_bias", "penalties"):
+        assert out[f"cost_{mode}_b2"] == pytest.approx(out[f"{mode}_b2_tok_s"] / out["engine_b2_tok_s"], abs=1e-3)
+
+
 def test_bench_prefill_compares_each_batch_size_alone_with_beside_decoding(tiny_path, capsys):
     rc = main(["bench", "prefill", "--model", str(tiny_path), "--threads", "1", "--sizes", "64/64,256/64",
                "--prompt-tokens", "256", "--decoders", "2", "--decode-tokens", "128", "--repeats", "1"])

@@ -16,7 +16,7 @@ def row(layout, makespan, ttft, failed=0, run=0):
             "output_tok_s": 1024 / makespan, "failed": failed}
 
 
-def test_ratios_compare_the_default_with_one_backend_and_llama_cpp_python():
+def test_ratios_compare_the_default_with_both_references():
     rows = [row("default", 12.0, 0.5), row("one", 11.0, 0.4), row(LLAMA_CPP, 26.0, 9.0)]
     ratios = summarize(rows, ["default", "one", LLAMA_CPP])["ratios"]
     assert ratios == pytest.approx({"makespan default / one": 12 / 11, f"makespan default / {LLAMA_CPP}": 12 / 26,

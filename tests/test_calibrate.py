@@ -248,7 +248,7 @@ class TestCalibrateAtLoad:
         assert (again.prefill_tok_s, again.decode_tok_s, again.step_table) == (
             first.prefill_tok_s, first.decode_tok_s, first.step_table)
 
-    def test_each_config_is_measured_once_and_named_to_status(self, make_engine):
+    def test_backends_of_one_config_share_one_measurement(self, make_engine):
         said = []
         eng = make_engine([*SPECS, "cpu:threads=2,cap=2,ctx=512,name=big"], calibrate=True, status=said.append)
         assert len(said) == 2 and "cpu0" in said[0] and "big" in said[1]

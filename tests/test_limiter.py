@@ -133,7 +133,7 @@ def test_the_scheduler_admits_up_to_the_limiters_value():
         plan = sched.schedule()
         sched.take_ops()
         seen.append(len(sched.running))
-        sched.update_from_output(plan, [5] * (len(plan.decode) + sum(1 for c in plan.chunks if c[3])), 0.002)
+        sched.update_from_output(plan, [5] * (len(plan.decode) + sum(1 for c in plan.chunks if c[3])), seconds=0.002)
         sched.take_ops()
         sched.take_finished()
     assert seen[0] == 4
@@ -158,7 +158,7 @@ def test_a_preemption_in_the_scheduler_lowers_the_limit():
         plan = sched.schedule()
         sched.take_ops()
         sched.take_unplaced()
-        sched.update_from_output(plan, [5] * (len(plan.decode) + sum(1 for c in plan.chunks if c[3])), 0.002)
+        sched.update_from_output(plan, [5] * (len(plan.decode) + sum(1 for c in plan.chunks if c[3])), seconds=0.002)
         sched.take_ops()
         sched.take_finished()
     assert sched.preemptions
@@ -196,7 +196,7 @@ def _replay(reqs, prefix, cap: int | None, ceiling: int = 64, n_ctx: int = 65536
         sched.take_unplaced()
         dt = _step_s(len(plan.decode), plan.n_tokens - len(plan.decode), sched.kv_cells_used())
         now[0] += dt
-        sched.update_from_output(plan, [5] * (len(plan.decode) + sum(1 for c in plan.chunks if c[3])), dt)
+        sched.update_from_output(plan, [5] * (len(plan.decode) + sum(1 for c in plan.chunks if c[3])), seconds=dt)
         sched.take_ops()
         sched.take_finished()
         sched.take_unplaced()

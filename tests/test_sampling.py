@@ -4,6 +4,7 @@ the tokens llama.cpp's own greedy and logit-bias chain choose."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 
@@ -172,3 +173,38 @@ def test_pending_text_is_not_lost_when_a_request_ends_early(make_backend, tiny_m
     record = h.result(WAIT)
     assert record.status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_ERROR)
     assert streamed == record.text and 20 < record.output_tokens < 3000
+
+
+# ---- OpenAI's extras: per-sequence fallbacks beside fused greedy ----
+
+
+def test_a_logprobs_request_samples_the_greedy_tokens_on_the_host(make_backend, tiny_model):
+    """Beside three fused greedy requests, one that asks for logprobs samples on the host (its
+    chain is not attached) and chooses the same tokens; its logprobs name them first."""
+    prompts = [[5 + i, 9, 3 * i + 1, 40 + i] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    b = make_backend(tiny_model, cap=4, cache=False, idle_sampler_s=600)  # idle chains stay for the count
+    plain = _texts(b, tiny_model, prompts, sp)
+    handles = [b.enqueue(Request(tuple(p), sp)) for p in prompts[:3]]
+    asked = b.enqueue(Request(tuple(prompts[3]), SamplingParams(temperature=0, max_tokens=12, logprobs=3)))
+    mixed = [h.result(WAIT) for h in [*handles, asked]]
+    assert [r.text for r in mixed] == [r.text for r in plain]
+    lps = mixed[3].logprobs
+    assert len(lps) == 12 and all(e.top[0][0] == e.token and e.logprob <= 0 for e in lps)
+    assert b.samplers_attached == 3, "the logprobs request's id has no device chain"
+
+
+def test_a_logit_bias_chain_stays_on_the_device(make_backend, tiny_model):
+    """A banned token never comes, and the biased greedy chain is attached (llama.cpp runs the
+    logit-bias and greedy samplers in the graph)."""
+    b = make_backend(tiny_model, cap=1, cache=False, idle_sampler_s=600)
+    prompt = (5, 9, 1, 40)
+    first = b.enqueue(Request(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=0))).result(WAIT)
+    banned = first.logprobs[0].token
+    sp = SamplingParams(temperature=0, max_tokens=12, logit_bias=((banned, -100.0),), logprobs=None)
+    h = b.enqueue(Request(prompt, sp))
+    r = h.result(WAIT)
+    assert r.output_tokens == 12 and b.samplers_attached == 1
+    # The same bias on the host (a logprobs chain): the same tokens, none of them the banned one.
+    check = b.enqueue(Request(prompt, dataclasses.replace(sp, logprobs=0))).result(WAIT)
+    assert banned not in [e.token for e in check.logprobs] and check.text == r.text

@@ -369,3 +369,44 @@ def test_prefix_reuse_aliases_cached_cells():
     sim.run()
     assert sim.sched.kv_cells_used() == sim.mem.cells
     assert a.generated == b.generated == 4
+
+
+# ---- the choices of one request (n > 1) ----
+
+
+def submit_choices(sim: Sim, prompt, n: int) -> tuple[SeqState, list[SeqState]]:
+    """What `Backend.enqueue_group` queues: a warm-up of the prompt, then the choices after it."""
+    warm = sim.submit(prompt, warm=True)
+    choices = []
+    for _ in range(n):
+        c = sim.submit(prompt, max_tokens=4)
+        c.after = warm
+        choices.append(c)
+    return warm, choices
+
+
+def test_choices_are_admitted_only_after_their_prompt_warm_up():
+    sim = Sim(n_batch=16)
+    prompt = list(range(20, 60))
+    _, choices = submit_choices(sim, prompt, 3)
+    sim.step()
+    assert [c.status for c in choices] == [RequestStatus.WAITING] * 3
+
+
+def test_choices_compute_their_shared_prompt_once():
+    sim = Sim()
+    prompt = list(range(20, 60))
+    _, choices = submit_choices(sim, prompt, 3)
+    sim.run()
+    prefill = sum(k for p in sim.plans for _, _, k, _ in p.chunks)
+    assert prefill == len(prompt) + 3  # the prompt once, then each choice's last prompt token
+    assert [c.n_shared for c in choices] == [len(prompt) - 1] * 3
+
+
+def test_choices_compute_their_own_prompt_with_the_cache_off():
+    sim = Sim(cache_enabled=False)
+    prompt = list(range(20, 60))
+    _, choices = submit_choices(sim, prompt, 2)
+    sim.run()
+    assert [c.status for c in choices] == [RequestStatus.FINISHED_LENGTH] * 2
+    assert sum(k for p in sim.plans for _, _, k, _ in p.chunks) == 3 * len(prompt)

@@ -459,20 +459,25 @@ def _edges(schema: dict):
                 yield key, limit, bad
 
 
+# Fields documented as needing another (`top_logprobs` needs `logprobs: true`).
+_COMPANIONS = {"top_logprobs": {"logprobs": True}}
+
+
 def test_every_documented_limit_is_the_enforced_one(http):
     doc = http.get("/openapi.json").json()
     props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     checked = []
     for name, schema in props.items():
+        companions = _COMPANIONS.get(name, {})
         for key, ok, bad in _edges(schema):
-            body = {"messages": HELLO, "max_tokens": 1, name: ok, "stream": True}
+            body = {"messages": HELLO, "max_tokens": 1, name: ok, "stream": True, **companions}
             with http.stream("POST", "/v1/chat/completions", json=body) as good:  # leaving early cancels
                 assert good.status_code == 200, (name, key, ok, good.read())
-            r = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1, name: bad})
+            r = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1, name: bad, **companions})
             assert_openai_error(r, 400, param=name)
             checked.append(name)
     assert {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-            "repeat_last_n", "seed"} <= set(checked)
+            "repeat_last_n", "seed", "n", "top_logprobs", "presence_penalty", "frequency_penalty"} <= set(checked)
     stop = props["stop"]["anyOf"][1]
     n = stop["maxItems"]
     assert http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1,

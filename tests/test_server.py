@@ -307,7 +307,7 @@ BAD_BODIES = [
     ("seed negative", {"messages": HELLO, "seed": -1}, 400, "seed", None),
     ("stop empty string", {"messages": HELLO, "stop": [""]}, 400, "stop", None),
     ("stop not strings", {"messages": HELLO, "stop": [1]}, 400, "stop", None),
-    ("n = 2", {"messages": HELLO, "n": 2}, 400, "n", None),
+    ("n = 17", {"messages": HELLO, "n": 17}, 400, "n", None),
     ("stream not a boolean", {"messages": HELLO, "stream": "yes"}, 400, "stream", None),
     ("context too long", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
      "context_length_exceeded"),
@@ -332,7 +332,7 @@ BAD_COMPLETIONS = [
     ("prompt tokens negative", {"prompt": [-1]}, 400, "prompt", None),
     ("batched prompts", {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("context too long", {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
-    ("echo", {"prompt": "hi", "echo": True}, 400, "echo", None),
+    ("echo not a boolean", {"prompt": "hi", "echo": "yes"}, 400, "echo", None),
 ]
 
 

@@ -279,3 +279,24 @@ def test_long_chat_titles_are_elided_not_scrolled(qtbot, make_window):
     assert chat.chat_list.textElideMode() == Qt.ElideRight
     assert item.toolTip().startswith(chat.chat.title)  # the whole title on hover
     assert "TTFT" in chat.state_label.toolTip() and "cached" in chat.state_label.toolTip()
+
+
+def test_hovering_a_reply_token_shows_its_probabilities(qtbot, make_window):
+    from PySide6.QtCore import QUrl
+    from PySide6.QtWidgets import QToolTip
+
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(6)
+    send(qtbot, chat, "question")
+    tokens = chat.chat.messages[1].meta["logprobs"]
+    assert "".join(t[0] for t in tokens) == chat.chat.messages[1].content
+    chat.view.anchorClicked.emit(QUrl("msg:probs:1"))  # the reply, token by token
+    assert "hide token probabilities" in chat.transcript_text()
+    chat.view.highlighted.emit(QUrl("tok:1:0"))  # what QTextBrowser says when the mouse is on a token
+    qtbot.waitUntil(QToolTip.isVisible, timeout=WAIT_MS)
+    tip = QToolTip.text()
+    assert tip.startswith(repr(tokens[0][0])) and "p = " in tip
+    assert len(tip.splitlines()) == 1 + len(tokens[0][2])  # the token, then its alternatives
+    chat.view.highlighted.emit(QUrl())  # the mouse left the tokens
+    qtbot.waitUntil(lambda: not QToolTip.isVisible(), timeout=WAIT_MS)

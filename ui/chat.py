@@ -11,6 +11,12 @@ has copy / edit / delete links; the chat list renames, deletes, exports (Markdow
 searches chats. A prompt the engine refuses (too long for the context, a bad setting) never
 joins the chat: the error is shown, the text stays in the message box, nothing is saved.
 
+Replies from local backends ask for each token's logprob and its `TOP_ALTERNATIVES` most likely alternatives
+(kept in the message's meta and saved with it); a reply's "token probabilities" link shows it
+token by token, each shaded by its probability, and hovering a token shows its probability and
+the alternatives in a tooltip (`QTextBrowser.highlighted`: read from the stored meta, never
+from the engine, so hovering never waits).
+
 Keys: Enter sends (Shift+Enter for a new line), Esc stops the reply being streamed; Enter while
 a reply streams says so and keeps the text in the box.
 """
@@ -21,14 +27,15 @@ import asyncio
 import html
 import json
 import logging
+import math
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeySequence, QShortcut, QTextCursor
+from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
     QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QInputDialog, QLabel,
     QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy,
-    QSpinBox, QSplitter, QTextBrowser, QToolButton, QVBoxLayout, QWidget,
+    QSpinBox, QSplitter, QTextBrowser, QToolButton, QToolTip, QVBoxLayout, QWidget,
 )
 
 from engine.errors import EngineError
@@ -45,6 +52,7 @@ AUTO = "auto (router decides)"
 _USER = "#8fbcff"
 _ASSISTANT = "#9be39b"
 _ERROR = "#ff7b7b"
+TOP_ALTERNATIVES = 5  # alternatives per token a reply asks for (shown on hover)
 
 
 class PromptEdit(QPlainTextEdit):
@@ -78,6 +86,7 @@ class ChatPanel(QWidget):
         self._refused: str | None = None  # why the engine refused the last prompt
         self._earlier: list[dict] = []  # the answers a regenerate replaces, kept with the new one
         self._expanded: set[int] = set()  # messages whose earlier answers are shown
+        self._token_view: set[int] = set()  # messages shown token by token, with probabilities
         self._code_blocks: list[str] = []  # the shown transcript's code blocks, by their Copy link
         self._build()
         self._reload_list()
@@ -159,6 +168,7 @@ class ChatPanel(QWidget):
         self.view.setOpenExternalLinks(False)
         self.view.setOpenLinks(False)  # our links (copy, edit, delete) go to _on_link
         self.view.anchorClicked.connect(self._on_link)
+        self.view.highlighted.connect(self._on_hover)  # a token under the mouse: its probabilities
         self.view.setMinimumHeight(80)  # a few lines of the transcript, even on a 720 px screen
         self.view.setPlaceholderText("")
         rv.addWidget(self.view, 1)
@@ -275,6 +285,8 @@ class ChatPanel(QWidget):
             repeat_penalty=self.repeat_penalty.value(),
             max_tokens=self.max_tokens.value(),
             seed=None if seed < 0 else seed,
+            # Remote engines do not relay logprobs (engine/remote.py refuses them).
+            logprobs=TOP_ALTERNATIVES if "remote" not in self.engine.devices.values() else None,
         ).validate()
 
     def backend_override(self) -> str | None:
@@ -554,6 +566,9 @@ class ChatPanel(QWidget):
             "policy": getattr(decision, "policy", None),
             "reason": getattr(decision, "reason", None),
         }
+        if record.logprobs:  # [token text, logprob, [[alternative, logprob], ...]] per token
+            meta["logprobs"] = [[_piece(e.piece), round(e.logprob, 4), [[_piece(p), round(lp, 4)] for _, p, lp in e.top]]
+                                for e in record.logprobs]
         if self._earlier:
             meta["earlier"] = self._earlier
             self._earlier = []
@@ -606,6 +621,13 @@ class ChatPanel(QWidget):
             body, self._code_blocks = render_markdown(m.content, self._code_blocks)
         else:
             body = f"<p><i style='color:{MUTED}'>(no text)</i></p>"
+        tokens = meta.get("logprobs")
+        if tokens:
+            shown = index in self._token_view
+            if shown:
+                body = _tokens_html(tokens, index)
+            body += (f"<p style='font-size:small'><a href='msg:probs:{index}' style='color:{MUTED}'>"
+                     f"{'hide' if shown else 'show'} token probabilities</a></p>")
         earlier = meta.get("earlier") or []
         if earlier:
             n = len(earlier)
@@ -642,8 +664,31 @@ class ChatPanel(QWidget):
             elif action == "earlier":
                 self._expanded ^= {index}
                 self._render()
+            elif action == "probs":
+                self._token_view ^= {index}
+                self._render()
         elif url.scheme() in ("http", "https"):
             QDesktopServices.openUrl(url)
+
+    def token_tip(self, index: int, k: int) -> str:
+        """The tooltip of token `k` of message `index`: its probability and the alternatives."""
+        tokens = (self.chat.messages[index].meta or {}).get("logprobs") or []
+        if not 0 <= k < len(tokens):
+            return ""
+        text, lp, top = tokens[k]
+        lines = [f"{text!r}  p = {math.exp(lp):.3f}  (logprob {lp:.3f})"]
+        lines += [f"   {alt!r}  {math.exp(alt_lp):.3f}" for alt, alt_lp in top]
+        return "\n".join(lines)
+
+    def _on_hover(self, url: QUrl) -> None:
+        scheme, _, rest = url.toString().partition(":")
+        if scheme != "tok":
+            QToolTip.hideText()
+            return
+        index, _, k = rest.partition(":")
+        tip = self.token_tip(int(index), int(k))
+        if tip:
+            QToolTip.showText(QCursor.pos(), tip, self.view)
 
     def _backend_index(self, name) -> int:
         names = self.engine.backend_names
@@ -725,6 +770,22 @@ class ChatPanel(QWidget):
             if c.id == self.chat.id:
                 item.setSelected(True)
                 self.chat_list.setCurrentItem(item)
+
+
+def _piece(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def _tokens_html(tokens: list, index: int) -> str:
+    """A reply token by token: each a link (`tok:MESSAGE:TOKEN`, hovered for its tooltip) shaded
+    by how unlikely it was (clear: near certain; red: a long shot)."""
+    parts = []
+    for k, (text, lp, _top) in enumerate(tokens):
+        alpha = round(0.55 * (1.0 - math.exp(lp)), 2)
+        shown = html.escape(text).replace("\n", "↵<br>") or "∅"
+        parts.append(f"<a href='tok:{index}:{k}' style='color:inherit;text-decoration:none;"
+                     f"background-color:rgba(255,90,90,{alpha})'>{shown}</a>")
+    return f"<p style='margin-left:8px;white-space:pre-wrap'>{''.join(parts)}</p>"
 
 
 def _welcome(engine) -> str:

@@ -41,14 +41,15 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
 
-    def add(self, tokens, seq_id: int, pos0: int, want_last_logits: bool) -> int:
-        """Append `tokens` of one sequence at positions pos0.. ; return the row of the last one."""
+    def add(self, tokens, seq_id: int, pos0: int, want_last_logits: bool, want_all: bool = False) -> int:
+        """Append `tokens` of one sequence at positions pos0.. ; return the row of the last one.
+        `want_all`: logits for every one of them (prompt logprobs)."""
         k = len(tokens)
         a, b = self.n, self.n + k
         self.token[a:b] = tokens
         self.pos[a:b] = np.arange(pos0, pos0 + k, dtype=np.int32)
         self.seq[a:b] = seq_id
-        self.logits[a:b] = 0
+        self.logits[a:b] = 1 if want_all else 0
         if want_last_logits:
             self.logits[b - 1] = 1
         self.n = b

@@ -8,6 +8,12 @@ row that asked: the token, or None where a chain that guards end tokens (`ignore
 device) sampled one — the runner switches that sequence to a chain that bans them, and the
 scheduler decodes the same input again.
 
+A sequence whose request asked for `logprobs` samples on the host (`Sampler.host`: its id has
+no device chain, so llama.cpp returns its logits): after the decode the runner reads that row's
+raw logits (`llama_get_logits_ith`, a view, no copy) and takes their log-softmax with numpy —
+the chosen token's logprob and the top alternatives (`TokenLogprob`), in `RunnerOutput.logprobs`
+by output row. Other sequences of the same step keep their device chains.
+
 The hot path is the decode: nothing here adds per-token Python work beyond the batch's writes
 (three list assignments for 8 rows or more), one token read per sampled row (the token of
 an attached stateless chain, `Sampler.direct`, is read in the loop itself) and, while fused
@@ -27,8 +33,11 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import llama
 from ..errors import BackendUnavailable
+from ..request import TokenLogprob
 from ..scheduler import KvOp, Plan, SeqState
 from . import fused_dist, lc
 from .batch import Batch
@@ -48,6 +57,7 @@ class RunnerOutput:
     n_decode: int
     n_prefill: int
     seconds: float  # inside llama_decode, plus the device sync
+    logprobs: dict | None = None  # index in `sampled` -> TokenLogprob, for rows that asked
 
 
 class ContextRunner:
@@ -79,7 +89,7 @@ class ContextRunner:
         self._mem = lc.llama_get_memory(self.ctx)
         self._batch = Batch(max(c.n_batch, c.n_seq_max))
         self.samplers = SamplerSlots(model.n_vocab, model.eog_tokens, c.backend_sampling,
-                                     idle_s=c.idle_sampler_s, fused=c.fused_greedy)
+                                     idle_s=c.idle_sampler_s, fused=c.fused_greedy, n_ids=c.n_seq_max)
         self.eog_redos = 0  # end tokens a guarding chain sampled and the runner took back
         self.kv_cell_bytes = kv_bytes_per_cell(model)
 
@@ -124,7 +134,7 @@ class ContextRunner:
         batch.set_decode(decode)  # decode rows are rows 0 .. n_decode - 1, in plan order
         n_decode = batch.n
         for s, start, k, logits in plan.chunks:
-            s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits)
+            s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits, s.prompt_logprobs is not None)
         n_prefill = batch.n - n_decode
         ctx = self.ctx
         if fused_dist.live():  # fused temperature chains: this step's uniforms, one upload
@@ -145,23 +155,59 @@ class ContextRunner:
         read, null, is_eog = llama.sampled_token_after_sync, lc.LLAMA_TOKEN_NULL, self.model.is_eog
         sampled: list[int | None] = []
         append = sampled.append
+        lps = None
         for row, s in enumerate(decode):
             smp = s.sampler
             tok = read(ctx, row) if smp.direct else null
             if tok == null:
                 tok = smp.sample(ctx, row)
+                if smp.host and smp.logprobs is not None:
+                    lps = lps or {}
+                    lps[row] = self.token_logprob(row, tok, smp.logprobs)
             if smp.guards_eog and is_eog(tok):
                 self._redo(s)
                 tok = None
             append(tok)
-        for s, _, _, logits in plan.chunks:
+        for s, start, k, logits in plan.chunks:
+            if s.prompt_logprobs is not None:
+                self._prompt_logprobs(s, start, k)
             if logits:
-                tok = s.sampler.sample(ctx, s.row)
-                if s.sampler.guards_eog and is_eog(tok):
+                smp = s.sampler
+                tok = smp.sample(ctx, s.row)
+                if smp.host and smp.logprobs is not None:
+                    lps = lps or {}
+                    lps[len(sampled)] = self.token_logprob(s.row, tok, smp.logprobs)
+                if smp.guards_eog and is_eog(tok):
                     self._redo(s)
                     tok = None
                 append(tok)
-        return RunnerOutput(0, sampled, n_decode, n_prefill, dt)
+        return RunnerOutput(0, sampled, n_decode, n_prefill, dt, lps)
+
+    def _prompt_logprobs(self, s: SeqState, start: int, k: int) -> None:
+        """The logprob of each prompt token this chunk's rows predict (position p's row
+        predicts p + 1), appended in order; a recompute after a preemption adds nothing."""
+        row0 = s.row - k + 1
+        top = s.sampler.logprobs if s.sampler is not None else 0
+        for p in range(start, min(start + k, s.n_prompt - 1)):
+            if p == len(s.prompt_logprobs):  # not yet recorded
+                s.prompt_logprobs.append(self.token_logprob(row0 + p - start, s.tokens[p + 1], top or 0))
+
+    def token_logprob(self, row: int, token: int, k: int) -> TokenLogprob:
+        """`token`'s log-probability in output row `row` of the last decode, under the raw
+        model distribution (log-softmax of the logits, no temperature, bias or penalty), with
+        the `k` most likely tokens. Only for rows of sequences without a device sampler."""
+        ptr = lc.llama_get_logits_ith(self.ctx, row)
+        n_vocab = self.model.n_vocab
+        x = np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+        m = float(x.max())
+        lse = m + float(np.log(np.exp(x - m, dtype=np.float64).sum()))
+        top: tuple = ()
+        if k:
+            idx = np.argpartition(x, n_vocab - k)[n_vocab - k:] if k < n_vocab else np.arange(n_vocab)
+            idx = idx[np.argsort(-x[idx], kind="stable")]
+            piece = self.model.piece
+            top = tuple((int(t), piece(int(t)), float(x[t]) - lse) for t in idx)
+        return TokenLogprob(token, self.model.piece(token), float(x[token]) - lse, top)
 
     def _redo(self, s: SeqState) -> None:
         """`s` ignores end tokens and its chain guarded one (engine/llama/sampling.py): forget it;

@@ -1,10 +1,18 @@
 """llama.cpp sampler chains built from `SamplingParams`, one per sequence.
 
-Greedy (temperature 0) is the `greedy` sampler after optional penalties; otherwise
-penalties → top-k → top-p → min-p → temperature → seeded distribution. On the device, a
-temperature chain without penalties is one `fused_dist` sampler instead (the same steps for all
-sequences of a step at once, `engine/llama/fused_dist.py`). `ignore_eos` adds a
-logit bias of -inf on every end-of-generation token. On the device, greedy chains use
+Greedy (temperature 0) is the `greedy` sampler after optional bias and penalties; otherwise
+bias → penalties → top-k → top-p → min-p → temperature → seeded distribution. The request's
+`logit_bias` is llama.cpp's logit-bias sampler (a bias of -100 or less is -inf: banned), which
+llama.cpp runs on the device; `ignore_eos` adds a bias of -inf on every end-of-generation token.
+On the device, a temperature chain that is otherwise plain is one `fused_dist` sampler
+instead (the same steps for all sequences of a step at once, `engine/llama/fused_dist.py`).
+`repeat_penalty` and OpenAI's `presence_penalty` / `frequency_penalty` are one llama.cpp
+penalties sampler over the generated tokens; it has no device version, so a chain that holds
+it runs on the host (llama.cpp keeps the device part of a chain only up to its first
+host-only sampler). A request that asked for `logprobs` gets a chain that is never attached
+(`Sampler.host`): the runner needs that sequence's raw logits on the host, which llama.cpp
+only returns for sequences without a device sampler. Each such request falls back alone;
+plain greedy requests beside it keep `fused_greedy`. On the device, greedy chains use
 `fused_greedy` (one argmax for the whole step, `engine/llama/greedy.py`) and `ignore_eos` is
 enforced differently: llama.cpp's logit bias costs every sequence three kernels and two
 blocking uploads per step, so the chain runs unbiased and *guards* end tokens instead — when
@@ -32,16 +40,18 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "_stateless", "_bias", "_ctx", "_seq")
+    __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "host", "logprobs", "_stateless", "_bias",
+                 "_user_bias", "_ctx", "_seq")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
         """What makes two chains the same once reset (an unset seed draws anew at each reset)."""
-        penalty = (params.repeat_penalty, params.repeat_last_n) if params.repeat_penalty != 1.0 else None
+        penalty = _penalty(params)
+        extra = (params.logit_bias, params.logprobs is not None) if not params.plain else ()
         if params.greedy:
-            return ("greedy", params.ignore_eos, penalty)
+            return ("greedy", params.ignore_eos, penalty, *extra)
         return ("dist", params.ignore_eos, penalty, params.top_k, params.top_p, params.min_p,
-                params.temperature, params.seed)
+                params.temperature, params.seed, *extra)
 
     def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False):
         """`fused`: a chain for the device: greedy takes `fused_greedy` and, for `ignore_eos`,
@@ -51,23 +61,34 @@ class Sampler:
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
         self.dist = fused_dist.fused_dist(params, n_vocab, eog_tokens) if fused and fused_dist.supports(params) else None
-        fused = fused and (params.greedy or self.dist is not None)
+        # fused_greedy takes its argmax over the step's raw logits: a bias or a penalty would
+        # not be seen, so only plain greedy chains take it (fused_dist.supports says the same
+        # of temperature chains).
+        fused = fused and ((params.greedy and params.plain) or self.dist is not None)
         self.key = self.key_of(params)
         self.guards_eog = fused and params.greedy and params.ignore_eos
-        self._stateless = fused and params.repeat_penalty == 1.0  # nothing in it keeps history
-        self._bias = None
+        penalty = _penalty(params)
+        self._stateless = fused and penalty is None  # nothing in it keeps history
+        self.host = params.logprobs is not None  # never attached: the runner reads its logits
+        self.logprobs = params.logprobs  # alternatives per token, or None
+        self._bias = self._user_bias = None
         self._ctx = None
         self._seq = -1
         # Attached and stateless: its token is read straight from the context, and nothing
         # is accepted (the runner's per-row fast path; `sample` does the same, one call deeper).
         self.direct = False
+        if params.logit_bias:
+            self._user_bias = (lc.llama_logit_bias * len(params.logit_bias))(
+                *[lc.llama_logit_bias(t, float("-inf") if b <= -100 else b) for t, b in params.logit_bias]
+            )
+            add(lc.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), self._user_bias))
         if params.ignore_eos and eog_tokens and not fused:  # (`dist` bans end tokens itself)
             self._bias = (lc.llama_logit_bias * len(eog_tokens))(
                 *[lc.llama_logit_bias(t, float("-inf")) for t in eog_tokens]
             )
             add(lc.llama_sampler_init_logit_bias(n_vocab, len(eog_tokens), self._bias))
-        if params.repeat_penalty != 1.0:
-            add(lc.llama_sampler_init_penalties(n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+        if penalty is not None:
+            add(lc.llama_sampler_init_penalties(n_vocab, *penalty))
         if params.greedy:
             add(fused_greedy() if fused else lc.llama_sampler_init_greedy())
         elif self.dist is not None:
@@ -84,8 +105,9 @@ class Sampler:
         self.ptr = chain
 
     def attach(self, ctx, seq_id: int) -> bool:
-        """Sample `seq_id` on the device from now on; False if llama.cpp keeps it on the host."""
-        if lc.llama_set_sampler(ctx, seq_id, self.ptr):
+        """Sample `seq_id` on the device from now on; False if llama.cpp keeps it on the host
+        (or the chain is a `host` one, which is never attached)."""
+        if not self.host and lc.llama_set_sampler(ctx, seq_id, self.ptr):
             self._ctx, self._seq = ctx, seq_id
             self.direct = self._stateless
             return True
@@ -126,6 +148,20 @@ class Sampler:
             self.ptr = None
 
 
+def _penalty(params: SamplingParams) -> tuple | None:
+    """llama.cpp penalties' (last_n, repeat, frequency, presence), or None when all are off.
+    OpenAI's penalties count every generated token: their window is the request's budget
+    (at most `PENALTY_WINDOW`), or `repeat_last_n` if that is longer."""
+    openai = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    if params.repeat_penalty == 1.0 and not openai:
+        return None
+    last_n = max(params.repeat_last_n, min(params.max_tokens, PENALTY_WINDOW)) if openai else params.repeat_last_n
+    return (last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty)
+
+
+PENALTY_WINDOW = 4096  # tokens; llama.cpp keeps a ring buffer of this many per chain
+
+
 class SamplerSlots:
     """One chain per sequence id, kept attached after its request ends, up to the cap.
 
@@ -143,7 +179,8 @@ class SamplerSlots:
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
-                 fused: bool = True):
+                 fused: bool = True, n_ids: int = 0):
+        self.n_ids = n_ids  # sequence ids of the context
         self._n_vocab = n_vocab
         self._eog = eog_tokens
         self.on_device = on_device
@@ -158,9 +195,14 @@ class SamplerSlots:
         return sum(1 for s in self._slots.values() if s.on_device())
 
     def idle_ids(self, params: SamplingParams) -> list[int]:
-        """Ids whose idle chain a request with `params` would reuse as it is."""
+        """Ids whose idle chain a request with `params` would reuse as it is; for a request
+        whose chain stays on the host (`logprobs`), also ids with no chain at all (taking
+        one with an attached chain would detach it: a graph reserve)."""
         key = Sampler.key_of(params)
-        return [i for i in self._idle_since if self._slots[i].key == key]
+        same = [i for i in self._idle_since if self._slots[i].key == key]
+        if params.logprobs is not None and self.on_device:
+            same += [i for i in range(self.n_ids) if i not in self._slots]
+        return same
 
     def acquire(self, ctx, seq_id: int, params: SamplingParams) -> Sampler:
         """The chain for the request about to run on `seq_id`, reset or newly attached."""
@@ -183,9 +225,11 @@ class SamplerSlots:
 
     def _replace(self, ctx, seq_id: int, new: Sampler) -> Sampler:
         old = self._slots.get(seq_id)
-        if self.on_device:
+        if self.on_device and not new.host:
             new.attach(ctx, seq_id)  # replaces the old chain for this id in one reserve
             self.attaches += 1
+        elif old is not None and old.on_device():
+            lc.llama_set_sampler(ctx, seq_id, None)  # a host chain: the id must have none
         if old is not None:
             old.free(detach=False)  # llama.cpp already dropped it for `new`
         self._slots[seq_id] = new
@@ -194,6 +238,8 @@ class SamplerSlots:
     def prepare(self, ctx, seq_ids, params: SamplingParams) -> int:
         """Attach a chain for `params` to each of `seq_ids` that has none; returns how many."""
         n = 0
+        if not params.plain:  # a burst of plain requests is what the extra chains are for
+            return 0
         for i in seq_ids:
             if i not in self._slots:
                 s = self._chain(params)

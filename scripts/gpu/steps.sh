@@ -69,6 +69,11 @@ sampling() {  # ~3 min: temperature 0.8 / top-p 0.95 (fused, and llama.cpp's per
     --batched-bench "$LCBIN/llama-batched-bench" --no-llama --repeats "${REPEATS:-3}" 2>&1 \
     | tail -$((${REPEATS:-3} + 3)) | tee "$OUT/overhead_gpu_sampling.txt"
 }
+sampling_extras() {  # what OpenAI's extras cost beside fused greedy (cost_MODE_bB = MODE tok/s / plain's)
+  _stamp "GPU decode with logprobs / logit_bias / penalties beside plain greedy"
+  python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,8,32 --no-llama --repeats 2 \
+    --sampling plain,logprobs,logit_bias,penalties 2>&1 | tail -6 | tee "$OUT/overhead_gpu_extras.txt"
+}
 
 threads() {  # host threads of the GPU context at small batches
   for t in 1 4 8; do _decode "threads_gpu_$t.txt" 3 1,4,16 --threads "$t"; done
