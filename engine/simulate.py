@@ -270,6 +270,33 @@ class SimRun:
     states: list[dict] = field(default_factory=list)  # per arrival: what each backend held
 
 
+@dataclass
+class _DecodeRun:
+    """`m` identical decode steps of `d` seconds from `t0` over the same running sequences,
+    none of which finishes, with nothing to admit: `done` of them applied so far."""
+
+    t0: float
+    d: float
+    m: int
+    seqs: list
+    done: int = 0
+
+    def apply_until(self, now: float) -> None:
+        """Apply the steps that ended by `now`, as `update_from_output` would have."""
+        j = min(int((now - self.t0) / self.d + 1e-9) if self.d > 0 else self.m, self.m) - self.done
+        if j <= 0:
+            return
+        t_last = self.t0 + (self.done + j) * self.d
+        more = [SAMPLED_TOKEN] * j
+        for s in self.seqs:
+            s.n_past += j
+            s.tokens.extend(more)
+            s.generated += j
+            s.itl_sum += t_last - s.t_last
+            s.t_last = t_last
+        self.done += j
+
+
 class _SimBackend:
     """A real scheduler behind a simulated runner."""
 
@@ -281,6 +308,8 @@ class _SimBackend:
                                busy_chunk=profile.chunk(), name=profile.name, piece=lambda t: b"", clock=clock)
         self.plan: Plan | None = None  # the step in flight
         self.busy = False
+        self.gen = 0  # the valid step-end event's generation (a truncated run leaves a stale one)
+        self.run: _DecodeRun | None = None  # decode steps fast-forwarded in bulk
 
     def snapshot(self, now: float) -> BackendSnapshot:
         s = self.sched
@@ -298,11 +327,20 @@ class Simulation:
     `cells_per_seq` sizes a backend whose `kv_cells` is 0 (room for `cap` of the workload's
     sequences). `arrivals`/`outputs` replace the workload's arrival times and output lengths
     (a replay uses the measured ones). `label` names the policy column of the records.
+
+    `fast` (default) fast-forwards runs of identical decode steps: when a step decodes every
+    running sequence, prefills nothing and admits nothing, the steps until the first of them
+    could finish (or the KV would run short) are the same step repeated, so they are applied
+    in bulk — the same tokens, times and ITLs — and the step that finishes one goes through
+    `update_from_output` as usual. An arrival routed to the backend cuts the run short at the
+    step in flight, and every routing decision first applies the steps that ended before it,
+    so the router sees what it would have seen. `tests/test_simulate.py` checks that both
+    ways give the same records.
     """
 
     def __init__(self, profile: Profile, workload: Workload, policy: str, *, budget: str = "raw",
                  label: str | None = None, arrivals: Sequence[float] | None = None,
-                 outputs: Sequence[int] | None = None, record_states: bool = False):
+                 outputs: Sequence[int] | None = None, record_states: bool = False, fast: bool = True):
         self.profile = profile
         self.workload = workload
         self.label = label or policy
@@ -316,6 +354,7 @@ class Simulation:
         self.arrivals = list(arrivals) if arrivals is not None else [r.arrival_s for r in workload.requests]
         self.outputs = list(outputs) if outputs is not None else [r.output_tokens for r in workload.requests]
         self.record_states = record_states
+        self.fast = fast
 
     def _clock(self) -> float:
         return self.now
@@ -344,13 +383,27 @@ class Simulation:
                               id=f"sim-{i}", source="bench", stop_after=stop)
                 b, decision = self._route(req, out)
                 submitted[req.id] = (i, spec, t)
+                if b.run is not None:  # admission is looked at again after the step in flight
+                    r = b.run
+                    r.m = min(r.m, r.done + 1)
+                    b.gen += 1
+                    heapq.heappush(events, (r.t0 + r.m * r.d, order, 1, (b, b.gen)))
+                    order += 1
                 out.decisions.append(decision_line(decision, 0.0, workload=name, run=wl.run, requests=n,
                                                    label=self.label))
                 if not b.busy:
                     order = self._start(b, events, order, out, submitted, name, n)
             else:
-                b = payload
-                order = self._finish_step(b, events, order, out, submitted, name, n)
+                b, gen = payload
+                if gen != b.gen:
+                    continue
+                if b.run is not None:
+                    b.run.apply_until(t)
+                    out.steps += b.run.m
+                    b.run = None
+                    order = self._start(b, events, order, out, submitted, name, n)
+                else:
+                    order = self._finish_step(b, events, order, out, submitted, name, n)
         return out
 
     # ---- internals ----
@@ -373,6 +426,9 @@ class Simulation:
                 b.sched.take_ops()
 
     def _route(self, req: Request, out: SimRun):
+        for x in self.backends:
+            if x.run is not None:
+                x.run.apply_until(self.now)
         cached = {b.p.name: b.sched.match_tokens(req.prompt_tokens) for b in self.backends}
         query = RouteQuery.from_request(req, cached)
         snaps = [b.snapshot(self.now) for b in self.backends]
@@ -402,10 +458,31 @@ class Simulation:
         if plan.empty:
             return order
         n_prefill = sum(k for _, _, k, _ in plan.chunks)
-        b.plan = plan
         b.busy = True
-        heapq.heappush(events, (self.now + b.p.step_seconds(len(plan.decode), n_prefill), order, 1, b))
+        b.gen += 1
+        d = b.p.step_seconds(len(plan.decode), n_prefill)
+        m = self._steady_steps(b, plan) if self.fast else 0
+        if m > 1:
+            b.run = _DecodeRun(self.now, d, m, list(plan.decode))
+            heapq.heappush(events, (self.now + m * d, order, 1, (b, b.gen)))
+        else:
+            b.plan = plan
+            heapq.heappush(events, (self.now + d, order, 1, (b, b.gen)))
         return order + 1
+
+    @staticmethod
+    def _steady_steps(b: _SimBackend, plan: Plan) -> int:
+        """How many times `plan` (a pure decode step of every running sequence) repeats
+        unchanged before a sequence could finish or the KV run short; 0 if it is not one."""
+        sched = b.sched
+        if plan.chunks or plan.admitted or len(plan.decode) != len(sched.running) or sched.pending_text:
+            return 0
+        k = sched.n_ctx
+        for s in plan.decode:
+            stop = s.max_new if s.req.stop_after is None else min(s.max_new, s.req.stop_after)
+            k = min(k, stop - s.generated, sched.n_ctx_seq - 1 - s.n_past)
+        free = (sched.n_ctx - sched.kv_cells_used()) // len(plan.decode) if sched.kv_unified else k
+        return min(k, free) - 1
 
     def _finish_step(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
         plan, b.plan = b.plan, None
