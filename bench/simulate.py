@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
                         "requests.csv[.xz])")
     p.add_argument("--out", dest="replay_out", default=None,
                    help="with --replay: also write replay.md and replay.json here")
+    p.add_argument("--hardware", default=None, metavar="PROFILE",
+                   help="with --replay: the devices do what this profile's same-named backends do (the "
+                        "router keeps the recorded rates); e.g. h200 for runs priced with default rates")
     sub = p.add_subparsers(dest="sim_kind")
     for kind, help_, declare in (("seed", study.SEED_HELP, study.add_seed_arguments),
                                  ("grid", study.GRID_HELP, study.add_grid_arguments)):
@@ -68,7 +71,8 @@ def add_profile_arguments(p) -> None:
 
 def run_simulate(args) -> int:
     if args.replay:
-        return run_replay(Path(args.replay), Path(args.replay_out) if args.replay_out else None)
+        hardware = load_profile(args.hardware) if args.hardware else None
+        return run_replay(Path(args.replay), Path(args.replay_out) if args.replay_out else None, hardware)
     if args.sim_kind is None:
         raise InvalidRequest("tandem simulate: give seed, grid or --replay DIR")
     if args.target:
@@ -230,8 +234,10 @@ def replay_profile(engine: dict) -> Profile:
     return Profile("recorded", tuple(out), "the backends and rates the recorded run used")
 
 
-def replay(directory: Path, progress: Progress | None = None) -> list[dict]:
-    """Predict every engine row of a recorded bench run; one comparison dict per row."""
+def replay(directory: Path, progress: Progress | None = None, hardware: Profile | None = None) -> list[dict]:
+    """Predict every engine row of a recorded bench run; one comparison dict per row.
+    `hardware`: its same-named backends' speeds replace the recorded rates as what the
+    devices do (the router still sees the recorded rates)."""
     summary = json.loads(_open(directory / "summary.json").read())
     with _open(directory / "requests.csv") as f:
         import csv
@@ -254,6 +260,10 @@ def replay(directory: Path, progress: Progress | None = None) -> list[dict]:
         kv = meta.get("kv_seqs")
         engine = next((e for e in engines if e.get("kv_seqs") == kv), engines[0])
         profile = replay_profile(engine)
+        if hardware is not None:
+            for hb in hardware.backends:
+                if any(b.name == hb.name for b in profile.backends):
+                    profile = profile.with_backend(replace(profile.backend(hb.name), hardware=hb.hw))
         sweep = next((b["name"] for b in engine["backends"] if b.get("swept")), None)
         policy = label.split("@cap=")[0]
         if meta.get("cap") is not None and sweep:
@@ -367,13 +377,15 @@ def replay_markdown(directory: Path, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_replay(directory: Path, out: Path | None) -> int:
+def run_replay(directory: Path, out: Path | None, hardware: Profile | None = None) -> int:
     t0 = time.perf_counter()
     with Progress(0, f"replay {directory}") as bar:
-        rows = replay(directory, bar)
+        rows = replay(directory, bar, hardware)
     if not rows:
         raise InvalidRequest(f"--replay {directory}: no engine rows to predict")
     text = replay_markdown(directory, rows)
+    if hardware is not None:
+        text += f"\n\nDevices simulated with profile {hardware.name}'s speeds; the router priced with the recorded rates."
     print(text)
     print(f"replayed {len(rows)} rows in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if out is not None:
