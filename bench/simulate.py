@@ -41,6 +41,7 @@ PROFILE_HELP = ("study-m2 | study-m2-slow | h200 | this-machine | FILE.json/.tom
                 "{name, backends: [{name, device, cap, kv_cells, rates: {prefill_tok_s, decode_tok_s, "
                 "step_alpha_s, step_beta_s, step_table}, hardware: {...}}]})")
 TOLERANCE = 0.10  # predicted within 10 % of measured
+PAYS = 0.01  # the crossover map's line: a hybrid policy gains more than this over the best single backend
 SAME_BACKEND = 0.90  # and the same backend for 90 % of requests
 
 
@@ -54,6 +55,17 @@ def add_arguments(p) -> None:
                    help="with --replay: the devices do what this profile's same-named backends do (the "
                         "router keeps the recorded rates); e.g. h200 for runs priced with default rates")
     sub = p.add_subparsers(dest="sim_kind")
+    x = sub.add_parser("crossover", help="where hybrid routing pays: CPU:GPU speed ratio x GPU KV budget")
+    x.add_argument("--profiles", default="this-machine,h200,study-m2",
+                   help="base profiles, one panel each; the second backend is the one made faster or slower "
+                        "(default: %(default)s)")
+    x.add_argument("--ratios", default="0.01,0.02,0.04,0.07,0.1,0.15,0.25,0.4,0.6,1,1.5",
+                   help="decode throughput of the second backend over the first's (default: %(default)s)")
+    x.add_argument("--kv-seqs", default="1,2,4,8,16,32",
+                   help="the first backend's KV room in whole sequences, its cap 64 (default: %(default)s)")
+    x.add_argument("--policies", default="seed-score,predicted-finish", help="hybrid policies (default: %(default)s)")
+    x.add_argument("--requests", type=int, default=48, help="the study's workload, N requests (default: %(default)s)")
+    x.add_argument("--out", default="docs/results/crossover", help="output directory (default: %(default)s)")
     for kind, help_, declare in (("seed", study.SEED_HELP, study.add_seed_arguments),
                                  ("grid", study.GRID_HELP, study.add_grid_arguments)):
         q = sub.add_parser(kind, help=help_ + ", simulated")
@@ -74,7 +86,9 @@ def run_simulate(args) -> int:
         hardware = load_profile(args.hardware) if args.hardware else None
         return run_replay(Path(args.replay), Path(args.replay_out) if args.replay_out else None, hardware)
     if args.sim_kind is None:
-        raise InvalidRequest("tandem simulate: give seed, grid or --replay DIR")
+        raise InvalidRequest("tandem simulate: give seed, grid, crossover or --replay DIR")
+    if args.sim_kind == "crossover":
+        return run_crossover(args)
     if args.target:
         raise InvalidRequest("tandem simulate: --target peers cannot be simulated")
     args.warmup = 0
@@ -395,3 +409,124 @@ def run_replay(directory: Path, out: Path | None, hardware: Profile | None = Non
                                                      .isoformat(timespec="seconds"), "rows": bench_report._clean(rows)},
                                                     indent=1) + "\n")
     return 0
+
+
+# ---- crossover map ----
+
+
+def crossover(base: Profile, ratios, kv_seqs, policies, n: int, bar: Progress | None = None) -> list[dict]:
+    """Each policy's makespan gain over the best single backend, on the study's workload, for
+    every (ratio, KV budget): `ratio` is the second backend's decode throughput (at its cap)
+    over the first's, both its rates and its device scaled; the first backend's KV holds
+    `kv` whole sequences (cap 64, so memory bounds it)."""
+    from engine.simulate import scaled_profile
+    from engine.workload import seed_workload
+
+    fast, slow = base.backends[0], base.backends[1]
+    wl = build_workload(seed_workload(n), 0)
+    per_seq = max(len(r.prompt) + r.max_tokens for r in wl.requests)
+    rows = []
+    for ratio in ratios:
+        factor = ratio * _throughput(fast) / _throughput(slow)
+        for kv in kv_seqs:
+            p = scaled_profile(base, slow.name, factor)
+            p = p.with_backend(replace(p.backend(fast.name), kv_cells=kv * per_seq, cap=64))
+            singles = {b.name: run_metrics(simulate(p, wl, f"only:{b.name}").records).makespan_s for b in p.backends}
+            best_name = min(singles, key=lambda k: singles[k])
+            for policy in policies:
+                got = simulate(p, wl, policy)
+                m = run_metrics(got.records)
+                rows.append({"profile": base.name, "ratio": ratio, "kv_seqs": kv, "policy": policy, "requests": n,
+                             "makespan_s": m.makespan_s, "best_single": best_name,
+                             "best_single_s": singles[best_name], "gain": 1 - m.makespan_s / singles[best_name],
+                             "to_second": m.routed.get(slow.name, 0)})
+            if bar is not None:
+                bar.update(1)
+    return rows
+
+
+def _throughput(b: BackendProfile) -> float:
+    """Decode tokens/s of the device at its cap."""
+    return b.cap / b.hw.step_s(b.cap)
+
+
+def marker(base: Profile) -> tuple[float, float]:
+    """Where the base profile itself sits on its map: (ratio, KV budget in sequences)."""
+    fast, slow = base.backends[0], base.backends[1]
+    per_seq = 516 + 128
+    kv = (fast.kv_cells / per_seq) if fast.kv_cells else fast.cap
+    return _throughput(slow) / _throughput(fast), min(kv, fast.cap)
+
+
+def run_crossover(args) -> int:
+    import csv
+
+    ratios = [float(x) for x in args.ratios.split(",")]
+    kv_seqs = study._int_list(args.kv_seqs, "--kv-seqs")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bases = [load_profile(name.strip()) for name in args.profiles.split(",") if name.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    with Progress(len(bases) * len(ratios) * len(kv_seqs), "crossover") as bar:
+        for base in bases:
+            rows += crossover(base, ratios, kv_seqs, policies, args.requests, bar)
+    print(f"simulated {len(rows) // len(policies) * (len(policies) + 2):,} runs of {args.requests} requests "
+          f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    with (out / "crossover.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    markers = {b.name: marker(b) for b in bases}
+    (out / "markers.json").write_text(json.dumps({**{k: {"ratio": r, "kv_seqs": kv} for k, (r, kv) in markers.items()},
+                                                  "profiles": {b.name: b.to_dict() for b in bases}}, indent=1) + "\n")
+    plot_crossover(out / "crossover.png", rows, markers, policies)
+    print(f"wrote {out / 'crossover.csv'}, {out / 'crossover.png'}", file=sys.stderr)
+    return 0
+
+
+def plot_crossover(path: Path, rows: list[dict], markers: dict, policies: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(dict.fromkeys(r["profile"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.6), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, name in zip(axes[0], names):
+        mine = [r for r in rows if r["profile"] == name]
+        ratios = sorted({r["ratio"] for r in mine})
+        kvs = sorted({r["kv_seqs"] for r in mine})
+        best = np.full((len(kvs), len(ratios)), np.nan)
+        for i, kv in enumerate(kvs):
+            for j, ratio in enumerate(ratios):
+                best[i, j] = max(r["gain"] for r in mine if r["kv_seqs"] == kv and r["ratio"] == ratio)
+        lim = max(0.05, float(np.nanmax(np.abs(best))))
+        mesh = ax.pcolormesh(ratios, kvs, best * 100, cmap="RdBu", vmin=-lim * 100, vmax=lim * 100, shading="nearest")
+        for k, policy in enumerate(policies):
+            z = np.array([[next(r["gain"] for r in mine if r["kv_seqs"] == kv and r["ratio"] == ratio
+                                and r["policy"] == policy) for ratio in ratios] for kv in kvs])
+            # A policy that offloads nothing ties the best single backend to the microsecond;
+            # the line marks where it pays more than PAYS (1 %), so ties read as "does not pay".
+            z = np.where(z > PAYS, z, -PAYS)
+            if np.nanmin(z) < 0 < np.nanmax(z):
+                cs = ax.contour(ratios, kvs, z, levels=[0.0], colors="k", linestyles=styles[k % len(styles)])
+                ax.clabel(cs, fmt={0.0: policy}, fontsize=7)
+        r, kv = markers[name]
+        ax.plot([r], [kv], marker="*", color="gold", markeredgecolor="k", markersize=16, linestyle="none")
+        ax.annotate(name, (r, kv), textcoords="offset points", xytext=(8, 8), fontsize=9, weight="bold")
+        ax.set_xscale("log")
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("second backend's decode throughput / first's")
+        ax.set_ylabel("first backend's KV room (sequences)")
+        ax.set_title(f"base: {name}", fontsize=10)
+        fig.colorbar(mesh, ax=ax, label="best hybrid gain over best single backend, %")
+    fig.suptitle(f"Where hybrid routing pays (the study's workload, N={rows[0].get('requests', 48)} every 50 ms); "
+                 f"black lines: where each policy starts to gain > {PAYS:.0%} (solid seed-score, dashed "
+                 f"predicted-finish)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
