@@ -277,7 +277,8 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
         if hardware is not None:
             for hb in hardware.backends:
                 if any(b.name == hb.name for b in profile.backends):
-                    profile = profile.with_backend(replace(profile.backend(hb.name), hardware=hb.hw))
+                    profile = profile.with_backend(replace(profile.backend(hb.name), hardware=hb.hw,
+                                                           chunk_overhead_s=hb.chunk_overhead_s))
         sweep = next((b["name"] for b in engine["backends"] if b.get("swept")), None)
         policy = label.split("@cap=")[0]
         if meta.get("cap") is not None and sweep:

@@ -66,6 +66,8 @@ class BackendProfile:
     n_batch: int = 512
     busy_chunk: int = 0
     hardware: Rates | None = None
+    chunk_overhead_s: float = 0.0  # what a step carrying a prompt chunk costs beyond its tokens
+
 
     @property
     def hw(self) -> Rates:
@@ -76,7 +78,7 @@ class BackendProfile:
         hw = self.hw
         s = hw.step_s(n_decode) if n_decode else 0.0
         if n_prefill:
-            s += n_prefill / hw.prefill_tok_s if hw.prefill_tok_s > 0 else math.inf
+            s += self.chunk_overhead_s + (n_prefill / hw.prefill_tok_s if hw.prefill_tok_s > 0 else math.inf)
         return s
 
     def chunk(self) -> int:
@@ -98,7 +100,8 @@ class BackendProfile:
             return cls(name=str(d["name"]), device=str(d.get("device", "gpu")), rates=_rates(d["rates"]),
                        cap=int(d.get("cap", 4)), kv_cells=int(d.get("kv_cells", 0)),
                        n_batch=int(d.get("n_batch", 512)), busy_chunk=int(d.get("busy_chunk", 0)),
-                       hardware=_rates(hardware) if hardware else None)
+                       hardware=_rates(hardware) if hardware else None,
+                       chunk_overhead_s=float(d.get("chunk_overhead_s", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"bad backend profile {dict(d)!r}: {e!r}") from None
 
@@ -165,12 +168,16 @@ STUDY_M2_SLOW = Profile("study-m2-slow", (
 ), "the M2 as its makespans measured it: the router told 293 tok/s, the GPU doing 90")
 
 # The committed H200 calibration (docs/results/gpu/grid/rates.json, synthetic Qwen2.5-0.5B Q8_0):
-# GPU 8 host threads, step table at batch 1..16; CPU 15 threads, batch 1..4.
+# GPU 8 host threads, step table at batch 1..16; CPU 15 threads, batch 1..4. A step that carries a
+# prompt chunk costs the GPU 3 ms more than its tokens at the calibrated prefill rate (which is
+# measured on 512-token prompts, where a fixed cost disappears): fitted to the TTFT of the runs
+# after the engine's step fixes (docs/results/gpu/speed7, speed10, speed11 at caps 16 and 32:
+# TTFT p50 within 5 % with it, 20-55 % short without; docs/results/simulate/README.md).
 _H200_GPU_TABLE = (0.0012400, 0.0016133, 0.0017627, 0.0019968, 0.0023091, 0.0025667, 0.0028006, 0.0030280,
                    0.0045841, 0.0046991, 0.0047219, 0.0048108, 0.0049083, 0.0049837, 0.0050488, 0.0051355)
 H200 = Profile("h200", (
     BackendProfile("gpu", "gpu", Rates(53514.1, 3115.6, 0.0010097, 0.00029451, "calibrated", _H200_GPU_TABLE),
-                   cap=16, kv_cells=16384),
+                   cap=16, kv_cells=16384, chunk_overhead_s=0.003),
     BackendProfile("cpu", "cpu", Rates(1969.7, 128.0, 0.0208902, 0.0026692, "calibrated",
                                        (0.0230551, 0.0269214, 0.0290254, 0.0312511)), cap=4, kv_cells=4096),
 ), "one H200 + 15 Xeon cores, synthetic Qwen2.5-0.5B Q8_0 (docs/results/gpu/grid/rates.json)")
@@ -218,6 +225,8 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
             raise InvalidRequest(f"--set {text!r}: {value!r} is not a number") from None
         if attr in ("cap", "kv_cells", "n_batch", "busy_chunk"):
             b = replace(b, **{attr: int(number)})
+        elif attr == "chunk_overhead_s":
+            b = replace(b, chunk_overhead_s=number)
         elif attr == "device":
             b = replace(b, device=value)
         elif attr == "speed":
