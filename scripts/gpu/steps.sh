@@ -133,3 +133,12 @@ fleet() {  # one engine per GPU behind Tandem's router and sglang-router, the te
 devices() {  # one backend per GPU through llama.cpp's device list, each snapshot with its GPU's memory
   python3 scripts/gpu/devices.py 2>&1 | tail -30 | tee "$OUT/devices.txt"
 }
+
+simulate() {  # the grid and the boundary on today's engine, each predicted by `tandem simulate --replay`
+  grid
+  boundary
+  for d in "$OUT"/grid-kv "$OUT"/grid-open "$OUT"/boundary-n*; do
+    _stamp "replay $d"
+    python3 -m app simulate --replay "$d" --hardware h200 --out "$d/replay" 2>&1 | grep -v "it/s\]" | tail -40
+  done
+}
