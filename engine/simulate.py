@@ -33,6 +33,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from .benchmark import RequestRecord, decision_line
 from .errors import InvalidRequest
@@ -208,6 +209,12 @@ def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mappin
     return Profile(name, tuple(out), description)
 
 
+def profile_from_snapshots(name: str, snapshots: Sequence[BackendSnapshot], description: str = "") -> Profile:
+    """A running engine's backends as a profile: their rates, caps and KV sizes right now."""
+    return Profile(name, tuple(BackendProfile(s.name, s.device, s.rates, cap=s.cap, kv_cells=s.kv_cells_total or s.n_ctx)
+                               for s in snapshots), description)
+
+
 def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
     """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, or a
     rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`) set on both the
@@ -224,7 +231,8 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
         except ValueError:
             raise InvalidRequest(f"--set {text!r}: {value!r} is not a number") from None
         if attr in ("cap", "kv_cells", "n_batch", "busy_chunk"):
-            b = replace(b, **{attr: int(number)})
+            ints: dict[str, Any] = {attr: int(number)}
+            b = replace(b, **ints)
         elif attr == "chunk_overhead_s":
             b = replace(b, chunk_overhead_s=number)
         elif attr == "device":
@@ -245,7 +253,8 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
 
 
 def _set_rate(r: Rates, field_name: str, value: float) -> Rates:
-    r = replace(r, **{field_name: value}, source="edited")
+    change: dict[str, Any] = {field_name: value, "source": "edited"}
+    r = replace(r, **change)
     if field_name == "decode_tok_s" and r.step_table:  # the measured steps no longer hold
         r = replace(r, step_table=(), step_alpha_s=0.0, step_beta_s=0.0)
     return r
@@ -314,7 +323,7 @@ class _SimBackend:
         self.rates = profile.rates
         self.sched = Scheduler(cap=profile.cap, n_ctx=n_ctx, n_ctx_seq=n_ctx,
                                n_seq_max=min(256, max(32, profile.cap + 8)), n_batch=profile.n_batch,
-                               busy_chunk=profile.chunk(), name=profile.name, piece=lambda t: b"", clock=clock)
+                               busy_chunk=profile.chunk(), name=profile.name, piece=_no_text, clock=clock)
         self.plan: Plan | None = None  # the step in flight
         self.busy = False
         self.gen = 0  # the valid step-end event's generation (a truncated run leaves a stale one)
@@ -374,9 +383,9 @@ class Simulation:
         wl = self.workload
         n = len(wl.requests)
         name = wl.spec.name()
-        events: list[tuple[float, int, int, object]] = []  # (time, order, kind, payload)
+        events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
         order = 0
-        for i, r in enumerate(wl.requests):
+        for i in range(len(wl.requests)):
             heapq.heappush(events, (self.arrivals[i], order, 0, i))
             order += 1
         submitted: dict[str, tuple] = {}
@@ -514,6 +523,11 @@ class Simulation:
                 t_submit_s=t_submit, queue_s=(s.t_admit or self.now) - t_submit,
                 ttft_s=(s.t_first - t_submit) if s.generated else None, e2e_s=self.now - t_submit,
                 itl_s=s.itl_sum / (s.generated - 1) if s.generated > 1 else None, error=f.error))
+
+
+def _no_text(token: int) -> Any:
+    """A simulated token's bytes: none (the streams stay empty, so no stop string ends a run)."""
+    return b""
 
 
 def _logit_rows(plan: Plan) -> int:
