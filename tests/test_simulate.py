@@ -124,3 +124,26 @@ def test_replay_routes_the_committed_h200_run_like_it_went():
     assert rows and all(r["same_backend"] >= 0.9 for r in rows)
     gpu_only = next(r for r in rows if r["policy"] == "gpu-only")
     assert abs(gpu_only["makespan_s"]["error"]) <= 0.10
+
+
+def test_profile_file_loads_with_its_edits(tmp_path):
+    from bench.simulate import load_profile
+
+    path = tmp_path / "m2.json"
+    path.write_text(json.dumps(PROFILES["study-m2"].to_dict()))
+    p = load_profile(str(path), ["gpu.kv_cells=1288", "cpu.cap=2"])
+    assert (p.backend("gpu").kv_cells, p.backend("cpu").cap) == (1288, 2)
+
+
+def test_this_machine_is_the_latest_stored_calibration(tmp_path):
+    from bench.simulate import this_machine
+    from engine.calibrate import RateStore
+
+    store = RateStore(tmp_path / "rates.json")
+    store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 4, "prefill_tok_s": 95.0,
+                                        "decode_tok_s": 38.0, "step_alpha_s": 0.015, "step_beta_s": 0.022,
+                                        "step_s": {"1": 0.032, "2": 0.07}, "measured_at": "2026-12-01T03:27:07",
+                                        "fingerprint": "abc", "also_for": ["cpu1"]})
+    p = this_machine(store)
+    assert [b.name for b in p.backends] == ["cpu0", "cpu1"]
+    assert p.backend("cpu1").rates.step_s(2) == 0.07
