@@ -74,6 +74,6 @@ def test_live_run_sits_beside_its_simulation(qtbot, make_window):
     with qtbot.waitSignal(panel.simulated, timeout=WAIT_MS):
         panel.live_button.click()
     runs = [r["run"] for r in panel.rows]
-    assert runs == ["live: this machine", "simulated: this machine"]
+    assert runs == ["live: this machine", "sim: this machine"]
     live, sim = panel.rows
     assert sum(live["routed"].values()) == sum(sim["routed"].values()) == 2

@@ -125,7 +125,7 @@ async def whatif(window, out: Path, args=None) -> None:
     panel.simulate()  # the M2's rows first, then the live run and its simulation below them
     await _until(lambda: panel.worker is not None and not panel.worker.running, 300)
     panel.run_live()
-    await _until(lambda: any(r["run"] == "simulated: this machine" for r in panel.rows), 900)
+    await _until(lambda: any(r["run"] == "sim: this machine" for r in panel.rows), 900)
     await asyncio.sleep(0.5)
     path = window.save_screenshot(out / "whatif.png")
     print(f"saved {path}", file=sys.stderr)

@@ -4,7 +4,7 @@ Pick a profile (`engine.simulate.PROFILES`, or this machine's backends as they a
 now), edit it in the table (cap, KV cells, the rates the router is told, how much faster the
 device really is), pick a workload, and simulate it under the hybrid policies and the first
 backend alone. Beside the simulated rows, "Run live" sends the same workload to this machine's
-backends with the current policy, and the row "simulated: this machine" predicts that run.
+backends with the current policy, and the row "sim: this machine" predicts that run.
 
 The simulation runs the real router and schedulers (`engine.simulate`): it takes from under a
 second (the study) to a few seconds (N in the hundreds), so it runs on a `Worker` thread and
@@ -96,17 +96,18 @@ class WhatIfPanel(QWidget):
         self.table.verticalHeader().setVisible(False)
         self.table.setToolTip("Edit a cell: caps, KV room and the router's rates; 'device speed ×' makes the "
                               "simulated device faster or slower than the rates the router is told")
-        lv.addWidget(self.profile_box)
-        lv.addWidget(self.description)
-        lv.addWidget(self.table, 1)
-
-        form = QFormLayout()
+        self.table.verticalHeader().setDefaultSectionSize(22)
         self.workload_box = QComboBox()
         self.workload_box.addItems(list(WORKLOADS))
         self.n_box = QSpinBox(minimum=1, maximum=2000, value=8)
+        form = QFormLayout()
+        form.addRow("Profile", self.profile_box)
         form.addRow("Workload", self.workload_box)
         form.addRow("Requests", self.n_box)
         lv.addLayout(form)
+        lv.addWidget(self.table)
+        lv.addWidget(self.description)
+        lv.addStretch(1)
         buttons = QHBoxLayout()
         self.simulate_button = QPushButton("Simulate")
         self.simulate_button.setObjectName("primary")
@@ -125,6 +126,8 @@ class WhatIfPanel(QWidget):
         self.results.setHorizontalHeaderLabels(RESULT_COLUMNS)
         self.results.setEditTriggers(QAbstractItemView.NoEditTriggers)
         self.results.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        self.results.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeToContents)
+        self.results.verticalHeader().setDefaultSectionSize(22)
         self.results.verticalHeader().setVisible(False)
         self.note = QLabel("Simulate to see where each policy sends the work on this profile; the real router "
                            "and schedulers run on a virtual clock.")
@@ -153,6 +156,7 @@ class WhatIfPanel(QWidget):
         p = self.base_profile(name)
         self.description.setText(p.description)
         self.table.setRowCount(len(p.backends))
+        self.table.setFixedHeight(self.table.horizontalHeader().sizeHint().height() + 22 * len(p.backends) + 4)
         for i, b in enumerate(p.backends):
             speed = b.hw.decode_tok_s / b.rates.decode_tok_s if b.rates.decode_tok_s else 1.0
             values = (b.name, b.device, b.cap, b.kv_cells, b.rates.prefill_tok_s, b.rates.decode_tok_s, speed)
@@ -199,7 +203,7 @@ class WhatIfPanel(QWidget):
         spec = workload_spec(self.workload_box.currentText(), self.n_box.value())
         single = next((f"only:{b.name}" for b in profile.backends), "gpu-only")
         policies = ["seed-score", "predicted-finish", "cache-aware", single]
-        label = f"simulated: {profile.name}"
+        label = f"sim: {profile.name}"
         self._start_worker(lambda: simulate_rows(profile, spec, policies, label), replace_rows=True)
 
     def _start_worker(self, fn, replace_rows: bool) -> None:
@@ -214,7 +218,7 @@ class WhatIfPanel(QWidget):
         self.worker.start()
 
     def _show(self, rows: list[dict], replace_rows: bool) -> None:
-        self.rows = rows if replace_rows else [r for r in self.rows if not r["run"].startswith("simulated: this")] + rows
+        self.rows = rows if replace_rows else [r for r in self.rows if not r["run"].startswith("sim: this")] + rows
         self.results.setRowCount(len(self.rows))
         for i, r in enumerate(self.rows):
             routed = ", ".join(f"{b} {n}" for b, n in sorted(r["routed"].items()))
@@ -222,7 +226,7 @@ class WhatIfPanel(QWidget):
             for k, v in enumerate(cells):
                 self.results.setItem(i, k, QTableWidgetItem(v))
         best_single = min((r["makespan"] for r in self.rows if r["policy"].startswith("only:")), default=math.nan)
-        hybrid = [r for r in self.rows if r["run"].startswith("simulated") and not r["policy"].startswith("only:")]
+        hybrid = [r for r in self.rows if r["run"].startswith("sim:") and not r["policy"].startswith("only:")]
         if hybrid and math.isfinite(best_single):
             best = min(hybrid, key=lambda r: r["makespan"])
             gain = 1 - best["makespan"] / best_single
@@ -254,7 +258,7 @@ class WhatIfPanel(QWidget):
         profile = profile_from_snapshots("this-machine", self.engine.snapshot())
         spec = self.live.spec
         self.rows = [r for r in self.rows if not r["run"].startswith("live")] + [row]
-        self._start_worker(lambda: simulate_rows(profile, spec, [policy], "simulated: this machine"),
+        self._start_worker(lambda: simulate_rows(profile, spec, [policy], "sim: this machine"),
                            replace_rows=False)
 
 
