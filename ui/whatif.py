@@ -36,7 +36,7 @@ from .theme import wrap_label
 from .worker import Worker
 
 THIS_MACHINE = "this machine (as configured)"
-PROFILE_COLUMNS = ("backend", "device", "cap", "KV cells", "prefill tok/s", "decode tok/s", "device speed ×")
+PROFILE_COLUMNS = ("backend", "device", "cap", "KV cells", "prefill/s", "decode/s", "speed ×")
 RESULT_COLUMNS = ("run", "policy", "makespan s", "TTFT p50 s", "TTFT p95 s", "routed")
 WORKLOADS = {
     "the study (shared 96 %, out 128, every 50 ms)": (96, "fixed", "interval"),
@@ -94,7 +94,7 @@ class WhatIfPanel(QWidget):
         self.table.setHorizontalHeaderLabels(PROFILE_COLUMNS)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
         self.table.verticalHeader().setVisible(False)
-        self.table.setToolTip("Edit a cell: caps, KV room and the router's rates; 'device speed ×' makes the "
+        self.table.setToolTip("Edit a cell: caps, KV room and the router's rates; 'speed ×' makes the "
                               "simulated device faster or slower than the rates the router is told")
         self.table.verticalHeader().setDefaultSectionSize(22)
         self.workload_box = QComboBox()
