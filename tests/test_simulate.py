@@ -147,3 +147,17 @@ def test_this_machine_is_the_latest_stored_calibration(tmp_path):
     p = this_machine(store)
     assert [b.name for b in p.backends] == ["cpu0", "cpu1"]
     assert p.backend("cpu1").rates.step_s(2) == 0.07
+
+
+def test_simulate_seed_writes_the_benchs_files(tmp_path):
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["simulate", "seed", "--profile", "study-m2", "--requests", "8", "--runs", "1",
+                                      "--policies", "seed-score,gpu-only", "--no-plots", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tool"] == "tandem simulate seed"
+    routed = {r["policy"]: r["routed"] for r in summary["results"]}
+    assert routed["seed-score"] == {"gpu": 7, "cpu": 1}
+    assert len((tmp_path / "decisions.jsonl").read_text().splitlines()) == 16
+    assert len((tmp_path / "requests.csv").read_text().splitlines()) == 17
