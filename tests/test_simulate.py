@@ -161,3 +161,12 @@ def test_simulate_seed_writes_the_benchs_files(tmp_path):
     assert routed["seed-score"] == {"gpu": 7, "cpu": 1}
     assert len((tmp_path / "decisions.jsonl").read_text().splitlines()) == 16
     assert len((tmp_path / "requests.csv").read_text().splitlines()) == 17
+
+
+def test_crossover_finds_no_gain_on_the_h200_and_a_gain_on_the_m2():
+    from bench.simulate import crossover
+
+    h200 = crossover(PROFILES["h200"], [0.04], [16], ["seed-score"], 48)
+    m2 = crossover(PROFILES["study-m2"], [0.15], [4], ["seed-score"], 48)
+    assert h200[0]["gain"] == pytest.approx(0.0, abs=1e-9) and h200[0]["to_second"] == 0
+    assert m2[0]["gain"] > 0.05 and m2[0]["to_second"] > 0
