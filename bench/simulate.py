@@ -189,14 +189,13 @@ class SimBench(study.Bench):
                         for v in variants:
                             bar.update(0, f"{v.label} N={n} run {run + 1}/{self.args.runs}")
                             got = simulate(self._profile_for(v.cap, kv, per_seq), wl, v.policy,
-                                           budget=self.args.budget, label=v.label)
+                                           budget=self.args.budget, label=v.label, on_done=bar.update)
                             self.steps += got.steps
                             self.simulated_requests += n
                             self.records.extend(got.records)
                             self.decisions.extend(got.decisions)
                             self.meta[(wl.spec.name(), v.label)] = {"kv_seqs": kv, "cap": v.cap, "single": v.single,
                                                                     "target": False}
-                            bar.update(n)
         self.sim_seconds = time.perf_counter() - t0
         self.notes.append(f"simulated {self.simulated_requests:,} requests ({self.steps:,} scheduler steps) "
                           f"in {self.sim_seconds:.2f} s of wall time")

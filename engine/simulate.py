@@ -344,7 +344,8 @@ class Simulation:
 
     `cells_per_seq` sizes a backend whose `kv_cells` is 0 (room for `cap` of the workload's
     sequences). `arrivals`/`outputs` replace the workload's arrival times and output lengths
-    (a replay uses the measured ones). `label` names the policy column of the records.
+    (a replay uses the measured ones). `label` names the policy column of the records;
+    `on_done()` is called as each request ends.
 
     `fast` (default) fast-forwards runs of identical decode steps: when a step decodes every
     running sequence, prefills nothing and admits nothing, the steps until the first of them
@@ -358,7 +359,8 @@ class Simulation:
 
     def __init__(self, profile: Profile, workload: Workload, policy: str, *, budget: str = "raw",
                  label: str | None = None, arrivals: Sequence[float] | None = None,
-                 outputs: Sequence[int] | None = None, record_states: bool = False, fast: bool = True):
+                 outputs: Sequence[int] | None = None, record_states: bool = False, fast: bool = True,
+                 on_done: Callable[[], None] | None = None):
         self.profile = profile
         self.workload = workload
         self.label = label or policy
@@ -373,6 +375,7 @@ class Simulation:
         self.outputs = list(outputs) if outputs is not None else [r.output_tokens for r in workload.requests]
         self.record_states = record_states
         self.fast = fast
+        self.on_done = on_done  # called as each request ends (a progress bar)
 
     def _clock(self) -> float:
         return self.now
@@ -523,6 +526,8 @@ class Simulation:
                 t_submit_s=t_submit, queue_s=(s.t_admit or self.now) - t_submit,
                 ttft_s=(s.t_first - t_submit) if s.generated else None, e2e_s=self.now - t_submit,
                 itl_s=s.itl_sum / (s.generated - 1) if s.generated > 1 else None, error=f.error))
+            if self.on_done is not None:
+                self.on_done()
 
 
 def _no_text(token: int) -> Any:
