@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_benches(sub)
 
+    from bench import simulate
+
+    sim = sub.add_parser("simulate", help=simulate.HELP)
+    simulate.add_arguments(sim)
+    sim.set_defaults(func=simulate.run_simulate)
+
     from app.engine_setup import engine_from_args
     from bench import calibrate
 

@@ -105,11 +105,13 @@ def run_gui(args) -> int:
     if tour_dir:
         from pathlib import Path
 
-        from ui.tour import tour
+        from ui.tour import tour, whatif
 
+        only = getattr(args, "tour_only", None)
         with loop:
             try:
-                loop.run_until_complete(tour(window, Path(tour_dir), args))
+                loop.run_until_complete((whatif(window, Path(tour_dir), args) if only == "whatif"
+                                         else tour(window, Path(tour_dir), args)))
             finally:
                 window.shutdown()
         return 0
@@ -189,6 +191,8 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the event loop's lateness over the --demo run (48 requests unless --demo N; "
                         "p95 must be <= 50 ms), then exit")
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
+    p.add_argument("--tour-only", choices=["whatif"], default=None,
+                   help="with --tour: only this part of it (whatif: the Teaching panel's What if tab)")
     p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",
                    help="start the OpenAI-compatible server in the app once the model is loaded "
                         "(HOST defaults to 127.0.0.1; others need an API key)")

@@ -263,15 +263,15 @@ def _engine_record(name, label, workload, spec, t_submit, handle, record, error)
 # ---- commands ----
 
 
-def run_seed(args) -> int:
+def run_seed(args, bench: type["Bench"] | None = None) -> int:
     n_list = _int_list(args.requests, "--requests")
     spec = seed_workload(1, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
                          gen_tokens=args.gen_tokens, interval_s=args.interval_ms / 1e3,
                          identical=args.identical_prompts, seed=args.seed)
-    return _bench(args, "seed", [spec], n_list, caps=[], kv_seqs=[None])
+    return _bench(args, "seed", [spec], n_list, caps=[], kv_seqs=[None], bench=bench)
 
 
-def run_grid(args) -> int:
+def run_grid(args, bench: type["Bench"] | None = None) -> int:
     n_list = _int_list(args.requests, "--requests")
     shared = _int_list(args.shared, "--shared", low=0)
     if max(shared) > 100:
@@ -296,15 +296,19 @@ def run_grid(args) -> int:
                     raise InvalidRequest(str(e)) from None
     caps = [] if args.caps.strip().lower() == "none" else _cap_list(args.caps)
     kv = [None] if not args.kv_seqs else _int_list(args.kv_seqs, "--kv-seqs")
-    return _bench(args, "grid", specs, n_list, caps=caps, kv_seqs=kv)
+    return _bench(args, "grid", specs, n_list, caps=caps, kv_seqs=kv, bench=bench)
 
 
 def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, caps: list[int],
-           kv_seqs: list) -> int:
+           kv_seqs: list, bench: type["Bench"] | None = None) -> int:
+    """Run (`Bench`, or a class that runs the same loops another way: `bench.simulate.SimBench`),
+    then write the results."""
     if args.runs < 1 or args.warmup < 0:
         raise InvalidRequest("--runs must be >= 1 and --warmup >= 0")
-    bench = Bench(args, kind, specs, n_list, caps=caps, kv_seqs=kv_seqs)
-    out_dir = Path(args.out or f"out/bench-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
+    bench_class = bench or Bench
+    bench = bench_class(args, kind, specs, n_list, caps=caps, kv_seqs=kv_seqs)
+    prefix = "bench" if bench_class is Bench else "simulate"
+    out_dir = Path(args.out or f"out/{prefix}-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
 
     def save() -> list:
         return bench_report.write_all(out_dir, bench.summary(), bench.records, bench.decisions,
@@ -313,7 +317,7 @@ def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, cap
     # Results are saved before each engine is closed too: measurements must outlive a crash there.
     bench.checkpoint = lambda: save() if bench.records else None
     interrupted = False
-    with Progress(0, f"bench {kind}") as bar:
+    with Progress(0, f"{prefix} {kind}") as bar:
         try:
             bench.run(bar)
         except KeyboardInterrupt:  # keep what was measured

@@ -498,10 +498,20 @@ class PrefixCache:
 
 def _common_prefix(edge: tuple[int, ...], tokens: Sequence[int], start: int,
                    stop: int | None = None) -> int:
-    """How many leading tokens of `edge` equal `tokens[start:stop]`."""
+    """How many leading tokens of `edge` equal `tokens[start:stop]`.
+
+    Slices compare in C: the whole span first (a shared prefix usually matches whole), then
+    64-token blocks, then token by token inside the block that differs."""
     n = min(len(edge), (len(tokens) if stop is None else stop) - start)
+    if n <= 0:
+        return 0
+    seg = tuple(tokens[start:start + n])
+    if edge[:n] == seg:
+        return n
     i = 0
-    while i < n and edge[i] == tokens[start + i]:
+    while i + 64 <= n and edge[i:i + 64] == seg[i:i + 64]:
+        i += 64
+    while i < n and edge[i] == seg[i]:
         i += 1
     return i
 

@@ -10,6 +10,9 @@ Part 2 sends the same eight arrivals (516-token prompts sharing a warmed 496-tok
 128 tokens each, 50 ms apart) to this machine's backends and lists where each went next to
 where the article's went.
 
+Part 3, the "What if" tab (`ui/whatif.py`), runs the study or a grid row on simulated hardware
+(`engine.simulate`) beside a live run on this machine.
+
 Thread contract: main thread only (a widget); the live run reports through `WorkloadRun`'s signals.
 """
 
@@ -23,7 +26,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
-    QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTextBrowser,
+    QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget, QTextBrowser,
     QVBoxLayout, QWidget,
 )
 
@@ -35,6 +38,7 @@ from engine.teaching import (
 
 from .live_run import STUDY, WorkloadRun
 from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
+from .whatif import WhatIfPanel
 
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
 
@@ -306,9 +310,15 @@ class TeachingPanel(QWidget):
         split.addWidget(middle)
         split.addWidget(live)
         split.setSizes([230, 760, 400])
+        # Two tabs: the article's worked example, and what if the hardware were different.
+        self.whatif = WhatIfPanel(self.engine, self.bridge, self)
+        self.whatif.status_message.connect(self.status_message)
+        self.tabs = QTabWidget()
+        self.tabs.addTab(split, "The article")
+        self.tabs.addTab(self.whatif, "What if")
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
-        outer.addWidget(split)
+        outer.addWidget(self.tabs)
 
     # ---- article replay ----
 
@@ -406,6 +416,8 @@ class TeachingPanel(QWidget):
         self._play.stop()
         if self.run is not None and self.run.running:
             self.run.stop()
+        if self.whatif.live is not None and self.whatif.live.running:
+            self.whatif.live.stop()
 
     def run_live(self) -> None:
         if self.run is not None and self.run.running:

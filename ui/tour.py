@@ -27,20 +27,25 @@ async def _until(predicate, timeout: float, step: float = 0.1) -> bool:
     return True
 
 
-async def tour(window, out: Path, args) -> None:
+async def _load(window, args) -> None:
     from .loader import ModelSpec
+
+    loaded: list = []
+    window.engine_loaded.connect(loaded.append)
+    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), args.policy))
+    if not await _until(lambda: bool(loaded), 300):
+        raise SystemExit("the model did not load")
+    await asyncio.sleep(1.0)
+
+
+async def tour(window, out: Path, args) -> None:
     from .live_run import seed_workload
 
     def shot(name: str) -> None:
         path = window.save_screenshot(out / f"{name}.png")
         print(f"saved {path}", file=sys.stderr)
 
-    loaded = []
-    window.engine_loaded.connect(loaded.append)
-    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), args.policy))
-    if not await _until(lambda: bool(loaded), 300):
-        raise SystemExit("the model did not load")
-    await asyncio.sleep(1.0)
+    await _load(window, args)
 
     chat = window.panels["chat"]
     chat.temperature.setValue(0.0)
@@ -101,3 +106,26 @@ async def tour(window, out: Path, args) -> None:
     await _until(lambda: not ex.running, 1800)
     await asyncio.sleep(0.5)
     shot("experiments")
+
+    await whatif(window, out)
+
+
+async def whatif(window, out: Path, args=None) -> None:
+    """The Teaching panel's What if tab: the study on the M2 profile, simulated, beside a live
+    run of the same eight requests here and its simulation. With `args`, loads the model first
+    (`--tour-only whatif`)."""
+    if args is not None:
+        await _load(window, args)
+    window.show_panel("teaching")
+    teaching = window.panels["teaching"]
+    teaching.tabs.setCurrentWidget(teaching.whatif)
+    panel = teaching.whatif
+    panel.profile_box.setCurrentText("study-m2")
+    panel.n_box.setValue(8)
+    panel.simulate()  # the M2's rows first, then the live run and its simulation below them
+    await _until(lambda: panel.worker is not None and not panel.worker.running, 300)
+    panel.run_live()
+    await _until(lambda: any(r["run"] == "sim: this machine" for r in panel.rows), 900)
+    await asyncio.sleep(0.5)
+    path = window.save_screenshot(out / "whatif.png")
+    print(f"saved {path}", file=sys.stderr)

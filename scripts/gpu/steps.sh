@@ -206,3 +206,12 @@ kvlayout() {  # many tenants and the context size, per KV layout (~6 min)
   python3 scripts/gpu/ratios.py pairs "$OUT/kv-ctx" only:u32k/only:u12k only:u32k-idle2k/only:u12k-idle2k \
     only:s4k/only:s2k only:s2k/only:u12k | tee "$OUT/kv-ctx.txt"
 }
+
+simulate() {  # the grid and the boundary on today's engine, each predicted by `tandem simulate --replay`
+  grid
+  boundary
+  for d in "$OUT"/grid-kv "$OUT"/grid-open "$OUT"/boundary-n*; do
+    _stamp "replay $d"
+    python3 -m app simulate --replay "$d" --hardware h200 --out "$d/replay" 2>&1 | grep -v "it/s\]" | tail -40
+  done
+}

@@ -1,0 +1,544 @@
+"""What-if: the real router and the real schedulers on simulated hardware, on a virtual clock.
+
+A discrete-event simulation. Every backend is a real `engine.scheduler.Scheduler` (admission,
+KV accounting, prefix cache, chunked prefill, preemption, finish rules) whose `Plan`s a
+simulated runner "executes": a step with `b` decode rows and `p` prompt tokens takes
+
+    hardware.step_s(b) + p / hardware.prefill_tok_s        (the first term 0 when b = 0)
+
+seconds, after which `update_from_output` gets one token per logits row. Every arrival is
+routed by a real `engine.router.Router` over the backends' snapshots, taken exactly as
+`Backend.snapshot` takes them (running items first, then the queue, with the cache estimate
+pinned at routing time). The clock the schedulers and the router read is the simulation's.
+
+What the simulation leaves out, so where it can miss a real run: host overheads that are not in
+the calibrated step (HTTP, Python scheduling between steps, sampler-chain attaches), the GPU
+and CPU backends contending for the host's cores, warm-up effects of the first steps, and any
+step time that depends on more than the batch size (attention over long contexts).
+
+A `Profile` is a set of `BackendProfile`s. Each has the rates the router is told (`rates`) and,
+separately, what the simulated device really does (`hardware`, the same unless given), so one
+can ask "what if the router's rates were wrong". Built-in profiles (`PROFILES`): `study-m2`
+(SEED.md's rates), `study-m2-slow` (the M2 with the decode speed the article's own states
+imply), `h200` (the committed H200 calibration, docs/results/gpu/grid/rates.json). `this-machine`
+comes from the stored calibration and is built by the caller (`profile_from_calibration`),
+since reading it is not this module's business.
+
+Thread contract: none. A `Simulation` is used by one thread; profiles are immutable values.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from .benchmark import RequestRecord, decision_line
+from .errors import InvalidRequest
+from .request import Request, RequestStatus, SamplingParams
+from .router import RouteQuery, Router
+from .scheduler import Plan, Scheduler, SeqState
+from .snapshot import BackendSnapshot, CacheStats, Rates
+from .workload import Workload
+
+SAMPLED_TOKEN = 300  # the token every simulated logits row samples (never an end token here)
+
+
+# ---- profiles ----
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    """One simulated backend: its speed, its KV room and its cap.
+
+    `rates` is what the router is told; `hardware` what the device does (None: the same).
+    `kv_cells` is the context's size in KV cells (0: room for `cap` sequences of the workload,
+    computed by the simulation); `busy_chunk` the prompt chunk while others wait (0: the
+    engine's default, `n_batch` on a GPU and `n_batch // 8` on a CPU).
+    """
+
+    name: str
+    device: str
+    rates: Rates
+    cap: int = 4
+    kv_cells: int = 0
+    n_batch: int = 512
+    busy_chunk: int = 0
+    hardware: Rates | None = None
+    chunk_overhead_s: float = 0.0  # what a step carrying a prompt chunk costs beyond its tokens
+
+
+    @property
+    def hw(self) -> Rates:
+        return self.hardware or self.rates
+
+    def step_seconds(self, n_decode: int, n_prefill: int) -> float:
+        """Seconds one step with `n_decode` decode rows and `n_prefill` prompt tokens takes."""
+        hw = self.hw
+        s = hw.step_s(n_decode) if n_decode else 0.0
+        if n_prefill:
+            s += self.chunk_overhead_s + (n_prefill / hw.prefill_tok_s if hw.prefill_tok_s > 0 else math.inf)
+        return s
+
+    def chunk(self) -> int:
+        if self.busy_chunk:
+            return self.busy_chunk
+        return self.n_batch if self.device != "cpu" else max(self.n_batch // 8, 1)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rates", "hardware")}
+        d["rates"] = _rates_dict(self.rates)
+        if self.hardware is not None:
+            d["hardware"] = _rates_dict(self.hardware)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "BackendProfile":
+        try:
+            hardware = d.get("hardware")
+            return cls(name=str(d["name"]), device=str(d.get("device", "gpu")), rates=_rates(d["rates"]),
+                       cap=int(d.get("cap", 4)), kv_cells=int(d.get("kv_cells", 0)),
+                       n_batch=int(d.get("n_batch", 512)), busy_chunk=int(d.get("busy_chunk", 0)),
+                       hardware=_rates(hardware) if hardware else None,
+                       chunk_overhead_s=float(d.get("chunk_overhead_s", 0.0)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidRequest(f"bad backend profile {dict(d)!r}: {e!r}") from None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named set of simulated backends, in routing order (the first GPU is the swept one)."""
+
+    name: str
+    backends: tuple[BackendProfile, ...]
+    description: str = ""
+
+    def backend(self, name: str) -> BackendProfile:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise InvalidRequest(f"profile {self.name!r} has no backend {name!r} "
+                             f"({', '.join(b.name for b in self.backends)})")
+
+    def with_backend(self, b: BackendProfile) -> "Profile":
+        return replace(self, backends=tuple(b if x.name == b.name else x for x in self.backends))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "description": self.description,
+                "backends": [b.to_dict() for b in self.backends]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Profile":
+        backends = d.get("backends")
+        if not isinstance(backends, list) or not backends:
+            raise InvalidRequest("a profile needs a non-empty 'backends' list")
+        return cls(name=str(d.get("name", "custom")), description=str(d.get("description", "")),
+                   backends=tuple(BackendProfile.from_dict(b) for b in backends))
+
+
+def _rates(d: Mapping) -> Rates:
+    table = tuple(float(x) for x in d.get("step_table", ()) or ())
+    return Rates(float(d["prefill_tok_s"]), float(d["decode_tok_s"]), float(d.get("step_alpha_s", 0.0)),
+                 float(d.get("step_beta_s", 0.0)), str(d.get("source", "profile")), table)
+
+
+def _rates_dict(r: Rates) -> dict:
+    d = asdict(r)
+    d["step_table"] = list(r.step_table)
+    return d
+
+
+# The article's M2 (SEED.md): GPU 2,551 / 293 tok/s, CPU 73 / 45, cap 4 each. With no step
+# table, a step at batch b takes b / decode_tok_s: the device's decode throughput is shared.
+STUDY_M2 = Profile("study-m2", (
+    BackendProfile("gpu", "gpu", Rates(2551.0, 293.0, source="article")),
+    BackendProfile("cpu", "cpu", Rates(73.0, 45.0, source="article")),
+), "the seed study's Apple M2 (SEED.md): GPU 2,551 / 293 tok/s, CPU 73 / 45, cap 4 each")
+
+# The article's measured makespans imply a GPU far slower than its profiled 293 tok/s: 8 x 128
+# tokens took 11.47 s GPU-only (89 tok/s) and 48 x 128 took 68.43 s (90 tok/s). Its states
+# at requests 7 and 8 (4 tokens decoded per running request 0.15-0.30 s after admission, 2 more
+# in the next 50 ms) imply about 40 tok/s per sequence. This profile keeps the router's rates
+# (what the author's router was told) and gives the device the measured 90 tok/s at batch 4.
+STUDY_M2_SLOW = Profile("study-m2-slow", (
+    BackendProfile("gpu", "gpu", Rates(2551.0, 293.0, source="article"),
+                   hardware=Rates(2551.0, 90.0, source="article's makespans")),
+    BackendProfile("cpu", "cpu", Rates(73.0, 45.0, source="article")),
+), "the M2 as its makespans measured it: the router told 293 tok/s, the GPU doing 90")
+
+# The committed H200 calibration (docs/results/gpu/grid/rates.json, synthetic Qwen2.5-0.5B Q8_0):
+# GPU 8 host threads, step table at batch 1..16; CPU 15 threads, batch 1..4. A step that carries a
+# prompt chunk costs the GPU 3 ms more than its tokens at the calibrated prefill rate (which is
+# measured on 512-token prompts, where a fixed cost disappears): fitted to the TTFT of the runs
+# after the engine's step fixes (docs/results/gpu/speed7, speed10, speed11 at caps 16 and 32:
+# TTFT p50 within 5 % with it, 20-55 % short without; docs/results/simulate/README.md).
+_H200_GPU_TABLE = (0.0012400, 0.0016133, 0.0017627, 0.0019968, 0.0023091, 0.0025667, 0.0028006, 0.0030280,
+                   0.0045841, 0.0046991, 0.0047219, 0.0048108, 0.0049083, 0.0049837, 0.0050488, 0.0051355)
+H200 = Profile("h200", (
+    BackendProfile("gpu", "gpu", Rates(53514.1, 3115.6, 0.0010097, 0.00029451, "calibrated", _H200_GPU_TABLE),
+                   cap=16, kv_cells=16384, chunk_overhead_s=0.003),
+    BackendProfile("cpu", "cpu", Rates(1969.7, 128.0, 0.0208902, 0.0026692, "calibrated",
+                                       (0.0230551, 0.0269214, 0.0290254, 0.0312511)), cap=4, kv_cells=4096),
+), "one H200 + 15 Xeon cores, synthetic Qwen2.5-0.5B Q8_0 (docs/results/gpu/grid/rates.json)")
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (STUDY_M2, STUDY_M2_SLOW, H200)}
+
+
+def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mapping[str, int] | None = None,
+                             description: str = "") -> Profile:
+    """A profile from stored calibration entries (`engine.calibrate`'s store format: each with
+    `backend`, `device`, `cap`, `prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`,
+    `step_s` {batch: seconds}). Backends named alike get a numeric suffix."""
+    if not entries:
+        raise InvalidRequest(f"profile {name!r}: no calibration entries")
+    out, seen = [], set()
+    for e in entries:
+        table = tuple(float(v) for _, v in sorted(((int(k), v) for k, v in (e.get("step_s") or {}).items())))
+        rates = Rates(float(e["prefill_tok_s"]), float(e["decode_tok_s"]), float(e.get("step_alpha_s", 0.0)),
+                      float(e.get("step_beta_s", 0.0)), "calibrated", table)
+        bname = str(e.get("backend") or e.get("device") or "backend")
+        k = 1
+        while bname in seen:
+            bname = f"{e.get('backend') or 'backend'}{k}"
+            k += 1
+        seen.add(bname)
+        cap = int((caps or {}).get(bname, e.get("cap", 4)))
+        out.append(BackendProfile(bname, str(e.get("device", "cpu")), rates, cap=cap))
+    return Profile(name, tuple(out), description)
+
+
+def profile_from_snapshots(name: str, snapshots: Sequence[BackendSnapshot], description: str = "") -> Profile:
+    """A running engine's backends as a profile: their rates, caps and KV sizes right now."""
+    return Profile(name, tuple(BackendProfile(s.name, s.device, s.rates, cap=s.cap, kv_cells=s.kv_cells_total or s.n_ctx)
+                               for s in snapshots), description)
+
+
+def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
+    """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, or a
+    rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`) set on both the
+    router's rates and the hardware; `hardware.RATE=` or `rates.RATE=` set one side only;
+    `speed=X` multiplies the hardware's speed (every rate x X, every step time / X)."""
+    for text in settings:
+        key, eq, value = (s.strip() for s in text.partition("="))
+        name, dot, attr = key.partition(".")
+        if not eq or not dot:
+            raise InvalidRequest(f"--set {text!r}: expected BACKEND.FIELD=VALUE")
+        b = profile.backend(name)
+        try:
+            number = float(value) if attr != "device" else 0.0
+        except ValueError:
+            raise InvalidRequest(f"--set {text!r}: {value!r} is not a number") from None
+        if attr in ("cap", "kv_cells", "n_batch", "busy_chunk"):
+            ints: dict[str, Any] = {attr: int(number)}
+            b = replace(b, **ints)
+        elif attr == "chunk_overhead_s":
+            b = replace(b, chunk_overhead_s=number)
+        elif attr == "device":
+            b = replace(b, device=value)
+        elif attr == "speed":
+            b = replace(b, hardware=_faster(b.hw, number))
+        else:
+            side, _, rate = attr.rpartition(".")
+            if rate not in ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s") or side not in (
+                    "", "hardware", "rates"):
+                raise InvalidRequest(f"--set {text!r}: unknown field {attr!r}")
+            if side in ("", "rates"):
+                b = replace(b, rates=_set_rate(b.rates, rate, number), hardware=b.hardware)
+            if side in ("", "hardware") and (b.hardware is not None or side == "hardware"):
+                b = replace(b, hardware=_set_rate(b.hw if side == "hardware" else b.hardware or b.rates, rate, number))
+        profile = profile.with_backend(b)
+    return profile
+
+
+def _set_rate(r: Rates, field_name: str, value: float) -> Rates:
+    change: dict[str, Any] = {field_name: value, "source": "edited"}
+    r = replace(r, **change)
+    if field_name == "decode_tok_s" and r.step_table:  # the measured steps no longer hold
+        r = replace(r, step_table=(), step_alpha_s=0.0, step_beta_s=0.0)
+    return r
+
+
+def _faster(r: Rates, x: float) -> Rates:
+    if x <= 0:
+        raise InvalidRequest(f"speed must be > 0, got {x}")
+    alpha, beta, table = r.scaled(1.0 / x)
+    return Rates(r.prefill_tok_s * x, r.decode_tok_s * x, alpha, beta, "edited", table)
+
+
+def scaled_profile(profile: Profile, backend: str, speed: float, rates_too: bool = True) -> Profile:
+    """`backend` made `speed` times faster (hardware, and the router's rates if `rates_too`)."""
+    b = profile.backend(backend)
+    hw = _faster(b.hw, speed)
+    b = replace(b, hardware=hw, rates=_faster(b.rates, speed) if rates_too else b.rates)
+    return profile.with_backend(b)
+
+
+# ---- the simulation ----
+
+
+@dataclass
+class SimRun:
+    """One simulated run: its records and routing decisions, in `bench`'s formats."""
+
+    records: list[RequestRecord] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    steps: int = 0
+    states: list[dict] = field(default_factory=list)  # per arrival: what each backend held
+
+
+@dataclass
+class _DecodeRun:
+    """`m` identical decode steps of `d` seconds from `t0` over the same running sequences,
+    none of which finishes, with nothing to admit: `done` of them applied so far."""
+
+    t0: float
+    d: float
+    m: int
+    seqs: list
+    done: int = 0
+
+    def apply_until(self, now: float) -> None:
+        """Apply the steps that ended by `now`, as `update_from_output` would have."""
+        j = min(int((now - self.t0) / self.d + 1e-9) if self.d > 0 else self.m, self.m) - self.done
+        if j <= 0:
+            return
+        t_last = self.t0 + (self.done + j) * self.d
+        more = [SAMPLED_TOKEN] * j
+        for s in self.seqs:
+            s.n_past += j
+            s.tokens.extend(more)
+            s.generated += j
+            s.itl_sum += t_last - s.t_last
+            s.t_last = t_last
+        self.done += j
+
+
+class _SimBackend:
+    """A real scheduler behind a simulated runner."""
+
+    def __init__(self, profile: BackendProfile, n_ctx: int, clock: Callable[[], float]):
+        self.p = profile
+        self.rates = profile.rates
+        self.sched = Scheduler(cap=profile.cap, n_ctx=n_ctx, n_ctx_seq=n_ctx,
+                               n_seq_max=min(256, max(32, profile.cap + 8)), n_batch=profile.n_batch,
+                               busy_chunk=profile.chunk(), name=profile.name, piece=_no_text, clock=clock)
+        self.plan: Plan | None = None  # the step in flight
+        self.busy = False
+        self.gen = 0  # the valid step-end event's generation (a truncated run leaves a stale one)
+        self.run: _DecodeRun | None = None  # decode steps fast-forwarded in bulk
+
+    def snapshot(self, now: float) -> BackendSnapshot:
+        s = self.sched
+        items = tuple(q.work_item(True) for q in s.running) + tuple(q.work_item(False) for q in s.waiting)
+        c = s.cache
+        return BackendSnapshot(name=self.p.name, device=self.p.device, cap=s.cap, n_ctx=s.n_ctx, rates=self.rates,
+                               items=items, kv_cells_used=s.kv_cells_used(), kv_cells_total=s.n_ctx,
+                               cache=CacheStats(enabled=s.cache_enabled, cached_tokens=c.cached_tokens,
+                                                pinned_tokens=c.pinned_tokens), time=now)
+
+
+class Simulation:
+    """Runs one workload under one policy on a profile; `run()` returns a `SimRun`.
+
+    `cells_per_seq` sizes a backend whose `kv_cells` is 0 (room for `cap` of the workload's
+    sequences). `arrivals`/`outputs` replace the workload's arrival times and output lengths
+    (a replay uses the measured ones). `label` names the policy column of the records;
+    `on_done()` is called as each request ends.
+
+    `fast` (default) fast-forwards runs of identical decode steps: when a step decodes every
+    running sequence, prefills nothing and admits nothing, the steps until the first of them
+    could finish (or the KV would run short) are the same step repeated, so they are applied
+    in bulk — the same tokens, times and ITLs — and the step that finishes one goes through
+    `update_from_output` as usual. An arrival routed to the backend cuts the run short at the
+    step in flight, and every routing decision first applies the steps that ended before it,
+    so the router sees what it would have seen. `tests/test_simulate.py` checks that both
+    ways give the same records.
+    """
+
+    def __init__(self, profile: Profile, workload: Workload, policy: str, *, budget: str = "raw",
+                 label: str | None = None, arrivals: Sequence[float] | None = None,
+                 outputs: Sequence[int] | None = None, record_states: bool = False, fast: bool = True,
+                 on_done: Callable[[], None] | None = None):
+        self.profile = profile
+        self.workload = workload
+        self.label = label or policy
+        self.now = 0.0
+        per_seq = max((len(r.prompt) + r.max_tokens for r in workload.requests), default=1)
+        clock = self._clock
+        self.backends = [_SimBackend(b, b.kv_cells or max(b.cap, 1) * per_seq + 64, clock)
+                         for b in profile.backends]
+        self.by_name = {b.p.name: b for b in self.backends}
+        self.router = Router(policy, budget, clock=clock)
+        self.arrivals = list(arrivals) if arrivals is not None else [r.arrival_s for r in workload.requests]
+        self.outputs = list(outputs) if outputs is not None else [r.output_tokens for r in workload.requests]
+        self.record_states = record_states
+        self.fast = fast
+        self.on_done = on_done  # called as each request ends (a progress bar)
+
+    def _clock(self) -> float:
+        return self.now
+
+    def run(self) -> SimRun:
+        out = SimRun()
+        self._warm()
+        wl = self.workload
+        n = len(wl.requests)
+        name = wl.spec.name()
+        events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
+        order = 0
+        for i in range(len(wl.requests)):
+            heapq.heappush(events, (self.arrivals[i], order, 0, i))
+            order += 1
+        submitted: dict[str, tuple] = {}
+        while events:
+            t, _, kind, payload = heapq.heappop(events)
+            self.now = t
+            if kind == 0:
+                i = payload
+                spec = wl.requests[i]
+                out_len = self.outputs[i]
+                stop = out_len if out_len < spec.max_tokens else None
+                req = Request(spec.prompt, SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True),
+                              id=f"sim-{i}", source="bench", stop_after=stop)
+                b, decision = self._route(req, out)
+                submitted[req.id] = (i, spec, t)
+                if b.run is not None:  # admission is looked at again after the step in flight
+                    r = b.run
+                    r.m = min(r.m, r.done + 1)
+                    b.gen += 1
+                    heapq.heappush(events, (r.t0 + r.m * r.d, order, 1, (b, b.gen)))
+                    order += 1
+                out.decisions.append(decision_line(decision, 0.0, workload=name, run=wl.run, requests=n,
+                                                   label=self.label))
+                if not b.busy:
+                    order = self._start(b, events, order, out, submitted, name, n)
+            else:
+                b, gen = payload
+                if gen != b.gen:
+                    continue
+                if b.run is not None:
+                    b.run.apply_until(t)
+                    out.steps += b.run.m
+                    b.run = None
+                    order = self._start(b, events, order, out, submitted, name, n)
+                else:
+                    order = self._finish_step(b, events, order, out, submitted, name, n)
+        return out
+
+    # ---- internals ----
+
+    def _warm(self) -> None:
+        """The workload's shared prefix on every backend, in no time (before timing starts)."""
+        prefix = self.workload.prefix
+        if not prefix:
+            return
+        for b in self.backends:
+            req = Request(tuple(prefix), SamplingParams(max_tokens=1, temperature=0.0), source="warm")
+            b.sched.add(SeqState(req, None, None, b.sched.match_tokens(req.prompt_tokens), 0.0, warm=True))
+            while b.sched.running or b.sched.waiting:
+                plan = b.sched.schedule()
+                b.sched.take_ops()
+                b.sched.take_unplaced()
+                if plan.empty:
+                    break
+                b.sched.update_from_output(plan, [SAMPLED_TOKEN] * _logit_rows(plan))
+                b.sched.take_ops()
+
+    def _route(self, req: Request, out: SimRun):
+        for x in self.backends:
+            if x.run is not None:
+                x.run.apply_until(self.now)
+        cached = {b.p.name: b.sched.match_tokens(req.prompt_tokens) for b in self.backends}
+        query = RouteQuery.from_request(req, cached)
+        snaps = [b.snapshot(self.now) for b in self.backends]
+        if self.record_states:
+            out.states.append({s.name: {"running_left": [w.decode_left for w in s.running],
+                                        "queued": len(s.waiting)} for s in snaps})
+        decision = self.router.route(query, snaps)
+        b = self.by_name[decision.backend]
+        cache = b.sched.cache
+        m = cache.match(req.prompt_tokens, max_len=len(req.prompt_tokens) - 1) if b.sched.cache_enabled else None
+        pin = cache.pin(m) if m is not None and m.length else None
+        estimate = m.length if m is not None else 0
+        b.sched.add(SeqState(req, None, pin, estimate, self.now, n_ctx_seq=b.sched.n_ctx_seq))
+        return b, decision
+
+    def _start(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
+        """Plan `b`'s next step at `now` and schedule its end; nothing when it has no work
+        (idle, or its queue waits for KV room only a finish frees)."""
+        sched = b.sched
+        b.busy = False
+        if not (sched.running or sched.waiting):
+            return order
+        plan = sched.schedule()
+        sched.take_ops()
+        sched.take_unplaced()
+        self._publish(b, sched.take_finished(), out, submitted, name, n)  # failed at admission
+        if plan.empty:
+            return order
+        n_prefill = sum(k for _, _, k, _ in plan.chunks)
+        b.busy = True
+        b.gen += 1
+        d = b.p.step_seconds(len(plan.decode), n_prefill)
+        m = self._steady_steps(b, plan) if self.fast else 0
+        if m > 1:
+            b.run = _DecodeRun(self.now, d, m, list(plan.decode))
+            heapq.heappush(events, (self.now + m * d, order, 1, (b, b.gen)))
+        else:
+            b.plan = plan
+            heapq.heappush(events, (self.now + d, order, 1, (b, b.gen)))
+        return order + 1
+
+    @staticmethod
+    def _steady_steps(b: _SimBackend, plan: Plan) -> int:
+        """How many times `plan` (a pure decode step of every running sequence) repeats
+        unchanged before a sequence could finish or the KV run short; 0 if it is not one."""
+        sched = b.sched
+        if plan.chunks or plan.admitted or len(plan.decode) != len(sched.running) or sched.pending_text:
+            return 0
+        k = sched.n_ctx
+        for s in plan.decode:
+            stop = s.max_new if s.req.stop_after is None else min(s.max_new, s.req.stop_after)
+            k = min(k, stop - s.generated, sched.n_ctx_seq - 1 - s.n_past)
+        free = (sched.n_ctx - sched.kv_cells_used()) // len(plan.decode) if sched.kv_unified else k
+        return min(k, free) - 1
+
+    def _finish_step(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
+        plan, b.plan = b.plan, None
+        out.steps += 1
+        finished = b.sched.update_from_output(plan, [SAMPLED_TOKEN] * _logit_rows(plan))
+        b.sched.take_ops()
+        b.sched.take_unplaced()
+        self._publish(b, finished + b.sched.take_finished(), out, submitted, name, n)
+        return self._start(b, events, order, out, submitted, name, n)
+
+    def _publish(self, b: _SimBackend, finished, out: SimRun, submitted, name: str, n: int) -> None:
+        for f in finished:
+            s = f.seq
+            i, spec, t_submit = submitted[s.req.id]
+            ok = f.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+            out.records.append(RequestRecord(
+                workload=name, policy=self.label, run=self.workload.run, requests=n, index=spec.index,
+                request_id=s.req.id, backend=b.p.name, success=ok, finish_reason=f.status.finish_reason,
+                prompt_tokens=s.n_prompt, cached_tokens=s.n_shared, output_tokens=s.generated,
+                t_submit_s=t_submit, queue_s=(s.t_admit or self.now) - t_submit,
+                ttft_s=(s.t_first - t_submit) if s.generated else None, e2e_s=self.now - t_submit,
+                itl_s=s.itl_sum / (s.generated - 1) if s.generated > 1 else None, error=f.error))
+            if self.on_done is not None:
+                self.on_done()
+
+
+def _no_text(token: int) -> Any:
+    """A simulated token's bytes: none (the streams stay empty, so no stop string ends a run)."""
+    return b""
+
+
+def _logit_rows(plan: Plan) -> int:
+    return len(plan.decode) + sum(1 for c in plan.chunks if c[3])
+
+
+def simulate(profile: Profile, workload: Workload, policy: str, **kw) -> SimRun:
+    """One run of `workload` under `policy` on `profile` (see `Simulation`)."""
+    return Simulation(profile, workload, policy, **kw).run()

@@ -1,0 +1,172 @@
+"""The what-if simulation (engine/simulate.py): the real router and schedulers on simulated
+hardware. Pure and fast: no model, no threads, a virtual clock."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine.benchmark import run_metrics
+from engine.errors import InvalidRequest
+from engine.simulate import PROFILES, Profile, apply_overrides, scaled_profile, simulate
+from engine.workload import WorkloadSpec, build_workload, seed_workload
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def _seed(n: int):
+    return build_workload(seed_workload(n), 0)
+
+
+def _records_key(run):
+    return sorted((r.index, r.backend, round(r.ttft_s, 9), round(r.e2e_s, 9), r.output_tokens,
+                   round(r.itl_s or 0.0, 9)) for r in run.records)
+
+
+def test_m2_first_requests_go_to_the_gpu():
+    run = simulate(PROFILES["study-m2"], _seed(8), "seed-score")
+    assert [d["chosen"] for d in run.decisions[:7]] == ["gpu"] * 7
+
+
+def test_m2_idle_cpu_scores_exactly_the_articles_3118_s():
+    run = simulate(PROFILES["study-m2"], _seed(8), "seed-score")
+    cpu = next(c for c in run.decisions[0]["candidates"] if c["backend"] == "cpu")
+    assert cpu["score"] == 20 / 73 + 128 / 45
+    assert round(cpu["score"], 3) == 3.118
+
+
+def test_m2_first_offload_lands_at_request_8():
+    run = simulate(PROFILES["study-m2"], _seed(8), "seed-score")
+    assert [d["chosen"] for d in run.decisions] == ["gpu"] * 7 + ["cpu"]
+
+
+def test_m2_slow_reproduces_the_articles_states_at_requests_7_and_8():
+    """With the decode speed the article's makespans imply, the GPU's scores at requests 7
+    and 8 land within 0.05 s of its 3.027 s and 3.444 s."""
+    run = simulate(PROFILES["study-m2-slow"], _seed(8), "seed-score", record_states=True)
+    gpu7, gpu8 = (next(c for c in run.decisions[k]["candidates"] if c["backend"] == "gpu") for k in (6, 7))
+    assert gpu7["score"] == pytest.approx(3.027, abs=0.05)
+    assert gpu8["score"] == pytest.approx(3.444, abs=0.05)
+    assert run.states[6]["gpu"]["queued"] == 2 and run.states[7]["gpu"]["queued"] == 3
+
+
+def test_m2_n48_offloads_six_requests_as_the_article():
+    run = simulate(PROFILES["study-m2"], _seed(48), "seed-score")
+    assert run_metrics(run.records).routed == {"gpu": 42, "cpu": 6}
+
+
+@pytest.mark.parametrize("profile", ["study-m2", "h200"])
+def test_fast_forward_gives_the_step_by_step_records(profile):
+    wl = build_workload(WorkloadSpec(40, 300, 150, output="uniform", max_output=96, arrival="poisson", seed=5), 1)
+    fast = simulate(PROFILES[profile], wl, "predicted-finish")
+    slow = simulate(PROFILES[profile], wl, "predicted-finish", fast=False)
+    assert _records_key(fast) == _records_key(slow)
+    assert [d["chosen"] for d in fast.decisions] == [d["chosen"] for d in slow.decisions]
+
+
+def test_every_request_finishes_with_its_drawn_length():
+    wl = build_workload(WorkloadSpec(30, 200, 100, output="uniform", max_output=64, seed=2), 0)
+    run = simulate(PROFILES["h200"], wl, "round-robin")
+    assert sorted((r.index, r.output_tokens) for r in run.records) == [
+        (q.index, q.output_tokens) for q in wl.requests]
+
+
+def test_a_smaller_kv_budget_lengthens_the_makespan():
+    wl = build_workload(WorkloadSpec(24, 516, 0, seed=1), 0)
+    per_seq = 516 + 128
+    roomy = apply_overrides(PROFILES["h200"], [f"gpu.kv_cells={16 * per_seq}"])
+    tight = apply_overrides(PROFILES["h200"], [f"gpu.kv_cells={2 * per_seq}"])
+    t_roomy = run_metrics(simulate(roomy, wl, "gpu-only").records).makespan_s
+    t_tight = run_metrics(simulate(tight, wl, "gpu-only").records).makespan_s
+    assert t_tight > 1.5 * t_roomy
+
+
+def test_speed_override_scales_the_hardware_only():
+    p = apply_overrides(PROFILES["study-m2"], ["cpu.speed=3"])
+    cpu = p.backend("cpu")
+    assert cpu.rates == PROFILES["study-m2"].backend("cpu").rates
+    assert cpu.hw.decode_tok_s == pytest.approx(135.0)
+    assert cpu.step_seconds(1, 0) == pytest.approx(1 / 135.0)
+
+
+def test_scaled_profile_moves_the_router_too():
+    p = scaled_profile(PROFILES["study-m2"], "cpu", 2.0)
+    assert p.backend("cpu").rates.prefill_tok_s == pytest.approx(146.0)
+
+
+def test_unknown_override_is_refused():
+    with pytest.raises(InvalidRequest, match="unknown field"):
+        apply_overrides(PROFILES["study-m2"], ["gpu.colour=3"])
+
+
+def test_override_of_unknown_backend_is_refused():
+    with pytest.raises(InvalidRequest, match="no backend 'tpu'"):
+        apply_overrides(PROFILES["study-m2"], ["tpu.cap=3"])
+
+
+def test_profile_survives_a_json_round_trip():
+    p = replace(PROFILES["study-m2-slow"], name="copy")
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_profile_without_backends_is_refused():
+    with pytest.raises(InvalidRequest, match="backends"):
+        Profile.from_dict({"name": "empty", "backends": []})
+
+
+def test_replay_routes_the_committed_h200_run_like_it_went():
+    from bench.simulate import replay
+
+    rows = replay(RESULTS / "gpu" / "speed11" / "n48", hardware=PROFILES["h200"])
+    assert rows and all(r["same_backend"] >= 0.9 for r in rows)
+    gpu_only = next(r for r in rows if r["policy"] == "gpu-only")
+    assert abs(gpu_only["makespan_s"]["error"]) <= 0.10
+
+
+def test_profile_file_loads_with_its_edits(tmp_path):
+    from bench.simulate import load_profile
+
+    path = tmp_path / "m2.json"
+    path.write_text(json.dumps(PROFILES["study-m2"].to_dict()))
+    p = load_profile(str(path), ["gpu.kv_cells=1288", "cpu.cap=2"])
+    assert (p.backend("gpu").kv_cells, p.backend("cpu").cap) == (1288, 2)
+
+
+def test_this_machine_is_the_latest_stored_calibration(tmp_path):
+    from bench.simulate import this_machine
+    from engine.calibrate import RateStore
+
+    store = RateStore(tmp_path / "rates.json")
+    store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 4, "prefill_tok_s": 95.0,
+                                        "decode_tok_s": 38.0, "step_alpha_s": 0.015, "step_beta_s": 0.022,
+                                        "step_s": {"1": 0.032, "2": 0.07}, "measured_at": "2026-12-01T03:27:07",
+                                        "fingerprint": "abc", "also_for": ["cpu1"]})
+    p = this_machine(store)
+    assert [b.name for b in p.backends] == ["cpu0", "cpu1"]
+    assert p.backend("cpu1").rates.step_s(2) == 0.07
+
+
+def test_simulate_seed_writes_the_benchs_files(tmp_path):
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["simulate", "seed", "--profile", "study-m2", "--requests", "8", "--runs", "1",
+                                      "--policies", "seed-score,gpu-only", "--no-plots", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tool"] == "tandem simulate seed"
+    routed = {r["policy"]: r["routed"] for r in summary["results"]}
+    assert routed["seed-score"] == {"gpu": 7, "cpu": 1}
+    assert len((tmp_path / "decisions.jsonl").read_text().splitlines()) == 16
+    assert len((tmp_path / "requests.csv").read_text().splitlines()) == 17
+
+
+def test_crossover_finds_no_gain_on_the_h200_and_a_gain_on_the_m2():
+    from bench.simulate import crossover
+
+    h200 = crossover(PROFILES["h200"], [0.04], [16], ["seed-score"], 48)
+    m2 = crossover(PROFILES["study-m2"], [0.15], [4], ["seed-score"], 48)
+    assert h200[0]["gain"] == pytest.approx(0.0, abs=1e-9) and h200[0]["to_second"] == 0
+    assert m2[0]["gain"] > 0.05 and m2[0]["to_second"] > 0
