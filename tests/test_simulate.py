@@ -163,7 +163,7 @@ def test_simulate_seed_writes_the_benchs_files(tmp_path):
     assert len((tmp_path / "requests.csv").read_text().splitlines()) == 17
 
 
-def test_crossover_gain_changes_sign_between_the_h200_and_the_m2():
+def test_crossover_gain_changes_sign_from_the_h200_to_the_m2():
     from bench.simulate import crossover
 
     h200 = crossover(PROFILES["h200"], [0.04], [16], ["seed-score"], 48)
