@@ -11,8 +11,9 @@ scheduler decodes the same input again.
 The hot path is the decode: nothing here adds per-token Python work beyond the batch's writes
 (three list assignments for 8 rows or more), one token read per sampled row (the token of
 an attached stateless chain, `Sampler.direct`, is read in the loop itself) and, while fused
-temperature chains exist, one uniform per sampled row drawn before the step and uploaded in one
-copy (`fused_dist.draw`). While the device
+temperature chains run, one uniform per sampled row drawn before the step and uploaded in one
+copy (`fused_dist.draw`); a step with no running fused chain makes no per-row call for them,
+even while idle ones stay attached (`SamplerSlots.fused_busy`). While the device
 runs a step, the `during` callback (the previous step's text and the Outbox flush,
 engine/backend.py) runs between `llama_decode`, which releases the GIL, and
 `llama_synchronize`.
@@ -127,9 +128,11 @@ class ContextRunner:
             s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits)
         n_prefill = batch.n - n_decode
         ctx = self.ctx
-        if fused_dist.live():  # fused temperature chains: this step's uniforms, one upload
+        if self.samplers.fused_busy:  # fused temperature chains run: this step's uniforms, one upload
             fused_dist.draw([(s.seq_id, s.sampler.dist) for s in decode]
                             + [(s.seq_id, s.sampler.dist) for s, _, _, logits in plan.chunks if logits])
+        elif fused_dist.live():  # only idle ones: no row to draw for, and their builds stay cheap
+            fused_dist.draw(())
         t0 = time.perf_counter()
         rc = lc.llama_decode(ctx, batch.full())
         if during is not None:  # host work while the device runs this step

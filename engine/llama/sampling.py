@@ -152,6 +152,14 @@ class SamplerSlots:
         self._idle_since: dict[int, float] = {}  # ids whose chain no request uses: since when
         self.idle_s = idle_s
         self.attaches = 0  # chains handed to the context (each costs llama.cpp a graph reserve)
+        # ids whose running request samples with `fused_dist`: while none, a step draws no
+        # uniforms and makes no per-row Python call for them (the runner asks `fused_busy`)
+        self._fused_ids: set[int] = set()
+
+    @property
+    def fused_busy(self) -> bool:
+        """Whether a running request samples with a fused temperature chain (`Sampler.dist`)."""
+        return bool(self._fused_ids)
 
     @property
     def attached(self) -> int:
@@ -168,13 +176,20 @@ class SamplerSlots:
         old = self._slots.get(seq_id)
         if old is not None and old.key == Sampler.key_of(params):
             old.reset()
-            return old
-        return self._replace(ctx, seq_id, self._chain(params))
+            chain = old
+        else:
+            chain = self._replace(ctx, seq_id, self._chain(params))
+        if chain.dist is not None:
+            self._fused_ids.add(seq_id)
+        else:
+            self._fused_ids.discard(seq_id)
+        return chain
 
     def ban_eog(self, ctx, seq_id: int, params: SamplingParams, accepted) -> Sampler:
         """Swap `seq_id`'s guarding chain for one that bans end tokens (logit bias), with the
         request's `accepted` tokens replayed into it."""
         new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog))
+        self._fused_ids.discard(seq_id)
         new.accept(accepted)
         return new
 
@@ -206,6 +221,7 @@ class SamplerSlots:
 
     def release(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its chain stays, idle."""
+        self._fused_ids.discard(seq_id)
         if seq_id in self._slots:
             self._idle_since[seq_id] = time.monotonic()
 
@@ -238,3 +254,4 @@ class SamplerSlots:
             s.free(detach=False)
         self._slots.clear()
         self._idle_since.clear()
+        self._fused_ids.clear()
