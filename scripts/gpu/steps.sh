@@ -64,6 +64,19 @@ sampling() {  # ~3 min: temperature 0.8 / top-p 0.95 (fused, and llama.cpp's per
     | tail -$((${REPEATS:-3} + 3)) | tee "$OUT/overhead_gpu_sampling.txt"
 }
 
+sampling_parts() {  # ~2-3 min: the fused sampler's parts alone (temperature over the whole vocabulary, + top-k 40,
+                   # + top-p 0.95, + min-p 0.05) against greedy at B = 1-32, with each part's graph reuse; then
+                   # the same with CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS=1): if greedy slows and the parts do
+                   # not, the fused graph was already running without CUDA graphs
+  _stamp "GPU decode: fused sampler parts vs greedy"
+  for graphs in on off; do
+    ( [ "$graphs" = off ] && export GGML_CUDA_DISABLE_GRAPHS=1
+      python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,16,32 \
+        --sampled-variants temp,topk,topp,full --no-llama --repeats "${REPEATS:-2}" 2>&1 \
+        | tail -$((${REPEATS:-2} + 2)) | tee "$OUT/sampling_parts_graphs_$graphs.txt" )
+  done
+}
+
 threads() {  # host threads of the GPU context at small batches
   for t in 1 4 8; do _decode "threads_gpu_$t.txt" 3 1,4,16 --threads "$t"; done
 }
