@@ -684,6 +684,8 @@ class Backend:
             e2e_s=now - s.t_submit,
             itl_s=s.itl_sum / (s.generated - 1) if s.generated > 1 else None,
             error=f.error,
+            cap_at_admit=s.admit_cap or None,
+            cap_reason=s.admit_reason if s.admit_cap else None,
             error_kind="server_error" if f.error else None,
         )
         s.handle._deliver_finish(record)

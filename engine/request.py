@@ -154,6 +154,10 @@ class FinishRecord:
     itl_s: float | None
     error: str | None = None
     error_kind: str | None = None
+    # the backend's live cap at admission and why it was there (engine/limiter.py); None where
+    # the backend has no cap of its own (a remote one) or the request was never admitted
+    cap_at_admit: int | None = None
+    cap_reason: str | None = None
 
     @property
     def finish_reason(self) -> str | None:

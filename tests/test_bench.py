@@ -265,6 +265,11 @@ class TestBenchSeed:
             assert float(r["queue_s"]) >= 0 and 0 < float(r["ttft_s"]) <= float(r["e2e_s"])
             assert r["backend"] in ("cpu0", "cpu1")
 
+    def test_requests_csv_names_the_live_cap_at_each_admission(self, run):
+        _, out = run
+        _, rows, _ = read_outputs(out)
+        assert all(int(r["cap"]) >= 1 and r["cap_reason"] for r in rows)
+
     def test_decisions_one_per_request_and_the_score_is_the_formula(self, run):
         _, out = run
         summary, rows, decisions = read_outputs(out)

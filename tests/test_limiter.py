@@ -287,3 +287,13 @@ def test_noisy_steps_do_not_pull_the_limit_down_on_the_study(seed):
     makespan, ttft_p95 = _replay(reqs, prefix, None, noise=0.15, seed=seed)
     assert makespan <= 1.05 * fixed[best][0], (best, fixed, makespan)
     assert ttft_p95 <= 1.1 * fixed[best][1] + 0.02, (best, fixed, ttft_p95)
+
+
+def test_a_finished_request_names_the_live_cap_at_its_admission(make_backend, tiny_model):
+    """Each finish record carries the cap the request was admitted under and why the limiter
+    had it there, so a benchmark's requests.csv shows the cap over a run."""
+    b = make_backend(tiny_model, cap=3)
+    handles = [b.enqueue(Request((5, 6, 7, 8), SamplingParams(temperature=0.0, max_tokens=4))) for _ in range(2)]
+    records = [h.result(60) for h in handles]
+    assert [r.cap_at_admit for r in records] == [3, 3]
+    assert all(r.cap_reason == "start" for r in records)
