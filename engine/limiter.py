@@ -18,7 +18,8 @@ question is whether tok/s rose when the window did):
     the batch, and nothing would be learned about larger batches.
   - **Step up at once, judge it after** (TCP slow start, with a check): below `slow_start`
     (16) a step up doubles the limit, above it adds half. Once a window's mean decode batch
-    has filled at least half the step, decode tok/s there is compared with the rate measured
+    has filled at least three quarters of the step (a half-filled step sits in the bumps
+    below, where a batch of 12 may be slower per token than 8 and say nothing about 16), decode tok/s there is compared with the rate measured
     at the old limit; if it fell by more than `tolerance` (10 %) in `confirm` (2) such
     windows in a row, the limit goes back to the value before that step up (never lower) and
     holds there (`plateau`) for `reprobe_windows` windows. One slow window is not enough: on
@@ -173,7 +174,7 @@ class ConcurrencyLimiter:
             if not self._plateau_left:
                 self._plateau = 0
         probe = self._probe
-        if probe is not None and rate and batch >= probe.base + (probe.target - probe.base) / 2:
+        if probe is not None and rate and batch >= probe.base + 0.75 * (probe.target - probe.base):
             # the step up filled: did it pay? A drop must persist over `confirm` windows.
             if probe.rate and rate < probe.rate * (1 - self.tolerance):
                 probe.drops += 1

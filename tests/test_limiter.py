@@ -69,6 +69,15 @@ def test_one_slow_window_after_a_step_up_does_not_take_it_back():
     assert "fell" not in lim.reason
 
 
+def test_a_half_filled_step_up_is_not_judged():
+    lim = ConcurrencyLimiter(64, initial=8, window=8)
+    feed(lim, 16, batch=8, step_s=0.002, waiting=0, running=8)  # 4,000 tok/s at 8
+    feed(lim, 2, batch=8, step_s=0.002, waiting=9, running=8)
+    assert lim.limit == 16
+    feed(lim, 64, batch=12, step_s=0.004, waiting=0, running=12)  # 3,000 tok/s at 12: a bump below 16
+    assert lim.limit == 16
+
+
 def test_a_step_up_that_kept_the_rate_stays():
     lim = ConcurrencyLimiter(64, initial=16, window=8)
     feed(lim, 16, batch=16, step_s=0.004, waiting=0, running=16)
