@@ -21,7 +21,8 @@ each variant decodes with the fused sampler on the greedy backend (temp: tempera
 the whole vocabulary; topk: + top-k 40; topp: + top-p 0.95; full: + min-p 0.05, the chat
 default), printed as a ratio to greedy per batch size, with the share of its steps that reused
 the previous step's graph (a rebuild runs the sampler's Python callbacks and, on CUDA, captures
-a new CUDA graph).
+a new CUDA graph), its ms per step inside `llama_decode` (graph build and device) and its µs
+per step outside it (host: scheduling, the uniforms' upload), beside greedy's `host_us_per_step`.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def run_overhead(args) -> int:
         results.update({f"{k}_b{b}": [] for b in batches for k in ("fused_temp", "chain_temp")})
     results.update({f"part_{v}_b{b}": [] for b in batches for v in variants})
     variant_reuse: dict[str, list[float]] = {f"{v}_b{b}": [] for b in batches for v in variants}
+    variant_step = {k: [] for k in variant_reuse}  # ms per step inside llama_decode (+ its sync)
+    variant_host = {k: [] for k in variant_reuse}  # µs per step outside it (the uniforms' upload is there)
     if llama is not None:
         results["llama_b1"] = []
     if args.batched_bench:
@@ -145,12 +148,14 @@ def run_overhead(args) -> int:
                         if rnd:
                             results[f"{key}_b{b}"].append(v)
                 for name in variants:
-                    steps0, reused0 = backend.steps, backend.graphs_reused
+                    steps0, reused0, dec0, t0 = backend.steps, backend.graphs_reused, backend.decode_s, time.perf_counter()
                     v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=VARIANTS[name])
                     if rnd:
+                        steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
                         results[f"part_{name}_b{b}"].append(v)
-                        variant_reuse[f"{name}_b{b}"].append(
-                            (backend.graphs_reused - reused0) / max(backend.steps - steps0, 1))
+                        variant_reuse[f"{name}_b{b}"].append((backend.graphs_reused - reused0) / steps)
+                        variant_step[f"{name}_b{b}"].append(1e3 * dec / steps)
+                        variant_host[f"{name}_b{b}"].append(1e6 * (time.perf_counter() - t0 - dec) / steps)
             if llama is not None:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
@@ -192,6 +197,8 @@ def run_overhead(args) -> int:
             for name in variants:
                 out[f"ratio_part_{name}_greedy_b{b}"] = round(out[f"part_{name}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         out["variant_graph_reuse"] = {k: round(statistics.median(v), 3) for k, v in variant_reuse.items()}
+        out["variant_decode_ms_per_step"] = {k: round(statistics.median(v), 3) for k, v in variant_step.items()}
+        out["variant_host_us_per_step"] = {k: round(statistics.median(v), 1) for k, v in variant_host.items()}
         print("fused sampler parts vs greedy (graph reuse): " + "  ".join(
             f"B={b} " + " ".join(f"{name} {out[f'ratio_part_{name}_greedy_b{b}']:.3f} "
                                  f"({out['variant_graph_reuse'][f'{name}_b{b}']:.2f})" for name in variants)

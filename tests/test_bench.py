@@ -642,6 +642,8 @@ def test_bench_overhead_sampled_variants_print_each_part_against_greedy(tiny_pat
         for name in ("temp", "topk", "topp", "full"):
             assert out[f"ratio_part_{name}_greedy_b{b}"] == round(out[f"part_{name}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
             assert 0.0 <= out["variant_graph_reuse"][f"{name}_b{b}"] <= 1.0
+            assert out["variant_decode_ms_per_step"][f"{name}_b{b}"] > 0
+            assert f"{name}_b{b}" in out["variant_host_us_per_step"]
     assert out["fused_dist_builds"]["shared"] >= 1
 
 
