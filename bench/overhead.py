@@ -72,6 +72,9 @@ def add_arguments(p) -> None:
     p.add_argument("--sampled", action="store_true",
                    help="also decode at temperature 0.8 / top-p 0.95 with the fused sampler and with llama.cpp's "
                         "per-sequence chains (a second backend), each as a ratio to greedy")
+    p.add_argument("--fused-dist-from", type=int, default=1, metavar="N",
+                   help="temperature requests take the fused sampler once N run (the engine's default is 8; "
+                        "1 here, so that --sampled and --sampled-variants measure the fused sampler at every B)")
     p.add_argument("--sampled-variants", default="", metavar="LIST",
                    help="also decode with the fused sampler's parts alone, each as a ratio to greedy: "
                         f"comma-separated among {','.join(VARIANTS)}")
@@ -104,7 +107,7 @@ def run_overhead(args) -> int:
     config = BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
                            threads=threads or 0, backend_sampling=not args.host_sampling,
                            flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified,
-                           fused_greedy=not args.no_fused_greedy)
+                           fused_greedy=not args.no_fused_greedy, fused_dist_from=args.fused_dist_from)
     if not unified:  # every stream holds the prompt and one sequence's tokens
         config = replace(config, n_ctx=config.resolved().n_seq_max * ctx_for(args.prompt_tokens, args.gen_tokens, 1))
     backend = Backend(config, model).start()

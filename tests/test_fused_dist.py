@@ -190,3 +190,20 @@ def test_greedy_steps_beside_idle_fused_chains_skip_the_fused_computation(make_b
     assert built["idle"] >= 1, built
     assert built["shared"] == 0 and built["row"] == 0, built
     assert beside == plain
+
+
+def test_few_unseeded_temperature_requests_run_llama_chains(make_backend, tiny_model):
+    """Below `fused_dist_from` running temperature requests, an unseeded one takes llama.cpp's
+    chain per sequence (faster at small batches on the GPU); a seeded one always the fused
+    sampler (one RNG, so its seed reproduces alone or batched); from the threshold on, fused."""
+    unseeded = SamplingParams(temperature=0.8, max_tokens=4)
+    few = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+    before = fused_dist.BUILDS.copy()
+    _texts(few, [unseeded] * 2)
+    assert (fused_dist.BUILDS - before)["row"] == 0
+    _texts(few, [replace(unseeded, seed=5)])
+    assert (fused_dist.BUILDS - before)["row"] >= 1
+    many = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+    before = fused_dist.BUILDS.copy()
+    _texts(many, [unseeded] * 4)
+    assert (fused_dist.BUILDS - before)["row"] >= 1
