@@ -210,6 +210,7 @@ def run_overhead(args) -> int:
         # how the fused sampler's builds went: "shared"/"row" on the device, "host" if it lacked an
         # op, "idle" where only idle fused chains were in a graph (greedy steps)
         out["fused_dist_builds"] = dict(fused_dist.BUILDS - builds0)
+        out["fused_dist_placement"] = dict(fused_dist.PLACEMENT)  # its tables' buffer: host memory costs copies
     if chains is not None:
         print("temperature 0.8 / top-p 0.95 vs greedy: " + "  ".join(
             f"B={b} fused {out[f'ratio_fused_temp_greedy_b{b}']:.3f} chains {out[f'ratio_chain_temp_greedy_b{b}']:.3f}"

@@ -644,6 +644,7 @@ def test_bench_overhead_sampled_variants_print_each_part_against_greedy(tiny_pat
             assert 0.0 <= out["variant_graph_reuse"][f"{name}_b{b}"] <= 1.0
             assert out["variant_decode_ms_per_step"][f"{name}_b{b}"] > 0
             assert f"{name}_b{b}" in out["variant_host_us_per_step"]
+    assert out["fused_dist_placement"]["buffer"] and isinstance(out["fused_dist_placement"]["host"], bool)
     assert out["fused_dist_builds"]["shared"] >= 1
 
 

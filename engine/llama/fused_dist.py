@@ -111,6 +111,8 @@ _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_backend_buffer_free", [_P], None),
     ("ggml_backend_tensor_set", [_P, _P, ctypes.c_size_t, ctypes.c_size_t], None),
     ("ggml_backend_buft_get_device", [_P], _P),
+    ("ggml_backend_buft_name", [_P], ctypes.c_char_p),
+    ("ggml_backend_buft_is_host", [_P], ctypes.c_bool),
     ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
     ("ggml_op_desc", [_P], ctypes.c_char_p),
 ]
@@ -122,6 +124,9 @@ _g = {name: holding_gil(name, args, res) for name, args, res in _SIGNATURES}  # 
 # the device lacks an operation; "late": builds whose settings reached the device a step late
 # (fewer chains registered than were on the device: not expected)
 BUILDS: collections.Counter = collections.Counter()
+# Where the latest tables were allocated: the buffer type llama.cpp gave the chains, whether it is
+# host memory (then every step copies what the graph reads from it to the device), the variant.
+PLACEMENT: dict = {}
 
 # Per-row settings, one column each, in this order (a row of a graph's settings block).
 _COLUMNS = ("seq", "inv_temp", "top_p", "min_p", "k", "ban")
@@ -263,6 +268,8 @@ class _Table:
         _set(self.eog, bias)
         _set(self.uniforms, self.staged)
         self.buft, self.n_vocab = buft, n_vocab
+        PLACEMENT.update(buffer=(g["ggml_backend_buft_name"](buft) or b"").decode(),
+                         host=bool(g["ggml_backend_buft_is_host"](buft)), variant=list(self.variant))
 
     def free(self) -> None:
         if self._buffer:
