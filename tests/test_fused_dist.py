@@ -194,16 +194,26 @@ def test_greedy_steps_beside_idle_fused_chains_skip_the_fused_computation(make_b
 
 def test_few_unseeded_temperature_requests_run_llama_chains(make_backend, tiny_model):
     """Below `fused_dist_from` running temperature requests, an unseeded one takes llama.cpp's
-    chain per sequence (faster at small batches on the GPU); a seeded one always the fused
-    sampler (one RNG, so its seed reproduces alone or batched); from the threshold on, fused."""
-    unseeded = SamplingParams(temperature=0.8, max_tokens=4)
-    few = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+    chain per sequence (faster at small batches on the GPU)."""
+    b = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
     before = fused_dist.BUILDS.copy()
-    _texts(few, [unseeded] * 2)
+    _texts(b, [SamplingParams(temperature=0.8, max_tokens=4)] * 2)
     assert (fused_dist.BUILDS - before)["row"] == 0
-    _texts(few, [replace(unseeded, seed=5)])
-    assert (fused_dist.BUILDS - before)["row"] >= 1
-    many = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+
+
+def test_a_seeded_temperature_request_alone_takes_the_fused_sampler(make_backend, tiny_model):
+    """A seed keeps the fused sampler at any load: one RNG, so it reproduces alone or batched."""
+    b = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
     before = fused_dist.BUILDS.copy()
-    _texts(many, [unseeded] * 4)
+    _texts(b, [SamplingParams(temperature=0.8, max_tokens=4, seed=5)])
     assert (fused_dist.BUILDS - before)["row"] >= 1
+
+
+def test_a_burst_reaching_the_threshold_takes_the_fused_sampler_throughout(make_backend, tiny_model):
+    """Temperature requests admitted together count toward `fused_dist_from` at once: all of
+    them take the fused sampler, none llama.cpp's chain."""
+    b = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+    before = fused_dist.BUILDS.copy()
+    _texts(b, [SamplingParams(temperature=0.8, max_tokens=4)] * 4)
+    built = fused_dist.BUILDS - before
+    assert built["shared"] >= 1 and built["row"] >= 4 * built["shared"], built

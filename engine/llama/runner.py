@@ -99,11 +99,15 @@ class ContextRunner:
         """Give each newly admitted sequence a sampler chain on its id; when that costs a graph
         reserve anyway, attach the same chain to the next free ids too (`free_ids(n)`)."""
         reserve_for = None
+        # temperature requests admitted with this one count toward `fused_dist_from` at once, so
+        # a burst takes one kind of chain (SamplerSlots)
+        alongside = sum(1 for s in seqs if not (s.warm or s.seq_id < 0 or s.sp.greedy))
         for s in seqs:
             if s.warm or s.seq_id < 0:
                 continue
             attached = self.samplers.attaches
-            s.sampler = self.samplers.acquire(self.ctx, s.seq_id, s.sp)
+            alongside -= 0 if s.sp.greedy else 1
+            s.sampler = self.samplers.acquire(self.ctx, s.seq_id, s.sp, alongside)
             if s.generated:  # resumed after a preemption: the chain's history
                 s.sampler.accept(s.tokens[s.n_prompt:])
             if self.samplers.attaches > attached and reserve_for is None:

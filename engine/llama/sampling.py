@@ -183,17 +183,19 @@ class SamplerSlots:
         key, dist = Sampler.key_of(params), self._wants_dist(params)
         return [i for i in self._idle_since if self._slots[i].key == key and (self._slots[i].dist is not None) == dist]
 
-    def _wants_dist(self, params: SamplingParams) -> bool:
-        """Whether a new chain for `params` should be a fused one (see the class doc)."""
+    def _wants_dist(self, params: SamplingParams, alongside: int = 0) -> bool:
+        """Whether a new chain for `params` should be a fused one (see the class doc);
+        `alongside`: temperature requests admitted with it that have no chain yet."""
         if not self.fused or params.greedy or not fused_dist.supports(params):
             return False
-        return params.seed is not None or len(self._temperature_ids) + 1 >= self.fused_dist_from
+        return params.seed is not None or len(self._temperature_ids) + 1 + alongside >= self.fused_dist_from
 
-    def acquire(self, ctx, seq_id: int, params: SamplingParams) -> Sampler:
-        """The chain for the request about to run on `seq_id`, reset or newly attached."""
+    def acquire(self, ctx, seq_id: int, params: SamplingParams, alongside: int = 0) -> Sampler:
+        """The chain for the request about to run on `seq_id`, reset or newly attached;
+        `alongside`: temperature requests admitted with it that are still to acquire theirs."""
         self._idle_since.pop(seq_id, None)
         self._temperature_ids.discard(seq_id)
-        dist = self._wants_dist(params)
+        dist = self._wants_dist(params, alongside)
         old = self._slots.get(seq_id)
         if old is not None and old.key == Sampler.key_of(params) and (old.dist is not None) == dist:
             old.reset()
