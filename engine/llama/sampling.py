@@ -145,7 +145,7 @@ class SamplerSlots:
     burst keeps its chains, a chat after it gets its speed back.
 
     Temperature requests take the fused sampler (`fused_dist`) only once `fused_dist_from` of
-    them run (this one included), or when they carry a seed (one RNG, so a seed reproduces
+    them run (this one and those admitted with it included), or when they carry a seed (one RNG, so a seed reproduces
     alone or batched); below that, llama.cpp's chain per sequence. Measured on the H200
     (`docs/results/gpu/round2/overhead_gpu_sampling.txt`, decode at temperature 0.8 / top-p
     0.95 against greedy): chains 0.94 / 0.85 / 0.68 at B = 1 / 4 / 16, fused 0.58 / 0.70 / 0.80.

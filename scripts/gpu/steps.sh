@@ -64,7 +64,7 @@ sampling() {  # ~3 min: temperature 0.8 / top-p 0.95 (fused, and llama.cpp's per
     | tail -$((${REPEATS:-3} + 3)) | tee "$OUT/overhead_gpu_sampling.txt"
 }
 
-sampling_parts() {  # ~2-3 min: the fused sampler's parts alone (temperature over the whole vocabulary, + top-k 40,
+sampling_parts() {  # ~3 min: the fused sampler's parts alone (temperature over the whole vocabulary, + top-k 40,
                    # + top-p 0.95, + min-p 0.05) against greedy at B = 1-32, with each part's graph reuse; then
                    # the same with CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS=1): if greedy slows and the parts do
                    # not, the fused graph was already running without CUDA graphs
@@ -75,6 +75,10 @@ sampling_parts() {  # ~2-3 min: the fused sampler's parts alone (temperature ove
         --sampled-variants temp,topk,topp,full --no-llama --repeats "${REPEATS:-2}" 2>&1 \
         | tail -$((${REPEATS:-2} + 2)) | tee "$OUT/sampling_parts_graphs_$graphs.txt" )
   done
+  # what a user gets: the engine's default, llama.cpp's chains below 8 temperature requests, fused from 8
+  python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,16,32 --sampled \
+    --fused-dist-from 8 --no-llama --repeats "${REPEATS:-2}" 2>&1 | tail -$((${REPEATS:-2} + 3)) \
+    | tee "$OUT/sampling_default_policy.txt"
 }
 
 threads() {  # host threads of the GPU context at small batches
