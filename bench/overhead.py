@@ -15,6 +15,14 @@ last token). The last line of stdout is one JSON object.
 request gets them by default) in the same rounds: with the fused sampler (one computation for
 all sequences of a step, engine/llama/fused_dist.py) and, on a second backend without fused
 sampling, with llama.cpp's chains per sequence; each is printed as a ratio to the greedy decode.
+
+`--sampled-variants temp,topk,topp,full` isolates the fused sampler's parts in the same rounds:
+each variant decodes with the fused sampler on the greedy backend (temp: temperature alone over
+the whole vocabulary; topk: + top-k 40; topp: + top-p 0.95; full: + min-p 0.05, the chat
+default), printed as a ratio to greedy per batch size, with the share of its steps that reused
+the previous step's graph (a rebuild runs the sampler's Python callbacks and, on CUDA, captures
+a new CUDA graph), its ms per step inside `llama_decode` (graph build and device) and its µs
+per step outside it (host: scheduling, the uniforms' upload), beside greedy's `host_us_per_step`.
 """
 
 from __future__ import annotations
@@ -45,6 +53,15 @@ SAMPLING_MODES = {
 HELP = "engine decode tok/s vs llama-cpp-python's Llama, same run"
 
 
+# The fused sampler's parts (`--sampled-variants`), each at temperature 0.8.
+VARIANTS = {
+    "temp": SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),  # whole-vocabulary sort
+    "topk": SamplingParams(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0),
+    "topp": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0),
+    "full": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+}
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--threads", type=int, default=0, help="0: all cores")
@@ -66,6 +83,12 @@ def add_arguments(p) -> None:
     p.add_argument("--sampling", default="plain", metavar="MODES",
                    help=f"comma-separated sampling modes, each measured beside plain greedy "
                         f"({', '.join(SAMPLING_MODES)}; default: %(default)s)")
+    p.add_argument("--fused-dist-from", type=int, default=1, metavar="N",
+                   help="temperature requests take the fused sampler once N run (the engine's default is 8; "
+                        "1 here, so that --sampled and --sampled-variants measure the fused sampler at every B)")
+    p.add_argument("--sampled-variants", default="", metavar="LIST",
+                   help="also decode with the fused sampler's parts alone, each as a ratio to greedy: "
+                        f"comma-separated among {','.join(VARIANTS)}")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: cap + 8, at least 32)")
     p.add_argument("--busy-thread", action="store_true",
@@ -87,6 +110,11 @@ def run_overhead(args) -> int:
         print(f"tandem: unknown sampling mode(s) {', '.join(unknown)}: use {', '.join(SAMPLING_MODES)}",
               file=sys.stderr)
         return 2
+    variants = [v for v in args.sampled_variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"unknown --sampled-variants {','.join(unknown)}; choose among {','.join(VARIANTS)}", file=sys.stderr)
+        return 2
     threads = args.threads or None
     model = Model(path, args.device)
     # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
@@ -96,7 +124,7 @@ def run_overhead(args) -> int:
     config = BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
                            threads=threads or 0, backend_sampling=not args.host_sampling,
                            flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified,
-                           fused_greedy=not args.no_fused_greedy)
+                           fused_greedy=not args.no_fused_greedy, fused_dist_from=args.fused_dist_from)
     if not unified:  # every stream holds the prompt and one sequence's tokens
         config = replace(config, n_ctx=config.resolved().n_seq_max * ctx_for(args.prompt_tokens, args.gen_tokens, 1))
     backend = Backend(config, model).start()
@@ -116,6 +144,10 @@ def run_overhead(args) -> int:
         results.update({f"{k}_b{b}": [] for b in batches for k in ("fused_temp", "chain_temp")})
     for m in modes:
         results.update({f"{m}_b{b}": [] for b in batches})
+    results.update({f"part_{v}_b{b}": [] for b in batches for v in variants})
+    variant_reuse: dict[str, list[float]] = {f"{v}_b{b}": [] for b in batches for v in variants}
+    variant_step = {k: [] for k in variant_reuse}  # ms per step inside llama_decode (+ its sync)
+    variant_host = {k: [] for k in variant_reuse}  # µs per step outside it (the uniforms' upload is there)
     if llama is not None:
         results["llama_b1"] = []
     if args.batched_bench:
@@ -141,6 +173,15 @@ def run_overhead(args) -> int:
                     v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, extra=SAMPLING_MODES[m])
                     if rnd:
                         results[f"{m}_b{b}"].append(v)
+                for name in variants:
+                    steps0, reused0, dec0, t0 = backend.steps, backend.graphs_reused, backend.decode_s, time.perf_counter()
+                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=VARIANTS[name])
+                    if rnd:
+                        steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
+                        results[f"part_{name}_b{b}"].append(v)
+                        variant_reuse[f"{name}_b{b}"].append((backend.graphs_reused - reused0) / steps)
+                        variant_step[f"{name}_b{b}"].append(1e3 * dec / steps)
+                        variant_host[f"{name}_b{b}"].append(1e6 * (time.perf_counter() - t0 - dec) / steps)
             if llama is not None:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
@@ -179,9 +220,23 @@ def run_overhead(args) -> int:
         if chains is not None:  # temperature decode against greedy, fused and per-sequence chains
             for key in ("fused_temp", "chain_temp"):
                 out[f"ratio_{key}_greedy_b{b}"] = round(out[f"{key}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
-    if chains is not None:
-        # how the fused sampler's builds went: "shared"/"row" on the device, "host" if it lacked an op
+    if variants:
+        for b in batches:
+            for name in variants:
+                out[f"ratio_part_{name}_greedy_b{b}"] = round(out[f"part_{name}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+        out["variant_graph_reuse"] = {k: round(statistics.median(v), 3) for k, v in variant_reuse.items()}
+        out["variant_decode_ms_per_step"] = {k: round(statistics.median(v), 3) for k, v in variant_step.items()}
+        out["variant_host_us_per_step"] = {k: round(statistics.median(v), 1) for k, v in variant_host.items()}
+        print("fused sampler parts vs greedy (graph reuse): " + "  ".join(
+            f"B={b} " + " ".join(f"{name} {out[f'ratio_part_{name}_greedy_b{b}']:.3f} "
+                                 f"({out['variant_graph_reuse'][f'{name}_b{b}']:.2f})" for name in variants)
+            for b in batches), file=sys.stderr)
+    if chains is not None or variants:
+        # how the fused sampler's builds went: "shared"/"row" on the device, "host" if it lacked an
+        # op, "idle" where only idle fused chains were in a graph (greedy steps)
         out["fused_dist_builds"] = dict(fused_dist.BUILDS - builds0)
+        out["fused_dist_placement"] = dict(fused_dist.PLACEMENT)  # its tables' buffer: host memory costs copies
+    if chains is not None:
         print("temperature 0.8 / top-p 0.95 vs greedy: " + "  ".join(
             f"B={b} fused {out[f'ratio_fused_temp_greedy_b{b}']:.3f} chains {out[f'ratio_chain_temp_greedy_b{b}']:.3f}"
             for b in batches), file=sys.stderr)

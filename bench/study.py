@@ -257,7 +257,7 @@ def _engine_record(name, label, workload, spec, t_submit, handle, record, error)
                          finish_reason=record.finish_reason, prompt_tokens=record.prompt_tokens,
                          cached_tokens=record.cached_tokens, output_tokens=record.output_tokens,
                          queue_s=record.queue_s, ttft_s=record.ttft_s, e2e_s=record.e2e_s, itl_s=record.itl_s,
-                         error=record.error)
+                         error=record.error, cap=record.cap_at_admit, cap_reason=record.cap_reason)
 
 
 # ---- commands ----

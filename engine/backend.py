@@ -81,6 +81,9 @@ class BackendConfig:
     max_queue: int = 4096
     backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
     fused_greedy: bool = True  # on the device, one computation for all sequences of a step (argmax, or fused_dist)
+    # temperature requests take the fused sampler once this many run (or with a seed); fewer run
+    # llama.cpp's chain per sequence (engine/llama/sampling.py, SamplerSlots)
+    fused_dist_from: int = 8
     queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
     idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
     # Unified KV: while B sequences run, the prefix cache keeps at most idle_cache_cells / B
@@ -722,6 +725,8 @@ class Backend:
             e2e_s=now - s.t_submit,
             itl_s=s.itl_sum / (s.generated - 1) if s.generated > 1 else None,
             error=f.error,
+            cap_at_admit=s.admit_cap or None,
+            cap_reason=s.admit_reason if s.admit_cap else None,
             error_kind="server_error" if f.error else None,
             logprobs=tuple(s.logprobs) if s.logprobs is not None else None,
             prompt_logprobs=tuple(s.prompt_logprobs) if s.prompt_logprobs is not None else None,

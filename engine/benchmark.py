@@ -42,6 +42,10 @@ class RequestRecord:
     e2e_s: float | None
     itl_s: float | None  # mean gap between output tokens after the first
     error: str | None = None
+    # The backend's live cap when the request was admitted, and why the limiter last moved it
+    # (engine/limiter.py): the run's cap over time, read beside queue_s
+    cap: int | None = None
+    cap_reason: str | None = None
 
     @property
     def t_end_s(self) -> float | None:

@@ -29,7 +29,8 @@ from .backend import BackendConfig
 from .errors import InvalidRequest
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
-             "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx"}
+             "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx",
+             "fused_dist_from"}
 _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
 _BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive"}
 _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}

@@ -18,9 +18,14 @@ question is whether tok/s rose when the window did):
     the batch, and nothing would be learned about larger batches.
   - **Step up at once, judge it after** (TCP slow start, with a check): below `slow_start`
     (16) a step up doubles the limit, above it adds half. Once a window's mean decode batch
-    has filled at least half the step, decode tok/s there is compared with the rate measured
-    at the old limit; if it fell by more than `tolerance` (10 %), the limit goes back and
-    holds there (`plateau`) for `reprobe_windows` windows. Steps this coarse pass over the
+    has filled at least three quarters of the step (a half-filled step sits in the bumps
+    below, where a batch of 12 may be slower per token than 8 and say nothing about 16), decode tok/s there is compared with the rate measured
+    at the old limit; if it fell by more than `tolerance` (10 %) in `confirm` (2) such
+    windows in a row, the limit goes back to the value before that step up (never lower) and
+    holds there (`plateau`) for `reprobe_windows` windows. One slow window is not enough: on
+    the H200 the study's N=48 (run 1, `docs/results/gpu/round2/caps-n48`) went back from 16
+    to its start 8 mid-run, and from then on every request waited 0.15-0.37 s in the queue
+    (TTFT p95 0.181 s against 0.017 s at a fixed cap 8). Steps this coarse pass over the
     bumps of the real step table (on the H200, b = 9 is slower per token than b = 8 — a
     kernel shape changes — while 16 and 32 are faster again), where +1 hill-climbing stops.
     A flat rate is kept, not reverted: a larger limit still admits sooner (TTFT), and tok/s
@@ -68,6 +73,7 @@ class _Probe:
     base: int  # the limit the step up started from
     rate: float  # decode tok/s measured at `base`
     target: int  # the limit tried
+    drops: int = 0  # filled windows in a row where decode tok/s fell below `rate` by more than the tolerance
 
 
 class ConcurrencyLimiter:
@@ -75,7 +81,7 @@ class ConcurrencyLimiter:
 
     def __init__(self, ceiling: int, *, initial: int | None = None, floor: int = 1, adaptive: bool = True,
                  window: int = 16, tolerance: float = 0.10, reprobe_windows: int = 32, idle_windows: int = 8,
-                 slow_start: int = 16, patience: int = 2):
+                 slow_start: int = 16, patience: int = 2, confirm: int = 2):
         if ceiling < 1:
             raise ValueError(f"ceiling must be >= 1, got {ceiling}")
         self.ceiling = ceiling
@@ -88,6 +94,7 @@ class ConcurrencyLimiter:
         self.idle_windows = idle_windows
         self.slow_start = slow_start  # below it a step up doubles the limit, above it adds half
         self.patience = patience  # steps in a row with requests waiting at the limit before a step up
+        self.confirm = max(1, confirm)  # filled windows in a row that must show a drop before a revert
         self.limit = self.initial if adaptive else ceiling
         self.reason = "start" if adaptive else "fixed"
         self.moves = 0
@@ -167,12 +174,19 @@ class ConcurrencyLimiter:
             if not self._plateau_left:
                 self._plateau = 0
         probe = self._probe
-        if probe is not None and rate and batch >= probe.base + (probe.target - probe.base) / 2:
-            self._probe = None  # the step up filled: did it pay?
+        if probe is not None and rate and batch >= probe.base + 0.75 * (probe.target - probe.base):
+            # the step up filled: did it pay? A drop must persist over `confirm` windows.
             if probe.rate and rate < probe.rate * (1 - self.tolerance):
+                probe.drops += 1
+                if probe.drops < self.confirm:
+                    self.reason = (f"decode {rate:.0f} tok/s at batch {batch:.0f}, below {probe.rate:.0f} at "
+                                   f"{probe.base}: checking again")
+                    return False
+                self._probe = None
                 self._plateau, self._plateau_left = probe.base, self.reprobe_windows
-                return self._move(probe.base, f"decode fell to {rate:.0f} tok/s at batch {batch:.0f} "
-                                              f"from {probe.rate:.0f} at {probe.base}")
+                return self._move(max(probe.base, self.initial), f"decode fell to {rate:.0f} tok/s at batch "
+                                                                 f"{batch:.0f} from {probe.rate:.0f} at {probe.base}")
+            self._probe = None
             self.reason = f"decode {rate:.0f} tok/s at batch {batch:.0f}, up from {probe.rate:.0f} at {probe.base}"
             return False
         if w.bound * 2 >= w.steps:  # requests waited at the limit

@@ -209,6 +209,10 @@ class FinishRecord:
     error_kind: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token, when asked for
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per prompt token after the first
+    # the backend's live cap at admission and why it was there (engine/limiter.py); None where
+    # the backend has no cap of its own (a remote one) or the request was never admitted
+    cap_at_admit: int | None = None
+    cap_reason: str | None = None
 
     @property
     def finish_reason(self) -> str | None:

@@ -89,7 +89,7 @@ class SeqState:
     __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
                  "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
                  "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
-                 "preemptions", "ran_on", "after", "logprobs", "prompt_logprobs")
+                 "preemptions", "ran_on", "after", "logprobs", "prompt_logprobs", "admit_cap", "admit_reason")
 
     def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
                  n_ctx_seq: int | None = None):
@@ -124,6 +124,8 @@ class SeqState:
         self.logprobs: list | None = [] if self.sp.logprobs is not None else None
         # One TokenLogprob per prompt token after the first, when the request asked for them.
         self.prompt_logprobs: list | None = [] if self.sp.prompt_logprobs else None
+        self.admit_cap = 0  # the live cap when it was first admitted, and the limiter's reason then
+        self.admit_reason = ""
 
     @property
     def prefilling(self) -> bool:
@@ -490,6 +492,8 @@ class Scheduler:
         self.cache.record_query(n, hit)
         if not seq.t_admit:
             seq.t_admit = self.clock()
+            seq.admit_cap = self.cap
+            seq.admit_reason = self.limiter.reason if self.limiter is not None else "fixed"
         seq.status = RequestStatus.RUNNING
         return True
 

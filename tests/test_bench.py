@@ -266,6 +266,11 @@ class TestBenchSeed:
             assert float(r["queue_s"]) >= 0 and 0 < float(r["ttft_s"]) <= float(r["e2e_s"])
             assert r["backend"] in ("cpu0", "cpu1")
 
+    def test_requests_csv_names_the_live_cap_at_each_admission(self, run):
+        _, out = run
+        _, rows, _ = read_outputs(out)
+        assert all(int(r["cap"]) >= 1 and r["cap_reason"] for r in rows)
+
     def test_each_request_has_one_decision_scored_by_the_formula(self, run):
         _, out = run
         summary, rows, decisions = read_outputs(out)
@@ -634,3 +639,28 @@ def test_tenants_as_text_give_a_text_peer_the_engines_prompts(tmp_path, tiny_pat
     assert all(engine[i]["prompt_tokens"] == text_peer[i]["prompt_tokens"] for i in engine)
     assert int(engine["0"]["prompt_tokens"]) > 38  # synthetic:tiny's 512 pieces split words
     assert max(int(r["cached_tokens"]) for r in text_peer.values()) > 32  # a tenant's prefix reused
+
+
+def test_bench_overhead_sampled_variants_print_each_part_against_greedy(tiny_path, capsys):
+    """`--sampled-variants`: the fused sampler's parts alone (temperature, + top-k, + top-p,
+    + min-p), each as a ratio to the greedy decode of the same round, with its graph reuse."""
+    rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "1,2",
+               "--repeats", "1", "--no-llama", "--prompt-tokens", "64", "--gen-tokens", "16",
+               "--sampled-variants", "temp,topk,topp,full"])
+    out = _last_json(capsys)
+    assert rc == 0
+    for b in (1, 2):
+        for name in ("temp", "topk", "topp", "full"):
+            assert out[f"ratio_part_{name}_greedy_b{b}"] == round(out[f"part_{name}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+            assert 0.0 <= out["variant_graph_reuse"][f"{name}_b{b}"] <= 1.0
+            assert out["variant_decode_ms_per_step"][f"{name}_b{b}"] > 0
+            assert f"{name}_b{b}" in out["variant_host_us_per_step"]
+    assert out["fused_dist_placement"]["buffer"] and isinstance(out["fused_dist_placement"]["host"], bool)
+    assert out["fused_dist_builds"]["shared"] >= 1
+
+
+def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):
+    rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "1",
+               "--repeats", "1", "--no-llama", "--sampled-variants", "temp,nucleus"])
+    assert rc == 2
+    assert "nucleus" in capsys.readouterr().err

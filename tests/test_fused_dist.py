@@ -174,3 +174,46 @@ def test_only_settings_the_computation_covers_take_the_fused_path():
                                               ignore_eos=True, max_tokens=9, stop=("x",)))
     assert not fused_dist.supports(SamplingParams(temperature=0.7, repeat_penalty=1.2))
     assert not fused_dist.supports(SamplingParams(temperature=0.0))
+
+
+def test_greedy_steps_beside_idle_fused_chains_skip_the_fused_computation(make_backend, tiny_model):
+    """After temperature requests end, their fused chains stay attached, idle; greedy requests
+    that run next build no shared fused computation (only one argmax per idle chain), and their
+    text is what greedy gives without them."""
+    b = make_backend(tiny_model, cap=4, cache=False)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12)] * 3
+    plain = _texts(b, greedy)
+    _texts(b, [SamplingParams(temperature=0.8, seed=s, max_tokens=4) for s in (1, 2)])
+    before = fused_dist.BUILDS.copy()
+    beside = _texts(b, greedy)
+    built = fused_dist.BUILDS - before
+    assert built["idle"] >= 1, built
+    assert built["shared"] == 0 and built["row"] == 0, built
+    assert beside == plain
+
+
+def test_few_unseeded_temperature_requests_run_llama_chains(make_backend, tiny_model):
+    """Below `fused_dist_from` running temperature requests, an unseeded one takes llama.cpp's
+    chain per sequence (faster at small batches on the GPU)."""
+    b = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+    before = fused_dist.BUILDS.copy()
+    _texts(b, [SamplingParams(temperature=0.8, max_tokens=4)] * 2)
+    assert (fused_dist.BUILDS - before)["row"] == 0
+
+
+def test_a_seeded_temperature_request_alone_takes_the_fused_sampler(make_backend, tiny_model):
+    """A seed keeps the fused sampler at any load: one RNG, so it reproduces alone or batched."""
+    b = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+    before = fused_dist.BUILDS.copy()
+    _texts(b, [SamplingParams(temperature=0.8, max_tokens=4, seed=5)])
+    assert (fused_dist.BUILDS - before)["row"] >= 1
+
+
+def test_a_burst_reaching_the_threshold_takes_the_fused_sampler_throughout(make_backend, tiny_model):
+    """Temperature requests admitted together count toward `fused_dist_from` at once: all of
+    them take the fused sampler, none llama.cpp's chain."""
+    b = make_backend(tiny_model, cap=4, cache=False, fused_dist_from=3)
+    before = fused_dist.BUILDS.copy()
+    _texts(b, [SamplingParams(temperature=0.8, max_tokens=4)] * 4)
+    built = fused_dist.BUILDS - before
+    assert built["shared"] >= 1 and built["row"] >= 4 * built["shared"], built

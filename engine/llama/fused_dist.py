@@ -26,7 +26,10 @@ Rows with different settings share one graph: each row's settings are a column o
 is built (chains keep their settings while attached). Each sequence draws its uniform from its
 own RNG (`random.Random`, seeded with the request's seed: a seed reproduces, alone or batched)
 on the host before the step (`draw`, called by the runner before `llama_decode`) and all of a
-step's uniforms go to the device in one copy; the graph picks each row's by its sequence id. No
+step's uniforms go to the device in one copy; the graph picks each row's by its sequence id.
+A step where no fused chain's sequence drew (greedy rows beside idle fused chains, which stay
+attached for the next request: engine/llama/sampling.py) builds one argmax per idle chain
+instead of the whole computation, so greedy decode does not pay for them. No
 Python runs inside a step unless the graph is rebuilt (the callbacks are `backend_apply` and
 `backend_reset`, at builds only; there is no `backend_set_input`).
 
@@ -73,6 +76,7 @@ _FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: set on the output llama.cpp chos
 _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_top_k", [_P, _P, ctypes.c_int], _P),
     ("ggml_argsort", [_P, _P, ctypes.c_int], _P),
+    ("ggml_argmax", [_P, _P], _P),
     ("ggml_get_rows", [_P, _P, _P], _P),
     ("ggml_reshape_1d", [_P, _P, _I64], _P),
     ("ggml_reshape_2d", [_P, _P, _I64, _I64], _P),
@@ -107,16 +111,22 @@ _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_backend_buffer_free", [_P], None),
     ("ggml_backend_tensor_set", [_P, _P, ctypes.c_size_t, ctypes.c_size_t], None),
     ("ggml_backend_buft_get_device", [_P], _P),
+    ("ggml_backend_buft_name", [_P], ctypes.c_char_p),
+    ("ggml_backend_buft_is_host", [_P], ctypes.c_bool),
     ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
     ("ggml_op_desc", [_P], ctypes.c_char_p),
 ]
 _g = {name: holding_gil(name, args, res) for name, args, res in _SIGNATURES}  # ggml, keeping the GIL
 
 # "shared": computations over a whole logits matrix; "row": chain builds that took their row of
-# one; "own": chain builds that computed their row alone; "host": chains kept on the host because
+# one; "own": chain builds that computed their row alone; "idle": chain builds in a step where no
+# fused chain's sequence drew (one argmax, never read); "host": chains kept on the host because
 # the device lacks an operation; "late": builds whose settings reached the device a step late
 # (fewer chains registered than were on the device: not expected)
 BUILDS: collections.Counter = collections.Counter()
+# Where the latest tables were allocated: the buffer type llama.cpp gave the chains, whether it is
+# host memory (then every step copies what the graph reads from it to the device), the variant.
+PLACEMENT: dict = {}
 
 # Per-row settings, one column each, in this order (a row of a graph's settings block).
 _COLUMNS = ("seq", "inv_temp", "top_p", "min_p", "k", "ban")
@@ -258,6 +268,8 @@ class _Table:
         _set(self.eog, bias)
         _set(self.uniforms, self.staged)
         self.buft, self.n_vocab = buft, n_vocab
+        PLACEMENT.update(buffer=(g["ggml_backend_buft_name"](buft) or b"").decode(),
+                         host=bool(g["ggml_backend_buft_is_host"](buft)), variant=list(self.variant))
 
     def free(self) -> None:
         if self._buffer:
@@ -452,6 +464,10 @@ def _backend_apply(smpl, ctx, _gf, data) -> None:
         if chain.buft is None:
             return
         t.allocate(chain.buft, chain.n_vocab, chain.eog)
+    if not t.active:  # no fused chain's sequence drew for this step: all of them are idle here
+        BUILDS["idle"] += 1
+        d.sampled = _g["ggml_argmax"](ctx, d.logits)  # one cheap kernel, never read
+        return
     seq = _name_of(d.logits)
     where = _row_of(d.logits)
     if where is None or seq is None or not 0 <= seq < _SEQS or where[2] > _ROWS:

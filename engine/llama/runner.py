@@ -17,8 +17,9 @@ by output row. Other sequences of the same step keep their device chains.
 The hot path is the decode: nothing here adds per-token Python work beyond the batch's writes
 (three list assignments for 8 rows or more), one token read per sampled row (the token of
 an attached stateless chain, `Sampler.direct`, is read in the loop itself) and, while fused
-temperature chains exist, one uniform per sampled row drawn before the step and uploaded in one
-copy (`fused_dist.draw`). While the device
+temperature chains run, one uniform per sampled row drawn before the step and uploaded in one
+copy (`fused_dist.draw`); a step with no running fused chain makes no per-row call for them,
+even while idle ones stay attached (`SamplerSlots.fused_busy`). While the device
 runs a step, the `during` callback (the previous step's text and the Outbox flush,
 engine/backend.py) runs between `llama_decode`, which releases the GIL, and
 `llama_synchronize`.
@@ -89,7 +90,8 @@ class ContextRunner:
         self._mem = lc.llama_get_memory(self.ctx)
         self._batch = Batch(max(c.n_batch, c.n_seq_max))
         self.samplers = SamplerSlots(model.n_vocab, model.eog_tokens, c.backend_sampling,
-                                     idle_s=c.idle_sampler_s, fused=c.fused_greedy, n_ids=c.n_seq_max)
+                                     idle_s=c.idle_sampler_s, fused=c.fused_greedy, n_ids=c.n_seq_max,
+                                     fused_dist_from=c.fused_dist_from)
         self.eog_redos = 0  # end tokens a guarding chain sampled and the runner took back
         self.kv_cell_bytes = kv_bytes_per_cell(model)
 
@@ -107,11 +109,15 @@ class ContextRunner:
         """Give each newly admitted sequence a sampler chain on its id; when that costs a graph
         reserve anyway, attach the same chain to the next free ids too (`free_ids(n)`)."""
         reserve_for = None
+        # temperature requests admitted with this one count toward `fused_dist_from` at once, so
+        # a burst takes one kind of chain (SamplerSlots)
+        alongside = sum(1 for s in seqs if not (s.warm or s.seq_id < 0 or s.sp.greedy))
         for s in seqs:
             if s.warm or s.seq_id < 0:
                 continue
             attached = self.samplers.attaches
-            s.sampler = self.samplers.acquire(self.ctx, s.seq_id, s.sp)
+            alongside -= 0 if s.sp.greedy else 1
+            s.sampler = self.samplers.acquire(self.ctx, s.seq_id, s.sp, alongside)
             if s.generated:  # resumed after a preemption: the chain's history
                 s.sampler.accept(s.tokens[s.n_prompt:])
             if self.samplers.attaches > attached and reserve_for is None:
@@ -137,9 +143,11 @@ class ContextRunner:
             s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits, s.prompt_logprobs is not None)
         n_prefill = batch.n - n_decode
         ctx = self.ctx
-        if fused_dist.live():  # fused temperature chains: this step's uniforms, one upload
+        if self.samplers.fused_busy:  # fused temperature chains run: this step's uniforms, one upload
             fused_dist.draw([(s.seq_id, s.sampler.dist) for s in decode]
                             + [(s.seq_id, s.sampler.dist) for s, _, _, logits in plan.chunks if logits])
+        elif fused_dist.live():  # only idle ones: no row to draw for, and their builds stay cheap
+            fused_dist.draw(())
         t0 = time.perf_counter()
         rc = lc.llama_decode(ctx, batch.full())
         if during is not None:  # host work while the device runs this step

@@ -53,14 +53,17 @@ class Sampler:
         return ("dist", params.ignore_eos, penalty, params.top_k, params.top_p, params.min_p,
                 params.temperature, params.seed, *extra)
 
-    def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False):
+    def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False,
+                 dist: bool = True):
         """`fused`: a chain for the device: greedy takes `fused_greedy` and, for `ignore_eos`,
         no bias but `guards_eog` (the caller must not keep an end token it samples); a
         temperature chain without penalties is one `fused_dist` sampler (`dist`, whose
-        uniform the runner draws before each step: `fused_dist.draw`)."""
+        uniform the runner draws before each step: `fused_dist.draw`) unless `dist` is False
+        (then llama.cpp's own samplers, per sequence)."""
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
-        self.dist = fused_dist.fused_dist(params, n_vocab, eog_tokens) if fused and fused_dist.supports(params) else None
+        self.dist = (fused_dist.fused_dist(params, n_vocab, eog_tokens)
+                     if fused and dist and fused_dist.supports(params) else None)
         # fused_greedy takes its argmax over the step's raw logits: a bias or a penalty would
         # not be seen, so only plain greedy chains take it (fused_dist.supports says the same
         # of temperature chains).
@@ -176,10 +179,18 @@ class SamplerSlots:
     either (each still adds a little to a GPU step: 32 idle ones cost batch-1 decode 30 %), so
     `trim` keeps at most the cap's worth, and none that sat idle for `idle_s` seconds — a
     burst keeps its chains, a chat after it gets its speed back.
+
+    Temperature requests take the fused sampler (`fused_dist`) only once `fused_dist_from` of
+    them run (this one and those admitted with it included), or when they carry a seed (one RNG, so a seed reproduces
+    alone or batched); below that, llama.cpp's chain per sequence. Measured on the H200
+    (`docs/results/gpu/round2/overhead_gpu_sampling.txt`, decode at temperature 0.8 / top-p
+    0.95 against greedy): chains 0.94 / 0.85 / 0.68 at B = 1 / 4 / 16, fused 0.58 / 0.70 / 0.80.
+    A request keeps the kind it was admitted with; an idle chain is reused only by a request
+    that wants its kind.
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
-                 fused: bool = True, n_ids: int = 0):
+                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 8):
         self.n_ids = n_ids  # sequence ids of the context
         self._n_vocab = n_vocab
         self._eog = eog_tokens
@@ -189,6 +200,16 @@ class SamplerSlots:
         self._idle_since: dict[int, float] = {}  # ids whose chain no request uses: since when
         self.idle_s = idle_s
         self.attaches = 0  # chains handed to the context (each costs llama.cpp a graph reserve)
+        # ids whose running request samples with `fused_dist`: while none, a step draws no
+        # uniforms and makes no per-row Python call for them (the runner asks `fused_busy`)
+        self._fused_ids: set[int] = set()
+        self.fused_dist_from = fused_dist_from
+        self._temperature_ids: set[int] = set()  # ids whose running request samples at a temperature
+
+    @property
+    def fused_busy(self) -> bool:
+        """Whether a running request samples with a fused temperature chain (`Sampler.dist`)."""
+        return bool(self._fused_ids)
 
     @property
     def attached(self) -> int:
@@ -198,30 +219,49 @@ class SamplerSlots:
         """Ids whose idle chain a request with `params` would reuse as it is; for a request
         whose chain stays on the host (`logprobs`), also ids with no chain at all (taking
         one with an attached chain would detach it: a graph reserve)."""
-        key = Sampler.key_of(params)
-        same = [i for i in self._idle_since if self._slots[i].key == key]
+        key, dist = Sampler.key_of(params), self._wants_dist(params)
+        same = [i for i in self._idle_since if self._slots[i].key == key and (self._slots[i].dist is not None) == dist]
         if params.logprobs is not None and self.on_device:
             same += [i for i in range(self.n_ids) if i not in self._slots]
         return same
 
-    def acquire(self, ctx, seq_id: int, params: SamplingParams) -> Sampler:
-        """The chain for the request about to run on `seq_id`, reset or newly attached."""
+    def _wants_dist(self, params: SamplingParams, alongside: int = 0) -> bool:
+        """Whether a new chain for `params` should be a fused one (see the class doc);
+        `alongside`: temperature requests admitted with it that have no chain yet."""
+        if not self.fused or params.greedy or not fused_dist.supports(params):
+            return False
+        return params.seed is not None or len(self._temperature_ids) + 1 + alongside >= self.fused_dist_from
+
+    def acquire(self, ctx, seq_id: int, params: SamplingParams, alongside: int = 0) -> Sampler:
+        """The chain for the request about to run on `seq_id`, reset or newly attached;
+        `alongside`: temperature requests admitted with it that are still to acquire theirs."""
         self._idle_since.pop(seq_id, None)
+        self._temperature_ids.discard(seq_id)
+        dist = self._wants_dist(params, alongside)
         old = self._slots.get(seq_id)
-        if old is not None and old.key == Sampler.key_of(params):
+        if old is not None and old.key == Sampler.key_of(params) and (old.dist is not None) == dist:
             old.reset()
-            return old
-        return self._replace(ctx, seq_id, self._chain(params))
+            chain = old
+        else:
+            chain = self._replace(ctx, seq_id, self._chain(params, dist))
+        if not params.greedy:
+            self._temperature_ids.add(seq_id)
+        if chain.dist is not None:
+            self._fused_ids.add(seq_id)
+        else:
+            self._fused_ids.discard(seq_id)
+        return chain
 
     def ban_eog(self, ctx, seq_id: int, params: SamplingParams, accepted) -> Sampler:
         """Swap `seq_id`'s guarding chain for one that bans end tokens (logit bias), with the
         request's `accepted` tokens replayed into it."""
         new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog))
+        self._fused_ids.discard(seq_id)
         new.accept(accepted)
         return new
 
-    def _chain(self, params: SamplingParams) -> Sampler:
-        return Sampler(params, self._n_vocab, self._eog, self.fused)
+    def _chain(self, params: SamplingParams, dist: bool = True) -> Sampler:
+        return Sampler(params, self._n_vocab, self._eog, self.fused, dist)
 
     def _replace(self, ctx, seq_id: int, new: Sampler) -> Sampler:
         old = self._slots.get(seq_id)
@@ -240,9 +280,10 @@ class SamplerSlots:
         n = 0
         if not params.plain:  # a burst of plain requests is what the extra chains are for
             return 0
+        dist = self._wants_dist(params)
         for i in seq_ids:
             if i not in self._slots:
-                s = self._chain(params)
+                s = self._chain(params, dist)
                 s.attach(ctx, i)
                 self._slots[i] = s
                 self._idle_since[i] = time.monotonic()
@@ -252,6 +293,8 @@ class SamplerSlots:
 
     def release(self, seq_id: int) -> None:
         """The request on `seq_id` ended; its chain stays, idle."""
+        self._fused_ids.discard(seq_id)
+        self._temperature_ids.discard(seq_id)
         if seq_id in self._slots:
             self._idle_since[seq_id] = time.monotonic()
 
@@ -284,3 +327,5 @@ class SamplerSlots:
             s.free(detach=False)
         self._slots.clear()
         self._idle_since.clear()
+        self._fused_ids.clear()
+        self._temperature_ids.clear()
