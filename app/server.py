@@ -22,7 +22,9 @@ bodies). `docs/security.md` has the threat model and which test covers each defe
 name no file path and no library version (`Server: tandem`; the model id is the file's stem).
 
 Streaming pulls the first text before committing to SSE, so a request that fails early still
-gets a JSON error. The app must run with `handler_cancellation=True` (`start_server()` and
+gets a JSON error. A chat with tools is read whole before it is shown (the reply is one JSON
+value in llama-server's generic format, engine/structured.py): its stream carries the tool
+call, or the content, in OpenAI's delta shape once the reply is complete. The app must run with `handler_cancellation=True` (`start_server()` and
 `run_serve()` do): a client that disconnects cancels its handler, whose `finally` cancels the
 engine request, and the backend frees its KV at its next step.
 
@@ -53,6 +55,7 @@ from engine.handle import RequestHandle
 from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import EngineMetrics
 from engine.request import FinishRecord, RequestStatus
+from engine.structured import ToolCall, parse_reply
 
 from .http_guard import (
     GUARD,
@@ -357,14 +360,17 @@ async def _stream(request: web.Request, handle: RequestHandle, reply: Reply) -> 
     try:
         for chunk in reply.opening():
             await _send(response, chunk)
-        if first:
+        if first and not reply.tools:
             await _send(response, reply.chunk(first))
         async for delta in deltas:
-            await _send(response, reply.chunk(delta))
+            if not reply.tools:
+                await _send(response, reply.chunk(delta))
         record = handle.result(0)
         if record.error:
             await _send(response, error_payload(_failure(record))[1])
         else:
+            for chunk in reply.tool_chunks(record):
+                await _send(response, chunk)
             await _send(response, reply.closing(record))
             if reply.include_usage:
                 await _send(response, reply.usage_chunk(record))
@@ -401,11 +407,46 @@ class Reply:
         self.model = parsed.model
         self.include_usage = parsed.include_usage
         self.headers = {"X-Request-Id": handle.id, "X-Tandem-Backend": handle.backend or ""}
+        self.tools = parsed.tools  # a chat with tools: the reply is read whole, then shown
+        self._read: tuple[str | None, list[ToolCall]] | None = None
+
+    def _reply(self, record: FinishRecord) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished reply. A reply the grammar did not finish (cut
+        by `max_tokens`: `length`) is shown as the text it is, with no call."""
+        if self._read is None:
+            self._read = (record.text, [])
+            if self.tools is not None and record.finish_reason == "stop":
+                try:
+                    self._read = parse_reply(record.text, self.tools)
+                except InvalidRequest:
+                    pass
+        return self._read
+
+    def _finish_reason(self, record: FinishRecord) -> str | None:
+        return "tool_calls" if self.tools is not None and self._reply(record)[1] else record.finish_reason
+
+    def tool_chunks(self, record: FinishRecord) -> list[dict]:
+        """A chat with tools, streamed: its content or its call, in OpenAI's delta shape."""
+        if self.tools is None:
+            return []
+        content, calls = self._reply(record)
+        if not calls:
+            return [self._chunk({"content": content or ""}, None)]
+        out = []
+        for i, call in enumerate(calls):
+            out.append(self._chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                                    "function": {"name": call.name, "arguments": ""}}]}, None))
+            out.append(self._chunk({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}, None))
+        return out
 
     def whole(self, record: FinishRecord) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": record.text},
-                      "logprobs": None, "finish_reason": record.finish_reason}
+            content, calls = self._reply(record)
+            message: dict = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.to_dict() for c in calls]
+            choice = {"index": 0, "message": message,
+                      "logprobs": None, "finish_reason": self._finish_reason(record)}
         else:
             choice = {"index": 0, "text": record.text, "logprobs": None, "finish_reason": record.finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": _usage(record)}
@@ -418,7 +459,7 @@ class Reply:
         return self._chunk({"content": text} if self.chat else text, None)
 
     def closing(self, record: FinishRecord) -> dict:
-        return self._chunk({} if self.chat else "", record.finish_reason)
+        return self._chunk({} if self.chat else "", self._finish_reason(record))
 
     def usage_chunk(self, record: FinishRecord) -> dict:
         return {**self._head(self._chunk_object), "choices": [], "usage": _usage(record)}

@@ -294,14 +294,16 @@ class Backend:
 
     def validate(self, request: Request) -> None:
         """Raise if this backend can never serve `request`: the prompt does not fit the
-        context, or holds a token id the model does not have (llama.cpp would fail the
-        whole step, and every sequence in it)."""
+        context, holds a token id the model does not have (llama.cpp would fail the
+        whole step, and every sequence in it), or its grammar does not parse."""
         tokens = request.prompt_tokens
         if len(tokens) >= self.n_ctx_seq:
             raise ContextLengthExceeded(len(tokens), self.n_ctx_seq)
         if tokens and (min(tokens) < 0 or max(tokens) >= self.model.n_vocab):
             bad = next(t for t in tokens if not 0 <= t < self.model.n_vocab)
             raise InvalidRequest(f"prompt token id {bad} is not in the model's vocabulary [0, {self.model.n_vocab})")
+        if request.sampling.grammar is not None:  # a grammar llama.cpp cannot parse would fail the worker
+            self.model.check_grammar(request.sampling.grammar)
 
     def match(self, request: Request) -> int:
         """Longest usable cached prefix of the request's prompt (cheap, read-only; any thread).

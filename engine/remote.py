@@ -258,10 +258,14 @@ class RemoteBackend:
     # ---- requests (any thread) ----
 
     def validate(self, request: Request) -> None:
-        """Raise if the engine can never serve `request`: a token prompt longer than its context."""
+        """Raise if the engine can never serve `request`: a token prompt longer than its context,
+        or a grammar its API has no field for."""
         n = len(request.prompt_tokens)
         if n and self.n_ctx and n >= self.n_ctx and not (request.text or request.messages):
             raise ContextLengthExceeded(n, self.n_ctx)
+        if request.sampling.grammar is not None and self.api not in ("llama-server", "tandem", "auto"):
+            raise InvalidRequest(f"{self.name}: grammar-constrained requests (response_format, tools, grammar) "
+                                 f"need a llama-server or Tandem engine, not {self.api}")
 
     def match(self, request: Request) -> int:
         """Predicted cached prompt tokens on the engine (see the module docstring)."""
@@ -699,6 +703,8 @@ class RemoteBackend:
             body["stop"] = list(sp.stop)
         if sp.seed is not None:
             body["seed"] = sp.seed
+        if sp.grammar is not None:  # `validate` let only engines that take `grammar` have it
+            body["grammar"] = sp.grammar
         extra = _EXTRA.get(self.api, ())
         if "top_k" in extra and sp.top_k > 0:
             body["top_k"] = sp.top_k

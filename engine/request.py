@@ -20,7 +20,12 @@ def next_request_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How tokens are chosen. `temperature == 0` means greedy."""
+    """How tokens are chosen. `temperature == 0` means greedy.
+
+    `grammar` (GBNF, root rule `root`) constrains every token to it (llama.cpp's grammar
+    sampler, first in the chain); the sequence ends when the grammar is complete, since then
+    only end-of-generation tokens are allowed. Such a sequence samples on the host.
+    """
 
     temperature: float = 0.8
     top_k: int = 40
@@ -32,6 +37,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +58,10 @@ class SamplingParams:
             ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32), "in [0, 2^32)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
              "at most 16 non-empty strings"),
+            ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+             "a non-empty GBNF string"),
+            # A complete grammar allows only end tokens: banning them too leaves nothing to sample.
+            ("ignore_eos", not (self.ignore_eos and self.grammar is not None), "false with a grammar"),
         ]
         for name, ok, allowed in checks:
             if not ok:

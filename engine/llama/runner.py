@@ -77,7 +77,7 @@ class ContextRunner:
         self._mem = lc.llama_get_memory(self.ctx)
         self._batch = Batch(max(c.n_batch, c.n_seq_max))
         self.samplers = SamplerSlots(model.n_vocab, model.eog_tokens, c.backend_sampling,
-                                     idle_s=c.idle_sampler_s, fused=c.fused_greedy)
+                                     idle_s=c.idle_sampler_s, fused=c.fused_greedy, vocab=model.vocab)
         self.eog_redos = 0  # end tokens a guarding chain sampled and the runner took back
         self.kv_cell_bytes = kv_bytes_per_cell(model)
 

@@ -10,6 +10,13 @@ one comes up, the backend rewinds that token and the sequence takes the biased c
 (`SamplerSlots.ban_eog`), which picks from the same logits with the end tokens banned. The
 tokens are the same either way. `SamplerSlots` keeps each sequence id's chain attached
 between requests. All calls happen on the backend's thread.
+
+A request with a `grammar` gets llama.cpp's grammar sampler at the head of its chain (every
+token outside the grammar is masked before anything else looks at the logits; once the grammar
+is complete only end tokens are left, so the sequence ends there). The grammar sampler has no
+device implementation, so such a chain is never attached: that sequence samples on the host
+from its logits row (per-sequence fallback), and every other sequence keeps its device chain
+and `fused_greedy`.
 """
 
 from __future__ import annotations
@@ -30,23 +37,33 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "guards_eog", "direct", "_stateless", "_bias", "_ctx", "_seq")
+    __slots__ = ("ptr", "key", "guards_eog", "direct", "host_only", "_stateless", "_bias", "_ctx", "_seq")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
         """What makes two chains the same once reset (an unset seed draws anew at each reset)."""
         penalty = (params.repeat_penalty, params.repeat_last_n) if params.repeat_penalty != 1.0 else None
         if params.greedy:
-            return ("greedy", params.ignore_eos, penalty)
+            return ("greedy", params.ignore_eos, penalty, params.grammar)
         return ("dist", params.ignore_eos, penalty, params.top_k, params.top_p, params.min_p,
-                params.temperature, params.seed)
+                params.temperature, params.seed, params.grammar)
 
-    def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False):
+    def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False,
+                 vocab=None):
         """`fused`: a greedy chain for the device, with `fused_greedy` and, for `ignore_eos`,
-        no bias but `guards_eog` (the caller must not keep an end token it samples)."""
+        no bias but `guards_eog` (the caller must not keep an end token it samples). `vocab`
+        (the model's `llama_vocab`) is needed for a grammar."""
+        self.host_only = params.grammar is not None
+        grammar = None
+        if self.host_only:  # checked when the request came in (`grammar.check`); built before the chain
+            grammar = lc.llama_sampler_init_grammar(vocab, params.grammar.encode("utf-8"), b"root")
+            if not grammar:
+                raise ValueError("llama.cpp cannot parse the request's grammar")
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
-        fused = fused and params.greedy
+        if grammar is not None:
+            add(grammar)
+        fused = fused and params.greedy and not self.host_only
         self.key = self.key_of(params)
         self.guards_eog = fused and params.ignore_eos
         self._stateless = fused and params.repeat_penalty == 1.0  # nothing in it keeps history
@@ -78,7 +95,7 @@ class Sampler:
 
     def attach(self, ctx, seq_id: int) -> bool:
         """Sample `seq_id` on the device from now on; False if llama.cpp keeps it on the host."""
-        if lc.llama_set_sampler(ctx, seq_id, self.ptr):
+        if not self.host_only and lc.llama_set_sampler(ctx, seq_id, self.ptr):
             self._ctx, self._seq = ctx, seq_id
             self.direct = self._stateless
             return True
@@ -136,8 +153,9 @@ class SamplerSlots:
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
-                 fused: bool = True):
+                 fused: bool = True, vocab=None):
         self._n_vocab = n_vocab
+        self._vocab = vocab
         self._eog = eog_tokens
         self.on_device = on_device
         self.fused = on_device and fused  # greedy chains take `fused_greedy` (engine/llama/greedy.py)
@@ -167,26 +185,29 @@ class SamplerSlots:
     def ban_eog(self, ctx, seq_id: int, params: SamplingParams, accepted) -> Sampler:
         """Swap `seq_id`'s guarding chain for one that bans end tokens (logit bias), with the
         request's `accepted` tokens replayed into it."""
-        new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog))
+        new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog, vocab=self._vocab))
         new.accept(accepted)
         return new
 
     def _chain(self, params: SamplingParams) -> Sampler:
-        return Sampler(params, self._n_vocab, self._eog, self.fused)
+        return Sampler(params, self._n_vocab, self._eog, self.fused, vocab=self._vocab)
 
     def _replace(self, ctx, seq_id: int, new: Sampler) -> Sampler:
         old = self._slots.get(seq_id)
-        if self.on_device:
-            new.attach(ctx, seq_id)  # replaces the old chain for this id in one reserve
+        attached = self.on_device and new.attach(ctx, seq_id)  # replaces the old chain in one reserve
+        if attached:
             self.attaches += 1
         if old is not None:
-            old.free(detach=False)  # llama.cpp already dropped it for `new`
+            # llama.cpp already dropped it for `new`, unless `new` stays on the host (a grammar)
+            old.free(detach=not attached)
         self._slots[seq_id] = new
         return new
 
     def prepare(self, ctx, seq_ids, params: SamplingParams) -> int:
         """Attach a chain for `params` to each of `seq_ids` that has none; returns how many."""
         n = 0
+        if params.grammar is not None:  # host-only chains are never attached
+            return 0
         for i in seq_ids:
             if i not in self._slots:
                 s = self._chain(params)
