@@ -4,6 +4,7 @@ the tokens llama.cpp's own greedy and logit-bias chain choose."""
 from __future__ import annotations
 
 import ctypes
+import re
 
 import pytest
 
@@ -170,3 +171,19 @@ def test_pending_text_is_not_lost_when_a_request_ends_early(make_backend, tiny_m
     record = h.result(WAIT)
     assert record.status in (RequestStatus.FINISHED_CANCELLED, RequestStatus.FINISHED_ERROR)
     assert streamed == record.text and 20 < record.output_tokens < 3000
+
+
+def test_a_grammar_sequence_samples_on_the_host_beside_device_greedy_ones(make_backend, tiny_model):
+    """A grammar-constrained sequence (host sampling) runs in the same steps as device greedy
+    ones: its reply is in the grammar and ends with it; theirs are the tokens they choose alone."""
+    prompts = [[5 + i, 9, 3 * i + 1, 40 + i] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    b = make_backend(tiny_model, cap=4, cache=False)
+    alone = _texts(b, tiny_model, prompts[:3], sp)
+    constrained = SamplingParams(temperature=0, max_tokens=64, grammar='root ::= "{" [a-z]{1,5} "}"')
+    handles = [b.enqueue(Request(tuple(p), sp)) for p in prompts[:3]]
+    handles.append(b.enqueue(Request(tuple(prompts[3]), constrained)))
+    together = [h.result(WAIT) for h in handles]
+    assert [r.text for r in together[:3]] == [r.text for r in alone]
+    assert re.fullmatch(r"\{[a-z]{1,5}\}", together[3].text), together[3].text
+    assert together[3].finish_reason == "stop"
