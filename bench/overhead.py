@@ -42,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batched-bench", metavar="BIN", default=None,
                    help="also run llama.cpp's llama-batched-bench (path) with the same shape")
     p.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
+    p.add_argument("--constrained", type=int, default=0, metavar="N",
+                   help="also measure each batch with N of its sequences under a grammar (they sample on "
+                        "the host): the cost of the per-sequence fallback (constrained_bB, constrained_ratio_bB)")
     p.add_argument("--no-fused-greedy", action="store_true",
                    help="llama.cpp's greedy sampler per sequence (and its logit bias for ignore_eos) "
                         "instead of one argmax for all sequences of a step")
@@ -82,6 +85,8 @@ def run_overhead(args) -> int:
     results: dict[str, list[float]] = {f"engine_b{b}": [] for b in batches}
     if args.busy_thread:
         results.update({f"busy_b{b}": [] for b in batches})
+    if args.constrained:
+        results.update({f"constrained_b{b}": [] for b in batches})
     if llama is not None:
         results["llama_b1"] = []
     if args.batched_bench:
@@ -98,6 +103,11 @@ def run_overhead(args) -> int:
                         v = engine_decode(backend, prompt, args.gen_tokens, b, record=False)
                     if rnd:
                         results[f"busy_b{b}"].append(v)
+                if args.constrained:
+                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False,
+                                      constrained=min(args.constrained, b))
+                    if rnd:
+                        results[f"constrained_b{b}"].append(v)
             if llama is not None:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
@@ -127,6 +137,8 @@ def run_overhead(args) -> int:
             out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
         if args.busy_thread:
             out[f"gil_ratio_b{b}"] = round(out[f"busy_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+        if args.constrained:
+            out[f"constrained_ratio_b{b}"] = round(out[f"constrained_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         if args.batched_bench:
             out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
     out["eog_redos"] = backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)

@@ -15,6 +15,7 @@ thread (the vocabulary is read-only, any thread may).
 from __future__ import annotations
 
 import json
+import re
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
@@ -27,6 +28,13 @@ from . import lc
 # every token and 135M-parameter models fill them.
 JSON_OBJECT = JSON_GBNF
 ROOT = b"root"
+# The converter writes a bound of n as n copies of a rule (`minItems: 10**9` would build a
+# gigabyte string): bounds above this are refused before converting, in the schema and in its
+# patterns' `{m,n}` quantifiers.
+MAX_REPEAT = 1000
+_COUNTS = {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
+           "minContains", "maxContains"}
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 _LOOSE_CHAR = 'char ::= [^"\\\\] |'
 _STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
 
@@ -37,6 +45,7 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
         text = json.dumps(schema)
     except (TypeError, ValueError) as e:
         raise InvalidRequest(f"{param}: the JSON schema is not JSON: {e}", param=param) from None
+    _check_bounds(schema, param)
     try:
         return _strict_strings(json_schema_to_gbnf(text))
     except RecursionError:
@@ -51,6 +60,27 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
 def object_grammar() -> str:
     """Any JSON object (OpenAI's `json_object`)."""
     return schema_grammar({"type": "object"})
+
+
+def _check_bounds(schema, param: str, depth: int = 0) -> None:
+    """Refuse repetition bounds the converter would expand into an enormous grammar."""
+    if depth > 64:
+        raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar", param=param)
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in _COUNTS and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and value > MAX_REPEAT:
+                raise InvalidRequest(f"{param}: {key}={value} is more than this server turns into a grammar "
+                                     f"(at most {MAX_REPEAT})", param=param)
+            if key == "pattern" and isinstance(value, str):
+                for m in _QUANTIFIER.finditer(value):
+                    if any(g and int(g) > MAX_REPEAT for g in m.groups()):
+                        raise InvalidRequest(f"{param}: the pattern's repetition {m.group(0)} is more than this "
+                                             f"server turns into a grammar (at most {MAX_REPEAT})", param=param)
+            _check_bounds(value, param, depth + 1)
+    elif isinstance(schema, list):
+        for item in schema:
+            _check_bounds(item, param, depth + 1)
 
 
 def _strict_strings(grammar: str) -> str:
