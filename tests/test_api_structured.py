@@ -17,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine.errors import InvalidRequest
+from engine.llama.grammar import schema_grammar
 from engine.structured import TemplateCaps, ToolMode, history, output_schema, parse_reply
 
 from servers import Server
@@ -207,3 +208,13 @@ def test_history_tool_results_become_user_turns_where_the_template_drops_them():
                    {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}], TemplateCaps(tool_calls=True))
     assert out[1]["role"] == "user"
     assert json.loads(out[1]["content"])["tool_response"]["tool"] == "get_weather"
+
+
+def test_a_bound_the_converter_would_expand_enormously_is_refused():
+    with pytest.raises(InvalidRequest, match="minItems"):
+        schema_grammar({"type": "array", "minItems": 10**9})
+
+
+def test_strings_in_a_schema_grammar_exclude_control_characters():
+    grammar = schema_grammar({"type": "string"})
+    assert "\\x00-\\x1F" in grammar
