@@ -417,7 +417,9 @@ def _structured(body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolMod
     else:
         mode = ToolMode(choice, names)
     fmt = body.response_format
-    response = fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None
+    response = None
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        response = fmt.json_schema.schema_
     if fmt is not None and fmt.type == "json_object":
         response = {"type": "object"}
     tools = [t.model_dump(exclude_none=True) for t in body.tools]

@@ -24,9 +24,10 @@ name no file path and no library version (`Server: tandem`; the model id is the 
 Streaming pulls the first text before committing to SSE, so a request that fails early still
 gets a JSON error. A chat with tools is read whole before it is shown (the reply is one JSON
 value in llama-server's generic format, engine/structured.py): its stream carries the tool
-call, or the content, in OpenAI's delta shape once the reply is complete. The app must run with `handler_cancellation=True` (`start_server()` and
-`run_serve()` do): a client that disconnects cancels its handler, whose `finally` cancels the
-engine request, and the backend frees its KV at its next step.
+call, or the content, in OpenAI's delta shape once the reply is complete. The app must run
+with `handler_cancellation=True` (`start_server()` and `run_serve()` do): a client that
+disconnects cancels its handler, whose `finally` cancels the engine request, and the backend
+frees its KV at its next step.
 
 The engine is synchronous and thread-safe; `Engine.submit` is quick and is called on the
 loop. Tokens come back through `RequestHandle.astream()` (marshalled with

@@ -104,6 +104,13 @@ def test_a_tool_schema_the_converter_refuses_is_a_400_naming_the_tool(client):
     assert e.value.body["param"] == "tools[0].function.parameters", e.value.body
 
 
+def test_a_gbnf_grammar_constrains_a_completion(client):
+    r = client.completions.create(model="default", prompt="Is the sky blue? Answer:", temperature=0,
+                                  extra_body={"grammar": 'root ::= " yes" | " no"'})
+    assert r.choices[0].text in (" yes", " no")
+    assert r.choices[0].finish_reason == "stop"
+
+
 # ---- tools ----
 
 
