@@ -593,6 +593,11 @@ class Backend:
         self._observe(out.n_decode, out.n_prefill, out.seconds)
         with self._state:
             finished = sched.update_from_output(plan, out.sampled)
+            for s in runner.dead_ends:  # their grammar allowed no token (engine/llama/sampling.py)
+                if s.status == RequestStatus.RUNNING:
+                    sched.fail(s, "the grammar allows no token of this model's vocabulary here; "
+                                  "the reply cannot go on")
+            runner.dead_ends.clear()
         self._settle(finished)
         rows = [s.ran_on for s in plan.decode]
         if plan.chunks:

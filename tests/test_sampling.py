@@ -187,3 +187,16 @@ def test_a_grammar_sequence_samples_on_the_host_beside_device_greedy_ones(make_b
     assert [r.text for r in together[:3]] == [r.text for r in alone]
     assert re.fullmatch(r"\{[a-z]{1,5}\}", together[3].text), together[3].text
     assert together[3].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_no_token_can_continue_fails_only_its_request(make_backend, tiny_model, temperature):
+    """A grammar that asks for a character no token spells (NUL) ends its request with an
+    error (llama.cpp would abort the process); the backend keeps serving."""
+    b = make_backend(tiny_model, cap=2, cache=False)
+    dead = b.enqueue(Request((5, 9, 11), SamplingParams(temperature=temperature, max_tokens=8,
+                                                         grammar='root ::= "a" [\\x00]'))).result(WAIT)
+    assert dead.status == RequestStatus.FINISHED_ERROR
+    assert "grammar allows no token" in dead.error
+    after = b.enqueue(Request((5, 9, 11), SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
+    assert after.output_tokens == 4

@@ -31,7 +31,7 @@ from ..scheduler import KvOp, Plan, SeqState
 from . import lc
 from .batch import Batch
 from .model import Model
-from .sampling import SamplerSlots
+from .sampling import DEAD_END, SamplerSlots
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -79,6 +79,9 @@ class ContextRunner:
         self.samplers = SamplerSlots(model.n_vocab, model.eog_tokens, c.backend_sampling,
                                      idle_s=c.idle_sampler_s, fused=c.fused_greedy, vocab=model.vocab)
         self.eog_redos = 0  # end tokens a guarding chain sampled and the runner took back
+        # Sequences whose grammar allowed no token this step (sampled as None): the backend
+        # fails them after the step.
+        self.dead_ends: list[SeqState] = []
         self.kv_cell_bytes = kv_bytes_per_cell(model)
 
     # ---- the scheduler's effects ----
@@ -145,14 +148,20 @@ class ContextRunner:
             tok = read(ctx, row) if smp.direct else null
             if tok == null:
                 tok = smp.sample(ctx, row)
-            if smp.guards_eog and is_eog(tok):
+                if tok == DEAD_END:
+                    self.dead_ends.append(s)
+                    tok = None
+            if smp.guards_eog and tok is not None and is_eog(tok):
                 self._redo(s)
                 tok = None
             append(tok)
         for s, _, _, logits in plan.chunks:
             if logits:
                 tok = s.sampler.sample(ctx, s.row)
-                if s.sampler.guards_eog and is_eog(tok):
+                if tok == DEAD_END:
+                    self.dead_ends.append(s)
+                    tok = None
+                elif s.sampler.guards_eog and is_eog(tok):
                     self._redo(s)
                     tok = None
                 append(tok)

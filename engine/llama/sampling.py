@@ -19,7 +19,11 @@ from its logits row (per-sequence fallback), and every other sequence keeps its 
 and `fused_greedy`. Checking the whole vocabulary against a grammar costs 8–80 ms a token on
 SmolLM2's 49k tokens (a loaded two-core machine), so a greedy grammar chain first checks only
 the row's argmax (llama.cpp's common sampler does the same): when the grammar allows it, it is
-the token the whole chain would choose; only a refused one costs the full pass.
+the token the whole chain would choose; only a refused one costs the full pass. The full pass
+is made here, not by `llama_sampler_sample`, so that a grammar that allows no token at all
+(one asking for a character no token of the vocabulary spells, e.g. NUL) is seen: llama.cpp
+would accept the token anyway and abort the process. Such a row samples `DEAD_END`, and the
+backend fails that request alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from ..request import SamplingParams
 from . import lc
 from .greedy import fused_greedy
 
+DEAD_END = -1  # `Sampler.sample` of a grammar chain whose grammar allows no token
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
 
 class Sampler:
     """A sampler chain for one sequence; on the device when llama.cpp can take it there.
@@ -44,7 +51,7 @@ class Sampler:
     """
 
     __slots__ = ("ptr", "key", "guards_eog", "direct", "host_only", "_stateless", "_bias", "_ctx", "_seq",
-                 "_grammar", "_one", "_n_vocab")
+                 "_grammar", "_one", "_n_vocab", "_cur")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
@@ -76,6 +83,7 @@ class Sampler:
         self._grammar = grammar if plain_greedy else None
         self._one = (lc.llama_token_data * 1)() if plain_greedy else None
         self._n_vocab = n_vocab
+        self._cur = np.zeros(n_vocab, _TOKEN_DATA) if self.host_only else None  # the full pass's candidates
         fused = fused and params.greedy and not self.host_only
         self.key = self.key_of(params)
         self.guards_eog = fused and params.ignore_eos
@@ -126,20 +134,39 @@ class Sampler:
                 if not self._stateless:
                     llama.sampler_accept(self.ptr, tok)
                 return tok
+        if self.host_only:
+            return self._constrained(ctx, row)
+        return lc.llama_sampler_sample(self.ptr, ctx, row)
+
+    def _constrained(self, ctx, row: int) -> int:
+        """A grammar chain's token (accepted), or `DEAD_END`: what `llama_sampler_sample`
+        does (candidates from the row's logits, the chain, accept), but never accepting a
+        token the grammar refused."""
+        ptr = lc.llama_get_logits_ith(ctx, row)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp has no logits for output row {row}")
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
         if self._grammar is not None:
-            tok = self._allowed_argmax(ctx, row)
+            tok = self._allowed_argmax(logits)
             if tok is not None:
                 llama.sampler_accept(self.ptr, tok)
                 return tok
-        return lc.llama_sampler_sample(self.ptr, ctx, row)
+        cur = self._cur
+        cur["id"] = np.arange(self._n_vocab, dtype=np.int32)  # the chain reorders them in place
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        data = cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data))
+        arr = lc.llama_token_data_array(data, self._n_vocab, -1, False)
+        lc.llama_sampler_apply(self.ptr, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size or arr.data[arr.selected].logit == float("-inf"):
+            return DEAD_END
+        tok = int(arr.data[arr.selected].id)
+        llama.sampler_accept(self.ptr, tok)
+        return tok
 
-    def _allowed_argmax(self, ctx, row: int) -> int | None:
+    def _allowed_argmax(self, logits) -> int | None:
         """The row's argmax if the grammar allows it next (then it is what grammar → greedy
         would choose: both take the first maximum), else None."""
-        ptr = lc.llama_get_logits_ith(ctx, row)
-        if not ptr:
-            return None
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
         tok = int(logits.argmax())
         one = self._one
         one[0] = lc.llama_token_data(tok, 0.0, 0.0)
