@@ -11,8 +11,16 @@ the generated schema by `openapi_document()`.
 Everything a client can send wrong is raised as an `InvalidRequest` (or a subclass) naming the
 offending top-level field in `param`, with the bad value quoted cut to `QUOTE_CHARS`, so the
 server answers 4xx, never 5xx, and never echoes megabytes. Fields we do not know are ignored
-(like other local servers); fields we know but cannot honour (`best_of`, `suffix`, tools, an
-assistant message's `tool_calls`, ...) are refused rather than silently dropped.
+(like other local servers); fields we know but cannot honour (`best_of`, `suffix`, ...) are
+refused rather than silently dropped.
+
+Structured output: `response_format` `json_object` or `json_schema`, chat `tools` /
+`tool_choice`, and llama-server's `grammar` (GBNF) become one grammar on `SamplingParams`
+(the schema converted by llama-cpp-python's converter, engine/llama/grammar.py; tools in
+llama-server's generic format, engine/structured.py). A schema the converter cannot take is a
+400 with its reason. Without `max_tokens`, such a request may write `STRUCTURED_MAX_TOKENS`
+(a JSON value cut short is no JSON at all; a reply cut by `max_tokens` ends with `length` and
+is not valid).
 
 OpenAI's sampling extras, with OpenAI's limits: `n` (1–`MAX_N`, choices that share the
 prompt's KV), `logit_bias` (at most 300 token ids, each below the vocabulary size, bias in
@@ -22,8 +30,8 @@ completions: an integer 0–5), `presence_penalty` / `frequency_penalty` (-2–2
 `logprobs`, the prompt's tokens come first in the logprobs, the first with none, as OpenAI's).
 
 Extensions beyond OpenAI's fields (llama-server's names where they exist): `backend` (pin the
-request to one backend), `ignore_eos`, `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`.
-Unset sampling fields take the engine's defaults (`SamplingParams`), like llama-server.
+request to one backend), `ignore_eos`, `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`,
+`grammar`. Unset sampling fields take the engine's defaults (`SamplingParams`), like llama-server.
 
 Thread contract: pure functions of their inputs; `parse_chat`/`parse_completion` run on a worker
 thread (they tokenize).
@@ -40,7 +48,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.json_schema import models_json_schema
 
 from engine.errors import EngineError, InvalidRequest
+from engine.llama.grammar import object_grammar, schema_grammar
 from engine.request import MAX_TOKENS, Request, SamplingParams
+from engine.structured import ToolMode, function_schema, output_schema
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -56,6 +66,12 @@ MAX_STOP_CHARS = 512
 QUOTE_CHARS = 200  # a bad value is quoted at most this long in an error message
 MESSAGE_CHARS = 600  # and a whole error message at most this long
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOOLS = 128  # OpenAI's limit
+# The default `max_tokens` of a grammar-constrained request (the engine's own is 256): long
+# enough for the JSON replies small schemas describe (the tests' take under 100 tokens on
+# SmolLM2-135M), bounded because a string value has no end of its own; the context's end still
+# clamps it.
+STRUCTURED_MAX_TOKENS = 1024
 _DEFAULTS = SamplingParams()
 
 
@@ -108,18 +124,47 @@ class TextPart(_Strict):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str = Field(description="the arguments as a JSON string")
+
+
+class ToolCallItem(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart] | None = Field(
         default=None, description="required except on assistant messages")
-    tool_calls: Nothing | None = Field(
-        default=None, description="refused: tool calls in the history are not supported yet")
+    tool_calls: Annotated[list[ToolCallItem], Field(max_length=MAX_TOOLS)] | None = Field(
+        default=None, description="an assistant message's earlier tool calls")
+    tool_call_id: str | None = Field(default=None, description="a tool message: the call it answers")
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self):
         if self.content is None and self.role != "assistant":
             raise ValueError("content is required")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
+
+    def as_dict(self) -> dict:
+        """The message as the chat template sees it (`developer` is the system role)."""
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -131,8 +176,46 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: FunctionName
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema",
+                                 description="the JSON Schema the reply matches (absent: any object)")
+    strict: bool | None = Field(default=None, description="always enforced: the reply is decoded under the schema")
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = Field(default=None, description="a JSON Schema (absent: no parameters)")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(_Strict):
@@ -160,6 +243,8 @@ class _Sampling(_Strict):
         default=None, description="token id (a string) -> bias added to its logit; -100 bans it")
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="extension (llama-server's): constrain the reply to this GBNF grammar")
     # Understood but not honoured: only their neutral values pass.
     best_of: Literal[1] | None = None
     suffix: Literal[""] | None = None
@@ -175,7 +260,7 @@ class _Sampling(_Strict):
         """The prompt's tokens' logprobs too (completions' echo)."""
         return False
 
-    def sampling(self, n_vocab: int) -> SamplingParams:
+    def sampling(self, n_vocab: int, grammar: str | None = None) -> SamplingParams:
         values = {name: getattr(self, name) for name in
                   ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "seed", "ignore_eos",
                    "presence_penalty", "frequency_penalty")
@@ -191,6 +276,9 @@ class _Sampling(_Strict):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
+        if grammar is not None:
+            values["grammar"] = grammar
+            values.setdefault("max_tokens", STRUCTURED_MAX_TOKENS)
         if self.stop is not None:
             values["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if values.get("top_k", 0) > n_vocab:  # the same filter (none); llama.cpp's top-k asserts k <= n_vocab
@@ -203,6 +291,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = Field(default=None, description="each output token's logprob")
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = Field(
         default=None, description="alternatives per token (needs logprobs: true)")
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # type: ignore[assignment]
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto with tools; a reply holds at most one call")
+    parallel_tool_calls: bool | None = Field(default=None, description="accepted; a reply holds at most one call")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -282,7 +374,7 @@ def _local_model(engine: Engine):
 
 
 # Fields whose only accepted values are neutral ones, with how to say so.
-_UNSUPPORTED = {"best_of", "suffix", "tools", "functions", "response_format"}
+_UNSUPPORTED = {"best_of", "suffix", "tools", "functions"}
 
 
 # ---- parsing ----
@@ -310,6 +402,7 @@ class ApiRequest:
         sp = self.request.sampling
         return [dataclasses.replace(self.request, id=f"{self.request.id}-{i}", sampling=dataclasses.replace(
             sp, seed=None if sp.seed is None else (sp.seed + i) % 2**32)) for i in range(self.n)]
+    tools: ToolMode | None = None  # a chat with tools: the reply is read for a tool call
 
 
 @dataclass(frozen=True)
@@ -351,10 +444,10 @@ def validate(cls: type[_Strict], raw: bytes) -> _Strict:
     try:
         return cls.model_validate_json(raw)
     except ValidationError as e:
-        raise _invalid(e) from None
+        raise _invalid(e, cls) from None
 
 
-def _invalid(e: ValidationError) -> InvalidRequest:
+def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidRequest:
     errors = e.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":
@@ -363,14 +456,12 @@ def _invalid(e: ValidationError) -> InvalidRequest:
         return InvalidRequest(f"the request body must be a JSON object, got {_type(first['input'])}")
     loc = first["loc"]
     param = str(loc[0]) if loc else None
-    if param in _UNSUPPORTED:
-        return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server", param=param)
+    if param in _UNSUPPORTED and not (param == "tools" and cls is ChatCompletionRequest):
+        return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server"
+                              f"{' (use repeat_penalty)' if param.endswith('_penalty') else ''}", param=param)
     if not loc and first["type"] == "value_error":  # a rule across fields (`_top_needs_logprobs`)
         msg = first["msg"].removeprefix("Value error, ")
         return InvalidRequest(msg, param=msg.split(" ", 1)[0])
-    if param == "messages" and len(loc) >= 3 and loc[2] == "tool_calls":
-        return InvalidRequest(f"messages[{loc[1]}].tool_calls: assistant tool calls in the history are not "
-                              f"supported by this server yet", param="messages")
     if param == "stop" and len(loc) <= 3:  # the union's branch errors say less than this
         return InvalidRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them "
                               f"(each at most {MAX_STOP_CHARS} characters), got {quote(first['input'])}",
@@ -392,37 +483,93 @@ def _path(loc: tuple) -> str:
     return out
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StreamOptions", "ResponseFormat"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StreamOptions", "ResponseFormat",
+              "NamedToolChoice"}
 
 
 def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/chat/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
     body = validate(ChatCompletionRequest, raw)
     model = served.check(body.model)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    messages = [m.as_dict() for m in body.messages]
+    tools, mode, grammar = _structured(body)
     if engine.model is None:  # a router in front of remote engines: each renders its own template
-        return _api_request("chat", body, [], model, "messages", 0, served, messages=tuple(messages))
+        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+            raise InvalidRequest("tools need a local model to render them (this server routes to remote "
+                                 "engines only)", param="tools")
+        return _api_request("chat", body, [], model, "messages", 0, served, messages=tuple(messages),
+                            grammar=grammar)
     try:
-        tokens = engine.chat_tokens(messages)
+        tokens = engine.chat_tokens(messages, tools)
     except EngineError:
         raise
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         # The model's own Jinja template refused them (`raise_exception('roles must alternate')`).
         raise InvalidRequest(f"the model's chat template cannot render these messages: {quote(str(e))}",
                              param="messages") from None
-    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab, served, engine=engine)
+    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab, served, engine=engine,
+                        grammar=grammar, tools=mode)
+
+
+def _structured(body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolMode | None, str | None]:
+    """The tools to render, how to read the reply, and the grammar it is decoded under."""
+    grammar = _format_grammar(body)
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return None, None, grammar
+    if body.tool_choice == "none":
+        return None, None, grammar
+    if body.grammar is not None:
+        raise InvalidRequest("grammar cannot be combined with tools", param="grammar")
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
+    names = tuple(f["name"] for f in functions)
+    if len(set(names)) != len(names):
+        raise InvalidRequest("tools: function names must be unique", param="tools")
+    for i, f in enumerate(functions):  # each schema alone first, so an error names its function
+        schema_grammar(function_schema(f), param=f"tools[{i}].function.parameters")
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise InvalidRequest(f"tool_choice names {quote(choice.function.name)}, which is not among the tools "
+                                 f"({', '.join(names)})", param="tool_choice")
+        mode = ToolMode(choice.function.name, names, named=True)
+    else:
+        mode = ToolMode(choice, names)
+    fmt = body.response_format
+    response = None
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        response = fmt.json_schema.schema_
+    if fmt is not None and fmt.type == "json_object":
+        response = {"type": "object"}
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    return tools, mode, schema_grammar(output_schema(functions, mode, response), param="tools")
+
+
+def _format_grammar(body: _Sampling) -> str | None:
+    """The grammar `response_format` (or the `grammar` extension) asks for; None: free text."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return body.grammar
+    if body.grammar is not None:
+        raise InvalidRequest("grammar cannot be combined with a response_format", param="grammar")
+    if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        return object_grammar()
+    return schema_grammar(fmt.json_schema.schema_, param="response_format")
 
 
 def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
     body = validate(CompletionRequest, raw)
     model = served.check(body.model)
+    grammar = _format_grammar(body)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a one-element batch
     if engine.model is None:  # a router in front of remote engines: they tokenize
         text = prompt if isinstance(prompt, str) else None
-        return _api_request("completion", body, [] if text else list(prompt), model, "prompt", 0, served, text=text)
+        return _api_request("completion", body, [] if text else list(prompt), model, "prompt", 0, served, text=text,
+                            grammar=grammar)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -435,15 +582,16 @@ def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequ
         tokens = list(prompt)
     echo = (prompt if isinstance(prompt, str) else engine.model.detokenize(tokens)) if body.echo else None
     return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab, served, echo=echo,
-                        engine=engine)
+                        engine=engine, grammar=grammar)
 
 
 def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prompt_param: str,
                  n_vocab: int, served: ServedModel, *, text: str | None = None,
                  messages: tuple[dict, ...] | None = None, echo: str | None = None,
-                 engine: Engine | None = None) -> ApiRequest:
+                 engine: Engine | None = None, grammar: str | None = None,
+                 tools: ToolMode | None = None) -> ApiRequest:
     """`n_vocab` 0: unknown here (remote engines check their own vocabulary)."""
-    sampling = body.sampling(n_vocab or INT32_MAX)
+    sampling = body.sampling(n_vocab or INT32_MAX, grammar)
     n = body.n or 1
     if n > 1 and engine is not None and engine.model is not None:
         _check_choices_fit(n, len(tokens), sampling, engine)
@@ -454,7 +602,7 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
     request = Request(tuple(tokens), sampling, backend=body.backend, source="api", text=text, messages=messages,
                       model=served.routed(model), stream=stream)
     return ApiRequest(kind, request, model, stream, include_usage, prompt_param, n=n, echo=echo,
-                      top_logprobs=sampling.logprobs)
+                      top_logprobs=sampling.logprobs, tools=tools)
 
 
 def _check_choices_fit(n: int, n_prompt: int, sampling: SamplingParams, engine: Engine) -> None:
@@ -537,7 +685,7 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
 
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-    finish = {"type": "string", "enum": ["stop", "length"]}
+    finish = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
     schemas.update({
         "ChatCompletion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
@@ -549,7 +697,8 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
                     "properties": {"index": {"type": "integer"}, "finish_reason": finish,
                                    "message": {"type": "object", "required": ["role", "content"],
                                                "properties": {"role": {"type": "string"},
-                                                              "content": {"type": "string"}}}}}},
+                                                              "content": {"type": ["string", "null"]},
+                                                              "tool_calls": {"type": "array"}}}}}},
             },
         },
         "Completion": {

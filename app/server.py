@@ -24,9 +24,12 @@ bodies). `docs/security.md` has the threat model and which test covers each defe
 name no file path and no library version (`Server: tandem`; the model id is the file's stem).
 
 Streaming pulls the first text before committing to SSE, so a request that fails early still
-gets a JSON error. The app must run with `handler_cancellation=True` (`start_server()` and
-`run_serve()` do): a client that disconnects cancels its handler, whose `finally` cancels the
-engine request, and the backend frees its KV at its next step.
+gets a JSON error. A chat with tools is read whole before it is shown (the reply is one JSON
+value in llama-server's generic format, engine/structured.py): its stream carries the tool
+call, or the content, in OpenAI's delta shape once the reply is complete. The app must run
+with `handler_cancellation=True` (`start_server()` and `run_serve()` do): a client that
+disconnects cancels its handler, whose `finally` cancels the engine request, and the backend
+frees its KV at its next step.
 
 The engine is synchronous and thread-safe; `Engine.submit` is quick and is called on the
 loop. Tokens come back through `RequestHandle.astream()` (marshalled with
@@ -55,6 +58,7 @@ from engine.handle import RequestHandle
 from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import EngineMetrics
 from engine.request import FinishRecord, RequestStatus
+from engine.structured import ToolCall, parse_reply
 
 from .http_guard import (
     GUARD,
@@ -398,13 +402,15 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
             while True:
                 i, delta = item
                 if delta is not None:
-                    if delta:
+                    if delta and not reply.tools:
                         await _send(response, reply.chunk(i, delta))
                 else:
                     record = records[i] = handles[i].result(0)
                     if record.error:
                         await _send(response, error_payload(_failure(record))[1])
                         break
+                    for chunk in reply.tool_chunks(i, record):
+                        await _send(response, chunk)
                     await _send(response, reply.closing(i, record))
                     if all(r is not None for r in records):
                         if reply.include_usage:
@@ -459,6 +465,38 @@ class Reply:
         self._sent = [0] * len(handles)  # logprob entries streamed, per choice
         self._offset = [0 if self.logprobs else len(self.echo)] * len(handles)  # completions' text_offset
         self.headers = {"X-Request-Id": handle.id, "X-Tandem-Backend": handle.backend or ""}
+        self.tools = parsed.tools  # a chat with tools: the reply is read whole, then shown
+        self._read: dict[int, tuple[str | None, list[ToolCall]]] = {}
+
+    def _reply(self, i: int, record: FinishRecord) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of choice `i`'s finished reply. A reply the grammar did not
+        finish (cut by `max_tokens`: `length`) is shown as the text it is, with no call."""
+        if i not in self._read:
+            self._read[i] = (record.text, [])
+            if self.tools is not None and record.finish_reason == "stop":
+                try:
+                    self._read[i] = parse_reply(record.text, self.tools)
+                except InvalidRequest:
+                    pass
+        return self._read[i]
+
+    def _finish_reason(self, i: int, record: FinishRecord) -> str | None:
+        return "tool_calls" if self.tools is not None and self._reply(i, record)[1] else record.finish_reason
+
+    def tool_chunks(self, i: int, record: FinishRecord) -> list[dict]:
+        """A chat with tools, streamed: choice `i`'s content or its call, in OpenAI's delta shape."""
+        if self.tools is None:
+            return []
+        content, calls = self._reply(i, record)
+        if not calls:
+            return [self._chunk(i, {"content": content or ""}, None)]
+        out = []
+        for k, call in enumerate(calls):
+            out.append(self._chunk(i, {"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                       "function": {"name": call.name, "arguments": ""}}]}, None))
+            out.append(self._chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]},
+                                   None))
+        return out
 
     def whole(self, records: list[FinishRecord]) -> dict:
         choices = []
@@ -470,8 +508,12 @@ class Reply:
                 if head is not None:
                     lp = _joined(head, lp)
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": record.text},
-                                "logprobs": lp, "finish_reason": record.finish_reason})
+                content, calls = self._reply(i, record)
+                message: dict = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = [c.to_dict() for c in calls]
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": self._finish_reason(i, record)})
             else:
                 choices.append({"index": i, "text": self.echo + record.text, "logprobs": lp,
                                 "finish_reason": record.finish_reason})
@@ -491,7 +533,7 @@ class Reply:
         return self._chunk(i, {"content": text} if self.chat else text, None, self._new_logprobs(i))
 
     def closing(self, i: int, record: FinishRecord) -> dict:
-        return self._chunk(i, {} if self.chat else "", record.finish_reason, self._new_logprobs(i))
+        return self._chunk(i, {} if self.chat else "", self._finish_reason(i, record), self._new_logprobs(i))
 
     def usage_chunk(self, records: list[FinishRecord]) -> dict:
         return {**self._head(self._chunk_object), "choices": [], "usage": _usage(records)}

@@ -74,6 +74,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batched-bench", metavar="BIN", default=None,
                    help="also run llama.cpp's llama-batched-bench (path) with the same shape")
     p.add_argument("--host-sampling", action="store_true", help="sample on the host, not in the graph")
+    p.add_argument("--constrained", type=int, default=0, metavar="N",
+                   help="also measure each batch with N of its sequences under a grammar (they sample on "
+                        "the host): the cost of the per-sequence fallback (constrained_bB, constrained_ratio_bB)")
     p.add_argument("--no-fused-greedy", action="store_true",
                    help="llama.cpp's greedy sampler per sequence (and its logit bias for ignore_eos) "
                         "instead of one argmax for all sequences of a step")
@@ -148,6 +151,8 @@ def run_overhead(args) -> int:
     variant_reuse: dict[str, list[float]] = {f"{v}_b{b}": [] for b in batches for v in variants}
     variant_step = {k: [] for k in variant_reuse}  # ms per step inside llama_decode (+ its sync)
     variant_host = {k: [] for k in variant_reuse}  # µs per step outside it (the uniforms' upload is there)
+    if args.constrained:
+        results.update({f"constrained_b{b}": [] for b in batches})
     if llama is not None:
         results["llama_b1"] = []
     if args.batched_bench:
@@ -182,6 +187,11 @@ def run_overhead(args) -> int:
                         variant_reuse[f"{name}_b{b}"].append((backend.graphs_reused - reused0) / steps)
                         variant_step[f"{name}_b{b}"].append(1e3 * dec / steps)
                         variant_host[f"{name}_b{b}"].append(1e6 * (time.perf_counter() - t0 - dec) / steps)
+                if args.constrained:
+                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False,
+                                      constrained=min(args.constrained, b))
+                    if rnd:
+                        results[f"constrained_b{b}"].append(v)
             if llama is not None:
                 v = _llama_decode(llama, prompt, args.gen_tokens)
                 if rnd:
@@ -215,6 +225,8 @@ def run_overhead(args) -> int:
             out[f"gil_ratio_b{b}"] = round(out[f"busy_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         for m in modes:  # what leaving plain greedy costs: MODE's decode speed over plain's
             out[f"cost_{m}_b{b}"] = round(out[f"{m}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+        if args.constrained:
+            out[f"constrained_ratio_b{b}"] = round(out[f"constrained_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
         if args.batched_bench:
             out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
         if chains is not None:  # temperature decode against greedy, fused and per-sequence chains

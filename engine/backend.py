@@ -354,8 +354,8 @@ class Backend:
 
     def validate(self, request: Request) -> None:
         """Raise if this backend can never serve `request`: the prompt does not fit the
-        context, or holds a token id the model does not have (llama.cpp would fail the
-        whole step, and every sequence in it)."""
+        context, holds a token id the model does not have (llama.cpp would fail the
+        whole step, and every sequence in it), or its grammar does not parse."""
         tokens = request.prompt_tokens
         if len(tokens) >= self.n_ctx_seq:
             raise ContextLengthExceeded(len(tokens), self.n_ctx_seq)
@@ -366,6 +366,8 @@ class Backend:
         if bias and bias[-1][0] >= self.model.n_vocab:  # sorted by id
             raise InvalidRequest(f"logit_bias token id {bias[-1][0]} is not in the model's vocabulary "
                                  f"[0, {self.model.n_vocab})", param="logit_bias")
+        if request.sampling.grammar is not None:  # a grammar llama.cpp cannot parse would fail the worker
+            self.model.check_grammar(request.sampling.grammar)
 
     def match(self, request: Request) -> int:
         """Longest usable cached prefix of the request's prompt (cheap, read-only; any thread).
@@ -695,6 +697,11 @@ class Backend:
         self._observe(out.n_decode, out.n_prefill, out.seconds)
         with self._state:
             finished = sched.update_from_output(plan, out.sampled, out.logprobs, seconds=out.seconds)
+            for s in runner.dead_ends:  # their grammar allowed no token (engine/llama/sampling.py)
+                if s.status == RequestStatus.RUNNING:
+                    sched.fail(s, "the grammar allows no token of this model's vocabulary here; "
+                                  "the reply cannot go on")
+            runner.dead_ends.clear()
         self._settle(finished)
         rows = [s.ran_on for s in plan.decode]
         if plan.chunks:

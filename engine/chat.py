@@ -15,26 +15,45 @@ into the real control token: anyone who can write a message can forge a system t
 For text without special-token strings the result equals tokenizing the plain rendering
 (tested on SmolLM2's ChatML template): the pre-tokenizer already splits at these boundaries.
 
+Tools (`chat_tokens(..., tools=...)`) go through `engine.structured.tool_prompt`: a template
+that renders the `tools` global or assistant `tool_calls` itself (`template_caps`, found by
+rendering probes once per model) gets them, and then the client's text lands outside any
+content: such text (the tools' JSON, call names and arguments) is refused if it holds a
+special-token string. Everything else reaches the template as message content.
+
 Thread contract: a pure function of the model (read-only, any thread may tokenize) and the
 messages.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import weakref
 from typing import TYPE_CHECKING
 
 from .errors import InvalidRequest
+from .structured import TemplateCaps, history, tool_prompt
 
 if TYPE_CHECKING:
     from .llama.model import Model
 
 
-def chat_tokens(model: Model, messages: list[dict]) -> list[int]:
-    """`messages` rendered with `model`'s chat template; content is never parsed for special tokens."""
+def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """`messages` rendered with `model`'s chat template; content is never parsed for special tokens.
+
+    With `tools` (OpenAI's list), the prompt asks for a reply in llama-server's generic
+    tool-call format (engine/structured.py)."""
+    if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        caps = template_caps(model)
+        if tools is not None:
+            messages, tools = tool_prompt(messages, tools, caps)
+        else:
+            messages = history(messages, caps)
+        _check_outside_content(model, messages, tools)
     contents = [str(m.get("content") or "") for m in messages]
-    plain = model.apply_chat_template(messages)
-    pieces = _split(model, messages, contents, plain)
+    plain = model.apply_chat_template(messages, tools)
+    pieces = _split(model, messages, contents, plain, tools)
     tokens: list[int] = []
     for text, is_content in pieces:
         if text:
@@ -42,11 +61,12 @@ def chat_tokens(model: Model, messages: list[dict]) -> list[int]:
     return tokens
 
 
-def _split(model: Model, messages: list[dict], contents: list[str], plain: str) -> list[tuple[str, bool]]:
+def _split(model: Model, messages: list[dict], contents: list[str], plain: str,
+           tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """`plain` cut into (text, is_content) pieces, in order."""
     tag = secrets.token_hex(16)
     sentinels = [f"\x1e{tag}{i}\x1e" for i in range(len(messages))]
-    marked = model.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sentinels)])
+    marked = model.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sentinels)], tools)
     pieces: list[tuple[str, bool]] = []
     rest = marked
     for sentinel, content in zip(sentinels, contents):
@@ -79,3 +99,48 @@ def _find(plain: str, contents: list[str]) -> list[tuple[str, bool]]:
                                  f"cannot be tokenized safely", param="messages")
     pieces.append((plain[cursor:], False))
     return pieces
+
+
+_CAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def template_caps(model: Model) -> TemplateCaps:
+    """What `model`'s template renders by itself: probes with a made-up function name and
+    result, rendered once per model (minja's capability detection does the same)."""
+    caps = _CAPS.get(model)
+    if caps is None:
+        caps = _CAPS[model] = _probe(model)
+    return caps
+
+
+def _probe(model: Model) -> TemplateCaps:
+    name, result = "tandem_probe_" + secrets.token_hex(4), "tandem_result_" + secrets.token_hex(4)
+    user = {"role": "user", "content": "Hi"}
+    tool = {"type": "function", "function": {"name": name, "description": "probe",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "call_probe", "type": "function", "function": {"name": name, "arguments": {}}}]}
+    answer = {"role": "tool", "tool_call_id": "call_probe", "content": result}
+
+    def renders(needle: str, messages: list[dict], tools=None) -> bool:
+        try:
+            return needle in model.apply_chat_template(messages, tools)
+        except Exception:  # noqa: BLE001  (a template that refuses the probe does not support it)
+            return False
+
+    return TemplateCaps(tools=renders(name, [user], [tool]), tool_calls=renders(name, [user, call]),
+                        tool_responses=renders(result, [user, call, answer, user]))
+
+
+def _check_outside_content(model: Model, messages: list[dict], tools: list[dict] | None) -> None:
+    """Client text the template places outside message content must hold no special-token
+    string (it is tokenized with the template's own markers)."""
+    texts = [("tools", json.dumps(tools, ensure_ascii=False))] if tools is not None else []
+    for i, m in enumerate(messages):
+        for c in m.get("tool_calls") or ():
+            texts.append((f"messages[{i}].tool_calls", json.dumps(c, ensure_ascii=False)))
+    for where, text in texts:
+        if model.tokenize(text, add_special=False, parse_special=True) != \
+                model.tokenize(text, add_special=False, parse_special=False):
+            raise InvalidRequest(f"{where} holds the model's special-token text, which the chat template "
+                                 f"would turn into control tokens", param="tools" if where == "tools" else "messages")

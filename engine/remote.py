@@ -262,13 +262,16 @@ class RemoteBackend:
 
     def validate(self, request: Request) -> None:
         """Raise if the engine can never serve `request`: a token prompt longer than its context,
-        or logprobs (its stream's logprobs are not relayed)."""
+        or logprobs (its stream's logprobs are not relayed), or a grammar its API has no field for."""
         if request.sampling.logprobs is not None:
             raise InvalidRequest(f"backend {self.name} is a remote engine: logprobs are not relayed from it",
                                  param="logprobs")
         n = len(request.prompt_tokens)
         if n and self.n_ctx and n >= self.n_ctx and not (request.text or request.messages):
             raise ContextLengthExceeded(n, self.n_ctx)
+        if request.sampling.grammar is not None and self.api not in ("llama-server", "tandem", "auto"):
+            raise InvalidRequest(f"{self.name}: grammar-constrained requests (response_format, tools, grammar) "
+                                 f"need a llama-server or Tandem engine, not {self.api}")
 
     def match(self, request: Request) -> int:
         """Predicted cached prompt tokens on the engine (see the module docstring)."""
@@ -712,6 +715,8 @@ class RemoteBackend:
             body["presence_penalty"] = sp.presence_penalty
         if sp.frequency_penalty:
             body["frequency_penalty"] = sp.frequency_penalty
+        if sp.grammar is not None:  # `validate` let only engines that take `grammar` have it
+            body["grammar"] = sp.grammar
         extra = _EXTRA.get(self.api, ())
         if "top_k" in extra and sp.top_k > 0:
             body["top_k"] = sp.top_k

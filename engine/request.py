@@ -30,7 +30,12 @@ def next_request_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How tokens are chosen. `temperature == 0` means greedy."""
+    """How tokens are chosen. `temperature == 0` means greedy.
+
+    `grammar` (GBNF, root rule `root`) constrains every token to it (llama.cpp's grammar
+    sampler, first in the chain); the sequence ends when the grammar is complete, since then
+    only end-of-generation tokens are allowed. Such a sequence samples on the host.
+    """
 
     temperature: float = 0.8
     top_k: int = 40
@@ -51,6 +56,7 @@ class SamplingParams:
     # Also each prompt token's logprob (after the first), with `logprobs` alternatives: the
     # prompt is computed whole (no prefix-cache hit: cached tokens have no logits).
     prompt_logprobs: bool = False
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -59,9 +65,9 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Nothing in it needs more than the fused greedy / device chain of plain sampling:
-        no bias, no OpenAI penalties, no logprobs."""
+        no bias, no OpenAI penalties, no logprobs, no grammar."""
         return (not self.logit_bias and self.logprobs is None and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0)
+                and self.frequency_penalty == 0.0 and self.grammar is None)
 
     def validate(self) -> "SamplingParams":
         """Raise `InvalidRequest` naming the first value out of range; return self."""
@@ -88,6 +94,10 @@ class SamplingParams:
                                                    and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
              f"None or an integer in [0, {MAX_TOP_LOGPROBS}]"),
             ("prompt_logprobs", not self.prompt_logprobs or self.logprobs is not None, "False unless logprobs is set"),
+            ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+             "a non-empty GBNF string"),
+            # A complete grammar allows only end tokens: banning them too leaves nothing to sample.
+            ("ignore_eos", not (self.ignore_eos and self.grammar is not None), "false with a grammar"),
         ]
         for name, ok, allowed in checks:
             if not ok:

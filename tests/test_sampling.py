@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 
 import pytest
 
@@ -208,3 +209,32 @@ def test_a_logit_bias_chain_stays_on_the_device(make_backend, tiny_model):
     # The same bias on the host (a logprobs chain): the same tokens, none of them the banned one.
     check = b.enqueue(Request(prompt, dataclasses.replace(sp, logprobs=0))).result(WAIT)
     assert banned not in [e.token for e in check.logprobs] and check.text == r.text
+
+
+def test_a_grammar_sequence_samples_on_the_host_beside_device_greedy_ones(make_backend, tiny_model):
+    """A grammar-constrained sequence (host sampling) runs in the same steps as device greedy
+    ones: its reply is in the grammar and ends with it; theirs are the tokens they choose alone."""
+    prompts = [[5 + i, 9, 3 * i + 1, 40 + i] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    b = make_backend(tiny_model, cap=4, cache=False)
+    alone = _texts(b, tiny_model, prompts[:3], sp)
+    constrained = SamplingParams(temperature=0, max_tokens=64, grammar='root ::= "{" [a-z]{1,5} "}"')
+    handles = [b.enqueue(Request(tuple(p), sp)) for p in prompts[:3]]
+    handles.append(b.enqueue(Request(tuple(prompts[3]), constrained)))
+    together = [h.result(WAIT) for h in handles]
+    assert [r.text for r in together[:3]] == [r.text for r in alone]
+    assert re.fullmatch(r"\{[a-z]{1,5}\}", together[3].text), together[3].text
+    assert together[3].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_no_token_can_continue_fails_only_its_request(make_backend, tiny_model, temperature):
+    """A grammar that asks for a character no token spells (NUL) ends its request with an
+    error (llama.cpp would abort the process); the backend keeps serving."""
+    b = make_backend(tiny_model, cap=2, cache=False)
+    dead = b.enqueue(Request((5, 9, 11), SamplingParams(temperature=temperature, max_tokens=8,
+                                                         grammar='root ::= "a" [\\x00]'))).result(WAIT)
+    assert dead.status == RequestStatus.FINISHED_ERROR
+    assert "grammar allows no token" in dead.error
+    after = b.enqueue(Request((5, 9, 11), SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
+    assert after.output_tokens == 4

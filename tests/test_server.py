@@ -624,6 +624,8 @@ def _bound_generation(body) -> None:
             v = body.get(name)
             if isinstance(v, int) and not isinstance(v, bool) and v > FUZZ_MAX_TOKENS:
                 body[name] = FUZZ_MAX_TOKENS
+        if any(k in body for k in ("response_format", "tools", "grammar")):  # their default is longer
+            body.setdefault("max_tokens", FUZZ_MAX_TOKENS)
 
 
 def test_a_long_request_after_a_long_cached_reply_finishes(loop_thread):

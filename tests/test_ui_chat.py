@@ -300,3 +300,41 @@ def test_hovering_a_reply_token_shows_its_probabilities(qtbot, make_window):
     assert len(tip.splitlines()) == 1 + len(tokens[0][2])  # the token, then its alternatives
     chat.view.highlighted.emit(QUrl())  # the mouse left the tokens
     qtbot.waitUntil(lambda: not QToolTip.isVisible(), timeout=WAIT_MS)
+
+
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+
+def test_json_mode_with_a_schema_gives_a_reply_matching_it(qtbot, make_window):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(64)
+    chat.json_mode.setChecked(True)
+    chat.schema_edit.setPlainText(json.dumps(OK_SCHEMA))
+    send(qtbot, chat, "Is it ok?")
+    reply = chat.chat.messages[-1]
+    assert reply.meta["finish_reason"] == "stop", reply.content
+    assert isinstance(json.loads(reply.content)["ok"], bool)
+
+
+def test_a_schema_that_is_not_json_sends_nothing(qtbot, make_window):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.json_mode.setChecked(True)
+    chat.schema_edit.setPlainText('{"type": "object",')
+    qtbot.waitUntil(lambda: "not JSON" in chat.schema_state.text(), timeout=WAIT_MS)
+    chat.input.setPlainText("Is it ok?")
+    chat.send_button.click()
+    assert not chat.busy
+    assert chat.chat.messages == []
+    assert chat.input.toPlainText() == "Is it ok?"
+    assert "not JSON" in chat.transcript_text()
+
+
+def test_a_schema_the_converter_refuses_is_reported_with_its_reason(qtbot, make_window):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.json_mode.setChecked(True)
+    chat.schema_edit.setPlainText('{"type": "frobnicate"}')
+    qtbot.waitUntil(lambda: "Unrecognized schema" in chat.schema_state.text(), timeout=WAIT_MS)

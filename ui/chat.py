@@ -17,6 +17,10 @@ token by token, each shaded by its probability, and hovering a token shows its p
 the alternatives in a tooltip (`QTextBrowser.highlighted`: read from the stored meta, never
 from the engine, so hovering never waits).
 
+JSON mode (the "JSON" box) decodes replies under a grammar: any JSON object, or one matching
+the JSON schema typed in the schema box. The schema is checked as it is typed (a quick
+conversion, milliseconds) and again at send; a bad one is reported and nothing is sent.
+
 Keys: Enter sends (Shift+Enter for a new line), Esc stops the reply being streamed; Enter while
 a reply streams says so and keeps the text in the box.
 """
@@ -33,7 +37,7 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (
-    QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QInputDialog, QLabel,
+    QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QInputDialog, QLabel,
     QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy,
     QSpinBox, QSplitter, QTextBrowser, QToolButton, QToolTip, QVBoxLayout, QWidget,
 )
@@ -233,9 +237,12 @@ class ChatPanel(QWidget):
 
     def _build_settings(self) -> QWidget:
         box = QFrame()
-        row = QHBoxLayout(box)
+        outer = QVBoxLayout(box)
+        outer.setContentsMargins(0, 0, 0, 0)
+        row = QHBoxLayout()
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(10)
+        outer.addLayout(row)
 
         def field(label: str, widget: QWidget, tip: str) -> None:
             f = QFormLayout()
@@ -267,8 +274,59 @@ class ChatPanel(QWidget):
             w.setFixedWidth(66)
         self.seed.setFixedWidth(90)
         self.backend_combo.setToolTip("Pin replies to one backend, bypassing the routing policy")
+        self.json_mode = QCheckBox("JSON")
+        self.json_mode.setToolTip("Replies are a JSON object (decoded under a grammar), matching the schema if one is given")
+        row.addWidget(self.json_mode)
         row.addStretch(1)
+        self.schema_edit = QPlainTextEdit()
+        self.schema_edit.setPlaceholderText('JSON schema (optional), e.g. {"type": "object", "properties": '
+                                            '{"answer": {"type": "string"}}, "required": ["answer"]}')
+        self.schema_edit.setFixedHeight(60)
+        self.schema_state = QLabel("")
+        self.schema_state.setObjectName("muted")
+        self.schema_state.setWordWrap(True)
+        for w in (self.schema_edit, self.schema_state):
+            w.setVisible(False)
+            outer.addWidget(w)
+        self.json_mode.toggled.connect(self._on_json_mode)
+        self._schema_timer = QTimer(self, singleShot=True, interval=300)
+        self._schema_timer.timeout.connect(self._check_schema)
+        self.schema_edit.textChanged.connect(self._schema_timer.start)
         return box
+
+    def json_grammar(self) -> str | None:
+        """The grammar JSON mode asks for (None: off); `ValueError` naming what is wrong with
+        the schema (not JSON, not an object, or one the converter refuses)."""
+        if not self.json_mode.isChecked():
+            return None
+        text = self.schema_edit.toPlainText().strip()
+        if not text:
+            return self.engine.json_grammar()
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"the JSON schema is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("the JSON schema must be a JSON object")
+        try:
+            return self.engine.json_grammar(schema)
+        except EngineError as e:
+            raise ValueError(str(e)) from None
+
+    def _on_json_mode(self, on: bool) -> None:
+        self.schema_edit.setVisible(on)
+        self.schema_state.setVisible(on)
+        self._check_schema()
+
+    def _check_schema(self) -> None:
+        try:
+            grammar = self.json_grammar()
+        except ValueError as e:
+            self.schema_state.setText(f"⚠ {e}")
+            return
+        self.schema_state.setText("" if grammar is None else
+                                  "replies match this schema" if self.schema_edit.toPlainText().strip()
+                                  else "replies are a JSON object")
 
     # ---- public API ----
 
@@ -287,6 +345,7 @@ class ChatPanel(QWidget):
             seed=None if seed < 0 else seed,
             # Remote engines do not relay logprobs (engine/remote.py refuses them).
             logprobs=TOP_ALTERNATIVES if "remote" not in self.engine.devices.values() else None,
+            grammar=self.json_grammar(),
         ).validate()
 
     def backend_override(self) -> str | None:

@@ -178,7 +178,7 @@ class Model:
         self._pieces: dict[int, bytes] = {}
         self._eog = [bool(lc.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)]
         self.eog_tokens = [t for t, eog in enumerate(self._eog) if eog]
-        self._chat: Callable[[list[dict]], str] | None = None
+        self._chat: Callable[[list[dict], list[dict] | None], str] | None = None
         self.info = ModelInfo(
             path=str(path),
             name=_model_name(self.ptr, path),
@@ -228,13 +228,22 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return self._eog[token]
 
+    def check_grammar(self, grammar: str) -> None:
+        """Raise `InvalidRequest` unless llama.cpp's grammar sampler takes `grammar` (GBNF)."""
+        from .grammar import check
+
+        check(self.vocab, grammar)
+
     # ---- chat ----
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render chat messages with the GGUF's own template, ending with the assistant's turn."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Render chat messages with the GGUF's own template, ending with the assistant's turn.
+
+        The template sees transformers' and llama-server's globals: `messages`, `tools`,
+        `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, `strftime_now`."""
         if self._chat is None:
             self._chat = _make_chat_formatter(self)
-        return self._chat(messages)
+        return self._chat(messages, tools)
 
 
 def _make_chat_formatter(model: Model):
@@ -243,7 +252,7 @@ def _make_chat_formatter(model: Model):
     raw = lc.llama_model_chat_template(model.ptr, None)
     if not raw:
         # A model with no template: plain "role: content" turns.
-        def plain(messages):
+        def plain(messages, tools=None):
             turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return turns + "assistant:"
 
@@ -253,7 +262,7 @@ def _make_chat_formatter(model: Model):
         eos_token=model.piece(model.eos).decode("utf-8", "replace"),
         bos_token=model.piece(model.bos).decode("utf-8", "replace") if model.bos >= 0 else "",
     )
-    return lambda messages: fmt(messages=messages).prompt
+    return lambda messages, tools=None: fmt(messages=messages, tools=tools).prompt
 
 
 def _model_name(ptr, path: Path) -> str:

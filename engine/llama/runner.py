@@ -43,7 +43,7 @@ from ..scheduler import KvOp, Plan, SeqState
 from . import fused_dist, lc
 from .batch import Batch
 from .model import Model
-from .sampling import SamplerSlots
+from .sampling import DEAD_END, SamplerSlots
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -91,8 +91,11 @@ class ContextRunner:
         self._batch = Batch(max(c.n_batch, c.n_seq_max))
         self.samplers = SamplerSlots(model.n_vocab, model.eog_tokens, c.backend_sampling,
                                      idle_s=c.idle_sampler_s, fused=c.fused_greedy, n_ids=c.n_seq_max,
-                                     fused_dist_from=c.fused_dist_from)
+                                     fused_dist_from=c.fused_dist_from, vocab=model.vocab)
         self.eog_redos = 0  # end tokens a guarding chain sampled and the runner took back
+        # Sequences whose grammar allowed no token this step (sampled as None): the backend
+        # fails them after the step.
+        self.dead_ends: list[SeqState] = []
         self.kv_cell_bytes = kv_bytes_per_cell(model)
 
     # ---- the scheduler's effects ----
@@ -169,10 +172,13 @@ class ContextRunner:
             tok = read(ctx, row) if smp.direct else null
             if tok == null:
                 tok = smp.sample(ctx, row)
-                if smp.host and smp.logprobs is not None:
+                if tok == DEAD_END:
+                    self.dead_ends.append(s)
+                    tok = None
+                elif smp.host and smp.logprobs is not None:
                     lps = lps or {}
                     lps[row] = self.token_logprob(row, tok, smp.logprobs)
-            if smp.guards_eog and is_eog(tok):
+            if smp.guards_eog and tok is not None and is_eog(tok):
                 self._redo(s)
                 tok = None
             append(tok)
@@ -182,12 +188,16 @@ class ContextRunner:
             if logits:
                 smp = s.sampler
                 tok = smp.sample(ctx, s.row)
-                if smp.host and smp.logprobs is not None:
-                    lps = lps or {}
-                    lps[len(sampled)] = self.token_logprob(s.row, tok, smp.logprobs)
-                if smp.guards_eog and is_eog(tok):
-                    self._redo(s)
+                if tok == DEAD_END:
+                    self.dead_ends.append(s)
                     tok = None
+                else:
+                    if smp.host and smp.logprobs is not None:
+                        lps = lps or {}
+                        lps[len(sampled)] = self.token_logprob(s.row, tok, smp.logprobs)
+                    if smp.guards_eog and is_eog(tok):
+                        self._redo(s)
+                        tok = None
                 append(tok)
         return RunnerOutput(0, sampled, n_decode, n_prefill, dt, lps)
 

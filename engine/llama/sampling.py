@@ -20,16 +20,36 @@ one comes up, the backend rewinds that token and the sequence takes the biased c
 (`SamplerSlots.ban_eog`), which picks from the same logits with the end tokens banned. The
 tokens are the same either way. `SamplerSlots` keeps each sequence id's chain attached
 between requests. All calls happen on the backend's thread.
+
+A request with a `grammar` gets llama.cpp's grammar sampler at the head of its chain (every
+token outside the grammar is masked before anything else looks at the logits; once the grammar
+is complete only end tokens are left, so the sequence ends there). The grammar sampler has no
+device implementation, so such a chain is never attached: that sequence samples on the host
+from its logits row (per-sequence fallback), and every other sequence keeps its device chain
+and `fused_greedy`. Checking the whole vocabulary against a grammar costs 8–80 ms a token on
+SmolLM2's 49k tokens (a loaded two-core machine), so a greedy grammar chain first checks only
+the row's argmax (llama.cpp's common sampler does the same): when the grammar allows it, it is
+the token the whole chain would choose; only a refused one costs the full pass. The full pass
+is made here, not by `llama_sampler_sample`, so that a grammar that allows no token at all
+(one asking for a character no token of the vocabulary spells, e.g. NUL) is seen: llama.cpp
+would accept the token anyway and abort the process. Such a row samples `DEAD_END`, and the
+backend fails that request alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
+
+import numpy as np
 
 from .. import llama
 from ..request import SamplingParams
 from . import fused_dist, lc
 from .greedy import fused_greedy
+
+DEAD_END = -1  # `Sampler.sample` of a grammar chain whose grammar allows no token
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
 class Sampler:
@@ -41,38 +61,54 @@ class Sampler:
     """
 
     __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "host", "logprobs", "_stateless", "_bias",
-                 "_user_bias", "_ctx", "_seq")
+                 "_user_bias", "_ctx", "_seq", "_grammar", "_one", "_n_vocab", "_cur")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
         """What makes two chains the same once reset (an unset seed draws anew at each reset)."""
         penalty = _penalty(params)
-        extra = (params.logit_bias, params.logprobs is not None) if not params.plain else ()
+        extra = (params.logit_bias, params.logprobs is not None, params.grammar) if not params.plain else ()
         if params.greedy:
             return ("greedy", params.ignore_eos, penalty, *extra)
         return ("dist", params.ignore_eos, penalty, params.top_k, params.top_p, params.min_p,
                 params.temperature, params.seed, *extra)
 
     def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False,
-                 dist: bool = True):
+                 dist: bool = True, vocab=None):
         """`fused`: a chain for the device: greedy takes `fused_greedy` and, for `ignore_eos`,
         no bias but `guards_eog` (the caller must not keep an end token it samples); a
         temperature chain without penalties is one `fused_dist` sampler (`dist`, whose
         uniform the runner draws before each step: `fused_dist.draw`) unless `dist` is False
-        (then llama.cpp's own samplers, per sequence)."""
+        (then llama.cpp's own samplers, per sequence). `vocab` (the model's `llama_vocab`) is
+        needed for a grammar."""
+        grammar = None
+        if params.grammar is not None:  # checked when the request came in (`Model.check_grammar`)
+            grammar = lc.llama_sampler_init_grammar(vocab, params.grammar.encode("utf-8"), b"root")
+            if not grammar:
+                raise ValueError("llama.cpp cannot parse the request's grammar")
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         add = lambda s: lc.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if grammar is not None:
+            add(grammar)
+        penalty = _penalty(params)
+        # Greedy with nothing between the grammar and the argmax: the argmax, if the grammar
+        # allows it, is the chain's own choice (`_allowed_argmax`).
+        plain_greedy = params.greedy and penalty is None and not params.logit_bias
+        self._grammar = grammar if plain_greedy else None
+        self._one = (lc.llama_token_data * 1)() if self._grammar is not None else None
+        self._n_vocab = n_vocab
+        self._cur = np.zeros(n_vocab, _TOKEN_DATA) if grammar is not None else None  # the full pass's candidates
         self.dist = (fused_dist.fused_dist(params, n_vocab, eog_tokens)
                      if fused and dist and fused_dist.supports(params) else None)
-        # fused_greedy takes its argmax over the step's raw logits: a bias or a penalty would
-        # not be seen, so only plain greedy chains take it (fused_dist.supports says the same
-        # of temperature chains).
+        # fused_greedy takes its argmax over the step's raw logits: a bias, a penalty or a
+        # grammar would not be seen, so only plain greedy chains take it (fused_dist.supports
+        # says the same of temperature chains).
         fused = fused and ((params.greedy and params.plain) or self.dist is not None)
         self.key = self.key_of(params)
         self.guards_eog = fused and params.greedy and params.ignore_eos
-        penalty = _penalty(params)
         self._stateless = fused and penalty is None  # nothing in it keeps history
-        self.host = params.logprobs is not None  # never attached: the runner reads its logits
+        # never attached: the runner reads its logits (logprobs), or the grammar has no device form
+        self.host = params.logprobs is not None or grammar is not None
         self.logprobs = params.logprobs  # alternatives per token, or None
         self._bias = self._user_bias = None
         self._ctx = None
@@ -109,7 +145,7 @@ class Sampler:
 
     def attach(self, ctx, seq_id: int) -> bool:
         """Sample `seq_id` on the device from now on; False if llama.cpp keeps it on the host
-        (or the chain is a `host` one, which is never attached)."""
+        (or the chain is a `host` one — logprobs or a grammar — which is never attached)."""
         if not self.host and lc.llama_set_sampler(ctx, seq_id, self.ptr):
             self._ctx, self._seq = ctx, seq_id
             self.direct = self._stateless
@@ -128,7 +164,44 @@ class Sampler:
                 if not self._stateless:
                     llama.sampler_accept(self.ptr, tok)
                 return tok
+        if self._cur is not None:  # a grammar chain
+            return self._constrained(ctx, row)
         return lc.llama_sampler_sample(self.ptr, ctx, row)
+
+    def _constrained(self, ctx, row: int) -> int:
+        """A grammar chain's token (accepted), or `DEAD_END`: what `llama_sampler_sample`
+        does (candidates from the row's logits, the chain, accept), but never accepting a
+        token the grammar refused."""
+        ptr = lc.llama_get_logits_ith(ctx, row)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp has no logits for output row {row}")
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        if self._grammar is not None:
+            tok = self._allowed_argmax(logits)
+            if tok is not None:
+                llama.sampler_accept(self.ptr, tok)
+                return tok
+        cur = self._cur
+        cur["id"] = np.arange(self._n_vocab, dtype=np.int32)  # the chain reorders them in place
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        data = cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data))
+        arr = lc.llama_token_data_array(data, self._n_vocab, -1, False)
+        lc.llama_sampler_apply(self.ptr, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size or arr.data[arr.selected].logit == float("-inf"):
+            return DEAD_END
+        tok = int(arr.data[arr.selected].id)
+        llama.sampler_accept(self.ptr, tok)
+        return tok
+
+    def _allowed_argmax(self, logits) -> int | None:
+        """The row's argmax if the grammar allows it next (then it is what grammar → greedy
+        would choose: both take the first maximum), else None."""
+        tok = int(logits.argmax())
+        one = self._one
+        one[0] = lc.llama_token_data(tok, 0.0, 0.0)
+        lc.llama_sampler_apply(self._grammar, ctypes.byref(lc.llama_token_data_array(one, 1, -1, False)))
+        return tok if one[0].logit != float("-inf") else None
 
     def reset(self) -> None:
         """Forget the previous request: penalty history, and a fresh draw of an unset seed."""
@@ -147,8 +220,9 @@ class Sampler:
         self._ctx = None
         self.direct = False
         if self.ptr:
-            lc.llama_sampler_free(self.ptr)
+            lc.llama_sampler_free(self.ptr)  # the grammar with it: the chain owns its samplers
             self.ptr = None
+            self._grammar = None
 
 
 def _penalty(params: SamplingParams) -> tuple | None:
@@ -190,9 +264,11 @@ class SamplerSlots:
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
-                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 8):
+                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 8, vocab=None):
         self.n_ids = n_ids  # sequence ids of the context
+        self._vocab = vocab
         self._n_vocab = n_vocab
+        self._vocab = vocab
         self._eog = eog_tokens
         self.on_device = on_device
         self.fused = on_device and fused  # greedy chains take `fused_greedy` (engine/llama/greedy.py)
@@ -255,13 +331,13 @@ class SamplerSlots:
     def ban_eog(self, ctx, seq_id: int, params: SamplingParams, accepted) -> Sampler:
         """Swap `seq_id`'s guarding chain for one that bans end tokens (logit bias), with the
         request's `accepted` tokens replayed into it."""
-        new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog))
+        new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog, vocab=self._vocab))
         self._fused_ids.discard(seq_id)
         new.accept(accepted)
         return new
 
     def _chain(self, params: SamplingParams, dist: bool = True) -> Sampler:
-        return Sampler(params, self._n_vocab, self._eog, self.fused, dist)
+        return Sampler(params, self._n_vocab, self._eog, self.fused, dist, vocab=self._vocab)
 
     def _replace(self, ctx, seq_id: int, new: Sampler) -> Sampler:
         old = self._slots.get(seq_id)
@@ -271,7 +347,7 @@ class SamplerSlots:
         elif old is not None and old.on_device():
             lc.llama_set_sampler(ctx, seq_id, None)  # a host chain: the id must have none
         if old is not None:
-            old.free(detach=False)  # llama.cpp already dropped it for `new`
+            old.free(detach=False)  # llama.cpp already dropped it (for `new`, or just above)
         self._slots[seq_id] = new
         return new
 

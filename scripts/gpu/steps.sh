@@ -60,6 +60,10 @@ decode() {  # our GPU decode vs llama-batched-bench, fused greedy, then llama.cp
   _decode overhead_gpu_unfused.txt 2 1,4,16,32 --no-fused-greedy
 }
 
+decode_grammar() {  # one sequence of each batch under a grammar (host sampling) beside fused-greedy ones
+  _decode overhead_gpu_grammar.txt 2 1,4,16,32 --constrained 1
+}
+
 decode_split() { _decode overhead_gpu_split.txt 2 1,4,16,32 --kv split; }
 
 sampling() {  # ~3 min: temperature 0.8 / top-p 0.95 (fused, and llama.cpp's per-sequence chains) against greedy,
