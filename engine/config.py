@@ -32,7 +32,8 @@ from .errors import InvalidRequest
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx"}
 _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
-_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive"}
+_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive",
+              "share_prefill", "defer_shared"}
 _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 
