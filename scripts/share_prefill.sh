@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Sharing a running request's prompt (engine/scheduler.py: publication at prefill end, deferral
+# behind a running prefill of the same prefix) on and off, on one backend, the same workload:
+# a Poisson burst of TENANTS tenants' requests (TENANTS=1: one tenant's burst). Prints each
+# side's computed prompt tokens (prompt - cached: the prefix cache's misses), TTFT p50 and
+# makespan, and the on/off ratios.
+#   CPU (default): bash scripts/share_prefill.sh
+#   GPU: BACKEND=gpu:cap=48,ctx=32768,threads=8 MODEL=synthetic:qwen2.5-0.5b:q8_0 PREFIX=1500 \
+#        TENANTS=8 REQUESTS=300 RATE=60 bash scripts/share_prefill.sh
+# Knobs: MODEL (synthetic:tiny), BACKEND (cpu:cap=8,ctx=16384,threads=2,adaptive=0), TENANTS (1),
+# PREFIX (tenant prefix words, 300), REQUESTS (16), RATE (60), RUNS (1), OUT (/tmp/share-prefill).
+set -uo pipefail
+MODEL=${MODEL:-synthetic:tiny}
+BACKEND=${BACKEND:-cpu:cap=8,ctx=16384,threads=2,adaptive=0}
+OUT=${OUT:-/tmp/share-prefill}
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+for side in off on; do
+  flags=$([ $side = off ] && echo ",share_prefill=0,defer_shared=0" || echo "")
+  echo "== sharing $side: $BACKEND$flags"
+  "$PY" -m app bench grid --model "$MODEL" --backend "$BACKEND$flags" --policies "${BACKEND%%:*}-only" \
+    --caps none --tenants "${TENANTS:-1}" --tenant-prefix-tokens "${PREFIX:-300}" --requests "${REQUESTS:-16}" \
+    --runs "${RUNS:-1}" --warmup 0 --outputs uniform --min-output 16 --max-output 64 --arrivals poisson \
+    --rate "${RATE:-60}" --no-plots --out "$OUT/$side" 2>&1 | grep -A2 "^| policy"
+done
+"$PY" - "$OUT" <<'PY'
+import json, sys
+rows = {side: json.load(open(f"{sys.argv[1]}/{side}/summary.json"))["results"][0] for side in ("off", "on")}
+for key, label in (("computed_prompt_tokens", "computed prompt tokens"), ("ttft_p50_s", "TTFT p50 s"),
+                   ("makespan_s", "makespan s")):
+    off, on = (rows[s][key]["mean"] for s in ("off", "on"))
+    print(f"{label}: off {off:,.3f}  on {on:,.3f}  on/off {on / off:.3f}" if off else f"{label}: off {off} on {on}")
+PY
