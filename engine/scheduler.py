@@ -453,9 +453,10 @@ class Scheduler:
         if self.blocked:
             return
         i = 0  # requests deferred behind a running prefill of their prefix stay in place
+        donors = self._prefill_donors()
         while i < len(self.waiting) and len(self.running) < self.cap:
             seq = self.waiting[i]
-            if self._deferred(seq):
+            if donors and self._deferred(seq, donors):
                 i += 1
                 if i >= self.cap:
                     return
@@ -467,6 +468,8 @@ class Scheduler:
                 return
             del self.waiting[i]
             self.running.append(seq)
+            if donors is not None and seq.n_past < seq.n_prompt:
+                donors.append(seq)  # the next of its tenant waits for this prefill
             plan.admitted.append(seq)
             if seq.warm and seq.n_past == len(seq.tokens):  # all of it is cached already
                 self._finish(seq, RequestStatus.FINISHED_STOPPED)
@@ -505,17 +508,21 @@ class Scheduler:
         seq.status = RequestStatus.RUNNING
         return True
 
-    def _deferred(self, seq: SeqState) -> bool:
-        """`seq` would reuse `SHARE_MIN_TOKENS` more of its prompt if it waited for a running
-        sequence's prompt prefill to end (see the module doc)."""
-        if not (self.defer_shared and self.share_prefill and self.cache_enabled) or seq.warm:
+    def _prefill_donors(self) -> list[SeqState] | None:
+        """Running sequences whose prompt prefill, once done, is cached (published, or a warm
+        request retired); None when deferral is off."""
+        if not (self.defer_shared and self.share_prefill and self.cache_enabled):
+            return None
+        spare = len(self.free_ids) > self.cap - len(self.running)  # a publication has an id
+        return [s for s in self.running if s.n_past < s.n_prompt and (spare or s.warm)]
+
+    def _deferred(self, seq: SeqState, donors: list[SeqState]) -> bool:
+        """`seq` would reuse `SHARE_MIN_TOKENS` more of its prompt if it waited for a donor's
+        prompt prefill to end (see the module doc)."""
+        if seq.warm:
             return False
         limit = len(seq.tokens) - 1
-        spare = len(self.free_ids) > self.cap - len(self.running)  # a publication has an id
-        best = 0
-        for s in self.running:
-            if s.n_past < s.n_prompt and s.seq_id >= 0 and (spare or s.warm):
-                best = max(best, _common_length(seq.tokens, s.tokens, min(limit, s.n_prompt)))
+        best = max(_common_length(seq.tokens, s.tokens, min(limit, s.n_prompt)) for s in donors)
         return best >= SHARE_MIN_TOKENS and best - self.match_tokens(seq.tokens) >= SHARE_MIN_TOKENS
 
     def _publish(self, s: SeqState) -> None:
@@ -815,9 +822,13 @@ def _seq_id(s: SeqState) -> int:
 def _common_length(a, b, limit: int) -> int:
     """How many leading tokens `a` and `b` share, at most `limit` (slices compare in C)."""
     limit = min(limit, len(a), len(b))
-    lo, hi = 0, limit
-    if a[:hi] == b[:hi]:
-        return hi
+    head = min(SHARE_MIN_TOKENS, limit)
+    if a[:head] != b[:head]:  # distinct prompts mostly differ early: no long slices for them
+        lo, hi = 0, head
+    elif a[:limit] == b[:limit]:
+        return limit
+    else:
+        lo, hi = head, limit
     while lo < hi - 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:

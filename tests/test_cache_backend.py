@@ -273,3 +273,14 @@ def test_cancelling_the_first_keeps_the_second_correct_and_frees_everything(make
     b.flush().result(WAIT)
     assert b.kv_cells_used() == 0 and b.cache.n_holders == 0
     assert b.kv_state_bytes() == empty
+
+
+def test_the_routers_cache_prediction_sees_a_running_prompt(make_backend, tiny_model):
+    prefix, (first, second) = _tenant_prompts(tiny_model, seed=14)
+    b = make_backend(tiny_model, n_ctx=4096)
+    h = b.enqueue(Request(tuple(first), SamplingParams(temperature=0.0, max_tokens=1200, ignore_eos=True)))
+    _while_decoding(b, h)
+    assert b.match(Request(tuple(second))) == len(prefix)
+    # The first prompt itself is matched whole (the scheduler tests check its generated tail is not).
+    assert b.match(Request(tuple(first + [7, 8]))) == len(first)
+    h.cancel()

@@ -491,3 +491,29 @@ def test_a_preempted_sharer_resumes_the_same():
     sim.sched.flush_cache()
     sim.mem.apply(sim.sched.take_ops())
     assert sim.sched.kv_cells_used() == sim.mem.cells == 0
+
+
+def test_a_request_waits_for_a_running_prefill_of_its_prefix_and_others_pass_it():
+    sim = Sim(n_ctx=2048, n_batch=32, busy_chunk=32)
+    a = sim.submit(TENANT + [5], max_tokens=8, ignore_eos=True)
+    b = sim.submit(TENANT + [6], max_tokens=8, ignore_eos=True)
+    c = sim.submit(range(400, 420), max_tokens=8, ignore_eos=True)
+    sim.step()
+    assert a.status == c.status == RequestStatus.RUNNING and b in sim.sched.waiting
+    while not a.generated:
+        sim.step()
+    sim.step()
+    assert b.status == RequestStatus.RUNNING and b.n_hit == len(TENANT)
+
+
+def test_a_deferral_ends_when_the_running_prefill_is_cancelled():
+    sim = Sim(n_ctx=2048, n_batch=32, busy_chunk=32)
+    a = sim.submit(TENANT + [5], max_tokens=8, ignore_eos=True)
+    b = sim.submit(TENANT + [6], max_tokens=8, ignore_eos=True)
+    sim.step()
+    assert b in sim.sched.waiting
+    sim.sched.cancel({a.req.id})
+    sim.step()
+    assert b.status == RequestStatus.RUNNING and b.n_hit == 0
+    sim.run()
+    assert sim.record(b).status == RequestStatus.FINISHED_LENGTH
