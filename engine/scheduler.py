@@ -11,7 +11,8 @@ in order, before it decodes. Time comes from an injected `clock`, text from an i
 
 The rules, in the order each step applies them:
   1. cancellations (`cancel`), queue timeouts;
-  2. admission, FCFS, while running < cap (with a `limiter`, engine/limiter.py, the cap is
+  2. admission, FCFS (a request may be deferred behind a running prefill of its prefix, see
+     below), while running < cap (with a `limiter`, engine/limiter.py, the cap is
      its live value, moved by the step times `update_from_output` is given and by
      preemptions): a request is admitted when the cells for its
      uncached prompt (+ `ADMIT_HEADROOM`) are free, after the cells running prefills still
@@ -59,7 +60,9 @@ over those copies. The rules (`share_prefill`, `defer_shared`):
     than the cache holds, and admits those behind it (at most `cap` skipped per step); the
     deferral ends when that prefill does (published, finished, preempted or cancelled). Both
     prefills would share the step's prefill budget anyway, so the second request's first
-    token comes no later, and its prefix is computed once.
+    token typically comes no later, and its prefix is computed once (CPU, one tenant's burst
+    of 16: 0.55x the prompt tokens computed, TTFT p50 0.20x; publication alone: 1.00x, since
+    the whole burst was admitted before the first prefill ended; scripts/share_prefill.sh).
 
 `max_tokens` is clamped, not refused: a request asks for at most `n_ctx_seq - prompt` new
 tokens whatever it says (it ends with `length` there, like llama.cpp's server). The router
