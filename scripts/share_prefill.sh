@@ -9,7 +9,8 @@
 #   GPU: BACKEND=gpu:cap=48,ctx=32768,threads=8 MODEL=synthetic:qwen2.5-0.5b:q8_0 PREFIX=1500 \
 #        TENANTS=8 REQUESTS=300 RATE=60 bash scripts/share_prefill.sh
 # Knobs: MODEL (synthetic:tiny), BACKEND (cpu:cap=8,ctx=16384,threads=2,adaptive=0), TENANTS (1),
-# PREFIX (tenant prefix words, 300), REQUESTS (16), RATE (60), RUNS (1), OUT (/tmp/share-prefill).
+# PREFIX (tenant prefix words, 300), REQUESTS (16), RATE (60), RUNS (1), MIN_OUT, MAX_OUT (outputs
+# uniform in 16-64), WARMUP (unrecorded runs first, 0), OUT (/tmp/share-prefill).
 set -uo pipefail
 MODEL=${MODEL:-synthetic:tiny}
 BACKEND=${BACKEND:-cpu:cap=8,ctx=16384,threads=2,adaptive=0}
@@ -21,7 +22,7 @@ for side in off nodefer on; do
   echo "== sharing $side: $BACKEND$flags"
   "$PY" -m app bench grid --model "$MODEL" --backend "$BACKEND$flags" --policies "${BACKEND%%:*}-only" \
     --caps none --tenants "${TENANTS:-1}" --tenant-prefix-tokens "${PREFIX:-300}" --requests "${REQUESTS:-16}" \
-    --runs "${RUNS:-1}" --warmup 0 --outputs uniform --min-output 16 --max-output 64 --arrivals poisson \
+    --runs "${RUNS:-1}" --warmup "${WARMUP:-0}" --outputs uniform --min-output "${MIN_OUT:-16}" --max-output "${MAX_OUT:-64}" --arrivals poisson \
     --rate "${RATE:-60}" --no-plots --out "$OUT/$side" 2>&1 | grep -A2 "^| policy"
 done
 "$PY" - "$OUT" <<'PY'

@@ -145,7 +145,7 @@ fleet() {  # one engine per GPU behind Tandem's router and sglang-router, the te
 }
 share_prefill() {  # a running prompt shared (publication + deferral) on vs off, one GPU, K=8 tenants (~2 min)
   _stamp "share_prefill: computed prompt tokens, TTFT, makespan; sharing off vs on"
-  BACKEND="gpu:cap=48,ctx=32768,threads=8" MODEL="$M" TENANTS=${TENANTS:-8} PREFIX=1500 REQUESTS=${REQUESTS:-300} \
+  BACKEND="gpu:cap=48,ctx=32768,threads=8" MODEL="$M" MIN_OUT=32 MAX_OUT=256 WARMUP=1 TENANTS=${TENANTS:-8} PREFIX=1500 REQUESTS=${REQUESTS:-300} \
     RATE=${RATE:-60} RUNS=${RUNS:-1} OUT="$OUT/share-prefill" bash scripts/share_prefill.sh 2>&1 \
     | tee "$OUT/share-prefill.txt"
 }
