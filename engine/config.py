@@ -17,6 +17,10 @@ limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
 `kv=split` gives every sequence its own KV stream (`kv_unified=0`), so a step attends only
 over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes each stream
 (the context is then N × n_seq_max cells). See docs/NOTES.md ("KV layout for many prefixes").
+
+`share_prefill=0` stops publishing a running prompt into the prefix cache at its prefill's end,
+`defer_shared=0` stops deferring a queued request behind a running prefill of its prefix
+(both on by default; engine/scheduler.py).
 """
 
 from __future__ import annotations
