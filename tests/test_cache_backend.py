@@ -250,7 +250,7 @@ def test_a_running_prompt_is_held_once_in_the_kv(make_backend, tiny_model):
 
 
 @LAYOUTS
-def test_cancelling_the_first_keeps_the_second_correct_and_frees_everything(make_backend, tiny_model, unified):
+def test_a_cancelled_first_request_leaves_the_second_whole(make_backend, tiny_model, unified):
     """40 tokens: in unified KV the cancelled request's cells become holes that the second's
     later tokens fill out of position order, and llama.cpp then sums attention in another order;
     on the tiny model a near-tie flipped after ~60 tokens with the prefix cache off too
