@@ -123,13 +123,15 @@ def markdown(summary: dict) -> str:
         by_workload.setdefault(row["workload"], []).append(row)
     for workload, rows in by_workload.items():
         lines += [f"## {workload}", "",
-                  "| policy | N | makespan s | output tok/s | TTFT p50 s | TTFT p95 s | E2E p50 s | E2E p95 s | routed | failed |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| policy | N | makespan s | output tok/s | TTFT p50 s | TTFT p95 s | E2E p50 s | E2E p95 s "
+                  "| computed prompt tok | routed | failed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in sorted(rows, key=lambda r: (r["requests"], r["makespan_s"]["mean"] is None, r["makespan_s"]["mean"] or 0)):
             routed = ", ".join(f"{b} {n:g}" for b, n in sorted(row["routed"].items()))
             lines.append(f"| {row['policy']} | {row['requests']} | {_pm(row['makespan_s'])} | "
                          f"{_pm(row['output_tok_s'], 1)} | {_pm(row['ttft_p50_s'])} | {_pm(row['ttft_p95_s'])} | "
-                         f"{_pm(row['e2e_p50_s'])} | {_pm(row['e2e_p95_s'])} | {routed} | {row['failed']} |")
+                         f"{_pm(row['e2e_p50_s'])} | {_pm(row['e2e_p95_s'])} | "
+                         f"{_pm(row.get('computed_prompt_tokens') or {'mean': None}, 0)} | {routed} | {row['failed']} |")
         lines.append("")
     if summary.get("oracle"):
         lines += ["## Best in hindsight (oracle: lowest mean makespan)", "",

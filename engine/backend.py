@@ -98,6 +98,11 @@ class BackendConfig:
     # on a GPU (a 512-token chunk takes milliseconds), n_batch / 8 on the CPU (measured: a
     # 512-token chunk held a cancel and the next request's first token for 4.3 s).
     busy_chunk: int = 0
+    # Publish a running prompt into the prefix cache once its prefill ends, so requests admitted
+    # while it runs reuse it (engine/scheduler.py), and defer a queued request behind a running
+    # prefill of its prefix (`defer_shared`).
+    share_prefill: bool = True
+    defer_shared: bool = True
 
     @property
     def auto_cap(self) -> bool:
@@ -261,7 +266,8 @@ class Backend:
             kv_unified=c.kv_unified, cache_enabled=cache_enabled, idle_cache_cells=c.idle_cache_cells,
             busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, piece=self.model.piece,
             is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache,
-            limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive))
+            limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive),
+            share_prefill=c.share_prefill, defer_shared=c.defer_shared)
         self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
         self._inbox = Inbox()
 
@@ -677,7 +683,7 @@ class Backend:
             runner.admit(plan.admitted, sched.cap, sched.lowest_free_ids)
             for s in plan.admitted:
                 if s.status == RequestStatus.RUNNING:
-                    self.bus.publish(RequestAdmitted(self.name, s.req.id, s.n_shared, s.t_admit))
+                    self.bus.publish(RequestAdmitted(self.name, s.req.id, s.n_hit, s.t_admit))
         if plan.empty:
             return
         if self._fault is not None:

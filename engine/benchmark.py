@@ -72,6 +72,9 @@ class RunMetrics:
     failed: int
     output_tokens: int
     routed: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens the engines computed (prompt - cached, successful requests): the cache's
+    # misses. NaN when a server did not report its cached tokens.
+    computed_prompt_tokens: float = math.nan
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,6 +155,8 @@ def run_metrics(records: Sequence[RequestRecord]) -> RunMetrics:
         failed=len(records) - len(ok),
         output_tokens=sum(r.output_tokens for r in ok),
         routed=routed(records),
+        computed_prompt_tokens=(math.nan if any(r.cached_tokens < 0 for r in ok)
+                                else float(sum(r.prompt_tokens - r.cached_tokens for r in ok))),
     )
 
 
@@ -173,6 +178,7 @@ def aggregate(runs: Sequence[RunMetrics]) -> dict:
     """One summary row's numbers over several runs of the same configuration."""
     out: dict[str, Any] = {m: spread([getattr(r, m) for r in runs]) for m in METRICS}
     backends = sorted({b for r in runs for b in r.routed})
+    out["computed_prompt_tokens"] = spread([r.computed_prompt_tokens for r in runs])
     out["routed"] = {b: statistics.fmean(r.routed.get(b, 0) for r in runs) for b in backends}
     out["routed_per_run"] = [dict(r.routed) for r in runs]
     out["completed"] = sum(r.completed for r in runs)

@@ -16,6 +16,10 @@ limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
 `kv=split` gives every sequence its own KV stream (`kv_unified=0`), so a step attends only
 over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes each stream
 (the context is then N × n_seq_max cells). See docs/NOTES.md ("KV layout for many prefixes").
+
+`share_prefill=0` stops publishing a running prompt into the prefix cache at its prefill's end,
+`defer_shared=0` stops deferring a queued request behind a running prefill of its prefix
+(both on by default; engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "t
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx",
              "fused_dist_from"}
 _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
-_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive"}
+_BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive",
+              "share_prefill", "defer_shared"}
 _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 

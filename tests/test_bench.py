@@ -68,6 +68,11 @@ class TestMetrics:
         assert m.routed == {"gpu": 1, "cpu": 2}
         assert m.ttft_p50_s == pytest.approx(0.2) and m.e2e_p95_s == pytest.approx(1.475)
 
+    def test_computed_prompt_tokens_are_the_cache_misses_of_successful_requests(self):
+        m = run_metrics([rec(0.0, 1.0), rec(0.1, 1.5), rec(0.2, None, ok=False)])
+        assert m.computed_prompt_tokens == 2 * (20 - 10)
+        assert aggregate([m, m])["computed_prompt_tokens"]["mean"] == 20
+
     def test_aggregate_gives_the_spread_over_runs(self):
         runs = [run_metrics([rec(0.0, 1.0)]), run_metrics([rec(0.0, 3.0, backend="cpu")])]
         a = aggregate(runs)

@@ -410,3 +410,151 @@ def test_choices_compute_their_own_prompt_with_the_cache_off():
     sim.run()
     assert [c.status for c in choices] == [RequestStatus.FINISHED_LENGTH] * 2
     assert sum(k for p in sim.plans for _, _, k, _ in p.chunks) == 3 * len(prompt)
+
+
+# ---- sharing a running prompt ----
+
+TENANT = list(range(100, 300))  # a 200-token prefix, above SHARE_MIN_TOKENS
+
+
+def _computed(seqs) -> int:
+    """Prompt tokens the backend computed (not reused) for `seqs`, by their records."""
+    return sum(q.n_prompt - q.n_hit for q in seqs)
+
+
+def test_a_request_admitted_while_the_first_decodes_reuses_its_prompt():
+    sim = Sim(n_ctx=1024)
+    a = sim.submit(TENANT + [5], max_tokens=40, ignore_eos=True)
+    while not a.generated:
+        sim.step()
+    b = sim.submit(TENANT + [6], max_tokens=4)
+    sim.step()
+    assert a.status == RequestStatus.RUNNING
+    assert b.n_hit == len(TENANT), "the running prompt's prefix is aliased, not recomputed"
+
+
+def test_a_running_prompt_is_held_once_in_the_kv():
+    sim = Sim(n_ctx=1024)
+    a = sim.submit(TENANT + [5], max_tokens=40, ignore_eos=True)
+    while not a.generated:
+        sim.step()
+    b = sim.submit(TENANT + [6], max_tokens=30, ignore_eos=True)
+    while not b.generated:
+        sim.step()
+    own = (a.n_past - len(TENANT)) + (b.n_past - len(TENANT))
+    assert sim.mem.cells == len(TENANT) + own
+
+
+def test_the_generated_tail_of_a_running_request_is_never_matched():
+    sim = Sim(n_ctx=1024)
+    a = sim.submit(TENANT + [5], max_tokens=40, ignore_eos=True)
+    while a.generated < 5:
+        sim.step()
+    assert sim.sched.match_tokens(a.tokens + [9]) == len(TENANT) + 1
+
+
+def test_outputs_match_the_run_without_sharing():
+    runs = []
+    for share in (False, True):
+        sim = Sim(n_ctx=2048, share_prefill=share)
+        seqs = []
+        for i in range(4):
+            seqs.append(sim.submit(TENANT + [5 + i], max_tokens=12, ignore_eos=True))
+            sim.step()
+            sim.step()
+        sim.run()
+        runs.append([q.tokens for q in seqs])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("share, computed", [(False, 4 * 201), (True, 200 + 4)])
+def test_a_burst_of_one_tenant_computes_its_prefix_once(share, computed):
+    sim = Sim(n_ctx=2048, share_prefill=share, defer_shared=share)
+    seqs = [sim.submit(TENANT + [5 + i], max_tokens=8, ignore_eos=True) for i in range(4)]
+    sim.run()
+    assert _computed(seqs) == computed
+
+
+def test_without_deferral_a_burst_keeps_one_copy_once_prefills_end():
+    sim = Sim(n_ctx=2048, defer_shared=False)
+    seqs = [sim.submit(TENANT + [5 + i], max_tokens=30, ignore_eos=True) for i in range(4)]
+    while not all(q.generated for q in seqs):
+        sim.step()
+    assert sim.mem.cells == len(TENANT) + sum(q.n_past - len(TENANT) for q in seqs)
+
+
+@pytest.mark.parametrize("end", ["cancel", "fail"])
+def test_the_publisher_ending_early_leaves_the_sharer_correct(end):
+    alone = Sim(n_ctx=1024)
+    ref = alone.submit(TENANT + [6], max_tokens=20, ignore_eos=True)
+    alone.run()
+    sim = Sim(n_ctx=1024)
+    a = sim.submit(TENANT + [5], max_tokens=200, ignore_eos=True)
+    while not a.generated:
+        sim.step()
+    b = sim.submit(TENANT + [6], max_tokens=20, ignore_eos=True)
+    sim.step()
+    assert b.n_hit == len(TENANT)
+    if end == "cancel":
+        sim.sched.cancel({a.req.id})
+    else:
+        sim.sched.fail(a, "the device failed")
+    sim.mem.apply(sim.sched.take_ops())
+    sim.finished += sim.sched.take_finished()
+    assert sim.sched.kv_cells_used() == sim.mem.cells
+    sim.run()
+    assert b.tokens == ref.tokens
+    sim.sched.flush_cache()
+    sim.mem.apply(sim.sched.take_ops())
+    assert sim.sched.kv_cells_used() == sim.mem.cells == 0
+
+
+def test_publication_leaves_ids_for_the_cap():
+    sim = Sim(n_ctx=4096, cap=4, n_seq_max=5)
+    seqs = [sim.submit([i] + TENANT + [5], max_tokens=30, ignore_eos=True) for i in range(4)]
+    sim.run()
+    assert all(sim.record(q).status == RequestStatus.FINISHED_LENGTH for q in seqs)
+    assert max(len(p.decode) for p in sim.plans) == 4, "every request ran at once"
+
+
+def test_a_preempted_sharer_resumes_the_same():
+    alone = Sim(n_ctx=1024)
+    ref = alone.submit(TENANT + [6], max_tokens=60, ignore_eos=True)
+    alone.run()
+    sim = Sim(n_ctx=TENANT.__len__() + 100, cap=2)
+    a = sim.submit(TENANT + [5], max_tokens=60, ignore_eos=True)
+    while not a.generated:
+        sim.step()
+    b = sim.submit(TENANT + [6], max_tokens=60, ignore_eos=True)
+    sim.run()
+    assert b.preemptions and b.n_hit == len(TENANT)
+    assert b.tokens == ref.tokens
+    sim.sched.flush_cache()
+    sim.mem.apply(sim.sched.take_ops())
+    assert sim.sched.kv_cells_used() == sim.mem.cells == 0
+
+
+def test_a_request_waits_for_a_running_prefill_of_its_prefix_and_others_pass_it():
+    sim = Sim(n_ctx=2048, n_batch=32, busy_chunk=32)
+    a = sim.submit(TENANT + [5], max_tokens=8, ignore_eos=True)
+    b = sim.submit(TENANT + [6], max_tokens=8, ignore_eos=True)
+    c = sim.submit(range(400, 420), max_tokens=8, ignore_eos=True)
+    sim.step()
+    assert a.status == c.status == RequestStatus.RUNNING and b in sim.sched.waiting
+    while not a.generated:
+        sim.step()
+    sim.step()
+    assert b.status == RequestStatus.RUNNING and b.n_hit == len(TENANT)
+
+
+def test_a_deferral_ends_when_the_running_prefill_is_cancelled():
+    sim = Sim(n_ctx=2048, n_batch=32, busy_chunk=32)
+    a = sim.submit(TENANT + [5], max_tokens=8, ignore_eos=True)
+    b = sim.submit(TENANT + [6], max_tokens=8, ignore_eos=True)
+    sim.step()
+    assert b in sim.sched.waiting
+    sim.sched.cancel({a.req.id})
+    sim.step()
+    assert b.status == RequestStatus.RUNNING and b.n_hit == 0
+    sim.run()
+    assert sim.record(b).status == RequestStatus.FINISHED_LENGTH

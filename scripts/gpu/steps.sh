@@ -169,6 +169,12 @@ boundary() {  # where hybrid routing starts to pay: KV for 4 sequences and a gro
 fleet() {  # one engine per GPU behind Tandem's router and sglang-router, the tenant workload (see fleet.sh)
   bash scripts/gpu/fleet.sh
 }
+share_prefill() {  # a running prompt shared (publication + deferral) on vs off, one GPU, K=8 tenants (~2 min)
+  _stamp "share_prefill: computed prompt tokens, TTFT, makespan; sharing off vs on"
+  BACKEND="gpu:cap=48,ctx=32768,threads=8" MODEL="$M" MIN_OUT=32 MAX_OUT=256 WARMUP=1 TENANTS=${TENANTS:-8} PREFIX=1500 REQUESTS=${REQUESTS:-300} \
+    RATE=${RATE:-60} RUNS=${RUNS:-1} OUT="$OUT/share-prefill" bash scripts/share_prefill.sh 2>&1 \
+    | tee "$OUT/share-prefill.txt"
+}
 
 devices() {  # one backend per GPU through llama.cpp's device list, each snapshot with its GPU's memory
   python3 scripts/gpu/devices.py 2>&1 | tail -30 | tee "$OUT/devices.txt"
