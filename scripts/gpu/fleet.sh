@@ -31,6 +31,7 @@
 # (git-ignored) is searched too.
 #   PARTS="tandem-k8 tandem-k32 kill in-process llama-k8 llama-k32"  (a subset, e.g. for more runs)
 #   RUNS=1  REQUESTS=300  RATE=60  KILL_AT=3
+#   GPUS=0,1    the engines' GPUs (GPUS=0,0: two engines on one GPU, where only one is lent)
 #   ROUTERS=tandem:cache-aware,sglang:cache_aware,tandem:round-robin  (the routers of every part)
 #   BUDGET=540    seconds for the whole step (run.sh allows 560): a part still running at the end
 #                 gets SIGTERM, stops its engines and keeps every finished run's results; parts
@@ -69,7 +70,7 @@ fleet() {  # fleet NAME ENGINES TENANTS VARIANTS [extra options...]
   fi
   stamp "fleet $name: $engines engines, K=$k, $variants"
   timeout "$left" python3 -X faulthandler -m app bench fleet --model "$M" --engines "$engines" \
-    --gpus 0,1 --engine-backend "$GPU_SPEC" --llama-flags "$LLAMA_FLAGS" \
+    --gpus "${GPUS:-0,1}" --engine-backend "$GPU_SPEC" --llama-flags "$LLAMA_FLAGS" \
     --inprocess-backend "gpu:device=0,cap=32,ctx=65536,threads=8" \
     --inprocess-backend "gpu:device=1,cap=32,ctx=65536,threads=8" \
     --tenants "$k" --tenant-prefix-tokens 1500 --tenant-suffix-tokens 50 --tenant-skew zipf \
