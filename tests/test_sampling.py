@@ -238,3 +238,13 @@ def test_a_grammar_no_token_can_continue_fails_only_its_request(make_backend, ti
     assert "grammar allows no token" in dead.error
     after = b.enqueue(Request((5, 9, 11), SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
     assert after.output_tokens == 4
+
+
+def test_a_reused_logprobs_chain_gives_this_requests_number_of_alternatives(make_backend, tiny_model):
+    """An idle logprobs chain is reused by the next logprobs request on its id (same key): the
+    number of alternatives is the new request's, not the one the chain was made for."""
+    b = make_backend(tiny_model, cap=1, cache=False, idle_sampler_s=600)
+    prompt = (5, 9, 1, 40)
+    b.enqueue(Request(prompt, SamplingParams(temperature=0, max_tokens=2, logprobs=0))).result(WAIT)
+    r = b.enqueue(Request(prompt, SamplingParams(temperature=0, max_tokens=2, logprobs=3))).result(WAIT)
+    assert [len(e.top) for e in r.logprobs] == [3, 3]

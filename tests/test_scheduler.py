@@ -534,7 +534,7 @@ def test_a_preempted_sharer_resumes_the_same():
     assert sim.sched.kv_cells_used() == sim.mem.cells == 0
 
 
-def test_a_request_waits_for_a_running_prefill_of_its_prefix_and_others_pass_it():
+def test_requests_behind_one_deferred_for_its_prefix_are_admitted():
     sim = Sim(n_ctx=2048, n_batch=32, busy_chunk=32)
     a = sim.submit(TENANT + [5], max_tokens=8, ignore_eos=True)
     b = sim.submit(TENANT + [6], max_tokens=8, ignore_eos=True)

@@ -317,6 +317,7 @@ class SamplerSlots:
         old = self._slots.get(seq_id)
         if old is not None and old.key == Sampler.key_of(params) and (old.dist is not None) == dist:
             old.reset()
+            old.logprobs = params.logprobs  # the key says "logprobs or not"; how many is this request's
             chain = old
         else:
             chain = self._replace(ctx, seq_id, self._chain(params, dist))
