@@ -17,7 +17,8 @@ teaching table with all its rows); otherwise Backends and Controls sit beside th
 
 Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
 window geometry, dock layout (one per layout), the chat's sampling settings and the last model
-loaded. Ctrl+/ lists the keyboard shortcuts.
+loaded, and the theme (View ▸ Theme: dark, light, or the system's, followed live; `ui.theme`).
+Ctrl+/ lists the keyboard shortcuts.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Signal
-from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
     QStackedWidget, QVBoxLayout, QWidget,
@@ -47,7 +48,7 @@ from .model_dialog import ModelDialog
 from .routing import RoutingView
 from .server_control import ServerControl, ServerDialog, ServerOptions
 from .teaching import TeachingPanel
-from .theme import FAILED, configure_pyqtgraph, scrollable
+from .theme import CHOICES, FAILED, Theme, configure_pyqtgraph, scrollable
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class MainWindow(QMainWindow):
         super().__init__(parent)
         self.settings = settings if settings is not None else QSettings()
         self._layout_restored = False
+        self.theme = Theme(self, self.settings, self)
+        self.theme.apply()
         configure_pyqtgraph()
         self.engine = None
         self.spec: ModelSpec | None = None
@@ -169,6 +172,17 @@ class MainWindow(QMainWindow):
         m.addSeparator()
         m.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
         self.view_menu = self.menuBar().addMenu("&View")
+        theme_menu = self.view_menu.addMenu("&Theme")
+        group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for choice in CHOICES:
+            label = {"system": "Follow the &system", "dark": "&Dark", "light": "&Light"}[choice]
+            a = QAction(label, self, checkable=True, checked=choice == self.theme.choice)
+            a.triggered.connect(lambda _=False, c=choice: self.set_theme(c))
+            group.addAction(a)
+            theme_menu.addAction(a)
+            self.theme_actions[choice] = a
+        self.view_menu.addSeparator()
         run = self.menuBar().addMenu("&Run")
         run.addAction(QAction("Send the study's 8 requests", self, triggered=lambda: self.start_demo(STUDY)))
         run.addAction(QAction("Send 48 study requests", self,
@@ -287,6 +301,7 @@ class MainWindow(QMainWindow):
         if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
             chat.settings_button.setChecked(False)
         chat.load_settings(self.settings)
+        self.theme.apply()  # the new panels' plots in the palette in use
         state = self.settings.value(self._state_key())
         if state is not None and not self._layout_restored:
             self._layout_restored = self.restoreState(state)
@@ -302,6 +317,12 @@ class MainWindow(QMainWindow):
             self.panels["chat"].save_settings(self.settings)
         if self.spec is not None:
             self.settings.setValue("model/last", self.spec.model)
+        self.settings.sync()
+
+    def set_theme(self, choice: str) -> None:
+        """"system", "dark" or "light": applied at once, plots included, and kept for the next start."""
+        self.theme.set_choice(choice)
+        self.theme_actions[choice].setChecked(True)
         self.settings.sync()
 
     def show_shortcuts(self) -> None:
@@ -518,6 +539,7 @@ class MainWindow(QMainWindow):
         if self.panels:
             self.save_settings()
         self.probe.stop()
+        self.theme.disconnect_system()
         if self.server is not None:
             self.server.stop()  # finishes on the loop; `closeEvent` waits for it instead
         if self.loader is not None:
