@@ -7,6 +7,10 @@ same metrics as the command line. Without one, runs are driven from the GUI thre
 `ui.live_run.WorkloadRun`. Either way the routing and latency views show the run live, a
 progress bar counts requests, and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
 requests per backend) fill a table that exports to CSV, JSON or PNG.
+
+Under the progress bar, `ui.run_controls.RunControls` pauses and steps the live run in progress:
+this panel's own `WorkloadRun`s, or a demo run from the Run menu (`show_run`). The benchmark
+runner times its arrivals itself (its numbers are the command line's), so its runs are not paused.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from engine.benchmark import METRICS, RunSummary
 from .controls import policy_choices
 from .formatting import fmt_seconds
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
+from .run_controls import RunControls
 from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
 from .worker import Worker
 
@@ -95,6 +100,8 @@ class ExperimentsPanel(QWidget):
         self.progress.setFormat("%v / %m requests")
         self.phase_label = QLabel("idle")
         self.phase_label.setObjectName("muted")
+        self.run_controls = RunControls()
+        self.run_controls.status_message.connect(self.status_message.emit)
         left = QWidget()
         lv = QVBoxLayout(left)
         lv.setContentsMargins(0, 0, 0, 0)
@@ -103,6 +110,7 @@ class ExperimentsPanel(QWidget):
         lv.addWidget(self.run_button)
         lv.addWidget(self.progress)
         lv.addWidget(self.phase_label)
+        lv.addWidget(self.run_controls)
         lv.addStretch(1)
 
         self.table = QTableWidget(0, len(COLUMNS))
@@ -190,6 +198,7 @@ class ExperimentsPanel(QWidget):
         self.run_button.setText("Stop")
         if self.bench_runner is not None:
             self.phase_label.setText(f"running {len(policies)} policies with the benchmark runner…")
+            self.run_controls.attach(None, "the benchmark runner times its own arrivals (a demo run pauses)")
             self._bench_next(0)
         else:
             self._next()
@@ -201,6 +210,12 @@ class ExperimentsPanel(QWidget):
             self.phase_label.setText("stopping after the current run…")
         if self._run is not None and self._run.running:
             self._run.stop()
+
+    def show_run(self, run) -> None:
+        """Let the Pause/Step row drive `run` (a demo started elsewhere), unless a run of this
+        panel is in progress."""
+        if not self.running:
+            self.run_controls.attach(run)
 
     def wait(self, timeout: float | None = None) -> None:
         """Join the benchmark run's worker thread (tests, shutdown)."""
@@ -251,6 +266,7 @@ class ExperimentsPanel(QWidget):
         self._run.progress.connect(lambda done, _t: self.progress.setValue(self._done_before + done))
         self._run.phase.connect(lambda ph, p=policy: self.phase_label.setText(f"{p}: {ph}"))
         self._run.done.connect(self._on_done)
+        self.run_controls.attach(self._run)
         self._run.start()
 
     def _on_done(self, result) -> None:

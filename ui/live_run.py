@@ -9,6 +9,13 @@ caches, warm the shared prefix on every backend, submit each request at its arri
 without waiting, collect each `FinishRecord` from `bridge.finished`, and emit `done` with the
 records and the routing decisions. Warm and flush run on the backends' workers and are polled
 once per tick, so nothing here blocks.
+
+`pause()` stops new arrivals being submitted (what the engine already holds keeps running);
+`step()` submits the next arrival at once (pausing first); `resume()` goes on with the remaining
+arrivals at their original spacing. Arrival times run on the run's own clock, which stands still
+while paused, so a pause shifts the arrivals still to come instead of releasing them in a burst.
+
+Thread contract: main thread only (a QObject driven by Qt timers and the bridge's signals).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class WorkloadRun(QObject):
 
     phase = Signal(str)  # "flushing", "warming", "running", "done", "stopped", "failed"
     progress = Signal(int, int)  # finished requests, total
+    paused_changed = Signal(bool)
+    submitted = Signal(int, int)  # submitted requests, total
     done = Signal(object)  # RunResult
 
     def __init__(self, engine, bridge, spec: WorkloadSpec = STUDY, label: str = "run", run: int = 0,
@@ -70,6 +79,9 @@ class WorkloadRun(QObject):
         self._handles = {}
         self._pending = []  # futures / warm handles we wait for
         self._next = 0
+        self._paused = False
+        self._clock0 = 0.0  # monotonic() when the run's clock read 0 (shifted by every pause)
+        self._frozen = 0.0  # the run's clock while paused
         vocab = min(engine.n_vocab or TOKEN_HIGH, TOKEN_HIGH)
         self.workload = build_workload(replace(spec, vocab_size=vocab), run)
         self._submit_timer = QTimer(self)
@@ -82,6 +94,49 @@ class WorkloadRun(QObject):
     @property
     def running(self) -> bool:
         return self.state in ("flushing", "warming", "running")
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def n_submitted(self) -> int:
+        return self._next
+
+    def clock(self) -> float:
+        """Seconds on the run's arrival clock (it stands still while paused)."""
+        return self._frozen if self._paused else time.monotonic() - self._clock0
+
+    def pause(self) -> bool:
+        """Stop submitting arrivals; the requests already submitted run on. False if not running."""
+        if not self.running or self._paused:
+            return False
+        self._frozen = self.clock() if self.state == "running" else 0.0
+        self._paused = True
+        self._submit_timer.stop()
+        self.paused_changed.emit(True)
+        return True
+
+    def resume(self) -> bool:
+        """Submit the remaining arrivals again, keeping their spacing from where the clock stopped."""
+        if not self._paused:
+            return False
+        self._paused = False
+        self._clock0 = time.monotonic() - self._frozen
+        self.paused_changed.emit(False)
+        if self.state == "running":
+            self._submit_due()
+        return True
+
+    def step(self) -> bool:
+        """Submit the next arrival now and stay paused (pausing first). False if there is none to
+        submit: the run is over, every arrival is in, or it is still flushing or warming."""
+        if self.state != "running" or self._next >= len(self.workload.requests):
+            return False
+        self.pause()
+        self._frozen = max(self._frozen, self.workload.requests[self._next].arrival_s)
+        self._submit_next()
+        return True
 
     def start(self) -> None:
         if self.state != "idle":
@@ -119,27 +174,34 @@ class WorkloadRun(QObject):
         self._set("running")
         self.result.policy = self.engine.router.policy
         self.result.t_start = time.monotonic()
+        self._clock0 = self.result.t_start
         self._submit_due()
 
     def _submit_due(self) -> None:
         """Submit every request whose arrival time has come, then sleep until the next one."""
         requests = self.workload.requests
-        elapsed = time.monotonic() - self.result.t_start
-        while self.state == "running" and self._next < len(requests) and requests[self._next].arrival_s <= elapsed + 0.001:
-            spec = requests[self._next]
-            self._next += 1
-            sampling = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
-            try:
-                handle = self.engine.submit(Request(spec.prompt, sampling, source="workload"))
-            except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
-                self._fail(f"submitting request {self._next}: {e}")
+        while (self.state == "running" and not self._paused and self._next < len(requests)
+               and requests[self._next].arrival_s <= self.clock() + 0.001):
+            if not self._submit_next():
                 return
-            self.result.request_ids.append(handle.id)
-            self.result.decisions[handle.id] = handle.decision
-            self._handles[handle.id] = handle
-        if self.state == "running" and self._next < len(requests):
-            wait = requests[self._next].arrival_s - (time.monotonic() - self.result.t_start)
+        if self.state == "running" and not self._paused and self._next < len(requests):
+            wait = requests[self._next].arrival_s - self.clock()
             self._submit_timer.start(max(0, round(wait * 1000)))
+
+    def _submit_next(self) -> bool:
+        spec = self.workload.requests[self._next]
+        self._next += 1
+        sampling = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+        try:
+            handle = self.engine.submit(Request(spec.prompt, sampling, source="workload"))
+        except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
+            self._fail(f"submitting request {self._next}: {e}")
+            return False
+        self.result.request_ids.append(handle.id)
+        self.result.decisions[handle.id] = handle.decision
+        self._handles[handle.id] = handle
+        self.submitted.emit(self._next, len(self.workload.requests))
+        return True
 
     def _on_tick(self, _tick) -> None:
         if self.state not in ("flushing", "warming"):
@@ -171,6 +233,7 @@ class WorkloadRun(QObject):
         self._finish("failed")
 
     def _finish(self, state: str) -> None:
+        self._paused = False
         self.result.t_end = time.monotonic()
         self.bridge.tick.disconnect(self._on_tick)
         self.bridge.finished.disconnect(self._on_finished)

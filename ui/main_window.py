@@ -188,6 +188,13 @@ class MainWindow(QMainWindow):
         run.addAction(QAction("Send 48 study requests", self,
                               triggered=lambda: self.start_demo(seed_workload(48))))
         run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))
+        run.addSeparator()
+        self.pause_action = QAction("&Pause or resume arrivals", self, shortcut=QKeySequence("F6"),
+                                    triggered=self.toggle_pause)
+        self.step_action = QAction("S&tep: send the next arrival", self, shortcut=QKeySequence("F7"),
+                                   triggered=self.step_run)
+        run.addAction(self.pause_action)
+        run.addAction(self.step_action)
         self.start_server_action = QAction("&Start server…", self, triggered=self.choose_server)
         self.stop_server_action = QAction("S&top server", self, triggered=self.stop_server)
         if self.server is not None:
@@ -454,6 +461,9 @@ class MainWindow(QMainWindow):
             return None
         self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
         self.demo.done.connect(self._on_demo_done)
+        experiments = self.panels.get("experiments")
+        if experiments is not None:
+            experiments.show_run(self.demo)
         self.demo.start()
         return self.demo
 
@@ -469,6 +479,31 @@ class MainWindow(QMainWindow):
                               " (a row in Experiments)" + (f" — {result.error}" if result.error else ""))
         else:
             self.show_message(f"demo failed: {result.error or 'no request finished'}")
+
+    def live_run(self) -> WorkloadRun | None:
+        """The live workload run in progress (a demo, an experiment, the teaching run), if any."""
+        runs = [self.demo, getattr(self.panels.get("experiments"), "_run", None),
+                getattr(self.panels.get("teaching"), "run", None)]
+        return next((r for r in runs if isinstance(r, WorkloadRun) and r.running), None)
+
+    def toggle_pause(self) -> bool:
+        """Pause the live run's arrivals, or resume them; False if no live run."""
+        run = self.live_run()
+        if run is None:
+            self.show_message("no live run to pause (Run ▸ Send the study's 8 requests starts one)", 4000)
+            return False
+        done = run.resume() if run.paused else run.pause()
+        self.show_message(f"{run.result.label}: arrivals " + ("paused" if run.paused else "resumed"), 4000)
+        return done
+
+    def step_run(self) -> bool:
+        """Send the live run's next arrival now (the run stays paused)."""
+        run = self.live_run()
+        if run is None or not run.step():
+            self.show_message("no arrival to send" + ("" if run is None else f" ({run.result.label}: {run.state})"), 4000)
+            return False
+        self.show_message(f"{run.result.label}: sent arrival {run.n_submitted}/{run.spec.n_requests} (paused)", 4000)
+        return True
 
     def stop_demo(self) -> None:
         if self.demo is not None and self.demo.running:
