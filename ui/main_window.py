@@ -43,6 +43,7 @@ from .history import ChatStore
 from .latency import LatencyView
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .loader import ModelLoader, ModelSpec
+from .local_models import remember
 from .loop_probe import LoopProbe
 from .model_dialog import ModelDialog
 from .routing import RoutingView
@@ -229,10 +230,20 @@ class MainWindow(QMainWindow):
         return True
 
     def choose_model(self) -> None:
-        last = self.settings.value("model/last")
-        dialog = ModelDialog(self.spec or (ModelSpec(str(last)) if last else None), self)
+        dialog = self.model_dialog()
         if dialog.exec() == ModelDialog.Accepted:
             self.load_model(dialog.spec())
+
+    def model_dialog(self, folders=None) -> ModelDialog:
+        """The model picker, with the recent models and (scanned in the background) local ones."""
+        last = self.settings.value("model/last")
+        return ModelDialog(self.spec or (ModelSpec(str(last)) if last else None), self,
+                           recent=self.recent_models(), folders=folders)
+
+    def recent_models(self) -> list[str]:
+        """Model specs loaded before, newest first (QSettings `model/recent`)."""
+        value = self.settings.value("model/recent") or []
+        return [str(v) for v in ([value] if isinstance(value, str) else value)]
 
     def set_engine(self, engine, spec: ModelSpec | None = None, owns: bool = True) -> None:
         """Show `engine` (replacing and, if owned, closing the previous one)."""
@@ -407,6 +418,7 @@ class MainWindow(QMainWindow):
         self.placeholder_progress.setValue(v)
 
     def _on_loaded(self, engine, spec) -> None:
+        self.settings.setValue("model/recent", remember(self.recent_models(), spec.model))
         self.load_bar.setVisible(False)
         self.placeholder_progress.setVisible(False)
         self.set_engine(engine, spec, owns=True)
