@@ -172,6 +172,14 @@ class MainWindow(QMainWindow):
         m.addAction(QAction("Save &screenshot…", self, triggered=self._ask_screenshot))
         m.addSeparator()
         m.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
+        chat_menu = self.menuBar().addMenu("&Chat")
+        self.regenerate_action = QAction("&Regenerate the last reply", self, shortcut=QKeySequence("Ctrl+R"),
+                                         triggered=lambda: self._chat_call("regenerate"))
+        self.copy_reply_action = QAction("&Copy the last reply", self, shortcut=QKeySequence("Ctrl+Shift+C"),
+                                         triggered=lambda: self._chat_call("copy_reply"))
+        self.search_action = QAction("&Search chats", self, shortcut=QKeySequence.Find, triggered=self.search_chats)
+        for a in (self.regenerate_action, self.copy_reply_action, self.search_action):
+            chat_menu.addAction(a)
         self.view_menu = self.menuBar().addMenu("&View")
         theme_menu = self.view_menu.addMenu("&Theme")
         group = QActionGroup(self)
@@ -569,6 +577,18 @@ class MainWindow(QMainWindow):
         path, _ = QFileDialog.getSaveFileName(self, "Save screenshot", "tandem.png", "PNG image (*.png)")
         if path:
             self.save_screenshot(path)
+
+    def _chat_call(self, method: str):
+        chat = self.panels.get("chat")
+        return getattr(chat, method)() if chat is not None else None
+
+    def search_chats(self) -> None:
+        """Put the cursor in the chat list's search box (Ctrl+F)."""
+        chat = self.panels.get("chat")
+        if chat is not None:
+            self.stack.setCurrentWidget(chat)
+            chat.search_edit.setFocus(Qt.ShortcutFocusReason)
+            chat.search_edit.selectAll()
 
     def _new_chat(self) -> None:
         chat = self.panels.get("chat")
