@@ -40,6 +40,7 @@ class PresetButton(QToolButton):
         self.setText("Presets ▾")
         self.setToolTip("System-prompt presets: choose one, save the current prompt, delete one")
         self.setPopupMode(QToolButton.InstantPopup)
+        self.setStyleSheet("QToolButton::menu-indicator { image: none; width: 0; }")  # the ▾ says it
         self.setMenu(QMenu(self))
         self.menu().aboutToShow.connect(self._build_menu)
 

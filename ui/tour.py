@@ -5,8 +5,8 @@
 The window takes the screen's size (1280x720: the compact layout, every panel a tab under the
 chat). It loads the model, chats (one reply with a code block, to show the Markdown rendering),
 shows the backends and controls, runs the study's workload (`--demo N`, 48 by default;
-screenshots mid-run and after), steps the teaching replay to request 8, and runs a small
-experiment. Every wait is an
+screenshots mid-run and after), steps the teaching replay to request 8, runs a small
+experiment, and shows the routing view again in the light theme (`light.png`). Every wait is an
 `asyncio.sleep` on the qasync loop, so the window stays live the whole time.
 """
 
@@ -101,3 +101,8 @@ async def tour(window, out: Path, args) -> None:
     await _until(lambda: not ex.running, 1800)
     await asyncio.sleep(0.5)
     shot("experiments")
+
+    window.set_theme("light")
+    window.show_panel("routing")
+    await asyncio.sleep(1.0)
+    shot("light")
