@@ -9,8 +9,9 @@ progress bar counts requests, and results (makespan, output tok/s, TTFT and end-
 requests per backend) fill a table that exports to CSV, JSON or PNG.
 
 Under the progress bar, `ui.run_controls.RunControls` pauses and steps the live run in progress:
-this panel's own `WorkloadRun`s, or a demo run from the Run menu (`show_run`). The benchmark
-runner times its arrivals itself (its numbers are the command line's), so its runs are not paused.
+this panel's runs, or a demo run from the Run menu (`show_run`). A run through the benchmark
+runner is driven through the `engine.arrivals.ArrivalClock` handed to it (`BenchRun`); a paused
+run's makespan includes the pause. Stop resumes a paused run so that it ends.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from PySide6.QtWidgets import (
     QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
+from engine.arrivals import ArrivalClock
 from engine.benchmark import METRICS, RunSummary
 
 from .controls import policy_choices
@@ -55,6 +57,7 @@ class ExperimentsPanel(QWidget):
         self.summaries: list[RunSummary] = []
         self._queue: list[str] = []
         self._run: WorkloadRun | None = None
+        self._bench_run: BenchRun | None = None
         self._restore_policy: str | None = None
         self._total = 0
         self._done_before = 0
@@ -198,7 +201,6 @@ class ExperimentsPanel(QWidget):
         self.run_button.setText("Stop")
         if self.bench_runner is not None:
             self.phase_label.setText(f"running {len(policies)} policies with the benchmark runner…")
-            self.run_controls.attach(None, "the benchmark runner times its own arrivals (a demo run pauses)")
             self._bench_next(0)
         else:
             self._next()
@@ -206,6 +208,8 @@ class ExperimentsPanel(QWidget):
 
     def stop(self) -> None:
         self._queue = []
+        if self._bench_run is not None:
+            self._bench_run.resume()  # a paused run must reach its end to stop
         if self._worker is not None and self._worker.running:
             self.phase_label.setText("stopping after the current run…")
         if self._run is not None and self._run.running:
@@ -229,11 +233,14 @@ class ExperimentsPanel(QWidget):
             self._end()
             return
         policy = self._queue.pop(0)
-        worker = Worker(lambda: self.bench_runner(self._last_spec, policy, index, worker.report),
+        run = self._bench_run = BenchRun(f"#{len(self.summaries) + 1} {policy}", self._last_spec.n_requests)
+        worker = Worker(lambda: self.bench_runner(self._last_spec, policy, index, worker.report, clock=run.clock),
                         name="experiments", owner=self)
         worker.progress.connect(self._on_worker_progress)
         worker.returned.connect(lambda summary: self._on_worker_result(summary, index + 1))
         worker.errored.connect(self._on_worker_error)
+        worker.finished.connect(run.finish)
+        self.run_controls.attach(run)
         self._worker = worker.start()
 
     def _on_worker_progress(self, _value) -> None:
@@ -285,6 +292,7 @@ class ExperimentsPanel(QWidget):
 
     def _end(self) -> None:
         self._worker = None
+        self._bench_run = None
         if self._restore_policy:
             self.engine.router.set_policy(self._restore_policy)
             self._restore_policy = None
@@ -365,6 +373,45 @@ class ExperimentsPanel(QWidget):
             self.status_message.emit(f"exported {path}")
         except OSError as e:
             self.status_message.emit(f"export failed: {e}")
+
+
+class BenchRun:
+    """One benchmark-runner run as the Pause/Step row sees it: its arrival clock (the runner's
+    thread waits on it) and how far it got. Main thread, except `clock` (any thread)."""
+
+    def __init__(self, label: str, n_requests: int):
+        self.label = label
+        self.n_requests = n_requests
+        self.clock = ArrivalClock()
+        self.state = "running"
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def paused(self) -> bool:
+        return self.clock.paused
+
+    @property
+    def n_submitted(self) -> int:
+        return self.clock.taken
+
+    def pause(self) -> bool:
+        return self.running and self.clock.pause()
+
+    def resume(self) -> bool:
+        return self.clock.resume()
+
+    def step(self) -> bool:
+        if not self.running or self.clock.taken >= self.n_requests:
+            return False
+        self.clock.step()
+        return True
+
+    def finish(self) -> None:
+        self.state = "done"
+        self.clock.close()
 
 
 def _numbered(s: RunSummary, n: int) -> RunSummary:

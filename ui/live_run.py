@@ -12,8 +12,9 @@ once per tick, so nothing here blocks.
 
 `pause()` stops new arrivals being submitted (what the engine already holds keeps running);
 `step()` submits the next arrival at once (pausing first); `resume()` goes on with the remaining
-arrivals at their original spacing. Arrival times run on the run's own clock, which stands still
-while paused, so a pause shifts the arrivals still to come instead of releasing them in a burst.
+arrivals at their original spacing. Arrival times run on the run's `engine.arrivals.ArrivalClock`,
+which stands still while paused, so a pause shifts the arrivals still to come instead of
+releasing them in a burst.
 
 Thread contract: main thread only (a QObject driven by Qt timers and the bridge's signals).
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
+from engine.arrivals import ArrivalClock
 from engine.request import Request, SamplingParams
 from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
@@ -79,9 +81,7 @@ class WorkloadRun(QObject):
         self._handles = {}
         self._pending = []  # futures / warm handles we wait for
         self._next = 0
-        self._paused = False
-        self._clock0 = 0.0  # monotonic() when the run's clock read 0 (shifted by every pause)
-        self._frozen = 0.0  # the run's clock while paused
+        self.clock = ArrivalClock()  # arrival times; stands still while paused
         vocab = min(engine.n_vocab or TOKEN_HIGH, TOKEN_HIGH)
         self.workload = build_workload(replace(spec, vocab_size=vocab), run)
         self._submit_timer = QTimer(self)
@@ -97,32 +97,32 @@ class WorkloadRun(QObject):
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.clock.paused
 
     @property
     def n_submitted(self) -> int:
         return self._next
 
-    def clock(self) -> float:
-        """Seconds on the run's arrival clock (it stands still while paused)."""
-        return self._frozen if self._paused else time.monotonic() - self._clock0
+    @property
+    def n_requests(self) -> int:
+        return len(self.workload.requests)
+
+    @property
+    def label(self) -> str:
+        return self.result.label
 
     def pause(self) -> bool:
         """Stop submitting arrivals; the requests already submitted run on. False if not running."""
-        if not self.running or self._paused:
+        if not self.running or not self.clock.pause():
             return False
-        self._frozen = self.clock() if self.state == "running" else 0.0
-        self._paused = True
         self._submit_timer.stop()
         self.paused_changed.emit(True)
         return True
 
     def resume(self) -> bool:
         """Submit the remaining arrivals again, keeping their spacing from where the clock stopped."""
-        if not self._paused:
+        if not self.clock.resume():
             return False
-        self._paused = False
-        self._clock0 = time.monotonic() - self._frozen
         self.paused_changed.emit(False)
         if self.state == "running":
             self._submit_due()
@@ -133,9 +133,12 @@ class WorkloadRun(QObject):
         submit: the run is over, every arrival is in, or it is still flushing or warming."""
         if self.state != "running" or self._next >= len(self.workload.requests):
             return False
-        self.pause()
-        self._frozen = max(self._frozen, self.workload.requests[self._next].arrival_s)
-        self._submit_next()
+        was_paused = self.clock.paused
+        self.clock.step()
+        self._submit_timer.stop()
+        if not was_paused:
+            self.paused_changed.emit(True)
+        self._submit_due()
         return True
 
     def start(self) -> None:
@@ -174,18 +177,17 @@ class WorkloadRun(QObject):
         self._set("running")
         self.result.policy = self.engine.router.policy
         self.result.t_start = time.monotonic()
-        self._clock0 = self.result.t_start
+        self.clock.start()
         self._submit_due()
 
     def _submit_due(self) -> None:
         """Submit every request whose arrival time has come, then sleep until the next one."""
         requests = self.workload.requests
-        while (self.state == "running" and not self._paused and self._next < len(requests)
-               and requests[self._next].arrival_s <= self.clock() + 0.001):
+        while self.state == "running" and self._next < len(requests) and self.clock.take(requests[self._next].arrival_s):
             if not self._submit_next():
                 return
-        if self.state == "running" and not self._paused and self._next < len(requests):
-            wait = requests[self._next].arrival_s - self.clock()
+        if self.state == "running" and not self.clock.paused and self._next < len(requests):
+            wait = requests[self._next].arrival_s - self.clock.now()
             self._submit_timer.start(max(0, round(wait * 1000)))
 
     def _submit_next(self) -> bool:
@@ -233,7 +235,7 @@ class WorkloadRun(QObject):
         self._finish("failed")
 
     def _finish(self, state: str) -> None:
-        self._paused = False
+        self.clock.close()
         self.result.t_end = time.monotonic()
         self.bridge.tick.disconnect(self._on_tick)
         self.bridge.finished.disconnect(self._on_finished)

@@ -1,17 +1,20 @@
-"""Pause / Step for the live run in progress (`ui.live_run.WorkloadRun`).
+"""Pause / Step for the live run in progress.
 
 `RunControls` is a row of two buttons and a line of state: Pause holds back the arrivals still to
 come (the engine keeps serving what it holds), Step submits the next arrival now, Resume goes
-on at the workload's spacing. `attach(run)` binds it to a run (the Experiments panel's own runs,
-a demo from the Run menu); with no run, or a run it cannot drive (the benchmark runner times its
-own arrivals), both buttons are off and the line says why.
+on at the workload's spacing. `attach(run)` binds it to a run: a `ui.live_run.WorkloadRun` (a
+demo from the Run menu, the Experiments panel's own runs) or an `ui.experiments.BenchRun` (the
+benchmark runner's thread waiting on an `engine.arrivals.ArrivalClock`). A run offers `running`,
+`paused`, `n_submitted`, `n_requests`, `label`, `state`, `pause()`, `resume()` and `step()`;
+the row re-reads them on a short timer (and at once on a WorkloadRun's signals). With no run
+both buttons are off.
 
 Thread contract: main thread only (a widget).
 """
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWidget
 
 
@@ -37,23 +40,29 @@ class RunControls(QWidget):
         lay.addWidget(self.pause_button)
         lay.addWidget(self.step_button)
         lay.addWidget(self.state_label, 1)
+        self._timer = QTimer(self)
+        self._timer.setInterval(250)
+        self._timer.timeout.connect(self._refresh)
         self._refresh()
 
     def attach(self, run, why_off: str = "no live run") -> None:
         """Drive `run` (a WorkloadRun), or nothing (`run=None`, with `why_off` shown)."""
-        if self.run is not None:
-            for sig, slot in ((self.run.paused_changed, self._refresh), (self.run.submitted, self._refresh),
-                              (self.run.progress, self._refresh), (self.run.phase, self._refresh)):
-                try:
-                    sig.disconnect(slot)
-                except (RuntimeError, TypeError):
-                    pass
+        for sig in self._signals(self.run):
+            sig.disconnect(self._refresh)
         self.run = run
         self._why_off = why_off
-        if run is not None:
-            for sig in (run.paused_changed, run.submitted, run.progress, run.phase):
-                sig.connect(self._refresh)
+        for sig in self._signals(run):
+            sig.connect(self._refresh)
+        if run is None:
+            self._timer.stop()
+        else:
+            self._timer.start()
         self._refresh()
+
+    @staticmethod
+    def _signals(run) -> list:
+        names = ("paused_changed", "submitted", "progress", "phase")
+        return [getattr(run, n) for n in names if hasattr(run, n)] if run is not None else []
 
     def pause(self) -> bool:
         return self.run is not None and self.run.pause()
@@ -72,14 +81,17 @@ class RunControls(QWidget):
 
     def _on_pause_toggled(self, on: bool) -> None:
         if self.run is not None and on != self.run.paused:
-            self.run.pause() if on else self.run.resume()
+            if on:
+                self.run.pause()
+            else:
+                self.run.resume()
         self._refresh()
 
     def _refresh(self, *_args) -> None:
         run = self.run
         live = run is not None and run.running
         self.pause_button.setEnabled(live)
-        self.step_button.setEnabled(live and run.n_submitted < run.spec.n_requests)
+        self.step_button.setEnabled(live and run.n_submitted < run.n_requests)
         paused = live and run.paused
         if self.pause_button.isChecked() != paused:
             self.pause_button.blockSignals(True)
@@ -87,8 +99,9 @@ class RunControls(QWidget):
             self.pause_button.blockSignals(False)
         self.pause_button.setText("Resume" if paused else "Pause arrivals")
         if not live:
-            self.state_label.setText(self._why_off if run is None else f"{run.result.label}: {run.state}")
+            self.state_label.setText(self._why_off if run is None else f"{run.label}: {run.state}")
+            if run is not None:
+                self._timer.stop()
             return
-        total = run.spec.n_requests
-        self.state_label.setText(f"{run.result.label}: {run.n_submitted}/{total} sent, "
-                                 f"{len(run.result.records)} done" + (" · paused" if paused else ""))
+        self.state_label.setText(f"{run.label}: {run.n_submitted}/{run.n_requests} sent"
+                                 + (" · paused" if paused else ""))
