@@ -426,7 +426,8 @@ class MainWindow(QMainWindow):
         self.placeholder_progress.setValue(v)
 
     def _on_loaded(self, engine, spec) -> None:
-        self.settings.setValue("model/recent", remember(self.recent_models(), spec.model))
+        if spec.model:
+            self.settings.setValue("model/recent", remember(self.recent_models(), spec.model))
         self.load_bar.setVisible(False)
         self.placeholder_progress.setVisible(False)
         self.set_engine(engine, spec, owns=True)
