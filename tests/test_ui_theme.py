@@ -34,6 +34,8 @@ def test_light_theme_recolours_the_open_plots(qtbot, make_window, dark_after):
     assert "#f5f6f8" in w.styleSheet()  # the light style sheet, on the window
     axis = w.panels["latency"].findChildren(pg.PlotWidget)[0].getPlotItem().getAxis("left")
     assert axis.textPen().color().name() == LIGHT.plot_fg
+    legend = w.panels["routing"].plot.legend
+    assert all(LIGHT.text in label.item.toHtml() for _sample, label in legend.items)
 
 
 def test_theme_choice_survives_a_restart(qtbot, make_window, tmp_path, dark_after):

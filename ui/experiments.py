@@ -8,7 +8,7 @@ same metrics as the command line. Without one, runs are driven from the GUI thre
 progress bar counts requests, and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
 requests per backend) fill a table that exports to CSV, JSON or PNG.
 
-Under the progress bar, `ui.run_controls.RunControls` pauses and steps the live run in progress:
+Above the results table, `ui.run_controls.RunControls` pauses and steps the live run in progress:
 this panel's runs, or a demo run from the Run menu (`show_run`). A run through the benchmark
 runner is driven through the `engine.arrivals.ArrivalClock` handed to it (`BenchRun`); a paused
 run's makespan includes the pause. Stop resumes a paused run so that it ends.
@@ -113,7 +113,6 @@ class ExperimentsPanel(QWidget):
         lv.addWidget(self.run_button)
         lv.addWidget(self.progress)
         lv.addWidget(self.phase_label)
-        lv.addWidget(self.run_controls)
         lv.addStretch(1)
 
         self.table = QTableWidget(0, len(COLUMNS))
@@ -156,6 +155,7 @@ class ExperimentsPanel(QWidget):
         right = QWidget()
         rv = QVBoxLayout(right)
         rv.setContentsMargins(0, 0, 0, 0)
+        rv.addWidget(self.run_controls)  # above the table: in sight on a 720 px screen
         rv.addWidget(right_split, 1)
         rv.addLayout(exports)
         rv.addWidget(note)

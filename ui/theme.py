@@ -139,6 +139,8 @@ def recolor_plots(root) -> None:
             elif isinstance(item, pg.LegendItem):
                 item.setBrush(pg.mkBrush(pal.legend_bg))
                 item.setLabelTextColor(pal.text)
+                for _sample, label in item.items:
+                    label.setText(label.text)  # setLabelTextColor only records the colour
 
 
 def backend_color(index: int) -> str:
