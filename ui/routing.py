@@ -247,7 +247,7 @@ class RoutingView(QWidget):
                                     symbolPen=None, name=f"{b} score", connect="finite")
         self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
         p.addItem(self.marks)
-        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#ffffff", width=1, style=Qt.DotLine))
+        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.DotLine))  # reads on both themes
         self.selected_line.setVisible(False)
         p.addItem(self.selected_line)
 
