@@ -13,6 +13,11 @@ Also runnable as `python -m app.gui` with extra options for docs and checks:
     --responsiveness    print the event loop's lateness (p50/p95/max) over the demo run (--demo N,
                         48 requests by default) and exit
     --tour DIR          run the scripted tour (`ui.tour`) and save its screenshots in DIR
+    --theme NAME        system, dark or light (the View > Theme choice; kept for the next start
+                        unless the run is a screenshot or the tour)
+
+Screenshots and the tour use a scratch chat store and settings, never the user's (whose saved
+window size, layout and theme would change the picture).
 
 `--serve [HOST:]PORT` (also for `tandem gui`) starts the OpenAI-compatible server inside the
 app once the model is loaded, on the app's own event loop (Server menu: start/stop it later).
@@ -86,7 +91,8 @@ def run_gui(args) -> int:
     asyncio.set_event_loop(loop)
 
     store = settings = None
-    if getattr(args, "tour", None):  # screenshots without the user's own chats, layout or settings
+    if getattr(args, "tour", None) or getattr(args, "screenshot", None):
+        # screenshots without the user's own chats, window size, layout or settings
         import tempfile
 
         from PySide6.QtCore import QSettings
@@ -98,6 +104,9 @@ def run_gui(args) -> int:
         settings = QSettings(os.path.join(scratch, "settings.ini"), QSettings.IniFormat)
     window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
                         bench_runner_factory=bench_runner, serve_fn=serve, store=store, settings=settings)
+    theme = getattr(args, "theme", None)
+    if theme:
+        window.set_theme(theme)
     window.show()
     status = {"rc": 0}
 
@@ -193,6 +202,8 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
     p.add_argument("--tour-only", choices=["whatif"], default=None,
                    help="with --tour: only this part of it (whatif: the Teaching panel's What if tab)")
+    p.add_argument("--theme", choices=["system", "dark", "light"], default=None,
+                   help="the window's theme (kept for the next start, like View > Theme)")
     p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",
                    help="start the OpenAI-compatible server in the app once the model is loaded "
                         "(HOST defaults to 127.0.0.1; others need an API key)")

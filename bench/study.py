@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine import llama
+from engine.arrivals import ArrivalClock
 from engine.benchmark import RequestRecord, RunSummary, aggregate, decision_line, oracle, run_metrics
 from engine.calibrate import OnlineRefresh, parse_rates
 from engine.config import default_specs, parse_backend_specs
@@ -176,16 +177,22 @@ class EngineRunner:
         eng.router.set_budget(budget)
         self.online = OnlineRefresh(eng).attach() if online else None
 
-    def run(self, workload: Workload, variant: Variant, on_done=None) -> Collected:
+    def run(self, workload: Workload, variant: Variant, on_done=None, clock: ArrivalClock | None = None) -> Collected:
+        """`clock` (the app's experiments) times the arrivals instead of the wall clock, so a
+        person can pause and step them; a closed clock sends no more."""
         eng = self.eng
         self._fresh_state(workload, variant)
         submitted = []
         t0 = time.monotonic()
+        if clock is not None:
+            clock.start()
         for spec in workload.requests:
             # The budget the router sees; a shorter drawn length ends the request early, unseen.
             sp = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
-            delay = t0 + spec.arrival_s - time.monotonic()
-            if delay > 0:
+            if clock is not None:
+                if not clock.wait_for(spec.arrival_s):
+                    break
+            elif (delay := t0 + spec.arrival_s - time.monotonic()) > 0:
                 time.sleep(delay)
             t_submit = time.monotonic() - t0
             try:
@@ -644,13 +651,14 @@ def experiment_runner(eng: Engine):
     """The desktop app's experiments run through this runner: fn(spec, policy, run, on_done) -> RunSummary.
 
     Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
-    (caches flushed, prefix re-warmed, router cleared, caps and rates restored).
+    (caches flushed, prefix re-warmed, router cleared, caps and rates restored). `clock` (an
+    `engine.arrivals.ArrivalClock`) lets the panel pause and step the arrivals.
     """
-    def run(spec, policy: str, run_index: int, on_done) -> RunSummary:
+    def run(spec, policy: str, run_index: int, on_done, clock=None) -> RunSummary:
         runner = EngineRunner(eng, sweep_backend=None, budget=eng.router.budget, online=False, timeout=600.0)
         try:
             workload = build_workload(replace(spec, vocab_size=min(eng.model.n_vocab, TOKEN_HIGH)), run_index)
-            collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done)
+            collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done, clock=clock)
         finally:
             runner.close()
         return RunSummary(policy, policy, run_metrics(collected.records))

@@ -48,6 +48,7 @@ from engine.request import Request, SamplingParams
 from .formatting import fmt_seconds, model_title
 from .history import Chat, ChatStore, Message
 from .markdown import COPY_SCHEME, render_markdown
+from .presets import PresetButton
 from .theme import MUTED, backend_color
 
 log = logging.getLogger(__name__)
@@ -148,8 +149,11 @@ class ChatPanel(QWidget):
         self.settings_button.setText("Sampling ▾")
         self.settings_button.setCheckable(True)
         self.settings_button.setChecked(True)
+        self.presets = PresetButton(self.system_edit)
+        self.presets.status_message.connect(self.status_message.emit)
         top.addWidget(sys_label)
         top.addWidget(self.system_edit, 1)
+        top.addWidget(self.presets)
         top.addWidget(self.settings_button)
         rv.addLayout(top)
 
@@ -528,6 +532,7 @@ class ChatPanel(QWidget):
         settings.endGroup()
 
     def load_settings(self, settings: QSettings) -> None:
+        self.presets.attach(settings)
         settings.beginGroup("sampling")
         for key, w in self._setting_widgets().items():
             v = settings.value(key)

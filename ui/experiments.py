@@ -7,6 +7,11 @@ same metrics as the command line. Without one, runs are driven from the GUI thre
 `ui.live_run.WorkloadRun`. Either way the routing and latency views show the run live, a
 progress bar counts requests, and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
 requests per backend) fill a table that exports to CSV, JSON or PNG.
+
+Above the results table, `ui.run_controls.RunControls` pauses and steps the live run in progress:
+this panel's runs, or a demo run from the Run menu (`show_run`). A run through the benchmark
+runner is driven through the `engine.arrivals.ArrivalClock` handed to it (`BenchRun`); a paused
+run's makespan includes the pause. Stop resumes a paused run so that it ends.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from PySide6.QtWidgets import (
     QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
+from engine.arrivals import ArrivalClock
 from engine.benchmark import METRICS, RunSummary
 
 from .controls import policy_choices
 from .formatting import fmt_seconds
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
+from .run_controls import RunControls
 from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
 from .worker import Worker
 
@@ -50,6 +57,7 @@ class ExperimentsPanel(QWidget):
         self.summaries: list[RunSummary] = []
         self._queue: list[str] = []
         self._run: WorkloadRun | None = None
+        self._bench_run: BenchRun | None = None
         self._restore_policy: str | None = None
         self._total = 0
         self._done_before = 0
@@ -95,6 +103,8 @@ class ExperimentsPanel(QWidget):
         self.progress.setFormat("%v / %m requests")
         self.phase_label = QLabel("idle")
         self.phase_label.setObjectName("muted")
+        self.run_controls = RunControls()
+        self.run_controls.status_message.connect(self.status_message.emit)
         left = QWidget()
         lv = QVBoxLayout(left)
         lv.setContentsMargins(0, 0, 0, 0)
@@ -145,6 +155,7 @@ class ExperimentsPanel(QWidget):
         right = QWidget()
         rv = QVBoxLayout(right)
         rv.setContentsMargins(0, 0, 0, 0)
+        rv.addWidget(self.run_controls)  # above the table: in sight on a 720 px screen
         rv.addWidget(right_split, 1)
         rv.addLayout(exports)
         rv.addWidget(note)
@@ -197,10 +208,18 @@ class ExperimentsPanel(QWidget):
 
     def stop(self) -> None:
         self._queue = []
+        if self._bench_run is not None:
+            self._bench_run.resume()  # a paused run must reach its end to stop
         if self._worker is not None and self._worker.running:
             self.phase_label.setText("stopping after the current run…")
         if self._run is not None and self._run.running:
             self._run.stop()
+
+    def show_run(self, run) -> None:
+        """Let the Pause/Step row drive `run` (a demo started elsewhere), unless a run of this
+        panel is in progress."""
+        if not self.running:
+            self.run_controls.attach(run)
 
     def wait(self, timeout: float | None = None) -> None:
         """Join the benchmark run's worker thread (tests, shutdown)."""
@@ -214,11 +233,14 @@ class ExperimentsPanel(QWidget):
             self._end()
             return
         policy = self._queue.pop(0)
-        worker = Worker(lambda: self.bench_runner(self._last_spec, policy, index, worker.report),
+        run = self._bench_run = BenchRun(f"#{len(self.summaries) + 1} {policy}", self._last_spec.n_requests)
+        worker = Worker(lambda: self.bench_runner(self._last_spec, policy, index, worker.report, clock=run.clock),
                         name="experiments", owner=self)
         worker.progress.connect(self._on_worker_progress)
         worker.returned.connect(lambda summary: self._on_worker_result(summary, index + 1))
         worker.errored.connect(self._on_worker_error)
+        worker.finished.connect(run.finish)
+        self.run_controls.attach(run)
         self._worker = worker.start()
 
     def _on_worker_progress(self, _value) -> None:
@@ -251,6 +273,7 @@ class ExperimentsPanel(QWidget):
         self._run.progress.connect(lambda done, _t: self.progress.setValue(self._done_before + done))
         self._run.phase.connect(lambda ph, p=policy: self.phase_label.setText(f"{p}: {ph}"))
         self._run.done.connect(self._on_done)
+        self.run_controls.attach(self._run)
         self._run.start()
 
     def _on_done(self, result) -> None:
@@ -269,6 +292,7 @@ class ExperimentsPanel(QWidget):
 
     def _end(self) -> None:
         self._worker = None
+        self._bench_run = None
         if self._restore_policy:
             self.engine.router.set_policy(self._restore_policy)
             self._restore_policy = None
@@ -349,6 +373,45 @@ class ExperimentsPanel(QWidget):
             self.status_message.emit(f"exported {path}")
         except OSError as e:
             self.status_message.emit(f"export failed: {e}")
+
+
+class BenchRun:
+    """One benchmark-runner run as the Pause/Step row sees it: its arrival clock (the runner's
+    thread waits on it) and how far it got. Main thread, except `clock` (any thread)."""
+
+    def __init__(self, label: str, n_requests: int):
+        self.label = label
+        self.n_requests = n_requests
+        self.clock = ArrivalClock()
+        self.state = "running"
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def paused(self) -> bool:
+        return self.clock.paused
+
+    @property
+    def n_submitted(self) -> int:
+        return self.clock.taken
+
+    def pause(self) -> bool:
+        return self.running and self.clock.pause()
+
+    def resume(self) -> bool:
+        return self.clock.resume()
+
+    def step(self) -> bool:
+        if not self.running or self.clock.taken >= self.n_requests:
+            return False
+        self.clock.step()
+        return True
+
+    def finish(self) -> None:
+        self.state = "done"
+        self.clock.close()
 
 
 def _numbered(s: RunSummary, n: int) -> RunSummary:

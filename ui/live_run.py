@@ -9,6 +9,14 @@ caches, warm the shared prefix on every backend, submit each request at its arri
 without waiting, collect each `FinishRecord` from `bridge.finished`, and emit `done` with the
 records and the routing decisions. Warm and flush run on the backends' workers and are polled
 once per tick, so nothing here blocks.
+
+`pause()` stops new arrivals being submitted (what the engine already holds keeps running);
+`step()` submits the next arrival at once (pausing first); `resume()` goes on with the remaining
+arrivals at their original spacing. Arrival times run on the run's `engine.arrivals.ArrivalClock`,
+which stands still while paused, so a pause shifts the arrivals still to come instead of
+releasing them in a burst.
+
+Thread contract: main thread only (a QObject driven by Qt timers and the bridge's signals).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
+from engine.arrivals import ArrivalClock
 from engine.request import Request, SamplingParams
 from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
@@ -57,6 +66,8 @@ class WorkloadRun(QObject):
 
     phase = Signal(str)  # "flushing", "warming", "running", "done", "stopped", "failed"
     progress = Signal(int, int)  # finished requests, total
+    paused_changed = Signal(bool)
+    submitted = Signal(int, int)  # submitted requests, total
     done = Signal(object)  # RunResult
 
     def __init__(self, engine, bridge, spec: WorkloadSpec = STUDY, label: str = "run", run: int = 0,
@@ -70,6 +81,7 @@ class WorkloadRun(QObject):
         self._handles = {}
         self._pending = []  # futures / warm handles we wait for
         self._next = 0
+        self.clock = ArrivalClock()  # arrival times; stands still while paused
         vocab = min(engine.n_vocab or TOKEN_HIGH, TOKEN_HIGH)
         self.workload = build_workload(replace(spec, vocab_size=vocab), run)
         self._submit_timer = QTimer(self)
@@ -82,6 +94,52 @@ class WorkloadRun(QObject):
     @property
     def running(self) -> bool:
         return self.state in ("flushing", "warming", "running")
+
+    @property
+    def paused(self) -> bool:
+        return self.clock.paused
+
+    @property
+    def n_submitted(self) -> int:
+        return self._next
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.workload.requests)
+
+    @property
+    def label(self) -> str:
+        return self.result.label
+
+    def pause(self) -> bool:
+        """Stop submitting arrivals; the requests already submitted run on. False if not running."""
+        if not self.running or not self.clock.pause():
+            return False
+        self._submit_timer.stop()
+        self.paused_changed.emit(True)
+        return True
+
+    def resume(self) -> bool:
+        """Submit the remaining arrivals again, keeping their spacing from where the clock stopped."""
+        if not self.clock.resume():
+            return False
+        self.paused_changed.emit(False)
+        if self.state == "running":
+            self._submit_due()
+        return True
+
+    def step(self) -> bool:
+        """Submit the next arrival now and stay paused (pausing first). False if there is none to
+        submit: the run is over, every arrival is in, or it is still flushing or warming."""
+        if self.state != "running" or self._next >= len(self.workload.requests):
+            return False
+        was_paused = self.clock.paused
+        self.clock.step()
+        self._submit_timer.stop()
+        if not was_paused:
+            self.paused_changed.emit(True)
+        self._submit_due()
+        return True
 
     def start(self) -> None:
         if self.state != "idle":
@@ -119,27 +177,33 @@ class WorkloadRun(QObject):
         self._set("running")
         self.result.policy = self.engine.router.policy
         self.result.t_start = time.monotonic()
+        self.clock.start()
         self._submit_due()
 
     def _submit_due(self) -> None:
         """Submit every request whose arrival time has come, then sleep until the next one."""
         requests = self.workload.requests
-        elapsed = time.monotonic() - self.result.t_start
-        while self.state == "running" and self._next < len(requests) and requests[self._next].arrival_s <= elapsed + 0.001:
-            spec = requests[self._next]
-            self._next += 1
-            sampling = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
-            try:
-                handle = self.engine.submit(Request(spec.prompt, sampling, source="workload"))
-            except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
-                self._fail(f"submitting request {self._next}: {e}")
+        while self.state == "running" and self._next < len(requests) and self.clock.take(requests[self._next].arrival_s):
+            if not self._submit_next():
                 return
-            self.result.request_ids.append(handle.id)
-            self.result.decisions[handle.id] = handle.decision
-            self._handles[handle.id] = handle
-        if self.state == "running" and self._next < len(requests):
-            wait = requests[self._next].arrival_s - (time.monotonic() - self.result.t_start)
+        if self.state == "running" and not self.clock.paused and self._next < len(requests):
+            wait = requests[self._next].arrival_s - self.clock.now()
             self._submit_timer.start(max(0, round(wait * 1000)))
+
+    def _submit_next(self) -> bool:
+        spec = self.workload.requests[self._next]
+        self._next += 1
+        sampling = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+        try:
+            handle = self.engine.submit(Request(spec.prompt, sampling, source="workload"))
+        except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
+            self._fail(f"submitting request {self._next}: {e}")
+            return False
+        self.result.request_ids.append(handle.id)
+        self.result.decisions[handle.id] = handle.decision
+        self._handles[handle.id] = handle
+        self.submitted.emit(self._next, len(self.workload.requests))
+        return True
 
     def _on_tick(self, _tick) -> None:
         if self.state not in ("flushing", "warming"):
@@ -171,6 +235,7 @@ class WorkloadRun(QObject):
         self._finish("failed")
 
     def _finish(self, state: str) -> None:
+        self.clock.close()
         self.result.t_end = time.monotonic()
         self.bridge.tick.disconnect(self._on_tick)
         self.bridge.finished.disconnect(self._on_finished)

@@ -17,7 +17,8 @@ teaching table with all its rows); otherwise Backends and Controls sit beside th
 
 Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
 window geometry, dock layout (one per layout), the chat's sampling settings and the last model
-loaded. Ctrl+/ lists the keyboard shortcuts.
+loaded, and the theme (View ▸ Theme: dark, light, or the system's, followed live; `ui.theme`).
+Ctrl+/ lists the keyboard shortcuts.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Signal
-from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
     QStackedWidget, QVBoxLayout, QWidget,
@@ -42,12 +43,13 @@ from .history import ChatStore
 from .latency import LatencyView
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .loader import ModelLoader, ModelSpec
+from .local_models import remember
 from .loop_probe import LoopProbe
 from .model_dialog import ModelDialog
 from .routing import RoutingView
 from .server_control import ServerControl, ServerDialog, ServerOptions
 from .teaching import TeachingPanel
-from .theme import FAILED, configure_pyqtgraph, scrollable
+from .theme import CHOICES, FAILED, Theme, configure_pyqtgraph, scrollable
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class MainWindow(QMainWindow):
         super().__init__(parent)
         self.settings = settings if settings is not None else QSettings()
         self._layout_restored = False
+        self.theme = Theme(self, self.settings, self)
+        self.theme.apply()
         configure_pyqtgraph()
         self.engine = None
         self.spec: ModelSpec | None = None
@@ -168,12 +172,38 @@ class MainWindow(QMainWindow):
         m.addAction(QAction("Save &screenshot…", self, triggered=self._ask_screenshot))
         m.addSeparator()
         m.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
+        chat_menu = self.menuBar().addMenu("&Chat")
+        self.regenerate_action = QAction("&Regenerate the last reply", self, shortcut=QKeySequence("Ctrl+R"),
+                                         triggered=lambda: self._chat_call("regenerate"))
+        self.copy_reply_action = QAction("&Copy the last reply", self, shortcut=QKeySequence("Ctrl+Shift+C"),
+                                         triggered=lambda: self._chat_call("copy_reply"))
+        self.search_action = QAction("&Search chats", self, shortcut=QKeySequence.Find, triggered=self.search_chats)
+        for a in (self.regenerate_action, self.copy_reply_action, self.search_action):
+            chat_menu.addAction(a)
         self.view_menu = self.menuBar().addMenu("&View")
+        theme_menu = self.view_menu.addMenu("&Theme")
+        group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for choice in CHOICES:
+            label = {"system": "Follow the &system", "dark": "&Dark", "light": "&Light"}[choice]
+            a = QAction(label, self, checkable=True, checked=choice == self.theme.choice)
+            a.triggered.connect(lambda _=False, c=choice: self.set_theme(c))
+            group.addAction(a)
+            theme_menu.addAction(a)
+            self.theme_actions[choice] = a
+        self.view_menu.addSeparator()
         run = self.menuBar().addMenu("&Run")
         run.addAction(QAction("Send the study's 8 requests", self, triggered=lambda: self.start_demo(STUDY)))
         run.addAction(QAction("Send 48 study requests", self,
                               triggered=lambda: self.start_demo(seed_workload(48))))
         run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))
+        run.addSeparator()
+        self.pause_action = QAction("&Pause or resume arrivals", self, shortcut=QKeySequence("F6"),
+                                    triggered=self.toggle_pause)
+        self.step_action = QAction("S&tep: send the next arrival", self, shortcut=QKeySequence("F7"),
+                                   triggered=self.step_run)
+        run.addAction(self.pause_action)
+        run.addAction(self.step_action)
         self.start_server_action = QAction("&Start server…", self, triggered=self.choose_server)
         self.stop_server_action = QAction("S&top server", self, triggered=self.stop_server)
         if self.server is not None:
@@ -208,10 +238,20 @@ class MainWindow(QMainWindow):
         return True
 
     def choose_model(self) -> None:
-        last = self.settings.value("model/last")
-        dialog = ModelDialog(self.spec or (ModelSpec(str(last)) if last else None), self)
+        dialog = self.model_dialog()
         if dialog.exec() == ModelDialog.Accepted:
             self.load_model(dialog.spec())
+
+    def model_dialog(self, folders=None) -> ModelDialog:
+        """The model picker, with the recent models and (scanned in the background) local ones."""
+        last = self.settings.value("model/last")
+        return ModelDialog(self.spec or (ModelSpec(str(last)) if last else None), self,
+                           recent=self.recent_models(), folders=folders)
+
+    def recent_models(self) -> list[str]:
+        """Model specs loaded before, newest first (QSettings `model/recent`)."""
+        value = self.settings.value("model/recent") or []
+        return [str(v) for v in ([value] if isinstance(value, str) else value)]
 
     def set_engine(self, engine, spec: ModelSpec | None = None, owns: bool = True) -> None:
         """Show `engine` (replacing and, if owned, closing the previous one)."""
@@ -287,6 +327,7 @@ class MainWindow(QMainWindow):
         if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
             chat.settings_button.setChecked(False)
         chat.load_settings(self.settings)
+        self.theme.apply()  # the new panels' plots in the palette in use
         state = self.settings.value(self._state_key())
         if state is not None and not self._layout_restored:
             self._layout_restored = self.restoreState(state)
@@ -302,6 +343,12 @@ class MainWindow(QMainWindow):
             self.panels["chat"].save_settings(self.settings)
         if self.spec is not None:
             self.settings.setValue("model/last", self.spec.model)
+        self.settings.sync()
+
+    def set_theme(self, choice: str) -> None:
+        """"system", "dark" or "light": applied at once, plots included, and kept for the next start."""
+        self.theme.set_choice(choice)
+        self.theme_actions[choice].setChecked(True)
         self.settings.sync()
 
     def show_shortcuts(self) -> None:
@@ -383,6 +430,8 @@ class MainWindow(QMainWindow):
         self.placeholder_progress.setValue(v)
 
     def _on_loaded(self, engine, spec) -> None:
+        if spec.model:
+            self.settings.setValue("model/recent", remember(self.recent_models(), spec.model))
         self.load_bar.setVisible(False)
         self.placeholder_progress.setVisible(False)
         self.set_engine(engine, spec, owns=True)
@@ -437,6 +486,9 @@ class MainWindow(QMainWindow):
             return None
         self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
         self.demo.done.connect(self._on_demo_done)
+        experiments = self.panels.get("experiments")
+        if experiments is not None:
+            experiments.show_run(self.demo)
         self.demo.start()
         return self.demo
 
@@ -452,6 +504,31 @@ class MainWindow(QMainWindow):
                               " (a row in Experiments)" + (f" — {result.error}" if result.error else ""))
         else:
             self.show_message(f"demo failed: {result.error or 'no request finished'}")
+
+    def live_run(self) -> WorkloadRun | None:
+        """The live workload run in progress (a demo, an experiment, the teaching run), if any."""
+        runs = [self.demo, getattr(self.panels.get("experiments"), "_run", None),
+                getattr(self.panels.get("teaching"), "run", None)]
+        return next((r for r in runs if isinstance(r, WorkloadRun) and r.running), None)
+
+    def toggle_pause(self) -> bool:
+        """Pause the live run's arrivals, or resume them; False if no live run."""
+        run = self.live_run()
+        if run is None:
+            self.show_message("no live run to pause (Run ▸ Send the study's 8 requests starts one)", 4000)
+            return False
+        done = run.resume() if run.paused else run.pause()
+        self.show_message(f"{run.result.label}: arrivals " + ("paused" if run.paused else "resumed"), 4000)
+        return done
+
+    def step_run(self) -> bool:
+        """Send the live run's next arrival now (the run stays paused)."""
+        run = self.live_run()
+        if run is None or not run.step():
+            self.show_message("no arrival to send" + ("" if run is None else f" ({run.result.label}: {run.state})"), 4000)
+            return False
+        self.show_message(f"{run.result.label}: sent arrival {run.n_submitted}/{run.spec.n_requests} (paused)", 4000)
+        return True
 
     def stop_demo(self) -> None:
         if self.demo is not None and self.demo.running:
@@ -506,6 +583,18 @@ class MainWindow(QMainWindow):
         if path:
             self.save_screenshot(path)
 
+    def _chat_call(self, method: str):
+        chat = self.panels.get("chat")
+        return getattr(chat, method)() if chat is not None else None
+
+    def search_chats(self) -> None:
+        """Put the cursor in the chat list's search box (Ctrl+F)."""
+        chat = self.panels.get("chat")
+        if chat is not None:
+            self.stack.setCurrentWidget(chat)
+            chat.search_edit.setFocus(Qt.ShortcutFocusReason)
+            chat.search_edit.selectAll()
+
     def _new_chat(self) -> None:
         chat = self.panels.get("chat")
         if chat is not None:
@@ -522,6 +611,7 @@ class MainWindow(QMainWindow):
         if self.panels:
             self.save_settings()
         self.probe.stop()
+        self.theme.disconnect_system()
         if self.server is not None:
             self.server.stop()  # finishes on the loop; `closeEvent` waits for it instead
         if self.loader is not None:

@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 
 from .axes import count_axis_top
 from .formatting import fmt_rate
-from .theme import CHOSEN_BG, LEGEND_BG, MUTED, backend_color, style_plot
+from .theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
 
 TERMS = ("cached", "prefill", "decode", "rates", "score")
 FIXED = ("#", "t", "request", "→ backend")
@@ -50,7 +50,6 @@ class RoutingTableModel(QAbstractTableModel):
         self.count = 0  # decisions added since the last clear (row numbers keep counting after drops)
         self._first_number = 1
         self._colors = {b: QColor(backend_color(i)) for i, b in enumerate(self.backends)}
-        self._chosen = QBrush(QColor(CHOSEN_BG))
 
     # ---- data ----
 
@@ -138,7 +137,7 @@ class RoutingTableModel(QAbstractTableModel):
         if role == Qt.DisplayRole:
             return score_term(s, TERMS[t])
         if role == Qt.BackgroundRole and name == d.backend:
-            return self._chosen
+            return QBrush(QColor(palette().chosen_bg))  # the theme in use
         if role == Qt.TextAlignmentRole:
             return int(Qt.AlignRight | Qt.AlignVCenter)
         if role == Qt.ToolTipRole:
@@ -248,7 +247,7 @@ class RoutingView(QWidget):
                                     symbolPen=None, name=f"{b} score", connect="finite")
         self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
         p.addItem(self.marks)
-        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#ffffff", width=1, style=Qt.DotLine))
+        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.DotLine))  # reads on both themes
         self.selected_line.setVisible(False)
         p.addItem(self.selected_line)
 

@@ -1,14 +1,28 @@
-"""Colours, fonts and the style sheet: one place so every view paints a backend the same way."""
+"""Colours, fonts and the style sheet: one place so every view paints a backend the same way.
+
+Two palettes, dark (the default) and light, each a style sheet in `resources/` plus the colours
+pyqtgraph and the tables paint with. `Theme` holds the user's choice ("system", "dark" or
+"light"), persists it in `QSettings` (`ui/theme`), applies it to a window (its style sheet, and
+every plot in it re-coloured in place) and, while the choice is "system", follows Qt 6's
+`QStyleHints.colorScheme()` through `colorSchemeChanged`. `palette()` is the palette in use, for
+views that pick a colour when they paint (the routing table's chosen cell).
+
+Thread contract: main thread only.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyqtgraph as pg
-from PySide6.QtGui import QColor
+from PySide6.QtCore import QObject, QSettings, Qt, Signal
+from PySide6.QtGui import QColor, QGuiApplication
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 STYLE_SHEET = RESOURCES / "tandem.qss"
+LIGHT_STYLE_SHEET = RESOURCES / "tandem-light.qss"
+CHOICES = ("system", "dark", "light")
 
 # Backend colours by position in the engine's backend order.
 BACKEND_COLORS = ["#4c9aff", "#f5a623", "#7ed67e", "#d987f5", "#ff6b6b", "#4fd1c5"]
@@ -24,6 +38,111 @@ FAILED = "#ff6b6b"  # errors: a failed backend, a server that could not start
 WORKING = "#f5a623"  # a restart under way
 
 
+
+
+@dataclass(frozen=True)
+class Palette:
+    name: str
+    sheet: Path
+    plot_bg: str
+    plot_fg: str
+    text: str
+    legend_bg: tuple[int, int, int, int]
+    chosen_bg: str
+
+
+DARK = Palette("dark", STYLE_SHEET, PLOT_BG, PLOT_FG, TEXT, LEGEND_BG, CHOSEN_BG)
+LIGHT = Palette("light", LIGHT_STYLE_SHEET, "#ffffff", "#4a5261", "#1f2329", (255, 255, 255, 220), "#cdebd3")
+_current = DARK
+
+
+def palette() -> Palette:
+    """The palette in use (dark until a `Theme` applies another)."""
+    return _current
+
+
+def system_scheme() -> str:
+    """"light" or "dark": the system's colour scheme as Qt 6 reports it (dark when unknown)."""
+    app = QGuiApplication.instance()
+    if app is None:
+        return "dark"
+    return "light" if QGuiApplication.styleHints().colorScheme() == Qt.ColorScheme.Light else "dark"
+
+
+def resolve(choice: str, system: str | None = None) -> Palette:
+    """The palette a choice means ("system" follows `system`, or the system's scheme now)."""
+    if choice == "system":
+        choice = system or system_scheme()
+    return LIGHT if choice == "light" else DARK
+
+
+class Theme(QObject):
+    """The theme choice of one window: `set_choice` applies and persists it."""
+
+    changed = Signal(str)  # the palette's name, after it is applied
+
+    def __init__(self, window, settings: QSettings, parent: QObject | None = None):
+        super().__init__(parent)
+        self.window = window
+        self.settings = settings
+        choice = str(settings.value("ui/theme", "system"))
+        self.choice = choice if choice in CHOICES else "system"
+        self.palette = resolve(self.choice)
+        QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme)
+        self._following = True
+
+    def set_choice(self, choice: str) -> None:
+        if choice not in CHOICES:
+            raise ValueError(f"unknown theme {choice!r}: one of {', '.join(CHOICES)}")
+        self.choice = choice
+        self.settings.setValue("ui/theme", choice)
+        self.apply(resolve(choice))
+
+    def apply(self, pal: Palette | None = None) -> None:
+        """Paint the window (and the application's style sheet, if it has one) with `pal`."""
+        global _current
+        pal = pal or self.palette
+        self.palette = _current = pal
+        sheet = style_sheet(pal)
+        self.window.setStyleSheet(sheet)
+        app = QGuiApplication.instance()
+        if app is not None and hasattr(app, "styleSheet") and app.styleSheet():
+            app.setStyleSheet(sheet)
+        configure_pyqtgraph()
+        recolor_plots(self.window)
+        self.changed.emit(pal.name)
+
+    def disconnect_system(self) -> None:
+        """Stop listening to the system's scheme (the window is closing; idempotent)."""
+        if self._following:
+            self._following = False
+            QGuiApplication.styleHints().colorSchemeChanged.disconnect(self._on_system_scheme)
+
+    def _on_system_scheme(self, scheme) -> None:
+        if self.choice == "system":
+            self.apply(resolve("system", "light" if scheme == Qt.ColorScheme.Light else "dark"))
+
+
+def recolor_plots(root) -> None:
+    """Re-colour every pyqtgraph view under `root` with the palette in use: backgrounds, axes,
+    titles, legends (curves keep their backend colours)."""
+    pal = _current
+    for view in root.findChildren(pg.GraphicsView):
+        view.setBackground(pal.plot_bg)
+        for item in view.scene().items():
+            if isinstance(item, pg.AxisItem):
+                item.setPen(pal.plot_fg)
+                item.setTextPen(pal.plot_fg)
+            elif isinstance(item, pg.PlotItem):
+                if item.titleLabel.text:
+                    item.titleLabel.setText(item.titleLabel.text, color=pal.text)
+            elif isinstance(item, pg.LegendItem):
+                item.setBrush(pg.mkBrush(pal.legend_bg))
+                item.setLabelTextColor(pal.text)
+                for _sample, label in item.items:
+                    label.setText(label.text)  # setLabelTextColor only records the colour
+
+
 def backend_color(index: int) -> str:
     return BACKEND_COLORS[index % len(BACKEND_COLORS)]
 
@@ -34,20 +153,20 @@ def qcolor(hex_color: str, alpha: int = 255) -> QColor:
     return c
 
 
-def style_sheet() -> str:
+def style_sheet(pal: Palette | None = None) -> str:
     try:
-        return STYLE_SHEET.read_text(encoding="utf-8")
+        return (pal or _current).sheet.read_text(encoding="utf-8")
     except OSError:
         return ""
 
 
 def configure_pyqtgraph() -> None:
-    """Global pyqtgraph options; call once, before any plot is created."""
-    pg.setConfigOptions(antialias=True, background=PLOT_BG, foreground=PLOT_FG)
+    """Global pyqtgraph options for plots created from now on (the palette in use)."""
+    pg.setConfigOptions(antialias=True, background=_current.plot_bg, foreground=_current.plot_fg)
 
 
 def style_plot(plot: pg.PlotItem, title: str, x: str, y: str) -> None:
-    plot.setTitle(f"<span style='color:{TEXT};font-size:10pt'>{title}</span>")
+    plot.setTitle(title, color=_current.text, size="10pt")
     plot.setLabel("bottom", x)
     plot.setLabel("left", y)
     plot.showGrid(x=True, y=True, alpha=GRID_ALPHA)

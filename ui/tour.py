@@ -5,9 +5,18 @@
 The window takes the screen's size (1280x720: the compact layout, every panel a tab under the
 chat). It loads the model, chats (one reply with a code block, to show the Markdown rendering),
 shows the backends and controls, runs the study's workload (`--demo N`, 48 by default;
-screenshots mid-run and after), steps the teaching replay to request 8, and runs a small
-experiment. Every wait is an
+screenshots mid-run and after), steps the teaching replay to request 8, runs a small
+experiment, and shows the routing view again in the light theme (`light.png`). Every wait is an
 `asyncio.sleep` on the qasync loop, so the window stays live the whole time.
+
+`unhealthy.png` is not the tour's (its backends are all healthy): a remote backend at a port
+nothing listens on is really down, so its card shows the connection error and Restart:
+
+    xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui --model default \
+        --backend cpu:threads=1,cap=4 --backend remote:url=http://127.0.0.1:9,name=laptop2 \
+        --panel backends --delay 35 --screenshot docs/screenshots/unhealthy.png
+
+Then `pngquant --strip --quality=70-95` each PNG (a third of the size).
 """
 
 from __future__ import annotations
@@ -108,6 +117,10 @@ async def tour(window, out: Path, args) -> None:
     shot("experiments")
 
     await whatif(window, out)
+    window.set_theme("light")
+    window.show_panel("routing")
+    await asyncio.sleep(1.0)
+    shot("light")
 
 
 async def whatif(window, out: Path, args=None) -> None:

@@ -1,0 +1,132 @@
+"""The clock a workload's arrivals are timed by, which a person can pause and step.
+
+`ArrivalClock` reads seconds since `start()`, except that it stands still while paused, so a
+pause shifts every arrival still to come by its length instead of releasing them in a burst on
+resume. `step()` (while paused) grants the next arrival at once: the clock moves to that
+arrival's time and stays paused. Whoever submits the arrivals asks the clock:
+
+- `take(arrival_s)`: may this arrival go now? (non-blocking; the GUI's timer-driven
+  `ui.live_run.WorkloadRun`);
+- `wait_for(arrival_s)`: block until it may (the benchmark runner's submitting thread,
+  `bench.study.EngineRunner`); False once the clock is closed.
+
+Requests already submitted are not the clock's business: the engine keeps serving them.
+
+Thread contract: every method may be called from any thread (one condition variable guards the
+state; `pause`, `resume`, `step` and `close` wake a blocked `wait_for`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+EPSILON_S = 0.001  # an arrival within 1 ms of its time is due (timers fire a little early)
+
+
+class ArrivalClock:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._t0: float | None = None  # monotonic() when the clock read 0, shifted by each pause
+        self._paused = False
+        self._frozen = 0.0  # the reading while paused
+        self._steps = 0  # arrivals granted by step() and not yet taken
+        self._closed = False
+        self.taken = 0  # arrivals let through so far
+
+    # ---- control (any thread) ----
+
+    def start(self) -> None:
+        """Arrivals start now (a clock paused before it started stays paused, at 0)."""
+        with self._cond:
+            self._t0 = time.monotonic() - (self._frozen if self._paused else 0.0)
+            self._cond.notify_all()
+
+    def pause(self) -> bool:
+        with self._cond:
+            if self._paused or self._closed:
+                return False
+            self._frozen = self._now()
+            self._paused = True
+            self._cond.notify_all()
+            return True
+
+    def resume(self) -> bool:
+        with self._cond:
+            if not self._paused:
+                return False
+            self._paused = False
+            self._steps = 0
+            if self._t0 is not None:
+                self._t0 = time.monotonic() - self._frozen
+            self._cond.notify_all()
+            return True
+
+    def step(self) -> None:
+        """Let the next arrival through now, and stay paused (pausing first)."""
+        with self._cond:
+            if not self._paused:
+                self._frozen = self._now()
+                self._paused = True
+            self._steps += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more arrivals: a blocked `wait_for` returns False, and so does every later one."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ---- reading (any thread) ----
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def started(self) -> bool:
+        return self._t0 is not None
+
+    def now(self) -> float:
+        """Seconds on the arrival clock (0 until started; still while paused)."""
+        with self._cond:
+            return self._now()
+
+    def take(self, arrival_s: float) -> bool:
+        """Whether the arrival due at `arrival_s` may be submitted now (a step granted is used up)."""
+        with self._cond:
+            return self._take(arrival_s)
+
+    def wait_for(self, arrival_s: float, timeout: float | None = None) -> bool:
+        """Block until the arrival at `arrival_s` may be submitted; False if the clock was closed
+        (or `timeout` passed) first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._take(arrival_s):
+                if self._closed:
+                    return False
+                waits = [] if self._paused or self._t0 is None else [arrival_s - self._now()]
+                if deadline is not None:
+                    waits.append(deadline - time.monotonic())
+                    if waits[-1] <= 0:
+                        return False
+                self._cond.wait(max(0.0, min(waits)) if waits else None)
+            return True
+
+    def _now(self) -> float:
+        if self._paused or self._t0 is None:
+            return self._frozen
+        return time.monotonic() - self._t0
+
+    def _take(self, arrival_s: float) -> bool:
+        if self._closed or self._t0 is None:
+            return False
+        if self._paused:
+            if not self._steps:
+                return False
+            self._steps -= 1
+            self._frozen = max(self._frozen, arrival_s)
+        elif self._now() < arrival_s - EPSILON_S:
+            return False
+        self.taken += 1
+        return True

@@ -1,0 +1,104 @@
+"""Pause and step for live runs: a demo from the Run menu, driven from the Experiments panel's
+Pause/Step row and the Run menu's F6/F7, and an experiment through the benchmark runner.
+
+Each run is paused before its arrivals start (while it flushes and warms), so what is sent
+depends on the steps alone, never on how fast this machine reaches the next line."""
+
+from __future__ import annotations
+
+from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
+
+from ui.live_run import seed_workload
+
+SPACED = seed_workload(4, prefix_tokens=32, suffix_tokens=4, gen_tokens=6, interval_s=0.3)
+
+
+def engine_idle(w) -> bool:
+    return all(not s.items for s in w.engine.snapshot())
+
+
+def paused_demo(qtbot, w):
+    run = w.start_demo(SPACED)
+    assert run is not None
+    controls = w.panels["experiments"].run_controls
+    assert controls.run is run
+    controls.pause_button.click()  # still flushing: nothing has been sent
+    assert run.paused
+    qtbot.waitUntil(lambda: run.state == "running", timeout=WAIT_MS)
+    return run, controls
+
+
+def test_pause_holds_back_arrivals_while_the_engine_serves_what_it_holds(qtbot, make_window):
+    w = make_window()
+    run, controls = paused_demo(qtbot, w)
+    assert run.step() and run.step()
+    assert run.n_submitted == 2
+    # What was sent finishes; nothing new is sent, though every arrival falls due meanwhile.
+    qtbot.waitUntil(lambda: len(run.result.records) == 2, timeout=WAIT_MS)
+    qtbot.wait(round(SPACED.interval_s * SPACED.n_requests * 1000))
+    assert run.n_submitted == 2
+    assert run.running
+    assert "paused" in controls.state_label.text()
+    controls.pause_button.click()  # Resume: the rest arrive and the run completes
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+    assert run.state == "done"
+    assert len(run.result.records) == SPACED.n_requests
+
+
+def test_step_sends_exactly_the_next_arrival(qtbot, make_window):
+    w = make_window()
+    run, _controls = paused_demo(qtbot, w)
+    w.step_action.trigger()  # F7
+    assert run.n_submitted == 1
+    assert run.paused  # stepping leaves the run paused
+    qtbot.waitUntil(lambda: len(run.result.records) == 1, timeout=WAIT_MS)
+    qtbot.wait(round(SPACED.interval_s * 2 * 1000))
+    assert run.n_submitted == 1
+    w.pause_action.trigger()  # F6: resume
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+    assert len(run.result.records) == SPACED.n_requests
+
+
+def test_resumed_arrivals_keep_their_spacing(qtbot, make_window):
+    w = make_window()
+    run, _controls = paused_demo(qtbot, w)
+    assert run.step()  # the clock stands at the first arrival
+    qtbot.wait(round(SPACED.interval_s * SPACED.n_requests * 1000))  # longer than the whole schedule
+    run.resume()
+    # Not a burst: the next arrival is still an interval away on the run's clock.
+    assert run.n_submitted == 1
+    assert run.clock.now() < SPACED.interval_s
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+    assert run.state == "done"
+
+
+def test_step_needs_a_live_run(qtbot, make_window):
+    w = make_window()
+    assert not w.step_run()
+    assert not w.panels["experiments"].run_controls.step_button.isEnabled()
+
+
+def test_a_benchmark_runner_experiment_pauses_between_arrivals(qtbot, make_window):
+    from app.gui import bench_runner
+    from ui.experiments import BenchRun
+
+    w = make_window(bench_runner_factory=bench_runner)
+    ex = w.panels["experiments"]
+    ex.n_requests.setValue(3)
+    ex.interval.setValue(300)
+    ex.prefix.setValue(32)
+    ex.suffix.setValue(4)
+    ex.max_tokens.setValue(6)
+    assert ex.start(["seed-score"])
+    controls = ex.run_controls
+    assert isinstance(controls.run, BenchRun)
+    run = controls.run
+    controls.pause_button.click()  # before the runner has flushed and warmed
+    controls.step_button.click()
+    qtbot.waitUntil(lambda: run.n_submitted == 1, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: engine_idle(w), timeout=WAIT_MS)
+    qtbot.wait(900)  # every arrival falls due
+    assert run.n_submitted == 1  # the runner's thread waits on the paused clock
+    controls.pause_button.click()  # resume
+    qtbot.waitUntil(lambda: not ex.running, timeout=WAIT_MS)
+    assert [s.metrics.completed for s in ex.summaries] == [3]

@@ -1,0 +1,69 @@
+"""The light theme, the system's colour scheme followed live, the choice kept across starts."""
+
+from __future__ import annotations
+
+import pyqtgraph as pg
+import pytest
+
+from ui_fixtures import make_window, qasync_loop, ui_engine  # noqa: F401
+
+from PySide6.QtCore import QSettings, Qt
+from PySide6.QtGui import QGuiApplication
+
+from ui.theme import DARK, LIGHT, palette
+
+
+@pytest.fixture
+def dark_after():
+    yield
+    from ui import theme
+
+    theme._current = DARK  # the palette is process-wide: later tests start dark
+
+
+def plot_backgrounds(w) -> set[str]:
+    return {v.backgroundBrush().color().name() for v in w.findChildren(pg.GraphicsView)}
+
+
+def test_light_theme_recolours_the_open_plots(qtbot, make_window, dark_after):
+    w = make_window()
+    assert plot_backgrounds(w) == {DARK.plot_bg}
+    w.theme_actions["light"].trigger()
+    assert palette() is LIGHT
+    assert plot_backgrounds(w) == {LIGHT.plot_bg}
+    assert "#f5f6f8" in w.styleSheet()  # the light style sheet, on the window
+    axis = w.panels["latency"].findChildren(pg.PlotWidget)[0].getPlotItem().getAxis("left")
+    assert axis.textPen().color().name() == LIGHT.plot_fg
+    legend = w.panels["routing"].plot.legend
+    assert all(LIGHT.text in label.item.toHtml() for _sample, label in legend.items)
+
+
+def test_theme_choice_survives_a_restart(qtbot, make_window, tmp_path, dark_after):
+    path = str(tmp_path / "kept.ini")
+    w = make_window(settings=QSettings(path, QSettings.IniFormat))
+    w.set_theme("light")
+    w.shutdown()
+    again = make_window(settings=QSettings(path, QSettings.IniFormat))
+    assert again.theme.choice == "light"
+    assert again.theme_actions["light"].isChecked()
+    assert plot_backgrounds(again) == {LIGHT.plot_bg}
+
+
+def test_following_the_system_tracks_its_colour_scheme(qtbot, make_window, dark_after):
+    w = make_window()
+    w.set_theme("system")
+    hints = QGuiApplication.styleHints()
+    hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
+    assert w.theme.palette is LIGHT
+    assert plot_backgrounds(w) == {LIGHT.plot_bg}
+    hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)
+    assert w.theme.palette is DARK
+    assert plot_backgrounds(w) == {DARK.plot_bg}
+
+
+def test_a_fixed_theme_ignores_the_systems_scheme(qtbot, make_window, dark_after):
+    w = make_window()
+    w.set_theme("dark")
+    QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
+    assert w.theme.palette is DARK
+    assert plot_backgrounds(w) == {DARK.plot_bg}
