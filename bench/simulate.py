@@ -277,7 +277,10 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
             for hb in hardware.backends:
                 if any(b.name == hb.name for b in profile.backends):
                     profile = profile.with_backend(replace(profile.backend(hb.name), hardware=hb.hw,
-                                                           chunk_overhead_s=hb.chunk_overhead_s))
+                                                           chunk_overhead_s=hb.chunk_overhead_s,
+                                                           chunk_fixed_s=hb.chunk_fixed_s,
+                                                           prefill_ref_tokens=hb.prefill_ref_tokens,
+                                                           admit_s=hb.admit_s))
         sweep = next((b["name"] for b in engine["backends"] if b.get("swept")), None)
         policy = label.split("@cap=")[0]
         if meta.get("cap") is not None and sweep:
