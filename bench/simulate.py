@@ -76,7 +76,8 @@ def add_arguments(p) -> None:
 def add_profile_arguments(p) -> None:
     p.add_argument("--profile", default="study-m2", help=PROFILE_HELP + " (default: %(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="BACKEND.FIELD=VALUE",
-                   help="edit the profile: cap, kv_cells, n_batch, busy_chunk, prefill_tok_s, decode_tok_s, "
+                   help="edit the profile: cap, kv_cells, n_batch, busy_chunk, chunk_fixed_s, admit_s, "
+                        "chunk_overhead_s, prefill_tok_s, decode_tok_s, "
                         "step_alpha_s, step_beta_s (router and hardware), hardware.RATE / rates.RATE (one "
                         "side), speed (hardware x); repeatable")
 
