@@ -274,10 +274,11 @@ def profile_from_snapshots(name: str, snapshots: Sequence[BackendSnapshot], desc
 
 
 def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
-    """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, or a
+    """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, the
+    step costs `chunk_fixed_s`, `admit_s`, `chunk_overhead_s`, `prefill_ref_tokens`, or a
     rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`) set on both the
     router's rates and the hardware; `hardware.RATE=` or `rates.RATE=` set one side only;
-    `speed=X` multiplies the hardware's speed (every rate x X, every step time / X)."""
+    `speed=X` multiplies the hardware's speed (every rate x X, every step time and fixed cost / X)."""
     for text in settings:
         key, eq, value = (s.strip() for s in text.partition("="))
         name, dot, attr = key.partition(".")
@@ -299,7 +300,7 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
         elif attr == "device":
             b = replace(b, device=value)
         elif attr == "speed":
-            b = replace(b, hardware=_faster(b.hw, number))
+            b = _costs_scaled(replace(b, hardware=_faster(b.hw, number)), number)
         else:
             side, _, rate = attr.rpartition(".")
             if rate not in ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s") or side not in (
@@ -333,7 +334,13 @@ def scaled_profile(profile: Profile, backend: str, speed: float, rates_too: bool
     b = profile.backend(backend)
     hw = _faster(b.hw, speed)
     b = replace(b, hardware=hw, rates=_faster(b.rates, speed) if rates_too else b.rates)
-    return profile.with_backend(b)
+    return profile.with_backend(_costs_scaled(b, speed))
+
+
+def _costs_scaled(b: BackendProfile, x: float) -> BackendProfile:
+    """`b`'s fixed per-chunk and per-admission costs divided by `x` (a device `x` times faster)."""
+    return replace(b, chunk_overhead_s=b.chunk_overhead_s / x, chunk_fixed_s=b.chunk_fixed_s / x,
+                   admit_s=b.admit_s / x)
 
 
 # ---- the simulation ----

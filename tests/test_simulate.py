@@ -217,3 +217,9 @@ def test_replay_of_the_committed_grid_open_run_meets_the_bar_in_most_rows():
 
     rows = replay(RESULTS / "gpu" / "grid2" / "grid-open", hardware=PROFILES["h200"])
     assert sum(r["ok"] for r in rows) >= 20
+
+
+def test_speed_override_divides_the_fixed_step_costs_too():
+    p = apply_overrides(PROFILES["h200"], ["gpu.speed=2"])
+    fast, base = p.backend("gpu"), PROFILES["h200"].backend("gpu")
+    assert fast.step_seconds(4, 16, 1) == pytest.approx(base.step_seconds(4, 16, 1) / 2)
