@@ -76,7 +76,8 @@ def add_arguments(p) -> None:
 def add_profile_arguments(p) -> None:
     p.add_argument("--profile", default="study-m2", help=PROFILE_HELP + " (default: %(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="BACKEND.FIELD=VALUE",
-                   help="edit the profile: cap, kv_cells, n_batch, busy_chunk, prefill_tok_s, decode_tok_s, "
+                   help="edit the profile: cap, kv_cells, n_batch, busy_chunk, chunk_fixed_s, admit_s, "
+                        "chunk_overhead_s, prefill_tok_s, decode_tok_s, "
                         "step_alpha_s, step_beta_s (router and hardware), hardware.RATE / rates.RATE (one "
                         "side), speed (hardware x); repeatable")
 
@@ -277,7 +278,10 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
             for hb in hardware.backends:
                 if any(b.name == hb.name for b in profile.backends):
                     profile = profile.with_backend(replace(profile.backend(hb.name), hardware=hb.hw,
-                                                           chunk_overhead_s=hb.chunk_overhead_s))
+                                                           chunk_overhead_s=hb.chunk_overhead_s,
+                                                           chunk_fixed_s=hb.chunk_fixed_s,
+                                                           prefill_ref_tokens=hb.prefill_ref_tokens,
+                                                           admit_s=hb.admit_s))
         sweep = next((b["name"] for b in engine["backends"] if b.get("swept")), None)
         policy = label.split("@cap=")[0]
         if meta.get("cap") is not None and sweep:

@@ -170,3 +170,56 @@ def test_crossover_gain_changes_sign_from_the_h200_to_the_m2():
     m2 = crossover(PROFILES["study-m2"], [0.15], [4], ["seed-score"], 48)
     assert h200[0]["gain"] == pytest.approx(0.0, abs=1e-9) and h200[0]["to_second"] == 0
     assert m2[0]["gain"] > 0.05 and m2[0]["to_second"] > 0
+
+
+def test_a_512_token_prompt_alone_costs_what_the_calibrated_rate_says():
+    """The fixed cost per prompt chunk is inside the calibrated rate once, not added to it."""
+    gpu = PROFILES["h200"].backend("gpu")
+    assert gpu.step_seconds(0, 512) == pytest.approx(512 / gpu.hw.prefill_tok_s)
+
+
+def test_a_short_chunk_pays_the_fixed_cost_whole():
+    gpu = PROFILES["h200"].backend("gpu")
+    assert gpu.step_seconds(0, 16) - 16 / gpu.hw.prefill_tok_s > 0.9 * gpu.chunk_fixed_s
+
+
+def test_each_admitted_request_adds_its_setup_to_the_step():
+    gpu = PROFILES["h200"].backend("gpu")
+    assert gpu.step_seconds(4, 64, 2) - gpu.step_seconds(4, 64, 0) == pytest.approx(2 * gpu.admit_s)
+
+
+def test_h200_device_steps_at_the_engines_measured_decode_speeds():
+    """docs/results/gpu/round2/overhead_gpu_sampling.txt: engine_b1 808, engine_b16 3679,
+    engine_b128 8614 tok/s."""
+    gpu = PROFILES["h200"].backend("gpu")
+    assert [round(b / gpu.step_seconds(b, 0)) for b in (1, 16, 128)] == [808, 3679, 8614]
+
+
+def test_h200_router_keeps_the_committed_calibration():
+    gpu = PROFILES["h200"].backend("gpu")
+    assert gpu.rates.step_s(16) == pytest.approx(0.0051355)
+
+
+def test_chunk_cost_override_applies_to_the_device():
+    p = apply_overrides(PROFILES["h200"], ["gpu.chunk_fixed_s=0", "gpu.admit_s=0"])
+    gpu = p.backend("gpu")
+    assert gpu.step_seconds(0, 100, 1) == pytest.approx(100 / gpu.hw.prefill_tok_s)
+
+
+def test_h200_profile_survives_a_json_round_trip():
+    p = PROFILES["h200"]
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_replay_of_the_committed_grid_open_run_meets_the_bar_in_most_rows():
+    """docs/results/gpu/grid2/grid-open: the run the per-request setup cost was fitted on."""
+    from bench.simulate import replay
+
+    rows = replay(RESULTS / "gpu" / "grid2" / "grid-open", hardware=PROFILES["h200"])
+    assert sum(r["ok"] for r in rows) >= 20
+
+
+def test_speed_override_divides_the_fixed_step_costs_too():
+    p = apply_overrides(PROFILES["h200"], ["gpu.speed=2"])
+    fast, base = p.backend("gpu"), PROFILES["h200"].backend("gpu")
+    assert fast.step_seconds(4, 16, 1) == pytest.approx(base.step_seconds(4, 16, 1) / 2)

@@ -131,6 +131,14 @@ prefill() {  # n_batch / n_ubatch: a cold prompt alone, and arriving beside deco
     --repeats 2 2>&1 | tail -1 | tee "$OUT/prefill_cpu15.txt"
 }
 
+mixed_steps() {  # the simulator's step model: a 516-token prompt (the grid's) beside 1, 4, 8 and 16 decoders
+  for dec in 1 4 8 16; do
+    _stamp "prefill GPU beside $dec decoders, 516-token prompt"
+    python3 -m app bench prefill --model "$M" --device gpu --threads 8 --prompt-tokens 516 \
+      --sizes 512/512 --decoders "$dec" --decode-tokens 1024 --repeats 5 2>&1 | tail -1 | tee -a "$OUT/mixed_steps_gpu.txt"
+  done
+}
+
 n48() {  # the study's N=48, GPU-only at caps 8 and CAPS, beside llama-server -np 8 and our server at cap 16
   _tandem_server 16 8095; _llama_server 8 8092; _wait_ready 8095 8092
   _stamp "N=48, GPU caps 8,${CAPS:-16,32}, ${RUNS:-5} runs"
