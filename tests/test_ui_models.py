@@ -74,7 +74,7 @@ def test_recent_models_keep_the_newest_first_without_repeats():
     assert len(remember([str(i) for i in range(10)], "x")) == 10
 
 
-def test_model_dialog_lists_recent_and_local_models_by_name(qtbot, tmp_path):
+def test_model_dialog_lists_recent_models_first_then_local_ones_by_name(qtbot, tmp_path):
     path = write_gguf(tmp_path / "models" / "a.gguf", "Tiny Chat Model")
     folders = [("~/models", tmp_path / "models", "files")]
     dialog = ModelDialog(recent=["synthetic:tiny"], folders=folders)

@@ -50,7 +50,7 @@ def test_a_deleted_preset_stays_deleted_after_a_restart(qtbot, make_window, tmp_
     assert "Helpful assistant" in again.presets.presets()
 
 
-def test_a_preset_needs_a_name_and_a_prompt(qtbot, make_window):
+def test_a_preset_without_a_name_or_a_prompt_is_not_saved(qtbot, make_window):
     chat = make_window().panels["chat"]
     before = chat.presets.presets()
     chat.system_edit.setPlainText("Be brief.")
