@@ -293,7 +293,7 @@ class TeachingPanel(QWidget):
         self.live_table.setVerticalHeaderLabels([f"req {i + 1}" for i in range(STUDY.n_requests)])
         self.live_table.setEditTriggers(QAbstractItemView.NoEditTriggers)
         self.live_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
-        self.live_table.verticalHeader().setDefaultSectionSize(20)
+        self.live_table.verticalHeader().setDefaultSectionSize(18)
         for i, b in enumerate(ARTICLE_CHOICES):
             item = QTableWidgetItem(f"{b.upper()}")
             item.setForeground(qcolor(GPU_COLOR if b == "gpu" else CPU_COLOR))
@@ -314,10 +314,11 @@ class TeachingPanel(QWidget):
         self.whatif = WhatIfPanel(self.engine, self.bridge, self)
         self.whatif.status_message.connect(self.status_message)
         self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)  # no frame: the live table keeps its 8 rows at 1280x720
         self.tabs.addTab(split, "The article")
         self.tabs.addTab(self.whatif, "What if")
         outer = QVBoxLayout(self)
-        outer.setContentsMargins(6, 6, 6, 6)
+        outer.setContentsMargins(2, 2, 2, 2)
         outer.addWidget(self.tabs)
 
     # ---- article replay ----
