@@ -35,8 +35,8 @@ import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/lla
 from engine import llama
 from engine.config import default_specs, parse_backend_specs
 from bench.calibrate import recalibrate
-from bench.study import experiment_runner as bench_runner
 from engine.engine import Engine
+from engine.experiment import experiment_runner
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def run_gui(args) -> int:
         store = ChatStore(os.path.join(scratch, "chats"))
         settings = QSettings(os.path.join(scratch, "settings.ini"), QSettings.IniFormat)
     window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
-                        bench_runner_factory=bench_runner, serve_fn=serve, store=store, settings=settings)
+                        bench_runner_factory=experiment_runner, serve_fn=serve, store=store, settings=settings)
     theme = getattr(args, "theme", None)
     if theme:
         window.set_theme(theme)

@@ -28,6 +28,7 @@ from pathlib import Path
 from engine.benchmark import RequestRecord, run_metrics
 from engine.calibrate import RateStore
 from engine.errors import InvalidRequest
+from engine.experiment import Variant
 from engine.simulate import PROFILES, BackendProfile, Profile, apply_overrides, profile_from_calibration, simulate
 from engine.snapshot import Rates
 from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, with_requests
@@ -171,12 +172,12 @@ class SimBench(study.Bench):
         single = ("gpu-only" if any(b.device != "cpu" for b in self.profile.backends)
                   else f"only:{self.profile.backends[0].name}")
         policies = self.policies if self.policies is not None else ["seed-score", "predicted-finish", single]
-        variants = [study.Variant(label=p, policy=p) for p in policies]
+        variants = [Variant(label=p, policy=p) for p in policies]
         sweep_policies = study._policy_list(getattr(self.args, "sweep_policies", None)) if self.caps else []
         if self.caps and sweep_policies is None:
             sweep_policies = [single]
         for p in sweep_policies or []:
-            variants += [study.Variant(label=f"{p}@cap={c}", policy=p, cap=c) for c in self.caps]
+            variants += [Variant(label=f"{p}@cap={c}", policy=p, cap=c) for c in self.caps]
         per_seq = max(s.prompt_tokens + s.max_tokens for s in self.specs)
         bar.add_total(len(self.kv_seqs) * len(variants) * self.args.runs * len(self.specs) * sum(self.n_list))
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@ arrival's time and stays paused. Whoever submits the arrivals asks the clock:
 - `take(arrival_s)`: may this arrival go now? (non-blocking; the GUI's timer-driven
   `ui.live_run.WorkloadRun`);
 - `wait_for(arrival_s)`: block until it may (the benchmark runner's submitting thread,
-  `bench.study.EngineRunner`); False once the clock is closed.
+  `engine.experiment.EngineRunner`); False once the clock is closed.
 
 Requests already submitted are not the clock's business: the engine keeps serving them.
 

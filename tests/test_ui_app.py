@@ -8,7 +8,8 @@ import json
 import pytest
 from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
-from app.gui import bench_runner, load_engine
+from app.gui import load_engine
+from engine.experiment import experiment_runner
 from ui.formatting import model_title
 from ui.live_run import seed_workload
 from ui.loader import ModelSpec
@@ -186,7 +187,7 @@ def test_experiments_compare_policies(qtbot, make_window, ui_engine, tmp_path):
 
 
 def test_experiments_through_the_benchmark_runner(qtbot, make_window, ui_engine):
-    w = make_window(bench_runner_factory=bench_runner)
+    w = make_window(bench_runner_factory=experiment_runner)
     ex = w.panels["experiments"]
     assert ex.bench_runner is not None
     _configure(ex, **TINY_RUN)

@@ -79,10 +79,10 @@ def test_step_needs_a_live_run(qtbot, make_window):
 
 
 def test_a_benchmark_runner_experiment_pauses_between_arrivals(qtbot, make_window):
-    from app.gui import bench_runner
+    from engine.experiment import experiment_runner
     from ui.experiments import BenchRun
 
-    w = make_window(bench_runner_factory=bench_runner)
+    w = make_window(bench_runner_factory=experiment_runner)
     ex = w.panels["experiments"]
     ex.n_requests.setValue(3)
     ex.interval.setValue(300)

@@ -1,9 +1,9 @@
 """Experiments: run the study's workload (or a variant) under several policies and compare them.
 
-With a `bench_runner` (the app passes one built on `tandem bench`'s `EngineRunner`), each run
-goes through the benchmark runner itself on a `ui.worker.Worker`, one policy after another: fresh engine state per run (caches
-flushed, prefix re-warmed, router cleared, caps and rates restored), the same workloads and the
-same metrics as the command line. Without one, runs are driven from the GUI thread by
+With a `bench_runner` (the app passes `engine.experiment.experiment_runner`, the runner that
+`tandem bench seed|grid` uses too), each run goes through that runner on a `ui.worker.Worker`,
+one policy after another: fresh engine state per run (caches flushed, prefix re-warmed, router
+cleared, caps and rates restored), the same workloads and the same metrics as the command line. Without one, runs are driven from the GUI thread by
 `ui.live_run.WorkloadRun`. Either way the routing and latency views show the run live, a
 progress bar counts requests, and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
 requests per backend) fill a table that exports to CSV, JSON or PNG.

@@ -1,0 +1,67 @@
+"""The experiment runner (`engine.experiment`) that `tandem bench seed|grid` and the app's
+Experiments panel share, on the tiny synthetic model: two CPU backends, no Qt."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from engine.arrivals import ArrivalClock
+from engine.config import parse_backend_specs
+from engine.engine import Engine
+from engine.experiment import EngineRunner, Variant, experiment_runner
+from engine.workload import TOKEN_HIGH, build_workload, seed_workload
+
+SPEC = seed_workload(3, prefix_tokens=32, suffix_tokens=4, gen_tokens=4, interval_s=0.01)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=1024,name=a",
+                                                      "cpu:threads=1,cap=2,ctx=1024,name=b"]))
+    yield eng
+    eng.close()
+
+
+def workload(eng):
+    return build_workload(replace(SPEC, vocab_size=min(eng.model.n_vocab, TOKEN_HIGH)), 0)
+
+
+def test_an_experiment_records_every_request_of_its_workload(engine):
+    summary = experiment_runner(engine)(SPEC, "round-robin", 0, on_done=None)
+    assert (summary.policy, summary.metrics.completed, summary.metrics.failed) == ("round-robin", 3, 0)
+
+
+def test_on_done_is_called_once_per_request(engine):
+    done = []
+    experiment_runner(engine)(SPEC, "round-robin", 0, on_done=lambda: done.append(1))
+    assert len(done) == 3
+
+
+def test_a_closed_clock_submits_nothing(engine):
+    clock = ArrivalClock()
+    clock.close()
+    summary = experiment_runner(engine)(SPEC, "round-robin", 0, on_done=None, clock=clock)
+    assert summary.metrics.requests == 0
+
+
+def test_a_run_after_a_capped_variant_restores_the_loaded_cap(engine):
+    runner = EngineRunner(engine, sweep_backend="a", budget="raw", online=False, timeout=60.0)
+    try:
+        wl = workload(engine)
+        runner.run(wl, Variant(label="a@cap=1", policy="only:a", cap=1))
+        assert engine.backends["a"].cap == 1
+        runner.run(wl, Variant(label="a", policy="only:a"))
+        assert engine.backends["a"].cap == 2
+    finally:
+        runner.close()
+
+
+def test_every_request_of_a_single_backend_variant_runs_there(engine):
+    runner = EngineRunner(engine, sweep_backend=None, budget="raw", online=False, timeout=60.0)
+    try:
+        got = runner.run(workload(engine), Variant(label="only b", policy="only:b"))
+    finally:
+        runner.close()
+    assert {r.backend for r in got.records} == {"b"}
