@@ -67,6 +67,25 @@ _initialized = False
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR, 5: logging.DEBUG}
 
 
+_SAMPLER_CALLBACK_TYPES = {
+    "apply": "llama_sampler_i_apply", "reset": "llama_sampler_i_reset", "free": "llama_sampler_i_free",
+    "backend_init": "llama_sampler_i_backend_init", "backend_apply": "llama_sampler_i_backend_apply",
+    "backend_reset": "llama_sampler_i_backend_reset",
+}
+
+
+def sampler_interface(name: bytes, **callbacks):
+    """A `llama_sampler_i` for a sampler written here (`fused_greedy`, `fused_dist`): its name
+    and the given callbacks (`apply`, `reset`, `free`, `backend_init`, `backend_apply`,
+    `backend_reset`) wrapped in their ctypes types. Returns (interface, what must stay alive
+    as long as it is used: the name buffer and the wrapped callbacks)."""
+    label = ctypes.create_string_buffer(name)
+    name_fn = ctypes.CFUNCTYPE(ctypes.c_void_p, lc.llama_sampler_p_ctypes)(lambda _smpl: ctypes.addressof(label))
+    wrapped = {k: getattr(lc, _SAMPLER_CALLBACK_TYPES[k])(f) for k, f in callbacks.items()}
+    iface = lc.llama_sampler_i(name=ctypes.cast(name_fn, lc.llama_sampler_i_name), **wrapped)
+    return iface, (label, name_fn, wrapped)
+
+
 @lc.llama_log_callback
 def _log_callback(level, text, _user_data):
     # Called from llama.cpp threads; keep it cheap. Only warnings and errors are forwarded

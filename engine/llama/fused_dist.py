@@ -64,7 +64,7 @@ import threading
 
 import numpy as np
 
-from . import _abi, holding_gil, lc
+from . import _abi, holding_gil, lc, sampler_interface
 
 log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
@@ -142,6 +142,20 @@ _BAN = -1e30  # ignore_eos: added to end-of-generation logits
 # field away from its default (a repetition penalty, and whatever the chain learns later: a
 # grammar, logit biases, log-probabilities) keeps llama.cpp's samplers.
 _COVERED = {"temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos", "repeat_last_n"}
+
+
+def add_temperature_chain(add, params, n_vocab: int) -> None:
+    """llama.cpp's own samplers for a temperature request, in our chain's order (top-k → top-p →
+    min-p → temperature → seeded draw): the host path here, and the per-sequence chain
+    (engine/llama/sampling.py) that this module's fused computation stands for."""
+    if params.top_k > 0:
+        add(lc.llama_sampler_init_top_k(min(params.top_k, n_vocab)))
+    if params.top_p < 1.0:
+        add(lc.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p > 0.0:
+        add(lc.llama_sampler_init_min_p(params.min_p, 1))
+    add(lc.llama_sampler_init_temp(params.temperature))
+    add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else lc.LLAMA_DEFAULT_SEED))
 
 
 def supports(params) -> bool:
@@ -425,14 +439,7 @@ class FusedDist:
             self._bias = (lc.llama_logit_bias * len(eog_tokens))(
                 *[lc.llama_logit_bias(t, float("-inf")) for t in eog_tokens])
             add(lc.llama_sampler_init_logit_bias(n_vocab, len(eog_tokens), self._bias))
-        if params.top_k > 0:
-            add(lc.llama_sampler_init_top_k(min(params.top_k, n_vocab)))
-        if params.top_p < 1.0:
-            add(lc.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            add(lc.llama_sampler_init_min_p(params.min_p, 1))
-        add(lc.llama_sampler_init_temp(params.temperature))
-        add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else lc.LLAMA_DEFAULT_SEED))
+        add_temperature_chain(add, params, n_vocab)
         self.id = next(_ids)
         _chains[self.id] = self
         self.ptr = lc.llama_sampler_init(ctypes.byref(_IFACE), ctypes.c_void_p(self.id))
@@ -592,26 +599,9 @@ def _free(smpl) -> None:
     chain._host = None
 
 
-_NAME = ctypes.create_string_buffer(b"fused-dist")
-_name_t = ctypes.CFUNCTYPE(ctypes.c_void_p, lc.llama_sampler_p_ctypes)
-_callbacks = (
-    _name_t(lambda _smpl: ctypes.addressof(_NAME)),
-    lc.llama_sampler_i_apply(_apply),
-    lc.llama_sampler_i_reset(_reset),
-    lc.llama_sampler_i_free(_free),
-    lc.llama_sampler_i_backend_init(_backend_init),
-    lc.llama_sampler_i_backend_apply(_backend_apply),
-    lc.llama_sampler_i_backend_reset(_backend_reset),
-)
-_IFACE = lc.llama_sampler_i(
-    name=ctypes.cast(_callbacks[0], lc.llama_sampler_i_name),
-    apply=_callbacks[1],
-    reset=_callbacks[2],
-    free=_callbacks[3],
-    backend_init=_callbacks[4],
-    backend_apply=_callbacks[5],
-    backend_reset=_callbacks[6],
-)
+_IFACE, _KEEP = sampler_interface(b"fused-dist", apply=_apply, reset=_reset, free=_free,
+                                  backend_init=_backend_init, backend_apply=_backend_apply,
+                                  backend_reset=_backend_reset)
 
 
 def fused_dist(params, n_vocab: int, eog_tokens: list[int]) -> FusedDist:

@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from . import _abi, holding_gil, lc
+from . import _abi, holding_gil, lc, sampler_interface
 
 _GGML_TYPE_F32 = 0
 
@@ -91,22 +91,8 @@ def _apply(_smpl, cur_p) -> None:
     arr.selected = int(np.argmax(data[1::3]))  # llama_token_data: id, logit, p
 
 
-_NAME = ctypes.create_string_buffer(b"fused-greedy")
-_name_t = ctypes.CFUNCTYPE(ctypes.c_void_p, lc.llama_sampler_p_ctypes)
-_callbacks = (
-    _name_t(lambda _smpl: ctypes.addressof(_NAME)),
-    lc.llama_sampler_i_apply(_apply),
-    lc.llama_sampler_i_backend_init(_backend_init),
-    lc.llama_sampler_i_backend_apply(_backend_apply),
-    lc.llama_sampler_i_backend_reset(_backend_reset),
-)
-_IFACE = lc.llama_sampler_i(
-    name=ctypes.cast(_callbacks[0], lc.llama_sampler_i_name),
-    apply=_callbacks[1],
-    backend_init=_callbacks[2],
-    backend_apply=_callbacks[3],
-    backend_reset=_callbacks[4],
-)
+_IFACE, _KEEP = sampler_interface(b"fused-greedy", apply=_apply, backend_init=_backend_init,
+                                  backend_apply=_backend_apply, backend_reset=_backend_reset)
 
 
 def fused_greedy():

@@ -133,14 +133,7 @@ class Sampler:
         elif self.dist is not None:
             add(self.dist.ptr)
         else:
-            if params.top_k > 0:
-                add(lc.llama_sampler_init_top_k(min(params.top_k, n_vocab)))
-            if params.top_p < 1.0:
-                add(lc.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0.0:
-                add(lc.llama_sampler_init_min_p(params.min_p, 1))
-            add(lc.llama_sampler_init_temp(params.temperature))
-            add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else lc.LLAMA_DEFAULT_SEED))
+            fused_dist.add_temperature_chain(add, params, n_vocab)
         self.ptr = chain
 
     def attach(self, ctx, seq_id: int) -> bool:
