@@ -41,16 +41,15 @@ UNENDING_GRAMMAR = "root ::= [^\\x00] root"
 
 
 def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, record: bool = True,
-                  sampling: SamplingParams | None = None, extra: dict | None = None, constrained: int = 0) -> float:
+                  sampling: SamplingParams | None = None, constrained: int = 0) -> float:
     """Decode tok/s of `batch` requests of `prompt` run together for `n_gen` tokens each
-    (`ignore_eos`), greedy unless `sampling` says otherwise; `extra` adds sampling fields
-    (`logprobs`, `logit_bias`, ...: `tandem bench overhead --sampling`); the first
-    `constrained` of them run under `UNENDING_GRAMMAR` (host sampling: the per-sequence fallback)."""
+    (`ignore_eos`), greedy unless `sampling` says otherwise; the first `constrained` of them
+    run under `UNENDING_GRAMMAR` (host sampling: the per-sequence fallback)."""
     backend.set_cap(batch)  # B at a time, and no more idle sampler chains than that
     backend.flush().result(60)
     backend.warm(prompt[:-1]).result(120)
     d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused
-    sp = replace(sampling or SamplingParams(temperature=0.0), max_tokens=n_gen, ignore_eos=True, **(extra or {}))
+    sp = replace(sampling or SamplingParams(temperature=0.0), max_tokens=n_gen, ignore_eos=True)
     cp = SamplingParams(temperature=0.0, max_tokens=n_gen, grammar=UNENDING_GRAMMAR)
     handles = [backend.enqueue(Request(tuple(prompt), cp if i < constrained else sp, source="bench"))
                for i in range(batch)]

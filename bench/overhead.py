@@ -43,10 +43,10 @@ from .common import GRAPH_REUSE, HOST_SHARE, HOST_US, ctx_for, engine_decode, fi
 
 # `--sampling` modes: the sampling fields each adds to the plain greedy request.
 SAMPLING_MODES = {
-    "plain": {},
-    "logprobs": {"logprobs": 5},  # host chain; the row's logits read and log-softmaxed
-    "logit_bias": {"logit_bias": ((1, -5.0), (2, 5.0))},  # per-sequence bias + greedy on the device
-    "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5},  # llama.cpp penalties: host
+    "plain": SamplingParams(temperature=0.0),
+    "logprobs": SamplingParams(temperature=0.0, logprobs=5),  # host chain; the row's logits log-softmaxed
+    "logit_bias": SamplingParams(temperature=0.0, logit_bias=((1, -5.0), (2, 5.0))),  # per-sequence, on the device
+    "penalties": SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.5),  # llama.cpp's: host
 }
 
 
@@ -104,19 +104,23 @@ def add_arguments(p) -> None:
                         "with the prompt copied (llama-batched-bench then runs without -kvu)")
 
 
+def _names(listed: str, known: dict, flag: str) -> list[str]:
+    """The comma-separated names of `listed`, each one of `known` (ValueError naming the rest)."""
+    names = [n for n in listed.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown {flag} value(s) {', '.join(unknown)}: use {', '.join(known)}")
+    return names
+
+
 def run_overhead(args) -> int:
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    modes = [m for m in args.sampling.split(",") if m and m != "plain"]
-    unknown = [m for m in modes if m not in SAMPLING_MODES]
-    if unknown:
-        print(f"tandem: unknown sampling mode(s) {', '.join(unknown)}: use {', '.join(SAMPLING_MODES)}",
-              file=sys.stderr)
-        return 2
-    variants = [v for v in args.sampled_variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        print(f"unknown --sampled-variants {','.join(unknown)}; choose among {','.join(VARIANTS)}", file=sys.stderr)
+    try:
+        modes = [m for m in _names(args.sampling, SAMPLING_MODES, "--sampling") if m != "plain"]
+        variants = _names(args.sampled_variants, VARIANTS, "--sampled-variants")
+    except ValueError as e:
+        print(f"tandem: {e}", file=sys.stderr)
         return 2
     threads = args.threads or None
     model = Model(path, args.device)
@@ -175,7 +179,7 @@ def run_overhead(args) -> int:
                         if rnd:
                             results[f"{key}_b{b}"].append(v)
                 for m in modes:
-                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, extra=SAMPLING_MODES[m])
+                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=SAMPLING_MODES[m])
                     if rnd:
                         results[f"{m}_b{b}"].append(v)
                 for name in variants:

@@ -175,9 +175,9 @@ class ContextRunner:
                 if tok == DEAD_END:
                     self.dead_ends.append(s)
                     tok = None
-                elif smp.host and smp.logprobs is not None:
+                elif s.sp.logprobs is not None:  # its chain is a host one (`Sampler.host`)
                     lps = lps or {}
-                    lps[row] = self.token_logprob(row, tok, smp.logprobs)
+                    lps[row] = self.token_logprob(row, tok, s.sp.logprobs)
             if smp.guards_eog and tok is not None and is_eog(tok):
                 self._redo(s)
                 tok = None
@@ -192,9 +192,9 @@ class ContextRunner:
                     self.dead_ends.append(s)
                     tok = None
                 else:
-                    if smp.host and smp.logprobs is not None:
+                    if s.sp.logprobs is not None:
                         lps = lps or {}
-                        lps[len(sampled)] = self.token_logprob(s.row, tok, smp.logprobs)
+                        lps[len(sampled)] = self.token_logprob(s.row, tok, s.sp.logprobs)
                     if smp.guards_eog and is_eog(tok):
                         self._redo(s)
                         tok = None
@@ -205,10 +205,10 @@ class ContextRunner:
         """The logprob of each prompt token this chunk's rows predict (position p's row
         predicts p + 1), appended in order; a recompute after a preemption adds nothing."""
         row0 = s.row - k + 1
-        top = s.sampler.logprobs if s.sampler is not None else 0
+        top = s.sp.logprobs or 0
         for p in range(start, min(start + k, s.n_prompt - 1)):
             if p == len(s.prompt_logprobs):  # not yet recorded
-                s.prompt_logprobs.append(self.token_logprob(row0 + p - start, s.tokens[p + 1], top or 0))
+                s.prompt_logprobs.append(self.token_logprob(row0 + p - start, s.tokens[p + 1], top))
 
     def token_logprob(self, row: int, token: int, k: int) -> TokenLogprob:
         """`token`'s log-probability in output row `row` of the last decode, under the raw

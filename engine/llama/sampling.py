@@ -60,7 +60,7 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "host", "logprobs", "_stateless", "_bias",
+    __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "host", "_stateless", "_bias",
                  "_user_bias", "_ctx", "_seq", "_grammar", "_one", "_n_vocab", "_cur")
 
     @staticmethod
@@ -109,7 +109,6 @@ class Sampler:
         self._stateless = fused and penalty is None  # nothing in it keeps history
         # never attached: the runner reads its logits (logprobs), or the grammar has no device form
         self.host = params.logprobs is not None or grammar is not None
-        self.logprobs = params.logprobs  # alternatives per token, or None
         self._bias = self._user_bias = None
         self._ctx = None
         self._seq = -1
@@ -310,7 +309,6 @@ class SamplerSlots:
         old = self._slots.get(seq_id)
         if old is not None and old.key == Sampler.key_of(params) and (old.dist is not None) == dist:
             old.reset()
-            old.logprobs = params.logprobs  # the key says "logprobs or not"; how many is this request's
             chain = old
         else:
             chain = self._replace(ctx, seq_id, self._chain(params, dist))
