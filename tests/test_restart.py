@@ -26,15 +26,10 @@ SPECS = ["cpu:threads=1,cap=1,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]
 @pytest.fixture
 def served():
     lt = LoopThread()
-    eng = Engine.load(MODEL, parse_backend_specs(SPECS))
-    runner = None
     try:
-        runner, base = lt.serve(create_app(eng))
-        yield eng, base
+        with Engine.load(MODEL, parse_backend_specs(SPECS)) as eng, lt.serving(create_app(eng)) as base:
+            yield eng, base
     finally:
-        if runner is not None:
-            lt.run(runner.cleanup())
-        eng.close()
         lt.close()
 
 

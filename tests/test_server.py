@@ -8,6 +8,7 @@ driven with the official `openai` client, raw HTTP (httpx) and schemathesis. One
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -52,6 +53,15 @@ class LoopThread:
 
     def serve(self, app: web.Application) -> tuple[web.AppRunner, str]:
         return self.run(start_server(app, "127.0.0.1", 0))
+
+    @contextlib.contextmanager
+    def serving(self, app: web.Application):
+        """`app` served on this loop while the block runs; yields its base URL."""
+        runner, base = self.serve(app)
+        try:
+            yield base
+        finally:
+            self.run(runner.cleanup())
 
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -389,15 +399,9 @@ def test_api_key_is_required_on_v1_only(keyed_url):
 @pytest.fixture
 def one_slot(loop_thread):
     """A served engine whose one backend runs one request and queues one more: (engine, base URL)."""
-    eng = Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=1,max_queue=1,ctx=512"]))
-    runner = None
-    try:
-        runner, base = loop_thread.serve(create_app(eng))
+    with Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=1,max_queue=1,ctx=512"])) as eng, \
+            loop_thread.serving(create_app(eng)) as base:
         yield eng, base
-    finally:
-        if runner is not None:
-            loop_thread.run(runner.cleanup())
-        eng.close()
 
 
 def test_a_full_queue_is_429_with_retry_after(one_slot):
@@ -629,20 +633,13 @@ def _bound_generation(body) -> None:
 
 
 def test_a_long_request_after_a_long_cached_reply_finishes(loop_thread):
-    eng = Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=4,ctx=512"]))
-    runner = None
-    try:
-        runner, base = loop_thread.serve(create_app(eng))
+    with Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=4,ctx=512"])) as eng, \
+            loop_thread.serving(create_app(eng)) as base, httpx.Client(base_url=base, timeout=3) as http:
         body = {"messages": HELLO, "max_tokens": 100_000, "temperature": 0}
-        with httpx.Client(base_url=base, timeout=3) as http:
-            first = http.post("/v1/chat/completions", json=body)
-            assert first.json()["choices"][0]["finish_reason"] == "length"  # ran to the context's end
-            second = http.post("/v1/chat/completions", json=body)  # the same again
-            assert second.status_code == 200
-    finally:
-        if runner is not None:
-            loop_thread.run(runner.cleanup())
-        eng.close()
+        first = http.post("/v1/chat/completions", json=body)
+        assert first.json()["choices"][0]["finish_reason"] == "length"  # ran to the context's end
+        second = http.post("/v1/chat/completions", json=body)  # the same again
+        assert second.status_code == 200
 
 
 # ---- `tandem serve` ----
