@@ -230,12 +230,8 @@ class Backend:
         self.bus = bus or EventBus()
         self.rates = rates or Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="default")
         self._kind = "cpu" if model.device == "cpu" else "gpu"
-        self._cap = self.config.cap  # the user's cap: the limiter's ceiling
         self._adaptive = self.config.adaptive
-        self._auto = config.auto_cap
-        self._start = min(AUTO_START[self._kind], self._cap) if self._auto else self._cap
-        if not 1 <= self._cap <= self.config.n_seq_max:
-            raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {self._cap}")
+        self._set_limits(self.config.cap, config.auto_cap)
         self.healthy = True
         self.error: str | None = None  # why the backend is unhealthy
         self.on_unhealthy = None  # callable(backend, [(request, handle, t_submit)]), set by the engine
@@ -477,17 +473,21 @@ class Backend:
         `auto` (the device's ceiling, starting low). `adaptive` switches adaptation on or off
         (None: as it is)."""
         auto = cap is None
-        if cap is None:
+        if auto:
             cap = min(AUTO_CAP[self._kind], self.config.n_seq_max)
+        self._set_limits(cap, auto)
+        self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
+        with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
+            self._sched.set_cap(self._cap, self._adaptive, self._start)
+        self._inbox.put(SetCap(self._cap))  # wakes the worker: queued requests may fit now
+
+    def _set_limits(self, cap: int, auto: bool) -> None:
+        """The user's cap (the limiter's ceiling) and where the live limit starts: low for an
+        `auto` cap, at the cap otherwise."""
         if not 1 <= cap <= self.config.n_seq_max:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {cap}", param="cap")
-        self._cap = cap
-        self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
-        self._auto = auto
+        self._cap, self._auto = cap, auto
         self._start = min(AUTO_START[self._kind], cap) if auto else cap
-        with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
-            self._sched.set_cap(cap, self._adaptive, self._start)
-        self._inbox.put(SetCap(cap))  # wakes the worker: queued requests may fit now
 
     def set_rates(self, rates: Rates) -> None:
         self.rates = rates

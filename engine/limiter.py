@@ -126,17 +126,22 @@ class ConcurrencyLimiter:
             w.seconds += seconds
             w.batch_sum += n_decode
             w.decode_steps += 1
-        # A window needs a few decode-only steps to say anything about the decode rate.
-        if w.steps >= self.window and (w.decode_steps >= 4 or w.steps >= 4 * self.window):
+        if self._window_done():
             return True
         return w.streak >= self.patience and self._may_grow()
+
+    def _window_done(self) -> bool:
+        """The window has its steps; it needs a few decode-only ones to say anything about the
+        decode rate (or has waited four windows' worth for them)."""
+        w = self._win
+        return w.steps >= self.window and (w.decode_steps >= 4 or w.steps >= 4 * self.window)
 
     def decide(self, kv_free: int, cells_per_seq: int) -> bool:
         """Maybe move the limit. `kv_free`: cells free or held only by idle cached prefixes;
         `cells_per_seq`: the average running sequence's private cells (plus the admission
         headroom). True if the limit moved."""
         w = self._win
-        if w.steps >= self.window and (w.decode_steps >= 4 or w.steps >= 4 * self.window):
+        if self._window_done():
             self._win = _Window(streak=w.streak)
             if self._judge(w):
                 return True
