@@ -118,10 +118,7 @@ def markdown(summary: dict) -> str:
     for t in summary.get("targets") or []:
         lines.append(f"- peer {t['label']}: {t['url']} ({t['api']})")
     lines.append("")
-    by_workload: dict[str, list[dict]] = {}
-    for row in summary["results"]:
-        by_workload.setdefault(row["workload"], []).append(row)
-    for workload, rows in by_workload.items():
+    for workload, rows in _by_workload(summary["results"]).items():
         lines += [f"## {workload}", "",
                   "| policy | N | makespan s | output tok/s | TTFT p50 s | TTFT p95 s | E2E p50 s | E2E p95 s "
                   "| computed prompt tok | routed | failed |",
@@ -152,6 +149,14 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _by_workload(results: list[dict]) -> dict[str, list[dict]]:
+    """Result rows grouped by their workload, in first-seen order."""
+    groups: dict[str, list[dict]] = {}
+    for row in results:
+        groups.setdefault(row["workload"], []).append(row)
+    return groups
+
+
 def fleet_markdown(summary: dict) -> str:
     """`bench fleet`'s results: per workload, one row per variant (fastest first), per-engine
     requests and computed prompt tokens, then the ratios the router work is judged by."""
@@ -162,10 +167,7 @@ def fleet_markdown(summary: dict) -> str:
         env = " ".join(f"{k}={v}" for k, v in (e.get("env") or {}).items())
         lines.append(f"- engine {e['name']}: `{(env + ' ') if env else ''}{e['cmd']}`")
     lines.append("")
-    by_workload: dict[str, list[dict]] = {}
-    for row in summary["results"]:
-        by_workload.setdefault(row["workload"], []).append(row)
-    for workload, rows in by_workload.items():
+    for workload, rows in _by_workload(summary["results"]).items():
         lines += [f"## {workload}, N={rows[0]['requests']}", "",
                   "| variant | makespan s | output tok/s | TTFT p50 s | TTFT p95 s | E2E p50 s | failed "
                   "| requests per engine | prompt tokens computed per engine |",
