@@ -365,10 +365,10 @@ def _load_engine(args, specs, caps, kv, overrides):
                 c = replace(c, n_ctx=kv * per_seq)
             elif max_cap and c.name not in explicit_ctx:
                 need = max_cap * per_seq
-                if need > c.n_ctx:
+                if need > c.resolved().n_ctx:
                     c = replace(c, n_ctx=need)
                     notes.append(f"{sweep}'s context raised to {need} cells so cap {max_cap} is not memory-bound "
-                                 f"(the model's training context still caps it)")
+                                 f"(each sequence's positions stay within the model's training context)")
         new.append(c)
     unknown = set(overrides) - {c.name for c in new}
     if unknown:

@@ -41,7 +41,7 @@ from .limiter import ConcurrencyLimiter
 from .llama.model import Model
 from .prefix_cache import PrefixCache
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
-from .llama.runner import ContextRunner, process_rss
+from .llama.runner import ContextRunner, kv_cells_that_fit, process_rss
 from .scheduler import Finished, Scheduler, SeqState
 from .snapshot import BackendSnapshot, CacheStats, Rates
 
@@ -53,6 +53,12 @@ log = logging.getLogger(__name__)
 # on a CPU it flattens sooner and each sequence's tokens come slower with every one added.
 AUTO_CAP = {"gpu": 48, "cpu": 16}
 AUTO_START = {"gpu": 8, "cpu": 4}
+# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: room
+# for 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B),
+# or what AUTO_CTX_MEMORY_SHARE of the device's free memory holds, if less (never under the
+# CPU's). A unified pool may exceed the model's training context (engine/llama/runner.py).
+AUTO_CTX = {"gpu": 65536, "cpu": 4096}
+AUTO_CTX_MEMORY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class BackendConfig:
     device: str = "cpu"
     cap: int = 0
     adaptive: bool = True
-    n_ctx: int = 4096
+    n_ctx: int = 0  # cells, all sequences together; 0: automatic (engine/llama/runner.py: auto_n_ctx)
     n_batch: int = 512
     n_ubatch: int = 512
     threads: int = 0  # 0: all cores
@@ -117,7 +123,7 @@ class BackendConfig:
         cap = self.cap or min(AUTO_CAP[kind] if self.adaptive else 4, self.n_seq_max or 256)
         # Fewer slots make each step cheaper (measured: GPU b32 +5 % at 33 slots vs 72).
         n_seq_max = self.n_seq_max or min(256, max(32, cap + 8))
-        n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else self.n_ctx
+        n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else (self.n_ctx or AUTO_CTX[kind])
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
                        cap=cap, n_ctx=n_ctx)
 
@@ -224,6 +230,10 @@ class Backend:
     def __init__(self, config: BackendConfig, model: Model, bus: EventBus | None = None,
                  rates: Rates | None = None):
         self.config = config.resolved(model.device)
+        if not config.n_ctx and not config.seq_ctx and model.device != "cpu":
+            fits = kv_cells_that_fit(model, AUTO_CTX_MEMORY_SHARE)
+            if fits:
+                self.config = replace(self.config, n_ctx=max(AUTO_CTX["cpu"], min(self.config.n_ctx, fits)))
         self.name = self.config.name
         self.model = model
         self.device = model.device

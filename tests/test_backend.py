@@ -135,6 +135,23 @@ def test_the_backend_keeps_serving_after_refusing_an_overlong_prompt(make_backen
     assert b.healthy
 
 
+def test_a_unified_pool_may_exceed_the_training_context(make_backend, tiny_model):
+    # synthetic:tiny trained at 4,096 positions; the pool is shared by every sequence.
+    b = make_backend(tiny_model, n_ctx=3 * tiny_model.n_ctx_train)
+    assert b.n_ctx == 3 * tiny_model.n_ctx_train
+    assert b.enqueue(_req(tiny_model, "still here")).result(WAIT).status.finished
+
+
+def test_one_sequence_stays_within_the_training_context(make_backend, tiny_model):
+    b = make_backend(tiny_model, n_ctx=3 * tiny_model.n_ctx_train)
+    with pytest.raises(ContextLengthExceeded, match=str(tiny_model.n_ctx_train)):
+        b.enqueue(Request(tuple([65] * (tiny_model.n_ctx_train + 10)), GREEDY))
+
+
+def test_a_cpu_backend_without_a_ctx_gets_4096_cells(make_backend, tiny_model):
+    assert make_backend(tiny_model, n_ctx=0).n_ctx == 4096
+
+
 def test_seeded_sampling_repeats_itself(make_backend, default_model):
     b = make_backend(default_model, cap=2)
     sp = SamplingParams(temperature=0.9, seed=1234, max_tokens=20)

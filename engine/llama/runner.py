@@ -68,8 +68,13 @@ class ContextRunner:
         c = config
         self.model = model
         p = lc.llama_context_default_params()
-        train = model.n_ctx_train * (1 if c.kv_unified else c.n_seq_max)  # per sequence
-        p.n_ctx = min(c.n_ctx, train) if train > 0 else c.n_ctx
+        train = model.n_ctx_train
+        # Unified KV: every sequence draws its cells from one pool, so the pool may exceed the
+        # training context (only a sequence's own positions may not: n_ctx_seq below). With
+        # 16 tenants of 1,550-token prefixes beside 32 running requests, a pool clamped to the
+        # 32k training context evicted and recomputed prefixes (89,503 prompt tokens computed
+        # for 34,800 needed, docs/results/gpu/round3/kv-tenants). Split KV: a stream each.
+        p.n_ctx = c.n_ctx if c.kv_unified or train <= 0 else min(c.n_ctx, train * c.n_seq_max)
         p.n_batch = c.n_batch
         p.n_ubatch = min(c.n_ubatch, c.n_batch)
         p.n_seq_max = c.n_seq_max
@@ -87,6 +92,8 @@ class ContextRunner:
         self.n_ctx = lc.llama_n_ctx(self.ctx)  # cells, all sequences together
         # The most one sequence may hold: all cells (unified KV) or its own stream's (split).
         self.n_ctx_seq = lc.llama_n_ctx_seq(self.ctx)
+        if train > 0:
+            self.n_ctx_seq = min(self.n_ctx_seq, train)
         self._mem = lc.llama_get_memory(self.ctx)
         self._batch = Batch(max(c.n_batch, c.n_seq_max))
         self.samplers = SamplerSlots(model.n_vocab, model.eog_tokens, c.backend_sampling,
@@ -249,6 +256,13 @@ class ContextRunner:
             lc.llama_free(self.ctx)
             self.ctx = None
             self.samplers.close()
+
+
+def kv_cells_that_fit(model: Model, share: float) -> int:
+    """KV cells (multiple of 256) in `share` of the free memory of the model's devices; 0 where
+    they do not say (the CPU: RSS is the limit there, not a device's memory)."""
+    free, _ = model.memory.read()
+    return int(free * share) // kv_bytes_per_cell(model) // 256 * 256 if free else 0
 
 
 def kv_bytes_per_cell(model: Model) -> int:

@@ -242,6 +242,33 @@ kvlayout() {  # many tenants and the context size, per KV layout (~6 min)
     only:s4k/only:s2k only:s2k/only:u12k | tee "$OUT/kv-ctx.txt"
 }
 
+tenants() {  # many tenants with the GPU's default context (65,536 cells), by sequence slots and idle budget (~4 min)
+  # base: the defaults (cap 32 -> 40 sequence slots: running + cached prefixes, idle budget n_ctx / B);
+  # slots: 104 slots, so 32 tenants' prefixes keep an id each beside 32 running; slots-keep: and
+  # no idle budget; c32k: the pool clamped to the training context, as before (round3/kv-tenants).
+  _stamp "tenants 4/16/32: slots and idle budget, N=200, cap 32, Poisson 30/s"
+  python3 -X faulthandler -m app bench grid --model "$M" \
+    --backend gpu:name=base,cap=32,threads=8 \
+    --backend gpu:name=slots,cap=32,n_seq_max=104,threads=8 \
+    --backend gpu:name=slots-keep,cap=32,n_seq_max=104,idle_cache_cells=1048576,threads=8 \
+    --backend gpu:name=c32k,cap=32,ctx=32768,threads=8 \
+    --requests 200 --runs "${RUNS:-1}" --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 \
+    --arrivals poisson --rate 30 --caps none --policies only:base,only:slots,only:slots-keep,only:c32k --no-plots \
+    --out "$OUT/tenants" 2>&1 | grep -v "it/s\]" | tail -4
+  python3 scripts/gpu/ratios.py tenants "$OUT/tenants" | tee "$OUT/tenants.txt"
+  python3 scripts/gpu/ratios.py pairs "$OUT/tenants" only:slots/only:base only:slots-keep/only:base \
+    only:base/only:c32k | tee -a "$OUT/tenants.txt"
+}
+
+slots() {  # what sequence slots cost a decode step: 40 (cap 32's default) vs 104, B = 1-64
+  _decode overhead_gpu_slots40.txt 2 1,16,32 --n-seq-max 40
+  _decode overhead_gpu_slots104.txt 2 1,16,32 --n-seq-max 104
+}
+
+decode_wide() {  # greedy decode vs llama-batched-bench at B = 1-128 alone (the must-show's batch sizes)
+  _decode overhead_gpu_wide.txt "${REPEATS:-3}" 1,4,16,32,64,128
+}
+
 simulate() {  # the grid and the boundary on today's engine, each predicted by `tandem simulate --replay`
   grid
   boundary
