@@ -360,7 +360,7 @@ def _load_engine(args, specs, caps, kv, overrides):
             max_cap = max(max_cap, c.resolved().cap)
         if c.name == sweep and (max_cap or kv):
             if max_cap and "n_seq_max=" not in s:
-                c = replace(c, n_seq_max=max(c.resolved().n_seq_max, min(256, max_cap + 8)))
+                c = replace(c, n_seq_max=max(c.resolved().n_seq_max, replace(c, cap=max_cap).resolved().n_seq_max))
             if kv:
                 c = replace(c, n_ctx=kv * per_seq)
             elif max_cap and c.name not in explicit_ctx:
