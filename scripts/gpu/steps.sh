@@ -269,6 +269,11 @@ decode_wide() {  # greedy decode vs llama-batched-bench at B = 1-128 alone (the 
   _decode overhead_gpu_wide.txt "${REPEATS:-3}" 1,4,16,32,64,128
 }
 
+decode_long() {  # saturated decode at the long-prompt workload's context (1,516-token prompts, 256 generated)
+  # vs llama-batched-bench at the same batch sizes and lengths (must-show: >= 0.85x)
+  _decode overhead_gpu_long.txt 2 16,32,64 --prompt-tokens 1516 --gen-tokens 256
+}
+
 simulate() {  # the grid and the boundary on today's engine, each predicted by `tandem simulate --replay`
   grid
   boundary
