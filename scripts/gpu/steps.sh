@@ -260,6 +260,20 @@ tenants() {  # many tenants with the GPU's default context (65,536 cells), by se
     only:base/only:c32k | tee -a "$OUT/tenants.txt"
 }
 
+tenant_groups() {  # one context at cap 32 vs two on the same GPU at cap 16 each, tenants kept whole by
+                  # cache-aware routing (each context attends only over its own tenants' cells); ~4 min
+  for layout in "one gpu:name=one,cap=32,threads=8 only:one" \
+                "two gpu:name=ga,cap=16,threads=8;gpu:name=gb,cap=16,threads=8 cache-aware"; do
+    set -- $layout
+    _stamp "tenant groups: $1 (tenants 4/16/32, N=200, Poisson 30/s)"
+    IFS=';' read -ra specs <<< "$2"; args=(); for b in "${specs[@]}"; do args+=(--backend "$b"); done
+    python3 -X faulthandler -m app bench grid --model "$M" "${args[@]}" --requests 200 --runs "${RUNS:-1}" \
+      --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 --arrivals poisson --rate 30 \
+      --caps none --policies "$3" --no-plots --out "$OUT/groups-$1" 2>&1 | grep -v "it/s\]" | tail -2
+    python3 scripts/gpu/ratios.py tenants "$OUT/groups-$1" | tee -a "$OUT/groups.txt"
+  done
+}
+
 slots() {  # what sequence slots cost a decode step: 40 (cap 32's default) vs 104, B = 1-64
   _decode overhead_gpu_slots40.txt 2 1,16,32 --n-seq-max 40
   _decode overhead_gpu_slots104.txt 2 1,16,32 --n-seq-max 104
