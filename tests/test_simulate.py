@@ -293,7 +293,7 @@ def test_a_profile_without_the_context_term_steps_at_its_table_at_any_context():
     assert [cpu.step_seconds(2, 0, 0, cells) for cells in (10, 5000)] == [0.07, 0.07]
 
 
-def test_this_machine_takes_the_context_term_and_host_cost_from_the_store(tmp_path):
+def test_this_machine_steps_as_its_stored_calibration_measured(tmp_path):
     from bench.simulate import this_machine
     from engine.calibrate import RateStore
     from engine.simulate import _rates_dict
@@ -325,7 +325,7 @@ def test_a_short_context_decodes_faster_than_the_calibrated_one():
     assert with_term.makespan_s < 0.95 * without.makespan_s
 
 
-def test_replay_reports_each_recorded_run_and_the_rows_spread():
+def test_replay_report_has_the_per_row_fields():
     """docs/results/simulate/cpu-grid2: 6 rows, 2 runs each."""
     from bench.simulate import replay, replay_markdown
 
