@@ -144,8 +144,10 @@ def _list(store: RateStore) -> int:
         r = e.get("rates", {})
         print(f"- {e.get('model', '?')} [{e.get('fingerprint')}] {e.get('config')}: prefill "
               f"{r.get('prefill_tok_s', 0):,.0f} tok/s, decode {r.get('decode_tok_s', 0):,.1f} tok/s, "
-              f"step {r.get('step_alpha_s', 0) * 1e3:.2f} + {r.get('step_beta_s', 0) * 1e3:.2f}·b ms "
-              f"({e.get('measured_at', '?')})")
+              f"step {r.get('step_alpha_s', 0) * 1e3:.2f} + {r.get('step_beta_s', 0) * 1e3:.2f}·b ms"
+              + (f", context term {r['step_gamma_s'] * 1e6:.2f} µs per row per cell" if r.get("step_gamma_s") else "")
+              + (f", host {e['admit_s'] * 1e3:.1f} ms per request" if e.get("admit_s") else "")
+              + f" ({e.get('measured_at', '?')})")
     return 0
 
 

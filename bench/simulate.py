@@ -89,7 +89,7 @@ def add_profile_arguments(p) -> None:
     p.add_argument("--set", action="append", default=[], metavar="BACKEND.FIELD=VALUE",
                    help="edit the profile: cap, kv_cells, n_batch, busy_chunk, chunk_fixed_s, admit_s, "
                         "chunk_overhead_s, prefill_tok_s, decode_tok_s, "
-                        "step_alpha_s, step_beta_s (router and hardware), hardware.RATE / rates.RATE (one "
+                        "step_alpha_s, step_beta_s, step_gamma_s (router and hardware), hardware.RATE / rates.RATE (one "
                         "side), speed (hardware x); repeatable")
 
 
@@ -254,7 +254,8 @@ def replay_profile(engine: dict) -> Profile:
         r = dict(b["rates"])
         rates = Rates(float(r["prefill_tok_s"]), float(r["decode_tok_s"]), float(r.get("step_alpha_s", 0.0)),
                       float(r.get("step_beta_s", 0.0)), str(r.get("source", "recorded")),
-                      tuple(r.get("step_table") or ()))
+                      tuple(r.get("step_table") or ()), step_gamma_s=float(r.get("step_gamma_s", 0.0)),
+                      step_cells=tuple(float(c) for c in r.get("step_cells") or ()))
         out.append(BackendProfile(b["name"], b["device"], rates, cap=int(b["cap"]), kv_cells=int(b["n_ctx"]),
                                   n_batch=int(b.get("n_batch", 512))))
     return Profile("recorded", tuple(out), "the backends and rates the recorded run used")
@@ -386,8 +387,12 @@ def _why(row: dict) -> str:
     """The likely reason a prediction missed, from what the records show."""
     reasons = []
     if row["same_backend"] < SAME_BACKEND:
-        reasons.append(f"routing differs for {1 - row['same_backend']:.0%} of requests "
-                       f"(measured {_split(row['routed_measured'])}, predicted {_split(row['routed_predicted'])})")
+        if row["routed_measured"] == row["routed_predicted"]:
+            reasons.append(f"{1 - row['same_backend']:.0%} of requests on the other backend with the same split "
+                           f"({_split(row['routed_measured'])}): equal backends tie and swap requests")
+        else:
+            reasons.append(f"routing differs for {1 - row['same_backend']:.0%} of requests (measured "
+                           f"{_split(row['routed_measured'])}, predicted {_split(row['routed_predicted'])})")
     itl_m, itl_p = row["itl_measured_ms"], row["itl_predicted_ms"]
     if math.isfinite(itl_m) and math.isfinite(itl_p) and itl_p and abs(itl_m / itl_p - 1) > TOLERANCE:
         reasons.append(f"decode steps ran {itl_m / itl_p:.2f}x the calibrated time (mean ITL {itl_m:.2f} ms "
@@ -468,7 +473,10 @@ def run_replay(directory: Path, out: Path | None, hardware: Profile | None = Non
         raise InvalidRequest(f"--replay {directory}: no engine rows to predict")
     text = replay_markdown(directory, rows)
     if hardware is not None:
-        text += f"\n\nDevices simulated with profile {hardware.name}'s speeds; the router priced with the recorded rates."
+        text += (f"\n\nDevices simulated with profile {hardware.name}'s speeds ("
+                 + "; ".join(f"{b.name}: context term {b.hw.step_gamma_s * 1e6:.2f} µs per row per cell, "
+                             f"host {b.admit_s * 1e3:.1f} ms per request" for b in hardware.backends)
+                 + "); the router priced with the recorded rates.")
     print(text)
     print(f"replayed {len(rows)} rows in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if out is not None:

@@ -290,7 +290,7 @@ def profile_from_snapshots(name: str, snapshots: Sequence[BackendSnapshot], desc
 def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
     """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, the
     step costs `chunk_fixed_s`, `admit_s`, `chunk_overhead_s`, `prefill_ref_tokens`, or a
-    rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`) set on both the
+    rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`, `step_gamma_s`) set on both the
     router's rates and the hardware; `hardware.RATE=` or `rates.RATE=` set one side only;
     `speed=X` multiplies the hardware's speed (every rate x X, every step time and fixed cost / X)."""
     for text in settings:
@@ -317,7 +317,7 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
             b = _costs_scaled(replace(b, hardware=_faster(b.hw, number)), number)
         else:
             side, _, rate = attr.rpartition(".")
-            if rate not in ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s") or side not in (
+            if rate not in ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s", "step_gamma_s") or side not in (
                     "", "hardware", "rates"):
                 raise InvalidRequest(f"--set {text!r}: unknown field {attr!r}")
             if side in ("", "rates"):

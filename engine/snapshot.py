@@ -23,8 +23,9 @@ class Rates:
     cells, the highest used cell + 1, with a mask; ggml's CPU flash-attention kernel skips a
     masked cell before its dot product, so a row pays for the cells it sees, its own sequence,
     shared prefix included, and only a mask read for the rest.) `step_cells[b - 1]` is the
-    context the table's step at b was measured at. `step_gamma_s` 0: no context term measured
-    (calibrations before it), the table holds at any context.
+    context the table's step at b was measured at (none: the table is the step over no context).
+    `step_gamma_s` 0: no context term measured (calibrations before it), the table holds at any
+    context.
     """
 
     prefill_tok_s: float
@@ -75,14 +76,11 @@ class Rates:
         `batch` moved by the context term from the cells it was measured at (no context term:
         `step_s(batch)`)."""
         base = self.step_s(batch)
-        if not self.step_gamma_s or not self.step_cells:
+        if not self.step_gamma_s:
             return base
         b = max(batch, 1)
-        ref = self.step_cells
-        if b <= len(ref):
-            at = ref[b - 1]
-        else:  # the calibration's cells grow linearly with the batch
-            at = ref[-1] + (ref[-1] - ref[-2] if len(ref) > 1 else 0.0) * (b - len(ref))
+        ref = self.step_cells  # none (a typed profile): the table is the step over no context
+        at = (ref[b - 1] if b <= len(ref) else ref[-1]) if ref else 0.0
         return max(base + self.step_gamma_s * b * (cells - at), 0.0)
 
     def scaled(self, factor: float) -> tuple[float, float, tuple[float, ...]]:
