@@ -277,12 +277,12 @@ def test_a_step_beyond_the_table_keeps_the_context_term():
     assert rates.step_at(10, rates.step_cells[-1] + 100) - rates.step_s(10) == pytest.approx(10 * 100 * _GAMMA)
 
 
-def test_a_profile_without_the_context_term_steps_at_its_table_at_any_context():
+def test_a_profile_without_the_context_term_steps_at_its_table_at_any_context(tmp_path):
     """Calibrations stored before the context term (no `step_gamma_s`) load and keep today's model."""
     from bench.simulate import this_machine
     from engine.calibrate import RateStore
 
-    store = RateStore(Path(pytest.importorskip("tempfile").mkdtemp()) / "rates.json")
+    store = RateStore(tmp_path / "rates.json")
     store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 4, "prefill_tok_s": 95.0,
                                         "decode_tok_s": 38.0, "step_s": {"1": 0.032, "2": 0.07},
                                         "rates": {"prefill_tok_s": 95.0, "decode_tok_s": 38.0,
@@ -356,3 +356,8 @@ def test_replay_names_a_host_busier_than_its_cores(tmp_path):
     rows = replay(tmp_path, hardware=_ctx_profile(), min_runs=2)
     assert all("load average up to 5.5 on 2 CPUs" in r["why"] for r in rows if not r["ok"])
     assert all(r["host_load"] == {"load1_max": 5.5, "cpus": 2} for r in rows)
+
+
+def test_profile_with_a_context_term_survives_a_json_round_trip():
+    p = _ctx_profile(0.02)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
