@@ -56,7 +56,9 @@ def run_calibrate(args) -> int:
             print("(synthetic model: random weights; its timing is the real shape's)", file=sys.stderr)
         twins = _one_per_config(eng, names)
         measured = list(twins)
-        steps = {n: progress_steps(eng.backends[n].cap, batches, args.repeats, args.context_tokens) for n in measured}
+        steps = {n: progress_steps(eng.backends[n].cap, batches, args.repeats,
+                                   0 if eng.backends[n].device == "remote" else args.context_tokens)  # HTTP: no steps
+                 for n in measured}
         results = []
         with Progress(sum(steps.values()), "calibrating") as bar:
             offset = 0
