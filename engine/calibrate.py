@@ -409,10 +409,10 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         raise InvalidRequest(f"{backend.name}: no batch size fits the context; lower --gen-tokens or raise ctx")
 
     probe = _Probe(backend, seed, timeout)
-    short = min(context_tokens, prompt - 1) if context_tokens else 0
-    if context_tokens and short < 8:
+    short = context_tokens
+    if context_tokens and not 8 <= context_tokens <= prompt // 2:  # closer contexts cannot separate γ·b·c from β·b
         notes.append(f"context term not measured: the short context ({context_tokens}) must be >= 8 tokens "
-                     f"and below the prompt ({prompt})")
+                     f"and at most half the prompt ({prompt})")
         short = 0
     c_batches = context_batches(fits) if short else []
     tick = _ticker(progress, backend.name, 1 + repeats + len(fits) + (len(c_batches) + 1 if short else 0))
