@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, RateStore, calibrate_backend, config_key,
-                              default_batches, save_calibration)
+from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, RateStore, calibrate_backend,
+                              config_key, progress_steps, save_calibration)
 from engine.errors import InvalidRequest
 from engine.llama.model import file_fingerprint
 
@@ -28,6 +28,10 @@ def add_arguments(p) -> None:
                    help="tokens each decode-measuring request generates (default: %(default)s)")
     p.add_argument("--batches", default=None, metavar="B,B,...",
                    help="batch sizes to time (default: 1..16, then a few up to each backend's cap)")
+    p.add_argument("--context-tokens", type=int, default=CONTEXT_PROMPT,
+                   help="also time batch 1 and min(cap, 8) over a context this long, for the step's context "
+                        "term, and the host cost per request there (what `tandem simulate` uses); 0: skip "
+                        "(default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="prefill measurements, median kept (default: %(default)s)")
     p.add_argument("--only", default=None, metavar="NAME,...", help="calibrate only these backends")
     p.add_argument("--no-save", action="store_true", help="measure and print, do not store")
@@ -52,7 +56,9 @@ def run_calibrate(args) -> int:
             print("(synthetic model: random weights; its timing is the real shape's)", file=sys.stderr)
         twins = _one_per_config(eng, names)
         measured = list(twins)
-        steps = {n: 1 + args.repeats + len(batches or default_batches(eng.backends[n].cap)) for n in measured}
+        steps = {n: progress_steps(eng.backends[n].cap, batches, args.repeats,
+                                   0 if eng.backends[n].device == "remote" else args.context_tokens)  # HTTP: no steps
+                 for n in measured}
         results = []
         with Progress(sum(steps.values()), "calibrating") as bar:
             offset = 0
@@ -62,7 +68,8 @@ def run_calibrate(args) -> int:
 
                 cal = calibrate_backend(eng.backends[n], prompt_tokens=args.prompt_tokens,
                                         gen_tokens=args.gen_tokens, batches=batches,
-                                        repeats=args.repeats, progress=tick)
+                                        repeats=args.repeats, progress=tick,
+                                        context_tokens=args.context_tokens)
                 offset += steps[n]
                 bar.set(offset)
                 key = None if args.no_save else save_calibration(store, model.path, cal, model.info.name)
@@ -108,12 +115,21 @@ def _one_per_config(eng, names: list[str]) -> dict[str, list[str]]:
 
 def format_table(model_name: str, results) -> str:
     lines = [f"calibration of {model_name}",
-             "| backend | device | threads | cap | prefill tok/s | step ms at b=1..cap | α ms | β ms | decode tok/s at cap |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| backend | device | threads | cap | prefill tok/s | step ms at b=1..cap | α ms | β ms | decode tok/s at cap "
+             "| short context: step ms | γ µs per row per cell | host ms per request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cal, _, _ in results:
         steps = " / ".join(f"{cal.step_s[b] * 1e3:.2f}" for b in sorted(cal.step_s))
+        short = (f"{cal.context_tokens} tokens: " + " / ".join(f"b={b} {t * 1e3:.2f}" for b, t in
+                                                              sorted(cal.context_step_s.items()))
+                 if cal.context_step_s else "not measured")
         lines.append(f"| {cal.backend} | {cal.device} | {cal.threads} | {cal.cap} | {cal.prefill_tok_s:,.0f} | "
-                     f"{steps} | {cal.step_alpha_s * 1e3:.2f} | {cal.step_beta_s * 1e3:.2f} | {cal.decode_tok_s:,.1f} |")
+                     f"{steps} | {cal.step_alpha_s * 1e3:.2f} | {cal.step_beta_s * 1e3:.2f} | {cal.decode_tok_s:,.1f} | "
+                     f"{short} | {cal.step_gamma_s * 1e6:.3f} | "
+                     f"{cal.admit_s * 1e3:.1f} |" if cal.context_step_s else
+                     f"| {cal.backend} | {cal.device} | {cal.threads} | {cal.cap} | {cal.prefill_tok_s:,.0f} | "
+                     f"{steps} | {cal.step_alpha_s * 1e3:.2f} | {cal.step_beta_s * 1e3:.2f} | {cal.decode_tok_s:,.1f} | "
+                     f"{short} | – | – |")
     notes = [f"{cal.backend}: {n}" for cal, _, _ in results for n in cal.notes]
     notes += [f"{', '.join(also)}: same speed-relevant config as {cal.backend}, so the same entry (measured once)"
               for cal, _, also in results if also]
@@ -130,8 +146,10 @@ def _list(store: RateStore) -> int:
         r = e.get("rates", {})
         print(f"- {e.get('model', '?')} [{e.get('fingerprint')}] {e.get('config')}: prefill "
               f"{r.get('prefill_tok_s', 0):,.0f} tok/s, decode {r.get('decode_tok_s', 0):,.1f} tok/s, "
-              f"step {r.get('step_alpha_s', 0) * 1e3:.2f} + {r.get('step_beta_s', 0) * 1e3:.2f}·b ms "
-              f"({e.get('measured_at', '?')})")
+              f"step {r.get('step_alpha_s', 0) * 1e3:.2f} + {r.get('step_beta_s', 0) * 1e3:.2f}·b ms"
+              + (f", context term {r['step_gamma_s'] * 1e6:.2f} µs per row per cell" if r.get("step_gamma_s") else "")
+              + (f", host {e['admit_s'] * 1e3:.1f} ms per request" if e.get("admit_s") else "")
+              + f" ({e.get('measured_at', '?')})")
     return 0
 
 

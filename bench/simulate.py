@@ -10,7 +10,13 @@ workload flags mean the same thing) plus `--profile` and `--set`, and write the 
 `--replay DIR` rebuilds each recorded run — its backends, caps, KV sizes and rates from
 `summary.json`, its measured arrival times and output lengths from `requests.csv` — simulates
 it under the same policy, and compares predicted with measured per row: makespan, TTFT p50/p95,
-the routed split, and the share of requests sent to the same backend.
+the routed split, and the share of requests sent to the same backend. Each recorded run is
+predicted with its own arrivals and outputs; the row compares the means over runs, and lists
+each run (`per_run`) and the measured runs' spread. `--runs N` (default 3) is how many runs a
+row needs before a 10 % bar means something: a row recorded with fewer says so in its "why".
+A miss says why: routing, decode steps slower than calibrated, a run spread over 10 %, a host
+busier than its cores (the 1-minute load average `bench` records after each run), or host
+costs per request at a scale of milliseconds.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ PROFILE_HELP = ("study-m2 | study-m2-slow | h200 | this-machine | FILE.json/.tom
 TOLERANCE = 0.10  # predicted within 10 % of measured
 PAYS = 0.01  # the crossover map's line: a hybrid policy gains more than this over the best single backend
 SAME_BACKEND = 0.90  # and the same backend for 90 % of requests
+MIN_RUNS = 3  # recorded runs a replayed row needs (`--runs`)
 
 
 def add_arguments(p) -> None:
@@ -52,6 +59,9 @@ def add_arguments(p) -> None:
                         "requests.csv[.xz])")
     p.add_argument("--out", dest="replay_out", default=None,
                    help="with --replay: also write replay.md and replay.json here")
+    p.add_argument("--runs", dest="replay_runs", type=int, default=MIN_RUNS,
+                   help="with --replay: the recorded runs a row needs for its 10 %% bar to be judged on "
+                        "more than noise; rows with fewer are predicted and flagged (default: %(default)s)")
     p.add_argument("--hardware", default=None, metavar="PROFILE",
                    help="with --replay: the devices do what this profile's same-named backends do (the "
                         "router keeps the recorded rates); e.g. h200 for runs priced with default rates")
@@ -79,14 +89,15 @@ def add_profile_arguments(p) -> None:
     p.add_argument("--set", action="append", default=[], metavar="BACKEND.FIELD=VALUE",
                    help="edit the profile: cap, kv_cells, n_batch, busy_chunk, chunk_fixed_s, admit_s, "
                         "chunk_overhead_s, prefill_tok_s, decode_tok_s, "
-                        "step_alpha_s, step_beta_s (router and hardware), hardware.RATE / rates.RATE (one "
+                        "step_alpha_s, step_beta_s, step_gamma_s (router and hardware), hardware.RATE / rates.RATE (one "
                         "side), speed (hardware x); repeatable")
 
 
 def run_simulate(args) -> int:
     if args.replay:
         hardware = load_profile(args.hardware) if args.hardware else None
-        return run_replay(Path(args.replay), Path(args.replay_out) if args.replay_out else None, hardware)
+        return run_replay(Path(args.replay), Path(args.replay_out) if args.replay_out else None, hardware,
+                          min_runs=args.replay_runs)
     if args.sim_kind is None:
         raise InvalidRequest("tandem simulate: give seed, grid, crossover or --replay DIR")
     if args.sim_kind == "crossover":
@@ -243,16 +254,19 @@ def replay_profile(engine: dict) -> Profile:
         r = dict(b["rates"])
         rates = Rates(float(r["prefill_tok_s"]), float(r["decode_tok_s"]), float(r.get("step_alpha_s", 0.0)),
                       float(r.get("step_beta_s", 0.0)), str(r.get("source", "recorded")),
-                      tuple(r.get("step_table") or ()))
+                      tuple(r.get("step_table") or ()), step_gamma_s=float(r.get("step_gamma_s", 0.0)),
+                      step_cells=tuple(float(c) for c in r.get("step_cells") or ()))
         out.append(BackendProfile(b["name"], b["device"], rates, cap=int(b["cap"]), kv_cells=int(b["n_ctx"]),
                                   n_batch=int(b.get("n_batch", 512))))
     return Profile("recorded", tuple(out), "the backends and rates the recorded run used")
 
 
-def replay(directory: Path, progress: Progress | None = None, hardware: Profile | None = None) -> list[dict]:
+def replay(directory: Path, progress: Progress | None = None, hardware: Profile | None = None,
+           min_runs: int = MIN_RUNS) -> list[dict]:
     """Predict every engine row of a recorded bench run; one comparison dict per row.
     `hardware`: its same-named backends' speeds replace the recorded rates as what the
-    devices do (the router still sees the recorded rates)."""
+    devices do (the router still sees the recorded rates). A row with fewer than `min_runs`
+    recorded runs is predicted and flagged."""
     summary = json.loads(_open(directory / "summary.json").read())
     with _open(directory / "requests.csv") as f:
         import csv
@@ -264,6 +278,10 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
     rows_meta = {(r["workload"], r["policy"], r["requests"]): r for r in summary["results"]}
     vocab = int((summary.get("model") or {}).get("n_vocab") or TOKEN_HIGH)
     engines = summary.get("engines") or [{"kv_seqs": None, "backends": summary["backends"]}]
+    host = summary.get("host") or {}
+    loads: dict[tuple, list[float]] = {}
+    for x in host.get("load_avg") or []:
+        loads.setdefault((x["workload"], x["policy"], x["requests"]), []).append(float(x["load1"]))
     groups: dict[tuple, dict[int, list[RequestRecord]]] = {}
     for r in records:
         groups.setdefault((r.workload, r.policy, r.requests), {}).setdefault(r.run, []).append(r)
@@ -291,7 +309,7 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
         spec = by_name.get(base)
         if spec is None:
             continue
-        measured, predicted, same, total, itl_m, itl_p = [], [], 0, 0, [], []
+        measured, predicted, same, total, itl_m, itl_p, per_run = [], [], 0, 0, [], [], []
         for run, recs in sorted(runs.items()):
             recs = sorted(recs, key=lambda r: r.index)
             wl = build_workload(replace(with_requests(spec, n), vocab_size=min(vocab, TOKEN_HIGH), label=workload),
@@ -309,14 +327,18 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
                 same += r.backend == sim[r.index].backend
             measured.append(run_metrics(recs))
             predicted.append(run_metrics(got.records))
+            per_run.append({"run": run, **{k: {"measured": getattr(measured[-1], k), "predicted": getattr(predicted[-1], k)}
+                                           for k in ("makespan_s", "ttft_p50_s", "ttft_p95_s")}})
             itl_m += [r.itl_s for r in recs if r.itl_s]
             itl_p += [p.itl_s for p in got.records if p.itl_s]
             if progress is not None:
                 progress.update(n)
         if not measured:
             continue
-        out.append(_compare(workload, label, n, measured, predicted, same / total if total else math.nan,
-                            _mean(itl_m), _mean(itl_p)))
+        row = _compare(workload, label, n, measured, predicted, same / total if total else math.nan,
+                       _mean(itl_m), _mean(itl_p), per_run=per_run, min_runs=min_runs,
+                       load=max(loads.get((workload, label, n), []), default=math.nan), cpus=host.get("cpus"))
+        out.append(row)
     return out
 
 
@@ -324,7 +346,16 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else math.nan
 
 
-def _compare(workload, label, n, measured, predicted, same, itl_m, itl_p) -> dict:
+def _spread(values) -> float:
+    """std / mean of a row's measured runs (nan below 2 runs)."""
+    vals = [v for v in values if math.isfinite(v)]
+    if len(vals) < 2 or not statistics.fmean(vals):
+        return math.nan
+    return statistics.stdev(vals) / statistics.fmean(vals)
+
+
+def _compare(workload, label, n, measured, predicted, same, itl_m, itl_p, *, per_run=(), min_runs: int = 1,
+             load: float = math.nan, cpus=None) -> dict:
     def avg(ms, key):
         vals = [getattr(m, key) for m in ms if math.isfinite(getattr(m, key))]
         return statistics.fmean(vals) if vals else math.nan
@@ -342,9 +373,13 @@ def _compare(workload, label, n, measured, predicted, same, itl_m, itl_p) -> dic
     for key in ("makespan_s", "ttft_p50_s", "ttft_p95_s"):
         m, p = avg(measured, key), avg(predicted, key)
         row[key] = {"measured": m, "predicted": p, "error": (p - m) / m if m else math.nan}
+    row["per_run"] = list(per_run)
+    row["spread"] = {key: _spread([getattr(m, key) for m in measured]) for key in ("makespan_s", "ttft_p50_s")}
+    row["min_runs"] = min_runs
+    row["host_load"] = {"load1_max": load, "cpus": cpus}
     row["ok"] = (abs(row["makespan_s"]["error"]) <= TOLERANCE and abs(row["ttft_p50_s"]["error"]) <= TOLERANCE
                  and same >= SAME_BACKEND)
-    row["why"] = "" if row["ok"] else _why(row)
+    row["why"] = _why(row) if not row["ok"] else _caveats(row)
     return row
 
 
@@ -352,8 +387,12 @@ def _why(row: dict) -> str:
     """The likely reason a prediction missed, from what the records show."""
     reasons = []
     if row["same_backend"] < SAME_BACKEND:
-        reasons.append(f"routing differs for {1 - row['same_backend']:.0%} of requests "
-                       f"(measured {_split(row['routed_measured'])}, predicted {_split(row['routed_predicted'])})")
+        if row["routed_measured"] == row["routed_predicted"]:
+            reasons.append(f"{1 - row['same_backend']:.0%} of requests on the other backend with the same split "
+                           f"({_split(row['routed_measured'])}): equal backends tie and swap requests")
+        else:
+            reasons.append(f"routing differs for {1 - row['same_backend']:.0%} of requests (measured "
+                           f"{_split(row['routed_measured'])}, predicted {_split(row['routed_predicted'])})")
     itl_m, itl_p = row["itl_measured_ms"], row["itl_predicted_ms"]
     if math.isfinite(itl_m) and math.isfinite(itl_p) and itl_p and abs(itl_m / itl_p - 1) > TOLERANCE:
         reasons.append(f"decode steps ran {itl_m / itl_p:.2f}x the calibrated time (mean ITL {itl_m:.2f} ms "
@@ -370,7 +409,27 @@ def _why(row: dict) -> str:
                            f"the calibrated rates do not contain")
         elif not reasons:
             reasons.append(f"TTFT p50 {t['error']:+.0%}: queueing differs")
+    spread = row.get("spread") or {}
+    noisy = [f"{name} {spread[key]:.0%}" for key, name in (("makespan_s", "makespan"), ("ttft_p50_s", "TTFT p50"))
+             if math.isfinite(spread.get(key, math.nan)) and spread[key] > TOLERANCE]
+    if noisy:
+        reasons.append(f"measured run spread (std/mean over {row['runs']} runs) {', '.join(noisy)}: larger than "
+                       f"the 10 % bar")
+    if row.get("runs", 0) < row.get("min_runs", 1):
+        reasons.append(f"{row['runs']} run(s) recorded, {row['min_runs']} needed to judge a 10 % bar")
+    host = row.get("host_load") or {}
+    load, cpus = host.get("load1_max", math.nan), host.get("cpus")
+    if cpus and math.isfinite(load) and load > cpus:
+        reasons.append(f"host busier than its cores: 1-minute load average up to {load:.1f} on {cpus} CPUs "
+                       f"during the row's runs")
     return "; ".join(reasons)
+
+
+def _caveats(row: dict) -> str:
+    """What makes a row that met the bar weaker evidence (too few runs)."""
+    if row.get("runs", 0) < row.get("min_runs", 1):
+        return f"{row['runs']} run(s) recorded, {row['min_runs']} needed"
+    return ""
 
 
 def _split(d: dict) -> str:
@@ -379,32 +438,45 @@ def _split(d: dict) -> str:
 
 def replay_markdown(directory: Path, rows: list[dict]) -> str:
     lines = [f"### `{directory}`", "",
-             "| workload | policy | N | makespan s meas / pred (err) | TTFT p50 s meas / pred (err) | "
-             "TTFT p95 s meas / pred (err) | routed meas / pred | same backend | within 10 %? why not |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| workload | policy | N | runs | makespan s meas / pred (err) | TTFT p50 s meas / pred (err) | "
+             "TTFT p95 s meas / pred (err) | run spread makespan / TTFT p50 | routed meas / pred | same backend | "
+             "within 10 %? why not |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = []
         for key in ("makespan_s", "ttft_p50_s", "ttft_p95_s"):
             c = r[key]
             cells.append(f"{c['measured']:.3f} / {c['predicted']:.3f} ({c['error']:+.0%})")
-        lines.append(f"| {r['workload']} | {r['policy']} | {r['requests']} | {' | '.join(cells)} | "
-                     f"{_split(r['routed_measured'])} / {_split(r['routed_predicted'])} | {r['same_backend']:.0%} | "
-                     f"{'yes' if r['ok'] else 'no: ' + r['why']} |")
+        spread = r.get("spread") or {}
+        sp = " / ".join(f"{spread.get(k, math.nan):.0%}" if math.isfinite(spread.get(k, math.nan)) else "–"
+                        for k in ("makespan_s", "ttft_p50_s"))
+        verdict = ("yes" + (f" ({r['why']})" if r["why"] else "")) if r["ok"] else "no: " + r["why"]
+        lines.append(f"| {r['workload']} | {r['policy']} | {r['requests']} | {r['runs']} | {' | '.join(cells)} | "
+                     f"{sp} | {_split(r['routed_measured'])} / {_split(r['routed_predicted'])} | "
+                     f"{r['same_backend']:.0%} | {verdict} |")
     ok = sum(r["ok"] for r in rows)
     lines += ["", f"{ok} of {len(rows)} rows within 10 % (makespan and TTFT p50) with ≥ 90 % of requests on "
                   f"the same backend."]
+    few = sum(r["runs"] < r.get("min_runs", 1) for r in rows)
+    if few:
+        lines.append(f"{few} row(s) recorded with fewer than {rows[0].get('min_runs')} runs.")
     return "\n".join(lines)
 
 
-def run_replay(directory: Path, out: Path | None, hardware: Profile | None = None) -> int:
+def run_replay(directory: Path, out: Path | None, hardware: Profile | None = None, min_runs: int = MIN_RUNS) -> int:
+    if min_runs < 1:
+        raise InvalidRequest(f"--runs must be >= 1, got {min_runs}")
     t0 = time.perf_counter()
     with Progress(0, f"replay {directory}") as bar:
-        rows = replay(directory, bar, hardware)
+        rows = replay(directory, bar, hardware, min_runs=min_runs)
     if not rows:
         raise InvalidRequest(f"--replay {directory}: no engine rows to predict")
     text = replay_markdown(directory, rows)
     if hardware is not None:
-        text += f"\n\nDevices simulated with profile {hardware.name}'s speeds; the router priced with the recorded rates."
+        text += (f"\n\nDevices simulated with profile {hardware.name}'s speeds ("
+                 + "; ".join(f"{b.name}: context term {b.hw.step_gamma_s * 1e6:.2f} µs per row per cell, "
+                             f"host {b.admit_s * 1e3:.1f} ms per request" for b in hardware.backends)
+                 + "); the router priced with the recorded rates.")
     print(text)
     print(f"replayed {len(rows)} rows in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if out is not None:

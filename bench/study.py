@@ -21,6 +21,7 @@ prompts tokenized by its model (`engine.workload.tokenized`), the same text peer
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, replace
 from datetime import datetime
@@ -231,6 +232,7 @@ class Bench:
         self.decisions: list[dict] = []
         self.meta: dict[tuple[str, str], dict] = {}  # (workload, label) -> row facts
         self.engines: list[dict] = []  # per KV budget: backends as configured
+        self.loads: list[dict] = []  # per recorded run of a row: the host's 1-minute load average after it
         self.model_info = {"spec": args.model}
         self.notes: list[str] = []
         self.checkpoint = lambda: None  # saves what was measured so far (set by the command)
@@ -304,6 +306,9 @@ class Bench:
             self.decisions.extend(got.decisions)
             self.meta[(wl.spec.name(), v.label)] = {"kv_seqs": kv, "cap": v.cap, "single": v.single,
                                                     "target": v.target is not None}
+            if hasattr(os, "getloadavg"):  # what else ran on the host (`tandem simulate --replay` reads it)
+                self.loads.append({"workload": wl.spec.name(), "policy": v.label, "requests": len(wl.requests),
+                                   "run": wl.run, "load1": round(os.getloadavg()[0], 2)})
 
     def summary(self) -> dict:
         rows = summarize(self.records, self.meta)
@@ -324,6 +329,7 @@ class Bench:
             "notes": self.notes,
             "results": rows,
             "oracle": oracle(rows, group=("workload", "requests"), single=single),
+            "host": {"cpus": os.cpu_count(), "load_avg": self.loads},
         }
 
 

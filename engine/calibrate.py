@@ -14,6 +14,22 @@ What is measured, on one backend alone (the others idle), with random prompt tok
   steps themselves also go to the router as `Rates.step_table` (GPU kernels change at some
   batch sizes, which a line smooths over); α and β extend it past the cap.
 - **decode tok/s**: at the cap, `cap / step(cap)` — the backend's throughput when full.
+- **the context term** (`context_tokens` > 0; `tandem calibrate` measures it at 128 tokens):
+  the step at batch 1 and at min(cap, 8) again over a short shared prefix (`context_gen` tokens
+  each). llama.cpp's unified KV hands every row of a step all n_kv cells (the highest used
+  cell + 1) under a mask, and ggml's CPU flash-attention kernel skips a masked cell before its
+  dot product, so a row pays for the cells its own sequence holds (shared prefix included): a
+  step of b rows over c cells each costs `α' + β'·b + γ·b·c`. One context alone cannot tell γ·b·c
+  from β·b; the steps of both contexts, each at its median step's cells (prefix + own tokens +
+  half the generated ones), are fitted to it (`fit_context_model`). `Rates.step_gamma_s` is γ and
+  `Rates.step_cells` the cells the table's steps were measured at, so the simulator
+  (`Rates.step_at`) moves each tabled step by γ·b·(its cells − the table's). Before this, the
+  table measured at 512 tokens priced the CPU grid's 128-token steps at 1.3–2× what they took.
+- **host cost per request** (`admit_s`, with the context term): `repeats` lone requests over
+  the short prefix, 4 tokens of their own and one generated; each one's TTFT less what the
+  simulator's step model prices its prompt chunk at (`own tokens / prefill tok/s`), median.
+  That is the submission, admission (cache match, sequence setup), sampling and delivery a
+  request pays outside `llama_decode` at that scale; the simulator adds it per admitted request.
 
 Rates are stored as JSON in the user cache (`cache_dir()`: `$TANDEM_CACHE_DIR`, else
 platformdirs' `user_cache_dir("tandem")`), one entry per (model file fingerprint, backend
@@ -173,7 +189,9 @@ def rates_from_entry(entry: dict) -> Rates:
     return Rates(prefill_tok_s=float(r["prefill_tok_s"]), decode_tok_s=float(r["decode_tok_s"]),
                  step_alpha_s=float(r.get("step_alpha_s", 0.0)), step_beta_s=float(r.get("step_beta_s", 0.0)),
                  step_table=tuple(float(t) for t in r.get("step_table") or ()), source="cached",
-                 measured_at=str(entry.get("measured_at") or ""))
+                 measured_at=str(entry.get("measured_at") or ""),
+                 step_gamma_s=float(r.get("step_gamma_s", 0.0)),  # entries before the context term: 0
+                 step_cells=tuple(float(c) for c in r.get("step_cells") or ()))
 
 
 class ModelRates:
@@ -249,17 +267,30 @@ class Calibration:
     decode_tok_s: float
     seconds: float  # how long calibrating took
     notes: tuple[str, ...] = ()
+    # The context term (0 / empty: not measured): the KV cells each step at `step_s` held; the
+    # short context's steps and their cells; the fit over both (see the module docstring).
+    step_cells: dict[int, float] = field(default_factory=dict)
+    context_tokens: int = 0
+    context_step_s: dict[int, float] = field(default_factory=dict)
+    context_cells: dict[int, float] = field(default_factory=dict)
+    context_alpha_s: float = 0.0
+    context_beta_s: float = 0.0
+    step_gamma_s: float = 0.0
+    admit_s: float = 0.0  # host cost per request (0: not measured)
+    admit_runs: tuple[float, ...] = ()
     measured_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
     def rates(self) -> Rates:
+        cells = step_table(self.step_cells) if self.step_gamma_s else ()
         return Rates(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s,
                      step_alpha_s=self.step_alpha_s, step_beta_s=self.step_beta_s,
-                     step_table=step_table(self.step_s), source="calibrated", measured_at=self.measured_at)
+                     step_table=step_table(self.step_s), source="calibrated", measured_at=self.measured_at,
+                     step_gamma_s=self.step_gamma_s, step_cells=cells)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["step_s"] = {str(b): s for b, s in self.step_s.items()}
-        d["decode_only_s"] = {str(b): s for b, s in self.decode_only_s.items()}
+        for k in ("step_s", "decode_only_s", "step_cells", "context_step_s", "context_cells"):
+            d[k] = {str(b): s for b, s in getattr(self, k).items()}
         d["rates"] = {k: v for k, v in asdict(self.rates()).items() if k not in ("source", "measured_at")}
         return d
 
@@ -292,11 +323,63 @@ def fit_step_model(points: dict[int, float]) -> tuple[float, float]:
     return alpha, beta
 
 
+def fit_context_model(points: Sequence[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """Least-squares `step(b, cells) = alpha + beta*b + gamma*b*cells` over (b, cells, seconds)
+    points. gamma is kept >= 0 (noise that makes a longer context faster is no context term:
+    then `fit_step_model` over the points, gamma 0); a negative alpha or beta is refitted at 0."""
+    import numpy as np
+
+    if len(points) < 3:
+        raise ValueError("the context model needs at least 3 steps")
+    a = np.array([[1.0, b, b * c] for b, c, _ in points])
+    t = np.array([s for _, _, s in points])
+    if np.linalg.matrix_rank(a) == 3:
+        (alpha, beta, gamma), *_ = np.linalg.lstsq(a, t, rcond=None)
+        if gamma > 0 and (alpha < 0 or beta < 0):  # refit with the negative one at 0
+            keep = [1, 2] if alpha < 0 else [0, 2]
+            sub, *_ = np.linalg.lstsq(a[:, keep], t, rcond=None)
+            full = dict(zip(keep, (float(v) for v in sub)))
+            alpha, beta, gamma = full.get(0, 0.0), full.get(1, 0.0), full[2]
+        if gamma > 0 and alpha >= 0 and beta >= 0:
+            return float(alpha), float(beta), float(gamma)
+    by_b: dict[int, list[float]] = {}
+    for b, _, s in points:
+        by_b.setdefault(b, []).append(s)
+    alpha, beta = fit_step_model({b: statistics.fmean(v) for b, v in by_b.items()})
+    return alpha, beta, 0.0
+
+
+def calibration_cells(prompt: int, gen_tokens: int) -> float:
+    """The cells each row of a median calibration step sees: the shared prompt, the sequence's
+    own tokens and half of what it generates (steps run from 1 to `gen_tokens` - 1)."""
+    return prompt + OWN_TOKENS + gen_tokens / 2
+
+
+CONTEXT_PROMPT = 128  # `tandem calibrate`'s short context (the grid's prompts)
+CONTEXT_GEN = 16
+CONTEXT_BATCH = 8  # the short context's largest batch
+
+
+def context_batches(fits: Sequence[int]) -> list[int]:
+    """The batches timed again at the short context: 1 and the largest that fits up to 8."""
+    top = max((b for b in fits if b <= CONTEXT_BATCH), default=1)
+    return sorted({1, top})
+
+
+def progress_steps(cap: int, batches: Sequence[int] | None, repeats: int, context_tokens: int) -> int:
+    """How many steps `calibrate_backend` reports to `progress` (before any batch is skipped)."""
+    wanted = sorted(set(batches or default_batches(cap)))
+    extra = len(context_batches(wanted)) + 1 if context_tokens else 0
+    return 1 + repeats + len(wanted) + extra
+
+
 def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT,
                       gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None,
                       repeats: int = 3, seed: int = 0, timeout: float = 600.0,
-                      progress: Progress | None = None) -> Calibration:
+                      progress: Progress | None = None, context_tokens: int = 0,
+                      context_gen: int = CONTEXT_GEN) -> Calibration:
     """Measure one idle, started backend (see the module docstring). Its prefix cache is flushed.
+    `context_tokens` > 0 also measures the context term and the host cost per request there.
 
     Raises InvalidRequest for sizes that cannot work; a batch that does not fit the context
     is skipped with a note.
@@ -326,7 +409,13 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         raise InvalidRequest(f"{backend.name}: no batch size fits the context; lower --gen-tokens or raise ctx")
 
     probe = _Probe(backend, seed, timeout)
-    tick = _ticker(progress, backend.name, 1 + repeats + len(fits))
+    short = context_tokens
+    if context_tokens and not 8 <= context_tokens <= prompt // 2:  # closer contexts cannot separate γ·b·c from β·b
+        notes.append(f"context term not measured: the short context ({context_tokens}) must be >= 8 tokens "
+                     f"and at most half the prompt ({prompt})")
+        short = 0
+    c_batches = context_batches(fits) if short else []
+    tick = _ticker(progress, backend.name, 1 + repeats + len(fits) + (len(c_batches) + 1 if short else 0))
 
     old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
     backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
@@ -343,6 +432,12 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
             prefill_runs.append(sum(e.n_prefill for e in steps) / sum(e.seconds for e in steps))
             tick(f"prefill {k + 1}/{repeats}")
         step_s, decode_only_s = probe.step_times(prompt, gen_tokens, fits, tick, notes)
+        context_s: dict[int, float] = {}
+        admit_runs: list[float] = []
+        if short:
+            context_s, _ = probe.step_times(short, context_gen, c_batches, tick, notes, label="short context, batch")
+            admit_runs = probe.host_costs(short, repeats, statistics.median(prefill_runs))
+            tick("host cost per request")
     finally:
         probe.close()
         backend.set_cap(old_cap, adaptive=old_adaptive)
@@ -356,6 +451,15 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     alpha, beta = fit_step_model(step_s)
     cap = backend.cap
     at_cap = step_s.get(cap) or (alpha + beta * cap)
+    cells = {b: calibration_cells(prompt, gen_tokens) for b in step_s}
+    c_cells = {b: calibration_cells(short, context_gen) for b in context_s}
+    c_alpha = c_beta = gamma = 0.0
+    if context_s:
+        points = [(b, cells[b], t) for b, t in step_s.items()] + [(b, c_cells[b], t) for b, t in context_s.items()]
+        c_alpha, c_beta, gamma = fit_context_model(points)
+        if not gamma:
+            notes.append("the short context's steps were no faster: no context term (noise, or none to see)")
+    admit = max(statistics.median(admit_runs), 0.0) if admit_runs else 0.0
     return Calibration(
         backend=backend.name,
         device=backend.model.device,
@@ -373,6 +477,15 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         decode_tok_s=cap / at_cap,
         seconds=time.monotonic() - t_start,
         notes=tuple(notes),
+        step_cells=cells if gamma else {},
+        context_tokens=short,
+        context_step_s=context_s,
+        context_cells=c_cells,
+        context_alpha_s=c_alpha,
+        context_beta_s=c_beta,
+        step_gamma_s=gamma,
+        admit_s=admit,
+        admit_runs=tuple(admit_runs),
     )
 
 
@@ -452,8 +565,10 @@ class _Probe:
         self.backend = backend
         self.timeout = timeout
         self._rng = random.Random(seed)
+        self._shared: tuple[int, ...] = ()  # the prefix `step_times` warmed last
         self._high = min(backend.model.n_vocab, TOKEN_HIGH)
         self._events: list[StepDone] = []
+        self.records: list = []  # the last `run`'s request records
         self._unsubscribe = backend.bus.subscribe(
             lambda ev: self._events.append(ev) if ev.backend == backend.name else None, (StepDone,))
 
@@ -471,16 +586,33 @@ class _Probe:
         finally:
             gate.set()
         held.result(self.timeout)
+        self.records = []
         for h in handles:
             record = h.result(self.timeout)
             if record.error:
                 raise InvalidRequest(f"calibrating {self.backend.name} failed: {record.error}")
+            self.records.append(record)
         return list(self._events)
 
-    def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick, notes: list[str]):
+    def host_costs(self, prompt: int, n: int, prefill_tok_s: float) -> list[float]:
+        """Each of `n` lone requests' TTFT over a warmed `prompt`-token prefix (4 tokens of its
+        own, one generated) less `computed prompt tokens / prefill_tok_s`: the host's cost per
+        request beyond what the simulator's step model prices (see the module docstring).
+        Runs after `step_times` over the same prompt, whose prefix is still cached."""
+        greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
+        out = []
+        for _ in range(n):
+            self.run([Request(self._shared + self.tokens(OWN_TOKENS), greedy1, source="calibrate")])
+            r = self.records[0]
+            if r.ttft_s is not None:
+                out.append(r.ttft_s - (r.prompt_tokens - r.cached_tokens) / prefill_tok_s)
+        return out
+
+    def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick, notes: list[str],
+                   label: str = "decode batch"):
         """Median step cycle and median `llama_decode` time per batch size (see the module docstring)."""
         self.backend.flush().result(self.timeout)
-        shared = self.tokens(prompt)
+        shared = self._shared = self.tokens(prompt)
         self.backend.warm(shared).result(self.timeout)
         sampling = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
         step_s: dict[int, float] = {}
@@ -495,7 +627,7 @@ class _Probe:
             else:
                 decode_only_s[b] = statistics.median(steps[k].seconds for k in steady)
                 step_s[b] = statistics.median(cycles) if cycles else decode_only_s[b]
-            tick(f"decode batch {b}")
+            tick(f"{label} {b}")
         return step_s, decode_only_s
 
     def close(self) -> None:

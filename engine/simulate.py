@@ -4,9 +4,11 @@ A discrete-event simulation. Every backend is a real `engine.scheduler.Scheduler
 KV accounting, prefix cache, chunked prefill, preemption, finish rules) whose `Plan`s a
 simulated runner "executes": a step with `b` decode rows and `p` prompt tokens takes
 
-    hardware.step_s(b) + p / hardware.prefill_tok_s        (the first term 0 when b = 0)
+    hardware.step_at(b, cells) + p / hardware.prefill_tok_s        (the first term 0 when b = 0)
 
-seconds (or, for a profile with a fixed cost per prompt chunk, `step_s(b) + chunk_fixed_s + p*k`,
+seconds, where `cells` is the mean context of the step's decode rows, each sequence's `n_past`
+with the token it feeds (`Rates.step_at` adds the calibrated context term; none for a profile
+without one) (or, for a profile with a fixed cost per prompt chunk, `step_s(b) + chunk_fixed_s + p*k`,
 plus `admit_s` per request admitted in the step; `BackendProfile.step_seconds`), after which `update_from_output` gets one token per logits row. Every arrival is
 routed by a real `engine.router.Router` over the backends' snapshots, taken exactly as
 `Backend.snapshot` takes them (running items first, then the queue, with the cache estimate
@@ -14,9 +16,11 @@ pinned at routing time). The clock the schedulers and the router read is the sim
 
 What the simulation leaves out, so where it can miss a real run: host overheads that are not in
 the calibrated step (HTTP, Python scheduling between steps, sampler-chain attaches), the GPU
-and CPU backends contending for the host's cores, warm-up effects of the first steps, and any
-step time that depends on more than the batch size (attention over long contexts). A profile
-can price a prompt chunk's fixed cost (`chunk_fixed_s`) and per-request setup (`admit_s`).
+and CPU backends contending for the host's cores, warm-up effects of the first steps, and the
+cost of scanning masked KV cells (every row gets all n_kv cells, the highest used + 1; ggml's
+CPU kernel skips the masked ones, which the model takes as free).
+A profile can price a prompt chunk's fixed cost (`chunk_fixed_s`) and per-request setup
+(`admit_s`; `tandem calibrate` measures it on a CPU).
 
 A `Profile` is a set of `BackendProfile`s. Each has the rates the router is told (`rates`) and,
 separately, what the simulated device really does (`hardware`, the same unless given), so one
@@ -83,11 +87,12 @@ class BackendProfile:
     def hw(self) -> Rates:
         return self.hardware or self.rates
 
-    def step_seconds(self, n_decode: int, n_prefill: int, n_admitted: int = 0) -> float:
+    def step_seconds(self, n_decode: int, n_prefill: int, n_admitted: int = 0, cells: float | None = None) -> float:
         """Seconds one step with `n_decode` decode rows and `n_prefill` prompt tokens takes
-        (`n_admitted` of its sequences new this step)."""
+        (`n_admitted` of its sequences new this step), over `cells` KV cells (None: the
+        calibrated context, whatever it was)."""
         hw = self.hw
-        s = hw.step_s(n_decode) if n_decode else 0.0
+        s = (hw.step_s(n_decode) if cells is None else hw.step_at(n_decode, cells)) if n_decode else 0.0
         if n_prefill:
             if hw.prefill_tok_s <= 0:
                 return math.inf
@@ -161,12 +166,15 @@ class Profile:
 def _rates(d: Mapping) -> Rates:
     table = tuple(float(x) for x in d.get("step_table", ()) or ())
     return Rates(float(d["prefill_tok_s"]), float(d["decode_tok_s"]), float(d.get("step_alpha_s", 0.0)),
-                 float(d.get("step_beta_s", 0.0)), str(d.get("source", "profile")), table)
+                 float(d.get("step_beta_s", 0.0)), str(d.get("source", "profile")), table,
+                 step_gamma_s=float(d.get("step_gamma_s", 0.0)),  # profiles without a context term: 0
+                 step_cells=tuple(float(x) for x in d.get("step_cells", ()) or ()))
 
 
 def _rates_dict(r: Rates) -> dict:
     d = asdict(r)
     d["step_table"] = list(r.step_table)
+    d["step_cells"] = list(r.step_cells)
     return d
 
 
@@ -248,14 +256,19 @@ def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mappin
                              description: str = "") -> Profile:
     """A profile from stored calibration entries (`engine.calibrate`'s store format: each with
     `backend`, `device`, `cap`, `prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`,
-    `step_s` {batch: seconds}). Backends named alike get a numeric suffix."""
+    `step_s` {batch: seconds}, and where measured `admit_s` and `rates.step_gamma_s`/`step_cells`,
+the context term; older entries have neither and step at the table's context). Backends named
+alike get a numeric suffix."""
     if not entries:
         raise InvalidRequest(f"profile {name!r}: no calibration entries")
     out, seen = [], set()
     for e in entries:
         table = tuple(float(v) for _, v in sorted(((int(k), v) for k, v in (e.get("step_s") or {}).items())))
+        stored = e.get("rates") or {}
         rates = Rates(float(e["prefill_tok_s"]), float(e["decode_tok_s"]), float(e.get("step_alpha_s", 0.0)),
-                      float(e.get("step_beta_s", 0.0)), "calibrated", table)
+                      float(e.get("step_beta_s", 0.0)), "calibrated", tuple(stored.get("step_table") or table),
+                      step_gamma_s=float(stored.get("step_gamma_s", 0.0)),
+                      step_cells=tuple(float(c) for c in stored.get("step_cells") or ()))
         bname = str(e.get("backend") or e.get("device") or "backend")
         k = 1
         while bname in seen:
@@ -263,7 +276,8 @@ def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mappin
             k += 1
         seen.add(bname)
         cap = int((caps or {}).get(bname, e.get("cap", 4)))
-        out.append(BackendProfile(bname, str(e.get("device", "cpu")), rates, cap=cap))
+        out.append(BackendProfile(bname, str(e.get("device", "cpu")), rates, cap=cap,
+                                  admit_s=float(e.get("admit_s", 0.0))))
     return Profile(name, tuple(out), description)
 
 
@@ -276,7 +290,7 @@ def profile_from_snapshots(name: str, snapshots: Sequence[BackendSnapshot], desc
 def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
     """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, the
     step costs `chunk_fixed_s`, `admit_s`, `chunk_overhead_s`, `prefill_ref_tokens`, or a
-    rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`) set on both the
+    rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`, `step_gamma_s`) set on both the
     router's rates and the hardware; `hardware.RATE=` or `rates.RATE=` set one side only;
     `speed=X` multiplies the hardware's speed (every rate x X, every step time and fixed cost / X)."""
     for text in settings:
@@ -303,7 +317,7 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
             b = _costs_scaled(replace(b, hardware=_faster(b.hw, number)), number)
         else:
             side, _, rate = attr.rpartition(".")
-            if rate not in ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s") or side not in (
+            if rate not in ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s", "step_gamma_s") or side not in (
                     "", "hardware", "rates"):
                 raise InvalidRequest(f"--set {text!r}: unknown field {attr!r}")
             if side in ("", "rates"):
@@ -326,7 +340,8 @@ def _faster(r: Rates, x: float) -> Rates:
     if x <= 0:
         raise InvalidRequest(f"speed must be > 0, got {x}")
     alpha, beta, table = r.scaled(1.0 / x)
-    return Rates(r.prefill_tok_s * x, r.decode_tok_s * x, alpha, beta, "edited", table)
+    return Rates(r.prefill_tok_s * x, r.decode_tok_s * x, alpha, beta, "edited", table,
+                 step_gamma_s=r.step_gamma_s / x, step_cells=r.step_cells)
 
 
 def scaled_profile(profile: Profile, backend: str, speed: float, rates_too: bool = True) -> Profile:
@@ -358,21 +373,43 @@ class SimRun:
 
 @dataclass
 class _DecodeRun:
-    """`m` identical decode steps of `d` seconds from `t0` over the same running sequences,
-    none of which finishes, with nothing to admit: `done` of them applied so far."""
+    """`m` decode steps from `t0` over the same running sequences, none of which finishes,
+    with nothing to admit: the first takes `d` seconds and each next `g` more (its rows attend
+    over the cells the last one added: `g` is 0 without a context term); `done` applied so far."""
 
     t0: float
     d: float
     m: int
     seqs: list
     done: int = 0
+    g: float = 0.0
+
+    def end(self, k: int) -> float:
+        """When the `k`-th step of the run ends."""
+        return self.t0 + k * self.d + self.g * k * (k - 1) / 2
+
+    def _steps_by(self, now: float) -> int:
+        """How many steps ended by `now` (of `m`)."""
+        if self.d <= 0 and self.g <= 0:
+            return self.m
+        x = now - self.t0
+        if self.g <= 0:
+            k = int(x / self.d + 1e-9)
+        else:  # the larger root of g/2 k^2 + (d - g/2) k - x = 0, then exact on the boundary
+            a, b = self.g / 2, self.d - self.g / 2
+            k = max(int((-b + math.sqrt(max(b * b + 4 * a * x, 0.0))) / (2 * a)), 0)
+            while k < self.m and self.end(k + 1) <= now + 1e-9:
+                k += 1
+            while k > 0 and self.end(k) > now + 1e-9:
+                k -= 1
+        return min(max(k, 0), self.m)
 
     def apply_until(self, now: float) -> None:
         """Apply the steps that ended by `now`, as `update_from_output` would have."""
-        j = min(int((now - self.t0) / self.d + 1e-9) if self.d > 0 else self.m, self.m) - self.done
+        j = self._steps_by(now) - self.done
         if j <= 0:
             return
-        t_last = self.t0 + (self.done + j) * self.d
+        t_last = self.end(self.done + j)
         more = [SAMPLED_TOKEN] * j
         for s in self.seqs:
             s.n_past += j
@@ -476,7 +513,7 @@ class Simulation:
                     r = b.run
                     r.m = min(r.m, r.done + 1)
                     b.gen += 1
-                    heapq.heappush(events, (r.t0 + r.m * r.d, order, 1, (b, b.gen)))
+                    heapq.heappush(events, (r.end(r.m), order, 1, (b, b.gen)))
                     order += 1
                 out.decisions.append(decision_line(decision, 0.0, workload=name, run=wl.run, requests=n,
                                                    label=self.label))
@@ -549,11 +586,14 @@ class Simulation:
         n_prefill = sum(k for _, _, k, _ in plan.chunks)
         b.busy = True
         b.gen += 1
-        d = b.p.step_seconds(len(plan.decode), n_prefill, len(plan.admitted))
+        n_decode = len(plan.decode)
+        cells = sum(s.n_past + 1 for s in plan.decode) / n_decode if n_decode else 0.0  # each row's context
+        d = b.p.step_seconds(n_decode, n_prefill, len(plan.admitted), cells)
         m = self._steady_steps(b, plan) if self.fast else 0
         if m > 1:
-            b.run = _DecodeRun(self.now, d, m, list(plan.decode))
-            heapq.heappush(events, (self.now + m * d, order, 1, (b, b.gen)))
+            g = b.p.step_seconds(n_decode, 0, 0, cells + 1) - b.p.step_seconds(n_decode, 0, 0, cells)  # a cell per row per step
+            b.run = _DecodeRun(self.now, d, m, list(plan.decode), g=g)
+            heapq.heappush(events, (b.run.end(m), order, 1, (b, b.gen)))
         else:
             b.plan = plan
             heapq.heappush(events, (self.now + d, order, 1, (b, b.gen)))

@@ -16,6 +16,16 @@ class Rates:
     it (GPU kernels change at some batch sizes: llama.cpp's small-batch matrix kernels stop
     at 8, and a step at 9 costs ~1.5x one at 8, which no straight line follows), else
     `step_alpha_s + step_beta_s * b`, else `b / decode_tok_s`.
+
+    The context term (`step_at`, what the simulator's devices use; the router prices by batch
+    alone): a step's attention costs `step_gamma_s * b * cells` on top of the weights' pass,
+    `cells` the mean context of its b rows. (llama.cpp's unified KV hands every row all n_kv
+    cells, the highest used cell + 1, with a mask; ggml's CPU flash-attention kernel skips a
+    masked cell before its dot product, so a row pays for the cells it sees, its own sequence,
+    shared prefix included, and only a mask read for the rest.) `step_cells[b - 1]` is the
+    context the table's step at b was measured at (none: the table is the step over no context).
+    `step_gamma_s` 0: no context term measured (calibrations before it), the table holds at any
+    context.
     """
 
     prefill_tok_s: float
@@ -28,6 +38,8 @@ class Rates:
     source: str = "default"
     step_table: tuple[float, ...] = ()  # measured seconds per step at batch 1, 2, ...
     measured_at: str = ""  # ISO time of the measurement these rates come from ("" if none)
+    step_gamma_s: float = 0.0  # seconds per decode row per KV cell it attends over (0: not measured)
+    step_cells: tuple[float, ...] = ()  # the n_kv each `step_table` entry was measured at
 
     @property
     def placeholder(self) -> bool:
@@ -58,6 +70,18 @@ class Rates:
         if self.step_alpha_s or self.step_beta_s:
             return self.step_alpha_s + self.step_beta_s * b
         return b / self.decode_tok_s
+
+    def step_at(self, batch: int, cells: float) -> float:
+        """Seconds for one decode step of `batch` rows over `cells` KV cells: the step at
+        `batch` moved by the context term from the cells it was measured at (no context term:
+        `step_s(batch)`)."""
+        base = self.step_s(batch)
+        if not self.step_gamma_s:
+            return base
+        b = max(batch, 1)
+        ref = self.step_cells  # none (a typed profile): the table is the step over no context
+        at = (ref[b - 1] if b <= len(ref) else ref[-1]) if ref else 0.0
+        return max(base + self.step_gamma_s * b * (cells - at), 0.0)
 
     def scaled(self, factor: float) -> tuple[float, float, tuple[float, ...]]:
         """(alpha, beta, table) with every step time multiplied by `factor`."""

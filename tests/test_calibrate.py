@@ -190,6 +190,25 @@ class TestCalibrateOnTheTinyModel:
         assert cal.prompt_tokens < 256
         assert any("shortened" in n for n in cal.notes)
 
+    def test_context_term_is_timed_at_the_short_context(self, make_engine):
+        eng = make_engine()
+        seen = []
+        cal = calibrate_backend(eng.backends["cpu0"], context_tokens=32, context_gen=8,
+                                progress=lambda d, t, what: seen.append((d, t, what)), **SMALL)
+        assert sorted(cal.context_step_s) == [1, 3] and cal.context_tokens == 32
+        assert cal.context_cells == {1: 32 + 4 + 4, 3: 32 + 4 + 4}
+        assert [d for d, _, _ in seen] == list(range(1, 9)) and seen[-1][2] == "cpu0: host cost per request"
+        assert len(cal.admit_runs) == 1 and cal.admit_s >= 0 and cal.step_gamma_s >= 0
+
+    def test_stored_context_term_loads_into_the_rates(self, make_engine, tiny_path):
+        eng = make_engine()
+        cal = calibrate_backend(eng.backends["cpu0"], context_tokens=32, context_gen=8, **SMALL)
+        cal = replace(cal, step_gamma_s=2e-5, step_cells={b: 76.0 for b in cal.step_s})  # a term, whatever noise said
+        save_calibration(RateStore(), tiny_path, cal, "tiny")
+        rates = ModelRates(tiny_path).get(eng.backends["cpu0"].config, "cpu")
+        assert (rates.step_gamma_s, rates.step_cells) == (2e-5, (76.0, 76.0, 76.0))
+        assert rates.step_at(2, 76.0 + 10) == pytest.approx(rates.step_s(2) + 2 * 10 * 2e-5)
+
     def test_an_adaptive_cap_is_pinned_only_while_timing(self, make_engine):
         eng = make_engine(["cpu:threads=1,ctx=1024"])  # no cap: adaptive, starts at 4 of 16
         b = eng.backends["cpu"]

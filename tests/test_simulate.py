@@ -223,3 +223,141 @@ def test_speed_override_divides_the_fixed_step_costs_too():
     p = apply_overrides(PROFILES["h200"], ["gpu.speed=2"])
     fast, base = p.backend("gpu"), PROFILES["h200"].backend("gpu")
     assert fast.step_seconds(4, 16, 1) == pytest.approx(base.step_seconds(4, 16, 1) / 2)
+
+
+# ---- the step's context term, the host cost per request, replays judged over runs ----
+
+# A CPU backend whose steps grow with the KV cells they attend over: alpha + beta*b + gamma*b*cells.
+_ALPHA, _BETA, _GAMMA = 0.004, 0.02, 4e-5
+
+
+def _ctx_rates(prompt: int = 512, gen: int = 32):
+    from engine.calibrate import calibration_cells
+    from engine.snapshot import Rates
+
+    cells = (calibration_cells(prompt, gen),) * 8
+    table = tuple(_ALPHA + _BETA * b + _GAMMA * b * c for b, c in enumerate(cells, 1))
+    return Rates(110.0, 8 / table[-1], source="calibrated", step_table=table, step_gamma_s=_GAMMA, step_cells=cells)
+
+
+def _ctx_profile(admit_s: float = 0.0) -> Profile:
+    from engine.simulate import BackendProfile
+
+    return Profile("ctx", tuple(BackendProfile(f"cpu{k}", "cpu", _ctx_rates(), cap=8, kv_cells=4096, admit_s=admit_s)
+                                for k in range(2)))
+
+
+def test_context_model_fits_synthetic_points_exactly():
+    from engine.calibrate import calibration_cells, fit_context_model
+
+    points = [(b, calibration_cells(p, g), _ALPHA + _BETA * b + _GAMMA * b * calibration_cells(p, g))
+              for p, g, batches in ((512, 32, range(1, 9)), (128, 16, (1, 8))) for b in batches]
+    assert fit_context_model(points) == pytest.approx((_ALPHA, _BETA, _GAMMA), rel=1e-9)
+
+
+def test_context_model_where_a_longer_context_ran_faster_has_no_term():
+    """Noise, not attention: the fit falls back to alpha + beta*b over the batches' means."""
+    from engine.calibrate import fit_context_model
+
+    points = [(b, c, 0.01 + 0.02 * b - 1e-6 * b * c) for b in (1, 2, 4) for c in (100.0, 600.0)]
+    alpha, beta, gamma = fit_context_model(points)
+    assert (gamma, alpha, beta) == (0.0, pytest.approx(0.01), pytest.approx(0.02 - 350e-6))
+
+
+def test_a_step_over_fewer_cells_than_calibrated_is_cheaper_by_gamma_per_row_per_cell():
+    rates = _ctx_rates()
+    ref = rates.step_cells[3]
+    assert rates.step_at(4, ref) == pytest.approx(rates.step_s(4))
+    assert rates.step_s(4) - rates.step_at(4, ref - 400) == pytest.approx(4 * 400 * _GAMMA)
+
+
+def test_a_step_beyond_the_table_keeps_the_context_term():
+    rates = _ctx_rates()
+    assert rates.step_at(10, rates.step_cells[-1]) == pytest.approx(rates.step_s(10))
+    assert rates.step_at(10, rates.step_cells[-1] + 100) - rates.step_s(10) == pytest.approx(10 * 100 * _GAMMA)
+
+
+def test_a_profile_without_the_context_term_steps_at_its_table_at_any_context(tmp_path):
+    """Calibrations stored before the context term (no `step_gamma_s`) load and keep today's model."""
+    from bench.simulate import this_machine
+    from engine.calibrate import RateStore
+
+    store = RateStore(tmp_path / "rates.json")
+    store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 4, "prefill_tok_s": 95.0,
+                                        "decode_tok_s": 38.0, "step_s": {"1": 0.032, "2": 0.07},
+                                        "rates": {"prefill_tok_s": 95.0, "decode_tok_s": 38.0,
+                                                  "step_table": [0.032, 0.07]},
+                                        "measured_at": "2026-11-30T03:27:07", "fingerprint": "abc"})
+    cpu = this_machine(store).backend("cpu0")
+    assert (cpu.hw.step_gamma_s, cpu.admit_s) == (0.0, 0.0)
+    assert [cpu.step_seconds(2, 0, 0, cells) for cells in (10, 5000)] == [0.07, 0.07]
+
+
+def test_this_machine_steps_as_its_stored_calibration_measured(tmp_path):
+    from bench.simulate import this_machine
+    from engine.calibrate import RateStore
+    from engine.simulate import _rates_dict
+
+    rates = _ctx_rates()
+    store = RateStore(tmp_path / "rates.json")
+    store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 8, "prefill_tok_s": 110.0,
+                                        "decode_tok_s": rates.decode_tok_s, "admit_s": 0.012,
+                                        "step_s": {str(b): t for b, t in enumerate(rates.step_table, 1)},
+                                        "rates": _rates_dict(rates), "measured_at": "2026-12-01T06:00:00",
+                                        "fingerprint": "abc"})
+    cpu = this_machine(store).backend("cpu1")
+    assert (cpu.hw.step_gamma_s, cpu.hw.step_cells, cpu.admit_s) == (_GAMMA, rates.step_cells, 0.012)
+
+
+def test_fast_forward_gives_the_step_by_step_records_with_a_context_term():
+    wl = build_workload(WorkloadSpec(40, 300, 150, output="uniform", max_output=96, arrival="poisson", seed=5), 1)
+    fast = simulate(_ctx_profile(0.01), wl, "predicted-finish")
+    slow = simulate(_ctx_profile(0.01), wl, "predicted-finish", fast=False)
+    assert _records_key(fast) == _records_key(slow)
+
+
+def test_a_short_context_decodes_faster_than_the_calibrated_one():
+    """The CPU grid's 128-token prompts against a table measured at 512 tokens."""
+    wl = build_workload(WorkloadSpec(8, 128, 123, output="fixed", gen_tokens=32, arrival="interval", interval_s=0.2), 0)
+    with_term = run_metrics(simulate(_ctx_profile(), wl, "only:cpu0").records)
+    no_term = replace(_ctx_profile().backends[0], rates=replace(_ctx_rates(), step_gamma_s=0.0))
+    without = run_metrics(simulate(Profile("flat", (no_term,)), wl, "only:cpu0").records)
+    assert with_term.makespan_s < 0.95 * without.makespan_s
+
+
+def test_replay_report_has_the_per_row_fields():
+    """docs/results/simulate/cpu-grid2: 6 rows, 2 runs each."""
+    from bench.simulate import replay, replay_markdown
+
+    src = RESULTS / "simulate" / "cpu-grid2"
+    rows = replay(src, hardware=_ctx_profile(), min_runs=3)
+    assert len(rows) == 6
+    row = rows[0]
+    assert [r["run"] for r in row["per_run"]] == [0, 1]
+    assert set(row["per_run"][0]) == {"run", "makespan_s", "ttft_p50_s", "ttft_p95_s"}
+    assert set(row["spread"]) == {"makespan_s", "ttft_p50_s"} and row["spread"]["makespan_s"] > 0
+    assert sum(row["routed_measured"].values()) == 8 and sum(row["routed_predicted"].values()) == 8
+    assert all("2 run(s) recorded, 3 needed" in r["why"] for r in rows)
+    assert "| runs |" in replay_markdown(src, rows)
+
+
+def test_replay_names_a_host_busier_than_its_cores(tmp_path):
+    import shutil
+
+    from bench.simulate import replay
+
+    src = RESULTS / "simulate" / "cpu-grid2"
+    for f in ("requests.csv.xz",):
+        shutil.copy(src / f, tmp_path / f)
+    summary = json.loads((src / "summary.json").read_text())
+    summary["host"] = {"cpus": 2, "load_avg": [{"workload": r["workload"], "policy": r["policy"], "requests": 8,
+                                                "run": k, "load1": 5.5} for r in summary["results"] for k in (0, 1)]}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    rows = replay(tmp_path, hardware=_ctx_profile(), min_runs=2)
+    assert all("load average up to 5.5 on 2 CPUs" in r["why"] for r in rows if not r["ok"])
+    assert all(r["host_load"] == {"load1_max": 5.5, "cpus": 2} for r in rows)
+
+
+def test_profile_with_a_context_term_survives_a_json_round_trip():
+    p = _ctx_profile(0.02)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
