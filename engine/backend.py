@@ -42,7 +42,7 @@ from .llama.model import Model
 from .prefix_cache import PrefixCache
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
 from .llama.runner import ContextRunner, kv_cells_that_fit, process_rss
-from .scheduler import Finished, Scheduler, SeqState
+from .scheduler import Finished, Scheduler, SeqState, default_seq_slots
 from .snapshot import BackendSnapshot, CacheStats, Rates
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,6 @@ AUTO_START = {"gpu": 8, "cpu": 4}
 # CPU's). A unified pool may exceed the model's training context (engine/llama/runner.py).
 AUTO_CTX = {"gpu": 65536, "cpu": 4096}
 AUTO_CTX_MEMORY_SHARE = 0.25
-SPARE_SLOTS = {"gpu": 64, "cpu": 8}  # sequence slots beyond the cap (see BackendConfig.resolved)
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class BackendConfig:
     n_ubatch: int = 512
     threads: int = 0  # 0: all cores
     threads_batch: int = 0  # 0: same as threads
-    n_seq_max: int = 0  # 0: cap + SPARE_SLOTS (64 GPU, 8 CPU), at least 32 (running + cache holders)
+    n_seq_max: int = 0  # 0: engine/scheduler.py default_seq_slots (cap + 64 on a GPU, + 8 on a CPU)
     kv_unified: bool = True
     # Split KV (`kv=split`): cells of each sequence's stream; the context is then seq_ctx ×
     # n_seq_max cells. 0: n_ctx is the whole context, which llama.cpp divides among the streams.
@@ -122,12 +121,7 @@ class BackendConfig:
         threads = self.threads or os.cpu_count() or 1
         kind = "cpu" if (device or self.device) == "cpu" else "gpu"
         cap = self.cap or min(AUTO_CAP[kind] if self.adaptive else 4, self.n_seq_max or 256)
-        # Sequence slots: the running ones, and one per cached prefix (the prefix cache holds each
-        # leaf on its own id). On a GPU 64 spare slots: with 8 spare, 16 tenants' prefixes beside
-        # 32 running requests evicted each other (119,503 prompt tokens computed for 34,000
-        # needed; 64 spare: 46,002, and 2.0x the throughput; 104 slots decode as fast as 40 at
-        # B = 1-32, docs/results/gpu/round4). On the CPU 8 spare (4,096 cells hold few prefixes).
-        n_seq_max = self.n_seq_max or min(256, max(32, cap + SPARE_SLOTS[kind]))
+        n_seq_max = self.n_seq_max or default_seq_slots(cap, kind)
         n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else (self.n_ctx or AUTO_CTX[kind])
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
                        cap=cap, n_ctx=n_ctx)

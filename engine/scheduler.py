@@ -104,6 +104,17 @@ ADMIT_HEADROOM = 16
 # A running prompt is published into the prefix cache (and a queued request deferred behind
 # it) only for at least this many computed tokens: each publication holds a sequence id.
 SHARE_MIN_TOKENS = 64
+# Sequence slots beyond the cap: the prefix cache holds each cached prefix on its own id. On a
+# GPU 64: with 8 spare, 16 tenants' prefixes beside 32 running requests evicted each other
+# (119,503 prompt tokens computed for 34,000 needed; with 64 spare 46,002 and 2.0x the
+# throughput; 104 slots decode as fast as 40 at B = 1-32: docs/results/gpu/round4). On a CPU 8
+# (its 4,096 cells hold few prefixes).
+SPARE_SLOTS = {"gpu": 64, "cpu": 8}
+
+
+def default_seq_slots(cap: int, device: str) -> int:
+    """llama.cpp sequence slots (`n_seq_max`) for a backend of `cap` on `device` ("cpu"/"gpu")."""
+    return min(256, max(32, cap + SPARE_SLOTS["cpu" if device == "cpu" else "gpu"]))
 
 
 @dataclass(frozen=True, slots=True)

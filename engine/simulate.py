@@ -46,7 +46,7 @@ from .benchmark import RequestRecord, decision_line
 from .errors import InvalidRequest
 from .request import Request, RequestStatus, SamplingParams
 from .router import RouteQuery, Router
-from .scheduler import Plan, Scheduler, SeqState
+from .scheduler import Plan, Scheduler, SeqState, default_seq_slots
 from .snapshot import BackendSnapshot, CacheStats, Rates
 from .workload import Workload
 
@@ -427,7 +427,7 @@ class _SimBackend:
         self.p = profile
         self.rates = profile.rates
         self.sched = Scheduler(cap=profile.cap, n_ctx=n_ctx, n_ctx_seq=n_ctx,
-                               n_seq_max=min(256, max(32, profile.cap + 8)), n_batch=profile.n_batch,
+                               n_seq_max=default_seq_slots(profile.cap, profile.device), n_batch=profile.n_batch,
                                busy_chunk=profile.chunk(), name=profile.name, piece=_no_text, clock=clock)
         self.plan: Plan | None = None  # the step in flight
         self.busy = False
