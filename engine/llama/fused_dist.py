@@ -11,8 +11,26 @@ over the step's logits matrix (`_build`), and every chain takes its own row's to
 of the result, as `fused_greedy` does for argmax (engine/llama/greedy.py). The same distribution
 as llama.cpp's chain (tests/test_fused_dist.py checks it against the chain itself):
 
-* top-k: `ggml_top_k` over each row (k = the largest k of the graph's chains; rows asking a
-  smaller k mask the rest), the k logits sorted by `ggml_argsort`;
+* top-k: the k best of each row (k = the largest k of the graph's chains; rows asking a
+  smaller k mask the rest), sorted by `ggml_argsort`. With a large vocabulary and a small k
+  (`in_stages`: k <= chunk / 4, vocabulary >= 4 chunks) in stages of small sorts
+  (`_top_k_in_stages`): each row viewed as chunks of `TOP_K_CHUNK` (1,024) logits, padded with
+  -inf, `ggml_top_k` keeps the k best of every chunk, again over the survivors while more than
+  a chunk survive (Qwen2.5's 151,936 tokens at k 40: 149 chunks, 5,960 survivors, 6 chunks,
+  240), and an argsort of the last survivors. The k best of a row are among the k best of their
+  chunks, so the kept set is exactly the row's top k (tests check it against numpy's). Why:
+  CUDA's `ggml_top_k` (an argsort where CUB has no top-k) sorts a row of up to 1,024 values in
+  one thread block (bitonic) and a longer one with CUB's segmented sort, and one 152k-wide top-k
+  cost about 1 ms a step at every batch size (H200,
+  docs/results/gpu/round3/sampling_parts_graphs_on.txt: 2.25 ms a step at B = 1 against
+  greedy's 1.18, 6.8 against 5.5 at B = 32); chunks make C x B small sorts that run side by
+  side. Otherwise one `ggml_top_k` per row. Ties: where tokens tie at the k-th logit, which of them are kept
+  depends on the sort (as in llama.cpp's own top-k, CPU or GPU); tied tokens have equal
+  probability, so the distribution of the drawn probability is the same, and any difference is
+  which of equally likely tokens is named. Requests without top-k (top_k = 0: the whole
+  vocabulary) sort each whole row with `ggml_argsort` as before: 2.9 ms a step at B = 1 and
+  17 ms at B = 32 on the H200 for Qwen2.5 (greedy: 1.18 and 5.5), the sort, softmaxes and
+  cumulative sums running over 152k values per row.
 * top-p: softmax over the kept logits, a token stays while the probability before it is < p
   (the token that crosses p stays, as llama.cpp's);
 * min-p: a token stays if its probability is ≥ min_p × the largest;
@@ -41,13 +59,18 @@ active. The last chain of a build is settled by the step's own list of sequences
 
 Where llama.cpp hands a chain anything but a row view of a matrix, the same computation runs on
 that row alone ("own" in `BUILDS`; llama.cpp's probes at attach land there). A device that lacks
-`ggml_top_k` or I32 row gathers runs a variant without it (`_VARIANTS`); one that lacks more
-keeps the chain on the host (`backend_init` says no; "host" in `BUILDS`, the missing operations
-in the log), where `apply` runs llama.cpp's own samplers.
+an operation of the top-k in stages (`ggml_pad`, a broadcast add, `ggml_arange`), `ggml_top_k`
+or I32 row gathers runs a variant without it (`_VARIANTS`, the missing operation in the log:
+without the stages, one `ggml_top_k` per row); one that lacks more keeps the chain on the host
+(`backend_init` says no; "host" in `BUILDS`, the missing operations in the log), where `apply`
+runs llama.cpp's own samplers. `TANDEM_TOPK_CHUNK` (read at import; 0 turns the stages off)
+and `set_top_k_chunk` (graphs built from then on; bench overhead's `topk1`/`full1` variants)
+set the chunk; "two-stage" in `BUILDS` counts the computations that ran in stages.
 
 Thread contract: a context's graph builds and `draw` run on the thread that calls
 `llama_decode` (the backend's worker); each such thread has its own `_Table`. `BUILDS` is read
-anywhere.
+anywhere. `TOP_K_CHUNK` is one int, read by each build: `set_top_k_chunk` from any thread
+takes effect at the next graph build (a graph reused from the step before keeps its top-k).
 """
 
 from __future__ import annotations
