@@ -14,23 +14,26 @@ as llama.cpp's chain (tests/test_fused_dist.py checks it against the chain itsel
 * top-k: the k best of each row (k = the largest k of the graph's chains; rows asking a
   smaller k mask the rest), sorted by `ggml_argsort`. With a large vocabulary and a small k
   (`in_stages`: k <= chunk / 4, vocabulary >= 4 chunks) in stages of small sorts
-  (`_top_k_in_stages`): each row viewed as chunks of `TOP_K_CHUNK` (1,024) logits, padded with
-  -inf, `ggml_top_k` keeps the k best of every chunk, again over the survivors while more than
-  a chunk survive (Qwen2.5's 151,936 tokens at k 40: 149 chunks, 5,960 survivors, 6 chunks,
-  240), and an argsort of the last survivors. The k best of a row are among the k best of their
-  chunks, so the kept set is exactly the row's top k (tests check it against numpy's). Why:
-  CUDA's `ggml_top_k` (an argsort where CUB has no top-k) sorts a row of up to 1,024 values in
-  one thread block (bitonic) and a longer one with CUB's segmented sort, and one 152k-wide top-k
-  cost about 1 ms a step at every batch size (H200,
+  (`_top_k_in_stages`): each row is viewed as chunks of `TOP_K_CHUNK` (1,024) logits, padded
+  with -inf, and the first k of each chunk's argsort survive; the same again over the
+  survivors while more than a chunk survive; then the survivors are sorted (Qwen2.5's 151,936
+  tokens at k 40: 149 chunks, 5,960 survivors, 6 chunks, 240 sorted). The k best of a row are
+  among the k best of their chunks, so the kept set is exactly the row's top k (tests check it
+  against numpy's). Why: CUDA's `ggml_top_k` (an argsort where CUB has no top-k) sorts a row of
+  up to 1,024 values in one thread block (bitonic) and a longer one with CUB's segmented sort,
+  and one 152k-wide top-k cost about 1 ms a step at every batch size (H200,
   docs/results/gpu/round3/sampling_parts_graphs_on.txt: 2.25 ms a step at B = 1 against
   greedy's 1.18, 6.8 against 5.5 at B = 32); chunks make C x B small sorts that run side by
-  side. Otherwise one `ggml_top_k` per row. Ties: where tokens tie at the k-th logit, which of them are kept
-  depends on the sort (as in llama.cpp's own top-k, CPU or GPU); tied tokens have equal
-  probability, so the distribution of the drawn probability is the same, and any difference is
-  which of equally likely tokens is named. Requests without top-k (top_k = 0: the whole
-  vocabulary) sort each whole row with `ggml_argsort` as before: 2.9 ms a step at B = 1 and
-  17 ms at B = 32 on the H200 for Qwen2.5 (greedy: 1.18 and 5.5), the sort, softmaxes and
-  cumulative sums running over 152k values per row.
+  side in one launch. The stages sort with `ggml_argsort`, not `ggml_top_k`: where CUB has a
+  top-k, CUDA runs `ggml_top_k` one row at a time (C x B launches). Otherwise (small
+  vocabularies, large k, `TOP_K_CHUNK` 0) one `ggml_top_k` per row.
+  Ties: where tokens tie at the k-th logit, which of them are kept depends on the sort (as in
+  llama.cpp's own top-k, CPU or GPU); tied tokens have equal probability, so the distribution
+  of the drawn probability is the same, and any difference is which of equally likely tokens
+  is named.
+  Without top-k (top_k = 0: the whole vocabulary) each whole row is sorted by `ggml_argsort` as
+  before: 2.9 ms a step at B = 1 and 17 ms at B = 32 on the H200 for Qwen2.5 (greedy: 1.18
+  and 5.5), the sort, softmaxes and cumulative sums running over 152k values per row.
 * top-p: softmax over the kept logits, a token stays while the probability before it is < p
   (the token that crosses p stays, as llama.cpp's);
 * min-p: a token stays if its probability is ≥ min_p × the largest;
@@ -255,8 +258,8 @@ def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int
     A stage views each row as chunks of `chunk` values (the row padded with -inf to a whole
     number of chunks: `tail` is F32, 0 for the first n_vocab values and -inf for `_MAX_CHUNK`
     after, and a view of it starting `n_vocab - n` values in is the padding bias of a row of n),
-    and `ggml_top_k` keeps the k best of every chunk: one small sort per chunk, all in parallel
-    (a device sorts a whole row in one block). The k best of a row are among the k best of their
+    and keeps the first k of each chunk's `ggml_argsort`: one small sort per chunk, all in one
+    launch (CUDA: a bitonic sort in one thread block per chunk, up to 1,024 values). The k best of a row are among the k best of their
     chunks, so the survivors (k per chunk) hold them; stages repeat while more than a chunk
     survive, and the last one sorts the survivors. Each survivor's token id travels with it:
     the first stage's is its chunk's start plus its place in the chunk (gathered from an F32
@@ -271,7 +274,10 @@ def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int
             if ids is not None:
                 ids = g["ggml_pad"](ctx, ids, c * chunk - n, 0, 0, 0)
         rows = g["ggml_reshape_3d"](ctx, values, 1, chunk, c * n_rows)
-        best = g["ggml_top_k"](ctx, g["ggml_reshape_2d"](ctx, values, chunk, c * n_rows), k)  # k x (c x n_rows)
+        # the first k of each chunk's sort, k x (c x n_rows): an argsort, not `ggml_top_k`, which
+        # CUDA runs row by row (one launch per row) where CUB has a top-k
+        best = g["ggml_argsort"](ctx, g["ggml_reshape_2d"](ctx, values, chunk, c * n_rows), _SORT_DESC)
+        best = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, best, k, c * n_rows, chunk * 4, 0))
         values = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, rows, best), k * c, n_rows)
         if ids is None:  # place in the chunk (an F32 ramp gathered by the I32 places) + the chunk's start
             ramp = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(chunk), 1.0), 1, chunk)
@@ -295,7 +301,7 @@ def _top_k(ctx, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool,
     ids, 1 x k x n_rows; whether the ids are I32, else F32). `_build` says the rest."""
     top_k_op, int_ids, staged = variant
     g = _g
-    if staged and top_k_op and tail is not None and in_stages(n_vocab, k, chunk):
+    if staged and tail is not None and in_stages(n_vocab, k, chunk):
         logits, ids = _top_k_in_stages(ctx, lg, n_vocab, n_rows, k, chunk, tail)
         int_ids = False  # the ids come as F32
     elif k < n_vocab and top_k_op:
@@ -681,7 +687,7 @@ _VARIANTS = ((True, True, True), (True, False, True), (True, True, False), (True
              (False, True, False), (False, False, False))
 
 
-def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool]) -> str | None:
+def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool, bool]) -> str | None:
     """The first operation of the computation the device behind `buft` does not run, by name;
     None when it runs them all (the CPU runs them all)."""
     dev = _g["ggml_backend_buft_get_device"](buft)
