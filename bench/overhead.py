@@ -20,7 +20,8 @@ sampling, with llama.cpp's chains per sequence; each is printed as a ratio to th
 each variant decodes with the fused sampler on the greedy backend (temp: temperature alone over
 the whole vocabulary; topk: + top-k 40; topp: + top-p 0.95; full: + min-p 0.05, the chat
 default; topk1 and full1: topk and full with the top-k in one `ggml_top_k` per row instead of
-stages of small sorts, `fused_dist.set_top_k_chunk(0)` while they run), printed as a ratio to
+stages of small sorts, `fused_dist.top_k_stages(0)` while they run; the CPU backend takes no
+stages anyway), printed as a ratio to
 greedy per batch size, with the share of its steps that reused
 the previous step's graph (a rebuild runs the sampler's Python callbacks and, on CUDA, captures
 a new CUDA graph), its ms per step inside `llama_decode` (graph build and device) and its µs
@@ -188,12 +189,9 @@ def run_overhead(args) -> int:
                     if rnd:
                         results[f"{m}_b{b}"].append(v)
                 for name in variants:
-                    chunk = fused_dist.set_top_k_chunk(0) if name in ONE_STAGE else fused_dist.TOP_K_CHUNK
                     steps0, reused0, dec0, t0 = backend.steps, backend.graphs_reused, backend.decode_s, time.perf_counter()
-                    try:
+                    with fused_dist.top_k_stages(0 if name in ONE_STAGE else fused_dist.TOP_K_CHUNK):
                         v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=VARIANTS[name])
-                    finally:
-                        fused_dist.set_top_k_chunk(chunk)
                     if rnd:
                         steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
                         results[f"part_{name}_b{b}"].append(v)

@@ -666,16 +666,17 @@ def test_bench_overhead_sampled_variants_print_each_part_against_greedy(tiny_pat
 
 
 def test_bench_overhead_one_stage_variants_run_without_top_k_stages(default_path, capsys):
-    """`topk1` / `full1`: the default model's vocabulary (49,152) would take the top-k in stages;
-    these variants build one `ggml_top_k` per row instead, and leave the chunk as it was."""
-    chunk = fused_dist.TOP_K_CHUNK
-    rc = main(["bench", "overhead", "--model", str(default_path), "--threads", "1", "--batches", "1",
-               "--repeats", "1", "--no-llama", "--prompt-tokens", "32", "--gen-tokens", "8",
-               "--sampled-variants", "topk1"])
+    """`topk1` / `full1`: where the default model's vocabulary (49,152) would take the top-k in
+    stages (here on the CPU backend, asked to), these variants build one `ggml_top_k` per row
+    instead, and leave the stages' settings as they were."""
+    with fused_dist.top_k_stages(1024, on_cpu=True):
+        rc = main(["bench", "overhead", "--model", str(default_path), "--threads", "1", "--batches", "1",
+                   "--repeats", "1", "--no-llama", "--prompt-tokens", "32", "--gen-tokens", "8",
+                   "--sampled-variants", "topk1"])
+        assert (fused_dist.TOP_K_CHUNK, fused_dist.TOP_K_STAGES_ON_CPU) == (1024, True)
     out = _last_json(capsys)
     assert rc == 0
     assert out["fused_dist_builds"]["shared"] >= 1 and out["fused_dist_builds"].get("two-stage", 0) == 0
-    assert fused_dist.TOP_K_CHUNK == chunk
 
 
 def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):

@@ -133,6 +133,19 @@ def test_top_k_in_stages_keeps_k_of_the_best_values_among_ties():
 def test_a_top_k_chunk_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         fused_dist.top_k_rows(WIDE[None, :], 40, chunk=300)
+    with pytest.raises(ValueError, match="power of two"):
+        with fused_dist.top_k_stages(1000):
+            pass
+
+
+def test_the_cpu_backend_keeps_one_top_k_per_row_by_default(make_backend, default_model):
+    """On the CPU backend ggml's own top-k is faster than the stages: a top-k 40 over the
+    default model's 49,152 tokens runs without them unless asked."""
+    before = fused_dist.BUILDS.copy()
+    _texts(make_backend(default_model, cap=2, cache=False),
+           [SamplingParams(temperature=0.8, top_k=40, seed=s, max_tokens=4) for s in (1, 2)])
+    built = fused_dist.BUILDS - before
+    assert built["shared"] >= 1 and built["two-stage"] == 0, built
 
 
 def test_ignore_eos_rows_never_draw_end_tokens():
@@ -207,13 +220,15 @@ def test_engine_first_tokens_follow_the_host_chain(make_backend, tiny_model):
 
 
 def test_engine_first_tokens_with_top_k_in_stages_follow_the_host_chain(make_backend, default_model):
-    """The default model's 49,152 tokens at the default chunk (1,024): the top-k 40 runs in
-    stages inside the decode graph, with the same distribution as llama.cpp's chain."""
-    assert fused_dist.in_stages(default_model.info.n_vocab, 40, fused_dist.TOP_K_CHUNK)
+    """The default model's 49,152 tokens in chunks of 1,024 (the stages asked of the CPU
+    backend, which runs the graph a GPU would): the top-k 40 runs in stages inside the decode
+    graph, with the same distribution as llama.cpp's chain."""
+    assert fused_dist.in_stages(default_model.info.n_vocab, 40, 1024)
     before = fused_dist.BUILDS.copy()
     # "My favourite": some 36 distinct first tokens in 200 draws at this temperature
-    _first_tokens_fit_host_chain(make_backend, default_model, tuple(default_model.tokenize("My favourite",
-                                                                                          add_special=False)))
+    with fused_dist.top_k_stages(1024, on_cpu=True):
+        _first_tokens_fit_host_chain(make_backend, default_model, tuple(default_model.tokenize("My favourite",
+                                                                                              add_special=False)))
     built = fused_dist.BUILDS - before
     assert built["two-stage"] >= 1 and built["host"] == 0, built
 

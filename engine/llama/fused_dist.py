@@ -24,7 +24,8 @@ as llama.cpp's chain (tests/test_fused_dist.py checks it against the chain itsel
   and one 152k-wide top-k cost about 1 ms a step at every batch size (H200,
   docs/results/gpu/round3/sampling_parts_graphs_on.txt: 2.25 ms a step at B = 1 against
   greedy's 1.18, 6.8 against 5.5 at B = 32); chunks make C x B small sorts that run side by
-  side in one launch. The stages sort with `ggml_argsort`, not `ggml_top_k`: where CUB has a
+  side in one launch (on accelerators: the CPU backend keeps one `ggml_top_k`, see
+  `TOP_K_STAGES_ON_CPU`). The stages sort with `ggml_argsort`, not `ggml_top_k`: where CUB has a
   top-k, CUDA runs `ggml_top_k` one row at a time (C x B launches). Otherwise (small
   vocabularies, large k, `TOP_K_CHUNK` 0) one `ggml_top_k` per row.
   Ties: where tokens tie at the k-th logit, which of them are kept depends on the sort (as in
@@ -67,18 +68,22 @@ or I32 row gathers runs a variant without it (`_VARIANTS`, the missing operation
 without the stages, one `ggml_top_k` per row); one that lacks more keeps the chain on the host
 (`backend_init` says no; "host" in `BUILDS`, the missing operations in the log), where `apply`
 runs llama.cpp's own samplers. `TANDEM_TOPK_CHUNK` (read at import; 0 turns the stages off)
-and `set_top_k_chunk` (graphs built from then on; bench overhead's `topk1`/`full1` variants)
-set the chunk; "two-stage" in `BUILDS` counts the computations that ran in stages.
+and `top_k_stages` (graphs built within it; bench overhead's `topk1`/`full1` variants) set the
+chunk; the CPU backend keeps one `ggml_top_k` per row unless `top_k_stages(..., on_cpu=True)`
+(tests: its own top-k is faster there); "two-stage" in `BUILDS` counts the computations that
+ran in stages.
 
 Thread contract: a context's graph builds and `draw` run on the thread that calls
 `llama_decode` (the backend's worker); each such thread has its own `_Table`. `BUILDS` is read
-anywhere. `TOP_K_CHUNK` is one int, read by each build: `set_top_k_chunk` from any thread
-takes effect at the next graph build (a graph reused from the step before keeps its top-k).
+anywhere. `TOP_K_CHUNK` and `TOP_K_STAGES_ON_CPU` are read by each build: `top_k_stages` on
+any thread takes effect at the next graph build (a graph reused from the step before keeps its
+top-k).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -98,6 +103,7 @@ _I64, _F = ctypes.c_int64, ctypes.c_float
 _F32, _I32 = 0, 26  # enum ggml_type
 _SORT_DESC = 1  # enum ggml_sort_order
 _FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: set on the output llama.cpp chose for a chain
+_DEVICE_CPU = 0  # GGML_BACKEND_DEVICE_TYPE_CPU
 
 _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_top_k", [_P, _P, ctypes.c_int], _P),
@@ -140,6 +146,7 @@ _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_backend_buft_get_device", [_P], _P),
     ("ggml_backend_buft_name", [_P], ctypes.c_char_p),
     ("ggml_backend_buft_is_host", [_P], ctypes.c_bool),
+    ("ggml_backend_dev_type", [_P], ctypes.c_int),
     ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
     ("ggml_op_desc", [_P], ctypes.c_char_p),
 ]
@@ -186,16 +193,29 @@ def _checked_chunk(n: int) -> int:
 
 # Values per first-stage sort of the two-stage top-k (`_top_k_in_stages`); 0: one `ggml_top_k`
 # over each whole row. Read at each graph build; `TANDEM_TOPK_CHUNK` sets it at import,
-# `set_top_k_chunk` later (bench overhead's one-stage variants).
+# `top_k_stages` for a while (bench overhead's one-stage variants).
 TOP_K_CHUNK = _chunk_from(os.environ.get("TANDEM_TOPK_CHUNK"))
+# Whether the CPU backend takes the stages too. Off: there ggml's own top-k is one pass per row
+# and the stages' sorts cost more (this 2-core machine, 1 thread, 49,152 tokens, k 40, the whole
+# sampler via `sample_rows`: 0.6 ms vs 3.9 ms at B = 1, 1.7 vs 35 ms at B = 8). Tests turn it on.
+TOP_K_STAGES_ON_CPU = False
 
 
-def set_top_k_chunk(n: int) -> int:
-    """Set `TOP_K_CHUNK` for the graphs built from now on (0: one-stage top-k); returns the
-    previous value. ValueError for a size that is not 0 or a power of two from 16 to 8192."""
-    global TOP_K_CHUNK
-    previous, TOP_K_CHUNK = TOP_K_CHUNK, _checked_chunk(int(n))
-    return previous
+@contextlib.contextmanager
+def top_k_stages(chunk: int, on_cpu: bool | None = None):
+    """Within the block, graphs built use the top-k in stages of `chunk` (0: one `ggml_top_k`
+    per row), on the CPU backend too if `on_cpu` (None: as it was); the previous settings after.
+    ValueError for a chunk that is not 0 or a power of two from 16 to 8192. A graph reused from
+    a step before keeps its top-k."""
+    global TOP_K_CHUNK, TOP_K_STAGES_ON_CPU
+    previous = TOP_K_CHUNK, TOP_K_STAGES_ON_CPU
+    TOP_K_CHUNK = _checked_chunk(int(chunk))
+    if on_cpu is not None:
+        TOP_K_STAGES_ON_CPU = bool(on_cpu)
+    try:
+        yield
+    finally:
+        TOP_K_CHUNK, TOP_K_STAGES_ON_CPU = previous
 
 
 def in_stages(n_vocab: int, k: int, chunk: int) -> bool:
@@ -387,6 +407,7 @@ class _Table:
         self.active: set[int] = set()  # sequence ids that drew for this step
         self.live = 0  # fused chains made on this thread
         self.variant = _VARIANTS[0]  # what the device runs (`_build`)
+        self.cpu = True  # whether the chains' buffers belong to the CPU backend (no top-k stages there)
         self.slot = 0
         self.last: _Build | None = None  # the latest build of a shared computation
 
@@ -409,6 +430,8 @@ class _Table:
         _set(self.tail, _tail(n_vocab))
         _set(self.uniforms, self.staged)
         self.buft, self.n_vocab = buft, n_vocab
+        dev = g["ggml_backend_buft_get_device"](buft)
+        self.cpu = not dev or g["ggml_backend_dev_type"](dev) == _DEVICE_CPU
         PLACEMENT.update(buffer=(g["ggml_backend_buft_name"](buft) or b"").decode(),
                          host=bool(g["ggml_backend_buft_is_host"](buft)), variant=list(self.variant))
 
@@ -501,7 +524,7 @@ class _Build:
         ban = self.ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
         block = _g["ggml_view_1d"](ctx, t.blocks, _NC * n_rows, self.base * 4)
         tail = t.tail if n_vocab <= t.n_vocab else None  # its zeros must cover the row
-        chunk = TOP_K_CHUNK
+        chunk = TOP_K_CHUNK if TOP_K_STAGES_ON_CPU or not t.cpu else 0
         self.tokens = _build(ctx, matrix, n_vocab, n_rows, self.k, block, n_rows, t.uniforms, t.eog, ban,
                              len(ks) > 1, t.variant, tail, chunk)
         if t.variant[2] and tail is not None and in_stages(n_vocab, self.k, chunk):
