@@ -130,6 +130,16 @@ def test_top_k_in_stages_keeps_k_of_the_best_values_among_ties():
         assert np.array_equal(np.sort(logits[r][ids[r]]), np.sort(logits[r])[-40:])
 
 
+def test_stages_apply_only_to_a_small_k_over_wide_rows():
+    """k at most a quarter of a chunk, rows of at least four chunks, and no more first-stage
+    sorts than one CUDA launch takes (65,535)."""
+    assert fused_dist.in_stages(151936, 40, 1024, n_rows=128)
+    assert not fused_dist.in_stages(151936, 257, 1024)
+    assert not fused_dist.in_stages(4095, 40, 1024)
+    assert not fused_dist.in_stages(151936, 40, 0)
+    assert not fused_dist.in_stages(151936, 40, 1024, n_rows=512)
+
+
 def test_a_top_k_chunk_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         fused_dist.top_k_rows(WIDE[None, :], 40, chunk=300)

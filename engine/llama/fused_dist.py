@@ -218,10 +218,13 @@ def top_k_stages(chunk: int, on_cpu: bool | None = None):
         TOP_K_CHUNK, TOP_K_STAGES_ON_CPU = previous
 
 
-def in_stages(n_vocab: int, k: int, chunk: int) -> bool:
-    """Whether a top-k of `k` over rows of `n_vocab` runs in two stages with chunks of `chunk`:
-    only where k is small against the chunk and the row spans several chunks."""
-    return chunk > 0 and 4 * k <= chunk and n_vocab >= 4 * chunk
+def in_stages(n_vocab: int, k: int, chunk: int, n_rows: int = 1) -> bool:
+    """Whether a top-k of `k` over `n_rows` rows of `n_vocab` runs in stages with chunks of
+    `chunk`: only where k is small against the chunk and the row spans several chunks, and the
+    first stage's sorts (chunks x rows) fit one launch (CUDA's argsort takes a grid row per sort,
+    at most 65,535)."""
+    return (chunk > 0 and 4 * k <= chunk and 4 * chunk <= n_vocab < 1 << 24  # F32 ids exact below 2^24
+            and -(-n_vocab // chunk) * n_rows <= 65535)
 
 
 # SamplingParams fields the fused computation covers (or that do not touch the chain); any other
@@ -321,7 +324,7 @@ def _top_k(ctx, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool,
     ids, 1 x k x n_rows; whether the ids are I32, else F32). `_build` says the rest."""
     top_k_op, int_ids, staged = variant
     g = _g
-    if staged and tail is not None and in_stages(n_vocab, k, chunk):
+    if staged and tail is not None and in_stages(n_vocab, k, chunk, n_rows):
         logits, ids = _top_k_in_stages(ctx, lg, n_vocab, n_rows, k, chunk, tail)
         int_ids = False  # the ids come as F32
     elif k < n_vocab and top_k_op:
@@ -527,7 +530,7 @@ class _Build:
         chunk = TOP_K_CHUNK if TOP_K_STAGES_ON_CPU or not t.cpu else 0
         self.tokens = _build(ctx, matrix, n_vocab, n_rows, self.k, block, n_rows, t.uniforms, t.eog, ban,
                              len(ks) > 1, t.variant, tail, chunk)
-        if t.variant[2] and tail is not None and in_stages(n_vocab, self.k, chunk):
+        if t.variant[2] and tail is not None and in_stages(n_vocab, self.k, chunk, n_rows):
             BUILDS["two-stage"] += 1
         self.owned = np.zeros(n_rows, dtype=bool)  # rows whose owner is known to be active
         self.pending: tuple | None = None  # the previous chain's (view, row, chain, seq): active or not?
