@@ -274,7 +274,8 @@ def _settings(params, n_vocab: int) -> tuple[float, ...]:
 
 # ---- the computation ----
 
-def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int, tail: int) -> tuple[int, int]:
+def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int,
+                     tail: int) -> tuple[int, int]:
     """The k best of each row of `lg` (n_vocab x n_rows), in descending order: (their logits,
     k x n_rows; their token ids as F32, 1 x k x n_rows), exact, by stages of small sorts.
 
@@ -282,11 +283,12 @@ def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int
     number of chunks: `tail` is F32, 0 for the first n_vocab values and -inf for `_MAX_CHUNK`
     after, and a view of it starting `n_vocab - n` values in is the padding bias of a row of n),
     and keeps the first k of each chunk's `ggml_argsort`: one small sort per chunk, all in one
-    launch (CUDA: a bitonic sort in one thread block per chunk, up to 1,024 values). The k best of a row are among the k best of their
-    chunks, so the survivors (k per chunk) hold them; stages repeat while more than a chunk
-    survive, and the last one sorts the survivors. Each survivor's token id travels with it:
-    the first stage's is its chunk's start plus its place in the chunk (gathered from an F32
-    ramp, exact below 2^24), later stages gather the previous stage's ids like the values."""
+    launch (CUDA: a bitonic sort in one thread block per chunk, up to 1,024 values). The k best
+    of a row are among the k best of their chunks, so the survivors (k per chunk) hold them;
+    stages repeat while more than a chunk survive, and the last one sorts the survivors. Each
+    survivor's token id travels with it: the first stage's is its chunk's start plus its place
+    in the chunk (gathered from an F32 ramp, exact below 2^24), later stages gather the previous
+    stage's ids like the values."""
     g = _g
     n, values, ids = n_vocab, lg, None
     while n > chunk:
