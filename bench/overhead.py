@@ -19,8 +19,10 @@ sampling, with llama.cpp's chains per sequence; each is printed as a ratio to th
 `--sampled-variants temp,topk,topp,full` isolates the fused sampler's parts in the same rounds:
 each variant decodes with the fused sampler on the greedy backend (temp: temperature alone over
 the whole vocabulary; topk: + top-k 40; topp: + top-p 0.95; full: + min-p 0.05, the chat
-default), printed as a ratio to greedy per batch size, with the share of its steps that reused
-the previous step's graph (a rebuild runs the sampler's Python callbacks and, on CUDA, captures
+default; topk1 and full1: topk and full with the top-k in one `ggml_top_k` per row instead of
+stages of small sorts, `fused_dist.top_k_stages(0)` while they run; the CPU backend takes no
+stages anyway), printed as a ratio to greedy per batch size, with the share of its steps that
+reused the previous step's graph (a rebuild runs the sampler's Python callbacks and, on CUDA, captures
 a new CUDA graph), its ms per step inside `llama_decode` (graph build and device) and its µs
 per step outside it (host: scheduling, the uniforms' upload), beside greedy's `host_us_per_step`.
 """
@@ -59,7 +61,10 @@ VARIANTS = {
     "topk": SamplingParams(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0),
     "topp": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0),
     "full": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    "topk1": SamplingParams(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0),
+    "full1": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
 }
+ONE_STAGE = {"topk1", "full1"}  # variants whose top-k runs as one ggml_top_k per row (no stages)
 
 
 def add_arguments(p) -> None:
@@ -183,8 +188,10 @@ def run_overhead(args) -> int:
                     if rnd:
                         results[f"{m}_b{b}"].append(v)
                 for name in variants:
-                    steps0, reused0, dec0, t0 = backend.steps, backend.graphs_reused, backend.decode_s, time.perf_counter()
-                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=VARIANTS[name])
+                    steps0, reused0, dec0 = backend.steps, backend.graphs_reused, backend.decode_s
+                    t0 = time.perf_counter()
+                    with fused_dist.top_k_stages(0 if name in ONE_STAGE else fused_dist.TOP_K_CHUNK):
+                        v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=VARIANTS[name])
                     if rnd:
                         steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
                         results[f"part_{name}_b{b}"].append(v)
@@ -252,6 +259,7 @@ def run_overhead(args) -> int:
         # op, "idle" where only idle fused chains were in a graph (greedy steps)
         out["fused_dist_builds"] = dict(fused_dist.BUILDS - builds0)
         out["fused_dist_placement"] = dict(fused_dist.PLACEMENT)  # its tables' buffer: host memory costs copies
+        out["top_k_chunk"] = fused_dist.TOP_K_CHUNK  # the top-k's stages (0: one ggml_top_k per row)
     if chains is not None:
         print("temperature 0.8 / top-p 0.95 vs greedy: " + "  ".join(
             f"B={b} fused {out[f'ratio_fused_temp_greedy_b{b}']:.3f} chains {out[f'ratio_chain_temp_greedy_b{b}']:.3f}"

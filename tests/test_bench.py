@@ -22,6 +22,7 @@ from engine.benchmark import (RequestRecord, aggregate, decision_line, makespan,
                               percentile, run_metrics, seed_formula)
 from engine.config import parse_backend_specs
 from engine.engine import Engine
+from engine.llama import fused_dist
 from engine.workload import build_workload, seed_workload
 
 BACKENDS = ["--backend", "cpu:threads=1,cap=2,ctx=512", "--backend", "cpu:threads=1,cap=2,ctx=512"]
@@ -662,6 +663,20 @@ def test_bench_overhead_sampled_variants_print_each_part_against_greedy(tiny_pat
             assert f"{name}_b{b}" in out["variant_host_us_per_step"]
     assert out["fused_dist_placement"]["buffer"] and isinstance(out["fused_dist_placement"]["host"], bool)
     assert out["fused_dist_builds"]["shared"] >= 1
+
+
+def test_bench_overhead_one_stage_variants_run_without_top_k_stages(default_path, capsys):
+    """`topk1` / `full1`: where the default model's vocabulary (49,152) would take the top-k in
+    stages (here on the CPU backend, asked to), these variants build one `ggml_top_k` per row
+    instead, and leave the stages' settings as they were."""
+    with fused_dist.top_k_stages(1024, on_cpu=True):
+        rc = main(["bench", "overhead", "--model", str(default_path), "--threads", "1", "--batches", "1",
+                   "--repeats", "1", "--no-llama", "--prompt-tokens", "32", "--gen-tokens", "8",
+                   "--sampled-variants", "topk1"])
+        assert (fused_dist.TOP_K_CHUNK, fused_dist.TOP_K_STAGES_ON_CPU) == (1024, True)
+    out = _last_json(capsys)
+    assert rc == 0
+    assert out["fused_dist_builds"]["shared"] >= 1 and out["fused_dist_builds"].get("two-stage", 0) == 0
 
 
 def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):

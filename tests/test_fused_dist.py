@@ -30,6 +30,13 @@ CONFIGS = {
 }
 EOG = [int(np.argmax(LOGITS)), 3]  # the likeliest token is an end token: banning it matters
 
+# A wide row for the top-k in stages: 5,000 tokens in chunks of 256 (padded to 5,120, 20 chunks;
+# the 800 survivors padded to 1,024 for a second stage), every top-k of CONFIGS (<= 40) at most a
+# quarter of a chunk. Spread so that a top-k 40 cut falls among tokens of visible probability.
+WIDE = np.random.default_rng(8).normal(size=5000).astype(np.float32) * 2.5
+CHUNK = 256
+WIDE_EOG = [int(np.argmax(WIDE)), 3]
+
 
 def _draws(settings: list[SamplingParams], seed: int) -> np.ndarray:
     rows = np.tile(LOGITS, (len(settings), 1))
@@ -60,7 +67,7 @@ def test_rows_with_different_settings_draw_each_from_their_own_distribution():
         assert ok, f"{name} among mixed rows: chi-square {stat:.1f} > {crit:.1f}"
 
 
-@pytest.mark.parametrize("variant", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("variant", [(True, False, False), (False, True, False), (False, False, False)])
 def test_variants_for_devices_lacking_an_operation_draw_the_same_distribution(variant):
     """A device without `ggml_top_k` takes the first k of a whole-row argsort; one without I32
     row gathers gathers token ids as F32. Same distribution."""
@@ -70,6 +77,85 @@ def test_variants_for_devices_lacking_an_operation_draw_the_same_distribution(va
     ok, stat, crit = fused_dist.chi_square_ok(np.bincount(tokens, minlength=LOGITS.size),
                                               fused_dist.reference_probs(LOGITS, p, EOG))
     assert ok, f"{variant}: chi-square {stat:.1f} > {crit:.1f}"
+
+
+@pytest.mark.parametrize("name", [n for n, p in CONFIGS.items() if p.top_k > 0])
+def test_top_k_in_stages_draws_from_llama_chain_distribution(name):
+    """The top-k in stages of small sorts (a wide row, chunks of 256, two stages with padding):
+    20,000 draws fit llama.cpp's chain's probabilities on that row (chi-square, 1e-4)."""
+    p = CONFIGS[name]
+    assert fused_dist.in_stages(WIDE.size, p.top_k, CHUNK)
+    tokens = fused_dist.sample_rows(np.tile(WIDE, (DRAWS, 1)), [p] * DRAWS, np.random.default_rng(5).random(DRAWS),
+                                    WIDE_EOG, chunk=CHUNK)
+    probs = fused_dist.reference_probs(WIDE, p, WIDE_EOG)
+    ok, stat, crit = fused_dist.chi_square_ok(np.bincount(tokens, minlength=WIDE.size), probs)
+    assert ok, f"{name}: chi-square {stat:.1f} > {crit:.1f}"
+
+
+def test_rows_with_different_top_k_in_stages_draw_each_from_their_own_distribution():
+    """Rows asking top-k 8, 20 and 40 share one staged top-k of 40 (the smaller ones masked
+    after it): each row's tokens follow its own chain's distribution."""
+    names = ["top-k", "combined", "temp-0.5"]
+    settings = [CONFIGS[names[i % len(names)]] for i in range(DRAWS)]
+    tokens = fused_dist.sample_rows(np.tile(WIDE, (DRAWS, 1)), settings, np.random.default_rng(6).random(DRAWS),
+                                    WIDE_EOG, chunk=CHUNK)
+    for j, name in enumerate(names):
+        counts = np.bincount(tokens[j::len(names)], minlength=WIDE.size)
+        ok, stat, crit = fused_dist.chi_square_ok(counts, fused_dist.reference_probs(WIDE, CONFIGS[name], WIDE_EOG))
+        assert ok, f"{name} among mixed rows: chi-square {stat:.1f} > {crit:.1f}"
+
+
+@pytest.mark.parametrize("vocab, chunk, k", [(5000, 256, 40), (4096, 256, 64), (151936, 1024, 40), (49152, 1024, 1)])
+def test_top_k_in_stages_keeps_exactly_the_k_best(vocab, chunk, k):
+    """The staged top-k keeps the same tokens as numpy's top-k of the same logits, in descending
+    order, on rows that need padding or not, one stage or two, with a third of a row at -1e30
+    (banned end tokens look like that)."""
+    logits = np.random.default_rng(vocab + k).normal(size=(3, vocab)).astype(np.float32) * 3
+    logits[1, : vocab // 3] = -1e30
+    assert fused_dist.in_stages(vocab, k, chunk)
+    ids = fused_dist.top_k_rows(logits, k, chunk=chunk)
+    for r in range(3):
+        assert set(ids[r].tolist()) == set(np.argpartition(-logits[r], k - 1)[:k].tolist())
+        assert np.all(np.diff(logits[r][ids[r]]) <= 0)
+
+
+def test_top_k_in_stages_keeps_k_of_the_best_values_among_ties():
+    """Integer logits, many equal: the staged top-k keeps k distinct tokens whose logits are the
+    k largest values (which of the tokens tied at the cut it keeps is not specified, as in
+    llama.cpp's own top-k; tied tokens have equal probability)."""
+    logits = np.random.default_rng(9).integers(0, 20, size=(4, 5000)).astype(np.float32)
+    ids = fused_dist.top_k_rows(logits, 40, chunk=CHUNK)
+    for r in range(4):
+        assert len(set(ids[r].tolist())) == 40
+        assert np.array_equal(np.sort(logits[r][ids[r]]), np.sort(logits[r])[-40:])
+
+
+def test_stages_apply_only_to_a_small_k_over_wide_rows():
+    """k at most a quarter of a chunk, rows of at least four chunks, and no more first-stage
+    sorts than one CUDA launch takes (65,535)."""
+    assert fused_dist.in_stages(151936, 40, 1024, n_rows=128)
+    assert not fused_dist.in_stages(151936, 257, 1024)
+    assert not fused_dist.in_stages(4095, 40, 1024)
+    assert not fused_dist.in_stages(151936, 40, 0)
+    assert not fused_dist.in_stages(151936, 40, 1024, n_rows=512)
+
+
+def test_a_top_k_chunk_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        fused_dist.top_k_rows(WIDE[None, :], 40, chunk=300)
+    with pytest.raises(ValueError, match="power of two"):
+        with fused_dist.top_k_stages(1000):
+            pass
+
+
+def test_the_cpu_backend_keeps_one_top_k_per_row_by_default(make_backend, default_model):
+    """On the CPU backend ggml's own top-k is faster than the stages: a top-k 40 over the
+    default model's 49,152 tokens runs without them unless asked."""
+    before = fused_dist.BUILDS.copy()
+    _texts(make_backend(default_model, cap=2, cache=False),
+           [SamplingParams(temperature=0.8, top_k=40, seed=s, max_tokens=4) for s in (1, 2)])
+    built = fused_dist.BUILDS - before
+    assert built["shared"] >= 1 and built["two-stage"] == 0, built
 
 
 def test_ignore_eos_rows_never_draw_end_tokens():
@@ -117,21 +203,44 @@ def _homogeneous(a: np.ndarray, b: np.ndarray, z: float = 3.719) -> tuple[bool, 
     return stat <= crit, stat, crit
 
 
-def test_engine_first_tokens_follow_the_host_chain(make_backend, tiny_model):
-    """The first token of one prompt under 400 seeds, sampled by the fused computation inside
-    the decode graph, against 400 sampled by llama.cpp's chain on the host: one distribution."""
+def _first_tokens_fit_host_chain(make_backend, model, prompt: tuple[int, ...]) -> None:
+    """The first token of `prompt` under 400 seeds, sampled by the fused computation inside the
+    decode graph, against 400 sampled by llama.cpp's chain on the host: one distribution (each
+    distinct text a category)."""
     sp = dict(temperature=1.5, top_k=40, top_p=0.95, min_p=0.0, max_tokens=1)
-    prompt = (9, 4, 17, 3)
+    names: dict[str, int] = {}
 
     def first(backend, seeds):
         handles = [backend.enqueue(Request(prompt, SamplingParams(**sp, seed=s))) for s in seeds]
-        return np.array([tiny_model.tokenize(h.result(WAIT).text, add_special=False)[0] for h in handles])
+        return np.array([names.setdefault(h.result(WAIT).text, len(names)) for h in handles])
 
-    fused = first(make_backend(tiny_model, cap=32), range(400))
-    host = first(make_backend(tiny_model, cap=32, backend_sampling=False), range(1000, 1400))
+    fused = first(make_backend(model, cap=32), range(400))
+    host = first(make_backend(model, cap=32, backend_sampling=False), range(1000, 1400))
     assert len(set(fused.tolist())) > 5, "the prompt was chosen for a spread first-token distribution"
     ok, stat, crit = _homogeneous(fused, host)
     assert ok, f"chi-square {stat:.1f} > {crit:.1f}"
+
+
+def test_engine_first_tokens_follow_the_host_chain(make_backend, tiny_model):
+    """A small vocabulary (512 tokens): one `ggml_top_k` per row."""
+    before = fused_dist.BUILDS.copy()
+    _first_tokens_fit_host_chain(make_backend, tiny_model, (9, 4, 17, 3))
+    built = fused_dist.BUILDS - before
+    assert built["shared"] >= 1 and built["two-stage"] == 0, built
+
+
+def test_engine_first_tokens_with_top_k_in_stages_follow_the_host_chain(make_backend, default_model):
+    """The default model's 49,152 tokens in chunks of 1,024 (the stages asked of the CPU
+    backend, which runs the graph a GPU would): the top-k 40 runs in stages inside the decode
+    graph, with the same distribution as llama.cpp's chain."""
+    assert fused_dist.in_stages(default_model.info.n_vocab, 40, 1024)
+    before = fused_dist.BUILDS.copy()
+    # "My favourite": some 36 distinct first tokens in 200 draws at this temperature
+    with fused_dist.top_k_stages(1024, on_cpu=True):
+        _first_tokens_fit_host_chain(make_backend, default_model, tuple(default_model.tokenize("My favourite",
+                                                                                              add_special=False)))
+    built = fused_dist.BUILDS - before
+    assert built["two-stage"] >= 1 and built["host"] == 0, built
 
 
 def test_on_the_host_the_sampler_runs_llama_chain():

@@ -11,8 +11,30 @@ over the step's logits matrix (`_build`), and every chain takes its own row's to
 of the result, as `fused_greedy` does for argmax (engine/llama/greedy.py). The same distribution
 as llama.cpp's chain (tests/test_fused_dist.py checks it against the chain itself):
 
-* top-k: `ggml_top_k` over each row (k = the largest k of the graph's chains; rows asking a
-  smaller k mask the rest), the k logits sorted by `ggml_argsort`;
+* top-k: the k best of each row (k = the largest k of the graph's chains; rows asking a
+  smaller k mask the rest), sorted by `ggml_argsort`. With a large vocabulary and a small k
+  (`in_stages`: k <= chunk / 4, vocabulary >= 4 chunks) in stages of small sorts
+  (`_top_k_in_stages`): each row is viewed as chunks of `TOP_K_CHUNK` (1,024) logits, padded
+  with -inf, and the first k of each chunk's argsort survive; the same again over the
+  survivors while more than a chunk survive; then the survivors are sorted (Qwen2.5's 151,936
+  tokens at k 40: 149 chunks, 5,960 survivors, 6 chunks, 240 sorted). The k best of a row are
+  among the k best of their chunks, so the kept set is exactly the row's top k (tests check it
+  against numpy's). Why: CUDA's `ggml_top_k` (an argsort where CUB has no top-k) sorts a row of
+  up to 1,024 values in one thread block (bitonic) and a longer one with CUB's segmented sort,
+  and one 152k-wide top-k cost about 1 ms a step at every batch size (H200,
+  docs/results/gpu/round3/sampling_parts_graphs_on.txt: 2.25 ms a step at B = 1 against
+  greedy's 1.18, 6.8 against 5.5 at B = 32); chunks make C x B small sorts that run side by
+  side in one launch (on accelerators: the CPU backend keeps one `ggml_top_k`, see
+  `TOP_K_STAGES_ON_CPU`). The stages sort with `ggml_argsort`, not `ggml_top_k`: where CUB has a
+  top-k, CUDA runs `ggml_top_k` one row at a time (C x B launches). Otherwise (small
+  vocabularies, large k, `TOP_K_CHUNK` 0) one `ggml_top_k` per row.
+  Ties: where tokens tie at the k-th logit, which of them are kept depends on the sort (as in
+  llama.cpp's own top-k, CPU or GPU); tied tokens have equal probability, so the distribution
+  of the drawn probability is the same, and any difference is which of equally likely tokens
+  is named.
+  Without top-k (top_k = 0: the whole vocabulary) each whole row is sorted by `ggml_argsort` as
+  before: 2.9 ms a step at B = 1 and 17 ms at B = 32 on the H200 for Qwen2.5 (greedy: 1.18
+  and 5.5), the sort, softmaxes and cumulative sums running over 152k values per row.
 * top-p: softmax over the kept logits, a token stays while the probability before it is < p
   (the token that crosses p stays, as llama.cpp's);
 * min-p: a token stays if its probability is ≥ min_p × the largest;
@@ -41,18 +63,27 @@ active. The last chain of a build is settled by the step's own list of sequences
 
 Where llama.cpp hands a chain anything but a row view of a matrix, the same computation runs on
 that row alone ("own" in `BUILDS`; llama.cpp's probes at attach land there). A device that lacks
-`ggml_top_k` or I32 row gathers runs a variant without it (`_VARIANTS`); one that lacks more
-keeps the chain on the host (`backend_init` says no; "host" in `BUILDS`, the missing operations
-in the log), where `apply` runs llama.cpp's own samplers.
+an operation of the top-k in stages (`ggml_pad`, a broadcast add, `ggml_arange`), `ggml_top_k`
+or I32 row gathers runs a variant without it (`_VARIANTS`, the missing operation in the log:
+without the stages, one `ggml_top_k` per row); one that lacks more keeps the chain on the host
+(`backend_init` says no; "host" in `BUILDS`, the missing operations in the log), where `apply`
+runs llama.cpp's own samplers. `TANDEM_TOPK_CHUNK` (read at import; 0 turns the stages off)
+and `top_k_stages` (graphs built within it; bench overhead's `topk1`/`full1` variants) set the
+chunk; the CPU backend keeps one `ggml_top_k` per row unless `top_k_stages(..., on_cpu=True)`
+(tests: its own top-k is faster there); "two-stage" in `BUILDS` counts the computations that
+ran in stages.
 
 Thread contract: a context's graph builds and `draw` run on the thread that calls
 `llama_decode` (the backend's worker); each such thread has its own `_Table`. `BUILDS` is read
-anywhere.
+anywhere. `TOP_K_CHUNK` and `TOP_K_STAGES_ON_CPU` are read by each build: `top_k_stages` on
+any thread takes effect at the next graph build (a graph reused from the step before keeps its
+top-k).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -72,6 +103,7 @@ _I64, _F = ctypes.c_int64, ctypes.c_float
 _F32, _I32 = 0, 26  # enum ggml_type
 _SORT_DESC = 1  # enum ggml_sort_order
 _FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: set on the output llama.cpp chose for a chain
+_DEVICE_CPU = 0  # GGML_BACKEND_DEVICE_TYPE_CPU
 
 _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_top_k", [_P, _P, ctypes.c_int], _P),
@@ -96,6 +128,7 @@ _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_cast", [_P, _P, ctypes.c_int], _P),
     ("ggml_repeat", [_P, _P, _P], _P),
     ("ggml_arange", [_P, _F, _F, _F], _P),
+    ("ggml_pad", [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int], _P),
     ("ggml_set_name", [_P, ctypes.c_char_p], _P),
     ("ggml_get_name", [_P], ctypes.c_char_p),
     ("ggml_new_tensor_1d", [_P, ctypes.c_int, _I64], _P),
@@ -113,6 +146,7 @@ _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_backend_buft_get_device", [_P], _P),
     ("ggml_backend_buft_name", [_P], ctypes.c_char_p),
     ("ggml_backend_buft_is_host", [_P], ctypes.c_bool),
+    ("ggml_backend_dev_type", [_P], ctypes.c_int),
     ("ggml_backend_dev_supports_op", [_P, _P], ctypes.c_bool),
     ("ggml_op_desc", [_P], ctypes.c_char_p),
 ]
@@ -122,7 +156,8 @@ _g = {name: holding_gil(name, args, res) for name, args, res in _SIGNATURES}  # 
 # one; "own": chain builds that computed their row alone; "idle": chain builds in a step where no
 # fused chain's sequence drew (one argmax, never read); "host": chains kept on the host because
 # the device lacks an operation; "late": builds whose settings reached the device a step late
-# (fewer chains registered than were on the device: not expected)
+# (fewer chains registered than were on the device: not expected); "two-stage": computations
+# ("shared" or "own") whose top-k ran in stages of small sorts (`_top_k_in_stages`)
 BUILDS: collections.Counter = collections.Counter()
 # Where the latest tables were allocated: the buffer type llama.cpp gave the chains, whether it is
 # host memory (then every step copies what the graph reads from it to the device), the variant.
@@ -136,6 +171,60 @@ _ROWS = 8193  # rows of one graph's settings block (n_batch outputs + llama.cpp'
 _SLOTS = 16  # settings blocks, used in turn by successive builds (a step's ubatches may be in flight)
 _NO_CUT = 2.0  # top_p of a row without top-p: no cumulative probability reaches it
 _BAN = -1e30  # ignore_eos: added to end-of-generation logits
+_MAX_CHUNK = 8192  # the largest chunk of the two-stage top-k (the padding table covers it)
+
+
+def _chunk_from(value: str | None) -> int:
+    """`TANDEM_TOPK_CHUNK` as a chunk size: a power of two up to `_MAX_CHUNK`, or 0 (off)."""
+    if value is None or value.strip() == "":
+        return 1024
+    try:
+        return _checked_chunk(int(value))
+    except ValueError as e:
+        log.warning("fused_dist: TANDEM_TOPK_CHUNK=%r ignored (%s); using 1024", value, e)
+        return 1024
+
+
+def _checked_chunk(n: int) -> int:
+    if n != 0 and not (16 <= n <= _MAX_CHUNK and n & (n - 1) == 0):
+        raise ValueError(f"a top-k chunk is 0 (off) or a power of two from 16 to {_MAX_CHUNK}, not {n}")
+    return n
+
+
+# Values per first-stage sort of the two-stage top-k (`_top_k_in_stages`); 0: one `ggml_top_k`
+# over each whole row. Read at each graph build; `TANDEM_TOPK_CHUNK` sets it at import,
+# `top_k_stages` for a while (bench overhead's one-stage variants).
+TOP_K_CHUNK = _chunk_from(os.environ.get("TANDEM_TOPK_CHUNK"))
+# Whether the CPU backend takes the stages too. Off: there ggml's own top-k is one pass per row
+# and the stages' sorts cost more (this 2-core machine, 1 thread, 49,152 tokens, k 40, the whole
+# sampler via `sample_rows`: 0.6 ms vs 3.9 ms at B = 1, 1.7 vs 35 ms at B = 8). Tests turn it on.
+TOP_K_STAGES_ON_CPU = False
+
+
+@contextlib.contextmanager
+def top_k_stages(chunk: int, on_cpu: bool | None = None):
+    """Within the block, graphs built use the top-k in stages of `chunk` (0: one `ggml_top_k`
+    per row), on the CPU backend too if `on_cpu` (None: as it was); the previous settings after.
+    ValueError for a chunk that is not 0 or a power of two from 16 to 8192. A graph reused from
+    a step before keeps its top-k."""
+    global TOP_K_CHUNK, TOP_K_STAGES_ON_CPU
+    previous = TOP_K_CHUNK, TOP_K_STAGES_ON_CPU
+    TOP_K_CHUNK = _checked_chunk(int(chunk))
+    if on_cpu is not None:
+        TOP_K_STAGES_ON_CPU = bool(on_cpu)
+    try:
+        yield
+    finally:
+        TOP_K_CHUNK, TOP_K_STAGES_ON_CPU = previous
+
+
+def in_stages(n_vocab: int, k: int, chunk: int, n_rows: int = 1) -> bool:
+    """Whether a top-k of `k` over `n_rows` rows of `n_vocab` runs in stages with chunks of
+    `chunk`: only where k is small against the chunk and the row spans several chunks, and the
+    first stage's sorts (chunks x rows) fit one launch (CUDA's argsort takes a grid row per sort,
+    at most 65,535)."""
+    return (chunk > 0 and 4 * k <= chunk and 4 * chunk <= n_vocab < 1 << 24  # F32 ids exact below 2^24
+            and -(-n_vocab // chunk) * n_rows <= 65535)
 
 
 # SamplingParams fields the fused computation covers (or that do not touch the chain); any other
@@ -185,27 +274,62 @@ def _settings(params, n_vocab: int) -> tuple[float, ...]:
 
 # ---- the computation ----
 
-def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
-           eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, bool] = (True, True)) -> int:
-    """Sampled tokens (I32, n_rows) for every row of the F32 logits matrix `m` (n_vocab x n_rows).
-    `block`: F32 settings, column c of row r at c * stride + r; `uniforms`: F32, one per sequence
-    id; `eog`: F32 n_vocab, `_BAN` at end-of-generation tokens; `ban`: "none", "all" or "mixed"
-    (rows whose `ban` column is 1). `variant`, for devices that lack an operation: (the k best by
-    `ggml_top_k`, else the first k of a whole-row argsort; token ids gathered as I32, else as
-    F32, exact below 2^24)."""
-    top_k_op, int_ids = variant
+def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int,
+                     tail: int) -> tuple[int, int]:
+    """The k best of each row of `lg` (n_vocab x n_rows), in descending order: (their logits,
+    k x n_rows; their token ids as F32, 1 x k x n_rows), exact, by stages of small sorts.
+
+    A stage views each row as chunks of `chunk` values (the row padded with -inf to a whole
+    number of chunks: `tail` is F32, 0 for the first n_vocab values and -inf for `_MAX_CHUNK`
+    after, and a view of it starting `n_vocab - n` values in is the padding bias of a row of n),
+    and keeps the first k of each chunk's `ggml_argsort`: one small sort per chunk, all in one
+    launch (CUDA: a bitonic sort in one thread block per chunk, up to 1,024 values). The k best
+    of a row are among the k best of their chunks, so the survivors (k per chunk) hold them;
+    stages repeat while more than a chunk survive, and the last one sorts the survivors. Each
+    survivor's token id travels with it: the first stage's is its chunk's start plus its place
+    in the chunk (gathered from an F32 ramp, exact below 2^24), later stages gather the previous
+    stage's ids like the values."""
     g = _g
+    n, values, ids = n_vocab, lg, None
+    while n > chunk:
+        c = -(-n // chunk)
+        if c * chunk > n:  # pad to whole chunks: zeros, then -inf from the tail table
+            bias = g["ggml_view_1d"](ctx, tail, c * chunk, (n_vocab - n) * 4)
+            values = g["ggml_add"](ctx, g["ggml_pad"](ctx, values, c * chunk - n, 0, 0, 0), bias)
+            if ids is not None:
+                ids = g["ggml_pad"](ctx, ids, c * chunk - n, 0, 0, 0)
+        rows = g["ggml_reshape_3d"](ctx, values, 1, chunk, c * n_rows)
+        # the first k of each chunk's sort, k x (c x n_rows): an argsort, not `ggml_top_k`, which
+        # CUDA runs row by row (one launch per row) where CUB has a top-k
+        best = g["ggml_argsort"](ctx, g["ggml_reshape_2d"](ctx, values, chunk, c * n_rows), _SORT_DESC)
+        best = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, best, k, c * n_rows, chunk * 4, 0))
+        values = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, rows, best), k * c, n_rows)
+        if ids is None:  # place in the chunk (an F32 ramp gathered by the I32 places) + the chunk's start
+            ramp = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(chunk), 1.0), 1, chunk)
+            places = g["ggml_get_rows"](ctx, ramp, g["ggml_reshape_1d"](ctx, best, k * c * n_rows))
+            starts = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(c * chunk), float(chunk)), 1, c)
+            ids = g["ggml_add"](ctx, g["ggml_reshape_3d"](ctx, places, k, c, n_rows), starts)
+        else:
+            ids = g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, ids, 1, chunk, c * n_rows), best)
+        ids = g["ggml_reshape_2d"](ctx, ids, k * c, n_rows)
+        n = k * c
+    order = g["ggml_argsort"](ctx, values, _SORT_DESC)
+    order = g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, order, k, n_rows, n * 4, 0))
+    logits = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, values, 1, n, n_rows), order),
+                                  k, n_rows)
+    return logits, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, ids, 1, n, n_rows), order)
 
-    def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
-        return g["ggml_reshape_2d"](ctx, g["ggml_view_1d"](ctx, block, n_rows, c * stride * 4), 1, n_rows)
 
-    lg = m
-    if ban == "all":
-        lg = g["ggml_add"](ctx, m, eog)
-    elif ban == "mixed":
-        lg = g["ggml_add"](ctx, m, g["ggml_mul"](ctx, g["ggml_repeat"](ctx, eog, m), col(5)))
-    # the k best of each row, in descending order, and their token ids
-    if k < n_vocab and top_k_op:
+def _top_k(ctx, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool, bool, bool], tail: int | None,
+           chunk: int) -> tuple[int, int, bool]:
+    """The k best of each row of `lg` in descending order: (their logits, k x n_rows; their token
+    ids, 1 x k x n_rows; whether the ids are I32, else F32). `_build` says the rest."""
+    top_k_op, int_ids, staged = variant
+    g = _g
+    if staged and tail is not None and in_stages(n_vocab, k, chunk, n_rows):
+        logits, ids = _top_k_in_stages(ctx, lg, n_vocab, n_rows, k, chunk, tail)
+        int_ids = False  # the ids come as F32
+    elif k < n_vocab and top_k_op:
         top = g["ggml_top_k"](ctx, lg, k)  # k x n_rows, in no particular order
         lk = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lg, 1, n_vocab, n_rows), top),
                                   k, n_rows)
@@ -221,6 +345,32 @@ def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: i
         logits = g["ggml_reshape_2d"](ctx, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, lg, 1, n_vocab, n_rows),
                                                               order), k, n_rows)
         ids = g["ggml_reshape_3d"](ctx, order if int_ids else g["ggml_cast"](ctx, order, _F32), 1, k, n_rows)
+    return logits, ids, int_ids
+
+
+def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
+           eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, bool, bool] = (True, True, True),
+           tail: int | None = None, chunk: int = 0) -> int:
+    """Sampled tokens (I32, n_rows) for every row of the F32 logits matrix `m` (n_vocab x n_rows).
+    `block`: F32 settings, column c of row r at c * stride + r; `uniforms`: F32, one per sequence
+    id; `eog`: F32 n_vocab, `_BAN` at end-of-generation tokens; `ban`: "none", "all" or "mixed"
+    (rows whose `ban` column is 1). `variant`, for devices that lack an operation: (the k best by
+    `ggml_top_k`, else the first k of a whole-row argsort; token ids gathered as I32, else as
+    F32, exact below 2^24; the top-k in stages of `chunk`, `_top_k_in_stages`, where `in_stages`
+    says and `tail` is given). `tail`: F32, 0 for the first n_vocab values, -inf for
+    `_MAX_CHUNK` after (the padding of the stages)."""
+    g = _g
+
+    def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
+        return g["ggml_reshape_2d"](ctx, g["ggml_view_1d"](ctx, block, n_rows, c * stride * 4), 1, n_rows)
+
+    lg = m
+    if ban == "all":
+        lg = g["ggml_add"](ctx, m, eog)
+    elif ban == "mixed":
+        lg = g["ggml_add"](ctx, m, g["ggml_mul"](ctx, g["ggml_repeat"](ctx, eog, m), col(5)))
+    # the k best of each row, in descending order, and their token ids
+    logits, ids, int_ids = _top_k(ctx, lg, n_vocab, n_rows, k, variant, tail, chunk)
     if mixed_k:  # rows that keep fewer than k: log(j < k_row) = -inf beyond their k
         pos = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(k), 1.0), k, 1)
         room = g["ggml_sub"](ctx, g["ggml_repeat"](ctx, col(4), logits), pos)  # k_row - j
@@ -257,11 +407,12 @@ class _Table:
         self.buft = None
         self.n_vocab = 0
         self._ctx = self._buffer = None
-        self.uniforms = self.blocks = self.eog = None
+        self.uniforms = self.blocks = self.eog = self.tail = None
         self.staged = np.zeros(_SEQS, dtype=np.float32)  # this step's uniform per sequence id
         self.active: set[int] = set()  # sequence ids that drew for this step
         self.live = 0  # fused chains made on this thread
         self.variant = _VARIANTS[0]  # what the device runs (`_build`)
+        self.cpu = True  # whether the chains' buffers belong to the CPU backend (no top-k stages there)
         self.slot = 0
         self.last: _Build | None = None  # the latest build of a shared computation
 
@@ -274,14 +425,18 @@ class _Table:
         self.uniforms = g["ggml_new_tensor_1d"](self._ctx, _F32, _SEQS)
         self.blocks = g["ggml_new_tensor_1d"](self._ctx, _F32, _SLOTS * _NC * _ROWS)
         self.eog = g["ggml_new_tensor_1d"](self._ctx, _F32, n_vocab)
+        self.tail = g["ggml_new_tensor_1d"](self._ctx, _F32, n_vocab + _MAX_CHUNK)
         self._buffer = g["ggml_backend_alloc_ctx_tensors_from_buft"](self._ctx, buft)
         if not self._buffer:
             raise MemoryError("fused_dist: could not allocate its device tables")
         bias = np.zeros(n_vocab, dtype=np.float32)
         bias[[t for t in eog_tokens if 0 <= t < n_vocab]] = _BAN
         _set(self.eog, bias)
+        _set(self.tail, _tail(n_vocab))
         _set(self.uniforms, self.staged)
         self.buft, self.n_vocab = buft, n_vocab
+        dev = g["ggml_backend_buft_get_device"](buft)
+        self.cpu = not dev or g["ggml_backend_dev_type"](dev) == _DEVICE_CPU
         PLACEMENT.update(buffer=(g["ggml_backend_buft_name"](buft) or b"").decode(),
                          host=bool(g["ggml_backend_buft_is_host"](buft)), variant=list(self.variant))
 
@@ -303,6 +458,11 @@ class _Table:
             self.free()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone already
             pass
+
+
+def _tail(n_vocab: int) -> np.ndarray:
+    """The padding table of the two-stage top-k: 0 for n_vocab values, then -inf."""
+    return np.concatenate([np.zeros(n_vocab, np.float32), np.full(_MAX_CHUNK, -np.inf, np.float32)])
 
 
 def _set(tensor: int, values: np.ndarray, offset: int = 0) -> None:
@@ -368,8 +528,12 @@ class _Build:
         bans = {c.row_settings[4] for c in chains} if n_vocab == t.n_vocab else {0.0}
         ban = self.ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
         block = _g["ggml_view_1d"](ctx, t.blocks, _NC * n_rows, self.base * 4)
+        tail = t.tail if n_vocab <= t.n_vocab else None  # its zeros must cover the row
+        chunk = TOP_K_CHUNK if TOP_K_STAGES_ON_CPU or not t.cpu else 0
         self.tokens = _build(ctx, matrix, n_vocab, n_rows, self.k, block, n_rows, t.uniforms, t.eog, ban,
-                             len(ks) > 1, t.variant)
+                             len(ks) > 1, t.variant, tail, chunk)
+        if t.variant[2] and tail is not None and in_stages(n_vocab, self.k, chunk, n_rows):
+            BUILDS["two-stage"] += 1
         self.owned = np.zeros(n_rows, dtype=bool)  # rows whose owner is known to be active
         self.pending: tuple | None = None  # the previous chain's (view, row, chain, seq): active or not?
         self.expected, self.seen = len(chains), 0
@@ -545,11 +709,13 @@ def _backend_init(smpl, buft, _n_outputs_max_per_seq) -> bool:
     return True
 
 
-# (ggml_top_k, I32 ids) first; then without what a device may lack
-_VARIANTS = ((True, True), (True, False), (False, True), (False, False))
+# (ggml_top_k, I32 ids, top-k in stages) first; then without what a device may lack (the stages
+# gather F32 ids only, so they need no I32 gathers; without them, today's one ggml_top_k per row)
+_VARIANTS = ((True, True, True), (True, False, True), (True, True, False), (True, False, False),
+             (False, True, False), (False, False, False))
 
 
-def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool]) -> str | None:
+def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool, bool]) -> str | None:
     """The first operation of the computation the device behind `buft` does not run, by name;
     None when it runs them all (the CPU runs them all)."""
     dev = _g["ggml_backend_buft_get_device"](buft)
@@ -563,10 +729,13 @@ def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool]) -> str | Non
         block = g["ggml_new_tensor_1d"](ctx, _F32, _NC * 2)
         uniforms = g["ggml_new_tensor_1d"](ctx, _F32, 4)
         eog = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab)
-        k = min(int(chain.row_settings[3]), n_vocab)
-        out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True, variant)
+        tail = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab + _MAX_CHUNK)
+        # the chain's k, and a chat k (40) for the top-k in stages, which other chains may ask
+        ks = {min(int(chain.row_settings[3]), n_vocab), min(40, max(TOP_K_CHUNK // 4, 1), n_vocab)}
         gf = g["ggml_new_graph"](ctx)
-        g["ggml_build_forward_expand"](gf, out)
+        for k in ks:
+            out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True, variant, tail, TOP_K_CHUNK)
+            g["ggml_build_forward_expand"](gf, out)
         for i in range(g["ggml_graph_n_nodes"](gf)):
             node = g["ggml_graph_node"](gf, i)
             if not g["ggml_backend_dev_supports_op"](dev, node):
@@ -612,10 +781,11 @@ def fused_dist(params, n_vocab: int, eog_tokens: list[int]) -> FusedDist:
 # ---- the same computation on ggml's CPU backend, for tests and checks ----
 
 def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens=(), threads: int = 1,
-                variant: tuple[bool, bool] = (True, True)) -> np.ndarray:
+                variant: tuple[bool, bool, bool] = (True, True, True), chunk: int | None = None) -> np.ndarray:
     """Tokens the device computation draws for each row of `logits` (rows x n_vocab, F32), row r
     with `settings[r]` (`SamplingParams`) and uniform `uniforms[r]`, computed by ggml's CPU
-    backend from the graph `_build` makes (`variant`: see `_build`)."""
+    backend from the graph `_build` makes (`variant`: see `_build`; `chunk`: the two-stage
+    top-k's, `TOP_K_CHUNK` when None)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     n_rows, n_vocab = logits.shape
     cols = np.zeros((_NC, n_rows), dtype=np.float32)
@@ -627,8 +797,40 @@ def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_to
     ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
     bias = np.zeros(n_vocab, dtype=np.float32)
     bias[[t for t in eog_tokens if 0 <= t < n_vocab]] = _BAN
+
+    def build(ctx, tensor) -> int:
+        m = _g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
+        return _build(ctx, m, n_vocab, n_rows, max(ks), tensor(cols.reshape(-1)), n_rows,
+                      tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1, variant,
+                      tensor(_tail(n_vocab)), TOP_K_CHUNK if chunk is None else _checked_chunk(chunk))
+
+    return _on_cpu(build, logits.nbytes, threads).view(np.int32).copy()
+
+
+def top_k_rows(logits: np.ndarray, k: int, chunk: int | None = None, threads: int = 1) -> np.ndarray:
+    """The token ids (rows x k, by descending logit) that the device computation keeps for a
+    top-k of `k` over each row of `logits` (rows x n_vocab, F32), computed by ggml's CPU
+    backend: in stages of `chunk` (`TOP_K_CHUNK` when None) where `in_stages` says, else one
+    `ggml_top_k` per row."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    n_rows, n_vocab = logits.shape
+    if not 0 < k <= n_vocab:
+        raise ValueError(f"k must be in 1..{n_vocab}, not {k}")
+    size = TOP_K_CHUNK if chunk is None else _checked_chunk(chunk)
+
+    def build(ctx, tensor) -> int:
+        m = _g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
+        _, ids, int_ids = _top_k(ctx, m, n_vocab, n_rows, k, (True, False, True), tensor(_tail(n_vocab)), size)
+        return ids  # F32 ids (int_ids is False for this variant)
+
+    return _on_cpu(build, logits.nbytes, threads).reshape(n_rows, k).astype(np.int64)
+
+
+def _on_cpu(build, input_bytes: int, threads: int) -> np.ndarray:
+    """Run `build(ctx, tensor)`'s output on ggml's CPU backend (`tensor(values)`: an F32 input);
+    its values as F32 (the bytes of an I32 output: view them as such)."""
     g = _g
-    work = logits.nbytes * 48 + (1 << 26)  # every intermediate of the graph lives in this context
+    work = input_bytes * 48 + (1 << 26)  # every intermediate of the graph lives in this context
     ctx = g["ggml_init"](_abi.InitParams(work, None, False))
     if not ctx:
         raise MemoryError("ggml_init failed")
@@ -639,15 +841,15 @@ def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_to
                            values.size * 4)
             return x
 
-        m = g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
-        out = _build(ctx, m, n_vocab, n_rows, max(ks), tensor(cols.reshape(-1)), n_rows,
-                     tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1, variant)
+        out = build(ctx, tensor)
         gf = g["ggml_new_graph"](ctx)
         g["ggml_build_forward_expand"](gf, out)
         if g["ggml_graph_compute_with_ctx"](ctx, gf, threads) != 0:
             raise RuntimeError("ggml_graph_compute_with_ctx failed")
-        return np.ctypeslib.as_array(ctypes.cast(g["ggml_get_data"](out), ctypes.POINTER(ctypes.c_int32)),
-                                     shape=(n_rows,)).copy()
+        facts = _abi.tensor_facts(out)
+        n = facts.ne[0] * facts.ne[1] * facts.ne[2] * facts.ne[3]
+        return np.ctypeslib.as_array(ctypes.cast(g["ggml_get_data"](out), ctypes.POINTER(ctypes.c_float)),
+                                     shape=(n,)).copy()
     finally:
         g["ggml_free"](ctx)
 

@@ -79,15 +79,16 @@ sampling_extras() {  # what OpenAI's extras cost beside fused greedy (cost_MODE_
     --sampling plain,logprobs,logit_bias,penalties 2>&1 | tail -6 | tee "$OUT/overhead_gpu_extras.txt"
 }
 
-sampling_parts() {  # ~3 min: the fused sampler's parts alone (temperature over the whole vocabulary, + top-k 40,
-                   # + top-p 0.95, + min-p 0.05) against greedy at B = 1-32, with each part's graph reuse; then
+sampling_parts() {  # ~4 min: the fused sampler's parts alone (temperature over the whole vocabulary, + top-k 40,
+                   # + top-p 0.95, + min-p 0.05; topk1/full1: topk/full with one ggml_top_k per row instead of
+                   # the top-k in stages) against greedy at B = 1-32, with each part's graph reuse; then
                    # the same with CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS=1): if greedy slows and the parts do
                    # not, the fused graph was already running without CUDA graphs
   _stamp "GPU decode: fused sampler parts vs greedy"
   for graphs in on off; do
     ( [ "$graphs" = off ] && export GGML_CUDA_DISABLE_GRAPHS=1
       python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,16,32 \
-        --sampled-variants temp,topk,topp,full --no-llama --repeats "${REPEATS:-2}" 2>&1 \
+        --sampled-variants temp,topk,topp,full,topk1,full1 --no-llama --repeats "${REPEATS:-2}" 2>&1 \
         | tail -$((${REPEATS:-2} + 2)) | tee "$OUT/sampling_parts_graphs_$graphs.txt" )
   done
   # what a user gets: the engine's default, llama.cpp's chains below 8 temperature requests, fused from 8
