@@ -97,6 +97,20 @@ sampling_parts() {  # ~4 min: the fused sampler's parts alone (temperature over 
     | tee "$OUT/sampling_default_policy.txt"
 }
 
+topk_stages() {  # ~5 min: the top-k in stages (topk/full) vs one ggml_top_k per row (topk1/full1) against greedy,
+                # then temperature 0.8 / top-p 0.95 vs greedy with the fused sampler from 1 and from 8 sequences
+  _stamp "GPU decode: top-k in stages vs one sort per row"
+  python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,16,32 \
+    --sampled-variants topk,topk1,full,full1 --no-llama --repeats "${REPEATS:-2}" 2>&1 \
+    | tail -$((${REPEATS:-2} + 2)) | tee "$OUT/topk_stages.txt"
+  for from in 1 8; do
+    _stamp "GPU decode: temperature sampling vs greedy, fused from $from"
+    python3 -m app bench overhead --model "$M" --device gpu --threads 8 --batches 1,4,16,32 --sampled \
+      --fused-dist-from "$from" --no-llama --repeats "${REPEATS:-2}" 2>&1 | tail -$((${REPEATS:-2} + 3)) \
+      | tee "$OUT/sampling_fused_from_$from.txt"
+  done
+}
+
 threads() {  # host threads of the GPU context at small batches
   for t in 1 4 8; do _decode "threads_gpu_$t.txt" 3 1,4,16 --threads "$t"; done
 }
