@@ -89,7 +89,7 @@ class BackendConfig:
     fused_greedy: bool = True  # on the device, one computation for all sequences of a step (argmax, or fused_dist)
     # temperature requests take the fused sampler once this many run (or with a seed); fewer run
     # llama.cpp's chain per sequence (engine/llama/sampling.py, SamplerSlots)
-    fused_dist_from: int = 8
+    fused_dist_from: int = 2
     queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
     idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
     # Unified KV: while B sequences run, the prefix cache keeps at most idle_cache_cells / B

@@ -218,13 +218,20 @@ def top_k_stages(chunk: int, on_cpu: bool | None = None):
         TOP_K_CHUNK, TOP_K_STAGES_ON_CPU = previous
 
 
+# The most rows whose top-k runs in stages. Measured on the H200 (Qwen2.5, 151,936 tokens,
+# k 40; docs/results/gpu/round4/topk_stages.txt), decode with the fused sampler against
+# greedy, in stages / one sort per row: B=1 0.874 / 0.561, B=4 0.845 / 0.657, B=16 0.836 /
+# 0.819, B=32 0.736 / 0.788 — one sort per row occupies the GPU once there are enough rows,
+# and 149 x B chunk sorts then cost more.
+STAGES_MAX_ROWS = 24  # a step of B sequences may have a row or two more (prompt ends beside them)
+
+
 def in_stages(n_vocab: int, k: int, chunk: int, n_rows: int = 1) -> bool:
     """Whether a top-k of `k` over `n_rows` rows of `n_vocab` runs in stages with chunks of
-    `chunk`: only where k is small against the chunk and the row spans several chunks, and the
-    first stage's sorts (chunks x rows) fit one launch (CUDA's argsort takes a grid row per sort,
-    at most 65,535)."""
+    `chunk`: only where k is small against the chunk, the row spans several chunks and there
+    are at most `STAGES_MAX_ROWS` rows."""
     return (chunk > 0 and 4 * k <= chunk and 4 * chunk <= n_vocab < 1 << 24  # F32 ids exact below 2^24
-            and -(-n_vocab // chunk) * n_rows <= 65535)
+            and n_rows <= STAGES_MAX_ROWS)
 
 
 # SamplingParams fields the fused computation covers (or that do not touch the chain); any other

@@ -248,15 +248,16 @@ class SamplerSlots:
 
     Temperature requests take the fused sampler (`fused_dist`) only once `fused_dist_from` of
     them run (this one and those admitted with it included), or when they carry a seed (one RNG, so a seed reproduces
-    alone or batched); below that, llama.cpp's chain per sequence. Measured on the H200
-    (`docs/results/gpu/round2/overhead_gpu_sampling.txt`, decode at temperature 0.8 / top-p
-    0.95 against greedy): chains 0.94 / 0.85 / 0.68 at B = 1 / 4 / 16, fused 0.58 / 0.70 / 0.80.
+    alone or batched); below that, llama.cpp's chain per sequence. Measured on the H200 with
+    the top-k in stages (`docs/results/gpu/round4/sampling_fused_from_*.txt`, decode at
+    temperature 0.8 / top-p 0.95 against greedy): chains 0.89-0.91 / 0.79 / 0.64-0.65 / 0.50-0.52
+    at B = 1 / 4 / 16 / 32, fused 0.86 / 0.85 / 0.80 / 0.75; so the default is 2.
     A request keeps the kind it was admitted with; an idle chain is reused only by a request
     that wants its kind.
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
-                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 8, vocab=None):
+                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 2, vocab=None):
         self.n_ids = n_ids  # sequence ids of the context
         self._vocab = vocab
         self._n_vocab = n_vocab
