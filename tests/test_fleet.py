@@ -186,3 +186,20 @@ def test_streams_survive_their_engine_dying_mid_answer(fleet):
     moves = {d["request_id"]: d for d in router.get("/v1/routing?n=1000")["decisions"] if d["moved_from"] == "e1"}
     continued = [r for r in results if r[3] in moves and moves[r[3]]["continued"] > 0]
     assert continued and all(moves[r[3]]["backend"] == "e0" for r in continued), moves
+
+
+def test_a_stream_ends_with_a_clear_error_when_no_engine_is_left(fleet):
+    router, engines = fleet
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
+    model = router.get("/v1/models")["data"][0]["id"]
+    engines[0].kill()
+    wait_until(lambda: not next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e0")["healthy"],
+               WAIT, "e0 seen down")
+    stream = client.completions.create(model=model, prompt="a long answer", max_tokens=3000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    text = next(iter(stream)).choices[0].text
+    engines[1].kill()
+    with pytest.raises(openai.APIError, match="(?i)unavailable|no healthy backend"):
+        for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+    assert text
