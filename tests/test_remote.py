@@ -143,6 +143,32 @@ def test_a_remote_spec_with_a_bad_value_is_refused(bad):
         parse_backend_spec(bad)
 
 
+# ---- continuing a broken stream (pure) ----
+
+
+def test_a_continued_chat_goes_on_in_the_assistants_turn():
+    req = Request((), SamplingParams(max_tokens=100, temperature=0.0), messages=({"role": "user", "content": "Hi"},))
+    more = req.continued("Hello the", 2).continued("re!", 1)
+    assert more.id == req.id and more.sampling.max_tokens == 97 and more.continue_final
+    assert more.messages == ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"})
+
+
+def test_a_continued_token_prompt_appends_the_text_tokenized():
+    req = Request((1, 2, 3), SamplingParams(max_tokens=10), stop_after=6)
+    more = req.continued("ab", 2, tokenize=lambda text: [ord(c) for c in text])
+    assert more.prompt_tokens == (1, 2, 3, 97, 98) and more.sampling.max_tokens == 8 and more.stop_after == 4
+
+
+def test_a_token_prompt_without_a_tokenizer_cannot_be_continued():
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        Request((1, 2, 3)).continued("ab", 2)
+
+
+def test_a_grammar_constrained_answer_cannot_be_continued():
+    with pytest.raises(InvalidRequest, match="grammar"):
+        Request((), SamplingParams(grammar='root ::= "a"'), text="x").continued("a", 1)
+
+
 # ---- requests ----
 
 
