@@ -579,7 +579,7 @@ class Scheduler:
         own = len(seq.tokens) - cached
         for s in donors:
             shared = _common_length(seq.tokens, s.tokens, min(limit, s.n_prompt))
-            if shared >= SHARE_MIN_TOKENS and shared - cached >= SHARE_MIN_TOKENS and s.n_prompt - s.n_past <= own:
+            if shared - cached >= SHARE_MIN_TOKENS and s.n_prompt - s.n_past <= own:
                 return True
         return False
 
