@@ -299,8 +299,10 @@ class Engine:
                 n = part.output_tokens
                 budget = min(request.sampling.max_tokens, request.stop_after or request.sampling.max_tokens)
                 if n >= budget:  # it had made all it may: what it streamed is the answer
-                    handle._deliver_finish(replace(part, text="", prompt_tokens=0, cached_tokens=0,
-                                                   output_tokens=0, status=RequestStatus.FINISHED_LENGTH))
+                    stopped = request.stop_after is not None and n >= request.stop_after
+                    handle._deliver_finish(replace(
+                        part, text="", prompt_tokens=0, cached_tokens=0, output_tokens=0, error=None, error_kind=None,
+                        status=RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH))
                     continue
                 tokenize = self._continuation_tokenizer(failed)
                 self._route(request.continued(part.text, n, tokenize), handle, t_submit, moved_from=failed.name,
