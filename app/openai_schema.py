@@ -295,6 +295,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="default: auto with tools; a reply holds at most one call")
     parallel_tool_calls: bool | None = Field(default=None, description="accepted; a reply holds at most one call")
+    continue_final_message: bool = Field(
+        default=False, description="vLLM's extension: the last message is the assistant's reply so far; "
+                                   "the answer continues it in the same turn")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -497,10 +500,13 @@ def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
         if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
             raise InvalidRequest("tools need a local model to render them (this server routes to remote "
                                  "engines only)", param="tools")
+        if body.continue_final_message and (messages[-1]["role"] != "assistant" or not messages[-1].get("content")):
+            raise InvalidRequest("continue_final_message needs a last message from the assistant with content",
+                                 param="messages")
         return _api_request("chat", body, [], model, "messages", 0, served, messages=tuple(messages),
-                            grammar=grammar)
+                            grammar=grammar, continue_final=body.continue_final_message)
     try:
-        tokens = engine.chat_tokens(messages, tools)
+        tokens = engine.chat_tokens(messages, tools, body.continue_final_message)
     except EngineError:
         raise
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
@@ -589,7 +595,7 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
                  n_vocab: int, served: ServedModel, *, text: str | None = None,
                  messages: tuple[dict, ...] | None = None, echo: str | None = None,
                  engine: Engine | None = None, grammar: str | None = None,
-                 tools: ToolMode | None = None) -> ApiRequest:
+                 tools: ToolMode | None = None, continue_final: bool = False) -> ApiRequest:
     """`n_vocab` 0: unknown here (remote engines check their own vocabulary)."""
     sampling = body.sampling(n_vocab or INT32_MAX, grammar)
     n = body.n or 1
@@ -600,7 +606,7 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
     stream = bool(body.stream)
     include_usage = bool(body.stream_options and body.stream_options.include_usage) and stream
     request = Request(tuple(tokens), sampling, backend=body.backend, source="api", text=text, messages=messages,
-                      model=served.routed(model), stream=stream)
+                      model=served.routed(model), stream=stream, continue_final=continue_final)
     return ApiRequest(kind, request, model, stream, include_usage, prompt_param, n=n, echo=echo,
                       top_logprobs=sampling.logprobs, tools=tools)
 

@@ -39,11 +39,22 @@ if TYPE_CHECKING:
     from .llama.model import Model
 
 
-def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = None,
+                continue_final: bool = False) -> list[int]:
     """`messages` rendered with `model`'s chat template; content is never parsed for special tokens.
 
     With `tools` (OpenAI's list), the prompt asks for a reply in llama-server's generic
-    tool-call format (engine/structured.py)."""
+    tool-call format (engine/structured.py). With `continue_final`, the last message (the
+    assistant's, non-empty) is left open: the prompt ends with its content, without what the
+    template puts after it (its end of turn, the next turn's header), so the model goes on
+    with that reply (vLLM's `continue_final_message`: render, cut after the final content).
+    A template that strips content (`| trim`) loses the content's trailing whitespace here."""
+    if continue_final:
+        if messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
+            raise InvalidRequest("continue_final_message needs a last message from the assistant with content",
+                                 param="messages")
+        if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            raise InvalidRequest("continue_final_message cannot be combined with tools", param="messages")
     if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         caps = template_caps(model)
         if tools is not None:
@@ -54,6 +65,8 @@ def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = N
     contents = [str(m.get("content") or "") for m in messages]
     plain = model.apply_chat_template(messages, tools)
     pieces = _split(model, messages, contents, plain, tools)
+    if continue_final:
+        pieces = pieces[:-1]  # the last piece is what follows the final (non-empty) content
     tokens: list[int] = []
     for text, is_content in pieces:
         if text:

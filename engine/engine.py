@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,7 @@ from .events import EventBus, RequestRouted
 from .handle import RequestHandle
 from .llama.model import Model, ModelRegistry, resolve_model
 from .protocol import BackendProtocol
-from .request import Request, SamplingParams
+from .request import Request, RequestStatus, SamplingParams
 from .router import RouteQuery, Router
 from .snapshot import BackendSnapshot, Rates
 
@@ -243,7 +243,8 @@ class Engine:
         self._route(requests[0], handles[0], time.monotonic(), group=(requests, handles))
         return handles
 
-    def _route(self, request: Request, handle: RequestHandle, t_submit: float, group=None) -> None:
+    def _route(self, request: Request, handle: RequestHandle, t_submit: float, group=None,
+               moved_from: str | None = None, continued: int = 0) -> None:
         with self._lock:
             self._check_open()
             serving = [b for b in self.backends.values() if self.serves(b, request.model)]
@@ -254,7 +255,7 @@ class Engine:
             for b in candidates:
                 b.validate(request)
             cached = {b.name: b.match(request) for b in serving}
-            query = RouteQuery.from_request(request, cached)
+            query = RouteQuery.from_request(request, cached, moved_from, continued)
             for attempt in range(len(serving)):
                 decision = self.router.route(query, [b.snapshot() for b in serving])
                 backend = self.backends[decision.backend]
@@ -282,16 +283,40 @@ class Engine:
 
     def _rehome(self, failed: Backend, moved: list) -> None:
         """A backend went unhealthy or is restarting: route the requests it gave back to the
-        others (called on its worker thread, or on the restarting thread)."""
+        others (called on its worker thread, or on the restarting thread). One whose stream
+        broke after it began (a remote engine's, `RequestHandle._interrupt`) goes on from the
+        text it streamed (`Request.continued`), so its caller sees one stream."""
         why = failed.error or f"backend {failed.name} is restarting"
         log.warning("%s: %s; re-routing %d requests", failed.name, why, len(moved))
         for request, handle, t_submit in moved:
+            part = handle._take_interrupted()
             try:
                 if request.backend == failed.name:  # pinned to the failed backend: nowhere to go
                     raise BackendUnavailable(f"backend {failed.name} is not serving: {why}")
-                self._route(request, handle, t_submit)
+                if part is None:
+                    self._route(request, handle, t_submit, moved_from=failed.name)
+                    continue
+                n = part.output_tokens
+                budget = min(request.sampling.max_tokens, request.stop_after or request.sampling.max_tokens)
+                if n >= budget:  # it had made all it may: what it streamed is the answer
+                    stopped = request.stop_after is not None and n >= request.stop_after
+                    handle._deliver_finish(replace(
+                        part, text="", prompt_tokens=0, cached_tokens=0, output_tokens=0, error=None, error_kind=None,
+                        status=RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH))
+                    continue
+                tokenize = self._continuation_tokenizer(failed)
+                self._route(request.continued(part.text, n, tokenize), handle, t_submit, moved_from=failed.name,
+                            continued=n)
             except EngineError as e:
                 handle._deliver_finish(error_record(request, failed.name, f"{e} (after: {why})", t_submit))
+
+    def _continuation_tokenizer(self, failed) -> Callable[[str], list[int]] | None:
+        """How to append streamed text to a token-id prompt: the local model's tokenizer, else
+        the failed remote backend's (`tokenizer=`), else none."""
+        vocab = self.model if self.model is not None else getattr(failed, "tokenizer", None)
+        if vocab is None:
+            return None
+        return lambda text: vocab.tokenize(text, add_special=False, parse_special=False)
 
     def restart(self, name: str, timeout: float = 30.0) -> BackendSnapshot:
         """Give a backend a fresh context; it serves again afterwards. A healthy one is drained
@@ -332,16 +357,19 @@ class Engine:
 
         return object_grammar() if schema is None else schema_grammar(schema, param="schema")
 
-    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
+                    continue_final: bool = False) -> list[int]:
         """Render `messages` with the model's chat template and tokenize the result; with
-        `tools`, a prompt for a reply in the generic tool-call format (engine/structured.py)."""
+        `tools`, a prompt for a reply in the generic tool-call format (engine/structured.py);
+        with `continue_final`, a prompt that goes on with the last (assistant) message."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         self._check_open()
         if self.model is None:
             raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
-            return chat.chat_tokens(self.model, messages, tools)  # content is never parsed for special tokens
+            # content is never parsed for special tokens
+            return chat.chat_tokens(self.model, messages, tools, continue_final)
         except InvalidRequest:
             raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)

@@ -7,6 +7,11 @@ async iterator (`async for delta in handle.astream()`), marshalled with
 delivering thread gathers them in an `Outbox`. Token logprobs, when asked for, are read from
 `handle.logprobs` beside the text. `cancel()` may be called from any thread, at
 any time.
+
+A stream can outlive its backend: a remote engine that dies mid-answer leaves the part it
+streamed on the handle (`_interrupt`), the engine continues the request on another backend,
+and the final record joins the parts (`joined`). Part and continuation are delivered by two
+backend threads one after the other (the second starts only once the first has handed over).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from .errors import RequestFailed
@@ -68,6 +74,18 @@ def _hand_over(batch) -> None:
         q.put_nowait(item)
 
 
+def joined(parts: list[FinishRecord], last: FinishRecord) -> FinishRecord:
+    """One record for a request that was streamed in parts by several backends: the whole
+    text; prompt, cached and output tokens summed over the parts (each continuation computed
+    its prompt, the text before it included, again); queueing and first token from the first
+    part, the end, status and backend from the last."""
+    every = [*parts, last]
+    return replace(last, text="".join(r.text for r in every), prompt_tokens=sum(r.prompt_tokens for r in every),
+                   cached_tokens=sum(r.cached_tokens for r in every),
+                   output_tokens=sum(r.output_tokens for r in every), queue_s=parts[0].queue_s,
+                   ttft_s=parts[0].ttft_s)
+
+
 class RequestHandle:
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None = None):
         self.request = request
@@ -85,13 +103,30 @@ class RequestHandle:
         # that got some text finds the entries of its tokens here (list appends are atomic).
         self.logprobs: list | None = None
         self.prompt_logprobs: list | None = None  # the prompt's, filled while it is computed
+        # What backends that failed mid-stream had streamed (`_interrupt`), oldest first: the
+        # request went on elsewhere from their text, and the final record counts every part.
+        self._parts: list[FinishRecord] = []
+        self._unresumed: FinishRecord | None = None
 
     # ---- called by the backend thread ----
 
     def _deliver_text(self, delta: str) -> None:
         self._put(delta)
 
+    def _interrupt(self, part: FinishRecord) -> None:
+        """The backend streaming this request failed after `part` (its text so far, its
+        counts and timings); the engine continues the request elsewhere (`_take_interrupted`)."""
+        self._parts.append(part)
+        self._unresumed = part
+
+    def _take_interrupted(self) -> FinishRecord | None:
+        """The part an interruption left, once (None: the request starts from its prompt)."""
+        part, self._unresumed = self._unresumed, None
+        return part
+
     def _deliver_finish(self, record: FinishRecord) -> None:
+        if self._parts:
+            record = joined(self._parts, record)
         self._record = record
         self._done.set()
         self._put(_END)

@@ -29,12 +29,31 @@ Flow control: at most `cap` requests are in flight at the engine; the rest wait 
 that they can move elsewhere if the engine dies. `set_cap` applies at once.
 
 Health: `/health` (else `/v1/models`) is probed every `health_s`. A connection error or 5xx on
-a request or a probe marks the engine unhealthy: its queued requests, in-flight ones that had
-streamed nothing and in-flight ones whose caller does not stream (`Request.stream` false: their
-text is handed over whole at the end, so a dropped attempt was never seen) go to
-`on_unhealthy(backend, [(request, handle, t_submit), ...])` (the engine re-routes them and
-they start again from the prompt); in-flight ones that had streamed text to their caller end
-with an `unavailable_error`.
+a request or a probe marks the engine unhealthy: every queued and in-flight request goes to
+`on_unhealthy(backend, [(request, handle, t_submit), ...])` (the engine re-routes them).
+Queued ones, in-flight ones that had streamed nothing and in-flight ones whose caller does not
+stream (`Request.stream` false: their text is handed over whole at the end, so a dropped
+attempt was never seen) start again from the prompt. One that had streamed text to its caller
+leaves that part on its handle (`RequestHandle._interrupt`: text, tokens, timings) and the
+engine continues it on another engine from that text (`Request.continued`), so its caller
+sees one stream:
+- the resent prompt is the prompt followed by the text: a completion's `prompt` + text; a
+  chat's messages + an assistant message of the text, continued in its turn
+  (`continue_final_message` to Tandem, vLLM, SGLang; llama-server continues a final assistant
+  message by itself unless run with `--no-prefill-assistant`; a generic OpenAI API cannot,
+  so a fleet with one refuses the continuation and the stream ends with the error); token
+  ids + the text tokenized (the local model's or `tokenizer=` vocabulary, else it cannot);
+- `max_tokens` (and `stop_after`) less the tokens streamed, counted as the engine's chunks
+  (llama-server sends one per token; Tandem's server joins the text that piled up while its
+  loop was busy into one chunk, so the whole can then run a few tokens over `max_tokens`,
+  while usage reports `max_tokens`);
+- limits: the text is re-tokenized where it is appended, so the continuation's tokens may
+  split differently from the ones generated; sampling is not bit-identical after the switch
+  (another engine, another seed state); penalties see only the continuation's own output;
+  a grammar-constrained answer cannot be continued (its grammar would start over) and ends
+  with the error; usage sums both parts (each prompt as computed, the first part's output
+  plus the second's);
+- only when no healthy engine is left does the stream end with an `unavailable_error`.
 The probe keeps running and brings the engine back when it answers again.
 
 Thread contract: one thread per backend runs an asyncio loop that owns the HTTP session and
@@ -269,6 +288,9 @@ class RemoteBackend:
         n = len(request.prompt_tokens)
         if n and self.n_ctx and n >= self.n_ctx and not (request.text or request.messages):
             raise ContextLengthExceeded(n, self.n_ctx)
+        if request.continue_final and self.api == "openai" and request.text is None:
+            raise InvalidRequest(f"{self.name}: continuing the final assistant message needs a Tandem, "
+                                 f"llama-server, vLLM or SGLang engine", param="messages")
         if request.sampling.grammar is not None and self.api not in ("llama-server", "tandem", "auto"):
             raise InvalidRequest(f"{self.name}: grammar-constrained requests (response_format, tools, grammar) "
                                  f"need a llama-server or Tandem engine, not {self.api}")
@@ -703,6 +725,11 @@ class RemoteBackend:
             body["model"] = self.model_name
         if chat:
             body["messages"] = list(req.messages)
+            if req.continue_final and self.api != "llama-server":  # llama-server continues a final
+                # assistant message by itself (its assistant prefill, on unless --no-prefill-assistant)
+                body["continue_final_message"] = True
+                if self.api == "vllm":  # which refuses it beside its default add_generation_prompt
+                    body["add_generation_prompt"] = False
         else:
             body["prompt"] = req.text if req.text is not None else list(req.prompt_tokens)
         if sp.stop:
@@ -766,21 +793,8 @@ class RemoteBackend:
             in_flight = len(self._inflight)
             load = self._load
         now = time.monotonic()
-        text = "".join(job.parts)
-        output = job.output_tokens()
-        usage = job.usage or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if not isinstance(cached, int):
-            cached = job.estimate if job.chunks else 0  # no word from the engine: the prediction
-        ttft = (job.t_first - job.t_submit) if job.chunks else None
-        # Chunks can carry several tokens (a busy engine joins them): the gaps between the first
-        # and last chunk over the tokens between them. One chunk says nothing about the gaps.
-        itl = (job.t_last - job.t_first) / (output - 1) if job.chunks > 1 and output > 1 else None
-        record = FinishRecord(
-            request_id=job.req.id, backend=self.name, status=status, text=text,
-            prompt_tokens=job.prompt_tokens(), cached_tokens=cached, output_tokens=output,
-            queue_s=(job.t_sent or now) - job.t_submit, ttft_s=ttft, e2e_s=now - job.t_submit, itl_s=itl,
-            error=error, error_kind=error_kind if error else None)
+        record = self._record(job, status, now, error, error_kind)
+        text = record.text
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and self.cache_enabled:
             self._remember(job, text)
             self._observe(job, record, in_flight + 1 + max(load.running - load.ours, 0))
@@ -793,6 +807,24 @@ class RemoteBackend:
         self.bus.publish(RequestFinished(record, now))
         if not self._stopped:
             self._pump()
+
+    def _record(self, job: _Job, status: RequestStatus, now: float, error: str | None = None,
+                error_kind: str | None = None) -> FinishRecord:
+        text = "".join(job.parts)
+        output = job.output_tokens()
+        usage = job.usage or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if not isinstance(cached, int):
+            cached = job.estimate if job.chunks else 0  # no word from the engine: the prediction
+        ttft = (job.t_first - job.t_submit) if job.chunks else None
+        # Chunks can carry several tokens (a busy engine joins them): the gaps between the first
+        # and last chunk over the tokens between them. One chunk says nothing about the gaps.
+        itl = (job.t_last - job.t_first) / (output - 1) if job.chunks > 1 and output > 1 else None
+        return FinishRecord(
+            request_id=job.req.id, backend=self.name, status=status, text=text,
+            prompt_tokens=job.prompt_tokens(), cached_tokens=cached, output_tokens=output,
+            queue_s=(job.t_sent or now) - job.t_submit, ttft_s=ttft, e2e_s=now - job.t_submit, itl_s=itl,
+            error=error, error_kind=error_kind if error else None)
 
     def _remember(self, job: _Job, text: str) -> None:
         """The engine caches prompt + output: so does the prediction (text keys only; a token
@@ -836,10 +868,12 @@ class RemoteBackend:
         self.error = why
 
     def _engine_failed(self, why: str, failing: _Job | None = None) -> None:
-        """Mark unhealthy (loop thread): hand queued requests, silent in-flight ones and
-        in-flight ones whose caller reads nothing until the end (`Request.stream` false: what
-        this engine made of them is dropped) to `on_unhealthy`; in-flight ones that streamed
-        text to their caller end with the error."""
+        """Mark unhealthy (loop thread): hand every queued and in-flight request to
+        `on_unhealthy`. Silent ones, and those whose caller reads nothing until the end
+        (`Request.stream` false: what this engine made of them is dropped), start again from
+        the prompt; one that streamed text to its caller leaves that part on its handle
+        (`RequestHandle._interrupt`) and goes on from it elsewhere. Without `on_unhealthy`,
+        those that streamed end with the error."""
         if self.healthy:
             log.warning("%s: %s", self.name, why)
         self._set_unhealthy(why)
@@ -848,11 +882,20 @@ class RemoteBackend:
             self._waiting.clear()
             inflight = list(self._inflight.values())
             self._inflight.clear()
+        callback = self.on_unhealthy
         handed = []
+        now = time.monotonic()
         for job in inflight:
             if job.done:
                 continue
             if job.chunks == 0 or not job.req.stream:
+                job.moved = True
+                job.done = True
+                handed.append(job)
+            elif callback is not None:  # it goes on elsewhere from what it streamed
+                job.handle._interrupt(self._record(job, RequestStatus.FINISHED_ERROR, now,
+                                                   f"backend {self.name} failed while streaming: {why}",
+                                                   "unavailable_error"))
                 job.moved = True
                 job.done = True
                 handed.append(job)
@@ -866,8 +909,9 @@ class RemoteBackend:
         moved = [(j.req, j.handle, j.t_submit) for j in queued + handed]
         if not moved:
             return
-        callback = self.on_unhealthy
         if callback is not None:
+            if self._flush_pending:  # the text streamed so far reaches its caller before the rest
+                self._flush()
             callback(self, moved)
         else:
             for j in queued + handed:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from .errors import InvalidRequest
 
@@ -139,6 +140,9 @@ class Request:
     # The model the client named, where an engine serves several (a fleet): only backends
     # that serve it are candidates. None: any backend.
     model: str | None = None
+    # The last of `messages` is the assistant's reply so far: the engine continues it in the
+    # same turn (vLLM's and Tandem's `continue_final_message`, llama-server's assistant prefill).
+    continue_final: bool = False
 
     @property
     def prompt_estimate(self) -> int:
@@ -147,6 +151,37 @@ class Request:
             return len(self.prompt_tokens)
         chars = len(self.text or "") + sum(len(str(m.get("content") or "")) for m in self.messages or ())
         return max(chars // CHARS_PER_TOKEN, 1)
+
+    def continued(self, text: str, n_tokens: int, tokenize: Callable[[str], list[int]] | None = None) -> "Request":
+        """This request as it goes on after `text` (`n_tokens` output tokens) was streamed
+        from it: the same id and sampling, the prompt followed by `text` (a completion's text,
+        a chat's assistant message continued in its turn, or token ids with `tokenize(text)`
+        appended), `max_tokens` and `stop_after` less `n_tokens`. Raises `InvalidRequest`
+        where that would not continue the same answer: a grammar (it would start over on the
+        continuation) or token ids with no tokenizer at hand."""
+        if self.sampling.grammar is not None:
+            raise InvalidRequest("a grammar-constrained answer cannot be continued elsewhere (the grammar would "
+                                 "start over)")
+        more: dict = {}
+        if self.text is not None:
+            more["text"] = self.text + text
+        elif self.messages is not None:
+            last = self.messages[-1]
+            if self.continue_final:
+                messages = (*self.messages[:-1], {**last, "content": str(last.get("content") or "") + text})
+            else:
+                messages = (*self.messages, {"role": "assistant", "content": text})
+            more.update(messages=messages, continue_final=True)
+        if self.prompt_tokens:
+            if tokenize is not None:
+                more["prompt_tokens"] = self.prompt_tokens + tuple(tokenize(text))
+            elif more:  # its text or messages say the same: engines that take those go on from them
+                more["prompt_tokens"] = ()
+            else:
+                raise InvalidRequest("a token-id prompt cannot be continued without a tokenizer for its text")
+        sp = self.sampling
+        return replace(self, sampling=replace(sp, max_tokens=max(sp.max_tokens - n_tokens, 1)),
+                       stop_after=None if self.stop_after is None else max(self.stop_after - n_tokens, 1), **more)
 
     def __post_init__(self):
         if not (self.prompt_tokens or self.text or self.messages):

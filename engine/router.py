@@ -76,11 +76,18 @@ class RouteQuery:
     backend: str | None = None
     tokens: tuple[int, ...] = field(default=(), repr=False)
     text: str = field(default="", repr=False)
+    # A request its backend gave back (it failed or restarts): that backend's name, and the
+    # output tokens it had streamed, which the new backend continues from (0: from the prompt).
+    moved_from: str | None = None
+    continued: int = 0
 
     @classmethod
-    def from_request(cls, request: "Request", cached: Mapping[str, int] | None = None) -> "RouteQuery":
+    def from_request(cls, request: "Request", cached: Mapping[str, int] | None = None,
+                     moved_from: str | None = None, continued: int = 0) -> "RouteQuery":
         """Build the query for an engine `Request` and its per-backend cache matches."""
         return cls(
+            moved_from=moved_from,
+            continued=continued,
             request_id=request.id,
             prompt_tokens=request.prompt_estimate,
             max_tokens=request.sampling.max_tokens,
@@ -147,6 +154,8 @@ class RoutingDecision:
     budget: str = "raw"
     new_token_ratio: float | None = None
     pinned: bool = False
+    moved_from: str | None = None  # the backend that gave the request back (`RouteQuery`)
+    continued: int = 0  # output tokens streamed there, continued here
 
     def score_of(self, backend: str) -> BackendScore:
         """The score entry for `backend` (KeyError if it was not in the snapshot)."""
@@ -169,6 +178,8 @@ class RoutingDecision:
             "budget": self.budget,
             "new_token_ratio": self.new_token_ratio,
             "pinned": self.pinned,
+            "moved_from": self.moved_from,
+            "continued": self.continued,
             "scores": [s.to_dict() for s in self.scores],
         }
 
@@ -935,6 +946,8 @@ class Router:
                 budget=budget,
                 new_token_ratio=ratio if policy.uses_budget else None,
                 pinned=pinned,
+                moved_from=query.moved_from,
+                continued=query.continued,
             )
             self._history.append(decision)
             return decision

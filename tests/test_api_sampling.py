@@ -1,7 +1,7 @@
 """OpenAI's sampling extras through the official `openai` client against a live `tandem serve`
 on the default model (SmolLM2-135M-Instruct, one CPU backend): logprobs in both endpoints,
-streamed and not; logit_bias; n choices that share their prompt; seed; penalties; the limits
-refused with clear 400s; llama-server's /tokenize and /detokenize. Every wait is bounded
+streamed and not; logit_bias; n choices that share their prompt; seed; penalties; vLLM's
+`continue_final_message`; the limits refused with clear 400s; llama-server's /tokenize and /detokenize. Every wait is bounded
 (the client's timeout, `servers.WAIT`)."""
 
 from __future__ import annotations
@@ -248,6 +248,27 @@ def test_echo_with_logprobs_computes_the_cached_prompt_again(server, client, mod
     r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=0, echo=True)
     assert prompt_tokens_computed(server) - before == r.usage.prompt_tokens  # cached tokens have no logits
     assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens + 1
+
+
+# ---- continue_final_message ----
+
+
+def test_a_continued_assistant_message_goes_on_with_the_same_greedy_reply(client, model):
+    whole = client.chat.completions.create(model=model, messages=ASK, max_tokens=24,
+                                           temperature=0).choices[0].message.content
+    words = whole.split(" ")
+    assert len(words) > 3, whole
+    head = " ".join(words[:len(words) // 2])  # cut before a space: a token boundary
+    rest = client.chat.completions.create(model=model, messages=[*ASK, {"role": "assistant", "content": head}],
+                                          max_tokens=24, temperature=0,
+                                          extra_body={"continue_final_message": True}).choices[0].message.content
+    assert (head + rest).startswith(whole), (head, rest, whole)
+
+
+def test_continue_final_message_needs_an_assistant_message_last(server, model):
+    r = post(server, "/v1/chat/completions", {"model": model, "messages": ASK, "max_tokens": 4,
+                                               "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 # ---- refusals ----

@@ -141,3 +141,65 @@ def test_non_streaming_requests_survive_their_engine_dying_mid_answer(fleet):
     assert results == [("ok", out)] * n
     e1 = next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e1")
     assert not e1["healthy"]
+
+
+def test_streams_survive_their_engine_dying_mid_answer(fleet):
+    # Streams that e1 had begun go on from their text on e0: each client sees one stream of the
+    # whole max_tokens and no error event; completions and chats alike.
+    router, engines = fleet
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
+    model = router.get("/v1/models")["data"][0]["id"]
+    n, out = 8, 160
+
+    def ask(i: int):
+        chat = (i // 2) % 2 == 1  # each tenant sends both kinds
+        common = dict(model=model, max_tokens=out, temperature=0, stream=True,
+                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        parts, finish, usage, rid = [], None, None, ""
+        try:
+            if chat:
+                stream = client.chat.completions.create(
+                    messages=[{"role": "user", "content": _tenant_prompt(i % 2, i)}], **common)
+            else:
+                stream = client.completions.create(prompt=_tenant_prompt(i % 2, i), **common)
+            for chunk in stream:
+                rid = chunk.id.split("-", 1)[1]
+                for c in chunk.choices:
+                    parts.append((c.delta.content if chat else c.text) or "")
+                    finish = c.finish_reason or finish
+                usage = chunk.usage or usage
+        except openai.APIError as e:
+            return "error", str(e), "", "", chat
+        return finish, usage.completion_tokens, "".join(parts), rid, chat
+
+    def e1_streaming() -> bool:
+        e1 = next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e1")
+        return sum(1 for i in e1["items"] if i["running"] and i["generated"] > 0) >= 2
+
+    with cf.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(ask, i) for i in range(n)]
+        wait_until(e1_streaming, WAIT, "two streams under way on e1")
+        engines[1].kill()
+        results = [f.result(WAIT) for f in futures]
+    assert [r[:2] for r in results] == [("length", out)] * n, results
+    assert all(r[2] for r in results)
+    moves = {d["request_id"]: d for d in router.get("/v1/routing?n=1000")["decisions"] if d["moved_from"] == "e1"}
+    continued = [r for r in results if r[3] in moves and moves[r[3]]["continued"] > 0]
+    assert continued and all(moves[r[3]]["backend"] == "e0" for r in continued), moves
+
+
+def test_a_stream_ends_with_a_clear_error_when_no_engine_is_left(fleet):
+    router, engines = fleet
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
+    model = router.get("/v1/models")["data"][0]["id"]
+    engines[0].kill()
+    wait_until(lambda: not next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e0")["healthy"],
+               WAIT, "e0 seen down")
+    stream = client.completions.create(model=model, prompt="a long answer", max_tokens=3000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    text = next(iter(stream)).choices[0].text
+    engines[1].kill()
+    with pytest.raises(openai.APIError, match="(?i)unavailable|no healthy backend"):
+        for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+    assert text

@@ -143,6 +143,32 @@ def test_a_remote_spec_with_a_bad_value_is_refused(bad):
         parse_backend_spec(bad)
 
 
+# ---- continuing a broken stream (pure) ----
+
+
+def test_a_continued_chat_goes_on_in_the_assistants_turn():
+    req = Request((), SamplingParams(max_tokens=100, temperature=0.0), messages=({"role": "user", "content": "Hi"},))
+    more = req.continued("Hello the", 2).continued("re!", 1)
+    assert more.id == req.id and more.sampling.max_tokens == 97 and more.continue_final
+    assert more.messages == ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"})
+
+
+def test_a_continued_token_prompt_appends_the_text_tokenized():
+    req = Request((1, 2, 3), SamplingParams(max_tokens=10), stop_after=6)
+    more = req.continued("ab", 2, tokenize=lambda text: [ord(c) for c in text])
+    assert more.prompt_tokens == (1, 2, 3, 97, 98) and more.sampling.max_tokens == 8 and more.stop_after == 4
+
+
+def test_a_token_prompt_without_a_tokenizer_cannot_be_continued():
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        Request((1, 2, 3)).continued("ab", 2)
+
+
+def test_a_grammar_constrained_answer_cannot_be_continued():
+    with pytest.raises(InvalidRequest, match="grammar"):
+        Request((), SamplingParams(grammar='root ::= "a"'), text="x").continued("a", 1)
+
+
 # ---- requests ----
 
 
@@ -253,7 +279,7 @@ def test_a_dead_engine_is_failed_over_until_probed_back(engines, fleet):
     a.set_cap(2)
     streaming = RequestHandle(Request((), LONG, text="a long one"))
     a.enqueue(streaming.request, streaming)
-    next(iter(streaming))  # it has streamed text
+    first = next(iter(streaming))  # it has streamed text
     engines.procs[0].send_signal(signal.SIGSTOP)  # the engine still accepts, but answers nothing
     try:
         silent = RequestHandle(Request((), GREEDY, text="sent, nothing back yet"))
@@ -267,9 +293,9 @@ def test_a_dead_engine_is_failed_over_until_probed_back(engines, fleet):
     finally:
         engines.kill(0)
     try:
-        record = streaming.result(30)
-        assert record.status == RequestStatus.FINISHED_ERROR and record.error_kind == "unavailable_error"
-        assert "backend a" in record.error and record.text  # it had streamed, so it cannot move
+        record = streaming.result(60)  # it had streamed: it goes on from its text on b
+        assert record.error is None and record.backend == "b" and record.output_tokens == LONG.max_tokens
+        assert first + "".join(streaming) == record.text  # one stream, nothing repeated
         for h in [silent, *queued]:
             moved = h.result(60)
             assert moved.error is None and moved.backend == "b" and h.backend == "b" and moved.text

@@ -558,3 +558,28 @@ def test_a_deferral_ends_when_the_running_prefill_is_cancelled():
     assert b.status == RequestStatus.RUNNING and b.n_hit == 0
     sim.run()
     assert sim.record(b).status == RequestStatus.FINISHED_LENGTH
+
+
+LONG_TAIL = list(range(1000, 1600))  # a donor's own 600 tokens after the shared TENANT
+
+
+def test_a_request_is_deferred_behind_a_donor_with_little_prompt_left():
+    sim = Sim(n_ctx=4096, n_batch=32, busy_chunk=32)
+    donor = sim.submit(TENANT + LONG_TAIL, max_tokens=8, ignore_eos=True)
+    while donor.n_prompt - donor.n_past > len(TENANT):  # less left than the next request's prompt
+        sim.step()
+    b = sim.submit(TENANT + [6], max_tokens=8, ignore_eos=True)
+    sim.step()
+    assert b in sim.sched.waiting and donor.status == RequestStatus.RUNNING
+    sim.run()
+    assert b.n_hit == len(TENANT)
+
+
+def test_a_request_is_admitted_at_once_when_the_donors_prompt_left_is_long():
+    sim = Sim(n_ctx=4096, n_batch=32, busy_chunk=32)
+    donor = sim.submit(TENANT + LONG_TAIL, max_tokens=8, ignore_eos=True)
+    sim.step()
+    assert donor.n_prompt - donor.n_past > 2 * len(TENANT)
+    b = sim.submit(TENANT + [6], max_tokens=8, ignore_eos=True)
+    sim.step()
+    assert b.status == RequestStatus.RUNNING and b.n_hit == 0

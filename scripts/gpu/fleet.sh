@@ -114,10 +114,19 @@ for summary in sorted(out.glob("fleet-*/summary.json")):
         failed = sum(r["failed"].values())
         print(f"{part} | {r['workload'].split(',')[0]} | {r['a']} / {r['b']} | {r['metric']} | {r['value']:.3f} | "
               f"{op} {t:g} | {'yes' if met and not failed else 'NO'}{f' ({failed} failed)' if failed else ''}")
+    # Tandem's router: streams that went on from their text on the other engine (decisions
+    # with `continued` > 0, engine/remote.py's module doc); other routers' moves are not seen.
+    moved: dict[str, int] = {}
+    decisions = summary.parent / "decisions.jsonl"
+    for line in decisions.read_text().splitlines() if killed and decisions.exists() else []:
+        d = json.loads(line)
+        if d.get("continued"):
+            moved[d.get("variant", "")] = moved.get(d.get("variant", ""), 0) + 1
     for row in s.get("results", []) if killed else []:
         print(f"{part} | {row['policy']}: e1 killed at {s['kill_one_at_s']:g} s: {row['failed']} of "
               f"{row['requests'] * row.get('runs', 1)} requests failed over {row.get('runs', 1)} run(s), "
-              f"makespan {row['makespan_s']['mean']:.2f} s")
+              f"makespan {row['makespan_s']['mean']:.2f} s"
+              + (f", {moved[row['policy']]} streams continued on the other engine" if row['policy'] in moved else ""))
 for name in skipped:
     print(f"{name} | skipped: no time left in BUDGET")
 EOF
