@@ -289,6 +289,24 @@ tenant_groups() {  # one context at cap 32 vs two on the same GPU at cap 16 each
   done
 }
 
+layouts() {  # one GPU context vs two on the same GPU, default (adaptive) caps: the study's N=48 and the
+            # long-prompt workload (~3 min); two contexts under cache-aware, seed-score, predicted-finish
+  for layout in "one gpu:name=one,threads=8 only:one" \
+                "two gpu:name=ga,threads=8;gpu:name=gb,threads=8 cache-aware,seed-score,predicted-finish"; do
+    set -- $layout
+    IFS=';' read -ra specs <<< "$2"; args=(); for b in "${specs[@]}"; do args+=(--backend "$b"); done
+    _stamp "layout $1: the study's N=48"
+    python3 -X faulthandler -m app bench grid --model "$M" "${args[@]}" --requests 48 --runs "${RUNS:-2}" \
+      --shared 96 --outputs fixed --arrivals interval --caps none --policies "$3" --no-plots \
+      --out "$OUT/layout-$1-n48" 2>&1 | grep -v "it/s\]" | grep "^| " | grep -v "^| policy\|^|---\|^| workload"
+    _stamp "layout $1: 1,516-token prompts (1,000 shared), outputs 32-512, Poisson 20/s, N=64"
+    python3 -X faulthandler -m app bench grid --model "$M" "${args[@]}" --requests 64 --runs "${RUNS:-2}" \
+      --prompt-tokens 1516 --shared 66 --outputs uniform --min-output 32 --max-output 512 --arrivals poisson \
+      --rate 20 --caps none --policies "$3" --no-plots --out "$OUT/layout-$1-long" 2>&1 | grep -v "it/s\]" \
+      | grep "^| " | grep -v "^| policy\|^|---\|^| workload"
+  done
+}
+
 slots() {  # what sequence slots cost a decode step: 40 (cap 32's default) vs 104, B = 1-64
   _decode overhead_gpu_slots40.txt 2 1,16,32 --n-seq-max 40
   _decode overhead_gpu_slots104.txt 2 1,16,32 --n-seq-max 104
