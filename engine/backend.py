@@ -109,6 +109,7 @@ class BackendConfig:
     # prefill of its prefix (`defer_shared`).
     share_prefill: bool = True
     defer_shared: bool = True
+    contexts: int = 1  # a spec's `contexts=N` (engine/config.py); each parsed backend is one context
 
     @property
     def auto_cap(self) -> bool:

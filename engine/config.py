@@ -17,6 +17,12 @@ limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
 over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes each stream
 (the context is then N × n_seq_max cells). See docs/NOTES.md ("KV layout for many prefixes").
 
+`contexts=N` makes N backends of one spec, named NAME-a, NAME-b, ... (`gpu:contexts=2` → gpu-a,
+gpu-b), each a llama.cpp context with its own cap, KV pool and prefix cache, sharing the
+device's model. For many tenants on one GPU: each context attends only over its own tenants'
+cells, and the router's `cache-aware` policy keeps a tenant on one of them (measured in
+docs/NOTES.md, "KV layout for many prefixes").
+
 `share_prefill=0` stops publishing a running prompt into the prefix cache at its prefill's end,
 `defer_shared=0` stops deferring a queued request behind a running prefill of its prefix
 (both on by default; engine/scheduler.py).
@@ -33,7 +39,7 @@ from .backend import BackendConfig
 from .errors import InvalidRequest
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
-             "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx",
+             "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx", "contexts",
              "fused_dist_from"}
 _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
 _BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive",
@@ -189,9 +195,24 @@ def name_backends(configs: list[BackendConfig | RemoteConfig],
 
 
 def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | RemoteConfig]:
-    configs = [parse_backend_spec(s, **defaults) for s in specs]
-    explicit = ["name=" in s for s in specs]
+    configs, explicit = [], []
+    for s in specs:
+        c = parse_backend_spec(s, **defaults)
+        for part in _contexts(c):
+            configs.append(part)
+            explicit.append("name=" in s or part is not c)
     return name_backends(configs, explicit)
+
+
+def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
+    """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
+    each with the spec's settings (its own cap, context and prefix cache)."""
+    n = getattr(c, "contexts", 1)
+    if n == 1:
+        return [c]
+    if not 1 <= n <= 26:
+        raise InvalidRequest(f"backend {c.name}: contexts must be 1 to 26, got {n}")
+    return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}", contexts=1) for i in range(n)]
 
 
 CPU_ONLY_CAP = 8  # the study's N=8 ran in 12.5 s at cap 8 on 2 cores (one 2-thread backend)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import parse_backend_spec
+from engine.config import parse_backend_spec, parse_backend_specs
 from engine.errors import InvalidRequest
 
 
@@ -29,3 +29,18 @@ def test_split_kv_sizes_each_stream():
 def test_an_unknown_kv_layout_is_refused():
     with pytest.raises(InvalidRequest, match="kv must be unified or split"):
         parse_backend_spec("gpu:kv=paged")
+
+
+def test_contexts_make_one_backend_each_with_the_spec_settings():
+    configs = parse_backend_specs(["gpu:contexts=2,cap=16", "cpu"])
+    assert [(c.name, c.cap, c.device) for c in configs] == [("gpu-a", 16, "gpu"), ("gpu-b", 16, "gpu"), ("cpu", 0, "cpu")]
+
+
+def test_contexts_take_the_spec_name():
+    assert [c.name for c in parse_backend_specs(["gpu:name=big,contexts=3"])] == ["big-a", "big-b", "big-c"]
+
+
+@pytest.mark.parametrize("n", [0, 27])
+def test_a_context_count_out_of_range_is_refused(n):
+    with pytest.raises(InvalidRequest, match="contexts must be 1 to 26"):
+        parse_backend_specs([f"gpu:contexts={n}"])

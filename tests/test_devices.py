@@ -161,3 +161,17 @@ def test_engine_with_a_missing_gpu_fails_clearly(tiny_path):
 
     with pytest.raises(ModelLoadError, match="gpu1 asked for.*devices here: CPU"):
         Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=1,ctx=512", "gpu:device=1"]))
+
+
+def test_contexts_of_one_spec_share_its_model_and_serve(tiny_path):
+    from engine.engine import Engine
+    from engine.request import Request, SamplingParams
+
+    eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=512,contexts=2"]), calibrate=False)
+    try:
+        a, b = eng.backends["cpu-a"], eng.backends["cpu-b"]
+        assert a.model is b.model
+        for backend in (a, b):
+            assert backend.enqueue(Request((9, 4, 17), SamplingParams(max_tokens=4))).result(60).status.finished
+    finally:
+        eng.close()
