@@ -207,9 +207,9 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
 def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
     each with the spec's settings (its own cap, context and prefix cache)."""
-    n = getattr(c, "contexts", 1)
-    if n == 1:
+    if not isinstance(c, BackendConfig) or c.contexts == 1:
         return [c]
+    n = c.contexts
     if not 1 <= n <= 26:
         raise InvalidRequest(f"backend {c.name}: contexts must be 1 to 26, got {n}")
     return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}", contexts=1) for i in range(n)]

@@ -163,7 +163,7 @@ def test_engine_with_a_missing_gpu_fails_clearly(tiny_path):
         Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=1,ctx=512", "gpu:device=1"]))
 
 
-def test_contexts_of_one_spec_share_its_model_and_serve(tiny_path):
+def test_contexts_of_one_spec_serve_on_one_shared_model(tiny_path):
     from engine.engine import Engine
     from engine.request import Request, SamplingParams
 
