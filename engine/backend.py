@@ -589,6 +589,13 @@ class Backend:
         return self.n_ctx * self._runner.kv_cell_bytes
 
     @property
+    def step_gaps(self):
+        """Seconds of host work between consecutive steps, the last 8,192 (ContextRunner.gaps);
+        read while the worker is idle."""
+        r = self._runner
+        return r.gaps if r is not None else ()
+
+    @property
     def graphs_reused(self) -> int:
         """Decodes that reused the previous step's compute graph (llama.cpp's own count)."""
         r = self._runner

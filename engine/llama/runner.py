@@ -26,11 +26,13 @@ engine/backend.py) runs between `llama_decode`, which releases the GIL, and
 `llama_synchronize`.
 
 Thread contract: everything runs on the backend's worker thread, except the read-only counters
-(`graphs_reused`, `sampler_attaches`, `samplers_attached`), which any thread may read.
+(`graphs_reused`, `sampler_attaches`, `samplers_attached`) and `gaps`, which any thread may read
+(`gaps` while the worker is idle).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass
@@ -110,6 +112,11 @@ class ContextRunner:
         # fails them after the step.
         self.dead_ends: list[SeqState] = []
         self.kv_cell_bytes = kv_bytes_per_cell(model)
+        # Seconds from the end of one step (its device sync) to the next step's llama_decode:
+        # the host work between two steps that no device work overlaps (and any idle wait
+        # between them). The benchmarks take the median over a run (bench/common.py).
+        self.gaps: collections.deque = collections.deque(maxlen=8192)
+        self._t_end = 0.0
 
     # ---- the scheduler's effects ----
 
@@ -165,12 +172,14 @@ class ContextRunner:
         elif fused_dist.live():  # only idle ones: no row to draw for, and their builds stay cheap
             fused_dist.draw(())
         t0 = time.perf_counter()
+        self.gaps.append(t0 - self._t_end)
         rc = lc.llama_decode(ctx, batch.full())
         if during is not None:  # host work while the device runs this step
             during()
         if rc == 0:
             lc.llama_synchronize(ctx)  # so `dt` is the device's time, not a launch
-        dt = time.perf_counter() - t0
+        self._t_end = time.perf_counter()
+        dt = self._t_end - t0
         if rc != 0:
             return RunnerOutput(rc, [], n_decode, n_prefill, dt)
         # One loop, no call per row beyond the token read: the host's share of a GPU step
