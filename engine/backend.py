@@ -738,11 +738,11 @@ class Backend:
                     sched.fail(s, "the grammar allows no token of this model's vocabulary here; "
                                   "the reply cannot go on")
             runner.dead_ends.clear()
-        self._settle(finished)
         rows = [s.ran_on for s in plan.decode]
         if plan.chunks:
             rows += [s.ran_on for s, _, _, lg in plan.chunks if lg]
-        self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))
+        self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))  # before its requests' records
+        self._settle(finished)
         self.bus.publish(StepDone(self.name, out.n_decode, out.n_prefill, len(sched.running), out.seconds,
                                   time.monotonic()))
 
