@@ -2,12 +2,13 @@
 backend with its decode rate (`overhead`, `together`, `prefill`, `cache` and `ui` use them).
 
 `engine_decode` records, per batch size, the share of wall time spent outside `llama_decode`
-(`HOST_SHARE`) and the share of steps that reused llama.cpp's graph (`GRAPH_REUSE`); only
-`tandem bench overhead` reads them. Called from the bench's own (main) thread.
+(`HOST_SHARE`), the host time between consecutive steps (`HOST_GAP`) and the share of steps
+that reused llama.cpp's graph (`GRAPH_REUSE`); only `tandem bench overhead` reads them. Called from the bench's own (main) thread.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 
@@ -31,6 +32,10 @@ def ctx_for(n_prompt: int, n_gen: int, batch: int) -> int:
 
 HOST_SHARE: dict[int, list[float]] = {}
 HOST_US: dict[int, list[float]] = {}  # µs of the worker's wall time outside llama_decode, per step
+# µs between one step's device sync and the next step's llama_decode, median over a run's steps:
+# the host work on the critical path of every step, without what a request costs once
+# (admission, its prefix's KV copy, retirement), which HOST_US spreads over the steps.
+HOST_GAP: dict[int, list[float]] = {}
 GRAPH_REUSE: dict[int, list[float]] = {}
 
 
@@ -63,6 +68,10 @@ def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, r
     HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / wall)
     HOST_US.setdefault(batch, []).append(1e6 * (wall - (backend.decode_s - d0)) / max(backend.steps - s0, 1))
     GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
+    steps = backend.steps - s0
+    gaps = list(backend.step_gaps)[-steps:][1:] if steps > 1 else []  # the first: idle before the run
+    if gaps:
+        HOST_GAP.setdefault(batch, []).append(1e6 * statistics.median(gaps))
     return decode_rate(records)
 
 

@@ -41,7 +41,7 @@ from engine.llama import fused_dist
 from engine.llama.model import Model, resolve_model
 from engine.request import SamplingParams
 
-from .common import GRAPH_REUSE, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
+from .common import GRAPH_REUSE, HOST_GAP, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
 
 # `--sampling` modes: the sampling fields each adds to the plain greedy request.
 SAMPLING_MODES = {
@@ -227,6 +227,9 @@ def run_overhead(args) -> int:
     out["host_share"] = {f"b{b}": round(statistics.median(v), 3) for b, v in HOST_SHARE.items()}
     # The same per step, in µs: the host's cost of a step, whatever the device's speed.
     out["host_us_per_step"] = {f"b{b}": round(statistics.median(v), 1) for b, v in HOST_US.items()}
+    # Only the host work between consecutive steps (median step): what every step waits for,
+    # without the once-per-request costs (admission, prefix KV copies, retirement) above.
+    out["host_gap_us"] = {f"b{b}": round(statistics.median(v), 1) for b, v in HOST_GAP.items()}
     # Share of steps that reused the previous step's graph (no rebuild, no scheduler reset).
     out["graph_reuse"] = {f"b{b}": round(statistics.median(v), 3) for b, v in GRAPH_REUSE.items()}
     for b in batches:

@@ -39,6 +39,20 @@ def test_greedy_output_is_the_same_batched_as_alone(request, make_backend, which
     assert max(len(rows) for _, _, rows in b.step_log) == 4
 
 
+@pytest.mark.parametrize("unified", [True, False], ids=["unified", "split"])
+def test_each_batched_row_gets_its_own_sequences_tokens(make_backend, tiny_model, unified):
+    """Eight sequences decoding together (their tokens read in one go, not one call per row)
+    each get the text they get alone, in either KV layout."""
+    b = make_backend(tiny_model, cap=8, cache=False, kv_unified=unified, seq_ctx=0 if unified else 128)
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = [(5 + i, 9, 3 * i + 1, 40 + 7 * i) for i in range(8)]
+    alone = [b.enqueue(Request(p, sp)).text(WAIT) for p in prompts]
+    handles = [b.enqueue(Request(p, sp)) for p in prompts]
+    assert [h.text(WAIT) for h in handles] == alone
+    assert len(set(alone)) > 1, "the prompts were chosen to give different texts"
+    assert max(len(rows) for _, _, rows in b.step_log) == 8
+
+
 def test_concurrent_requests_share_decode_steps(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=4)
     sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -360,6 +360,7 @@ def test_bench_overhead_prints_its_measures(tiny_path, capsys):
     out = _last_json(capsys)
     assert rc == 0 and out["engine_b1_tok_s"] > 0 and out["engine_b2_tok_s"] > 0
     assert set(out["graph_reuse"]) == {"b1", "b2"} and out["fused_greedy"] is True and out["eog_redos"] == 0
+    assert set(out["host_gap_us"]) == {"b1", "b2"} and all(v > 0 for v in out["host_gap_us"].values())
 
 
 def test_bench_overhead_sampled_prints_temperature_decode_against_greedy(tiny_path, capsys):

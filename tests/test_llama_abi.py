@@ -30,6 +30,7 @@ def test_the_installed_llama_cpp_python_passes():
     assert report.version in _abi.SUPPORTED == ("0.3.36",)
     assert Path(report.library).is_file()
     assert report.sampled_token_method, "this build of libllama exports llama_context::get_sampled_token_ith"
+    assert report.sampled_tokens_method, "and llama_context::get_sampled_tokens"
 
 
 _UNKNOWN_VERSION = """

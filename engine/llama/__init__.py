@@ -60,6 +60,13 @@ sampler_accept = holding_gil("llama_sampler_accept", [lc.llama_sampler_p_ctypes,
 # following the last decode (ContextRunner.execute does it).
 sampled_token_after_sync = _abi.sampled_token_method() or get_sampled_token_ith
 
+# The same tokens for rows 0 .. n - 1 of the last decode in one read (a list; None when llama.cpp
+# has no sampled tokens), or None where libllama lacks the methods (engine/llama/runner.py:
+# BULK_READ_FROM). The buffer holds one token per output row, and after llama.cpp's output
+# reorder output row i is the i-th batch row that asked for logits: the batch's first n rows
+# when all of them did. Only after `llama_synchronize` following the last decode.
+sampled_tokens_after_sync = _abi.sampled_tokens_reader()
+
 _init_lock = threading.Lock()
 _initialized = False
 

@@ -9,10 +9,14 @@ only this module does:
 * `_ZN13llama_context21get_sampled_token_ithEi`, the C++ method
   `llama_context::get_sampled_token_ith(int)` that libllama exports: the sampled token without
   the stream sync of the public `llama_get_sampled_token_ith` (`sampled_token_method()`).
+* `_ZNK13llama_context18get_sampled_tokensEv`, `llama_context::get_sampled_tokens()`: the
+  context's buffer of sampled tokens, one per output row, which the method above indexes
+  (`sampled_tokens_reader()`): a step's tokens in one read instead of one call per row.
 * `GgmlTensor`, a ctypes mirror of `struct ggml_tensor` (ggml.h), through which the fused
   samplers (`engine.llama.greedy`, `engine.llama.fused_dist`) read the shape and view source of
   the logits llama.cpp hands them, and which output llama.cpp chose for a chain (`flags`)
-  (`tensor_facts()`).
+  (`tensor_facts()`, a copy; `live_tensor()`, the struct in place, for the few fields a hot
+  callback reads).
 
 None of these is covered by a stable ABI, so a different llama-cpp-python (another llama.cpp
 inside) could crash the process far from here. `check()` runs when `engine.llama` is first
@@ -26,16 +30,17 @@ imported, before anything else in the engine touches the library:
    rows, and every field the samplers read (`type`, `ne`, `nb`, `view_src`, `view_offs`, `flags`) plus the
    fields around them (`buffer`, `op`, `op_params`, `flags`, `src`, `data`, `name`) is compared
    with what ggml's public functions report. Any difference is a `NativeABIError` naming the field.
-4. The C++ method is looked up. Its absence is not an error: `engine.llama` then reads tokens
-   through the public function (one stream sync per read: slower, never wrong), and says so in
-   the log.
+4. The C++ methods are looked up. Their absence is not an error: `engine.llama` then reads
+   tokens through the public function (one stream sync per read: slower, never wrong), and says
+   so in the log; without `get_sampled_tokens` alone, one call per row.
 
 `NativeABIError` is a `ModelLoadError` (the engine's error for a model that cannot be loaded)
 and an `ImportError` (it is raised while `engine.llama` is being imported).
 
 Thread contract: `check()` runs once, at import, on the importing thread. `function()`,
-`sampled_token_method()` and `tensor_facts()` hold no state of their own and may be called from
-any thread; `tensor_facts()` only while the tensor it reads is alive (during a graph build).
+`sampled_token_method()`, `sampled_tokens_reader()`, `tensor_facts()` and `live_tensor()` hold no
+state of their own and may be called from any thread; the last two only while the tensor they read
+is alive (during a graph build).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ log = logging.getLogger("llama.cpp")
 SUPPORTED = ("0.3.36",)
 
 _SAMPLED_TOKEN_METHOD = "_ZN13llama_context21get_sampled_token_ithEi"  # llama_context::get_sampled_token_ith(int)
+_SAMPLED_TOKENS_METHOD = "_ZNK13llama_context18get_sampled_tokensEv"  # llama_context::get_sampled_tokens() const
 
 
 class NativeABIError(ModelLoadError, ImportError):
@@ -93,6 +99,12 @@ class TensorFacts:
     flags: int  # enum ggml_tensor_flag bits (16: GGML_TENSOR_FLAG_COMPUTE, set by ggml_build_forward_select)
 
 
+def live_tensor(address: int) -> GgmlTensor:
+    """The `ggml_tensor` at `address`, read in place (no copy): for a hot path that reads a few
+    fields; only while the tensor is alive (during a graph build)."""
+    return GgmlTensor.from_address(address)
+
+
 def tensor_facts(address: int) -> TensorFacts:
     """The facts of the live `ggml_tensor` at `address`."""
     t = GgmlTensor.from_address(address)
@@ -118,6 +130,29 @@ def function(name: str, argtypes: list, restype, *, keep_gil: bool):
     return f
 
 
+def sampled_tokens_reader():
+    """`(ctx, n) -> list` of the sampled tokens of output rows 0 .. n - 1 of the last decode, read
+    from the buffer `llama_context::get_sampled_tokens()` returns (None when it has none),
+    keeping the GIL; or None when libllama exports not both C++ methods. The buffer method
+    neither synchronises nor applies llama.cpp's pending output reorder, so one token is read
+    through `sampled_token_method()` first, which applies it. Valid only after
+    `llama_synchronize` following the last decode."""
+    one = sampled_token_method()
+    try:
+        buffer = function(_SAMPLED_TOKENS_METHOD, [llama_cpp.llama_context_p_ctypes], ctypes.c_void_p, keep_gil=True)
+    except AttributeError:
+        return None
+    if one is None:
+        return None
+
+    def read(ctx, n: int) -> list[int] | None:
+        one(ctx, 0)
+        address = buffer(ctx)
+        return (ctypes.c_int32 * n).from_address(address)[:] if address else None
+
+    return read
+
+
 def sampled_token_method():
     """`llama_context::get_sampled_token_ith(int)` as `(ctx, i) -> token`, keeping the GIL, or
     None when libllama does not export it. Valid only after `llama_synchronize` following the
@@ -138,6 +173,7 @@ class Report:
     version: str
     library: str  # path of libllama
     sampled_token_method: bool  # libllama exports llama_context::get_sampled_token_ith
+    sampled_tokens_method: bool = False  # and llama_context::get_sampled_tokens
 
 
 def check() -> Report:
@@ -165,7 +201,8 @@ def check() -> Report:
     if not method:
         log.warning("libllama (llama-cpp-python %s) does not export %s: sampled tokens are read through "
                     "llama_get_sampled_token_ith, one stream sync per read", found, _SAMPLED_TOKEN_METHOD)
-    return Report(found, path, method)
+    bulk = sampled_tokens_reader() is not None
+    return Report(found, path, method, bulk)
 
 
 class InitParams(ctypes.Structure):

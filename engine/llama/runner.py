@@ -15,8 +15,9 @@ the chosen token's logprob and the top alternatives (`TokenLogprob`), in `Runner
 by output row. Other sequences of the same step keep their device chains.
 
 The hot path is the decode: nothing here adds per-token Python work beyond the batch's writes
-(three list assignments for 8 rows or more), one token read per sampled row (the token of
-an attached stateless chain, `Sampler.direct`, is read in the loop itself) and, while fused
+(three list assignments for 8 rows or more), the sampled tokens' read (the decode rows' device
+tokens in one read from `BULK_READ_FROM` rows on, else one per row; the token of an attached
+stateless chain, `Sampler.direct`, is taken in the loop itself) and, while fused
 temperature chains run, one uniform per sampled row drawn before the step and uploaded in one
 copy (`fused_dist.draw`); a step with no running fused chain makes no per-row call for them,
 even while idle ones stay attached (`SamplerSlots.fused_busy`). While the device
@@ -25,11 +26,13 @@ engine/backend.py) runs between `llama_decode`, which releases the GIL, and
 `llama_synchronize`.
 
 Thread contract: everything runs on the backend's worker thread, except the read-only counters
-(`graphs_reused`, `sampler_attaches`, `samplers_attached`), which any thread may read.
+(`graphs_reused`, `sampler_attaches`, `samplers_attached`) and `gaps`, which any thread may read
+(`gaps` while the worker is idle).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass
@@ -44,6 +47,11 @@ from . import fused_dist, lc
 from .batch import Batch
 from .model import Model
 from .sampling import DEAD_END, SamplerSlots
+
+# From this many decode rows on, their tokens are read in one go (`llama.sampled_tokens_after_sync`):
+# one by one cost 0.4 us a row, at once 1.2 us for any number (128 rows: 51 vs 1.3 us a step;
+# 2-core dev machine).
+BULK_READ_FROM = 3
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -104,6 +112,11 @@ class ContextRunner:
         # fails them after the step.
         self.dead_ends: list[SeqState] = []
         self.kv_cell_bytes = kv_bytes_per_cell(model)
+        # Seconds from the end of one step (its device sync) to the next step's llama_decode:
+        # the host work between two steps that no device work overlaps (and any idle wait
+        # between them). The benchmarks take the median over a run (bench/common.py).
+        self.gaps: collections.deque = collections.deque(maxlen=8192)
+        self._t_end = 0.0
 
     # ---- the scheduler's effects ----
 
@@ -159,24 +172,30 @@ class ContextRunner:
         elif fused_dist.live():  # only idle ones: no row to draw for, and their builds stay cheap
             fused_dist.draw(())
         t0 = time.perf_counter()
+        self.gaps.append(t0 - self._t_end)
         rc = lc.llama_decode(ctx, batch.full())
         if during is not None:  # host work while the device runs this step
             during()
         if rc == 0:
             lc.llama_synchronize(ctx)  # so `dt` is the device's time, not a launch
-        dt = time.perf_counter() - t0
+        self._t_end = time.perf_counter()
+        dt = self._t_end - t0
         if rc != 0:
             return RunnerOutput(rc, [], n_decode, n_prefill, dt)
         # One loop, no call per row beyond the token read: the host's share of a GPU step
         # grows with every per-row call (docs/performance.md, "Host work per step after the
         # backend split").
         read, null, is_eog = llama.sampled_token_after_sync, lc.LLAMA_TOKEN_NULL, self.model.is_eog
+        # The decode rows' device tokens in one read where libllama allows it (they are the
+        # batch's first rows, all with logits); a few rows are cheaper read one by one.
+        bulk = llama.sampled_tokens_after_sync
+        device = bulk(ctx, n_decode) if bulk is not None and n_decode >= BULK_READ_FROM else None
         sampled: list[int | None] = []
         append = sampled.append
         lps = None
         for row, s in enumerate(decode):
             smp = s.sampler
-            tok = read(ctx, row) if smp.direct else null
+            tok = (read(ctx, row) if device is None else device[row]) if smp.direct else null
             if tok == null:
                 tok = smp.sample(ctx, row)
                 if tok == DEAD_END:
