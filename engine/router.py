@@ -764,10 +764,12 @@ class RoundRobin(Policy):
 
 
 class OnlyBackend(Policy):
-    """Everything to one backend, named (`only:NAME`) or by device (`gpu-only`, `cpu-only`).
+    """Everything to one backend (`only:NAME`) or to one kind of device (`gpu-only`, `cpu-only`).
 
-    By device means the first backend in order whose device is `cpu` (case-insensitive) for
-    `cpu-only`, and the first whose device is anything else (gpu, CUDA0, Metal...) for `gpu-only`.
+    By device means the backends whose device is `cpu` (case-insensitive) for `cpu-only`, and
+    those whose device is anything else (gpu, CUDA0, Metal...) for `gpu-only`: with several
+    (two contexts on one GPU, several GPUs) the healthy one holding the fewest requests, the
+    first in order on a tie.
     """
 
     def __init__(self, backend: str | None = None, device: str | None = None):
@@ -786,6 +788,13 @@ class OnlyBackend(Policy):
             what = f"a backend with device {self.device!r}"
         if not matches:
             raise BackendUnavailable(f"policy {self.name} needs {what}; backends: {_names(scores)}")
+        if len(matches) > 1:
+            healthy = [s for s in matches if s.eligible]
+            if not healthy:
+                raise BackendUnavailable(f"policy {self.name}: every backend of device {self.device!r} is unhealthy")
+            target = min(healthy, key=lambda s: s.n_running + s.n_waiting)
+            return target.name, (f"{self.name}: {target.name} holds the fewest requests "
+                                 f"({target.n_running + target.n_waiting}) of {_names(matches)}")
         target = matches[0]
         if not target.eligible:
             raise BackendUnavailable(f"policy {self.name}: backend {target.name!r} is unhealthy")

@@ -193,6 +193,16 @@ class TestBaselines:
         assert Router("gpu-only").route(query(), snaps).backend == "b1"
         assert Router("cpu-only").route(query(), snaps).backend == "b0"
 
+    def test_gpu_only_over_two_contexts_picks_the_one_holding_fewer(self):
+        snaps = [snap("cpu", "cpu", CPU_RATES), snap("gpu-a", "gpu", GPU_RATES, queued(3, prefix="a")),
+                 snap("gpu-b", "gpu", GPU_RATES, queued(1, prefix="b"))]
+        decision = Router("gpu-only").route(query(), snaps)
+        assert decision.backend == "gpu-b"
+
+    def test_gpu_only_over_two_contexts_skips_an_unhealthy_one(self):
+        snaps = [snap("gpu-a", "gpu", GPU_RATES, healthy=False), snap("gpu-b", "gpu", GPU_RATES, queued(5))]
+        assert Router("gpu-only").route(query(), snaps).backend == "gpu-b"
+
     def test_device_only_without_such_device(self):
         with pytest.raises(BackendUnavailable, match="cpu"):
             Router("cpu-only").route(query(), [gpu()])
