@@ -307,6 +307,22 @@ layouts() {  # one GPU context vs two on the same GPU, default (adaptive) caps: 
   done
 }
 
+tenants_default() {  # the must-show on the one-GPU default layout (two contexts), tenants 4/16/32, N=200,
+                    # Poisson 30/s; then the context size alone (12k vs 32k cells) at 4 tenants (~5 min)
+  _stamp "tenants 4/16/32 on gpu:contexts=2"
+  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:contexts=2,threads=8 \
+    --requests 200 --runs "${RUNS:-2}" --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 \
+    --arrivals poisson --rate 30 --caps none --policies seed-score,cache-aware --no-plots \
+    --out "$OUT/tenants-default" 2>&1 | grep -v "it/s\]" | tail -2
+  python3 scripts/gpu/ratios.py tenants "$OUT/tenants-default" | tee "$OUT/tenants-default.txt"
+  _stamp "the context size alone: 12k vs 32k cells, one context, 4 tenants"
+  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:name=u12k,cap=32,ctx=12288,threads=8 \
+    --backend gpu:name=u32k,cap=32,ctx=32768,threads=8 --requests 200 --runs "${RUNS:-2}" --tenants 4 \
+    --outputs uniform --min-output 32 --max-output 256 --arrivals poisson --rate 30 --caps none --no-plots \
+    --policies only:u12k,only:u32k --out "$OUT/ctx-alone" 2>&1 | grep -v "it/s\]" | tail -2
+  python3 scripts/gpu/ratios.py pairs "$OUT/ctx-alone" only:u32k/only:u12k | tee "$OUT/ctx-alone.txt"
+}
+
 slots() {  # what sequence slots cost a decode step: 40 (cap 32's default) vs 104, B = 1-64
   _decode overhead_gpu_slots40.txt 2 1,16,32 --n-seq-max 40
   _decode overhead_gpu_slots104.txt 2 1,16,32 --n-seq-max 104
