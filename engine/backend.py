@@ -51,8 +51,18 @@ log = logging.getLogger(__name__)
 # No cap given: the ceiling the limiter may grow to, and where it starts. A GPU's decode tok/s
 # still rises to b = 32 (6,016 tok/s against 3,916 at 16, H200, `docs/results/gpu/speed10`);
 # on a CPU it flattens sooner and each sequence's tokens come slower with every one added.
-AUTO_CAP = {"gpu": 48, "cpu": 16}
+# The adaptive cap's ceiling and start for a whole device, divided among the contexts a spec
+# made on it (`contexts=N`). GPU ceiling 32: on the H200 the 1,516-token workload ran 6.71 s at
+# cap 32 and 7.97 s at 48 (every decode row attends over every running sequence's cells in a
+# unified pool), and the limiter, let up to 48, took 8.21 s (round4/caps-long).
+AUTO_CAP = {"gpu": 32, "cpu": 16}
 AUTO_START = {"gpu": 8, "cpu": 4}
+
+
+def auto_limits(kind: str, contexts: int = 1) -> tuple[int, int]:
+    """(ceiling, start) of an adaptive cap for one of `contexts` contexts on a `kind` device."""
+    n = max(contexts, 1)
+    return max(AUTO_CAP[kind] // n, 1), max(AUTO_START[kind] // n, 1)
 # KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: room
 # for 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B),
 # or what AUTO_CTX_MEMORY_SHARE of the device's free memory holds, if less (never under the
@@ -109,7 +119,7 @@ class BackendConfig:
     # prefill of its prefix (`defer_shared`).
     share_prefill: bool = True
     defer_shared: bool = True
-    contexts: int = 1  # a spec's `contexts=N` (engine/config.py); each parsed backend is one context
+    contexts: int = 1  # contexts its spec made on the device (`contexts=N`, engine/config.py): auto caps share the device's
 
     @property
     def auto_cap(self) -> bool:
@@ -121,7 +131,7 @@ class BackendConfig:
         sequence slots filled in."""
         threads = self.threads or os.cpu_count() or 1
         kind = "cpu" if (device or self.device) == "cpu" else "gpu"
-        cap = self.cap or min(AUTO_CAP[kind] if self.adaptive else 4, self.n_seq_max or 256)
+        cap = self.cap or min(auto_limits(kind, self.contexts)[0] if self.adaptive else 4, self.n_seq_max or 256)
         n_seq_max = self.n_seq_max or default_seq_slots(cap, kind)
         n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else (self.n_ctx or AUTO_CTX[kind])
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
@@ -484,7 +494,7 @@ class Backend:
         (None: as it is)."""
         auto = cap is None
         if auto:
-            cap = min(AUTO_CAP[self._kind], self.config.n_seq_max)
+            cap = min(auto_limits(self._kind, self.config.contexts)[0], self.config.n_seq_max)
         self._set_limits(cap, auto)
         self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
         with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
@@ -497,7 +507,7 @@ class Backend:
         if not 1 <= cap <= self.config.n_seq_max:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {cap}", param="cap")
         self._cap, self._auto = cap, auto
-        self._start = min(AUTO_START[self._kind], cap) if auto else cap
+        self._start = min(auto_limits(self._kind, self.config.contexts)[1], cap) if auto else cap
 
     def set_rates(self, rates: Rates) -> None:
         self.rates = rates

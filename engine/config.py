@@ -10,7 +10,8 @@ named otherwise. Several backends on one GPU share its model; each GPU loads its
 contexts on the GPU and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
 for the measurement that chose it).
 `cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
-(GPU 8, CPU 4) up to the device's ceiling (GPU 48, CPU 16); `cap=N` makes N the ceiling (the
+(GPU 8, CPU 4) up to the device's ceiling (GPU 32, CPU 16), both divided among the contexts of a
+`contexts=N` spec; `cap=N` makes N the ceiling (the
 limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
 
 `kv=split` gives every sequence its own KV stream (`kv_unified=0`), so a step attends only
@@ -206,13 +207,14 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
 
 def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
-    each with the spec's settings (its own cap, context and prefix cache)."""
+    each with the spec's settings (its own cap, context and prefix cache; without a cap, a
+    share of the device's adaptive ceiling: engine/backend.py `auto_limits`)."""
     if not isinstance(c, BackendConfig) or c.contexts == 1:
         return [c]
     n = c.contexts
     if not 1 <= n <= 26:
         raise InvalidRequest(f"backend {c.name}: contexts must be 1 to 26, got {n}")
-    return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}", contexts=1) for i in range(n)]
+    return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}") for i in range(n)]
 
 
 CPU_ONLY_CAP = 8  # the study's N=8 ran in 12.5 s at cap 8 on 2 cores (one 2-thread backend)

@@ -9,8 +9,8 @@ from engine.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("spec, cap, adaptive", [
-    ("gpu", 48, True),  # no cap: adaptive up to the device's ceiling
-    ("gpu:cap=auto", 48, True),
+    ("gpu", 32, True),  # no cap: adaptive up to the device's ceiling
+    ("gpu:cap=auto", 32, True),
     ("cpu:cap=auto", 16, True),
     ("gpu:cap=16", 16, True),  # an explicit cap is the ceiling
     ("gpu:cap=16,adaptive=0", 16, False),  # ... or fixed
@@ -44,3 +44,7 @@ def test_contexts_take_the_spec_name():
 def test_a_context_count_out_of_range_is_refused(n):
     with pytest.raises(InvalidRequest, match="contexts must be 1 to 26"):
         parse_backend_specs([f"gpu:contexts={n}"])
+
+
+def test_contexts_without_a_cap_share_the_device_ceiling():
+    assert [c.resolved().cap for c in parse_backend_specs(["gpu:contexts=2"])] == [16, 16]

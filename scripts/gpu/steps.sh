@@ -323,6 +323,21 @@ tenants_default() {  # the must-show on the one-GPU default layout (two contexts
   python3 scripts/gpu/ratios.py pairs "$OUT/ctx-alone" only:u32k/only:u12k | tee "$OUT/ctx-alone.txt"
 }
 
+final_check() {  # ~4 min: the defaults after the GPU ceiling moved to 32 (16 per context of two): the tenants
+                # must-show on the one-GPU default layout, and the adaptive cap on both workloads
+  _stamp "tenants 4/16/32 on gpu:contexts=2 (ceilings 16 each)"
+  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:contexts=2,threads=8 \
+    --requests 200 --runs "${RUNS:-1}" --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 \
+    --arrivals poisson --rate 30 --caps none --policies seed-score,cache-aware --no-plots \
+    --out "$OUT/tenants-default2" 2>&1 | grep -v "it/s\]" | tail -1
+  python3 scripts/gpu/ratios.py tenants "$OUT/tenants-default2" | tee "$OUT/tenants-default2.txt"
+  _stamp "adaptive (ceiling 32) vs fixed caps: long prompts"
+  RUNS=2 CAPS=16,32 _caps_grid caps-long2 --requests 64 --prompt-tokens 1516 --shared 66 --outputs uniform \
+    --min-output 32 --max-output 512 --arrivals poisson --rate 20
+  _stamp "adaptive (ceiling 32) vs fixed caps: the study's N=48"
+  RUNS=2 CAPS=8,16,32 _caps_grid caps-n48-2 --requests 48 --shared 96 --outputs fixed --arrivals interval
+}
+
 slots() {  # what sequence slots cost a decode step: 40 (cap 32's default) vs 104, B = 1-64
   _decode overhead_gpu_slots40.txt 2 1,16,32 --n-seq-max 40
   _decode overhead_gpu_slots104.txt 2 1,16,32 --n-seq-max 104
