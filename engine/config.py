@@ -6,8 +6,8 @@
 alone (`engine.llama.gpus()[N]`), as the device `gpuN`, and the backend is named `gpuN` unless
 named otherwise. Several backends on one GPU share its model; each GPU loads its own.
 
-`default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; two
-contexts on the GPU and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
+`default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; a GPU
+and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
 for the measurement that chose it).
 `cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
 (GPU 8, CPU 4) up to the device's ceiling (GPU 32, CPU 16), both divided among the contexts of a
@@ -225,14 +225,13 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
 
     - several GPUs: one backend per GPU (`gpu:device=N`, named gpu0, gpu1, ...) and a CPU
       backend on the cores left after one per GPU backend's worker thread;
-    - one GPU: two contexts on it (`gpu:contexts=2`: gpu-a, gpu-b) and a CPU backend on the
-      cores left after their two worker threads. Measured on one H200 against one context, same
-      call (docs/results/gpu/round4, layout-* and groups-*): the study's N=48 2.60-2.66 s vs
-      2.73 s; 1,516-token prompts 6.17-6.70 s vs 6.87 s; 16 and 32 tenants 3,705 and 3,454
-      output tok/s vs 3,045 and 2,578. Each context's decode attends over its own pool only
-      (in one unified pool every row attends over every sequence's cells), and one context's
-      host work between steps overlaps the other's kernels. A GPU-only routing view has a
-      choice in it, too;
+    - one GPU: GPU + CPU. Two contexts on the GPU (`gpu:contexts=2`) won with fixed caps
+      (docs/results/gpu/round4, groups-*: cap 16 each, 16 and 32 tenants 3,705 and 3,454
+      output tok/s against 3,045 and 2,578 for one context at cap 32) and with adaptive
+      ceilings of 48 each on the study (2.60-2.66 s vs 2.73 s) and on long prompts (6.17-6.70
+      s vs 6.87 s), but not with adaptive caps on tenants (tenants-default*: 2,343-2,669 and
+      1,996-2,420 tok/s at 16 and 32 tenants): the limiter starts low and climbs only under
+      backlog, so it stays one context until the limiter is measured on that layout;
     - no offload: one CPU backend with every core, cap 8 (`CPU_ONLY_CAP`).
 
     Why one on a CPU-only machine (docs/performance.md, "First use on a laptop"): splitting the
@@ -259,7 +258,7 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
     if gpus >= 2:
         return [f"gpu:device={n}" for n in range(gpus)] + [f"cpu:threads={max(cores - gpus, 1)}"]
     if gpus == 1:
-        return ["gpu:contexts=2", f"cpu:threads={max(cores - 2, 1)}"]
+        return ["gpu", f"cpu:threads={max(cores - 1, 1)}"]
     return [f"cpu:threads={cores},cap={CPU_ONLY_CAP}"]
 
 

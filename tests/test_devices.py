@@ -65,7 +65,7 @@ DEFAULT_CASES = [
     # (gpu offload, GPU count, cores, specs)
     (False, 0, 8, ["cpu:threads=8,cap=8"]),
     (False, 0, 2, ["cpu:threads=2,cap=8"]),
-    (True, 1, 8, ["gpu:contexts=2", "cpu:threads=6"]),
+    (True, 1, 8, ["gpu", "cpu:threads=7"]),
     (True, 2, 16, ["gpu:device=0", "gpu:device=1", "cpu:threads=14"]),
     (True, 4, 2, ["gpu:device=0", "gpu:device=1", "gpu:device=2", "gpu:device=3",
                   "cpu:threads=1"]),
