@@ -746,10 +746,12 @@ class Backend:
         rows = [s.ran_on for s in plan.decode]
         if plan.chunks:
             rows += [s.ran_on for s, _, _, lg in plan.chunks if lg]
-        self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))  # before its requests' records
-        self._settle(finished)
+        # The step's log entry and event go out before the finish records it caused: a caller
+        # that waits for its requests (calibration's probe, tests) then sees the step.
+        self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))
         self.bus.publish(StepDone(self.name, out.n_decode, out.n_prefill, len(sched.running), out.seconds,
                                   time.monotonic()))
+        self._settle(finished)
 
     def _during(self) -> None:
         """While the device runs this step: the previous step's text, to the event loops."""

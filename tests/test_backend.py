@@ -166,6 +166,20 @@ def test_a_cpu_backend_without_a_ctx_gets_4096_cells(make_backend, tiny_model):
     assert make_backend(tiny_model, n_ctx=0).n_ctx == 4096
 
 
+def test_a_step_is_announced_before_the_records_it_finished(make_backend, tiny_model):
+    from engine.events import StepDone
+
+    b = make_backend(tiny_model, cap=2)
+    for _ in range(5):
+        steps: list = []
+        unsubscribe = b.bus.subscribe(steps.append, (StepDone,))
+        try:
+            b.enqueue(Request((9, 4, 17, 3), SamplingParams(temperature=0.0, max_tokens=1))).result(WAIT)
+            assert any(e.n_prefill for e in steps), "the prefill step that finished the request"
+        finally:
+            unsubscribe()
+
+
 def test_seeded_sampling_repeats_itself(make_backend, default_model):
     b = make_backend(default_model, cap=2)
     sp = SamplingParams(temperature=0.9, seed=1234, max_tokens=20)
