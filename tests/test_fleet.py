@@ -39,6 +39,12 @@ def fleet():
             s.close()
 
 
+def _client(router: Server) -> tuple[openai.OpenAI, str]:
+    """The official client in front of the router, and the fleet's model id."""
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
+    return client, router.get("/v1/models")["data"][0]["id"]
+
+
 def _tenant_prompt(tenant: int, i: int) -> str:
     """A long system text per tenant (the shared prefix) and a short question of its own."""
     prefix = " ".join(f"tenant{tenant} rule {k} says the answer is {k * (tenant + 3)}." for k in range(20))
@@ -63,8 +69,7 @@ def test_router_only_mode_serves_the_fleet_without_a_model(fleet):
 
 def test_cache_aware_spreads_tenants_keeping_each_on_one_engine(fleet):
     router, _ = fleet
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
-    model = router.get("/v1/models")["data"][0]["id"]
+    client, model = _client(router)
     placed: dict[int, list[str]] = {t: [] for t in range(TENANTS)}
     why: dict[int, list[str]] = {t: [] for t in range(TENANTS)}
     for i in range(4):  # rounds: every tenant sends one request per round, all at once
@@ -82,8 +87,7 @@ def test_cache_aware_spreads_tenants_keeping_each_on_one_engine(fleet):
 
 def test_killing_one_engine_mid_run_moves_its_queue(fleet):
     router, engines = fleet
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
-    model = router.get("/v1/models")["data"][0]["id"]
+    client, model = _client(router)
 
     def ask(i: int):
         try:
@@ -117,8 +121,7 @@ def test_non_streaming_requests_survive_their_engine_dying_mid_answer(fleet):
     # A client that did not ask for a stream sees nothing until the end: when e1 dies while it
     # is generating for such requests, they start again from the prompt on e0 and succeed.
     router, engines = fleet
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
-    model = router.get("/v1/models")["data"][0]["id"]
+    client, model = _client(router)
     n, out = 16, 160
 
     def ask(i: int):
@@ -147,8 +150,7 @@ def test_streams_survive_their_engine_dying_mid_answer(fleet):
     # Streams that e1 had begun go on from their text on e0: each client sees one stream of the
     # whole max_tokens and no error event; completions and chats alike.
     router, engines = fleet
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
-    model = router.get("/v1/models")["data"][0]["id"]
+    client, model = _client(router)
     n, out = 8, 160
 
     def ask(i: int):
@@ -190,8 +192,7 @@ def test_streams_survive_their_engine_dying_mid_answer(fleet):
 
 def test_a_stream_ends_with_a_clear_error_when_no_engine_is_left(fleet):
     router, engines = fleet
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", timeout=WAIT, max_retries=0)
-    model = router.get("/v1/models")["data"][0]["id"]
+    client, model = _client(router)
     engines[0].kill()
     wait_until(lambda: not next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e0")["healthy"],
                WAIT, "e0 seen down")

@@ -307,14 +307,18 @@ layouts() {  # one GPU context vs two on the same GPU, default (adaptive) caps: 
   done
 }
 
+_tenants_two_contexts() {  # _tenants_two_contexts OUTDIR RUNS: tenants 4/16/32 on gpu:contexts=2 (adaptive caps)
+  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:contexts=2,threads=8 \
+    --requests 200 --runs "$2" --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 \
+    --arrivals poisson --rate 30 --caps none --policies seed-score,cache-aware --no-plots \
+    --out "$OUT/$1" 2>&1 | grep -v "it/s\]" | tail -1
+  python3 scripts/gpu/ratios.py tenants "$OUT/$1" | tee "$OUT/$1.txt"
+}
+
 tenants_default() {  # the must-show on the one-GPU default layout (two contexts), tenants 4/16/32, N=200,
                     # Poisson 30/s; then the context size alone (12k vs 32k cells) at 4 tenants (~5 min)
   _stamp "tenants 4/16/32 on gpu:contexts=2"
-  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:contexts=2,threads=8 \
-    --requests 200 --runs "${RUNS:-2}" --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 \
-    --arrivals poisson --rate 30 --caps none --policies seed-score,cache-aware --no-plots \
-    --out "$OUT/tenants-default" 2>&1 | grep -v "it/s\]" | tail -2
-  python3 scripts/gpu/ratios.py tenants "$OUT/tenants-default" | tee "$OUT/tenants-default.txt"
+  _tenants_two_contexts tenants-default "${RUNS:-2}"
   _stamp "the context size alone: 12k vs 32k cells, one context, 4 tenants"
   python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:name=u12k,cap=32,ctx=12288,threads=8 \
     --backend gpu:name=u32k,cap=32,ctx=32768,threads=8 --requests 200 --runs "${RUNS:-2}" --tenants 4 \
@@ -326,11 +330,7 @@ tenants_default() {  # the must-show on the one-GPU default layout (two contexts
 final_check() {  # ~4 min: the defaults after the GPU ceiling moved to 32 (16 per context of two): the tenants
                 # must-show on the one-GPU default layout, and the adaptive cap on both workloads
   _stamp "tenants 4/16/32 on gpu:contexts=2 (ceilings 16 each)"
-  python3 -X faulthandler -m app bench grid --model "$M" --backend gpu:contexts=2,threads=8 \
-    --requests 200 --runs "${RUNS:-1}" --tenants 4,16,32 --outputs uniform --min-output 32 --max-output 256 \
-    --arrivals poisson --rate 30 --caps none --policies seed-score,cache-aware --no-plots \
-    --out "$OUT/tenants-default2" 2>&1 | grep -v "it/s\]" | tail -1
-  python3 scripts/gpu/ratios.py tenants "$OUT/tenants-default2" | tee "$OUT/tenants-default2.txt"
+  _tenants_two_contexts tenants-default2 "${RUNS:-1}"
   _stamp "adaptive (ceiling 32) vs fixed caps: long prompts"
   RUNS=2 CAPS=16,32 _caps_grid caps-long2 --requests 64 --prompt-tokens 1516 --shared 66 --outputs uniform \
     --min-output 32 --max-output 512 --arrivals poisson --rate 20
