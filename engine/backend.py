@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 # on a CPU it flattens sooner and each sequence's tokens come slower with every one added.
 # The adaptive cap's ceiling and start for a whole device, divided among the contexts a spec
 # made on it (`contexts=N`). GPU ceiling 32: on the H200 the 1,516-token workload ran 6.71 s at
-# cap 32 and 7.97 s at 48 (every decode row attends over every running sequence's cells in a
-# unified pool), and the limiter, let up to 48, took 8.21 s (round4/caps-long).
+# cap 32 and 7.97 s at 48 (in a unified pool each prompt chunk attends over every running
+# sequence's cells), and the limiter, let up to 48, took 8.21 s (round4/caps-long).
 AUTO_CAP = {"gpu": 32, "cpu": 16}
 AUTO_START = {"gpu": 8, "cpu": 4}
 

@@ -20,9 +20,9 @@ over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes 
 
 `contexts=N` makes N backends of one spec, named NAME-a, NAME-b, ... (`gpu:contexts=2` → gpu-a,
 gpu-b), each a llama.cpp context with its own cap, KV pool and prefix cache, sharing the
-device's model. For many tenants on one GPU: each context attends only over its own tenants'
-cells, and the router's `cache-aware` policy keeps a tenant on one of them (measured in
-docs/NOTES.md, "KV layout for many prefixes").
+device's model. For many tenants on one GPU: the router's `cache-aware` policy keeps a tenant on
+one context, whose prompt chunks then stall only its own decodes and attend over its own pool
+(measured in docs/NOTES.md, "KV layout for many prefixes").
 
 `share_prefill=0` stops publishing a running prompt into the prefix cache at its prefill's end,
 `defer_shared=0` stops deferring a queued request behind a running prefill of its prefix
