@@ -30,8 +30,9 @@ def add_arguments(p) -> None:
                    help="batch sizes to time (default: 1..16, then a few up to each backend's cap)")
     p.add_argument("--context-tokens", type=int, default=CONTEXT_PROMPT,
                    help="also time batch 1 and min(cap, 8) over a context this long, for the step's context "
-                        "term, and the host cost per request there (what `tandem simulate` uses); 0: skip "
-                        "(default: %(default)s)")
+                        "term, the host cost per request there, and min(cap, 8) sequences with prefixes of "
+                        "this length that they do not share, for the masked scan (what `tandem simulate` "
+                        "uses); 0: skip (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="prefill measurements, median kept (default: %(default)s)")
     p.add_argument("--only", default=None, metavar="NAME,...", help="calibrate only these backends")
     p.add_argument("--no-save", action="store_true", help="measure and print, do not store")
@@ -116,20 +117,23 @@ def _one_per_config(eng, names: list[str]) -> dict[str, list[str]]:
 def format_table(model_name: str, results) -> str:
     lines = [f"calibration of {model_name}",
              "| backend | device | threads | cap | prefill tok/s | step ms at b=1..cap | α ms | β ms | decode tok/s at cap "
-             "| short context: step ms | γ µs per row per cell | host ms per request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| short context: step ms | γ µs per row per cell | unshared: step ms | δ µs per row per pool cell "
+             "| host ms per request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cal, _, _ in results:
         steps = " / ".join(f"{cal.step_s[b] * 1e3:.2f}" for b in sorted(cal.step_s))
         short = (f"{cal.context_tokens} tokens: " + " / ".join(f"b={b} {t * 1e3:.2f}" for b, t in
                                                               sorted(cal.context_step_s.items()))
                  if cal.context_step_s else "not measured")
+        scan = (f"b={cal.scan_batch} {cal.scan_step_s * 1e3:.2f} over {cal.scan_kv:.0f} cells "
+                f"(shared: {cal.context_kv.get(cal.scan_batch, 0):.0f})" if cal.scan_batch else "not measured")
         lines.append(f"| {cal.backend} | {cal.device} | {cal.threads} | {cal.cap} | {cal.prefill_tok_s:,.0f} | "
                      f"{steps} | {cal.step_alpha_s * 1e3:.2f} | {cal.step_beta_s * 1e3:.2f} | {cal.decode_tok_s:,.1f} | "
-                     f"{short} | {cal.step_gamma_s * 1e6:.3f} | "
+                     f"{short} | {cal.step_gamma_s * 1e6:.3f} | {scan} | {cal.step_delta_s * 1e6:.3f} | "
                      f"{cal.admit_s * 1e3:.1f} |" if cal.context_step_s else
                      f"| {cal.backend} | {cal.device} | {cal.threads} | {cal.cap} | {cal.prefill_tok_s:,.0f} | "
                      f"{steps} | {cal.step_alpha_s * 1e3:.2f} | {cal.step_beta_s * 1e3:.2f} | {cal.decode_tok_s:,.1f} | "
-                     f"{short} | – | – |")
+                     f"{short} | – | – | – | – |")
     notes = [f"{cal.backend}: {n}" for cal, _, _ in results for n in cal.notes]
     notes += [f"{', '.join(also)}: same speed-relevant config as {cal.backend}, so the same entry (measured once)"
               for cal, _, also in results if also]
@@ -148,6 +152,7 @@ def _list(store: RateStore) -> int:
               f"{r.get('prefill_tok_s', 0):,.0f} tok/s, decode {r.get('decode_tok_s', 0):,.1f} tok/s, "
               f"step {r.get('step_alpha_s', 0) * 1e3:.2f} + {r.get('step_beta_s', 0) * 1e3:.2f}·b ms"
               + (f", context term {r['step_gamma_s'] * 1e6:.2f} µs per row per cell" if r.get("step_gamma_s") else "")
+              + (f", masked scan {r['step_delta_s'] * 1e6:.3f} µs per row per pool cell" if r.get("step_delta_s") else "")
               + (f", host {e['admit_s'] * 1e3:.1f} ms per request" if e.get("admit_s") else "")
               + f" ({e.get('measured_at', '?')})")
     return 0

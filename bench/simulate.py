@@ -89,7 +89,7 @@ def add_profile_arguments(p) -> None:
     p.add_argument("--set", action="append", default=[], metavar="BACKEND.FIELD=VALUE",
                    help="edit the profile: cap, kv_cells, n_batch, busy_chunk, chunk_fixed_s, admit_s, "
                         "chunk_overhead_s, prefill_tok_s, decode_tok_s, "
-                        "step_alpha_s, step_beta_s, step_gamma_s (router and hardware), hardware.RATE / rates.RATE (one "
+                        "step_alpha_s, step_beta_s, step_gamma_s, step_delta_s (router and hardware), hardware.RATE / rates.RATE (one "
                         "side), speed (hardware x); repeatable")
 
 
@@ -255,7 +255,9 @@ def replay_profile(engine: dict) -> Profile:
         rates = Rates(float(r["prefill_tok_s"]), float(r["decode_tok_s"]), float(r.get("step_alpha_s", 0.0)),
                       float(r.get("step_beta_s", 0.0)), str(r.get("source", "recorded")),
                       tuple(r.get("step_table") or ()), step_gamma_s=float(r.get("step_gamma_s", 0.0)),
-                      step_cells=tuple(float(c) for c in r.get("step_cells") or ()))
+                      step_cells=tuple(float(c) for c in r.get("step_cells") or ()),
+                      step_delta_s=float(r.get("step_delta_s", 0.0)),
+                      step_kv=tuple(float(c) for c in r.get("step_kv") or ()))
         out.append(BackendProfile(b["name"], b["device"], rates, cap=int(b["cap"]), kv_cells=int(b["n_ctx"]),
                                   n_batch=int(b.get("n_batch", 512))))
     return Profile("recorded", tuple(out), "the backends and rates the recorded run used")
@@ -475,6 +477,7 @@ def run_replay(directory: Path, out: Path | None, hardware: Profile | None = Non
     if hardware is not None:
         text += (f"\n\nDevices simulated with profile {hardware.name}'s speeds ("
                  + "; ".join(f"{b.name}: context term {b.hw.step_gamma_s * 1e6:.2f} µs per row per cell, "
+                             f"masked scan {b.hw.step_delta_s * 1e6:.3f} µs per row per pool cell, "
                              f"host {b.admit_s * 1e3:.1f} ms per request" for b in hardware.backends)
                  + "); the router priced with the recorded rates.")
     print(text)

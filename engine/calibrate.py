@@ -25,6 +25,22 @@ What is measured, on one backend alone (the others idle), with random prompt tok
   `Rates.step_cells` the cells the table's steps were measured at, so the simulator
   (`Rates.step_at`) moves each tabled step by γ·b·(its cells − the table's). Before this, the
   table measured at 512 tokens priced the CPU grid's 128-token steps at 1.3–2× what they took.
+- **the masked scan** (with the context term): skipping a masked cell is not free (its mask is
+  read per row, layer and head, and llama.cpp builds the mask on the host, row by row over
+  n_kv, before every step), so a step also costs `δ·b·n_kv`, n_kv the cells the pool spans.
+  The calibration reads n_kv as the scheduler's KV cells in use after each timed step
+  (`Backend.kv_cells_used`; the highest used cell + 1 is at least that, padded to 256 with flash
+  attention): the simulator counts the same, so the stand-in's bias is the same on both sides.
+  A third short pass runs the short context's largest batch b again with sequences that do
+  NOT share a prefix: b different `context_tokens` prefixes are warmed into the cache (so the
+  timed steps admit 4 own tokens each, as the shared pass does), then b requests, one per
+  prefix. Each row holds the same cells as in the shared pass, the pool b times a row's: the
+  difference of the two step times over b·(n_kv unshared − n_kv shared) is δ
+  (`fit_scan_term`; negative noise gives 0, with a note). α, β, γ are then fitted to the
+  shared passes' steps less δ·b·n_kv. `Rates.step_delta_s` is δ and `Rates.step_kv` the pool
+  the table's steps were measured in. Before this, γ alone (fitted on shared prefixes, where
+  n_kv grows with c) priced eight unshared 128-token sequences on one CPU backend at 0.82 of
+  the measured step (docs/results/simulate/cpu-grid3).
 - **host cost per request** (`admit_s`, with the context term): `repeats` lone requests over
   the short prefix, 4 tokens of their own and one generated; each one's TTFT less what the
   simulator's step model prices its prompt chunk at (`own tokens / prefill tok/s`), median.
@@ -191,7 +207,9 @@ def rates_from_entry(entry: dict) -> Rates:
                  step_table=tuple(float(t) for t in r.get("step_table") or ()), source="cached",
                  measured_at=str(entry.get("measured_at") or ""),
                  step_gamma_s=float(r.get("step_gamma_s", 0.0)),  # entries before the context term: 0
-                 step_cells=tuple(float(c) for c in r.get("step_cells") or ()))
+                 step_cells=tuple(float(c) for c in r.get("step_cells") or ()),
+                 step_delta_s=float(r.get("step_delta_s", 0.0)),  # entries before the masked scan: 0
+                 step_kv=tuple(float(c) for c in r.get("step_kv") or ()))
 
 
 class ModelRates:
@@ -278,18 +296,29 @@ class Calibration:
     step_gamma_s: float = 0.0
     admit_s: float = 0.0  # host cost per request (0: not measured)
     admit_runs: tuple[float, ...] = ()
+    # The masked scan (0 / empty: not measured): the pool's cells in use at each timed step
+    # (median over the steps), the unshared pass (its batch, step and pool) and δ.
+    step_kv: dict[int, float] = field(default_factory=dict)
+    context_kv: dict[int, float] = field(default_factory=dict)
+    scan_batch: int = 0
+    scan_step_s: float = 0.0
+    scan_kv: float = 0.0
+    step_delta_s: float = 0.0
     measured_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
     def rates(self) -> Rates:
         cells = step_table(self.step_cells) if self.step_gamma_s else ()
+        kv = step_table(self.step_kv) if self.step_delta_s else ()
         return Rates(prefill_tok_s=self.prefill_tok_s, decode_tok_s=self.decode_tok_s,
                      step_alpha_s=self.step_alpha_s, step_beta_s=self.step_beta_s,
                      step_table=step_table(self.step_s), source="calibrated", measured_at=self.measured_at,
-                     step_gamma_s=self.step_gamma_s, step_cells=cells)
+                     step_gamma_s=self.step_gamma_s, step_cells=cells, step_delta_s=self.step_delta_s,
+                     step_kv=kv)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("step_s", "decode_only_s", "step_cells", "context_step_s", "context_cells"):
+        for k in ("step_s", "decode_only_s", "step_cells", "context_step_s", "context_cells", "step_kv",
+                  "context_kv"):
             d[k] = {str(b): s for b, s in getattr(self, k).items()}
         d["rates"] = {k: v for k, v in asdict(self.rates()).items() if k not in ("source", "measured_at")}
         return d
@@ -349,6 +378,30 @@ def fit_context_model(points: Sequence[tuple[int, float, float]]) -> tuple[float
     return alpha, beta, 0.0
 
 
+def fit_scan_term(pairs: Sequence[tuple[int, float, float, float, float]]) -> float:
+    """δ of the masked scan from steps of b rows whose own cells are equal, in two pools:
+    `(b, kv_shared, step_shared, kv_unshared, step_unshared)` each. The step difference is
+    δ·b·(kv_unshared − kv_shared); least squares through the origin over the pairs (one pair:
+    the ratio). Kept >= 0: noise that makes the larger pool faster is no scan cost (0)."""
+    xs = [b * (ku - ks) for b, ks, _, ku, _ in pairs]
+    ys = [tu - ts for _, _, ts, _, tu in pairs]
+    sxx = sum(x * x for x in xs)
+    if not pairs or sxx <= 0:
+        raise ValueError("the masked scan needs a pair of steps in pools of different sizes")
+    return max(sum(x * y for x, y in zip(xs, ys)) / sxx, 0.0)
+
+
+def fit_step_terms(points: Sequence[tuple[int, float, float, float]],
+                   pairs: Sequence[tuple[int, float, float, float, float]] = ()
+                   ) -> tuple[float, float, float, float]:
+    """`step(b, cells, kv) = alpha + beta*b + gamma*b*cells + delta*b*kv`: delta from the
+    unshared `pairs` (`fit_scan_term`; none: 0), then alpha, beta, gamma by `fit_context_model`
+    over the (b, cells, kv, seconds) `points` less delta*b*kv."""
+    delta = fit_scan_term(pairs) if pairs else 0.0
+    alpha, beta, gamma = fit_context_model([(b, c, t - delta * b * kv) for b, c, kv, t in points])
+    return alpha, beta, gamma, delta
+
+
 def calibration_cells(prompt: int, gen_tokens: int) -> float:
     """The cells each row of a median calibration step sees: the shared prompt, the sequence's
     own tokens and half of what it generates (steps run from 1 to `gen_tokens` - 1)."""
@@ -369,7 +422,8 @@ def context_batches(fits: Sequence[int]) -> list[int]:
 def progress_steps(cap: int, batches: Sequence[int] | None, repeats: int, context_tokens: int) -> int:
     """How many steps `calibrate_backend` reports to `progress` (before any batch is skipped)."""
     wanted = sorted(set(batches or default_batches(cap)))
-    extra = len(context_batches(wanted)) + 1 if context_tokens else 0
+    c_batches = context_batches(wanted)
+    extra = len(c_batches) + 1 + (c_batches[-1] > 1) if context_tokens else 0
     return 1 + repeats + len(wanted) + extra
 
 
@@ -415,7 +469,12 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
                      f"and at most half the prompt ({prompt})")
         short = 0
     c_batches = context_batches(fits) if short else []
-    tick = _ticker(progress, backend.name, 1 + repeats + len(fits) + (len(c_batches) + 1 if short else 0))
+    scan = c_batches[-1] if c_batches and c_batches[-1] > 1 else 0  # the unshared pass's batch
+    if scan and scan * (short + per_seq) > n_ctx:
+        notes.append(f"masked scan not measured: {scan} unshared {short}-token sequences do not fit {n_ctx} KV cells")
+        scan = 0
+    tick = _ticker(progress, backend.name,
+                   1 + repeats + len(fits) + (len(c_batches) + 1 + (c_batches[-1] > 1) if short else 0))
 
     old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
     backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
@@ -427,17 +486,27 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         prefill_runs = []
         for k in range(repeats):
             backend.flush().result(timeout)
-            steps = [e for e in probe.run([Request(probe.tokens(prompt), greedy1, source="calibrate")])
+            steps = [e for e, _ in probe.run([Request(probe.tokens(prompt), greedy1, source="calibrate")])
                      if e.n_prefill]
             prefill_runs.append(sum(e.n_prefill for e in steps) / sum(e.seconds for e in steps))
             tick(f"prefill {k + 1}/{repeats}")
-        step_s, decode_only_s = probe.step_times(prompt, gen_tokens, fits, tick, notes)
+        step_s, decode_only_s, step_kv = probe.step_times(prompt, gen_tokens, fits, tick, notes)
         context_s: dict[int, float] = {}
+        context_kv: dict[int, float] = {}
+        scan_s: dict[int, float] = {}
+        scan_kv: dict[int, float] = {}
         admit_runs: list[float] = []
         if short:
-            context_s, _ = probe.step_times(short, context_gen, c_batches, tick, notes, label="short context, batch")
+            context_s, _, context_kv = probe.step_times(short, context_gen, c_batches, tick, notes,
+                                                        label="short context, batch")
             admit_runs = probe.host_costs(short, repeats, statistics.median(prefill_runs))
             tick("host cost per request")
+            if c_batches[-1] > 1:
+                if scan:
+                    scan_s, _, scan_kv = probe.step_times(short, context_gen, [scan], tick, notes,
+                                                          label="unshared prefixes, batch", unshared=True)
+                else:
+                    tick("masked scan skipped")
     finally:
         probe.close()
         backend.set_cap(old_cap, adaptive=old_adaptive)
@@ -453,10 +522,17 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     at_cap = step_s.get(cap) or (alpha + beta * cap)
     cells = {b: calibration_cells(prompt, gen_tokens) for b in step_s}
     c_cells = {b: calibration_cells(short, context_gen) for b in context_s}
-    c_alpha = c_beta = gamma = 0.0
+    c_alpha = c_beta = gamma = delta = 0.0
     if context_s:
-        points = [(b, cells[b], t) for b, t in step_s.items()] + [(b, c_cells[b], t) for b, t in context_s.items()]
-        c_alpha, c_beta, gamma = fit_context_model(points)
+        pairs = [(b, context_kv[b], context_s[b], scan_kv[b], t) for b, t in scan_s.items()
+                 if b in context_s and scan_kv[b] > context_kv[b]]
+        if scan_s and not pairs:
+            notes.append("masked scan not measured: the unshared pass's pool was no larger than the shared one's")
+        points = ([(b, cells[b], step_kv[b], t) for b, t in step_s.items()]
+                  + [(b, c_cells[b], context_kv[b], t) for b, t in context_s.items()])
+        c_alpha, c_beta, gamma, delta = fit_step_terms(points, pairs)
+        if pairs and not delta:
+            notes.append("the unshared prefixes' steps were no slower: no masked-scan term (noise, or none to see)")
         if not gamma:
             notes.append("the short context's steps were no faster: no context term (noise, or none to see)")
     admit = max(statistics.median(admit_runs), 0.0) if admit_runs else 0.0
@@ -486,6 +562,12 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         step_gamma_s=gamma,
         admit_s=admit,
         admit_runs=tuple(admit_runs),
+        step_kv=step_kv if delta else {},
+        context_kv=context_kv,
+        scan_batch=next(iter(scan_s), 0),
+        scan_step_s=next(iter(scan_s.values()), 0.0),
+        scan_kv=next(iter(scan_kv.values()), 0.0),
+        step_delta_s=delta,
     )
 
 
@@ -567,17 +649,22 @@ class _Probe:
         self._rng = random.Random(seed)
         self._shared: tuple[int, ...] = ()  # the prefix `step_times` warmed last
         self._high = min(backend.model.n_vocab, TOKEN_HIGH)
-        self._events: list[StepDone] = []
+        self._events: list[tuple[StepDone, int]] = []  # each step and the pool's cells in use after it
         self.records: list = []  # the last `run`'s request records
-        self._unsubscribe = backend.bus.subscribe(
-            lambda ev: self._events.append(ev) if ev.backend == backend.name else None, (StepDone,))
+        self._unsubscribe = backend.bus.subscribe(self._on_step, (StepDone,))
+
+    def _on_step(self, ev: StepDone) -> None:
+        """On the worker thread, right after the step's tokens were applied (before any finish
+        is retired): the step and the KV cells in use, its own tokens included."""
+        if ev.backend == self.backend.name:
+            self._events.append((ev, self.backend.kv_cells_used()))
 
     def tokens(self, n: int) -> tuple[int, ...]:
         return tuple(self._rng.randrange(TOKEN_LOW, self._high) for _ in range(n))
 
-    def run(self, requests: list[Request]) -> list[StepDone]:
+    def run(self, requests: list[Request]) -> list[tuple[StepDone, int]]:
         """Enqueue `requests` while the worker waits in a call, so it admits them all at once;
-        wait for them; return the steps taken meanwhile."""
+        wait for them; return the steps taken meanwhile, each with the KV cells in use after it."""
         self._events.clear()
         gate = threading.Event()
         held = self.backend.call(lambda _b: gate.wait(self.timeout))
@@ -609,26 +696,36 @@ class _Probe:
         return out
 
     def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick, notes: list[str],
-                   label: str = "decode batch"):
-        """Median step cycle and median `llama_decode` time per batch size (see the module docstring)."""
+                   label: str = "decode batch", unshared: bool = False):
+        """Median step cycle, median `llama_decode` time and median KV cells in use per batch
+        size (see the module docstring). `unshared`: each of a batch's sequences has a
+        `prompt`-token prefix of its own (all warmed first), not one shared prefix."""
         self.backend.flush().result(self.timeout)
-        shared = self._shared = self.tokens(prompt)
-        self.backend.warm(shared).result(self.timeout)
+        if not unshared:
+            shared = self._shared = self.tokens(prompt)
+            self.backend.warm(shared).result(self.timeout)
         sampling = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
         step_s: dict[int, float] = {}
         decode_only_s: dict[int, float] = {}
+        kv: dict[int, float] = {}
         for b in batches:
-            steps = self.run([Request(shared + self.tokens(OWN_TOKENS), sampling, source="calibrate")
-                              for _ in range(b)])
-            steady = [k for k, e in enumerate(steps) if e.n_decode == b and e.n_prefill == 0]
-            cycles = [steps[k].time - steps[k - 1].time for k in steady if k > 0]
+            if unshared:
+                prefixes = [self.tokens(prompt) for _ in range(b)]
+                for h in [self.backend.warm(p) for p in prefixes]:
+                    h.result(self.timeout)
+            else:
+                prefixes = [shared] * b
+            steps = self.run([Request(p + self.tokens(OWN_TOKENS), sampling, source="calibrate") for p in prefixes])
+            steady = [k for k, (e, _) in enumerate(steps) if e.n_decode == b and e.n_prefill == 0]
+            cycles = [steps[k][0].time - steps[k - 1][0].time for k in steady if k > 0]
             if not steady:
                 notes.append(f"batch {b}: never ran {b} sequences together; skipped")
             else:
-                decode_only_s[b] = statistics.median(steps[k].seconds for k in steady)
+                decode_only_s[b] = statistics.median(steps[k][0].seconds for k in steady)
                 step_s[b] = statistics.median(cycles) if cycles else decode_only_s[b]
+                kv[b] = float(statistics.median(steps[k][1] for k in steady))
             tick(f"{label} {b}")
-        return step_s, decode_only_s
+        return step_s, decode_only_s, kv
 
     def close(self) -> None:
         self._unsubscribe()

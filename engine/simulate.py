@@ -4,11 +4,13 @@ A discrete-event simulation. Every backend is a real `engine.scheduler.Scheduler
 KV accounting, prefix cache, chunked prefill, preemption, finish rules) whose `Plan`s a
 simulated runner "executes": a step with `b` decode rows and `p` prompt tokens takes
 
-    hardware.step_at(b, cells) + p / hardware.prefill_tok_s        (the first term 0 when b = 0)
+    hardware.step_at(b, cells, kv) + p / hardware.prefill_tok_s        (the first term 0 when b = 0)
 
 seconds, where `cells` is the mean context of the step's decode rows, each sequence's `n_past`
-with the token it feeds (`Rates.step_at` adds the calibrated context term; none for a profile
-without one) (or, for a profile with a fixed cost per prompt chunk, `step_s(b) + chunk_fixed_s + p*k`,
+with the token it feeds, and `kv` the pool's cells in use during the step (the scheduler's
+`kv_cells_used()` with the step's new tokens; split KV: the longest row's cells)
+(`Rates.step_at` adds the calibrated context term and the masked scan; none for a profile
+without them) (or, for a profile with a fixed cost per prompt chunk, `step_s(b) + chunk_fixed_s + p*k`,
 plus `admit_s` per request admitted in the step; `BackendProfile.step_seconds`), after which `update_from_output` gets one token per logits row. Every arrival is
 routed by a real `engine.router.Router` over the backends' snapshots, taken exactly as
 `Backend.snapshot` takes them (running items first, then the queue, with the cache estimate
@@ -16,9 +18,15 @@ pinned at routing time). The clock the schedulers and the router read is the sim
 
 What the simulation leaves out, so where it can miss a real run: host overheads that are not in
 the calibrated step (HTTP, Python scheduling between steps, sampler-chain attaches), the GPU
-and CPU backends contending for the host's cores, warm-up effects of the first steps, and the
-cost of scanning masked KV cells (every row gets all n_kv cells, the highest used + 1; ggml's
-CPU kernel skips the masked ones, which the model takes as free).
+and CPU backends contending for the host's cores, and warm-up effects of the first steps.
+The masked scan is priced for decode rows only, and with a stand-in for n_kv: every row gets
+all n_kv cells (the highest used + 1, padded to 256 with flash attention) under a mask, and
+ggml's CPU kernel skips a masked cell after reading its mask, so a decode row costs
+`step_delta_s` per cell of the pool (`Rates.step_at`; `tandem calibrate` measures it with
+unshared sequences). The simulation counts the scheduler's cells in use, as calibration does:
+it leaves out the 256-cell padding and the holes llama.cpp's moving head leaves below the
+highest used cell, and prompt-chunk rows, which scan n_kv too, pay only the prefill rate
+(measured with the prompt alone in the pool).
 A profile can price a prompt chunk's fixed cost (`chunk_fixed_s`) and per-request setup
 (`admit_s`; `tandem calibrate` measures it on a CPU).
 
@@ -87,12 +95,13 @@ class BackendProfile:
     def hw(self) -> Rates:
         return self.hardware or self.rates
 
-    def step_seconds(self, n_decode: int, n_prefill: int, n_admitted: int = 0, cells: float | None = None) -> float:
+    def step_seconds(self, n_decode: int, n_prefill: int, n_admitted: int = 0, cells: float | None = None,
+                     kv: float | None = None) -> float:
         """Seconds one step with `n_decode` decode rows and `n_prefill` prompt tokens takes
-        (`n_admitted` of its sequences new this step), over `cells` KV cells (None: the
-        calibrated context, whatever it was)."""
+        (`n_admitted` of its sequences new this step), over `cells` KV cells a row (None: the
+        calibrated context, whatever it was) in a pool of `kv` cells (None: as calibrated)."""
         hw = self.hw
-        s = (hw.step_s(n_decode) if cells is None else hw.step_at(n_decode, cells)) if n_decode else 0.0
+        s = (hw.step_s(n_decode) if cells is None else hw.step_at(n_decode, cells, kv)) if n_decode else 0.0
         if n_prefill:
             if hw.prefill_tok_s <= 0:
                 return math.inf
@@ -168,13 +177,16 @@ def _rates(d: Mapping) -> Rates:
     return Rates(float(d["prefill_tok_s"]), float(d["decode_tok_s"]), float(d.get("step_alpha_s", 0.0)),
                  float(d.get("step_beta_s", 0.0)), str(d.get("source", "profile")), table,
                  step_gamma_s=float(d.get("step_gamma_s", 0.0)),  # profiles without a context term: 0
-                 step_cells=tuple(float(x) for x in d.get("step_cells", ()) or ()))
+                 step_cells=tuple(float(x) for x in d.get("step_cells", ()) or ()),
+                 step_delta_s=float(d.get("step_delta_s", 0.0)),  # profiles without the masked scan: 0
+                 step_kv=tuple(float(x) for x in d.get("step_kv", ()) or ()))
 
 
 def _rates_dict(r: Rates) -> dict:
     d = asdict(r)
     d["step_table"] = list(r.step_table)
     d["step_cells"] = list(r.step_cells)
+    d["step_kv"] = list(r.step_kv)
     return d
 
 
@@ -256,9 +268,9 @@ def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mappin
                              description: str = "") -> Profile:
     """A profile from stored calibration entries (`engine.calibrate`'s store format: each with
     `backend`, `device`, `cap`, `prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`,
-    `step_s` {batch: seconds}, and where measured `admit_s` and `rates.step_gamma_s`/`step_cells`,
-the context term; older entries have neither and step at the table's context). Backends named
-alike get a numeric suffix."""
+    `step_s` {batch: seconds}, and where measured `admit_s`, `rates.step_gamma_s`/`step_cells`,
+    the context term, and `rates.step_delta_s`/`step_kv`, the masked scan; older entries lack
+    them and step at the table's context and pool). Backends named alike get a numeric suffix."""
     if not entries:
         raise InvalidRequest(f"profile {name!r}: no calibration entries")
     out, seen = [], set()
@@ -268,7 +280,9 @@ alike get a numeric suffix."""
         rates = Rates(float(e["prefill_tok_s"]), float(e["decode_tok_s"]), float(e.get("step_alpha_s", 0.0)),
                       float(e.get("step_beta_s", 0.0)), "calibrated", tuple(stored.get("step_table") or table),
                       step_gamma_s=float(stored.get("step_gamma_s", 0.0)),
-                      step_cells=tuple(float(c) for c in stored.get("step_cells") or ()))
+                      step_cells=tuple(float(c) for c in stored.get("step_cells") or ()),
+                      step_delta_s=float(stored.get("step_delta_s", 0.0)),
+                      step_kv=tuple(float(c) for c in stored.get("step_kv") or ()))
         bname = str(e.get("backend") or e.get("device") or "backend")
         k = 1
         while bname in seen:
@@ -290,7 +304,7 @@ def profile_from_snapshots(name: str, snapshots: Sequence[BackendSnapshot], desc
 def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
     """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, the
     step costs `chunk_fixed_s`, `admit_s`, `chunk_overhead_s`, `prefill_ref_tokens`, or a
-    rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`, `step_gamma_s`) set on both the
+    rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`, `step_gamma_s`, `step_delta_s`) set on both the
     router's rates and the hardware; `hardware.RATE=` or `rates.RATE=` set one side only;
     `speed=X` multiplies the hardware's speed (every rate x X, every step time and fixed cost / X)."""
     for text in settings:
@@ -317,7 +331,7 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
             b = _costs_scaled(replace(b, hardware=_faster(b.hw, number)), number)
         else:
             side, _, rate = attr.rpartition(".")
-            if rate not in ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s", "step_gamma_s") or side not in (
+            if rate not in _RATE_FIELDS or side not in (
                     "", "hardware", "rates"):
                 raise InvalidRequest(f"--set {text!r}: unknown field {attr!r}")
             if side in ("", "rates"):
@@ -326,6 +340,9 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
                 b = replace(b, hardware=_set_rate(b.hw if side == "hardware" else b.hardware or b.rates, rate, number))
         profile = profile.with_backend(b)
     return profile
+
+
+_RATE_FIELDS = ("prefill_tok_s", "decode_tok_s", "step_alpha_s", "step_beta_s", "step_gamma_s", "step_delta_s")
 
 
 def _set_rate(r: Rates, field_name: str, value: float) -> Rates:
@@ -341,7 +358,8 @@ def _faster(r: Rates, x: float) -> Rates:
         raise InvalidRequest(f"speed must be > 0, got {x}")
     alpha, beta, table = r.scaled(1.0 / x)
     return Rates(r.prefill_tok_s * x, r.decode_tok_s * x, alpha, beta, "edited", table,
-                 step_gamma_s=r.step_gamma_s / x, step_cells=r.step_cells)
+                 step_gamma_s=r.step_gamma_s / x, step_cells=r.step_cells, step_delta_s=r.step_delta_s / x,
+                 step_kv=r.step_kv)
 
 
 def scaled_profile(profile: Profile, backend: str, speed: float, rates_too: bool = True) -> Profile:
@@ -588,16 +606,28 @@ class Simulation:
         b.gen += 1
         n_decode = len(plan.decode)
         cells = sum(s.n_past + 1 for s in plan.decode) / n_decode if n_decode else 0.0  # each row's context
-        d = b.p.step_seconds(n_decode, n_prefill, len(plan.admitted), cells)
+        kv = self._pool(b, plan, n_prefill)
+        d = b.p.step_seconds(n_decode, n_prefill, len(plan.admitted), cells, kv)
         m = self._steady_steps(b, plan) if self.fast else 0
-        if m > 1:
-            g = b.p.step_seconds(n_decode, 0, 0, cells + 1) - b.p.step_seconds(n_decode, 0, 0, cells)  # a cell per row per step
+        if m > 1:  # each next step: a cell more per row, and in a unified pool `n_decode` more in the pool
+            grow = n_decode if sched.kv_unified else 1
+            g = (b.p.step_seconds(n_decode, 0, 0, cells + 1, kv + grow)
+                 - b.p.step_seconds(n_decode, 0, 0, cells, kv))
             b.run = _DecodeRun(self.now, d, m, list(plan.decode), g=g)
             heapq.heappush(events, (b.run.end(m), order, 1, (b, b.gen)))
         else:
             b.plan = plan
             heapq.heappush(events, (self.now + d, order, 1, (b, b.gen)))
         return order + 1
+
+    @staticmethod
+    def _pool(b: _SimBackend, plan: Plan, n_prefill: int) -> float:
+        """The KV cells the step's rows scan (n_kv): in a unified pool, the cells in use with the
+        step's new tokens (a stand-in for the highest used cell + 1: calibration counts the
+        same, see the module docstring); split KV, the longest row's stream."""
+        if b.sched.kv_unified:
+            return b.sched.kv_cells_used() + len(plan.decode) + n_prefill
+        return max((s.n_past + 1 for s in plan.decode), default=0)
 
     @staticmethod
     def _steady_steps(b: _SimBackend, plan: Plan) -> int:

@@ -26,6 +26,13 @@ class Rates:
     context the table's step at b was measured at (none: the table is the step over no context).
     `step_gamma_s` 0: no context term measured (calibrations before it), the table holds at any
     context.
+
+    The masked scan (`step_delta_s`): skipping a masked cell is not free. Every row of a step
+    reads the mask of all n_kv cells of the pool in every layer and head, and llama.cpp builds
+    that mask on the host, row by row over n_kv, before each step; so a step also costs
+    `step_delta_s * b * n_kv`. `step_kv[b - 1]` is the n_kv the table's step at b was measured
+    at (the scheduler's KV cells in use, as `tandem calibrate` reads them; none: zero).
+    `step_delta_s` 0: not measured (calibrations before it), no such term.
     """
 
     prefill_tok_s: float
@@ -39,7 +46,9 @@ class Rates:
     step_table: tuple[float, ...] = ()  # measured seconds per step at batch 1, 2, ...
     measured_at: str = ""  # ISO time of the measurement these rates come from ("" if none)
     step_gamma_s: float = 0.0  # seconds per decode row per KV cell it attends over (0: not measured)
-    step_cells: tuple[float, ...] = ()  # the n_kv each `step_table` entry was measured at
+    step_cells: tuple[float, ...] = ()  # the cells each row of a `step_table` entry's step held
+    step_delta_s: float = 0.0  # seconds per decode row per cell of the pool it scans (0: not measured)
+    step_kv: tuple[float, ...] = ()  # the pool's cells in use (n_kv) at each `step_table` entry
 
     @property
     def placeholder(self) -> bool:
@@ -71,22 +80,28 @@ class Rates:
             return self.step_alpha_s + self.step_beta_s * b
         return b / self.decode_tok_s
 
-    def step_at(self, batch: int, cells: float) -> float:
-        """Seconds for one decode step of `batch` rows over `cells` KV cells: the step at
-        `batch` moved by the context term from the cells it was measured at (no context term:
-        `step_s(batch)`)."""
+    def step_at(self, batch: int, cells: float, kv: float | None = None) -> float:
+        """Seconds for one decode step of `batch` rows, each over `cells` KV cells of its own,
+        in a pool of `kv` cells (n_kv; None: as calibrated): the step at `batch` moved by the
+        context term from the cells it was measured at and by the masked scan from the pool it
+        was measured in (neither term: `step_s(batch)`)."""
         base = self.step_s(batch)
-        if not self.step_gamma_s:
-            return base
         b = max(batch, 1)
-        ref = self.step_cells  # none (a typed profile): the table is the step over no context
-        at = (ref[b - 1] if b <= len(ref) else ref[-1]) if ref else 0.0
-        return max(base + self.step_gamma_s * b * (cells - at), 0.0)
+        if self.step_gamma_s:
+            base += self.step_gamma_s * b * (cells - _at(self.step_cells, b))
+        if self.step_delta_s and kv is not None:
+            base += self.step_delta_s * b * (kv - _at(self.step_kv, b))
+        return max(base, 0.0)
 
     def scaled(self, factor: float) -> tuple[float, float, tuple[float, ...]]:
         """(alpha, beta, table) with every step time multiplied by `factor`."""
         return (self.step_alpha_s * factor, self.step_beta_s * factor,
                 tuple(t * factor for t in self.step_table))
+
+
+def _at(ref: tuple[float, ...], b: int) -> float:
+    """The reference at batch `b` (the last one past the table; none, as a typed profile: 0)."""
+    return (ref[b - 1] if b <= len(ref) else ref[-1]) if ref else 0.0
 
 
 @dataclass(frozen=True, slots=True)

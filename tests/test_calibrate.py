@@ -197,8 +197,22 @@ class TestCalibrateOnTheTinyModel:
                                 progress=lambda d, t, what: seen.append((d, t, what)), **SMALL)
         assert sorted(cal.context_step_s) == [1, 3] and cal.context_tokens == 32
         assert cal.context_cells == {1: 32 + 4 + 4, 3: 32 + 4 + 4}
-        assert [d for d, _, _ in seen] == list(range(1, 9)) and seen[-1][2] == "cpu0: host cost per request"
+        assert [d for d, _, _ in seen] == list(range(1, 10)) and seen[-2][2] == "cpu0: host cost per request"
         assert len(cal.admit_runs) == 1 and cal.admit_s >= 0 and cal.step_gamma_s >= 0
+
+    def test_masked_scan_is_timed_with_unshared_prefixes(self, make_engine):
+        """The short context's largest batch again, each sequence on a 32-token prefix of its
+        own: the rows hold what the shared pass's rows held, the pool three times as much."""
+        eng = make_engine()
+        seen = []
+        cal = calibrate_backend(eng.backends["cpu0"], context_tokens=32, context_gen=8,
+                                progress=lambda d, t, what: seen.append((d, t, what)), **SMALL)
+        assert seen[-1] == (9, 9, "cpu0: unshared prefixes, batch 3")
+        assert cal.scan_batch == 3 and cal.scan_step_s > 0
+        assert cal.context_kv[3] < cal.scan_kv and 3 * 32 < cal.scan_kv <= 3 * (32 + 4 + 8)  # three prefixes
+        assert cal.step_delta_s >= 0
+        assert any("masked-scan" in n for n in cal.notes) if not cal.step_delta_s else cal.step_kv
+        assert cal.to_dict()["rates"]["step_delta_s"] == cal.step_delta_s
 
     def test_stored_context_term_loads_into_the_rates(self, make_engine, tiny_path):
         eng = make_engine()
@@ -208,6 +222,15 @@ class TestCalibrateOnTheTinyModel:
         rates = ModelRates(tiny_path).get(eng.backends["cpu0"].config, "cpu")
         assert (rates.step_gamma_s, rates.step_cells) == (2e-5, (76.0, 76.0, 76.0))
         assert rates.step_at(2, 76.0 + 10) == pytest.approx(rates.step_s(2) + 2 * 10 * 2e-5)
+
+    def test_stored_masked_scan_loads_into_the_rates(self, make_engine, tiny_path):
+        eng = make_engine()
+        cal = calibrate_backend(eng.backends["cpu0"], context_tokens=32, context_gen=8, **SMALL)
+        cal = replace(cal, step_delta_s=3e-6, step_kv={b: 40.0 * b for b in cal.step_s})  # a term, whatever noise said
+        save_calibration(RateStore(), tiny_path, cal, "tiny")
+        rates = ModelRates(tiny_path).get(eng.backends["cpu0"].config, "cpu")
+        assert (rates.step_delta_s, rates.step_kv) == (3e-6, (40.0, 80.0, 120.0))
+        assert rates.step_at(2, 0, 80.0 + 10) - rates.step_at(2, 0, 80.0) == pytest.approx(2 * 10 * 3e-6)
 
     def test_an_adaptive_cap_is_pinned_only_while_timing(self, make_engine):
         eng = make_engine(["cpu:threads=1,ctx=1024"])  # no cap: adaptive, starts at 4 of 16

@@ -4,6 +4,7 @@ hardware. Pure and fast: no model, no threads, a virtual clock."""
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -360,4 +361,92 @@ def test_replay_names_a_host_busier_than_its_cores(tmp_path):
 
 def test_profile_with_a_context_term_survives_a_json_round_trip():
     p = _ctx_profile(0.02)
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+# ---- the masked scan: delta * b * n_kv ----
+
+_DELTA = 3e-6
+
+
+def test_step_terms_fit_recovers_delta_from_synthetic_points():
+    """The shared passes (the pool grows with the rows' cells) and one unshared pair."""
+    from engine.calibrate import calibration_cells, fit_step_terms
+
+    def step(b, c, kv):
+        return _ALPHA + _BETA * b + _GAMMA * b * c + _DELTA * b * kv
+
+    points = []
+    for prompt, gen, batches in ((512, 32, range(1, 9)), (128, 16, (1, 8))):
+        c = calibration_cells(prompt, gen)
+        points += [(b, c, prompt + b * (c - prompt), step(b, c, prompt + b * (c - prompt))) for b in batches]
+    c = calibration_cells(128, 16)
+    shared, unshared = 128 + 8 * (c - 128), 8 * c
+    pairs = [(8, shared, step(8, c, shared), unshared, step(8, c, unshared))]
+    assert fit_step_terms(points, pairs) == pytest.approx((_ALPHA, _BETA, _GAMMA, _DELTA), rel=1e-9)
+
+
+def test_a_larger_pool_that_stepped_faster_gives_no_scan_term():
+    from engine.calibrate import fit_scan_term
+
+    assert fit_scan_term([(8, 224.0, 0.096, 1120.0, 0.094)]) == 0.0
+
+
+def test_an_entry_stored_before_the_masked_scan_steps_at_its_table_pool(tmp_path):
+    """The cpu-grid3 store format: a context term, no `step_delta_s` or `step_kv`."""
+    from bench.simulate import this_machine
+    from engine.calibrate import RateStore
+
+    rates = _ctx_rates()
+    old = {k: v for k, v in {"prefill_tok_s": 110.0, "decode_tok_s": rates.decode_tok_s,
+                             "step_table": list(rates.step_table), "step_gamma_s": _GAMMA,
+                             "step_cells": list(rates.step_cells)}.items()}
+    store = RateStore(tmp_path / "rates.json")
+    store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 8, "prefill_tok_s": 110.0,
+                                        "decode_tok_s": rates.decode_tok_s, "admit_s": 0.012,
+                                        "step_s": {str(b): t for b, t in enumerate(rates.step_table, 1)},
+                                        "rates": old, "measured_at": "2026-12-01T06:00:00", "fingerprint": "abc"})
+    cpu = this_machine(store).backend("cpu0")
+    assert (cpu.hw.step_delta_s, cpu.hw.step_kv) == (0.0, ())
+    c = rates.step_cells[7]
+    assert [cpu.step_seconds(8, 0, 0, c, kv) for kv in (c, 8 * c)] == [pytest.approx(rates.step_s(8))] * 2
+
+
+def _scan_profile(delta: float) -> Profile:
+    """A GPU-shaped backend (whole prompts in one step) whose step is the table plus delta*b*n_kv."""
+    from engine.simulate import BackendProfile
+    from engine.snapshot import Rates
+
+    rates = Rates(1e9, 200.0, source="calibrated", step_table=(0.010, 0.012), step_delta_s=delta)
+    return Profile("scan", (BackendProfile("dev", "gpu", rates, cap=2, kv_cells=4096),))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_simulated_step_scans_the_whole_pool(fast):
+    """Two unshared 100-token prompts arriving together: the first is admitted alone (its
+    arrival starts a step), the second joins a step later, then both decode. Each row holds
+    ~105 cells; every step pays delta per row per cell of the pool, both sequences' cells."""
+    wl = build_workload(WorkloadSpec(2, 100, 0, output="fixed", gen_tokens=11, arrival="interval", interval_s=0.0), 0)
+    run = simulate(_scan_profile(_DELTA), wl, "only:dev", arrivals=[0.0, 0.0], fast=fast)
+    both = [0.012 + _DELTA * 2 * kv for kv in range(203, 220, 2)]  # 9 steps of 2 rows, 2 cells more each
+    first = [0.010 + _DELTA * 201 + 100 / 1e9] + both  # its second token: 1 row beside the other's prompt
+    second = both + [0.010 + _DELTA * 220]  # its last token: alone, the other's cells still in the pool
+    assert [r.output_tokens for r in run.records] == [11, 11]
+    assert sorted(r.itl_s for r in run.records) == pytest.approx(sorted([statistics.fmean(first),
+                                                                           statistics.fmean(second)]), rel=1e-9)
+
+
+def test_fast_forward_gives_the_step_by_step_records_with_a_scan_term():
+    p = _ctx_profile(0.01)
+    p = Profile("ctx-scan", tuple(replace(b, rates=replace(b.rates, step_delta_s=_DELTA,
+                                                           step_kv=tuple(4 * c for c in b.rates.step_cells)))
+                                  for b in p.backends))
+    wl = build_workload(WorkloadSpec(40, 300, 150, output="uniform", max_output=96, arrival="poisson", seed=5), 1)
+    assert _records_key(simulate(p, wl, "predicted-finish")) == _records_key(simulate(p, wl, "predicted-finish",
+                                                                                     fast=False))
+
+
+def test_profile_with_a_scan_term_survives_a_json_round_trip():
+    p = apply_overrides(_ctx_profile(0.02), ["cpu0.step_delta_s=2e-6"])
+    assert p.backend("cpu0").hw.step_delta_s == 2e-6
     assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
