@@ -11,10 +11,10 @@ all between steps, in order, then runs a step:
      shell publishes their records and events, and hands text to the event loops once per
      step (`Outbox`).
 
-A request with `n` choices comes as a group (`enqueue_group`): one warm-up of the shared
-prompt, then the choices, posted to the inbox together so they stay next to each other in the
-queue; the scheduler admits the choices once the warm-up has put the prompt in the prefix
-cache (engine/scheduler.py), so the prompt is computed once.
+A request with `n` choices comes as a group (`enqueue_group`): the choices, posted to the
+inbox together so they stay next to each other in the queue; the first computes the prompt
+and the scheduler holds the others back until it is published, then they alias its KV
+(engine/scheduler.py), so the prompt is computed once.
 
 Thread contract: `enqueue`, `enqueue_group`, `warm`, `cancel`, `call`, `set_cache_enabled`, `flush`,
 `inject_fault` only post to the inbox (its condition is the one lock they take); `set_cap`
@@ -429,21 +429,16 @@ class Backend:
 
     def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin=None,
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:
-        """Queue the choices of one request (same prompt): a warm-up of the prompt, then each
-        choice, admitted after it (engine/scheduler.py: they alias the cached prompt)."""
+        """Queue the choices of one request (same prompt) together: the first computes the
+        prompt, the others alias its KV (engine/scheduler.py). `pin` and `cached_estimate` are
+        the first's; the others count on the whole prompt but its last token."""
         for r in requests:
             self.validate(r)
         t = t_submit or time.monotonic()
-        head = requests[0]
-        estimate = self.match(head) if cached_estimate is None else cached_estimate
-        warm_req = Request(head.prompt_tokens, SamplingParams(max_tokens=1, temperature=0.0), source="warm")
-        warm = SeqState(warm_req, RequestHandle(warm_req), pin, estimate, t, warm=True)
-        seqs = [warm]
-        for r, h in zip(requests, handles):
-            seq = SeqState(r, h, None, len(r.prompt_tokens) - 1, t, n_ctx_seq=self.n_ctx_seq)
-            seq.after = warm
-            seqs.append(seq)
-        self._submit(*seqs)
+        estimate = self.match(requests[0]) if cached_estimate is None else cached_estimate
+        self._submit(*(SeqState(r, h, None if i else pin, len(r.prompt_tokens) - 1 if i else estimate, t,
+                                n_ctx_seq=self.n_ctx_seq, choice=True)
+                       for i, (r, h) in enumerate(zip(requests, handles))))
 
     def warm(self, tokens) -> RequestHandle:
         """Prefill `tokens` into the prefix cache (no generation); the handle ends when done."""

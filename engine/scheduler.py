@@ -31,33 +31,27 @@ The rules, in the order each step applies them:
   5. finish rules (`update_from_output`): end-of-generation (unless `ignore_eos`), a stop
      string, `max_tokens`, the context's end (`n_ctx_seq`), `stop_after`, cancel.
 
-Choices of one request (OpenAI's `n`) share their prompt's KV: the backend queues a warm-up
-of the prompt (`warm`: it prefills into the prefix cache and ends) followed by the choices,
-each with `after` pointing at it. A sequence with `after` is not admitted before that one
-has ended (the queue waits behind it: FCFS), so each choice then hits the cached prompt like
-any request — `llama_memory_seq_cp` aliases the cells (`_reuse_prefix`) and only its last
-prompt token is decoded again (the logits must be its own). The prompt is computed once; the
-cache's pins keep the shared cells counted once and alive while any choice runs. With the
-cache off (or the prefix evicted under KV pressure before the choices are admitted) each
-choice computes its own prompt: slower, never wrong.
-
 Prompts are shared while they run (SGLang and vLLM share a running request's prompt KV as soon
 as its prefill computed it). Without this a prompt reached the prefix cache only when its
 request finished, so a burst of one new tenant's requests (8 tenants x 1,500-token prefixes at
 60/s) computed and kept one private copy of the prefix per request admitted before the first
 one finished: ~40 of ~51 misses of a cache-aware two-GPU run, and every decode step attended
-over those copies. The rules (`share_prefill`, `defer_shared`):
+over those copies. The rules (`share_prefill`, `defer_shared`) also carry the choices of one
+request (OpenAI's `n`, `SeqState.choice`), whatever the prompt's length, the cache switch and
+those two say (`n` promises that the prompt is computed once):
   - publication: when a chunk completes a running sequence's prompt and at least
-    `SHARE_MIN_TOKENS` of it were computed (not aliased), the prompt — never the generated
-    tail — goes into the prefix cache under a holder id of its own (`KvOp("cp", seq, holder,
-    0, n_prompt)`: an alias in unified KV, a stream copy in split KV), the highest free id
-    (like `_park`), and only while more ids are free than the cap may still admit (holders
-    never take a running sequence's id). The sequence then pins the published prefix
-    (`SeqState.lock`) and counts it as shared (`n_shared`), so eviction and
-    `kv_cells_used` stay exact; at its end the usual retire extends the leaf, and the
-    in-flight holder id is freed (`PrefixCache.insert` returns it). If another sequence
-    published or retired the same prefix first, a unified-KV sequence drops its own copy and
-    aliases those cells (what `_retire` does at the end, done at prefill's end instead).
+    `SHARE_MIN_TOKENS` of it (a choice: any) were computed (not aliased), the prompt — never
+    the generated tail — goes into the prefix cache under a holder id of its own (`KvOp("cp",
+    seq, holder, 0, n_prompt)`: an alias in unified KV, a stream copy in split KV), the
+    highest free id (like `_park`), and only while more ids are free than the cap may still
+    admit (holders never take a running sequence's id; for a choice the least recently used
+    idle cached prefix makes way, as at `_retire`). With the cache off only choices publish
+    (flushed once no choice pins it). The sequence then pins the published prefix
+    (`SeqState.lock`) and counts it as shared (`n_shared`), so eviction and `kv_cells_used`
+    stay exact; at its end the usual retire extends the leaf, and the in-flight holder id is
+    freed (`PrefixCache.insert` returns it). If another sequence published or retired the
+    same prefix first, a unified-KV sequence drops its own copy and aliases those cells (what
+    `_retire` does at the end, done at prefill's end instead).
   - a cancelled, preempted or failed publisher frees only its own id: `seq_rm` on a cell
     held by several sequence ids removes that id from the cell's set and frees the cell only
     when the set is empty (llama.cpp's `llama_kv_cells::seq_rm`), so the holder and every
@@ -83,6 +77,12 @@ over those copies. The rules (`share_prefill`, `defer_shared`):
     waits. Measured before this rule on one H200 (K = 8, N = 300, 60/s, cap 48,
     `round3/share-prefill.txt`): deferral cut computed prompt tokens to 0.30x and raised
     TTFT p50 1.18x (publication alone 1.13x).
+  - a queued choice is deferred, with no other condition, behind a running choice's prefill
+    of all its prompt but the last token. So of a request's choices, queued together
+    (`Backend.enqueue_group`), the first computes the prompt and the others alias it and
+    compute only their last prompt token (their logits): prompt + n - 1 tokens. A choice
+    admitted when that prefix is gone (no id, evicted, or the cache off and every choice
+    before it ended) computes its own prompt: slower, never wrong.
 
 `max_tokens` is clamped, not refused: a request asks for at most `n_ctx_seq - prompt` new
 tokens whatever it says (it ends with `length` there, like llama.cpp's server). The router
@@ -148,10 +148,10 @@ class SeqState:
     __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
                  "n_hit", "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
                  "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
-                 "preemptions", "ran_on", "after", "logprobs", "prompt_logprobs", "admit_cap", "admit_reason")
+                 "preemptions", "ran_on", "choice", "logprobs", "prompt_logprobs", "admit_cap", "admit_reason")
 
     def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
-                 n_ctx_seq: int | None = None):
+                 n_ctx_seq: int | None = None, choice: bool = False):
         self.req = req
         self.handle = handle
         self.sp: SamplingParams = req.sampling
@@ -179,7 +179,7 @@ class SeqState:
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.preemptions = 0
-        self.after: SeqState | None = None  # admitted only once this one has ended (a choice of `n`)
+        self.choice = choice  # one of a request's `n` choices: its prompt is always shared (module doc)
         # One TokenLogprob per generated token, when the request asked for logprobs.
         self.logprobs: list | None = [] if self.sp.logprobs is not None else None
         # One TokenLogprob per prompt token after the first, when the request asked for them.
@@ -394,7 +394,7 @@ class Scheduler:
             s.n_past += k
             if s.status != RequestStatus.RUNNING:
                 continue
-            if s.n_past - k < s.n_prompt <= s.n_past and not s.warm and self.share_prefill:
+            if s.n_past - k < s.n_prompt <= s.n_past and not s.warm and (self.share_prefill or s.choice):
                 self._publish(s)
             if s.warm and s.n_past == len(s.tokens):
                 self._finish(s, RequestStatus.FINISHED_STOPPED)
@@ -510,14 +510,13 @@ class Scheduler:
         if self.blocked:
             return
         i = 0  # requests deferred behind a running prefill of their prefix stay in place
-        donors = self._prefill_donors()
+        defer = self.defer_shared and self.share_prefill and self.cache_enabled
+        spare = len(self.free_ids) > self.cap - len(self.running)  # a publication has an id
+        # Donors: prompt prefills cached at their end (a choice's; with `defer`, others' with an id, warm ones').
+        donors = [s for s in self.running if s.n_past < s.n_prompt and (s.choice or defer and (spare or s.warm))]
         while i < len(self.waiting) and len(self.running) < self.cap:
             seq = self.waiting[i]
-            if seq.after is not None:
-                if not seq.after.status.finished:
-                    return  # a choice waits for its prompt's warm-up (FCFS: so does the queue)
-                seq.after = None
-            if donors and self._deferred(seq, donors):
+            if donors and self._deferred(seq, donors, defer):
                 i += 1
                 if i >= self.cap:
                     return
@@ -529,8 +528,8 @@ class Scheduler:
                 return
             del self.waiting[i]
             self.running.append(seq)
-            if donors is not None and seq.n_past < seq.n_prompt:
-                donors.append(seq)  # the next of its tenant waits for this prefill
+            if (defer or seq.choice) and seq.n_past < seq.n_prompt:
+                donors.append(seq)  # the next of its tenant (or of its choices) waits for this prefill
             plan.admitted.append(seq)
             if seq.warm and seq.n_past == len(seq.tokens):  # all of it is cached already
                 self._finish(seq, RequestStatus.FINISHED_STOPPED)
@@ -538,7 +537,8 @@ class Scheduler:
     def _place(self, seq: SeqState) -> bool | None:
         """Give `seq` a sequence id and its cached prefix, if KV room allows."""
         n = len(seq.tokens)
-        usable = (n - (0 if seq.warm else 1)) if self.cache_enabled and not seq.sp.prompt_logprobs else 0
+        reuse = (self.cache_enabled or seq.choice) and not seq.sp.prompt_logprobs
+        usable = (n - (0 if seq.warm else 1)) if reuse else 0
         match = self.cache.match(seq.tokens, max_len=usable)
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
         hit = match.length
@@ -571,35 +571,34 @@ class Scheduler:
         seq.status = RequestStatus.RUNNING
         return True
 
-    def _prefill_donors(self) -> list[SeqState] | None:
-        """Running sequences whose prompt prefill, once done, is cached (published, or a warm
-        request retired); None when deferral is off."""
-        if not (self.defer_shared and self.share_prefill and self.cache_enabled):
-            return None
-        spare = len(self.free_ids) > self.cap - len(self.running)  # a publication has an id
-        return [s for s in self.running if s.n_past < s.n_prompt and (spare or s.warm)]
-
-    def _deferred(self, seq: SeqState, donors: list[SeqState]) -> bool:
-        """`seq` would reuse `SHARE_MIN_TOKENS` more of its prompt if it waited for a donor's
-        prompt prefill to end, and that donor has no more of its prompt left to compute than
-        `seq` would compute itself if admitted now (see the module doc)."""
-        if seq.warm:
+    def _deferred(self, seq: SeqState, donors: list[SeqState], defer: bool) -> bool:
+        """`seq` waits for a donor's prompt prefill: a choice behind a choice holding all its
+        prompt but the last token; with `defer`, when that reuses `SHARE_MIN_TOKENS` more of it
+        and the donor has no more prompt left than `seq` would compute now (see the module doc)."""
+        if seq.warm or not (defer or seq.choice):
             return False
         limit = len(seq.tokens) - 1
         cached = self.match_tokens(seq.tokens)
         own = len(seq.tokens) - cached
         for s in donors:
             shared = _common_length(seq.tokens, s.tokens, min(limit, s.n_prompt))
-            if shared - cached >= SHARE_MIN_TOKENS and s.n_prompt - s.n_past <= own:
+            if seq.choice and s.choice and shared == limit > cached:
+                return True
+            if defer and shared - cached >= SHARE_MIN_TOKENS and s.n_prompt - s.n_past <= own:
                 return True
         return False
 
     def _publish(self, s: SeqState) -> None:
         """`s` has just computed its whole prompt: alias a copy the cache got meanwhile, then put
         the prompt into the cache under a holder id of its own (see the module doc)."""
-        if not self.cache_enabled:
+        if not (self.cache_enabled or s.choice):
             return
-        prompt = s.tokens[:s.n_prompt]
+        prompt, n = s.tokens[:s.n_prompt], s.n_prompt
+        least = 1 if s.choice else SHARE_MIN_TOKENS  # `n` promises one prefill, however short
+        spare = len(self.free_ids) > self.cap - len(self.running)
+        if s.choice and not spare and self.cache.match_length(prompt) < n:
+            self._apply_evictions(self.cache.evict(need_seqs=1))  # an idle cached prefix makes way
+            spare = len(self.free_ids) > self.cap - len(self.running)
         match = self.cache.match(prompt)
         shared = s.n_shared
         if match.length > shared and self.kv_unified:
@@ -608,8 +607,7 @@ class Scheduler:
             self._ops.append(KvOp("rm", s.seq_id, -1, 0, match.length))
             self._ops.append(KvOp("cp", self.cache.holder_for(match.node), s.seq_id, 0, match.length))
             shared = match.length
-        n = s.n_prompt
-        if n - match.length >= SHARE_MIN_TOKENS and len(self.free_ids) > self.cap - len(self.running):
+        if n - match.length >= least and spare:
             holder = max(self.free_ids)
             self.free_ids.remove(holder)
             heapq.heapify(self.free_ids)
@@ -617,7 +615,7 @@ class Scheduler:
             self._apply_free(self.cache.insert(prompt, holder).free_seqs)
             match = self.cache.match(prompt)
             shared = n
-            if self.blocked and any(_common_length(q.tokens, prompt, n) >= SHARE_MIN_TOKENS
+            if self.blocked and any(_common_length(q.tokens, prompt, n) >= least
                                     for q in itertools.islice(self.waiting, self.cap)):
                 self.blocked = False  # queued requests of this prefix now need fewer cells
         if shared > s.n_shared:

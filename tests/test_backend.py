@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
 from engine.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
+from engine.handle import RequestHandle
 from engine.llama.model import Model, resolve_model
 from engine.request import Request, RequestStatus, SamplingParams
 
@@ -408,3 +410,35 @@ def test_a_cancelled_long_prefill_stops_within_one_short_chunk(make_backend, tin
     assert sum(p for _, p, _ in steps[at_cancel:]) <= 64, "at most the chunk in flight after the cancel"
     talker.cancel()
     talker.result(WAIT)
+
+
+# ---- the choices of one request (n) ----
+
+def _choices(b, model, n: int, sp: SamplingParams) -> list[RequestHandle]:
+    """What `Engine.submit_group` hands a backend: n requests of one prompt, seeds apart."""
+    prompt = tuple(model.tokenize("choices " * 30))
+    requests = [Request(prompt, replace(sp, seed=i)) for i in range(n)]
+    handles = [RequestHandle(r) for r in requests]
+    b.enqueue_group(requests, handles)
+    return handles
+
+
+def test_choices_compute_their_prompt_once_with_the_cache_off(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=4, cache=False)
+    before = b.snapshot().prompt_tokens_computed
+    handles = _choices(b, tiny_model, 3, SamplingParams(temperature=0.8, max_tokens=8))
+    records = [h.result(WAIT) for h in handles]
+    assert b.snapshot().prompt_tokens_computed - before == records[0].prompt_tokens + 2
+
+
+def test_cancelled_choices_free_their_kv(make_backend, tiny_model):
+    b = make_backend(tiny_model, cap=4, cache=False)
+    base_cells, base_bytes = b.kv_cells_used(), b.kv_state_bytes()
+    handles = _choices(b, tiny_model, 3, SamplingParams(temperature=0.8, max_tokens=500, ignore_eos=True))
+    wait_until(lambda: sum(i.generated > 3 for i in b.snapshot().items) == 3, what="every choice decoding")
+    for h in handles:
+        h.cancel()
+    assert [h.result(WAIT).status for h in handles] == [RequestStatus.FINISHED_CANCELLED] * 3
+    wait_until(lambda: not b.snapshot().items, what="idle")
+    assert b.kv_cells_used() == base_cells
+    assert b.kv_state_bytes() == base_bytes, "llama.cpp still holds cells of a cancelled choice"

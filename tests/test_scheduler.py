@@ -374,42 +374,73 @@ def test_prefix_reuse_aliases_cached_cells():
 # ---- the choices of one request (n > 1) ----
 
 
-def submit_choices(sim: Sim, prompt, n: int) -> tuple[SeqState, list[SeqState]]:
-    """What `Backend.enqueue_group` queues: a warm-up of the prompt, then the choices after it."""
-    warm = sim.submit(prompt, warm=True)
-    choices = []
-    for _ in range(n):
-        c = sim.submit(prompt, max_tokens=4)
-        c.after = warm
-        choices.append(c)
-    return warm, choices
+def submit_choices(sim: Sim, prompt, n: int, **sp) -> list[SeqState]:
+    """What `Backend.enqueue_group` queues: the choices, next to each other."""
+    sp.setdefault("temperature", 0.0)
+    sp.setdefault("max_tokens", 4)
+    choices = [SeqState(Request(tuple(prompt), SamplingParams(**sp)), Handle(), None, 0, sim.now,
+                        n_ctx_seq=sim.sched.n_ctx_seq, choice=True) for _ in range(n)]
+    for c in choices:
+        sim.sched.add(c)
+    return choices
 
 
-def test_choices_are_admitted_only_after_their_prompt_warm_up():
+def _prefilled(sim: Sim) -> int:
+    return sum(k for p in sim.plans for _, _, k, _ in p.chunks)
+
+
+def test_choices_wait_for_the_first_choice_prefill():
     sim = Sim(n_batch=16)
-    prompt = list(range(20, 60))
-    _, choices = submit_choices(sim, prompt, 3)
+    choices = submit_choices(sim, range(20, 60), 3)
     sim.step()
-    assert [c.status for c in choices] == [RequestStatus.WAITING] * 3
+    assert [c.status for c in choices] == [RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.WAITING]
 
 
-def test_choices_compute_their_shared_prompt_once():
-    sim = Sim()
+# A short prompt (below SHARE_MIN_TOKENS) and every sharing setting: `n` shares the prompt anyway.
+@pytest.mark.parametrize("settings", [{}, {"share_prefill": False}, {"defer_shared": False}, {"cache_enabled": False}])
+def test_choices_compute_their_shared_prompt_once(settings):
+    sim = Sim(n_batch=16, **settings)
     prompt = list(range(20, 60))
-    _, choices = submit_choices(sim, prompt, 3)
+    choices = submit_choices(sim, prompt, 3)
     sim.run()
-    prefill = sum(k for p in sim.plans for _, _, k, _ in p.chunks)
-    assert prefill == len(prompt) + 3  # the prompt once, then each choice's last prompt token
-    assert [c.n_shared for c in choices] == [len(prompt) - 1] * 3
+    assert _prefilled(sim) == len(prompt) + 2  # the prompt once, then each other choice's last prompt token
+    assert [c.n_hit for c in choices] == [0, len(prompt) - 1, len(prompt) - 1]
 
 
-def test_choices_compute_their_own_prompt_with_the_cache_off():
+def test_choices_leave_nothing_cached_with_the_cache_off():
     sim = Sim(cache_enabled=False)
-    prompt = list(range(20, 60))
-    _, choices = submit_choices(sim, prompt, 2)
+    submit_choices(sim, range(20, 60), 3)
     sim.run()
-    assert [c.status for c in choices] == [RequestStatus.FINISHED_LENGTH] * 2
-    assert sum(k for p in sim.plans for _, _, k, _ in p.chunks) == 3 * len(prompt)
+    assert sim.sched.kv_cells_used() == sim.mem.cells == 0
+
+
+def test_choices_share_their_prompt_when_cached_prefixes_hold_the_spare_ids():
+    sim = Sim(cap=2, n_seq_max=4)
+    for i in range(2):  # two cached prefixes, on the two ids beyond the cap
+        sim.submit(range(100 * i + 100, 100 * i + 140), max_tokens=2)
+    sim.run()
+    assert sim.sched.cache.n_holders == 2
+    before = _prefilled(sim)
+    prompt = list(range(20, 60))
+    submit_choices(sim, prompt, 2)
+    sim.run()
+    assert _prefilled(sim) - before == len(prompt) + 1
+
+
+@pytest.mark.parametrize("cache_enabled", [True, False])
+def test_cancelling_every_choice_frees_what_they_held(cache_enabled):
+    sim = Sim(cache_enabled=cache_enabled)
+    choices = submit_choices(sim, range(20, 60), 3, max_tokens=50, ignore_eos=True)
+    while not all(c.generated for c in choices):
+        sim.step()
+    sim.sched.cancel({c.req.id for c in choices})
+    sim.mem.apply(sim.sched.take_ops())
+    sim.finished += sim.sched.take_finished()
+    assert [sim.record(c).status for c in choices] == [RequestStatus.FINISHED_CANCELLED] * 3
+    assert not sim.sched.running and sim.sched.cache.pinned_tokens == 0
+    sim.sched.flush_cache()
+    sim.mem.apply(sim.sched.take_ops())
+    assert sim.sched.kv_cells_used() == sim.mem.cells == 0
 
 
 # ---- sharing a running prompt ----
