@@ -68,6 +68,7 @@ class MainWindow(QMainWindow):
         self._layout_restored = False
         self.theme = Theme(self, self.settings, self)
         self.theme.apply()
+        self.theme.changed.connect(self._on_theme_changed)
         configure_pyqtgraph()
         self.engine = None
         self.spec: ModelSpec | None = None
@@ -344,6 +345,11 @@ class MainWindow(QMainWindow):
         if self.spec is not None:
             self.settings.setValue("model/last", self.spec.model)
         self.settings.sync()
+
+    def _on_theme_changed(self, _name: str) -> None:
+        chat = self.panels.get("chat")
+        if chat is not None:
+            chat.restyle()  # the transcript's inline colours follow the palette
 
     def set_theme(self, choice: str) -> None:
         """"system", "dark" or "light": applied at once, plots included, and kept for the next start."""
