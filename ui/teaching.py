@@ -8,7 +8,9 @@ verdicts move.
 
 Part 2 sends the same eight arrivals (516-token prompts sharing a warmed 496-token prefix,
 128 tokens each, 50 ms apart) to this machine's backends and lists where each went next to
-where the article's went.
+where the article's went. Pause / Step beside Run live (`ui.run_controls.RunControls`, the
+same run methods as the Run menu's F6 / F7) hold back or send the live run's arrivals; they are
+on only while the live run is under way.
 
 Part 3, the "What if" tab (`ui/whatif.py`), runs the study or a grid row on simulated hardware
 (`engine.simulate`) beside a live run on this machine.
@@ -37,6 +39,7 @@ from engine.teaching import (
 )
 
 from .live_run import STUDY, WorkloadRun
+from .run_controls import RunControls
 from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
 from .whatif import WhatIfPanel
 
@@ -277,12 +280,15 @@ class TeachingPanel(QWidget):
                                              "the first one, gets the GPU's; the others the CPU's) so the router "
                                              "prices work as in the article while the queues are real")
         self.article_rates_button.clicked.connect(self.use_article_rates)
+        self.run_controls = RunControls()
+        self.run_controls.status_message.connect(self.status_message.emit)
         self.live_progress = QProgressBar()
         self.live_progress.setMaximum(STUDY.n_requests)
         self.live_progress.setFormat("%v / %m done")
         self.live_progress.setMinimumWidth(70)
         row.addWidget(self.live_button)
         row.addWidget(self.article_rates_button)
+        row.addWidget(self.run_controls, 1)
         row.addWidget(self.live_progress, 1)
         lv2.addLayout(row)
         names = self.engine.backend_names
@@ -432,6 +438,7 @@ class TeachingPanel(QWidget):
             for c in range(1, self.live_table.columnCount()):
                 self.live_table.setItem(r, c, QTableWidgetItem(""))
         self._shown_live = -1
+        self.run_controls.attach(self.run)
         self.run.start()
 
     def _on_phase(self, phase: str) -> None:
