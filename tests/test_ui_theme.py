@@ -67,3 +67,13 @@ def test_a_fixed_theme_ignores_the_systems_scheme(qtbot, make_window, dark_after
     QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
     assert w.theme.palette is DARK
     assert plot_backgrounds(w) == {DARK.plot_bg}
+
+
+def test_teaching_chart_labels_follow_the_theme(qtbot, make_window, dark_after):
+    w = make_window()
+    teaching = w.panels["teaching"]
+    teaching.go(6)  # a verdict: the chart's title and its bars' labels are shown
+    w.set_theme("light")
+    title = teaching.chart.getPlotItem().titleLabel.item.toHtml()
+    assert LIGHT.text in title and DARK.text not in title
+    assert all(label.color.name() == LIGHT.text for label in teaching.bar_labels)

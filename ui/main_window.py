@@ -347,9 +347,10 @@ class MainWindow(QMainWindow):
         self.settings.sync()
 
     def _on_theme_changed(self, _name: str) -> None:
-        chat = self.panels.get("chat")
-        if chat is not None:
-            chat.restyle()  # the transcript's inline colours follow the palette
+        for panel in self.panels.values():  # views whose inline colours follow the palette
+            restyle = getattr(panel, "restyle", None)
+            if restyle is not None:
+                restyle()
 
     def set_theme(self, choice: str) -> None:
         """"system", "dark" or "light": applied at once, plots included, and kept for the next start."""

@@ -40,7 +40,7 @@ from engine.teaching import (
 
 from .live_run import STUDY, WorkloadRun
 from .run_controls import RunControls
-from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
+from .theme import LEGEND_BG, MUTED, backend_color, palette, qcolor, scrollable, style_plot, wrap_label
 from .whatif import WhatIfPanel
 
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
@@ -215,7 +215,7 @@ class TeachingPanel(QWidget):
         for name, alpha in (("prefill", 110), ("decode", 230)):
             legend.addItem(pg.BarGraphItem(x=[0], height=[0], width=1, brush=qcolor("#c8ccd4", alpha), pen=None),
                            name)
-        self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color="#e6e9ef") for _ in range(2)]
+        self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color=palette().text) for _ in range(2)]
         for t in self.bar_labels:
             p.addItem(t)
         self.cpu_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(CPU_COLOR, width=1, style=Qt.DashLine))
@@ -359,6 +359,11 @@ class TeachingPanel(QWidget):
         self.next_button.setEnabled(self.step < len(self.steps) - 1)
         self._show_chart(step.arrival)
 
+    def restyle(self) -> None:
+        """Paint the chart's labels and the live table's chosen cells in the theme in use."""
+        self.go(self.step)
+        self._refresh_live()
+
     def next(self) -> None:
         self.go(self.step + 1)
 
@@ -398,12 +403,13 @@ class TeachingPanel(QWidget):
             labels = [f"{g.score_s:.3f} s", f"{c.score_s:.3f} s"]
             self.cpu_line.setPos(c.score_s)
             self.cpu_line.setVisible(True)
-            self.chart.getPlotItem().setTitle(
-                f"<span style='color:#d8dee9'>Request {self.arrivals[arrival].number} → {d.backend.upper()}</span>")
+            self.chart.getPlotItem().setTitle(f"Request {self.arrivals[arrival].number} → {d.backend.upper()}",
+                                              color=palette().text)
         self.bar_prefill.setOpts(height=heights_p)
         self.bar_decode.setOpts(y0=heights_p, height=heights_d)
         top = max([p + d for p, d in zip(heights_p, heights_d)] + [1.0])
         for i, t in enumerate(self.bar_labels):
+            t.setColor(palette().text)
             t.setText(labels[i])
             t.setPos(i, heights_p[i] + heights_d[i])
         self.chart.getPlotItem().setYRange(0, top * 1.55, padding=0)  # headroom: labels and the legend above the bars
@@ -485,7 +491,7 @@ class TeachingPanel(QWidget):
                     continue
                 item = QTableWidgetItem("∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f} s")
                 if n == d.backend:
-                    item.setBackground(qcolor("#2d4a33"))
+                    item.setBackground(qcolor(palette().chosen_bg))
                 self.live_table.setItem(i, 3 + k, item)
 
 
