@@ -26,6 +26,7 @@ from typing import Mapping
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
     QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget, QTextBrowser,
@@ -40,7 +41,7 @@ from engine.teaching import (
 
 from .live_run import STUDY, WorkloadRun
 from .run_controls import RunControls
-from .theme import LEGEND_BG, MUTED, backend_color, palette, qcolor, scrollable, style_plot, wrap_label
+from .theme import LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable, style_plot, wrap_label
 from .whatif import WhatIfPanel
 
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
@@ -49,14 +50,23 @@ GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
 # ---- step texts ----
 
 
+def _fill(color: str) -> str:
+    """A cell fill: `color` at 35 % over the theme's background (text stays readable on both)."""
+    c, bg = QColor(color), QColor(palette().plot_bg)
+    return QColor(*(round(0.35 * x + 0.65 * y) for x, y in
+                    zip(c.getRgb()[:3], bg.getRgb()[:3]))).name()
+
+
 def _queue_html(a: Arrival) -> str:
     """The GPU's slots and queue as coloured cells (each waiting request: prompt tokens left + budget)."""
     left = a.prompt_left
-    cells = "".join(f"<td bgcolor='#24456e' align='center'>&nbsp;running&nbsp;<br><b>{a.gpu_left}</b> left&nbsp;</td>"
+    running, queued = _fill(GPU_COLOR), _fill(WORKING)
+    cells = "".join(f"<td bgcolor='{running}' align='center'>&nbsp;running&nbsp;<br><b>{a.gpu_left}</b> left&nbsp;</td>"
                     for _ in range(CAP))
-    queue = "".join(f"<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
+    queue = "".join(f"<td bgcolor='{queued}' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
                     for _ in range(a.gpu_queued))
-    new = f"<td bgcolor='#2d4a33' align='center'>&nbsp;<b>new</b>&nbsp;<br>{left} + {MAX_TOKENS}&nbsp;</td>"
+    new = (f"<td bgcolor='{palette().chosen_bg}' align='center'>&nbsp;<b>new</b>&nbsp;<br>{left} + "
+           f"{MAX_TOKENS}&nbsp;</td>")
     return (f"<table cellspacing='4' cellpadding='3'><tr><td><b style='color:{GPU_COLOR}'>GPU</b>&nbsp;</td>"
             f"{cells}<td>&nbsp;|&nbsp;</td>{queue}<td>&nbsp;+&nbsp;</td>{new}</tr>"
             f"<tr><td><b style='color:{CPU_COLOR}'>CPU</b></td><td colspan='{CAP}' style='color:{MUTED}'>idle: "
@@ -360,8 +370,8 @@ class TeachingPanel(QWidget):
         self._show_chart(step.arrival)
 
     def restyle(self) -> None:
-        """Paint the chart's labels and the live table's chosen cells in the theme in use."""
-        self.go(self.step)
+        """Paint the steps, the chart's labels and the live table's chosen cells in the theme in use."""
+        self.recompute()
         self._refresh_live()
 
     def next(self) -> None:
