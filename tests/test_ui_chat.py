@@ -338,3 +338,42 @@ def test_a_schema_the_converter_refuses_is_reported_with_its_reason(qtbot, make_
     chat.json_mode.setChecked(True)
     chat.schema_edit.setPlainText('{"type": "frobnicate"}')
     qtbot.waitUntil(lambda: "Unrecognized schema" in chat.schema_state.text(), timeout=WAIT_MS)
+
+
+def test_the_transcript_follows_the_theme(qtbot, make_window, ui_engine):
+    from ui.theme import DARK, LIGHT
+
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(8)
+    try:
+        w.set_theme("dark")
+        send(qtbot, chat, "hello")
+        dark = chat.view.toHtml()
+        assert DARK.transcript.assistant in dark and DARK.transcript.user in dark
+        w.set_theme("light")
+        light = chat.view.toHtml()
+        assert light != dark
+        assert LIGHT.transcript.assistant in light and LIGHT.transcript.user in light
+        assert DARK.transcript.assistant not in light and DARK.transcript.muted not in light
+        w.set_theme("dark")  # and back: the dark colours again
+        assert chat.view.toHtml() == dark
+    finally:
+        w.set_theme("dark")  # the palette is process-wide: later tests start dark
+
+
+def test_code_blocks_follow_the_theme(qtbot, make_window):
+    from ui.markdown import DARK_CODE, LIGHT_CODE
+
+    w = make_window()
+    chat = w.panels["chat"]
+    try:
+        w.set_theme("dark")
+        _open_reply(chat, "```python\ndef f():\n    return 1\n```\n")
+        assert DARK_CODE.bg in chat.view.toHtml()
+        w.set_theme("light")
+        light = chat.view.toHtml()
+        assert LIGHT_CODE.bg in light and LIGHT_CODE.head_bg in light
+        assert DARK_CODE.bg not in light and DARK_CODE.head_bg not in light
+    finally:
+        w.set_theme("dark")  # the palette is process-wide: later tests start dark

@@ -1,5 +1,6 @@
 """Pause and step for live runs: a demo from the Run menu, driven from the Experiments panel's
-Pause/Step row and the Run menu's F6/F7, and an experiment through the benchmark runner.
+Pause/Step row and the Run menu's F6/F7, the Teaching panel's live run from its own row, and an
+experiment through the benchmark runner.
 
 Each run is paused before its arrivals start (while it flushes and warms), so what is sent
 depends on the steps alone, never on how fast this machine reaches the next line."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
-from ui.live_run import seed_workload
+from ui.live_run import STUDY, seed_workload
 
 SPACED = seed_workload(4, prefix_tokens=32, suffix_tokens=4, gen_tokens=6, interval_s=0.3)
 
@@ -102,3 +103,57 @@ def test_a_benchmark_runner_experiment_pauses_between_arrivals(qtbot, make_windo
     controls.pause_button.click()  # resume
     qtbot.waitUntil(lambda: not ex.running, timeout=WAIT_MS)
     assert [s.metrics.completed for s in ex.summaries] == [3]
+
+
+def paused_teaching_run(qtbot, w):
+    t = w.panels["teaching"]
+    t.live_button.click()
+    run = t.run
+    assert t.run_controls.run is run
+    t.run_controls.pause_button.click()  # still flushing: nothing has been sent
+    return t, run
+
+
+def test_teaching_pause_button_is_off_without_a_live_run(qtbot, make_window):
+    t = make_window().panels["teaching"]
+    assert not t.run_controls.pause_button.isEnabled()
+    assert not t.run_controls.step_button.isEnabled()
+
+
+def test_teaching_pause_button_pauses_its_live_run(qtbot, make_window):
+    w = make_window()
+    t, run = paused_teaching_run(qtbot, w)
+    assert run.paused
+    qtbot.waitUntil(lambda: run.state == "running", timeout=WAIT_MS)
+    qtbot.wait(round(STUDY.interval_s * STUDY.n_requests * 1000) + 200)  # every arrival falls due
+    assert run.n_submitted == 0
+    assert t.run_controls.pause_button.text() == "Resume"
+    t.run_controls.step_button.click()  # Step: one arrival, still paused
+    assert run.n_submitted == 1
+    assert run.paused
+    t.run_controls.pause_button.click()  # Resume
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+
+
+def test_teaching_resume_button_resumes_its_live_run(qtbot, make_window):
+    w = make_window()
+    t, run = paused_teaching_run(qtbot, w)
+    qtbot.waitUntil(lambda: run.state == "running", timeout=WAIT_MS)
+    t.run_controls.pause_button.click()  # Resume
+    assert not run.paused
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+    assert run.state == "done"
+    assert len(run.result.records) == STUDY.n_requests
+    assert not t.run_controls.pause_button.isEnabled()  # the run is over: the buttons are off
+
+
+def test_f6_pauses_the_teaching_live_run(qtbot, make_window):
+    w = make_window()
+    t = w.panels["teaching"]
+    t.live_button.click()
+    w.pause_action.trigger()  # F6 reaches the same run the panel's button drives
+    assert t.run.paused
+    assert t.run_controls.pause_button.isChecked()
+    w.pause_action.trigger()
+    assert not t.run.paused
+    qtbot.waitUntil(lambda: not t.run.running, timeout=WAIT_MS)

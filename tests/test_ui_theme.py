@@ -67,3 +67,26 @@ def test_a_fixed_theme_ignores_the_systems_scheme(qtbot, make_window, dark_after
     QGuiApplication.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
     assert w.theme.palette is DARK
     assert plot_backgrounds(w) == {DARK.plot_bg}
+
+
+def test_teaching_chart_labels_follow_the_theme(qtbot, make_window, dark_after):
+    w = make_window()
+    teaching = w.panels["teaching"]
+    teaching.go(6)  # a verdict: the chart's title and its bars' labels are shown
+    w.set_theme("light")
+    title = teaching.chart.getPlotItem().titleLabel.item.toHtml()
+    assert LIGHT.text in title and DARK.text not in title
+    assert all(label.color.name() == LIGHT.text for label in teaching.bar_labels)
+
+
+def test_teaching_queue_cells_follow_the_theme(qtbot, make_window, dark_after):
+    w = make_window()
+    teaching = w.panels["teaching"]
+    teaching.go(1)  # request 7 arrives: the GPU's running and queued cells
+    dark = teaching.text.toHtml()
+    w.set_theme("light")
+    light = teaching.text.toHtml()
+    assert light != dark
+    assert LIGHT.chosen_bg in light and DARK.chosen_bg not in light  # the new request's cell
+    w.set_theme("dark")
+    assert teaching.text.toHtml() == dark

@@ -21,6 +21,11 @@ JSON mode (the "JSON" box) decodes replies under a grammar: any JSON object, or 
 the JSON schema typed in the schema box. The schema is checked as it is typed (a quick
 conversion, milliseconds) and again at send; a bad one is reported and nothing is sent.
 
+The transcript's inline colours (names, meta lines, links, code blocks, token shading, notices)
+come from the theme in use (`ui.theme.palette().transcript`); `restyle()` paints the transcript
+again after the theme changes (the main window calls it on `Theme.changed`), a streaming reply
+included.
+
 Keys: Enter sends (Shift+Enter for a new line), Esc stops the reply being streamed; Enter while
 a reply streams says so and keeps the text in the box.
 """
@@ -49,14 +54,11 @@ from .formatting import fmt_seconds, model_title
 from .history import Chat, ChatStore, Message
 from .markdown import COPY_SCHEME, render_markdown
 from .presets import PresetButton
-from .theme import MUTED, backend_color
+from .theme import TranscriptColors, backend_color, palette
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto (router decides)"
-_USER = "#8fbcff"
-_ASSISTANT = "#9be39b"
-_ERROR = "#ff7b7b"
 TOP_ALTERNATIVES = 5  # alternatives per token a reply asks for (shown on hover)
 
 
@@ -93,6 +95,8 @@ class ChatPanel(QWidget):
         self._expanded: set[int] = set()  # messages whose earlier answers are shown
         self._token_view: set[int] = set()  # messages shown token by token, with probabilities
         self._code_blocks: list[str] = []  # the shown transcript's code blocks, by their Copy link
+        self._synthetic_warning: QLabel | None = None
+        self._notice: str | None = None  # the error shown under the transcript, if any
         self._build()
         self._reload_list()
         self._render()
@@ -166,7 +170,8 @@ class ChatPanel(QWidget):
         if getattr(self.engine.model, "synthetic", False):
             warn = QLabel("⚠ Synthetic model: random weights of a real model's shape — the text is noise; "
                           "use it for timing, not for answers.")
-            warn.setStyleSheet("color:#f5c26b")
+            warn.setStyleSheet(f"color:{palette().transcript.warn}")
+            self._synthetic_warning = warn
             warn.setToolTip(warn.text())
             warn.setMinimumWidth(100)
             warn.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # one line, cut rather than widening
@@ -516,11 +521,12 @@ class ChatPanel(QWidget):
             return
         if not n_ctx:  # remote engines that do not say their context: no bound to show
             self.context_label.setText(f"context ~{prompt:,} + {budget:,} (the engines check the length)")
-            self.context_label.setStyleSheet(f"color:{MUTED}")
+            self.context_label.setStyleSheet(f"color:{palette().transcript.muted}")
             return
         over = prompt + 1 > n_ctx
         self.context_label.setText(f"context {prompt:,} + {budget:,} / {n_ctx:,}" + (" — too long" if over else ""))
-        color = _ERROR if over else ("#f5c26b" if prompt + budget > n_ctx else MUTED)
+        c = palette().transcript
+        color = c.error if over else (c.warn if prompt + budget > n_ctx else c.muted)
         self.context_label.setStyleSheet(f"color:{color}")
 
     def save_settings(self, settings: QSettings) -> None:
@@ -652,60 +658,73 @@ class ChatPanel(QWidget):
 
     # ---- rendering ----
 
+    def restyle(self) -> None:
+        """Paint the transcript and the coloured labels again in the theme in use."""
+        c = palette().transcript
+        if self._synthetic_warning is not None:
+            self._synthetic_warning.setStyleSheet(f"color:{c.warn}")
+        self._render(streaming=self.busy, notice=self._notice)
+        self.update_context_meter()
+
     def _render(self, streaming: bool = False, notice: str | None = None) -> None:
-        parts = [f"<div style='color:{MUTED}'>{_welcome(self.engine)}</div>"] if not self.chat.messages else []
+        c = palette().transcript
+        self._notice = notice
+        parts = [f"<div style='color:{c.muted}'>{_welcome(self.engine)}</div>"] if not self.chat.messages else []
         self._code_blocks = []
         for i, m in enumerate(self.chat.messages):
-            parts.append(self._message_html(m, i))
+            parts.append(self._message_html(m, i, c))
         if notice:
-            parts.append(f"<p style='color:{_ERROR}'>⚠ {html.escape(notice)}</p>")
+            parts.append(f"<p style='color:{c.error}'>⚠ {html.escape(notice)}</p>")
         if streaming:
-            parts.append(f"<p style='margin-top:10px'><b style='color:{_ASSISTANT}'>Assistant</b> "
-                         f"<span style='color:{MUTED}'>· {html.escape(self.handle.backend or '')} · streaming…</span></p>"
+            parts.append(f"<p style='margin-top:10px'><b style='color:{c.assistant}'>Assistant</b> "
+                         f"<span style='color:{c.muted}'>· {html.escape(self.handle.backend or '')} · streaming…</span></p>"
                          "<p id='stream'></p>")
         self.view.setHtml("".join(parts))
         cursor = QTextCursor(self.view.document())
         cursor.movePosition(QTextCursor.End)
         self._stream_cursor = cursor if streaming else None
+        if streaming and self._streamed:  # re-rendered mid-reply (a theme change): what came so far
+            cursor.insertText(self.streamed_text)
         self.view.verticalScrollBar().setValue(self.view.verticalScrollBar().maximum())
         self._context_timer.start()
 
-    def _message_html(self, m: Message, index: int) -> str:
-        links = [f"<a href='msg:copy:{index}' style='color:{MUTED}'>copy</a>"]
+    def _message_html(self, m: Message, index: int, c: TranscriptColors) -> str:
+        muted = c.muted
+        links = [f"<a href='msg:copy:{index}' style='color:{muted}'>copy</a>"]
         if m.role == "user":
-            links.append(f"<a href='msg:edit:{index}' style='color:{MUTED}'>edit</a>")
-        links.append(f"<a href='msg:delete:{index}' style='color:{MUTED}'>delete</a>")
+            links.append(f"<a href='msg:edit:{index}' style='color:{muted}'>edit</a>")
+        links.append(f"<a href='msg:delete:{index}' style='color:{muted}'>delete</a>")
         actions = f"<span style='font-size:small'>&nbsp;&nbsp;{' · '.join(links)}</span>"
         if m.role == "user":
-            body = html.escape(m.content).replace("\n", "<br>") or f"<i style='color:{MUTED}'>(no text)</i>"
-            return (f"<p style='margin-top:10px'><b style='color:{_USER}'>You</b>{actions}</p>"
+            body = html.escape(m.content).replace("\n", "<br>") or f"<i style='color:{muted}'>(no text)</i>"
+            return (f"<p style='margin-top:10px'><b style='color:{c.user}'>You</b>{actions}</p>"
                     f"<p style='margin-left:8px'>{body}</p>")
         meta = m.meta or {}
         if m.content.strip():
-            body, self._code_blocks = render_markdown(m.content, self._code_blocks)
+            body, self._code_blocks = render_markdown(m.content, self._code_blocks, c.code)
         else:
-            body = f"<p><i style='color:{MUTED}'>(no text)</i></p>"
+            body = f"<p><i style='color:{muted}'>(no text)</i></p>"
         tokens = meta.get("logprobs")
         if tokens:
             shown = index in self._token_view
             if shown:
-                body = _tokens_html(tokens, index)
-            body += (f"<p style='font-size:small'><a href='msg:probs:{index}' style='color:{MUTED}'>"
+                body = _tokens_html(tokens, index, c.unlikely)
+            body += (f"<p style='font-size:small'><a href='msg:probs:{index}' style='color:{muted}'>"
                      f"{'hide' if shown else 'show'} token probabilities</a></p>")
         earlier = meta.get("earlier") or []
         if earlier:
             n = len(earlier)
             shown = index in self._expanded
-            body += (f"<p style='font-size:small'><a href='msg:earlier:{index}' style='color:{MUTED}'>"
+            body += (f"<p style='font-size:small'><a href='msg:earlier:{index}' style='color:{muted}'>"
                      f"{'hide' if shown else 'show'} {n} earlier answer{'s' if n != 1 else ''}</a></p>")
             if shown:
                 for k, e in enumerate(earlier, 1):
-                    body += (f"<p style='color:{MUTED};margin-left:12px'>#{k} ({html.escape(str(e.get('backend')))}): "
+                    body += (f"<p style='color:{muted};margin-left:12px'>#{k} ({html.escape(str(e.get('backend')))}): "
                              f"{html.escape(e.get('content', '')).replace(chr(10), '<br>')}</p>")
-        return (f"<p style='margin-top:10px'><b style='color:{_ASSISTANT}'>Assistant</b> "
-                f"{_meta_html(meta, self._backend_index(meta.get('backend')))}{actions}</p>"
+        return (f"<p style='margin-top:10px'><b style='color:{c.assistant}'>Assistant</b> "
+                f"{_meta_html(meta, self._backend_index(meta.get('backend')), c)}{actions}</p>"
                 f"<div style='margin-left:8px'>{body}</div>"
-                + (f"<p style='color:{_ERROR}'>⚠ {html.escape(meta['error'])}</p>" if meta.get("error") else ""))
+                + (f"<p style='color:{c.error}'>⚠ {html.escape(meta['error'])}</p>" if meta.get("error") else ""))
 
     def _on_link(self, url: QUrl) -> None:
         text = url.toString()
@@ -840,7 +859,7 @@ def _piece(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
-def _tokens_html(tokens: list, index: int) -> str:
+def _tokens_html(tokens: list, index: int, unlikely: str) -> str:
     """A reply token by token: each a link (`tok:MESSAGE:TOKEN`, hovered for its tooltip) shaded
     by how unlikely it was (clear: near certain; red: a long shot)."""
     parts = []
@@ -848,7 +867,7 @@ def _tokens_html(tokens: list, index: int) -> str:
         alpha = round(0.55 * (1.0 - math.exp(lp)), 2)
         shown = html.escape(text).replace("\n", "↵<br>") or "∅"
         parts.append(f"<a href='tok:{index}:{k}' style='color:inherit;text-decoration:none;"
-                     f"background-color:rgba(255,90,90,{alpha})'>{shown}</a>")
+                     f"background-color:rgba({unlikely},{alpha})'>{shown}</a>")
     return f"<p style='margin-left:8px;white-space:pre-wrap'>{''.join(parts)}</p>"
 
 
@@ -860,13 +879,13 @@ def _welcome(engine) -> str:
             "Routing tab shows every decision.</p>")
 
 
-def _meta_html(meta: dict, index: int) -> str:
+def _meta_html(meta: dict, index: int, c: TranscriptColors) -> str:
     if not meta:
         return ""
-    color = backend_color(index)
+    color = c.backend(backend_color(index))
     bits = [f"<b style='color:{color}'>{html.escape(str(meta.get('backend', '?')))}</b>"]
     bits += [html.escape(b) for b in _meta_bits(meta)]
-    return f"<span style='color:{MUTED}'>· " + " · ".join(bits) + "</span>"
+    return f"<span style='color:{c.muted}'>· " + " · ".join(bits) + "</span>"
 
 
 def _meta_plain(meta: dict) -> str:

@@ -68,6 +68,7 @@ class MainWindow(QMainWindow):
         self._layout_restored = False
         self.theme = Theme(self, self.settings, self)
         self.theme.apply()
+        self.theme.changed.connect(self._on_theme_changed)
         configure_pyqtgraph()
         self.engine = None
         self.spec: ModelSpec | None = None
@@ -344,6 +345,12 @@ class MainWindow(QMainWindow):
         if self.spec is not None:
             self.settings.setValue("model/last", self.spec.model)
         self.settings.sync()
+
+    def _on_theme_changed(self, _name: str) -> None:
+        for panel in self.panels.values():  # views whose inline colours follow the palette
+            restyle = getattr(panel, "restyle", None)
+            if restyle is not None:
+                restyle()
 
     def set_theme(self, choice: str) -> None:
         """"system", "dark" or "light": applied at once, plots included, and kept for the next start."""

@@ -4,7 +4,9 @@
 subset shows (inline styles only, no classes or scripts), and the source of every fenced or
 indented code block in order. Each code block is a monospace `<pre>` (indentation kept) under a
 header with the language and a `copy-code:N` link; the chat panel copies `code_blocks[N]` when
-it is clicked. Raw HTML in a reply is shown as text, never interpreted (`html: False`).
+it is clicked. Raw HTML in a reply is shown as text, never interpreted (`html: False`). A code
+block's colours (backgrounds, header, link, the Pygments style) come from `CodeColors`:
+`DARK_CODE` (the default) or `LIGHT_CODE`, as the theme in use says (`ui.theme`).
 
 Pure functions: any thread.
 """
@@ -12,6 +14,8 @@ Pure functions: any thread.
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
+from functools import lru_cache
 
 from markdown_it import MarkdownIt
 from pygments import highlight
@@ -19,28 +23,48 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
 
-CODE_BG = "#161a21"
-CODE_HEAD_BG = "#232833"
 COPY_SCHEME = "copy-code"
-_FORMATTER = HtmlFormatter(noclasses=True, nowrap=True, style="monokai")
+
+
+@dataclass(frozen=True)
+class CodeColors:
+    """A code block's colours: body and header backgrounds, the header's label and Copy link,
+    the text of a block without a known language, and the Pygments style that colours the rest."""
+
+    bg: str
+    head_bg: str
+    label: str
+    link: str
+    text: str
+    style: str
+
+
+DARK_CODE = CodeColors("#161a21", "#232833", "#8a93a6", "#8fbcff", "#d8dee9", "monokai")
+LIGHT_CODE = CodeColors("#f3f5f8", "#e3e7ed", "#5f6877", "#1f5fbf", "#1f2329", "friendly")
+
+
+@lru_cache(maxsize=None)
+def _formatter(style: str) -> HtmlFormatter:
+    return HtmlFormatter(noclasses=True, nowrap=True, style=style)
 
 
 def _code_html(code: str, lang: str, env: dict) -> str:
+    colors: CodeColors = env.get("colors") or DARK_CODE
     blocks = env.setdefault("code_blocks", [])
     index = len(blocks)
     blocks.append(code)
     body = html.escape(code.rstrip("\n"))
     if lang:
         try:
-            body = highlight(code.rstrip("\n"), get_lexer_by_name(lang), _FORMATTER).rstrip("\n")
+            body = highlight(code.rstrip("\n"), get_lexer_by_name(lang), _formatter(colors.style)).rstrip("\n")
         except ClassNotFound:
             pass
     label = html.escape(lang) if lang else "code"
     return (f"<table width='100%' cellspacing='0' cellpadding='6' style='margin-top:4px;margin-bottom:6px'>"
-            f"<tr><td bgcolor='{CODE_HEAD_BG}'><span style='color:#8a93a6'>{label}</span>&nbsp;&nbsp;"
-            f"<a href='{COPY_SCHEME}:{index}' style='color:#8fbcff'>Copy</a></td></tr>"
-            f"<tr><td bgcolor='{CODE_BG}'><pre style='font-family:monospace;margin:0'>{body}</pre></td></tr>"
-            f"</table>")
+            f"<tr><td bgcolor='{colors.head_bg}'><span style='color:{colors.label}'>{label}</span>&nbsp;&nbsp;"
+            f"<a href='{COPY_SCHEME}:{index}' style='color:{colors.link}'>Copy</a></td></tr>"
+            f"<tr><td bgcolor='{colors.bg}'><pre style='font-family:monospace;margin:0;color:{colors.text}'>{body}</pre>"
+            f"</td></tr></table>")
 
 
 def _build() -> MarkdownIt:
@@ -62,12 +86,13 @@ def _build() -> MarkdownIt:
 _MD = _build()
 
 
-def render_markdown(text: str, code_blocks: list[str] | None = None) -> tuple[str, list[str]]:
+def render_markdown(text: str, code_blocks: list[str] | None = None,
+                    colors: CodeColors = DARK_CODE) -> tuple[str, list[str]]:
     """Markdown `text` -> (HTML for a QTextBrowser, the code blocks' sources).
 
     Pass `code_blocks` to number this text's blocks after those already in it (one transcript
-    of many messages); it is appended to and returned.
+    of many messages); it is appended to and returned. `colors` paints the code blocks.
     """
-    env: dict = {"code_blocks": code_blocks if code_blocks is not None else []}
+    env: dict = {"code_blocks": code_blocks if code_blocks is not None else [], "colors": colors}
     out = _MD.render(text, env)
     return out, env["code_blocks"]

@@ -7,7 +7,7 @@ demo from the Run menu, the Experiments panel's own runs) or an `ui.experiments.
 benchmark runner's thread waiting on an `engine.arrivals.ArrivalClock`). A run offers `running`,
 `paused`, `n_submitted`, `n_requests`, `label`, `state`, `pause()`, `resume()` and `step()`;
 the row re-reads them on a short timer (and at once on a WorkloadRun's signals). With no run
-both buttons are off.
+both buttons are off. `pause_text` names the Pause button (a narrow row says just "Pause").
 
 Thread contract: main thread only (a widget).
 """
@@ -21,11 +21,12 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWi
 class RunControls(QWidget):
     status_message = Signal(str)
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, parent: QWidget | None = None, pause_text: str = "Pause arrivals"):
         super().__init__(parent)
         self.run = None
         self._why_off = "no live run"
-        self.pause_button = QPushButton("Pause arrivals")
+        self._pause_text = pause_text
+        self.pause_button = QPushButton(pause_text)
         self.pause_button.setCheckable(True)
         self.pause_button.setToolTip("Hold back the arrivals still to come; requests already sent keep running")
         self.pause_button.toggled.connect(self._on_pause_toggled)
@@ -97,7 +98,7 @@ class RunControls(QWidget):
             self.pause_button.blockSignals(True)
             self.pause_button.setChecked(paused)
             self.pause_button.blockSignals(False)
-        self.pause_button.setText("Resume" if paused else "Pause arrivals")
+        self.pause_button.setText("Resume" if paused else self._pause_text)
         if not live:
             self.state_label.setText(self._why_off if run is None else f"{run.label}: {run.state}")
             if run is not None:

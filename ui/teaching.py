@@ -8,7 +8,9 @@ verdicts move.
 
 Part 2 sends the same eight arrivals (516-token prompts sharing a warmed 496-token prefix,
 128 tokens each, 50 ms apart) to this machine's backends and lists where each went next to
-where the article's went.
+where the article's went. Pause / Step beside Run live (`ui.run_controls.RunControls`, the
+same run methods as the Run menu's F6 / F7) hold back or send the live run's arrivals; they are
+on only while the live run is under way.
 
 Part 3, the "What if" tab (`ui/whatif.py`), runs the study or a grid row on simulated hardware
 (`engine.simulate`) beside a live run on this machine.
@@ -24,6 +26,7 @@ from typing import Mapping
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
     QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget, QTextBrowser,
@@ -37,7 +40,8 @@ from engine.teaching import (
 )
 
 from .live_run import STUDY, WorkloadRun
-from .theme import LEGEND_BG, MUTED, backend_color, qcolor, scrollable, style_plot, wrap_label
+from .run_controls import RunControls
+from .theme import LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable, style_plot, wrap_label
 from .whatif import WhatIfPanel
 
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
@@ -46,14 +50,23 @@ GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
 # ---- step texts ----
 
 
+def _fill(color: str) -> str:
+    """A cell fill: `color` at 35 % over the theme's background (text stays readable on both)."""
+    c, bg = QColor(color), QColor(palette().plot_bg)
+    return QColor(*(round(0.35 * x + 0.65 * y) for x, y in
+                    zip(c.getRgb()[:3], bg.getRgb()[:3]))).name()
+
+
 def _queue_html(a: Arrival) -> str:
     """The GPU's slots and queue as coloured cells (each waiting request: prompt tokens left + budget)."""
     left = a.prompt_left
-    cells = "".join(f"<td bgcolor='#24456e' align='center'>&nbsp;running&nbsp;<br><b>{a.gpu_left}</b> left&nbsp;</td>"
+    running, queued = _fill(GPU_COLOR), _fill(WORKING)
+    cells = "".join(f"<td bgcolor='{running}' align='center'>&nbsp;running&nbsp;<br><b>{a.gpu_left}</b> left&nbsp;</td>"
                     for _ in range(CAP))
-    queue = "".join(f"<td bgcolor='#5c4318' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
+    queue = "".join(f"<td bgcolor='{queued}' align='center'>&nbsp;queued&nbsp;<br>{left} + <b>{MAX_TOKENS}</b>&nbsp;</td>"
                     for _ in range(a.gpu_queued))
-    new = f"<td bgcolor='#2d4a33' align='center'>&nbsp;<b>new</b>&nbsp;<br>{left} + {MAX_TOKENS}&nbsp;</td>"
+    new = (f"<td bgcolor='{palette().chosen_bg}' align='center'>&nbsp;<b>new</b>&nbsp;<br>{left} + "
+           f"{MAX_TOKENS}&nbsp;</td>")
     return (f"<table cellspacing='4' cellpadding='3'><tr><td><b style='color:{GPU_COLOR}'>GPU</b>&nbsp;</td>"
             f"{cells}<td>&nbsp;|&nbsp;</td>{queue}<td>&nbsp;+&nbsp;</td>{new}</tr>"
             f"<tr><td><b style='color:{CPU_COLOR}'>CPU</b></td><td colspan='{CAP}' style='color:{MUTED}'>idle: "
@@ -212,7 +225,7 @@ class TeachingPanel(QWidget):
         for name, alpha in (("prefill", 110), ("decode", 230)):
             legend.addItem(pg.BarGraphItem(x=[0], height=[0], width=1, brush=qcolor("#c8ccd4", alpha), pen=None),
                            name)
-        self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color="#e6e9ef") for _ in range(2)]
+        self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color=palette().text) for _ in range(2)]
         for t in self.bar_labels:
             p.addItem(t)
         self.cpu_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(CPU_COLOR, width=1, style=Qt.DashLine))
@@ -277,12 +290,15 @@ class TeachingPanel(QWidget):
                                              "the first one, gets the GPU's; the others the CPU's) so the router "
                                              "prices work as in the article while the queues are real")
         self.article_rates_button.clicked.connect(self.use_article_rates)
+        self.run_controls = RunControls(pause_text="Pause")  # a narrow row: the tooltip says the rest
+        self.run_controls.status_message.connect(self.status_message.emit)
         self.live_progress = QProgressBar()
         self.live_progress.setMaximum(STUDY.n_requests)
         self.live_progress.setFormat("%v / %m done")
         self.live_progress.setMinimumWidth(70)
         row.addWidget(self.live_button)
         row.addWidget(self.article_rates_button)
+        row.addWidget(self.run_controls, 1)
         row.addWidget(self.live_progress, 1)
         lv2.addLayout(row)
         names = self.engine.backend_names
@@ -353,6 +369,11 @@ class TeachingPanel(QWidget):
         self.next_button.setEnabled(self.step < len(self.steps) - 1)
         self._show_chart(step.arrival)
 
+    def restyle(self) -> None:
+        """Paint the steps, the chart's labels and the live table's chosen cells in the theme in use."""
+        self.recompute()
+        self._refresh_live()
+
     def next(self) -> None:
         self.go(self.step + 1)
 
@@ -392,12 +413,13 @@ class TeachingPanel(QWidget):
             labels = [f"{g.score_s:.3f} s", f"{c.score_s:.3f} s"]
             self.cpu_line.setPos(c.score_s)
             self.cpu_line.setVisible(True)
-            self.chart.getPlotItem().setTitle(
-                f"<span style='color:#d8dee9'>Request {self.arrivals[arrival].number} → {d.backend.upper()}</span>")
+            self.chart.getPlotItem().setTitle(f"Request {self.arrivals[arrival].number} → {d.backend.upper()}",
+                                              color=palette().text)
         self.bar_prefill.setOpts(height=heights_p)
         self.bar_decode.setOpts(y0=heights_p, height=heights_d)
         top = max([p + d for p, d in zip(heights_p, heights_d)] + [1.0])
         for i, t in enumerate(self.bar_labels):
+            t.setColor(palette().text)
             t.setText(labels[i])
             t.setPos(i, heights_p[i] + heights_d[i])
         self.chart.getPlotItem().setYRange(0, top * 1.55, padding=0)  # headroom: labels and the legend above the bars
@@ -432,6 +454,7 @@ class TeachingPanel(QWidget):
             for c in range(1, self.live_table.columnCount()):
                 self.live_table.setItem(r, c, QTableWidgetItem(""))
         self._shown_live = -1
+        self.run_controls.attach(self.run)
         self.run.start()
 
     def _on_phase(self, phase: str) -> None:
@@ -478,7 +501,7 @@ class TeachingPanel(QWidget):
                     continue
                 item = QTableWidgetItem("∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f} s")
                 if n == d.backend:
-                    item.setBackground(qcolor("#2d4a33"))
+                    item.setBackground(qcolor(palette().chosen_bg))
                 self.live_table.setItem(i, 3 + k, item)
 
 

@@ -5,7 +5,8 @@ pyqtgraph and the tables paint with. `Theme` holds the user's choice ("system", 
 "light"), persists it in `QSettings` (`ui/theme`), applies it to a window (its style sheet, and
 every plot in it re-coloured in place) and, while the choice is "system", follows Qt 6's
 `QStyleHints.colorScheme()` through `colorSchemeChanged`. `palette()` is the palette in use, for
-views that pick a colour when they paint (the routing table's chosen cell).
+views that pick a colour when they paint (the routing table's chosen cell) and for HTML that
+carries inline colours (the chat transcript: `Palette.transcript`, re-rendered on `Theme.changed`).
 
 Thread contract: main thread only.
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication
+
+from .markdown import DARK_CODE, LIGHT_CODE, CodeColors
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 STYLE_SHEET = RESOURCES / "tandem.qss"
@@ -38,6 +41,27 @@ FAILED = "#ff6b6b"  # errors: a failed backend, a server that could not start
 WORKING = "#f5a623"  # a restart under way
 
 
+@dataclass(frozen=True)
+class TranscriptColors:
+    """Inline colours of HTML shown on the theme's text background (the chat transcript)."""
+
+    user: str  # "You"
+    assistant: str  # "Assistant"
+    muted: str  # meta lines, links, the welcome text (the style sheet's QLabel#muted)
+    error: str  # a refused prompt, a failed reply, a context that is too long
+    warn: str  # a context that will not fit the max tokens, the synthetic-model warning
+    unlikely: str  # "r,g,b" shading an unlikely token (alpha grows as its probability falls)
+    code: CodeColors
+    backend_darker: int  # QColor.darker factor for backend colours written as text (100: as plotted)
+
+    def backend(self, hex_color: str) -> str:
+        return QColor(hex_color).darker(self.backend_darker).name()
+
+
+DARK_TRANSCRIPT = TranscriptColors("#8fbcff", "#9be39b", MUTED, "#ff7b7b", "#f5c26b", "255,90,90", DARK_CODE, 100)
+# On white the dark theme's pastels wash out: the same hues, deep enough for 10pt text.
+LIGHT_TRANSCRIPT = TranscriptColors("#1f5fbf", "#1d7a35", "#5f6877", "#c0343f", "#a8610a", "230,60,60", LIGHT_CODE,
+                                    160)
 
 
 @dataclass(frozen=True)
@@ -49,10 +73,12 @@ class Palette:
     text: str
     legend_bg: tuple[int, int, int, int]
     chosen_bg: str
+    transcript: TranscriptColors
 
 
-DARK = Palette("dark", STYLE_SHEET, PLOT_BG, PLOT_FG, TEXT, LEGEND_BG, CHOSEN_BG)
-LIGHT = Palette("light", LIGHT_STYLE_SHEET, "#ffffff", "#4a5261", "#1f2329", (255, 255, 255, 220), "#cdebd3")
+DARK = Palette("dark", STYLE_SHEET, PLOT_BG, PLOT_FG, TEXT, LEGEND_BG, CHOSEN_BG, DARK_TRANSCRIPT)
+LIGHT = Palette("light", LIGHT_STYLE_SHEET, "#ffffff", "#4a5261", "#1f2329", (255, 255, 255, 220), "#cdebd3",
+                LIGHT_TRANSCRIPT)
 _current = DARK
 
 
