@@ -90,3 +90,30 @@ def test_teaching_queue_cells_follow_the_theme(qtbot, make_window, dark_after):
     assert LIGHT.chosen_bg in light and DARK.chosen_bg not in light  # the new request's cell
     w.set_theme("dark")
     assert teaching.text.toHtml() == dark
+
+
+def _decision(backends: list[str]):
+    """A real routing decision over idle backends of these names (the router alone, no engine)."""
+    from engine.router import RouteQuery, Router
+    from engine.snapshot import BackendSnapshot, Rates
+
+    rates = Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="measured")
+    snaps = [BackendSnapshot(name=b, device="cpu", cap=4, n_ctx=4096, rates=rates) for b in backends]
+    return Router("seed-score").route(RouteQuery("req-1", prompt_tokens=40, max_tokens=16), snaps)
+
+
+def test_routing_text_follows_the_theme(qtbot, make_window, dark_after):
+    from ui.routing import BACKEND_COLUMN
+
+    w = make_window()
+    view = w.panels["routing"]
+    view.add_decision(_decision(view.backends))
+    view.select_row(0)
+    name = view.model.index(0, BACKEND_COLUMN)
+    dark_name, dark_text = name.data(Qt.ForegroundRole).color().name(), view.explain.toHtml()
+    w.set_theme("light")
+    assert name.data(Qt.ForegroundRole).color().name() != dark_name  # deeper on white
+    assert LIGHT.transcript.muted in view.explain.toHtml()
+    w.set_theme("dark")
+    assert name.data(Qt.ForegroundRole).color().name() == dark_name
+    assert view.explain.toHtml() == dark_text

@@ -49,7 +49,7 @@ class RoutingTableModel(QAbstractTableModel):
         self.decisions: list = []
         self.count = 0  # decisions added since the last clear (row numbers keep counting after drops)
         self._first_number = 1
-        self._colors = {b: QColor(backend_color(i)) for i, b in enumerate(self.backends)}
+        self._colors = {b: backend_color(i) for i, b in enumerate(self.backends)}  # as plotted
 
     # ---- data ----
 
@@ -96,7 +96,7 @@ class RoutingTableModel(QAbstractTableModel):
             return f"{self.backends[b]}\n{TERMS[t]}"
         if role == Qt.ForegroundRole and section >= len(FIXED):
             b = (section - len(FIXED)) // len(TERMS)
-            return QBrush(self._colors[self.backends[b]])
+            return QBrush(_text_color(self._colors[self.backends[b]]))
         if role == Qt.ToolTipRole and section >= len(FIXED):
             t = TERMS[(section - len(FIXED)) % len(TERMS)]
             return {
@@ -122,7 +122,7 @@ class RoutingTableModel(QAbstractTableModel):
                     d.backend + (" (pinned)" if d.pinned else ""),
                 ][col]
             if role == Qt.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
-                return QBrush(self._colors[d.backend])
+                return QBrush(_text_color(self._colors[d.backend]))
             if role == Qt.ToolTipRole:
                 return f"{d.policy}: {d.reason}"
             if role == Qt.TextAlignmentRole and col in (0, 1):
@@ -170,12 +170,20 @@ def explain_score(s) -> str:
             f"  →  {_secs(s.score_s)}   ({state}; {s.rates.source} rates)")
 
 
+def _text_color(plotted: str) -> QColor:
+    """A backend's plot colour as text on the theme in use (deeper on the light one)."""
+    return QColor(palette().transcript.backend(plotted))
+
+
 def explain_decision(d, colors: dict | None = None) -> str:
-    """The selected decision in words (HTML): who won, by how much, and every backend's sum."""
-    colors = colors or {}
+    """The selected decision in words (HTML): who won, by how much, and every backend's sum, in
+    the theme in use's text colours (`colors`: each backend's plot colour)."""
+    pal = palette()
+    colors = {name: pal.transcript.backend(c) for name, c in (colors or {}).items()}
+    muted, plain = pal.transcript.muted, pal.text
     chosen = d.chosen
     others = sorted((s for s in d.scores if s.name != d.backend), key=lambda s: s.score_s)
-    head = f"<b>{html.escape(d.request_id)}</b> → <b style='color:{colors.get(d.backend, '#fff')}'>{html.escape(d.backend)}</b>"
+    head = f"<b>{html.escape(d.request_id)}</b> → <b style='color:{colors.get(d.backend, plain)}'>{html.escape(d.backend)}</b>"
     if d.pinned:
         line = "Pinned by the request: the policy was bypassed."
     elif others:
@@ -187,12 +195,12 @@ def explain_decision(d, colors: dict | None = None) -> str:
     else:
         line = "The only backend."
     budget = d.budget + (f", new_token_ratio {d.new_token_ratio:.2f}" if d.new_token_ratio is not None else "")
-    rows = "".join(f"<li><span style='color:{colors.get(s.name, '#fff')}'>■</span> {html.escape(explain_score(s))}</li>"
+    rows = "".join(f"<li><span style='color:{colors.get(s.name, plain)}'>■</span> {html.escape(explain_score(s))}</li>"
                    for s in d.scores)
-    return (f"<p style='font-size:11pt'>{head} &nbsp; <span style='color:{MUTED}'>policy {html.escape(d.policy)} · "
+    return (f"<p style='font-size:11pt'>{head} &nbsp; <span style='color:{muted}'>policy {html.escape(d.policy)} · "
             f"decode budget {html.escape(budget)}</span></p>"
             f"<p>{line}</p><ul style='margin-left:-20px'>{rows}</ul>"
-            f"<p style='color:{MUTED}'>Router's record: {html.escape(d.reason)}</p>")
+            f"<p style='color:{muted}'>Router's record: {html.escape(d.reason)}</p>")
 
 
 class RoutingView(QWidget):
@@ -252,7 +260,7 @@ class RoutingView(QWidget):
         p.addItem(self.selected_line)
 
         self.explain = QTextBrowser()
-        self.explain.setHtml(f"<p style='color:{MUTED}'>Select a row to see why the request went where it went.</p>")
+        self._show_hint()
 
         self.clear_button = QPushButton("Clear")
         self.clear_button.setToolTip("Forget the rows shown here (the router keeps its own record)")
@@ -353,6 +361,23 @@ class RoutingView(QWidget):
             if math.isfinite(y):
                 spots.append({"pos": (x, y), "brush": pg.mkBrush(self.colors.get(d.backend, "#fff"))})
         self.marks.setData(spots)
+
+    def restyle(self) -> None:
+        """Repaint the text colours for the theme now in use: the table's backend names and the
+        explanation (the plot follows the palette by itself)."""
+        m = self.model
+        if m.decisions:
+            m.dataChanged.emit(m.index(0, 0), m.index(len(m.decisions) - 1, m.columnCount() - 1))
+        m.headerDataChanged.emit(Qt.Horizontal, 0, m.columnCount() - 1)
+        current = self.table.selectionModel().currentIndex()
+        if current.isValid() and current.row() < len(m.decisions):
+            self._on_row(current, None)
+        else:
+            self._show_hint()
+
+    def _show_hint(self) -> None:
+        self.explain.setHtml(f"<p style='color:{palette().transcript.muted}'>Select a row to see why the request "
+                             "went where it went.</p>")
 
     def _on_row(self, current, _previous) -> None:
         if not current.isValid() or current.row() >= len(self.model.decisions):
