@@ -48,27 +48,27 @@ from .snapshot import BackendSnapshot, CacheStats, Rates
 log = logging.getLogger(__name__)
 
 
-# No cap given: the ceiling the limiter may grow to, and where it starts. A GPU's decode tok/s
-# still rises to b = 32 (6,016 tok/s against 3,916 at 16, H200, `docs/results/gpu/speed10`);
-# on a CPU it flattens sooner and each sequence's tokens come slower with every one added.
-# The adaptive cap's ceiling and start for a whole device, divided among the contexts a spec
-# made on it (`contexts=N`). GPU ceiling 32: on the H200 the 1,516-token workload ran 6.71 s at
-# cap 32 and 7.97 s at 48 (in a unified pool each prompt chunk attends over every running
-# sequence's cells), and the limiter, let up to 48, took 8.21 s (round4/caps-long).
+# No cap given: the ceiling the limiter may grow to, and where it starts, for a whole device,
+# divided among the contexts a spec made on it (`contexts=N`, `auto_limits`). A GPU's decode
+# tok/s still rises to b = 32 (6,016 tok/s against 3,916 at 16, H200, `docs/results/gpu/speed10`),
+# but the 1,516-token workload ran 6.71 s at cap 32 and 7.97 s at 48 (more prompt chunks beside
+# more decodes, over more cells), and the limiter, let up to 48, took 8.21 s (round4/caps-long).
+# On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
 AUTO_CAP = {"gpu": 32, "cpu": 16}
 AUTO_START = {"gpu": 8, "cpu": 4}
+# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: room
+# for 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B),
+# or what AUTO_CTX_MEMORY_SHARE of the device's free memory holds, if less (never under the
+# CPU's; `Backend.__init__`). A unified pool may exceed the model's training context
+# (engine/llama/runner.py).
+AUTO_CTX = {"gpu": 65536, "cpu": 4096}
+AUTO_CTX_MEMORY_SHARE = 0.25
 
 
 def auto_limits(kind: str, contexts: int = 1) -> tuple[int, int]:
     """(ceiling, start) of an adaptive cap for one of `contexts` contexts on a `kind` device."""
     n = max(contexts, 1)
     return max(AUTO_CAP[kind] // n, 1), max(AUTO_START[kind] // n, 1)
-# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: room
-# for 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B),
-# or what AUTO_CTX_MEMORY_SHARE of the device's free memory holds, if less (never under the
-# CPU's). A unified pool may exceed the model's training context (engine/llama/runner.py).
-AUTO_CTX = {"gpu": 65536, "cpu": 4096}
-AUTO_CTX_MEMORY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class BackendConfig:
     device: str = "cpu"
     cap: int = 0
     adaptive: bool = True
-    n_ctx: int = 0  # cells, all sequences together; 0: automatic (engine/llama/runner.py: auto_n_ctx)
+    n_ctx: int = 0  # cells, all sequences together; 0: AUTO_CTX (a GPU's fitted to its free memory)
     n_batch: int = 512
     n_ubatch: int = 512
     threads: int = 0  # 0: all cores
@@ -345,7 +345,7 @@ class Backend:
 
     @property
     def cap(self) -> int:
-        """The user's cap (with `cap_adaptive`, the ceiling of the live `cap_limit`)."""
+        """The user's cap (with `cap_adaptive`, the ceiling of the limiter's live value)."""
         return self._cap
 
     @property
@@ -356,11 +356,6 @@ class Backend:
     def cap_auto(self) -> bool:
         """No cap was given (or `set_cap(None)`): the ceiling is the device's, the start low."""
         return self._auto
-
-    @property
-    def cap_limit(self) -> int:
-        """Sequences the scheduler admits now: the limiter's live value."""
-        return self._sched.cap
 
     @property
     def cache(self) -> PrefixCache:
@@ -693,12 +688,12 @@ class Backend:
         retiring at once took 59 ms of them (32,768 cells, 2-core dev machine) that every
         one of those requests waited for."""
         sched, runner = self._sched, self._runner
-        if not sched.has_effects():
-            for f in finished:
-                self._publish(f)
-            return
-        ops, unplaced = sched.take_ops(), sched.take_unplaced()
-        for f in [*finished, *sched.take_finished()]:
+        ops: list = []
+        unplaced: list = []
+        if sched.has_effects():
+            ops, unplaced = sched.take_ops(), sched.take_unplaced()
+            finished = [*finished, *sched.take_finished()]
+        for f in finished:
             self._publish(f)
         runner.apply(ops)
         for s in unplaced:

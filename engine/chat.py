@@ -49,13 +49,14 @@ def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = N
     template puts after it (its end of turn, the next turn's header), so the model goes on
     with that reply (vLLM's `continue_final_message`: render, cut after the final content).
     A template that strips content (`| trim`) loses the content's trailing whitespace here."""
+    with_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if continue_final:
         if messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
             raise InvalidRequest("continue_final_message needs a last message from the assistant with content",
                                  param="messages")
-        if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        if with_tools:
             raise InvalidRequest("continue_final_message cannot be combined with tools", param="messages")
-    if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+    if with_tools:
         caps = template_caps(model)
         if tools is not None:
             messages, tools = tool_prompt(messages, tools, caps)

@@ -511,7 +511,7 @@ class Scheduler:
             return
         i = 0  # requests deferred behind a running prefill of their prefix stay in place
         defer = self.defer_shared and self.share_prefill and self.cache_enabled
-        spare = len(self.free_ids) > self.cap - len(self.running)  # a publication has an id
+        spare = self._holder_free()
         # Donors: prompt prefills cached at their end (a choice's; with `defer`, others' with an id, warm ones').
         donors = [s for s in self.running if s.n_past < s.n_prompt and (s.choice or defer and (spare or s.warm))]
         while i < len(self.waiting) and len(self.running) < self.cap:
@@ -588,6 +588,11 @@ class Scheduler:
                 return True
         return False
 
+    def _holder_free(self) -> bool:
+        """A sequence id is free for a published prompt's holder beyond those the cap may still
+        admit (holders never take a running sequence's id)."""
+        return len(self.free_ids) > self.cap - len(self.running)
+
     def _publish(self, s: SeqState) -> None:
         """`s` has just computed its whole prompt: alias a copy the cache got meanwhile, then put
         the prompt into the cache under a holder id of its own (see the module doc)."""
@@ -595,10 +600,8 @@ class Scheduler:
             return
         prompt, n = s.tokens[:s.n_prompt], s.n_prompt
         least = 1 if s.choice else SHARE_MIN_TOKENS  # `n` promises one prefill, however short
-        spare = len(self.free_ids) > self.cap - len(self.running)
-        if s.choice and not spare and self.cache.match_length(prompt) < n:
+        if s.choice and not self._holder_free() and self.cache.match_length(prompt) < n:
             self._apply_evictions(self.cache.evict(need_seqs=1))  # an idle cached prefix makes way
-            spare = len(self.free_ids) > self.cap - len(self.running)
         match = self.cache.match(prompt)
         shared = s.n_shared
         if match.length > shared and self.kv_unified:
@@ -607,7 +610,7 @@ class Scheduler:
             self._ops.append(KvOp("rm", s.seq_id, -1, 0, match.length))
             self._ops.append(KvOp("cp", self.cache.holder_for(match.node), s.seq_id, 0, match.length))
             shared = match.length
-        if n - match.length >= least and spare:
+        if n - match.length >= least and self._holder_free():
             holder = max(self.free_ids)
             self.free_ids.remove(holder)
             heapq.heapify(self.free_ids)

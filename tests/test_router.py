@@ -690,9 +690,18 @@ def text_query(rid: str, tenant: int, own: int, cached: dict | None = None) -> R
     return RouteQuery(rid, len(text) // 4, TENANT_OUT, cached or {}, text=text)
 
 
+def token_query(rid: str, tenant: int, own: int) -> RouteQuery:
+    return tenant_query(rid, tenant, own, tokens=True)
+
+
 class TestTenants:
     """`cache-aware` groups requests that share a hit-sized prefix into tenants and balances
     loads by moving whole small tenants (the default move thresholds: 4 items, 25 % of the mean)."""
+
+    @staticmethod
+    def uneven(hot: list[str], small: list[str]) -> list:
+        """Both tenants' items on a, five others on b."""
+        return [held("a", hot + small), held("b", [f"x{k}" for k in range(5)])]
 
     @staticmethod
     def seeded(make, hot: int, small: int) -> tuple[Router, list[str], list[str]]:
@@ -705,16 +714,16 @@ class TestTenants:
         return r, hot_ids, small_ids
 
     def test_small_tenant_moves_whole_when_loads_are_uneven(self):
-        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
-        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        r, hot, small = self.seeded(token_query, 14, 3)
+        snaps = self.uneven(hot, small)
         d = r.route(tenant_query("s9", 1, 9, cached={"a": 1500}, tokens=True), snaps)
         assert d.backend == "b", d.reason
         assert "loads 17 vs 5 on b are uneven" in d.reason
         assert "the tenant's 3 items on a are at most half the gap, so the tenant moves to b" in d.reason
 
     def test_moved_tenant_follows_its_new_home(self):
-        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
-        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        r, hot, small = self.seeded(token_query, 14, 3)
+        snaps = self.uneven(hot, small)
         r.route(tenant_query("s9", 1, 9, cached={"a": 1500}, tokens=True), snaps)
         snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4", "s9"])]
         d = r.route(tenant_query("s10", 1, 10, cached={"a": 1500}, tokens=True), snaps)
@@ -722,28 +731,28 @@ class TestTenants:
         assert d.reason.startswith("b: 1,472 of 1,550 tokens routed there, in flight")
 
     def test_tenant_that_is_the_gap_stays(self):
-        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
-        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        r, hot, small = self.seeded(token_query, 14, 3)
+        snaps = self.uneven(hot, small)
         d = r.route(tenant_query("h99", 0, 99, cached={"a": 1500}, tokens=True), snaps)
         assert d.backend == "a", d.reason
         assert "the tenant holds 14 of a's items: moving it would turn the gap around" in d.reason
 
     def test_even_loads_keep_every_tenant_home(self):
-        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 6, 3)
+        r, hot, small = self.seeded(token_query, 6, 3)
         snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4", "x5", "x6"])]
         d = r.route(tenant_query("s9", 1, 9, cached={"a": 1500}, tokens=True), snaps)
         assert d.backend == "a" and "within balance" in d.reason
 
     def test_equal_hit_on_a_lighter_backend_takes_the_request(self):
-        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
-        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        r, hot, small = self.seeded(token_query, 14, 3)
+        snaps = self.uneven(hot, small)
         d = r.route(tenant_query("h99", 0, 99, cached={"a": 1500, "b": 1500}, tokens=True), snaps)
         assert d.backend == "b", d.reason
         assert "b holds 1,500 too" in d.reason
 
     def test_text_prompts_form_tenants(self):
         r, hot, small = self.seeded(lambda rid, t, own: text_query(rid, t, own), 14, 3)
-        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        snaps = self.uneven(hot, small)
         q = text_query("s9", 1, 9)
         d = r.route(replace(q, cached={"a": q.prompt_tokens}), snaps)
         assert d.backend == "b", d.reason
@@ -759,8 +768,8 @@ class TestTenants:
         assert d.backend == "a" and "within balance" in d.reason, d.reason
 
     def test_unrelated_prompts_are_no_tenant(self):
-        r, hot, small = self.seeded(lambda rid, t, own: tenant_query(rid, t, own, tokens=True), 14, 3)
-        snaps = [held("a", hot + small), held("b", ["x0", "x1", "x2", "x3", "x4"])]
+        r, hot, small = self.seeded(token_query, 14, 3)
+        snaps = self.uneven(hot, small)
         d = r.route(tenant_query("n0", 5, 0, tokens=True), snaps)
         assert d.backend == "b" and "nothing cached anywhere" in d.reason
 

@@ -21,7 +21,7 @@ class _InitParams(ctypes.Structure):
 
 
 def test_the_tensor_mirror_reads_ggml_views():
-    """`_row_of` finds the matrix and row behind a row view, read through our mirror of
+    """`row_of` finds the matrix and row behind a row view, read through our mirror of
     `struct ggml_tensor` from tensors the real library made."""
     P = ctypes.c_void_p
     ggml_init = holding_gil("ggml_init", [_InitParams], P)
@@ -32,10 +32,10 @@ def test_the_tensor_mirror_reads_ggml_views():
     try:
         m = new_2d(ctx, 0, 1000, 7)
         row = greedy.ggml_view_1d(ctx, m, 1000, 5 * 1000 * 4)
-        assert greedy._row_of(row) == (m, 5)  # a native-boundary helper: its contract is internal
-        assert greedy._row_of(m) is None  # not a view
-        assert greedy._row_of(greedy.ggml_view_1d(ctx, m, 999, 4000)) is None  # not a whole row
-        assert greedy._row_of(new_1d(ctx, 0, 1000)) is None
+        assert greedy.row_of(row) == (m, 5)  # a native-boundary helper: its contract is internal
+        assert greedy.row_of(m) is None  # not a view
+        assert greedy.row_of(greedy.ggml_view_1d(ctx, m, 999, 4000)) is None  # not a whole row
+        assert greedy.row_of(new_1d(ctx, 0, 1000)) is None
     finally:
         ggml_free(ctx)
 

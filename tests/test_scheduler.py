@@ -131,6 +131,16 @@ class Sim:
     def record(self, seq):
         return next(f for f in self.finished if f.seq is seq)
 
+    def settle(self) -> None:
+        """Apply what the scheduler decided between steps (a cancel, a failure)."""
+        self.mem.apply(self.sched.take_ops())
+        self.finished += self.sched.take_finished()
+
+    def flush(self) -> None:
+        """Empty the prefix cache, as the backend's flush does."""
+        self.sched.flush_cache()
+        self.mem.apply(self.sched.take_ops())
+
 
 # ---- admission ----
 
@@ -268,8 +278,7 @@ def test_cancel_frees_what_the_request_held(when):
         while not seq.generated:
             sim.step()
     sim.sched.cancel({seq.req.id})
-    sim.mem.apply(sim.sched.take_ops())
-    sim.finished += sim.sched.take_finished()
+    sim.settle()
     assert sim.record(seq).status == RequestStatus.FINISHED_CANCELLED
     assert seq not in sim.sched.running and seq not in sim.sched.waiting
     assert sim.sched.kv_cells_used() == sim.mem.cells
@@ -434,12 +443,10 @@ def test_cancelling_every_choice_frees_what_they_held(cache_enabled):
     while not all(c.generated for c in choices):
         sim.step()
     sim.sched.cancel({c.req.id for c in choices})
-    sim.mem.apply(sim.sched.take_ops())
-    sim.finished += sim.sched.take_finished()
+    sim.settle()
     assert [sim.record(c).status for c in choices] == [RequestStatus.FINISHED_CANCELLED] * 3
     assert not sim.sched.running and sim.sched.cache.pinned_tokens == 0
-    sim.sched.flush_cache()
-    sim.mem.apply(sim.sched.take_ops())
+    sim.flush()
     assert sim.sched.kv_cells_used() == sim.mem.cells == 0
 
 
@@ -530,13 +537,11 @@ def test_the_publisher_ending_early_leaves_the_sharer_correct(end):
         sim.sched.cancel({a.req.id})
     else:
         sim.sched.fail(a, "the device failed")
-    sim.mem.apply(sim.sched.take_ops())
-    sim.finished += sim.sched.take_finished()
+    sim.settle()
     assert sim.sched.kv_cells_used() == sim.mem.cells
     sim.run()
     assert b.tokens == ref.tokens
-    sim.sched.flush_cache()
-    sim.mem.apply(sim.sched.take_ops())
+    sim.flush()
     assert sim.sched.kv_cells_used() == sim.mem.cells == 0
 
 
@@ -560,8 +565,7 @@ def test_a_preempted_sharer_resumes_the_same():
     sim.run()
     assert b.preemptions and b.n_hit == len(TENANT)
     assert b.tokens == ref.tokens
-    sim.sched.flush_cache()
-    sim.mem.apply(sim.sched.take_ops())
+    sim.flush()
     assert sim.sched.kv_cells_used() == sim.mem.cells == 0
 
 

@@ -95,7 +95,7 @@ import threading
 
 import numpy as np
 
-from . import _abi, holding_gil, lc, sampler_interface
+from . import _abi, greedy, holding_gil, lc, sampler_interface
 
 log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
@@ -647,18 +647,22 @@ def _backend_apply(smpl, ctx, _gf, data) -> None:
         d.sampled = _g["ggml_argmax"](ctx, d.logits)  # one cheap kernel, never read
         return
     seq = _name_of(d.logits)
-    where = _row_of(d.logits)
-    if where is None or seq is None or not 0 <= seq < _SEQS or where[2] > _ROWS:
+    where = greedy.row_of(d.logits)
+    if where is None or seq is None or not 0 <= seq < _SEQS:
         d.sampled = _alone(ctx, t, d.logits, chain, seq)
         return
-    matrix, row, n_rows = where
-    BUILDS["row"] += 1
+    matrix, row = where
     builds = _built.__dict__.setdefault("builds", {})
     b = builds.get((ctx, matrix))
     if b is None:
+        n_rows = _abi.tensor_facts(matrix).ne[1]  # once per build
+        if n_rows > _ROWS:
+            d.sampled = _alone(ctx, t, d.logits, chain, seq)
+            return
         BUILDS["shared"] += 1
         b = builds[(ctx, matrix)] = t.last = _Build(t, ctx, matrix, n_rows, [c for c in _chains.values()
                                                                             if c._table is t and c.on_device] or [chain])
+    BUILDS["row"] += 1
     if int(chain.row_settings[3]) > b.k or chain.row_settings[4] and b.ban == "none":
         d.sampled = _alone(ctx, t, d.logits, chain, seq)  # not covered by the shared part
         return
@@ -675,19 +679,6 @@ def _alone(ctx, t: _Table, logits: int, chain: FusedDist, seq: int | None) -> in
     b.write(0, chain, seq if seq is not None and 0 <= seq < _SEQS else 0)
     b.upload()
     return _g["ggml_view_1d"](ctx, b.tokens, 1, 0)
-
-
-def _row_of(logits: int) -> tuple[int, int, int] | None:
-    """(matrix, row, rows) when `logits` is one whole row of a contiguous 2-D F32 matrix."""
-    t = _abi.tensor_facts(logits)
-    if not t.view_src or t.type != _F32 or t.ne[1:] != (1, 1, 1):
-        return None
-    m = _abi.tensor_facts(t.view_src)
-    row_bytes = m.nb[1]
-    if (m.type != _F32 or m.ne[0] != t.ne[0] or m.nb[0] != 4 or row_bytes != 4 * m.ne[0]
-            or m.ne[2:] != (1, 1) or t.view_offs % row_bytes or t.view_offs // row_bytes >= m.ne[1]):
-        return None
-    return t.view_src, t.view_offs // row_bytes, m.ne[1]
 
 
 def _backend_reset(_smpl) -> None:

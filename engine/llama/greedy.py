@@ -74,8 +74,9 @@ def _row(t: _abi.GgmlTensor, m: _Matrix) -> int | None:
     return row if ne[0] == m.n_cols and ne[1] == ne[2] == ne[3] == 1 and not off and row < m.n_rows else None
 
 
-def _row_of(logits: int) -> tuple[int, int] | None:
-    """(matrix, row) when `logits` is one whole row of a contiguous 2-D F32 matrix."""
+def row_of(logits: int) -> tuple[int, int] | None:
+    """(matrix, row) when `logits` is one whole row of a contiguous 2-D F32 matrix (one read in
+    place and one of the matrix: the samplers' build callbacks, this module's and fused_dist's)."""
     t = _abi.live_tensor(logits)
     m = _matrix(t.view_src) if t.view_src else None
     row = _row(t, m) if m is not None else None
