@@ -424,6 +424,13 @@ def open_fds() -> int:
         return -1
 
 
+def py_blocks() -> int:
+    """Memory blocks the Python allocator holds. Not `len(gc.get_objects())`: that list holds
+    references to tuples other threads are still building, and their `_PyTuple_Resize` then
+    fails with SystemError."""
+    return sys.getallocatedblocks()
+
+
 def os_threads() -> int:
     """Native threads of the process (llama.cpp's included), the main one counted."""
     try:
@@ -446,7 +453,7 @@ class Sample:
     fds: int
     threads: int
     os_threads: int
-    py_objects: int
+    py_blocks: int
 
     def line(self, tok_s: float, note: str = "") -> str:
         kv = " ".join(f"{k}={v}" for k, v in self.kv.items())
@@ -457,12 +464,12 @@ class Sample:
     def row(self) -> list:
         return [round(self.t, 2), self.requests, self.ok, self.cancelled, self.errors, self.in_flight,
                 self.output_tokens, round(self.rss / 2**20, 2), *self.kv.values(), self.fds, self.threads,
-                self.os_threads, self.py_objects]
+                self.os_threads, self.py_blocks]
 
 
 def csv_header(backends: list[str]) -> list[str]:
     return ["t_s", "requests", "ok", "cancelled", "errors", "in_flight", "output_tokens", "rss_mb",
-            *(f"kv_{b}" for b in backends), "fds", "threads", "os_threads", "py_objects"]
+            *(f"kv_{b}" for b in backends), "fds", "threads", "os_threads", "py_blocks"]
 
 
 def summarize(*, minutes: float, elapsed_s: float, warmup_s: float, tally: Tally, engine_tally: EngineTally,
@@ -503,8 +510,8 @@ def summarize(*, minutes: float, elapsed_s: float, warmup_s: float, tally: Tally
         "threads_peak": max(s.threads for s in samples),
         "threads_left": threads_left,
         "os_threads_end": os_threads_end,
-        "py_objects_warm": warm.py_objects,
-        "py_objects_end": samples[-1].py_objects,
+        "py_blocks_warm": warm.py_blocks,
+        "py_blocks_end": samples[-1].py_blocks,
         "output_tokens": engine_tally.output_tokens,
         "tok_s": round(engine_tally.output_tokens / elapsed_s, 1) if elapsed_s else 0.0,
         "engine_finished": dict(engine_tally.finished),
@@ -682,7 +689,7 @@ class Soak:
             requests=t.total(), ok=t.total("ok"), cancelled=t.total("cancelled"), errors=t.total("error"),
             in_flight=t.in_flight, output_tokens=self.engine_tally.output_tokens, rss=rss_bytes(),
             kv={s.name: s.kv_cells_used for s in self.engine.snapshot()}, fds=open_fds(),
-            threads=threading.active_count(), os_threads=os_threads(), py_objects=len(gc.get_objects()),
+            threads=threading.active_count(), os_threads=os_threads(), py_blocks=py_blocks(),
         )
 
     def _tok_s(self, s: Sample) -> float:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
+import time
 
 from app import cli
-from bench.soak import KINDS, Traffic, system_prompts, warmup_seconds
+from bench.soak import KINDS, Traffic, py_blocks, system_prompts, warmup_seconds
 
 
 def test_a_short_soak_leaves_nothing_behind(capsys, tmp_path):
@@ -57,3 +59,27 @@ def test_warmup_is_a_tenth_clamped_to_20_s_or_half():
     assert warmup_seconds(1800) == 180
     assert warmup_seconds(180) == 20
     assert warmup_seconds(15) == 7.5
+
+
+def test_sampling_the_heap_leaves_other_threads_tuples_alone():
+    # The soak samples its heap while client threads build tuples from generators. A sampler
+    # that listed the objects (gc.get_objects) broke one in ~40 ms: SystemError in the client.
+    broken: list[BaseException] = []
+    stop = threading.Event()
+
+    def build():
+        while not stop.is_set():
+            try:
+                tuple(x for x in range(50))
+            except SystemError as e:
+                broken.append(e)
+                return
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and not broken:
+        assert py_blocks() > 0
+    stop.set()
+    builder.join()
+    assert broken == []
