@@ -41,11 +41,12 @@ from engine.experiment import experiment_runner
 log = logging.getLogger(__name__)
 
 
-def load_engine(spec, progress=None) -> Engine:
-    """Build an engine for a `ui.loader.ModelSpec` (same defaults as `engine_from_args`)."""
+def load_engine(spec, progress=None, status=None) -> Engine:
+    """Build an engine for a `ui.loader.ModelSpec` (same defaults as `engine_from_args`);
+    `status(text)` hears the backends' speed being measured on a first start."""
     specs = list(spec.backends) or default_specs(gpu=llama.gpu_offload_supported())
     return Engine.load(spec.model, parse_backend_specs(specs), policy=spec.policy, progress=progress,
-                       online_rates=True, calibrate=True)
+                       online_rates=True, calibrate=True, status=status)
 
 
 async def serve(eng: Engine, host: str, port: int, api_key: str | None):

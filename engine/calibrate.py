@@ -765,7 +765,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     for key, same in groups.items():
         first = same[0]
         if status is not None:
-            status(f"measuring {first.name}'s speed (first run of this model and config on this machine)")
+            status(f"measuring {first.name}'s speed (a few seconds, once per model and config on this machine)")
         try:
             cal = calibrate_backend(first, prompt_tokens=LOAD_PROMPT, gen_tokens=LOAD_GEN,
                                     batches=sorted({1, first.cap}), repeats=1, timeout=timeout)

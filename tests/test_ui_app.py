@@ -74,6 +74,23 @@ def test_loading_a_model_replaces_the_panels(qtbot, make_window, ui_engine):
     assert chat.chat.messages[-1].meta["backend"] == "cpu"
 
 
+def test_a_first_start_says_it_is_measuring_the_backends_speed(qtbot, make_window):
+    # A config this session has no stored rates for: the load measures it after the weights are
+    # in, and the window says so instead of sitting on a full progress bar.
+    w = make_window(load_fn=load_engine)
+    said, loaded = [], []
+    w.loader.status.connect(lambda text: said.append((text, w.state_label.text(), w.load_bar.maximum())))
+    w.engine_loaded.connect(loaded.append)
+    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=3,ctx=704,name=fresh",)))
+    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    assert said, "no status line while the rates were measured"
+    text, shown, maximum = said[0]
+    assert text.startswith("measuring fresh's speed")
+    assert shown == "measuring fresh's speed…" and maximum == 0  # the bar runs without a fraction
+    assert w.state_label.text().startswith("engine") and w.state_label.toolTip() == ""
+    assert w.engine.backends["fresh"].rates.source == "measured"
+
+
 def test_the_window_shows_the_model_once_loaded(qtbot, qasync_loop, tmp_path):
     from ui.history import ChatStore
     from ui.main_window import MainWindow

@@ -1,8 +1,10 @@
 """Loading a model without freezing the window.
 
-`ModelLoader` runs a load function (`fn(spec, progress) -> Engine`, supplied by the app) on a
-`ui.worker.Worker`. llama.cpp reports progress on that thread; the worker delivers it, and the
-outcome, on the main thread, where the loader re-emits them. If the loader is cancelled (the
+`ModelLoader` runs a load function (`fn(spec, progress, status) -> Engine`, supplied by the app)
+on a `ui.worker.Worker`. llama.cpp reports progress on that thread, and the engine says in words
+what it does after the weights are in (`status(text)`: measuring a backend's speed, a few seconds
+on a first start); the worker delivers both, and the outcome, on the main thread, where the loader
+re-emits them. If the loader is cancelled (the
 window closed) the engine it produced is closed off the main thread instead of being handed over.
 
 Thread contract: `start`, `cancel`, `busy` and `wait` on the main thread; `cancel` is also read by
@@ -36,6 +38,7 @@ class ModelSpec:
 
 class ModelLoader(QObject):
     progress = Signal(float)  # 0..1
+    status = Signal(str)  # what the load is doing now, in words
     loaded = Signal(object, object)  # Engine, ModelSpec
     failed = Signal(str, object)  # message, ModelSpec
 
@@ -54,7 +57,7 @@ class ModelLoader(QObject):
             return False
         self._cancelled.clear()
         worker = Worker(lambda: self._load(spec, worker.report), name="model-loader", owner=self)
-        worker.progress.connect(self.progress.emit)
+        worker.progress.connect(self._on_report)
         worker.returned.connect(lambda engine: self._on_loaded(engine, spec))
         worker.errored.connect(lambda e: self._on_failed(e, spec))
         self._worker = worker.start()
@@ -77,13 +80,19 @@ class ModelLoader(QObject):
             report(float(fraction))
             return True
 
-        engine = self._load_fn(spec, progress)
+        engine = self._load_fn(spec, progress, report)  # report(str): a status line
         if self._cancelled.is_set():
             engine.close()
             return None
         return engine
 
     # ---- main thread ----
+
+    def _on_report(self, value) -> None:
+        if isinstance(value, str):
+            self.status.emit(value)
+        else:
+            self.progress.emit(value)
 
     def _on_loaded(self, engine, spec: ModelSpec) -> None:
         if engine is None:

@@ -88,6 +88,7 @@ class MainWindow(QMainWindow):
         self.loader = ModelLoader(load_fn, self) if load_fn is not None else None
         if self.loader is not None:
             self.loader.progress.connect(self._on_load_progress)
+            self.loader.status.connect(self._on_load_status)
             self.loader.loaded.connect(self._on_loaded)
             self.loader.failed.connect(self._on_load_failed)
         self.error_dialog = QMessageBox(QMessageBox.Critical, "Could not load the model", "", QMessageBox.Ok, self)
@@ -128,7 +129,7 @@ class MainWindow(QMainWindow):
         self.placeholder_label.setObjectName("big")
         self.placeholder_label.setWordWrap(True)
         self.placeholder_progress = QProgressBar()
-        self.placeholder_progress.setMaximumWidth(420)
+        self.placeholder_progress.setFixedWidth(420)
         self.placeholder_progress.setVisible(False)
         load = QPushButton("Load a model…")
         load.setObjectName("primary")
@@ -275,6 +276,7 @@ class MainWindow(QMainWindow):
         else:
             self._show_model(engine)
         self.state_label.setText("engine ready")
+        self.state_label.setToolTip("")
         self.engine_loaded.emit(engine)
 
     def _show_model(self, engine) -> None:
@@ -433,8 +435,19 @@ class MainWindow(QMainWindow):
 
     def _on_load_progress(self, fraction: float) -> None:
         v = int(fraction * 100)
-        self.load_bar.setValue(v)
-        self.placeholder_progress.setValue(v)
+        for bar in (self.load_bar, self.placeholder_progress):
+            bar.setRange(0, 100)
+            bar.setValue(v)
+
+    def _on_load_status(self, text: str) -> None:
+        """The weights are in and the engine measures something (a backend's speed on a first
+        start): say what, and let the bars run without a fraction."""
+        self.state_label.setText(text.split(" (", 1)[0] + "…")
+        self.state_label.setToolTip(text)
+        if self.engine is None:
+            self.placeholder_label.setText(text[0].upper() + text[1:] + "…")
+        for bar in (self.load_bar, self.placeholder_progress):
+            bar.setRange(0, 0)  # busy: a measurement has no fraction to show
 
     def _on_loaded(self, engine, spec) -> None:
         if spec.model:
