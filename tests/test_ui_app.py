@@ -75,13 +75,13 @@ def test_loading_a_model_replaces_the_panels(qtbot, make_window, ui_engine):
 
 
 def test_a_first_start_says_it_is_measuring_the_backends_speed(qtbot, make_window):
-    # A config this session has no stored rates for: the load measures it after the weights are
+    # A config (n_batch 88) nothing else stores rates for: the load measures it after the weights are
     # in, and the window says so instead of sitting on a full progress bar.
     w = make_window(load_fn=load_engine)
     said, loaded = [], []
     w.loader.status.connect(lambda text: said.append((text, w.state_label.text(), w.load_bar.maximum())))
     w.engine_loaded.connect(loaded.append)
-    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=3,ctx=704,name=fresh",)))
+    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=3,ctx=704,batch=88,name=fresh",)))
     qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
     assert said, "no status line while the rates were measured"
     text, shown, maximum = said[0]
