@@ -12,6 +12,11 @@ arrival's time and stays paused. Whoever submits the arrivals asks the clock:
 
 Requests already submitted are not the clock's business: the engine keeps serving them.
 
+`pauses()` lists the pauses so far as monotonic (start, end) pairs, the open one with end None
+(a pause by `step()` counts from the step that began it). A run's makespan leaves out the part
+of them when none of its requests was in flight (`engine.benchmark.idle_paused_s`): a person
+stopping to explain is not the engine's time, but requests that ran meanwhile are.
+
 Thread contract: every method may be called from any thread (one condition variable guards the
 state; `pause`, `resume`, `step` and `close` wake a blocked `wait_for`).
 """
@@ -32,6 +37,7 @@ class ArrivalClock:
         self._frozen = 0.0  # the reading while paused
         self._steps = 0  # arrivals granted by step() and not yet taken
         self._closed = False
+        self._pauses: list[tuple[float, float | None]] = []  # monotonic (start, end); end None: open
         self.taken = 0  # arrivals let through so far
 
     # ---- control (any thread) ----
@@ -46,8 +52,7 @@ class ArrivalClock:
         with self._cond:
             if self._paused or self._closed:
                 return False
-            self._frozen = self._now()
-            self._paused = True
+            self._hold()
             self._cond.notify_all()
             return True
 
@@ -57,6 +62,7 @@ class ArrivalClock:
                 return False
             self._paused = False
             self._steps = 0
+            self._pauses[-1] = (self._pauses[-1][0], time.monotonic())
             if self._t0 is not None:
                 self._t0 = time.monotonic() - self._frozen
             self._cond.notify_all()
@@ -66,8 +72,7 @@ class ArrivalClock:
         """Let the next arrival through now, and stay paused (pausing first)."""
         with self._cond:
             if not self._paused:
-                self._frozen = self._now()
-                self._paused = True
+                self._hold()
             self._steps += 1
             self._cond.notify_all()
 
@@ -86,6 +91,12 @@ class ArrivalClock:
     @property
     def started(self) -> bool:
         return self._t0 is not None
+
+    def pauses(self) -> list[tuple[float, float | None]]:
+        """Every pause so far, oldest first: monotonic (start, end), end None while it lasts (a
+        clock closed while paused keeps its last pause open)."""
+        with self._cond:
+            return list(self._pauses)
 
     def now(self) -> float:
         """Seconds on the arrival clock (0 until started; still while paused)."""
@@ -112,6 +123,11 @@ class ArrivalClock:
                         return False
                 self._cond.wait(max(0.0, min(waits)) if waits else None)
             return True
+
+    def _hold(self) -> None:
+        self._frozen = self._now()
+        self._paused = True
+        self._pauses.append((time.monotonic(), None))
 
     def _now(self) -> float:
         if self._paused or self._t0 is None:

@@ -6,7 +6,9 @@ pure functions over lists of records (`run_metrics`, `aggregate`, `oracle`) — 
 I/O, testable with hand-made records.
 
 Times are seconds. `t_submit_s` is measured from the run's first submission, so a request
-ends at `t_submit_s + e2e_s` and a run's makespan is the latest such end.
+ends at `t_submit_s + e2e_s` and a run's makespan is the latest such end, less the time a
+person paused the run's arrivals (`engine.arrivals.ArrivalClock`) while none of its requests was
+in flight (`idle_paused_s`; `RunMetrics.paused_s` says how much was left out).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class RunMetrics:
     # Prompt tokens the engines computed (prompt - cached, successful requests): the cache's
     # misses. NaN when a server did not report its cached tokens.
     computed_prompt_tokens: float = math.nan
+    # Seconds the run stood paused with nothing in flight, left out of `makespan_s` (and so of
+    # `output_tok_s`); 0 for a run nobody paused.
+    paused_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,6 +131,50 @@ def makespan(records: Sequence[RequestRecord]) -> float:
     return max(ends) - start
 
 
+Span = tuple[float, float | None]  # (start, end) in seconds; end None: still open at the run's end
+
+
+def idle_paused_s(pauses: Iterable[Span], busy: Iterable[Span], start: float, end: float) -> float:
+    """Seconds of [start, end] that lie in some pause and in no busy span.
+
+    `pauses` are when a person held the arrivals back; `busy` when a request of the run was in
+    flight (submitted, not yet finished). Either may overlap others; an end of None runs to
+    `end`. A pause while requests ran is work and stays in the makespan; only its part after
+    the last of them finished (and before the next was sent) is counted here, to be left out.
+    """
+    paused = _union(pauses, start, end)
+    if not paused:
+        return 0.0
+    covered = _union(busy, start, end)
+    idle = 0.0
+    for p0, p1 in paused:
+        idle += p1 - p0
+        for b0, b1 in covered:
+            idle -= max(0.0, min(p1, b1) - max(p0, b0))
+    return idle
+
+
+def _union(spans: Iterable[Span], start: float, end: float) -> list[tuple[float, float]]:
+    """`spans` clipped to [start, end] and merged where they overlap, in order."""
+    clipped = sorted((max(a, start), end if b is None else min(b, end)) for a, b in spans)
+    out: list[tuple[float, float]] = []
+    for a, b in clipped:
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def in_flight(records: Sequence[RequestRecord]) -> list[Span]:
+    """When each request of a run was in flight: submit to end. One that reached a backend but
+    has no end (it timed out) counts as in flight to the run's end; one refused at submission
+    (no backend) never was."""
+    return [(r.t_submit_s, r.t_end_s) for r in records if r.t_end_s is not None or r.backend]
+
+
 def output_throughput(records: Sequence[RequestRecord], span_s: float) -> float:
     """Output tokens of successful requests per second of `span_s`."""
     if not span_s or not math.isfinite(span_s) or span_s <= 0:
@@ -141,9 +190,16 @@ def routed(records: Sequence[RequestRecord]) -> dict[str, int]:
     return counts
 
 
-def run_metrics(records: Sequence[RequestRecord]) -> RunMetrics:
+def run_metrics(records: Sequence[RequestRecord], pauses: Iterable[Span] = ()) -> RunMetrics:
+    """The run's metrics; `pauses` (seconds on the records' clock) are when its arrivals were
+    paused, and the part of them with nothing in flight is left out of the makespan."""
     ok = [r for r in records if r.success]
     span = makespan(records)
+    paused = 0.0
+    if math.isfinite(span):
+        start = min(r.t_submit_s for r in records)
+        paused = idle_paused_s(pauses, in_flight(records), start, start + span)
+        span -= paused
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     return RunMetrics(
@@ -159,6 +215,7 @@ def run_metrics(records: Sequence[RequestRecord]) -> RunMetrics:
         routed=routed(records),
         computed_prompt_tokens=(math.nan if any(r.cached_tokens < 0 for r in ok)
                                 else float(sum(r.prompt_tokens - r.cached_tokens for r in ok))),
+        paused_s=paused,
     )
 
 

@@ -11,7 +11,9 @@ tenant's prefix) warmed on every backend. Timing starts at the first submission.
 
 Arrivals follow the wall clock, or an `engine.arrivals.ArrivalClock` that a person can pause and
 step (the app); a closed clock submits nothing more, and what was submitted is still waited for
-and recorded. A request the engine refuses, or one that outlives `timeout`, is a failed record,
+and recorded. The clock's pauses come back with the records (`Collected.pauses`), so the run's
+makespan leaves out the time it stood paused with nothing in flight (`run_metrics(records,
+pauses)`); time paused while requests still ran stays in. A request the engine refuses, or one that outlives `timeout`, is a failed record,
 not an exception: a failure is data.
 
 Thread contract: `EngineRunner.run` blocks until every submitted request has finished (or
@@ -58,10 +60,12 @@ class Variant:
 
 @dataclass
 class Collected:
-    """One run's per-request records and the router's decisions (as `decisions.jsonl` lines)."""
+    """One run's per-request records, the router's decisions (as `decisions.jsonl` lines) and
+    when its arrivals were paused (seconds on the records' clock; end None: still paused)."""
 
     records: list[RequestRecord] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
+    pauses: list[tuple[float, float | None]] = field(default_factory=list)
 
 
 class EngineRunner:
@@ -122,6 +126,8 @@ class EngineRunner:
                                                    requests=len(workload.requests), label=variant.label))
             if on_done is not None:
                 on_done()
+        if clock is not None:
+            out.pauses = [(a - t0, None if b is None else b - t0) for a, b in clock.pauses()]
         return out
 
     def _fresh_state(self, workload: Workload, variant: Variant) -> None:
@@ -159,7 +165,8 @@ def experiment_runner(eng: Engine) -> Callable[..., RunSummary]:
 
     Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
     (caches flushed, prefix re-warmed, router cleared, caps and rates restored). `clock` (an
-    `engine.arrivals.ArrivalClock`) lets the panel pause and step the arrivals.
+    `engine.arrivals.ArrivalClock`) lets the panel pause and step the arrivals; the makespan
+    leaves out its pauses' idle part (`RunMetrics.paused_s`).
     """
     def run(spec: WorkloadSpec, policy: str, run_index: int, on_done: Callable[..., object] | None,
             clock: ArrivalClock | None = None) -> RunSummary:
@@ -169,7 +176,7 @@ def experiment_runner(eng: Engine) -> Callable[..., RunSummary]:
             collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done, clock=clock)
         finally:
             runner.close()
-        return RunSummary(policy, policy, run_metrics(collected.records))
+        return RunSummary(policy, policy, run_metrics(collected.records, collected.pauses))
 
     return run
 

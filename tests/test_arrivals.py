@@ -66,3 +66,15 @@ def test_close_releases_a_blocked_submitter_with_false():
     t.join(10)
     assert got == [False]
     assert not clock.take(0.0)
+
+
+def test_the_clock_records_each_pause_with_the_last_still_open():
+    clock = ArrivalClock()
+    clock.start()
+    before = time.monotonic()
+    clock.pause()
+    clock.resume()
+    clock.step()  # pauses again
+    (a0, a1), (b0, b1) = clock.pauses()
+    assert before <= a0 <= a1 <= b0
+    assert b1 is None

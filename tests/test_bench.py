@@ -18,8 +18,8 @@ from app.cli import main
 from bench import report as bench_report
 from bench.progress import Progress
 from bench.target import Target, parse_target, probe, run_target
-from engine.benchmark import (RequestRecord, aggregate, decision_line, makespan, oracle, output_throughput,
-                              percentile, run_metrics, seed_formula)
+from engine.benchmark import (RequestRecord, aggregate, decision_line, idle_paused_s, makespan, oracle,
+                              output_throughput, percentile, run_metrics, seed_formula)
 from engine.config import parse_backend_specs
 from engine.engine import Engine
 from engine.llama import fused_dist
@@ -73,6 +73,30 @@ class TestMetrics:
         m = run_metrics([rec(0.0, 1.0), rec(0.1, 1.5), rec(0.2, None, ok=False)])
         assert m.computed_prompt_tokens == 2 * (20 - 10)
         assert aggregate([m, m])["computed_prompt_tokens"]["mean"] == 20
+
+    def test_an_idle_pause_is_left_out_of_the_makespan(self):
+        # one request 0..1 s, paused 1..3 s with nothing in flight, the next 3..4 s
+        m = run_metrics([rec(0.0, 1.0), rec(3.0, 1.0)], pauses=[(1.0, 3.0)])
+        assert (m.makespan_s, m.paused_s) == (pytest.approx(2.0), pytest.approx(2.0))
+        assert m.output_tok_s == pytest.approx(20 / 2.0)
+
+    def test_a_pause_with_a_request_in_flight_leaves_out_only_its_idle_part(self):
+        # paused 1..3 s; the first request runs on to 2 s, so only 2..3 s stood idle
+        m = run_metrics([rec(0.0, 2.0), rec(3.0, 1.0)], pauses=[(1.0, 3.0)])
+        assert (m.makespan_s, m.paused_s) == (pytest.approx(3.0), pytest.approx(1.0))
+
+    def test_a_run_nobody_paused_keeps_its_wall_makespan(self):
+        records = [rec(0.0, 1.0), rec(3.0, 1.0)]
+        m = run_metrics(records)
+        assert (m.makespan_s, m.paused_s) == (makespan(records), 0.0)
+
+    def test_a_pause_still_open_runs_to_the_end_of_the_run(self):
+        assert idle_paused_s([(1.0, None)], [(0.0, 2.0)], 0.0, 5.0) == pytest.approx(3.0)
+
+    def test_a_request_that_timed_out_counts_as_in_flight_to_the_end(self):
+        # reached a backend, no end: nothing after its submission stood idle
+        m = run_metrics([rec(0.0, 1.0), rec(0.5, None, ok=False), rec(3.0, 1.0)], pauses=[(1.0, 3.0)])
+        assert m.paused_s == 0.0
 
     def test_aggregate_gives_the_spread_over_runs(self):
         runs = [run_metrics([rec(0.0, 1.0)]), run_metrics([rec(0.0, 3.0, backend="cpu")])]

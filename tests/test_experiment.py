@@ -3,13 +3,18 @@ Experiments panel share, on the tiny synthetic model: two CPU backends, no Qt.""
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 
 import pytest
+from waiting import WAIT, wait_until
 
 from engine.arrivals import ArrivalClock
+from engine.benchmark import makespan, run_metrics
 from engine.config import parse_backend_specs
 from engine.engine import Engine
+from engine.events import RequestFinished
 from engine.experiment import EngineRunner, Variant, experiment_runner
 from engine.workload import TOKEN_HIGH, build_workload, seed_workload
 
@@ -65,3 +70,33 @@ def test_every_request_of_a_single_backend_variant_runs_there(engine):
     finally:
         runner.close()
     assert {r.backend for r in got.records} == {"b"}
+
+
+def test_a_pause_with_nothing_in_flight_is_left_out_of_the_makespan(engine):
+    clock = ArrivalClock()
+    clock.pause()  # before the runner's fresh state: the first arrival waits for a step
+    clock.step()
+    runner = EngineRunner(engine, sweep_backend=None, budget="raw", online=False, timeout=60.0)
+    ended = []  # generated requests that finished (a prefix warm-up generates nothing)
+    unsubscribe = engine.bus.subscribe(lambda e: e.record.output_tokens and ended.append(e), (RequestFinished,))
+    got = []
+    t = threading.Thread(target=lambda: got.append(runner.run(workload(engine), Variant("rr", "round-robin"),
+                                                              clock=clock)))
+    try:
+        t.start()
+        wait_until(lambda: len(ended) == 1, what="the stepped request's end")
+        time.sleep(1.0)  # paused, nothing in flight
+        clock.resume()
+        t.join(WAIT)
+    finally:
+        clock.close()
+        unsubscribe()
+        runner.close()
+    (collected,) = got
+    (pause,) = collected.pauses
+    first_end = min(r.t_end_s for r in collected.records)
+    m = run_metrics(collected.records, collected.pauses)
+    # idle from the stepped request's end until the resume, as the clock recorded it
+    assert m.paused_s == pytest.approx(pause[1] - first_end)
+    assert m.paused_s >= 1.0
+    assert m.makespan_s == pytest.approx(makespan(collected.records) - m.paused_s)

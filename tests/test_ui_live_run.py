@@ -7,8 +7,12 @@ depends on the steps alone, never on how fast this machine reaches the next line
 
 from __future__ import annotations
 
+import csv
+
+import pytest
 from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
+from ui.experiments import COLUMNS
 from ui.live_run import STUDY, seed_workload
 
 SPACED = seed_workload(4, prefix_tokens=32, suffix_tokens=4, gen_tokens=6, interval_s=0.3)
@@ -71,6 +75,36 @@ def test_resumed_arrivals_keep_their_spacing(qtbot, make_window):
     assert run.clock.now() < SPACED.interval_s
     qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
     assert run.state == "done"
+
+
+def test_a_demo_rows_makespan_leaves_out_the_idle_pause(qtbot, make_window):
+    w = make_window()
+    run, controls = paused_demo(qtbot, w)
+    assert run.step()
+    qtbot.waitUntil(lambda: len(run.result.records) == 1, timeout=WAIT_MS)
+    qtbot.wait(1000)  # paused, nothing in flight
+    controls.pause_button.click()  # resume
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+    ex = w.panels["experiments"]
+    m = ex.summaries[-1].metrics
+    r = run.result
+    first = r.records[r.request_ids[0]]
+    ((_, resumed),) = r.pauses  # paused while flushing, so from the start of the arrivals
+    idle = (resumed - r.t_start) - first.e2e_s  # the paused time the stepped request was not in flight
+    assert m.paused_s == pytest.approx(idle)
+    assert m.paused_s >= 1.0
+    assert m.makespan_s == pytest.approx(r.t_end - r.t_start - idle)
+    makespan_cell = ex.table.item(ex.table.rowCount() - 1, COLUMNS.index("makespan"))
+    assert makespan_cell.toolTip() == f"paused {m.paused_s:.1f} s, not counted"
+
+
+def test_the_csv_export_says_how_much_paused_time_was_left_out(qtbot, make_window, tmp_path):
+    from engine.benchmark import RunMetrics, RunSummary
+
+    ex = make_window().panels["experiments"]
+    ex.add_summary(RunSummary("#1", "seed-score", RunMetrics(3.0, 10.0, 0.1, 0.2, 1.0, 2.0, 3, 0, 30, paused_s=42.0)))
+    (row,) = csv.DictReader(ex.export_csv(tmp_path / "r.csv").open())
+    assert float(row["paused_s"]) == 42.0
 
 
 def test_step_needs_a_live_run(qtbot, make_window):

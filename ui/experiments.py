@@ -10,8 +10,11 @@ requests per backend) fill a table that exports to CSV, JSON or PNG.
 
 Above the results table, `ui.run_controls.RunControls` pauses and steps the live run in progress:
 this panel's runs, or a demo run from the Run menu (`show_run`). A run through the benchmark
-runner is driven through the `engine.arrivals.ArrivalClock` handed to it (`BenchRun`); a paused
-run's makespan includes the pause. Stop resumes a paused run so that it ends.
+runner is driven through the `engine.arrivals.ArrivalClock` handed to it (`BenchRun`). A paused
+run's makespan (and so its output tok/s) leaves out the time it stood paused with nothing in
+flight, so it compares with unpaused runs; time paused while requests still ran stays in. The
+makespan and tok/s cells' tooltips say how much was left out, and the exports carry it
+(`paused_s`). Stop resumes a paused run so that it ends.
 """
 
 from __future__ import annotations
@@ -309,10 +312,13 @@ class ExperimentsPanel(QWidget):
         cells = [s.label, s.policy, f"{m.completed}/{m.requests}", fmt_seconds(m.makespan_s), f"{m.output_tok_s:.1f}",
                  fmt_seconds(m.ttft_p50_s), fmt_seconds(m.ttft_p95_s), fmt_seconds(m.e2e_p50_s), fmt_seconds(m.e2e_p95_s),
                  ", ".join(f"{b}: {n}" for b, n in sorted(m.routed.items()))]
+        paused = paused_note(m.paused_s)
         for col, text in enumerate(cells):
             item = QTableWidgetItem(text)
             if 2 <= col <= 8:
                 item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+            if paused and COLUMNS[col] in ("makespan", "output tok/s"):
+                item.setToolTip(paused)
             self.table.setItem(row, col, item)
         self._update_chart()
         self._update_exports()
@@ -342,7 +348,7 @@ class ExperimentsPanel(QWidget):
     def export_csv(self, path: str | Path) -> Path:
         path = Path(path)
         backends = sorted({b for s in self.summaries for b in s.metrics.routed})
-        columns = ["label", "policy", "requests", "completed", "failed", *METRICS, "output_tokens"]
+        columns = ["label", "policy", "requests", "completed", "failed", *METRICS, "output_tokens", "paused_s"]
         with path.open("w", newline="", encoding="utf-8") as fh:
             w = csv.writer(fh)
             w.writerow(columns + [f"requests_{b}" for b in backends])
@@ -412,6 +418,11 @@ class BenchRun:
     def finish(self) -> None:
         self.state = "done"
         self.clock.close()
+
+
+def paused_note(paused_s: float) -> str:
+    """What a results row says of the paused time left out of its makespan ("" for none)."""
+    return f"paused {paused_s:.1f} s, not counted" if round(paused_s, 1) > 0 else ""
 
 
 def _numbered(s: RunSummary, n: int) -> RunSummary:

@@ -14,7 +14,9 @@ once per tick, so nothing here blocks.
 `step()` submits the next arrival at once (pausing first); `resume()` goes on with the remaining
 arrivals at their original spacing. Arrival times run on the run's `engine.arrivals.ArrivalClock`,
 which stands still while paused, so a pause shifts the arrivals still to come instead of
-releasing them in a burst.
+releasing them in a burst. The run keeps each request's submit time and the clock's pauses,
+so its summary's makespan leaves out the time it stood paused with nothing in flight (time
+paused while requests ran stays in; `ui.live_stats.summarize`).
 
 Thread contract: main thread only (a QObject driven by Qt timers and the bridge's signals).
 """
@@ -47,6 +49,8 @@ class RunResult:
     t_start: float = 0.0
     t_end: float = 0.0
     request_ids: list[str] = field(default_factory=list)
+    submitted: dict = field(default_factory=dict)  # request id -> monotonic time it was submitted
+    pauses: list = field(default_factory=list)  # the arrival clock's pauses, read when the run ends
     records: dict = field(default_factory=dict)  # request id -> FinishRecord
     decisions: dict = field(default_factory=dict)  # request id -> RoutingDecision
     error: str | None = None
@@ -58,7 +62,8 @@ class RunResult:
         return [self.decisions[r] for r in self.request_ids if r in self.decisions]
 
     def summary(self) -> RunSummary:
-        return summarize(self.label, self.policy, self.ordered_records(), self.t_start, self.t_end or time.monotonic())
+        return summarize(self.label, self.policy, self.ordered_records(), self.t_start, self.t_end or time.monotonic(),
+                         submitted=self.submitted, pauses=self.pauses)
 
 
 class WorkloadRun(QObject):
@@ -194,12 +199,14 @@ class WorkloadRun(QObject):
         spec = self.workload.requests[self._next]
         self._next += 1
         sampling = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+        t_submit = time.monotonic()  # just before the engine's own: a request's end is t_submit + e2e_s
         try:
             handle = self.engine.submit(Request(spec.prompt, sampling, source="workload"))
         except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
             self._fail(f"submitting request {self._next}: {e}")
             return False
         self.result.request_ids.append(handle.id)
+        self.result.submitted[handle.id] = t_submit
         self.result.decisions[handle.id] = handle.decision
         self._handles[handle.id] = handle
         self.submitted.emit(self._next, len(self.workload.requests))
@@ -237,6 +244,7 @@ class WorkloadRun(QObject):
     def _finish(self, state: str) -> None:
         self.clock.close()
         self.result.t_end = time.monotonic()
+        self.result.pauses = self.clock.pauses()
         self.bridge.tick.disconnect(self._on_tick)
         self.bridge.finished.disconnect(self._on_finished)
         self._set(state)

@@ -4,13 +4,16 @@
 log-spaced edges (one set per metric, never re-binned, so histograms stay comparable while a
 run grows); `RingSeries` is a bounded time series for "per second over time" plots;
 `summarize` turns a live run's records into the engine's `benchmark.RunSummary` (an
-experiment row). How the figures are written is `ui.formatting`; plot axes are `ui.axes`.
+experiment row), its makespan less the time the run stood paused with nothing in flight. How
+the figures are written is `ui.formatting`; plot axes are `ui.axes`.
 Plain data: whoever owns one (a view, on the GUI thread) is the only one touching it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+
 import numpy as np
 
 from engine import benchmark
@@ -121,11 +124,19 @@ class RingSeries:
         return self.x[: self.n], self.y[k, : self.n]
 
 
-def summarize(label: str, policy: str, records, t_start: float, t_end: float) -> benchmark.RunSummary:
+def summarize(label: str, policy: str, records, t_start: float, t_end: float, *,
+              submitted: Mapping[str, float] | None = None, pauses=()) -> benchmark.RunSummary:
     """The benchmark's metrics of a live run (its `FinishRecord`s), whose requests were submitted
-    from `t_start` and all ended by `t_end`."""
+    from `t_start` and all ended by `t_end` (monotonic seconds).
+
+    `pauses` are the run's arrival clock's (`ArrivalClock.pauses()`), `submitted` each request's
+    submit time by id: a request is in flight from then for its `e2e_s` (one without a record,
+    to `t_end`). Paused time with none in flight is left out of the makespan (`paused_s`)."""
     ok = [r for r in records if not r.error and r.ttft_s is not None]
-    makespan = max(t_end - t_start, 1e-9)
+    ends = {r.request_id: r.e2e_s for r in records}
+    busy = [(t, None if ends.get(rid) is None else t + ends[rid]) for rid, t in (submitted or {}).items()]
+    paused = benchmark.idle_paused_s(pauses, busy, t_start, t_end)
+    makespan = max(t_end - t_start - paused, 1e-9)
     output_tokens = sum(r.output_tokens for r in ok)
     metrics = benchmark.RunMetrics(
         makespan_s=makespan,
@@ -138,5 +149,6 @@ def summarize(label: str, policy: str, records, t_start: float, t_end: float) ->
         failed=len(records) - len(ok),
         output_tokens=output_tokens,
         routed=dict(sorted(benchmark.routed(records).items())),
+        paused_s=paused,
     )
     return benchmark.RunSummary(label, policy, metrics)
