@@ -325,8 +325,10 @@ class MainWindow(QMainWindow):
         if not self.compact:
             bottom[0].raise_()
             self.resizeDocks([right_b], [min(340 * len(engine.backend_names), 700)], Qt.Horizontal)
-        # Compact: the chat keeps ~300 px, the panels get the rest of a 720 px screen.
-        self.resizeDocks([bottom[0]], [max(330, self.height() - 350) if self.compact else 500], Qt.Vertical)
+        # Compact: the chat keeps ~270 px (its transcript ~120), the panels get the rest of a 720 px
+        # screen. With 300 px for the chat, the teaching live table's 8 rows (19 px each under the
+        # app's style sheet) scrolled the last one out of view.
+        self.resizeDocks([bottom[0]], [max(330, self.height() - 320) if self.compact else 500], Qt.Vertical)
         if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
             chat.settings_button.setChecked(False)
         chat.load_settings(self.settings)
