@@ -339,6 +339,27 @@ def test_teaching_live_table_shows_every_row_at_1280x720(qtbot, app_style, make_
     assert table.verticalScrollBar().maximum() == 0  # the eighth row is in view, not scrolled to
 
 
+def test_a_screen_narrower_than_the_wide_layout_gets_the_compact_one(qtbot, app_style, make_window):
+    from PySide6.QtCore import QSize
+
+    from ui.main_window import compact_layout
+
+    w = make_window(compact=False)  # the chat with Backends beside it, at its narrowest
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    narrowest = w.minimumSizeHint().width()  # 1,323 px with two backends: wider than a 1280x1024 screen
+    assert compact_layout(QSize(narrowest - 1, 1080))
+
+
+def test_a_1920x1080_screen_gets_the_wide_layout():
+    from PySide6.QtCore import QSize
+
+    from ui.main_window import compact_layout
+
+    assert not compact_layout(QSize(1920, 1080 - 40))  # a taskbar's worth less than the screen
+
+
 def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
     import time
 
