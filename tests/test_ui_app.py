@@ -311,6 +311,55 @@ def test_the_window_stays_usable_at_1280x720(qtbot, make_window, ui_engine):
     assert chat.view.height() >= 80 and _shown_in(chat.send_button, w)
 
 
+@pytest.fixture
+def app_style(qapp):
+    """The app's style sheet on the QApplication, as `app.gui` sets it (its rows are taller than
+    a window's own style sheet gives); the application's previous sheet back afterwards."""
+    from ui.theme import style_sheet
+
+    before = qapp.styleSheet()
+    qapp.setStyleSheet(style_sheet())
+    yield
+    qapp.setStyleSheet(before)
+
+
+def test_teaching_live_table_shows_every_row_at_1280x720(qtbot, app_style, make_window, ui_engine):
+    w = make_window(engine=None, compact=True)  # a 1280x720 screen: the chat above the panels
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    w.set_engine(ui_engine, owns=False)
+    qtbot.waitUntil(lambda: w.width() == 1280 and w.height() == 720, timeout=WAIT_MS)
+    w.show_panel("teaching")
+    t = w.panels["teaching"]
+    t.run_live()
+    qtbot.waitUntil(lambda: t.run.state == "done", timeout=WAIT_MS)
+    table = t.live_table
+    qtbot.waitUntil(lambda: table.item(7, 1) is not None and table.item(7, 1).text() != "", timeout=WAIT_MS)
+    assert table.verticalScrollBar().maximum() == 0  # the eighth row is in view, not scrolled to
+
+
+def test_a_screen_narrower_than_the_wide_layout_gets_the_compact_one(qtbot, app_style, make_window):
+    from PySide6.QtCore import QSize
+
+    from ui.main_window import compact_layout
+
+    w = make_window(compact=False)  # the chat with Backends beside it, at its narrowest
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    narrowest = w.minimumSizeHint().width()  # 1,323 px with two backends: wider than a 1280x1024 screen
+    assert compact_layout(QSize(narrowest - 1, 1080))
+
+
+def test_a_1920x1080_screen_gets_the_wide_layout():
+    from PySide6.QtCore import QSize
+
+    from ui.main_window import compact_layout
+
+    assert not compact_layout(QSize(1920, 1080 - 40))  # a taskbar's worth less than the screen
+
+
 def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
     import time
 

@@ -11,9 +11,10 @@ views live; the status bar shows its address or why it is not serving. Loading a
 moves the server to the new engine; closing the window stops the server first.
 
 The window sizes itself to the screen. On a short screen (under 900 px available, a 1280x720
-laptop) it uses the compact layout: every panel is a tab of the bottom dock area under the
-chat, so each gets the full width (two backend cards side by side with their buttons, the
-teaching table with all its rows); otherwise Backends and Controls sit beside the chat.
+laptop) or a narrow one (under 1,400 px: the wide layout needs ~1,330) it uses the compact
+layout (`compact_layout`): every panel is a tab of the bottom dock area under the chat, so each
+gets the full width (two backend cards side by side with their buttons, the teaching table with
+all its rows); otherwise Backends and Controls sit beside the chat.
 
 Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
 window geometry, dock layout (one per layout), the chat's sampling settings and the last model
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtCore import QSettings, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
@@ -53,6 +54,17 @@ from .theme import CHOICES, FAILED, Theme, configure_pyqtgraph, scrollable
 from .worker import Worker
 
 log = logging.getLogger(__name__)
+
+# The wide layout's narrowest window: the chat's sampling row beside the chats list (953 px) and a
+# backend card's dock (354 px), 1,323 px measured at 1280x720 with two backends; on a narrower
+# screen it would run off the edge, so the compact layout is used there too.
+WIDE_MIN_WIDTH = 1400
+
+
+def compact_layout(available: QSize) -> bool:
+    """Whether a screen with this much room gets the compact layout: short (under 900 px, a
+    1280x720 laptop) or too narrow for the chat and the backends side by side (a 1280x1024 one)."""
+    return available.height() < 900 or available.width() < WIDE_MIN_WIDTH
 
 
 class MainWindow(QMainWindow):
@@ -98,7 +110,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("Tandem")
         screen = QGuiApplication.primaryScreen()
         avail = screen.availableGeometry() if screen is not None else None
-        self.compact = compact if compact is not None else (avail is not None and avail.height() < 900)
+        self.compact = compact if compact is not None else (avail is not None and compact_layout(avail.size()))
         if avail is not None:
             self.resize(min(1600, avail.width()), min(1000, avail.height()))
         else:
@@ -325,8 +337,12 @@ class MainWindow(QMainWindow):
         if not self.compact:
             bottom[0].raise_()
             self.resizeDocks([right_b], [min(340 * len(engine.backend_names), 700)], Qt.Horizontal)
-        # Compact: the chat keeps ~300 px, the panels get the rest of a 720 px screen.
-        self.resizeDocks([bottom[0]], [max(330, self.height() - 350) if self.compact else 500], Qt.Vertical)
+        # Compact: the chat keeps ~270 px (its transcript ~120), the panels get the rest of a 720 px
+        # screen. With 300 px for the chat, the teaching live table's 8 rows (19 px each under the
+        # app's style sheet) scrolled the last one out of view. A taller (narrow) screen shares
+        # what is over 720 px between the two.
+        h = self.height()
+        self.resizeDocks([bottom[0]], [max(330, min(h - 320, h // 2 + 100)) if self.compact else 500], Qt.Vertical)
         if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
             chat.settings_button.setChecked(False)
         chat.load_settings(self.settings)

@@ -16,6 +16,16 @@ nothing listens on is really down, so its card shows the connection error and Re
         --backend cpu:threads=1,cap=4 --backend remote:url=http://127.0.0.1:9,name=laptop2 \
         --panel backends --delay 35 --screenshot docs/screenshots/unhealthy.png
 
+`fleet-backends.png` and `fleet-routing.png` are not the tour's either: the app in front of two
+engines (`python -m app serve --model synthetic:tiny --backend cpu:threads=1,cap=8 --port 18101`,
+and the same on 18102), a demo still running when the window is saved:
+
+    xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui \
+        --backend remote:url=http://127.0.0.1:18101,name=a --backend remote:url=http://127.0.0.1:18102,name=b \
+        --policy cache-aware --demo 96 --delay 2 --panel backends --screenshot docs/screenshots/fleet-backends.png
+
+(`--panel routing` and `fleet-routing.png` for the other).
+
 Then `pngquant --strip --quality=70-95` each PNG (a third of the size).
 """
 
