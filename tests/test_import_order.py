@@ -1,9 +1,11 @@
 """Import order, checked in fresh interpreters: the pure engine loads no native code, and every
-entry point that can load a model loads llama.cpp before numpy (engine/llama/__init__.py says why)."""
+entry point that can load a model loads llama.cpp before numpy (engine/llama/__init__.py says why),
+and OpenMP reads the spin count set before llama.cpp loads it."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +63,33 @@ def test_entry_point_loads_llama_cpp_before_numpy(entry):
     order = json.loads(p.stderr.strip().splitlines()[-1])
     assert "llama_cpp" in order and "numpy" in order, order
     assert order.index("llama_cpp") < order.index("numpy"), order
+
+
+_SPIN_PROBE = """
+import ctypes
+import engine.llama
+ctypes.CDLL("libgomp.so.1").omp_display_env(1)  # OpenMP's settings as libgomp read them, on stderr
+"""
+
+
+def _omp_setting(name: str, env: dict[str, str]) -> str:
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    p = subprocess.run([sys.executable, "-c", _SPIN_PROBE], cwd=ROOT, capture_output=True, text=True,
+                       timeout=TIMEOUT, env={**clean, **env})
+    assert p.returncode == 0, p.stderr
+    line = next((ln for ln in p.stderr.splitlines() if ln.strip().startswith(f"{name} =")), None)
+    assert line is not None, p.stderr
+    return line.split("=", 1)[1].strip().strip("'")
+
+
+def test_openmp_threads_spin_briefly_before_they_sleep():
+    from engine.llama import SPIN_COUNT
+
+    assert _omp_setting("GOMP_SPINCOUNT", {}) == SPIN_COUNT  # libgomp's own default is 300000
+
+
+@pytest.mark.parametrize(("env", "spins"), [({"GOMP_SPINCOUNT": "12345"}, "12345"),
+                                           ({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000")],
+                         ids=["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
+def test_a_users_openmp_wait_setting_is_kept(env, spins):
+    assert _omp_setting("GOMP_SPINCOUNT", env) == spins

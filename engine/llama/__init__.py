@@ -30,6 +30,21 @@ import threading
 import time
 from dataclasses import dataclass
 
+# How long OpenMP threads spin at a barrier before they sleep. libgomp reads it once, when
+# llama.cpp's CPU library loads it (the import below), so it is set here, unless the user chose
+# (`GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` in the environment). libgomp's own default is 300,000
+# spins: a CPU backend using every core then collapses when another process holds one. On the
+# 2-core machine, one 2-thread backend, the default model (docs/results/laptop/omp-wait-policy-
+# 2026-12-01.md): 2,000 spins served the study's N=8 1.45x faster with a busy process beside it
+# (32.0 / 34.6 s against 47.5 / 50.8 s) and as fast when idle (whole runs 0.97x, within the
+# noise); sleeping at once (PASSIVE) was 3x slower at B=1 when idle.
+# Benchmarks start other engines (llama-cpp-python's server) without what was set here, on their
+# own defaults: `OPENMP_ENV_SET`.
+SPIN_COUNT = "2000"
+OPENMP_ENV_SET: dict[str, str] = {}
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_ENV_SET["GOMP_SPINCOUNT"] = SPIN_COUNT
+
 import llama_cpp as lc  # noqa: E402  (must stay the first heavy import)
 
 from . import _abi  # noqa: E402  (checks the installed llama-cpp-python before anything uses it)
