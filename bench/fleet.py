@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shlex
 import shutil
 import signal
@@ -169,9 +168,11 @@ class Proc:
         self._log_file = self.log.open("ab")
         self._log_file.write(f"\n==== {datetime.now():%H:%M:%S} {shlex.join(self.cmd)}\n".encode())
         self._log_file.flush()
+        from engine.llama import child_env  # llama-server and sglang-router on their own OpenMP defaults
+
         try:
             self.popen = subprocess.Popen(self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
+                                          stdin=subprocess.DEVNULL, env=child_env(**self.env),
                                           start_new_session=True)
         except OSError as e:
             self._close_log()

@@ -115,12 +115,9 @@ def one_run(layout: Layout, spec, run: int, args) -> dict:
     cache = tempfile.mkdtemp(prefix="tandem-laptop-cache-")
     port = _free_port()
     argv = [sys.executable, *layout.argv, "--port", str(port)]
-    env = {**os.environ, "TANDEM_CACHE_DIR": cache}
-    if layout.engine == LLAMA_CPP:  # its own OpenMP defaults, not the spin count our engine set
-        from engine.llama import OPENMP_ENV_SET
+    from engine.llama import child_env
 
-        for key in OPENMP_ENV_SET:
-            env.pop(key, None)
+    env = child_env(TANDEM_CACHE_DIR=cache)  # llama-cpp-python's server on its own OpenMP defaults
     log = tempfile.NamedTemporaryFile("w+", prefix=f"laptop-{layout.label}-", suffix=".log", delete=False)
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -309,11 +309,13 @@ def _batched_bench(binary: str, path, device: str, threads: int, n_ctx: int, n_p
     prefix) and return decode tok/s (S_TG) per batch size."""
     import subprocess
 
+    from engine.llama import child_env
+
     cmd = [binary, "-m", str(path), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
            "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, batches)),
            "-pps", *(["-kvu"] if unified else []), "-t", str(threads), "-tb", str(threads),
            "-ngl", "99" if device == "gpu" else "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())  # its OpenMP defaults
     speeds = {}
     for line in (out.stdout + out.stderr).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

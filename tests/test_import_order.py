@@ -93,3 +93,14 @@ def test_openmp_threads_spin_briefly_before_they_sleep():
                          ids=["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
 def test_a_users_openmp_wait_setting_is_kept(env, spins):
     assert _omp_setting("GOMP_SPINCOUNT", env) == spins
+
+
+@pytest.mark.parametrize(("env", "child"), [({}, None), ({"GOMP_SPINCOUNT": "12345"}, "12345")],
+                         ids=["set-here", "the-users"])
+def test_processes_started_for_other_engines_get_the_users_openmp_setting(env, child):
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import json, engine.llama as L; print(json.dumps(L.child_env().get('GOMP_SPINCOUNT')))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+                       env={**clean, **env})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == child

@@ -38,12 +38,17 @@ from dataclasses import dataclass
 # 2026-12-01.md): 2,000 spins served the study's N=8 1.45x faster with a busy process beside it
 # (32.0 / 34.6 s against 47.5 / 50.8 s) and as fast when idle (whole runs 0.97x, within the
 # noise); sleeping at once (PASSIVE) was 3x slower at B=1 when idle.
-# Benchmarks start other engines (llama-cpp-python's server) without what was set here, on their
-# own defaults: `OPENMP_ENV_SET`.
+# Benchmarks start other engines on their own defaults: `child_env()`.
 SPIN_COUNT = "2000"
-OPENMP_ENV_SET: dict[str, str] = {}
+_OPENMP_SET: dict[str, str] = {}
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = OPENMP_ENV_SET["GOMP_SPINCOUNT"] = SPIN_COUNT
+    os.environ["GOMP_SPINCOUNT"] = _OPENMP_SET["GOMP_SPINCOUNT"] = SPIN_COUNT
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a process this one starts (another engine a benchmark compares with,
+    or a Tandem server, which sets its own): this one's, less what this module set, plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if k not in _OPENMP_SET}, **extra}
 
 import llama_cpp as lc  # noqa: E402  (must stay the first heavy import)
 

@@ -347,6 +347,12 @@ decode_wide() {  # greedy decode vs llama-batched-bench at B = 1-128 alone (the 
   _decode overhead_gpu_wide.txt "${REPEATS:-3}" 1,4,16,32,64,128
 }
 
+spin() {  # the engine's OpenMP spin count (GOMP_SPINCOUNT=2000, engine/llama/__init__.py) vs libgomp's
+        # 300,000 on the GPU host: greedy decode vs batched-bench at B = 1-32 (its CPU runs the input rows)
+  GOMP_SPINCOUNT=300000 _decode overhead_gpu_spin300k.txt 2 1,4,16,32
+  _decode overhead_gpu_spin2k.txt 2 1,4,16,32
+}
+
 decode_long() {  # saturated decode at the long-prompt workload's context (1,516-token prompts, 256 generated)
   # vs llama-batched-bench at the same batch sizes and lengths (must-show: >= 0.85x)
   _decode overhead_gpu_long.txt 2 16,32,64 --prompt-tokens 1516 --gen-tokens 256
