@@ -63,6 +63,15 @@ AUTO_START = {"gpu": 8, "cpu": 4}
 # (engine/llama/runner.py).
 AUTO_CTX = {"gpu": 65536, "cpu": 4096}
 AUTO_CTX_MEMORY_SHARE = 0.25
+# Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU
+# (on); off on the CPU, whose flash-attention kernel is slow for the few query rows of a decode
+# step or a short prompt chunk. Measured on the 2-core machine, the default model, 2 threads
+# (docs/performance.md, "Flash attention on the CPU"): decode at B = 1 / 4 / 8 over 512-token
+# contexts 34.7 / 65.7 / 79.0 tok/s on, 65.7 / 130.2 / 124.4 off; over 2,000-token contexts
+# 21.0 / 24.4 / 26.6 on, 54.7 / 91.3 / 119.3 off; a 16-token chunk after a 496-token cached
+# prefix (1 thread) 373 ms on, 132 ms off. A long prompt alone prefills ~10 % faster with it on
+# (2,000 tokens: 9.2 s against 10.2 s), which decode outweighs.
+AUTO_FLASH_ATTN = {"gpu": "auto", "cpu": "off"}
 
 
 def auto_limits(kind: str, contexts: int = 1) -> tuple[int, int]:
@@ -127,15 +136,16 @@ class BackendConfig:
         return self.cap == 0 and self.adaptive
 
     def resolved(self, device: str | None = None) -> "BackendConfig":
-        """Threads, the cap (0 → the ceiling for `device`, the model's device once known) and
-        sequence slots filled in."""
+        """Threads, the cap (0 → the ceiling for `device`, the model's device once known),
+        sequence slots and flash attention (`AUTO_FLASH_ATTN`) filled in."""
         threads = self.threads or os.cpu_count() or 1
         kind = "cpu" if (device or self.device) == "cpu" else "gpu"
         cap = self.cap or min(auto_limits(kind, self.contexts)[0] if self.adaptive else 4, self.n_seq_max or 256)
         n_seq_max = self.n_seq_max or default_seq_slots(cap, kind)
         n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else (self.n_ctx or AUTO_CTX[kind])
+        flash_attn = AUTO_FLASH_ATTN[kind] if self.flash_attn == "auto" else self.flash_attn
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
-                       cap=cap, n_ctx=n_ctx)
+                       cap=cap, n_ctx=n_ctx, flash_attn=flash_attn)
 
 
 

@@ -48,3 +48,13 @@ def test_a_context_count_out_of_range_is_refused(n):
 
 def test_contexts_without_a_cap_share_the_device_ceiling():
     assert [c.resolved().cap for c in parse_backend_specs(["gpu:contexts=2"])] == [16, 16]
+
+
+@pytest.mark.parametrize(("spec", "device", "flash"), [
+    ("cpu", "cpu", "off"),  # the CPU's flash-attention kernel is slow for decode rows (engine/backend.py)
+    ("gpu", "gpu", "auto"),  # llama.cpp's choice
+    ("cpu:flash_attn=on", "cpu", "on"),  # a spec that says keeps it
+    ("gpu:flash_attn=off", "gpu", "off"),
+])
+def test_flash_attention_left_to_auto_follows_the_device(spec, device, flash):
+    assert parse_backend_spec(spec).resolved(device).flash_attn == flash
