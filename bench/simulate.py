@@ -95,7 +95,12 @@ def add_profile_arguments(p) -> None:
 
 def run_simulate(args) -> int:
     if args.replay:
-        hardware = load_profile(args.hardware) if args.hardware else None
+        hardware = None
+        if args.hardware == "this-machine":  # this machine's calibration of the recorded model
+            summary = json.loads(_open(Path(args.replay) / "summary.json").read())
+            hardware = this_machine(model=summary.get("model") or {})
+        elif args.hardware:
+            hardware = load_profile(args.hardware)
         return run_replay(Path(args.replay), Path(args.replay_out) if args.replay_out else None, hardware,
                           min_runs=args.replay_runs)
     if args.sim_kind is None:
@@ -136,11 +141,18 @@ def load_profile(spec: str, settings=()) -> Profile:
     return apply_overrides(profile, settings)
 
 
-def this_machine(store: RateStore | None = None) -> Profile:
+def this_machine(store: RateStore | None = None, model: dict | None = None) -> Profile:
     """This machine's latest stored calibration (`tandem calibrate`), one backend per entry of
-    the most recently calibrated model; an entry measured for two backends (`also_for`) gives both."""
+    the most recently calibrated model, or of `model` (a recorded run's `summary.json` model:
+    its `fingerprint`); an entry measured for two backends (`also_for`) gives both."""
     store = store or RateStore()
     entries = list(store.entries().values())
+    if model is not None:
+        entries = [e for e in entries if e.get("fingerprint") == model.get("fingerprint")]
+        if not entries:
+            raise InvalidRequest(f"--hardware this-machine: no calibration of the recorded model "
+                                 f"({model.get('name') or model.get('spec') or '?'}) in {store.path}: "
+                                 f"run `tandem calibrate --model {model.get('spec') or 'MODEL'}` first")
     if not entries:
         raise InvalidRequest(f"no stored calibration in {store.path}: run `tandem calibrate` first")
     latest = max(entries, key=lambda e: e.get("measured_at", ""))

@@ -150,6 +150,33 @@ def test_this_machine_is_the_latest_stored_calibration(tmp_path):
     assert p.backend("cpu1").rates.step_s(2) == 0.07
 
 
+def _calibrated(store, fingerprint: str, model: str, measured_at: str, prefill: float) -> None:
+    store.save(fingerprint, "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 4, "model": model,
+                                               "prefill_tok_s": prefill, "decode_tok_s": 38.0,
+                                               "measured_at": measured_at, "also_for": ["cpu1"]})
+
+
+def test_this_machine_for_a_recorded_run_is_its_models_calibration(tmp_path):
+    from bench.simulate import this_machine
+    from engine.calibrate import RateStore
+
+    store = RateStore(tmp_path / "rates.json")
+    _calibrated(store, "small", "SmolLM2", "2026-12-01T03:00:00", 95.0)
+    _calibrated(store, "tiny", "synthetic-tiny", "2026-12-01T04:00:00", 9000.0)  # calibrated later
+    p = this_machine(store, model={"fingerprint": "small", "name": "SmolLM2"})
+    assert p.backend("cpu0").rates.prefill_tok_s == 95.0
+
+
+def test_this_machine_without_the_recorded_models_calibration_says_so(tmp_path):
+    from bench.simulate import this_machine
+    from engine.calibrate import RateStore
+
+    store = RateStore(tmp_path / "rates.json")
+    _calibrated(store, "tiny", "synthetic-tiny", "2026-12-01T04:00:00", 9000.0)
+    with pytest.raises(InvalidRequest, match="no calibration of the recorded model .SmolLM2.*tandem calibrate --model default"):
+        this_machine(store, model={"fingerprint": "small", "name": "SmolLM2", "spec": "default"})
+
+
 def test_simulate_seed_writes_the_benchs_files(tmp_path):
     from app.cli import build_parser
 
