@@ -74,6 +74,15 @@ def test_loading_a_model_replaces_the_panels(qtbot, make_window, ui_engine):
     assert chat.chat.messages[-1].meta["backend"] == "cpu"
 
 
+def test_the_chat_greets_a_one_backend_engine_in_the_singular(qtbot, make_window):
+    w = make_window(load_fn=load_engine)
+    loaded = []
+    w.engine_loaded.connect(loaded.append)
+    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
+    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    assert " on 1 backend (cpu). " in w.panels["chat"].transcript_text()
+
+
 def test_a_first_start_says_it_is_measuring_the_backends_speed(qtbot, make_window):
     # A config (n_batch 88) nothing else stores rates for: the load measures it after the weights are
     # in, and the window says so instead of sitting on a full progress bar.

@@ -874,8 +874,9 @@ def _tokens_html(tokens: list, index: int, unlikely: str) -> str:
 def _welcome(engine) -> str:
     names = ", ".join(engine.backend_names)
     model = model_title(engine.model.info) if engine.model is not None else ", ".join(engine.model_ids()) or "?"
-    return (f"<p>Chatting with <b>{html.escape(model)}</b> on {len(engine.backend_names)} "
-            f"backends ({html.escape(names)}). Each reply says which backend served it and why; the "
+    n = len(engine.backend_names)
+    return (f"<p>Chatting with <b>{html.escape(model)}</b> on {n} backend{'s' if n != 1 else ''} "
+            f"({html.escape(names)}). Each reply says which backend served it and why; the "
             "Routing tab shows every decision.</p>")
 
 
