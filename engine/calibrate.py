@@ -41,6 +41,9 @@ What is measured, on one backend alone (the others idle), with random prompt tok
   the table's steps were measured in. Before this, γ alone (fitted on shared prefixes, where
   n_kv grows with c) priced eight unshared 128-token sequences on one CPU backend at 0.82 of
   the measured step (docs/results/simulate/cpu-grid3).
+  Without flash attention (the CPU's default since 2026-12-01) nothing is skipped: attention is
+  a matrix product over every cell of the pool, so γ is 0 and α, β, δ are fitted together over
+  all three passes (`fit_step_terms(pool_attention=True)`; docs/results/simulate/cpu-grid5).
 - **host cost per request** (`admit_s`, with the context term): `repeats` lone requests over
   the short prefix, 4 tokens of their own and one generated; each one's TTFT less what the
   simulator's step model prices its prompt chunk at (`own tokens / prefill tok/s`), median.
@@ -392,11 +395,20 @@ def fit_scan_term(pairs: Sequence[tuple[int, float, float, float, float]]) -> fl
 
 
 def fit_step_terms(points: Sequence[tuple[int, float, float, float]],
-                   pairs: Sequence[tuple[int, float, float, float, float]] = ()
-                   ) -> tuple[float, float, float, float]:
+                   pairs: Sequence[tuple[int, float, float, float, float]] = (),
+                   pool_attention: bool = False) -> tuple[float, float, float, float]:
     """`step(b, cells, kv) = alpha + beta*b + gamma*b*cells + delta*b*kv`: delta from the
     unshared `pairs` (`fit_scan_term`; none: 0), then alpha, beta, gamma by `fit_context_model`
-    over the (b, cells, kv, seconds) `points` less delta*b*kv."""
+    over the (b, cells, kv, seconds) `points` less delta*b*kv.
+
+    `pool_attention` (a backend without flash attention): attention is a matrix product over
+    every cell of the pool, masked or not, so a row's own cells cost nothing apart: gamma is 0
+    and alpha, beta, delta are fitted together over every step, the unshared ones included."""
+    if pool_attention:
+        steps = [(b, kv, t) for b, _, kv, t in points]
+        steps += [(b, kv, t) for b, ks, ts, ku, tu in pairs for kv, t in ((ks, ts), (ku, tu))]
+        alpha, beta, delta = fit_context_model(steps)  # the same form, the pool for the cells
+        return alpha, beta, 0.0, delta
     delta = fit_scan_term(pairs) if pairs else 0.0
     alpha, beta, gamma = fit_context_model([(b, c, t - delta * b * kv) for b, c, kv, t in points])
     return alpha, beta, gamma, delta
@@ -530,10 +542,14 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
             notes.append("masked scan not measured: the unshared pass's pool was no larger than the shared one's")
         points = ([(b, cells[b], step_kv[b], t) for b, t in step_s.items()]
                   + [(b, c_cells[b], context_kv[b], t) for b, t in context_s.items()])
-        c_alpha, c_beta, gamma, delta = fit_step_terms(points, pairs)
+        pool = backend.config.flash_attn == "off"  # every row over the whole pool (fit_step_terms)
+        c_alpha, c_beta, gamma, delta = fit_step_terms(points, pairs, pool_attention=pool)
+        if pool:
+            notes.append("no flash attention: every row attends over the whole pool (no context term; "
+                         "the pool term fitted over every step)")
         if pairs and not delta:
             notes.append("the unshared prefixes' steps were no slower: no masked-scan term (noise, or none to see)")
-        if not gamma:
+        if not gamma and not pool:
             notes.append("the short context's steps were no faster: no context term (noise, or none to see)")
     admit = max(statistics.median(admit_runs), 0.0) if admit_runs else 0.0
     return Calibration(

@@ -413,6 +413,23 @@ def test_step_terms_fit_recovers_delta_from_synthetic_points():
     assert fit_step_terms(points, pairs) == pytest.approx((_ALPHA, _BETA, _GAMMA, _DELTA), rel=1e-9)
 
 
+def test_pool_attention_fit_recovers_its_terms_from_synthetic_points():
+    """Without flash attention every row pays for the whole pool: no context term."""
+    from engine.calibrate import calibration_cells, fit_step_terms
+
+    def step(b, kv):
+        return _ALPHA + _BETA * b + _DELTA * b * kv
+
+    points = []
+    for prompt, gen, batches in ((512, 32, range(1, 9)), (128, 16, (1, 8))):
+        c = calibration_cells(prompt, gen)
+        points += [(b, c, prompt + b * (c - prompt), step(b, prompt + b * (c - prompt))) for b in batches]
+    c = calibration_cells(128, 16)
+    shared, unshared = 128 + 8 * (c - 128), 8 * c
+    pairs = [(8, shared, step(8, shared), unshared, step(8, unshared))]
+    assert fit_step_terms(points, pairs, pool_attention=True) == pytest.approx((_ALPHA, _BETA, 0.0, _DELTA), rel=1e-9)
+
+
 def test_a_larger_pool_that_stepped_faster_gives_no_scan_term():
     from engine.calibrate import fit_scan_term
 
