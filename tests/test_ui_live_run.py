@@ -92,7 +92,7 @@ def test_a_demo_rows_makespan_leaves_out_the_idle_pause(qtbot, make_window):
     ((_, resumed),) = r.pauses  # paused while flushing, so from the start of the arrivals
     idle = (resumed - r.t_start) - first.e2e_s  # the paused time the stepped request was not in flight
     assert m.paused_s == pytest.approx(idle)
-    assert m.paused_s >= 1.0
+    assert m.paused_s > 0.9  # qtbot.wait(1000) came back after 0.96 s once, under a full suite
     assert m.makespan_s == pytest.approx(r.t_end - r.t_start - idle)
     makespan_cell = ex.table.item(ex.table.rowCount() - 1, COLUMNS.index("makespan"))
     assert makespan_cell.toolTip() == f"paused {m.paused_s:.1f} s, not counted"
