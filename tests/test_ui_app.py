@@ -6,7 +6,7 @@ import csv
 import json
 
 import pytest
-from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
+from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, load_and_wait, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from app.gui import load_engine
 from engine.experiment import experiment_runner
@@ -59,10 +59,7 @@ def test_loading_a_model_replaces_the_panels(qtbot, make_window, ui_engine):
     old_chat = w.panels["chat"]
     progress = []
     w.loader.progress.connect(progress.append)
-    loaded = []
-    w.engine_loaded.connect(loaded.append)
-    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
-    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    load_and_wait(qtbot, w)
     assert w.engine is not ui_engine and list(w.engine.backends) == ["cpu"]
     assert w.panels["chat"] is not old_chat
     assert progress and progress[-1] == 1.0
@@ -76,10 +73,7 @@ def test_loading_a_model_replaces_the_panels(qtbot, make_window, ui_engine):
 
 def test_the_chat_greets_a_one_backend_engine_in_the_singular(qtbot, make_window):
     w = make_window(load_fn=load_engine)
-    loaded = []
-    w.engine_loaded.connect(loaded.append)
-    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
-    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    load_and_wait(qtbot, w)
     assert " on 1 backend (cpu). " in w.panels["chat"].transcript_text()
 
 
@@ -87,11 +81,9 @@ def test_a_first_start_says_it_is_measuring_the_backends_speed(qtbot, make_windo
     # A config (n_batch 88) nothing else stores rates for: the load measures it after the weights are
     # in, and the window says so instead of sitting on a full progress bar.
     w = make_window(load_fn=load_engine)
-    said, loaded = [], []
+    said = []
     w.loader.status.connect(lambda text: said.append((text, w.state_label.text(), w.load_bar.maximum())))
-    w.engine_loaded.connect(loaded.append)
-    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=3,ctx=704,batch=88,name=fresh",)))
-    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    load_and_wait(qtbot, w, ("cpu:threads=1,cap=3,ctx=704,batch=88,name=fresh",))
     assert said, "no status line while the rates were measured"
     text, shown, maximum = said[0]
     assert text.startswith("measuring fresh's speed")

@@ -8,10 +8,9 @@ import os
 
 import gguf
 
-from ui_fixtures import UI_MODEL, WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
+from ui_fixtures import UI_MODEL, WAIT_MS, load_and_wait, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from app.gui import load_engine
-from ui.loader import ModelSpec
 from ui.local_models import model_folders, remember, scan
 from ui.model_dialog import ModelDialog
 
@@ -102,10 +101,7 @@ def test_clicking_a_listed_model_chooses_it(qtbot, tmp_path):
 
 def test_a_loaded_model_becomes_the_first_recent_one(qtbot, make_window):
     w = make_window(load_fn=load_engine)
-    loaded = []
-    w.engine_loaded.connect(loaded.append)
-    w.load_model(ModelSpec(UI_MODEL, ("cpu:threads=1,cap=2,ctx=512",)))
-    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    load_and_wait(qtbot, w)
     assert w.recent_models()[0] == UI_MODEL
     dialog = w.model_dialog(folders=[])
     qtbot.waitUntil(lambda: dialog.scan_label.text().startswith("No GGUF"), timeout=WAIT_MS)

@@ -82,6 +82,20 @@ def engine_idle(eng) -> bool:
     return all(not s.items for s in eng.snapshot())
 
 
+ONE_CPU = ("cpu:threads=1,cap=2,ctx=512",)  # a small engine a test loads in place of the shared one
+
+
+def load_and_wait(qtbot, window, backends: tuple[str, ...] = ONE_CPU):
+    """Load `UI_MODEL` on `backends` in `window` and wait until the window has it; the engine."""
+    from ui.loader import ModelSpec
+
+    loaded: list = []
+    window.engine_loaded.connect(loaded.append)
+    window.load_model(ModelSpec(UI_MODEL, backends))
+    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+    return loaded[0]
+
+
 @pytest.fixture
 def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     from PySide6.QtCore import QSettings
