@@ -144,7 +144,7 @@ def run_overhead(args) -> int:
     chat = SamplingParams(temperature=0.8, top_p=0.95)  # top-k 40, min-p 0.05: the defaults
     builds0 = fused_dist.BUILDS.copy()
     llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,
-                                                 flash=args.flash_attn != "off")
+                                                 flash=backend.config.flash_attn != "off")  # as our backend runs
     print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
           f"{backend.config.threads}, prompt {len(prompt)} tokens, generate {args.gen_tokens}", file=sys.stderr)
     if args.switch_interval_ms is not None:
@@ -210,7 +210,7 @@ def run_overhead(args) -> int:
             if args.batched_bench and rnd:
                 bb = _batched_bench(args.batched_bench, path, model.device, backend.config.threads,
                                     n_ctx if unified else len(prompt) * max(batches) + n_ctx,
-                                    len(prompt), args.gen_tokens, batches, unified)
+                                    len(prompt), args.gen_tokens, batches, unified, backend.config.flash_attn)
                 for b in batches:
                     results[f"batched_b{b}"].append(bb[b])
             if rnd:
@@ -303,10 +303,11 @@ class _BusyThread:
 
 
 def _batched_bench(binary: str, path, device: str, threads: int, n_ctx: int, n_prompt: int,
-                   n_gen: int, batches: list[int], unified: bool = True) -> dict[int, float]:
+                   n_gen: int, batches: list[int], unified: bool = True, flash: str = "auto") -> dict[int, float]:
     """Run llama.cpp's `llama-batched-bench` with the same shape (a shared prompt, in one
     unified KV buffer or copied into each sequence's stream, as our engine with a warm
-    prefix) and return decode tok/s (S_TG) per batch size."""
+    prefix) and return decode tok/s (S_TG) per batch size. `flash`: our backend's resolved
+    flash attention, passed on unless it is llama.cpp's own `auto`."""
     import subprocess
 
     from engine.llama import child_env
@@ -314,7 +315,7 @@ def _batched_bench(binary: str, path, device: str, threads: int, n_ctx: int, n_p
     cmd = [binary, "-m", str(path), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
            "-npp", str(n_prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, batches)),
            "-pps", *(["-kvu"] if unified else []), "-t", str(threads), "-tb", str(threads),
-           "-ngl", "99" if device == "gpu" else "0"]
+           "-ngl", "99" if device == "gpu" else "0", *(["-fa", flash] if flash != "auto" else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())  # its OpenMP defaults
     speeds = {}
     for line in (out.stdout + out.stderr).splitlines():

@@ -433,10 +433,14 @@ def context_batches(fits: Sequence[int]) -> list[int]:
 
 def progress_steps(cap: int, batches: Sequence[int] | None, repeats: int, context_tokens: int) -> int:
     """How many steps `calibrate_backend` reports to `progress` (before any batch is skipped)."""
-    wanted = sorted(set(batches or default_batches(cap)))
-    c_batches = context_batches(wanted)
-    extra = len(c_batches) + 1 + (c_batches[-1] > 1) if context_tokens else 0
-    return 1 + repeats + len(wanted) + extra
+    return _n_steps(sorted(set(batches or default_batches(cap))), repeats, bool(context_tokens))
+
+
+def _n_steps(fits: Sequence[int], repeats: int, context: bool) -> int:
+    """Warm-up, prefill runs, one per batch, and with the context term: its batches, the host
+    cost and the unshared pass (or its skip)."""
+    c_batches = context_batches(fits)
+    return 1 + repeats + len(fits) + (len(c_batches) + 1 + (c_batches[-1] > 1) if context else 0)
 
 
 def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT,
@@ -485,8 +489,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     if scan and scan * (short + per_seq) > n_ctx:
         notes.append(f"masked scan not measured: {scan} unshared {short}-token sequences do not fit {n_ctx} KV cells")
         scan = 0
-    tick = _ticker(progress, backend.name,
-                   1 + repeats + len(fits) + (len(c_batches) + 1 + (c_batches[-1] > 1) if short else 0))
+    tick = _ticker(progress, backend.name, _n_steps(fits, repeats, bool(short)))
 
     old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
     backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
