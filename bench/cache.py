@@ -29,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-tokens", type=int, default=496)
     p.add_argument("--suffix-tokens", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
+                   help="auto: on for a GPU, off for the CPU (engine/backend.py AUTO_FLASH_ATTN)")
 
 
 def run_cache(args) -> int:
@@ -37,7 +39,7 @@ def run_cache(args) -> int:
     prompt = filler_prompt(model, args.prefix_tokens + args.suffix_tokens)
     prefix = prompt[:args.prefix_tokens]
     backend = Backend(BackendConfig(name="bench", device=model.device, cap=1, n_ctx=2048,
-                                    threads=args.threads), model).start()
+                                    threads=args.threads, flash_attn=args.flash_attn), model).start()
     sp = SamplingParams(temperature=0.0, max_tokens=1)
     ttft = {"cold": [], "warm": []}
     cached = []
@@ -66,6 +68,7 @@ def run_cache(args) -> int:
         "warm_hit_rate": round(statistics.median(cached) / len(prompt), 3),
         "cache_hit_rate_all": round(stats.hit_rate, 3),  # every admission: cold runs and warm-ups too
         "samples": {k: [round(x, 4) for x in v] for k, v in ttft.items()},
-        "model": path.name, "threads": backend.config.threads, "repeats": args.repeats,
+        "model": path.name, "threads": backend.config.threads, "flash_attn": backend.config.flash_attn,
+        "repeats": args.repeats,
     }))
     return 0

@@ -69,8 +69,8 @@ AUTO_CTX_MEMORY_SHARE = 0.25
 # (docs/performance.md, "Flash attention on the CPU"): decode at B = 1 / 4 / 8 over 512-token
 # contexts 34.7 / 65.7 / 79.0 tok/s on, 65.7 / 130.2 / 124.4 off; over 2,000-token contexts
 # 21.0 / 24.4 / 26.6 on, 54.7 / 91.3 / 119.3 off; a 16-token chunk after a 496-token cached
-# prefix (1 thread) 373 ms on, 132 ms off. A long prompt alone prefills ~10 % faster with it on
-# (2,000 tokens: 9.2 s against 10.2 s), which decode outweighs.
+# prefix (1 thread) 346 ms on, 132 ms off. A long prompt alone prefills faster with it on
+# (2,000 tokens: 9.2 s against 10.2-12.5 s), which decode over that context outweighs.
 AUTO_FLASH_ATTN = {"gpu": "auto", "cpu": "off"}
 
 
