@@ -97,8 +97,7 @@ def run_simulate(args) -> int:
     if args.replay:
         hardware = None
         if args.hardware == "this-machine":  # this machine's calibration of the recorded model
-            summary = json.loads(_open(Path(args.replay) / "summary.json").read())
-            hardware = this_machine(model=summary.get("model") or {})
+            hardware = this_machine(model=recorded_summary(Path(args.replay)).get("model") or {})
         elif args.hardware:
             hardware = load_profile(args.hardware)
         return run_replay(Path(args.replay), Path(args.replay_out) if args.replay_out else None, hardware,
@@ -259,6 +258,22 @@ def _open(path: Path):
     raise InvalidRequest(f"--replay: neither {path} nor {xz} exists")
 
 
+def recorded_summary(directory: Path) -> dict:
+    """A recorded bench run's `summary.json`; InvalidRequest for a missing or unreadable one, or
+    for a simulated run (`tandem simulate` writes the same files, but there is nothing measured
+    to predict)."""
+    try:
+        summary = json.loads(_open(directory / "summary.json").read())
+    except ValueError as e:
+        raise InvalidRequest(f"--replay {directory}: summary.json is not JSON: {e}") from None
+    if not isinstance(summary, dict):
+        raise InvalidRequest(f"--replay {directory}: summary.json is not a bench run's summary")
+    if str(summary.get("tool", "")).startswith("tandem simulate"):
+        raise InvalidRequest(f"--replay {directory}: a simulated run ({summary['tool']}); replay predicts a "
+                             "recorded `tandem bench seed` or `tandem bench grid` run")
+    return summary
+
+
 def replay_profile(engine: dict) -> Profile:
     """The backends a recorded run used (one `summary.json` `engines` entry), rates included."""
     out = []
@@ -281,7 +296,15 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
     `hardware`: its same-named backends' speeds replace the recorded rates as what the
     devices do (the router still sees the recorded rates). A row with fewer than `min_runs`
     recorded runs is predicted and flagged."""
-    summary = json.loads(_open(directory / "summary.json").read())
+    summary = recorded_summary(directory)
+    try:
+        return _replay(directory, summary, progress, hardware, min_runs)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidRequest(f"--replay {directory}: not a bench run's files ({type(e).__name__}: {e})") from None
+
+
+def _replay(directory: Path, summary: dict, progress: Progress | None, hardware: Profile | None,
+            min_runs: int) -> list[dict]:
     with _open(directory / "requests.csv") as f:
         import csv
 

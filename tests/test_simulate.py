@@ -177,6 +177,29 @@ def test_this_machine_without_the_recorded_models_calibration_says_so(tmp_path):
         this_machine(store, model={"fingerprint": "small", "name": "SmolLM2", "spec": "default"})
 
 
+def test_replaying_a_simulated_run_says_it_is_one(tmp_path):
+    from app.cli import build_parser
+    from bench.simulate import replay
+
+    args = build_parser().parse_args(["simulate", "seed", "--profile", "study-m2", "--requests", "8", "--runs", "1",
+                                      "--policies", "seed-score", "--no-plots", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    with pytest.raises(InvalidRequest, match="a simulated run .tandem simulate seed.; replay predicts a recorded"):
+        replay(tmp_path)
+
+
+def test_replaying_files_that_are_not_a_bench_run_is_refused(tmp_path):
+    from bench.simulate import replay
+
+    (tmp_path / "summary.json").write_text(json.dumps({"tool": "tandem bench seed", "workloads": []}))
+    (tmp_path / "requests.csv").write_text("workload,policy\n")
+    with pytest.raises(InvalidRequest, match="not a bench run's files .KeyError"):
+        replay(tmp_path)
+    (tmp_path / "summary.json").write_text("{not json")
+    with pytest.raises(InvalidRequest, match="summary.json is not JSON"):
+        replay(tmp_path)
+
+
 def test_simulate_seed_writes_the_benchs_files(tmp_path):
     from app.cli import build_parser
 
