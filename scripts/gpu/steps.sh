@@ -1,12 +1,13 @@
 # The steps of scripts/gpu/run.sh, one function each (names starting with _ are helpers).
 # Sourced on the GPU machine after `source .gpukit/enter.sh` ($LCBIN: llama.cpp's tools).
-# Knobs: QUANT (q8_0), RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
-M=synthetic:qwen2.5-0.5b:${QUANT:-q8_0}
+# Knobs: MODEL (or QUANT: q8_0), GPU_DEVICE, RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
+M=${MODEL:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}
+G=${GPU_DEVICE:-gpu}  # GPU_DEVICE=cpu tries a step on a machine without a GPU (MODEL=synthetic:tiny)
 SERVERS=()
 
 _setup() {
   T0=$SECONDS
-  P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.model import resolve_model; print(resolve_model('$M'))")
+  P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.llama.model import resolve_model; print(resolve_model('$M'))")
   trap 'kill "${SERVERS[@]}" 2>/dev/null' EXIT
 }
 _stamp() { echo "== $1 ($((SECONDS - T0)) s)"; }
@@ -364,5 +365,34 @@ simulate() {  # the grid and the boundary on today's engine, each predicted by `
   for d in "$OUT"/grid-kv "$OUT"/grid-open "$OUT"/boundary-n*; do
     _stamp "replay $d"
     python3 -m app simulate --replay "$d" --hardware h200 --out "$d/replay" 2>&1 | grep -v "it/s\]" | tail -40
+  done
+}
+
+# ---- defaults that never lose (issue: the default policy, the adaptive cap, the layout) ----
+
+W_TENANTS="--requests ${N_TENANTS:-200} --tenants ${TENANTS:-4,16,32} --tenant-prefix-tokens 1500 --tenant-suffix-tokens 50
+  --outputs uniform --min-output 32 --max-output 256 --arrivals poisson --rate 40"
+W_N48="--requests 48 --shared 96 --outputs fixed --arrivals interval"
+W_LONG="--requests 64 --prompt-tokens 1516 --shared 66 --outputs uniform --min-output 32 --max-output 512
+  --arrivals poisson --rate 20"
+
+_layout_grid() {  # _layout_grid OUTDIR WORKLOAD-VAR [bench grid options...]
+  local dir=$1 w=$2; shift 2
+  _stamp "$dir"
+  # shellcheck disable=SC2086
+  python3 -X faulthandler -m app bench grid --model "$M" ${!w} --runs "${RUNS:-1}" --no-plots --out "$OUT/$dir" "$@" 2>&1 \
+    | grep -v "it/s\]" | grep "^| " | grep -v "^|---" | tee -a "$OUT/$dir.txt"
+}
+
+baseline_defaults() {  # today's default layout and policy vs tuned GPU-only layouts, tenants first (~9 min)
+  _stamp "calibrate the default layout, as serve does at load"
+  python3 -m app calibrate --model "$M" 2>&1 | tail -3 | tee "$OUT/calibrate-default.txt"
+  for w in W_TENANTS W_LONG W_N48; do
+    local tag=${w#W_}; tag=${tag,,}
+    _layout_grid "default-$tag" "$w" --caps none --policies predicted-finish
+    _layout_grid "one-$tag" "$w" --backend $G:threads=8 --caps "${CAPS:-32,64,128}" --sweep-policies gpu-only \
+      --policies gpu-only
+    _layout_grid "two-$tag" "$w" --backend $G:name=ga,cap=32,threads=8 --backend $G:name=gb,cap=32,threads=8 \
+      --caps none --policies cache-aware,predicted-finish
   done
 }
