@@ -6,7 +6,7 @@ SERVERS=()
 
 _setup() {
   T0=$SECONDS
-  P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine; from engine.model import resolve_model; print(resolve_model('$M'))")
+  P=$(python3 -c "import sys; sys.path.insert(0,'.'); import engine.llama; from engine.llama.model import resolve_model; print(resolve_model('$M'))")
   trap 'kill "${SERVERS[@]}" 2>/dev/null' EXIT
 }
 _stamp() { echo "== $1 ($((SECONDS - T0)) s)"; }
@@ -365,4 +365,37 @@ simulate() {  # the grid and the boundary on today's engine, each predicted by `
     _stamp "replay $d"
     python3 -m app simulate --replay "$d" --hardware h200 --out "$d/replay" 2>&1 | grep -v "it/s\]" | tail -40
   done
+}
+
+chat() {  # ~8 min: issue 26's chat workload (CHAT_N=96 conversations x 8 turns, 6/s, think 1 s, a 600-word
+          # system prompt, user turns 40-120 words, replies 32-192 tokens) in one `tandem bench chat` against
+          # one `tandem serve --model M` (default), two on this GPU behind `tandem serve --backend remote:...
+          # --policy cache-aware`, and llama-server -np 32 -c 131072 (its best there); each run cut at
+          # CHAT_LIMIT s. All servers stay up (idle while another target runs); the first one started calibrates
+          # alone, the next two reuse its stored rates.
+  local limit=${CHAT_LIMIT:-120} n=${CHAT_N:-96} dir=$OUT/chat logs=$OUT/chat-logs
+  mkdir -p "$logs"
+  local targets=(--target one=http://127.0.0.1:8301 --target two-cache-aware=http://127.0.0.1:8304) ports=(8301 8304)
+  python3 -m app serve --model "$M" --port 8301 > "$logs/one.log" 2>&1 & SERVERS+=($!)
+  _wait_ready 8301
+  python3 -m app serve --model "$M" --port 8302 > "$logs/a.log" 2>&1 & SERVERS+=($!)
+  python3 -m app serve --model "$M" --port 8303 > "$logs/b.log" 2>&1 & SERVERS+=($!)
+  if [ -x "${LCBIN:-/nonexistent}/llama-server" ]; then
+    "$LCBIN/llama-server" -m "$P" -ngl 99 -np 32 -c 131072 --port 8305 --host 127.0.0.1 -fa auto \
+      > "$logs/llama-server.log" 2>&1 & SERVERS+=($!)
+    targets+=(--target llama-server-np32=http://127.0.0.1:8305); ports+=(8305)
+  else
+    echo "chat: no llama-server in \$LCBIN; running without it"
+  fi
+  _wait_ready 8302 8303
+  python3 -m app serve --backend remote:url=http://127.0.0.1:8302,name=a \
+    --backend remote:url=http://127.0.0.1:8303,name=b --policy cache-aware --port 8304 > "$logs/router.log" 2>&1 &
+  SERVERS+=($!)
+  _wait_ready "${ports[@]}"
+  _stamp "chat: $n conversations x ${CHAT_TURNS:-8} turns, $((${#targets[@]} / 2)) targets, $limit s each at most"
+  python3 -X faulthandler -m app bench chat --conversations "$n" --turns "${CHAT_TURNS:-8}" --rate 6 --think 1 \
+    --system-words "${CHAT_SYSTEM_WORDS:-600}" --user-words "${CHAT_USER_WORDS:-40-120}" \
+    --reply-tokens "${CHAT_REPLY_TOKENS:-32-192}" "${targets[@]}" --time-limit "$limit" --no-plots --out "$dir" 2>&1 \
+    | grep -v "it/s\]" | tail -"${CHAT_TAIL:-60}"
+  _stop_servers
 }
