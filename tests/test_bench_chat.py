@@ -19,7 +19,7 @@ from servers import Server
 # ---- the workload ----
 
 
-def test_the_same_seed_and_run_give_the_same_conversations():
+def test_a_seed_with_a_run_gives_the_same_conversations_every_time():
     spec = ChatSpec(conversations=5, turns=3, seed=7)
     assert build_chat(spec, 0) == build_chat(spec, 0)
 
@@ -31,7 +31,7 @@ def test_each_run_gets_text_of_its_own():
     assert a.conversations[0].turns[0].user != b.conversations[0].turns[0].user
 
 
-def test_turns_have_the_asked_word_counts_reply_lengths_and_think_times():
+def test_turns_have_the_asked_shape():
     spec = ChatSpec(conversations=20, turns=4, system_words=600, user_words=(40, 120), reply_tokens=(32, 192),
                     think_s=1.0)
     wl = build_chat(spec, 0)
@@ -155,7 +155,7 @@ def test_a_target_runs_the_workload_with_replies_of_the_asked_length(tiny_server
     assert (tmp_path / "results.md").read_text().count("| tiny |") == 1
 
 
-def test_a_refused_turn_ends_its_conversation_and_the_rest_are_failures(tiny_server, tmp_path):
+def test_a_refused_turn_ends_its_conversation_leaving_failed_records(tiny_server, tmp_path):
     rc = main(["bench", "chat", "--target", tiny_server.url, "--target-model", "no-such-model",
                "--conversations", "2", "--turns", "3", *SMALL, "--out", str(tmp_path)])
     assert rc == 1
@@ -165,7 +165,7 @@ def test_a_refused_turn_ends_its_conversation_and_the_rest_are_failures(tiny_ser
     assert records[1].error == "not sent: turn 1 of this conversation failed"
 
 
-def test_turns_past_the_time_limit_are_failures_and_the_results_are_written(tiny_server, tmp_path):
+def test_turns_past_the_time_limit_are_recorded_as_failures(tiny_server, tmp_path):
     limit = 1.0
     args = ["--conversations", "6", "--turns", "2", "--rate", "0.5", "--think", "0.05", "--system-words", "20",
             "--user-words", "4", "--reply-tokens", "4", "--no-plots"]
