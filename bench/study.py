@@ -35,7 +35,7 @@ from engine.engine import Engine
 from engine.errors import EngineError, InvalidRequest
 from engine.experiment import Collected, EngineRunner, Variant
 from engine.llama.model import file_fingerprint
-from engine.router import RouteQuery, Router, make_policy
+from engine.routing import RouteQuery, Router, make_policy
 from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
                              SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
                              shared_tokens_for, tokenized, with_requests)

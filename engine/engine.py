@@ -43,7 +43,7 @@ from .handle import RequestHandle
 from .llama.model import Model, ModelRegistry, resolve_model
 from .protocol import BackendProtocol
 from .request import Request, RequestStatus, SamplingParams
-from .router import RouteQuery, Router
+from .routing import RouteQuery, Router
 from .snapshot import BackendSnapshot, Rates
 
 if TYPE_CHECKING:

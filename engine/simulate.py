@@ -12,7 +12,7 @@ with the token it feeds, and `kv` the pool's cells in use during the step (the s
 (`Rates.step_at` adds the calibrated context term and the masked scan; none for a profile
 without them) (or, for a profile with a fixed cost per prompt chunk, `step_s(b) + chunk_fixed_s + p*k`,
 plus `admit_s` per request admitted in the step; `BackendProfile.step_seconds`), after which `update_from_output` gets one token per logits row. Every arrival is
-routed by a real `engine.router.Router` over the backends' snapshots, taken exactly as
+routed by a real `engine.routing.Router` over the backends' snapshots, taken exactly as
 `Backend.snapshot` takes them (running items first, then the queue, with the cache estimate
 pinned at routing time). The clock the schedulers and the router read is the simulation's.
 
@@ -53,7 +53,7 @@ from typing import Any
 from .benchmark import RequestRecord, decision_line
 from .errors import InvalidRequest
 from .request import Request, RequestStatus, SamplingParams
-from .router import RouteQuery, Router
+from .routing import RouteQuery, Router
 from .scheduler import Plan, Scheduler, SeqState, default_seq_slots
 from .snapshot import BackendSnapshot, CacheStats, Rates
 from .workload import Workload

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import EngineError
-from engine.router import BUDGET_MODES, POLICIES
+from engine.routing import BUDGET_MODES, POLICIES
 from engine.snapshot import Rates
 
 from .theme import backend_color, wrap_label

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (
     QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton, QRadioButton, QVBoxLayout, QWidget,
 )
 
-from engine.router import POLICIES
+from engine.routing import POLICIES
 
 from .loader import ModelSpec
 from .local_models import LocalModel, recent_entries, scan
