@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from .events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from .handle import Outbox, RequestHandle
-from .limiter import ConcurrencyLimiter
+from .limiter import CEILING, START, ConcurrencyLimiter
 from .llama.model import Model
 from .prefix_cache import PrefixCache
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
@@ -49,13 +49,10 @@ log = logging.getLogger(__name__)
 
 
 # No cap given: the ceiling the limiter may grow to, and where it starts, for a whole device,
-# divided among the contexts a spec made on it (`contexts=N`, `auto_limits`). A GPU's decode
-# tok/s still rises to b = 32 (6,016 tok/s against 3,916 at 16, H200, `docs/results/gpu/speed10`),
-# but the 1,516-token workload ran 6.71 s at cap 32 and 7.97 s at 48 (more prompt chunks beside
-# more decodes, over more cells), and the limiter, let up to 48, took 8.21 s (round4/caps-long).
-# On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
-AUTO_CAP = {"gpu": 32, "cpu": 16}
-AUTO_START = {"gpu": 8, "cpu": 4}
+# divided among the contexts a spec made on it (`contexts=N`, `auto_limits`): engine/limiter.py's
+# `CEILING` and `START`, the one place they are set.
+AUTO_CAP = CEILING
+AUTO_START = START
 # KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: room
 # for 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B),
 # or what AUTO_CTX_MEMORY_SHARE of the device's free memory holds, if less (never under the
