@@ -609,16 +609,16 @@ def crossover(base: Profile, ratios, kv_seqs, policies, n: int, bar: Progress | 
 
 
 def _throughput(b: BackendProfile) -> float:
-    """Decode tokens/s of the device at its cap."""
-    return b.cap / b.hw.step_s(b.cap)
+    """Decode tokens/s of the device at its cap (an adaptive one's ceiling)."""
+    return b.most / b.hw.step_s(b.most)
 
 
 def marker(base: Profile) -> tuple[float, float]:
     """Where the base profile itself sits on its map: (ratio, KV budget in sequences)."""
     fast, slow = base.backends[0], base.backends[1]
     per_seq = 516 + 128
-    kv = (fast.kv_cells / per_seq) if fast.kv_cells else fast.cap
-    return _throughput(slow) / _throughput(fast), min(kv, fast.cap)
+    kv = (fast.kv_cells / per_seq) if fast.kv_cells else fast.most
+    return _throughput(slow) / _throughput(fast), min(kv, fast.most)
 
 
 def run_crossover(args) -> int:
