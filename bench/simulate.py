@@ -199,7 +199,7 @@ class SimBench(study.Bench):
         if self.caps and sweep_policies is None:
             sweep_policies = [single]
         for p in sweep_policies or []:
-            variants += [Variant(label=f"{p}@cap={c}", policy=p, cap=c) for c in self.caps]
+            variants += [Variant(label=f"{p}@cap={c or 'auto'}", policy=p, cap=c) for c in self.caps]
         per_seq = max(s.prompt_tokens + s.max_tokens for s in self.specs)
         bar.add_total(len(self.kv_seqs) * len(variants) * self.args.runs * len(self.specs) * sum(self.n_list))
         t0 = time.perf_counter()

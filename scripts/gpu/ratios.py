@@ -3,7 +3,8 @@
     python3 scripts/gpu/ratios.py tenants DIR          # output tok/s at K tenants / at the fewest, per policy
     python3 scripts/gpu/ratios.py pairs DIR A/B ...    # output tok/s of policy A / policy B, per workload
     python3 scripts/gpu/ratios.py caps DIR             # adaptive cap vs the best fixed cap, per workload
-    python3 scripts/gpu/ratios.py defaults DIR [LABEL] # the default (row LABEL, `default`) vs the best tuned row
+    python3 scripts/gpu/ratios.py defaults DIR [LABEL [fixed]]  # the default (row LABEL, `default`) vs the best
+                                                       # tuned row (every other row; `fixed`: fixed-cap rows only)
 
 Every ratio compares rows of the same invocation (runs interleaved), never across calls.
 """
@@ -71,16 +72,18 @@ def caps(folder: str) -> None:
                   f"   [target: <= 1.05x / <= 1x]")
 
 
-def defaults(folder: str, label: str = "default") -> None:
+def defaults(folder: str, label: str = "default", only: str = "") -> None:
     """Per workload: the default row's makespan and TTFT p50 over those of the tuned row with the
-    lowest makespan (every other row: fixed caps, other layouts, HTTP targets)."""
+    lowest makespan (every other row: fixed caps, other layouts, HTTP targets; with `only` =
+    "fixed", the fixed-cap rows `POLICY@cap=N`)."""
     rows, _ = _rows(folder)
     by_workload: dict[str, dict[str, dict]] = defaultdict(dict)
     for r in rows:
         by_workload[r["workload"]][r["policy"]] = r
     for workload, variants in by_workload.items():
         mine = variants.get(label)
-        tuned = {p: r for p, r in variants.items() if p != label}
+        tuned = {p: r for p, r in variants.items() if p != label
+                 and (only != "fixed" or ("@cap=" in p and not p.endswith("@cap=auto")))}
         if mine is None or not tuned:
             print(f"{workload}: no {label!r} row or no tuned row")
             continue
@@ -105,7 +108,7 @@ def main(argv: list[str]) -> int:
     elif kind == "pairs":
         pairs(folder, argv[2:])
     elif kind == "defaults":
-        defaults(folder, *argv[2:3])
+        defaults(folder, *argv[2:4])
     else:
         caps(folder)
     return 0

@@ -1,7 +1,7 @@
 # The steps of scripts/gpu/run.sh, one function each (names starting with _ are helpers).
 # Sourced on the GPU machine after `source .gpukit/enter.sh` ($LCBIN: llama.cpp's tools).
 # Knobs: QUANT (q8_0), RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
-M=synthetic:qwen2.5-0.5b:${QUANT:-q8_0}
+M=${M:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}
 SERVERS=()
 
 _setup() {
