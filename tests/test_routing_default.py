@@ -120,6 +120,17 @@ def test_a_full_kv_pool_makes_the_request_wait_for_room():
     assert Router().route(q, [full, roomy]).backend == "roomy"
 
 
+def test_kv_room_counts_the_cells_running_sequences_grow_into():
+    """920 cells: A (500 cells, 10 tokens to go) and B (300 cells, 100 to go) run. When A ends,
+    B holds 310 cells, so a 600-token prompt (+16 headroom) fits only once B is done too."""
+    rates = Rates(prefill_tok_s=1e9, decode_tok_s=100, step_alpha_s=0.01, source="override")
+    items = [WorkItem("A", True, 500, 0, 0, 10, 0), WorkItem("B", True, 300, 0, 0, 100, 0)]
+    f = finish_time(query(prompt=600, max_tokens=5), snap("x", "gpu", rates, items, cap=8, n_ctx=920))
+    assert f.batch == 1  # it runs alone, after B
+    assert f.wait_s == pytest.approx(100 * 0.01, rel=1e-6)
+    assert f.finish_s == pytest.approx(105 * 0.01, rel=1e-6)
+
+
 def test_an_unreachable_backend_is_never_chosen():
     dead = snap("dead", "gpu", Rates(prefill_tok_s=0, decode_tok_s=0))
     d = Router().route(query(), [dead, snap("cpu", "cpu", M2_CPU)])

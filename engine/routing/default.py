@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..snapshot import BackendSnapshot, Rates
+from ..snapshot import BackendSnapshot
 from .cache_aware import RecentPrefixes
 from .policy import Policy, fmt_s, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
@@ -102,10 +101,11 @@ def finish_time(query: RouteQuery, snap: BackendSnapshot, cached: int | None = N
             break
         b = len(active)
         k = min(e[0] for e in active)
-        dt = k * _step(rates, b)
+        dt = k * step_seconds(rates, b)
         decode_s += dt
         t += dt
         decode_tokens += k * b
+        used += k * b  # every running sequence took k cells
         done = False
         left = []
         for e in active:
@@ -114,19 +114,14 @@ def finish_time(query: RouteQuery, snap: BackendSnapshot, cached: int | None = N
             if e[0] > 0:
                 left.append(e)
             else:
-                used -= e[2]
+                used -= e[2]  # a finished sequence's cells are freed (or cached, so evictable)
                 done = done or e[1]
-        used += k * len(left)
         active = left
         if done:
             break
     return Finish(finish_s=t, wait_s=admitted_at, prefill_tokens=own, prefill_s=own_prefill_s, batch=batch,
                   decode_s=t - admitted_at - own_prefill_s, all_prefill_tokens=prefill_tokens,
                   all_decode_tokens=decode_tokens, all_prefill_s=prefill_s, all_decode_s=decode_s)
-
-
-def _step(rates: Rates, batch: int) -> float:
-    return step_seconds(rates, batch)
 
 
 class FinishFirst(Policy):
@@ -194,7 +189,3 @@ class FinishFirst(Policy):
                 f"tokens in {f.prefill_s:.3f} s{cached}; decodes {q.max_tokens:,} tokens at batch {f.batch} "
                 f"in {f.decode_s:.3f} s, {per_seq:.0f} tok/s for it)")
 
-
-def finish_scores(query: RouteQuery, snaps: Sequence[BackendSnapshot]) -> list[Finish]:
-    """`finish_time()` on every snapshot with the query's own cache estimates (tests, tools)."""
-    return [finish_time(query, s) for s in snaps]
