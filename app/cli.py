@@ -22,7 +22,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", default=None, metavar="SPEC",
                    help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: GPU+CPU, "
                         "or one CPU backend with every core)")
-    p.add_argument("--policy", default="seed-score", help="routing policy (default: %(default)s)")
+    p.add_argument("--policy", default="default",
+                   help="routing policy; default: the default policy, finish-first (engine/routing/default.py)")
 
 
 def build_parser() -> argparse.ArgumentParser:

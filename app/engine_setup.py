@@ -23,7 +23,7 @@ def engine_from_args(args, *, progress: bool = True, calibrate: bool = True) -> 
     configs = parse_backend_specs(specs)
     bar = loading_bar("loading model") if progress and sys.stderr.isatty() else None
     try:
-        return Engine.load(args.model, configs, policy=getattr(args, "policy", "seed-score"),
+        return Engine.load(args.model, configs, policy=getattr(args, "policy", "default"),
                            progress=bar, online_rates=True,
                            calibrate=calibrate and not getattr(args, "no_calibrate", False), status=_say)
     finally:

@@ -179,7 +179,7 @@ def run_gui(args) -> int:
 
     window.engine_loaded.connect(on_loaded)
     window.load_failed.connect(on_failed)
-    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), getattr(args, "policy", "seed-score")))
+    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), getattr(args, "policy", "default")))
 
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app.gui", description="Tandem desktop app")
     p.add_argument("--model", default="default")
     p.add_argument("--backend", action="append", default=None, metavar="SPEC")
-    p.add_argument("--policy", default="seed-score")
+    p.add_argument("--policy", default="default")
     add_gui_arguments(p)
     return p
 

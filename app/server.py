@@ -58,6 +58,7 @@ from engine.handle import RequestHandle
 from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.metrics import EngineMetrics
 from engine.request import FinishRecord, RequestStatus
+from engine.routing import DEFAULT_POLICY
 from engine.structured import ToolCall, parse_reply
 
 from .http_guard import (
@@ -651,6 +652,7 @@ async def routing(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     return web.json_response({
         "policy": engine.router.policy,
+        "default_policy": DEFAULT_POLICY,  # what `--policy default` means
         "budget": engine.router.budget,
         "backends": [s.to_dict() for s in engine.snapshot()],
         "decisions": [d.to_dict() for d in engine.router.recent(n)],

@@ -539,7 +539,7 @@ class Fleet:
 
 def parse_variants(text: str, args) -> list[str]:
     """Check every variant now, with the reason, instead of failing mid-invocation."""
-    from engine.router import make_policy
+    from engine.routing import make_policy
 
     out = []
     for v in (x.strip() for x in text.split(",")):

@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine.benchmark import RequestRecord, run_metrics
-from engine.calibrate import RateStore
+from engine.calibrate import RateStore, rates_from_entry
 from engine.errors import InvalidRequest
 from engine.experiment import Variant
 from engine.simulate import PROFILES, BackendProfile, Profile, apply_overrides, profile_from_calibration, simulate
@@ -199,7 +199,7 @@ class SimBench(study.Bench):
         if self.caps and sweep_policies is None:
             sweep_policies = [single]
         for p in sweep_policies or []:
-            variants += [Variant(label=f"{p}@cap={c}", policy=p, cap=c) for c in self.caps]
+            variants += [Variant(label=f"{p}@cap={c or 'auto'}", policy=p, cap=c) for c in self.caps]
         per_seq = max(s.prompt_tokens + s.max_tokens for s in self.specs)
         bar.add_total(len(self.kv_seqs) * len(variants) * self.args.runs * len(self.specs) * sum(self.n_list))
         t0 = time.perf_counter()
@@ -277,20 +277,62 @@ def recorded_summary(directory: Path) -> dict:
     return summary
 
 
-def replay_profile(engine: dict) -> Profile:
-    """The backends a recorded run used (one `summary.json` `engines` entry), rates included."""
-    out = []
+def replay_profile(engine: dict, model: dict | None = None, store: RateStore | None = None) -> Profile:
+    """The backends a recorded run used (one `summary.json` `engines` entry), with the rates it
+    recorded; where it recorded placeholders (`source` "default": a run before the benches
+    measured at load), this machine's calibration of that model (`model`'s fingerprint) and
+    config instead, if there is one (`replay_rates` says which)."""
+    rates = replay_rates(engine, model, store)
+    return Profile("recorded", tuple(
+        BackendProfile(b["name"], b["device"], rates[b["name"]][0], cap=int(b["cap"]), kv_cells=int(b["n_ctx"]),
+                       n_batch=int(b.get("n_batch", 512)))
+        for b in engine["backends"]), "the backends and rates the recorded run used")
+
+
+def replay_rates(engine: dict, model: dict | None = None,
+                 store: RateStore | None = None) -> dict[str, tuple[Rates, str]]:
+    """Per recorded backend, the rates a replay prices it with and where they came from, in
+    words: the rates recorded with the run; else (placeholders recorded) this machine's
+    calibration of the recorded model and config; else the placeholders, said so."""
+    out: dict[str, tuple[Rates, str]] = {}
     for b in engine["backends"]:
         r = dict(b["rates"])
-        rates = Rates(float(r["prefill_tok_s"]), float(r["decode_tok_s"]), float(r.get("step_alpha_s", 0.0)),
-                      float(r.get("step_beta_s", 0.0)), str(r.get("source", "recorded")),
-                      tuple(r.get("step_table") or ()), step_gamma_s=float(r.get("step_gamma_s", 0.0)),
-                      step_cells=tuple(float(c) for c in r.get("step_cells") or ()),
-                      step_delta_s=float(r.get("step_delta_s", 0.0)),
-                      step_kv=tuple(float(c) for c in r.get("step_kv") or ()))
-        out.append(BackendProfile(b["name"], b["device"], rates, cap=int(b["cap"]), kv_cells=int(b["n_ctx"]),
-                                  n_batch=int(b.get("n_batch", 512))))
-    return Profile("recorded", tuple(out), "the backends and rates the recorded run used")
+        recorded = Rates(float(r["prefill_tok_s"]), float(r["decode_tok_s"]), float(r.get("step_alpha_s", 0.0)),
+                         float(r.get("step_beta_s", 0.0)), str(r.get("source", "recorded")),
+                         tuple(r.get("step_table") or ()), step_gamma_s=float(r.get("step_gamma_s", 0.0)),
+                         step_cells=tuple(float(c) for c in r.get("step_cells") or ()),
+                         step_delta_s=float(r.get("step_delta_s", 0.0)),
+                         step_kv=tuple(float(c) for c in r.get("step_kv") or ()),
+                         measured_at=str(r.get("measured_at") or ""))
+        if not recorded.placeholder:
+            out[b["name"]] = (recorded, f"the rates recorded with the run ({recorded.origin})")
+            continue
+        entry = _calibration_of(b, model or {}, store)
+        if entry is None:
+            out[b["name"]] = (recorded, "the run's placeholder rates: it was not measured, and this machine has no "
+                                        "calibration of its model and config")
+        else:
+            out[b["name"]] = (rates_from_entry(entry), f"this machine's calibration of its model and config "
+                                                       f"({entry.get('measured_at', '?')[:19]}; the run recorded "
+                                                       f"placeholders)")
+    return out
+
+
+def _calibration_of(backend: dict, model: dict, store: RateStore | None) -> dict | None:
+    """This machine's stored calibration of a recorded backend: its model's fingerprint and its
+    `config_key` (recorded since the benches measure at load), else the same device and
+    threads (older runs recorded no key); the latest such entry."""
+    fingerprint = model.get("fingerprint")
+    if not fingerprint:
+        return None
+    store = store or RateStore()
+    key = backend.get("config_key")
+    if key:
+        return store.lookup(fingerprint, key)
+    prefix = f"{backend.get('device')}:threads={backend.get('threads')},"
+    found = [e for e in store.entries().values()
+             if e.get("fingerprint") == fingerprint and str(e.get("config", "")).startswith(prefix)]
+    return max(found, key=lambda e: e.get("measured_at", ""), default=None)
 
 
 def replay(directory: Path, progress: Progress | None = None, hardware: Profile | None = None,
@@ -332,7 +374,7 @@ def _replay(directory: Path, summary: dict, progress: Progress | None, hardware:
             continue
         kv = meta.get("kv_seqs")
         engine = next((e for e in engines if e.get("kv_seqs") == kv), engines[0])
-        profile = replay_profile(engine)
+        profile = replay_profile(engine, summary.get("model") or {})
         if hardware is not None:
             for hb in hardware.backends:
                 if any(b.name == hb.name for b in profile.backends):
@@ -512,6 +554,10 @@ def run_replay(directory: Path, out: Path | None, hardware: Profile | None = Non
     if not rows:
         raise InvalidRequest(f"--replay {directory}: no engine rows to predict")
     text = replay_markdown(directory, rows)
+    summary = recorded_summary(directory)
+    engines = summary.get("engines") or [{"backends": summary.get("backends") or []}]
+    used = replay_rates(engines[0], summary.get("model") or {})
+    text += "\n\nRates the router was told: " + "; ".join(f"{name}: {why}" for name, (_, why) in used.items()) + "."
     if hardware is not None:
         text += (f"\n\nDevices simulated with profile {hardware.name}'s speeds ("
                  + "; ".join(f"{b.name}: context term {b.hw.step_gamma_s * 1e6:.2f} µs per row per cell, "
@@ -524,7 +570,9 @@ def run_replay(directory: Path, out: Path | None, hardware: Profile | None = Non
         out.mkdir(parents=True, exist_ok=True)
         (out / "replay.md").write_text(text + "\n")
         (out / "replay.json").write_text(json.dumps({"source": str(directory), "created": datetime.now().astimezone()
-                                                     .isoformat(timespec="seconds"), "rows": bench_report._clean(rows)},
+                                                     .isoformat(timespec="seconds"),
+                                                     "rates": {name: why for name, (_, why) in used.items()},
+                                                     "rows": bench_report._clean(rows)},
                                                     indent=1) + "\n")
     return 0
 
@@ -564,16 +612,16 @@ def crossover(base: Profile, ratios, kv_seqs, policies, n: int, bar: Progress | 
 
 
 def _throughput(b: BackendProfile) -> float:
-    """Decode tokens/s of the device at its cap."""
-    return b.cap / b.hw.step_s(b.cap)
+    """Decode tokens/s of the device at its cap (an adaptive one's ceiling)."""
+    return b.most / b.hw.step_s(b.most)
 
 
 def marker(base: Profile) -> tuple[float, float]:
     """Where the base profile itself sits on its map: (ratio, KV budget in sequences)."""
     fast, slow = base.backends[0], base.backends[1]
     per_seq = 516 + 128
-    kv = (fast.kv_cells / per_seq) if fast.kv_cells else fast.cap
-    return _throughput(slow) / _throughput(fast), min(kv, fast.cap)
+    kv = (fast.kv_cells / per_seq) if fast.kv_cells else fast.most
+    return _throughput(slow) / _throughput(fast), min(kv, fast.most)
 
 
 def run_crossover(args) -> int:

@@ -108,7 +108,7 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", action="append", default=None, metavar="SPEC",
                    help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: two CPU "
                         "backends, threads=1 cap=4 ctx=2048)")
-    p.add_argument("--policy", default="seed-score", help="routing policy (default: %(default)s)")
+    p.add_argument("--policy", default="default", help="routing policy (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: %(default)s)")
     p.add_argument("--cancel-rate", type=float, default=0.2,
                    help="share of requests the client abandons mid-way (default: %(default)s)")

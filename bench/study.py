@@ -29,13 +29,13 @@ from pathlib import Path
 
 from engine import llama
 from engine.benchmark import RequestRecord, aggregate, oracle, run_metrics
-from engine.calibrate import parse_rates
+from engine.calibrate import calibrate_at_load, config_key, parse_rates
 from engine.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.errors import EngineError, InvalidRequest
 from engine.experiment import Collected, EngineRunner, Variant
 from engine.llama.model import file_fingerprint
-from engine.router import RouteQuery, Router, make_policy
+from engine.routing import RouteQuery, Router, make_policy
 from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
                              SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
                              shared_tokens_for, tokenized, with_requests)
@@ -380,11 +380,45 @@ def _load_engine(args, specs, caps, kv, overrides):
     if unknown:
         raise InvalidRequest(f"--rates names unknown backend(s) {', '.join(sorted(unknown))}")
     eng = Engine.load(args.model, new, rates=overrides)
+    try:
+        measured = _measure_placeholders(eng, args.model)
+    except BaseException:
+        eng.close()
+        raise
+    if measured:
+        notes.append("rates measured at load (no stored calibration of this model and config on this machine): "
+                     + ", ".join(f"{name} prefill {r.prefill_tok_s:,.0f} / decode {r.decode_tok_s:,.1f} tok/s"
+                                 for name, r in measured.items()))
     if kv:
         notes.append(f"KV budget {kv}: {sweep}'s context asked for room for {kv} whole sequences of "
                      f"{per_seq} tokens ({kv * per_seq} cells; llama.cpp made {eng.backends[sweep].n_ctx}); "
                      f"a shared prefix lets more run")
     return eng, sweep, notes
+
+
+def _measure_placeholders(eng, model: str) -> dict:
+    """Measure, as `serve` does at load, every local backend this machine has no stored rates
+    for (`engine.calibrate.calibrate_at_load`, a few seconds per config, stored for the next
+    run), with its progress on stderr: a bench never routes on placeholder rates. Backends
+    given `--rates` are not placeholders and are left alone."""
+    local = [b for b in eng.backends.values() if b.device != "remote"]
+    if not any(b.rates.placeholder for b in local) or eng.model is None:
+        return {}
+    bar: list[Progress] = []
+
+    def progress(done: int, total: int, what: str) -> None:
+        if not bar:
+            bar.append(Progress(total, "measuring rates"))
+        bar[0].set(done, what)
+
+    def say(text: str) -> None:
+        print(f"tandem bench: {text}", file=sys.stderr, flush=True)
+
+    try:
+        return calibrate_at_load(local, Path(eng.model.path), eng.model.info.name, status=say, progress=progress)
+    finally:
+        if bar:
+            bar[0].close()
 
 
 def _default_sweep(configs) -> str:
@@ -462,6 +496,7 @@ def _engine_info(eng, sweep) -> list[dict]:
         out.append({"name": b.name, "device": b.model.device, "cap": c.cap, "n_ctx": b.n_ctx,
                     "threads": c.threads, "n_seq_max": c.n_seq_max, "n_batch": c.n_batch,
                     "kv_unified": c.kv_unified, "swept": b.name == sweep,
+                    "config_key": config_key(c, b.model.device) if b.device != "remote" else "",
                     "rates": asdict(b.rates)})
     return out
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from .events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from .handle import Outbox, RequestHandle
-from .limiter import ConcurrencyLimiter
+from .limiter import CEILING, START, ConcurrencyLimiter
 from .llama.model import Model
 from .prefix_cache import PrefixCache
 from .request import FinishRecord, Request, RequestStatus, SamplingParams
@@ -56,8 +56,8 @@ log = logging.getLogger(__name__)
 # at cap 32 and 7.97 s at 48 (more prompt chunks beside more decodes, over more cells), and the
 # limiter, let up to 48, took 8.21 s (round4/caps-long).
 # On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
-AUTO_CAP = {"gpu": 32, "cpu": 16}
-AUTO_START = {"gpu": 8, "cpu": 4}
+AUTO_CAP = CEILING  # engine/limiter.py, the one place they are set
+AUTO_START = START
 # KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: what
 # AUTO_CTX_MEMORY_SHARE of the device's free memory holds, shared among the contexts the spec
 # makes there, up to AUTO_CTX_MAX_CELLS (never under the CPU's; `auto_pool_cells`). 65,536 cells

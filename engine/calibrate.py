@@ -766,10 +766,12 @@ LOAD_GEN = 8
 
 
 def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: RateStore | None = None,
-                      status: Callable[[str], None] | None = None, timeout: float = 300.0) -> dict[str, Rates]:
+                      status: Callable[[str], None] | None = None, timeout: float = 300.0,
+                      progress: Progress | None = None) -> dict[str, Rates]:
     """Measure the local `backends` (started, idle) that still have placeholder rates, one per
     speed-relevant config (`config_key`), apply the rates to every backend of that config
     (`source="measured"`) and store them; return {backend name: rates} for those measured.
+    `progress(done, total, what)` hears each measuring step (`serve` and the benches show it).
 
     A backend that cannot be measured (a context too small, a failed step) keeps its
     placeholder rates, with a warning: the engine still serves.
@@ -787,7 +789,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
             status(f"measuring {first.name}'s speed (a few seconds, once per model and config on this machine)")
         try:
             cal = calibrate_backend(first, prompt_tokens=LOAD_PROMPT, gen_tokens=LOAD_GEN,
-                                    batches=sorted({1, first.cap}), repeats=1, timeout=timeout)
+                                    batches=sorted({1, first.cap}), repeats=1, timeout=timeout, progress=progress)
         except Exception as e:  # keep serving on the placeholder; the cards flag it
             log.warning("%s: measuring rates at load failed, placeholder rates stay: %s", first.name, e)
             continue

@@ -43,7 +43,7 @@ from .handle import RequestHandle
 from .llama.model import Model, ModelRegistry, resolve_model
 from .protocol import BackendProtocol
 from .request import Request, RequestStatus, SamplingParams
-from .router import RouteQuery, Router
+from .routing import RouteQuery, Router
 from .snapshot import BackendSnapshot, Rates
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | Path | None, configs: list[BackendConfig | RemoteConfig], *,
-             policy: str = "seed-score", rates: dict[str, Rates] | None = None, progress=None,
+             policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None) -> "Engine":
         """Resolve the model, load it once per device, start one backend per config.

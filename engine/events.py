@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RequestRouted:
-    decision: object  # engine.router.RoutingDecision
+    decision: object  # engine.routing.RoutingDecision
 
 
 @dataclass(frozen=True, slots=True)

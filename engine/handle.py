@@ -26,7 +26,7 @@ from .errors import RequestFailed
 from .request import FinishRecord, Request
 
 if TYPE_CHECKING:
-    from .router import RoutingDecision
+    from .routing import RoutingDecision
 
 _END = object()
 _gathering = threading.local()

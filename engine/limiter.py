@@ -54,6 +54,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# An adaptive cap's ceiling and start per device kind, when no cap is given (`gpu`, `cap=auto`):
+# the one place they are set (engine/backend.py divides them among a spec's contexts; the
+# simulator's adaptive backends use them too). The ceiling is a measurement's to decide, not
+# one workload's: `scripts/gpu/steps.sh defaults` compares the default with fixed caps 16 / 32 /
+# 64 on the study, long prompts and 4 / 16 / 32 tenants. What set 32 (H200, Qwen2.5-0.5B shape):
+# decode tok/s still rises to b = 32 (6,016 tok/s against 3,916 at 16, docs/results/gpu/speed10),
+# but the 1,516-token workload ran 6.71 s at cap 32 and 7.97 s at 48 (more prompt chunks beside
+# more decodes, over more cells), and the limiter, let up to 48, took 8.21 s (round4/caps-long);
+# the 4-tenant workload was fastest at 64 (issue 25). On a CPU decode flattens sooner and each
+# sequence's tokens come slower with every one added.
+CEILING = {"gpu": 32, "cpu": 16}
+START = {"gpu": 8, "cpu": 4}
+
 
 @dataclass(slots=True)
 class _Window:

@@ -12,7 +12,7 @@ with the token it feeds, and `kv` the pool's cells in use during the step (the s
 (`Rates.step_at` adds the calibrated context term and the masked scan; none for a profile
 without them) (or, for a profile with a fixed cost per prompt chunk, `step_s(b) + chunk_fixed_s + p*k`,
 plus `admit_s` per request admitted in the step; `BackendProfile.step_seconds`), after which `update_from_output` gets one token per logits row. Every arrival is
-routed by a real `engine.router.Router` over the backends' snapshots, taken exactly as
+routed by a real `engine.routing.Router` over the backends' snapshots, taken exactly as
 `Backend.snapshot` takes them (running items first, then the queue, with the cache estimate
 pinned at routing time). The clock the schedulers and the router read is the simulation's.
 
@@ -53,7 +53,8 @@ from typing import Any
 from .benchmark import RequestRecord, decision_line
 from .errors import InvalidRequest
 from .request import Request, RequestStatus, SamplingParams
-from .router import RouteQuery, Router
+from .routing import RouteQuery, Router
+from .limiter import CEILING, START, ConcurrencyLimiter
 from .scheduler import Plan, Scheduler, SeqState, default_seq_slots
 from .snapshot import BackendSnapshot, CacheStats, Rates
 from .workload import Workload
@@ -69,9 +70,11 @@ class BackendProfile:
     """One simulated backend: its speed, its KV room and its cap.
 
     `rates` is what the router is told; `hardware` what the device does (None: the same).
-    `kv_cells` is the context's size in KV cells (0: room for `cap` sequences of the workload,
-    computed by the simulation); `busy_chunk` the prompt chunk while others wait (0: the
-    engine's default, `n_batch` on a GPU and `n_batch // 8` on a CPU).
+    `cap` 0 is the engine's default, an adaptive cap: the real limiter (engine/limiter.py) fed
+    each simulated step, from the device's `START` up to `ceiling` (0: the device's `CEILING`).
+    `kv_cells` is the context's size in KV cells (0: room for `cap` (or the ceiling) sequences of
+    the workload, computed by the simulation); `busy_chunk` the prompt chunk while others wait
+    (0: the engine's default, `n_batch` on a GPU and `n_batch // 8` on a CPU).
     """
 
     name: str
@@ -90,10 +93,24 @@ class BackendProfile:
     chunk_fixed_s: float = 0.0
     prefill_ref_tokens: int = 512
     admit_s: float = 0.0  # host work per request admitted in a step (sequence setup), on the step
+    ceiling: int = 0  # an adaptive cap's (`cap` 0) ceiling; 0: the device's `CEILING`
 
     @property
     def hw(self) -> Rates:
         return self.hardware or self.rates
+
+    @property
+    def adaptive(self) -> bool:
+        return self.cap == 0
+
+    @property
+    def kind(self) -> str:
+        return "cpu" if self.device == "cpu" else "gpu"
+
+    @property
+    def most(self) -> int:
+        """The most sequences it may run at once: its cap, or an adaptive cap's ceiling."""
+        return self.cap or self.ceiling or CEILING[self.kind]
 
     def step_seconds(self, n_decode: int, n_prefill: int, n_admitted: int = 0, cells: float | None = None,
                      kv: float | None = None) -> float:
@@ -136,7 +153,7 @@ class BackendProfile:
                        chunk_overhead_s=float(d.get("chunk_overhead_s", 0.0)),
                        chunk_fixed_s=float(d.get("chunk_fixed_s", 0.0)),
                        prefill_ref_tokens=int(d.get("prefill_ref_tokens", 512)),
-                       admit_s=float(d.get("admit_s", 0.0)))
+                       admit_s=float(d.get("admit_s", 0.0)), ceiling=int(d.get("ceiling", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequest(f"bad backend profile {dict(d)!r}: {e!r}") from None
 
@@ -231,6 +248,8 @@ STUDY_M2_SLOW = Profile("study-m2-slow", (
 #   fitted number, fitted on docs/results/gpu/grid2/grid-open alone (it minimises the median
 #   TTFT p50 error there over 0-1.5 ms) and validated on grid-kv and both boundary runs
 #   (docs/results/simulate/gpu-grid2.md).
+# Both backends have the engine's default adaptive caps (cap 0), as `tandem serve --model M`
+# makes them; `--set gpu.cap=16` (or a grid's `--caps`) fixes one.
 _H200_CALIBRATED_TABLE = (0.0012400, 0.0016133, 0.0017627, 0.0019968, 0.0023091, 0.0025667, 0.0028006, 0.0030280,
                           0.0045841, 0.0046991, 0.0047219, 0.0048108, 0.0049083, 0.0049837, 0.0050488, 0.0051355)
 _H200_ENGINE_STEP = {1: 1 / 808.19, 4: 4 / 2064.02, 16: 16 / 3679.22, 32: 32 / 5725.58, 64: 64 / 7927.94,
@@ -254,10 +273,10 @@ def _h200_gpu_table() -> tuple[float, ...]:
 
 H200 = Profile("h200", (
     BackendProfile("gpu", "gpu", Rates(53514.1, 3115.6, 0.0010097, 0.00029451, "calibrated", _H200_CALIBRATED_TABLE),
-                   cap=16, kv_cells=16384, chunk_fixed_s=0.0032, admit_s=0.0005,
+                   cap=0, kv_cells=16384, chunk_fixed_s=0.0032, admit_s=0.0005,
                    hardware=Rates(53514.1, 3115.6, 0.0010097, 0.00029451, "engine microbenchmarks", _h200_gpu_table())),
     BackendProfile("cpu", "cpu", Rates(1969.7, 128.0, 0.0208902, 0.0026692, "calibrated",
-                                       (0.0230551, 0.0269214, 0.0290254, 0.0312511)), cap=4, kv_cells=4096),
+                                       (0.0230551, 0.0269214, 0.0290254, 0.0312511)), cap=0, kv_cells=4096),
 ), "one H200 + 15 Xeon cores, synthetic Qwen2.5-0.5B Q8_0: the router told docs/results/gpu/grid2/rates.json, "
    "the GPU stepping as today's engine measures (docs/results/simulate/README.md)")
 
@@ -302,7 +321,7 @@ def profile_from_snapshots(name: str, snapshots: Sequence[BackendSnapshot], desc
 
 
 def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
-    """`BACKEND.FIELD=VALUE` edits: `cap`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, the
+    """`BACKEND.FIELD=VALUE` edits: `cap` (0: adaptive), `ceiling`, `kv_cells`, `n_batch`, `busy_chunk`, `device`, the
     step costs `chunk_fixed_s`, `admit_s`, `chunk_overhead_s`, `prefill_ref_tokens`, or a
     rate (`prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`, `step_gamma_s`, `step_delta_s`) set on both the
     router's rates and the hardware; `hardware.RATE=` or `rates.RATE=` set one side only;
@@ -317,7 +336,7 @@ def apply_overrides(profile: Profile, settings: Iterable[str]) -> Profile:
             number = float(value) if attr != "device" else 0.0
         except ValueError:
             raise InvalidRequest(f"--set {text!r}: {value!r} is not a number") from None
-        if attr in ("cap", "kv_cells", "n_batch", "busy_chunk"):
+        if attr in ("cap", "kv_cells", "n_batch", "busy_chunk", "ceiling"):
             ints: dict[str, Any] = {attr: int(number)}
             b = replace(b, **ints)
         elif attr in ("chunk_overhead_s", "chunk_fixed_s", "admit_s"):
@@ -444,10 +463,13 @@ class _SimBackend:
     def __init__(self, profile: BackendProfile, n_ctx: int, clock: Callable[[], float]):
         self.p = profile
         self.rates = profile.rates
-        self.sched = Scheduler(cap=profile.cap, n_ctx=n_ctx, n_ctx_seq=n_ctx,
-                               n_seq_max=default_seq_slots(profile.cap, profile.device), n_batch=profile.n_batch,
-                               busy_chunk=profile.chunk(), name=profile.name, piece=_no_text, clock=clock)
+        limiter = ConcurrencyLimiter(profile.most, initial=START[profile.kind]) if profile.adaptive else None
+        self.sched = Scheduler(cap=profile.cap or 1, n_ctx=n_ctx, n_ctx_seq=n_ctx,
+                               n_seq_max=default_seq_slots(profile.most, profile.device), n_batch=profile.n_batch,
+                               busy_chunk=profile.chunk(), name=profile.name, piece=_no_text, clock=clock,
+                               limiter=limiter)
         self.plan: Plan | None = None  # the step in flight
+        self.plan_s = 0.0  # its seconds (an adaptive cap's limiter is fed them)
         self.busy = False
         self.gen = 0  # the valid step-end event's generation (a truncated run leaves a stale one)
         self.run: _DecodeRun | None = None  # decode steps fast-forwarded in bulk
@@ -490,7 +512,7 @@ class Simulation:
         self.now = 0.0
         per_seq = max((len(r.prompt) + r.max_tokens for r in workload.requests), default=1)
         clock = self._clock
-        self.backends = [_SimBackend(b, b.kv_cells or max(b.cap, 1) * per_seq + 64, clock)
+        self.backends = [_SimBackend(b, b.kv_cells or max(b.most, 1) * per_seq + 64, clock)
                          for b in profile.backends]
         self.by_name = {b.p.name: b for b in self.backends}
         self.router = Router(policy, budget, clock=clock)
@@ -608,7 +630,7 @@ class Simulation:
         cells = sum(s.n_past + 1 for s in plan.decode) / n_decode if n_decode else 0.0  # each row's context
         kv = self._pool(b, plan, n_prefill)
         d = b.p.step_seconds(n_decode, n_prefill, len(plan.admitted), cells, kv)
-        m = self._steady_steps(b, plan) if self.fast else 0
+        m = self._steady_steps(b, plan) if self.fast and sched.limiter is None else 0  # a limiter sees every step
         if m > 1:  # each next step: a cell more per row, and in a unified pool `n_decode` more in the pool
             grow = n_decode if sched.kv_unified else 1
             g = (b.p.step_seconds(n_decode, 0, 0, cells + 1, kv + grow)
@@ -616,7 +638,7 @@ class Simulation:
             b.run = _DecodeRun(self.now, d, m, list(plan.decode), g=g)
             heapq.heappush(events, (b.run.end(m), order, 1, (b, b.gen)))
         else:
-            b.plan = plan
+            b.plan, b.plan_s = plan, d
             heapq.heappush(events, (self.now + d, order, 1, (b, b.gen)))
         return order + 1
 
@@ -646,7 +668,7 @@ class Simulation:
     def _finish_step(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
         plan, b.plan = b.plan, None
         out.steps += 1
-        finished = b.sched.update_from_output(plan, [SAMPLED_TOKEN] * _logit_rows(plan))
+        finished = b.sched.update_from_output(plan, [SAMPLED_TOKEN] * _logit_rows(plan), seconds=b.plan_s)
         b.sched.take_ops()
         b.sched.take_unplaced()
         self._publish(b, finished + b.sched.take_finished(), out, submitted, name, n)

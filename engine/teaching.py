@@ -5,7 +5,7 @@ arithmetic is tested without a window; `ui/teaching.py` only renders it.
 The example is the article's requests 7 and 8: the GPU has 4 running requests with 124 then 122
 tokens of decode budget left and 2 then 3 queued; the CPU is idle; every request is a 516-token
 prompt whose first 496 tokens are cached on both backends, and generates 128 tokens. Each arrival
-is routed by a fresh `engine.router.Router` under `seed-score`, and every number here is read from
+is routed by a fresh `engine.routing.Router` under `seed-score`, and every number here is read from
 the resulting `RoutingDecision` (3.027 s stays on the GPU; 3.444 s > 3.118 s goes to the CPU), so
 changing a rate or the cached prefix moves the verdicts.
 
@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .router import BackendScore, RouteQuery, Router, RoutingDecision
+from .routing import BackendScore, RouteQuery, Router, RoutingDecision
 from .snapshot import BackendSnapshot, Rates, WorkItem
 
 # The article's rates (Apple M2, Qwen2.5-0.5B, profiled alone).

@@ -151,7 +151,7 @@ class TestMetrics:
 
 class TestDecisionLine:
     def test_format_of_the_router_issue(self):
-        from engine.router import RouteQuery, Router
+        from engine.routing import RouteQuery, Router
         from engine.snapshot import BackendSnapshot, Rates
 
         snaps = [BackendSnapshot("gpu", "gpu", 4, 4096, Rates(2551, 293)),

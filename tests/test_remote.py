@@ -26,7 +26,7 @@ from engine.events import EventBus
 from engine.handle import RequestHandle
 from engine.remote import RemoteBackend
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.router import Router
+from engine.routing import Router
 
 from waiting import wait_until
 

@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 
 from engine.errors import BackendUnavailable, InvalidRequest
-from engine.router import (
+from engine.routing import (
     BUDGET_MODES,
+    DEFAULT_POLICY,
     POLICIES,
     BackendScore,
     DecodeBudget,
@@ -94,7 +95,7 @@ class TestSeedGolden:
         assert round(s.score_s, 3) == 3.027
         assert (s.n_running, s.n_waiting) == (4, 2)
 
-        d = Router(clock=clock()).route(query("req-7"), [g, cpu()])
+        d = Router("seed-score", clock=clock()).route(query("req-7"), [g, cpu()])
         assert d.backend == "GPU"
         assert round(d.score_of("GPU").score_s, 3) == 3.027
         assert round(d.score_of("CPU").score_s, 3) == 3.118
@@ -106,7 +107,7 @@ class TestSeedGolden:
         assert (s.prefill_tokens, s.decode_tokens) == (80, 1000)
         assert round(s.score_s, 3) == 3.444
 
-        d = Router(clock=clock()).route(query("req-8"), [g, cpu()])
+        d = Router("seed-score", clock=clock()).route(query("req-8"), [g, cpu()])
         assert d.backend == "CPU"
         assert d.policy == "seed-score" and not d.pinned
         assert "3.444" in d.reason and "3.118" in d.reason
@@ -114,7 +115,7 @@ class TestSeedGolden:
 
     def test_full_gpu_alone_does_not_offload(self):
         # All 4 slots busy, nothing queued: the GPU still wins (SEED: "a full GPU is not enough").
-        d = Router().route(query(), [gpu(running(4, decode_left=124)), cpu()])
+        d = Router("seed-score").route(query(), [gpu(running(4, decode_left=124)), cpu()])
         assert d.backend == "GPU"
 
     def test_lost_cache_discount_would_offload_earlier(self):
@@ -127,11 +128,11 @@ class TestSeedGolden:
 
     def test_uncached_prompt_waits_for_gpu(self):
         # A cold prompt costs the CPU 516/73 s of prefill; the busy GPU still wins.
-        d = Router().route(query(cached=0), [gpu(running(4, 122) + queued(3)), cpu()])
+        d = Router("seed-score").route(query(cached=0), [gpu(running(4, 122) + queued(3)), cpu()])
         assert d.backend == "GPU"
 
     def test_decision_to_dict_is_json(self):
-        d = Router(clock=clock()).route(query("req-8"), [gpu(running(4, 122) + queued(3)), cpu()])
+        d = Router("seed-score", clock=clock()).route(query("req-8"), [gpu(running(4, 122) + queued(3)), cpu()])
         j = json.loads(json.dumps(d.to_dict()))
         assert j["backend"] == "CPU" and j["request_id"] == "req-8" and j["policy"] == "seed-score"
         gpu_score = next(s for s in j["scores"] if s["name"] == "GPU")
@@ -174,10 +175,13 @@ def test_policy_table(policy, gpu_items, cpu_items, expected):
 
 
 def test_every_registered_policy_is_made_by_its_name():
-    assert set(POLICIES) == {"seed-score", "predicted-finish", "least-work", "round-robin",
+    assert set(POLICIES) == {"finish-first", "seed-score", "predicted-finish", "least-work", "round-robin",
                              "cache-aware", "gpu-only", "cpu-only"}
     for name in POLICIES:
         assert make_policy(name).name == name
+    assert make_policy("default").name == DEFAULT_POLICY == "finish-first"
+    assert Router("default").policy == Router().policy == "finish-first"
+    assert "default" in policy_names()
     assert make_policy("only:GPU").name == "only:GPU"
     assert make_policy(" only:CPU ").backend == "CPU"
     assert "only:NAME" in policy_names()
@@ -362,8 +366,8 @@ class TestDecodeBudget:
 
     def test_the_ratio_budget_lowers_the_decode_term(self):
         g = gpu(running(4, 122) + queued(3))
-        raw = Router().route(query(), [g, cpu()])
-        r = Router(budget="ratio")
+        raw = Router("seed-score").route(query(), [g, cpu()])
+        r = Router("seed-score", budget="ratio")
         d = r.route(query(), [g, cpu()])
         assert d.budget == "ratio" and d.new_token_ratio == 0.7
         assert d.score_of("GPU").decode_s < raw.score_of("GPU").decode_s
@@ -377,7 +381,7 @@ class TestDecodeBudget:
         assert d.score_of("GPU").decode_tokens == pytest.approx(4 * 100 * 0.7 + 128)
 
     def test_raw_mode_leaves_ratio_alone(self):
-        r = Router()
+        r = Router("seed-score")
         r.route(query(), [gpu(running(4, 100)), cpu()])
         assert r.new_token_ratio == 0.7
 
@@ -422,7 +426,7 @@ class TestRouter:
         r = Router()
         with pytest.raises(InvalidRequest):
             r.set_policy("nope")
-        assert r.policy == "seed-score"  # unchanged
+        assert r.policy == "finish-first"  # unchanged: the default
         assert r.set_policy("least-work") == "least-work" and r.policy == "least-work"
 
     @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "cpu-only"])
@@ -666,7 +670,7 @@ class TestCacheAware:
         assert d.backend == "b" and "a unhealthy" in d.reason
 
     def test_parameters_are_checked(self):
-        from engine.router import CacheAware
+        from engine.routing import CacheAware
 
         for bad in (dict(cache_threshold=1.5), dict(balance_abs=-1), dict(balance_rel=0.5)):
             with pytest.raises(ValueError):
@@ -808,7 +812,7 @@ class TestCacheAwareParameters:
 
 class TestRecentPrefixes:
     def test_match_is_whole_blocks_of_a_common_prefix(self):
-        from engine.router import RecentPrefixes
+        from engine.routing import RecentPrefixes
 
         m = RecentPrefixes(block=4)
         m.record(m.hashes(list(range(10))), "a")
@@ -819,7 +823,7 @@ class TestRecentPrefixes:
         assert m.match(m.hashes(list(range(8)))) == {"a": 8, "b": 4}
 
     def test_records_older_than_the_window_are_forgotten(self):
-        from engine.router import RecentPrefixes
+        from engine.routing import RecentPrefixes
 
         m = RecentPrefixes(block=2, window=2, max_blocks=3)
         m.record(m.hashes([1, 1]), "a")
@@ -829,7 +833,7 @@ class TestRecentPrefixes:
         assert m.match(m.hashes([1, 1])) == {}
 
     def test_past_max_blocks_the_oldest_hashes_are_forgotten(self):
-        from engine.router import RecentPrefixes
+        from engine.routing import RecentPrefixes
 
         m = RecentPrefixes(block=2, window=100, max_blocks=3)
         m.record(m.hashes([1, 1]), "a")
@@ -840,7 +844,7 @@ class TestRecentPrefixes:
         assert m.match(m.hashes([4, 4, 4, 4])) == {"b": 4}
 
     def test_a_block_of_zero_tokens_is_refused(self):
-        from engine.router import RecentPrefixes
+        from engine.routing import RecentPrefixes
 
         with pytest.raises(ValueError):
             RecentPrefixes(block=0)
@@ -881,7 +885,7 @@ class TestPredictedFinishN:
         assert loads == [4, 4, 4, 4]
 
     def test_first_token_golden(self):
-        from engine.router import predicted_first_token
+        from engine.routing import predicted_first_token
 
         assert predicted_first_token(query(), snap("GPU", "gpu", CAL_GPU)).score_s == pytest.approx(20 / 2551)
         g = snap("GPU", "gpu", CAL_GPU, running(1, 10), cap=1)

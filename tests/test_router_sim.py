@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.router import Policy, RecentPrefixes, RouteQuery, Router
+from engine.routing import Policy, RecentPrefixes, RouteQuery, Router
 from engine.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 PREFIX, OWN, CAP, CACHE_TENANTS, TENANTS = 1500, 50, 8, 4, 8
@@ -174,7 +174,7 @@ def test_cache_aware_beats_an_sglang_style_rule_over_seeds(monkeypatch, tenants,
     # loaded rate, total makespan and summed median TTFT must both be lower. Measured: 8
     # tenants, caches for 4: 13.3 s vs 14.4 s mean makespan, 0.37 s vs 0.86 s TTFT p50;
     # 32 tenants, caches for 8: 14.6 s vs 15.0 s, 0.87 s vs 1.13 s.
-    import engine.router as router
+    import engine.routing.registry as router
 
     monkeypatch.setitem(router.POLICIES, "sglang-style", SGLangStyle)
     kw = dict(tenants=tenants, cache_tenants=cache_tenants)

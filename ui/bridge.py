@@ -42,7 +42,7 @@ class EngineBridge(QObject):
     step counters under `_lock`; everything else runs on the GUI thread.
     """
 
-    routed = Signal(object)  # engine.router.RoutingDecision
+    routed = Signal(object)  # engine.routing.RoutingDecision
     admitted = Signal(object)  # engine.events.RequestAdmitted
     finished = Signal(object)  # engine.request.FinishRecord
     tick = Signal(object)  # Tick

@@ -15,23 +15,13 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import EngineError
-from engine.router import BUDGET_MODES, POLICIES
+from engine.routing import BUDGET_MODES, POLICIES
+from engine.routing import HELP as POLICY_HELP  # one line per policy, beside each (engine/routing/)
 from engine.snapshot import Rates
 
 from .theme import backend_color, wrap_label
 from .worker import Worker
 
-POLICY_HELP = {
-    "seed-score": "The study's score: prefill tokens / prefill rate + decode budget / decode rate; lowest wins.",
-    "predicted-finish": "Simulates each backend's queue under its cap and picks the earliest finish of the new request.",
-    "least-work": "Fewest remaining prefill + decode tokens; ignores the rates.",
-    "round-robin": "Takes turns, ignoring load (a baseline).",
-    "cache-aware": "Keeps each tenant (requests sharing a prompt prefix) on the backend that caches it, moving "
-                   "small tenants off a busier backend; otherwise the soonest first token, pricing the cached "
-                   "prefill against the queue.",
-    "gpu-only": "Everything to the first GPU backend (the study's baseline).",
-    "cpu-only": "Everything to the first CPU backend.",
-}
 BUDGET_HELP = {
     "raw": "Every request counts its whole unused max_tokens budget (the study's rule).",
     "ratio": "Running requests' budget scaled by SGLang's new_token_ratio (starts 0.7, decays to 0.1).",

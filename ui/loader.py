@@ -30,7 +30,7 @@ class ModelSpec:
 
     model: str = "default"
     backends: tuple[str, ...] = field(default_factory=tuple)  # empty: the engine's defaults
-    policy: str = "seed-score"
+    policy: str = "default"
 
     def describe(self) -> str:
         return self.model + (f" on {', '.join(self.backends)}" if self.backends else "")

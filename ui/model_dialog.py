@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (
     QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton, QRadioButton, QVBoxLayout, QWidget,
 )
 
-from engine.router import POLICIES
+from engine.routing import DEFAULT, POLICIES
 
 from .loader import ModelSpec
 from .local_models import LocalModel, recent_entries, scan
@@ -77,7 +77,7 @@ class ModelDialog(QDialog):
         self.backends_edit.setToolTip("Space-separated backend specs, e.g. `gpu:cap=4 cpu:threads=8,cap=4,ctx=4096`")
         self.policy_combo = QComboBox()
         self.policy_combo.setEditable(True)
-        self.policy_combo.addItems(list(POLICIES))
+        self.policy_combo.addItems([DEFAULT, *POLICIES])
         self.policy_combo.setCurrentText(current.policy)
 
         if current.model == "default":

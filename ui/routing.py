@@ -28,6 +28,8 @@ from PySide6.QtWidgets import (
     QTextBrowser, QVBoxLayout, QWidget,
 )
 
+from engine.routing import DEFAULT_POLICY
+
 from .axes import count_axis_top
 from .formatting import fmt_rate
 from .theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
@@ -343,7 +345,9 @@ class RoutingView(QWidget):
             self.table.scrollToBottom()
 
     def _on_tick(self, tick) -> None:
-        self.count_label.setText(f"{len(self.model.decisions)} rows · policy {self.engine.router.policy}")
+        policy = self.engine.router.policy
+        default = " (the default)" if policy == DEFAULT_POLICY else ""
+        self.count_label.setText(f"{len(self.model.decisions)} rows · policy {policy}{default}")
         if self._plot_dirty:
             self._plot_dirty = False
             self._redraw()

@@ -1,7 +1,7 @@
 """Teaching: the study's worked example replayed through the real router, step by step.
 
 Part 1 renders `engine.teaching`: the backend states the article describes at requests 7 and 8,
-routed by `engine.router.Router` under `seed-score`, and every number the narration shows (3.027 s
+routed by `engine.routing.Router` under `seed-score`, and every number the narration shows (3.027 s
 stays on the GPU; 3.444 s > 3.118 s goes to the CPU). This module only turns those numbers into
 HTML and a bar chart; editing a rate or the cached prefix re-runs the engine's replay and the
 verdicts move.

@@ -17,7 +17,7 @@ shared libraries crashed while loading a CPU-only model. So this package is the 
 `engine.llama.model` (through which every backend loads its model), and the entry points that
 load models import it before anything imports numpy: `app/__init__.py` (every `tandem` and
 `python -m app...` command) and `tests/conftest.py`. The pure engine (`import engine`,
-`engine.router`, `engine.prefix_cache`, ...) loads no native code at all; import-linter's
+`engine.routing`, `engine.prefix_cache`, ...) loads no native code at all; import-linter's
 contracts in pyproject.toml and `tests/test_import_order.py` check both.
 """
 

@@ -3,6 +3,8 @@
     python3 scripts/gpu/ratios.py tenants DIR          # output tok/s at K tenants / at the fewest, per policy
     python3 scripts/gpu/ratios.py pairs DIR A/B ...    # output tok/s of policy A / policy B, per workload
     python3 scripts/gpu/ratios.py caps DIR             # adaptive cap vs the best fixed cap, per workload
+    python3 scripts/gpu/ratios.py defaults DIR [LABEL [fixed]]  # the default (row LABEL, `default`) vs the best
+                                                       # tuned row (every other row; `fixed`: fixed-cap rows only)
 
 Every ratio compares rows of the same invocation (runs interleaved), never across calls.
 """
@@ -70,8 +72,34 @@ def caps(folder: str) -> None:
                   f"   [target: <= 1.05x / <= 1x]")
 
 
+def defaults(folder: str, label: str = "default", only: str = "") -> None:
+    """Per workload: the default row's makespan and TTFT p50 over those of the tuned row with the
+    lowest makespan (every other row: fixed caps, other layouts, HTTP targets; with `only` =
+    "fixed", the fixed-cap rows `POLICY@cap=N`)."""
+    rows, _ = _rows(folder)
+    by_workload: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by_workload[r["workload"]][r["policy"]] = r
+    for workload, variants in by_workload.items():
+        mine = variants.get(label)
+        tuned = {p: r for p, r in variants.items() if p != label
+                 and (only != "fixed" or ("@cap=" in p and not p.endswith("@cap=auto")))}
+        if mine is None or not tuned:
+            print(f"{workload}: no {label!r} row or no tuned row")
+            continue
+        best_name, best = min(tuned.items(), key=lambda kv: _mean(kv[1], "makespan_s"))
+        m = _mean(mine, "makespan_s") / _mean(best, "makespan_s")
+        t = _mean(mine, "ttft_p50_s") / _mean(best, "ttft_p50_s")
+        others = ", ".join(f"{p} {_mean(r, 'makespan_s'):.3f} s" for p, r in tuned.items())
+        verdict = "met" if m <= 1.03 and t <= 1.10 else "NOT met"
+        print(f"{workload}: {label} makespan {_mean(mine, 'makespan_s'):.3f} s, TTFT p50 "
+              f"{_mean(mine, 'ttft_p50_s'):.3f} s -> {m:.3f}x / {t:.2f}x the best tuned row ({best_name}: "
+              f"{_mean(best, 'makespan_s'):.3f} s, {_mean(best, 'ttft_p50_s'):.3f} s)   "
+              f"[target: <= 1.03x / <= 1.10x: {verdict}]   tuned: {others}")
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps"):
+    if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps", "defaults"):
         print(__doc__, file=sys.stderr)
         return 2
     kind, folder = argv[0], argv[1]
@@ -79,6 +107,8 @@ def main(argv: list[str]) -> int:
         tenants(folder)
     elif kind == "pairs":
         pairs(folder, argv[2:])
+    elif kind == "defaults":
+        defaults(folder, *argv[2:4])
     else:
         caps(folder)
     return 0

@@ -1,7 +1,7 @@
 # The steps of scripts/gpu/run.sh, one function each (names starting with _ are helpers).
 # Sourced on the GPU machine after `source .gpukit/enter.sh` ($LCBIN: llama.cpp's tools).
 # Knobs: MODEL (or QUANT: q8_0), GPU_DEVICE, RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
-M=${MODEL:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}
+M=${MODEL:-${M:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}}
 G=${GPU_DEVICE:-gpu}  # GPU_DEVICE=cpu tries a step on a machine without a GPU (MODEL=synthetic:tiny)
 SERVERS=()
 
@@ -459,4 +459,38 @@ chat_layouts() {  # ~9 min: the chat workload on one process per layout (1, 2, 4
   "$LCBIN/llama-server" -m "$P" -ngl 99 -np 32 -c 131072 --port 8305 --host 127.0.0.1 -fa auto \
     > "$OUT/logs/llama-server.log" 2>&1 & SERVERS+=($!)
   _wait_ready 8305; CHAT_LIMIT=${LLAMA_LIMIT:-100} _chat_bench llama-server-np32 8305; _stop_servers
+}
+
+# ---- defaults that never lose (issue 25) ----
+
+_defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: the default beside tuned rows
+  # The engine as a user gets it (no --backend: the default layout, adaptive caps) under `default`;
+  # in the same invocation the GPU backend alone at fixed caps ($CAPS) and, over HTTP, the GPU as two
+  # contexts under cache-aware ($TUNED2, a `tandem serve` started by `defaults`).
+  local dir=$1; shift
+  python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
+    --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-gpu-only}" \
+    --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" --target-warm 4 \
+    --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
+  python3 scripts/gpu/ratios.py defaults "$OUT/$dir" | tee -a "$OUT/defaults.txt"
+}
+
+defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) against the best tuned single-GPU
+             # configuration found in the same invocation (fixed caps 16/32/64; two contexts), on the study's
+             # N=48, the long-prompt workload and 4/16/32 tenants; prints makespan and TTFT p50 ratios
+  local n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
+  python3 -m app serve --model "$M" --backend "${TUNED2:-gpu:contexts=2,cap=32,threads=8}" --policy cache-aware \
+    --port "${TUNED2_PORT:-8097}" > "/tmp/tandem-serve-${TUNED2_PORT:-8097}.log" 2>&1 &
+  SERVERS+=($!)
+  _wait_ready "${TUNED2_PORT:-8097}"
+  _stamp "defaults: the study's N=$n48"
+  _defaults_grid defaults-n48 --requests "$n48" --shared 96 --outputs fixed --arrivals interval
+  _stamp "defaults: 1,516-token prompts (1,000 shared), outputs 32-512, Poisson 20/s, N=$long"
+  _defaults_grid defaults-long --requests "$long" --prompt-tokens "${LONG_PROMPT:-1516}" --shared 66 \
+    --outputs uniform --min-output 32 --max-output "${LONG_MAX_OUT:-512}" --arrivals poisson --rate 20
+  _stamp "defaults: ${TENANTS:-4,16,32} tenants (1,500-token prefixes, 50-token suffixes), outputs 32-256, Poisson 40/s, N=$tn"
+  _defaults_grid defaults-tenants --requests "$tn" --tenants "${TENANTS:-4,16,32}" \
+    --tenant-prefix-tokens "${TENANT_PREFIX:-1500}" --tenant-suffix-tokens 50 --outputs uniform --min-output 32 \
+    --max-output "${TENANT_MAX_OUT:-256}" --arrivals poisson --rate 40
+  _stop_servers
 }

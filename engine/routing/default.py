@@ -1,0 +1,191 @@
+"""`finish-first`, the default policy (`default`): each request goes where it finishes first.
+
+Everything that decides when the request's last token comes is counted, per backend:
+
+- the queue ahead of it, admitted first come first served under the backend's live cap and
+  the KV room admission needs (the uncached prompt plus headroom; decode budgets are not
+  reserved, as the scheduler reserves none), each admission paying its uncached prefill;
+- its own prefill, less what that backend has cached for it: what its prefix cache holds,
+  or a prefix routed there moments ago and still queued or in prefill (the scheduler defers a
+  request behind a running prefill of its prefix and reuses it), so a tenant's or a
+  conversation's requests stay where their prefix lives as long as that is where they finish
+  first;
+- its own decode, at the per-sequence speed of the batch it joins: one token per step of
+  `Rates.step_s(b)`, the calibrated step at batch b, as the batch shrinks while others finish.
+
+The lowest predicted finish wins; a backend that cannot finish the request sooner gets
+nothing, and a backend that can (the study's M2, where the GPU's 4 slots are full and the CPU
+is idle) gets it. Running and queued requests are priced at their whole remaining budget (a
+stop string is not foreseen), the same on every backend.
+
+Why not `seed-score`: it sums the tokens queued on a backend over its aggregate rates and never
+asks when this request would finish; on an H200 beside a 15-thread CPU it sent 256-token
+replies to a CPU that decodes one sequence at ~30 tok/s (issue 25).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from ..snapshot import BackendSnapshot
+from .cache_aware import RecentPrefixes
+from .policy import Policy, fmt_s, make_score, seconds_for, step_seconds
+from .types import BackendScore, RouteQuery
+
+NAME = "finish-first"
+HELP = ("The default: each request goes where its last token comes first, counting the queue ahead "
+        "of it under the live cap, its prefill less what is cached there, and its decode at the "
+        "per-sequence speed of the batch it joins.")
+HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/scheduler.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """When the new request would finish on one backend, and its parts (seconds from now)."""
+
+    finish_s: float
+    wait_s: float  # until it is admitted (the queue ahead of it, their prefills included)
+    prefill_tokens: int  # its own uncached prompt
+    prefill_s: float  # its own prefill
+    batch: int  # the batch it joins
+    decode_s: float  # from its first token's step to its last
+    all_prefill_tokens: int  # prefill counted until it finishes (the queue's and its own)
+    all_decode_tokens: int  # tokens every sequence decodes until then
+    all_prefill_s: float
+    all_decode_s: float
+
+
+def finish_time(query: RouteQuery, snap: BackendSnapshot, cached: int | None = None) -> Finish:
+    """The new request's finish on `snap`'s backend if it were sent there now.
+
+    An event per sequence completion: O(items x cap). `cached` overrides the query's cached
+    prefix on this backend."""
+    rates = snap.rates
+    cap = max(snap.cap, 1)
+    hit = query.cached_on(snap.name) if cached is None else min(max(int(cached), 0), query.prompt_tokens)
+    room = snap.kv_cells_total - snap.cache.pinned_tokens if snap.kv_cells_total else math.inf
+    t = 0.0
+    prefill_tokens = decode_tokens = 0
+    prefill_s = decode_s = 0.0
+    active: list[list] = []  # [decode left, is the new request, private KV cells now]
+    for item in snap.running:
+        prefill_tokens += item.prefill_left
+        if item.decode_left > 0:
+            active.append([item.decode_left, False, item.prompt_tokens - item.cached_tokens + item.generated])
+    own = query.prompt_tokens - hit
+    queue = deque((i.prefill_left, i.decode_left, False) for i in snap.waiting)
+    queue.append((own, max(query.max_tokens, 1), True))
+    pre = seconds_for(prefill_tokens, rates.prefill_tok_s)
+    prefill_s += pre
+    t += pre
+    admitted_at = own_prefill_s = -1.0
+    batch = 0
+    used = sum(e[2] for e in active)
+    while True:
+        while queue and len(active) < cap and (not active or used + queue[0][0] + HEADROOM_CELLS <= room):
+            p, d, is_new = queue.popleft()
+            s = seconds_for(p, rates.prefill_tok_s)
+            if is_new:
+                admitted_at, own_prefill_s = t, s
+            prefill_tokens += p
+            prefill_s += s
+            t += s
+            used += p
+            if d > 0:
+                active.append([d, is_new, p])
+            if is_new:
+                batch = len(active)
+        if not active:
+            break
+        b = len(active)
+        k = min(e[0] for e in active)
+        dt = k * step_seconds(rates, b)
+        decode_s += dt
+        t += dt
+        decode_tokens += k * b
+        used += k * b  # every running sequence took k cells
+        done = False
+        left = []
+        for e in active:
+            e[0] -= k
+            e[2] += k
+            if e[0] > 0:
+                left.append(e)
+            else:
+                used -= e[2]  # a finished sequence's cells are freed (or cached, so evictable)
+                done = done or e[1]
+        active = left
+        if done:
+            break
+    return Finish(finish_s=t, wait_s=admitted_at, prefill_tokens=own, prefill_s=own_prefill_s, batch=batch,
+                  decode_s=t - admitted_at - own_prefill_s, all_prefill_tokens=prefill_tokens,
+                  all_decode_tokens=decode_tokens, all_prefill_s=prefill_s, all_decode_s=decode_s)
+
+
+class FinishFirst(Policy):
+    """Lowest `finish_time()` wins; ties go to the first backend in order. The budget mode is
+    ignored. Prefixes routed to a backend in the last `RecentPrefixes.window` requests count as
+    cached there (they are computed once, then shared)."""
+
+    name = NAME
+    uses_budget = False
+
+    def __init__(self, recent: RecentPrefixes | None = None):
+        self.recent = recent or RecentPrefixes()
+        self._query: RouteQuery | None = None
+        self._hashes: list[int] = []
+        self._routed: dict[str, int] = {}
+        self._parts: dict[str, tuple[Finish, int, int]] = {}  # backend -> (finish, cached, of which in flight)
+
+    def score(self, query, snap, budget):
+        if self._query is not query:
+            self._query = query
+            self._parts = {}
+            self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
+            self._routed = self.recent.match(self._hashes) if self._hashes else {}
+        held = query.cached_on(snap.name)
+        hit = max(held, min(self._routed.get(snap.name, 0), query.prompt_tokens))
+        f = finish_time(query, snap, hit)
+        self._parts[snap.name] = (f, hit, hit - held)
+        return make_score(snap, hit, f.all_prefill_tokens, f.all_decode_tokens, f.all_prefill_s, f.all_decode_s)
+
+    def choose(self, query, scores):
+        eligible = [s for s in scores if s.eligible]
+        best = min(eligible, key=lambda s: s.score_s)  # min() keeps the first of equal scores
+        others = sorted((s for s in eligible if s is not best), key=lambda s: s.score_s)
+        reason = f"{best.name} finishes first: {self._explain(best)}"
+        if others:
+            rel = "ties with" if others[0].score_s == best.score_s else "before"
+            reason += f"; {rel} {self._explain(others[0])}"
+            if rel == "ties with":
+                reason += f" (the tie goes to {best.name}, first in order)"
+        skipped = [s.name for s in scores if not s.eligible]
+        if skipped:
+            reason += f" ({', '.join(skipped)} unhealthy)"
+        self.pinned(query, best.name)
+        return best.name, reason
+
+    def pinned(self, query, backend):
+        if self._hashes and self._query is query:
+            self.recent.record(self._hashes, backend)
+        self._query = None
+
+    def _explain(self, s: BackendScore) -> str:
+        part = self._parts.get(s.name) if self._query is not None else None
+        if part is None:
+            return f"{s.name} in {fmt_s(s.score_s)}"
+        f, hit, in_flight = part
+        if not math.isfinite(f.finish_s):
+            return f"{s.name} never (no rate)"
+        q = self._query
+        cached = ""
+        if hit:
+            cached = f", {hit:,} cached" + (f" ({in_flight:,} routed there, in flight)" if in_flight else "")
+        per_seq = q.max_tokens / f.decode_s if f.decode_s > 0 else math.inf
+        return (f"{s.name} in {f.finish_s:.3f} s (waits {f.wait_s:.3f} s behind {s.n_running} running + "
+                f"{s.n_waiting} queued under cap {s.cap}; prefills {f.prefill_tokens:,} of {q.prompt_tokens:,} "
+                f"tokens in {f.prefill_s:.3f} s{cached}; decodes {q.max_tokens:,} tokens at batch {f.batch} "
+                f"in {f.decode_s:.3f} s, {per_seq:.0f} tok/s for it)")
+

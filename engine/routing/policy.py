@@ -1,0 +1,99 @@
+"""The policy interface every routing policy implements, and the arithmetic and wording
+the policies share (seconds from tokens and rates, a `BackendScore` from totals, the lowest
+eligible score with its explanation against the runner-up)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..snapshot import BackendSnapshot, Rates
+from .budget import DecodeBudget
+from .types import BackendScore, RouteQuery
+
+
+class Policy:
+    """Scores every backend and picks one. Subclasses override `score` and/or `choose`.
+
+    The default scoring is the seed score, so baselines that ignore it (round-robin, only:)
+    still record comparable numbers in their decisions.
+    """
+
+    name = ""
+    uses_budget = True  # whether the decode-budget mode changes this policy's scores
+
+    def score(self, query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget) -> BackendScore:
+        from .seed_score import seed_score  # (seed_score.py builds on this module)
+
+        return seed_score(query, snap, budget)
+
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
+        """Return (backend name, reason) among the eligible `scores` (at least one exists)."""
+        raise NotImplementedError
+
+    def pinned(self, query: RouteQuery, backend: str) -> None:
+        """The request named its backend and bypassed `choose`: a stateful policy may note it."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def seconds_for(tokens: float, rate: float) -> float:
+    if tokens <= 0:
+        return 0.0
+    return tokens / rate if rate > 0 else math.inf
+
+
+def step_seconds(rates: Rates, batch: int) -> float:
+    if not (rates.step_alpha_s or rates.step_beta_s) and rates.decode_tok_s <= 0:
+        return math.inf
+    return rates.step_s(batch)
+
+
+def make_score(snap, cached, prefill, decode, prefill_s, decode_s) -> BackendScore:
+    return BackendScore(
+        name=snap.name,
+        device=snap.device,
+        cached_tokens=cached,
+        prefill_tokens=prefill,
+        decode_tokens=decode,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        score_s=prefill_s + decode_s,
+        rates=snap.rates,
+        n_running=len(snap.running),
+        n_waiting=len(snap.waiting),
+        cap=snap.cap,
+        eligible=snap.healthy,
+    )
+
+
+def lowest(scores, key, explain) -> tuple[str, str]:
+    """Eligible entry with the lowest key (first wins ties) and the explanation against the runner-up."""
+    eligible = [s for s in scores if s.eligible]
+    best = min(eligible, key=key)  # min() keeps the first of equal keys
+    others = [s for s in eligible if s is not best]
+    if not others:
+        skipped = [s.name for s in scores if not s.eligible]
+        why = f" ({', '.join(skipped)} unhealthy)" if skipped else ""
+        return best.name, f"only eligible backend{why}: " + explain(best, None)
+    runner_up = min(others, key=key)
+    return best.name, explain(best, runner_up)
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:.3f} s" if math.isfinite(seconds) else "never (no rate)"
+
+
+def _runner_up(eligible: Sequence[BackendScore], best: BackendScore) -> BackendScore:
+    others = [s for s in eligible if s is not best]
+    return min(others, key=lambda s: s.score_s) if others else best
+
+
+def fmt_tok(x: float) -> str:
+    """Token counts: whole numbers plain, ratio-scaled ones with one decimal."""
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def names_of(scores: Sequence[BackendScore]) -> str:
+    return ", ".join(s.name for s in scores)

@@ -1,0 +1,221 @@
+"""The default policy, finish-first (engine/routing/default.py), on synthetic router states:
+no model, no threads. Properties over random states (hypothesis) and the study's and the
+H200's decisions by hand."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
+from engine.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+
+M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
+M2_CPU = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
+# The simulator's h200 profile: what the router is told (engine/simulate.py, docs/results/gpu/grid2).
+H200_GPU = Rates(53514.1, 3115.6, 0.0010097, 0.00029451, "calibrated",
+                 (0.0012400, 0.0016133, 0.0017627, 0.0019968, 0.0023091, 0.0025667, 0.0028006, 0.0030280,
+                  0.0045841, 0.0046991, 0.0047219, 0.0048108, 0.0049083, 0.0049837, 0.0050488, 0.0051355))
+H200_CPU = Rates(1969.7, 128.0, 0.0208902, 0.0026692, "calibrated", (0.0230551, 0.0269214, 0.0290254, 0.0312511))
+
+
+def snap(name, device, rates, items=(), cap=4, n_ctx=0, healthy=True, pinned=0) -> BackendSnapshot:
+    return BackendSnapshot(name=name, device=device, cap=cap, n_ctx=n_ctx or 65536, rates=rates, items=tuple(items),
+                           kv_cells_total=n_ctx, cache=CacheStats(pinned_tokens=pinned), healthy=healthy)
+
+
+def running(n, decode_left, prompt=516, cached=496, prefix="r", generated=0):
+    return [WorkItem(f"{prefix}{k}", True, prompt, cached, 0, decode_left, generated) for k in range(n)]
+
+
+def queued(n, prompt=516, cached=496, decode_left=128, prefix="q"):
+    return [WorkItem(f"{prefix}{k}", False, prompt, cached, prompt - cached, decode_left, 0) for k in range(n)]
+
+
+def query(rid="req", prompt=516, max_tokens=128, cached=None, tokens=()):
+    return RouteQuery(rid, prompt, max_tokens, cached or {}, tokens=tuple(tokens))
+
+
+# ---- the decisions the issue names ----
+
+
+def test_the_default_is_finish_first():
+    assert DEFAULT_POLICY == "finish-first"
+    assert Router().policy == Router("default").policy == "finish-first"
+
+
+def test_the_studys_request_8_still_goes_to_the_idle_cpu():
+    """The M2: 4 running on the GPU with 122 tokens left and 3 queued; the CPU would finish
+    request 8 sooner (3.118 s), so it still gets it."""
+    g = snap("gpu", "gpu", M2_GPU, running(4, 122) + queued(3))
+    c = snap("cpu", "cpu", M2_CPU)
+    q = query("req-8", cached={"gpu": 496, "cpu": 496})
+    d = Router().route(q, [g, c])
+    assert d.backend == "cpu", d.reason
+    assert round(d.score_of("cpu").score_s, 3) == 3.118  # idle: its prefill then its decode
+    assert d.score_of("gpu").score_s > d.score_of("cpu").score_s
+    assert d.reason.startswith("cpu finishes first: cpu in 3.118 s")
+
+
+def test_the_studys_request_7_stays_on_the_gpu():
+    g = snap("gpu", "gpu", M2_GPU, running(4, 124) + queued(2))
+    c = snap("cpu", "cpu", M2_CPU)
+    d = Router().route(query("req-7", cached={"gpu": 496, "cpu": 496}), [g, c])
+    assert d.backend == "gpu", d.reason
+
+
+def test_a_long_reply_is_not_sent_to_a_slow_cpu_that_seed_score_prefers():
+    """Issue 25's decision: the tokens queued on the GPU (about 16,500 prefill + 12,000 decode there)
+    make seed-score pick the CPU, whose one sequence decodes at ~30 tok/s; the GPU finishes a
+    256-token reply far sooner."""
+    tenant = dict(prompt=1550, cached=1000)
+    g = snap("gpu", "gpu", H200_GPU, running(16, 256, **tenant) + queued(32, decode_left=256, **tenant), cap=16,
+             n_ctx=65536)
+    cpu_rates = Rates(1969.7, 180.0, 0.030, 0.0025, "calibrated")  # 15 threads: ~30 tok/s for one sequence
+    c = snap("cpu", "cpu", cpu_rates, running(1, 491, prompt=1550, cached=1500), cap=4, n_ctx=4096)
+    q = query(prompt=1550, max_tokens=256, cached={"gpu": 1500, "cpu": 1500})
+    assert Router("seed-score").route(q, [g, c]).backend == "cpu"
+    d = Router().route(q, [g, c])
+    assert d.backend == "gpu", d.reason
+    gpu_s, cpu_s = d.score_of("gpu").score_s, d.score_of("cpu").score_s
+    assert gpu_s < 0.6 * cpu_s
+    assert "at batch 2" in d.reason and "tok/s for it" in d.reason
+
+
+def test_a_cached_prefix_keeps_its_tenant_where_it_finishes_first():
+    """Two equal backends, one holding the tenant's 1,500-token prefix: the request goes there
+    even with a request more in its queue, since its prefill there is 50 tokens, not 1,550."""
+    rates = Rates(prefill_tok_s=2000, decode_tok_s=100, source="override")
+    a = snap("a", "gpu", rates, running(1, 50, prompt=1550, cached=1500), cap=8)
+    b = snap("b", "gpu", rates, cap=8)
+    d = Router().route(query(prompt=1550, max_tokens=64, cached={"a": 1500}), [b, a])
+    assert d.backend == "a", d.reason
+    assert "1,500 cached" in d.reason
+
+
+def test_a_prefix_routed_moments_ago_counts_as_cached_there():
+    """The tenant's first request is still in flight on `a` (nothing cached yet): its second
+    one follows it, priced with the prefix computed once."""
+    rates = Rates(prefill_tok_s=2000, decode_tok_s=100, step_alpha_s=0.01, step_beta_s=0.0001, source="override")
+    prompt = tuple(range(1000, 2500))
+    r = Router()
+    first = r.route(query("t1", prompt=1550, max_tokens=64, tokens=prompt + tuple(range(50))),
+                    [snap("a", "gpu", rates, cap=8), snap("b", "gpu", rates, cap=8)])
+    assert first.backend == "a"
+    # t1 is mid-prefill on a: 500 of its 1,550 tokens to go
+    a = snap("a", "gpu", rates, [WorkItem("t1", True, 1550, 0, 500, 64, 0)], cap=8)
+    b = snap("b", "gpu", rates, cap=8)
+    second = r.route(query("t2", prompt=1550, max_tokens=64, tokens=prompt + tuple(range(60, 110))), [a, b])
+    assert second.backend == "a", second.reason
+    assert "routed there, in flight" in second.reason
+
+
+def test_a_full_kv_pool_makes_the_request_wait_for_room():
+    rates = Rates(prefill_tok_s=10000, decode_tok_s=1000, source="override")
+    roomy = snap("roomy", "gpu", rates, running(2, 100, prompt=1000, cached=0), cap=8, n_ctx=100000)
+    full = snap("full", "gpu", rates, running(2, 100, prompt=1000, cached=0), cap=8, n_ctx=2100)
+    q = query(prompt=1000, max_tokens=50)
+    assert finish_time(q, full).wait_s > finish_time(q, roomy).wait_s
+    assert Router().route(q, [full, roomy]).backend == "roomy"
+
+
+def test_kv_room_counts_the_cells_running_sequences_grow_into():
+    """920 cells: A (500 cells, 10 tokens to go) and B (300 cells, 100 to go) run. When A ends,
+    B holds 310 cells, so a 600-token prompt (+16 headroom) fits only once B is done too."""
+    rates = Rates(prefill_tok_s=1e9, decode_tok_s=100, step_alpha_s=0.01, source="override")
+    items = [WorkItem("A", True, 500, 0, 0, 10, 0), WorkItem("B", True, 300, 0, 0, 100, 0)]
+    f = finish_time(query(prompt=600, max_tokens=5), snap("x", "gpu", rates, items, cap=8, n_ctx=920))
+    assert f.batch == 1  # it runs alone, after B
+    assert f.wait_s == pytest.approx(100 * 0.01, rel=1e-6)
+    assert f.finish_s == pytest.approx(105 * 0.01, rel=1e-6)
+
+
+def test_an_unreachable_backend_is_never_chosen():
+    dead = snap("dead", "gpu", Rates(prefill_tok_s=0, decode_tok_s=0))
+    d = Router().route(query(), [dead, snap("cpu", "cpu", M2_CPU)])
+    assert d.backend == "cpu"
+    assert "never (no rate)" in d.reason
+    assert d.to_dict()["scores"][0]["score_s"] is None
+
+
+def test_scores_add_up():
+    d = Router().route(query(cached={"gpu": 496}), [snap("gpu", "gpu", M2_GPU, running(4, 60) + queued(2)),
+                                                    snap("cpu", "cpu", M2_CPU)])
+    for s in d.scores:
+        assert s.score_s == pytest.approx(s.prefill_s + s.decode_s)
+
+
+def test_the_seed_score_golden_number_is_untouched():
+    assert round(seed_score(query(cached={"cpu": 496}), snap("cpu", "cpu", M2_CPU)).score_s, 3) == 3.118
+
+
+# ---- properties over random states ----
+
+RATES = st.builds(
+    lambda prefill, decode, alpha, beta: Rates(prefill, decode, alpha, beta, "override"),
+    st.floats(50, 60000), st.floats(10, 5000), st.sampled_from([0.0, 0.001, 0.02]),
+    st.sampled_from([0.0, 0.0003, 0.003]))
+
+
+@st.composite
+def items(draw, prefix: str):
+    out = []
+    for k in range(draw(st.integers(0, 10))):
+        prompt = draw(st.integers(1, 2000))
+        cached = draw(st.integers(0, prompt - 1))
+        run = draw(st.booleans())
+        generated = draw(st.integers(0, 50)) if run else 0
+        prefill_left = draw(st.integers(0, prompt - cached)) if run else prompt - cached
+        out.append(WorkItem(f"{prefix}{k}", run, prompt, cached, prefill_left, draw(st.integers(0, 512)), generated))
+    return sorted(out, key=lambda i: not i.running)
+
+
+@st.composite
+def backends(draw):
+    snaps = []
+    for k in range(draw(st.integers(2, 4))):
+        name = f"b{k}"
+        snaps.append(snap(name, draw(st.sampled_from(["gpu", "cpu"])), draw(RATES), draw(items(name)),
+                          cap=draw(st.integers(1, 32)), n_ctx=draw(st.sampled_from([0, 4096, 16384])),
+                          healthy=draw(st.booleans()) if k else True))
+    return snaps
+
+
+@st.composite
+def queries(draw, names):
+    prompt = draw(st.integers(1, 3000))
+    cached = {n: draw(st.integers(0, prompt)) for n in names}
+    return RouteQuery("new", prompt, draw(st.integers(1, 512)), cached)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_request_never_goes_where_it_would_finish_later(data):
+    snaps = data.draw(backends())
+    q = data.draw(queries([s.name for s in snaps]))
+    d = Router().route(q, snaps)
+    finish = {s.name: finish_time(q, s).finish_s for s in snaps}
+    eligible = [s.name for s in snaps if s.healthy]
+    assert d.backend in eligible
+    assert all(finish[d.backend] <= finish[n] for n in eligible), (d.reason, finish)
+    assert d.score_of(d.backend).score_s == pytest.approx(finish[d.backend])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_more_work_ahead_never_makes_a_request_finish_sooner(data):
+    s = data.draw(backends())[0]
+    q = data.draw(queries([s.name]))
+    extra = WorkItem("extra", False, 600, 0, 600, data.draw(st.integers(1, 512)), 0)
+    busier = snap(s.name, s.device, s.rates, s.items + (extra,), cap=s.cap, n_ctx=s.kv_cells_total)
+    assert finish_time(q, busier).finish_s >= finish_time(q, s).finish_s - 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_longer_cached_prefix_never_makes_a_request_finish_later(data):
+    s = data.draw(backends())[0]
+    q = data.draw(queries([s.name]))
+    more = data.draw(st.integers(q.cached_on(s.name), q.prompt_tokens))
+    assert finish_time(q, s, more).finish_s <= finish_time(q, s).finish_s + 1e-9
