@@ -74,11 +74,15 @@ AUTO_CTX_MAX_CELLS = 65536
 # default pool gave before the pool was sized from memory (n_ctx / B), now apart from the pool.
 AUTO_IDLE_CELLS = {"gpu": 65536, "cpu": 4096}
 # Contexts per GPU when a spec names no count (`contexts=auto`, the default; `auto_contexts`):
-# one, today's layout, until GPU measurements set it (issue 26: two contexts of one process
-# served 96 chats in 45.6 s against 63.4 s for one). A model above AUTO_CONTEXTS_MAX_MODEL_BYTES
-# keeps one (each context's step reads all the weights again), and each context beyond the first
-# needs AUTO_CONTEXT_BYTES of free device memory beside the model (its pool, compute buffers).
-AUTO_CONTEXTS = 1
+# four. In one unified pool every step attends over every cell in use, so N contexts each attend
+# over their own quarter while the GPU runs them side by side. Measured on one H200 with
+# Qwen2.5-0.5B, cache-aware, ceiling 32 each (docs/results/gpu/chat1, defaults1): 96 chats in
+# 89.5 / 53.1 / 39.5 s with 1 / 2 / 4 contexts (later-turn TTFT p50 4.16 / 0.35 / 0.10 s; two
+# processes 57.7 s); tenants 4/16/32 7.5-12.9 s on one context's best cap, 6.2-7.5 s on two.
+# A model above AUTO_CONTEXTS_MAX_MODEL_BYTES keeps one (each context's step reads all the
+# weights again), and each context beyond the first needs AUTO_CONTEXT_BYTES of free device
+# memory beside the model (its pool, compute buffers).
+AUTO_CONTEXTS = 4
 AUTO_CONTEXTS_MAX_MODEL_BYTES = 4 << 30
 AUTO_CONTEXT_BYTES = 2 << 30
 # Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU

@@ -494,3 +494,26 @@ defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) aga
     --max-output "${TENANT_MAX_OUT:-256}" --arrivals poisson --rate 40
   _stop_servers
 }
+
+_two_processes() {  # _two_processes PORT: two tandem serve (GPU only) on this GPU behind Tandem's router (cache-aware)
+  _serve_one a 8302 --backend "$G"; _serve_one b 8303 --backend "$G"
+  python3 -m app serve --backend remote:url=http://127.0.0.1:8302,name=a --backend remote:url=http://127.0.0.1:8303,name=b \
+    --policy cache-aware --port "$1" > "$OUT/logs/router.log" 2>&1 & SERVERS+=($!)
+  _wait_ready "$1"
+}
+
+final_defaults() {  # ~9.5 min, the points that decide first: the chat workload (96 conversations) on
+                   # `tandem serve --model M` (nothing else) against four contexts under cache-aware and two
+                   # processes; the default against tuned caps and two contexts on tenants, long prompts, N=48;
+                   # then 24 and 192 conversations
+  mkdir -p "$OUT/logs"
+  _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  _serve_one ctx4 8310 --backend "$G:contexts=4" --policy cache-aware; _chat_bench contexts-4-cache-aware 8310
+  _stop_servers
+  _two_processes 8304; _chat_bench two-processes 8304; _stop_servers
+  CAPS=${CAPS:-32,64} defaults
+  for n in 24 192; do
+    _serve_one "default-$n" 8311; CHAT_N=$n _chat_bench "default-n$n" 8311; _stop_servers
+    _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers
+  done
+}
