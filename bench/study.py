@@ -380,6 +380,8 @@ def _load_engine(args, specs, caps, kv, overrides):
     if unknown:
         raise InvalidRequest(f"--rates names unknown backend(s) {', '.join(sorted(unknown))}")
     eng = Engine.load(args.model, new, rates=overrides)
+    # A spec with `contexts` (auto on a GPU) loads as NAME-a, NAME-b, ...: sweep the first of them.
+    sweep = sweep if sweep in eng.backends else next((n for n in eng.backends if n.startswith(f"{sweep}-")), sweep)
     try:
         measured = _measure_placeholders(eng, args.model)
     except BaseException:

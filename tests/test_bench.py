@@ -709,3 +709,15 @@ def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):
                "--repeats", "1", "--no-llama", "--sampled-variants", "temp,nucleus"])
     assert rc == 2
     assert "nucleus" in capsys.readouterr().err
+
+
+def test_bench_grid_sweeps_the_first_context_of_a_spec_with_contexts(tmp_path, tiny_path):
+    out = tmp_path / "grid"
+    rc = main(["bench", "grid", "--model", str(tiny_path), "--backend", "cpu:contexts=2,threads=1,cap=2,ctx=512",
+               "--policies", "default", "--requests", "2", "--runs", "1", "--prompt-tokens", "40", "--shared", "0",
+               "--outputs", "fixed", "--arrivals", "poisson", "--gen-tokens", "4", "--caps", "1",
+               "--warmup", "0", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    summary, _, _ = read_outputs(out)
+    assert summary["policies"] == ["default", "only:cpu-a@cap=1"]
+    assert [b["name"] for b in summary["backends"] if b["swept"]] == ["cpu-a"]
