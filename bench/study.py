@@ -380,8 +380,7 @@ def _load_engine(args, specs, caps, kv, overrides):
     if unknown:
         raise InvalidRequest(f"--rates names unknown backend(s) {', '.join(sorted(unknown))}")
     eng = Engine.load(args.model, new, rates=overrides)
-    # A spec with `contexts` (auto on a GPU) loads as NAME-a, NAME-b, ...: sweep the first of them.
-    sweep = sweep if sweep in eng.backends else next((n for n in eng.backends if n.startswith(f"{sweep}-")), sweep)
+    sweep = loaded_name(sweep, list(eng.backends))
     try:
         measured = _measure_placeholders(eng, args.model)
     except BaseException:
@@ -421,6 +420,14 @@ def _measure_placeholders(eng, model: str) -> dict:
     finally:
         if bar:
             bar[0].close()
+
+
+def loaded_name(spec_name: str, loaded: list[str]) -> str:
+    """The backend a spec's name stands for once loaded: a spec with `contexts` (auto on a GPU,
+    resolved at load) loads as NAME-a, NAME-b, ...; its first context stands for it."""
+    if spec_name in loaded:
+        return spec_name
+    return next((n for n in loaded if n.startswith(f"{spec_name}-")), spec_name)
 
 
 def _default_sweep(configs) -> str:

@@ -16,6 +16,7 @@ import pytest
 
 from app.cli import main
 from bench import report as bench_report
+from bench.study import loaded_name
 from bench.progress import Progress
 from bench.target import Target, parse_target, probe, run_target
 from engine.benchmark import (RequestRecord, aggregate, decision_line, idle_paused_s, makespan, oracle,
@@ -711,13 +712,11 @@ def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):
     assert "nucleus" in capsys.readouterr().err
 
 
-def test_bench_grid_sweeps_the_first_context_of_a_spec_with_contexts(tmp_path, tiny_path):
-    out = tmp_path / "grid"
-    rc = main(["bench", "grid", "--model", str(tiny_path), "--backend", "cpu:contexts=2,threads=1,cap=2,ctx=512",
-               "--policies", "default", "--requests", "2", "--runs", "1", "--prompt-tokens", "40", "--shared", "0",
-               "--outputs", "fixed", "--arrivals", "poisson", "--gen-tokens", "4", "--caps", "1",
-               "--warmup", "0", "--no-plots", "--out", str(out)])
-    assert rc == 0
-    summary, _, _ = read_outputs(out)
-    assert summary["policies"] == ["default", "only:cpu-a@cap=1"]
-    assert [b["name"] for b in summary["backends"] if b["swept"]] == ["cpu-a"]
+
+@pytest.mark.parametrize(("spec", "loaded", "expected"), [
+    ("gpu", ["gpu-a", "gpu-b", "gpu-c", "gpu-d", "cpu"], "gpu-a"),  # contexts=auto, resolved at load
+    ("gpu", ["gpu", "cpu"], "gpu"),
+    ("cpu0", ["cpu0", "cpu1"], "cpu0"),
+])
+def test_a_swept_spec_is_found_among_the_backends_it_loaded_as(spec, loaded, expected):
+    assert loaded_name(spec, loaded) == expected
