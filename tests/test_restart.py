@@ -86,7 +86,8 @@ def test_restarting_a_healthy_backend_moves_its_queue(served):
     long = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)))
     queued = [b.enqueue(Request((1, 50 + i, 60 + i), SamplingParams(temperature=0, max_tokens=8)))
               for i in range(5)]
-    wait_until(lambda: any(i.running and i.generated > 0 for i in b.snapshot().items), what="cpu0 decoding")
+    wait_until(lambda: any(i.running and i.generated > 0 for i in b.snapshot().items), what="cpu0 decoding",
+               unless=lambda: long.done)
     eng.restart("cpu0")
     records = [h.result(WAIT) for h in queued]
     assert [r.error for r in records] == [None] * 5
