@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, RateStore, calibrate_backend,
+from engine.rates.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, RateStore, calibrate_backend,
                               config_key, progress_steps, save_calibration)
-from engine.errors import InvalidRequest
+from engine.core.errors import InvalidRequest
 from engine.llama.model import file_fingerprint
 
 from .progress import Progress

@@ -41,12 +41,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
-from .errors import BackendUnavailable, InvalidRequest
-from .request import CHARS_PER_TOKEN
-from .snapshot import BackendSnapshot, Rates, WorkItem
+from engine.core.errors import BackendUnavailable, InvalidRequest
+from engine.core.request import CHARS_PER_TOKEN
+from engine.core.snapshot import BackendSnapshot, Rates, WorkItem
 
 if TYPE_CHECKING:
-    from .request import Request
+    from engine.core.request import Request
 
 BUDGET_MODES = ("raw", "ratio")
 DEFAULT_POLICY = "seed-score"

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
-from engine.handle import RequestHandle
+from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
+from engine.core.handle import RequestHandle
 from engine.llama.model import Model, resolve_model
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 from waiting import WAIT, held_when, paused, wait_until
 
@@ -176,7 +176,7 @@ def test_a_cpu_backend_without_a_ctx_gets_4096_cells(make_backend, tiny_model):
 
 
 def test_a_step_is_announced_before_the_records_it_finished(make_backend, tiny_model):
-    from engine.events import StepDone
+    from engine.core.events import StepDone
 
     b = make_backend(tiny_model, cap=2)
     for _ in range(5):
@@ -190,7 +190,7 @@ def test_a_step_is_announced_before_the_records_it_finished(make_backend, tiny_m
 
 
 def test_seeded_sampling_repeats_itself(make_backend, default_model):
-    b = make_backend(default_model, cap=2, flash_attn="on")  # batch-invariant sums (engine/backend.py)
+    b = make_backend(default_model, cap=2, flash_attn="on")  # batch-invariant sums (engine/backends/local.py)
     sp = SamplingParams(temperature=0.9, seed=1234, max_tokens=20)
     a = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
     c = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
@@ -278,7 +278,7 @@ def test_finish_record_has_timings(make_backend, tiny_model):
 @pytest.fixture
 def stopped(tiny_model):
     """A backend stopped while a long request ran, and that request's handle."""
-    from engine.backend import Backend, BackendConfig
+    from engine.backends.local import Backend, BackendConfig
 
     b = Backend(BackendConfig(threads=1, n_ctx=512), tiny_model).start()
     h = b.enqueue(_req(tiny_model, "long", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
@@ -368,7 +368,7 @@ def test_a_preempted_request_resumes_with_the_same_text(make_backend, tiny_model
 def test_a_preempted_request_goes_before_later_arrivals(make_backend, tiny_model):
     """Fairness: the preempted request is queued first again, so it is re-admitted before a
     request that arrived after it."""
-    from engine.events import RequestAdmitted
+    from engine.core.events import RequestAdmitted
 
     sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     b = make_backend(tiny_model, cap=2, n_ctx=512, cache=False)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 from waiting import WAIT, held_when, wait_until
 
@@ -266,7 +266,7 @@ def test_a_cancelled_first_request_leaves_the_second_whole(make_backend, tiny_mo
     prefix, (first, second) = _tenant_prompts(tiny_model, seed=13)
     long = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    # flash_attn=on: its kernel sums each row alike whatever shares the batch (engine/backend.py).
+    # flash_attn=on: its kernel sums each row alike whatever shares the batch (engine/backends/local.py).
     off = make_backend(tiny_model, **_layout(unified, 1024, cache=False, n_ctx=4096, flash_attn="on"))
     expected = off.enqueue(Request(tuple(second), sp)).result(WAIT).text
     b = make_backend(tiny_model, **_layout(unified, 1024, n_ctx=4096, flash_attn="on"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import parse_backend_spec, parse_backend_specs
-from engine.errors import InvalidRequest
+from engine.backends.config import parse_backend_spec, parse_backend_specs
+from engine.core.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("spec, cap, adaptive", [
@@ -51,7 +51,7 @@ def test_contexts_without_a_cap_share_the_device_ceiling():
 
 
 @pytest.mark.parametrize(("spec", "device", "flash"), [
-    ("cpu", "cpu", "off"),  # the CPU's flash-attention kernel is slow for decode rows (engine/backend.py)
+    ("cpu", "cpu", "off"),  # the CPU's flash-attention kernel is slow for decode rows (engine/backends/local.py)
     ("gpu", "gpu", "auto"),  # llama.cpp's choice
     ("cpu:flash_attn=on", "cpu", "on"),  # a spec that says keeps it
     ("gpu:flash_attn=off", "gpu", "off"),

@@ -17,10 +17,10 @@ TIMEOUT = 120  # seconds; each interpreter starts in a few
 
 # The modules that routing, caching and the simulator are made of (import-linter holds the same
 # list in pyproject.toml, statically; this checks what actually loads).
-PURE = ["engine", "engine.router", "engine.prefix_cache", "engine.request", "engine.snapshot",
-        "engine.approx_cache", "engine.scheduler", "engine.protocol", "engine.errors", "engine.events",
-        "engine.workload", "engine.benchmark", "engine.handle", "engine.textstream", "engine.metrics",
-        "engine.chat"]
+PURE = ["engine", "engine.router", "engine.sched.prefix_cache", "engine.core.request", "engine.core.snapshot",
+        "engine.approx_cache", "engine.sched.scheduler", "engine.backends.protocol", "engine.core.errors", "engine.core.events",
+        "engine.sim.workload", "engine.sim.benchmark", "engine.core.handle", "engine.core.textstream", "engine.core.metrics",
+        "engine.prompts.chat"]
 
 # Records the order in which top-level packages are first imported, then runs a module as
 # `python -m MODULE ARGS...` would (argparse's --help ends it with SystemExit).

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.errors import BackendUnavailable, InvalidRequest, QueueFull
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.errors import BackendUnavailable, InvalidRequest, QueueFull
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 from waiting import WAIT, wait_until
 

@@ -11,10 +11,10 @@ import httpx2 as httpx
 import pytest
 
 from app.server import create_app
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.errors import RestartInProgress
-from engine.request import Request, SamplingParams
+from engine.core.errors import RestartInProgress
+from engine.core.request import Request, SamplingParams
 
 from test_server import LoopThread
 from waiting import WAIT, wait_until

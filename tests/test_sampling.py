@@ -11,7 +11,7 @@ import pytest
 
 from engine.llama import greedy
 from engine.llama import holding_gil
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 WAIT = 120
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 
 from waiting import WAIT, held_when, wait_until
 

@@ -14,9 +14,9 @@ from PySide6.QtWidgets import (
     QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from engine.errors import EngineError
+from engine.core.errors import EngineError
 from engine.router import BUDGET_MODES, POLICIES
-from engine.snapshot import Rates
+from engine.core.snapshot import Rates
 
 from .theme import backend_color, wrap_label
 from .worker import Worker

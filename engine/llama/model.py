@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import llama  # loads libllama before numpy; see engine/llama/__init__.py
-from ..errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 
 lc = llama.lc
 log = logging.getLogger(__name__)

@@ -95,13 +95,13 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .backend import Backend, BackendConfig
-from .errors import InvalidRequest
-from .events import StepDone
-from .llama.model import file_fingerprint
-from .request import Request, SamplingParams
-from .snapshot import Rates
-from .workload import TOKEN_HIGH, TOKEN_LOW
+from engine.backends.local import Backend, BackendConfig
+from engine.core.errors import InvalidRequest
+from engine.core.events import StepDone
+from engine.llama.model import file_fingerprint
+from engine.core.request import Request, SamplingParams
+from engine.core.snapshot import Rates
+from engine.sim.workload import TOKEN_HIGH, TOKEN_LOW
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One backend: a scheduler (engine/scheduler.py) and a llama.cpp context (engine/llama/runner.py)
+"""One backend: a scheduler (engine/sched/scheduler.py) and a llama.cpp context (engine/llama/runner.py)
 served by one worker thread.
 
 The shell is llama.cpp server's loop (`server-queue.h`): other threads post typed messages
@@ -14,7 +14,7 @@ all between steps, in order, then runs a step:
 A request with `n` choices comes as a group (`enqueue_group`): the choices, posted to the
 inbox together so they stay next to each other in the queue; the first computes the prompt
 and the scheduler holds the others back until it is published, then they alias its KV
-(engine/scheduler.py), so the prompt is computed once.
+(engine/sched/scheduler.py), so the prompt is computed once.
 
 Thread contract: `enqueue`, `enqueue_group`, `warm`, `cancel`, `call`, `set_cache_enabled`, `flush`,
 `inject_fault` only post to the inbox (its condition is the one lock they take); `set_cap`
@@ -34,16 +34,16 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from .errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
-from .events import EventBus, RequestAdmitted, RequestFinished, StepDone
-from .handle import Outbox, RequestHandle
-from .limiter import ConcurrencyLimiter
-from .llama.model import Model
-from .prefix_cache import PrefixCache
-from .request import FinishRecord, Request, RequestStatus, SamplingParams
-from .llama.runner import ContextRunner, kv_cells_that_fit, process_rss
-from .scheduler import Finished, Scheduler, SeqState, default_seq_slots
-from .snapshot import BackendSnapshot, CacheStats, Rates
+from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
+from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepDone
+from engine.core.handle import Outbox, RequestHandle
+from engine.sched.limiter import ConcurrencyLimiter
+from engine.llama.model import Model
+from engine.sched.prefix_cache import PrefixCache
+from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams
+from engine.llama.runner import ContextRunner, kv_cells_that_fit, process_rss
+from engine.sched.scheduler import Finished, Scheduler, SeqState, default_seq_slots
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def auto_limits(kind: str, contexts: int = 1) -> tuple[int, int]:
 @dataclass(frozen=True)
 class BackendConfig:
     """How to build a backend. `cap` bounds the sequences running at once: with `adaptive`
-    (the default) it is the ceiling of the live limit (engine/limiter.py), which starts there;
+    (the default) it is the ceiling of the live limit (engine/sched/limiter.py), which starts there;
     0 (`cap=auto`) means the device's `AUTO_CAP` ceiling, starting at `AUTO_START`. With
     `adaptive=False` the cap is fixed (4 when 0)."""
 
@@ -96,7 +96,7 @@ class BackendConfig:
     n_ubatch: int = 512
     threads: int = 0  # 0: all cores
     threads_batch: int = 0  # 0: same as threads
-    n_seq_max: int = 0  # 0: engine/scheduler.py default_seq_slots (cap + 64 on a GPU, + 8 on a CPU)
+    n_seq_max: int = 0  # 0: engine/sched/scheduler.py default_seq_slots (cap + 64 on a GPU, + 8 on a CPU)
     kv_unified: bool = True
     # Split KV (`kv=split`): cells of each sequence's stream; the context is then seq_ctx ×
     # n_seq_max cells. 0: n_ctx is the whole context, which llama.cpp divides among the streams.
@@ -124,11 +124,11 @@ class BackendConfig:
     # 512-token chunk held a cancel and the next request's first token for 4.3 s).
     busy_chunk: int = 0
     # Publish a running prompt into the prefix cache once its prefill ends, so requests admitted
-    # while it runs reuse it (engine/scheduler.py), and defer a queued request behind a running
+    # while it runs reuse it (engine/sched/scheduler.py), and defer a queued request behind a running
     # prefill of its prefix (`defer_shared`).
     share_prefill: bool = True
     defer_shared: bool = True
-    contexts: int = 1  # contexts its spec made on the device (`contexts=N`, engine/config.py): auto caps share the device's
+    contexts: int = 1  # contexts its spec made on the device (`contexts=N`, engine/backends/config.py): auto caps share the device's
 
     @property
     def auto_cap(self) -> bool:
@@ -270,7 +270,7 @@ class Backend:
         self.prompt_tokens_computed = 0  # tokens decoded as prompt chunks (n choices share theirs)
         self.decode_s = 0.0  # time inside llama_decode (+ device sync), summed over steps
         self._obs_prefill = self._obs_decode = 0.0
-        self._outbox = Outbox()  # the worker's deliveries to asyncio consumers (engine/handle.py)
+        self._outbox = Outbox()  # the worker's deliveries to asyncio consumers (engine/core/handle.py)
         self._state = threading.RLock()  # the scheduler's queues, while planning or reading them
         self._restarting = threading.Lock()
         self._draining = False
@@ -435,7 +435,7 @@ class Backend:
     def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin=None,
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:
         """Queue the choices of one request (same prompt) together: the first computes the
-        prompt, the others alias its KV (engine/scheduler.py). `pin` and `cached_estimate` are
+        prompt, the others alias its KV (engine/sched/scheduler.py). `pin` and `cached_estimate` are
         the first's; the others count on the whole prompt but its last token."""
         for r in requests:
             self.validate(r)

@@ -9,7 +9,7 @@ named otherwise. Several backends on one GPU share its model; each GPU loads its
 `default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; a GPU
 and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
 for the measurement that chose it).
-`cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
+`cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/sched/limiter.py) from a start
 (GPU 8, CPU 4) up to the device's ceiling (GPU 32, CPU 16), both divided among the contexts of a
 `contexts=N` spec; `cap=N` makes N the ceiling (the
 limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
@@ -26,7 +26,7 @@ one context, whose prompt chunks then stall only its own decodes and attend over
 
 `share_prefill=0` stops publishing a running prompt into the prefix cache at its prefill's end,
 `defer_shared=0` stops deferring a queued request behind a running prefill of its prefix
-(both on by default; engine/scheduler.py).
+(both on by default; engine/sched/scheduler.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import os
 import urllib.parse
 from dataclasses import dataclass
 
-from .backend import BackendConfig
-from .errors import InvalidRequest
+from engine.backends.local import BackendConfig
+from engine.core.errors import InvalidRequest
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx", "contexts",
@@ -139,7 +139,7 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
         if key == "device":
             fields["device"] = _gpu_device(spec, device, value)
         elif key == "cap" and value.strip().lower() == "auto":
-            fields["cap"] = 0  # adaptive up to the device's ceiling (engine/limiter.py)
+            fields["cap"] = 0  # adaptive up to the device's ceiling (engine/sched/limiter.py)
         elif key == "kv":
             if value.strip().lower() not in ("unified", "split"):
                 raise InvalidRequest(f"backend spec {spec!r}: kv must be unified or split")
@@ -208,7 +208,7 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
 def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
     each with the spec's settings (its own cap, context and prefix cache; without a cap, a
-    share of the device's adaptive ceiling: engine/backend.py `auto_limits`)."""
+    share of the device's adaptive ceiling: engine/backends/local.py `auto_limits`)."""
     if not isinstance(c, BackendConfig) or c.contexts == 1:
         return [c]
     n = c.contexts
@@ -250,7 +250,7 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
     cores = cores or os.cpu_count() or 2
     if gpus is None:
         if gpu:
-            from . import llama
+            from engine import llama
 
             gpus = max(llama.gpu_count(), 1)
         else:
@@ -267,6 +267,6 @@ def synthetic_specs() -> list[str]:
 
     Imports `engine.llama.synthetic` (and so llama.cpp) on the first call, never at import.
     """
-    from .llama.synthetic import spec_names
+    from engine.llama.synthetic import spec_names
 
     return spec_names()

@@ -1,6 +1,6 @@
 """What-if: the real router and the real schedulers on simulated hardware, on a virtual clock.
 
-A discrete-event simulation. Every backend is a real `engine.scheduler.Scheduler` (admission,
+A discrete-event simulation. Every backend is a real `engine.sched.scheduler.Scheduler` (admission,
 KV accounting, prefix cache, chunked prefill, preemption, finish rules) whose `Plan`s a
 simulated runner "executes": a step with `b` decode rows and `p` prompt tokens takes
 
@@ -50,13 +50,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .benchmark import RequestRecord, decision_line
-from .errors import InvalidRequest
-from .request import Request, RequestStatus, SamplingParams
-from .router import RouteQuery, Router
-from .scheduler import Plan, Scheduler, SeqState, default_seq_slots
-from .snapshot import BackendSnapshot, CacheStats, Rates
-from .workload import Workload
+from engine.sim.benchmark import RequestRecord, decision_line
+from engine.core.errors import InvalidRequest
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.router import RouteQuery, Router
+from engine.sched.scheduler import Plan, Scheduler, SeqState, default_seq_slots
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.sim.workload import Workload
 
 SAMPLED_TOKEN = 300  # the token every simulated logits row samples (never an end token here)
 
@@ -266,7 +266,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (STUDY_M2, STUDY_M2_SLOW, H20
 
 def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mapping[str, int] | None = None,
                              description: str = "") -> Profile:
-    """A profile from stored calibration entries (`engine.calibrate`'s store format: each with
+    """A profile from stored calibration entries (`engine.rates.calibrate`'s store format: each with
     `backend`, `device`, `cap`, `prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`,
     `step_s` {batch: seconds}, and where measured `admit_s`, `rates.step_gamma_s`/`step_cells`,
     the context term, and `rates.step_delta_s`/`step_kv`, the masked scan; older entries lack

@@ -1,6 +1,6 @@
 """Adaptive concurrency: how many sequences a backend runs at once, learned from its steps.
 
-Pure (no llama.cpp, no threads, no clock): the scheduler (engine/scheduler.py) feeds it each
+Pure (no llama.cpp, no threads, no clock): the scheduler (engine/sched/scheduler.py) feeds it each
 decoded step (`observe`) and, when a window of steps is complete, the KV room it has
 (`decide`); the limiter answers with the cap the next admissions use, and says why it last
 moved (`reason`), which the backend's snapshot, `/v1/backends` and the app's cards show.
