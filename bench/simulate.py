@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine.sim.benchmark import RequestRecord, run_metrics
-from engine.rates.calibrate import RateStore
+from engine.rates.store import RateStore
 from engine.core.errors import InvalidRequest
 from engine.experiment import Variant
 from engine.sim.simulate import PROFILES, BackendProfile, Profile, apply_overrides, profile_from_calibration, simulate

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from engine import llama
 from engine.sim.benchmark import RequestRecord, aggregate, oracle, run_metrics
-from engine.rates.calibrate import parse_rates
+from engine.rates.store import parse_rates
 from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.core.errors import EngineError, InvalidRequest

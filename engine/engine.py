@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 
 from engine.prompts import chat
 from engine.backends.local import Backend, BackendConfig, error_record
-from engine.rates.calibrate import ModelRates, calibrate_at_load
+from engine.rates.measure import calibrate_at_load
+from engine.rates.store import ModelRates
 from engine.backends.config import RemoteConfig
 from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
 from engine.core.events import EventBus, RequestRouted
@@ -47,7 +48,7 @@ from .router import RouteQuery, Router
 from engine.core.snapshot import BackendSnapshot, Rates
 
 if TYPE_CHECKING:
-    from engine.rates.calibrate import OnlineRefresh
+    from engine.rates.refresh import OnlineRefresh
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class Engine:
         (`model` may be None).
 
         Each backend's rates: `rates[name]` if given, else the calibrated ones stored for this
-        model file and backend config (`engine.rates.calibrate`), else `DEFAULT_RATES`, a placeholder.
+        model file and backend config (`engine.rates`), else `DEFAULT_RATES`, a placeholder.
         With `calibrate`, placeholders are replaced before this returns by a short measurement
         (`calibrate_at_load`, a few seconds per backend config, stored for the next start;
         `status(text)` hears what is measured), so the router never prices a backend with
@@ -185,7 +186,7 @@ class Engine:
                 engine.close()
                 raise
         if online_rates:
-            from engine.rates.calibrate import OnlineRefresh
+            from engine.rates.refresh import OnlineRefresh
 
             engine.online = OnlineRefresh(engine).attach()
         return engine

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import RequestRecord, RunSummary, decision_line, run_metrics
-from engine.rates.calibrate import OnlineRefresh
+from engine.rates.refresh import OnlineRefresh
 from .engine import Engine
 from engine.core.errors import EngineError
 from engine.core.handle import RequestHandle

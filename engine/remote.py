@@ -22,7 +22,7 @@ What the router sees (`snapshot()`):
   `cache` figures are in tokens either way). `query_tokens`/`hit_tokens` count the
   prediction at routing time (`pin_prefix`).
 - `device="remote"`, `kv_cells_total=0` (unknown: the router assumes room), `rates` from
-  calibration (`engine.rates.calibrate.calibrate_remote`) refined online from each finished request's
+  calibration (`engine.rates.measure.calibrate_remote`) refined online from each finished request's
   TTFT and ITL (EWMA; `source="override"` rates are left alone).
 
 Flow control: at most `cap` requests are in flight at the engine; the rest wait here, FCFS, so

@@ -1,4 +1,4 @@
-"""Calibration (`engine.rates.calibrate`, `tandem calibrate`): the pure parts table-driven, the
+"""Calibration (`engine.rates`, `tandem calibrate`): the pure parts table-driven, the
 measuring on the real tiny model with two CPU backends, the store as the engine reads it."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import pytest
 
 from app.cli import main
 from engine.backends.local import BackendConfig
-from engine.rates.calibrate import (ModelRates, OnlineRefresh, RateStore, cache_dir, calibrate_backend, config_key,
-                              fit_step_model, parse_rates, save_calibration, step_table)
+from engine.rates.fit import fit_step_model, step_table
+from engine.rates.measure import calibrate_backend
+from engine.rates.refresh import OnlineRefresh
+from engine.rates.store import ModelRates, RateStore, cache_dir, config_key, parse_rates, save_calibration
 from engine.backends.config import parse_backend_specs
 from engine.engine import DEFAULT_RATES, Engine
 from engine.core.errors import InvalidRequest

@@ -343,7 +343,7 @@ def test_a_second_restart_conflicts_with_one_under_way(engines, fleet):
 
 
 def test_calibrate_measures_a_remote_engine_by_sending_requests(fleet):
-    from engine.rates.calibrate import calibrate_backend
+    from engine.rates.measure import calibrate_backend
 
     b = fleet.backends["b"]
     cal = calibrate_backend(b, prompt_tokens=64, gen_tokens=64, batches=[1, 2], repeats=1, timeout=60)

@@ -266,7 +266,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (STUDY_M2, STUDY_M2_SLOW, H20
 
 def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mapping[str, int] | None = None,
                              description: str = "") -> Profile:
-    """A profile from stored calibration entries (`engine.rates.calibrate`'s store format: each with
+    """A profile from stored calibration entries (`engine.rates`'s store format: each with
     `backend`, `device`, `cap`, `prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`,
     `step_s` {batch: seconds}, and where measured `admit_s`, `rates.step_gamma_s`/`step_cells`,
     the context term, and `rates.step_delta_s`/`step_kv`, the masked scan; older entries lack
