@@ -13,7 +13,7 @@ import sys
 from engine.rates.measure import CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, calibrate_backend, progress_steps
 from engine.rates.store import RateStore, config_key, save_calibration
 from engine.core.errors import InvalidRequest
-from engine.llama.model import file_fingerprint
+from engine.rates.store import file_fingerprint
 
 from .progress import Progress
 

@@ -36,7 +36,8 @@ import threading
 import time
 from dataclasses import replace
 
-from engine.backends.local import Backend, BackendConfig
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend
 from engine.llama import fused_dist
 from engine.llama.model import Model, resolve_model
 from engine.core.request import SamplingParams

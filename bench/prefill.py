@@ -21,7 +21,8 @@ import statistics
 import sys
 import time
 
-from engine.backends.local import Backend, BackendConfig
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend
 from engine.core.events import EventBus, StepDone
 from engine.llama.model import Model, resolve_model
 from engine.core.request import Request, SamplingParams

@@ -34,7 +34,7 @@ from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.core.errors import EngineError, InvalidRequest
 from engine.experiment import Collected, EngineRunner, Variant
-from engine.llama.model import file_fingerprint
+from engine.rates.store import file_fingerprint
 from engine.router import RouteQuery, Router, make_policy
 from engine.sim.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
                              SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,

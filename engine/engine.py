@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.prompts import chat
-from engine.backends.local import Backend, BackendConfig, error_record
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend, error_record
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
 from engine.backends.config import RemoteConfig

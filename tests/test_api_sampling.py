@@ -20,7 +20,7 @@ from engine.core.request import Request, SamplingParams
 from servers import Server
 
 # flash_attn=on: llama.cpp's CPU flash-attention kernel gives each row the same sums whatever
-# the batch beside it (the CPU default is off, for speed: engine/backends/local.py AUTO_FLASH_ATTN), so
+# the batch beside it (the CPU default is off, for speed: engine/backends/config.py AUTO_FLASH_ATTN), so
 # the same seed gives the same text beside other requests and a continuation its greedy reply.
 SPEC = "cpu:threads=2,cap=4,ctx=2048,flash_attn=on"
 TIMEOUT = 120  # seconds: the bound on any one request

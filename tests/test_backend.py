@@ -278,7 +278,8 @@ def test_finish_record_has_timings(make_backend, tiny_model):
 @pytest.fixture
 def stopped(tiny_model):
     """A backend stopped while a long request ran, and that request's handle."""
-    from engine.backends.local import Backend, BackendConfig
+    from engine.backends.config import BackendConfig
+    from engine.backends.local import Backend
 
     b = Backend(BackendConfig(threads=1, n_ctx=512), tiny_model).start()
     h = b.enqueue(_req(tiny_model, "long", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))

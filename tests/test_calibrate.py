@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from app.cli import main
-from engine.backends.local import BackendConfig
+from engine.backends.config import BackendConfig
 from engine.rates.fit import fit_step_model, step_table
 from engine.rates.measure import calibrate_backend
 from engine.rates.refresh import OnlineRefresh
@@ -18,7 +18,7 @@ from engine.rates.store import ModelRates, RateStore, cache_dir, config_key, par
 from engine.backends.config import parse_backend_specs
 from engine.engine import DEFAULT_RATES, Engine
 from engine.core.errors import InvalidRequest
-from engine.llama.model import file_fingerprint
+from engine.rates.store import file_fingerprint
 from engine.core.request import Request, SamplingParams
 from engine.core.snapshot import Rates
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.backends.local import BackendConfig
+from engine.backends.config import BackendConfig
 from engine.backends.config import parse_backend_specs
 from engine.engine import BACKEND_KINDS, Engine, backend_kind
 from engine.core.errors import InvalidRequest

@@ -34,10 +34,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from engine.backends.local import BackendConfig
 from engine.core.errors import InvalidRequest
+from engine.sched.scheduler import default_seq_slots
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx", "contexts",
@@ -49,6 +49,106 @@ _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 
 REMOTE_APIS = ("auto", "openai", "llama-server", "vllm", "sglang", "tandem")
+
+
+# No cap given: the ceiling the limiter may grow to, and where it starts, for a whole device,
+# divided among the contexts a spec made on it (`contexts=N`, `auto_limits`). A GPU's decode
+# tok/s still rises to b = 32 (6,016 tok/s against 3,916 at 16, H200, `docs/results/gpu/speed10`),
+# but the 1,516-token workload ran 6.71 s at cap 32 and 7.97 s at 48 (more prompt chunks beside
+# more decodes, over more cells), and the limiter, let up to 48, took 8.21 s (round4/caps-long).
+# On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
+AUTO_CAP = {"gpu": 32, "cpu": 16}
+AUTO_START = {"gpu": 8, "cpu": 4}
+# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: room
+# for 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B),
+# or what AUTO_CTX_MEMORY_SHARE of the device's free memory holds, if less (never under the
+# CPU's; `Backend.__init__`). A unified pool may exceed the model's training context
+# (engine/llama/runner.py).
+AUTO_CTX = {"gpu": 65536, "cpu": 4096}
+AUTO_CTX_MEMORY_SHARE = 0.25
+# Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU
+# (on); off on the CPU, whose flash-attention kernel is slow for the few query rows of a decode
+# step or a short prompt chunk. Measured on the 2-core machine, the default model, 2 threads
+# (docs/performance.md, "Flash attention on the CPU"): decode at B = 1 / 4 / 8 over 512-token
+# contexts 34.7 / 65.7 / 79.0 tok/s on, 65.7 / 130.2 / 124.4 off; over 2,000-token contexts
+# 21.0 / 24.4 / 26.6 on, 54.7 / 91.3 / 119.3 off; a 16-token chunk after a 496-token cached
+# prefix (1 thread) 346 ms on, 132 ms off. A long prompt alone prefills faster with it on
+# (2,000 tokens: 9.2 s against 10.2-12.5 s), which decode over that context outweighs.
+AUTO_FLASH_ATTN = {"gpu": "auto", "cpu": "off"}
+
+
+def auto_limits(kind: str, contexts: int = 1) -> tuple[int, int]:
+    """(ceiling, start) of an adaptive cap for one of `contexts` contexts on a `kind` device."""
+    n = max(contexts, 1)
+    return max(AUTO_CAP[kind] // n, 1), max(AUTO_START[kind] // n, 1)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How to build a backend. `cap` bounds the sequences running at once: with `adaptive`
+    (the default) it is the ceiling of the live limit (engine/sched/limiter.py), which starts there;
+    0 (`cap=auto`) means the device's `AUTO_CAP` ceiling, starting at `AUTO_START`. With
+    `adaptive=False` the cap is fixed (4 when 0)."""
+
+    name: str = "cpu"
+    device: str = "cpu"
+    cap: int = 0
+    adaptive: bool = True
+    n_ctx: int = 0  # cells, all sequences together; 0: AUTO_CTX (a GPU's fitted to its free memory)
+    n_batch: int = 512
+    n_ubatch: int = 512
+    threads: int = 0  # 0: all cores
+    threads_batch: int = 0  # 0: same as threads
+    n_seq_max: int = 0  # 0: engine/sched/scheduler.py default_seq_slots (cap + 64 on a GPU, + 8 on a CPU)
+    kv_unified: bool = True
+    # Split KV (`kv=split`): cells of each sequence's stream; the context is then seq_ctx ×
+    # n_seq_max cells. 0: n_ctx is the whole context, which llama.cpp divides among the streams.
+    seq_ctx: int = 0
+    flash_attn: str = "auto"  # auto | on | off
+    cache: bool = True
+    max_queue: int = 4096
+    backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
+    fused_greedy: bool = True  # on the device, one computation for all sequences of a step (argmax, or fused_dist)
+    # temperature requests take the fused sampler once this many run (or with a seed); fewer run
+    # llama.cpp's chain per sequence (engine/llama/sampling.py, SamplerSlots)
+    fused_dist_from: int = 2
+    queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
+    idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
+    # Unified KV: while B sequences run, the prefix cache keeps at most idle_cache_cells / B
+    # cells that none of them uses (every step attends over all cells in use). -1: n_ctx.
+    idle_cache_cells: int = -1
+    # Turn a step's tokens into text (pieces, deliveries) while the next step runs on the
+    # device, for requests without stop strings. None: on for GPU backends, whose
+    # llama_decode returns before the device is done; on the CPU nothing would overlap.
+    overlap_text: bool | None = None
+    # The most prompt tokens one chunk takes while any other request runs or waits, so that a
+    # cancel lands at the next chunk boundary and nobody waits behind a long chunk. 0: n_batch
+    # on a GPU (a 512-token chunk takes milliseconds), n_batch / 8 on the CPU (measured: a
+    # 512-token chunk held a cancel and the next request's first token for 4.3 s).
+    busy_chunk: int = 0
+    # Publish a running prompt into the prefix cache once its prefill ends, so requests admitted
+    # while it runs reuse it (engine/sched/scheduler.py), and defer a queued request behind a running
+    # prefill of its prefix (`defer_shared`).
+    share_prefill: bool = True
+    defer_shared: bool = True
+    contexts: int = 1  # contexts its spec made on the device (`contexts=N`, engine/backends/config.py): auto caps share the device's
+
+    @property
+    def auto_cap(self) -> bool:
+        """No cap given: the limiter starts low and may grow to the device's ceiling."""
+        return self.cap == 0 and self.adaptive
+
+    def resolved(self, device: str | None = None) -> "BackendConfig":
+        """Threads, the cap (0 → the ceiling for `device`, the model's device once known),
+        sequence slots and flash attention (`AUTO_FLASH_ATTN`) filled in."""
+        threads = self.threads or os.cpu_count() or 1
+        kind = "cpu" if (device or self.device) == "cpu" else "gpu"
+        cap = self.cap or min(auto_limits(kind, self.contexts)[0] if self.adaptive else 4, self.n_seq_max or 256)
+        n_seq_max = self.n_seq_max or default_seq_slots(cap, kind)
+        n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else (self.n_ctx or AUTO_CTX[kind])
+        flash_attn = AUTO_FLASH_ATTN[kind] if self.flash_attn == "auto" else self.flash_attn
+        return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
+                       cap=cap, n_ctx=n_ctx, flash_attn=flash_attn)
 
 
 @dataclass(frozen=True)
@@ -208,7 +308,7 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
 def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
     each with the spec's settings (its own cap, context and prefix cache; without a cap, a
-    share of the device's adaptive ceiling: engine/backends/local.py `auto_limits`)."""
+    share of the device's adaptive ceiling: `auto_limits`)."""
     if not isinstance(c, BackendConfig) or c.contexts == 1:
         return [c]
     n = c.contexts

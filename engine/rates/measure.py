@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 
-from engine.backends.local import Backend
 from engine.core.errors import InvalidRequest
 from engine.core.events import StepDone
 from engine.core.request import Request, SamplingParams
@@ -24,6 +24,9 @@ from engine.core.snapshot import Rates
 from engine.rates.fit import OWN_TOKENS, Calibration, calibration_cells, fit_step_model, fit_step_terms
 from engine.rates.store import RateStore, config_key, save_calibration
 from engine.sim.workload import TOKEN_HIGH, TOKEN_LOW
+
+if TYPE_CHECKING:
+    from engine.backends.local import Backend
 
 log = logging.getLogger(__name__)
 

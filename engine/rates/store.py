@@ -4,6 +4,7 @@ typed overrides (`parse_rates`). Why per config and not per name: docs/NOTES.md,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -12,9 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from engine.backends.local import BackendConfig
+from engine.backends.config import BackendConfig
 from engine.core.errors import InvalidRequest
-from engine.llama.model import file_fingerprint
 from engine.core.snapshot import Rates
 
 if TYPE_CHECKING:
@@ -27,6 +27,18 @@ STORE_VERSION = 1
 
 
 # ---- where and under which key ----
+
+
+def file_fingerprint(path: Path) -> str:
+    """A cheap, stable identity for a model file: size + hash of its first and last MiB."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
 
 
 def cache_dir() -> Path:
