@@ -11,7 +11,7 @@ import logging
 import sys
 
 import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama/__init__.py)
-from engine.errors import EngineError
+from engine.core.errors import EngineError
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 

@@ -7,7 +7,7 @@ import sys
 
 from bench.progress import loading_bar
 from engine import llama
-from engine.config import default_specs, parse_backend_specs
+from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 
 log = logging.getLogger("tandem")

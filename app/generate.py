@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 from .engine_setup import engine_from_args
 

@@ -33,7 +33,7 @@ import sys
 
 import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama/__init__.py)
 from engine import llama
-from engine.config import default_specs, parse_backend_specs
+from engine.backends.config import default_specs, parse_backend_specs
 from bench.calibrate import recalibrate
 from engine.engine import Engine
 from engine.experiment import experiment_runner

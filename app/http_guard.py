@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from aiohttp import hdrs, web
 from aiohttp import web_response as _web_response
 
-from engine.errors import EngineError
+from engine.core.errors import EngineError
 
 log = logging.getLogger(__name__)
 

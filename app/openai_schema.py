@@ -17,7 +17,7 @@ refused rather than silently dropped.
 Structured output: `response_format` `json_object` or `json_schema`, chat `tools` /
 `tool_choice`, and llama-server's `grammar` (GBNF) become one grammar on `SamplingParams`
 (the schema converted by llama-cpp-python's converter, engine/llama/grammar.py; tools in
-llama-server's generic format, engine/structured.py). A schema the converter cannot take is a
+llama-server's generic format, engine/prompts/structured.py). A schema the converter cannot take is a
 400 with its reason. Without `max_tokens`, such a request may write `STRUCTURED_MAX_TOKENS`
 (a JSON value cut short is no JSON at all; a reply cut by `max_tokens` ends with `length` and
 is not valid).
@@ -47,10 +47,10 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import models_json_schema
 
-from engine.errors import EngineError, InvalidRequest
+from engine.core.errors import EngineError, InvalidRequest
 from engine.llama.grammar import object_grammar, schema_grammar
-from engine.request import MAX_TOKENS, Request, SamplingParams
-from engine.structured import ToolMode, function_schema, output_schema
+from engine.core.request import MAX_TOKENS, Request, SamplingParams
+from engine.prompts.structured import ToolMode, function_schema, output_schema
 
 if TYPE_CHECKING:
     from engine.engine import Engine

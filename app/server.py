@@ -7,7 +7,7 @@ Routes:
     GET  /v1/routing       backends' snapshots and the router's recent decisions
     GET  /v1/backends      backends' snapshots (each with its live cap and why it last moved)
     GET  /health           200 while a backend serves, else 503
-    GET  /metrics          Prometheus text (`tandem:` names, see `engine.metrics`)
+    GET  /metrics          Prometheus text (`tandem:` names, see `engine.core.metrics`)
     GET  /openapi.json     the API's OpenAPI document
 
 Handlers are thin: parse the body (`app.openai_schema`), submit to the engine, shape the reply.
@@ -25,7 +25,7 @@ name no file path and no library version (`Server: tandem`; the model id is the 
 
 Streaming pulls the first text before committing to SSE, so a request that fails early still
 gets a JSON error. A chat with tools is read whole before it is shown (the reply is one JSON
-value in llama-server's generic format, engine/structured.py): its stream carries the tool
+value in llama-server's generic format, engine/prompts/structured.py): its stream carries the tool
 call, or the content, in OpenAI's delta shape once the reply is complete. The app must run
 with `handler_cancellation=True` (`start_server()` and `run_serve()` do): a client that
 disconnects cancels its handler, whose `finally` cancels the engine request, and the backend
@@ -53,13 +53,13 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.engine import Engine
-from engine.errors import BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
-from engine.handle import RequestHandle
-from engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from engine.metrics import EngineMetrics
-from engine.request import FinishRecord, RequestStatus
+from engine.core.errors import BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
+from engine.core.handle import RequestHandle
+from engine.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from engine.core.metrics import EngineMetrics
+from engine.core.request import FinishRecord, RequestStatus
+from engine.prompts.structured import ToolCall, parse_reply
 from engine.routing import DEFAULT_POLICY
-from engine.structured import ToolCall, parse_reply
 
 from .http_guard import (
     GUARD,

@@ -12,9 +12,10 @@ import json
 import statistics
 import sys
 
-from engine.backend import Backend, BackendConfig
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend
 from engine.llama.model import Model, resolve_model
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 
 from .common import filler_prompt
 
@@ -30,7 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--suffix-tokens", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
-                   help="auto: on for a GPU, off for the CPU (engine/backend.py AUTO_FLASH_ATTN)")
+                   help="auto: on for a GPU, off for the CPU (engine/backends/config.py AUTO_FLASH_ATTN)")
 
 
 def run_cache(args) -> int:

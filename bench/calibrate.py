@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.calibrate import (CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, RateStore, calibrate_backend,
-                              config_key, progress_steps, save_calibration)
-from engine.errors import InvalidRequest
-from engine.llama.model import file_fingerprint
+from engine.rates.measure import CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, calibrate_backend, progress_steps
+from engine.rates.store import RateStore, config_key, save_calibration
+from engine.core.errors import InvalidRequest
+from engine.rates.store import file_fingerprint
 
 from .progress import Progress
 

@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from engine import sse
-from engine.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
-from engine.errors import InvalidRequest
+from engine.backends import sse
+from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
+from engine.core.errors import InvalidRequest
 
 from . import report as bench_report
 from .progress import Progress

@@ -12,9 +12,9 @@ import statistics
 import time
 from dataclasses import replace
 
-from engine.backend import Backend
+from engine.backends.local import Backend
 from engine.llama.model import Model
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 
 
 def filler_prompt(model: Model, n: int) -> list[int]:

@@ -71,9 +71,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
-from engine.benchmark import RequestRecord, oracle
-from engine.errors import EngineError, InvalidRequest
-from engine.workload import OUTPUT_MODES, WorkloadSpec, build_workload
+from engine.sim.benchmark import RequestRecord, oracle
+from engine.core.errors import EngineError, InvalidRequest
+from engine.sim.workload import OUTPUT_MODES, WorkloadSpec, build_workload
 
 from . import report as bench_report
 from .progress import Progress

@@ -5,7 +5,7 @@ Each layout is a fresh `tandem serve` process (`python -m app serve`) whose rate
 empty temporary directory (`TANDEM_CACHE_DIR`), i.e. a first start on this machine: it
 measures its backends' rates at load (`Engine.load(calibrate=True)`) before it answers
 `/health`. `ready s` is from spawning the process to the first healthy `/health` (model load
-+ that calibration). Then the study's workload (`engine.workload.seed_workload`, N requests
++ that calibration). Then the study's workload (`engine.sim.workload.seed_workload`, N requests
 50 ms apart, a 496-token shared prefix warmed once through the server first) is sent as
 text over HTTP by `bench.target` (streamed `/v1/completions`), and the server is stopped.
 
@@ -33,9 +33,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from engine.benchmark import run_metrics
-from engine.errors import InvalidRequest
-from engine.workload import build_workload, seed_workload
+from engine.sim.benchmark import run_metrics
+from engine.core.errors import InvalidRequest
+from engine.sim.workload import build_workload, seed_workload
 
 HELP = "first use on a CPU-only machine: default `tandem serve` vs one all-core backend vs llama-cpp-python's server"
 LLAMA_CPP = "llama-cpp-python"

@@ -36,10 +36,11 @@ import threading
 import time
 from dataclasses import replace
 
-from engine.backend import Backend, BackendConfig
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend
 from engine.llama import fused_dist
 from engine.llama.model import Model, resolve_model
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 from .common import GRAPH_REUSE, HOST_GAP, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
 
@@ -98,7 +99,7 @@ def add_arguments(p) -> None:
                    help="also decode with the fused sampler's parts alone, each as a ratio to greedy: "
                         f"comma-separated among {','.join(VARIANTS)}")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: the backend default, engine/scheduler.py default_seq_slots)")
+    p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: the backend default, engine/sched/scheduler.py default_seq_slots)")
     p.add_argument("--busy-thread", action="store_true",
                    help="also decode beside a pure-Python thread that wants the GIL all the time "
                         "(the worst a UI or HTTP thread could do): reports busy_bB and gil_ratio_bB")

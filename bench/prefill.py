@@ -21,10 +21,11 @@ import statistics
 import sys
 import time
 
-from engine.backend import Backend, BackendConfig
-from engine.events import EventBus, StepDone
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend
+from engine.core.events import EventBus, StepDone
 from engine.llama.model import Model, resolve_model
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 
 from .common import ctx_for, filler_prompt
 

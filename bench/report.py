@@ -17,7 +17,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from engine.benchmark import CSV_FIELDS, RequestRecord
+from engine.sim.benchmark import CSV_FIELDS, RequestRecord
 
 
 def write_all(out_dir: Path, summary: dict, records: list[RequestRecord], decisions: list[dict], *,

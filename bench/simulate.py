@@ -1,5 +1,5 @@
 """`tandem simulate seed|grid` and `tandem simulate --replay DIR`: the study's workloads on
-simulated hardware (`engine.simulate`), and recorded bench runs predicted.
+simulated hardware (`engine.sim.simulate`), and recorded bench runs predicted.
 
 `seed` and `grid` take `bench seed`/`bench grid`'s own argument declarations (so the same
 workload flags mean the same thing) plus `--profile` and `--set`, and write the same files
@@ -31,13 +31,13 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from engine.benchmark import RequestRecord, run_metrics
-from engine.calibrate import RateStore, rates_from_entry
-from engine.errors import InvalidRequest
+from engine.sim.benchmark import RequestRecord, run_metrics
+from engine.rates.store import RateStore, rates_from_entry
+from engine.core.errors import InvalidRequest
 from engine.experiment import Variant
-from engine.simulate import PROFILES, BackendProfile, Profile, apply_overrides, profile_from_calibration, simulate
-from engine.snapshot import Rates
-from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, with_requests
+from engine.sim.simulate import PROFILES, BackendProfile, Profile, apply_overrides, profile_from_calibration, simulate
+from engine.core.snapshot import Rates
+from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, with_requests
 
 from . import report as bench_report
 from . import study
@@ -585,8 +585,8 @@ def crossover(base: Profile, ratios, kv_seqs, policies, n: int, bar: Progress | 
     every (ratio, KV budget): `ratio` is the second backend's decode throughput (at its cap)
     over the first's, both its rates and its device scaled; the first backend's KV holds
     `kv` whole sequences (cap 64, so memory bounds it)."""
-    from engine.simulate import scaled_profile
-    from engine.workload import seed_workload
+    from engine.sim.simulate import scaled_profile
+    from engine.sim.workload import seed_workload
 
     fast, slow = base.backends[0], base.backends[1]
     wl = build_workload(seed_workload(n), 0)

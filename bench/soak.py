@@ -66,11 +66,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.errors import EngineError
-from engine.events import RequestFinished, RequestRouted
-from engine.request import RequestStatus, SamplingParams
+from engine.core.errors import EngineError
+from engine.core.events import RequestFinished, RequestRouted
+from engine.core.request import RequestStatus, SamplingParams
 
 DEFAULT_MODEL = "synthetic:tiny"
 DEFAULT_BACKENDS = ("cpu:threads=1,cap=4,ctx=2048", "cpu:threads=1,cap=4,ctx=2048")

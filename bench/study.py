@@ -12,10 +12,10 @@ budget) and each run first flushes every backend's prefix cache (freeing its KV)
 shared prefix on every backend, clears the router's history and policy state (round-robin's
 turn, `new_token_ratio`), restores caps and rates; timing starts at the first submission.
 
-Tenant workloads (`--tenants K`, see `engine.workload`): nothing is warmed — a router must
+Tenant workloads (`--tenants K`, see `engine.sim.workload`): nothing is warmed — a router must
 learn where each tenant's prefix lives — unless `--warm-tenants` warms every tenant's prefix
 on every backend (engine) or sends each once through the target. The engine runs the text
-prompts tokenized by its model (`engine.workload.tokenized`), the same text peers get with
+prompts tokenized by its model (`engine.sim.workload.tokenized`), the same text peers get with
 `--target-prompt text`.
 """
 
@@ -28,15 +28,16 @@ from datetime import datetime
 from pathlib import Path
 
 from engine import llama
-from engine.benchmark import RequestRecord, aggregate, oracle, run_metrics
-from engine.calibrate import calibrate_at_load, config_key, parse_rates
-from engine.config import default_specs, parse_backend_specs
+from engine.sim.benchmark import RequestRecord, aggregate, oracle, run_metrics
+from engine.rates.measure import calibrate_at_load
+from engine.rates.store import config_key, parse_rates
+from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
-from engine.errors import EngineError, InvalidRequest
+from engine.core.errors import EngineError, InvalidRequest
 from engine.experiment import Collected, EngineRunner, Variant
-from engine.llama.model import file_fingerprint
+from engine.rates.store import file_fingerprint
 from engine.routing import RouteQuery, Router, make_policy
-from engine.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
+from engine.sim.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
                              SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
                              shared_tokens_for, tokenized, with_requests)
 
@@ -399,7 +400,7 @@ def _load_engine(args, specs, caps, kv, overrides):
 
 def _measure_placeholders(eng, model: str) -> dict:
     """Measure, as `serve` does at load, every local backend this machine has no stored rates
-    for (`engine.calibrate.calibrate_at_load`, a few seconds per config, stored for the next
+    for (`engine.rates.measure.calibrate_at_load`, a few seconds per config, stored for the next
     run), with its progress on stderr: a bench never routes on placeholder rates. Backends
     given `--rates` are not placeholders and are left alone."""
     local = [b for b in eng.backends.values() if b.device != "remote"]

@@ -22,7 +22,7 @@ timeout) becomes a `RequestRecord` with `success=False` and its error — never 
 
 Nothing here can flush a peer's cache: each run warms the shared prefix (`warm_copies`
 concurrent prefix-only requests, e.g. one per llama-server slot) and uses suffixes of its
-own (see `engine.workload`), so earlier runs cannot give it full-prompt hits. A tenant
+own (see `engine.sim.workload`), so earlier runs cannot give it full-prompt hits. A tenant
 workload warms nothing (a router must learn) unless `warm_tenants` asks for every tenant's
 prefix to be sent once first (through the target, so a router places it where it likes).
 """
@@ -35,9 +35,9 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from engine import sse
-from engine.benchmark import RequestRecord
-from engine.workload import RequestSpec, Workload
+from engine.backends import sse
+from engine.sim.benchmark import RequestRecord
+from engine.sim.workload import RequestSpec, Workload
 
 APIS = ("auto", "completion", "openai")
 PROMPTS = ("auto", "tokens", "text")

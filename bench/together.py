@@ -14,7 +14,8 @@ import sys
 import os
 import threading
 
-from engine.backend import Backend, BackendConfig
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend
 from engine.llama.model import Model, resolve_model
 
 from .common import ctx_for, engine_decode, filler_prompt

@@ -18,9 +18,9 @@ import statistics
 import sys
 import time
 
-from engine.config import default_specs, parse_backend_specs
+from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 
 from .common import decode_rate, filler_prompt
 

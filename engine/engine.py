@@ -6,7 +6,7 @@ fleet, and requests carry their prompt as text or chat messages (`Request.text`/
 
 `submit()` routes one whole request to one backend and returns its handle; `submit_group()`
 routes the choices of one request (OpenAI's `n`) together, to one backend, which computes
-their shared prompt once (engine/backend.py `enqueue_group`). Routing and
+their shared prompt once (engine/backends/local.py `enqueue_group`). Routing and
 enqueueing happen under one lock, so each request sees the queues its predecessors made,
 and the chosen backend's matched prefix is pinned until the request is admitted (the
 router's cache estimate cannot be evicted under it).
@@ -15,7 +15,7 @@ Every control is here (cap, cache on/off, warm, flush, restart, rates, snapshot,
 `ui/` and `app/` name backends by name and never hold a backend object. Backends are built
 from their configs through `BACKEND_KINDS` (config type -> builder): a new kind of backend is
 one module that registers its builder with `@backend_kind(ItsConfig)`, plus the line of the
-spec grammar (engine/config.py) that makes its config.
+spec grammar (engine/backends/config.py) that makes its config.
 
 Thread contract: every method may be called from any thread. `restart` blocks (run it off an
 event loop); a second restart of the same backend while one runs raises `RestartInProgress`.
@@ -33,21 +33,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import chat
-from .backend import Backend, BackendConfig, error_record
-from .calibrate import ModelRates, calibrate_at_load
-from .config import RemoteConfig, resolve_contexts
-from .errors import BackendUnavailable, EngineError, InvalidRequest
-from .events import EventBus, RequestRouted
-from .handle import RequestHandle
+from engine.prompts import chat
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend, error_record
+from engine.rates.measure import calibrate_at_load
+from engine.rates.store import ModelRates
+from engine.backends.config import RemoteConfig, resolve_contexts
+from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
+from engine.core.events import EventBus, RequestRouted
+from engine.core.handle import RequestHandle
 from .llama.model import Model, ModelRegistry, resolve_model
-from .protocol import BackendProtocol
-from .request import Request, RequestStatus, SamplingParams
-from .routing import RouteQuery, Router
-from .snapshot import BackendSnapshot, Rates
+from engine.backends.protocol import BackendProtocol
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.routing import RouteQuery, Router
+from engine.core.snapshot import BackendSnapshot, Rates
 
 if TYPE_CHECKING:
-    from .calibrate import OnlineRefresh
+    from engine.rates.refresh import OnlineRefresh
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +151,7 @@ class Engine:
         (`model` may be None).
 
         Each backend's rates: `rates[name]` if given, else the calibrated ones stored for this
-        model file and backend config (`engine.calibrate`), else `DEFAULT_RATES`, a placeholder.
+        model file and backend config (`engine.rates`), else `DEFAULT_RATES`, a placeholder.
         With `calibrate`, placeholders are replaced before this returns by a short measurement
         (`calibrate_at_load`, a few seconds per backend config, stored for the next start;
         `status(text)` hears what is measured), so the router never prices a backend with
@@ -187,7 +189,7 @@ class Engine:
                 engine.close()
                 raise
         if online_rates:
-            from .calibrate import OnlineRefresh
+            from engine.rates.refresh import OnlineRefresh
 
             engine.online = OnlineRefresh(engine).attach()
         return engine
@@ -362,7 +364,7 @@ class Engine:
     def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
                     continue_final: bool = False) -> list[int]:
         """Render `messages` with the model's chat template and tokenize the result; with
-        `tools`, a prompt for a reply in the generic tool-call format (engine/structured.py);
+        `tools`, a prompt for a reply in the generic tool-call format (engine/prompts/structured.py);
         with `continue_final`, a prompt that goes on with the last (assistant) message."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")

@@ -9,7 +9,7 @@ engine was loaded with (or the variant's cap on the swept backend), every backen
 cache flushed (its KV freed), then the workload's shared prefix (and, with `warm_tenants`, every
 tenant's prefix) warmed on every backend. Timing starts at the first submission.
 
-Arrivals follow the wall clock, or an `engine.arrivals.ArrivalClock` that a person can pause and
+Arrivals follow the wall clock, or an `engine.sim.arrivals.ArrivalClock` that a person can pause and
 step (the app); a closed clock submits nothing more, and what was submitted is still waited for
 and recorded. The clock's pauses come back with the records (`Collected.pauses`), so the run's
 makespan leaves out the time it stood paused with nothing in flight (`run_metrics(records,
@@ -29,14 +29,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .arrivals import ArrivalClock
-from .benchmark import RequestRecord, RunSummary, decision_line, run_metrics
-from .calibrate import OnlineRefresh
+from engine.sim.arrivals import ArrivalClock
+from engine.sim.benchmark import RequestRecord, RunSummary, decision_line, run_metrics
+from engine.rates.refresh import OnlineRefresh
 from .engine import Engine
-from .errors import EngineError
-from .handle import RequestHandle
-from .request import Request, RequestStatus, SamplingParams
-from .workload import TOKEN_HIGH, RequestSpec, Workload, WorkloadSpec, build_workload
+from engine.core.errors import EngineError
+from engine.core.handle import RequestHandle
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.sim.workload import TOKEN_HIGH, RequestSpec, Workload, WorkloadSpec, build_workload
 
 SINGLE_POLICIES = ("gpu-only", "cpu-only")
 
@@ -165,7 +165,7 @@ def experiment_runner(eng: Engine) -> Callable[..., RunSummary]:
 
     Blocking; the experiments panel calls it on a worker thread. Fresh engine state per run
     (caches flushed, prefix re-warmed, router cleared, caps and rates restored). `clock` (an
-    `engine.arrivals.ArrivalClock`) lets the panel pause and step the arrivals; the makespan
+    `engine.sim.arrivals.ArrivalClock`) lets the panel pause and step the arrivals; the makespan
     leaves out its pauses' idle part (`RunMetrics.paused_s`).
     """
     def run(spec: WorkloadSpec, policy: str, run_index: int, on_done: Callable[..., object] | None,

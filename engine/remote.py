@@ -1,6 +1,6 @@
 """An OpenAI-compatible engine elsewhere (llama-server, vLLM, SGLang, another Tandem) as a backend.
 
-`RemoteBackend` implements `BackendProtocol` (engine/protocol.py) by streaming each request to
+`RemoteBackend` implements `BackendProtocol` (engine/backends/protocol.py) by streaming each request to
 the engine over HTTP: `POST /v1/completions` (the request's `text`, else its token ids) or
 `/v1/chat/completions` (its `messages`), `stream: true`, with the sampling values that API
 accepts. Text deltas go to the request's handle as they arrive; the engine's `usage` (prompt,
@@ -22,7 +22,7 @@ What the router sees (`snapshot()`):
   `cache` figures are in tokens either way). `query_tokens`/`hit_tokens` count the
   prediction at routing time (`pin_prefix`).
 - `device="remote"`, `kv_cells_total=0` (unknown: the router assumes room), `rates` from
-  calibration (`engine.calibrate.calibrate_remote`) refined online from each finished request's
+  calibration (`engine.rates.measure.calibrate_remote`) refined online from each finished request's
   TTFT and ITL (EWMA; `source="override"` rates are left alone).
 
 Flow control: at most `cap` requests are in flight at the engine; the rest wait here, FCFS, so
@@ -77,15 +77,15 @@ from dataclasses import dataclass, replace
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import sse
+from engine.backends import sse
 from .approx_cache import ApproxTree
-from .config import RemoteConfig
-from .errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError, QueueFull,
+from engine.backends.config import RemoteConfig
+from engine.core.errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError, QueueFull,
                      RestartInProgress)
-from .events import EventBus, RequestAdmitted, RequestFinished
-from .handle import Outbox, RequestHandle
-from .request import CHARS_PER_TOKEN, FinishRecord, Request, RequestStatus, SamplingParams
-from .snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+from engine.core.events import EventBus, RequestAdmitted, RequestFinished
+from engine.core.handle import Outbox, RequestHandle
+from engine.core.request import CHARS_PER_TOKEN, FinishRecord, Request, RequestStatus, SamplingParams
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sharing a running request's prompt (engine/scheduler.py: publication at prefill end, deferral
+# Sharing a running request's prompt (engine/sched/scheduler.py: publication at prefill end, deferral
 # behind a running prefill of the same prefix) on and off, on one backend, the same workload:
 # a Poisson burst of TENANTS tenants' requests (TENANTS=1: one tenant's burst). Three sides:
 # off (share_prefill=0), nodefer (publication only, defer_shared=0), on (both). Prints each

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 import engine.llama  # noqa: F401  (llama.cpp before numpy: see engine/llama/__init__.py)
-from engine.backend import Backend, BackendConfig
+from engine.backends.config import BackendConfig
+from engine.backends.local import Backend
 from engine.llama.model import Model, resolve_model
 
 

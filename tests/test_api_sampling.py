@@ -15,12 +15,12 @@ import openai
 import pytest
 
 from app.openai_schema import ApiRequest
-from engine.errors import InvalidRequest
-from engine.request import Request, SamplingParams
+from engine.core.errors import InvalidRequest
+from engine.core.request import Request, SamplingParams
 from servers import Server
 
 # flash_attn=on: llama.cpp's CPU flash-attention kernel gives each row the same sums whatever
-# the batch beside it (the CPU default is off, for speed: engine/backend.py AUTO_FLASH_ATTN), so
+# the batch beside it (the CPU default is off, for speed: engine/backends/config.py AUTO_FLASH_ATTN), so
 # the same seed gives the same text beside other requests and a continuation its greedy reply.
 SPEC = "cpu:threads=2,cap=4,ctx=2048,flash_attn=on"
 TIMEOUT = 120  # seconds: the bound on any one request

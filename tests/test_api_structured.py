@@ -16,9 +16,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engine.errors import InvalidRequest
+from engine.core.errors import InvalidRequest
 from engine.llama.grammar import schema_grammar
-from engine.structured import TemplateCaps, ToolMode, history, output_schema, parse_reply
+from engine.prompts.structured import TemplateCaps, ToolMode, history, output_schema, parse_reply
 
 from servers import Server
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.arrivals import ArrivalClock
+from engine.sim.arrivals import ArrivalClock
 
 
 def test_a_paused_clock_stands_still():

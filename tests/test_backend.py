@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from engine.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
-from engine.handle import RequestHandle
+from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
+from engine.core.handle import RequestHandle
 from engine.llama.model import Model, resolve_model
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams
 
-from waiting import WAIT, wait_until
+from waiting import WAIT, held_when, paused, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -32,8 +32,9 @@ def test_greedy_output_is_the_same_batched_as_alone(request, make_backend, which
     b = make_backend(model, cap=4, cache=False)
     sp = SamplingParams(temperature=0.0, max_tokens=n)
     alone = b.enqueue(_req(model, PROMPTS[0], sp)).text(WAIT)
-    requests = [_req(model, p, sp) for p in PROMPTS]  # tokenize first: enqueue back to back
-    handles = [b.enqueue(r) for r in requests]
+    requests = [_req(model, p, sp) for p in PROMPTS]
+    with paused(b):  # all four are admitted in one step, whatever the machine's timing
+        handles = [b.enqueue(r) for r in requests]
     batched = [h.text(WAIT) for h in handles]
     assert batched[0] == alone
     assert alone, "the model produced no text"
@@ -49,7 +50,8 @@ def test_each_batched_row_gets_its_own_sequences_tokens(make_backend, tiny_model
     sp = SamplingParams(temperature=0.0, max_tokens=24)
     prompts = [(5 + i, 9, 3 * i + 1, 40 + 7 * i) for i in range(8)]
     alone = [b.enqueue(Request(p, sp)).text(WAIT) for p in prompts]
-    handles = [b.enqueue(Request(p, sp)) for p in prompts]
+    with paused(b):  # the eight start in one step
+        handles = [b.enqueue(Request(p, sp)) for p in prompts]
     assert [h.text(WAIT) for h in handles] == alone
     assert len(set(alone)) > 1, "the prompts were chosen to give different texts"
     assert max(len(rows) for _, _, rows in b.step_log) == 8
@@ -59,7 +61,8 @@ def test_concurrent_requests_share_decode_steps(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=4)
     sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     requests = [_req(tiny_model, p, sp) for p in PROMPTS]
-    handles = [b.enqueue(r) for r in requests]
+    with paused(b):  # the four start in one step
+        handles = [b.enqueue(r) for r in requests]
     records = [h.result(WAIT) for h in handles]
     assert all(r.output_tokens == 64 for r in records)
     shared = [rows for n_dec, _, rows in b.step_log if n_dec == 4]
@@ -71,7 +74,7 @@ def test_a_long_prompt_prefills_in_chunks_beside_running_decodes(make_backend, t
     b = make_backend(tiny_model, cap=2, n_batch=64, n_ctx=2048)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     first = b.enqueue(_req(tiny_model, "short", SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)))
-    wait_until(lambda: b.snapshot().items and b.snapshot().items[0].generated > 2, what="first decoding")
+    wait_until(lambda: any(i.generated > 2 for i in b.snapshot().items), what="first decoding", unless=lambda: first.done)
     long = b.enqueue(_req(tiny_model, "x" * 300, sp))
     first.result(WAIT), long.result(WAIT)
     mixed = [(d, p) for d, p, _ in b.step_log if d >= 1 and p > 0]
@@ -87,13 +90,17 @@ def test_cancel_frees_kv_at_any_point(make_backend, tiny_model, phase):
     sp = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     blocker = b.enqueue(_req(tiny_model, "blocker " * 20, sp)) if phase == "queued" else None
     victim = b.enqueue(_req(tiny_model, "y" * 600, sp))
-    if phase == "prefilling":
-        wait_until(lambda: any(i.running and 0 < i.prefill_left < 590 for i in b.snapshot().items), what="mid-prefill")
-    elif phase == "decoding":
-        wait_until(lambda: any(i.generated > 3 for i in b.snapshot().items), what="decoding")
-    victim.cancel()
+    if phase == "queued":
+        victim.cancel()
+    else:  # the worker holds at the step boundary where the phase is reached; the cancel lands a step later
+        mid = {"prefilling": lambda s: any(i.running and 0 < i.prefill_left < 590 for i in s.items),
+               "decoding": lambda s: any(i.generated > 3 for i in s.items)}[phase]
+        with held_when(b, mid, phase, unless=lambda s: victim.done):
+            victim.cancel()
     record = victim.result(WAIT)
     assert record.status == RequestStatus.FINISHED_CANCELLED
+    if phase == "prefilling":
+        assert record.output_tokens == 0, "cancelled before its prompt was whole"
     if blocker is not None:
         blocker.cancel()
         blocker.result(WAIT)
@@ -169,7 +176,7 @@ def test_a_cpu_backend_without_a_ctx_gets_4096_cells(make_backend, tiny_model):
 
 
 def test_a_step_is_announced_before_the_records_it_finished(make_backend, tiny_model):
-    from engine.events import StepDone
+    from engine.core.events import StepDone
 
     b = make_backend(tiny_model, cap=2)
     for _ in range(5):
@@ -183,7 +190,7 @@ def test_a_step_is_announced_before_the_records_it_finished(make_backend, tiny_m
 
 
 def test_seeded_sampling_repeats_itself(make_backend, default_model):
-    b = make_backend(default_model, cap=2, flash_attn="on")  # batch-invariant sums (engine/backend.py)
+    b = make_backend(default_model, cap=2, flash_attn="on")  # batch-invariant sums (engine/backends/local.py)
     sp = SamplingParams(temperature=0.9, seed=1234, max_tokens=20)
     a = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
     c = b.enqueue(_req(default_model, "Tell me a story:", sp)).text(WAIT)
@@ -228,7 +235,7 @@ def test_idle_sampler_chains_follow_the_cap(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=4, idle_sampler_s=1.5, n_ctx=4096)
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     h = b.enqueue(Request((5, 6, 7), long))
-    wait_until(lambda: b.snapshot().running, what="admitted")
+    wait_until(lambda: b.snapshot().running, what="admitted", unless=lambda: h.done)
     assert b.samplers_attached == 4, "the free ids the next requests take got the chain in the same reserve"
     b.set_cap(2)
     wait_until(lambda: b.samplers_attached == 2, what="idle chains beyond the cap detached")
@@ -271,7 +278,8 @@ def test_finish_record_has_timings(make_backend, tiny_model):
 @pytest.fixture
 def stopped(tiny_model):
     """A backend stopped while a long request ran, and that request's handle."""
-    from engine.backend import Backend, BackendConfig
+    from engine.backends.config import BackendConfig
+    from engine.backends.local import Backend
 
     b = Backend(BackendConfig(threads=1, n_ctx=512), tiny_model).start()
     h = b.enqueue(_req(tiny_model, "long", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
@@ -307,7 +315,8 @@ def test_short_requests_do_not_wait_behind_huge_max_tokens(make_backend, tiny_mo
 
     b = make_backend(tiny_model, cap=4, n_ctx=4096)
     longs = [b.enqueue(Request((1, 40 + i, 41), HUGE)) for i in range(2)]
-    wait_until(lambda: any(i.running and i.generated for i in b.snapshot().items), what="a long one decoding")
+    wait_until(lambda: any(i.running and i.generated for i in b.snapshot().items), what="a long one decoding",
+               unless=lambda: all(h.done for h in longs))
     t0 = time.monotonic()
     shorts = [b.enqueue(Request((1, 70 + i), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
               for i in range(2)]
@@ -322,8 +331,8 @@ def test_short_requests_do_not_wait_behind_huge_max_tokens(make_backend, tiny_mo
 def test_max_tokens_is_clamped_to_what_the_context_holds(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=1, n_ctx=256)
     h = b.enqueue(Request((1, 40, 41), HUGE))
-    wait_until(lambda: b.snapshot().items, what="admitted")
-    assert b.snapshot().items[0].decode_left <= 256 - 3, "the router sees the clamped budget"
+    with held_when(b, lambda s: any(i.running for i in s.items), "admitted", unless=lambda s: h.done) as snap:
+        assert snap.items[0].decode_left <= 256 - 3, "the router sees the clamped budget"
     r = h.result(WAIT)
     assert r.error is None and r.finish_reason == "length" and 0 < r.output_tokens <= 256 - 3
 
@@ -360,7 +369,7 @@ def test_a_preempted_request_resumes_with_the_same_text(make_backend, tiny_model
 def test_a_preempted_request_goes_before_later_arrivals(make_backend, tiny_model):
     """Fairness: the preempted request is queued first again, so it is re-admitted before a
     request that arrived after it."""
-    from engine.events import RequestAdmitted
+    from engine.core.events import RequestAdmitted
 
     sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     b = make_backend(tiny_model, cap=2, n_ctx=512, cache=False)
@@ -397,12 +406,12 @@ def test_a_request_that_cannot_fit_alone_fails_clearly(make_backend, tiny_model)
 def test_a_cancelled_long_prefill_stops_within_one_short_chunk(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=2, n_ctx=8192, n_batch=512, cache=False)  # CPU: busy chunk 64
     talker = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)))
-    wait_until(lambda: any(i.generated for i in b.snapshot().items), what="decoding")
+    wait_until(lambda: any(i.generated for i in b.snapshot().items), what="decoding", unless=lambda: talker.done)
     long = b.enqueue(Request(tuple((7 * i) % 200 + 5 for i in range(3000)), GREEDY))
-    wait_until(lambda: any(i.request_id == long.id and i.running and i.prefill_left < 3000
-                           for i in b.snapshot().items), what="the long prefill started")
-    at_cancel = len(b.step_log)
-    long.cancel()
+    started = lambda s: any(i.request_id == long.id and i.running and i.prefill_left < 3000 for i in s.items)  # noqa: E731
+    with held_when(b, started, "the long prefill started", unless=lambda s: long.done):
+        at_cancel = len(b.step_log)  # the worker holds between steps: one more chunk runs before the cancel
+        long.cancel()
     assert long.result(WAIT).status == RequestStatus.FINISHED_CANCELLED
     wait_until(lambda: len(b.step_log) > at_cancel + 2, what="steps after the cancel")
     steps = list(b.step_log)
@@ -435,7 +444,8 @@ def test_cancelled_choices_free_their_kv(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=4, cache=False)
     base_cells, base_bytes = b.kv_cells_used(), b.kv_state_bytes()
     handles = _choices(b, tiny_model, 3, SamplingParams(temperature=0.8, max_tokens=500, ignore_eos=True))
-    wait_until(lambda: sum(i.generated > 3 for i in b.snapshot().items) == 3, what="every choice decoding")
+    wait_until(lambda: sum(i.generated > 3 for i in b.snapshot().items) == 3, what="every choice decoding",
+               unless=lambda: any(h.done for h in handles))
     for h in handles:
         h.cancel()
     assert [h.result(WAIT).status for h in handles] == [RequestStatus.FINISHED_CANCELLED] * 3

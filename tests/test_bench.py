@@ -19,12 +19,12 @@ from bench import report as bench_report
 from bench.study import loaded_name
 from bench.progress import Progress
 from bench.target import Target, parse_target, probe, run_target
-from engine.benchmark import (RequestRecord, aggregate, decision_line, idle_paused_s, makespan, oracle,
+from engine.sim.benchmark import (RequestRecord, aggregate, decision_line, idle_paused_s, makespan, oracle,
                               output_throughput, percentile, run_metrics, seed_formula)
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
 from engine.llama import fused_dist
-from engine.workload import build_workload, seed_workload
+from engine.sim.workload import build_workload, seed_workload
 
 BACKENDS = ["--backend", "cpu:threads=1,cap=2,ctx=512", "--backend", "cpu:threads=1,cap=2,ctx=512"]
 SMALL_SEED = ["--prefix-tokens", "48", "--suffix-tokens", "8", "--gen-tokens", "8"]
@@ -153,7 +153,7 @@ class TestMetrics:
 class TestDecisionLine:
     def test_format_of_the_router_issue(self):
         from engine.routing import RouteQuery, Router
-        from engine.snapshot import BackendSnapshot, Rates
+        from engine.core.snapshot import BackendSnapshot, Rates
 
         snaps = [BackendSnapshot("gpu", "gpu", 4, 4096, Rates(2551, 293)),
                  BackendSnapshot("cpu", "cpu", 4, 4096, Rates(73, 45))]

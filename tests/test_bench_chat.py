@@ -12,8 +12,8 @@ from app.cli import main
 from bench import report as bench_report
 from bench.chat import WORDS, ChatSpec, build_chat, parse_range, summarize, ttft_split, turn_table
 from bench.simulate import replay
-from engine.benchmark import RequestRecord
-from engine.errors import InvalidRequest
+from engine.sim.benchmark import RequestRecord
+from engine.core.errors import InvalidRequest
 from servers import Server
 
 # ---- the workload ----

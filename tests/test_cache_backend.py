@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams
 
-from waiting import WAIT, wait_until
+from waiting import WAIT, held_when, wait_until
 
 
 # Both KV layouts: unified (a cached prefix's cells are aliased) and split (one stream per
@@ -145,7 +145,7 @@ def test_the_cache_can_be_toggled_while_serving(make_backend, tiny_model):
     b.warm(prefix).result(WAIT)
     long = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
     running = b.enqueue(Request(tuple(prefix + [80]), long))  # holds the prefix while it runs
-    wait_until(lambda: any(i.generated > 2 for i in b.snapshot().items), what="running")
+    wait_until(lambda: any(i.generated > 2 for i in b.snapshot().items), what="running", unless=lambda: running.done)
     b.set_cache_enabled(False).result(WAIT)
     assert b.match(Request(tuple(prefix + [81]))) == 0 and not b.snapshot().cache.enabled
     r = b.enqueue(Request(tuple(prefix + [82]), SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
@@ -190,12 +190,13 @@ def test_idle_cached_cells_shrink_as_the_batch_grows(make_backend, tiny_model, b
     kept, cached = b.cache.evictable_tokens, b.cache.cached_tokens
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     handles = [b.enqueue(Request(tuple(_text_tokens(tiny_model, 20, seed=60 + i)), long)) for i in range(3)]
-    wait_until(lambda: len(b.snapshot().running) == 3, what="three running")
+    wait_until(lambda: len(b.snapshot().running) == 3, what="three running", unless=lambda: any(h.done for h in handles))
     if budget < 0:
         assert kept > 600 and b.cache.cached_tokens == cached, "4096 / 3 cells is room for all of it"
     else:
         assert kept <= 300 + 120  # B = 1 while each ran; the last one's cells came after
-        wait_until(lambda: b.cache.evictable_tokens <= 300 // 3, what="idle cache shed to budget / B")
+        wait_until(lambda: b.cache.evictable_tokens <= 300 // 3, what="idle cache shed to budget / B",
+                   unless=lambda: any(h.done for h in handles))
     assert all(h.result(WAIT).output_tokens == 400 for h in handles)
     assert b.kv_cells_used() == b.cache.cached_tokens
 
@@ -208,11 +209,18 @@ def _tenant_prompts(model, n_prefix=300, seed=11):
     return prefix, [prefix + [rng.randrange(3, model.n_vocab) for _ in range(8)] for _ in range(2)]
 
 
+def _decoding(handle, n):
+    return lambda s: any(i.request_id == handle.id and i.generated >= n for i in s.items)
+
+
 def _while_decoding(b, handle, n=3):
-    """Wait until `handle`'s request has produced `n` tokens and still runs."""
-    rid = handle.id
-    wait_until(lambda: any(i.request_id == rid and i.generated >= n for i in b.snapshot().items),
-               what="the first request decoding")
+    """Wait until `handle`'s request has produced `n` tokens (it must run on long after)."""
+    wait_until(lambda: _decoding(handle, n)(b.snapshot()), what=f"{handle.id} decoding", unless=lambda: handle.done)
+
+
+def _held_while_decoding(b, handle, n=3):
+    """Hold `b`'s worker at the step boundary where `handle`'s request has produced `n` tokens."""
+    return held_when(b, _decoding(handle, n), f"{handle.id} decoding", unless=lambda s: handle.done)
 
 
 @LAYOUTS
@@ -258,7 +266,7 @@ def test_a_cancelled_first_request_leaves_the_second_whole(make_backend, tiny_mo
     prefix, (first, second) = _tenant_prompts(tiny_model, seed=13)
     long = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    # flash_attn=on: its kernel sums each row alike whatever shares the batch (engine/backend.py).
+    # flash_attn=on: its kernel sums each row alike whatever shares the batch (engine/backends/local.py).
     off = make_backend(tiny_model, **_layout(unified, 1024, cache=False, n_ctx=4096, flash_attn="on"))
     expected = off.enqueue(Request(tuple(second), sp)).result(WAIT).text
     b = make_backend(tiny_model, **_layout(unified, 1024, n_ctx=4096, flash_attn="on"))
@@ -266,8 +274,8 @@ def test_a_cancelled_first_request_leaves_the_second_whole(make_backend, tiny_mo
     h1 = b.enqueue(Request(tuple(first), long))
     _while_decoding(b, h1)
     h2 = b.enqueue(Request(tuple(second), sp))
-    _while_decoding(b, h2)
-    h1.cancel()
+    with _held_while_decoding(b, h2):  # h2 has 40 tokens: it decodes for ~10 ms, less than a poll
+        h1.cancel()
     assert h1.result(WAIT).status == RequestStatus.FINISHED_CANCELLED
     r = h2.result(WAIT)
     assert r.cached_tokens == len(prefix) and r.text == expected

@@ -1,4 +1,4 @@
-"""Calibration (`engine.calibrate`, `tandem calibrate`): the pure parts table-driven, the
+"""Calibration (`engine.rates`, `tandem calibrate`): the pure parts table-driven, the
 measuring on the real tiny model with two CPU backends, the store as the engine reads it."""
 
 from __future__ import annotations
@@ -10,15 +10,18 @@ from dataclasses import replace
 import pytest
 
 from app.cli import main
-from engine.backend import BackendConfig
-from engine.calibrate import (ModelRates, OnlineRefresh, RateStore, cache_dir, calibrate_backend, config_key,
-                              fit_step_model, parse_rates, save_calibration, step_table)
-from engine.config import parse_backend_specs
-from engine.engine import DEFAULT_RATES, Engine
-from engine.errors import InvalidRequest
-from engine.llama.model import file_fingerprint
-from engine.request import Request, SamplingParams
-from engine.snapshot import Rates
+from engine.backends.config import BackendConfig
+from engine.rates.fit import fit_step_model, step_table
+from engine.rates.measure import calibrate_backend
+from engine.rates.refresh import OnlineRefresh
+from engine.rates.store import ModelRates, RateStore, cache_dir, config_key, parse_rates, save_calibration
+from engine.backends.config import parse_backend_specs
+from engine.backends.registry import DEFAULT_RATES
+from engine.engine import Engine
+from engine.core.errors import InvalidRequest
+from engine.rates.store import file_fingerprint
+from engine.core.request import Request, SamplingParams
+from engine.core.snapshot import Rates
 
 SPECS = ["cpu:threads=1,cap=3,ctx=512", "cpu:threads=1,cap=3,ctx=512"]
 SMALL = dict(prompt_tokens=64, gen_tokens=8, repeats=1)
@@ -314,7 +317,7 @@ class TestCalibrateAtLoad:
 
 
 def test_snapshot_json_says_where_rates_came_from():
-    from engine.snapshot import BackendSnapshot
+    from engine.core.snapshot import BackendSnapshot
 
     snap = BackendSnapshot(name="cpu", device="cpu", cap=4, n_ctx=512,
                            rates=Rates(100, 50, source="cached", measured_at="2026-11-30T10:00:00+00:00"))
@@ -350,9 +353,9 @@ class TestCommand:
 
 
 def test_engine_load_can_refresh_rates_online(tiny_path):
-    from engine.config import parse_backend_specs
+    from engine.backends.config import parse_backend_specs
     from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from engine.core.request import Request, SamplingParams
 
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=1024"]), online_rates=True)
     try:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import backend as backend_module
-from engine.backend import AUTO_CAP, AUTO_IDLE_CELLS, AUTO_START, auto_contexts, auto_limits, auto_pool_cells
-from engine.config import parse_backend_spec, parse_backend_specs, resolve_contexts
-from engine.errors import InvalidRequest
+from engine.backends import config as backend_module
+from engine.backends.config import (AUTO_CAP, AUTO_IDLE_CELLS, AUTO_START, auto_contexts, auto_limits, auto_pool_cells,
+                                    parse_backend_spec, parse_backend_specs, resolve_contexts)
+from engine.core.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("spec, cap, adaptive", [
@@ -119,7 +119,7 @@ def test_the_device_ceiling_is_the_same_for_any_context_count():
 
 
 @pytest.mark.parametrize(("spec", "device", "flash"), [
-    ("cpu", "cpu", "off"),  # the CPU's flash-attention kernel is slow for decode rows (engine/backend.py)
+    ("cpu", "cpu", "off"),  # the CPU's flash-attention kernel is slow for decode rows (engine/backends/local.py)
     ("gpu", "gpu", "auto"),  # llama.cpp's choice
     ("cpu:flash_attn=on", "cpu", "on"),  # a spec that says keeps it
     ("gpu:flash_attn=off", "gpu", "off"),

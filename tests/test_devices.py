@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from engine import llama
-from engine.config import default_specs, parse_backend_spec, parse_backend_specs
-from engine.errors import InvalidRequest, ModelLoadError
+from engine.backends.config import default_specs, parse_backend_spec, parse_backend_specs
+from engine.core.errors import InvalidRequest, ModelLoadError
 from engine.llama.model import Model, ModelRegistry
 
 
@@ -165,7 +165,7 @@ def test_engine_with_a_missing_gpu_fails_clearly(tiny_path):
 
 def test_contexts_of_one_spec_serve_on_one_shared_model(tiny_path):
     from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from engine.core.request import Request, SamplingParams
 
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=512,contexts=2"]), calibrate=False)
     try:

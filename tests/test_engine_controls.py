@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.backend import BackendConfig
-from engine.config import parse_backend_specs
-from engine.engine import BACKEND_KINDS, Engine, backend_kind
-from engine.errors import InvalidRequest
-from engine.request import SamplingParams
-from engine.snapshot import Rates
+from engine.backends.config import BackendConfig
+from engine.backends.config import parse_backend_specs
+from engine.backends.registry import BACKEND_KINDS, backend_kind
+from engine.engine import Engine
+from engine.core.errors import InvalidRequest
+from engine.core.request import SamplingParams
+from engine.core.snapshot import Rates
 
 from waiting import WAIT
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.llama import fused_dist, lc
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 
 WAIT = 120
 DRAWS = 20_000

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from engine.handle import Outbox, RequestHandle
-from engine.request import FinishRecord, Request, RequestStatus, SamplingParams
+from engine.core.handle import Outbox, RequestHandle
+from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams
 
 
 @pytest.fixture

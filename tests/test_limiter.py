@@ -1,4 +1,4 @@
-"""The adaptive concurrency limiter (engine/limiter.py): its rules on scripted steps, and a
+"""The adaptive concurrency limiter (engine/sched/limiter.py): its rules on scripted steps, and a
 replay of the H200's measured step times through the real scheduler (no model, a virtual
 clock), where the limit must land near the best fixed cap in hindsight.
 
@@ -19,9 +19,9 @@ import random
 
 import pytest
 
-from engine.limiter import ConcurrencyLimiter
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler, SeqState
+from engine.sched.limiter import ConcurrencyLimiter
+from engine.core.request import Request, SamplingParams
+from engine.sched.scheduler import Scheduler, SeqState
 
 # ---- the rules, on scripted steps ----
 

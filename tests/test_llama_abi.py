@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 from engine.llama import _abi
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ _UNKNOWN_VERSION = """
 import json, sys
 import llama_cpp
 llama_cpp.__version__ = "0.3.99"  # what another install would report
-from engine.errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 try:
     import engine.llama
 except Exception as e:

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.metrics import ITL_BUCKETS, EngineMetrics, _WeightedHistogram
-from engine.request import FinishRecord, RequestStatus, SamplingParams
+from engine.core.metrics import ITL_BUCKETS, EngineMetrics, _WeightedHistogram
+from engine.core.request import FinishRecord, RequestStatus, SamplingParams
 
 from waiting import wait_until
 

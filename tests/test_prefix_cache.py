@@ -1,4 +1,4 @@
-"""Tests of engine.prefix_cache: table-driven cases, then a stateful check against a
+"""Tests of engine.sched.prefix_cache: table-driven cases, then a stateful check against a
 brute-force model of the seqs llama.cpp would hold. No model needed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.prefix_cache import EvictAction, Pin, PrefixCache
+from engine.sched.prefix_cache import EvictAction, Pin, PrefixCache
 
 
 def make_cache(*inserts: tuple[list[int], int]) -> PrefixCache:

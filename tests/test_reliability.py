@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.errors import BackendUnavailable, InvalidRequest, QueueFull
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.errors import BackendUnavailable, InvalidRequest, QueueFull
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 from waiting import WAIT, wait_until
 
@@ -61,7 +61,7 @@ def test_a_request_that_allows_retry_restarts_elsewhere(engine):
     a = engine.backends["a"]
     a.set_cap(1)
     blocker = engine.submit(_long(engine, 0, backend="a"))
-    wait_until(lambda: any(i.generated > 0 for i in a.snapshot().items), what="a decoding")
+    wait_until(lambda: any(i.generated > 0 for i in a.snapshot().items), what="a decoding", unless=lambda: blocker.done)
     # Admitted on a but stuck behind nothing... make it prefill-only by pausing: queue it, then fail.
     retry = engine.submit(_long(engine, 1, retry=True))
     if retry.backend != "a":

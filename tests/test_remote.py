@@ -19,13 +19,13 @@ import urllib.request
 
 import pytest
 
-from engine.config import RemoteConfig, parse_backend_spec
+from engine.backends.config import RemoteConfig, parse_backend_spec
 from engine.engine import Engine
-from engine.errors import InvalidRequest
-from engine.events import EventBus
-from engine.handle import RequestHandle
+from engine.core.errors import InvalidRequest
+from engine.core.events import EventBus
+from engine.core.handle import RequestHandle
 from engine.remote import RemoteBackend
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.routing import Router
 
 from waiting import wait_until
@@ -320,7 +320,7 @@ def test_restart_reconnects(fleet):
 
 def test_a_second_restart_conflicts_with_one_under_way(engines, fleet):
     """The engine is paused, so the first restart waits on its probe while the second comes."""
-    from engine.errors import RestartInProgress
+    from engine.core.errors import RestartInProgress
 
     a = fleet.backends["a"]
     assert a.healthy
@@ -343,7 +343,7 @@ def test_a_second_restart_conflicts_with_one_under_way(engines, fleet):
 
 
 def test_calibrate_measures_a_remote_engine_by_sending_requests(fleet):
-    from engine.calibrate import calibrate_backend
+    from engine.rates.measure import calibrate_backend
 
     b = fleet.backends["b"]
     cal = calibrate_backend(b, prompt_tokens=64, gen_tokens=64, batches=[1, 2], repeats=1, timeout=60)

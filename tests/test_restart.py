@@ -11,10 +11,10 @@ import httpx2 as httpx
 import pytest
 
 from app.server import create_app
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.errors import RestartInProgress
-from engine.request import Request, SamplingParams
+from engine.core.errors import RestartInProgress
+from engine.core.request import Request, SamplingParams
 
 from test_server import LoopThread
 from waiting import WAIT, wait_until
@@ -86,7 +86,8 @@ def test_restarting_a_healthy_backend_moves_its_queue(served):
     long = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)))
     queued = [b.enqueue(Request((1, 50 + i, 60 + i), SamplingParams(temperature=0, max_tokens=8)))
               for i in range(5)]
-    wait_until(lambda: any(i.running and i.generated > 0 for i in b.snapshot().items), what="cpu0 decoding")
+    wait_until(lambda: any(i.running and i.generated > 0 for i in b.snapshot().items), what="cpu0 decoding",
+               unless=lambda: long.done)
     eng.restart("cpu0")
     records = [h.result(WAIT) for h in queued]
     assert [r.error for r in records] == [None] * 5

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.errors import BackendUnavailable, InvalidRequest
+from engine.core.errors import BackendUnavailable, InvalidRequest
 from engine.routing import (
     BUDGET_MODES,
     DEFAULT_POLICY,
@@ -31,7 +31,7 @@ from engine.routing import (
     predicted_finish,
     seed_score,
 )
-from engine.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 CPU_RATES = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
 GPU_RATES = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
@@ -495,7 +495,7 @@ class TestRouter:
             d.scores[0].score_s = 0.0
 
     def test_from_request(self):
-        from engine.request import Request, SamplingParams
+        from engine.core.request import Request, SamplingParams
 
         req = Request(prompt_tokens=tuple(range(PROMPT)), sampling=SamplingParams(max_tokens=MAX_TOKENS),
                       id="req-x", backend="CPU")

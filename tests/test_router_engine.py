@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from waiting import WAIT
 
 PREFIX = list(range(10, 210))  # a 200-token "system prompt"

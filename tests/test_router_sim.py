@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.routing import Policy, RecentPrefixes, RouteQuery, Router
-from engine.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 PREFIX, OWN, CAP, CACHE_TENANTS, TENANTS = 1500, 50, 8, 4, 8
 ALPHA, BETA, PREFILL = 0.010, 0.0005, 20_000.0

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
-from engine.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
 M2_CPU = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
-# The simulator's h200 profile: what the router is told (engine/simulate.py, docs/results/gpu/grid2).
+# The simulator's h200 profile: what the router is told (engine/sim/simulate.py, docs/results/gpu/grid2).
 H200_GPU = Rates(53514.1, 3115.6, 0.0010097, 0.00029451, "calibrated",
                  (0.0012400, 0.0016133, 0.0017627, 0.0019968, 0.0023091, 0.0025667, 0.0028006, 0.0030280,
                   0.0045841, 0.0046991, 0.0047219, 0.0048108, 0.0049083, 0.0049837, 0.0050488, 0.0051355))

@@ -11,7 +11,7 @@ import pytest
 
 from engine.llama import greedy
 from engine.llama import holding_gil
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 WAIT = 120
 
@@ -165,7 +165,7 @@ def test_pending_text_is_not_lost_when_a_request_ends_early(make_backend, tiny_m
     b = make_backend(tiny_model, cap=2, cache=False, overlap_text=True)
     sp = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     h = b.enqueue(Request((5, 6, 7), sp))
-    wait_until(lambda: any(i.generated > 20 for i in b.snapshot().items), what="decoding")
+    wait_until(lambda: any(i.generated > 20 for i in b.snapshot().items), what="decoding", unless=lambda: h.done)
     if how == "cancel":
         h.cancel()
     else:

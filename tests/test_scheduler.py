@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import ADMIT_HEADROOM, Scheduler, SeqState
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.sched.scheduler import ADMIT_HEADROOM, Scheduler, SeqState
 
 EOG = 2
 

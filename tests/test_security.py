@@ -30,7 +30,7 @@ from waiting import wait_until
 
 from app.http_guard import GuardSettings, RepeatFilter
 from app.server import create_app
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
 from engine.llama.model import resolve_model
 

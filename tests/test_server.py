@@ -23,9 +23,9 @@ import pytest
 from aiohttp import web
 
 from app.server import create_app, start_server
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from engine.events import StepDone
+from engine.core.events import StepDone
 from engine.llama.model import resolve_model
 
 from waiting import wait_until

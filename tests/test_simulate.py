@@ -1,4 +1,4 @@
-"""The what-if simulation (engine/simulate.py): the real router and schedulers on simulated
+"""The what-if simulation (engine/sim/simulate.py): the real router and schedulers on simulated
 hardware. Pure and fast: no model, no threads, a virtual clock."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.benchmark import run_metrics
-from engine.errors import InvalidRequest
-from engine.simulate import PROFILES, Profile, apply_overrides, scaled_profile, simulate
-from engine.workload import WorkloadSpec, build_workload, seed_workload
+from engine.sim.benchmark import run_metrics
+from engine.core.errors import InvalidRequest
+from engine.sim.simulate import PROFILES, Profile, apply_overrides, scaled_profile, simulate
+from engine.sim.workload import WorkloadSpec, build_workload, seed_workload
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -138,7 +138,7 @@ def test_profile_file_loads_with_its_edits(tmp_path):
 
 def test_this_machine_is_the_latest_stored_calibration(tmp_path):
     from bench.simulate import this_machine
-    from engine.calibrate import RateStore
+    from engine.rates.store import RateStore
 
     store = RateStore(tmp_path / "rates.json")
     store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 4, "prefill_tok_s": 95.0,
@@ -158,7 +158,7 @@ def _calibrated(store, fingerprint: str, model: str, measured_at: str, prefill: 
 
 def test_this_machine_for_a_recorded_run_is_its_models_calibration(tmp_path):
     from bench.simulate import this_machine
-    from engine.calibrate import RateStore
+    from engine.rates.store import RateStore
 
     store = RateStore(tmp_path / "rates.json")
     _calibrated(store, "small", "SmolLM2", "2026-12-01T03:00:00", 95.0)
@@ -169,7 +169,7 @@ def test_this_machine_for_a_recorded_run_is_its_models_calibration(tmp_path):
 
 def test_this_machine_without_the_recorded_models_calibration_says_so(tmp_path):
     from bench.simulate import this_machine
-    from engine.calibrate import RateStore
+    from engine.rates.store import RateStore
 
     store = RateStore(tmp_path / "rates.json")
     _calibrated(store, "tiny", "synthetic-tiny", "2026-12-01T04:00:00", 9000.0)
@@ -283,8 +283,8 @@ _ALPHA, _BETA, _GAMMA = 0.004, 0.02, 4e-5
 
 
 def _ctx_rates(prompt: int = 512, gen: int = 32):
-    from engine.calibrate import calibration_cells
-    from engine.snapshot import Rates
+    from engine.rates.fit import calibration_cells
+    from engine.core.snapshot import Rates
 
     cells = (calibration_cells(prompt, gen),) * 8
     table = tuple(_ALPHA + _BETA * b + _GAMMA * b * c for b, c in enumerate(cells, 1))
@@ -292,14 +292,14 @@ def _ctx_rates(prompt: int = 512, gen: int = 32):
 
 
 def _ctx_profile(admit_s: float = 0.0) -> Profile:
-    from engine.simulate import BackendProfile
+    from engine.sim.simulate import BackendProfile
 
     return Profile("ctx", tuple(BackendProfile(f"cpu{k}", "cpu", _ctx_rates(), cap=8, kv_cells=4096, admit_s=admit_s)
                                 for k in range(2)))
 
 
 def test_context_model_fits_synthetic_points_exactly():
-    from engine.calibrate import calibration_cells, fit_context_model
+    from engine.rates.fit import calibration_cells, fit_context_model
 
     points = [(b, calibration_cells(p, g), _ALPHA + _BETA * b + _GAMMA * b * calibration_cells(p, g))
               for p, g, batches in ((512, 32, range(1, 9)), (128, 16, (1, 8))) for b in batches]
@@ -308,7 +308,7 @@ def test_context_model_fits_synthetic_points_exactly():
 
 def test_context_model_where_a_longer_context_ran_faster_has_no_term():
     """Noise, not attention: the fit falls back to alpha + beta*b over the batches' means."""
-    from engine.calibrate import fit_context_model
+    from engine.rates.fit import fit_context_model
 
     points = [(b, c, 0.01 + 0.02 * b - 1e-6 * b * c) for b in (1, 2, 4) for c in (100.0, 600.0)]
     alpha, beta, gamma = fit_context_model(points)
@@ -331,7 +331,7 @@ def test_a_step_beyond_the_table_keeps_the_context_term():
 def test_a_profile_without_the_context_term_steps_at_its_table_at_any_context(tmp_path):
     """Calibrations stored before the context term (no `step_gamma_s`) load and keep today's model."""
     from bench.simulate import this_machine
-    from engine.calibrate import RateStore
+    from engine.rates.store import RateStore
 
     store = RateStore(tmp_path / "rates.json")
     store.save("abc", "cpu:threads=1", {"backend": "cpu0", "device": "cpu", "cap": 4, "prefill_tok_s": 95.0,
@@ -346,8 +346,8 @@ def test_a_profile_without_the_context_term_steps_at_its_table_at_any_context(tm
 
 def test_this_machine_steps_as_its_stored_calibration_measured(tmp_path):
     from bench.simulate import this_machine
-    from engine.calibrate import RateStore
-    from engine.simulate import _rates_dict
+    from engine.rates.store import RateStore
+    from engine.sim.simulate import _rates_dict
 
     rates = _ctx_rates()
     store = RateStore(tmp_path / "rates.json")
@@ -421,7 +421,7 @@ _DELTA = 3e-6
 
 def test_step_terms_fit_recovers_delta_from_synthetic_points():
     """The shared passes (the pool grows with the rows' cells) and one unshared pair."""
-    from engine.calibrate import calibration_cells, fit_step_terms
+    from engine.rates.fit import calibration_cells, fit_step_terms
 
     def step(b, c, kv):
         return _ALPHA + _BETA * b + _GAMMA * b * c + _DELTA * b * kv
@@ -438,7 +438,7 @@ def test_step_terms_fit_recovers_delta_from_synthetic_points():
 
 def test_pool_attention_fit_recovers_its_terms_from_synthetic_points():
     """Without flash attention every row pays for the whole pool: no context term."""
-    from engine.calibrate import calibration_cells, fit_step_terms
+    from engine.rates.fit import calibration_cells, fit_step_terms
 
     def step(b, kv):
         return _ALPHA + _BETA * b + _DELTA * b * kv
@@ -454,7 +454,7 @@ def test_pool_attention_fit_recovers_its_terms_from_synthetic_points():
 
 
 def test_a_larger_pool_that_stepped_faster_gives_no_scan_term():
-    from engine.calibrate import fit_scan_term
+    from engine.rates.fit import fit_scan_term
 
     assert fit_scan_term([(8, 224.0, 0.096, 1120.0, 0.094)]) == 0.0
 
@@ -462,7 +462,7 @@ def test_a_larger_pool_that_stepped_faster_gives_no_scan_term():
 def test_an_entry_stored_before_the_masked_scan_steps_at_its_table_pool(tmp_path):
     """The cpu-grid3 store format: a context term, no `step_delta_s` or `step_kv`."""
     from bench.simulate import this_machine
-    from engine.calibrate import RateStore
+    from engine.rates.store import RateStore
 
     rates = _ctx_rates()
     old = {k: v for k, v in {"prefill_tok_s": 110.0, "decode_tok_s": rates.decode_tok_s,
@@ -481,8 +481,8 @@ def test_an_entry_stored_before_the_masked_scan_steps_at_its_table_pool(tmp_path
 
 def _scan_profile(delta: float) -> Profile:
     """A GPU-shaped backend (whole prompts in one step) whose step is the table plus delta*b*n_kv."""
-    from engine.simulate import BackendProfile
-    from engine.snapshot import Rates
+    from engine.sim.simulate import BackendProfile
+    from engine.core.snapshot import Rates
 
     rates = Rates(1e9, 200.0, source="calibrated", step_table=(0.010, 0.012), step_delta_s=delta)
     return Profile("scan", (BackendProfile("dev", "gpu", rates, cap=2, kv_cells=4096),))

@@ -1,4 +1,4 @@
-"""Defaults that never lose, on simulated hardware (engine/simulate.py: the real router, the real
+"""Defaults that never lose, on simulated hardware (engine/sim/simulate.py: the real router, the real
 schedulers and the real limiter on a virtual clock; no model).
 
 - The h200 profile (the default layout: GPU and 15-thread CPU, adaptive caps) under `default`
@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import pytest
 
-from engine.benchmark import run_metrics
-from engine.limiter import CEILING
-from engine.simulate import PROFILES, Simulation, apply_overrides, simulate
-from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
+from engine.sim.benchmark import run_metrics
+from engine.sched.limiter import CEILING
+from engine.sim.simulate import PROFILES, Simulation, apply_overrides, simulate
+from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
 STUDY = seed_workload(1, prefix_tokens=496, suffix_tokens=20, gen_tokens=128, interval_s=0.05)
 WORKLOADS = {

@@ -15,7 +15,7 @@ import llama_cpp  # before numpy (via engine.llama.synthetic): the GPU machine c
 import pytest
 
 from engine.llama import synthetic
-from engine.errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 from engine.llama.synthetic import SHAPES, parse_spec, synthetic_path, write_gguf
 
 

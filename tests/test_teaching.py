@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.snapshot import Rates
-from engine.teaching import (
+from engine.core.snapshot import Rates
+from engine.sim.teaching import (
     ARTICLE_RATES, boundary, gpu_decode_to_keep, gpu_sum, score_formula, study_arrivals, teaching_steps, verdict,
 )
 

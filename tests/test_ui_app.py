@@ -238,10 +238,10 @@ def test_a_demo_run_appears_in_experiments(qtbot, make_window):
 def test_recalibrate_runs_off_the_gui_thread(qtbot, make_window, ui_engine):
     """The Controls button runs the app's recalibrate function on a worker thread, shows its
     progress and outcome, and the router uses the rates it set. (The function here sets rates
-    directly; `app.gui.recalibrate` wraps `engine.calibrate.calibrate_backend`.)"""
+    directly; `app.gui.recalibrate` wraps `engine.rates.measure.calibrate_backend`.)"""
     import threading
 
-    from engine.snapshot import Rates
+    from engine.core.snapshot import Rates
 
     threads = []
 

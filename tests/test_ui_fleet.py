@@ -8,7 +8,7 @@ from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F4
 import pytest
 from servers import Server
 
-from engine.config import parse_backend_specs
+from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
 
 

@@ -99,7 +99,7 @@ def test_a_demo_rows_makespan_leaves_out_the_idle_pause(qtbot, make_window):
 
 
 def test_the_csv_export_says_how_much_paused_time_was_left_out(qtbot, make_window, tmp_path):
-    from engine.benchmark import RunMetrics, RunSummary
+    from engine.sim.benchmark import RunMetrics, RunSummary
 
     ex = make_window().panels["experiments"]
     ex.add_summary(RunSummary("#1", "seed-score", RunMetrics(3.0, 10.0, 0.1, 0.2, 1.0, 2.0, 3, 0, 30, paused_s=42.0)))

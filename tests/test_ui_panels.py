@@ -11,8 +11,8 @@ from ui_fixtures import WAIT_MS, make_window, qasync_loop, spare_engine, ui_engi
 
 from PySide6.QtCore import Qt
 
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.snapshot import Rates
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.snapshot import Rates
 from ui.axes import occupied_log_range
 from ui.live_run import WorkloadRun, seed_workload
 from ui.live_stats import EDGES

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import engine.llama  # noqa: F401  (llama.cpp before numpy)
-from engine.request import FinishRecord, RequestStatus
+from engine.core.request import FinishRecord, RequestStatus
 from ui.formatting import fmt_seconds
 from ui.history import Chat, ChatStore, Message
 from ui.live_stats import EDGES, LatencyStore, RingSeries, percentile, step_histogram, summarize

@@ -95,7 +95,7 @@ def test_teaching_queue_cells_follow_the_theme(qtbot, make_window, dark_after):
 def _decision(backends: list[str]):
     """A real routing decision over idle backends of these names (the router alone, no engine)."""
     from engine.routing import RouteQuery, Router
-    from engine.snapshot import BackendSnapshot, Rates
+    from engine.core.snapshot import BackendSnapshot, Rates
 
     rates = Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="measured")
     snaps = [BackendSnapshot(name=b, device="cpu", cap=4, n_ctx=4096, rates=rates) for b in backends]

@@ -1,4 +1,4 @@
-"""Workload generation (`engine.workload`): pure, deterministic, no model."""
+"""Workload generation (`engine.sim.workload`): pure, deterministic, no model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.workload import (TOKEN_LOW, WorkloadSpec, build_workload, seed_workload, shared_tokens_for, tokenized,
+from engine.sim.workload import (TOKEN_LOW, WorkloadSpec, build_workload, seed_workload, shared_tokens_for, tokenized,
                              with_requests)
 
 

@@ -33,9 +33,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 import engine.llama  # noqa: E402,F401  (llama.cpp before numpy)
-from engine.config import parse_backend_specs  # noqa: E402
+from engine.backends.config import parse_backend_specs  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.events import StepDone  # noqa: E402
+from engine.core.events import StepDone  # noqa: E402
 
 UI_MODEL = os.environ.get("TANDEM_UI_MODEL", "synthetic:tiny")
 UI_SPECS = ["cpu:threads=1,cap=4,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.errors import EngineError
+from engine.core.errors import EngineError
 
 from .axes import count_axis_top
 from .formatting import fmt_rate, rates_source_text
@@ -177,7 +177,7 @@ class BackendCard(QFrame):
         priced.addWidget(self.rates_label)
         priced.addWidget(self.rates_source_label, 1)
         grid.addLayout(priced, 10, 1, 1, 3)
-        # The adaptive cap's live value and why it last moved (engine/limiter.py).
+        # The adaptive cap's live value and why it last moved (engine/sched/limiter.py).
         self.limit_label = _muted("")
         self.limit_label.setWordWrap(True)
         grid.addWidget(_muted("Live cap"), 11, 0)

@@ -1,6 +1,6 @@
 """From the engine's threads to the GUI thread: queued signals and one snapshot timer.
 
-The engine publishes events on backend worker threads (`engine.events`). `EngineBridge`
+The engine publishes events on backend worker threads (`engine.core.events`). `EngineBridge`
 subscribes to the bus and re-emits the few events views need as Qt signals; a signal emitted
 on a thread other than the bridge's is delivered through the receiver's event queue (a queued
 connection), so slots always run on the GUI thread. `StepDone` arrives per `llama_decode`
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from engine.events import RequestAdmitted, RequestFinished, RequestRouted, StepDone
+from engine.core.events import RequestAdmitted, RequestFinished, RequestRouted, StepDone
 
 DEFAULT_HZ = 15
 
@@ -43,8 +43,8 @@ class EngineBridge(QObject):
     """
 
     routed = Signal(object)  # engine.routing.RoutingDecision
-    admitted = Signal(object)  # engine.events.RequestAdmitted
-    finished = Signal(object)  # engine.request.FinishRecord
+    admitted = Signal(object)  # engine.core.events.RequestAdmitted
+    finished = Signal(object)  # engine.core.request.FinishRecord
     tick = Signal(object)  # Tick
 
     def __init__(self, engine, hz: int = DEFAULT_HZ, parent: QObject | None = None):

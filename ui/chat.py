@@ -47,8 +47,8 @@ from PySide6.QtWidgets import (
     QSpinBox, QSplitter, QTextBrowser, QToolButton, QToolTip, QVBoxLayout, QWidget,
 )
 
-from engine.errors import EngineError
-from engine.request import Request, SamplingParams
+from engine.core.errors import EngineError
+from engine.core.request import Request, SamplingParams
 
 from .formatting import fmt_seconds, model_title
 from .history import Chat, ChatStore, Message

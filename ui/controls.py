@@ -14,10 +14,10 @@ from PySide6.QtWidgets import (
     QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from engine.errors import EngineError
+from engine.core.errors import EngineError
 from engine.routing import BUDGET_MODES, POLICIES
 from engine.routing import HELP as POLICY_HELP  # one line per policy, beside each (engine/routing/)
-from engine.snapshot import Rates
+from engine.core.snapshot import Rates
 
 from .theme import backend_color, wrap_label
 from .worker import Worker

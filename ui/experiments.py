@@ -10,7 +10,7 @@ requests per backend) fill a table that exports to CSV, JSON or PNG.
 
 Above the results table, `ui.run_controls.RunControls` pauses and steps the live run in progress:
 this panel's runs, or a demo run from the Run menu (`show_run`). A run through the benchmark
-runner is driven through the `engine.arrivals.ArrivalClock` handed to it (`BenchRun`). A paused
+runner is driven through the `engine.sim.arrivals.ArrivalClock` handed to it (`BenchRun`). A paused
 run's makespan (and so its output tok/s) leaves out the time it stood paused with nothing in
 flight, so it compares with unpaused runs; time paused while requests still ran stays in. The
 makespan and tok/s cells' tooltips say how much was left out, and the exports carry it
@@ -33,8 +33,8 @@ from PySide6.QtWidgets import (
     QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
-from engine.arrivals import ArrivalClock
-from engine.benchmark import METRICS, RunSummary
+from engine.sim.arrivals import ArrivalClock
+from engine.sim.benchmark import METRICS, RunSummary
 
 from .controls import policy_choices
 from .formatting import fmt_seconds

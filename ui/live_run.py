@@ -1,6 +1,6 @@
 """The study's workload, run live on the current engine without blocking the GUI thread.
 
-Prompts, lengths and arrival times come from `engine.workload` (the same workloads `tandem
+Prompts, lengths and arrival times come from `engine.sim.workload` (the same workloads `tandem
 bench` runs): by default the study's, a 496-token prefix shared by every prompt plus 20 tokens
 of its own, 128 generated tokens each (end-of-sequence ignored), one request every 50 ms.
 
@@ -12,7 +12,7 @@ once per tick, so nothing here blocks.
 
 `pause()` stops new arrivals being submitted (what the engine already holds keeps running);
 `step()` submits the next arrival at once (pausing first); `resume()` goes on with the remaining
-arrivals at their original spacing. Arrival times run on the run's `engine.arrivals.ArrivalClock`,
+arrivals at their original spacing. Arrival times run on the run's `engine.sim.arrivals.ArrivalClock`,
 which stands still while paused, so a pause shifts the arrivals still to come instead of
 releasing them in a burst. The run keeps each request's submit time and the clock's pauses,
 so its summary's makespan leaves out the time it stood paused with nothing in flight (time
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
-from engine.arrivals import ArrivalClock
-from engine.request import Request, SamplingParams
-from engine.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
+from engine.sim.arrivals import ArrivalClock
+from engine.core.request import Request, SamplingParams
+from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
-from engine.benchmark import RunSummary
+from engine.sim.benchmark import RunSummary
 
 from .live_stats import summarize
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from engine import benchmark
+from engine.sim import benchmark
 
 # Fixed bin edges (seconds), log-spaced so a 5 ms inter-token gap and a 60 s end-to-end time
 # both land in readable bins.

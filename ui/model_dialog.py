@@ -26,7 +26,7 @@ from .worker import Worker
 
 def synthetic_shapes() -> list[str]:
     try:
-        from engine.config import synthetic_specs
+        from engine.backends.config import synthetic_specs
 
         return synthetic_specs()
     except Exception:  # noqa: BLE001  (the picker still takes a typed name)

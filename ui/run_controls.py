@@ -4,7 +4,7 @@
 come (the engine keeps serving what it holds), Step submits the next arrival now, Resume goes
 on at the workload's spacing. `attach(run)` binds it to a run: a `ui.live_run.WorkloadRun` (a
 demo from the Run menu, the Experiments panel's own runs) or an `ui.experiments.BenchRun` (the
-benchmark runner's thread waiting on an `engine.arrivals.ArrivalClock`). A run offers `running`,
+benchmark runner's thread waiting on an `engine.sim.arrivals.ArrivalClock`). A run offers `running`,
 `paused`, `n_submitted`, `n_requests`, `label`, `state`, `pause()`, `resume()` and `step()`;
 the row re-reads them on a short timer (and at once on a WorkloadRun's signals). With no run
 both buttons are off. `pause_text` names the Pause button (a narrow row says just "Pause").

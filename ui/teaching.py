@@ -1,6 +1,6 @@
 """Teaching: the study's worked example replayed through the real router, step by step.
 
-Part 1 renders `engine.teaching`: the backend states the article describes at requests 7 and 8,
+Part 1 renders `engine.sim.teaching`: the backend states the article describes at requests 7 and 8,
 routed by `engine.routing.Router` under `seed-score`, and every number the narration shows (3.027 s
 stays on the GPU; 3.444 s > 3.118 s goes to the CPU). This module only turns those numbers into
 HTML and a bar chart; editing a rate or the cached prefix re-runs the engine's replay and the
@@ -13,7 +13,7 @@ same run methods as the Run menu's F6 / F7) hold back or send the live run's arr
 on only while the live run is under way.
 
 Part 3, the "What if" tab (`ui/whatif.py`), runs the study or a grid row on simulated hardware
-(`engine.simulate`) beside a live run on this machine.
+(`engine.sim.simulate`) beside a live run on this machine.
 
 Thread contract: main thread only (a widget); the live run reports through `WorkloadRun`'s signals.
 """
@@ -33,8 +33,8 @@ from PySide6.QtWidgets import (
     QVBoxLayout, QWidget,
 )
 
-from engine.snapshot import Rates
-from engine.teaching import (
+from engine.core.snapshot import Rates
+from engine.sim.teaching import (
     ARRIVAL_GAP_S, ARTICLE_CHOICES, ARTICLE_RATES, CACHED, CAP, MAX_TOKENS, PROMPT, Arrival, Step, boundary,
     gpu_sum, score_formula, study_arrivals, teaching_steps, verdict,
 )
@@ -146,7 +146,7 @@ def _boundary_html(arrivals: tuple[Arrival, Arrival], rates: Mapping[str, Rates]
 
 
 def step_html(step: Step, arrivals: tuple[Arrival, Arrival], rates: Mapping[str, Rates], cached: int) -> str:
-    """The HTML body of one step of `engine.teaching.teaching_steps`."""
+    """The HTML body of one step of `engine.sim.teaching.teaching_steps`."""
     if step.kind == "setup":
         return _setup_html(rates, cached)
     if step.kind == "boundary":

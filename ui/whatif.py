@@ -1,12 +1,12 @@
 """The Teaching panel's "What if" tab: the study, or a grid row, on simulated hardware.
 
-Pick a profile (`engine.simulate.PROFILES`, or this machine's backends as they are configured
+Pick a profile (`engine.sim.simulate.PROFILES`, or this machine's backends as they are configured
 now), edit it in the table (cap, KV cells, the rates the router is told, how much faster the
 device really is), pick a workload, and simulate it under the hybrid policies and the first
 backend alone. Beside the simulated rows, "Run live" sends the same workload to this machine's
 backends with the current policy, and the row "sim: this machine" predicts that run.
 
-The simulation runs the real router and schedulers (`engine.simulate`): it takes from under a
+The simulation runs the real router and schedulers (`engine.sim.simulate`): it takes from under a
 second (the study) to a few seconds (N in the hundreds), so it runs on a `Worker` thread and
 the results come back on the main thread.
 
@@ -26,10 +26,10 @@ from PySide6.QtWidgets import (
     QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
-from engine.benchmark import run_metrics
-from engine.simulate import PROFILES, Profile, profile_from_snapshots, simulate
-from engine.snapshot import Rates
-from engine.workload import WorkloadSpec, build_workload, seed_workload, shared_tokens_for
+from engine.sim.benchmark import run_metrics
+from engine.sim.simulate import PROFILES, Profile, profile_from_snapshots, simulate
+from engine.core.snapshot import Rates
+from engine.sim.workload import WorkloadSpec, build_workload, seed_workload, shared_tokens_for
 
 from .live_run import WorkloadRun
 from .theme import wrap_label

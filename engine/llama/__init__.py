@@ -17,7 +17,7 @@ shared libraries crashed while loading a CPU-only model. So this package is the 
 `engine.llama.model` (through which every backend loads its model), and the entry points that
 load models import it before anything imports numpy: `app/__init__.py` (every `tandem` and
 `python -m app...` command) and `tests/conftest.py`. The pure engine (`import engine`,
-`engine.routing`, `engine.prefix_cache`, ...) loads no native code at all; import-linter's
+`engine.routing`, `engine.sched.prefix_cache`, ...) loads no native code at all; import-linter's
 contracts in pyproject.toml and `tests/test_import_order.py` check both.
 """
 
@@ -148,7 +148,7 @@ def pick_device(device: str) -> str:
     `gpuN` (one GPU, see `gpus()`) resolves to itself once GPU N is known to exist; anything
     else raises `ModelLoadError` naming the devices there are.
     """
-    from ..errors import ModelLoadError
+    from engine.core.errors import ModelLoadError
 
     index = gpu_index(device)
     if device not in ("cpu", "gpu", "auto") and index is None:
@@ -235,7 +235,7 @@ def gpu_count() -> int:
 
 def gpu(index: int) -> Device:
     """GPU `index` (see `gpus()`); `ModelLoadError` naming the devices there are otherwise."""
-    from ..errors import ModelLoadError
+    from engine.core.errors import ModelLoadError
 
     found = gpus()
     if not 0 <= index < len(found):

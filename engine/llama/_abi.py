@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 
-from ..errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 
 log = logging.getLogger("llama.cpp")
 

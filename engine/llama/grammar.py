@@ -19,7 +19,7 @@ import re
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from ..errors import InvalidRequest
+from engine.core.errors import InvalidRequest
 from . import lc
 
 # Any JSON object, llama.cpp's json.gbnf (whitespace bounded). `json_object` requests use the

@@ -15,7 +15,6 @@ apart from a piece cache, so any thread may tokenize.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import llama  # loads libllama before numpy; see engine/llama/__init__.py
-from ..errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 
 lc = llama.lc
 log = logging.getLogger(__name__)
@@ -103,18 +102,6 @@ def _in_passing_thread(fn):
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-def file_fingerprint(path: Path) -> str:
-    """A cheap, stable identity for a model file: size + hash of its first and last MiB."""
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    h.update(str(size).encode())
-    with path.open("rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(size - (1 << 20), 0))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

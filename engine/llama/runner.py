@@ -22,7 +22,7 @@ temperature chains run, one uniform per sampled row drawn before the step and up
 copy (`fused_dist.draw`); a step with no running fused chain makes no per-row call for them,
 even while idle ones stay attached (`SamplerSlots.fused_busy`). While the device
 runs a step, the `during` callback (the previous step's text and the Outbox flush,
-engine/backend.py) runs between `llama_decode`, which releases the GIL, and
+engine/backends/local.py) runs between `llama_decode`, which releases the GIL, and
 `llama_synchronize`.
 
 Thread contract: everything runs on the backend's worker thread, except the read-only counters
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import llama
-from ..errors import BackendUnavailable
-from ..request import TokenLogprob
-from ..scheduler import KvOp, Plan, SeqState
+from engine.core.errors import BackendUnavailable
+from engine.core.request import TokenLogprob
+from engine.sched.scheduler import KvOp, Plan, SeqState
 from . import fused_dist, lc
 from .batch import Batch
 from .model import Model

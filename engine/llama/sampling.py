@@ -44,7 +44,7 @@ import time
 import numpy as np
 
 from .. import llama
-from ..request import SamplingParams
+from engine.core.request import SamplingParams
 from . import fused_dist, lc
 from .greedy import fused_greedy
 

@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..errors import ModelLoadError
+from engine.core.errors import ModelLoadError
 
 __all__ = [
     "SyntheticShape",

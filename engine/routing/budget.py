@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InvalidRequest
+from engine.core.errors import InvalidRequest
 
 BUDGET_MODES = ("raw", "ratio")
 

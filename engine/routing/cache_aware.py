@@ -12,8 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..errors import InvalidRequest
-from ..request import CHARS_PER_TOKEN
+from engine.core.errors import InvalidRequest
+from engine.core.request import CHARS_PER_TOKEN
 from .policy import Policy, fmt_s, seconds_for
 from .predicted_finish import predicted_first_token
 from .types import BackendScore, RouteQuery

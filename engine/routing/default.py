@@ -29,7 +29,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ..snapshot import BackendSnapshot
+from engine.core.snapshot import BackendSnapshot
 from .cache_aware import RecentPrefixes
 from .policy import Policy, fmt_s, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
@@ -38,7 +38,7 @@ NAME = "finish-first"
 HELP = ("The default: each request goes where its last token comes first, counting the queue ahead "
         "of it under the live cap, its prefill less what is cached there, and its decode at the "
         "per-sequence speed of the batch it joins.")
-HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/scheduler.py)
+HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..errors import BackendUnavailable
+from engine.core.errors import BackendUnavailable
 from .policy import Policy, names_of
 
 HELP = {

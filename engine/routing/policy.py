@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..snapshot import BackendSnapshot, Rates
+from engine.core.snapshot import BackendSnapshot, Rates
 from .budget import DecodeBudget
 from .types import BackendScore, RouteQuery
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from ..snapshot import BackendSnapshot, WorkItem
+from engine.core.snapshot import BackendSnapshot, WorkItem
 from .policy import Policy, lowest, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import InvalidRequest
+from engine.core.errors import InvalidRequest
 from .cache_aware import HELP as CACHE_AWARE_HELP
 from .cache_aware import CacheAware, from_spec
 from .default import HELP as DEFAULT_HELP

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import BackendUnavailable
+from engine.core.errors import BackendUnavailable
 from .policy import Policy
 
 HELP = "Takes turns, ignoring load (a baseline)."

@@ -13,8 +13,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from ..errors import BackendUnavailable, InvalidRequest
-from ..snapshot import BackendSnapshot
+from engine.core.errors import BackendUnavailable, InvalidRequest
+from engine.core.snapshot import BackendSnapshot
 from .budget import RAW, DecodeBudget, NewTokenRatio, check_budget
 from .policy import names_of
 from .registry import DEFAULT_POLICY, make_policy

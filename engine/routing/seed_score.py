@@ -7,7 +7,7 @@ the app's Teaching view explains; the default is `engine/routing/default.py`.
 
 from __future__ import annotations
 
-from ..snapshot import BackendSnapshot
+from engine.core.snapshot import BackendSnapshot
 from .budget import RAW, DecodeBudget
 from .policy import Policy, lowest, make_score, seconds_for, fmt_tok
 from .types import BackendScore, RouteQuery

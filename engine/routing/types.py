@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from ..snapshot import Rates
+from engine.core.snapshot import Rates
 
 if TYPE_CHECKING:
-    from ..request import Request
+    from engine.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .request import FinishRecord
+from engine.core.request import FinishRecord
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Adaptive concurrency: how many sequences a backend runs at once, learned from its steps.
 
-Pure (no llama.cpp, no threads, no clock): the scheduler (engine/scheduler.py) feeds it each
+Pure (no llama.cpp, no threads, no clock): the scheduler (engine/sched/scheduler.py) feeds it each
 decoded step (`observe`) and, when a window of steps is complete, the KV room it has
 (`decide`); the limiter answers with the cap the next admissions use, and says why it last
 moved (`reason`), which the backend's snapshot, `/v1/backends` and the app's cards show.
@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # An adaptive cap's ceiling and start per device kind, when no cap is given (`gpu`, `cap=auto`):
-# the one place they are set (engine/backend.py divides them among a spec's contexts; the
+# the one place they are set (engine/backends/local.py divides them among a spec's contexts; the
 # simulator's adaptive backends use them too). The ceiling is a measurement's to decide, not
 # one workload's: `scripts/gpu/steps.sh defaults` compares the default with fixed caps 16 / 32 /
 # 64 on the study, long prompts and 4 / 16 / 32 tenants. What set 32 (H200, Qwen2.5-0.5B shape):

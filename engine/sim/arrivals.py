@@ -14,7 +14,7 @@ Requests already submitted are not the clock's business: the engine keeps servin
 
 `pauses()` lists the pauses so far as monotonic (start, end) pairs, the open one with end None
 (a pause by `step()` counts from the step that began it). A run's makespan leaves out the part
-of them when none of its requests was in flight (`engine.benchmark.idle_paused_s`): a person
+of them when none of its requests was in flight (`engine.sim.benchmark.idle_paused_s`): a person
 stopping to explain is not the engine's time, but requests that ran meanwhile are.
 
 Thread contract: every method may be called from any thread (one condition variable guards the

@@ -12,7 +12,7 @@ in order, before it decodes. Time comes from an injected `clock`, text from an i
 The rules, in the order each step applies them:
   1. cancellations (`cancel`), queue timeouts;
   2. admission, FCFS (a request may be deferred behind a running prefill of its prefix, see
-     below), while running < cap (with a `limiter`, engine/limiter.py, the cap is
+     below), while running < cap (with a `limiter`, engine/sched/limiter.py, the cap is
      its live value, moved by the step times `update_from_output` is given and by
      preemptions): a request is admitted when the cells for its
      uncached prompt (+ `ADMIT_HEADROOM`) are free, after the cells running prefills still
@@ -88,7 +88,7 @@ those two say (`n` promises that the prompt is computed once):
 tokens whatever it says (it ends with `length` there, like llama.cpp's server). The router
 and the snapshot see the clamped budget (`SeqState.max_new`).
 
-Thread contract: none. The owner (engine/backend.py's worker) calls everything from one
+Thread contract: none. The owner (engine/backends/local.py's worker) calls everything from one
 thread; only `snapshot_items`, `kv_cells_used` and the counters are read by other threads
 under the owner's lock.
 """
@@ -102,11 +102,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .limiter import ConcurrencyLimiter
-from .prefix_cache import PrefixCache
-from .request import Request, RequestStatus, SamplingParams
-from .snapshot import WorkItem
-from .textstream import TextStream
+from engine.sched.limiter import ConcurrencyLimiter
+from engine.sched.prefix_cache import PrefixCache
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.snapshot import WorkItem
+from engine.core.textstream import TextStream
 
 # Cells a request needs free beyond its uncached prompt to be admitted: its first few decode
 # tokens, so that a fresh admission is not preempted at once.
@@ -242,7 +242,7 @@ class Scheduler:
                  limiter: ConcurrencyLimiter | None = None, share_prefill: bool = True,
                  defer_shared: bool = True):
         self.name = name
-        # The live cap; with a `limiter` (engine/limiter.py) it follows the measured steps.
+        # The live cap; with a `limiter` (engine/sched/limiter.py) it follows the measured steps.
         self.limiter = limiter
         self.cap = limiter.limit if limiter is not None else cap
         self.n_ctx = n_ctx

@@ -7,7 +7,7 @@ I/O, testable with hand-made records.
 
 Times are seconds. `t_submit_s` is measured from the run's first submission, so a request
 ends at `t_submit_s + e2e_s` and a run's makespan is the latest such end, less the time a
-person paused the run's arrivals (`engine.arrivals.ArrivalClock`) while none of its requests was
+person paused the run's arrivals (`engine.sim.arrivals.ArrivalClock`) while none of its requests was
 in flight (`idle_paused_s`; `RunMetrics.paused_s` says how much was left out).
 """
 
@@ -45,7 +45,7 @@ class RequestRecord:
     itl_s: float | None  # mean gap between output tokens after the first
     error: str | None = None
     # The backend's live cap when the request was admitted, and why the limiter last moved it
-    # (engine/limiter.py): the run's cap over time, read beside queue_s
+    # (engine/sched/limiter.py): the run's cap over time, read beside queue_s
     cap: int | None = None
     cap_reason: str | None = None
 

@@ -24,11 +24,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from .events import RequestFinished
-from .request import FinishRecord, RequestStatus
+from engine.core.events import RequestFinished
+from engine.core.request import FinishRecord, RequestStatus
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from engine.engine import Engine
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -1,6 +1,6 @@
 """What-if: the real router and the real schedulers on simulated hardware, on a virtual clock.
 
-A discrete-event simulation. Every backend is a real `engine.scheduler.Scheduler` (admission,
+A discrete-event simulation. Every backend is a real `engine.sched.scheduler.Scheduler` (admission,
 KV accounting, prefix cache, chunked prefill, preemption, finish rules) whose `Plan`s a
 simulated runner "executes": a step with `b` decode rows and `p` prompt tokens takes
 
@@ -50,14 +50,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from .benchmark import RequestRecord, decision_line
-from .errors import InvalidRequest
-from .request import Request, RequestStatus, SamplingParams
-from .routing import RouteQuery, Router
-from .limiter import CEILING, START, ConcurrencyLimiter
-from .scheduler import Plan, Scheduler, SeqState, default_seq_slots
-from .snapshot import BackendSnapshot, CacheStats, Rates
-from .workload import Workload
+from engine.sim.benchmark import RequestRecord, decision_line
+from engine.core.errors import InvalidRequest
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.routing import RouteQuery, Router
+from engine.sched.limiter import CEILING, START, ConcurrencyLimiter
+from engine.sched.scheduler import Plan, Scheduler, SeqState, default_seq_slots
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.sim.workload import Workload
 
 SAMPLED_TOKEN = 300  # the token every simulated logits row samples (never an end token here)
 
@@ -70,7 +70,7 @@ class BackendProfile:
     """One simulated backend: its speed, its KV room and its cap.
 
     `rates` is what the router is told; `hardware` what the device does (None: the same).
-    `cap` 0 is the engine's default, an adaptive cap: the real limiter (engine/limiter.py) fed
+    `cap` 0 is the engine's default, an adaptive cap: the real limiter (engine/sched/limiter.py) fed
     each simulated step, from the device's `START` up to `ceiling` (0: the device's `CEILING`).
     `kv_cells` is the context's size in KV cells (0: room for `cap` (or the ceiling) sequences of
     the workload, computed by the simulation); `busy_chunk` the prompt chunk while others wait
@@ -285,7 +285,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (STUDY_M2, STUDY_M2_SLOW, H20
 
 def profile_from_calibration(name: str, entries: Sequence[Mapping], caps: Mapping[str, int] | None = None,
                              description: str = "") -> Profile:
-    """A profile from stored calibration entries (`engine.calibrate`'s store format: each with
+    """A profile from stored calibration entries (`engine.rates`'s store format: each with
     `backend`, `device`, `cap`, `prefill_tok_s`, `decode_tok_s`, `step_alpha_s`, `step_beta_s`,
     `step_s` {batch: seconds}, and where measured `admit_s`, `rates.step_gamma_s`/`step_cells`,
     the context term, and `rates.step_delta_s`/`step_kv`, the masked scan; older entries lack

@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .routing import BackendScore, RouteQuery, Router, RoutingDecision
-from .snapshot import BackendSnapshot, Rates, WorkItem
+from engine.routing import BackendScore, RouteQuery, Router, RoutingDecision
+from engine.core.snapshot import BackendSnapshot, Rates, WorkItem
 
 # The article's rates (Apple M2, Qwen2.5-0.5B, profiled alone).
 ARTICLE_RATES: Mapping[str, Rates] = {"gpu": Rates(2551.0, 293.0, source="article"),

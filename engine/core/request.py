@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from .errors import InvalidRequest
+from engine.core.errors import InvalidRequest
 
 _ids = itertools.count(1)
 MAX_TOKENS = 1 << 20  # beyond any context; keeps values inside llama.cpp's int32
@@ -254,7 +254,7 @@ class FinishRecord:
     error_kind: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token, when asked for
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # one per prompt token after the first
-    # the backend's live cap at admission and why it was there (engine/limiter.py); None where
+    # the backend's live cap at admission and why it was there (engine/sched/limiter.py); None where
     # the backend has no cap of its own (a remote one) or the request was never admitted
     cap_at_admit: int | None = None
     cap_reason: str | None = None

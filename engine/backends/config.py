@@ -9,7 +9,7 @@ named otherwise. Several backends on one GPU share its model; each GPU loads its
 `default_specs()`: one backend per GPU plus a CPU backend on a host with several GPUs; a GPU
 and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
 for the measurement that chose it).
-`cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
+`cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/sched/limiter.py) from a start
 (GPU 8, CPU 4) up to the device's ceiling (GPU 32, CPU 16), for each context of a `contexts=N`
 spec alike; `cap=N` makes N the ceiling (the
 limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
@@ -21,13 +21,13 @@ over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes 
 `contexts=N` makes N backends of one spec, named NAME-a, NAME-b, ... (`gpu:contexts=2` → gpu-a,
 gpu-b), each a llama.cpp context with its own cap, KV pool and prefix cache, sharing the
 device's model. Without it (`contexts=auto`) the count is chosen when the model loads, from
-its size and the device's free memory (`resolve_contexts`; engine/backend.py `AUTO_CONTEXTS`). For many tenants on one GPU: the router's `cache-aware` policy keeps a tenant on
+its size and the device's free memory (`resolve_contexts`; `AUTO_CONTEXTS`). For many tenants on one GPU: the router's `cache-aware` policy keeps a tenant on
 one context, whose prompt chunks then stall only its own decodes and attend over its own pool
 (measured in docs/NOTES.md, "KV layout for many prefixes").
 
 `share_prefill=0` stops publishing a running prompt into the prefix cache at its prefill's end,
 `defer_shared=0` stops deferring a queued request behind a running prefill of its prefix
-(both on by default; engine/scheduler.py).
+(both on by default; engine/sched/scheduler.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .backend import BackendConfig, auto_contexts
-from .errors import InvalidRequest
+from engine.core.errors import InvalidRequest
+from engine.sched.limiter import CEILING, START
+from engine.sched.scheduler import default_seq_slots
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx", "contexts",
@@ -50,6 +51,157 @@ _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
 
 
 REMOTE_APIS = ("auto", "openai", "llama-server", "vllm", "sglang", "tandem")
+
+
+# No cap given: the ceiling the limiter may grow to, and where it starts, for each context on a
+# device (`auto_limits`): two contexts on one GPU get a ceiling each, as two processes would
+# (issue 26: two contexts sharing one ceiling of 32 answered a returning chat user in 1.14 s,
+# two processes with 32 each in 0.17 s). A GPU's decode tok/s still rises to b = 32 (6,016 tok/s
+# against 3,916 at 16, H200, `docs/results/gpu/speed10`), but the 1,516-token workload ran 6.71 s
+# at cap 32 and 7.97 s at 48 (more prompt chunks beside more decodes, over more cells), and the
+# limiter, let up to 48, took 8.21 s (round4/caps-long).
+# On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
+AUTO_CAP = CEILING  # engine/sched/limiter.py, the one place they are set
+AUTO_START = START
+# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: what
+# AUTO_CTX_MEMORY_SHARE of the device's free memory holds, shared among the contexts the spec
+# makes there, up to AUTO_CTX_MAX_CELLS (never under the CPU's; `auto_pool_cells`). 65,536 cells
+# hold 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B).
+# A unified pool may exceed the model's training context (engine/llama/runner.py).
+AUTO_CTX = {"gpu": 65536, "cpu": 4096}
+AUTO_CTX_MEMORY_SHARE = 0.25
+# The most cells a GPU pool sized from memory takes: today's 65,536 until GPU measurements set
+# it (issue 26: a 262,144-cell pool ran the chat workload slower, 67.4 s against 63.4 s, while
+# the idle-cache budget still grew with the pool; it no longer does: AUTO_IDLE_CELLS).
+AUTO_CTX_MAX_CELLS = 65536
+# Unified KV, no idle_cache_cells given: while B sequences run the prefix cache keeps at most
+# AUTO_IDLE_CELLS / B cells none of them uses (engine/sched/scheduler.py `_shed_idle_cache`): what a
+# default pool gave before the pool was sized from memory (n_ctx / B), now apart from the pool.
+AUTO_IDLE_CELLS = {"gpu": 65536, "cpu": 4096}
+# Contexts per GPU when a spec names no count (`contexts=auto`, the default; `auto_contexts`):
+# four. In one unified pool every step attends over every cell in use, so N contexts each attend
+# over their own quarter while the GPU runs them side by side. Measured on one H200 with
+# Qwen2.5-0.5B, cache-aware, ceiling 32 each (docs/results/gpu/chat1, defaults1): 96 chats in
+# 89.5 / 53.1 / 39.5 s with 1 / 2 / 4 contexts (later-turn TTFT p50 4.16 / 0.35 / 0.10 s; two
+# processes 57.7 s); tenants 4/16/32 7.5-12.9 s on one context's best cap, 6.2-7.5 s on two.
+# A model above AUTO_CONTEXTS_MAX_MODEL_BYTES keeps one (each context's step reads all the
+# weights again), and each context beyond the first needs AUTO_CONTEXT_BYTES of free device
+# memory beside the model (its pool, compute buffers).
+AUTO_CONTEXTS = 4
+AUTO_CONTEXTS_MAX_MODEL_BYTES = 4 << 30
+AUTO_CONTEXT_BYTES = 2 << 30
+# Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU
+# (on); off on the CPU, whose flash-attention kernel is slow for the few query rows of a decode
+# step or a short prompt chunk. Measured on the 2-core machine, the default model, 2 threads
+# (docs/performance.md, "Flash attention on the CPU"): decode at B = 1 / 4 / 8 over 512-token
+# contexts 34.7 / 65.7 / 79.0 tok/s on, 65.7 / 130.2 / 124.4 off; over 2,000-token contexts
+# 21.0 / 24.4 / 26.6 on, 54.7 / 91.3 / 119.3 off; a 16-token chunk after a 496-token cached
+# prefix (1 thread) 346 ms on, 132 ms off. A long prompt alone prefills faster with it on
+# (2,000 tokens: 9.2 s against 10.2-12.5 s), which decode over that context outweighs.
+AUTO_FLASH_ATTN = {"gpu": "auto", "cpu": "off"}
+
+
+def auto_limits(kind: str) -> tuple[int, int]:
+    """(ceiling, start) of an adaptive cap for one context on a `kind` device, however many
+    contexts share the device."""
+    return AUTO_CAP[kind], AUTO_START[kind]
+
+
+def auto_pool_cells(fits: int, contexts: int = 1, *, ceiling: int | None = None) -> int:
+    """A GPU pool's cells when the spec names no ctx: `fits` (the cells AUTO_CTX_MEMORY_SHARE of
+    the device's free memory holds; 0: unknown) shared among `contexts`, at most `ceiling`
+    (AUTO_CTX_MAX_CELLS) and never under the CPU's default; a multiple of 256."""
+    top = AUTO_CTX_MAX_CELLS if ceiling is None else ceiling
+    if not fits:
+        return min(AUTO_CTX["gpu"], top)
+    share = fits // max(contexts, 1) // 256 * 256
+    return max(AUTO_CTX["cpu"], min(top, share))
+
+
+def auto_contexts(model_bytes: int, free_bytes: int, *, want: int | None = None,
+                  max_model_bytes: int | None = None, context_bytes: int | None = None) -> int:
+    """Contexts for a GPU spec that names no count: `want` (AUTO_CONTEXTS), one for a model over
+    `max_model_bytes`, and no more than the device's free memory (`free_bytes`; 0: unknown)
+    holds beside the model at `context_bytes` each beyond the first."""
+    want = AUTO_CONTEXTS if want is None else want
+    max_model_bytes = AUTO_CONTEXTS_MAX_MODEL_BYTES if max_model_bytes is None else max_model_bytes
+    context_bytes = AUTO_CONTEXT_BYTES if context_bytes is None else context_bytes
+    if want <= 1 or model_bytes > max_model_bytes:
+        return 1
+    if free_bytes:
+        want = min(want, 1 + max(free_bytes - model_bytes, 0) // context_bytes)
+    return max(1, min(want, 26))
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How to build a backend. `cap` bounds the sequences running at once: with `adaptive`
+    (the default) it is the ceiling of the live limit (engine/sched/limiter.py), which starts there;
+    0 (`cap=auto`) means the device's `AUTO_CAP` ceiling, starting at `AUTO_START`. With
+    `adaptive=False` the cap is fixed (4 when 0)."""
+
+    name: str = "cpu"
+    device: str = "cpu"
+    cap: int = 0
+    adaptive: bool = True
+    n_ctx: int = 0  # cells, all sequences together; 0: AUTO_CTX (a GPU's fitted to its free memory)
+    n_batch: int = 512
+    n_ubatch: int = 512
+    threads: int = 0  # 0: all cores
+    threads_batch: int = 0  # 0: same as threads
+    n_seq_max: int = 0  # 0: engine/sched/scheduler.py default_seq_slots (cap + 64 on a GPU, + 8 on a CPU)
+    kv_unified: bool = True
+    # Split KV (`kv=split`): cells of each sequence's stream; the context is then seq_ctx ×
+    # n_seq_max cells. 0: n_ctx is the whole context, which llama.cpp divides among the streams.
+    seq_ctx: int = 0
+    flash_attn: str = "auto"  # auto | on | off
+    cache: bool = True
+    max_queue: int = 4096
+    backend_sampling: bool = True  # sample inside the decode graph (logits stay on the device)
+    fused_greedy: bool = True  # on the device, one computation for all sequences of a step (argmax, or fused_dist)
+    # temperature requests take the fused sampler once this many run (or with a seed); fewer run
+    # llama.cpp's chain per sequence (engine/llama/sampling.py, SamplerSlots)
+    fused_dist_from: int = 2
+    queue_timeout_s: float = 0.0  # a request waiting longer ends with an error (0: no limit)
+    idle_sampler_s: float = 2.0  # an idle sequence id's sampler chain is detached after this
+    # Unified KV: while B sequences run, the prefix cache keeps at most idle_cache_cells / B
+    # cells that none of them uses (every step attends over all cells in use). -1: n_ctx.
+    idle_cache_cells: int = -1
+    # Turn a step's tokens into text (pieces, deliveries) while the next step runs on the
+    # device, for requests without stop strings. None: on for GPU backends, whose
+    # llama_decode returns before the device is done; on the CPU nothing would overlap.
+    overlap_text: bool | None = None
+    # The most prompt tokens one chunk takes while any other request runs or waits, so that a
+    # cancel lands at the next chunk boundary and nobody waits behind a long chunk. 0: n_batch
+    # on a GPU (a 512-token chunk takes milliseconds), n_batch / 8 on the CPU (measured: a
+    # 512-token chunk held a cancel and the next request's first token for 4.3 s).
+    busy_chunk: int = 0
+    # Publish a running prompt into the prefix cache once its prefill ends, so requests admitted
+    # while it runs reuse it (engine/sched/scheduler.py), and defer a queued request behind a running
+    # prefill of its prefix (`defer_shared`).
+    share_prefill: bool = True
+    defer_shared: bool = True
+    # Contexts its spec makes on the device (`contexts=N`, engine/backends/config.py); 0: auto, decided
+    # when the model loads (`auto_contexts`, `resolve_contexts`): one on a CPU.
+    contexts: int = 0
+
+    @property
+    def auto_cap(self) -> bool:
+        """No cap given: the limiter starts low and may grow to the device's ceiling."""
+        return self.cap == 0 and self.adaptive
+
+    def resolved(self, device: str | None = None) -> "BackendConfig":
+        """Threads, the cap (0 → the ceiling for `device`, the model's device once known),
+        sequence slots and flash attention (`AUTO_FLASH_ATTN`) filled in."""
+        threads = self.threads or os.cpu_count() or 1
+        kind = "cpu" if (device or self.device) == "cpu" else "gpu"
+        cap = self.cap or min(auto_limits(kind)[0] if self.adaptive else 4, self.n_seq_max or 256)
+        n_seq_max = self.n_seq_max or default_seq_slots(cap, kind)
+        n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else (self.n_ctx or AUTO_CTX[kind])
+        flash_attn = AUTO_FLASH_ATTN[kind] if self.flash_attn == "auto" else self.flash_attn
+        idle = self.idle_cache_cells if self.idle_cache_cells >= 0 or self.n_ctx else AUTO_IDLE_CELLS[kind]
+        return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
+                       cap=cap, n_ctx=n_ctx, flash_attn=flash_attn, idle_cache_cells=idle)
 
 
 @dataclass(frozen=True)
@@ -140,7 +292,7 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
         if key == "device":
             fields["device"] = _gpu_device(spec, device, value)
         elif key == "cap" and value.strip().lower() == "auto":
-            fields["cap"] = 0  # adaptive up to the device's ceiling (engine/limiter.py)
+            fields["cap"] = 0  # adaptive up to the device's ceiling (engine/sched/limiter.py)
         elif key == "contexts" and value.strip().lower() == "auto":
             fields["contexts"] = 0  # decided when the model loads (`resolve_contexts`)
         elif key == "kv":
@@ -213,7 +365,7 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
 def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
     each with the spec's settings (its own cap, context and prefix cache; without a cap, the
-    device's adaptive ceiling each: engine/backend.py `auto_limits`). `contexts=auto` (0, the
+    device's adaptive ceiling each: `auto_limits`). `contexts=auto` (0, the
     default) stays one config until the model loads (`resolve_contexts`)."""
     if not isinstance(c, BackendConfig) or c.contexts in (0, 1):
         return [c]
@@ -223,7 +375,7 @@ def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteCon
 
 def resolve_contexts(configs: list[BackendConfig | RemoteConfig], model_bytes: int,
                      free_bytes=None) -> list[BackendConfig | RemoteConfig]:
-    """Each `contexts=auto` spec as the contexts its device gets (`engine.backend.auto_contexts`,
+    """Each `contexts=auto` spec as the contexts its device gets (`auto_contexts`,
     from the model's size and the device's free memory, `free_bytes(device)`; default: ggml's
     report), split as `contexts=N` would split it; 1 on a CPU, and 1 for a GPU another spec
     of this command also uses (the user laid that device out). Called when the model is
@@ -286,7 +438,7 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
     cores = cores or os.cpu_count() or 2
     if gpus is None:
         if gpu:
-            from . import llama
+            from engine import llama
 
             gpus = max(llama.gpu_count(), 1)
         else:
@@ -303,6 +455,6 @@ def synthetic_specs() -> list[str]:
 
     Imports `engine.llama.synthetic` (and so llama.cpp) on the first call, never at import.
     """
-    from .llama.synthetic import spec_names
+    from engine.llama.synthetic import spec_names
 
     return spec_names()

@@ -30,7 +30,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from .errors import InvalidRequest
+from engine.core.errors import InvalidRequest
 
 # llama-server's generic format's instruction, in the system message (common/chat.cpp).
 GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with "

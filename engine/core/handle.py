@@ -22,11 +22,11 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
-from .errors import RequestFailed
-from .request import FinishRecord, Request
+from engine.core.errors import RequestFailed
+from engine.core.request import FinishRecord, Request
 
 if TYPE_CHECKING:
-    from .routing import RoutingDecision
+    from engine.routing import RoutingDecision
 
 _END = object()
 _gathering = threading.local()

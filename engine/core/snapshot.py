@@ -170,7 +170,7 @@ class BackendSnapshot:
     prompt_tokens_computed: int = 0  # prompt tokens decoded since start (cache hits and shared prompts not)
     time: float = 0.0
     # The user's cap (the live `cap`'s ceiling when adaptive; 0: the same as `cap`), whether the
-    # cap adapts (engine/limiter.py), and why it last moved.
+    # cap adapts (engine/sched/limiter.py), and why it last moved.
     cap_ceiling: int = 0
     cap_adaptive: bool = False
     cap_reason: str = ""

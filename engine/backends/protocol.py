@@ -16,9 +16,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .handle import RequestHandle
-    from .request import Request
-    from .snapshot import BackendSnapshot, Rates
+    from engine.core.handle import RequestHandle
+    from engine.core.request import Request
+    from engine.core.snapshot import BackendSnapshot, Rates
 
 # (request, handle, t_submit) of each request a failed or draining backend gives back.
 Handed = tuple["Request", "RequestHandle", float]

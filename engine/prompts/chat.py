@@ -15,7 +15,7 @@ into the real control token: anyone who can write a message can forge a system t
 For text without special-token strings the result equals tokenizing the plain rendering
 (tested on SmolLM2's ChatML template): the pre-tokenizer already splits at these boundaries.
 
-Tools (`chat_tokens(..., tools=...)`) go through `engine.structured.tool_prompt`: a template
+Tools (`chat_tokens(..., tools=...)`) go through `engine.prompts.structured.tool_prompt`: a template
 that renders the `tools` global or assistant `tool_calls` itself (`template_caps`, found by
 rendering probes once per model) gets them, and then the client's text lands outside any
 content: such text (the tools' JSON, call names and arguments) is refused if it holds a
@@ -32,11 +32,11 @@ import secrets
 import weakref
 from typing import TYPE_CHECKING
 
-from .errors import InvalidRequest
-from .structured import TemplateCaps, history, tool_prompt
+from engine.core.errors import InvalidRequest
+from engine.prompts.structured import TemplateCaps, history, tool_prompt
 
 if TYPE_CHECKING:
-    from .llama.model import Model
+    from engine.llama.model import Model
 
 
 def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = None,
@@ -44,7 +44,7 @@ def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = N
     """`messages` rendered with `model`'s chat template; content is never parsed for special tokens.
 
     With `tools` (OpenAI's list), the prompt asks for a reply in llama-server's generic
-    tool-call format (engine/structured.py). With `continue_final`, the last message (the
+    tool-call format (engine/prompts/structured.py). With `continue_final`, the last message (the
     assistant's, non-empty) is left open: the prompt ends with its content, without what the
     template puts after it (its end of turn, the next turn's header), so the model goes on
     with that reply (vLLM's `continue_final_message`: render, cut after the final content).

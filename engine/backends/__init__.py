@@ -1,0 +1,1 @@
+"""Backends: the protocol every kind implements, their configs, and one module per kind."""
