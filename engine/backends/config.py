@@ -396,7 +396,7 @@ def resolve_contexts(configs: list[BackendConfig | RemoteConfig], model_bytes: i
 
 def _device_free_bytes(device: str) -> int:
     """Free memory of the GPU a device string names (`gpu`: the first; `gpuN`: GPU N), 0 if unknown."""
-    from . import llama
+    from engine import llama
 
     found = llama.gpus()
     index = int(device[3:]) if device.startswith("gpu") and device[3:].isdigit() else 0
