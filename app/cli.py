@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_benches(sub) -> None:
     """`tandem bench NAME`: each bench (bench/*.py) declares its own arguments."""
     from app.runtime import SWITCH_INTERVAL_S
-    from bench import cache, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
+    from app.engine_setup import engine_from_args
+    from bench import cache, chat, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
 
     bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_, add_arguments, run in (
@@ -120,15 +121,18 @@ def _add_benches(sub) -> None:
             ("seed", study.SEED_HELP, study.add_seed_arguments, study.run_seed),
             ("grid", study.GRID_HELP, study.add_grid_arguments, study.run_grid),
             ("fleet", fleet.HELP, fleet.add_arguments, fleet.run_fleet),
+            ("chat", chat.HELP, chat.add_arguments, chat.run_chat),
             ("soak", soak.HELP, soak.add_arguments, soak.run_soak),
             ("laptop", laptop.HELP, laptop.add_arguments, laptop.run_laptop)):
         p = bsub.add_parser(name, help=help_)
         add_arguments(p)
         p.set_defaults(func=run)
-    # What two benches take from the app, which they sit below: the GIL switch interval the app
-    # runs with, and the HTTP server the soak sends its API traffic to.
+    # What three benches take from the app, which they sit below: the GIL switch interval the app
+    # runs with, the HTTP server the soak and the in-process chat send their API traffic to, and
+    # the engine `tandem serve` would load.
     bsub.choices["ui"].set_defaults(switch_interval_s=SWITCH_INTERVAL_S)
     bsub.choices["soak"].set_defaults(start_api=_start_api)
+    bsub.choices["chat"].set_defaults(start_api=_start_api, load_engine=engine_from_args)
 
 
 async def _start_api(engine):
@@ -161,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.command in ("gui", "serve") or getattr(args, "bench", None) == "soak":
+    if args.command in ("gui", "serve") or getattr(args, "bench", None) in ("soak", "chat"):
         from app.runtime import settle_for_serving
 
         settle_for_serving()

@@ -105,6 +105,10 @@ def markdown(summary: dict) -> str:
     """The results as Markdown: one table per workload, then the oracle and the notes."""
     if summary.get("tool") == "tandem bench fleet":
         return fleet_markdown(summary)
+    if summary.get("tool") == "tandem bench chat":
+        from .chat import markdown as chat_markdown
+
+        return chat_markdown(summary)
     lines = [f"# {summary['tool']}", ""]
     model = summary.get("model") or {}
     if model.get("name"):

@@ -271,6 +271,9 @@ def recorded_summary(directory: Path) -> dict:
     if str(summary.get("tool", "")).startswith("tandem simulate"):
         raise InvalidRequest(f"--replay {directory}: a simulated run ({summary['tool']}); replay predicts a "
                              "recorded `tandem bench seed` or `tandem bench grid` run")
+    if summary.get("tool") == "tandem bench chat":
+        raise InvalidRequest(f"--replay {directory}: a `tandem bench chat` run; its files are bench grid's, but the "
+                             "simulator does not model conversations (each turn waits for the previous reply) yet")
     return summary
 
 

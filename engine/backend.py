@@ -48,18 +48,36 @@ from .snapshot import BackendSnapshot, CacheStats, Rates
 log = logging.getLogger(__name__)
 
 
-# No cap given: the ceiling the limiter may grow to, and where it starts, for a whole device,
-# divided among the contexts a spec made on it (`contexts=N`, `auto_limits`): engine/limiter.py's
-# `CEILING` and `START`, the one place they are set.
+# No cap given: the ceiling the limiter may grow to, and where it starts, for each context on a
+# device (`auto_limits`): engine/limiter.py's `CEILING` and `START`, the one place they are set.
+# Two contexts on one GPU get a ceiling each, as two processes would (issue 26: two contexts
+# sharing one ceiling of 32 answered a returning chat user in 1.14 s, two processes with 32 each
+# in 0.17 s).
 AUTO_CAP = CEILING
 AUTO_START = START
-# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: room
-# for 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B),
-# or what AUTO_CTX_MEMORY_SHARE of the device's free memory holds, if less (never under the
-# CPU's; `Backend.__init__`). A unified pool may exceed the model's training context
-# (engine/llama/runner.py).
+# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: what
+# AUTO_CTX_MEMORY_SHARE of the device's free memory holds, shared among the contexts the spec
+# makes there, up to AUTO_CTX_MAX_CELLS (never under the CPU's; `auto_pool_cells`). 65,536 cells
+# hold 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B).
+# A unified pool may exceed the model's training context (engine/llama/runner.py).
 AUTO_CTX = {"gpu": 65536, "cpu": 4096}
 AUTO_CTX_MEMORY_SHARE = 0.25
+# The most cells a GPU pool sized from memory takes: today's 65,536 until GPU measurements set
+# it (issue 26: a 262,144-cell pool ran the chat workload slower, 67.4 s against 63.4 s, while
+# the idle-cache budget still grew with the pool; it no longer does: AUTO_IDLE_CELLS).
+AUTO_CTX_MAX_CELLS = 65536
+# Unified KV, no idle_cache_cells given: while B sequences run the prefix cache keeps at most
+# AUTO_IDLE_CELLS / B cells none of them uses (engine/scheduler.py `_shed_idle_cache`): what a
+# default pool gave before the pool was sized from memory (n_ctx / B), now apart from the pool.
+AUTO_IDLE_CELLS = {"gpu": 65536, "cpu": 4096}
+# Contexts per GPU when a spec names no count (`contexts=auto`, the default; `auto_contexts`):
+# one, today's layout, until GPU measurements set it (issue 26: two contexts of one process
+# served 96 chats in 45.6 s against 63.4 s for one). A model above AUTO_CONTEXTS_MAX_MODEL_BYTES
+# keeps one (each context's step reads all the weights again), and each context beyond the first
+# needs AUTO_CONTEXT_BYTES of free device memory beside the model (its pool, compute buffers).
+AUTO_CONTEXTS = 1
+AUTO_CONTEXTS_MAX_MODEL_BYTES = 4 << 30
+AUTO_CONTEXT_BYTES = 2 << 30
 # Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU
 # (on); off on the CPU, whose flash-attention kernel is slow for the few query rows of a decode
 # step or a short prompt chunk. Measured on the 2-core machine, the default model, 2 threads
@@ -71,10 +89,36 @@ AUTO_CTX_MEMORY_SHARE = 0.25
 AUTO_FLASH_ATTN = {"gpu": "auto", "cpu": "off"}
 
 
-def auto_limits(kind: str, contexts: int = 1) -> tuple[int, int]:
-    """(ceiling, start) of an adaptive cap for one of `contexts` contexts on a `kind` device."""
-    n = max(contexts, 1)
-    return max(AUTO_CAP[kind] // n, 1), max(AUTO_START[kind] // n, 1)
+def auto_limits(kind: str) -> tuple[int, int]:
+    """(ceiling, start) of an adaptive cap for one context on a `kind` device, however many
+    contexts share the device."""
+    return AUTO_CAP[kind], AUTO_START[kind]
+
+
+def auto_pool_cells(fits: int, contexts: int = 1, *, ceiling: int | None = None) -> int:
+    """A GPU pool's cells when the spec names no ctx: `fits` (the cells AUTO_CTX_MEMORY_SHARE of
+    the device's free memory holds; 0: unknown) shared among `contexts`, at most `ceiling`
+    (AUTO_CTX_MAX_CELLS) and never under the CPU's default; a multiple of 256."""
+    top = AUTO_CTX_MAX_CELLS if ceiling is None else ceiling
+    if not fits:
+        return min(AUTO_CTX["gpu"], top)
+    share = fits // max(contexts, 1) // 256 * 256
+    return max(AUTO_CTX["cpu"], min(top, share))
+
+
+def auto_contexts(model_bytes: int, free_bytes: int, *, want: int | None = None,
+                  max_model_bytes: int | None = None, context_bytes: int | None = None) -> int:
+    """Contexts for a GPU spec that names no count: `want` (AUTO_CONTEXTS), one for a model over
+    `max_model_bytes`, and no more than the device's free memory (`free_bytes`; 0: unknown)
+    holds beside the model at `context_bytes` each beyond the first."""
+    want = AUTO_CONTEXTS if want is None else want
+    max_model_bytes = AUTO_CONTEXTS_MAX_MODEL_BYTES if max_model_bytes is None else max_model_bytes
+    context_bytes = AUTO_CONTEXT_BYTES if context_bytes is None else context_bytes
+    if want <= 1 or model_bytes > max_model_bytes:
+        return 1
+    if free_bytes:
+        want = min(want, 1 + max(free_bytes - model_bytes, 0) // context_bytes)
+    return max(1, min(want, 26))
 
 
 @dataclass(frozen=True)
@@ -125,7 +169,9 @@ class BackendConfig:
     # prefill of its prefix (`defer_shared`).
     share_prefill: bool = True
     defer_shared: bool = True
-    contexts: int = 1  # contexts its spec made on the device (`contexts=N`, engine/config.py): auto caps share the device's
+    # Contexts its spec makes on the device (`contexts=N`, engine/config.py); 0: auto, decided
+    # when the model loads (`auto_contexts`, engine/config.py `resolve_contexts`): one on a CPU.
+    contexts: int = 0
 
     @property
     def auto_cap(self) -> bool:
@@ -137,12 +183,13 @@ class BackendConfig:
         sequence slots and flash attention (`AUTO_FLASH_ATTN`) filled in."""
         threads = self.threads or os.cpu_count() or 1
         kind = "cpu" if (device or self.device) == "cpu" else "gpu"
-        cap = self.cap or min(auto_limits(kind, self.contexts)[0] if self.adaptive else 4, self.n_seq_max or 256)
+        cap = self.cap or min(auto_limits(kind)[0] if self.adaptive else 4, self.n_seq_max or 256)
         n_seq_max = self.n_seq_max or default_seq_slots(cap, kind)
         n_ctx = self.seq_ctx * n_seq_max if (self.seq_ctx and not self.kv_unified) else (self.n_ctx or AUTO_CTX[kind])
         flash_attn = AUTO_FLASH_ATTN[kind] if self.flash_attn == "auto" else self.flash_attn
+        idle = self.idle_cache_cells if self.idle_cache_cells >= 0 or self.n_ctx else AUTO_IDLE_CELLS[kind]
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
-                       cap=cap, n_ctx=n_ctx, flash_attn=flash_attn)
+                       cap=cap, n_ctx=n_ctx, flash_attn=flash_attn, idle_cache_cells=idle)
 
 
 
@@ -249,8 +296,7 @@ class Backend:
         self.config = config.resolved(model.device)
         if not config.n_ctx and not config.seq_ctx and model.device != "cpu":
             fits = kv_cells_that_fit(model, AUTO_CTX_MEMORY_SHARE)
-            if fits:
-                self.config = replace(self.config, n_ctx=max(AUTO_CTX["cpu"], min(self.config.n_ctx, fits)))
+            self.config = replace(self.config, n_ctx=auto_pool_cells(fits, max(config.contexts, 1)))
         self.name = self.config.name
         self.model = model
         self.device = model.device
@@ -491,7 +537,7 @@ class Backend:
         (None: as it is)."""
         auto = cap is None
         if auto:
-            cap = min(auto_limits(self._kind, self.config.contexts)[0], self.config.n_seq_max)
+            cap = min(auto_limits(self._kind)[0], self.config.n_seq_max)
         self._set_limits(cap, auto)
         self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
         with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
@@ -504,7 +550,7 @@ class Backend:
         if not 1 <= cap <= self.config.n_seq_max:
             raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {cap}", param="cap")
         self._cap, self._auto = cap, auto
-        self._start = min(auto_limits(self._kind, self.config.contexts)[1], cap) if auto else cap
+        self._start = min(auto_limits(self._kind)[1], cap) if auto else cap
 
     def set_rates(self, rates: Rates) -> None:
         self.rates = rates

@@ -10,8 +10,8 @@ named otherwise. Several backends on one GPU share its model; each GPU loads its
 and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
 for the measurement that chose it).
 `cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/limiter.py) from a start
-(GPU 8, CPU 4) up to the device's ceiling (GPU 32, CPU 16), both divided among the contexts of a
-`contexts=N` spec; `cap=N` makes N the ceiling (the
+(GPU 8, CPU 4) up to the device's ceiling (GPU 32, CPU 16), for each context of a `contexts=N`
+spec alike; `cap=N` makes N the ceiling (the
 limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
 
 `kv=split` gives every sequence its own KV stream (`kv_unified=0`), so a step attends only
@@ -20,7 +20,8 @@ over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes 
 
 `contexts=N` makes N backends of one spec, named NAME-a, NAME-b, ... (`gpu:contexts=2` → gpu-a,
 gpu-b), each a llama.cpp context with its own cap, KV pool and prefix cache, sharing the
-device's model. For many tenants on one GPU: the router's `cache-aware` policy keeps a tenant on
+device's model. Without it (`contexts=auto`) the count is chosen when the model loads, from
+its size and the device's free memory (`resolve_contexts`; engine/backend.py `AUTO_CONTEXTS`). For many tenants on one GPU: the router's `cache-aware` policy keeps a tenant on
 one context, whose prompt chunks then stall only its own decodes and attend over its own pool
 (measured in docs/NOTES.md, "KV layout for many prefixes").
 
@@ -36,7 +37,7 @@ import os
 import urllib.parse
 from dataclasses import dataclass
 
-from .backend import BackendConfig
+from .backend import BackendConfig, auto_contexts
 from .errors import InvalidRequest
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
@@ -140,12 +141,16 @@ def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
             fields["device"] = _gpu_device(spec, device, value)
         elif key == "cap" and value.strip().lower() == "auto":
             fields["cap"] = 0  # adaptive up to the device's ceiling (engine/limiter.py)
+        elif key == "contexts" and value.strip().lower() == "auto":
+            fields["contexts"] = 0  # decided when the model loads (`resolve_contexts`)
         elif key == "kv":
             if value.strip().lower() not in ("unified", "split"):
                 raise InvalidRequest(f"backend spec {spec!r}: kv must be unified or split")
             fields["kv_unified"] = value.strip().lower() == "unified"
         elif key in _INT_KEYS or key in _ALIASES.values():
             fields[key] = _number(spec, key, value, int)
+            if key == "contexts" and not 1 <= fields[key] <= 26:
+                raise InvalidRequest(f"backend spec {spec!r}: contexts must be 1 to 26 (or auto), got {fields[key]}")
         elif key in _FLOAT_KEYS:
             fields[_FLOAT_KEYS[key]] = _number(spec, key, value, float)
         elif key in _BOOL_KEYS:
@@ -207,14 +212,45 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
 
 def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
-    each with the spec's settings (its own cap, context and prefix cache; without a cap, a
-    share of the device's adaptive ceiling: engine/backend.py `auto_limits`)."""
-    if not isinstance(c, BackendConfig) or c.contexts == 1:
+    each with the spec's settings (its own cap, context and prefix cache; without a cap, the
+    device's adaptive ceiling each: engine/backend.py `auto_limits`). `contexts=auto` (0, the
+    default) stays one config until the model loads (`resolve_contexts`)."""
+    if not isinstance(c, BackendConfig) or c.contexts in (0, 1):
         return [c]
     n = c.contexts
-    if not 1 <= n <= 26:
-        raise InvalidRequest(f"backend {c.name}: contexts must be 1 to 26, got {n}")
     return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}") for i in range(n)]
+
+
+def resolve_contexts(configs: list[BackendConfig | RemoteConfig], model_bytes: int,
+                     free_bytes=None) -> list[BackendConfig | RemoteConfig]:
+    """Each `contexts=auto` spec as the contexts its device gets (`engine.backend.auto_contexts`,
+    from the model's size and the device's free memory, `free_bytes(device)`; default: ggml's
+    report), split as `contexts=N` would split it; 1 on a CPU, and 1 for a GPU another spec
+    of this command also uses (the user laid that device out). Called when the model is
+    resolved, before any backend is built."""
+    devices = [c.device for c in configs if isinstance(c, BackendConfig)]
+    out: list[BackendConfig | RemoteConfig] = []
+    for c in configs:
+        if not isinstance(c, BackendConfig) or c.contexts != 0:
+            out.append(c)
+            continue
+        n = 1
+        if c.device not in ("cpu",) and devices.count(c.device) == 1:
+            n = auto_contexts(model_bytes, (free_bytes or _device_free_bytes)(c.device))
+        one = dataclasses.replace(c, contexts=n)
+        out += _contexts(one)
+    return out
+
+
+def _device_free_bytes(device: str) -> int:
+    """Free memory of the GPU a device string names (`gpu`: the first; `gpuN`: GPU N), 0 if unknown."""
+    from . import llama
+
+    found = llama.gpus()
+    index = int(device[3:]) if device.startswith("gpu") and device[3:].isdigit() else 0
+    if not 0 <= index < len(found):
+        return 0
+    return found[index].memory()[0]
 
 
 CPU_ONLY_CAP = 8  # the study's N=8 ran in 12.5 s at cap 8 on 2 cores (one 2-thread backend)

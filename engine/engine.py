@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from . import chat
 from .backend import Backend, BackendConfig, error_record
 from .calibrate import ModelRates, calibrate_at_load
-from .config import RemoteConfig
+from .config import RemoteConfig, resolve_contexts
 from .errors import BackendUnavailable, EngineError, InvalidRequest
 from .events import EventBus, RequestRouted
 from .handle import RequestHandle
@@ -161,6 +161,8 @@ class Engine:
             raise InvalidRequest("local backends need a model (--model); only remote: backends run without one",
                                  param="model")
         path = resolve_model(str(model), progress=progress) if local else None
+        if path is not None:  # `contexts=auto` specs: as many contexts as the model and device suit
+            configs = resolve_contexts(configs, Path(path).stat().st_size)
         calibrated = ModelRates(path) if local else None
         registry = ModelRegistry()
         bus = EventBus()

@@ -13,6 +13,14 @@ The tree never calls llama.cpp. Its mutating methods return what the backend mus
 - `EvictAction(seq_id, keep)`: call `seq_rm(seq_id, keep, -1)`. When `keep == 0` the id is
   free again; otherwise the tree still holds it, trimmed to `keep` cells.
 
+Eviction is least recently used by conversation, not by edge: a node counts as touched when a
+request used it whole (a match that ends inside an edge touches the part it covered once a pin
+splits it there, never the tail beyond), a leaf's parent left as a leaf keeps the leaf's time
+(the chain is one conversation, last touched when any of its turns was), and the tail of a
+conversation's edge that a longer resume left (`SUPERSEDED_MIN_TOKENS` matched into it, then
+a different continuation: a reply the client re-sent in other tokens) goes first, since nobody
+is likely to resume it.
+
 Thread contract: every public method takes one `threading.RLock`, so any thread may call
 any of them. The intended split: the router calls `match_length()`, a read-only estimate
 that leaves LRU times alone, from its own thread; the backend's worker thread, which owns
@@ -29,6 +37,13 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# A pin that ends at least this many tokens into a leaf's edge (one not hanging from the root),
+# with the rest of that edge left behind, marks the rest as superseded (evicted first): a conversation resumed
+# with a different continuation (a client re-sending a reply in other tokens). Fewer tokens
+# are taken for two conversations that merely start alike.
+SUPERSEDED_MIN_TOKENS = 16
+SUPERSEDED = 0  # the access time of a superseded tail: older than any real one
 
 
 class TreeNode:
@@ -156,7 +171,8 @@ class PrefixCache:
             length, node, path = self._walk(tokens, max_len)
             now = next(self._clock)
             for entered in path:
-                entered.last_access = now
+                if entered.end <= length:  # used whole; a partly matched edge waits for its pin's split
+                    entered.last_access = now
             return Match(length, node)
 
     def match_length(self, tokens: Sequence[int], max_len: int | None = None) -> int:
@@ -196,7 +212,12 @@ class PrefixCache:
                 raise ValueError(f"stale match: {node!r} has been evicted; match again")
             start = node.end - len(node.key)
             if start < match.length < node.end:
+                tail = node
                 node = self._split(node, match.length - start)
+                node.last_access = next(self._clock)
+                if (not tail.children and node.parent is not self._root
+                        and match.length - start >= SUPERSEDED_MIN_TOKENS):
+                    tail.last_access = SUPERSEDED
             self._inc_lock(node)
             return Pin(match.length, node)
 
@@ -236,14 +257,15 @@ class PrefixCache:
                 child = node.children.get(tokens[pos])
                 if child is None:
                     break
-                child.last_access = now
                 k = _common_prefix(child.key, tokens, pos)
-                if k < len(child.key):
+                if k < len(child.key):  # the tail past `k` is not this sequence's: its time stays
                     if pos + k == len(tokens):
                         return InsertResult(len(tokens), [seq_id])
                     node = self._split(child, k)
+                    node.last_access = now
                     pos += k
                     break
+                child.last_access = now
                 node, pos = child, pos + k
             if pos == len(tokens):
                 return InsertResult(pos, [seq_id])
@@ -489,6 +511,7 @@ class PrefixCache:
                 actions.append(EvictAction(seq, 0, len(leaf.key)))
             else:
                 parent.holder = seq
+                parent.last_access = max(parent.last_access, leaf.last_access)  # the conversation's time
                 actions.append(EvictAction(seq, parent.end, len(leaf.key)))
                 if parent.lock_ref == 0:
                     self._evictable_leaves.add(parent)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import parse_backend_spec, parse_backend_specs
+from engine import backend as backend_module
+from engine.backend import AUTO_CAP, AUTO_IDLE_CELLS, AUTO_START, auto_contexts, auto_limits, auto_pool_cells
+from engine.config import parse_backend_spec, parse_backend_specs, resolve_contexts
 from engine.errors import InvalidRequest
 
 
@@ -46,8 +48,74 @@ def test_a_context_count_out_of_range_is_refused(n):
         parse_backend_specs([f"gpu:contexts={n}"])
 
 
-def test_contexts_without_a_cap_share_the_device_ceiling():
-    assert [c.resolved().cap for c in parse_backend_specs(["gpu:contexts=2"])] == [16, 16]
+def test_contexts_without_a_cap_each_get_the_device_ceiling():
+    # as two processes would: a ceiling each, not one shared (issue 26)
+    assert [c.resolved().cap for c in parse_backend_specs(["gpu:contexts=2"])] == [32, 32]
+    assert [c.resolved().cap for c in parse_backend_specs(["cpu:contexts=2"])] == [16, 16]
+
+
+def test_contexts_are_auto_unless_the_spec_names_a_count():
+    assert parse_backend_spec("gpu").contexts == 0
+    assert parse_backend_spec("gpu:contexts=auto").contexts == 0
+    assert parse_backend_spec("gpu:contexts=3").contexts == 3
+    assert [c.name for c in parse_backend_specs(["gpu", "cpu"])] == ["gpu", "cpu"]
+
+
+@pytest.mark.parametrize(("model", "free", "want", "expected"), [
+    (500 << 20, 100 << 30, 1, 1),  # AUTO_CONTEXTS of 1: today's layout
+    (500 << 20, 100 << 30, 2, 2),  # a small model, room to spare: as many as wanted
+    (500 << 20, 0, 2, 2),  # free memory unknown: as wanted
+    (8 << 30, 100 << 30, 2, 1),  # a large model: one (each context reads every weight per step)
+    (500 << 20, (500 << 20) + (1 << 30), 3, 1),  # beside the model, no room for a second context
+    (500 << 20, (500 << 20) + (5 << 30), 4, 3),  # room for two more
+])
+def test_auto_contexts_fit_the_model_beside_the_free_memory(model, free, want, expected):
+    assert auto_contexts(model, free, want=want, max_model_bytes=4 << 30, context_bytes=2 << 30) == expected
+
+
+@pytest.fixture
+def two_contexts_wanted(monkeypatch):
+    monkeypatch.setattr(backend_module, "AUTO_CONTEXTS", 2)
+
+
+def test_an_auto_gpu_spec_becomes_the_contexts_its_device_gets(two_contexts_wanted):
+    configs = resolve_contexts(parse_backend_specs(["gpu:cap=16", "cpu"]), 500 << 20, lambda device: 100 << 30)
+    assert [(c.name, c.cap, c.contexts) for c in configs] == [("gpu-a", 16, 2), ("gpu-b", 16, 2), ("cpu", 0, 1)]
+
+
+def test_a_gpu_the_user_laid_out_keeps_its_specs(two_contexts_wanted):
+    configs = resolve_contexts(parse_backend_specs(["gpu:name=x", "gpu:name=y", "gpu:device=1,contexts=3"]),
+                               500 << 20, lambda device: 100 << 30)
+    assert [c.name for c in configs] == ["x", "y", "gpu1-a", "gpu1-b", "gpu1-c"]
+
+
+def test_an_auto_spec_asks_the_free_memory_of_its_own_gpu(two_contexts_wanted):
+    asked = []
+    resolve_contexts(parse_backend_specs(["gpu:device=1"]), 1 << 20, lambda device: asked.append(device) or 0)
+    assert asked == ["gpu1"]
+
+
+@pytest.mark.parametrize(("fits", "contexts", "ceiling", "expected"), [
+    (0, 1, 65536, 65536),  # free memory unknown: the default pool
+    (1 << 20, 1, 65536, 65536),  # more room than the ceiling
+    (1 << 20, 1, 1 << 19, 1 << 19),  # a raised ceiling: the memory's share
+    (40000, 1, 65536, 39936),  # less room: what fits, in multiples of 256
+    (200000, 2, 1 << 20, 99840),  # two contexts share the share
+    (1000, 1, 65536, 4096),  # never under the CPU's pool
+])
+def test_a_gpu_pool_without_ctx_is_sized_from_free_memory(fits, contexts, ceiling, expected):
+    assert auto_pool_cells(fits, contexts, ceiling=ceiling) == expected
+
+
+def test_the_idle_cache_budget_no_longer_follows_the_pool():
+    assert parse_backend_spec("gpu").resolved().idle_cache_cells == AUTO_IDLE_CELLS["gpu"]
+    assert parse_backend_spec("cpu").resolved().idle_cache_cells == AUTO_IDLE_CELLS["cpu"]
+    assert parse_backend_spec("gpu:ctx=8192").resolved().idle_cache_cells == -1  # n_ctx, as before
+    assert parse_backend_spec("gpu:idle_cache_cells=2048").resolved().idle_cache_cells == 2048
+
+
+def test_the_device_ceiling_is_the_same_for_any_context_count():
+    assert auto_limits("gpu") == (AUTO_CAP["gpu"], AUTO_START["gpu"])
 
 
 @pytest.mark.parametrize(("spec", "device", "flash"), [
@@ -58,3 +126,13 @@ def test_contexts_without_a_cap_share_the_device_ceiling():
 ])
 def test_flash_attention_left_to_auto_follows_the_device(spec, device, flash):
     assert parse_backend_spec(spec).resolved(device).flash_attn == flash
+
+
+def test_an_engine_resolves_auto_contexts_when_its_model_loads(tiny_path):
+    from engine.engine import Engine
+
+    eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=512"]), calibrate=False)
+    try:
+        assert [(b.name, b.config.contexts) for b in eng.backends.values()] == [("cpu", 1)]
+    finally:
+        eng.close()

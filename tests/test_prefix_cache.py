@@ -182,7 +182,8 @@ class TestEvict:
     def test_never_touches_pinned(self):
         cache = make_cache(([1, 2], 1), ([3, 4], 2))
         pin = cache.pin(cache.match([1]))  # splits [1,2]; only [1] is locked
-        assert cache.evict(need_tokens=100, need_seqs=5) == [EvictAction(2, 0, 2), EvictAction(1, 1, 1)]
+        # [2], which the match did not use, keeps its (older) time and goes first
+        assert cache.evict(need_tokens=100, need_seqs=5) == [EvictAction(1, 1, 1), EvictAction(2, 0, 2)]
         assert cache.match_length([1, 2]) == 1
         assert_totals(cache, 1, 1)
         cache.unpin(pin)
@@ -219,6 +220,66 @@ class TestEvict:
         assert_totals(cache, 2, 2)
         cache.unpin(pin)
         assert_totals(cache, 2, 0)
+
+
+class TestConversations:
+    """Eviction is LRU by conversation: what a request used whole, a chain's time, and superseded
+    tails first."""
+
+    SYSTEM = list(range(100, 140))  # a shared system prompt of 40 tokens
+
+    def conversation(self, n: int, length: int = 30) -> list[int]:
+        return self.SYSTEM + [1000 * n + i for i in range(length)]
+
+    def test_a_newcomer_sharing_only_the_system_prompt_does_not_refresh_another_conversation(self):
+        # a's whole path is one edge from the root; b's pin splits it after the system prompt
+        cache = make_cache((self.conversation(1), 1), ([7, 7], 2))
+        pin = cache.pin(cache.match(self.SYSTEM + [9]))  # b, admitted: its system prompt pinned
+        actions = cache.evict(need_tokens=1)
+        # a's own tokens are the oldest thing held: before, the match had made all of a look new
+        assert actions == [EvictAction(1, len(self.SYSTEM), 30)]
+        assert cache.match_length([7, 7]) == 2
+        cache.unpin(pin)
+        cache.check_invariants()
+
+    def test_a_resumed_conversation_stays_before_idle_ones(self):
+        cache = make_cache((self.conversation(1), 1), (self.conversation(2), 2), (self.conversation(3), 3))
+        cache.match(self.conversation(1) + [5])  # conversation 1's next turn
+        released = [a.seq_id for a in cache.evict(need_seqs=2)]
+        assert released == [2, 3]
+        assert cache.holders() == {1}
+
+    def test_a_later_turn_keeps_its_conversation_past_one_touched_between_turns(self):
+        # conversation 1 has two turns ([turn1] -> [turn2]); conversation 2 was touched in between
+        turn1, turn2 = self.conversation(1), self.conversation(1) + [1500 + i for i in range(20)]
+        cache = make_cache((turn1, 1), (self.conversation(2), 2))
+        cache.match(self.conversation(2))
+        cache.insert(turn2, 3)  # turn 2 ends: conversation 1 is now the most recent
+        actions = cache.evict(need_tokens=20)
+        assert actions == [EvictAction(2, 0, 30)]  # the other conversation, whole; not 1's tail
+        assert cache.match_length(turn2) == len(turn2)
+
+    def test_the_tail_a_resume_left_behind_goes_first(self):
+        # conversation 1's reply came back in other tokens: its next turn matches into the old
+        # edge and goes on differently; what it left is superseded
+        old = self.conversation(1, 60)
+        cache = make_cache((self.SYSTEM + [5], 9), (old, 1), (self.conversation(2), 2))
+        cache.match(self.conversation(2))  # conversation 2 is older than 1's resume below
+        resumed = old[:len(self.SYSTEM) + 40] + [77] * 10
+        pin = cache.pin(cache.match(resumed))
+        assert pin.length == len(self.SYSTEM) + 40
+        assert cache.evict(need_tokens=1) == [EvictAction(1, len(self.SYSTEM) + 40, 20)]
+        cache.unpin(pin)
+        cache.check_invariants()
+
+    def test_a_short_common_start_supersedes_nothing(self):
+        # two conversations whose user turns start alike (fewer than SUPERSEDED_MIN_TOKENS)
+        a = self.conversation(1, 60)
+        cache = make_cache((self.SYSTEM + [5], 9), (a, 1), (self.conversation(2), 2))
+        cache.match(a)  # conversation 1 touched last
+        pin = cache.pin(cache.match(a[:len(self.SYSTEM) + 3] + [88] * 5))
+        assert cache.evict(need_seqs=1)[0].seq_id != 1
+        cache.unpin(pin)
 
 
 class TestFlushAndClear:

@@ -1,7 +1,8 @@
 # The steps of scripts/gpu/run.sh, one function each (names starting with _ are helpers).
 # Sourced on the GPU machine after `source .gpukit/enter.sh` ($LCBIN: llama.cpp's tools).
-# Knobs: QUANT (q8_0), RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
-M=${M:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}
+# Knobs: MODEL (or QUANT: q8_0), GPU_DEVICE, RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
+M=${MODEL:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}
+G=${GPU_DEVICE:-gpu}  # GPU_DEVICE=cpu tries a step on a machine without a GPU (MODEL=synthetic:tiny)
 SERVERS=()
 
 _setup() {
@@ -367,7 +368,100 @@ simulate() {  # the grid and the boundary on today's engine, each predicted by `
   done
 }
 
-# ---- defaults that never lose (issue 25) ----
+# ---- defaults that never lose (issue: the default policy, the adaptive cap, the layout) ----
+
+W_TENANTS="--requests ${N_TENANTS:-200} --tenants ${TENANTS:-4,16,32} --tenant-prefix-tokens 1500 --tenant-suffix-tokens 50
+  --outputs uniform --min-output 32 --max-output 256 --arrivals poisson --rate 40"
+W_N48="--requests 48 --shared 96 --outputs fixed --arrivals interval"
+W_LONG="--requests 64 --prompt-tokens 1516 --shared 66 --outputs uniform --min-output 32 --max-output 512
+  --arrivals poisson --rate 20"
+
+_layout_grid() {  # _layout_grid OUTDIR WORKLOAD-VAR [bench grid options...]
+  local dir=$1 w=$2; shift 2
+  _stamp "$dir"
+  # shellcheck disable=SC2086
+  python3 -X faulthandler -m app bench grid --model "$M" ${!w} --runs "${RUNS:-1}" --no-plots --out "$OUT/$dir" "$@" 2>&1 \
+    | grep -v "it/s\]" | grep "^| " | grep -v "^|---" | tee -a "$OUT/$dir.txt"
+}
+
+baseline_defaults() {  # today's default layout and policy vs tuned GPU-only layouts, tenants first (~9 min)
+  _stamp "calibrate the default layout, as serve does at load"
+  python3 -m app calibrate --model "$M" 2>&1 | tail -3 | tee "$OUT/calibrate-default.txt"
+  for w in W_TENANTS W_LONG W_N48; do
+    local tag=${w#W_}; tag=${tag,,}
+    _layout_grid "default-$tag" "$w" --caps none --policies predicted-finish
+    _layout_grid "one-$tag" "$w" --backend $G:threads=8 --caps "${CAPS:-32,64,128}" --sweep-policies gpu-only \
+      --policies gpu-only
+    _layout_grid "two-$tag" "$w" --backend $G:name=ga,cap=32,threads=8 --backend $G:name=gb,cap=32,threads=8 \
+      --caps none --policies cache-aware,predicted-finish
+  done
+}
+
+chat() {  # ~8 min: issue 26's chat workload (CHAT_N=96 conversations x 8 turns, 6/s, think 1 s, a 600-word
+          # system prompt, user turns 40-120 words, replies 32-192 tokens) in one `tandem bench chat` against
+          # one `tandem serve --model M` (default), two on this GPU behind `tandem serve --backend remote:...
+          # --policy cache-aware`, and llama-server -np 32 -c 131072 (its best there); each run cut at
+          # CHAT_LIMIT s. All servers stay up (idle while another target runs); the first one started calibrates
+          # alone, the next two reuse its stored rates.
+  local limit=${CHAT_LIMIT:-120} n=${CHAT_N:-96} dir=$OUT/chat logs=$OUT/chat-logs
+  mkdir -p "$logs"
+  local targets=(--target one=http://127.0.0.1:8301 --target two-cache-aware=http://127.0.0.1:8304) ports=(8301 8304)
+  python3 -m app serve --model "$M" --port 8301 > "$logs/one.log" 2>&1 & SERVERS+=($!)
+  _wait_ready 8301
+  python3 -m app serve --model "$M" --port 8302 > "$logs/a.log" 2>&1 & SERVERS+=($!)
+  python3 -m app serve --model "$M" --port 8303 > "$logs/b.log" 2>&1 & SERVERS+=($!)
+  if [ -x "${LCBIN:-/nonexistent}/llama-server" ]; then
+    "$LCBIN/llama-server" -m "$P" -ngl 99 -np 32 -c 131072 --port 8305 --host 127.0.0.1 -fa auto \
+      > "$logs/llama-server.log" 2>&1 & SERVERS+=($!)
+    targets+=(--target llama-server-np32=http://127.0.0.1:8305); ports+=(8305)
+  else
+    echo "chat: no llama-server in \$LCBIN; running without it"
+  fi
+  _wait_ready 8302 8303
+  python3 -m app serve --backend remote:url=http://127.0.0.1:8302,name=a \
+    --backend remote:url=http://127.0.0.1:8303,name=b --policy cache-aware --port 8304 > "$logs/router.log" 2>&1 &
+  SERVERS+=($!)
+  _wait_ready "${ports[@]}"
+  _stamp "chat: $n conversations x ${CHAT_TURNS:-8} turns, $((${#targets[@]} / 2)) targets, $limit s each at most"
+  python3 -X faulthandler -m app bench chat --conversations "$n" --turns "${CHAT_TURNS:-8}" --rate 6 --think 1 \
+    --system-words "${CHAT_SYSTEM_WORDS:-600}" --user-words "${CHAT_USER_WORDS:-40-120}" \
+    --reply-tokens "${CHAT_REPLY_TOKENS:-32-192}" "${targets[@]}" --time-limit "$limit" --no-plots --out "$dir" 2>&1 \
+    | grep -v "it/s\]" | tail -"${CHAT_TAIL:-60}"
+  _stop_servers
+}
+
+_chat_bench() {  # _chat_bench LABEL PORT: issue 26's chat workload against one server, cut at CHAT_LIMIT s
+  _stamp "chat: $1 (${CHAT_N:-96} conversations)"
+  python3 -X faulthandler -m app bench chat --conversations "${CHAT_N:-96}" --turns "${CHAT_TURNS:-8}" --rate 6 --think 1 \
+    --system-words 600 --user-words 40-120 --reply-tokens 32-192 --target "$1=http://127.0.0.1:$2" \
+    --time-limit "${CHAT_LIMIT:-110}" --no-plots --out "$OUT/chat-$1" 2>&1 | grep -v "it/s\]" | grep "^| \|rror" \
+    | grep -v "^|---" | tee -a "$OUT/chat-layouts.txt"
+}
+
+_serve_one() {  # _serve_one LOGNAME PORT [serve options...]: start one tandem serve, wait for it
+  local name=$1 port=$2; shift 2
+  python3 -m app serve --model "$M" --port "$port" "$@" > "$OUT/logs/$name.log" 2>&1 & SERVERS+=($!)
+  _wait_ready "$port"
+}
+
+chat_layouts() {  # ~9 min: the chat workload on one process per layout (1, 2, 4 GPU contexts, cache-aware), against
+                 # two processes on the GPU behind Tandem's router, today's default, and llama-server -np 32
+  mkdir -p "$OUT/logs"
+  _serve_one a 8302 --backend $G; _serve_one b 8303 --backend gpu
+  python3 -m app serve --backend remote:url=http://127.0.0.1:8302,name=a --backend remote:url=http://127.0.0.1:8303,name=b \
+    --policy cache-aware --port 8304 > "$OUT/logs/router.log" 2>&1 & SERVERS+=($!)
+  _wait_ready 8304; _chat_bench two-processes 8304; _stop_servers
+  for n in 2 4 1; do
+    _serve_one "ctx$n" 8310 --backend "$G:contexts=$n" --policy cache-aware; _chat_bench "contexts-$n" 8310; _stop_servers
+  done
+  _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  [ -x "${LCBIN:-/none}/llama-server" ] || return 0
+  "$LCBIN/llama-server" -m "$P" -ngl 99 -np 32 -c 131072 --port 8305 --host 127.0.0.1 -fa auto \
+    > "$OUT/logs/llama-server.log" 2>&1 & SERVERS+=($!)
+  _wait_ready 8305; CHAT_LIMIT=${LLAMA_LIMIT:-100} _chat_bench llama-server-np32 8305; _stop_servers
+}
+
+# ---- the default against the best tuned configuration, found in one invocation (issue 25) ----
 
 _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: the default beside tuned rows
   # The engine as a user gets it (no --backend: the default layout, adaptive caps) under `default`;
@@ -385,7 +479,7 @@ defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) aga
              # configuration found in the same invocation (fixed caps 16/32/64; two contexts), on the study's
              # N=48, the long-prompt workload and 4/16/32 tenants; prints makespan and TTFT p50 ratios
   local n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
-  python3 -m app serve --model "$M" --backend "${TUNED2:-gpu:contexts=2,cap=32,threads=8}" --policy cache-aware \
+  python3 -m app serve --model "$M" --backend "${TUNED2:-$G:contexts=2,cap=32,threads=8}" --policy cache-aware \
     --port "${TUNED2_PORT:-8097}" > "/tmp/tandem-serve-${TUNED2_PORT:-8097}.log" 2>&1 &
   SERVERS+=($!)
   _wait_ready "${TUNED2_PORT:-8097}"
