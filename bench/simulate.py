@@ -193,7 +193,7 @@ class SimBench(study.Bench):
     def run(self, bar: Progress) -> None:
         single = ("gpu-only" if any(b.device != "cpu" for b in self.profile.backends)
                   else f"only:{self.profile.backends[0].name}")
-        policies = self.policies if self.policies is not None else ["seed-score", "predicted-finish", single]
+        policies = self.policies if self.policies is not None else ["default", "seed-score", "predicted-finish", single]
         variants = [Variant(label=p, policy=p) for p in policies]
         sweep_policies = study._policy_list(getattr(self.args, "sweep_policies", None)) if self.caps else []
         if self.caps and sweep_policies is None:

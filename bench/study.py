@@ -59,7 +59,7 @@ def add_common_arguments(p, *, requests: str, runs: int) -> None:
                    help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: GPU+CPU, or two CPU backends)")
     p.add_argument("--policies", default=None,
                    help="comma-separated routing policies, run interleaved; 'none' for targets only "
-                        "(default: seed-score,predicted-finish and the first GPU backend alone)")
+                        "(default: default,seed-score,predicted-finish and the first GPU backend alone)")
     p.add_argument("--requests", default=requests, help="request counts N (default: %(default)s)")
     p.add_argument("--runs", type=int, default=runs, help="runs per configuration (default: %(default)s)")
     p.add_argument("--interval-ms", type=float, default=50.0, help="fixed arrival interval (default: %(default)s)")
@@ -432,7 +432,7 @@ def _variants(eng, policies, caps, targets, args, sweep) -> list[Variant]:
     out = []
     if eng is not None:
         single = _single_policy(eng)
-        for p in (policies if policies is not None else ["seed-score", "predicted-finish", single]):
+        for p in (policies if policies is not None else ["default", "seed-score", "predicted-finish", single]):
             out.append(Variant(label=p, policy=p))
         sweep_policies = _policy_list(getattr(args, "sweep_policies", None)) if caps else []
         if caps and sweep_policies is None:
