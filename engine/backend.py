@@ -49,11 +49,14 @@ log = logging.getLogger(__name__)
 
 
 # No cap given: the ceiling the limiter may grow to, and where it starts, for each context on a
-# device (`auto_limits`): engine/limiter.py's `CEILING` and `START`, the one place they are set.
-# Two contexts on one GPU get a ceiling each, as two processes would (issue 26: two contexts
-# sharing one ceiling of 32 answered a returning chat user in 1.14 s, two processes with 32 each
-# in 0.17 s).
-AUTO_CAP = CEILING
+# device (`auto_limits`): two contexts on one GPU get a ceiling each, as two processes would
+# (issue 26: two contexts sharing one ceiling of 32 answered a returning chat user in 1.14 s,
+# two processes with 32 each in 0.17 s). A GPU's decode tok/s still rises to b = 32 (6,016 tok/s
+# against 3,916 at 16, H200, `docs/results/gpu/speed10`), but the 1,516-token workload ran 6.71 s
+# at cap 32 and 7.97 s at 48 (more prompt chunks beside more decodes, over more cells), and the
+# limiter, let up to 48, took 8.21 s (round4/caps-long).
+# On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
+AUTO_CAP = CEILING  # engine/limiter.py, the one place they are set
 AUTO_START = START
 # KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: what
 # AUTO_CTX_MEMORY_SHARE of the device's free memory holds, shared among the contexts the spec
@@ -71,11 +74,15 @@ AUTO_CTX_MAX_CELLS = 65536
 # default pool gave before the pool was sized from memory (n_ctx / B), now apart from the pool.
 AUTO_IDLE_CELLS = {"gpu": 65536, "cpu": 4096}
 # Contexts per GPU when a spec names no count (`contexts=auto`, the default; `auto_contexts`):
-# one, today's layout, until GPU measurements set it (issue 26: two contexts of one process
-# served 96 chats in 45.6 s against 63.4 s for one). A model above AUTO_CONTEXTS_MAX_MODEL_BYTES
-# keeps one (each context's step reads all the weights again), and each context beyond the first
-# needs AUTO_CONTEXT_BYTES of free device memory beside the model (its pool, compute buffers).
-AUTO_CONTEXTS = 1
+# four. In one unified pool every step attends over every cell in use, so N contexts each attend
+# over their own quarter while the GPU runs them side by side. Measured on one H200 with
+# Qwen2.5-0.5B, cache-aware, ceiling 32 each (docs/results/gpu/chat1, defaults1): 96 chats in
+# 89.5 / 53.1 / 39.5 s with 1 / 2 / 4 contexts (later-turn TTFT p50 4.16 / 0.35 / 0.10 s; two
+# processes 57.7 s); tenants 4/16/32 7.5-12.9 s on one context's best cap, 6.2-7.5 s on two.
+# A model above AUTO_CONTEXTS_MAX_MODEL_BYTES keeps one (each context's step reads all the
+# weights again), and each context beyond the first needs AUTO_CONTEXT_BYTES of free device
+# memory beside the model (its pool, compute buffers).
+AUTO_CONTEXTS = 4
 AUTO_CONTEXTS_MAX_MODEL_BYTES = 4 << 30
 AUTO_CONTEXT_BYTES = 2 << 30
 # Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU

@@ -62,7 +62,7 @@ def test_contexts_are_auto_unless_the_spec_names_a_count():
 
 
 @pytest.mark.parametrize(("model", "free", "want", "expected"), [
-    (500 << 20, 100 << 30, 1, 1),  # AUTO_CONTEXTS of 1: today's layout
+    (500 << 20, 100 << 30, 1, 1),  # one wanted: one
     (500 << 20, 100 << 30, 2, 2),  # a small model, room to spare: as many as wanted
     (500 << 20, 0, 2, 2),  # free memory unknown: as wanted
     (8 << 30, 100 << 30, 2, 1),  # a large model: one (each context reads every weight per step)

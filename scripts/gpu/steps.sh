@@ -1,7 +1,7 @@
 # The steps of scripts/gpu/run.sh, one function each (names starting with _ are helpers).
 # Sourced on the GPU machine after `source .gpukit/enter.sh` ($LCBIN: llama.cpp's tools).
 # Knobs: MODEL (or QUANT: q8_0), GPU_DEVICE, RUNS, CAPS, KV, GPU_CAP; results under $OUT/<step>.
-M=${MODEL:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}
+M=${MODEL:-${M:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}}
 G=${GPU_DEVICE:-gpu}  # GPU_DEVICE=cpu tries a step on a machine without a GPU (MODEL=synthetic:tiny)
 SERVERS=()
 
@@ -461,7 +461,7 @@ chat_layouts() {  # ~9 min: the chat workload on one process per layout (1, 2, 4
   _wait_ready 8305; CHAT_LIMIT=${LLAMA_LIMIT:-100} _chat_bench llama-server-np32 8305; _stop_servers
 }
 
-# ---- the default against the best tuned configuration, found in one invocation (issue 25) ----
+# ---- defaults that never lose (issue 25) ----
 
 _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: the default beside tuned rows
   # The engine as a user gets it (no --backend: the default layout, adaptive caps) under `default`;
@@ -493,4 +493,27 @@ defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) aga
     --tenant-prefix-tokens "${TENANT_PREFIX:-1500}" --tenant-suffix-tokens 50 --outputs uniform --min-output 32 \
     --max-output "${TENANT_MAX_OUT:-256}" --arrivals poisson --rate 40
   _stop_servers
+}
+
+_two_processes() {  # _two_processes PORT: two tandem serve (GPU only) on this GPU behind Tandem's router (cache-aware)
+  _serve_one a 8302 --backend "$G"; _serve_one b 8303 --backend "$G"
+  python3 -m app serve --backend remote:url=http://127.0.0.1:8302,name=a --backend remote:url=http://127.0.0.1:8303,name=b \
+    --policy cache-aware --port "$1" > "$OUT/logs/router.log" 2>&1 & SERVERS+=($!)
+  _wait_ready "$1"
+}
+
+final_defaults() {  # ~9.5 min, the points that decide first: the chat workload (96 conversations) on
+                   # `tandem serve --model M` (nothing else) against four contexts under cache-aware and two
+                   # processes; the default against tuned caps and two contexts on tenants, long prompts, N=48;
+                   # then 24 and 192 conversations
+  mkdir -p "$OUT/logs"
+  _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  _serve_one ctx4 8310 --backend "$G:contexts=4" --policy cache-aware; _chat_bench contexts-4-cache-aware 8310
+  _stop_servers
+  _two_processes 8304; _chat_bench two-processes 8304; _stop_servers
+  CAPS=${CAPS:-32,64} defaults
+  for n in 24 192; do
+    _serve_one "default-$n" 8311; CHAT_N=$n _chat_bench "default-n$n" 8311; _stop_servers
+    _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers
+  done
 }
