@@ -119,7 +119,8 @@ def add_grid_arguments(p) -> None:
                    help="caps of the swept backend for the --sweep-policies, fixed; 'auto' for its adaptive "
                         "cap (default: %(default)s; 'none' to skip)")
     p.add_argument("--sweep-policies", default=None,
-                   help="policies run at every --caps value (default: the first GPU backend alone)")
+                   help="policies run at every --caps value; 'only:swept' is the swept backend alone "
+                        "(default: the first GPU backend alone)")
     p.add_argument("--sweep-backend", default=None, help="backend whose cap and KV budget vary (default: first GPU, else first)")
     p.add_argument("--kv-seqs", default=None,
                    help="KV budgets of the swept backend: room for K whole sequences of the workload "
@@ -437,7 +438,7 @@ def _variants(eng, policies, caps, targets, args, sweep) -> list[Variant]:
         sweep_policies = _policy_list(getattr(args, "sweep_policies", None)) if caps else []
         if caps and sweep_policies is None:
             sweep_policies = [single]
-        for p in sweep_policies or []:
+        for p in (swept_policy(p, sweep) for p in sweep_policies or []):
             for cap in caps:
                 out.append(Variant(label=f"{p}@cap={cap or 'auto'}", policy=p, cap=cap))
     for t in targets:
@@ -446,6 +447,15 @@ def _variants(eng, policies, caps, targets, args, sweep) -> list[Variant]:
     if len(set(labels)) != len(labels):
         raise InvalidRequest(f"two variants share a label: {labels}")
     return out
+
+
+SWEPT = "only:swept"  # in --sweep-policies: the swept backend alone, whatever its name
+
+
+def swept_policy(policy: str, sweep: str) -> str:
+    """A --sweep-policies entry with `only:swept` naming the swept backend (`only:gpu-a` where the
+    default layout made several GPU contexts), so a fixed-cap row is that one backend at that cap."""
+    return f"only:{sweep}" if policy == SWEPT else policy
 
 
 def _single_policy(eng) -> str:

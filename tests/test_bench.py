@@ -709,3 +709,10 @@ def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):
                "--repeats", "1", "--no-llama", "--sampled-variants", "temp,nucleus"])
     assert rc == 2
     assert "nucleus" in capsys.readouterr().err
+
+
+def test_only_swept_in_sweep_policies_names_the_swept_backend():
+    from bench.study import swept_policy
+
+    assert swept_policy("only:swept", "gpu-a") == "only:gpu-a"
+    assert swept_policy("gpu-only", "gpu-a") == "gpu-only"

@@ -465,11 +465,12 @@ chat_layouts() {  # ~9 min: the chat workload on one process per layout (1, 2, 4
 
 _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: the default beside tuned rows
   # The engine as a user gets it (no --backend: the default layout, adaptive caps) under `default`;
-  # in the same invocation the GPU backend alone at fixed caps ($CAPS) and, over HTTP, the GPU as two
-  # contexts under cache-aware ($TUNED2, a `tandem serve` started by `defaults`).
+  # in the same invocation its first GPU context alone at fixed caps ($CAPS; `only:swept`: with
+  # several default contexts the others stay idle) and, over HTTP, the GPU as two contexts under
+  # cache-aware ($TUNED2, a `tandem serve` started by `defaults`).
   local dir=$1; shift
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
-    --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-gpu-only}" \
+    --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-only:swept}" \
     --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" --target-warm 4 \
     --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py defaults "$OUT/$dir" | tee -a "$OUT/defaults.txt"
