@@ -193,12 +193,12 @@ class SimBench(study.Bench):
     def run(self, bar: Progress) -> None:
         single = ("gpu-only" if any(b.device != "cpu" for b in self.profile.backends)
                   else f"only:{self.profile.backends[0].name}")
-        policies = self.policies if self.policies is not None else ["seed-score", "predicted-finish", single]
+        policies = self.policies if self.policies is not None else ["default", "seed-score", "predicted-finish", single]
         variants = [Variant(label=p, policy=p) for p in policies]
         sweep_policies = study._policy_list(getattr(self.args, "sweep_policies", None)) if self.caps else []
         if self.caps and sweep_policies is None:
             sweep_policies = [single]
-        for p in sweep_policies or []:
+        for p in (study.swept_policy(p, self.sweep) for p in sweep_policies or []):
             variants += [Variant(label=f"{p}@cap={c or 'auto'}", policy=p, cap=c) for c in self.caps]
         per_seq = max(s.prompt_tokens + s.max_tokens for s in self.specs)
         bar.add_total(len(self.kv_seqs) * len(variants) * self.args.runs * len(self.specs) * sum(self.n_list))

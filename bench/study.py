@@ -60,7 +60,7 @@ def add_common_arguments(p, *, requests: str, runs: int) -> None:
                    help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: GPU+CPU, or two CPU backends)")
     p.add_argument("--policies", default=None,
                    help="comma-separated routing policies, run interleaved; 'none' for targets only "
-                        "(default: seed-score,predicted-finish and the first GPU backend alone)")
+                        "(default: default,seed-score,predicted-finish and the first GPU backend alone)")
     p.add_argument("--requests", default=requests, help="request counts N (default: %(default)s)")
     p.add_argument("--runs", type=int, default=runs, help="runs per configuration (default: %(default)s)")
     p.add_argument("--interval-ms", type=float, default=50.0, help="fixed arrival interval (default: %(default)s)")
@@ -120,7 +120,8 @@ def add_grid_arguments(p) -> None:
                    help="caps of the swept backend for the --sweep-policies, fixed; 'auto' for its adaptive "
                         "cap (default: %(default)s; 'none' to skip)")
     p.add_argument("--sweep-policies", default=None,
-                   help="policies run at every --caps value (default: the first GPU backend alone)")
+                   help="policies run at every --caps value; 'only:swept' is the swept backend alone "
+                        "(default: the first GPU backend alone)")
     p.add_argument("--sweep-backend", default=None, help="backend whose cap and KV budget vary (default: first GPU, else first)")
     p.add_argument("--kv-seqs", default=None,
                    help="KV budgets of the swept backend: room for K whole sequences of the workload "
@@ -442,12 +443,12 @@ def _variants(eng, policies, caps, targets, args, sweep) -> list[Variant]:
     out = []
     if eng is not None:
         single = _single_policy(eng)
-        for p in (policies if policies is not None else ["seed-score", "predicted-finish", single]):
+        for p in (policies if policies is not None else ["default", "seed-score", "predicted-finish", single]):
             out.append(Variant(label=p, policy=p))
         sweep_policies = _policy_list(getattr(args, "sweep_policies", None)) if caps else []
         if caps and sweep_policies is None:
             sweep_policies = [single]
-        for p in sweep_policies or []:
+        for p in (swept_policy(p, sweep) for p in sweep_policies or []):
             for cap in caps:
                 out.append(Variant(label=f"{p}@cap={cap or 'auto'}", policy=p, cap=cap))
     for t in targets:
@@ -456,6 +457,15 @@ def _variants(eng, policies, caps, targets, args, sweep) -> list[Variant]:
     if len(set(labels)) != len(labels):
         raise InvalidRequest(f"two variants share a label: {labels}")
     return out
+
+
+SWEPT = "only:swept"  # in --sweep-policies: the swept backend alone, whatever its name
+
+
+def swept_policy(policy: str, sweep: str) -> str:
+    """A --sweep-policies entry with `only:swept` naming the swept backend (`only:gpu-a` where the
+    default layout made several GPU contexts), so a fixed-cap row is that one backend at that cap."""
+    return f"only:{sweep}" if policy == SWEPT else policy
 
 
 def _single_policy(eng) -> str:

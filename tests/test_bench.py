@@ -720,3 +720,10 @@ def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):
 ])
 def test_a_swept_spec_is_found_among_the_backends_it_loaded_as(spec, loaded, expected):
     assert loaded_name(spec, loaded) == expected
+
+
+def test_only_swept_in_sweep_policies_names_the_swept_backend():
+    from bench.study import swept_policy
+
+    assert swept_policy("only:swept", "gpu-a") == "only:gpu-a"
+    assert swept_policy("gpu-only", "gpu-a") == "gpu-only"

@@ -81,6 +81,13 @@ def test_the_policy_control_sets_the_routers_policy(make_window, ui_engine):
     assert ui_engine.router.policy == "least-work"
 
 
+def test_the_policy_help_says_which_policy_is_the_default(make_window, ui_engine):
+    c = make_window().panels["controls"]
+    c.policy_combo.setCurrentText("finish-first")
+    assert ui_engine.router.policy == "finish-first"
+    assert c.policy_help.text().startswith("The default:")
+
+
 def test_the_budget_control_sets_the_routers_budget(make_window, ui_engine):
     c = make_window().panels["controls"]
     c.budget_combo.setCurrentText("ratio")

@@ -465,11 +465,12 @@ chat_layouts() {  # ~9 min: the chat workload on one process per layout (1, 2, 4
 
 _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: the default beside tuned rows
   # The engine as a user gets it (no --backend: the default layout, adaptive caps) under `default`;
-  # in the same invocation the GPU backend alone at fixed caps ($CAPS) and, over HTTP, the GPU as two
-  # contexts under cache-aware ($TUNED2, a `tandem serve` started by `defaults`).
+  # in the same invocation its first GPU context alone at fixed caps ($CAPS; `only:swept`: with
+  # several default contexts the others stay idle) and, over HTTP, the GPU as two contexts under
+  # cache-aware ($TUNED2, a `tandem serve` started by `defaults`).
   local dir=$1; shift
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
-    --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-gpu-only}" \
+    --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-only:swept}" \
     --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" --target-warm 4 \
     --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py defaults "$OUT/$dir" | tee -a "$OUT/defaults.txt"
@@ -479,7 +480,7 @@ defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) aga
              # configuration found in the same invocation (fixed caps 16/32/64; two contexts), on the study's
              # N=48, the long-prompt workload and 4/16/32 tenants; prints makespan and TTFT p50 ratios
   local n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
-  python3 -m app serve --model "$M" --backend "${TUNED2:-gpu:contexts=2,cap=32,threads=8}" --policy cache-aware \
+  python3 -m app serve --model "$M" --backend "${TUNED2:-$G:contexts=2,cap=32,threads=8}" --policy cache-aware \
     --port "${TUNED2_PORT:-8097}" > "/tmp/tandem-serve-${TUNED2_PORT:-8097}.log" 2>&1 &
   SERVERS+=($!)
   _wait_ready "${TUNED2_PORT:-8097}"
