@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING
 
 from engine.prompts import chat
 from engine.backends.config import BackendConfig
-from engine.backends.local import Backend
-from engine.core.request import error_record
+from engine.backends.local import Backend, error_record
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
 from engine.backends.config import RemoteConfig, resolve_contexts
