@@ -73,7 +73,7 @@ measurement; and the wait is the same for the first client either way.
 `OnlineRefresh` keeps a running engine's rates current from its own steps (EWMA), leaving
 overridden rates alone.
 
-A remote backend (engine/remote.py) has no steps to watch: `calibrate_remote` measures it by
+A remote backend (engine/backends/remote/) has no steps to watch: `calibrate_remote` measures it by
 sending requests — prefill from the TTFT of fresh prompts that generate one token (prompt
 tokens from the engine's `usage`), the step time at batch b from the mean ITL of b requests
 run together (`ignore_eos` where the API has it). `calibrate_backend` takes that path for any

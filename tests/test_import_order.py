@@ -18,7 +18,7 @@ TIMEOUT = 120  # seconds; each interpreter starts in a few
 # The modules that routing, caching and the simulator are made of (import-linter holds the same
 # list in pyproject.toml, statically; this checks what actually loads).
 PURE = ["engine", "engine.router", "engine.prefix_cache", "engine.request", "engine.snapshot",
-        "engine.approx_cache", "engine.scheduler", "engine.protocol", "engine.errors", "engine.events",
+        "engine.backends.remote.approx_cache", "engine.scheduler", "engine.protocol", "engine.errors", "engine.events",
         "engine.workload", "engine.benchmark", "engine.handle", "engine.textstream", "engine.metrics",
         "engine.chat"]
 
