@@ -189,7 +189,7 @@ def test_a_silent_engine_stays_unhealthy_though_its_health_answers(fakes):
         eng.close()
 
 
-def test_an_unpinned_request_moves_off_a_silent_engine_and_is_answered(fakes):
+def test_an_unpinned_request_on_a_silent_engine_is_answered_elsewhere(fakes):
     eng = fleet(fakes, "silent", "good")
     try:
         records = [ask(eng)[0] for _ in range(2)]  # round-robin: one of them lands on the silent one first
