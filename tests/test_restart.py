@@ -131,14 +131,15 @@ def test_requests_queued_during_a_restart_of_the_only_backend_get_503_with_retry
     try:
         with Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=1,ctx=4096"])) as eng, \
                 lt.serving(create_app(eng)) as base:
-            b = eng.backends["cpu0"]
+            name = next(iter(eng.backends))
+            b = eng.backends[name]
             long = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0, max_tokens=3500, ignore_eos=True)))
-            wait_until(lambda: any(i.running and i.generated > 0 for i in b.snapshot().items), what="cpu0 decoding")
+            wait_until(lambda: any(i.running and i.generated > 0 for i in b.snapshot().items), what="decoding")
             with ThreadPoolExecutor(3) as pool:
                 replies = [pool.submit(httpx.post, base + "/v1/completions",
                                        json={"prompt": f"q{i}", "max_tokens": 4}, timeout=WAIT) for i in range(3)]
                 wait_until(lambda: sum(not i.running for i in b.snapshot().items) == 3, what="three queued")
-                eng.restart("cpu0")
+                eng.restart(name)
                 rs = [f.result(WAIT) for f in replies]
             assert [r.status_code for r in rs] == [503] * 3, [r.text for r in rs]
             assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "unavailable_error"
