@@ -12,6 +12,8 @@ connection each, as curl would), and from the second phase on one attack runs be
   (reopened when the server lets go);
 - `grammar`: chats with a 20,000-alternative grammar (~200 KB), one after another;
 - `schema`: chats whose `json_schema` is a 20,000-value enum, one after another;
+- `schema-max`: what is still accepted: chats whose schema is an enum at `MAX_ENUM` values,
+  sampled at temperature 1 (every token a full grammar pass over the vocabulary), two at once;
 - `messages`: chats of 50,000 one-character messages, one after another;
 - `bodies`: six near-2 MiB chats at once, again and again.
 
@@ -42,7 +44,7 @@ import aiohttp
 
 HELP = ("each attack (idle and stalled connections, grammar and schema bombs, 50,000 messages, near-2 MiB "
         "bodies) beside normal traffic against a real tandem serve: normal p50/p95 and errors vs a quiet baseline")
-ATTACKS = ("keepalive", "stalled", "grammar", "schema", "messages", "bodies")
+ATTACKS = ("keepalive", "stalled", "grammar", "schema", "schema-max", "messages", "bodies")
 NORMAL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 UP_S = 180  # the server loads the model and answers /health within this
 REQUEST_S = 60  # the most one normal request may take
@@ -144,6 +146,10 @@ def _server(args):
 
 async def _phases(args, attacks: list[str], proc, base: str) -> list[dict]:
     rows = []
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:  # warm-up: not measured
+        warm = Phase("warm-up")
+        await _normal(session, base, asyncio.get_running_loop().time() + 3, warm)
     quiet = await _phase(args, "quiet", proc, base)
     rows.append(quiet.summary(None))
     _print(rows[-1], header=True)
@@ -273,6 +279,15 @@ def _schema_body() -> bytes:
                                                      "json_schema": {"name": "x", "schema": schema}}}).encode()
 
 
+def _schema_max_body() -> bytes:
+    from engine.llama.grammar import MAX_ENUM  # native code: only when this attack runs
+
+    schema = {"enum": [f"value{i}" for i in range(MAX_ENUM)]}
+    return json.dumps({**NORMAL, "temperature": 1.0, "max_tokens": 16,
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": schema}}}).encode()
+
+
 def _messages_body() -> bytes:
     return json.dumps({**NORMAL, "messages": [{"role": "user", "content": "x"}] * 50_000}).encode()
 
@@ -313,6 +328,10 @@ async def _schema(args, base, stop_at, tally):
     await _posting(base, _schema_body(), stop_at, tally)
 
 
+async def _schema_max(args, base, stop_at, tally):
+    await _posting(base, _schema_max_body(), stop_at, tally, parallel=2)
+
+
 async def _messages(args, base, stop_at, tally):
     await _posting(base, _messages_body(), stop_at, tally)
 
@@ -321,7 +340,7 @@ async def _bodies(args, base, stop_at, tally):
     await _posting(base, _big_body(), stop_at, tally, parallel=6)
 
 
-ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar, "schema": _schema,
+ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar, "schema": _schema, "schema-max": _schema_max,
               "messages": _messages, "bodies": _bodies}
 
 
@@ -330,10 +349,10 @@ ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar,
 
 def _print(row: dict, header: bool = False) -> None:
     if header:
-        print(f"{'phase':<10} {'normal':>6} {'errors':>6} {'p50 ms':>8} {'p95 ms':>8} {'p95/quiet':>9} "
+        print(f"{'phase':<11} {'normal':>6} {'errors':>6} {'p50 ms':>8} {'p95 ms':>8} {'p95/quiet':>9} "
               f"{'rss MB':>7}  attack replies", flush=True)
     attack = ", ".join(f"{k}: {v}" for k, v in sorted(row["attack"].items()))
-    print(f"{row['phase']:<10} {row['normal_requests']:>6} {row['errors']:>6} {row['p50_ms']:>8.1f} "
+    print(f"{row['phase']:<11} {row['normal_requests']:>6} {row['errors']:>6} {row['p50_ms']:>8.1f} "
           f"{row['p95_ms']:>8.1f} {row['p95_vs_quiet']:>9.2f} {row['server_rss_mb']:>7.1f}  {attack}", flush=True)
     for e in row["error_samples"]:
         print(f"{'':<10} error: {e}", flush=True)

@@ -16,7 +16,9 @@ literals), `MAX_STATES` (literal characters, classes, references and repetitions
 grammar elements); schemas also by `MAX_ENUM` values before converting. Impossible schemas
 (`minLength` > `maxLength` and the like, an empty `enum`) and grammars with a character class
 that matches nothing (a pattern's `[z-a]`) are refused as unsatisfiable, and `check` asks
-llama.cpp's own sampler whether any token can start the reply. `check` caches its verdict by
+llama.cpp's own sampler whether any token can start the reply, timing that full pass over the
+vocabulary (a grammar chain pays one whenever the model's first choice is not allowed):
+over `MAX_PASS_MS` of CPU it is refused too. `check` caches its verdict by
 the grammar's hash, so a grammar is compiled and tried once (on the request's parsing thread,
 off the backend's step loop), not once per request.
 
@@ -32,6 +34,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,9 +58,10 @@ _COUNTS = {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "m
            "minContains", "maxContains"}
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 MAX_GRAMMAR_BYTES = 64 << 10  # a grammar's text (raw, or converted from a schema)
-MAX_ALTERNATIVES = 1024  # `|` in the whole grammar
+MAX_ALTERNATIVES = 256  # `|` in the whole grammar: 1,000 cost 3.9 s a full pass over SmolLM2's vocabulary
 MAX_STATES = 32768  # grammar elements (literal characters, classes, references), repetitions expanded
-MAX_ENUM = 256  # values of one `enum` in a schema
+MAX_ENUM = 128  # values of one `enum` in a schema (256 cost 70 ms of CPU a full pass)
+MAX_PASS_MS = 100  # CPU ms one full pass of the grammar over the vocabulary may take, measured at its start
 _PAIRS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"),
           ("minimum", "maximum"), ("minContains", "maxContains"))
 _LOOSE_CHAR = 'char ::= [^"\\\\] |'
@@ -307,9 +311,17 @@ def _compile(vocab, grammar: str, param: str, n_vocab: int) -> None:
     if not ptr:
         raise InvalidRequest(f"{param}: llama.cpp cannot parse this grammar (GBNF)", param=param)
     try:
-        if n_vocab > 0 and not _any_token(ptr, n_vocab):
-            raise InvalidRequest(f"{param}: no token of this model's vocabulary can start a reply under this "
-                                 f"grammar: no text satisfies it", param=param)
+        if n_vocab > 0:
+            t0 = time.thread_time()
+            allowed = _any_token(ptr, n_vocab)
+            ms = (time.thread_time() - t0) * 1000
+            if not allowed:
+                raise InvalidRequest(f"{param}: no token of this model's vocabulary can start a reply under this "
+                                     f"grammar: no text satisfies it", param=param)
+            if ms > MAX_PASS_MS:
+                raise InvalidRequest(f"{param}: checking this grammar against the model's vocabulary took {ms:.0f} ms "
+                                     f"of CPU, which a reply may pay at every token; this server allows "
+                                     f"{MAX_PASS_MS} ms (MAX_PASS_MS): use fewer alternatives", param=param)
     finally:
         lc.llama_sampler_free(ptr)
 
