@@ -146,13 +146,58 @@ _HEADER_TIMEOUT = _raw_reply(408, "Request Timeout", "the request headers did no
 _EVICTED = _raw_reply(408, "Request Timeout", "the request did not arrive in time (the server needed the connection)")
 
 
+class _IdleOrder:
+    """Evictable connections, oldest activity first, in two tiers: connections that have
+    already had a request (kept alive between requests, or in a body that stopped coming)
+    go before new ones still sending their first head, so a flood of stalled or kept-alive
+    connections evicts itself, not a real client whose head is on its way. O(1) each."""
+
+    def __init__(self):
+        self._tiers = (collections.OrderedDict(), collections.OrderedDict())  # (had a request, new)
+
+    def __len__(self) -> int:
+        return len(self._tiers[0]) + len(self._tiers[1])
+
+    @property
+    def after_request(self) -> int:
+        """Idle connections that have had a request (the first tier)."""
+        return len(self._tiers[0])
+
+    def __contains__(self, proto) -> bool:
+        return id(proto) in self._tiers[0] or id(proto) in self._tiers[1]
+
+    def put(self, proto: GuardedProtocol) -> None:
+        """`proto` is idle as of now (at the end of its tier)."""
+        key = id(proto)
+        tier = 0 if proto.handlers or proto.served else 1
+        self._tiers[1 - tier].pop(key, None)
+        self._tiers[tier][key] = proto
+        self._tiers[tier].move_to_end(key)
+
+    def touch(self, proto: GuardedProtocol) -> None:
+        key = id(proto)
+        for table in self._tiers:
+            if key in table:
+                table.move_to_end(key)
+
+    def remove(self, proto: GuardedProtocol) -> None:
+        for table in self._tiers:
+            table.pop(id(proto), None)
+
+    def oldest(self) -> GuardedProtocol | None:
+        for table in self._tiers:
+            if table:
+                return next(iter(table.values()))
+        return None
+
+
 class ConnectionGuard:
     """Counts a server's connections, orders the idle ones and arms each one's header deadline
     (loop thread only).
 
-    `_idle` holds every evictable connection, oldest activity first: a byte received or the
-    end of a request moves a connection to its end; a handler that has its whole body takes it
-    out until the request is done. Eviction pops from its front, so it costs O(1)."""
+    `_idle` holds every evictable connection (`_IdleOrder`): a byte received or the end of a
+    request moves a connection to the end of its tier; a handler that has its whole body takes
+    it out until the request is done. Eviction takes the front, so it costs O(1)."""
 
     def __init__(self, settings: GuardSettings):
         self.settings = settings
@@ -161,8 +206,8 @@ class ConnectionGuard:
         self.refused = 0
         self.timed_out = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the site that serves
-        self._idle: collections.OrderedDict[int, GuardedProtocol] = collections.OrderedDict()
-        self._idle_by_client: dict[str, collections.OrderedDict[int, GuardedProtocol]] = {}
+        self._idle = _IdleOrder()
+        self._idle_by_client: dict[str, _IdleOrder] = {}
         self._per_client: collections.Counter[str] = collections.Counter()
         self._by_transport: dict[int, GuardedProtocol] = {}
 
@@ -170,6 +215,11 @@ class ConnectionGuard:
     def busy(self) -> int:
         """Connections whose request is inside a handler with its whole body (never evicted)."""
         return self.open - len(self._idle)
+
+    @property
+    def idle_after_request(self) -> int:
+        """Idle connections that have had a request: kept alive, or in a body that stalls."""
+        return self._idle.after_request
 
     def factory(self, server: web.Server):
         """The protocol factory for `loop.create_server`: aiohttp's handler, guarded."""
@@ -182,9 +232,12 @@ class ConnectionGuard:
         return self._by_transport.get(id(transport)) if transport is not None else None
 
     def request_started(self, proto: GuardedProtocol, expects_body: bool) -> None:
-        """A handler took the connection: busy unless it still waits for a body."""
+        """A handler took the connection: busy unless it still waits for a body (then idle
+        among the connections that had a request, from now)."""
         proto.handlers += 1
-        if not expects_body:
+        if expects_body:
+            self._set_idle(proto)
+        else:
             self._set_busy(proto)
 
     def body_read(self, proto: GuardedProtocol) -> None:
@@ -214,11 +267,11 @@ class ConnectionGuard:
         self._set_idle(proto)
         return True
 
-    def _evict(self, table: collections.OrderedDict | None) -> bool:
+    def _evict(self, table: _IdleOrder | None) -> bool:
         """Drop the longest-idle connection of `table` (False when none is idle)."""
-        if not table:
+        victim = table.oldest() if table is not None else None
+        if victim is None:
             return False
-        _, victim = next(iter(table.items()))
         self.evicted += 1
         if victim.handlers:  # a body that stopped coming
             reply = _EVICTED
@@ -231,26 +284,20 @@ class ConnectionGuard:
         return True
 
     def _set_idle(self, proto: GuardedProtocol) -> None:
-        key = id(proto)
-        self._idle[key] = proto
-        self._idle.move_to_end(key)
-        table = self._idle_by_client.setdefault(proto.client, collections.OrderedDict())
-        table[key] = proto
-        table.move_to_end(key)
+        self._idle.put(proto)
+        self._idle_by_client.setdefault(proto.client, _IdleOrder()).put(proto)
 
     def _set_busy(self, proto: GuardedProtocol) -> None:
-        key = id(proto)
-        self._idle.pop(key, None)
+        self._idle.remove(proto)
         table = self._idle_by_client.get(proto.client)
         if table is not None:
-            table.pop(key, None)
+            table.remove(proto)
 
     def _touch(self, proto: GuardedProtocol) -> None:
-        """A byte arrived: an idle connection becomes the most recently active."""
-        key = id(proto)
-        if key in self._idle:
-            self._idle.move_to_end(key)
-            self._idle_by_client[proto.client].move_to_end(key)
+        """A byte arrived: an idle connection becomes the most recently active of its tier."""
+        if proto in self._idle:
+            self._idle.touch(proto)
+            self._idle_by_client[proto.client].touch(proto)
 
     def _release(self, proto: GuardedProtocol) -> None:
         """Forget a connection (closed or evicted); idempotent."""

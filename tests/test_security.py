@@ -233,6 +233,25 @@ def test_stalled_bodies_cannot_lock_a_new_client_out(loop_thread, engine):
         loop_thread.run(runner.cleanup())
 
 
+def test_stalled_bodies_are_evicted_before_a_new_connection_still_sending_its_head(loop_thread, engine):
+    cap = 5
+    app = create_app(engine, guard=GuardSettings(max_connections=cap, header_timeout=120, body_timeout=120,
+                                                 body_idle_timeout=120))
+    runner, base = loop_thread.serve(app)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{")
+    try:
+        with slow_clients(base, 1) as (new,), slow_clients(base, cap - 1, head) as stalled:
+            wait_until(lambda: app[CONNECTIONS].idle_after_request == cap - 1, timeout=WAIT,
+                       what="the stalled bodies' handlers waiting for them")
+            r = httpx.get(base + "/health", timeout=WAIT)
+            assert r.status_code == 200
+            assert closed_by_server(stalled[0]), "a stalled body made room"
+            assert not closed_by_server(new, timeout=0.2), "not the older connection still on its head"
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
 def test_one_client_address_at_its_cap_evicts_its_own_idle_connection(loop_thread, engine):
     app = create_app(engine, guard=GuardSettings(max_client_connections=5, keepalive_timeout=120))
     runner, base = loop_thread.serve(app)
