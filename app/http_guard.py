@@ -144,6 +144,8 @@ def _raw_reply(status: int, reason: str, message: str) -> bytes:
 _BUSY = _raw_reply(503, "Service Unavailable", "too many open connections; retry later")
 _HEADER_TIMEOUT = _raw_reply(408, "Request Timeout", "the request headers did not arrive in time")
 _EVICTED = _raw_reply(408, "Request Timeout", "the request did not arrive in time (the server needed the connection)")
+_EVICTED_HEAD = _raw_reply(408, "Request Timeout",
+                           "the request headers did not arrive in time (the server needed the connection)")
 
 
 class _IdleOrder:
@@ -276,7 +278,7 @@ class ConnectionGuard:
         if victim.handlers:  # a body that stopped coming
             reply = _EVICTED
         elif victim.served == 0:  # its first head never came whole
-            reply = _HEADER_TIMEOUT
+            reply = _EVICTED_HEAD
         else:  # kept alive between requests: nothing to answer
             reply = b""
         victim.drop(reply)
