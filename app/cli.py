@@ -57,17 +57,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8080, help="port (default: %(default)s)")
     serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on /v1/* (default: $TANDEM_API_KEY, else none)")
+                       help="require `Authorization: Bearer KEY` on /v1/* (visible in `ps` to every local "
+                            "user: prefer --api-key-file or $TANDEM_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from the first line of PATH (default: $TANDEM_API_KEY, else none)")
     from app.http_guard import GuardSettings  # aiohttp only: no engine import
 
     g = GuardSettings()
     serve.add_argument("--max-connections", type=int, default=g.max_connections,
-                       help="open connections at most; above, a connection still sending its headers is "
+                       help="open connections at most; above, the longest-idle connection (headers, body "
+                            "or keep-alive) is dropped, else the new one gets 503 (default: %(default)s)")
+    serve.add_argument("--max-client-connections", type=int, default=g.max_client_connections, metavar="N",
+                       help="open connections per client address; above, that client's longest-idle one is "
                             "dropped, else the new one gets 503 (default: %(default)s)")
     serve.add_argument("--header-timeout", type=float, default=g.header_timeout, metavar="S",
                        help="seconds a new connection has to send its request headers (default: %(default)s)")
     serve.add_argument("--body-timeout", type=float, default=g.body_timeout, metavar="S",
-                       help="seconds a request has to send its body (default: %(default)s)")
+                       help="seconds a request has to send its whole body (default: %(default)s)")
+    serve.add_argument("--body-idle-timeout", type=float, default=g.body_idle_timeout, metavar="S",
+                       help="seconds a body may pause between bytes (default: %(default)s)")
     serve.add_argument("--keepalive-timeout", type=float, default=g.keepalive_timeout, metavar="S",
                        help="seconds an idle kept-alive connection stays open (default: %(default)s)")
     serve.add_argument("--max-body-bytes", type=int, default=g.max_body_bytes, metavar="N",
@@ -109,7 +117,7 @@ def _add_benches(sub) -> None:
     """`tandem bench NAME`: each bench (bench/*.py) declares its own arguments."""
     from app.runtime import SWITCH_INTERVAL_S
     from app.engine_setup import engine_from_args
-    from bench import cache, chat, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
+    from bench import attack, cache, chat, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
 
     bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_, add_arguments, run in (
@@ -123,6 +131,7 @@ def _add_benches(sub) -> None:
             ("fleet", fleet.HELP, fleet.add_arguments, fleet.run_fleet),
             ("chat", chat.HELP, chat.add_arguments, chat.run_chat),
             ("soak", soak.HELP, soak.add_arguments, soak.run_soak),
+            ("attack", attack.HELP, attack.add_arguments, attack.run_attack),
             ("laptop", laptop.HELP, laptop.add_arguments, laptop.run_laptop)):
         p = bsub.add_parser(name, help=help_)
         add_arguments(p)

@@ -7,16 +7,21 @@ Two layers, both on aiohttp's public surfaces:
   `web.Server()` makes). The wrapper forwards every asyncio protocol call and adds:
   - a *header deadline*: a connection that has not sent a whole request head
     (`\\r\\n\\r\\n`) within `header_timeout` seconds of connecting gets a `408` and is closed;
-  - a *connection cap*: above `max_connections` open connections, a new one first evicts the
-    oldest connection that is still waiting for its headers (a slow client cannot hold a
-    slot a real one needs); when none can be evicted, the new one gets a raw `503` and is closed.
-  Later requests on a kept-alive connection are bounded by aiohttp's `keepalive_timeout`
-  (aiohttp 3.14 also arms it when a connection opens); reading a body is bounded by
-  `body_timeout` (`read_body`). aiohttp has `keepalive_timeout` and `client_max_size` but no
-  header-read timeout. We chose to wrap the protocol rather than move to another server
+  - a *connection cap* with nginx's and llama.cpp server's answer to a full table: a new
+    connection evicts the one that has been *idle* the longest, whatever it is idle in
+    (its first head, a kept-alive wait for the next request, a body that stopped coming).
+    A connection is busy, and never evicted, only while a handler runs with its whole body
+    read (`request_started` / `body_read` / `request_done`, called by `guard_middleware` and
+    `read_body`). Only when every connection is busy does a new one get a raw `503`;
+  - a *per-client cap* (`max_client_connections`, per remote address): a client at its cap
+    evicts its own longest-idle connection first, so one address cannot hold the table.
+  Kept-alive connections are closed after `keepalive_timeout` (aiohttp's, 5 s: uvicorn's
+  default). A body must keep coming: `read_body` allows `body_idle_timeout` from the last
+  byte and `body_timeout` in all. aiohttp has `keepalive_timeout` and `client_max_size` but no
+  header-read timeout and no eviction. We chose to wrap the protocol rather than move to another server
   (uvicorn has `--limit-concurrency` and `--timeout-keep-alive` but no header timeout either;
   hypercorn has one but would mean rewriting the streaming and cancellation paths that the
-  GUI also runs on its qasync loop): the wrapper is ~100 lines on asyncio's stable Protocol
+  GUI also runs on its qasync loop): the wrapper is on asyncio's stable Protocol
   API, keeps `handler_cancellation`, and needs nothing private from aiohttp beyond
   `TCPSite`'s attribute names.
 * **Requests** (`guard_middleware`, `on_prepare`). Before auth and parsing: the `Host` must be
@@ -70,22 +75,25 @@ CORS_ALLOWED_HEADERS = "Authorization, Content-Type"
 
 @dataclass(frozen=True)
 class GuardSettings:
-    """The knobs (each a `tandem serve` flag); defaults suit a local single-user server."""
+    """The knobs (each a `tandem serve` flag); defaults suit a local single-user server.
+    `docs/security.md` lists them with the attacks they answer."""
 
     header_timeout: float = 10.0  # s from connect to a whole request head
     body_timeout: float = 30.0  # s to receive a whole request body
-    keepalive_timeout: float = 15.0  # s an idle kept-alive connection stays open
-    max_connections: int = 1000  # open connections; above, evict a header-waiting one or 503
+    body_idle_timeout: float = 5.0  # s a body may pause between bytes
+    keepalive_timeout: float = 5.0  # s an idle kept-alive connection stays open (uvicorn's default)
+    max_connections: int = 1000  # open connections; above, evict the longest-idle one, else 503
+    max_client_connections: int = 512  # open connections per client address; above, evict its own
     max_body_bytes: int = 2 << 20  # a 128k-token prompt is ~0.5 MB of text; 2 MiB leaves room
     allowed_hosts: tuple[str, ...] = ()  # more `Host` names to accept; "*" accepts any
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed (CORS on); "*" allows any
 
     def __post_init__(self):
-        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+        for name in ("header_timeout", "body_timeout", "body_idle_timeout", "keepalive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.max_connections < 1 or self.max_body_bytes < 1:
-            raise ValueError("max_connections and max_body_bytes must be >= 1")
+        if self.max_connections < 1 or self.max_body_bytes < 1 or self.max_client_connections < 1:
+            raise ValueError("max_connections, max_client_connections and max_body_bytes must be >= 1")
         object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/").lower() for o in self.allowed_origins))
 
@@ -135,10 +143,63 @@ def _raw_reply(status: int, reason: str, message: str) -> bytes:
 
 _BUSY = _raw_reply(503, "Service Unavailable", "too many open connections; retry later")
 _HEADER_TIMEOUT = _raw_reply(408, "Request Timeout", "the request headers did not arrive in time")
+_EVICTED = _raw_reply(408, "Request Timeout", "the request did not arrive in time (the server needed the connection)")
+_EVICTED_HEAD = _raw_reply(408, "Request Timeout",
+                           "the request headers did not arrive in time (the server needed the connection)")
+
+
+class _IdleOrder:
+    """Evictable connections, oldest activity first, in two tiers: connections that have
+    already had a request (kept alive between requests, or in a body that stopped coming)
+    go before new ones still sending their first head, so a flood of stalled or kept-alive
+    connections evicts itself, not a real client whose head is on its way. O(1) each."""
+
+    def __init__(self):
+        self._tiers = (collections.OrderedDict(), collections.OrderedDict())  # (had a request, new)
+
+    def __len__(self) -> int:
+        return len(self._tiers[0]) + len(self._tiers[1])
+
+    @property
+    def after_request(self) -> int:
+        """Idle connections that have had a request (the first tier)."""
+        return len(self._tiers[0])
+
+    def __contains__(self, proto) -> bool:
+        return id(proto) in self._tiers[0] or id(proto) in self._tiers[1]
+
+    def put(self, proto: GuardedProtocol) -> None:
+        """`proto` is idle as of now (at the end of its tier)."""
+        key = id(proto)
+        tier = 0 if proto.handlers or proto.served else 1
+        self._tiers[1 - tier].pop(key, None)
+        self._tiers[tier][key] = proto
+        self._tiers[tier].move_to_end(key)
+
+    def touch(self, proto: GuardedProtocol) -> None:
+        key = id(proto)
+        for table in self._tiers:
+            if key in table:
+                table.move_to_end(key)
+
+    def remove(self, proto: GuardedProtocol) -> None:
+        for table in self._tiers:
+            table.pop(id(proto), None)
+
+    def oldest(self) -> GuardedProtocol | None:
+        for table in self._tiers:
+            if table:
+                return next(iter(table.values()))
+        return None
 
 
 class ConnectionGuard:
-    """Counts a server's connections and arms each one's header deadline (loop thread only)."""
+    """Counts a server's connections, orders the idle ones and arms each one's header deadline
+    (loop thread only).
+
+    `_idle` holds every evictable connection (`_IdleOrder`): a byte received or the end of a
+    request moves a connection to the end of its tier; a handler that has its whole body takes
+    it out until the request is done. Eviction takes the front, so it costs O(1)."""
 
     def __init__(self, settings: GuardSettings):
         self.settings = settings
@@ -147,46 +208,134 @@ class ConnectionGuard:
         self.refused = 0
         self.timed_out = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the site that serves
-        self._waiting: collections.OrderedDict[int, GuardedProtocol] = collections.OrderedDict()
+        self._idle = _IdleOrder()
+        self._idle_by_client: dict[str, _IdleOrder] = {}
+        self._per_client: collections.Counter[str] = collections.Counter()
+        self._by_transport: dict[int, GuardedProtocol] = {}
+
+    @property
+    def busy(self) -> int:
+        """Connections whose request is inside a handler with its whole body (never evicted)."""
+        return self.open - len(self._idle)
+
+    @property
+    def idle_after_request(self) -> int:
+        """Idle connections that have had a request: kept alive, or in a body that stalls."""
+        return self._idle.after_request
 
     def factory(self, server: web.Server):
         """The protocol factory for `loop.create_server`: aiohttp's handler, guarded."""
         return lambda: GuardedProtocol(self, server)
 
+    # ---- what the request layer tells (guard_middleware, read_body) ----
+
+    def connection_of(self, request: web.Request) -> GuardedProtocol | None:
+        transport = request.transport
+        return self._by_transport.get(id(transport)) if transport is not None else None
+
+    def request_started(self, proto: GuardedProtocol, expects_body: bool) -> None:
+        """A handler took the connection: busy unless it still waits for a body (then idle
+        among the connections that had a request, from now)."""
+        proto.handlers += 1
+        if expects_body:
+            self._set_idle(proto)
+        else:
+            self._set_busy(proto)
+
+    def body_read(self, proto: GuardedProtocol) -> None:
+        self._set_busy(proto)
+
+    def request_done(self, proto: GuardedProtocol) -> None:
+        proto.handlers = max(proto.handlers - 1, 0)
+        proto.served += 1
+        if proto.handlers == 0 and proto.admitted:
+            self._set_idle(proto)
+
+    # ---- the tables ----
+
     def _admit(self, proto: GuardedProtocol) -> bool:
-        if self.open >= self.settings.max_connections:
-            if self._waiting:  # the oldest connection still dawdling over its headers makes room
-                _, victim = self._waiting.popitem(last=False)
-                self.evicted += 1
-                victim.drop(_HEADER_TIMEOUT)
-            else:
-                self.refused += 1
-                return False
+        client = proto.client
+        cap = self.settings.max_client_connections
+        if self._per_client[client] >= cap and not self._evict(self._idle_by_client.get(client)):
+            self.refused += 1
+            return False
+        if self.open >= self.settings.max_connections and not self._evict(self._idle):
+            self.refused += 1
+            return False
         self.open += 1
-        self._waiting[id(proto)] = proto
+        self._per_client[client] += 1
+        proto.admitted = True
+        self._by_transport[id(proto.transport)] = proto
+        self._set_idle(proto)
         return True
 
-    def _headed(self, proto: GuardedProtocol) -> None:
-        self._waiting.pop(id(proto), None)
+    def _evict(self, table: _IdleOrder | None) -> bool:
+        """Drop the longest-idle connection of `table` (False when none is idle)."""
+        victim = table.oldest() if table is not None else None
+        if victim is None:
+            return False
+        self.evicted += 1
+        if victim.handlers:  # a body that stopped coming
+            reply = _EVICTED
+        elif victim.served == 0:  # its first head never came whole
+            reply = _EVICTED_HEAD
+        else:  # kept alive between requests: nothing to answer
+            reply = b""
+        victim.drop(reply)
+        self._release(victim)
+        return True
 
-    def _closed(self, proto: GuardedProtocol) -> None:
-        self._waiting.pop(id(proto), None)
+    def _set_idle(self, proto: GuardedProtocol) -> None:
+        self._idle.put(proto)
+        self._idle_by_client.setdefault(proto.client, _IdleOrder()).put(proto)
+
+    def _set_busy(self, proto: GuardedProtocol) -> None:
+        self._idle.remove(proto)
+        table = self._idle_by_client.get(proto.client)
+        if table is not None:
+            table.remove(proto)
+
+    def _touch(self, proto: GuardedProtocol) -> None:
+        """A byte arrived: an idle connection becomes the most recently active of its tier."""
+        if proto in self._idle:
+            self._idle.touch(proto)
+            self._idle_by_client[proto.client].touch(proto)
+
+    def _release(self, proto: GuardedProtocol) -> None:
+        """Forget a connection (closed or evicted); idempotent."""
+        if not proto.admitted:
+            return
+        proto.admitted = False
+        self._set_busy(proto)
+        table = self._idle_by_client.get(proto.client)
+        if table is not None and not table:
+            del self._idle_by_client[proto.client]
+        self._by_transport.pop(id(proto.transport), None)
         self.open -= 1
+        self._per_client[proto.client] -= 1
+        if self._per_client[proto.client] <= 0:
+            del self._per_client[proto.client]
 
 
 class GuardedProtocol(asyncio.Protocol):
-    """aiohttp's `RequestHandler` with a header deadline and a place in the connection count."""
+    """aiohttp's `RequestHandler` with a header deadline and a place in the connection tables."""
 
     def __init__(self, guard: ConnectionGuard, server: web.Server):
         self._guard = guard
         self._server = server
         self._inner: asyncio.Protocol | None = None
-        self._transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport | None = None
+        self.client = ""
+        self.admitted = False
+        self.handlers = 0  # requests of this connection inside the app's handlers
+        self.served = 0  # requests finished on this connection
         self._deadline: asyncio.TimerHandle | None = None
         self._tail = b""  # the last 3 bytes seen while looking for the end of the head
 
     def connection_made(self, transport) -> None:
-        self._transport = transport
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
         if not self._guard._admit(self):
             transport.write(_BUSY)
             transport.close()
@@ -198,12 +347,12 @@ class GuardedProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._inner is None:
             return
+        self._guard._touch(self)
         if self._deadline is not None:
             seen = self._tail + data
             if b"\r\n\r\n" in seen:
                 self._deadline.cancel()
                 self._deadline = None
-                self._guard._headed(self)
             else:
                 self._tail = seen[-3:]
         self._inner.data_received(data)
@@ -215,8 +364,8 @@ class GuardedProtocol(asyncio.Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        self._guard._release(self)
         if self._inner is not None:
-            self._guard._closed(self)
             inner, self._inner = self._inner, None
             inner.connection_lost(exc)
 
@@ -231,18 +380,21 @@ class GuardedProtocol(asyncio.Protocol):
     def _header_timeout(self) -> None:
         self._deadline = None
         self._guard.timed_out += 1
-        self._guard._headed(self)
         self.drop(_HEADER_TIMEOUT)
 
     def drop(self, reply: bytes) -> None:
-        """Answer `reply` and let go of the socket now (no lingering on an unread buffer)."""
+        """Answer `reply` (if any) and let go of the socket now (no lingering on an unread buffer)."""
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        transport = self._transport
+        transport = self.transport
         if transport is not None and not transport.is_closing():
-            transport.write(reply)  # sent at once into the socket's buffer; best effort
-            transport.abort()  # connection_lost follows on the loop and frees the slot
+            if reply:
+                transport.write(reply)  # sent at once into the socket's buffer; best effort
+            transport.abort()  # connection_lost follows on the loop
+
+
+CONNECTIONS = web.AppKey("connections", ConnectionGuard)  # the app's tables (`create_app` sets it)
 
 
 class GuardedSite(web.TCPSite):
@@ -347,7 +499,15 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise UnsupportedMediaType(
                 f"the body must be application/json, got {_cut(request.content_type or 'none')!r}",
                 param="Content-Type")
-    return await handler(request)
+    guard = request.app.get(CONNECTIONS)
+    conn = guard.connection_of(request) if guard is not None else None
+    if conn is None:  # served by another site (a test server): nothing to track
+        return await handler(request)
+    guard.request_started(conn, request.body_exists)
+    try:
+        return await handler(request)
+    finally:
+        guard.request_done(conn)
 
 
 def _too_large(request: web.Request, settings: GuardSettings) -> PayloadTooLarge:
@@ -378,23 +538,36 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The whole body, within `max_body_bytes` and `body_timeout` (413 / 408 otherwise).
+    """The whole body, within `max_body_bytes`, `body_timeout` in all and `body_idle_timeout`
+    from the last byte (413 / 408 otherwise). While it comes the connection counts as idle
+    (a stalled body can be evicted); once it is whole, as busy.
 
     Chunked bodies carry no length: reading stops at the limit."""
     settings = request.app[GUARD]
     limit = settings.max_body_bytes
     body = bytearray()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.body_timeout
     try:
-        async with asyncio.timeout(settings.body_timeout):
-            while True:
+        while True:
+            wait = min(settings.body_idle_timeout, deadline - loop.time())
+            if wait <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(wait):
                 chunk = await request.content.readany()
-                if not chunk:
-                    break
-                body += chunk
-                if len(body) > limit:
-                    raise _too_large(request, settings)
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(request, settings)
     except TimeoutError:
-        raise BodyTimeout(f"the body did not arrive within {settings.body_timeout:g} s") from None
+        total = loop.time() >= deadline
+        raise BodyTimeout(f"the body did not arrive within {settings.body_timeout:g} s" if total else
+                          f"the body stopped for {settings.body_idle_timeout:g} s") from None
+    guard = request.app.get(CONNECTIONS)
+    conn = guard.connection_of(request) if guard is not None else None
+    if conn is not None:
+        guard.body_read(conn)
     return bytes(body)
 
 

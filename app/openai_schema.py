@@ -47,6 +47,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import models_json_schema
 
+from engine.prompts.chat import MAX_MESSAGES, min_tokens
 from engine.core.errors import EngineError, InvalidRequest
 from engine.llama.grammar import object_grammar, schema_grammar
 from engine.core.request import MAX_TOKENS, Request, SamplingParams
@@ -342,11 +343,22 @@ class DetokenizeRequest(_Strict):
     tokens: list[Annotated[int, Field(ge=0)]] = Field(description="token ids to turn back into text")
 
 
+MAX_TOKENIZE_TOKENS = 32768  # tokens one /tokenize answers (with pieces, ~1.3 MB); 1.9 MB made 17 MB
+
+
 def tokenize(raw: bytes, engine: Engine) -> dict:
-    """A `/tokenize` body → `{"tokens": [...]}` (raises `InvalidRequest`)."""
+    """A `/tokenize` body → `{"tokens": [...]}` (raises `InvalidRequest`). At most
+    `MAX_TOKENIZE_TOKENS` tokens, refused by a cheap bound before tokenizing where it can."""
     body = validate(TokenizeRequest, raw)
     model = _local_model(engine)
+    low = min_tokens(model, [body.content])
+    if low > MAX_TOKENIZE_TOKENS:
+        raise InvalidRequest(f"content: at least {low} tokens; /tokenize answers at most {MAX_TOKENIZE_TOKENS}",
+                             param="content")
     tokens = model.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    if len(tokens) > MAX_TOKENIZE_TOKENS:
+        raise InvalidRequest(f"content: {len(tokens)} tokens; /tokenize answers at most {MAX_TOKENIZE_TOKENS}",
+                             param="content")
     if not body.with_pieces:
         return {"tokens": tokens}
     out = []
@@ -493,6 +505,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart",
 def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/chat/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
     body = validate(ChatCompletionRequest, raw)
+    if len(body.messages) > MAX_MESSAGES:  # before any per-message work (routers too)
+        raise InvalidRequest(f"messages: {len(body.messages)} messages; this server takes at most {MAX_MESSAGES}",
+                             param="messages")
     model = served.check(body.model)
     messages = [m.as_dict() for m in body.messages]
     tools, mode, grammar = _structured(body)
@@ -579,7 +594,7 @@ def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequ
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        tokens = engine.model.tokenize(prompt)  # the raw API: the client writes the whole prompt
+        tokens = engine.prompt_tokens(prompt)  # the raw API: the client writes the whole prompt
     else:
         n_vocab = engine.model.n_vocab
         bad = next((t for t in prompt if t >= n_vocab), None)
@@ -598,6 +613,10 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
                  tools: ToolMode | None = None, continue_final: bool = False) -> ApiRequest:
     """`n_vocab` 0: unknown here (remote engines check their own vocabulary)."""
     sampling = body.sampling(n_vocab or INT32_MAX, grammar)
+    if grammar is not None and engine is not None and engine.model is not None:
+        # compiled and tried here, on the parsing thread (cached by hash): not on the loop or a step
+        engine.model.check_grammar(grammar, "tools" if tools is not None else
+                                   "grammar" if body.grammar is not None else "response_format")
     n = body.n or 1
     if n > 1 and engine is not None and engine.model is not None:
         _check_choices_fit(n, len(tokens), sampling, engine)

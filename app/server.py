@@ -6,7 +6,7 @@ Routes:
     GET  /v1/models        the one served model
     GET  /v1/routing       backends' snapshots and the router's recent decisions
     GET  /v1/backends      backends' snapshots (each with its live cap and why it last moved)
-    GET  /health           200 while a backend serves, else 503
+    GET  /health           200 ok/degraded while a backend serves, else 503 (details with the key)
     GET  /metrics          Prometheus text (`tandem:` names, see `engine.core.metrics`)
     GET  /openapi.json     the API's OpenAPI document
 
@@ -62,6 +62,7 @@ from engine.prompts.structured import ToolCall, parse_reply
 from engine.routing import DEFAULT_POLICY
 
 from .http_guard import (
+    CONNECTIONS,
     GUARD,
     ConnectionGuard,
     GuardedSite,
@@ -120,6 +121,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app = web.Application(middlewares=[error_middleware, guard_middleware, auth_middleware],
                           client_max_size=guard.max_body_bytes)
     app[GUARD] = guard
+    app[CONNECTIONS] = ConnectionGuard(guard)
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     app[SETTINGS] = ServerSettings(api_key or None, served,
@@ -170,7 +172,7 @@ async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=guard.keepalive_timeout)
     await runner.setup()
     try:
-        await GuardedSite(runner, ConnectionGuard(guard), host, port, backlog=BACKLOG).start()
+        await GuardedSite(runner, app[CONNECTIONS], host, port, backlog=BACKLOG).start()
     except BaseException:
         await runner.cleanup()
         raise
@@ -182,17 +184,38 @@ def guard_from_args(args) -> GuardSettings:
     """`tandem serve`'s connection and browser-safety flags → `GuardSettings`."""
     return GuardSettings(
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        keepalive_timeout=args.keepalive_timeout, max_connections=args.max_connections,
+        body_idle_timeout=args.body_idle_timeout, keepalive_timeout=args.keepalive_timeout,
+        max_connections=args.max_connections, max_client_connections=args.max_client_connections,
         max_body_bytes=args.max_body_bytes,
         allowed_hosts=tuple(h for v in args.allowed_hosts or () for h in v.split(",") if h),
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o))
+
+
+def api_key_from_args(args) -> str | None:
+    """The key from `--api-key-file` (its first line), else `--api-key`, else `$TANDEM_API_KEY`.
+    A key file that cannot be read, or is empty, is an error (ValueError), not an open server."""
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the API key file {path}: {e.strerror or e}") from None
+        if not key:
+            raise ValueError(f"the API key file {path} is empty")
+        return key
+    return args.api_key or os.environ.get("TANDEM_API_KEY") or None
 
 
 def run_serve(args) -> int:
     """`tandem serve`: load the engine, serve until interrupted, close the engine."""
     from .engine_setup import engine_from_args
 
-    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    try:
+        api_key = api_key_from_args(args)
+    except ValueError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 2
     if not api_key and not _is_loopback(args.host):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
     try:
@@ -266,7 +289,7 @@ def error_payload(exc: EngineError) -> tuple[int, dict]:
 def error_response(exc: EngineError) -> web.Response:
     status, payload = error_payload(exc)
     headers = {}
-    if status == 429:
+    if status in (429, 503):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
@@ -310,13 +333,19 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 _KEYED = frozenset({"/openapi.json", "/tokenize", "/detokenize"})  # beside /v1/*
 
 
+def _authorized(request: web.Request) -> bool:
+    """No key is set, or the request carries it (compared in constant time)."""
+    key = request.app[SETTINGS].api_key
+    if not key:
+        return True
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    key = request.app[SETTINGS].api_key
-    if key and (request.path.startswith("/v1/") or request.path in _KEYED):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise AuthenticationFailed("missing or wrong API key: send `Authorization: Bearer KEY`")
+    if (request.path.startswith("/v1/") or request.path in _KEYED) and not _authorized(request):
+        raise AuthenticationFailed("missing or wrong API key: send `Authorization: Bearer KEY`")
     return await handler(request)
 
 
@@ -438,8 +467,12 @@ def _succeeded(record: FinishRecord) -> FinishRecord:
 
 
 def _failure(record: FinishRecord) -> EngineError:
-    if record.status == RequestStatus.FINISHED_CANCELLED:  # the backend shut down under it
+    """A failed record as the error its kind says: a backend that shut down, restarted or
+    failed with nowhere else to go is 503 (retry), a request the model cannot satisfy 400."""
+    if record.status == RequestStatus.FINISHED_CANCELLED or record.error_kind == "unavailable_error":
         return BackendUnavailable(record.error)
+    if record.error_kind == "invalid_request_error":
+        return InvalidRequest(record.error)
     return RequestFailed(record.error)
 
 
@@ -673,13 +706,19 @@ async def restart_backend(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    snaps = request.app[ENGINE].snapshot()
-    ok = any(s.healthy for s in snaps)
-    return web.json_response({
-        "status": "ok" if ok else "unavailable",
-        "backends": [{"name": s.name, "device": s.device, "healthy": s.healthy, "error": s.error,
-                      "running": len(s.running), "waiting": len(s.waiting)} for s in snaps],
-    }, status=200 if ok else 503)
+    """`ok` (every backend serves), `degraded` (some do) or `unavailable` (503, none does).
+    Cheap: each backend's health flag, no snapshot. Which backend failed and why (error text
+    that can name remote engines' URLs) is shown only to a caller with the API key, when one
+    is set."""
+    engine = request.app[ENGINE]
+    backends = list(engine.backends.values())
+    up = [bool(b.healthy) for b in backends]
+    status = "ok" if up and all(up) else "degraded" if any(up) else "unavailable"
+    body: dict = {"status": status}
+    if _authorized(request):
+        body["backends"] = [{"name": s.name, "device": s.device, "healthy": s.healthy, "error": s.error,
+                             "running": len(s.running), "waiting": len(s.waiting)} for s in engine.snapshot()]
+    return web.json_response(body, status=200 if any(up) else 503)
 
 
 async def metrics_text(request: web.Request) -> web.Response:

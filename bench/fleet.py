@@ -16,7 +16,7 @@ What one invocation does:
    of `--variants`, in the order given (put the deciding ones first: results are written after
    every run):
    - `tandem:POLICY` — Tandem's router, `python -m app serve --backend remote:url=…,name=eI`
-     for every engine, `--policy POLICY`, no local model (needs `engine.remote`);
+     for every engine, `--policy POLICY`, no local model (needs `engine.backends.remote`);
    - `sglang:POLICY` — sglang-router (`cache_aware`, `round_robin`, ...), started without its
      Python launcher (that wants fastapi/uvicorn/orjson/setproctitle, absent on the GPU
      machine): a child process builds `RouterArgs` and calls `Router.from_args(args).start()`;
@@ -550,7 +550,7 @@ def parse_variants(text: str, args) -> list[str]:
             pass
         elif kind == "tandem" and policy:
             if not remote_backend_available():
-                raise InvalidRequest(f"variant {v}: Tandem's router needs the remote: backend (engine/remote.py), "
+                raise InvalidRequest(f"variant {v}: Tandem's router needs the remote: backend (engine/backends/remote/), "
                                      f"which this build lacks")
             _policy(make_policy, policy, v)
         elif kind == "sglang" and policy:
@@ -574,12 +574,17 @@ def parse_variants(text: str, args) -> list[str]:
 
 
 def remote_backend_available() -> bool:
-    """Whether this tree's engine has the remote: backend (engine/remote.py beside engine/__init__.py;
-    an editable install of another checkout can make `engine.remote` importable from there)."""
+    """Whether this tree's engine has the remote: backend (engine/backends/remote/ under
+    engine/__init__.py's folder; an editable install of another checkout can make
+    `engine.backends.remote` importable from there)."""
     import engine
 
-    spec = importlib.util.find_spec("engine.remote")
-    return spec is not None and spec.origin is not None and Path(spec.origin).parent == Path(engine.__file__).parent
+    try:
+        spec = importlib.util.find_spec("engine.backends.remote")
+    except ModuleNotFoundError:
+        return False
+    return spec is not None and spec.origin is not None and \
+        Path(spec.origin).parent.parent.parent == Path(engine.__file__).parent
 
 
 def ratios(rows: list[dict]) -> list[dict]:

@@ -1,6 +1,6 @@
 """The Engine: backends that share a model per device, a router, and an event bus.
 
-Backends are local llama.cpp contexts, remote OpenAI-compatible engines (engine/remote.py) or
+Backends are local llama.cpp contexts, remote OpenAI-compatible engines (engine/backends/remote/) or
 both. An engine with only remote backends loads no model: it is the router in front of a
 fleet, and requests carry their prompt as text or chat messages (`Request.text`/`messages`).
 
@@ -102,8 +102,8 @@ def _build_local(c: BackendConfig, ctx: BuildContext) -> Backend:
 
 @backend_kind(RemoteConfig)
 def _build_remote(c: RemoteConfig, ctx: BuildContext):
-    """An OpenAI-compatible engine elsewhere (engine/remote.py), started and probed."""
-    from .remote import RemoteBackend  # aiohttp and its loop thread: only fleets need them
+    """An OpenAI-compatible engine elsewhere (engine/backends/remote/), started and probed."""
+    from .backends.remote import RemoteBackend  # aiohttp and its loop thread: only fleets need them
 
     return RemoteBackend.from_config(c, ctx.bus, ctx.rates.get(c.name))
 
@@ -373,11 +373,25 @@ class Engine:
             raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
             # content is never parsed for special tokens
-            return chat.chat_tokens(self.model, messages, tools, continue_final)
+            return chat.chat_tokens(self.model, messages, tools, continue_final, self.prompt_limit())
         except InvalidRequest:
             raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)
             raise InvalidRequest(f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from e
+
+    def prompt_limit(self) -> int:
+        """The longest prompt a local backend can take (its context per sequence); 0: none."""
+        return max((getattr(b, "n_ctx_seq", 0) for b in self.backends.values() if b.device != "remote"), default=0)
+
+    def prompt_tokens(self, text: str, param: str = "prompt") -> list[int]:
+        """A raw prompt's tokens (`Model.tokenize`), refused cheaply first when it cannot fit
+        any local backend's context (`engine.prompts.chat.check_bound`)."""
+        if self.model is None:
+            raise InvalidRequest("this engine has no local model to tokenize with", param=param)
+        limit = self.prompt_limit()
+        if limit:
+            chat.check_bound(self.model, [text], limit, param)
+        return self.model.tokenize(text)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,6 +1,6 @@
-"""The approximate radix tree that predicts a remote engine's prefix cache (engine/approx_cache.py)."""
+"""The approximate radix tree that predicts a remote engine's prefix cache (engine/backends/remote/approx_cache.py)."""
 
-from engine.approx_cache import ApproxTree
+from engine.backends.remote.approx_cache import ApproxTree
 
 
 def test_match_is_the_longest_known_prefix():

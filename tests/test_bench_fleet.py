@@ -1,5 +1,5 @@
 """`tandem bench fleet` (`bench.fleet`): real engines (`tandem serve --model synthetic:tiny`
-subprocesses) behind real routers (sglang-router, Tandem's own once `engine.remote` exists),
+subprocesses) behind real routers (sglang-router, Tandem's own once `engine.backends.remote` exists),
 end to end on this machine; and the pure parts (counters, ratios, variant checks)."""
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_an_engine_that_does_not_start_is_named_with_its_log(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not remote_backend_available(),
-                    reason="Tandem's router needs the remote: backend (engine/remote.py), which has not landed in "
+                    reason="Tandem's router needs the remote: backend (engine/backends/remote/), which has not landed in "
                            "this tree; this case runs once it has")
 def test_through_tandems_router(tmp_path):
     out = tmp_path / "tandem"

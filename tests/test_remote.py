@@ -1,4 +1,4 @@
-"""Remote engines as backends (engine/remote.py): two real `tandem serve` processes on the tiny
+"""Remote engines as backends (engine/backends/remote/): two real `tandem serve` processes on the tiny
 synthetic model, driven through an in-process `Engine` of two `RemoteBackend`s.
 
 The engines are subprocesses (module fixture, killed at teardown); every wait is bounded.
@@ -24,7 +24,7 @@ from engine.engine import Engine
 from engine.core.errors import InvalidRequest
 from engine.core.events import EventBus
 from engine.core.handle import RequestHandle
-from engine.remote import RemoteBackend
+from engine.backends.remote import RemoteBackend
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.routing import Router
 

@@ -122,3 +122,29 @@ def test_restarts_under_traffic_lose_no_request(served):
             f.result(WAIT)
     assert restarts == [200] * 10
     assert len(codes) > 10 and set(codes) == {200}, sorted(set(codes))
+
+
+def test_requests_queued_during_a_restart_of_the_only_backend_get_503_with_retry_after():
+    """One backend (cap 1) runs a long request with HTTP requests queued behind it; restarting
+    it leaves them nowhere to go: each gets 503 and Retry-After (clients that retry only on
+    503 or 429 retry), not a 500."""
+    lt = LoopThread()
+    try:
+        with Engine.load(MODEL, parse_backend_specs(["cpu:threads=1,cap=1,ctx=4096"])) as eng, \
+                lt.serving(create_app(eng)) as base:
+            name = next(iter(eng.backends))
+            b = eng.backends[name]
+            long = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0, max_tokens=3500, ignore_eos=True)))
+            wait_until(lambda: any(i.running and i.generated > 0 for i in b.snapshot().items), what="decoding")
+            with ThreadPoolExecutor(3) as pool:
+                replies = [pool.submit(httpx.post, base + "/v1/completions",
+                                       json={"prompt": f"q{i}", "max_tokens": 4}, timeout=WAIT) for i in range(3)]
+                wait_until(lambda: sum(not i.running for i in b.snapshot().items) == 3, what="three queued")
+                eng.restart(name)
+                rs = [f.result(WAIT) for f in replies]
+            assert [r.status_code for r in rs] == [503] * 3, [r.text for r in rs]
+            assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "unavailable_error"
+                       for r in rs)
+            long.result(WAIT)
+    finally:
+        lt.close()

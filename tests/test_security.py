@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx2 as httpx
@@ -28,7 +29,7 @@ import pytest
 from test_server import HELLO, KEY, MODEL, WAIT, LoopThread, assert_openai_error, free_port
 from waiting import wait_until
 
-from app.http_guard import GuardSettings, RepeatFilter
+from app.http_guard import CONNECTIONS, GuardSettings, RepeatFilter
 from app.server import create_app
 from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
@@ -122,7 +123,10 @@ def timed_get(url: str, timeout: float = 1.0) -> tuple[httpx.Response, float]:
 
 def test_5000_slow_connections_cannot_hold_the_server(many_files):
     header_timeout = 5
-    with serve("--header-timeout", str(header_timeout), "--max-connections", "6000") as (proc, base):
+    # Only the header deadline is under test: the per-client cap is lifted, and aiohttp's own
+    # keep-alive timer (armed when a connection opens) is kept off the same instant.
+    with serve("--header-timeout", str(header_timeout), "--max-connections", "6000",
+               "--max-client-connections", "6000", "--keepalive-timeout", "15") as (proc, base):
         baseline = open_fds(proc.pid)
         with slow_clients(base, 5000):
             held = open_fds(proc.pid)
@@ -146,18 +150,139 @@ def test_at_the_connection_cap_slow_connections_make_room_for_real_ones(many_fil
 
 
 def test_above_the_cap_with_every_connection_busy_a_new_one_gets_503(loop_thread, engine):
-    cap = 5
-    runner, base = loop_thread.serve(create_app(engine, guard=GuardSettings(max_connections=cap)))
-    # Whole heads with a body still to come: these connections are in use, not dawdling.
+    """Busy = a handler runs with its whole body: requests held behind a gated worker."""
+    cap = 3
+    gate, held = threading.Event(), threading.Event()
+    backends = list(engine.backends.values())
+    blockers = [b.call(lambda b: (held.set(), gate.wait(WAIT))) for b in backends]
+    app = create_app(engine, guard=GuardSettings(max_connections=cap))
+    runner, base = loop_thread.serve(app)
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100\r\n\r\n{")
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:
+        held.wait(WAIT)
         with slow_clients(base, cap, head):
+            wait_until(lambda: app[CONNECTIONS].busy >= cap, timeout=WAIT,
+                       what="every connection's request in a handler, behind the gate")
             r = httpx.get(base + "/health", timeout=WAIT)
             assert_openai_error(r, 503)
             assert r.headers["retry-after"] == "1"
+            gate.set()
         wait_until(lambda: httpx.get(base + "/health", timeout=WAIT).status_code == 200, timeout=WAIT,
                    what="room again once the busy connections closed")
+    finally:
+        gate.set()
+        for f in blockers:
+            f.result(WAIT)
+        loop_thread.run(runner.cleanup())
+
+
+def kept_alive(base: str, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """`n` connections (from `source`) that each had one `GET /health` answered and stay open."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        reply = s.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        socks.append(s)
+    return socks
+
+
+def closed_by_server(s: socket.socket, timeout: float = 5) -> bool:
+    s.settimeout(timeout)
+    try:
+        data = s.recv(65536)
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return data == b"" or data.startswith(b"HTTP/1.1 408")
+
+
+def test_idle_kept_alive_connections_cannot_lock_a_new_client_out(loop_thread, engine):
+    cap = 20
+    app = create_app(engine, guard=GuardSettings(max_connections=cap, keepalive_timeout=120))
+    runner, base = loop_thread.serve(app)
+    socks = []
+    try:
+        socks = kept_alive(base, cap)
+        r = httpx.get(base + "/health", timeout=WAIT)
+        assert r.status_code == 200
+        assert closed_by_server(socks[0]), "the longest-idle connection made room"
+        assert not closed_by_server(socks[-1], timeout=0.2)
+    finally:
+        for s in socks:
+            s.close()
+        loop_thread.run(runner.cleanup())
+
+
+def test_stalled_bodies_cannot_lock_a_new_client_out(loop_thread, engine):
+    cap = 20
+    app = create_app(engine, guard=GuardSettings(max_connections=cap, body_timeout=120, body_idle_timeout=120))
+    runner, base = loop_thread.serve(app)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{")
+    try:
+        with slow_clients(base, cap, head) as socks:
+            for _ in range(3):
+                r = httpx.get(base + "/health", timeout=WAIT)
+                assert r.status_code == 200
+            assert closed_by_server(socks[0]), "the longest-stalled body made room"
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_stalled_bodies_are_evicted_before_a_new_connection_still_sending_its_head(loop_thread, engine):
+    cap = 5
+    app = create_app(engine, guard=GuardSettings(max_connections=cap, header_timeout=120, body_timeout=120,
+                                                 body_idle_timeout=120))
+    runner, base = loop_thread.serve(app)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{")
+    try:
+        with slow_clients(base, 1) as (new,), slow_clients(base, cap - 1, head) as stalled:
+            wait_until(lambda: app[CONNECTIONS].idle_after_request == cap - 1, timeout=WAIT,
+                       what="the stalled bodies' handlers waiting for them")
+            r = httpx.get(base + "/health", timeout=WAIT)
+            assert r.status_code == 200
+            assert closed_by_server(stalled[0]), "a stalled body made room"
+            assert not closed_by_server(new, timeout=0.2), "not the older connection still on its head"
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_one_client_address_at_its_cap_evicts_its_own_idle_connection(loop_thread, engine):
+    app = create_app(engine, guard=GuardSettings(max_client_connections=5, keepalive_timeout=120))
+    runner, base = loop_thread.serve(app)
+    mine, other = [], []
+    try:
+        other = kept_alive(base, 1, source="127.0.0.3")
+        mine = kept_alive(base, 6, source="127.0.0.2")  # the sixth evicts the first
+        assert closed_by_server(mine[0])
+        assert not closed_by_server(other[0], timeout=0.2), "another client's connection stays"
+        other[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert other[0].recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in mine + other:
+            s.close()
+        loop_thread.run(runner.cleanup())
+
+
+def test_a_body_that_pauses_past_the_idle_timeout_gets_408(loop_thread, engine):
+    runner, base = loop_thread.serve(create_app(engine, guard=GuardSettings(body_timeout=60, body_idle_timeout=1)))
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"prompt\"")
+    try:
+        with slow_clients(base, 1, head) as (s,):
+            s.settimeout(10)
+            t0 = time.monotonic()
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408"), reply
+            assert b"stopped for 1 s" in reply
+            assert time.monotonic() - t0 < 5
     finally:
         loop_thread.run(runner.cleanup())
 
@@ -505,3 +630,164 @@ def test_every_documented_limit_is_the_enforced_one(http):
                      if b.get("items", {}).get("type") == "integer")["items"]["maximum"]
     assert http.post("/v1/completions", json={"prompt": [vocab_max], "max_tokens": 1}).status_code == 200
     assert_openai_error(http.post("/v1/completions", json={"prompt": [vocab_max + 1]}), 400, param="prompt")
+
+
+def test_health_without_the_key_says_only_its_status(engine, loop_thread):
+    runner, base = loop_thread.serve(create_app(engine, api_key=KEY))
+    try:
+        open_ = httpx.get(base + "/health", timeout=WAIT)
+        assert open_.status_code == 200 and open_.json() == {"status": "ok"}
+        keyed = httpx.get(base + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT).json()
+        assert keyed["status"] == "ok" and {b["name"] for b in keyed["backends"]} == set(engine.backends)
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_the_api_key_can_come_from_a_file(tmp_path):
+    from app.cli import build_parser
+    from app.server import api_key_from_args
+
+    path = tmp_path / "key"
+    path.write_text("sk-from-file\n")
+    args = build_parser().parse_args(["serve", "--api-key-file", str(path)])
+    assert api_key_from_args(args) == "sk-from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        api_key_from_args(build_parser().parse_args(["serve", "--api-key-file", str(tmp_path / "empty")]))
+    with pytest.raises(ValueError, match="cannot read"):
+        api_key_from_args(build_parser().parse_args(["serve", "--api-key-file", str(tmp_path / "none")]))
+
+
+def test_serve_with_a_key_file_keeps_the_key_out_of_ps(tmp_path):
+    path = tmp_path / "key"
+    path.write_text(KEY)
+    with serve("--api-key-file", str(path)) as (proc, base):
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert KEY.encode() not in f.read()
+        assert httpx.get(base + "/v1/models", timeout=WAIT).status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=WAIT).status_code == 200
+
+
+# ---- costs stay with their sender ----
+
+NEAR_2MIB = 1_900_000
+
+
+def test_many_tiny_messages_are_refused_at_the_message_limit_at_once(http):
+    from engine.prompts.chat import MAX_MESSAGES
+
+    messages = [{"role": "user", "content": "x"}] * 20_000
+    t0 = time.monotonic()
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    took = time.monotonic() - t0
+    assert_openai_error(r, 400, param="messages")
+    assert str(MAX_MESSAGES) in r.json()["error"]["message"]
+    assert took < 2, took  # 20,000 took 11 s to be refused
+
+
+def test_a_chat_at_the_message_limit_is_split_in_linear_time(engine):
+    from engine.prompts.chat import MAX_MESSAGES, chat_tokens
+
+    def cost(n: int) -> float:
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(n)]
+        t0 = time.perf_counter()
+        tokens = chat_tokens(engine.model, messages)
+        assert len(tokens) > n
+        return time.perf_counter() - t0
+
+    small, large = cost(MAX_MESSAGES // 8), cost(MAX_MESSAGES)
+    # 8x the messages: linear work is ~8x; the old rescan of the rest per message was ~64x
+    assert large < 20 * small + 0.5, (small, large)
+
+
+def test_a_near_2mib_chat_is_refused_before_it_is_tokenized(http):
+    body = {"messages": [{"role": "user", "content": "hello world " * (NEAR_2MIB // 12)}], "max_tokens": 1}
+    t0 = time.monotonic()
+    r = http.post("/v1/chat/completions", json=body)
+    took = time.monotonic() - t0
+    assert_openai_error(r, 400, param="messages", code="context_length_exceeded")
+    assert "at least" in r.json()["error"]["message"]  # the cheap bound, not a full tokenization
+    assert took < 2, took
+
+
+def test_a_near_2mib_completion_prompt_is_refused_before_it_is_tokenized(http):
+    r = http.post("/v1/completions", json={"prompt": "hello world " * (NEAR_2MIB // 12), "max_tokens": 1})
+    assert_openai_error(r, 400, param="prompt", code="context_length_exceeded")
+    assert "at least" in r.json()["error"]["message"]
+
+
+def test_tokenize_caps_its_reply(http):
+    from app.openai_schema import MAX_TOKENIZE_TOKENS
+
+    r = http.post("/tokenize", json={"content": "hello world " * (NEAR_2MIB // 12), "with_pieces": True})
+    assert_openai_error(r, 400, param="content")
+    assert str(MAX_TOKENIZE_TOKENS) in r.json()["error"]["message"]
+    assert len(r.content) < 4096
+    ok = http.post("/tokenize", json={"content": "hello world", "with_pieces": True})
+    assert ok.status_code == 200 and ok.json()["tokens"]
+
+
+def _alternatives(n: int) -> str:
+    return "root ::= " + " | ".join(f'"w{i}"' for i in range(n))
+
+
+@pytest.mark.parametrize(("body", "limit"), [
+    ({"grammar": _alternatives(20_000)}, "MAX_GRAMMAR_BYTES"),
+    ({"grammar": _alternatives(2_000)}, "MAX_ALTERNATIVES"),
+    ({"grammar": 'root ::= "' + "a" * 40_000 + '"'}, "MAX_STATES"),
+    ({"grammar": 'root ::= "a"{5000}'}, "MAX_REPEAT"),
+], ids=["200kb", "2000-alternatives", "40000-states", "repeat-5000"])
+def test_a_grammar_bomb_is_refused_naming_the_limit(http, body, limit):
+    t0 = time.monotonic()
+    r = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 8, **body})
+    assert_openai_error(r, 400, param="grammar")
+    assert limit in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 2
+
+
+def _schema(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def test_a_schema_with_a_20000_value_enum_is_refused_naming_the_limit(http):
+    t0 = time.monotonic()
+    r = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 8,
+                                                **_schema({"enum": [f"v{i}" for i in range(20_000)]})})
+    assert_openai_error(r, 400, param="response_format")
+    assert "MAX_ENUM" in r.json()["error"]["message"] or "MAX_GRAMMAR_BYTES" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^[z-a]$"},
+    {"type": "string", "minLength": 5, "maxLength": 2},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1},
+    {"type": "integer", "minimum": 10, "maximum": 1},
+    {"enum": []},
+], ids=["reversed-class", "minLength", "minItems", "minimum", "empty-enum"])
+def test_an_unsatisfiable_schema_is_a_400_with_the_reason(http, schema):
+    r = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 8, **_schema(schema)})
+    assert_openai_error(r, 400, param="response_format")
+    assert "satisf" in r.json()["error"]["message"]
+
+
+def test_a_grammar_no_token_can_start_is_a_400(http):
+    r = http.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 8, "grammar": "root ::= [z-a]"})
+    assert_openai_error(r, 400, param="grammar")
+    assert "satisf" in r.json()["error"]["message"]
+
+
+def test_a_request_that_finds_no_healthy_backend_is_a_503_with_retry_after(engine, loop_thread):
+    name = next(iter(engine.backends))
+    runner, base = loop_thread.serve(create_app(engine))
+    try:
+        engine.backends[name].inject_fault("crash")
+        httpx.post(base + "/v1/completions", json=BODY, timeout=WAIT)  # the step that crashes
+        wait_until(lambda: not engine.backends[name].healthy, timeout=WAIT, what="the backend down")
+        r = httpx.post(base + "/v1/completions", json=BODY, timeout=WAIT)
+        assert_openai_error(r, 503)
+        assert r.headers["retry-after"] == "1"
+    finally:
+        engine.restart(name)
+        loop_thread.run(runner.cleanup())

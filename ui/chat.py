@@ -352,7 +352,7 @@ class ChatPanel(QWidget):
             repeat_penalty=self.repeat_penalty.value(),
             max_tokens=self.max_tokens.value(),
             seed=None if seed < 0 else seed,
-            # Remote engines do not relay logprobs (engine/remote.py refuses them).
+            # Remote engines do not relay logprobs (engine/backends/remote/ refuses them).
             logprobs=TOP_ALTERNATIVES if "remote" not in self.engine.devices.values() else None,
             grammar=self.json_grammar(),
         ).validate()

@@ -1,6 +1,6 @@
 """Backend specs from the command line: `gpu:cap=4`, `cpu:threads=15,cap=4,name=big`,
 `gpu:device=1,cap=8`, `remote:url=http://host:8081,api=vllm,cap=32` (an OpenAI-compatible engine,
-`engine/remote.py`).
+`engine/backends/remote/`).
 
 `gpu` offloads the model with llama.cpp's default (every GPU); `gpu:device=N` loads it on GPU N
 alone (`engine.llama.gpus()[N]`), as the device `gpuN`, and the backend is named `gpuN` unless
@@ -222,6 +222,9 @@ class RemoteConfig:
     poll_s: float = 0.3  # load polling period
     health_s: float = 1.0  # health probe period
     timeout_s: float = 600.0  # the most one request may take end to end
+    first_token_s: float = 60.0  # the first streamed event must come within this of sending
+    token_gap_s: float = 30.0  # each next event within this of the last
+    quarantine_s: float = 30.0  # a silent engine stays out this long (doubling) though /health answers
     # A model spec (path, `default`, `synthetic:tiny`) whose vocabulary is the engine's: its
     # tokenizer (loaded vocab-only) makes exact token keys for the cache prediction.
     tokenizer: str | None = None
@@ -240,7 +243,7 @@ def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
     """The keys of a `remote:` spec (see `RemoteConfig`)."""
     fields: dict = {}
     ints = {"cap", "max_queue", "cache_capacity"}
-    floats = {"poll_s", "health_s", "timeout_s"}
+    floats = {"poll_s", "health_s", "timeout_s", "first_token_s", "token_gap_s", "quarantine_s"}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()

@@ -639,7 +639,8 @@ class Backend:
             for s in runner.dead_ends:  # their grammar allowed no token (engine/llama/sampling.py)
                 if s.status == RequestStatus.RUNNING:
                     sched.fail(s, "the grammar allows no token of this model's vocabulary here; "
-                                  "the reply cannot go on")
+                                  "the reply cannot go on (no text satisfies the grammar or schema from here)",
+                               "invalid_request_error")
             runner.dead_ends.clear()
         rows = [s.ran_on for s in plan.decode]
         if plan.chunks:
@@ -675,7 +676,7 @@ class Backend:
             error=f.error,
             cap_at_admit=s.admit_cap or None,
             cap_reason=s.admit_reason if s.admit_cap else None,
-            error_kind="server_error" if f.error else None,
+            error_kind=f.kind if f.error else None,
             logprobs=tuple(s.logprobs) if s.logprobs is not None else None,
             prompt_logprobs=tuple(s.prompt_logprobs) if s.prompt_logprobs is not None else None,
         )

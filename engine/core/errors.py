@@ -34,9 +34,10 @@ class ContextLengthExceeded(InvalidRequest):
 
     kind = "exceed_context_size_error"
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int, param: str = "prompt"):
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, param: str = "prompt", at_least: bool = False):
         super().__init__(
-            f"the prompt has {n_prompt_tokens} tokens but the context holds {n_ctx} "
+            f"the prompt has {'at least ' if at_least else ''}{n_prompt_tokens} tokens but the context "
+            f"holds {n_ctx} "
             f"(at most {n_ctx - 1} prompt tokens leave room for one generated token)",
             param=param,
         )

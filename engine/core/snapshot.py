@@ -174,7 +174,7 @@ class BackendSnapshot:
     cap_ceiling: int = 0
     cap_adaptive: bool = False
     cap_reason: str = ""
-    url: str = ""  # a remote backend's engine (engine/remote.py); "" for a local one
+    url: str = ""  # a remote backend's engine (engine/backends/remote/); "" for a local one
     model: str = ""  # the model a remote engine serves; "" for a local one
 
     @property

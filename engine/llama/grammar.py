@@ -8,14 +8,36 @@ by putting that rule's text in place (`_strict_strings`). What the converter can
 `pattern` without `^…$`) it reports with an `AssertionError` or a `ValueError`; that reason is
 passed to the client as an `InvalidRequest`.
 
-Thread contract: pure functions; `check` creates and frees a llama.cpp sampler on the calling
-thread (the vocabulary is read-only, any thread may).
+Costs stay with the sender. A grammar's per-token work in llama.cpp grows with its stacks
+(a 20,000-alternative grammar ran past 90 s and stalled its backend's other sequences), so
+every grammar, raw or converted, is measured first (`measure`: one pass over its text) and
+refused with a 400 naming the limit: `MAX_GRAMMAR_BYTES`, `MAX_ALTERNATIVES` (`|` outside
+literals), `MAX_STATES` (literal characters, classes, references and repetitions, llama.cpp's
+grammar elements); schemas also by `MAX_ENUM` values before converting. Impossible schemas
+(`minLength` > `maxLength` and the like, an empty `enum`) and grammars with a character class
+that matches nothing (a pattern's `[z-a]`) are refused as unsatisfiable, and `check` asks
+llama.cpp's own sampler whether any token can start the reply, timing that full pass over the
+vocabulary (a grammar chain pays one whenever the model's first choice is not allowed):
+over `MAX_PASS_MS` of CPU it is refused too. `check` caches its verdict by
+the grammar's hash, so a grammar is compiled and tried once (on the request's parsing thread,
+off the backend's step loop), not once per request.
+
+Thread contract: pure functions but `check`'s cache (under its lock); `check` creates and
+frees a llama.cpp sampler on the calling thread (the vocabulary is read-only, any thread may).
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import hashlib
 import json
 import re
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
@@ -35,6 +57,13 @@ MAX_REPEAT = 1000
 _COUNTS = {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
            "minContains", "maxContains"}
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+MAX_GRAMMAR_BYTES = 64 << 10  # a grammar's text (raw, or converted from a schema)
+MAX_ALTERNATIVES = 256  # `|` in the whole grammar: 1,000 cost 3.9 s a full pass over SmolLM2's vocabulary
+MAX_STATES = 32768  # grammar elements (literal characters, classes, references), repetitions expanded
+MAX_ENUM = 128  # values of one `enum` in a schema (256 cost 70 ms of CPU a full pass)
+MAX_PASS_MS = 100  # CPU ms one full pass of the grammar over the vocabulary may take, measured at its start
+_PAIRS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"),
+          ("minimum", "maximum"), ("minContains", "maxContains"))
 _LOOSE_CHAR = 'char ::= [^"\\\\] |'
 _STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
 
@@ -45,9 +74,12 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
         text = json.dumps(schema)
     except (TypeError, ValueError) as e:
         raise InvalidRequest(f"{param}: the JSON schema is not JSON: {e}", param=param) from None
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(f"{param}: the JSON schema is {len(text)} bytes; this server takes at most "
+                             f"{MAX_GRAMMAR_BYTES} (MAX_GRAMMAR_BYTES)", param=param)
     _check_bounds(schema, param)
     try:
-        return _strict_strings(json_schema_to_gbnf(text))
+        grammar = _strict_strings(json_schema_to_gbnf(text))
     except RecursionError:
         raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar",
                              param=param) from None
@@ -55,6 +87,8 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
         reason = str(e) or type(e).__name__
         raise InvalidRequest(f"{param}: the JSON schema cannot be turned into a grammar: {reason}",
                              param=param) from None
+    measure(grammar, param=param, what="the JSON schema's grammar")
+    return grammar
 
 
 def object_grammar() -> str:
@@ -67,6 +101,21 @@ def _check_bounds(schema, param: str, depth: int = 0) -> None:
     if depth > 64:
         raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar", param=param)
     if isinstance(schema, dict):
+        enum = schema.get("enum")
+        if isinstance(enum, list) and len(enum) > MAX_ENUM:
+            raise InvalidRequest(f"{param}: an enum of {len(enum)} values; this server takes at most {MAX_ENUM} "
+                                 f"(MAX_ENUM)", param=param)
+        if isinstance(enum, list) and not enum:
+            raise InvalidRequest(f"{param}: an empty enum: no value can satisfy the schema", param=param)
+        for low, high in _PAIRS:
+            a, b = schema.get(low), schema.get(high)
+            if _number(a) and _number(b) and a > b:
+                raise InvalidRequest(f"{param}: {low}={a} is more than {high}={b}: no value can satisfy the schema",
+                                     param=param)
+        a, b = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        if _number(a) and _number(b) and a >= b:
+            raise InvalidRequest(f"{param}: exclusiveMinimum={a} is not below exclusiveMaximum={b}: no value can "
+                                 f"satisfy the schema", param=param)
         for key, value in schema.items():
             if key in _COUNTS and isinstance(value, (int, float)) and not isinstance(value, bool) \
                     and value > MAX_REPEAT:
@@ -87,10 +136,200 @@ def _strict_strings(grammar: str) -> str:
     return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
 
 
-def check(vocab, grammar: str, *, param: str = "grammar") -> None:
-    """Raise `InvalidRequest` unless llama.cpp's grammar parser takes `grammar` (its own
-    error goes to the log; a grammar the sampler cannot build would fail on the worker)."""
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class GrammarSize:
+    """What `measure` counted in a grammar."""
+
+    bytes: int
+    rules: int
+    alternatives: int
+    states: int
+
+
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_REPEAT = re.compile(r"\{\s*(\d*)\s*(,\s*(\d*)\s*)?\}")
+
+
+def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") -> GrammarSize:
+    """Count a GBNF grammar's rules, alternatives and elements in one pass over its text, and
+    refuse it (`InvalidRequest` naming the limit) when it is over a limit or holds a character
+    class that matches nothing. Not a parser: llama.cpp's (`check`) has the last word."""
+    size = len(grammar.encode("utf-8"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(f"{param}: {what} is {size} bytes; this server takes at most {MAX_GRAMMAR_BYTES} "
+                             f"(MAX_GRAMMAR_BYTES)", param=param)
+    rules = alternatives = states = 0
+    last = 1  # elements of the last item, which a repetition multiplies
+    i, n = 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c == "#":
+            j = grammar.find("\n", i)
+            i = n if j < 0 else j + 1
+            continue
+        if c == '"':
+            j, count = i + 1, 0
+            while j < n and grammar[j] != '"':
+                j += 2 if grammar[j] == "\\" else 1
+                count += 1
+            last = max(count, 1)
+            states += last
+            i = j + 1
+            continue
+        if c == "[":
+            j = i + 1
+            negated = j < n and grammar[j] == "^"
+            chars: list[str] = []
+            j += 1 if negated else 0
+            while j < n and grammar[j] != "]":
+                if grammar[j] == "\\" and j + 1 < n:
+                    chars.append(grammar[j:j + 2])
+                    j += 2
+                else:
+                    chars.append(grammar[j])
+                    j += 1
+            if not negated and _class_is_empty(chars):
+                raise InvalidRequest(f"{param}: {what} has a character class that matches nothing "
+                                     f"({grammar[i:j + 1][:40]}): no text can satisfy it", param=param)
+            last = 1
+            states += 1
+            i = j + 1
+            continue
+        if c == "|":
+            alternatives += 1
+        elif c == ":" and grammar.startswith("::=", i):
+            rules += 1
+            i += 3
+            continue
+        elif c == "{":
+            m = _REPEAT.match(grammar, i)
+            if m:
+                high = max(int(g) for g in (m.group(1), m.group(3)) if g) if (m.group(1) or m.group(3)) else 0
+                if high > MAX_REPEAT:
+                    raise InvalidRequest(f"{param}: {what} repeats an item {high} times; this server takes at most "
+                                         f"{MAX_REPEAT} (MAX_REPEAT)", param=param)
+                states += last * max(high - 1, 0)
+                i = m.end()
+                continue
+        elif c == ".":
+            last = 1
+            states += 1
+        else:
+            m = _NAME.match(grammar, i)
+            if m:
+                last = 1
+                states += 1
+                i = m.end()
+                continue
+        i += 1
+        if alternatives > MAX_ALTERNATIVES:
+            raise InvalidRequest(f"{param}: {what} has more than {MAX_ALTERNATIVES} alternatives ('|'); this "
+                                 f"server takes at most {MAX_ALTERNATIVES} (MAX_ALTERNATIVES)", param=param)
+    if states > MAX_STATES:
+        raise InvalidRequest(f"{param}: {what} has {states} elements (literal characters, classes, references, "
+                             f"repetitions expanded); this server takes at most {MAX_STATES} (MAX_STATES)",
+                             param=param)
+    return GrammarSize(size, rules, alternatives, states)
+
+
+def _class_is_empty(chars: list[str]) -> bool:
+    """A non-negated class whose every item is a reversed range (`[z-a]`): it matches nothing."""
+    if not chars:
+        return True
+    k, ranges = 0, 0
+    while k < len(chars):
+        if k + 2 < len(chars) and chars[k + 1] == "-":
+            lo, hi = _char(chars[k]), _char(chars[k + 2])
+            if lo is None or hi is None or lo <= hi:
+                return False
+            ranges += 1
+            k += 3
+        else:
+            return False  # a single character: it matches
+    return ranges > 0
+
+
+def _char(item: str) -> int | None:
+    if len(item) == 1:
+        return ord(item)
+    if item.startswith("\\") and len(item) == 2 and item[1] not in "xuUntr":
+        return ord(item[1])
+    return None  # an escape whose value this scan does not decode: assume it matches
+
+
+class _Verdicts:
+    """Grammar hash → None (takes it) or the refusal's message and param, most recent 256."""
+
+    def __init__(self, size: int = 256):
+        self._lock = threading.Lock()
+        self._seen: collections.OrderedDict[bytes, tuple[str, str | None] | None] = collections.OrderedDict()
+        self._size = size
+
+    def get(self, key: bytes):
+        with self._lock:
+            if key in self._seen:
+                self._seen.move_to_end(key)
+                return True, self._seen[key]
+            return False, None
+
+    def put(self, key: bytes, verdict) -> None:
+        with self._lock:
+            self._seen[key] = verdict
+            while len(self._seen) > self._size:
+                self._seen.popitem(last=False)
+
+
+_VERDICTS = _Verdicts()
+
+
+def check(vocab, grammar: str, *, param: str = "grammar", n_vocab: int = 0) -> None:
+    """Raise `InvalidRequest` unless `grammar` is within the limits (`measure`), llama.cpp's
+    grammar parser takes it (its own error goes to the log) and, given `n_vocab`, some token
+    can start a reply under it. The verdict is cached by the grammar's hash (and vocabulary)."""
+    key = hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).digest() + str(vocab).encode() + \
+        str(n_vocab).encode()
+    seen, verdict = _VERDICTS.get(key)
+    if not seen:
+        try:
+            _compile(vocab, grammar, param, n_vocab)
+            verdict = None
+        except InvalidRequest as e:
+            verdict = (e.message, e.param)
+        _VERDICTS.put(key, verdict)
+    if verdict is not None:
+        message, where = verdict
+        raise InvalidRequest(message, param=where)
+
+
+def _compile(vocab, grammar: str, param: str, n_vocab: int) -> None:
+    measure(grammar, param=param)
     ptr = lc.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), ROOT)
     if not ptr:
         raise InvalidRequest(f"{param}: llama.cpp cannot parse this grammar (GBNF)", param=param)
-    lc.llama_sampler_free(ptr)
+    try:
+        if n_vocab > 0:
+            t0 = time.thread_time()
+            allowed = _any_token(ptr, n_vocab)
+            ms = (time.thread_time() - t0) * 1000
+            if not allowed:
+                raise InvalidRequest(f"{param}: no token of this model's vocabulary can start a reply under this "
+                                     f"grammar: no text satisfies it", param=param)
+            if ms > MAX_PASS_MS:
+                raise InvalidRequest(f"{param}: checking this grammar against the model's vocabulary took {ms:.0f} ms "
+                                     f"of CPU, which a reply may pay at every token; this server allows "
+                                     f"{MAX_PASS_MS} ms (MAX_PASS_MS): use fewer alternatives", param=param)
+    finally:
+        lc.llama_sampler_free(ptr)
+
+
+def _any_token(sampler, n_vocab: int) -> bool:
+    """Whether the grammar sampler leaves any token (an end token counts) at its start."""
+    cur = np.zeros(n_vocab, np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)]))
+    cur["id"] = np.arange(n_vocab, dtype=np.int32)
+    arr = lc.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), n_vocab, -1, False)
+    lc.llama_sampler_apply(sampler, ctypes.byref(arr))
+    return bool(np.isfinite(cur["logit"]).any())

@@ -209,17 +209,30 @@ class Model:
             p = self._pieces[token] = buf.raw[:n]
         return p
 
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token stands for, special tokens' text included (computed once:
+        ~50k calls): `engine.prompts.chat.min_tokens` bounds a prompt's length without tokenizing it."""
+        n = getattr(self, "_longest", 0)
+        if not n:
+            buf = ctypes.create_string_buffer(256)
+            for t in range(self.n_vocab):
+                k = lc.llama_token_to_piece(self.vocab, t, buf, 256, 0, True)
+                n = max(n, -k if k < 0 else k)
+            self._longest = n = max(n, 1)
+        return n
+
     def detokenize(self, tokens) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
         return self._eog[token]
 
-    def check_grammar(self, grammar: str) -> None:
-        """Raise `InvalidRequest` unless llama.cpp's grammar sampler takes `grammar` (GBNF)."""
+    def check_grammar(self, grammar: str, param: str = "grammar") -> None:
+        """Raise `InvalidRequest` unless `grammar` (GBNF) is within the limits, llama.cpp's
+        grammar sampler takes it and some token can start a reply (cached by hash)."""
         from .grammar import check
 
-        check(self.vocab, grammar)
+        check(self.vocab, grammar, param=param, n_vocab=self.n_vocab)
 
     # ---- chat ----
 

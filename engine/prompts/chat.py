@@ -21,6 +21,11 @@ rendering probes once per model) gets them, and then the client's text lands out
 content: such text (the tools' JSON, call names and arguments) is refused if it holds a
 special-token string. Everything else reaches the template as message content.
 
+Costs are linear in the body: `_split` walks the marked rendering once, the number of
+messages is capped (`MAX_MESSAGES`), and a prompt that cannot fit the context is refused
+before it is tokenized, by a cheap lower bound on its token count (`min_tokens`: its UTF-8
+bytes over the longest token's bytes, known once per model).
+
 Thread contract: a pure function of the model (read-only, any thread may tokenize) and the
 messages.
 """
@@ -32,15 +37,18 @@ import secrets
 import weakref
 from typing import TYPE_CHECKING
 
-from engine.core.errors import InvalidRequest
+from engine.core.errors import ContextLengthExceeded, InvalidRequest
 from engine.prompts.structured import TemplateCaps, history, tool_prompt
 
 if TYPE_CHECKING:
     from engine.llama.model import Model
 
 
+MAX_MESSAGES = 4096  # messages in one chat; 55,000 one-character messages took 68 s to refuse
+
+
 def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = None,
-                continue_final: bool = False) -> list[int]:
+                continue_final: bool = False, max_prompt: int = 0) -> list[int]:
     """`messages` rendered with `model`'s chat template; content is never parsed for special tokens.
 
     With `tools` (OpenAI's list), the prompt asks for a reply in llama-server's generic
@@ -48,7 +56,15 @@ def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = N
     assistant's, non-empty) is left open: the prompt ends with its content, without what the
     template puts after it (its end of turn, the next turn's header), so the model goes on
     with that reply (vLLM's `continue_final_message`: render, cut after the final content).
-    A template that strips content (`| trim`) loses the content's trailing whitespace here."""
+    A template that strips content (`| trim`) loses the content's trailing whitespace here.
+
+    `max_prompt` (> 0): a prompt whose cheap lower bound already reaches it is refused with
+    `ContextLengthExceeded` before it is rendered or tokenized."""
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"messages: {len(messages)} messages; this server takes at most {MAX_MESSAGES}",
+                             param="messages")
+    if max_prompt > 0:
+        check_bound(model, [str(m.get("content") or "") for m in messages], max_prompt, "messages")
     with_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if continue_final:
         if messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
@@ -65,6 +81,8 @@ def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = N
         _check_outside_content(model, messages, tools)
     contents = [str(m.get("content") or "") for m in messages]
     plain = model.apply_chat_template(messages, tools)
+    if max_prompt > 0:
+        check_bound(model, [plain], max_prompt, "messages")
     pieces = _split(model, messages, contents, plain, tools)
     if continue_final:
         pieces = pieces[:-1]  # the last piece is what follows the final (non-empty) content
@@ -81,15 +99,18 @@ def _split(model: Model, messages: list[dict], contents: list[str], plain: str,
     tag = secrets.token_hex(16)
     sentinels = [f"\x1e{tag}{i}\x1e" for i in range(len(messages))]
     marked = model.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sentinels)], tools)
+    # Each sentinel once, in order (one pass; a rescan of the rest per message was quadratic).
+    if marked.count(f"\x1e{tag}") != len(sentinels):  # dropped or repeated: content is not placed plainly
+        return _find(plain, contents)
     pieces: list[tuple[str, bool]] = []
-    rest = marked
+    at = 0
     for sentinel, content in zip(sentinels, contents):
-        head, found, tail = rest.partition(sentinel)
-        if not found or sentinel in tail:  # dropped or repeated: the template does not place content plainly
+        found = marked.find(sentinel, at)
+        if found < 0:  # out of order
             return _find(plain, contents)
-        pieces += [(head, False), (content, True)]
-        rest = tail
-    pieces.append((rest, False))
+        pieces += [(marked[at:found], False), (content, True)]
+        at = found + len(sentinel)
+    pieces.append((marked[at:], False))
     if "".join(text for text, _ in pieces) != plain:
         return _find(plain, contents)
     return pieces
@@ -116,6 +137,17 @@ def _find(plain: str, contents: list[str]) -> list[tuple[str, bool]]:
 
 
 _CAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def min_tokens(model: Model, texts: list[str]) -> int:
+    """A lower bound on the tokens `texts` make, without tokenizing: no token covers more
+    bytes than the model's longest one."""
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) // model.longest_token_bytes()
+
+
+def check_bound(model: Model, texts: list[str], max_prompt: int, param: str) -> None:
+    """`ContextLengthExceeded` if `texts` make `max_prompt` tokens or more by the cheap bound."""
+    low = min_tokens(model, texts)
+    if low >= max_prompt:
+        raise ContextLengthExceeded(low, max_prompt, param=param, at_least=True)
 
 
 def template_caps(model: Model) -> TemplateCaps:

@@ -228,6 +228,7 @@ class Finished:
     seq: SeqState
     status: RequestStatus
     error: str | None = None
+    kind: str = "server_error"  # the error's kind (`EngineError.kind`): who is to blame
 
 
 class Scheduler:
@@ -482,10 +483,10 @@ class Scheduler:
             self._finish(s, status, why)
         self._apply_free(self.cache.clear())
 
-    def fail(self, s: SeqState, why: str) -> None:
+    def fail(self, s: SeqState, why: str, kind: str = "server_error") -> None:
         if s in self.waiting:
             self.waiting.remove(s)
-        self._finish(s, RequestStatus.FINISHED_ERROR, why)
+        self._finish(s, RequestStatus.FINISHED_ERROR, why, kind)
 
     def kv_cells_used(self, running=None) -> int:
         """Cells in use. Unified KV: cached tokens (shared ones once) plus each running
@@ -788,7 +789,8 @@ class Scheduler:
             s.handle._deliver_text(delta)
         return s.stream.stopped
 
-    def _finish(self, s: SeqState, status: RequestStatus, error: str | None = None) -> None:
+    def _finish(self, s: SeqState, status: RequestStatus, error: str | None = None,
+                kind: str = "server_error") -> None:
         """End a sequence: stream the rest, keep or free its KV, queue its `Finished`."""
         if self.pending_text:
             mine = [p for p in self.pending_text if p[0] is s]
@@ -807,7 +809,7 @@ class Scheduler:
         self.blocked = False
         s.status = status
         s.error = error
-        self._finished.append(Finished(s, status, error))
+        self._finished.append(Finished(s, status, error, kind))
 
     def _retire(self, s: SeqState, keep: bool) -> None:
         """Hand a sequence's KV to the prefix cache, or free it."""

@@ -16,7 +16,7 @@ What the router sees (`snapshot()`):
   `/metrics`, Tandem `/v1/routing`); external = what it reported minus what of ours it held
   *at that poll*, so our own changes since then are never counted twice or missed.
 - `cache`: a prediction. What was sent there is kept in an approximate radix tree
-  (engine/approx_cache.py, SGLang router's way); `match()` is the longest prefix of the new
+  (`approx_cache.py` here, SGLang router's way); `match()` is the longest prefix of the new
   prompt in it. Keys are token ids when the request carries them, else text (characters),
   counted as `CHARS_PER_TOKEN` characters per token (`cache_units` says which; the snapshot's
   `cache` figures are in tokens either way). `query_tokens`/`hit_tokens` count the
@@ -28,8 +28,17 @@ What the router sees (`snapshot()`):
 Flow control: at most `cap` requests are in flight at the engine; the rest wait here, FCFS, so
 that they can move elsewhere if the engine dies. `set_cap` applies at once.
 
+The engine is untrusted: this module keeps the queue and failover, `client.py` bounds every
+HTTP call (sizes, shapes, output, first-token and inter-token deadlines), `probe.py` reads
+health and load, one dialect per engine kind.
+
 Health: `/health` (else `/v1/models`) is probed every `health_s`. A connection error or 5xx on
-a request or a probe marks the engine unhealthy: every queued and in-flight request goes to
+a request or a probe marks the engine unhealthy, and so does a request that misses its
+first-token or inter-token deadline: such an engine stays out for `quarantine_s` (doubling
+while it keeps failing, up to `MAX_QUARANTINE_S`) even if its `/health` answers, since a
+silent engine often still answers probes. A reply of the wrong shape or size fails that
+request alone (`server_error`).
+When an engine goes unhealthy, every queued and in-flight request goes to
 `on_unhealthy(backend, [(request, handle, t_submit), ...])` (the engine re-routes them).
 Queued ones, in-flight ones that had streamed nothing and in-flight ones whose caller does not
 stream (`Request.stream` false: their text is handed over whole at the end, so a dropped
@@ -67,31 +76,31 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from engine.backends import sse
-from .approx_cache import ApproxTree
 from engine.backends.config import RemoteConfig
-from engine.core.errors import (BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError, QueueFull,
-                     RestartInProgress)
+from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from engine.core.events import EventBus, RequestAdmitted, RequestFinished
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import CHARS_PER_TOKEN, FinishRecord, Request, RequestStatus, SamplingParams
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+from . import probe
+from .approx_cache import ApproxTree
+from .client import EngineClient, EngineFailed, EngineMisbehaved, EngineRefused, EngineSilent
+from .keys import VocabOnly, key_of, render_message
+from .probe import Load
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RATES = Rates(prefill_tok_s=2000.0, decode_tok_s=50.0, source="default")
 DEFAULT_DECODE_BUDGET = 256  # external requests' decode_left before we have seen a request
-PROBE_TIMEOUT_S = 5.0
+MAX_QUARANTINE_S = 300.0
 PROBE_FAILURES = 3  # probes that time out in a row before a live-but-silent engine is unhealthy
 START_TIMEOUT_S = 10.0
 ONLINE_WEIGHT = 0.2
@@ -104,18 +113,6 @@ _EXTRA = {
     "vllm": ("top_k", "min_p", "repetition_penalty", "ignore_eos"),
     "sglang": ("top_k", "min_p", "repetition_penalty", "ignore_eos"),
 }
-
-
-class _Unhealthy(Exception):
-    """The engine failed (connection lost, 5xx): the whole backend goes unhealthy."""
-
-
-class _Refused(Exception):
-    """The engine refused this one request (4xx, or an error in its stream)."""
-
-    def __init__(self, message: str, kind: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 class _Job:
@@ -160,17 +157,6 @@ class _Job:
         return self.chunks
 
 
-@dataclass(frozen=True, slots=True)
-class _Load:
-    """The engine's own view of its load at one poll."""
-
-    running: int
-    waiting: int
-    ours: int  # our requests in flight there when the poll was answered
-    decode_left: tuple[int, ...] = ()  # remaining budgets the engine reported, longest first
-    time: float = 0.0
-
-
 class RemoteBackend:
     """An OpenAI-compatible engine behind a URL, served by its own asyncio thread."""
 
@@ -205,15 +191,17 @@ class RemoteBackend:
         self._keys: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # request id -> key
         self._queries = self._hits = 0
         self._budget_mean = float(DEFAULT_DECODE_BUDGET)
-        self._load = _Load(0, 0, 0)
+        self._load = Load(0, 0, 0)
         self._probe_failures = 0
+        self._quarantine_s = config.quarantine_s  # how long a silent engine stays out; doubles
+        self._out_until = 0.0  # monotonic time before which probes do not bring it back
         self._stopped = False
         self._restarting = threading.Lock()
         self._outbox = Outbox()
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._client: EngineClient | None = None
         self._tasks: list[asyncio.Task] = []
         self.steps = 0  # requests finished (a remote engine's steps are not visible)
 
@@ -310,7 +298,7 @@ class RemoteBackend:
             hit = self._keys.get(request.id)
         if hit is not None:
             return hit
-        made = _key(request, self.tokenizer)
+        made = key_of(request, self.tokenizer)
         with self._tree_lock:
             self._keys[request.id] = made
             while len(self._keys) > 256:
@@ -427,7 +415,7 @@ class RemoteBackend:
                 "external_running": max(load.running - load.ours, 0),
                 "external_waiting": max(load.waiting - max(load.ours - load.running, 0), 0)}
 
-    def _external(self, load: _Load) -> tuple[WorkItem, ...]:
+    def _external(self, load: Load) -> tuple[WorkItem, ...]:
         """The engine's load that is not ours, as work items (see the module docstring)."""
         if not load.time or time.monotonic() - load.time > 5 * self.config.poll_s + 2:
             return ()  # too old to tell (the engine is not answering)
@@ -473,43 +461,34 @@ class RemoteBackend:
             except RuntimeError:  # closed in between
                 pass
 
-    def _new_session(self) -> aiohttp.ClientSession:
-        headers = {"Authorization": f"Bearer {self.config.key}"} if self.config.key else {}
-        # No pool limit: `cap` is the bound on connections for requests; probes need their own.
-        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S))
+    def _new_client(self) -> EngineClient:
+        c = self.config
+        return EngineClient(self.url, c.key, first_token_s=c.first_token_s, token_gap_s=c.token_gap_s,
+                            timeout_s=c.timeout_s)
 
     async def _connect(self) -> None:
-        if self._session is None:
-            self._session = self._new_session()
+        if self._client is None:
+            self._client = self._new_client()
         await self._probe(first=True)
 
     async def _start_pollers(self) -> None:
         self._tasks = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._poll_loop())]
 
-    async def _get(self, path: str, timeout: float = PROBE_TIMEOUT_S):
-        """GET a path: (status, parsed JSON or text). Raises aiohttp/timeout errors."""
-        async with self._session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            body = await r.text()
-            if "json" in (r.content_type or ""):
-                try:
-                    return r.status, json.loads(body)
-                except ValueError:
-                    pass
-            return r.status, body
-
     async def _probe(self, first: bool = False) -> None:
         """One health probe; raises if the engine does not answer healthily. The first
-        successful one resolves `api: auto` and reads the served models."""
-        status, _ = await self._get("/health")
-        if status == 404:  # an engine without /health: its model list answers for it
-            status, _ = await self._get("/v1/models")
-        if status != 200:
-            raise _Unhealthy(f"{self.url}/health answered {status}")
+        successful one resolves `api: auto` and reads the served models. An engine in
+        quarantine (it timed out on a request) is probed but not brought back yet."""
+        await probe.probe_health(self._client)
+        if time.monotonic() < self._out_until:
+            return
         if first or not self.healthy or not self.models:  # (back) up: what does it serve now
             if self.api == "auto":
-                self.api = await self._detect()
-            await self._read_models()
+                self.api = await probe.detect(self._client)
+            models = await probe.read_models(self._client)
+            if models is not None:
+                self.models = models.ids
+                self.n_ctx = models.n_ctx or self.n_ctx
+                self.n_vocab = models.n_vocab or self.n_vocab
         self._probe_failures = 0
         if not self.healthy:
             self.healthy, self.error = True, None
@@ -519,44 +498,7 @@ class RemoteBackend:
     async def _answers_health(self) -> bool:
         """Whether the engine's health endpoint answers 200 now (a 5xx on one request from an
         engine that does is that request's failure: its queue stays and it stays healthy)."""
-        try:
-            status, _ = await self._get("/health")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-        return status == 200
-
-    async def _detect(self) -> str:
-        """Which engine this is, from the endpoints it has."""
-        try:
-            status, body = await self._get("/v1/routing?n=0")
-            if status == 200 and isinstance(body, dict) and "backends" in body:
-                return "tandem"
-            status, body = await self._get("/props")
-            if status == 200 and isinstance(body, dict) and "default_generation_settings" in body:
-                return "llama-server"
-            status, body = await self._get("/metrics")
-            if status == 200 and isinstance(body, str):
-                if "vllm:" in body:
-                    return "vllm"
-                if "sglang:" in body:
-                    return "sglang"
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
-        return "openai"
-
-    async def _read_models(self) -> None:
-        status, body = await self._get("/v1/models")
-        if status != 200 or not isinstance(body, dict):
-            return
-        data = [m for m in body.get("data") or [] if isinstance(m, dict) and m.get("id")]
-        self.models = [str(m["id"]) for m in data]
-        for m in data:  # the context, where the engine says (vLLM: max_model_len; Tandem: meta)
-            n = m.get("max_model_len") or (m.get("meta") or {}).get("n_ctx") or 0
-            if isinstance(n, int) and n > 0:
-                self.n_ctx = n
-            v = (m.get("meta") or {}).get("n_vocab") or 0  # llama-server and Tandem say it
-            if isinstance(v, int) and v > 0:
-                self.n_vocab = v
+        return await probe.answers_health(self._client)
 
     async def _health_loop(self) -> None:
         while True:
@@ -569,7 +511,7 @@ class RemoteBackend:
                 self._probe_failures += 1
                 if self.healthy and self._probe_failures >= PROBE_FAILURES:
                     self._engine_failed(f"{self.url} did not answer {PROBE_FAILURES} health probes")
-            except (aiohttp.ClientError, OSError, _Unhealthy) as e:
+            except (aiohttp.ClientError, OSError, EngineFailed, EngineMisbehaved) as e:
                 if self.healthy:
                     self._engine_failed(f"{self.url} is unreachable: {_why(e)}")
             except Exception:  # a bug must not end the probing
@@ -591,48 +533,9 @@ class RemoteBackend:
                 with self._lock:
                     self._load = replace(load, ours=len(self._inflight), time=time.monotonic())
 
-    async def _poll(self) -> _Load | None:
-        """The engine's running and waiting requests, from its own endpoints."""
-        if self.api == "tandem":
-            status, body = await self._get("/v1/routing?n=0")
-            if status != 200 or not isinstance(body, dict):
-                return None
-            items = [i for b in body.get("backends") or [] for i in b.get("items") or []]
-            running = sum(1 for i in items if i.get("running"))
-            left = sorted((int(i.get("decode_left") or 0) for i in items), reverse=True)
-            return _Load(running, len(items) - running, 0, tuple(left))
-        if self.api == "llama-server":
-            status, body = await self._get("/slots")
-            running, left = 0, []
-            if status == 200 and isinstance(body, list):
-                busy = [s for s in body if isinstance(s, dict) and s.get("is_processing")]
-                running = len(busy)
-                for s in busy:
-                    remain = (s.get("next_token") or {}).get("n_remain")
-                    if isinstance(remain, int) and remain >= 0:
-                        left.append(remain)
-            metrics = await self._metrics()
-            if status != 200:
-                running = int(metrics.get("llamacpp:requests_processing", 0))
-            return _Load(running, int(metrics.get("llamacpp:requests_deferred", 0)), 0,
-                         tuple(sorted(left, reverse=True)))
-        if self.api in ("vllm", "sglang"):
-            m = await self._metrics()
-            if self.api == "vllm":
-                return _Load(int(m.get("vllm:num_requests_running", 0)), int(m.get("vllm:num_requests_waiting", 0)), 0)
-            return _Load(int(m.get("sglang:num_running_reqs", 0)), int(m.get("sglang:num_queue_reqs", 0)), 0)
-        return None  # a generic OpenAI API has no load endpoint: only our own requests count
-
-    async def _metrics(self) -> dict[str, float]:
-        """Prometheus gauges summed over their labels."""
-        status, body = await self._get("/metrics")
-        if status != 200 or not isinstance(body, str):
-            return {}
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(body):
-            for s in family.samples:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-        return out
+    async def _poll(self) -> Load | None:
+        """The engine's running and waiting requests, from its own endpoints (`probe.DIALECTS`)."""
+        return await probe.DIALECTS.get(self.api, probe.Dialect()).load(self._client)
 
     # ---- requests on the loop ----
 
@@ -670,13 +573,20 @@ class RemoteBackend:
                 else:
                     self._finish(job, RequestStatus.FINISHED_CANCELLED)
             return
-        except _Refused as e:
-            self._finish(job, RequestStatus.FINISHED_ERROR, str(e), e.kind)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _Unhealthy) as e:
+        except EngineRefused as e:
+            self._finish(job, RequestStatus.FINISHED_ERROR, f"{self.name} ({self.url}): {e}", e.kind)
+        except EngineMisbehaved as e:  # this reply cannot be read: this request fails, not the engine
+            log.warning("%s: request %s: %s", self.name, job.req.id, e)
+            self._finish(job, RequestStatus.FINISHED_ERROR, f"backend {self.name} sent a reply this server will "
+                                                            f"not relay: {e}", "server_error")
+        except EngineSilent as e:  # unhealthy even if its /health answers: out for a while
+            self._quarantine()
+            self._engine_failed(f"{self.url} went silent: {e}", job)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineFailed) as e:
             self._engine_failed(f"{self.url} failed: {_why(e)}", job)
-        except Exception as e:  # a bug or an answer we cannot read: this request fails, not the engine
+        except Exception as e:  # a bug: this request fails, not the engine
             log.exception("%s: request %s failed", self.name, job.req.id)
-            self._finish(job, RequestStatus.FINISHED_ERROR, f"backend {self.name}: {e}", "server_error")
+            self._finish(job, RequestStatus.FINISHED_ERROR, f"backend {self.name}: {type(e).__name__}", "server_error")
         else:
             status = RequestStatus.FINISHED_LENGTH if job.finish_reason == "length" else RequestStatus.FINISHED_STOPPED
             if job.req.stop_after is not None and job.output_tokens() >= job.req.stop_after:
@@ -687,34 +597,21 @@ class RemoteBackend:
         chat = job.req.messages is not None and job.req.text is None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body = self._body(job.req, chat)
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=PROBE_TIMEOUT_S)
-        async with self._session.post(self.url + path, json=body, timeout=timeout) as resp:
-            if resp.status >= 500:
-                text = await resp.text()
-                if await self._answers_health():  # a live engine failed this request, not itself
-                    raise _Refused(f"{self.name} ({self.url}): {_error_message(text)}", _error_kind(text, resp.status))
-                raise _Unhealthy(f"{path} answered {resp.status}: {_error_message(text)}")
-            if resp.status >= 400:
-                text = await resp.text()
-                raise _Refused(f"{self.name} ({self.url}) refused the request: {_error_message(text)}",
-                               _error_kind(text, resp.status))
-            done = False
-            async for obj in sse.data_events(resp.content):
-                if obj is sse.DONE:
-                    done = True
-                    break
-                if obj.get("error"):
-                    raise _Refused(f"{self.name} ({self.url}): {_error_message(obj)}", _error_kind(obj, 500))
-                if obj.get("usage"):
-                    job.usage = obj["usage"]
-                for choice in obj.get("choices") or ():
-                    delta = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if delta:
-                        self._deliver(job, delta)
-                    if choice.get("finish_reason"):
-                        job.finish_reason = choice["finish_reason"]
-            if not done and job.finish_reason is None:
-                raise _Unhealthy("the stream ended before the request did")
+        result = await self._client.stream(path, body, chat=chat, max_tokens=body["max_tokens"],
+                                           on_delta=lambda d: self._deliver(job, d),
+                                           answers_health=self._answers_health)
+        job.usage = result.usage
+        job.finish_reason = result.finish_reason
+        if result.cut:  # the engine went on past the request's bound: what it is owed is what it got
+            log.warning("%s: request %s cut at its output bound (%d tokens)", self.name, job.req.id,
+                        body["max_tokens"])
+            if job.usage is not None:
+                job.usage = {**job.usage, "completion_tokens": min(job.chunks, body["max_tokens"])}
+
+    def _quarantine(self) -> None:
+        """Keep a silent engine out for `_quarantine_s` (doubling each time, up to the max)."""
+        self._out_until = time.monotonic() + self._quarantine_s
+        self._quarantine_s = min(self._quarantine_s * 2, MAX_QUARANTINE_S)
 
     def _body(self, req: Request, chat: bool) -> dict:
         sp = req.sampling
@@ -831,7 +728,7 @@ class RemoteBackend:
         prompt's output tokens are not known here)."""
         key = job.key
         if isinstance(key, str):
-            key = key + (_render_message({"role": "assistant", "content": text}) if job.req.messages
+            key = key + (render_message({"role": "assistant", "content": text}) if job.req.messages
                          and job.req.text is None else text)
         elif self.tokenizer is not None and job.req.text is not None:
             key = key + tuple(self.tokenizer.tokenize(text, add_special=False))
@@ -933,16 +830,18 @@ class RemoteBackend:
                                  "unavailable_error")
         self._set_unhealthy("restarting")
         await self._cancel_inflight(f"backend {self.name} restarted")
-        if self._session is not None:
-            await self._session.close()
-        self._session = self._new_session()
+        if self._client is not None:
+            await self._client.close()
+        self._client = self._new_client()
+        self._out_until = 0.0  # a restart asked for by a person lets it back at once
+        self._quarantine_s = self.config.quarantine_s
         with self._tree_lock:
             self._tree.clear()
         with self._lock:
-            self._load = _Load(0, 0, 0)
+            self._load = Load(0, 0, 0)
         try:
             await self._probe(first=True)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _Unhealthy) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineFailed, EngineMisbehaved) as e:
             self._set_unhealthy(f"cannot reach {self.url}: {_why(e)}")
 
     async def _cancel_inflight(self, why: str) -> None:
@@ -968,121 +867,10 @@ class RemoteBackend:
         await self._cancel_inflight(f"backend {self.name} shut down")
         if self._flush_pending:
             self._flush()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
         self._set_unhealthy("stopped")
-
-
-# ---- tokens ----
-
-
-class VocabOnly:
-    """A GGUF's vocabulary and chat template without its weights (llama.cpp `vocab_only`):
-    the remote engine's tokenizer, when it serves the same model, for exact cache keys.
-
-    Thread contract: immutable after construction but for the piece cache (see `Model`)."""
-
-    def __init__(self, spec: str):
-        from .llama import cpu_only, lc  # native code only where a tokenizer is asked for
-        from .llama.model import check_gguf, resolve_model
-
-        path = resolve_model(spec)
-        check_gguf(path)
-        params = lc.llama_model_default_params()
-        params.vocab_only = True
-        cpu_only(params)
-        self.path = path
-        self.ptr = lc.llama_model_load_from_file(str(path).encode(), params)
-        if not self.ptr:
-            raise ModelLoadError(f"llama.cpp could not load the vocabulary of {path}")
-        self.vocab = lc.llama_model_get_vocab(self.ptr)
-        self.bos = lc.llama_vocab_bos(self.vocab)
-        self.eos = lc.llama_vocab_eos(self.vocab)
-        self._pieces: dict[int, bytes] = {}
-        self._chat = None
-
-    # Model's own tokenize/piece/apply_chat_template, which use only what is set above.
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        from .llama.model import Model
-
-        return Model.tokenize(self, text, add_special=add_special, parse_special=parse_special)  # type: ignore[arg-type]  # duck-typed
-
-    def piece(self, token: int) -> bytes:
-        from .llama.model import Model
-
-        return Model.piece(self, token)  # type: ignore[arg-type]  # duck-typed
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        from .llama.model import Model
-
-        return Model.apply_chat_template(self, messages)  # type: ignore[arg-type]  # duck-typed
-
-    def close(self) -> None:
-        if self.ptr:
-            from .llama import lc
-
-            lc.llama_model_free(self.ptr)
-            self.ptr = None
-
-    def key(self, request: Request) -> tuple[int, ...]:
-        """The token ids the engine will compute for this request's prompt (the same
-        tokenization `Engine.generate` and `Engine.chat` do)."""
-        if request.text is not None:
-            return tuple(self.tokenize(request.text))
-        return tuple(self.tokenize(self.apply_chat_template(list(request.messages)), add_special=False))
-
-
-# ---- helpers ----
-
-
-def _key(request: Request, tokenizer: VocabOnly | None = None):
-    """(cache-prediction key, key elements per token): token ids where the request carries
-    them or a tokenizer makes them, else its text, else its messages rendered as text."""
-    if request.prompt_tokens:
-        return tuple(request.prompt_tokens), 1
-    if tokenizer is not None:
-        try:
-            return tokenizer.key(request), 1
-        except Exception:  # a template that refuses these messages: the engine will say why
-            log.debug("tokenizing %s for the cache prediction failed", request.id, exc_info=True)
-    if request.text is not None:
-        return request.text, CHARS_PER_TOKEN
-    return "".join(_render_message(m) for m in request.messages or ()), CHARS_PER_TOKEN
-
-
-def _render_message(m: dict) -> str:
-    content = m.get("content")
-    if not isinstance(content, str):
-        content = json.dumps(content, sort_keys=True, ensure_ascii=False)
-    return f"<|{m.get('role', '')}|>{content}"
-
-
-def _error_message(text) -> str:
-    """An error body's message: `text` is the body (str or bytes) or its parsed JSON."""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", "replace")
-    try:
-        obj = text if isinstance(text, dict) else json.loads(text)
-    except ValueError:
-        return text[:500]
-    err = obj.get("error") if isinstance(obj, dict) else None
-    if isinstance(err, dict):
-        return str(err.get("message") or err)
-    if isinstance(err, str):
-        return err
-    return str(obj.get("message") or obj.get("detail") or text)[:500] if isinstance(obj, dict) else text[:500]
-
-
-def _error_kind(text, status: int) -> str:
-    try:
-        err = (text if isinstance(text, dict) else json.loads(text)).get("error")
-        kind = err.get("type") if isinstance(err, dict) else None
-    except (ValueError, AttributeError):
-        kind = None
-    if isinstance(kind, str) and kind:
-        return kind
-    return "invalid_request_error" if status < 500 else "server_error"
 
 
 def _why(e: BaseException) -> str:

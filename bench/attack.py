@@ -1,0 +1,378 @@
+"""`tandem bench attack`: each attack of the hardening rounds beside normal traffic, against a
+real `tandem serve`, in one invocation.
+
+It starts `tandem serve --model M` (a subprocess on a free 127.0.0.1 port; attack traffic goes
+to 127.0.0.1 only, bounded in count and time), then runs phases of `--phase-s` seconds each.
+In every phase `--concurrency` normal clients send 8-token chats one after another (a new
+connection each, as curl would), and from the second phase on one attack runs beside them:
+
+- `keepalive`: `--connections` kept-alive connections that each send `GET /health` every 10 s
+  (reconnecting when the server lets go of them);
+- `stalled`: `--connections` connections that send a whole `POST` head and never the body
+  (reopened when the server lets go);
+- `grammar`: chats with a 20,000-alternative grammar (~200 KB), one after another;
+- `schema`: chats whose `json_schema` is a 20,000-value enum, one after another;
+- `schema-max`: what is still accepted: chats whose schema is an enum at `MAX_ENUM` values,
+  sampled at temperature 1 (every token a full grammar pass over the vocabulary), two at once;
+- `messages`: chats of 50,000 one-character messages, one after another;
+- `bodies`: six near-2 MiB chats at once, again and again.
+
+Each phase prints normal traffic's p50 and p95 latency, its errors, p95 over the quiet
+baseline's, what the attack's requests got, and the server's RSS; the last line is one JSON
+object (`--out DIR` also writes it, with the command, date and commit, to `attack.json`).
+The issue's bar: under each attack, p95 <= 2x quiet and 0 errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import aiohttp
+
+HELP = ("each attack (idle and stalled connections, grammar and schema bombs, 50,000 messages, near-2 MiB "
+        "bodies) beside normal traffic against a real tandem serve: normal p50/p95 and errors vs a quiet baseline")
+ATTACKS = ("keepalive", "stalled", "grammar", "schema", "schema-max", "messages", "bodies")
+NORMAL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+UP_S = 180  # the server loads the model and answers /health within this
+REQUEST_S = 60  # the most one normal request may take
+ATTACK_REQUESTS = 2000  # per phase, at most, for the request-level attacks
+PROBE_EVERY_S = 10.0
+NEAR_2MIB = 1_900_000
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default", help="the model `tandem serve` loads (default: %(default)s)")
+    p.add_argument("--backend", action="append", default=None, metavar="SPEC",
+                   help="backend specs for the server (default: its own)")
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds per phase (default: %(default)s)")
+    p.add_argument("--attacks", default=",".join(ATTACKS), help="which, in order (default: all)")
+    p.add_argument("--connections", type=int, default=1100,
+                   help="connections of the keepalive and stalled attacks (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=2, help="normal clients (default: %(default)s)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write attack.json there")
+
+
+@dataclass
+class Phase:
+    name: str
+    latencies: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    attack: collections.Counter = field(default_factory=collections.Counter)
+    rss_mb: float = 0.0
+
+    def summary(self, quiet_p95: float | None) -> dict:
+        lat = sorted(self.latencies)
+        p50 = statistics.median(lat) if lat else float("nan")
+        p95 = lat[min(int(0.95 * len(lat)), len(lat) - 1)] if lat else float("nan")
+        out = {"phase": self.name, "normal_requests": len(lat) + len(self.errors), "errors": len(self.errors),
+               "p50_ms": round(p50 * 1000, 1), "p95_ms": round(p95 * 1000, 1),
+               "p95_vs_quiet": round(p95 / quiet_p95, 2) if quiet_p95 else 1.0,
+               "attack": dict(self.attack), "server_rss_mb": round(self.rss_mb, 1),
+               "error_samples": self.errors[:3]}
+        out["pass"] = out["errors"] == 0 and out["p95_vs_quiet"] <= 2.0
+        return out
+
+
+def run_attack(args) -> int:
+    attacks = [a.strip() for a in args.attacks.split(",") if a.strip()]
+    unknown = [a for a in attacks if a not in ATTACKS]
+    if unknown:
+        print(f"tandem: unknown attack {', '.join(unknown)} (known: {', '.join(ATTACKS)})", file=sys.stderr)
+        return 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * args.connections + 512
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+    with _server(args) as (proc, base):
+        rows = asyncio.run(_phases(args, attacks, proc, base))
+    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(timezone.utc).isoformat(),
+              "commit": _commit(), "model": args.model, "phase_s": args.phase_s, "phases": rows,
+              "pass": all(r["pass"] for r in rows)}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "attack.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+@contextlib.contextmanager
+def _server(args):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "app", "serve", "--model", args.model, "--port", str(port), "--no-calibrate"]
+    for spec in args.backend or ():
+        cmd += ["--backend", spec]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + UP_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as c:
+                    c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                    if c.recv(64).startswith(b"HTTP/1.1 200"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tandem serve did not answer /health within {UP_S} s")
+            time.sleep(0.5)
+        yield proc, base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+async def _phases(args, attacks: list[str], proc, base: str) -> list[dict]:
+    rows = []
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:  # warm-up: not measured
+        warm = Phase("warm-up")
+        await _normal(session, base, asyncio.get_running_loop().time() + 3, warm)
+    quiet = await _phase(args, "quiet", proc, base)
+    rows.append(quiet.summary(None))
+    _print(rows[-1], header=True)
+    quiet_p95 = rows[0]["p95_ms"] / 1000 or None
+    for name in attacks:
+        await asyncio.sleep(2)  # the previous attack's connections close
+        phase = await _phase(args, name, proc, base)
+        rows.append(phase.summary(quiet_p95))
+        _print(rows[-1])
+    return rows
+
+
+async def _phase(args, name: str, proc, base: str) -> Phase:
+    phase = Phase(name)
+    loop = asyncio.get_running_loop()
+    stop_at = loop.time() + args.phase_s
+    attack = None
+    if name != "quiet":
+        attack = asyncio.create_task(ATTACK_FNS[name](args, base, stop_at, phase.attack))
+        await asyncio.sleep(min(3.0, args.phase_s / 4))  # let it build up before measuring
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(_normal(session, base, stop_at, phase) for _ in range(args.concurrency)))
+    if attack is not None:
+        attack.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await attack
+    phase.rss_mb = _rss_mb(proc.pid)
+    return phase
+
+
+async def _normal(session: aiohttp.ClientSession, base: str, stop_at: float, phase: Phase) -> None:
+    loop = asyncio.get_running_loop()
+    while loop.time() < stop_at:
+        t0 = time.perf_counter()
+        try:
+            async with session.post(base + "/v1/chat/completions", json=NORMAL,
+                                    timeout=aiohttp.ClientTimeout(total=REQUEST_S)) as r:
+                body = await r.read()
+                if r.status != 200:
+                    phase.errors.append(f"{r.status}: {body[:200].decode('utf-8', 'replace')}")
+                    continue
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            phase.errors.append(f"{type(e).__name__}: {e}")
+            continue
+        phase.latencies.append(time.perf_counter() - t0)
+
+
+# ---- attacks (127.0.0.1 only, bounded in count and time) ----
+
+
+def _addr(base: str) -> tuple[str, int]:
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    assert host == "127.0.0.1", "attack traffic goes to 127.0.0.1 only"
+    return host, int(port)
+
+
+async def _keepalive(args, base: str, stop_at: float, tally: collections.Counter) -> None:
+    host, port = _addr(base)
+    loop = asyncio.get_running_loop()
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(i * 0.002)
+        writer = None
+        while loop.time() < stop_at:
+            try:
+                if writer is None:
+                    reader, writer = await asyncio.open_connection(host, port)
+                    tally["connections"] += 1
+                writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                await writer.drain()
+                head = await asyncio.wait_for(reader.read(4096), 10)
+                if not head:
+                    raise ConnectionResetError
+                tally[head[9:12].decode("ascii", "replace")] += 1
+            except (OSError, TimeoutError):
+                tally["dropped"] += 1
+                if writer is not None:
+                    writer.close()
+                writer = None
+                await asyncio.sleep(0.5)
+                continue
+            await asyncio.sleep(PROBE_EVERY_S)
+        if writer is not None:
+            writer.close()
+
+    await asyncio.gather(*(one(i) for i in range(args.connections)))
+
+
+async def _stalled(args, base: str, stop_at: float, tally: collections.Counter) -> None:
+    host, port = _addr(base)
+    loop = asyncio.get_running_loop()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{")
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(i * 0.002)
+        while loop.time() < stop_at:
+            writer = None
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                tally["connections"] += 1
+                writer.write(head)
+                await writer.drain()
+                reply = await asyncio.wait_for(reader.read(4096), max(stop_at - loop.time(), 0.1))
+                tally[reply[9:12].decode("ascii", "replace") if reply else "dropped"] += 1
+            except TimeoutError:
+                tally["held to the end"] += 1
+            except OSError:
+                tally["dropped"] += 1
+            finally:
+                if writer is not None:
+                    writer.close()
+            await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(one(i) for i in range(args.connections)))
+
+
+def _grammar_body() -> bytes:
+    grammar = "root ::= " + " | ".join(f'"w{i}"' for i in range(20_000))
+    return json.dumps({**NORMAL, "grammar": grammar}).encode()
+
+
+def _schema_body() -> bytes:
+    schema = {"enum": [f"value{i}" for i in range(20_000)]}
+    return json.dumps({**NORMAL, "response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": schema}}}).encode()
+
+
+def _schema_max_body() -> bytes:
+    from engine.llama.grammar import MAX_ENUM  # native code: only when this attack runs
+
+    schema = {"enum": [f"value{i}" for i in range(MAX_ENUM)]}
+    return json.dumps({**NORMAL, "temperature": 1.0, "max_tokens": 16,
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": schema}}}).encode()
+
+
+def _messages_body() -> bytes:
+    return json.dumps({**NORMAL, "messages": [{"role": "user", "content": "x"}] * 50_000}).encode()
+
+
+def _big_body() -> bytes:
+    return json.dumps({**NORMAL, "messages": [{"role": "user", "content": "hello world " * (NEAR_2MIB // 12)}]}).encode()
+
+
+async def _posting(base: str, body: bytes, stop_at: float, tally: collections.Counter, parallel: int = 1) -> None:
+    _addr(base)
+    loop = asyncio.get_running_loop()
+    sent = 0
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one() -> None:
+            nonlocal sent
+            while loop.time() < stop_at and sent < ATTACK_REQUESTS:
+                sent += 1
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(base + "/v1/chat/completions", data=body,
+                                            headers={"Content-Type": "application/json"},
+                                            timeout=aiohttp.ClientTimeout(total=REQUEST_S)) as r:
+                        await r.read()
+                        tally[str(r.status)] += 1
+                except (aiohttp.ClientError, TimeoutError, OSError) as e:
+                    tally[type(e).__name__] += 1
+                tally["max_ms"] = max(tally["max_ms"], int((time.perf_counter() - t0) * 1000))
+
+        await asyncio.gather(*(one() for _ in range(parallel)))
+
+
+async def _grammar(args, base, stop_at, tally):
+    await _posting(base, _grammar_body(), stop_at, tally)
+
+
+async def _schema(args, base, stop_at, tally):
+    await _posting(base, _schema_body(), stop_at, tally)
+
+
+async def _schema_max(args, base, stop_at, tally):
+    await _posting(base, _schema_max_body(), stop_at, tally, parallel=2)
+
+
+async def _messages(args, base, stop_at, tally):
+    await _posting(base, _messages_body(), stop_at, tally)
+
+
+async def _bodies(args, base, stop_at, tally):
+    await _posting(base, _big_body(), stop_at, tally, parallel=6)
+
+
+ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar, "schema": _schema, "schema-max": _schema_max,
+              "messages": _messages, "bodies": _bodies}
+
+
+# ---- reporting ----
+
+
+def _print(row: dict, header: bool = False) -> None:
+    if header:
+        print(f"{'phase':<11} {'normal':>6} {'errors':>6} {'p50 ms':>8} {'p95 ms':>8} {'p95/quiet':>9} "
+              f"{'rss MB':>7}  attack replies", flush=True)
+    attack = ", ".join(f"{k}: {v}" for k, v in sorted(row["attack"].items()))
+    print(f"{row['phase']:<11} {row['normal_requests']:>6} {row['errors']:>6} {row['p50_ms']:>8.1f} "
+          f"{row['p95_ms']:>8.1f} {row['p95_vs_quiet']:>9.2f} {row['server_rss_mb']:>7.1f}  {attack}", flush=True)
+    for e in row["error_samples"]:
+        print(f"{'':<10} error: {e}", flush=True)
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+

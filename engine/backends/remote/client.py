@@ -1,0 +1,289 @@
+"""The OpenAI HTTP client a remote backend talks to its engine with, treating the engine as untrusted.
+
+Every call is bounded, so one bad engine costs its own requests, never the router:
+- *sizes*: a GET (`/health`, `/v1/models`, `/metrics`, `/slots`...) reads at most
+  `PROBE_BODY_BYTES`, an error body `ERROR_BODY_BYTES`, an SSE line `EVENT_BYTES`; past that
+  the call fails with `EngineMisbehaved` (a 400 MB `/health` body used to swing the router's
+  memory to 1 GB on every probe);
+- *time*: the first event of a stream must come within `first_token_s` of the request, each
+  next one within `token_gap_s` of the last (`EngineSilent`); the router's only limit used
+  to be the request's whole 600 s;
+- *output*: a stream is cut at the request's `max_tokens` chunks (an engine sends at most
+  one chunk per token) or `max_tokens * TOKEN_BYTES` bytes, and ends as `length` (an engine
+  that ignored `max_tokens` had 2.9 MB relayed for a 20-token request);
+- *shape*: every field read from a reply is checked (`parse_event`): a `choices` entry whose
+  `text` is `12345`, a `usage` that is a string, an event that is not an object are
+  `EngineMisbehaved` for that request alone (it used to raise a `TypeError` deep in the
+  backend and leave its callers hanging).
+
+Thread contract: one `EngineClient` per backend, used on that backend's loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+PROBE_TIMEOUT_S = 5.0
+PROBE_BODY_BYTES = 1 << 20  # /health, /v1/models, /metrics, /slots, /props: 1 MiB is generous
+ERROR_BODY_BYTES = 64 << 10
+EVENT_BYTES = 256 << 10  # one SSE line (one chunk's JSON); aiohttp's reader refuses longer lines
+TOKEN_BYTES = 64  # the most bytes one streamed token may carry (the longest tokens are ~16-32)
+FIRST_TOKEN_S = 60.0  # defaults of `RemoteConfig.first_token_s` / `token_gap_s`
+TOKEN_GAP_S = 30.0
+
+
+class EngineFailed(Exception):
+    """The engine failed (connection lost, 5xx): the whole backend goes unhealthy."""
+
+
+class EngineSilent(EngineFailed):
+    """The engine stopped answering within a deadline: unhealthy even if `/health` answers."""
+
+
+class EngineMisbehaved(Exception):
+    """A reply this client will not read (too large, wrong shape): that request fails alone."""
+
+
+class EngineRefused(Exception):
+    """The engine refused this one request (4xx, or an error in its stream)."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class StreamResult:
+    """What one streamed request produced, beside the deltas handed to `on_delta`."""
+
+    usage: dict | None = None
+    finish_reason: str | None = None
+    chunks: int = 0
+    cut: bool = False  # stopped here at the request's output bound
+
+
+class EngineClient:
+    """HTTP to one engine: bounded GETs and bounded, validated completion streams."""
+
+    def __init__(self, url: str, key: str | None, *, first_token_s: float = FIRST_TOKEN_S,
+                 token_gap_s: float = TOKEN_GAP_S, timeout_s: float = 600.0):
+        self.url = url
+        self.first_token_s = first_token_s
+        self.token_gap_s = token_gap_s
+        self.timeout_s = timeout_s
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # No pool limit: the backend's `cap` bounds the connections for requests; probes need their own.
+        self.session = aiohttp.ClientSession(
+            headers=headers, connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S),
+            read_bufsize=EVENT_BYTES // 2)  # a line may be twice this (aiohttp's StreamReader)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def get(self, path: str, timeout: float = PROBE_TIMEOUT_S, limit: int = PROBE_BODY_BYTES):
+        """GET a path: (status, parsed JSON or text), its body read up to `limit` bytes
+        (`EngineMisbehaved` past it). Raises aiohttp and timeout errors."""
+        async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            body = await read_capped(r, limit, f"{path}")
+            text = body.decode("utf-8", "replace")
+            if "json" in (r.content_type or ""):
+                try:
+                    return r.status, json.loads(text)
+                except ValueError:
+                    pass
+            return r.status, text
+
+    async def stream(self, path: str, body: dict, *, chat: bool, max_tokens: int,
+                     on_delta: Callable[[str], None], answers_health) -> StreamResult:
+        """POST a streaming completion and hand each text delta to `on_delta`, within the
+        deadlines and the output bound (see the module docstring). `answers_health()` tells a
+        5xx from a live engine (this request's failure) from a failing one."""
+        out = StreamResult()
+        limit_bytes = max(max_tokens, 1) * TOKEN_BYTES
+        max_events = 2 * max(max_tokens, 1) + 64  # a token's event, and a few for role, finish, usage
+        seen_bytes = events = 0
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=PROBE_TIMEOUT_S)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            async with asyncio.timeout(self.first_token_s):
+                resp = await self.session.post(self.url + path, json=body, timeout=timeout)
+        except TimeoutError:
+            raise EngineSilent(f"no answer within {self.first_token_s:g} s (first-token deadline)") from None
+        async with resp:
+            if resp.status >= 400:
+                text = await read_capped(resp, ERROR_BODY_BYTES, path, cut=True)
+                if resp.status >= 500:
+                    if await answers_health():  # a live engine failed this request, not itself
+                        raise EngineRefused(error_message(text), error_kind(text, resp.status))
+                    raise EngineFailed(f"{path} answered {resp.status}: {error_message(text)}")
+                raise EngineRefused(f"refused the request: {error_message(text)}", error_kind(text, resp.status))
+            deadline = started + self.first_token_s
+            done = False
+            while True:
+                wait = deadline - loop.time()
+                try:
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        raw = await resp.content.readline()
+                except TimeoutError:
+                    which = "first-token" if out.chunks == 0 else "inter-token"
+                    limit = self.first_token_s if out.chunks == 0 else self.token_gap_s
+                    raise EngineSilent(f"no {'first ' if out.chunks == 0 else ''}token within {limit:g} s "
+                                       f"({which} deadline)") from None
+                except ValueError as e:  # aiohttp: a line longer than max_line_size
+                    raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes ({e})") from None
+                if not raw:
+                    break
+                if len(raw) > EVENT_BYTES:
+                    raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes")
+                line = raw.strip()
+                if not line.startswith(b"data:"):  # comments and keep-alives move no deadline
+                    continue
+                events += 1
+                if events > max_events:  # events without text, forever
+                    out.cut = True
+                    out.finish_reason = "length"
+                    return out
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    raise EngineMisbehaved("an event that is not JSON") from None
+                deltas, finish, usage, error = parse_event(obj, chat)
+                if error is not None:
+                    raise EngineRefused(error_message(error), error_kind(error, 500))
+                if usage is not None:
+                    out.usage = usage
+                for delta in deltas:
+                    seen_bytes += len(delta.encode("utf-8", "surrogatepass"))
+                    if out.chunks + 1 > max_tokens or seen_bytes > limit_bytes:
+                        out.cut = True
+                        out.finish_reason = "length"
+                        return out  # leaving the block closes the connection: the engine sees it
+                    out.chunks += 1
+                    on_delta(delta)
+                if finish is not None:
+                    out.finish_reason = finish
+                deadline = loop.time() + self.token_gap_s
+            if not done and out.finish_reason is None:
+                raise EngineFailed("the stream ended before the request did")
+        return out
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int, what: str, cut: bool = False) -> bytes:
+    """A reply's body, at most `limit` bytes: past it, `EngineMisbehaved` (or, with `cut`, the
+    first `limit` bytes: an error message needs no more)."""
+    if resp.content_length is not None and resp.content_length > limit and not cut:
+        raise EngineMisbehaved(f"{what} answered {resp.content_length} bytes; at most {limit} are read")
+    data = bytearray()
+    while True:
+        chunk = await resp.content.read(min(65536, limit + 1 - len(data)))
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > limit:
+            if cut:
+                return bytes(data[:limit])
+            raise EngineMisbehaved(f"{what} answered more than {limit} bytes")
+    return bytes(data)
+
+
+def parse_event(obj, chat: bool) -> tuple[list[str], str | None, dict | None, object | None]:
+    """One stream event → (text deltas, finish reason, usage, error), every field checked:
+    `EngineMisbehaved` names the first that is not what OpenAI's API says it is."""
+    if not isinstance(obj, dict):
+        raise EngineMisbehaved(f"an event that is {_type(obj)}, not an object")
+    error = obj.get("error")
+    if error:
+        return [], None, None, obj
+    usage = obj.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise EngineMisbehaved(f"usage is {_type(usage)}, not an object")
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            v = usage.get(k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise EngineMisbehaved(f"usage.{k} is {_type(v)}, not a count")
+        details = usage.get("prompt_tokens_details")
+        if details is not None and not isinstance(details, dict):
+            raise EngineMisbehaved(f"usage.prompt_tokens_details is {_type(details)}, not an object")
+        usage = usage or None
+    choices = obj.get("choices")
+    if choices is None:
+        choices = []
+    if not isinstance(choices, list):
+        raise EngineMisbehaved(f"choices is {_type(choices)}, not a list")
+    deltas: list[str] = []
+    finish = None
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise EngineMisbehaved(f"a choice is {_type(choice)}, not an object")
+        if chat:
+            delta = choice.get("delta")
+            if delta is None:
+                delta = {}
+            if not isinstance(delta, dict):
+                raise EngineMisbehaved(f"choices[].delta is {_type(delta)}, not an object")
+            text = delta.get("content")
+            where = "choices[].delta.content"
+        else:
+            text = choice.get("text")
+            where = "choices[].text"
+        if text is not None and not isinstance(text, str):
+            raise EngineMisbehaved(f"{where} is {_type(text)}, not a string")
+        if text:
+            deltas.append(text)
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            if not isinstance(reason, str) or len(reason) > 64:
+                raise EngineMisbehaved(f"choices[].finish_reason is {_type(reason)}, not a short string")
+            finish = reason
+    return deltas, finish, usage, None
+
+
+def error_message(text) -> str:
+    """An error body's message: `text` is the body (str or bytes) or its parsed JSON."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        obj = text if isinstance(text, dict) else json.loads(text)
+    except ValueError:
+        return text[:500]
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)[:500]
+    if isinstance(err, str):
+        return err[:500]
+    return str(obj.get("message") or obj.get("detail") or text)[:500] if isinstance(obj, dict) else str(text)[:500]
+
+
+def error_kind(text, status: int) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        err = (text if isinstance(text, dict) else json.loads(text)).get("error")
+        kind = err.get("type") if isinstance(err, dict) else None
+    except (ValueError, AttributeError):
+        kind = None
+    if isinstance(kind, str) and kind in _KINDS:
+        return kind
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+# The kinds an engine's error may carry through to our clients; anything else is ours to name.
+_KINDS = frozenset({"invalid_request_error", "exceed_context_size_error", "not_found_error",
+                    "queue_full_error", "unavailable_error", "server_error"})
+
+
+def _type(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)

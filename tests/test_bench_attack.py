@@ -1,0 +1,25 @@
+"""`tandem bench attack` end to end, small: a real `tandem serve` on the tiny model, two short
+attacks beside normal traffic, one JSON summary with a row per phase."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+WAIT = 300
+
+
+def test_bench_attack_prints_each_phase_against_the_quiet_baseline(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "app", "bench", "attack", "--model", "synthetic:tiny",
+                        "--backend", "cpu:threads=1,cap=4,ctx=1024", "--phase-s", "3", "--connections", "30",
+                        "--attacks", "keepalive,grammar", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=WAIT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [r["phase"] for r in summary["phases"]] == ["quiet", "keepalive", "grammar"]
+    assert all(r["normal_requests"] > 0 for r in summary["phases"])
+    grammar = summary["phases"][2]
+    assert grammar["attack"].get("400", 0) > 0 and "200" not in grammar["attack"]  # every bomb refused
+    assert json.loads((tmp_path / "attack.json").read_text())["phases"] == summary["phases"]
+    assert "p95/quiet" in p.stdout
