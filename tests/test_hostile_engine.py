@@ -22,7 +22,7 @@ from engine.backends.config import RemoteConfig
 from engine.engine import Engine
 from engine.core.events import EventBus
 from engine.core.request import Request, RequestStatus, SamplingParams
-from engine.router import Router
+from engine.routing import Router
 
 from waiting import wait_until
 
