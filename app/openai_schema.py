@@ -50,7 +50,7 @@ from pydantic.json_schema import models_json_schema
 from engine.errors import EngineError, InvalidRequest
 from engine.llama.grammar import object_grammar, schema_grammar
 from engine.request import MAX_TOKENS, Request, SamplingParams
-from engine.structured import ToolMode, function_schema, output_schema
+from engine.structured import ToolMode, function_schema, output_schema, standalone_schema
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -533,7 +533,7 @@ def _structured(body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolMod
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: function names must be unique", param="tools")
     for i, f in enumerate(functions):  # each schema alone first, so an error names its function
-        schema_grammar(function_schema(f), param=f"tools[{i}].function.parameters")
+        schema_grammar(standalone_schema(function_schema(f), f["name"]), param=f"tools[{i}].function.parameters")
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -561,7 +561,7 @@ def _format_grammar(body: _Sampling) -> str | None:
         raise InvalidRequest("grammar cannot be combined with a response_format", param="grammar")
     if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
         return object_grammar()
-    return schema_grammar(fmt.json_schema.schema_, param="response_format")
+    return schema_grammar(standalone_schema(fmt.json_schema.schema_, fmt.json_schema.name), param="response_format")
 
 
 def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
