@@ -459,7 +459,8 @@ def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidReq
         return InvalidRequest(f"the request body must be a JSON object, got {_type(first['input'])}")
     loc = first["loc"]
     param = str(loc[0]) if loc else None
-    if param in _UNSUPPORTED and not (param == "tools" and cls is ChatCompletionRequest):
+    if param in _UNSUPPORTED and cls is not None and issubclass(cls, _Sampling) \
+            and not (param == "tools" and cls is ChatCompletionRequest):
         return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server"
                               f"{' (use repeat_penalty)' if param.endswith('_penalty') else ''}", param=param)
     if not loc and first["type"] == "value_error":  # a rule across fields (`_top_needs_logprobs`)

@@ -35,10 +35,10 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import Field
 
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from engine.handle import RequestHandle
 from engine.request import MAX_TOKENS, FinishRecord
-from engine.structured import ToolCall
+from engine.structured import ToolCall, parse_reply
 
 from .http_guard import read_body
 from .openai_schema import (
@@ -291,11 +291,8 @@ def _messages(input_: str | list[dict]) -> list[dict]:
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
-                last.setdefault("tool_calls", []).append(call)  # one assistant turn with several calls
-            elif last is not None and last["role"] == "assistant":
-                last["tool_calls"] = [call]
+            if out and out[-1]["role"] == "assistant":  # one assistant turn: its text, then its calls
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -382,8 +379,6 @@ class ResponseShape:
         """(text, tool calls) of the finished reply (a reply cut short holds no call)."""
         if self.call.parsed.tools is None:
             return record.text, []
-        from engine.structured import parse_reply
-
         try:
             return parse_reply(record.text, self.call.parsed.tools)
         except InvalidRequest:
@@ -440,8 +435,11 @@ async def create(request: web.Request) -> web.StreamResponse:
     app = request.app
     store = app[RESPONSES]
     call = await asyncio.to_thread(build, raw, app[ENGINE], app[SETTINGS].served, store)
-    engine = app[ENGINE]
-    handle = engine.submit(call.parsed.request, loop=asyncio.get_running_loop())
+    try:
+        handle = app[ENGINE].submit(call.parsed.request, loop=asyncio.get_running_loop())
+    except ContextLengthExceeded as e:
+        e.param = "input"
+        raise
     shape = ResponseShape(call, handle, app[SETTINGS].fingerprint)
     try:
         if call.body.stream:
@@ -560,6 +558,42 @@ async def _send_output_whole(response: web.StreamResponse, shape: ResponseShape,
 async def _send(response: web.StreamResponse, event: dict) -> None:
     await response.write(f"event: {event['type']}\ndata: ".encode()
                          + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+
+
+def document(doc: dict, *, auth: bool) -> None:
+    """Add these routes and `ResponsesRequest` to the server's OpenAPI document `doc`."""
+    schemas = doc["components"]["schemas"]
+    request_schema = ResponsesRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(request_schema.pop("$defs", {}))
+    schemas["ResponsesRequest"] = request_schema
+    schemas["Response"] = {"type": "object", "required": ["id", "object", "created_at", "status", "output"],
+                           "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": ["response"]},
+                                          "created_at": {"type": "integer"}, "status": {"type": "string"},
+                                          "output": {"type": "array"}, "usage": {"type": ["object", "null"]}}}
+    security = {"security": [{"bearer": []}]} if auth else {}
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    failures = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model or previous response",
+                429: "queue full, retry later", 503: "no backend can serve"}
+    answers = {"200": {"description": "the response, or an SSE stream of its events when `stream` is true",
+                       "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Response"}},
+                                   "text/event-stream": {"schema": {"type": "string"}}}},
+               **{str(code): {"description": text, **error} for code, text in failures.items()}}
+    by_id = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    stored = {"200": {"description": "the stored response", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Response"}}}}, "404": {"description": "not stored", **error}}
+    doc["paths"]["/v1/responses"] = {"post": {"summary": "a response (OpenAI's Responses API)", **security,
+                                              "requestBody": {"required": True, "content": {"application/json": {
+                                                  "schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}},
+                                              "responses": answers}}
+    doc["paths"]["/v1/responses/{id}"] = {
+        "get": {"summary": "a stored response", "parameters": by_id, "responses": stored, **security},
+        "delete": {"summary": "forget a stored response", "parameters": by_id, "responses": stored, **security}}
+    doc["paths"]["/v1/models/{model}"] = {"get": {
+        "summary": "one served model", **security,
+        "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "the model", "content": {"application/json": {"schema": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"]}}}},
+            "404": {"description": "unknown model", **error}}}}
 
 
 ROUTES = [

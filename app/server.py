@@ -154,6 +154,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
 
     app[responses.RESPONSES] = responses.ResponseStore()
     app.add_routes(responses.ROUTES)
+    responses.document(app[SETTINGS].openapi, auth=bool(api_key))
     return app
 
 

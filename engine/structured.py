@@ -34,6 +34,7 @@ Thread contract: pure functions of their inputs.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import secrets
@@ -119,7 +120,7 @@ def lift_definitions(schema: dict, owner: str, defs: dict) -> dict:
     """`schema` without its `$defs` / `definitions`, which go into `defs` (the top level's)
     as `defs-<owner>-<name>`; every local `$ref` in it rewritten to match. A `$ref` to the
     root (`#`) or to another path inside the schema points into a copy of the whole schema
-    kept in `defs` as `defs-<owner>`. `nullable: true` (OpenAPI's) becomes a null branch.
+    kept in `defs` as `defs-<owner>` (the body itself stays where it was). `nullable: true` (OpenAPI's) becomes a null branch.
     Names are unique within `defs`, so many schemas can share one top level."""
     if not isinstance(schema, dict):
         return schema
@@ -165,9 +166,8 @@ def lift_definitions(schema: dict, owner: str, defs: dict) -> dict:
         for name, sub in (body.pop(section, None) or {}).items():
             if name in own and defs.get(own[name]) is None:
                 defs[own[name]] = sub
-    if root is not None:
-        defs[root] = body
-        return {"$ref": f"#/$defs/{root}"}
+    if root is not None:  # the body stays in place (the converter registers only the refs it can reach
+        defs[root] = copy.deepcopy(body)  # from the root's keys, never from behind a root `$ref`)
     return body
 
 
