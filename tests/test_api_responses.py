@@ -75,11 +75,12 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(client):
 
 
 def test_instructions_reach_the_prompt(client):
-    bare = client.responses.create(model="default", input="Hi", max_output_tokens=1)
-    told = client.responses.create(model="default", input="Hi", max_output_tokens=1,
-                                   instructions="You are a pirate. Answer like one, always.")
-    assert told.usage.input_tokens > bare.usage.input_tokens
-    assert told.instructions == "You are a pirate. Answer like one, always."
+    short = "You are a pirate."
+    long = short + " Answer like one, always, in every reply, whatever the question." * 5
+    told = [client.responses.create(model="default", input="Hi", max_output_tokens=1, instructions=text)
+            for text in (short, long)]
+    assert told[1].usage.input_tokens > told[0].usage.input_tokens + 40
+    assert told[1].instructions == long
 
 
 def test_message_items_with_input_text_parts_are_accepted(client):
@@ -108,11 +109,12 @@ def test_a_stream_sends_openais_events_in_order_with_usage(client):
 
 
 def test_the_sdks_stream_helper_assembles_the_final_response(client):
-    with client.responses.stream(model="default", input="Name a colour.", max_output_tokens=8,
-                                 temperature=0) as stream:
+    with client.responses.stream(model="default", input="Reply with one word: yes or no. Is snow cold?",
+                                 max_output_tokens=60, temperature=0) as stream:
         for _ in stream:
             pass
         final = stream.get_final_response()
+    assert final.status == "completed"
     assert final.output_text and final.usage.output_tokens > 0
 
 
