@@ -79,16 +79,25 @@ def test_model_objects_carry_created_and_owned_by(server):
 # ---- ids and fingerprints ----
 
 
-def test_response_ids_differ_across_restarts(server, client):
-    first = client.chat.completions.create(model="default", messages=ASK, max_tokens=1).id
-    again = Server("--model", "default", "--backend", SPEC).wait_healthy()
+def first_reply_id() -> str:
+    """The id of a fresh server's first reply (uncalibrated: every start does the same before it)."""
+    srv = Server("--model", "default", "--backend", SPEC, "--no-calibrate").wait_healthy()
     try:
-        with openai.OpenAI(base_url=again.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0) as other:
-            second = other.chat.completions.create(model="default", messages=ASK, max_tokens=1).id
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0) as c:
+            return c.chat.completions.create(model="default", messages=ASK, max_tokens=1).id
     finally:
-        again.close()
+        srv.close()
+
+
+def test_response_ids_differ_across_restarts():
+    first, second = first_reply_id(), first_reply_id()  # were both chatcmpl-req-1
     assert first != second
-    assert first.startswith("chatcmpl-")
+    assert first.startswith("chatcmpl-") and second.startswith("chatcmpl-")
+
+
+def test_response_ids_differ_within_a_server(client):
+    ids = {client.chat.completions.create(model="default", messages=ASK, max_tokens=1).id for _ in range(2)}
+    assert len(ids) == 2
 
 
 def test_replies_carry_one_system_fingerprint(client):
