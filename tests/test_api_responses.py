@@ -56,7 +56,7 @@ def post(server, body: dict) -> httpx.Response:
 # ---- plain ----
 
 
-def test_a_string_input_gets_a_completed_response_with_text_and_usage(client):
+def test_a_string_input_gets_an_assistant_message_with_its_usage(client):
     r = client.responses.create(model="default", input="Name a colour.", max_output_tokens=8, temperature=0)
     assert r.object == "response" and r.id.startswith("resp_")
     assert r.status in ("completed", "incomplete")

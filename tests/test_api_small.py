@@ -70,7 +70,7 @@ def test_models_retrieve_of_an_unknown_model_is_a_404(client):
     assert e.value.body["code"] == "model_not_found"
 
 
-def test_model_objects_carry_created_and_owned_by(server):
+def test_model_objects_carry_openais_fields(server):
     model = server.get("/v1/models")["data"][0]
     assert isinstance(model["created"], int) and model["created"] > 0
     assert isinstance(model["owned_by"], str) and model["owned_by"]
@@ -158,7 +158,7 @@ def test_a_required_tool_call_cut_by_its_length_has_no_content(client):
 # ---- errors ----
 
 
-def test_an_unknown_endpoint_404_names_the_path_and_the_served_ones(server):
+def test_an_unknown_endpoints_404_names_it_among_the_served_ones(server):
     r = httpx.post(server.url + "/v1/frobnicate", json={}, timeout=TIMEOUT)
     assert r.status_code == 404
     err = r.json()["error"]
@@ -185,7 +185,7 @@ def one_slot():
         loop.close()
 
 
-def test_a_429_says_the_queue_is_full_and_how_many_wait(one_slot):
+def test_a_429_says_how_full_the_queue_is(one_slot):
     eng, base = one_slot
     (backend,) = eng.backends.values()
     gate, held = threading.Event(), threading.Event()

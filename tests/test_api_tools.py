@@ -76,7 +76,7 @@ def test_two_tools_defs_of_one_name_stay_apart():
     assert "defs-save-Address" in grammar and "defs-ship-Address" in grammar
 
 
-def test_definitions_and_a_ref_to_the_root_are_lifted():
+def test_definitions_with_a_ref_to_the_root_are_lifted():
     tree = {"type": "object", "properties": {"label": {"type": "string"},
                                              "children": {"type": "array", "items": {"$ref": "#"}},
                                              "tag": {"$ref": "#/definitions/Tag"}},
