@@ -51,7 +51,7 @@ from engine.prompts.chat import MAX_MESSAGES, min_tokens
 from engine.core.errors import EngineError, InvalidRequest
 from engine.llama.grammar import object_grammar, schema_grammar
 from engine.core.request import MAX_TOKENS, Request, SamplingParams
-from engine.prompts.structured import ToolMode, function_schema, output_schema
+from engine.prompts.structured import ToolMode, function_schema, output_schema, standalone_schema
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -471,7 +471,8 @@ def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidReq
         return InvalidRequest(f"the request body must be a JSON object, got {_type(first['input'])}")
     loc = first["loc"]
     param = str(loc[0]) if loc else None
-    if param in _UNSUPPORTED and not (param == "tools" and cls is ChatCompletionRequest):
+    if param in _UNSUPPORTED and cls is not None and issubclass(cls, _Sampling) \
+            and not (param == "tools" and cls is ChatCompletionRequest):
         return InvalidRequest(f"{param}={quote(first['input'])} is not supported by this server"
                               f"{' (use repeat_penalty)' if param.endswith('_penalty') else ''}", param=param)
     if not loc and first["type"] == "value_error":  # a rule across fields (`_top_needs_logprobs`)
@@ -548,7 +549,7 @@ def _structured(body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolMod
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: function names must be unique", param="tools")
     for i, f in enumerate(functions):  # each schema alone first, so an error names its function
-        schema_grammar(function_schema(f), param=f"tools[{i}].function.parameters")
+        schema_grammar(standalone_schema(function_schema(f), f["name"]), param=f"tools[{i}].function.parameters")
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -576,7 +577,7 @@ def _format_grammar(body: _Sampling) -> str | None:
         raise InvalidRequest("grammar cannot be combined with a response_format", param="grammar")
     if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
         return object_grammar()
-    return schema_grammar(fmt.json_schema.schema_, param="response_format")
+    return schema_grammar(standalone_schema(fmt.json_schema.schema_, fmt.json_schema.name), param="response_format")
 
 
 def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:

@@ -2,8 +2,9 @@
 
 Routes:
     POST /v1/chat/completions, POST /v1/completions   JSON or SSE (`stream: true`)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (app/responses.py)
     POST /tokenize, POST /detokenize   llama-server's: text <-> token ids of the served model
-    GET  /v1/models        the one served model
+    GET  /v1/models, GET /v1/models/{id}   the served model(s), OpenAI's model objects
     GET  /v1/routing       backends' snapshots and the router's recent decisions
     GET  /v1/backends      backends' snapshots (each with its live cap and why it last moved)
     GET  /health           200 ok/degraded while a backend serves, else 503 (details with the key)
@@ -39,11 +40,13 @@ loop. Tokens come back through `RequestHandle.astream()` (marshalled with
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -51,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from pydantic_core import from_json
 
 from engine.engine import Engine
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
@@ -99,8 +103,9 @@ class ServerSettings:
     api_key: str | None
     served: ServedModel
     openapi: dict
-    started: int  # unix time, the models' `created`
-
+    started: int  # unix time, the models' `created` where no file dates them
+    fingerprint: str  # `system_fingerprint`: the model and the backends' configuration
+    created: int  # the local model's `created`: its file's modification time
 
 ENGINE = web.AppKey("engine", Engine)
 METRICS = web.AppKey("metrics", EngineMetrics)
@@ -124,11 +129,12 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[CONNECTIONS] = ConnectionGuard(guard)
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
+    started = int(time.time())
     app[SETTINGS] = ServerSettings(api_key or None, served,
                                    openapi_document(served, engine.model.n_vocab if engine.model else 0,
                                                     engine.backend_names,
                                                     auth=bool(api_key)),
-                                   int(time.time()))
+                                   started, system_fingerprint(engine, served), _model_created(engine, started))
     if metrics is not None:
         app[METRICS] = metrics
     else:
@@ -139,6 +145,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
         web.post("/tokenize", tokenize_text),
         web.post("/detokenize", detokenize_tokens),
         web.get("/v1/models", models),
+        web.get("/v1/models/{model:.+}", model_info),
         web.get("/v1/routing", routing),
         web.get("/v1/backends", backends),
         web.post("/v1/backends/{name}/restart", restart_backend),
@@ -146,7 +153,32 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
         web.get("/metrics", metrics_text),
         web.get("/openapi.json", openapi),
     ])
+    from . import responses  # it builds on this module's helpers
+
+    app[responses.RESPONSES] = responses.ResponseStore()
+    app.add_routes(responses.ROUTES)
+    responses.document(app[SETTINGS].openapi, auth=bool(api_key))
     return app
+
+
+def system_fingerprint(engine: Engine, served: ServedModel) -> str:
+    """OpenAI's `system_fingerprint` ("fp_" and hex): changes when the model or a backend's
+    configuration does, so a client can tell why the same seed gave another reply."""
+    facts: dict = {"model": served.ids, "backends": [[s.name, s.device, s.url, s.model, s.n_ctx, s.threads,
+                                                      s.cap_ceiling, s.cap_adaptive] for s in engine.snapshot()]}
+    if engine.model is not None:
+        info = engine.model.info
+        facts["info"] = [info.name, info.n_params, info.n_vocab, os.path.getsize(engine.model.path)]
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+    return "fp_" + digest[:10]
+
+
+def _model_created(engine: Engine, started: int) -> int:
+    """A local model's `created`: its file's modification time (stable across restarts)."""
+    try:
+        return int(os.path.getmtime(engine.model.path)) if engine.model is not None else started
+    except OSError:
+        return started
 
 
 def _served_models(engine: Engine, model_id: str | None, aliases: tuple[str, ...]) -> ServedModel:
@@ -299,14 +331,36 @@ def error_response(exc: EngineError) -> web.Response:
     return response
 
 
-def _http_error_response(exc: web.HTTPException) -> web.Response:
-    """aiohttp's own errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+def _http_error_response(exc: web.HTTPException, request: web.Request) -> web.Response:
+    """aiohttp's own errors (unknown route, wrong method, body too large) in OpenAI's shape; an
+    unknown endpoint's names the path and lists the ones served."""
     type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
     message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else exc.reason
+    code = None
+    if exc.status == 404 and request.match_info.http_exception is not None:  # no route matched
+        message = (f"unknown endpoint {request.method} {_printable(request.path)}; this server serves "
+                   f"{', '.join(endpoints(request.app))}")
+        code = "unknown_endpoint"
     message = message[:MESSAGE_CHARS]
-    payload = {"error": {"message": message, "type": type_, "param": None, "code": None}}
+    payload = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
     return web.json_response(payload, status=exc.status, headers=headers)
+
+
+def endpoints(app: web.Application) -> list[str]:
+    """`METHOD /path` of every route, in the order they were added."""
+    out = []
+    for route in app.router.routes():
+        if route.method in ("HEAD", "OPTIONS"):
+            continue
+        path = route.resource.canonical if route.resource is not None else "?"
+        out.append(f"{route.method} {path}")
+    return list(dict.fromkeys(out))
+
+
+def _printable(path: str, n: int = 100) -> str:
+    path = "".join(c if c.isprintable() else "?" for c in path)
+    return path if len(path) <= n else path[:n] + "…"
 
 
 @web.middleware
@@ -319,7 +373,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        response = _http_error_response(e)
+        response = _http_error_response(e, request)
     except ConnectionResetError:  # the client went away; nothing to answer
         raise
     except Exception:
@@ -388,7 +442,8 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
     except ContextLengthExceeded as e:
         e.param = parsed.prompt_param
         raise
-    reply = Reply(parsed, handles, engine.model.piece if engine.model is not None else None)
+    reply = Reply(parsed, handles, engine.model.piece if engine.model is not None else None,
+                  request.app[SETTINGS].fingerprint)
     try:
         if parsed.stream:
             return await _stream(request, handles, reply)
@@ -484,14 +539,15 @@ class Reply:
     A stream sends each choice's entries with its text (`RequestHandle.logprobs`, read as the
     text arrives), and the rest with its closing chunk."""
 
-    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], piece=None):
+    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], piece=None, fingerprint: str = ""):
         self.chat = parsed.kind == "chat"
         handle = handles[0]
         self.handles = handles
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{handle.id}"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{secrets.token_hex(12)}"  # unique across restarts
         self.object = "chat.completion" if self.chat else "text_completion"
         self.created = int(time.time())
         self.model = parsed.model
+        self.fingerprint = fingerprint
         self.include_usage = parsed.include_usage
         self.echo = parsed.echo or ""
         self.logprobs = parsed.top_logprobs is not None
@@ -504,14 +560,15 @@ class Reply:
 
     def _reply(self, i: int, record: FinishRecord) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of choice `i`'s finished reply. A reply the grammar did not
-        finish (cut by `max_tokens`: `length`) is shown as the text it is, with no call."""
+        finish (cut by `max_tokens`: `length`) holds no call: its content is the response's
+        text so far, or none for a call cut short (never the generic format's JSON)."""
         if i not in self._read:
             self._read[i] = (record.text, [])
-            if self.tools is not None and record.finish_reason == "stop":
+            if self.tools is not None:
                 try:
                     self._read[i] = parse_reply(record.text, self.tools)
                 except InvalidRequest:
-                    pass
+                    self._read[i] = (cut_response(record.text), [])
         return self._read[i]
 
     def _finish_reason(self, i: int, record: FinishRecord) -> str | None:
@@ -617,7 +674,8 @@ class Reply:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
 
     def _chunk(self, i: int, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         key = "delta" if self.chat else "text"
@@ -626,6 +684,19 @@ class Reply:
         if self.include_usage:
             out["usage"] = None
         return out
+
+
+def cut_response(text: str) -> str | None:
+    """The text of a generic-format reply cut short: `{"response": "Hel` gives `Hel`; a cut
+    `tool_call` (or anything else) gives None."""
+    try:
+        obj = from_json(text, allow_partial="trailing-strings")
+    except ValueError:
+        return None
+    response = obj.get("response") if isinstance(obj, dict) else None
+    if response is None:
+        return None
+    return response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)
 
 
 def _joined(head: dict, tail: dict) -> dict:
@@ -660,18 +731,32 @@ def _usage(records: list[FinishRecord]) -> dict:
 async def models(request: web.Request) -> web.Response:
     """The local model (with its facts) and every model the fleet's remote engines serve, each
     with the backends that serve it."""
-    engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    data = []
-    for model_id in settings.served.ids:
-        routed = settings.served.routed(model_id)
-        meta: dict = {"backends": [b.name for b in engine.backends.values() if engine.serves(b, routed)]}
-        if engine.model is not None and model_id == settings.served.id:
-            info = engine.model.info
-            meta.update(name=info.name, n_params=info.n_params, n_ctx_train=info.n_ctx_train,
-                        n_vocab=info.n_vocab, synthetic=info.synthetic, aliases=settings.served.public_aliases)
-        data.append({"id": model_id, "object": "model", "created": settings.started, "owned_by": "tandem",
-                     "meta": meta})
-    return web.json_response({"object": "list", "data": data})
+    settings = request.app[SETTINGS]
+    return web.json_response({"object": "list", "data": [_model_object(request.app, m) for m in settings.served.ids]})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """`GET /v1/models/{id}` (OpenAI's `models.retrieve`): the model by its id or one of its
+    names; 404 `model_not_found` otherwise."""
+    settings = request.app[SETTINGS]
+    asked = request.match_info["model"]
+    settings.served.check(asked)  # raises ModelNotFound
+    model_id = settings.served.id if asked in settings.served.aliases else asked
+    return web.json_response(_model_object(request.app, model_id))
+
+
+def _model_object(app: web.Application, model_id: str) -> dict:
+    """OpenAI's model object (`id`, `object`, `created`, `owned_by`) plus Tandem's `meta`."""
+    engine, settings = app[ENGINE], app[SETTINGS]
+    routed = settings.served.routed(model_id)
+    meta: dict = {"backends": [b.name for b in engine.backends.values() if engine.serves(b, routed)]}
+    created = settings.started
+    if engine.model is not None and model_id == settings.served.id:
+        info = engine.model.info
+        meta.update(name=info.name, n_params=info.n_params, n_ctx_train=info.n_ctx_train,
+                    n_vocab=info.n_vocab, synthetic=info.synthetic, aliases=settings.served.public_aliases)
+        created = settings.created
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "tandem", "meta": meta}
 
 
 async def routing(request: web.Request) -> web.Response:

@@ -361,7 +361,9 @@ class Backend:
         if not self.serving:
             refused = BackendUnavailable(f"backend {self.name} is not serving")
         elif len(self._sched.waiting) + len(self._inbox.queued()) + len(seqs) > self.config.max_queue:
-            refused = QueueFull(f"backend {self.name} has {len(self._sched.waiting)} requests waiting")
+            queued = len(self._sched.waiting) + len(self._inbox.queued())
+            refused = QueueFull(f"backend {self.name}'s queue is full ({queued} queued, at most "
+                                f"{self.config.max_queue}); retry later")
         else:
             try:
                 self._inbox.put_many([Enqueue(seq) for seq in seqs])

@@ -43,10 +43,11 @@ class TextStream:
         return self._release(len(self._pending))
 
     def flush(self) -> str:
-        """End of stream: release whatever is held (an incomplete character becomes U+FFFD)."""
+        """End of stream: release whatever is held. A character whose last bytes never came
+        (the reply was cut inside it) is dropped, not shown as U+FFFD."""
         if self.stopped:
             return ""
-        self._pending += self._decoder.decode(b"", final=True)
+        self._decoder.reset()
         return self._release(len(self._pending))
 
     def _release(self, n: int) -> str:

@@ -16,6 +16,14 @@ for:
   function, where `arguments` is the function's own parameter schema), or, for `auto`, that or
   `{"response": "..."}`. One call per reply (llama-server's default, `parallel_tool_calls`
   false). Whatever the template, replies take this one shape, so one parser reads them all.
+- each function's parameter schema keeps its own `$defs` / `definitions` and local `$ref`s
+  (every pydantic model with a nested model has them), which would point at nothing once the
+  schema sits under `tool_call.arguments`: `standalone_schema` / `lift_definitions` move them
+  to the wrapper's top-level `$defs`, renamed per function (`defs-<function>-<name>`) so that
+  two tools' definitions never collide, and rewrite the `$ref`s to match (a `$ref` to the
+  schema's own root, or to a path inside it, points at a lifted copy of the whole schema).
+  OpenAPI's `nullable: true` becomes a null branch. `response_format` schemas go through the
+  same pass.
 - assistant `tool_calls` in the history are written back into the message content in the same
   JSON shape when the template cannot render them (minja's tool-call polyfill), and `tool`
   messages whose content the template drops become user messages holding
@@ -26,7 +34,9 @@ Thread contract: pure functions of their inputs.
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -75,12 +85,15 @@ def function_schema(function: dict) -> dict:
 
 
 def output_schema(functions: list[dict], mode: ToolMode, response_schema: dict | None = None) -> dict:
-    """The JSON schema every reply must match (llama-server's generic format)."""
+    """The JSON schema every reply must match (llama-server's generic format), every nested
+    schema's definitions lifted to its top level (`lift_definitions`)."""
     chosen = [f for f in functions if not mode.named or f["name"] == mode.choice]
+    defs: dict = {}
     calls = []
     for f in chosen:
+        arguments = lift_definitions(function_schema(f), f["name"], defs)
         call = {"type": "object",
-                "properties": {"name": {"type": "string", "const": f["name"]}, "arguments": function_schema(f)},
+                "properties": {"name": {"type": "string", "const": f["name"]}, "arguments": arguments},
                 "required": ["name", "arguments"]}
         if f.get("description"):
             call["description"] = f["description"]
@@ -89,10 +102,119 @@ def output_schema(functions: list[dict], mode: ToolMode, response_schema: dict |
                  "properties": {"tool_call": calls[0] if len(calls) == 1 else {"anyOf": calls}},
                  "required": ["tool_call"]}
     if mode.choice != "auto":
-        return tool_call
-    response = {"type": "object", "properties": {"response": response_schema or {"type": "string"}},
-                "required": ["response"]}
-    return {"anyOf": [tool_call, response]}
+        return _with_defs(tool_call, defs)
+    response_body = lift_definitions(response_schema, "response", defs) if response_schema else {"type": "string"}
+    response = {"type": "object", "properties": {"response": response_body}, "required": ["response"]}
+    return _with_defs({"anyOf": [tool_call, response]}, defs)
+
+
+def standalone_schema(schema: dict, name: str = "schema") -> dict:
+    """`schema` with its definitions at its top level under names the grammar converter can
+    resolve (`lift_definitions`): what a `response_format` or one function's parameters are
+    converted from."""
+    defs: dict = {}
+    return _with_defs(lift_definitions(schema, name, defs), defs)
+
+
+def lift_definitions(schema: dict, owner: str, defs: dict) -> dict:
+    """`schema` without its `$defs` / `definitions`, which go into `defs` (the top level's)
+    as `defs-<owner>-<name>`; every local `$ref` in it rewritten to match. A `$ref` to the
+    root (`#`) or to another path inside the schema points into a copy of the whole schema
+    kept in `defs` as `defs-<owner>` (the body itself stays where it was). `nullable: true` (OpenAPI's) becomes a null branch.
+    Names are unique within `defs`, so many schemas can share one top level."""
+    if not isinstance(schema, dict):
+        return schema
+    own: dict[str, str] = {}  # a definition's name here -> its name in `defs`
+    for section in ("$defs", "definitions"):
+        for name in (schema.get(section) or {}):
+            if name not in own:
+                own[name] = _fresh(f"defs-{owner}-{name}", defs)
+    root = _fresh(f"defs-{owner}", defs) if _refers_inside(schema) else None
+
+    def ref(target: str) -> str:
+        pointer = target[1:]
+        parts = pointer.split("/")[1:] if pointer.startswith("/") else []
+        if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+            name = parts[1].replace("~1", "/").replace("~0", "~")
+            if name in own:
+                return "#/$defs/" + "/".join([own[name], *parts[2:]])
+        if root is None:  # only refs into definitions, and this one is not among them
+            return target
+        return "#/$defs/" + root + pointer if pointer else "#/$defs/" + root
+
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = ref(value)
+            elif key in _MAPS:  # a map of names to schemas: the names are data, not keywords
+                out[key] = {k: rewrite(v) for k, v in value.items()} if isinstance(value, dict) else value
+            elif key in _VALUES:
+                out[key] = value
+            else:
+                out[key] = rewrite(value)
+        if isinstance(out.get("nullable"), bool) and out.pop("nullable"):
+            out = {"anyOf": [out, {"type": "null"}]}
+        return out
+
+    body = rewrite(schema)
+    for section in ("$defs", "definitions"):
+        for name, sub in (body.pop(section, None) or {}).items():
+            if name in own and defs.get(own[name]) is None:
+                defs[own[name]] = sub
+    if root is not None:  # the body stays in place (the converter registers only the refs it can reach
+        defs[root] = copy.deepcopy(body)  # from the root's keys, never from behind a root `$ref`)
+    return body
+
+
+_RULE_CHARS = re.compile(r"[^a-zA-Z0-9-]+")
+_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
+_VALUES = ("const", "enum", "default", "examples")  # JSON values, not schemas
+
+
+def _fresh(name: str, taken: dict) -> str:
+    """`name` with characters the grammar's rule names cannot hold replaced, and made unique
+    in `taken` (a placeholder reserves it until the definition is stored)."""
+    base = _RULE_CHARS.sub("-", name)
+    key, i = base, 1
+    while key in taken:
+        key, i = f"{base}-{i}", i + 1
+    taken[key] = None
+    return key
+
+
+def _refers_inside(schema) -> bool:
+    """Whether `schema` holds a local `$ref` to something other than one of its definitions."""
+    return any(not re.match(r"^#/(\$defs|definitions)/[^/]+", target) for target in _local_refs(schema))
+
+
+def _local_refs(node):
+    """The local `$ref`s of a schema, where they are keywords (not inside values, not names)."""
+    if isinstance(node, list):
+        for x in node:
+            yield from _local_refs(x)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            yield value
+        elif key in _MAPS and isinstance(value, dict):
+            for sub in value.values():
+                yield from _local_refs(sub)
+        elif key not in _VALUES:
+            yield from _local_refs(value)
+
+
+def _with_defs(schema: dict, defs: dict) -> dict:
+    live = {k: v for k, v in defs.items() if v is not None}
+    if not live:
+        return schema
+    return {**schema, "$defs": live}
 
 
 def tool_prompt(messages: list[dict], tools: list[dict], caps: TemplateCaps) -> tuple[list[dict], list[dict] | None]:

@@ -330,7 +330,8 @@ class RemoteBackend:
             if self._stopped or not self.healthy or self._loop is None:
                 raise BackendUnavailable(f"backend {self.name} is not serving: {self.error or 'stopped'}")
             if len(self._waiting) >= self.config.max_queue:
-                raise QueueFull(f"backend {self.name} has {len(self._waiting)} requests waiting")
+                raise QueueFull(f"backend {self.name}'s queue is full ({len(self._waiting)} queued, "
+                                f"at most {self.config.max_queue}); retry later")
             self._waiting.append(job)
         self._budget_mean += 0.05 * (request.sampling.max_tokens - self._budget_mean)
         if self.cache_enabled:
