@@ -17,7 +17,7 @@ def two_turns() -> Chat:
                           Message("user", "q2"), Message("assistant", "a2")])
 
 
-def test_a_new_version_is_shown_and_the_old_one_keeps_what_followed_it():
+def test_an_old_version_keeps_the_turns_that_followed_it():
     chat = two_turns()
     chat.add_version(0, "q1 edited")
     assert contents(chat) == ["q1 edited"]
@@ -45,7 +45,7 @@ def test_a_message_with_one_version_is_saved_without_versions():
     assert all("versions" not in m for m in d["messages"])
 
 
-def test_versions_survive_a_save_and_a_load(tmp_path):
+def test_versions_are_read_back_from_the_saved_file(tmp_path):
     store = ChatStore(tmp_path)
     chat = two_turns()
     chat.add_version(0, "q1 edited")

@@ -69,24 +69,32 @@ def test_a_long_code_line_scrolls_its_block_not_the_transcript(qtbot, make_windo
     assert chat.transcript.horizontalScrollBar().value() == 0
 
 
-def test_f9_opens_and_closes_the_monitor_and_the_choice_is_kept(qtbot, make_window, tmp_path):
-    path = str(tmp_path / "kept.ini")
-    w = make_window(compact=True, settings=QSettings(path, QSettings.IniFormat))
+def test_f9_toggles_the_monitor_drawer(qtbot, make_window):
+    w = make_window(compact=True)
     shown(qtbot, w, 1280, 720)
-    assert not w.monitor.isVisible()
+    assert not w.monitor.isVisible()  # a laptop screen: the chat alone at first
     assert w.monitor_action.shortcut().toString() == "F9"
     w.monitor_action.trigger()
     qtbot.waitUntil(w.monitor.isVisible, timeout=WAIT_MS)
     assert w.dockWidgetArea(w.monitor) == Qt.BottomDockWidgetArea
+    chat = w.panels["chat"]
+    assert chat.transcript.height() >= 80  # the chat still usable beside it
+    w.monitor_action.trigger()
+    qtbot.waitUntil(lambda: not w.monitor.isVisible(), timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: chat.transcript.height() >= 0.6 * w.height(), timeout=WAIT_MS)
+
+
+def test_the_monitors_place_is_kept_for_the_next_window(qtbot, make_window, tmp_path):
+    path = str(tmp_path / "kept.ini")
+    w = make_window(compact=True, settings=QSettings(path, QSettings.IniFormat))
+    shown(qtbot, w, 1280, 720)
     w.set_monitor_side(Qt.RightDockWidgetArea)
-    assert w.dockWidgetArea(w.monitor) == Qt.RightDockWidgetArea
+    assert w.dockWidgetArea(w.monitor) == Qt.RightDockWidgetArea and w.monitor.isVisible()
     w.shutdown()
     again = make_window(compact=True, settings=QSettings(path, QSettings.IniFormat))
     shown(qtbot, again, 1280, 720)
     qtbot.waitUntil(again.monitor.isVisible, timeout=WAIT_MS)
     assert again.dockWidgetArea(again.monitor) == Qt.RightDockWidgetArea
-    again.monitor_action.trigger()
-    assert not again.monitor.isVisible()
 
 
 def test_show_panel_opens_the_monitor_at_its_tab(qtbot, make_window):
