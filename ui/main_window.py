@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 # Under this width the Monitor drawer beside the chat would squeeze one or the other (the chat's
 # rows need ~650 px, two backend cards side by side ~700), so the drawer opens at the bottom.
 WIDE_MIN_WIDTH = 1400
-MONITOR_SHARE = 0.42  # of the window's width (at the right) or height (at the bottom), when it first opens
+MONITOR_SHARE = 0.42  # of the window's width, at the right, when it first opens
 
 
 def compact_layout(available: QSize) -> bool:
@@ -195,11 +195,12 @@ class MainWindow(QMainWindow):
             self._size_monitor()
 
     def _size_monitor(self) -> None:
-        """The drawer's first size: at the right, a share of the width; at the bottom, enough for
-        the teaching table's 8 rows (330 px at 720 px), more on a taller window."""
+        """The drawer's first size: at the right, a share of the width; at the bottom, half the
+        height, and at least the 380 px that show the teaching table's 8 rows under the drawer's
+        title and tabs."""
         if self.dockWidgetArea(self.monitor) == Qt.BottomDockWidgetArea:
             h = self.height()
-            self.resizeDocks([self.monitor], [max(330, min(h - 320, int(h * MONITOR_SHARE)))], Qt.Vertical)
+            self.resizeDocks([self.monitor], [max(380, min(h - 300, h // 2))], Qt.Vertical)
         else:
             self.resizeDocks([self.monitor], [int(self.width() * MONITOR_SHARE)], Qt.Horizontal)
         self._monitor_sized = True
