@@ -19,7 +19,7 @@ from __future__ import annotations
 import html
 import math
 
-from PySide6.QtCore import QEvent, QSize, Qt, QTimer, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QTextDocument
 from PySide6.QtWidgets import (
     QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy, QToolButton, QVBoxLayout,
@@ -347,13 +347,11 @@ class Transcript(QScrollArea):
         self.setWidget(self.inner)
         self.bubbles: list[QWidget] = []
         self.following = True  # at the bottom: new text keeps the bottom in view
-        self._hold: int | None = None  # the position to keep while a rebuild lays out
+        self._hold: int | None = None  # where the user left the view, kept through re-renders
         self._quiet = False
         bar = self.verticalScrollBar()
         bar.valueChanged.connect(self._on_scrolled)
         bar.rangeChanged.connect(self._on_range)
-        self._release = QTimer(self, singleShot=True, interval=300)
-        self._release.timeout.connect(self._drop_hold)
 
     def clear(self) -> None:
         """Remove every bubble (a re-render follows); the scroll position is kept if the user had
@@ -368,8 +366,6 @@ class Transcript(QScrollArea):
             w.deleteLater()
         self.bubbles = []
         self._quiet = False
-        if self._hold is not None:
-            self._release.start()
 
     def add(self, widget: QWidget) -> QWidget:
         self._lay.insertWidget(self._lay.count() - 1, widget)
@@ -399,19 +395,15 @@ class Transcript(QScrollArea):
                 out.append(_plain(w.text()) if w.textFormat() != Qt.PlainText else w.text())
         return "\n\n".join(out)
 
-    def event(self, e) -> bool:
-        if e.type() == QEvent.Wheel:
-            self._hold = None
-        return super().event(e)
-
-    def _drop_hold(self) -> None:
-        self._hold = None
-
     def _on_scrolled(self, value: int) -> None:
         if self._quiet:
             return
         bar = self.verticalScrollBar()
-        if self._hold is not None and value != self._hold and bar.maximum() >= self._hold:
+        if self._hold is not None:
+            if bar.maximum() < self._hold:  # a re-render's layout, shorter for a moment: not the user
+                return
+            if value == self._hold:
+                return
             self._hold = None  # the user moved it
         self.following = value >= bar.maximum() - 4
 
