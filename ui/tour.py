@@ -180,11 +180,13 @@ async def chat_tour(window, out: Path, args) -> None:
     tag = f"{window.height()}p"  # the window fills the screen: 720p, 1080p
     chat = window.panels["chat"]
     chat.temperature.setValue(0.0)
-    chat.max_tokens.setValue(90)
+    chat.max_tokens.setValue(80)
     for text in CHAT_TURNS:
         chat.send(text)
         await _until(lambda: not chat.busy, 300)
-    chat.transcript.to_bottom()
+    # From the second question on: the code block, the list and the turns after them.
+    bubble = chat.bubble(2)
+    chat.transcript.verticalScrollBar().setValue(bubble.y() - 8)
     await asyncio.sleep(1.0)
     path = window.save_screenshot(out / f"chat-{tag}.png")
     print(f"saved {path}", file=sys.stderr)

@@ -48,7 +48,7 @@ from .transcript import Bubble, Transcript, meta_bits, meta_html, meta_plain, to
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto (router decides)"
+AUTO = "auto (router)"
 
 
 class ChatPanel(QWidget):
@@ -204,8 +204,6 @@ class ChatPanel(QWidget):
         for name in self.engine.backend_names:
             self.backend_combo.addItem(name)
         self.backend_combo.setToolTip("Pin replies to one backend, bypassing the routing policy")
-        self.backend_combo.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
-        self.backend_combo.setMinimumContentsLength(10)  # narrower than "auto (router decides)": the list shows it whole
         self.state_label = QLabel("")
         self.state_label.setObjectName("muted")
         # Long stats must not widen the window: the label takes what room is left.
