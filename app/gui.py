@@ -115,13 +115,13 @@ def run_gui(args) -> int:
     if tour_dir:
         from pathlib import Path
 
-        from ui.tour import tour, whatif
+        from ui.tour import chat_tour, tour, whatif
 
         only = getattr(args, "tour_only", None)
+        part = {"whatif": whatif, "chat": chat_tour}.get(only, tour)
         with loop:
             try:
-                loop.run_until_complete((whatif(window, Path(tour_dir), args) if only == "whatif"
-                                         else tour(window, Path(tour_dir), args)))
+                loop.run_until_complete(part(window, Path(tour_dir), args))
             finally:
                 window.shutdown()
         return 0
@@ -201,8 +201,9 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the event loop's lateness over the --demo run (48 requests unless --demo N; "
                         "p95 must be <= 50 ms), then exit")
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
-    p.add_argument("--tour-only", choices=["whatif"], default=None,
-                   help="with --tour: only this part of it (whatif: the Teaching panel's What if tab)")
+    p.add_argument("--tour-only", choices=["whatif", "chat"], default=None,
+                   help="with --tour: only this part of it (whatif: the Teaching panel's What if tab; "
+                        "chat: a 6-turn chat, then the Monitor open mid-demo)")
     p.add_argument("--theme", choices=["system", "dark", "light"], default=None,
                    help="the window's theme (kept for the next start, like View > Theme)")
     p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",

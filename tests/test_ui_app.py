@@ -309,7 +309,7 @@ def test_the_window_stays_usable_at_1280x720(qtbot, make_window, ui_engine):
     last = table.rowViewportPosition(7) + table.rowHeight(7)
     assert 0 < last <= table.viewport().height()  # all 8 rows without scrolling
     chat = w.panels["chat"]
-    assert chat.view.height() >= 80 and _shown_in(chat.send_button, w)
+    assert chat.transcript.height() >= 80 and _shown_in(chat.send_button, w)
 
 
 @pytest.fixture
@@ -384,9 +384,9 @@ def test_loop_probe_counts_every_tick_a_stall_made_late(qtbot):
 
 @pytest.fixture
 def reopened(make_window, tmp_path):
-    """A window given a model, sampling settings and a hidden dock, shut down, then a second
-    window on the same settings file: (the settings file's path, the second window)."""
-    from PySide6.QtCore import QSettings
+    """A window given a model, sampling settings and its Monitor drawer moved to the right, shut
+    down, then a second window on the same settings file: (the settings file's path, the second window)."""
+    from PySide6.QtCore import QSettings, Qt
 
     path = str(tmp_path / "kept.ini")
     w = make_window(settings=QSettings(path, QSettings.IniFormat))
@@ -395,7 +395,7 @@ def reopened(make_window, tmp_path):
     chat.temperature.setValue(0.3)
     chat.max_tokens.setValue(77)
     chat.seed.setValue(5)
-    w.dock_of("latency").hide()
+    w.set_monitor_side(Qt.RightDockWidgetArea)
     w.shutdown()
     return path, make_window(settings=QSettings(path, QSettings.IniFormat))
 
@@ -407,9 +407,11 @@ def test_the_sampling_settings_persist_across_windows(reopened):
 
 
 def test_the_dock_layout_persists_across_windows(reopened):
+    from PySide6.QtCore import Qt
+
     _, again = reopened
-    assert again.dock_of("latency").isHidden()
-    assert not again.dock_of("routing").isHidden()
+    assert not again.monitor.isHidden()
+    assert again.dockWidgetArea(again.monitor) == Qt.RightDockWidgetArea
 
 
 def test_the_last_model_persists_across_windows(reopened):

@@ -1,4 +1,5 @@
-"""The chat panel on a real engine: streaming through qasync, Stop, Regenerate, Copy, history."""
+"""The chat panel on a real engine: streaming through qasync, Stop, Regenerate and its ‹1/2›
+switcher, Edit with Save / Cancel, Continue, Copy, history, Markdown and code blocks."""
 
 from __future__ import annotations
 
@@ -82,8 +83,31 @@ def test_regenerate_replaces_the_reply_keeping_the_earlier_one(qtbot, make_windo
     assert chat.regenerate()
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
     assert len(chat.chat.messages) == 2  # the reply was replaced, not appended
-    assert chat.chat.messages[-1].meta["request_id"] != old_request
-    assert [e["content"] for e in chat.chat.messages[-1].meta["earlier"]] == [old_text]  # and kept
+    reply = chat.chat.messages[-1]
+    assert reply.meta["request_id"] != old_request
+    assert (reply.n_versions, reply.shown, reply.versions[0].content) == (2, 1, old_text)  # and kept
+
+
+def test_the_switcher_shows_each_answer_in_turn(qtbot, make_window):
+    chat = _one_reply(qtbot, make_window)
+    chat.seed.setValue(8)  # another seed: another answer
+    first = chat.chat.messages[1].content
+    assert chat.regenerate()
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    second = chat.chat.messages[1].content
+    bubble = chat.bubble(1)
+    assert bubble.version_label.text() == "2/2" and "‹2/2›" in chat.transcript_text()
+    assert not bubble.buttons["next"].isEnabled()
+    bubble.buttons["prev"].click()
+    assert chat.chat.messages[1].content == first and len(chat.chat.messages) == 2
+    bubble = chat.bubble(1)
+    assert bubble.version_label.text() == "1/2" and not bubble.buttons["prev"].isEnabled()
+    assert " ".join(first.split())[:20] in " ".join(chat.transcript_text().split())
+    bubble.buttons["next"].click()
+    assert chat.chat.messages[1].content == second and chat.bubble(1).version_label.text() == "2/2"
+    chat.bubble(1).buttons["prev"].click()  # the choice is saved with the chat
+    saved = json.loads(chat.store.path(chat.chat.id).read_text())
+    assert saved["messages"][1]["content"] == first and saved["messages"][1]["shown"] == 0
 
 
 def test_copy_reply_puts_the_reply_on_the_clipboard(qtbot, make_window):
@@ -168,11 +192,62 @@ def test_deleted_messages_leave_the_saved_chat(qtbot, make_window, tmp_path):
     assert len(saved["messages"]) == 2
 
 
-def test_editing_a_message_moves_it_back_to_the_input_box(qtbot, make_window):
+def _two_turns(qtbot, make_window):
     chat = _short_replies(make_window)
     send(qtbot, chat, "first question")
-    assert chat.edit_message(0)  # edit and resend: back in the box, dropped from the chat
-    assert chat.input.toPlainText() == "first question" and chat.chat.messages == []
+    send(qtbot, chat, "second question")
+    return chat
+
+
+def test_edit_then_cancel_leaves_the_chat_unchanged(qtbot, make_window):
+    chat = _two_turns(qtbot, make_window)
+    before = json.dumps(chat.chat.to_dict())
+    saved_before = chat.store.path(chat.chat.id).read_text()
+    shown_before = chat.transcript_text()
+    chat.bubble(0).buttons["edit"].click()
+    editor = chat.editor
+    assert editor is not None and editor.toPlainText() == "first question"
+    editor.setPlainText("a different question")
+    chat.bubble(0).cancel_button.click()
+    assert chat.editor is None
+    assert json.dumps(chat.chat.to_dict()) == before  # nothing deleted, nothing changed
+    assert chat.store.path(chat.chat.id).read_text() == saved_before
+    assert chat.transcript_text() == shown_before and not chat.busy
+
+
+def test_edit_then_save_answers_again_keeping_the_old_turns(qtbot, make_window):
+    chat = _two_turns(qtbot, make_window)
+    old_reply = chat.chat.messages[1].content
+    chat.edit_message(0)
+    chat.editor.setPlainText("an edited question")
+    chat.bubble(0).save_button.click()
+    assert chat.busy
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert [m.content for m in chat.chat.messages][:1] == ["an edited question"]
+    assert [m.role for m in chat.chat.messages] == ["user", "assistant"]
+    assert chat.bubble(0).version_label.text() == "2/2"
+    chat.bubble(0).buttons["prev"].click()  # the first wording, with both of its turns
+    assert [m.content for m in chat.chat.messages[::2]] == ["first question", "second question"]
+    assert chat.chat.messages[1].content == old_reply
+
+
+def test_continue_goes_on_with_a_reply_cut_by_its_length(qtbot, make_window):
+    chat = make_window().panels["chat"]
+    chat.max_tokens.setValue(4)
+    chat.seed.setValue(3)
+    send(qtbot, chat, "Tell me a long story.")
+    reply = chat.chat.messages[-1]
+    assert reply.meta["finish_reason"] == "length"
+    first = reply.content
+    button = chat.bubble(1).buttons["continue"]
+    assert "Continue" in chat.transcript_text() and "cut at max tokens" in chat.transcript_text()
+    button.click()
+    assert chat.busy
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert len(chat.chat.messages) == 2  # the same reply, longer
+    reply = chat.chat.messages[-1]
+    assert reply.content.startswith(first) and len(reply.content) > len(first)
+    assert reply.meta["continued"] == 1 and reply.meta["output_tokens"] == 8
 
 
 def test_a_renamed_chat_exports_under_its_title(qtbot, make_window, tmp_path):
@@ -242,28 +317,30 @@ def test_replies_render_markdown_keeping_code(qtbot, make_window):
     shown = chat.transcript_text()
     assert "bold" in shown and "**" not in shown
     assert "def f():\n    return 1" in shown  # indentation kept
-    html_out = chat.view.toHtml()
-    assert "monospace" in html_out and "font-weight" in html_out
-    chat.view.anchorClicked.emit(__import__("PySide6.QtCore", fromlist=["QUrl"]).QUrl("copy-code:0"))
+    block = chat.bubble(1).code_blocks[0]
+    assert "monospace" in block.code_label.text() and "<strong>bold</strong>" in _painted(chat)
+    block.copy_button.click()
     assert QGuiApplication.clipboard().text() == "def f():\n    return 1\n"
 
 
-def test_earlier_answers_are_shown_on_request(qtbot, make_window):
-    from PySide6.QtCore import QUrl
-
+def test_a_code_block_in_a_list_keeps_its_copy_link(qtbot, make_window):
     w = make_window()
     chat = w.panels["chat"]
-    chat.max_tokens.setValue(4)
-    send(qtbot, chat, "question")
-    first = chat.chat.messages[-1].content
-    assert chat.regenerate()
-    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
-    assert "show 1 earlier answer" in chat.transcript_text()
-    chat.view.anchorClicked.emit(QUrl("msg:earlier:1"))
-    assert "hide 1 earlier answer" in chat.transcript_text()
-    after = chat.transcript_text().split("hide 1 earlier answer")[1]
-    assert f"#1 ({chat.chat.messages[1].meta['earlier'][0]['backend']}): " in after
-    assert " ".join(first.split())[:20] in " ".join(after.split())
+    _open_reply(chat, "1. first\n\n   ```\n   nested()\n   ```\n")
+    bubble = chat.bubble(1)
+    assert bubble.code_blocks == [] and bubble.inline_code == ["nested()\n"]
+    bubble.link.disconnect()  # only the bubble's own handling: copy-code:0 is its nested block
+    bubble._on_link("copy-code:0")
+    assert QGuiApplication.clipboard().text() == "nested()\n"
+
+
+def _painted(chat) -> str:
+    """What the transcript paints with: every label's rich text and every style sheet in it."""
+    from PySide6.QtWidgets import QLabel, QWidget
+
+    inner = chat.transcript.inner
+    return "".join(w.text() for w in inner.findChildren(QLabel)) + \
+        "".join(w.styleSheet() for w in inner.findChildren(QWidget))
 
 
 def test_long_chat_titles_are_elided_not_scrolled(qtbot, make_window):
@@ -282,24 +359,36 @@ def test_long_chat_titles_are_elided_not_scrolled(qtbot, make_window):
 
 
 def test_hovering_a_reply_token_shows_its_probabilities(qtbot, make_window):
-    from PySide6.QtCore import QUrl
     from PySide6.QtWidgets import QToolTip
 
     w = make_window()
     chat = w.panels["chat"]
     chat.max_tokens.setValue(6)
+    chat.token_probs.setChecked(True)
     send(qtbot, chat, "question")
     tokens = chat.chat.messages[1].meta["logprobs"]
     assert "".join(t[0] for t in tokens) == chat.chat.messages[1].content
-    chat.view.anchorClicked.emit(QUrl("msg:probs:1"))  # the reply, token by token
-    assert "hide token probabilities" in chat.transcript_text()
-    chat.view.highlighted.emit(QUrl("tok:1:0"))  # what QTextBrowser says when the mouse is on a token
+    chat.bubble(1).buttons["probs"].click()  # the reply, token by token
+    bubble = chat.bubble(1)
+    assert bubble.buttons["probs"].text() == "Hide probabilities" and bubble.tokens_label is not None
+    bubble.tokens_label.linkHovered.emit("tok:1:0")  # what QLabel says when the mouse is on a token
     qtbot.waitUntil(QToolTip.isVisible, timeout=WAIT_MS)
     tip = QToolTip.text()
     assert tip.startswith(repr(tokens[0][0])) and "p = " in tip
     assert len(tip.splitlines()) == 1 + len(tokens[0][2])  # the token, then its alternatives
-    chat.view.highlighted.emit(QUrl())  # the mouse left the tokens
+    bubble.tokens_label.linkHovered.emit("")  # the mouse left the tokens
     qtbot.waitUntil(lambda: not QToolTip.isVisible(), timeout=WAIT_MS)
+
+
+def test_a_short_chat_is_saved_small_without_token_probabilities(qtbot, make_window):
+    chat = _short_replies(make_window)
+    chat.max_tokens.setValue(24)
+    send(qtbot, chat, "first question")
+    send(qtbot, chat, "second question")
+    path = chat.store.path(chat.chat.id)
+    assert path.stat().st_size < 4000, path.stat().st_size
+    assert all("logprobs" not in (m.meta or {}) for m in chat.chat.messages)
+    assert "probs" not in chat.bubble(1).buttons
 
 
 OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -349,15 +438,15 @@ def test_the_transcript_follows_the_theme(qtbot, make_window, ui_engine):
     try:
         w.set_theme("dark")
         send(qtbot, chat, "hello")
-        dark = chat.view.toHtml()
+        dark = _painted(chat)
         assert DARK.transcript.assistant in dark and DARK.transcript.user in dark
         w.set_theme("light")
-        light = chat.view.toHtml()
+        light = _painted(chat)
         assert light != dark
         assert LIGHT.transcript.assistant in light and LIGHT.transcript.user in light
         assert DARK.transcript.assistant not in light and DARK.transcript.muted not in light
         w.set_theme("dark")  # and back: the dark colours again
-        assert chat.view.toHtml() == dark
+        assert _painted(chat) == dark
     finally:
         w.set_theme("dark")  # the palette is process-wide: later tests start dark
 
@@ -370,9 +459,9 @@ def test_code_blocks_follow_the_theme(qtbot, make_window):
     try:
         w.set_theme("dark")
         _open_reply(chat, "```python\ndef f():\n    return 1\n```\n")
-        assert DARK_CODE.bg in chat.view.toHtml()
+        assert DARK_CODE.bg in _painted(chat)
         w.set_theme("light")
-        light = chat.view.toHtml()
+        light = _painted(chat)
         assert LIGHT_CODE.bg in light and LIGHT_CODE.head_bg in light
         assert DARK_CODE.bg not in light and DARK_CODE.head_bg not in light
     finally:

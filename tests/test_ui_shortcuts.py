@@ -31,7 +31,7 @@ def test_ctrl_r_regenerates_the_last_reply(qtbot, make_window):
     assert chat.busy
     qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
     assert len(chat.chat.messages) == 2
-    assert len(chat.chat.messages[-1].meta["earlier"]) == 1  # the first answer is kept
+    assert chat.chat.messages[-1].n_versions == 2  # the first answer is kept
 
 
 def test_ctrl_shift_c_copies_the_last_reply(qtbot, make_window):

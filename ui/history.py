@@ -1,6 +1,11 @@
-"""Saved chats: one JSON file per chat under the user data dir (Qt-free).
+"""Chats, their alternatives, and where they are saved (Qt-free).
 
-`ChatStore(dir)` lists, loads, saves and deletes `Chat`s; `default_dir()` is
+A `Chat` is a list of `Message`s. A message can have several versions (an answer regenerated,
+a question edited and sent again): `Message.versions` holds them all, each with the messages that
+followed it, and `Chat.switch` shows another one with its own continuation (the chat's ‹1/2›
+switcher). `Chat.add_version` adds one and shows it.
+
+`ChatStore(dir)` lists, loads, saves and deletes chats, one JSON file each; `default_dir()` is
 `platformdirs.user_data_dir("tandem")/chats`. Writes go through a temporary file and a rename,
 so a crash never leaves half a chat.
 """
@@ -12,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -27,10 +32,54 @@ def default_dir() -> Path:
 
 
 @dataclass
+class Version:
+    """One version of a message and the messages that followed it (empty for the version shown:
+    what follows it is the chat itself)."""
+
+    content: str
+    meta: dict | None = None
+    tail: list[Message] = field(default_factory=list)
+
+
+@dataclass
 class Message:
     role: str  # "user" | "assistant"
     content: str
     meta: dict | None = None  # assistant replies: backend, ttft_s, tok_s, cached_tokens, ...
+    # Every version when there are several (versions[shown] is the one in `content` and `meta`);
+    # empty when the message has only one.
+    versions: list[Version] = field(default_factory=list)
+    shown: int = 0
+
+    @property
+    def n_versions(self) -> int:
+        return max(1, len(self.versions))
+
+    def to_dict(self) -> dict:
+        d: dict = {"role": self.role, "content": self.content, "meta": self.meta}
+        if self.versions:
+            d["versions"] = [
+                {"content": self.content, "meta": self.meta, "tail": []} if k == self.shown else
+                {"content": v.content, "meta": v.meta, "tail": [m.to_dict() for m in v.tail]}
+                for k, v in enumerate(self.versions)]
+            d["shown"] = self.shown
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Message:
+        meta = d.get("meta")
+        m = cls(str(d["role"]), str(d["content"]), meta)
+        if d.get("versions"):
+            m.versions = [Version(str(v["content"]), v.get("meta"), [cls.from_dict(t) for t in v.get("tail", [])])
+                          for v in d["versions"]]
+            m.shown = min(max(0, int(d.get("shown", 0))), len(m.versions) - 1)
+        elif isinstance(meta, dict) and meta.get("earlier"):
+            # Saved before versions: the answers a regenerate replaced, newest first, no meta but the backend.
+            earlier = meta.pop("earlier")
+            m.versions = [Version(str(e.get("content", "")), {"backend": e.get("backend")})
+                          for e in reversed(earlier)] + [Version(m.content, meta)]
+            m.shown = len(m.versions) - 1
+        return m
 
 
 @dataclass
@@ -52,14 +101,46 @@ class Chat:
                 return text[:48] + ("…" if len(text) > 48 else "")
         return "New chat"
 
-    def prompt_messages(self) -> list[dict]:
-        """The messages to render with the chat template (system first, if any)."""
+    def prompt_messages(self, upto: int | None = None) -> list[dict]:
+        """The messages to render with the chat template (system first, if any), those before
+        message `upto` only if given."""
         out = [{"role": "system", "content": self.system}] if self.system.strip() else []
-        out += [{"role": m.role, "content": m.content} for m in self.messages]
+        out += [{"role": m.role, "content": m.content} for m in self.messages[:upto]]
         return out
 
+    def add_version(self, index: int, content: str, meta: dict | None = None) -> None:
+        """A new version of message `index`, shown; the messages after it stay with the version
+        they followed (the chat ends with the new version)."""
+        m = self.messages[index]
+        self._park(index)
+        m.versions.append(Version(content, meta))
+        m.shown = len(m.versions) - 1
+        m.content, m.meta = content, meta
+        del self.messages[index + 1:]
+
+    def switch(self, index: int, k: int) -> None:
+        """Show version `k` of message `index`, with the messages that followed it."""
+        m = self.messages[index]
+        if not 0 <= k < m.n_versions or k == m.shown:
+            return
+        self._park(index)
+        v = m.versions[k]
+        m.content, m.meta, m.shown = v.content, v.meta, k
+        self.messages[index + 1:] = v.tail
+        v.tail = []
+
+    def _park(self, index: int) -> None:
+        """Store the shown version of message `index` and what follows it in its versions."""
+        m = self.messages[index]
+        parked = Version(m.content, m.meta, self.messages[index + 1:])
+        if m.versions:
+            m.versions[m.shown] = parked
+        else:
+            m.versions, m.shown = [parked], 0
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"id": self.id, "system": self.system, "messages": [m.to_dict() for m in self.messages],
+                "created": self.created, "updated": self.updated, "name": self.name}
 
     def to_markdown(self) -> str:
         """The chat as a Markdown document (title, system prompt, then each turn)."""
@@ -83,7 +164,7 @@ class Chat:
         return cls(
             id=str(d["id"]),
             system=str(d.get("system", "")),
-            messages=[Message(m["role"], m["content"], m.get("meta")) for m in d.get("messages", [])],
+            messages=[Message.from_dict(m) for m in d.get("messages", [])],
             created=float(d.get("created", 0.0)),
             updated=float(d.get("updated", 0.0)),
             name=str(d.get("name", "")),

@@ -1,4 +1,4 @@
-"""The main window: chat in the middle, live panels in docks, the engine's state in the status bar.
+"""The main window: the chat first, the live panels in a Monitor drawer, the engine's state in the status bar.
 
 The window can start without an engine (while the model loads, or after a failed load); panels
 are built when an engine arrives (`set_engine`) and rebuilt when another model is loaded, each
@@ -10,11 +10,15 @@ window's asyncio loop (`ui.server_control`): its requests go to the shown engine
 views live; the status bar shows its address or why it is not serving. Loading another model
 moves the server to the new engine; closing the window stops the server first.
 
-The window sizes itself to the screen. On a short screen (under 900 px available, a 1280x720
-laptop) or a narrow one (under 1,400 px: the wide layout needs ~1,330) it uses the compact
-layout (`compact_layout`): every panel is a tab of the bottom dock area under the chat, so each
-gets the full width (two backend cards side by side with their buttons, the teaching table with
-all its rows); otherwise Backends and Controls sit beside the chat.
+The window fills the screen it opens on. The chat is the central widget, so the transcript gets
+most of the height at any size. Backends, Controls, Routing, Latency, Teaching and Experiments are
+tabs of one dock, the Monitor drawer: View ▸ Monitor (F9) or the Monitor button at the menu
+bar's right opens and closes it, its edge resizes it, and it can sit at the right or at the bottom
+(View ▸ Monitor at the right / at the bottom, or dragged by its title; floated on another screen).
+Its default follows the screen (`compact_layout`): on a short or narrow one (a 1280x720 or
+1366x768 laptop, a 1280x1024 screen) it opens at the bottom, full width, and starts closed; on a
+larger one it starts open at the right, beside the chat. A demo opens it. Whatever the user
+chooses is kept (`QSettings`).
 
 Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
 window geometry, dock layout (one per layout), the chat's sampling settings and the last model
@@ -31,7 +35,7 @@ from PySide6.QtCore import QSettings, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
-    QStackedWidget, QVBoxLayout, QWidget,
+    QStackedWidget, QTabWidget, QToolButton, QVBoxLayout, QWidget,
 )
 
 from .backends import BackendsPanel
@@ -55,15 +59,16 @@ from .worker import Worker
 
 log = logging.getLogger(__name__)
 
-# The wide layout's narrowest window: the chat's sampling row beside the chats list (953 px) and a
-# backend card's dock (354 px), 1,323 px measured at 1280x720 with two backends; on a narrower
-# screen it would run off the edge, so the compact layout is used there too.
+# Under this width the Monitor drawer beside the chat would squeeze one or the other (the chat's
+# rows need ~650 px, two backend cards side by side ~700), so the drawer opens at the bottom.
 WIDE_MIN_WIDTH = 1400
+MONITOR_SHARE = 0.42  # of the window's width, at the right, when it first opens
 
 
 def compact_layout(available: QSize) -> bool:
-    """Whether a screen with this much room gets the compact layout: short (under 900 px, a
-    1280x720 laptop) or too narrow for the chat and the backends side by side (a 1280x1024 one)."""
+    """Whether a screen with this much room gets the compact layout (the Monitor drawer at the
+    bottom and closed at first): short (under 900 px, a 1280x720 or 1366x768 laptop) or too narrow
+    for the chat and the monitor side by side (a 1280x1024 one)."""
     return available.height() < 900 or available.width() < WIDE_MIN_WIDTH
 
 
@@ -91,8 +96,7 @@ class MainWindow(QMainWindow):
         self._recalibrate = recalibrate  # fn(engine, progress) -> None, blocking (run on a worker thread)
         self._bench_runner_factory = bench_runner_factory  # fn(engine) -> ExperimentsPanel's bench_runner
         self._hz = hz
-        self._docks: list[QDockWidget] = []
-        self._dock_of: dict[QWidget, QDockWidget] = {}
+        self._tab_of: dict[QWidget, QWidget] = {}  # a monitored panel -> its tab in the Monitor drawer
         self.panels: dict[str, QWidget] = {}
         self.demo: WorkloadRun | None = None
         # serve_fn(engine, host, port, api_key) -> (runner, url), a coroutine (app.gui.serve)
@@ -111,19 +115,17 @@ class MainWindow(QMainWindow):
         screen = QGuiApplication.primaryScreen()
         avail = screen.availableGeometry() if screen is not None else None
         self.compact = compact if compact is not None else (avail is not None and compact_layout(avail.size()))
-        if avail is not None:
-            self.resize(min(1600, avail.width()), min(1000, avail.height()))
+        if avail is not None:  # the whole screen, as a maximised window would have it
+            self.resize(avail.width(), avail.height())
+            self.move(avail.topLeft())
         else:
             self.resize(1600, 1000)
         geometry = self.settings.value("window/geometry")
         if geometry is not None:
             self.restoreGeometry(geometry)
         self.setDockOptions(QMainWindow.AnimatedDocks | QMainWindow.AllowTabbedDocks | QMainWindow.AllowNestedDocks)
-        # The analysis views (bottom) span the full width; backends and controls sit beside the chat.
-        self.setCorner(Qt.BottomRightCorner, Qt.BottomDockWidgetArea)
-        self.setCorner(Qt.BottomLeftCorner, Qt.BottomDockWidgetArea)
-        self.setCorner(Qt.TopRightCorner, Qt.RightDockWidgetArea)
         self._build_central()
+        self._build_monitor()
         self._build_status()
         self._build_menus()
         if engine is not None:
@@ -153,6 +155,55 @@ class MainWindow(QMainWindow):
         lay.addStretch(2)
         self.stack.addWidget(placeholder)
         self.setCentralWidget(self.stack)
+
+    def _build_monitor(self) -> None:
+        """The Monitor drawer: one dock whose tabs are the live panels (filled by `_build_panels`)."""
+        self.monitor_tabs = QTabWidget()
+        self.monitor_tabs.setDocumentMode(True)
+        self.monitor = QDockWidget("Monitor", self)
+        self.monitor.setObjectName("dock-monitor")
+        self.monitor.setWidget(self.monitor_tabs)
+        self.monitor.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable
+                                 | QDockWidget.DockWidgetClosable)
+        self.monitor.setAllowedAreas(Qt.RightDockWidgetArea | Qt.BottomDockWidgetArea | Qt.LeftDockWidgetArea)
+        self.addDockWidget(Qt.BottomDockWidgetArea if self.compact else Qt.RightDockWidgetArea, self.monitor)
+        self.monitor.setVisible(False)  # opened when there are panels to show (`_build_panels`)
+        self._monitor_sized = False  # given its first size (or a saved one)
+        self._monitor_defaulted = False  # opened or not as the screen suggests, once
+        self.monitor.visibilityChanged.connect(self._on_monitor_shown)
+        self.monitor_action = self.monitor.toggleViewAction()
+        self.monitor_action.setText("&Monitor")
+        self.monitor_action.setShortcut(QKeySequence("F9"))
+        self.monitor_action.setToolTip("Open or close the Monitor: backends, controls, routing, latency, "
+                                       "teaching, experiments (F9)")
+        self.monitor_action.setIconText("Monitor (F9)")  # the menu bar's button
+        button = QToolButton()
+        button.setDefaultAction(self.monitor_action)
+        button.setObjectName("monitorButton")
+        self.monitor_button = button
+        self.menuBar().setCornerWidget(button, Qt.TopRightCorner)
+
+    def set_monitor_side(self, area) -> None:
+        """Put the Monitor drawer at the right (`Qt.RightDockWidgetArea`) or at the bottom, open."""
+        self.removeDockWidget(self.monitor)
+        self.addDockWidget(area, self.monitor)
+        self.monitor.show()
+        self._size_monitor()
+
+    def _on_monitor_shown(self, visible: bool) -> None:
+        if visible and not self._monitor_sized:  # opened for the first time: its default size
+            self._size_monitor()
+
+    def _size_monitor(self) -> None:
+        """The drawer's first size: at the right, a share of the width; at the bottom, half the
+        height, and at least the 380 px that show the teaching table's 8 rows under the drawer's
+        title and tabs."""
+        if self.dockWidgetArea(self.monitor) == Qt.BottomDockWidgetArea:
+            h = self.height()
+            self.resizeDocks([self.monitor], [max(380, min(h - 300, h // 2))], Qt.Vertical)
+        else:
+            self.resizeDocks([self.monitor], [int(self.width() * MONITOR_SHARE)], Qt.Horizontal)
+        self._monitor_sized = True
 
     def _build_status(self) -> None:
         sb = self.statusBar()
@@ -205,6 +256,12 @@ class MainWindow(QMainWindow):
             group.addAction(a)
             theme_menu.addAction(a)
             self.theme_actions[choice] = a
+        self.view_menu.addSeparator()
+        self.view_menu.addAction(self.monitor_action)
+        self.view_menu.addAction(QAction("Monitor at the &right", self,
+                                         triggered=lambda: self.set_monitor_side(Qt.RightDockWidgetArea)))
+        self.view_menu.addAction(QAction("Monitor at the &bottom", self,
+                                         triggered=lambda: self.set_monitor_side(Qt.BottomDockWidgetArea)))
         self.view_menu.addSeparator()
         run = self.menuBar().addMenu("&Run")
         run.addAction(QAction("Send the study's 8 requests", self, triggered=lambda: self.start_demo(STUDY)))
@@ -321,38 +378,27 @@ class MainWindow(QMainWindow):
         self.stack.addWidget(chat)
         self.stack.setCurrentWidget(chat)
 
-        side = Qt.BottomDockWidgetArea if self.compact else Qt.RightDockWidgetArea
-        right_b = self._dock("Backends", backends, side)
-        right_c = self._dock("Controls", controls, side, scroll=True)
-        bottom = [self._dock(t, self.panels[k], Qt.BottomDockWidgetArea)
-                  for t, k in (("Routing", "routing"), ("Latency", "latency"), ("Teaching", "teaching"),
-                               ("Experiments", "experiments"))]
-        if self.compact:
-            bottom = [right_b, right_c, *bottom]
-        else:
-            self.tabifyDockWidget(right_b, right_c)
-        for d in bottom[1:]:
-            self.tabifyDockWidget(bottom[0], d)
-        right_b.raise_()
-        if not self.compact:
-            bottom[0].raise_()
-            self.resizeDocks([right_b], [min(340 * len(engine.backend_names), 700)], Qt.Horizontal)
-        # Compact: the chat keeps ~270 px (its transcript ~120), the panels get the rest of a 720 px
-        # screen. With 300 px for the chat, the teaching live table's 8 rows (19 px each under the
-        # app's style sheet) scrolled the last one out of view. A taller (narrow) screen shares
-        # what is over 720 px between the two.
-        h = self.height()
-        self.resizeDocks([bottom[0]], [max(330, min(h - 320, h // 2 + 100)) if self.compact else 500], Qt.Vertical)
-        if self.compact:  # the chat's room goes to the transcript; Sampling ▸ opens the settings
-            chat.settings_button.setChecked(False)
+        for title, key in (("Backends", "backends"), ("Controls", "controls"), ("Routing", "routing"),
+                           ("Latency", "latency"), ("Teaching", "teaching"), ("Experiments", "experiments")):
+            panel = self.panels[key]
+            # A panel wider than the drawer scrolls inside it rather than widening it past the chat.
+            tab = scrollable(panel) if key in ("controls", "teaching", "experiments") else panel
+            self._tab_of[panel] = tab
+            self.monitor_tabs.addTab(tab, title)
+        if not self._layout_restored and not self._monitor_defaulted:  # the first panels: the default
+            self._monitor_defaulted = True  # (a saved layout, below, replaces it)
+            self.monitor.setVisible(not self.compact)
+            if not self.compact:
+                self._size_monitor()
         chat.load_settings(self.settings)
         self.theme.apply()  # the new panels' plots in the palette in use
         state = self.settings.value(self._state_key())
         if state is not None and not self._layout_restored:
-            self._layout_restored = self.restoreState(state)
+            self._layout_restored = self._monitor_sized = self.restoreState(state)
 
     def _state_key(self) -> str:
-        return "window/state-compact" if self.compact else "window/state"
+        # -v2: the Monitor drawer; a layout saved with one dock per panel is not restored into it
+        return "window/state-v2-compact" if self.compact else "window/state-v2"
 
     def save_settings(self) -> None:
         """Window geometry, dock layout, sampling settings, last model (on close; idempotent)."""
@@ -395,27 +441,17 @@ class MainWindow(QMainWindow):
         sb.showMessage(message, ms)
         sb.setToolTip(f"Last message: {message}")
 
-    def _dock(self, title: str, widget: QWidget, area, scroll: bool = False) -> QDockWidget:
-        d = QDockWidget(title, self)
-        d.setObjectName(f"dock-{title.lower()}")
-        d.setWidget(scrollable(widget) if scroll else widget)
-        self._dock_of[widget] = d
-        d.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable | QDockWidget.DockWidgetClosable)
-        self.addDockWidget(area, d)
-        self.view_menu.addAction(d.toggleViewAction())
-        self._docks.append(d)
-        return d
-
     def dock_of(self, key: str) -> QDockWidget | None:
-        """The dock that holds a panel (`panels[key]`); None for a panel not docked."""
-        return self._dock_of.get(self.panels.get(key))
+        """The dock that holds a panel (`panels[key]`): the Monitor drawer; None for the chat."""
+        return self.monitor if self.panels.get(key) in self._tab_of else None
 
     def show_panel(self, key: str) -> None:
-        """Bring a panel's dock tab to the front."""
-        d = self._dock_of.get(self.panels.get(key))
-        if d is not None:
-            d.show()
-            d.raise_()
+        """Open the Monitor drawer at a panel's tab."""
+        tab = self._tab_of.get(self.panels.get(key))
+        if tab is not None:
+            self.monitor.show()
+            self.monitor.raise_()
+            self.monitor_tabs.setCurrentWidget(tab)
 
     def _teardown_panels(self) -> None:
         self.stop_demo()
@@ -428,12 +464,11 @@ class MainWindow(QMainWindow):
             chat.shutdown()
             self.stack.removeWidget(chat)
             chat.deleteLater()
-        for d in self._docks:
-            self.view_menu.removeAction(d.toggleViewAction())
-            self.removeDockWidget(d)
-            d.deleteLater()
-        self._docks = []
-        self._dock_of = {}
+        while self.monitor_tabs.count():
+            tab = self.monitor_tabs.widget(0)
+            self.monitor_tabs.removeTab(0)
+            tab.deleteLater()
+        self._tab_of = {}
         self.panels = {}
         if self.bridge is not None:
             self.bridge.close()
@@ -525,6 +560,7 @@ class MainWindow(QMainWindow):
         experiments = self.panels.get("experiments")
         if experiments is not None:
             experiments.show_run(self.demo)
+        self.monitor.show()  # a demo is there to be watched
         self.demo.start()
         return self.demo
 

@@ -8,6 +8,11 @@ it is clicked. Raw HTML in a reply is shown as text, never interpreted (`html: F
 block's colours (backgrounds, header, link, the Pygments style) come from `CodeColors`:
 `DARK_CODE` (the default) or `LIGHT_CODE`, as the theme in use says (`ui.theme`).
 
+`markdown_segments(text)` cuts a reply into its prose and its top-level code blocks, in order,
+so the chat can show each code block in a widget of its own (scrolling sideways on its own, with
+its Copy button): `Prose(html)` and `Code(source, lang, html)` (the block's highlighted `<pre>`), with the sources of
+code blocks nested in lists or quotes (left in the prose, with their Copy links).
+
 Pure functions: any thread.
 """
 
@@ -48,17 +53,29 @@ def _formatter(style: str) -> HtmlFormatter:
     return HtmlFormatter(noclasses=True, nowrap=True, style=style)
 
 
-def _code_html(code: str, lang: str, env: dict) -> str:
-    colors: CodeColors = env.get("colors") or DARK_CODE
-    blocks = env.setdefault("code_blocks", [])
-    index = len(blocks)
-    blocks.append(code)
+def _highlighted(code: str, lang: str, colors: CodeColors) -> str:
+    """`code` as HTML spans coloured by Pygments (escaped plain text without a known `lang`)."""
     body = html.escape(code.rstrip("\n"))
     if lang:
         try:
             body = highlight(code.rstrip("\n"), get_lexer_by_name(lang), _formatter(colors.style)).rstrip("\n")
         except ClassNotFound:
             pass
+    return body
+
+
+def code_pre(code: str, lang: str, colors: CodeColors = DARK_CODE) -> str:
+    """A code block's body alone: a monospace `<pre>` (indentation kept), highlighted."""
+    return (f"<pre style='font-family:monospace;margin:0;color:{colors.text}'>"
+            f"{_highlighted(code, lang, colors)}</pre>")
+
+
+def _code_html(code: str, lang: str, env: dict) -> str:
+    colors: CodeColors = env.get("colors") or DARK_CODE
+    blocks = env.setdefault("code_blocks", [])
+    index = len(blocks)
+    blocks.append(code)
+    body = _highlighted(code, lang, colors)
     label = html.escape(lang) if lang else "code"
     return (f"<table width='100%' cellspacing='0' cellpadding='6' style='margin-top:4px;margin-bottom:6px'>"
             f"<tr><td bgcolor='{colors.head_bg}'><span style='color:{colors.label}'>{label}</span>&nbsp;&nbsp;"
@@ -95,4 +112,45 @@ def render_markdown(text: str, code_blocks: list[str] | None = None,
     """
     env: dict = {"code_blocks": code_blocks if code_blocks is not None else [], "colors": colors}
     out = _MD.render(text, env)
+    return out, env["code_blocks"]
+
+
+@dataclass(frozen=True)
+class Prose:
+    """Markdown other than a top-level code block, as HTML."""
+
+    html: str
+
+
+@dataclass(frozen=True)
+class Code:
+    """A top-level code block: its source, its language ("" if none) and its highlighted `<pre>`."""
+
+    source: str
+    lang: str
+    html: str
+
+
+def markdown_segments(text: str, colors: CodeColors = DARK_CODE) -> tuple[list[Prose | Code], list[str]]:
+    """Markdown `text` cut into prose and its top-level code blocks, in order, and the sources
+    of the code blocks left inside the prose (in a list or a quote: drawn as `render_markdown`
+    draws them, their Copy links `copy-code:N` numbered in this list)."""
+    env: dict = {"code_blocks": [], "colors": colors}
+    tokens = _MD.parse(text, env)
+    out: list[Prose | Code] = []
+    start = 0
+
+    def prose(end: int) -> None:
+        if end > start:
+            rendered = _MD.renderer.render(tokens[start:end], _MD.options, env)
+            if rendered.strip():
+                out.append(Prose(rendered))
+
+    for i, t in enumerate(tokens):
+        if t.level == 0 and t.type in ("fence", "code_block"):
+            prose(i)
+            lang = t.info.strip().split()[0] if t.type == "fence" and t.info.strip() else ""
+            out.append(Code(t.content, lang, code_pre(t.content, lang, colors)))
+            start = i + 1
+    prose(len(tokens))
     return out, env["code_blocks"]

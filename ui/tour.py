@@ -26,6 +26,13 @@ and the same on 18102), a demo still running when the window is saved:
 
 (`--panel routing` and `fleet-routing.png` for the other).
 
+The chat's own screenshots (`--tour-only chat`): a 6-turn chat with a code block and a list, then
+the Monitor drawer open mid-demo, named after the screen's height (`chat-720p.png`,
+`monitor-720p.png`; run it at 1280x720 and at 1920x1080):
+
+    xvfb-run -a -s "-screen 0 1920x1080x24" python -m app.gui --model default --tour docs/screenshots \
+        --tour-only chat
+
 Then `pngquant --strip --quality=70-95` each PNG (a third of the size).
 """
 
@@ -152,3 +159,44 @@ async def whatif(window, out: Path, args=None) -> None:
     await asyncio.sleep(0.5)
     path = window.save_screenshot(out / "whatif.png")
     print(f"saved {path}", file=sys.stderr)
+
+
+CHAT_TURNS = (
+    "In one sentence: what is a prefix cache?",
+    "Write a Python function that returns the sum of a list of numbers. Use a Markdown code block.",
+    "Give me three tips for fast local inference, as a Markdown bulleted list.",
+    "What does TTFT mean?",
+    "Is a GPU always faster than a CPU for a small model?",
+    "Thanks! Say goodbye in five words.",
+)
+
+
+async def chat_tour(window, out: Path, args) -> None:
+    """Six turns of chat (a code block and a list among the replies), saved as
+    `chat-<height>p.png`; then a demo with the Monitor open, `monitor-<height>p.png`."""
+    from .live_run import seed_workload
+
+    await _load(window, args)
+    tag = f"{window.height()}p"  # the window fills the screen: 720p, 1080p
+    chat = window.panels["chat"]
+    chat.temperature.setValue(0.0)
+    chat.max_tokens.setValue(80)
+    for text in CHAT_TURNS:
+        chat.send(text)
+        await _until(lambda: not chat.busy, 300)
+    # From the second question on: the code block, the list and the turns after them.
+    bubble = chat.bubble(2)
+    chat.transcript.verticalScrollBar().setValue(bubble.y() - 8)
+    await asyncio.sleep(1.0)
+    path = window.save_screenshot(out / f"chat-{tag}.png")
+    print(f"saved {path}", file=sys.stderr)
+
+    run = window.start_demo(seed_workload(args.demo or 48))
+    window.show_panel("routing")
+    routing = window.panels["routing"]
+    await _until(lambda: routing.model.rowCount() >= 12 and len(run.result.records) >= 2, 300)
+    await asyncio.sleep(args.delay or 1.5)
+    path = window.save_screenshot(out / f"monitor-{tag}.png")
+    print(f"saved {path}", file=sys.stderr)
+    window.stop_demo()
+    await _until(lambda: not run.running, 300)

@@ -1,30 +1,20 @@
-"""The chat panel: streaming replies from the engine, with who served them and how fast.
+"""The chat panel: the saved chats, the transcript, the message box, and replies streamed from the engine.
 
 Replies stream through asyncio (qasync): the panel submits with `loop=` the running loop and a
 task iterates `handle.astream()`, so text deltas arrive on the GUI thread without a worker ever
 touching a widget. Each reply records the backend that served it, TTFT, decode tok/s and cached
 tokens; chats are saved as JSON under the user data dir (`ui.history.ChatStore`).
 
-Replies are shown as Markdown (`ui.markdown`: markdown-it-py + Pygments), each code block with a
-Copy link; while a reply streams its text is shown plain and rendered once it ends. Each message
-has copy / edit / delete links; the chat list renames, deletes, exports (Markdown, JSON) and
-searches chats. A prompt the engine refuses (too long for the context, a bad setting) never
-joins the chat: the error is shown, the text stays in the message box, nothing is saved.
+The chat itself (`ui.history.Chat`) changes only here: a reply is appended, a regenerated one
+becomes a new version of the last reply (‹k/n› switches), an edited question saved becomes a new
+version of it and is answered again (Cancel leaves the chat as it was), Continue goes on with a
+reply cut by its length limit. A prompt the engine refuses (too long for the context, a bad
+setting) never joins the chat: the error is shown, the text stays in the message box, nothing is
+saved.
 
-Replies from local backends ask for each token's logprob and its `TOP_ALTERNATIVES` most likely alternatives
-(kept in the message's meta and saved with it); a reply's "token probabilities" link shows it
-token by token, each shaded by its probability, and hovering a token shows its probability and
-the alternatives in a tooltip (`QTextBrowser.highlighted`: read from the stored meta, never
-from the engine, so hovering never waits).
-
-JSON mode (the "JSON" box) decodes replies under a grammar: any JSON object, or one matching
-the JSON schema typed in the schema box. The schema is checked as it is typed (a quick
-conversion, milliseconds) and again at send; a bad one is reported and nothing is sent.
-
-The transcript's inline colours (names, meta lines, links, code blocks, token shading, notices)
-come from the theme in use (`ui.theme.palette().transcript`); `restyle()` paints the transcript
-again after the theme changes (the main window calls it on `Theme.changed`), a streaming reply
-included.
+A reply asked for with Token probabilities on keeps each token's logprob and its alternatives;
+its bubble can show it token by token, each shaded by its probability, with a tooltip on hover
+read from the stored meta (hovering never waits on the engine).
 
 Keys: Enter sends (Shift+Enter for a new line), Esc stops the reply being streamed; Enter while
 a reply streams says so and keeps the text in the box.
@@ -33,6 +23,7 @@ a reply streams says so and keeps the text in the box.
 from __future__ import annotations
 
 import asyncio
+import copy
 import html
 import json
 import logging
@@ -40,38 +31,24 @@ import math
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QKeySequence, QShortcut, QTextCursor
+from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout, QInputDialog, QLabel,
-    QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy,
-    QSpinBox, QSplitter, QTextBrowser, QToolButton, QToolTip, QVBoxLayout, QWidget,
+    QComboBox, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMenu,
+    QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSplitter, QToolButton, QToolTip, QVBoxLayout, QWidget,
 )
 
 from engine.core.errors import EngineError
 from engine.core.request import Request, SamplingParams
 
-from .formatting import fmt_seconds, model_title
-from .history import Chat, ChatStore, Message
-from .markdown import COPY_SCHEME, render_markdown
-from .presets import PresetButton
-from .theme import TranscriptColors, backend_color, palette
+from ..history import Chat, ChatStore, Message
+from ..presets import PresetButton
+from ..theme import palette
+from .composer import PromptEdit, SamplingSettings
+from .transcript import Bubble, Transcript, meta_bits, meta_html, meta_plain, tokens_html, welcome_html
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto (router decides)"
-TOP_ALTERNATIVES = 5  # alternatives per token a reply asks for (shown on hover)
-
-
-class PromptEdit(QPlainTextEdit):
-    """The message box: Enter submits, Shift+Enter inserts a new line."""
-
-    submitted = Signal()
-
-    def keyPressEvent(self, event):
-        if event.key() in (Qt.Key_Return, Qt.Key_Enter) and not event.modifiers() & Qt.ShiftModifier:
-            self.submitted.emit()
-            return
-        super().keyPressEvent(event)
+AUTO = "auto (router)"
 
 
 class ChatPanel(QWidget):
@@ -88,13 +65,13 @@ class ChatPanel(QWidget):
         self.chat = Chat()
         self.handle = None  # RequestHandle of the reply being streamed
         self._task: asyncio.Task | None = None
-        self._stream_cursor: QTextCursor | None = None
+        self._pending: tuple = ("append", -1)  # what the streaming reply becomes: append / version j / continue j
         self._streamed: list[str] = []
+        self._stream_label: QLabel | None = None
+        self._stream_prefix = ""  # a continued reply's text so far, shown before what streams
         self._refused: str | None = None  # why the engine refused the last prompt
-        self._earlier: list[dict] = []  # the answers a regenerate replaces, kept with the new one
-        self._expanded: set[int] = set()  # messages whose earlier answers are shown
+        self._editing: int | None = None  # the message open in its editor
         self._token_view: set[int] = set()  # messages shown token by token, with probabilities
-        self._code_blocks: list[str] = []  # the shown transcript's code blocks, by their Copy link
         self._synthetic_warning: QLabel | None = None
         self._notice: str | None = None  # the error shown under the transcript, if any
         self._build()
@@ -136,7 +113,7 @@ class ChatPanel(QWidget):
         saved.setToolTip(str(self.store.dir))
         lv.addWidget(saved)
 
-        # Right: system prompt, settings, transcript, input.
+        # Right: system prompt and settings (one row, the settings folded), transcript, message box.
         right = QWidget()
         rv = QVBoxLayout(right)
         rv.setContentsMargins(4, 0, 0, 0)
@@ -146,13 +123,13 @@ class ChatPanel(QWidget):
         sys_label = QLabel("System prompt")
         sys_label.setObjectName("muted")
         self.system_edit = QPlainTextEdit(self.chat.system)
-        self.system_edit.setFixedHeight(40)
+        self.system_edit.setFixedHeight(32)
         self.system_edit.setPlaceholderText("(none)")
         self.system_edit.textChanged.connect(self._on_system_changed)
         self.settings_button = QToolButton()
-        self.settings_button.setText("Sampling ▾")
+        self.settings_button.setText("Sampling ▸")
         self.settings_button.setCheckable(True)
-        self.settings_button.setChecked(True)
+        self.settings_button.setChecked(False)
         self.presets = PresetButton(self.system_edit)
         self.presets.status_message.connect(self.status_message.emit)
         top.addWidget(sys_label)
@@ -161,7 +138,11 @@ class ChatPanel(QWidget):
         top.addWidget(self.settings_button)
         rv.addLayout(top)
 
-        self.settings = self._build_settings()
+        self.settings = SamplingSettings(self.engine)
+        self.settings.setVisible(False)
+        for name in ("temperature", "top_p", "top_k", "repeat_penalty", "max_tokens", "seed", "json_mode",
+                     "schema_edit", "schema_state", "token_probs"):
+            setattr(self, name, getattr(self.settings, name))
         self.settings_button.toggled.connect(self.settings.setVisible)
         self.settings_button.toggled.connect(
             lambda on: self.settings_button.setText("Sampling ▾" if on else "Sampling ▸"))
@@ -177,20 +158,30 @@ class ChatPanel(QWidget):
             warn.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # one line, cut rather than widening
             rv.addWidget(warn)
 
-        self.view = QTextBrowser()
-        self.view.setOpenExternalLinks(False)
-        self.view.setOpenLinks(False)  # our links (copy, edit, delete) go to _on_link
-        self.view.anchorClicked.connect(self._on_link)
-        self.view.highlighted.connect(self._on_hover)  # a token under the mouse: its probabilities
-        self.view.setMinimumHeight(80)  # a few lines of the transcript, even on a 720 px screen
-        self.view.setPlaceholderText("")
-        rv.addWidget(self.view, 1)
+        self.transcript = Transcript()
+        self.transcript.setMinimumHeight(120)
+        rv.addWidget(self.transcript, 1)
 
+        compose = QHBoxLayout()
+        compose.setSpacing(6)
         self.input = PromptEdit()
         self.input.setPlaceholderText("Message the model — Enter to send, Shift+Enter for a new line, Esc to stop")
-        self.input.setFixedHeight(54)
+        self.input.setFixedHeight(58)
         self.input.submitted.connect(self._on_submit)
-        rv.addWidget(self.input)
+        self.send_button = QPushButton("Send")
+        self.send_button.setObjectName("primary")
+        self.send_button.clicked.connect(self._on_submit)
+        self.stop_button = QPushButton("Stop (Esc)")
+        self.stop_button.setObjectName("danger")
+        self.stop_button.clicked.connect(self.stop)
+        side = QVBoxLayout()
+        side.setSpacing(4)
+        side.addWidget(self.send_button)
+        side.addWidget(self.stop_button)
+        compose.addWidget(self.input, 1)
+        compose.addLayout(side)
+        rv.addLayout(compose)
+
         # How much of the context the next request would use (chat so far + the draft + max tokens).
         self.context_label = QLabel()
         self.context_label.setObjectName("muted")
@@ -202,140 +193,52 @@ class ChatPanel(QWidget):
         self._context_timer.timeout.connect(self.update_context_meter)
         self.input.textChanged.connect(self._context_timer.start)
 
-        buttons = QHBoxLayout()
-        self.send_button = QPushButton("Send")
-        self.send_button.setObjectName("primary")
-        self.send_button.clicked.connect(self._on_submit)
-        self.stop_button = QPushButton("Stop (Esc)")
-        self.stop_button.setObjectName("danger")
-        self.stop_button.clicked.connect(self.stop)
+        footer = QHBoxLayout()
         self.regen_button = QPushButton("↻ Regenerate")
+        self.regen_button.setToolTip("Ask again for the last reply; the earlier answers stay (‹1/2› on the reply)")
         self.regen_button.clicked.connect(self.regenerate)
         self.copy_button = QPushButton("Copy reply")
         self.copy_button.clicked.connect(self.copy_reply)
+        self.backend_combo = QComboBox()
+        self.backend_combo.addItem(AUTO)
+        for name in self.engine.backend_names:
+            self.backend_combo.addItem(name)
+        self.backend_combo.setToolTip("Pin replies to one backend, bypassing the routing policy")
         self.state_label = QLabel("")
         self.state_label.setObjectName("muted")
         # Long stats must not widen the window: the label takes what room is left.
         self.state_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
-        for b in (self.send_button, self.stop_button, self.regen_button, self.copy_button):
-            buttons.addWidget(b)
         send_to = QLabel("Send to")
         send_to.setObjectName("muted")
-        buttons.addSpacing(8)
-        buttons.addWidget(send_to)
-        buttons.addWidget(self.backend_combo)
-        buttons.addWidget(self.state_label, 1)
-        buttons.addWidget(self.context_label)
-        rv.addLayout(buttons)
+        footer.addWidget(self.regen_button)
+        footer.addWidget(self.copy_button)
+        footer.addSpacing(8)
+        footer.addWidget(send_to)
+        footer.addWidget(self.backend_combo)
+        footer.addWidget(self.state_label, 1)
+        footer.addWidget(self.context_label)
+        rv.addLayout(footer)
 
-        split = QSplitter(Qt.Horizontal)
-        split.addWidget(left)
-        split.addWidget(right)
-        split.setStretchFactor(0, 0)
-        split.setStretchFactor(1, 1)
-        left.setMinimumWidth(140)
+        self.split = QSplitter(Qt.Horizontal)
+        self.split.addWidget(left)
+        self.split.addWidget(right)
+        self.split.setStretchFactor(0, 0)
+        self.split.setStretchFactor(1, 1)
+        self.split.setCollapsible(1, False)
+        left.setMinimumWidth(120)
         left.setMaximumWidth(260)
-        split.setSizes([170, 900])
+        self.split.setSizes([170, 900])
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
-        outer.addWidget(split)
+        outer.addWidget(self.split)
 
         esc = QShortcut(QKeySequence(Qt.Key_Escape), self)
         esc.setContext(Qt.WindowShortcut)
         esc.activated.connect(self.stop)
 
-    def _build_settings(self) -> QWidget:
-        box = QFrame()
-        outer = QVBoxLayout(box)
-        outer.setContentsMargins(0, 0, 0, 0)
-        row = QHBoxLayout()
-        row.setContentsMargins(0, 0, 0, 0)
-        row.setSpacing(10)
-        outer.addLayout(row)
-
-        def field(label: str, widget: QWidget, tip: str) -> None:
-            f = QFormLayout()
-            f.setContentsMargins(0, 0, 0, 0)
-            lab = QLabel(label)
-            lab.setObjectName("muted")
-            widget.setToolTip(tip)
-            f.addRow(lab, widget)
-            row.addLayout(f)
-
-        self.temperature = QDoubleSpinBox(decimals=2, minimum=0.0, maximum=2.0, singleStep=0.05, value=0.7)
-        self.top_p = QDoubleSpinBox(decimals=2, minimum=0.01, maximum=1.0, singleStep=0.05, value=0.95)
-        self.top_k = QSpinBox(minimum=0, maximum=1000, value=40)
-        self.repeat_penalty = QDoubleSpinBox(decimals=2, minimum=0.5, maximum=2.0, singleStep=0.05, value=1.1)
-        self.max_tokens = QSpinBox(minimum=1, maximum=8192, value=256)
-        self.seed = QSpinBox(minimum=-1, maximum=2**31 - 1, value=-1)
-        self.seed.setSpecialValueText("random")
-        self.backend_combo = QComboBox()
-        self.backend_combo.addItem(AUTO)
-        for name in self.engine.backend_names:
-            self.backend_combo.addItem(name)
-        field("Temp", self.temperature, "Sampling temperature; 0 = greedy")
-        field("Top-p", self.top_p, "Nucleus sampling: keep the smallest set of tokens with this much probability")
-        field("Top-k", self.top_k, "Keep the k most likely tokens (0 = off)")
-        field("Repeat", self.repeat_penalty, "Repetition penalty (1 = off)")
-        field("Max", self.max_tokens, "Max tokens: the generation budget; the router counts it as decode work")
-        field("Seed", self.seed, "Sampling seed (random when unset)")
-        for w in (self.temperature, self.top_p, self.top_k, self.repeat_penalty, self.max_tokens):
-            w.setFixedWidth(66)
-        self.seed.setFixedWidth(90)
-        self.backend_combo.setToolTip("Pin replies to one backend, bypassing the routing policy")
-        self.json_mode = QCheckBox("JSON")
-        self.json_mode.setToolTip("Replies are a JSON object (decoded under a grammar), matching the schema if one is given")
-        row.addWidget(self.json_mode)
-        row.addStretch(1)
-        self.schema_edit = QPlainTextEdit()
-        self.schema_edit.setPlaceholderText('JSON schema (optional), e.g. {"type": "object", "properties": '
-                                            '{"answer": {"type": "string"}}, "required": ["answer"]}')
-        self.schema_edit.setFixedHeight(60)
-        self.schema_state = QLabel("")
-        self.schema_state.setObjectName("muted")
-        self.schema_state.setWordWrap(True)
-        for w in (self.schema_edit, self.schema_state):
-            w.setVisible(False)
-            outer.addWidget(w)
-        self.json_mode.toggled.connect(self._on_json_mode)
-        self._schema_timer = QTimer(self, singleShot=True, interval=300)
-        self._schema_timer.timeout.connect(self._check_schema)
-        self.schema_edit.textChanged.connect(self._schema_timer.start)
-        return box
-
     def json_grammar(self) -> str | None:
-        """The grammar JSON mode asks for (None: off); `ValueError` naming what is wrong with
-        the schema (not JSON, not an object, or one the converter refuses)."""
-        if not self.json_mode.isChecked():
-            return None
-        text = self.schema_edit.toPlainText().strip()
-        if not text:
-            return self.engine.json_grammar()
-        try:
-            schema = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"the JSON schema is not JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise ValueError("the JSON schema must be a JSON object")
-        try:
-            return self.engine.json_grammar(schema)
-        except EngineError as e:
-            raise ValueError(str(e)) from None
-
-    def _on_json_mode(self, on: bool) -> None:
-        self.schema_edit.setVisible(on)
-        self.schema_state.setVisible(on)
-        self._check_schema()
-
-    def _check_schema(self) -> None:
-        try:
-            grammar = self.json_grammar()
-        except ValueError as e:
-            self.schema_state.setText(f"⚠ {e}")
-            return
-        self.schema_state.setText("" if grammar is None else
-                                  "replies match this schema" if self.schema_edit.toPlainText().strip()
-                                  else "replies are a JSON object")
+        """The grammar JSON mode asks for (None: off); `ValueError` naming what is wrong."""
+        return self.settings.json_grammar()
 
     # ---- public API ----
 
@@ -353,7 +256,7 @@ class ChatPanel(QWidget):
             max_tokens=self.max_tokens.value(),
             seed=None if seed < 0 else seed,
             # Remote engines do not relay logprobs (engine/backends/remote/ refuses them).
-            logprobs=TOP_ALTERNATIVES if "remote" not in self.engine.devices.values() else None,
+            logprobs=self.settings.logprobs() if "remote" not in self.engine.devices.values() else None,
             grammar=self.json_grammar(),
         ).validate()
 
@@ -375,8 +278,9 @@ class ChatPanel(QWidget):
             self.state_label.setText(msg)
             self.status_message.emit(msg)
             return False
+        self._editing = None
         self.chat.messages.append(Message("user", text))
-        if self._start_reply():
+        if self._start_reply(("append", -1)):
             return True
         self.chat.messages.pop()
         self._render(notice=self._refused)
@@ -390,24 +294,46 @@ class ChatPanel(QWidget):
             self.state_label.setText("stopping…")
 
     def regenerate(self) -> bool:
-        """Ask again for the last reply; the earlier answers stay with the new one (meta "earlier")."""
+        """Ask again for the last reply: the new answer becomes its next version, the earlier ones
+        stay (the reply's ‹k/n› switcher)."""
         if self.busy or not self.chat.messages:
             return False
-        popped = self.chat.messages.pop() if self.chat.messages[-1].role == "assistant" else None
-        if not self.chat.messages or self.chat.messages[-1].role != "user":
-            if popped is not None:
-                self.chat.messages.append(popped)
+        last = len(self.chat.messages) - 1
+        if self.chat.messages[last].role == "assistant":
+            if last == 0 or self.chat.messages[last - 1].role != "user":
+                return False
+            return self._start_reply(("version", last), self.chat.prompt_messages(upto=last))
+        return self._start_reply(("append", -1))
+
+    def can_continue(self) -> bool:
+        """The last reply was cut by its length limit and a local model can go on with it."""
+        if self.busy or not self.chat.messages or self.engine.model is None:
             return False
-        if popped is not None:
-            meta = popped.meta or {}
-            self._earlier = [{"content": popped.content, "backend": meta.get("backend")}, *meta.get("earlier", [])]
-        if self._start_reply():
-            return True
-        if popped is not None:  # refused: the chat stays as it was
-            self.chat.messages.append(popped)
-            self._earlier = []
-            self._render(notice=self._refused)
-        return False
+        last = self.chat.messages[-1]
+        return last.role == "assistant" and (last.meta or {}).get("finish_reason") == "length" \
+            and bool(last.content)
+
+    def continue_reply(self) -> bool:
+        """Go on with the last reply where its length limit cut it (the text is added to it)."""
+        if not self.can_continue():
+            return False
+        return self._start_reply(("continue", len(self.chat.messages) - 1), continue_final=True)
+
+    def switch_version(self, index: int, k: int) -> bool:
+        """Show version `k` of message `index` (and the messages that followed it)."""
+        if self.busy or not 0 <= index < len(self.chat.messages):
+            return False
+        m = self.chat.messages[index]
+        if not 0 <= k < m.n_versions or k == m.shown:
+            return False
+        self._editing = None
+        self.chat.switch(index, k)
+        self._token_view = set()
+        self._render()
+        self._save()
+        self._update_buttons()
+        self.update_context_meter()
+        return True
 
     def copy_reply(self) -> str:
         for m in reversed(self.chat.messages):
@@ -422,6 +348,8 @@ class ChatPanel(QWidget):
         if self.busy or not 0 <= index < len(self.chat.messages):
             return False
         del self.chat.messages[index]
+        self._editing = None
+        self._token_view = set()
         self._render()
         if self.chat.messages:
             self._save()
@@ -432,17 +360,45 @@ class ChatPanel(QWidget):
         return True
 
     def edit_message(self, index: int) -> bool:
-        """Put a user message back in the box and drop it and everything after it (edit and resend)."""
+        """Open a user message in its editor (Save and send, or Cancel); the chat is unchanged until saved."""
         if self.busy or not 0 <= index < len(self.chat.messages) or self.chat.messages[index].role != "user":
             return False
-        self.input.setPlainText(self.chat.messages[index].content)
-        del self.chat.messages[index:]
+        self._editing = index
         self._render()
-        self._save()
-        self._reload_list()
-        self._update_buttons()
-        self.input.setFocus()
         return True
+
+    @property
+    def editor(self) -> QPlainTextEdit | None:
+        """The editor of the message being edited, if any."""
+        b = self._bubble_of(self._editing)
+        return b.editor if b is not None else None
+
+    def bubble(self, index: int) -> Bubble | None:
+        """The bubble that shows message `index` (None while it is hidden or out of range)."""
+        return self._bubble_of(index)
+
+    def cancel_edit(self) -> None:
+        """Close the editor; the chat stays as it was."""
+        if self._editing is not None:
+            self._editing = None
+            self._render()
+
+    def save_edit(self, index: int, text: str) -> bool:
+        """The edited text becomes a new version of message `index` (the old one and what followed
+        it stay, ‹k/n›) and is answered again; False (the chat unchanged) if empty or refused."""
+        text = text.strip()
+        if self.busy or self._editing != index or not text:
+            return False
+        before = copy.deepcopy(self.chat.messages)
+        self.chat.add_version(index, text)
+        self._editing = None
+        if self._start_reply(("append", -1)):
+            return True
+        self.chat.messages = before  # refused: as it was
+        self._editing = index
+        self._render(notice=self._refused)
+        self._update_buttons()
+        return False
 
     def delete_chat(self, chat_id: str, confirm: bool = False) -> bool:
         """Delete a saved chat; the open one is replaced by an empty chat."""
@@ -453,8 +409,7 @@ class ChatPanel(QWidget):
             return False
         self.store.delete(chat_id)
         if chat_id == self.chat.id:
-            self.chat = Chat(system=self.system_edit.toPlainText())
-            self._render()
+            self._set_chat(Chat(system=self.system_edit.toPlainText()))
         self._reload_list()
         self._update_buttons()
         self.status_message.emit("chat deleted")
@@ -482,8 +437,7 @@ class ChatPanel(QWidget):
         if self.busy:
             return
         self._save()
-        self.chat = Chat(system=self.system_edit.toPlainText())
-        self._render()
+        self._set_chat(Chat(system=self.system_edit.toPlainText()))
         self._reload_list()
         self.input.setFocus()
 
@@ -491,12 +445,18 @@ class ChatPanel(QWidget):
         if self.busy:
             return
         self._save()
-        self.chat = self.store.load(chat_id)
+        self._set_chat(self.store.load(chat_id))
         self.system_edit.blockSignals(True)
         self.system_edit.setPlainText(self.chat.system)
         self.system_edit.blockSignals(False)
-        self._render()
         self._update_buttons()
+
+    def _set_chat(self, chat: Chat) -> None:
+        self.chat = chat
+        self._editing = None
+        self._token_view = set()
+        self._render()
+        self.transcript.to_bottom()
 
     def context_usage(self) -> tuple[int, int, int]:
         """(prompt tokens of the chat plus the draft, max tokens, the largest backend context)."""
@@ -530,31 +490,33 @@ class ChatPanel(QWidget):
         self.context_label.setStyleSheet(f"color:{color}")
 
     def save_settings(self, settings: QSettings) -> None:
-        """Sampling settings and the Send-to choice, for the next session."""
+        """Sampling settings, whether they are unfolded and token probabilities, for the next session."""
         settings.beginGroup("sampling")
-        for key, w in self._setting_widgets().items():
+        for key, w in self.settings.widgets().items():
             settings.setValue(key, w.value())
         settings.setValue("expanded", self.settings_button.isChecked())
+        settings.setValue("token_probs", self.token_probs.isChecked())
         settings.endGroup()
 
     def load_settings(self, settings: QSettings) -> None:
         self.presets.attach(settings)
         settings.beginGroup("sampling")
-        for key, w in self._setting_widgets().items():
+        for key, w in self.settings.widgets().items():
             v = settings.value(key)
             if v is not None:
                 try:
                     w.setValue(type(w.value())(v))
                 except (TypeError, ValueError):
                     log.warning("ignoring the saved %s setting %r", key, v)
+        for key, box in (("expanded", self.settings_button), ("token_probs", self.token_probs)):
+            v = settings.value(key)
+            if v is not None:
+                box.setChecked(str(v).lower() in ("true", "1"))
         settings.endGroup()
 
-    def _setting_widgets(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "repeat_penalty": self.repeat_penalty, "max_tokens": self.max_tokens, "seed": self.seed}
-
     def transcript_text(self) -> str:
-        return self.view.toPlainText()
+        """The transcript as plain text: each bubble's header, text and code, the notices."""
+        return self.transcript.plain_text()
 
     @property
     def streamed_text(self) -> str:
@@ -571,16 +533,16 @@ class ChatPanel(QWidget):
 
     # ---- streaming ----
 
-    def _start_reply(self) -> bool:
+    def _start_reply(self, pending: tuple, messages: list[dict] | None = None, continue_final: bool = False) -> bool:
         self._refused = None
         try:
             sampling = self.sampling()
-            messages = self.chat.prompt_messages()
+            messages = messages if messages is not None else self.chat.prompt_messages()
             if self.engine.model is None:  # remote engines only: each renders its own template
                 request = Request((), sampling, backend=self.backend_override(), source="gui",
                                   messages=tuple(messages))
             else:
-                tokens = self.engine.chat_tokens(messages)
+                tokens = self.engine.chat_tokens(messages, continue_final=continue_final)
                 request = Request(tuple(tokens), sampling, backend=self.backend_override(), source="gui")
             loop = asyncio.get_event_loop()
             handle = self.engine.submit(request, loop=loop)
@@ -591,8 +553,10 @@ class ChatPanel(QWidget):
             self._update_buttons()
             return False
         self.handle = handle
+        self._pending = pending
         self._streamed = []
-        self._render(streaming=True)
+        self._render()
+        self.transcript.to_bottom()  # the question just asked and the reply coming
         backend = handle.backend or "?"
         self.state_label.setText(f"streaming from {backend}…")
         self._task = loop.create_task(self._stream(handle))
@@ -611,13 +575,8 @@ class ChatPanel(QWidget):
 
     def _on_delta(self, delta: str) -> None:
         self._streamed.append(delta)
-        if self._stream_cursor is None:
-            return
-        bar = self.view.verticalScrollBar()
-        at_bottom = bar.value() >= bar.maximum() - 4
-        self._stream_cursor.insertText(delta)
-        if at_bottom:
-            bar.setValue(bar.maximum())
+        if self._stream_label is not None:
+            self._stream_label.setText(self._stream_prefix + self.streamed_text)
 
     def _on_finished(self, handle) -> None:
         record = handle.result(0)
@@ -639,19 +598,30 @@ class ChatPanel(QWidget):
         if record.logprobs:  # [token text, logprob, [[alternative, logprob], ...]] per token
             meta["logprobs"] = [[_piece(e.piece), round(e.logprob, 4), [[_piece(p), round(lp, 4)] for _, p, lp in e.top]]
                                 for e in record.logprobs]
-        if self._earlier:
-            meta["earlier"] = self._earlier
-            self._earlier = []
-        self.chat.messages.append(Message("assistant", record.text, meta))
+        kind, index = self._pending
+        if kind == "version":
+            self.chat.add_version(index, record.text, meta)
+        elif kind == "continue":
+            m = self.chat.messages[index]
+            before = m.meta or {}
+            merged = {**before, **meta, "output_tokens": before.get("output_tokens", 0) + record.output_tokens,
+                      "continued": before.get("continued", 0) + 1}
+            if before.get("logprobs") or meta.get("logprobs"):
+                merged["logprobs"] = (before.get("logprobs") or []) + (meta.get("logprobs") or [])
+            m.content += record.text
+            m.meta = merged
+            meta = merged
+        else:
+            self.chat.messages.append(Message("assistant", record.text, meta))
         self.handle = None
         self._task = None
-        self._stream_cursor = None
+        self._pending = ("append", -1)
         self._render()
         self._save()
         self._reload_list()
         # The label is short (it shares the row); the reply's header and the tooltip have it all.
-        self.state_label.setText(" · ".join([str(meta.get("backend", "?")), *_meta_bits(meta)[:2]]))
-        self.state_label.setToolTip(_meta_plain(meta))
+        self.state_label.setText(" · ".join([str(meta.get("backend", "?")), *meta_bits(meta)[:2]]))
+        self.state_label.setToolTip(meta_plain(meta))
         self.update_context_meter()
         self._update_buttons()
         self.reply_finished.emit(record)
@@ -663,94 +633,114 @@ class ChatPanel(QWidget):
         c = palette().transcript
         if self._synthetic_warning is not None:
             self._synthetic_warning.setStyleSheet(f"color:{c.warn}")
-        self._render(streaming=self.busy, notice=self._notice)
+        self._render(notice=self._notice)
         self.update_context_meter()
 
-    def _render(self, streaming: bool = False, notice: str | None = None) -> None:
+    def _render(self, notice: str | None = None) -> None:
+        """Build the transcript's bubbles again (the scroll position kept where the user left it)."""
         c = palette().transcript
         self._notice = notice
-        parts = [f"<div style='color:{c.muted}'>{_welcome(self.engine)}</div>"] if not self.chat.messages else []
-        self._code_blocks = []
+        t = self.transcript
+        t.clear()
+        self._stream_label = None
+        if not self.chat.messages:
+            t.add(self._note(welcome_html(self.engine), c.muted))
+        kind, hidden = self._pending if self.busy else ("append", -1)
         for i, m in enumerate(self.chat.messages):
-            parts.append(self._message_html(m, i, c))
+            if i != hidden:
+                t.add(self._bubble(m, i))
         if notice:
-            parts.append(f"<p style='color:{c.error}'>⚠ {html.escape(notice)}</p>")
-        if streaming:
-            parts.append(f"<p style='margin-top:10px'><b style='color:{c.assistant}'>Assistant</b> "
-                         f"<span style='color:{c.muted}'>· {html.escape(self.handle.backend or '')} · streaming…</span></p>"
-                         "<p id='stream'></p>")
-        self.view.setHtml("".join(parts))
-        cursor = QTextCursor(self.view.document())
-        cursor.movePosition(QTextCursor.End)
-        self._stream_cursor = cursor if streaming else None
-        if streaming and self._streamed:  # re-rendered mid-reply (a theme change): what came so far
-            cursor.insertText(self.streamed_text)
-        self.view.verticalScrollBar().setValue(self.view.verticalScrollBar().maximum())
+            t.add(self._note(f"⚠ {html.escape(notice)}", c.error))
+        if self.busy:
+            b = Bubble("assistant", -1)
+            b.set_meta(f"<span style='color:{c.muted}'>· {html.escape(self.handle.backend or '')} · "
+                       + ("continuing…" if kind == "continue" else "streaming…") + "</span>")
+            self._stream_prefix = self.chat.messages[hidden].content if kind == "continue" else ""
+            self._stream_label = b.add_text(self._stream_prefix + self.streamed_text, plain=True)
+            t.add(b)
         self._context_timer.start()
 
-    def _message_html(self, m: Message, index: int, c: TranscriptColors) -> str:
-        muted = c.muted
-        links = [f"<a href='msg:copy:{index}' style='color:{muted}'>copy</a>"]
-        if m.role == "user":
-            links.append(f"<a href='msg:edit:{index}' style='color:{muted}'>edit</a>")
-        links.append(f"<a href='msg:delete:{index}' style='color:{muted}'>delete</a>")
-        actions = f"<span style='font-size:small'>&nbsp;&nbsp;{' · '.join(links)}</span>"
-        if m.role == "user":
-            body = html.escape(m.content).replace("\n", "<br>") or f"<i style='color:{muted}'>(no text)</i>"
-            return (f"<p style='margin-top:10px'><b style='color:{c.user}'>You</b>{actions}</p>"
-                    f"<p style='margin-left:8px'>{body}</p>")
-        meta = m.meta or {}
-        if m.content.strip():
-            body, self._code_blocks = render_markdown(m.content, self._code_blocks, c.code)
-        else:
-            body = f"<p><i style='color:{muted}'>(no text)</i></p>"
-        tokens = meta.get("logprobs")
-        if tokens:
-            shown = index in self._token_view
-            if shown:
-                body = _tokens_html(tokens, index, c.unlikely)
-            body += (f"<p style='font-size:small'><a href='msg:probs:{index}' style='color:{muted}'>"
-                     f"{'hide' if shown else 'show'} token probabilities</a></p>")
-        earlier = meta.get("earlier") or []
-        if earlier:
-            n = len(earlier)
-            shown = index in self._expanded
-            body += (f"<p style='font-size:small'><a href='msg:earlier:{index}' style='color:{muted}'>"
-                     f"{'hide' if shown else 'show'} {n} earlier answer{'s' if n != 1 else ''}</a></p>")
-            if shown:
-                for k, e in enumerate(earlier, 1):
-                    body += (f"<p style='color:{muted};margin-left:12px'>#{k} ({html.escape(str(e.get('backend')))}): "
-                             f"{html.escape(e.get('content', '')).replace(chr(10), '<br>')}</p>")
-        return (f"<p style='margin-top:10px'><b style='color:{c.assistant}'>Assistant</b> "
-                f"{_meta_html(meta, self._backend_index(meta.get('backend')), c)}{actions}</p>"
-                f"<div style='margin-left:8px'>{body}</div>"
-                + (f"<p style='color:{c.error}'>⚠ {html.escape(meta['error'])}</p>" if meta.get("error") else ""))
+    @staticmethod
+    def _note(rich: str, color: str) -> QLabel:
+        label = QLabel(f"<span style='color:{color}'>{rich}</span>")
+        label.setWordWrap(True)
+        label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        label.setStyleSheet("background: transparent;")
+        return label
 
-    def _on_link(self, url: QUrl) -> None:
-        text = url.toString()
-        scheme, _, rest = text.partition(":")
-        if scheme == COPY_SCHEME:
-            index = int(rest)
-            if 0 <= index < len(self._code_blocks):
-                QGuiApplication.clipboard().setText(self._code_blocks[index])
-                self.status_message.emit("code copied to the clipboard")
-        elif scheme == "msg":
-            action, _, number = rest.partition(":")
-            index = int(number)
-            if action == "copy" and 0 <= index < len(self.chat.messages):
-                QGuiApplication.clipboard().setText(self.chat.messages[index].content)
-                self.status_message.emit("message copied to the clipboard")
-            elif action == "edit":
-                self.edit_message(index)
-            elif action == "delete":
-                self.delete_message(index)
-            elif action == "earlier":
-                self._expanded ^= {index}
-                self._render()
-            elif action == "probs":
-                self._token_view ^= {index}
-                self._render()
-        elif url.scheme() in ("http", "https"):
+    def _bubble(self, m: Message, index: int) -> Bubble:
+        c = palette().transcript
+        b = Bubble(m.role, index)
+        meta = m.meta or {}
+        last = index == len(self.chat.messages) - 1
+        if m.role == "assistant":
+            b.set_meta(meta_html(meta, self._backend_index(meta.get("backend")), c))
+        if m.n_versions > 1:
+            b.add_switcher(m.shown, m.n_versions)
+        if m.role == "user":
+            if m.content:
+                b.add_text(m.content, plain=True)
+            else:
+                b.add_text(f"<i style='color:{c.muted}'>(no text)</i>")
+        else:
+            tokens = meta.get("logprobs")
+            if tokens and index in self._token_view:
+                b.add_tokens(tokens_html(tokens, index, c.unlikely))
+            elif m.content.strip():
+                b.add_markdown(m.content, c)
+            else:
+                b.add_text(f"<i style='color:{c.muted}'>(no text)</i>")
+            if meta.get("error"):
+                b.add_text(f"<span style='color:{c.error}'>⚠ {html.escape(str(meta['error']))}</span>")
+        b.add_action("copy", "Copy", "Copy this message")
+        if m.role == "user":
+            b.add_action("edit", "Edit", "Edit this message; Save sends it again, Cancel leaves the chat as it is")
+        if m.role == "assistant" and last:
+            b.add_action("regenerate", "↻ Regenerate", "Ask again; this answer stays (‹1/2›)")
+        if meta.get("logprobs"):
+            shown = index in self._token_view
+            b.add_action("probs", "Hide probabilities" if shown else "Token probabilities",
+                         "Show the reply token by token, shaded by probability (hover a token for its alternatives)")
+        b.add_action("delete", "Delete", "Delete this message")
+        if last and self.can_continue():
+            b.add_button("continue", "Continue", "The reply reached its max tokens: go on from where it stopped")
+        if index == self._editing:
+            b.start_edit(m.content)
+        b.action.connect(self._on_action)
+        b.edited.connect(self.save_edit)
+        b.link.connect(self._on_link)
+        b.token_hovered.connect(self._on_token_hover)
+        b.copied.connect(lambda _s: self.status_message.emit("code copied to the clipboard"))
+        return b
+
+    def _bubble_of(self, index: int | None) -> Bubble | None:
+        if index is None:
+            return None
+        return next((b for b in self.transcript.bubbles if isinstance(b, Bubble) and b.index == index), None)
+
+    def _on_action(self, action: str, index: int) -> None:
+        if action == "copy" and 0 <= index < len(self.chat.messages):
+            QGuiApplication.clipboard().setText(self.chat.messages[index].content)
+            self.status_message.emit("message copied to the clipboard")
+        elif action == "edit":
+            self.edit_message(index)
+        elif action == "cancel-edit":
+            self.cancel_edit()
+        elif action == "delete":
+            self.delete_message(index)
+        elif action == "regenerate":
+            self.regenerate()
+        elif action == "continue":
+            self.continue_reply()
+        elif action in ("prev", "next") and 0 <= index < len(self.chat.messages):
+            self.switch_version(index, self.chat.messages[index].shown + (1 if action == "next" else -1))
+        elif action == "probs":
+            self._token_view ^= {index}
+            self._render()
+
+    def _on_link(self, href: str) -> None:
+        url = QUrl(href)
+        if url.scheme() in ("http", "https"):
             QDesktopServices.openUrl(url)
 
     def token_tip(self, index: int, k: int) -> str:
@@ -763,15 +753,12 @@ class ChatPanel(QWidget):
         lines += [f"   {alt!r}  {math.exp(alt_lp):.3f}" for alt, alt_lp in top]
         return "\n".join(lines)
 
-    def _on_hover(self, url: QUrl) -> None:
-        scheme, _, rest = url.toString().partition(":")
-        if scheme != "tok":
-            QToolTip.hideText()
-            return
-        index, _, k = rest.partition(":")
-        tip = self.token_tip(int(index), int(k))
+    def _on_token_hover(self, index: int, k: int) -> None:
+        tip = self.token_tip(index, k) if index >= 0 else ""
         if tip:
-            QToolTip.showText(QCursor.pos(), tip, self.view)
+            QToolTip.showText(QCursor.pos(), tip, self.transcript)
+        else:
+            QToolTip.hideText()
 
     def _backend_index(self, name) -> int:
         names = self.engine.backend_names
@@ -857,51 +844,3 @@ class ChatPanel(QWidget):
 
 def _piece(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
-
-
-def _tokens_html(tokens: list, index: int, unlikely: str) -> str:
-    """A reply token by token: each a link (`tok:MESSAGE:TOKEN`, hovered for its tooltip) shaded
-    by how unlikely it was (clear: near certain; red: a long shot)."""
-    parts = []
-    for k, (text, lp, _top) in enumerate(tokens):
-        alpha = round(0.55 * (1.0 - math.exp(lp)), 2)
-        shown = html.escape(text).replace("\n", "↵<br>") or "∅"
-        parts.append(f"<a href='tok:{index}:{k}' style='color:inherit;text-decoration:none;"
-                     f"background-color:rgba({unlikely},{alpha})'>{shown}</a>")
-    return f"<p style='margin-left:8px;white-space:pre-wrap'>{''.join(parts)}</p>"
-
-
-def _welcome(engine) -> str:
-    names = ", ".join(engine.backend_names)
-    model = model_title(engine.model.info) if engine.model is not None else ", ".join(engine.model_ids()) or "?"
-    n = len(engine.backend_names)
-    return (f"<p>Chatting with <b>{html.escape(model)}</b> on {n} backend{'s' if n != 1 else ''} "
-            f"({html.escape(names)}). Each reply says which backend served it and why; the "
-            "Routing tab shows every decision.</p>")
-
-
-def _meta_html(meta: dict, index: int, c: TranscriptColors) -> str:
-    if not meta:
-        return ""
-    color = c.backend(backend_color(index))
-    bits = [f"<b style='color:{color}'>{html.escape(str(meta.get('backend', '?')))}</b>"]
-    bits += [html.escape(b) for b in _meta_bits(meta)]
-    return f"<span style='color:{c.muted}'>· " + " · ".join(bits) + "</span>"
-
-
-def _meta_plain(meta: dict) -> str:
-    return " · ".join([str(meta.get("backend", "?")), *_meta_bits(meta)])
-
-
-def _meta_bits(meta: dict) -> list[str]:
-    bits = [f"TTFT {fmt_seconds(meta.get('ttft_s'))}"]
-    if meta.get("tok_s"):
-        bits.append(f"{meta['tok_s']:.1f} tok/s")
-    bits.append(f"{meta.get('output_tokens', 0)} tokens")
-    bits.append(f"cached {meta.get('cached_tokens', 0)}/{meta.get('prompt_tokens', 0)}")
-    reason = meta.get("finish_reason")
-    if reason == "cancelled":
-        bits.append("stopped")
-    elif reason and reason != "stop":
-        bits.append(reason)
-    return bits
