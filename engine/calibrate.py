@@ -492,6 +492,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     tick = _ticker(progress, backend.name, _n_steps(fits, repeats, bool(short)))
 
     old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
+    old_reason = backend.snapshot().cap_reason or None  # restored below: calibration is not the user
     backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
     try:
@@ -524,7 +525,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
                     tick("masked scan skipped")
     finally:
         probe.close()
-        backend.set_cap(old_cap, adaptive=old_adaptive)
+        backend.set_cap(old_cap, adaptive=old_adaptive, reason=old_reason)
         try:
             backend.flush().result(timeout)
         except Exception:  # a stopped backend has nothing left to flush
@@ -766,7 +767,8 @@ LOAD_GEN = 8
 
 
 def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: RateStore | None = None,
-                      status: Callable[[str], None] | None = None, timeout: float = 300.0) -> dict[str, Rates]:
+                      status: Callable[[str], None] | None = None, timeout: float = 300.0,
+                      progress: Progress | None = None) -> dict[str, Rates]:
     """Measure the local `backends` (started, idle) that still have placeholder rates, one per
     speed-relevant config (`config_key`), apply the rates to every backend of that config
     (`source="measured"`) and store them; return {backend name: rates} for those measured.
@@ -784,10 +786,10 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     for key, same in groups.items():
         first = same[0]
         if status is not None:
-            status(f"measuring {first.name}'s speed (a few seconds, once per model and config on this machine)")
+            status(f"measuring {first.name}'s speed (once per model and config on this machine)")
         try:
             cal = calibrate_backend(first, prompt_tokens=LOAD_PROMPT, gen_tokens=LOAD_GEN,
-                                    batches=sorted({1, first.cap}), repeats=1, timeout=timeout)
+                                    batches=sorted({1, first.cap}), repeats=1, timeout=timeout, progress=progress)
         except Exception as e:  # keep serving on the placeholder; the cards flag it
             log.warning("%s: measuring rates at load failed, placeholder rates stay: %s", first.name, e)
             continue
