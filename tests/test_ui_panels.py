@@ -55,7 +55,7 @@ def test_cap_spin_box_sets_the_backend_cap_at_once(qtbot, make_window, ui_engine
     card.cap_spin.setValue(2)
     assert ui_engine.backend("cpu0").cap == 2
     tick(qtbot, w)
-    assert card.running_bar.format() == "0 / 2"
+    assert card.running_bar.format() == "0 / live cap 2"
     controls = w.panels["controls"]
     assert controls.cap_spins["cpu0"].value() == 2  # the other view of the same cap follows
     controls.cap_spins["cpu1"].setValue(3)
@@ -67,7 +67,7 @@ def test_a_backend_card_shows_the_live_cap_with_its_reason(qtbot, make_window, u
     card = w.panels["backends"].cards["cpu0"]
     card.cap_spin.setValue(3)
     tick(qtbot, w)
-    assert card.limit_label.text() == "<b>3</b> of ≤ 3 · set by the user"
+    assert card.limit_label.text() == "live cap 3 of ceiling 3: set by the user"
 
 
 def test_the_policy_list_offers_no_gpu_policy_without_a_gpu(make_window):
