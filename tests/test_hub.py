@@ -52,7 +52,7 @@ def test_search_lists_gguf_repositories_most_downloaded_first(fake_hub):
     assert any(path == "/api/models" for _m, path, _r in fake_hub.requests)
 
 
-def test_listing_keeps_single_file_models_with_size_and_sha256(fake_hub, tiny_bytes):
+def test_listing_keeps_single_file_models_with_their_size_sha256_quant(fake_hub, tiny_bytes):
     from ui import hub
 
     files = hub.gguf_files(REPO)
@@ -88,7 +88,7 @@ def test_the_shape_comes_from_the_header_read_by_range(fake_hub, tiny_bytes):
     assert hub.fits(f, shape, 512, hub.Memory(small.need // 2, small.need // 4, small.need * 2)).vram == "fits"
 
 
-def test_a_dropped_connection_resumes_where_it_stopped_and_the_file_is_checked(fake_hub, tiny_bytes, tmp_path,
+def test_a_dropped_connection_resumes_where_it_stopped(fake_hub, tiny_bytes, tmp_path,
                                                                               monkeypatch):
     import huggingface_hub.constants as constants
 
@@ -151,7 +151,7 @@ def test_the_search_fails_with_a_message_when_the_hub_is_unreachable(monkeypatch
         hub.search_models("anything")
 
 
-def test_get_model_dialog_searches_prices_downloads_and_the_window_loads_it(qtbot, fake_hub, tiny_bytes,
+def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_bytes,
                                                                            tmp_path, make_window):
     from app.gui import load_engine
     from ui.get_model import GetModelDialog

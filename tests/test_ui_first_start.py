@@ -25,7 +25,16 @@ def app_style(qapp):
     qapp.setStyleSheet(before)
 
 
-def test_a_first_start_names_its_phases_fills_its_bar_and_resets_the_counters(qtbot, make_window):
+def _load_fresh(qtbot, w, backend: str) -> None:
+    from ui_fixtures import UI_MODEL
+
+    loaded = []
+    w.engine_loaded.connect(loaded.append)
+    assert w.load_model(ModelSpec(UI_MODEL, (backend,)))
+    qtbot.waitUntil(lambda: bool(loaded), timeout=WAIT_MS)
+
+
+def test_a_first_start_names_its_phases_with_a_filling_bar(qtbot, make_window):
     from ui_fixtures import UI_MODEL
 
     w = make_window(engine=None, load_fn=load_engine)
@@ -47,11 +56,16 @@ def test_a_first_start_names_its_phases_fills_its_bar_and_resets_the_counters(qt
     assert [d for d, *_ in steps] == list(range(1, steps[-1][1] + 1))
     assert steps[-1][2] == 100  # a determinate bar, full at the end
     assert w.load_action.isEnabled() and w.load_screen.load_button.isEnabled()
+    assert w.engine.backend_snapshot("fresh").rates.source == "measured"
 
+
+def test_calibration_counters_reset_before_the_first_request(qtbot, make_window):
+    w = make_window(engine=None, load_fn=load_engine)
+    _load_fresh(qtbot, w, FRESH.replace("batch=72", "batch=80"))
     # The measurement's requests are not the user's: every counter starts at zero, and the cap
     # was not "set by the user".
     b = w.engine.backend_snapshot("fresh")
-    assert b.rates.source == "measured"
+    assert b.rates.source == "measured"  # it was measured at this load
     assert (b.cache.query_tokens, b.cache.hit_tokens, b.cache.evictions) == (0, 0, 0)
     assert (b.prefill_tok_s, b.decode_tok_s, b.steps, b.prompt_tokens_computed) == (0.0, 0.0, 0, 0)
     assert b.cap_reason == "start"
@@ -70,10 +84,17 @@ def test_a_first_start_names_its_phases_fills_its_bar_and_resets_the_counters(qt
     assert after.cache.query_tokens == prompt and after.cache.hit_tokens == 0
     assert after.steps > 0
 
-    # View ▸ Reset the counters zeroes them again (what is cached stays).
-    w.reset_counters()
-    qtbot.waitUntil(lambda: w.engine.backend_snapshot("fresh").cache.query_tokens == 0, timeout=WAIT_MS)
-    assert w.engine.backend_snapshot("fresh").steps == 0
+
+def test_reset_the_counters_zeroes_them_again(qtbot, make_window, ui_engine):
+    w = make_window()
+    chat = w.panels["chat"]
+    chat.max_tokens.setValue(4)
+    assert chat.send("hello")
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert sum(s.cache.query_tokens for s in ui_engine.snapshot()) > 0
+    w.reset_counters()  # View ▸ Reset the counters
+    qtbot.waitUntil(lambda: all(s.cache.query_tokens == 0 and s.steps == 0 for s in ui_engine.snapshot()),
+                    timeout=WAIT_MS)
 
 
 def test_load_times_estimate_what_is_left_from_the_phase_pace():
@@ -89,7 +110,7 @@ def test_load_times_estimate_what_is_left_from_the_phase_pace():
     assert fmt_duration(75) == "1 min 15 s" and fmt_duration(3.4) == "3 s"
 
 
-def test_one_cap_concept_the_ceiling_and_the_live_cap(qtbot, make_window, ui_engine):
+def test_one_cap_concept_names_the_ceiling_beside_the_live_cap(qtbot, make_window, ui_engine):
     from ui.formatting import live_cap_text
 
     w = make_window()
@@ -129,7 +150,7 @@ def test_the_ui_lag_figure_stays_out_of_the_status_bar_unless_asked_for_or_high(
     assert not w.lag_label.isHidden()
 
 
-def test_a_demo_says_it_is_warming_and_step_says_why_it_waits(qtbot, app_style, make_window, ui_engine):
+def test_a_demo_says_it_is_warming(qtbot, app_style, make_window, ui_engine):
     from ui.live_run import seed_workload
     from ui.run_strip import run_phase
 
@@ -164,14 +185,26 @@ def test_a_demo_says_it_is_warming_and_step_says_why_it_waits(qtbot, app_style, 
     qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
     assert "done" in routing.run_strip.text()
     assert run_phase("running", 2, 0, 4) == "arrivals" and run_phase("running", 4, 1, 4) == "draining"
+
+
+def test_plots_show_real_axes_from_the_first_point(qtbot, make_window, ui_engine):
+    from ui.live_run import seed_workload
+
+    w = make_window()
+    routing, latency = w.panels["routing"], w.panels["latency"]
+    assert routing.hint.empty and all(h.empty for h in latency.hints.values()) and latency.tput_hint.empty
+    run = w.start_demo(seed_workload(4, prefix_tokens=64, suffix_tokens=8, gen_tokens=8))
+    qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
     # Real axes from the first point, tooltips on the points.
     qtbot.waitUntil(lambda: not routing.hint.empty and not latency.hints["e2e"].empty, timeout=WAIT_MS)
+    assert routing.plot.getAxis("left").style["showValues"]
     tips = [p.data() for p in routing.marks.points()]
     assert tips and tips[0].startswith("#1 → ") and "score" in tips[0]
     bins = latency.bin_points["e2e"]
     assert any(len(c.scatter.points()) for c in bins.values())
     some = next(c for c in bins.values() if len(c.scatter.points()))
     assert "request" in some.scatter.points()[0].data() and " – " in some.scatter.points()[0].data()
+    assert some.scatter.opts["hoverable"]
 
 
 def test_time_plots_mark_where_a_cap_or_the_policy_changed(qtbot, make_window, ui_engine):
@@ -198,21 +231,27 @@ def test_presenter_view_makes_the_teaching_panels_large(qtbot, app_style, make_w
     w.show()
     qtbot.waitExposed(w)
     w.set_engine(ui_engine, owns=False)
+    from ui.live_run import seed_workload
+
+    run = w.start_demo(seed_workload(4, prefix_tokens=64, suffix_tokens=8, gen_tokens=8))  # figures to show
+    qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
     routing = w.panels["routing"]
+    routing.select_row(0)
     before = routing.explain.font().pointSize()
-    tick_before = routing.plot.getAxis("left").style["tickFont"]
     w.presenter_action.trigger()  # F11
     assert w.presenter and w.presenter_action.isChecked()
-    for key in ("routing", "teaching", "latency"):
-        panel = w.panels[key]
-        qtbot.waitUntil(lambda p=panel: p.font().pointSize() >= 16, timeout=WAIT_MS)
+    texts = (routing.explain, w.panels["teaching"].text, w.panels["latency"].summary)
+    for text in texts:  # the routing explanation, Teaching's steps, the latency figures
+        qtbot.waitUntil(lambda t=text: t.font().pointSize() >= 16, timeout=WAIT_MS)
+    assert w.minimumSizeHint().width() <= 1280  # large type, still on a 1280x720 projector
     assert routing.explain.font().pointSize() >= 16 > before
+    assert w.panels["routing"].clear_button.font().pointSize() < 16  # controls keep their size
     assert routing.plot.getAxis("left").style["tickFont"].pointSize() >= 14
     assert "17pt" in routing.plot.titleLabel.text or routing.plot.titleLabel.opts.get("size") == "17pt"
     w.presenter_action.trigger()
     assert not w.presenter
     qtbot.waitUntil(lambda: routing.explain.font().pointSize() == before, timeout=WAIT_MS)
-    assert routing.plot.getAxis("left").style["tickFont"] is not None or tick_before is None
+    assert routing.plot.getAxis("left").style["tickFont"].pointSize() < 14
 
 
 def _clipped_labels(window, checked: list | None = None) -> list[str]:

@@ -27,7 +27,7 @@ from .formatting import fmt_seconds
 from .live_stats import EDGES, METRIC_TITLES, LatencyStore, RingSeries
 from .plot_marks import ChangeMarks, ChangeTracker, EmptyHint, hover_tips
 from .run_strip import RunStrip
-from .theme import LEGEND_BG, backend_color, qcolor, style_plot
+from .theme import LEGEND_BG, backend_color, qcolor, style_plot, wrap_label
 
 THROUGHPUT_WINDOW_S = 120.0
 SMOOTH_S = 2.0  # throughput is averaged over this many seconds
@@ -108,7 +108,7 @@ class LatencyView(QWidget):
         grid.addWidget(w, 0, 3)
         self.run_strip = RunStrip()
 
-        self.summary = QLabel()
+        self.summary = wrap_label(QLabel())  # wraps rather than widening the window (the presenter's large type)
         self.summary.setTextFormat(Qt.RichText)
         self.clear_button = QPushButton("Clear")
         self.clear_button.setToolTip("Forget the latencies collected so far")

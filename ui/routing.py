@@ -245,7 +245,7 @@ class RoutingView(QWidget):
         self.plot_widget = pg.PlotWidget()
         p = self.plot = self.plot_widget.getPlotItem()
         # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
-        style_plot(p, "Score of each backend per arriving request (lower wins)", "request # (table row)",
+        style_plot(p, "Each backend's score per request (lower wins)", "request # (table row)",
                    "score (s)")
         p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
         for axis in ("left", "bottom"):
@@ -349,6 +349,11 @@ class RoutingView(QWidget):
         bar = self.table.verticalScrollBar()
         if bar.value() >= bar.maximum() - 2 and not self.table.selectionModel().hasSelection():
             self.table.scrollToBottom()
+
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view (ui.presenter): the row count and Export make way for large type."""
+        self.count_label.setVisible(not on)
+        self.export_button.setVisible(not on)
 
     def show_run(self, run) -> None:
         """Say which phase `run` (a live demo) is in, above the table."""

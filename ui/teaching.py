@@ -40,7 +40,7 @@ from engine.teaching import (
 )
 
 from .live_run import STUDY, WorkloadRun
-from .presenter import TITLE_PT
+from .presenter import TITLE_PT, loosen
 from .run_controls import RunControls
 from .theme import (
     LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable_column, style_plot, wrap_label,
@@ -324,8 +324,9 @@ class TeachingPanel(QWidget):
         lv2.addWidget(self.live_table, 1)
         lv2.addWidget(self.live_note)
 
-        split = QSplitter(Qt.Horizontal)
-        split.addWidget(scrollable_column(left))
+        split = self.split = QSplitter(Qt.Horizontal)
+        self.inputs_area = scrollable_column(left)
+        split.addWidget(self.inputs_area)
         split.addWidget(middle)
         split.addWidget(live)
         split.setSizes([250, 600, 430])
@@ -402,10 +403,24 @@ class TeachingPanel(QWidget):
         else:
             self.next()
 
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view (ui.presenter): the steps and the live table get the room; the
+        article's numbers (inputs) come back afterwards."""
+        self.inputs_area.setVisible(not on)
+        self.live_table.verticalHeader().setDefaultSectionSize(30 if on else 18)  # rows as tall as the type
+        if on:
+            self._sizes = self.split.sizes()
+            self.split.setSizes([0, 780, 500])
+        elif getattr(self, "_sizes", None):
+            self.split.setSizes(self._sizes)
+        if self.chart.getPlotItem().titleLabel.text:
+            self._chart_title(self.chart.getPlotItem().titleLabel.text)
+
     def _chart_title(self, text: str) -> None:
         """The chart's title, in the presenter view's size while it is on (`ui.presenter`)."""
         size = f"{TITLE_PT}pt" if self.property("presenter") else "10pt"
         self.chart.getPlotItem().setTitle(text, color=palette().text, size=size)
+        loosen(self.chart.getPlotItem().titleLabel)
 
     def _show_chart(self, arrival: int | None) -> None:
         if arrival is None:

@@ -190,7 +190,7 @@ async def first_start(window, out: Path, args) -> None:
     engine = window.engine
     gate = threading.Event()
     held = engine.backend(engine.backend_names[-1]).call(lambda _b: gate.wait(60))
-    run = window.start_demo(seed_workload(48))
+    run = window.start_demo(seed_workload(args.demo or 8))
     window.show_panel("routing")
     await asyncio.sleep(1.5)
     shot("demo-warming")
