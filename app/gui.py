@@ -41,12 +41,13 @@ from engine.experiment import experiment_runner
 log = logging.getLogger(__name__)
 
 
-def load_engine(spec, progress=None, status=None) -> Engine:
+def load_engine(spec, progress=None, status=None, measure=None) -> Engine:
     """Build an engine for a `ui.loader.ModelSpec` (same defaults as `engine_from_args`);
-    `status(text)` hears the backends' speed being measured on a first start."""
+    `status(text)` hears the backends' speed being measured on a first start, `measure(done,
+    total, what)` each step of that measurement."""
     specs = list(spec.backends) or default_specs(gpu=llama.gpu_offload_supported())
     return Engine.load(spec.model, parse_backend_specs(specs), policy=spec.policy, progress=progress,
-                       online_rates=True, calibrate=True, status=status)
+                       online_rates=True, calibrate=True, status=status, calibration_progress=measure)
 
 
 async def serve(eng: Engine, host: str, port: int, api_key: str | None):
@@ -115,10 +116,10 @@ def run_gui(args) -> int:
     if tour_dir:
         from pathlib import Path
 
-        from ui.tour import chat_tour, tour, whatif
+        from ui.tour import chat_tour, first_start, tour, whatif
 
         only = getattr(args, "tour_only", None)
-        part = {"whatif": whatif, "chat": chat_tour}.get(only, tour)
+        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start}.get(only, tour)
         with loop:
             try:
                 loop.run_until_complete(part(window, Path(tour_dir), args))
@@ -201,9 +202,10 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the event loop's lateness over the --demo run (48 requests unless --demo N; "
                         "p95 must be <= 50 ms), then exit")
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
-    p.add_argument("--tour-only", choices=["whatif", "chat"], default=None,
+    p.add_argument("--tour-only", choices=["whatif", "chat", "first-start"], default=None,
                    help="with --tour: only this part of it (whatif: the Teaching panel's What if tab; "
-                        "chat: a 6-turn chat, then the Monitor open mid-demo)")
+                        "chat: a 6-turn chat, then the Monitor open mid-demo; "
+                        "first-start: the loading screen, a demo warming up, the presenter view)")
     p.add_argument("--theme", choices=["system", "dark", "light"], default=None,
                    help="the window's theme (kept for the next start, like View > Theme)")
     p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",

@@ -144,7 +144,8 @@ class Engine:
     def load(cls, model: str | Path | None, configs: list[BackendConfig | RemoteConfig], *,
              policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
              online_rates: bool = False, calibrate: bool = False,
-             status: Callable[[str], None] | None = None) -> "Engine":
+             status: Callable[[str], None] | None = None,
+             calibration_progress: Callable[[int, int, str], None] | None = None) -> "Engine":
         """Resolve the model, load it once per device, start one backend per config.
 
         `RemoteConfig`s become remote backends; with nothing but those, no model is loaded
@@ -154,8 +155,10 @@ class Engine:
         model file and backend config (`engine.rates`), else `DEFAULT_RATES`, a placeholder.
         With `calibrate`, placeholders are replaced before this returns by a short measurement
         (`calibrate_at_load`, a few seconds per backend config, stored for the next start;
-        `status(text)` hears what is measured), so the router never prices a backend with
-        them. With `online_rates` rates are then kept current from the steps the backends
+        `status(text)` hears what is measured, `calibration_progress(done, total, what)` each
+        step of it), so the router never prices a backend with them; the counters the
+        measurement moved are then reset (`reset_stats`), so they start at the user's first
+        request. With `online_rates` rates are then kept current from the steps the backends
         run (EWMA); benchmarks leave it off so that every run is priced alike.
         """
         local = [c for c in configs if not isinstance(c, RemoteConfig)]
@@ -183,8 +186,11 @@ class Engine:
         engine = cls(backends, Router(policy), bus, registry)
         if calibrate and path is not None:
             try:
-                calibrate_at_load([b for b in backends if b.device != "remote"], Path(path),
-                                  engine.model.info.name if engine.model is not None else "", status=status)
+                measured = calibrate_at_load([b for b in backends if b.device != "remote"], Path(path),
+                                             engine.model.info.name if engine.model is not None else "",
+                                             status=status, progress=calibration_progress)
+                if measured:  # the measurement's requests are not the user's: start the counts at zero
+                    engine.reset_stats()
             except BaseException:
                 engine.close()
                 raise
@@ -477,6 +483,14 @@ class Engine:
             for f in futures:
                 f.result(timeout)
         return futures
+
+    def reset_stats(self, backend: str | None = None, timeout: float | None = 30) -> None:
+        """Zero the counters of one backend or all (prefix-cache queries, hits and evictions,
+        observed speeds, steps); what is cached, caps and rates stay. Waits up to `timeout` s."""
+        targets = [self.backend(backend)] if backend else list(self.backends.values())
+        futures = [b.reset_stats() for b in targets if hasattr(b, "reset_stats")]
+        for f in futures:
+            f.result(timeout)
 
     def close(self) -> None:
         """Stop every backend (cancelling what they hold) and free the models. Idempotent."""

@@ -87,7 +87,7 @@ def test_a_first_start_says_it_is_measuring_the_backends_speed(qtbot, make_windo
     assert said, "no status line while the rates were measured"
     text, shown, maximum = said[0]
     assert text.startswith("measuring fresh's speed")
-    assert shown == "measuring fresh's speed…" and maximum == 0  # the bar runs without a fraction
+    assert shown == "measuring fresh's speed…" and maximum == 100  # its steps fill the bar
     assert w.state_label.text().startswith("engine") and w.state_label.toolTip() == ""
     assert w.engine.backends["fresh"].rates.source == "measured"
 

@@ -17,6 +17,7 @@ import logging
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
     QFrame, QGridLayout, QHBoxLayout, QLabel, QProgressBar, QPushButton, QScrollArea, QSpinBox,
     QWidget,
@@ -25,8 +26,9 @@ from PySide6.QtWidgets import (
 from engine.core.errors import EngineError
 
 from .axes import count_axis_top
-from .formatting import fmt_rate, rates_source_text
+from .formatting import CAP_HELP, fmt_rate, live_cap_text, rates_source_text
 from .live_stats import RingSeries
+from .plot_marks import ChangeMarks, ChangeTracker
 from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, qcolor, wrap_label
 from .worker import Worker
 
@@ -124,13 +126,14 @@ class BackendCard(QFrame):
         self.waiting_bar = _bar("waiting")
         self.kv_bar = _bar("kv")
         self.cap_spin = QSpinBox(minimum=1, maximum=b.n_seq_max, value=snap.cap_ceiling or snap.cap)
-        self.cap_spin.setToolTip("Concurrency cap: at most this many requests run at once on this "
-                                 "backend (an adaptive cap moves below it with the measured steps). "
-                                 "Applies at once; running ones finish.")
+        self.cap_spin.setToolTip(CAP_HELP + " Applies at once; running ones finish.")
         self.cap_spin.valueChanged.connect(self._on_cap)
+        self.running_bar.setToolTip("Requests running now / the live cap")
         grid.addWidget(_muted("Running"), 3, 0)
         grid.addWidget(self.running_bar, 3, 1)
-        grid.addWidget(_muted("Cap"), 3, 2, Qt.AlignRight)
+        ceiling_label = _muted("Ceiling")
+        ceiling_label.setToolTip(CAP_HELP)
+        grid.addWidget(ceiling_label, 3, 2, Qt.AlignRight)
         grid.addWidget(self.cap_spin, 3, 3)
         grid.addWidget(_muted("Waiting"), 4, 0)
         grid.addWidget(self.waiting_bar, 4, 1, 1, 3)
@@ -138,21 +141,30 @@ class BackendCard(QFrame):
         grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
-        self.plot.setFixedHeight(58)
+        self.plot.setFixedHeight(76)
         p = self.plot.getPlotItem()
         p.setMouseEnabled(False, False)
         p.hideButtons()
-        p.showGrid(y=True, alpha=0.15)
-        p.getAxis("bottom").setStyle(showValues=False)
+        p.showGrid(x=True, y=True, alpha=0.15)
+        # a time axis: seconds before now
+        small = QFont()
+        small.setPointSize(7)
+        bottom = p.getAxis("bottom")
+        bottom.setStyle(tickFont=small, tickLength=3, tickTextOffset=1)
+        bottom.setHeight(16)
+        bottom.setTicks([[(-25, "−25 s"), (-15, "−15 s"), (-5, "−5 s")], []])  # inside the edges
         p.getAxis("left").setWidth(28)
         p.setXRange(-HISTORY_S, 0, padding=0)
+        self.marks = ChangeMarks(p, relative_window_s=HISTORY_S, labels=False)
+        self.changes = ChangeTracker()
         p.getAxis("left").enableAutoSIPrefix(False)
         self.legend = p.addLegend(offset=(30, 0), labelTextSize="7pt", colCount=2, brush=LEGEND_BG,
                                   verSpacing=-6, horSpacing=10)
         self.running_curve = p.plot(pen=pg.mkPen(self.color, width=1.5), fillLevel=0,
                                     brush=qcolor(self.color, 70), name="running")
         self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.DashLine), name="waiting")
-        self.plot.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests")
+        self.plot.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests; an orange dashed line "
+                             "marks a change of this backend's cap or health, or of the policy")
         grid.addWidget(self.plot, 6, 0, 1, 4)
 
         self.hit_label = QLabel()
@@ -180,7 +192,7 @@ class BackendCard(QFrame):
         # The adaptive cap's live value and why it last moved (engine/sched/limiter.py).
         self.limit_label = _muted("")
         self.limit_label.setWordWrap(True)
-        grid.addWidget(_muted("Live cap"), 11, 0)
+        grid.addWidget(_muted("Cap"), 11, 0)
         grid.addWidget(self.limit_label, 11, 1, 1, 3)
 
         grid.setColumnStretch(1, 1)
@@ -190,7 +202,7 @@ class BackendCard(QFrame):
     def _on_cap(self, value: int) -> None:
         try:
             self.engine.set_cap(self.name, value)
-            self.status_message.emit(f"{self.name}: cap set to {value}")
+            self.status_message.emit(f"{self.name}: ceiling set to {value}")
         except EngineError as e:
             self.status_message.emit(str(e))
 
@@ -249,7 +261,7 @@ class BackendCard(QFrame):
         cap = snap.cap
         self.running_bar.setMaximum(max(cap, running, 1))
         self.running_bar.setValue(running)
-        self.running_bar.setFormat(f"{running} / {cap}")
+        self.running_bar.setFormat(f"{running} / live cap {cap}")
         self.waiting_bar.setMaximum(max(2 * cap, waiting, 1))
         self.waiting_bar.setValue(waiting)
         self.waiting_bar.setFormat(f"{waiting} queued")
@@ -262,9 +274,10 @@ class BackendCard(QFrame):
             self.cap_spin.blockSignals(True)
             self.cap_spin.setValue(ceiling)
             self.cap_spin.blockSignals(False)
-        live = (f"<b>{cap}</b> of ≤ {ceiling} · {snap.cap_reason}" if snap.cap_adaptive else f"fixed at {cap}")
+        live = live_cap_text(snap)
         if self.limit_label.text() != live:
             self.limit_label.setText(live)
+            self.limit_label.setToolTip(CAP_HELP)
 
         c = snap.cache
         if not c.enabled:
@@ -281,6 +294,8 @@ class BackendCard(QFrame):
 
         if self._t0 is None:
             self._t0 = now
+        self.marks.add(now, self.changes.update([snap], self.engine.router.policy))
+        self.marks.scroll(now)
         self._history.append(now, (running, waiting))
         x, y_run = self._history.view(0)
         _, y_wait = self._history.view(1)

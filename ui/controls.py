@@ -19,6 +19,7 @@ from engine.routing import BUDGET_MODES, POLICIES
 from engine.routing import HELP as POLICY_HELP  # one line per policy, beside each (engine/routing/)
 from engine.core.snapshot import Rates
 
+from .formatting import CAP_HELP, live_cap_text
 from .theme import backend_color, wrap_label
 from .worker import Worker
 
@@ -87,14 +88,17 @@ class ControlsPanel(QWidget):
 
         rates = QGroupBox("Rates the router prices work at (tok/s)")
         g = QGridLayout(rates)
-        for col, text in enumerate(("", "prefill", "decode", "source", "cap", "cache")):
+        for col, text in enumerate(("", "prefill", "decode", "source", "ceiling", "cache")):
             lab = QLabel(text)
             lab.setObjectName("muted")
+            if text == "ceiling":
+                lab.setToolTip(CAP_HELP)
             g.addWidget(lab, 0, col)
         self.prefill_spins: dict[str, QDoubleSpinBox] = {}
         self.decode_spins: dict[str, QDoubleSpinBox] = {}
         self.source_labels: dict[str, QLabel] = {}
         self.cap_spins: dict[str, QSpinBox] = {}
+        self.live_labels: dict[str, QLabel] = {}  # the live cap beside each ceiling
         self.cache_checks: dict[str, QCheckBox] = {}
         for row, name in enumerate(self.engine.backend_names, start=1):
             r, snap, info = self.engine.rates(name), self.engine.backend_snapshot(name), self.engine.info(name)
@@ -110,6 +114,7 @@ class ControlsPanel(QWidget):
             src.setObjectName("muted")
             cap = QSpinBox(minimum=1, maximum=info.n_seq_max, value=snap.cap_ceiling or snap.cap)
             cap.setKeyboardTracking(False)
+            cap.setToolTip(CAP_HELP)
             cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
             cache = QCheckBox()
             cache.setChecked(snap.cache.enabled)
@@ -118,8 +123,18 @@ class ControlsPanel(QWidget):
             cache.toggled.connect(lambda on, n=name: self.set_cache(n, on))
             self.prefill_spins[name], self.decode_spins[name] = ps, ds
             self.source_labels[name], self.cap_spins[name], self.cache_checks[name] = src, cap, cache
-            for col, w in enumerate((ps, ds, src, cap, cache), start=1):
-                g.addWidget(w, row, col)
+            live = QLabel(f"live {snap.cap}" if snap.cap_adaptive else "fixed")
+            live.setObjectName("muted")
+            self.live_labels[name] = live
+            ceiling = QHBoxLayout()
+            ceiling.setSpacing(4)
+            ceiling.addWidget(cap)
+            ceiling.addWidget(live)
+            for col, w in enumerate((ps, ds, src, ceiling, cache), start=1):
+                if isinstance(w, QHBoxLayout):
+                    g.addLayout(w, row, col)
+                else:
+                    g.addWidget(w, row, col)
         buttons = QHBoxLayout()
         buttons.setSpacing(4)
         self.reset_button = QPushButton("Reset rates")
@@ -186,7 +201,7 @@ class ControlsPanel(QWidget):
     def set_cap(self, name: str, cap: int) -> None:
         try:
             self.engine.set_cap(name, cap)
-            self.status_message.emit(f"{name}: cap set to {cap}")
+            self.status_message.emit(f"{name}: ceiling set to {cap}")
         except EngineError as e:
             self.status_message.emit(str(e))
 
@@ -234,6 +249,11 @@ class ControlsPanel(QWidget):
                 continue
             self._show_rates(snap.name, snap.rates)
             spin = self.cap_spins[snap.name]
+            live = self.live_labels[snap.name]
+            text = f"live {snap.cap}" if snap.cap_adaptive else "fixed"
+            if live.text() != text:
+                live.setText(text)
+                live.setToolTip(live_cap_text(snap))
             if not spin.hasFocus() and spin.value() != (snap.cap_ceiling or snap.cap):
                 spin.blockSignals(True)
                 spin.setValue(snap.cap_ceiling or snap.cap)

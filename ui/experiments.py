@@ -40,7 +40,7 @@ from .controls import policy_choices
 from .formatting import fmt_seconds
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .run_controls import RunControls
-from .theme import backend_color, qcolor, scrollable, style_plot, wrap_label
+from .theme import backend_color, qcolor, scrollable_column, style_plot, wrap_label
 from .worker import Worker
 
 COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
@@ -164,7 +164,7 @@ class ExperimentsPanel(QWidget):
         rv.addWidget(note)
 
         split = QSplitter(Qt.Horizontal)
-        split.addWidget(scrollable(left, 300))
+        split.addWidget(scrollable_column(left))
         split.addWidget(right)
         split.setSizes([340, 1100])
         outer = QGridLayout(self)

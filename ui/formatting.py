@@ -33,7 +33,7 @@ def fmt_rate(tok_s: float | None) -> str:
 
 
 RATE_SOURCES = {
-    "measured": "measured at load: a few seconds of calibration when the model loaded, stored for the next start",
+    "measured": "measured at load: a short calibration when the model first loaded, stored for the next start",
     "cached": "cached: measured on this machine by an earlier start or `tandem calibrate` (the date says when)",
     "calibrated": "calibrated: measured on this machine by `tandem calibrate`",
     "online": "online: measured from the requests this backend has served",
@@ -58,3 +58,25 @@ def model_title(info) -> str:
         return info.name
     return stem
 
+
+
+# The one way the app names a backend's concurrency cap: the user's *ceiling* (the cap box) and
+# the *live cap* the engine admits at now (an adaptive cap moves between 1 and the ceiling).
+CAP_HELP = ("Ceiling: the most requests you allow at once on this backend (the cap box). Live cap: how "
+            "many the engine admits now; an adaptive cap starts low and moves up to the ceiling while "
+            "requests wait, and down when a larger batch decodes slower or the KV cache is full.")
+
+
+def live_cap_text(snap) -> str:
+    """'live cap 4 of ceiling 16 (adaptive): start' / 'live cap 8, fixed (ceiling 8)', from a
+    `BackendSnapshot`."""
+    ceiling = snap.cap_ceiling or snap.cap
+    if not snap.cap_adaptive:
+        return f"live cap {snap.cap}, fixed (ceiling {ceiling})"
+    why = cap_reason_text(snap.cap_reason)
+    return f"live cap {snap.cap} of ceiling {ceiling}" + (f": {why}" if why else "")
+
+
+def cap_reason_text(reason: str) -> str:
+    """Why the live cap last moved, for people ('start' is where an adaptive cap begins)."""
+    return {"start": "where an adaptive cap starts", "fixed": "fixed"}.get(reason or "", reason or "")

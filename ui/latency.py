@@ -7,8 +7,10 @@ called afterwards, from the bridge's tick (and only when a request finished sinc
 redraw). Throughput comes from the decoded-token counts each tick carries.
 
 Axes fit their data: a histogram's x axis spans the bins in use (one bin of margin), its y axis
-counts requests in whole numbers; empty plots show a fixed 0..1 range rather than pyqtgraph's
-default of a degenerate range. Throughput is timed from the view's first tick.
+counts requests in whole numbers. An empty plot shows a sentence instead of made-up axes
+(`ui.plot_marks.EmptyHint`); hovering a bin's point tells its count and range. Throughput is
+timed from the view's first tick, with a mark wherever a cap, the policy or a backend's health
+changed. A strip above the plots says which phase a demo is in (`ui.run_strip`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVB
 from .axes import count_axis_top, log_ticks, occupied_log_range
 from .formatting import fmt_seconds
 from .live_stats import EDGES, METRIC_TITLES, LatencyStore, RingSeries
-from .theme import LEGEND_BG, backend_color, qcolor, style_plot
+from .plot_marks import ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .run_strip import RunStrip
+from .theme import LEGEND_BG, backend_color, qcolor, style_plot, wrap_label
 
 THROUGHPUT_WINDOW_S = 120.0
 SMOOTH_S = 2.0  # throughput is averaged over this many seconds
@@ -41,6 +45,8 @@ class LatencyView(QWidget):
         self._recent = {b: [] for b in self.backends}  # last `_smooth` ticks of (dt, tokens)
         self._series = RingSeries(int(THROUGHPUT_WINDOW_S * hz), len(self.backends) + 1)
         self._t0 = None
+        self._router = engine.router
+        self.changes = ChangeTracker()
         self._build()
         bridge.finished.connect(self.add_record)
         bridge.tick.connect(self._on_tick)
@@ -51,6 +57,8 @@ class LatencyView(QWidget):
         self.hist_curves: dict[str, dict[str, pg.PlotDataItem]] = {}
         self.p_lines: dict[str, dict[str, tuple[pg.InfiniteLine, pg.InfiniteLine]]] = {}
         self.plots: dict[str, pg.PlotItem] = {}
+        self.hints: dict[str, EmptyHint] = {}
+        self.bin_points: dict[str, dict[str, pg.PlotDataItem]] = {}
         for k, metric in enumerate(("ttft", "e2e", "itl")):
             w = pg.PlotWidget()
             p = w.getPlotItem()
@@ -64,6 +72,7 @@ class LatencyView(QWidget):
             self.plots[metric] = p
             self.hist_curves[metric] = {}
             self.p_lines[metric] = {}
+            self.bin_points[metric] = {}
             zero = np.zeros(len(edges) - 1)
             for b in self.backends:
                 c = self.colors[b]
@@ -76,6 +85,11 @@ class LatencyView(QWidget):
                     p.addItem(line, ignoreBounds=True)
                 self.hist_curves[metric][b] = curve
                 self.p_lines[metric][b] = (p50, p95)
+                # one point on each bin in use, for its tooltip
+                points = p.plot([], [], pen=None, symbol="o", symbolSize=6, symbolBrush=c, symbolPen=None)
+                hover_tips(points.scatter, lambda _x, _y, data: data)
+                self.bin_points[metric][b] = points
+            self.hints[metric] = EmptyHint(p, "no request has finished yet")
             grid.addWidget(w, 0, k)
 
         w = pg.PlotWidget()
@@ -89,9 +103,12 @@ class LatencyView(QWidget):
         for b in self.backends:
             self.tput_curves.append(p.plot(pen=pg.mkPen(self.colors[b], width=1.6), name=b))
         self.tput_curves.append(p.plot(pen=pg.mkPen("#e6e9ef", width=1.2, style=Qt.DashLine), name="total"))
+        self.tput_hint = EmptyHint(p, "no token decoded yet")
+        self.marks = ChangeMarks(p)
         grid.addWidget(w, 0, 3)
+        self.run_strip = RunStrip()
 
-        self.summary = QLabel()
+        self.summary = wrap_label(QLabel())  # wraps rather than widening the window (the presenter's large type)
         self.summary.setTextFormat(Qt.RichText)
         self.clear_button = QPushButton("Clear")
         self.clear_button.setToolTip("Forget the latencies collected so far")
@@ -101,6 +118,7 @@ class LatencyView(QWidget):
         top.addWidget(self.clear_button, 0, Qt.AlignTop)
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
+        outer.addWidget(self.run_strip)
         outer.addLayout(top)
         outer.addLayout(grid, 1)
         for metric in self.plots:
@@ -118,11 +136,16 @@ class LatencyView(QWidget):
     def clear(self) -> None:
         self.store.clear()
 
+    def show_run(self, run) -> None:
+        """Say which phase `run` (a live demo) is in, above the plots."""
+        self.run_strip.attach(run)
+
     # ---- per tick ----
 
     def _on_tick(self, tick) -> None:
         if self._t0 is None:
             self._t0 = tick.time
+        self.marks.add(tick.time - self._t0, self.changes.update(tick.snapshots, self._router.policy))
         totals = []
         for b in self.backends:
             r = self._recent[b]
@@ -137,6 +160,8 @@ class LatencyView(QWidget):
             curve.setData(x, y)
         _, total = self._series.view(len(self.backends))
         peak = float(np.nanmax(total)) if total.size else 0.0
+        if peak > 0:
+            self.tput_hint.set_empty(False)
         self.throughput_plot.setYRange(0, max(peak * 1.15, 1.0), padding=0)
         if self.store.version != self._drawn_version:
             self._drawn_version = self.store.version
@@ -148,6 +173,11 @@ class LatencyView(QWidget):
             hists = {b: self.store.histogram(metric, b) for b in curves}
             for b, curve in curves.items():
                 curve.setData(edges, hists[b])
+                used = np.flatnonzero(hists[b] > 0)
+                centres = np.sqrt(edges[used] * edges[used + 1])  # geometric: the bin's middle on a log axis
+                tips = [f"{b}: {int(hists[b][i])} request{'s' if hists[b][i] != 1 else ''} at "
+                        f"{fmt_seconds(edges[i])} – {fmt_seconds(edges[i + 1])}" for i in used]
+                self.bin_points[metric][b].setData(centres, hists[b][used], data=tips)
                 p50, p95 = self.store.percentiles(metric, b)
                 for line, v in zip(self.p_lines[metric][b], (p50, p95)):
                     if math.isfinite(v) and v > 0:
@@ -161,7 +191,8 @@ class LatencyView(QWidget):
     def _fit_axes(self, metric: str, hists) -> None:
         p = self.plots[metric]
         span = occupied_log_range(hists, EDGES[metric])
-        if span is None:  # nothing yet: 1 ms .. 10 s, 0..1 request
+        self.hints[metric].set_empty(span is None)
+        if span is None:  # nothing yet: the hint says so, the axes are hidden
             span = (-3.0, 1.0)
         p.setXRange(*span, padding=0)
         p.getAxis("bottom").setTicks([log_ticks(*span), []])

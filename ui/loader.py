@@ -1,11 +1,13 @@
 """Loading a model without freezing the window.
 
-`ModelLoader` runs a load function (`fn(spec, progress, status) -> Engine`, supplied by the app)
-on a `ui.worker.Worker`. llama.cpp reports progress on that thread, and the engine says in words
-what it does after the weights are in (`status(text)`: measuring a backend's speed, a few seconds
-on a first start); the worker delivers both, and the outcome, on the main thread, where the loader
-re-emits them. If the loader is cancelled (the
-window closed) the engine it produced is closed off the main thread instead of being handed over.
+`ModelLoader` runs a load function (`fn(spec, progress, status, measure) -> Engine`, supplied by
+the app) on a `ui.worker.Worker`. A load goes through phases (`PHASES`): writing a synthetic
+model's file (`progress(done, total)`), loading the weights (llama.cpp's `progress(fraction)`),
+and on a first start measuring each backend's speed (`status(text)` names the backend,
+`measure(done, total, what)` counts the measurement's steps). The loader emits `phase` when one
+starts and `progress` with the fraction of the phase done, so the window can say what is going on
+with a bar that fills. If the loader is cancelled (the window closed) the engine it produced is
+closed off the main thread instead of being handed over.
 
 Thread contract: `start`, `cancel`, `busy` and `wait` on the main thread; `cancel` is also read by
 the worker thread (a `threading.Event`). Signals fire on the main thread.
@@ -36,9 +38,15 @@ class ModelSpec:
         return self.model + (f" on {', '.join(self.backends)}" if self.backends else "")
 
 
+# Each phase of a load: its key and what the window calls it.
+PHASES = {"unpacking": "Write the model file", "loading": "Load the weights", "measuring": "Measure the speed"}
+
+
 class ModelLoader(QObject):
-    progress = Signal(float)  # 0..1
+    progress = Signal(float)  # 0..1 of the phase in progress
+    phase = Signal(str)  # a key of PHASES: the load moved on to it
     status = Signal(str)  # what the load is doing now, in words
+    step = Signal(int, int, str)  # the speed measurement: steps done, steps in all, what was measured
     loaded = Signal(object, object)  # Engine, ModelSpec
     failed = Signal(str, object)  # message, ModelSpec
 
@@ -47,6 +55,7 @@ class ModelLoader(QObject):
         self._load_fn = load_fn
         self._worker: Worker | None = None
         self._cancelled = threading.Event()
+        self.current_phase = ""
 
     @property
     def busy(self) -> bool:
@@ -56,6 +65,7 @@ class ModelLoader(QObject):
         if self.busy:
             return False
         self._cancelled.clear()
+        self.current_phase = ""
         worker = Worker(lambda: self._load(spec, worker.report), name="model-loader", owner=self)
         worker.progress.connect(self._on_report)
         worker.returned.connect(lambda engine: self._on_loaded(engine, spec))
@@ -76,11 +86,23 @@ class ModelLoader(QObject):
             # calls progress(done, total).
             if self._cancelled.is_set():
                 return False  # llama.cpp aborts the load
-            fraction = args[0] / args[1] if len(args) >= 2 and args[1] else args[0]
+            if len(args) >= 2:
+                report(("phase", "unpacking"))
+                fraction = args[0] / args[1] if args[1] else 0.0
+            else:
+                report(("phase", "loading"))
+                fraction = args[0]
             report(float(fraction))
             return True
 
-        engine = self._load_fn(spec, progress, report)  # report(str): a status line
+        def status(text: str) -> None:
+            report(("phase", "measuring"))
+            report(text)
+
+        def measure(done: int, total: int, what: str) -> None:
+            report(("step", done, total, what))
+
+        engine = self._load_fn(spec, progress, status, measure)
         if self._cancelled.is_set():
             engine.close()
             return None
@@ -91,6 +113,14 @@ class ModelLoader(QObject):
     def _on_report(self, value) -> None:
         if isinstance(value, str):
             self.status.emit(value)
+        elif isinstance(value, tuple) and value[0] == "phase":
+            if value[1] != self.current_phase:
+                self.current_phase = value[1]
+                self.phase.emit(value[1])
+        elif isinstance(value, tuple):
+            _, done, total, what = value
+            self.progress.emit(done / total if total else 0.0)
+            self.step.emit(done, total, what)
         else:
             self.progress.emit(value)
 

@@ -34,8 +34,7 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
-    QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton,
-    QStackedWidget, QTabWidget, QToolButton, QVBoxLayout, QWidget,
+    QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QStackedWidget, QTabWidget, QToolButton, QWidget,
 )
 
 from .backends import BackendsPanel
@@ -43,11 +42,14 @@ from .bridge import EngineBridge
 from .chat import ChatPanel
 from .controls import ControlsPanel
 from .experiments import ExperimentsPanel
-from .formatting import model_title
+from .formatting import live_cap_text, model_title
+from .get_model import GetModelDialog
+from .presenter import present
 from .history import ChatStore
+from .first_start import LoadScreen
 from .latency import LatencyView
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
-from .loader import ModelLoader, ModelSpec
+from .loader import PHASES, ModelLoader, ModelSpec
 from .local_models import remember
 from .loop_probe import LoopProbe
 from .model_dialog import ModelDialog
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 # rows need ~650 px, two backend cards side by side ~700), so the drawer opens at the bottom.
 WIDE_MIN_WIDTH = 1400
 MONITOR_SHARE = 0.42  # of the window's width, at the right, when it first opens
+LAG_ALERT_S = 0.250  # the UI-lag figure joins the status bar above this p95 (else View ▸ Developer figures)
 
 
 def compact_layout(available: QSize) -> bool:
@@ -105,6 +108,8 @@ class MainWindow(QMainWindow):
         if self.loader is not None:
             self.loader.progress.connect(self._on_load_progress)
             self.loader.status.connect(self._on_load_status)
+            self.loader.phase.connect(self._on_load_phase)
+            self.loader.step.connect(self._on_load_step)
             self.loader.loaded.connect(self._on_loaded)
             self.loader.failed.connect(self._on_load_failed)
         self.error_dialog = QMessageBox(QMessageBox.Critical, "Could not load the model", "", QMessageBox.Ok, self)
@@ -135,25 +140,13 @@ class MainWindow(QMainWindow):
 
     def _build_central(self) -> None:
         self.stack = QStackedWidget()
-        placeholder = QWidget()
-        lay = QVBoxLayout(placeholder)
-        lay.addStretch(1)
-        self.placeholder_label = QLabel("No model loaded.")
-        self.placeholder_label.setAlignment(Qt.AlignCenter)
-        self.placeholder_label.setObjectName("big")
-        self.placeholder_label.setWordWrap(True)
-        self.placeholder_progress = QProgressBar()
-        self.placeholder_progress.setFixedWidth(420)
-        self.placeholder_progress.setVisible(False)
-        load = QPushButton("Load a model…")
-        load.setObjectName("primary")
-        load.setMaximumWidth(220)
-        load.clicked.connect(self.choose_model)
-        lay.addWidget(self.placeholder_label)
-        lay.addWidget(self.placeholder_progress, 0, Qt.AlignHCenter)
-        lay.addWidget(load, 0, Qt.AlignHCenter)
-        lay.addStretch(2)
-        self.stack.addWidget(placeholder)
+        # No engine yet: the load's phases, or the ways to get one (ui.first_start).
+        self.load_screen = LoadScreen()
+        self.load_screen.load_requested.connect(self.choose_model)
+        self.load_screen.get_requested.connect(self.get_model)
+        self.placeholder_label = self.load_screen.label
+        self.placeholder_progress = self.load_screen.progress
+        self.stack.addWidget(self.load_screen)
         self.setCentralWidget(self.stack)
 
     def _build_monitor(self) -> None:
@@ -214,7 +207,9 @@ class MainWindow(QMainWindow):
         if self.gpu_offload is False:  # the status bar is crowded: the why goes in the tooltip
             self.device_label.setToolTip("This llama.cpp build is CPU-only (llama_supports_gpu_offload() is false)")
         self.state_label = QLabel("idle")
+        self.presenter = False
         self.lag_label = QLabel("")
+        self.lag_label.setVisible(False)
         self.lag_label.setToolTip("How late the GUI event loop runs (p95 of a 10 ms timer over the last 30 s)")
         self.load_bar = QProgressBar()
         self.load_bar.setMaximumWidth(160)
@@ -230,8 +225,11 @@ class MainWindow(QMainWindow):
 
     def _build_menus(self) -> None:
         m = self.menuBar().addMenu("&File")
-        a = QAction("&Load model…", self, shortcut=QKeySequence.Open, triggered=self.choose_model)
-        m.addAction(a)
+        self.load_action = QAction("&Load model…", self, shortcut=QKeySequence.Open, triggered=self.choose_model)
+        m.addAction(self.load_action)
+        self.get_model_action = QAction("&Get model…", self, triggered=self.get_model)
+        self.get_model_action.setToolTip("Search the Hugging Face Hub for a GGUF model, download it and load it")
+        m.addAction(self.get_model_action)
         self.new_chat_action = QAction("&New chat", self, shortcut=QKeySequence.New, triggered=self._new_chat)
         m.addAction(self.new_chat_action)
         m.addAction(QAction("Save &screenshot…", self, triggered=self._ask_screenshot))
@@ -256,6 +254,16 @@ class MainWindow(QMainWindow):
             group.addAction(a)
             theme_menu.addAction(a)
             self.theme_actions[choice] = a
+        # The teacher's view, and the figures a developer wants (the event loop's lateness).
+        self.presenter_action = QAction("&Presenter view (large type)", self, shortcut=QKeySequence("F11"),
+                                        checkable=True, toggled=self.set_presenter)
+        self.developer_action = QAction("&Developer figures (UI lag)", self, checkable=True,
+                                        checked=bool(self.settings.value("view/developer", False, type=bool)),
+                                        toggled=self._set_developer)
+        self.reset_counters_action = QAction("&Reset the counters", self, triggered=self.reset_counters)
+        self.reset_counters_action.setToolTip("Zero every backend's prefix hits, evictions and observed speeds")
+        for a in (self.presenter_action, self.developer_action, self.reset_counters_action):
+            self.view_menu.addAction(a)
         self.view_menu.addSeparator()
         self.view_menu.addAction(self.monitor_action)
         self.view_menu.addAction(QAction("Monitor at the &right", self,
@@ -300,13 +308,18 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage("a model is already loading", 4000)
             return False
         self.state_label.setText(f"loading {spec.model}…")
+        self.load_bar.setRange(0, 100)
         self.load_bar.setValue(0)
         self.load_bar.setVisible(True)
-        if self.engine is None:
-            self.placeholder_label.setText(f"Loading {spec.describe()}…")
-            self.placeholder_progress.setValue(0)
-            self.placeholder_progress.setVisible(True)
+        self.load_screen.start(spec.describe())
+        self._set_load_actions(False)
         return True
+
+    def _set_load_actions(self, enabled: bool) -> None:
+        """Nothing invites a second load while one runs."""
+        for a in (self.load_action, self.get_model_action):
+            a.setEnabled(enabled)
+            a.setStatusTip("" if enabled else "a model is loading")
 
     def choose_model(self) -> None:
         dialog = self.model_dialog()
@@ -340,7 +353,7 @@ class MainWindow(QMainWindow):
             title = ", ".join(engine.model_ids()) or "remote engines"
             self.setWindowTitle(f"Tandem — {title}")
             self.model_label.setText(self.model_label.fontMetrics().elidedText(
-                f"{title} · {len(engine.backend_names)} remote engines", Qt.ElideMiddle, 300))
+                f"{title} · {len(engine.backend_names)} remote engines", Qt.ElideMiddle, 300 - 20))  # the style sheet pads it 8 px a side
             self.model_label.setToolTip("\n".join(f"{s.name}: {s.url} ({s.model})" for s in engine.snapshot()))
         else:
             self._show_model(engine)
@@ -354,7 +367,7 @@ class MainWindow(QMainWindow):
         title = model_title(info)
         self.setWindowTitle(f"Tandem — {title}")
         text = f"{title}{synthetic} · {_params(info.n_params)}"
-        self.model_label.setText(self.model_label.fontMetrics().elidedText(text, Qt.ElideMiddle, 300))
+        self.model_label.setText(self.model_label.fontMetrics().elidedText(text, Qt.ElideMiddle, 300 - 20))  # the style sheet pads it 8 px a side
         self.model_label.setToolTip(f"{info.path}\nGGUF general.name: {info.name}"
                                     + ("\nSynthetic: random weights, the text is noise" if synthetic else ""))
 
@@ -485,35 +498,42 @@ class MainWindow(QMainWindow):
     # ---- loader signals ----
 
     def _on_load_progress(self, fraction: float) -> None:
-        v = int(fraction * 100)
-        for bar in (self.load_bar, self.placeholder_progress):
-            bar.setRange(0, 100)
-            bar.setValue(v)
+        self.load_bar.setRange(0, 100)
+        self.load_bar.setValue(int(fraction * 100))
+        self.load_screen.on_progress(fraction)
+
+    def _on_load_phase(self, key: str) -> None:
+        """A phase of the load began (ui.loader.PHASES): the bars start again from 0."""
+        self.load_bar.setValue(0)
+        self.load_bar.setToolTip(PHASES.get(key, key))
+        self.load_screen.on_phase(key)
 
     def _on_load_status(self, text: str) -> None:
         """The weights are in and the engine measures something (a backend's speed on a first
-        start): say what, and let the bars run without a fraction."""
+        start): say what; its steps (`_on_load_step`) fill the bars."""
         self.state_label.setText(text.split(" (", 1)[0] + "…")
         self.state_label.setToolTip(text)
-        if self.engine is None:
-            self.placeholder_label.setText(text[0].upper() + text[1:] + "…")
-        for bar in (self.load_bar, self.placeholder_progress):
-            bar.setRange(0, 0)  # busy: a measurement has no fraction to show
+        self.load_screen.on_status(text)
+
+    def _on_load_step(self, done: int, total: int, what: str) -> None:
+        self.load_bar.setToolTip(f"Measuring the speed: step {done} of {total} ({what})")
+        self.load_screen.on_step(done, total, what)
 
     def _on_loaded(self, engine, spec) -> None:
         if spec.model:
             self.settings.setValue("model/recent", remember(self.recent_models(), spec.model))
         self.load_bar.setVisible(False)
-        self.placeholder_progress.setVisible(False)
+        self.load_screen.finish()
+        self._set_load_actions(True)
         self.set_engine(engine, spec, owns=True)
         self.statusBar().showMessage(f"loaded {spec.describe()}", 5000)
 
     def _on_load_failed(self, message: str, spec) -> None:
         self.load_bar.setVisible(False)
-        self.placeholder_progress.setVisible(False)
+        self._set_load_actions(True)
         what = spec.describe() if spec is not None else "the model"
+        self.load_screen.finish(f"Could not load {what}:\n{message}" if self.engine is None else None)
         if self.engine is None:
-            self.placeholder_label.setText(f"Could not load {what}:\n{message}")
             self.state_label.setText("no model")
         else:
             self.state_label.setText("engine ready (last load failed)")
@@ -530,8 +550,8 @@ class MainWindow(QMainWindow):
         for s in tick.snapshots:
             dot = "●" if s.healthy else "✖"
             parts.append(f"{dot} {s.name} {len(s.running)}/{s.cap} +{len(s.waiting)}")
-            tips.append(f"{s.name}: {len(s.running)} running (cap {s.cap}), {len(s.waiting)} waiting"
-                        + ("" if s.healthy else ", down"))
+            tips.append(f"{s.name}: {len(s.running)} running, {live_cap_text(s)}; {len(s.waiting)} waiting"
+                        + ("" if s.healthy else "; down"))
         text = "  ".join(parts)
         if self.backends_label.text() != text:
             self.backends_label.setText(text)
@@ -539,9 +559,13 @@ class MainWindow(QMainWindow):
         p95 = self.probe.percentile(95)
         if p95 == p95:
             self.lag_label.setText(f"UI lag p95 {p95 * 1000:.0f} ms")
+            # A developer's figure: in the status bar only when asked for or truly high.
+            self.lag_label.setVisible(self.developer_action.isChecked() or p95 > LAG_ALERT_S)
         busy = any(s.items for s in tick.snapshots)
         if self.demo is not None and self.demo.running:
-            self.state_label.setText(f"demo: {len(self.demo.result.records)}/{self.demo.spec.n_requests} done")
+            d = self.demo
+            self.state_label.setText("demo: warming the prefix" if d.state in ("flushing", "warming") else
+                                     f"demo: {len(d.result.records)}/{d.spec.n_requests} done")
         elif not self.load_bar.isVisible():
             self.state_label.setText("engine busy" if busy else "engine idle")
 
@@ -557,9 +581,10 @@ class MainWindow(QMainWindow):
             return None
         self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
         self.demo.done.connect(self._on_demo_done)
-        experiments = self.panels.get("experiments")
-        if experiments is not None:
-            experiments.show_run(self.demo)
+        for key in ("experiments", "routing", "latency"):  # the Pause/Step row, the phase strips
+            panel = self.panels.get(key)
+            if panel is not None and hasattr(panel, "show_run"):
+                panel.show_run(self.demo)
         self.monitor.show()  # a demo is there to be watched
         self.demo.start()
         return self.demo
@@ -597,9 +622,15 @@ class MainWindow(QMainWindow):
         """Send the live run's next arrival now (the run stays paused)."""
         run = self.live_run()
         if run is None or not run.step():
-            self.show_message("no arrival to send" + ("" if run is None else f" ({run.result.label}: {run.state})"), 4000)
+            if run is None:
+                why = "no live run (Run ▸ Send the study's 8 requests starts one)"
+            elif run.state in ("flushing", "warming"):
+                why = f"{run.result.label} is warming the shared prefix; arrivals start after it"
+            else:
+                why = f"no arrival left to send ({run.result.label}: {run.state})"
+            self.show_message(why, 5000)
             return False
-        self.show_message(f"{run.result.label}: sent arrival {run.n_submitted}/{run.spec.n_requests} (paused)", 4000)
+        self.show_message(f"{run.result.label}: sent {run.n_submitted}/{run.spec.n_requests}, paused (F6 resumes)", 5000)
         return True
 
     def stop_demo(self) -> None:
@@ -641,6 +672,63 @@ class MainWindow(QMainWindow):
         on = self.server is not None and self.server.state in ("on", "starting")
         self.start_server_action.setEnabled(self.server is not None and self.server.state in ("off", "failed"))
         self.stop_server_action.setEnabled(on)
+
+    # ---- presenter view, developer figures, counters, getting a model ----
+
+    def set_presenter(self, on: bool) -> None:
+        """Large type on the routing explanation, Teaching and the latency plots (`ui.presenter`),
+        full screen, the routing view in front; off: as before."""
+        if self.presenter_action.isChecked() != on:
+            self.presenter_action.setChecked(on)  # toggled calls back here
+            return
+        self.presenter = on
+        for key in ("routing", "teaching", "latency"):
+            panel = self.panels.get(key)
+            if panel is not None:
+                present(panel, on)
+        chat = self.panels.get("chat")
+        if chat is not None and self.docks_hold_panels():
+            self.stack.setVisible(not on)  # the panels take the whole screen; the chat comes back after
+        if on:
+            self._normal_geometry = self.saveGeometry()
+            self.showFullScreen()
+            self.show_panel("routing")
+        else:
+            self.showNormal()
+            if getattr(self, "_normal_geometry", None) is not None:
+                self.restoreGeometry(self._normal_geometry)
+        self.show_message("presenter view: large type on Routing, Teaching and Latency (F11 leaves it)" if on
+                          else "presenter view off", 4000)
+
+    def docks_hold_panels(self) -> bool:
+        """Whether the monitoring panels live in docks beside the central chat."""
+        return bool(self._docks)
+
+    def _set_developer(self, on: bool) -> None:
+        self.settings.setValue("view/developer", on)
+        self.lag_label.setVisible(on and bool(self.lag_label.text()))
+
+    def reset_counters(self) -> None:
+        """Zero the backends' counters (prefix hits, evictions, observed speeds) without waiting."""
+        if self.engine is None:
+            return
+        Worker(self.engine.reset_stats, name="reset-counters", owner=self).start()
+        self.show_message("counters reset: prefix hits, evictions and observed speeds start from zero", 4000)
+
+    def get_model(self) -> None:
+        """File ▸ Get model: search the Hub, download a GGUF into the models folder, load it."""
+        if self.loader is not None and self.loader.busy:
+            return
+        dialog = self.get_model_dialog()
+        if dialog.exec() == GetModelDialog.Accepted and dialog.downloaded is not None:
+            self.load_model(ModelSpec(str(dialog.downloaded)))
+
+    def get_model_dialog(self, **kw) -> "GetModelDialog":
+        """The Hub dialog, pricing a model against this machine (a GPU backend's memory, if any)."""
+        snaps = self.engine.snapshot() if self.engine is not None else []
+        vram = max((s.device_memory_total_bytes for s in snaps if s.device != "cpu"), default=0)
+        n_ctx = max((s.n_ctx for s in snaps if s.device != "remote"), default=4096)
+        return GetModelDialog(self, n_ctx=n_ctx, vram_total=vram, **kw)
 
     # ---- misc ----
 

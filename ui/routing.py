@@ -32,11 +32,16 @@ from engine.routing import DEFAULT_POLICY
 
 from .axes import count_axis_top
 from .formatting import fmt_rate
+from .plot_marks import ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .run_strip import RunStrip
 from .theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
 
-TERMS = ("cached", "prefill", "decode", "rates", "score")
-FIXED = ("#", "t", "request", "→ backend")
-BACKEND_COLUMN = FIXED.index("→ backend")
+# Per backend: the score's terms. The rates it priced them at are in each cell's tooltip, the
+# explanation and the CSV (a column of them pushed the table past a 1080p window's width).
+TERMS = ("cached", "prefill", "decode", "score")
+UNITS = {"cached": "tok", "prefill": "tok", "decode": "tok", "rates": "tok/s", "score": "s"}
+FIXED = ("#", "t", "chosen")  # the request's id is the row's tooltip (and in the CSV)
+BACKEND_COLUMN = FIXED.index("chosen")
 MAX_ROWS = 5000
 
 
@@ -95,7 +100,7 @@ class RoutingTableModel(QAbstractTableModel):
             if section < len(FIXED):
                 return FIXED[section]
             b, t = divmod(section - len(FIXED), len(TERMS))
-            return f"{self.backends[b]}\n{TERMS[t]}"
+            return f"{self.backends[b]}\n{TERMS[t]}\n{UNITS[TERMS[t]]}"
         if role == Qt.ForegroundRole and section >= len(FIXED):
             b = (section - len(FIXED)) // len(TERMS)
             return QBrush(_text_color(self._colors[self.backends[b]]))
@@ -105,8 +110,7 @@ class RoutingTableModel(QAbstractTableModel):
                 "cached": "prompt tokens of the new request already in this backend's prefix cache",
                 "prefill": "prompt tokens left to compute: queued + running + the new request (minus cached)",
                 "decode": "decode-token budget: unused max_tokens of every request there + the new one",
-                "rates": "prefill / decode tok/s the router priced the work at",
-                "score": "prefill/rate + decode/rate in seconds; lower wins",
+                "score": "prefill/rate + decode/rate in seconds; lower wins (a cell's tooltip has the rates)",
             }[t]
         return None
 
@@ -120,13 +124,12 @@ class RoutingTableModel(QAbstractTableModel):
                 return [
                     str(self._first_number + index.row()),
                     f"{d.time - self.t0:.2f} s",
-                    d.request_id,
                     d.backend + (" (pinned)" if d.pinned else ""),
                 ][col]
             if role == Qt.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
                 return QBrush(_text_color(self._colors[d.backend]))
             if role == Qt.ToolTipRole:
-                return f"{d.policy}: {d.reason}"
+                return f"{d.request_id} · {d.policy}: {d.reason}"
             if role == Qt.TextAlignmentRole and col in (0, 1):
                 return int(Qt.AlignRight | Qt.AlignVCenter)
             return None
@@ -155,10 +158,10 @@ def score_term(s, term: str) -> str:
         return _tok(s.prefill_tokens)
     if term == "decode":
         return _tok(s.decode_tokens)
-    if term == "rates":
-        return f"{_num_rate(s.rates.prefill_tok_s)} / {_num_rate(s.rates.decode_tok_s)} tok/s"
+    if term == "rates":  # the unit is in the column's heading
+        return f"{_num_rate(s.rates.prefill_tok_s)} / {_num_rate(s.rates.decode_tok_s)}"
     if term == "score":
-        return "∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f} s"
+        return "∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f}"
     raise KeyError(term)
 
 
@@ -199,7 +202,7 @@ def explain_decision(d, colors: dict | None = None) -> str:
     budget = d.budget + (f", new_token_ratio {d.new_token_ratio:.2f}" if d.new_token_ratio is not None else "")
     rows = "".join(f"<li><span style='color:{colors.get(s.name, plain)}'>■</span> {html.escape(explain_score(s))}</li>"
                    for s in d.scores)
-    return (f"<p style='font-size:11pt'>{head} &nbsp; <span style='color:{muted}'>policy {html.escape(d.policy)} · "
+    return (f"<p style='font-size:large'>{head} &nbsp; <span style='color:{muted}'>policy {html.escape(d.policy)} · "
             f"decode budget {html.escape(budget)}</span></p>"
             f"<p>{line}</p><ul style='margin-left:-20px'>{rows}</ul>"
             f"<p style='color:{muted}'>Router's record: {html.escape(d.reason)}</p>")
@@ -231,21 +234,20 @@ class RoutingView(QWidget):
         self.table.setSelectionMode(QAbstractItemView.SingleSelection)
         self.table.verticalHeader().setVisible(False)
         self.table.verticalHeader().setDefaultSectionSize(22)
+        # Every column shares the table's width (no sideways scrolling): the id moved to the
+        # row's tooltip, units to the headings, so the cells are short numbers.
         h = self.table.horizontalHeader()
-        h.setSectionResizeMode(QHeaderView.Interactive)
-        h.setDefaultSectionSize(62)
-        for col, w in enumerate((38, 66, 72, 84)):
-            self.table.setColumnWidth(col, w)
-        for b in self.backends:
-            self.table.setColumnWidth(self.model.column_of(b, "rates"), 142)
-            self.table.setColumnWidth(self.model.column_of(b, "score"), 70)
+        h.setSectionResizeMode(QHeaderView.Stretch)
+        h.setMinimumSectionSize(36)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
+        self.table.setTextElideMode(Qt.ElideMiddle)
         self.table.selectionModel().currentRowChanged.connect(self._on_row)
         self.model.rowsInserted.connect(self._follow)
 
         self.plot_widget = pg.PlotWidget()
         p = self.plot = self.plot_widget.getPlotItem()
         # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
-        style_plot(p, "Score of each backend per arriving request (lower wins)", "request # (table row)",
+        style_plot(p, "Each backend's score per request (lower wins)", "request # (table row)",
                    "score (s)")
         p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
         for axis in ("left", "bottom"):
@@ -256,7 +258,11 @@ class RoutingView(QWidget):
             self.curves[b] = p.plot(pen=pg.mkPen(c, width=1.5), symbol="o", symbolSize=4, symbolBrush=c,
                                     symbolPen=None, name=f"{b} score", connect="finite")
         self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
+        hover_tips(self.marks, lambda _x, _y, data: data)
         p.addItem(self.marks)
+        self.hint = EmptyHint(p, "no request routed yet")
+        self.changes = ChangeTracker()
+        self.change_marks = ChangeMarks(p)  # x is the row: a change is marked before the next arrival
         self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.DotLine))  # reads on both themes
         self.selected_line.setVisible(False)
         p.addItem(self.selected_line)
@@ -273,9 +279,10 @@ class RoutingView(QWidget):
         self.count_label = QLabel()
         self.count_label.setObjectName("muted")
         bar = QHBoxLayout()
-        title = QLabel("<b>Decisions</b> — one row per arriving request; the chosen backend's cells are green")
-        title.setToolTip(title.text())
+        title = QLabel("<b>Decisions</b>")
+        title.setToolTip("One row per arriving request: each backend's score terms, the chosen one's cells green")
         title.setMinimumWidth(40)
+        self.run_strip = RunStrip()
         bar.addWidget(title, 1)
         bar.addWidget(self.count_label)
         bar.addWidget(self.export_button)
@@ -284,6 +291,7 @@ class RoutingView(QWidget):
         left = QWidget()
         lv = QVBoxLayout(left)
         lv.setContentsMargins(0, 0, 0, 0)
+        lv.addWidget(self.run_strip)
         lv.addLayout(bar)
         lv.addWidget(self.table, 1)
         right = QSplitter(Qt.Vertical)
@@ -344,10 +352,23 @@ class RoutingView(QWidget):
         if bar.value() >= bar.maximum() - 2 and not self.table.selectionModel().hasSelection():
             self.table.scrollToBottom()
 
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view (ui.presenter): the row count and Export make way for large type."""
+        self.count_label.setVisible(not on)
+        self.export_button.setVisible(not on)
+
+    def show_run(self, run) -> None:
+        """Say which phase `run` (a live demo) is in, above the table."""
+        self.run_strip.attach(run)
+
     def _on_tick(self, tick) -> None:
+        n = len(self.model.decisions)
         policy = self.engine.router.policy
         default = " (the default)" if policy == DEFAULT_POLICY else ""
-        self.count_label.setText(f"{len(self.model.decisions)} rows · policy {policy}{default}")
+        self.count_label.setText(f"{n} row{'s' if n != 1 else ''} · {policy}{default}" if n
+                                 else f"no request yet · {policy}{default}")
+        self.count_label.setToolTip(f"Rows shown; the routing policy in use is {policy}")
+        self.change_marks.add(self.model._first_number + n - 0.5, self.changes.update(tick.snapshots, policy))
         if self._plot_dirty:
             self._plot_dirty = False
             self._redraw()
@@ -363,8 +384,11 @@ class RoutingView(QWidget):
         for d, x in zip(ds, t):
             y = _finite(d.chosen.score_s)
             if math.isfinite(y):
-                spots.append({"pos": (x, y), "brush": pg.mkBrush(self.colors.get(d.backend, "#fff"))})
+                others = ", ".join(f"{s.name} {_secs(s.score_s)}" for s in d.scores if s.name != d.backend)
+                tip = f"#{x:.0f} → {d.backend}: score {_secs(y)}" + (f" (beat {others})" if others else "")
+                spots.append({"pos": (x, y), "brush": pg.mkBrush(self.colors.get(d.backend, "#fff")), "data": tip})
         self.marks.setData(spots)
+        self.hint.set_empty(not spots)
 
     def restyle(self) -> None:
         """Repaint the text colours for the theme now in use: the table's backend names and the

@@ -40,8 +40,11 @@ from engine.sim.teaching import (
 )
 
 from .live_run import STUDY, WorkloadRun
+from .presenter import TITLE_PT, loosen
 from .run_controls import RunControls
-from .theme import LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable, style_plot, wrap_label
+from .theme import (
+    LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable_column, style_plot, wrap_label,
+)
 from .whatif import WhatIfPanel
 
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)
@@ -82,13 +85,13 @@ def _gpu_sum_html(a: Arrival) -> str:
         f"<p><b style='color:{GPU_COLOR}'>GPU</b> decode budget: {t.queued} queued × {MAX_TOKENS} + {CAP} running × "
         f"{a.gpu_left} + new {MAX_TOKENS} = {t.queued_budget} + {t.running_budget} + {t.new_budget} = "
         f"<b>{s.decode_tokens:.0f}</b> tokens → {s.decode_tokens:.0f} / {s.rates.decode_tok_s:g} = {s.decode_s:.3f} s</p>"
-        f"<p style='font-size:13pt'>GPU score = {score_formula(s)} = <b>{s.score_s:.3f} s</b></p>"
+        f"<p style='font-size:large'>GPU score = {score_formula(s)} = <b>{s.score_s:.3f} s</b></p>"
     )
 
 
 def _cpu_sum_html(a: Arrival) -> str:
     c = a.cpu
-    return (f"<p style='font-size:13pt'><b style='color:{CPU_COLOR}'>CPU</b> (idle) score = "
+    return (f"<p style='font-size:large'><b style='color:{CPU_COLOR}'>CPU</b> (idle) score = "
             f"{score_formula(c)} = {c.prefill_s:.3f} + {c.decode_s:.3f} = <b>{c.score_s:.3f} s</b></p>")
 
 
@@ -101,7 +104,7 @@ def _verdict_html(a: Arrival) -> str:
     else:
         text = f"{v.gpu_s:.3f} s &gt; {v.cpu_s:.3f} s: the <b>CPU takes request {v.number}</b>"
         color = CPU_COLOR
-    return (f"<p style='font-size:14pt;color:{color}'>{text}</p>"
+    return (f"<p style='font-size:x-large;color:{color}'>{text}</p>"
             f"<p style='color:{MUTED}'>Router's record: {html.escape(v.reason)}</p>")
 
 
@@ -114,7 +117,7 @@ def _setup_html(rates: Mapping[str, Rates], cached: int) -> str:
         f"so only {PROMPT - cached} prompt tokens are left to compute; each generates {MAX_TOKENS} tokens. "
         f"Requests arrive every {ARRIVAL_GAP_S * 1000:.0f} ms.</p>"
         "<p>The router sends each <i>whole</i> request to the backend with the lowest score:</p>"
-        "<p style='font-size:12pt' align='center'><b>score = prefill tokens left / prefill rate + "
+        "<p style='font-size:large' align='center'><b>score = prefill tokens left / prefill rate + "
         "decode budget left / decode rate</b></p>"
         f"<p>Rates (each backend profiled alone): GPU prefill {g.prefill_tok_s:g} tok/s, decode {g.decode_tok_s:g} tok/s; "
         f"CPU prefill {c.prefill_tok_s:g} tok/s, decode {c.decode_tok_s:g} tok/s.</p>"
@@ -208,7 +211,7 @@ class TeachingPanel(QWidget):
 
         self.chart = pg.PlotWidget()
         p = self.chart.getPlotItem()
-        style_plot(p, "Score of the arriving request", "", "seconds")
+        style_plot(p, "The new request's score", "", "seconds")
         p.setMouseEnabled(False, False)
         p.hideButtons()
         p.getAxis("bottom").setTicks([[(0, "GPU"), (1, "CPU")]])
@@ -321,11 +324,12 @@ class TeachingPanel(QWidget):
         lv2.addWidget(self.live_table, 1)
         lv2.addWidget(self.live_note)
 
-        split = QSplitter(Qt.Horizontal)
-        split.addWidget(scrollable(left, 240))
+        split = self.split = QSplitter(Qt.Horizontal)
+        self.inputs_area = scrollable_column(left)
+        split.addWidget(self.inputs_area)
         split.addWidget(middle)
         split.addWidget(live)
-        split.setSizes([230, 760, 400])
+        split.setSizes([250, 600, 430])
         # Two tabs: the article's worked example, and what if the hardware were different.
         self.whatif = WhatIfPanel(self.engine, self.bridge, self)
         self.whatif.status_message.connect(self.status_message)
@@ -399,12 +403,31 @@ class TeachingPanel(QWidget):
         else:
             self.next()
 
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view (ui.presenter): the steps and the live table get the room; the
+        article's numbers (inputs) come back afterwards."""
+        self.inputs_area.setVisible(not on)
+        self.live_table.verticalHeader().setDefaultSectionSize(30 if on else 18)  # rows as tall as the type
+        if on:
+            self._sizes = self.split.sizes()
+            self.split.setSizes([0, 780, 500])
+        elif getattr(self, "_sizes", None):
+            self.split.setSizes(self._sizes)
+        if self.chart.getPlotItem().titleLabel.text:
+            self._chart_title(self.chart.getPlotItem().titleLabel.text)
+
+    def _chart_title(self, text: str) -> None:
+        """The chart's title, in the presenter view's size while it is on (`ui.presenter`)."""
+        size = f"{TITLE_PT}pt" if self.property("presenter") else "10pt"
+        self.chart.getPlotItem().setTitle(text, color=palette().text, size=size)
+        loosen(self.chart.getPlotItem().titleLabel)
+
     def _show_chart(self, arrival: int | None) -> None:
         if arrival is None:
             heights_p = heights_d = [0.0, 0.0]
             labels = ["", ""]
             self.cpu_line.setVisible(False)
-            self.chart.getPlotItem().setTitle("Score of the arriving request")
+            self._chart_title("The new request's score")
         else:
             a = self.arrivals[arrival]
             d, g, c = a.decision, a.gpu, a.cpu
@@ -413,8 +436,7 @@ class TeachingPanel(QWidget):
             labels = [f"{g.score_s:.3f} s", f"{c.score_s:.3f} s"]
             self.cpu_line.setPos(c.score_s)
             self.cpu_line.setVisible(True)
-            self.chart.getPlotItem().setTitle(f"Request {self.arrivals[arrival].number} → {d.backend.upper()}",
-                                              color=palette().text)
+            self._chart_title(f"Request {self.arrivals[arrival].number} → {d.backend.upper()}")
         self.bar_prefill.setOpts(height=heights_p)
         self.bar_decode.setOpts(y0=heights_p, height=heights_d)
         top = max([p + d for p, d in zip(heights_p, heights_d)] + [1.0])

@@ -180,8 +180,9 @@ def qcolor(hex_color: str, alpha: int = 255) -> QColor:
 
 
 def style_sheet(pal: Palette | None = None) -> str:
+    """The palette's style sheet, its `@RESOURCES@` (the spin boxes' arrow images) made absolute."""
     try:
-        return (pal or _current).sheet.read_text(encoding="utf-8")
+        return (pal or _current).sheet.read_text(encoding="utf-8").replace("@RESOURCES@", RESOURCES.as_posix())
     except OSError:
         return ""
 
@@ -209,6 +210,17 @@ def scrollable(widget, min_width: int = 0):
     area.setWidget(widget)
     if min_width:
         area.setMinimumWidth(min_width)
+    return area
+
+
+def scrollable_column(widget):
+    """`widget` (a form column beside other panes) in a vertical-only scroll area as wide as the
+    form needs: it scrolls down on a short screen but is never cut at the side."""
+    from PySide6.QtCore import Qt
+
+    area = scrollable(widget)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+    area.setMinimumWidth(widget.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width() + 2)
     return area
 
 

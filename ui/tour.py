@@ -33,6 +33,12 @@ the Monitor drawer open mid-demo, named after the screen's height (`chat-720p.pn
     xvfb-run -a -s "-screen 0 1920x1080x24" python -m app.gui --model default --tour docs/screenshots \
         --tour-only chat
 
+`first-start.png`, `demo-warming.png` and `presenter.png` are `--tour-only first-start` (a scratch
+`TANDEM_CACHE_DIR`, so the load measures the backends' speed as a first start does):
+
+    TANDEM_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui \
+        --model default --tour docs/screenshots --tour-only first-start
+
 Then `pngquant --strip --quality=70-95` each PNG (a third of the size).
 """
 
@@ -200,3 +206,50 @@ async def chat_tour(window, out: Path, args) -> None:
     print(f"saved {path}", file=sys.stderr)
     window.stop_demo()
     await _until(lambda: not run.running, 300)
+
+
+async def first_start(window, out: Path, args) -> None:
+    """The first start's screen mid-measurement, a demo's warming phase (one backend's worker held
+    in a call until the picture is taken, so the phase is on screen however fast the machine),
+    and the presenter view after the demo."""
+    import threading
+
+    from .live_run import seed_workload
+    from .loader import ModelSpec
+
+    def shot(name: str) -> None:
+        path = window.save_screenshot(out / f"{name}.png")
+        print(f"saved {path}", file=sys.stderr)
+
+    loaded: list = []
+    steps: list = []
+    window.engine_loaded.connect(loaded.append)
+    window.loader.step.connect(lambda done, total, what: steps.append(done))
+    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), args.policy))
+    if await _until(lambda: len(steps) >= 2 or bool(loaded), 300) and not loaded:
+        await asyncio.sleep(1.0)  # the time line and the estimate filled in
+        shot("first-start")
+    else:
+        print("first-start: the rates were stored already, no measuring phase to show", file=sys.stderr)
+    if not await _until(lambda: bool(loaded), 300):
+        raise SystemExit("the model did not load")
+    await asyncio.sleep(1.0)
+
+    engine = window.engine
+    gate = threading.Event()
+    held = engine.backend(engine.backend_names[-1]).call(lambda _b: gate.wait(60))
+    run = window.start_demo(seed_workload(args.demo or 8))
+    window.show_panel("routing")
+    await asyncio.sleep(1.5)
+    shot("demo-warming")
+    gate.set()
+    held.result(60)
+    await _until(lambda: run is None or not run.running, 900)
+    routing = window.panels["routing"]
+    names = engine.backend_names
+    pick = next((i for i, d in enumerate(routing.model.decisions) if len(names) > 1 and d.backend == names[1]), 0)
+    routing.select_row(pick)
+    window.set_presenter(True)
+    await asyncio.sleep(1.5)
+    shot("presenter")
+    window.set_presenter(False)

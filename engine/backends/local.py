@@ -387,18 +387,18 @@ class Backend:
         except BackendUnavailable:
             pass  # stopped: everything it held has ended already
 
-    def set_cap(self, cap: int | None, adaptive: bool | None = None) -> None:
+    def set_cap(self, cap: int | None, adaptive: bool | None = None, reason: str | None = None) -> None:
         """Change the concurrency cap; takes effect at the next step (running ones finish).
         Adaptive: `cap` is the new ceiling and the live limit starts there again; None is
         `auto` (the device's ceiling, starting low). `adaptive` switches adaptation on or off
-        (None: as it is)."""
+        (None: as it is). `reason`: why the cap moved, where the user did not move it."""
         auto = cap is None
         if auto:
             cap = min(auto_limits(self._kind)[0], self.config.n_seq_max)
         self._set_limits(cap, auto)
         self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
         with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
-            self._sched.set_cap(self._cap, self._adaptive, self._start)
+            self._sched.set_cap(self._cap, self._adaptive, self._start, reason)
         self._inbox.put(SetCap(self._cap))  # wakes the worker: queued requests may fit now
 
     def _set_limits(self, cap: int, auto: bool) -> None:
@@ -411,6 +411,19 @@ class Backend:
 
     def set_rates(self, rates: Rates) -> None:
         self.rates = rates
+
+    def reset_stats(self) -> Future:
+        """Zero what the snapshot counts (prefix-cache queries, hits and evictions, observed
+        speeds, steps, prompt tokens computed), on the worker between steps; what is cached
+        and the cap stay. The engine calls it after calibration at load, so the measurement's
+        requests never show as the user's."""
+        def reset(b: "Backend") -> None:
+            with b._state:
+                b._sched.cache.reset_counters()
+                b.steps = b.prompt_tokens_computed = 0
+                b.decode_s = 0.0
+                b._obs_prefill = b._obs_decode = 0.0
+        return self.call(reset)
 
     def call(self, fn) -> Future:
         """Run `fn(backend)` on the worker thread between steps; the future holds its result."""

@@ -116,6 +116,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     tick = _ticker(progress, backend.name, _n_steps(fits, repeats, bool(short)))
 
     old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
+    old_reason = backend.snapshot().cap_reason or None  # restored below: calibration is not the user
     backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
     try:
@@ -148,7 +149,7 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
                     tick("masked scan skipped")
     finally:
         probe.close()
-        backend.set_cap(old_cap, adaptive=old_adaptive)
+        backend.set_cap(old_cap, adaptive=old_adaptive, reason=old_reason)
         try:
             backend.flush().result(timeout)
         except Exception:  # a stopped backend has nothing left to flush
@@ -402,7 +403,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     for key, same in groups.items():
         first = same[0]
         if status is not None:
-            status(f"measuring {first.name}'s speed (a few seconds, once per model and config on this machine)")
+            status(f"measuring {first.name}'s speed (once per model and config on this machine)")
         try:
             cal = calibrate_backend(first, prompt_tokens=LOAD_PROMPT, gen_tokens=LOAD_GEN,
                                     batches=sorted({1, first.cap}), repeats=1, timeout=timeout, progress=progress)

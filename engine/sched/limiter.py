@@ -228,9 +228,11 @@ class ConcurrencyLimiter:
             return False
         return self._move(new, f"KV full: a sequence was preempted with {running + 1} running")
 
-    def set_ceiling(self, ceiling: int, adaptive: bool | None = None, start: int | None = None) -> None:
+    def set_ceiling(self, ceiling: int, adaptive: bool | None = None, start: int | None = None,
+                    reason: str | None = None) -> None:
         """A user's cap: the new ceiling; the limit starts again at `start` (default: the
-        ceiling) with nothing learned."""
+        ceiling) with nothing learned. `reason` says why, where no user set it (calibration
+        restoring the cap it found)."""
         if ceiling < 1:
             raise ValueError(f"ceiling must be >= 1, got {ceiling}")
         self.ceiling = ceiling
@@ -241,7 +243,7 @@ class ConcurrencyLimiter:
         self.rates.clear()
         self._win = _Window()
         self._probe, self._plateau, self._plateau_left, self._light = None, 0, 0, 0
-        self._move(self.initial, "set by the user" if self.adaptive else "fixed")
+        self._move(self.initial, reason or ("set by the user" if self.adaptive else "fixed"))
 
     # ---- helpers ----
 

@@ -314,6 +314,11 @@ class PrefixCache:
             self._reset()
             return seqs
 
+    def reset_counters(self) -> None:
+        """Zero the query, hit and eviction counters (what is cached stays)."""
+        with self._lock:
+            self._query_tokens = self._hit_tokens = self._evictions = 0
+
     def record_query(self, n_query: int, n_hit: int) -> None:
         """Count an admitted request: `n_query` prompt tokens, `n_hit` of them from cache.
         Only the backend calls this; router lookups do not count."""

@@ -283,10 +283,11 @@ class Scheduler:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
         self.blocked = False
 
-    def set_cap(self, cap: int, adaptive: bool | None = None, start: int | None = None) -> None:
+    def set_cap(self, cap: int, adaptive: bool | None = None, start: int | None = None,
+                reason: str | None = None) -> None:
         """A user's cap: with a limiter, its ceiling (the limit starts at `start`, else there)."""
         if self.limiter is not None:
-            self.limiter.set_ceiling(cap, adaptive, start)
+            self.limiter.set_ceiling(cap, adaptive, start, reason)
             cap = self.limiter.limit
         self.cap = cap
         self.blocked = False
