@@ -11,7 +11,8 @@ one fixed list, so a seed gives the same text everywhere.
 Each turn is a streamed `POST /v1/chat/completions` carrying the system prompt, every earlier
 turn and every earlier reply exactly as the server streamed it, so a server that keeps a
 conversation's prefix finds it. TTFT is the first chunk with content; cached prompt tokens are
-usage's `prompt_tokens_details.cached_tokens` where the server gives them (else -1).
+usage's `prompt_tokens_details.cached_tokens` where the server gives them, else llama-server's
+`timings.cache_n`, else -1.
 
 Without `--target` the engine runs in this process (`--model`, `--backend`, `--policy`, as
 `tandem serve` takes them) behind the real HTTP server on a loopback port, and the client
@@ -207,6 +208,7 @@ async def send_turn(session, target: ChatTarget, messages: list[dict], max_token
     t0 = time.perf_counter()
     last = None
     parts: list[str] = []
+    llama_timings = None
     try:
         async with session.post(target.url + "/v1/chat/completions", json=body) as r:
             out["backend"] = r.headers.get(BACKEND_HEADER) or None
@@ -239,7 +241,14 @@ async def send_turn(session, target: ChatTarget, messages: list[dict], max_token
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                     if cached is not None:
                         out["cached"] = int(cached)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                timings = chunk.get("timings")  # llama-server: cache_n prompt tokens reused, prompt_n computed
+                if isinstance(timings, dict) and timings.get("cache_n") is not None:
+                    llama_timings = timings
+        if out["cached"] < 0 and llama_timings is not None:
+            out["cached"] = int(llama_timings["cache_n"])
+            if out["prompt_tokens"] is None and llama_timings.get("prompt_n") is not None:
+                out["prompt_tokens"] = int(llama_timings["prompt_n"]) + out["cached"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         out["e2e"] = time.perf_counter() - t0

@@ -171,8 +171,11 @@ def test_one_sequence_stays_within_the_training_context(make_backend, tiny_model
         b.enqueue(Request(tuple([65] * (tiny_model.n_ctx_train + 10)), GREEDY))
 
 
-def test_a_cpu_backend_without_a_ctx_gets_4096_cells(make_backend, tiny_model):
-    assert make_backend(tiny_model, n_ctx=0).n_ctx == 4096
+def test_a_cpu_backend_without_a_ctx_gets_its_pool_from_the_hosts_memory(make_backend, tiny_model):
+    from engine.backends.local import AUTO_CTX_MAX_CELLS, host_available_bytes
+
+    assert host_available_bytes() > 1 << 30  # this host has room for the largest automatic pool
+    assert make_backend(tiny_model, n_ctx=0).n_ctx == AUTO_CTX_MAX_CELLS["cpu"]
 
 
 def test_a_step_is_announced_before_the_records_it_finished(make_backend, tiny_model):

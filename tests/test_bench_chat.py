@@ -190,3 +190,42 @@ def test_replay_refuses_a_chat_run_with_a_clear_error(tiny_server, tmp_path):
     assert rc == 0
     with pytest.raises(InvalidRequest, match="chat"):
         replay(tmp_path)
+
+
+def test_cached_tokens_come_from_llama_servers_timings_where_usage_has_none():
+    # the final chunk's shape of llama-server's streamed chat (timings, usage without details)
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from bench.chat import ChatTarget, send_turn
+
+    async def chat(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in ({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                       "usage": {"completion_tokens": 1, "prompt_tokens": 40, "total_tokens": 41},
+                       "timings": {"cache_n": 30, "prompt_n": 10}}):
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await send_turn(session, ChatTarget(f"http://127.0.0.1:{port}", "t"),
+                                       [{"role": "user", "content": "x"}], 4)
+        finally:
+            await runner.cleanup()
+
+    out = asyncio.run(run())
+    assert (out["text"], out["prompt_tokens"], out["cached"], out["error"]) == ("hi", 40, 30, None)

@@ -95,16 +95,18 @@ def test_an_auto_spec_asks_the_free_memory_of_its_own_gpu(two_contexts_wanted):
     assert asked == ["gpu1"]
 
 
-@pytest.mark.parametrize(("fits", "contexts", "ceiling", "expected"), [
-    (0, 1, 65536, 65536),  # free memory unknown: the default pool
-    (1 << 20, 1, 65536, 65536),  # more room than the ceiling
-    (1 << 20, 1, 1 << 19, 1 << 19),  # a raised ceiling: the memory's share
-    (40000, 1, 65536, 39936),  # less room: what fits, in multiples of 256
-    (200000, 2, 1 << 20, 99840),  # two contexts share the share
-    (1000, 1, 65536, 4096),  # never under the CPU's pool
+@pytest.mark.parametrize(("kind", "fits", "contexts", "ceiling", "expected"), [
+    ("gpu", 0, 1, 65536, 65536),  # free memory unknown: the default pool
+    ("cpu", 0, 1, 16384, 4096),
+    ("gpu", 1 << 20, 1, 65536, 65536),  # more room than the ceiling
+    ("gpu", 1 << 20, 1, 1 << 19, 1 << 19),  # a raised ceiling: the memory's share
+    ("gpu", 40000, 1, 65536, 39936),  # less room: what fits, in multiples of 256
+    ("gpu", 200000, 2, 1 << 20, 99840),  # two contexts share the share
+    ("gpu", 1000, 1, 65536, 4096),  # never under the CPU's default pool
+    ("cpu", 1 << 20, 1, 16384, 16384),
 ])
-def test_a_gpu_pool_without_ctx_is_sized_from_free_memory(fits, contexts, ceiling, expected):
-    assert auto_pool_cells(fits, contexts, ceiling=ceiling) == expected
+def test_a_pool_without_ctx_is_sized_from_free_memory(kind, fits, contexts, ceiling, expected):
+    assert auto_pool_cells(kind, fits, contexts, ceiling=ceiling) == expected
 
 
 def test_the_idle_cache_budget_no_longer_follows_the_pool():

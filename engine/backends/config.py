@@ -63,17 +63,21 @@ REMOTE_APIS = ("auto", "openai", "llama-server", "vllm", "sglang", "tandem")
 # On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
 AUTO_CAP = CEILING  # engine/sched/limiter.py, the one place they are set
 AUTO_START = START
-# KV cells when a spec names no ctx. CPU: memory and attention time are the limits. GPU: what
-# AUTO_CTX_MEMORY_SHARE of the device's free memory holds, shared among the contexts the spec
-# makes there, up to AUTO_CTX_MAX_CELLS (never under the CPU's; `auto_pool_cells`). 65,536 cells
-# hold 32 tenants' 1,550-token prefixes beside 32 running requests (768 MiB for Qwen2.5-0.5B).
-# A unified pool may exceed the model's training context (engine/llama/runner.py).
+# KV cells when a spec names no ctx: what AUTO_CTX_MEMORY_SHARE of the device's free memory holds
+# (a CPU's: the host's available memory), shared among the contexts the spec makes there, at least
+# AUTO_CTX["cpu"] and at most AUTO_CTX_MAX_CELLS (`auto_pool_cells`); AUTO_CTX where memory is not
+# known. GPU: 65,536 cells hold 32 tenants' 1,550-token prefixes beside 32 running requests
+# (768 MiB for Qwen2.5-0.5B). A unified pool may exceed the model's training context
+# (engine/llama/runner.py).
 AUTO_CTX = {"gpu": 65536, "cpu": 4096}
 AUTO_CTX_MEMORY_SHARE = 0.25
-# The most cells a GPU pool sized from memory takes: today's 65,536 until GPU measurements set
-# it (issue 26: a 262,144-cell pool ran the chat workload slower, 67.4 s against 63.4 s, while
-# the idle-cache budget still grew with the pool; it no longer does: AUTO_IDLE_CELLS).
-AUTO_CTX_MAX_CELLS = 65536
+# The most cells a pool sized from memory takes. GPU: 65,536 per context (four contexts: 262,144
+# on the device; a single 262,144-cell pool ran the chat workload slower, 67.4 s against 63.4 s).
+# CPU: 16,384 (SmolLM2: 360 MiB): 8 conversations of 4 turns (~1,700 tokens each by the last, a
+# 760-token system prompt shared) thrashed 4,096 cells, running sequences preempting each other by
+# recompute (this machine, docs/performance.md "Conversations"). A larger pool costs nothing
+# while few cells are in use: llama.cpp places cells within the used ones + 2 ubatches.
+AUTO_CTX_MAX_CELLS = {"gpu": 65536, "cpu": 16384}
 # Unified KV, no idle_cache_cells given: while B sequences run the prefix cache keeps at most
 # AUTO_IDLE_CELLS / B cells none of them uses (engine/sched/scheduler.py `_shed_idle_cache`): what a
 # default pool gave before the pool was sized from memory (n_ctx / B), now apart from the pool.
@@ -107,15 +111,27 @@ def auto_limits(kind: str) -> tuple[int, int]:
     return AUTO_CAP[kind], AUTO_START[kind]
 
 
-def auto_pool_cells(fits: int, contexts: int = 1, *, ceiling: int | None = None) -> int:
-    """A GPU pool's cells when the spec names no ctx: `fits` (the cells AUTO_CTX_MEMORY_SHARE of
-    the device's free memory holds; 0: unknown) shared among `contexts`, at most `ceiling`
-    (AUTO_CTX_MAX_CELLS) and never under the CPU's default; a multiple of 256."""
-    top = AUTO_CTX_MAX_CELLS if ceiling is None else ceiling
+def auto_pool_cells(kind: str, fits: int, contexts: int = 1, *, ceiling: int | None = None) -> int:
+    """The pool of a `kind` backend whose spec names no ctx: `fits` (the cells AUTO_CTX_MEMORY_SHARE
+    of the device's free memory holds; 0: unknown, then AUTO_CTX) shared among `contexts`, at most
+    `ceiling` (AUTO_CTX_MAX_CELLS) and never under the CPU's default; a multiple of 256."""
+    top = AUTO_CTX_MAX_CELLS[kind] if ceiling is None else ceiling
     if not fits:
-        return min(AUTO_CTX["gpu"], top)
+        return min(AUTO_CTX[kind], top)
     share = fits // max(contexts, 1) // 256 * 256
     return max(AUTO_CTX["cpu"], min(top, share))
+
+
+def host_available_bytes() -> int:
+    """The host's available memory (/proc/meminfo's MemAvailable), 0 where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def auto_contexts(model_bytes: int, free_bytes: int, *, want: int | None = None,
@@ -144,7 +160,7 @@ class BackendConfig:
     device: str = "cpu"
     cap: int = 0
     adaptive: bool = True
-    n_ctx: int = 0  # cells, all sequences together; 0: AUTO_CTX (a GPU's fitted to its free memory)
+    n_ctx: int = 0  # cells, all sequences together; 0: from the device's memory (`auto_pool_cells`)
     n_batch: int = 512
     n_ubatch: int = 512
     threads: int = 0  # 0: all cores

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from engine.backends.config import AUTO_CTX_MEMORY_SHARE, BackendConfig, auto_limits, auto_pool_cells
+from engine.backends.config import AUTO_CTX_MEMORY_SHARE, BackendConfig, auto_limits, auto_pool_cells, host_available_bytes
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from engine.core.handle import Outbox, RequestHandle
@@ -41,7 +41,7 @@ from engine.sched.limiter import ConcurrencyLimiter
 from engine.llama.model import Model
 from engine.sched.prefix_cache import PrefixCache
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams
-from engine.llama.runner import ContextRunner, kv_cells_that_fit, process_rss
+from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.scheduler import Finished, Scheduler, SeqState
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
 
@@ -149,9 +149,11 @@ class Backend:
     def __init__(self, config: BackendConfig, model: Model, bus: EventBus | None = None,
                  rates: Rates | None = None):
         self.config = config.resolved(model.device)
-        if not config.n_ctx and not config.seq_ctx and model.device != "cpu":
-            fits = kv_cells_that_fit(model, AUTO_CTX_MEMORY_SHARE)
-            self.config = replace(self.config, n_ctx=auto_pool_cells(fits, max(config.contexts, 1)))
+        if not config.n_ctx and not config.seq_ctx:  # a pool from the memory the device has
+            kind = "cpu" if model.device == "cpu" else "gpu"
+            fits = (kv_cells_that_fit(model, AUTO_CTX_MEMORY_SHARE) if kind == "gpu"
+                    else int(host_available_bytes() * AUTO_CTX_MEMORY_SHARE) // kv_bytes_per_cell(model))
+            self.config = replace(self.config, n_ctx=auto_pool_cells(kind, fits, max(config.contexts, 1)))
         self.name = self.config.name
         self.model = model
         self.device = model.device

@@ -400,16 +400,22 @@ baseline_defaults() {  # today's default layout and policy vs tuned GPU-only lay
 chat() {  # ~8 min: issue 26's chat workload (CHAT_N=96 conversations x 8 turns, 6/s, think 1 s, a 600-word
           # system prompt, user turns 40-120 words, replies 32-192 tokens) in one `tandem bench chat` against
           # one `tandem serve --model M` (default), two on this GPU behind `tandem serve --backend remote:...
-          # --policy cache-aware`, and llama-server -np 32 -c 131072 (its best there); each run cut at
-          # CHAT_LIMIT s. All servers stay up (idle while another target runs); the first one started calibrates
-          # alone, the next two reuse its stored rates.
-  local limit=${CHAT_LIMIT:-120} n=${CHAT_N:-96} dir=$OUT/chat logs=$OUT/chat-logs
+          # --policy cache-aware`, one with two contexts (`gpu:contexts=2 --policy cache-aware`: a cap ceiling
+          # each now) and llama-server -np 32 -c 131072 (its best there); each run cut at CHAT_LIMIT s. All
+          # servers stay up (idle while another target runs); the first one started calibrates alone, the
+          # others reuse its stored rates. CHAT_TWO_CONTEXTS=0 leaves the two-context one out.
+  local limit=${CHAT_LIMIT:-110} n=${CHAT_N:-96} dir=$OUT/chat logs=$OUT/chat-logs
   mkdir -p "$logs"
   local targets=(--target one=http://127.0.0.1:8301 --target two-cache-aware=http://127.0.0.1:8304) ports=(8301 8304)
   python3 -m app serve --model "$M" --port 8301 > "$logs/one.log" 2>&1 & SERVERS+=($!)
   _wait_ready 8301
   python3 -m app serve --model "$M" --port 8302 > "$logs/a.log" 2>&1 & SERVERS+=($!)
   python3 -m app serve --model "$M" --port 8303 > "$logs/b.log" 2>&1 & SERVERS+=($!)
+  if [ "${CHAT_TWO_CONTEXTS:-1}" = 1 ]; then
+    python3 -m app serve --model "$M" --backend gpu:contexts=2 --policy cache-aware --port 8306 \
+      > "$logs/contexts2.log" 2>&1 & SERVERS+=($!)
+    targets+=(--target contexts2-cache-aware=http://127.0.0.1:8306); ports+=(8306)
+  fi
   if [ -x "${LCBIN:-/nonexistent}/llama-server" ]; then
     "$LCBIN/llama-server" -m "$P" -ngl 99 -np 32 -c 131072 --port 8305 --host 127.0.0.1 -fa auto \
       > "$logs/llama-server.log" 2>&1 & SERVERS+=($!)
