@@ -35,6 +35,7 @@ import dataclasses
 import os
 import urllib.parse
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from engine.core.errors import InvalidRequest
 from engine.sched.scheduler import default_seq_slots
@@ -89,6 +90,9 @@ class BackendConfig:
     (the default) it is the ceiling of the live limit (engine/sched/limiter.py), which starts there;
     0 (`cap=auto`) means the device's `AUTO_CAP` ceiling, starting at `AUTO_START`. With
     `adaptive=False` the cap is fixed (4 when 0)."""
+
+    builder_module: ClassVar[str] = "engine.backends.local"  # registers this kind's builder
+    needs_model: ClassVar[bool] = True  # runs the local model file
 
     name: str = "cpu"
     device: str = "cpu"
@@ -157,6 +161,9 @@ class RemoteConfig:
     key=…,cap=…,tokenizer=MODEL]`. `cap` bounds the requests in flight there (the rest wait here, FCFS, so
     they can move if the engine dies); `api` says which load endpoints to read (`auto`:
     detect them); `key` is sent as `Authorization: Bearer KEY`."""
+
+    builder_module: ClassVar[str] = "engine.backends.registry"
+    needs_model: ClassVar[bool] = False
 
     url: str
     name: str = "remote"
