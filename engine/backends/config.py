@@ -35,10 +35,13 @@ import dataclasses
 import os
 import urllib.parse
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from engine.core.errors import InvalidRequest
 from engine.sched.scheduler import default_seq_slots
+
+if TYPE_CHECKING:
+    from engine.backends.null import NullConfig
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx", "contexts",
@@ -228,13 +231,17 @@ def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
     return RemoteConfig(**fields)
 
 
-def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
+def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig | NullConfig:
     """`DEVICE[:key=value,...]` → a BackendConfig (name defaults to the device), or
     `remote:url=...` → a RemoteConfig."""
     device, _, rest = spec.partition(":")
     device = device.strip().lower()
     if device == "remote":
         return _parse_remote(spec, rest, defaults)
+    if device == "null":  # a backend that answers at once, without a model (engine/backends/null.py)
+        from engine.backends.null import NullConfig
+
+        return NullConfig.from_spec(spec, rest, **defaults)
     if device not in ("cpu", "gpu", "auto"):
         raise InvalidRequest(f"backend spec {spec!r}: device must be cpu, gpu or auto")
     fields: dict = {"device": device, **defaults}
@@ -280,8 +287,8 @@ def _gpu_device(spec: str, device: str, value: str) -> str:
     return f"gpu{index}"
 
 
-def name_backends(configs: list[BackendConfig | RemoteConfig],
-                  explicit: list[bool]) -> list[BackendConfig | RemoteConfig]:
+def name_backends(configs: list[BackendConfig | RemoteConfig | NullConfig],
+                  explicit: list[bool]) -> list[BackendConfig | RemoteConfig | NullConfig]:
     """Repeated devices without an explicit name become cpu0, cpu1, ..."""
     counts: dict[str, int] = {}
     for c, named in zip(configs, explicit):
@@ -302,7 +309,7 @@ def name_backends(configs: list[BackendConfig | RemoteConfig],
     return out
 
 
-def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | RemoteConfig]:
+def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | RemoteConfig | NullConfig]:
     configs, explicit = [], []
     for s in specs:
         c = parse_backend_spec(s, **defaults)
@@ -312,7 +319,7 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
     return name_backends(configs, explicit)
 
 
-def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
+def _contexts(c: BackendConfig | RemoteConfig | NullConfig) -> list[BackendConfig | RemoteConfig | NullConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
     each with the spec's settings (its own cap, context and prefix cache; without a cap, a
     share of the device's adaptive ceiling: `auto_limits`)."""
