@@ -60,7 +60,6 @@ SEED_INTERVAL_S = 0.05
 
 OUTPUT_MODES = ("fixed", "uniform")
 ARRIVAL_MODES = ("interval", "poisson", "gamma")
-SKEW_MODES = ("uniform", "zipf")
 
 # Common English words of at most three letters. With a leading space each is one token in
 # Qwen2.5's and SmolLM2's vocabularies, and in the synthetic models' at Qwen2.5's size (every
