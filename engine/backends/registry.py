@@ -13,9 +13,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol
 
-from engine.backends.config import RemoteConfig
 from engine.core.errors import InvalidRequest
 from engine.core.events import EventBus
 from engine.core.snapshot import Rates
@@ -23,7 +22,6 @@ from engine.core.snapshot import Rates
 if TYPE_CHECKING:
     from engine.backends.protocol import BackendProtocol
     from engine.llama.model import ModelRegistry
-    from engine.rates.store import ModelRates
 
 # Used for a backend that `tandem calibrate` has not measured (stored rates are picked up
 # by `Engine.load`; explicit `rates` win over both).
@@ -31,6 +29,12 @@ DEFAULT_RATES = {
     "gpu": Rates(prefill_tok_s=20000.0, decode_tok_s=500.0, source="default"),
     "cpu": Rates(prefill_tok_s=400.0, decode_tok_s=40.0, source="default"),
 }
+
+
+class StoredRates(Protocol):
+    """Rates stored for the model file (engine/rates/store.py `ModelRates`)."""
+
+    def get(self, config, device: str | None = None) -> Rates | None: ...
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class BuildContext:
     model_path: Path | None  # None: no local backend, no model loaded
     registry: ModelRegistry | None
     bus: EventBus
-    calibrated: ModelRates | None
+    calibrated: StoredRates | None
     rates: dict
     progress: Callable | None = None
 
@@ -75,18 +79,3 @@ def build(config, ctx: BuildContext) -> BackendProtocol:
     if builder is None:
         raise InvalidRequest(f"no backend kind builds a {kind.__name__}")
     return builder(config, ctx)
-
-
-@backend_kind(RemoteConfig)
-def _build_remote(c: RemoteConfig, ctx: BuildContext) -> BackendProtocol:
-    """An OpenAI-compatible engine elsewhere (engine/remote.py), started and probed. (Its
-    builder joins the remote backend's module when that module is reworked.)"""
-    from engine.backends.protocol import BackendBase
-    from engine.remote import RemoteBackend  # aiohttp and its loop thread: only fleets need them
-
-    class Remote(RemoteBackend, BackendBase):  # the protocol's defaults for what it leaves out
-        pass
-
-    backend = Remote(c, ctx.bus, ctx.rates.get(c.name))
-    backend.start()  # it probes the engine once; one that does not answer yet starts unhealthy
-    return cast("BackendProtocol", backend)  # its annotations (`on_unhealthy`, `set_cap`) predate the protocol's
