@@ -12,10 +12,9 @@ and the chosen backend's matched prefix is pinned until the request is admitted 
 router's cache estimate cannot be evicted under it).
 
 Every control is here (cap, cache on/off, warm, flush, restart, rates, snapshot, facts), so
-`ui/` and `app/` name backends by name and never hold a backend object. Backends are built
-from their configs through `BACKEND_KINDS` (config type -> builder): a new kind of backend is
-one module that registers its builder with `@backend_kind(ItsConfig)`, plus the line of the
-spec grammar (engine/backends/config.py) that makes its config.
+`ui/` and `app/` name backends by name and never hold a backend object. It asks backends only
+what `BackendProtocol` (engine/backends/protocol.py) says, and builds them from their configs
+through the kinds registered in engine/backends/registry.py.
 
 Thread contract: every method may be called from any thread. `restart` blocks (run it off an
 event loop); a second restart of the same backend while one runs raises `RestartInProgress`.
@@ -29,22 +28,22 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.prompts import chat
-from engine.backends.config import BackendConfig
-from engine.backends.local import Backend, error_record
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
-from engine.backends.config import RemoteConfig, resolve_contexts
+from engine.backends import registry
+from engine.backends.config import BackendConfig, RemoteConfig, resolve_contexts
+from engine.backends.protocol import BackendInfo
 from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
 from engine.core.events import EventBus, RequestRouted
 from engine.core.handle import RequestHandle
 from .llama.model import Model, ModelRegistry, resolve_model
 from engine.backends.protocol import BackendProtocol
-from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.request import Request, RequestStatus, SamplingParams, error_record
 from engine.routing import RouteQuery, Router
 from engine.core.snapshot import BackendSnapshot, Rates
 
@@ -53,80 +52,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Used for a backend that `tandem calibrate` has not measured (stored rates are picked up
-# by `Engine.load`; explicit `rates` win over both).
-DEFAULT_RATES = {
-    "gpu": Rates(prefill_tok_s=20000.0, decode_tok_s=500.0, source="default"),
-    "cpu": Rates(prefill_tok_s=400.0, decode_tok_s=40.0, source="default"),
-}
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """What a backend builder may use: the resolved model file, the per-device model
-    registry, the shared bus, stored calibrations, explicit rates, a progress callback."""
-
-    model_path: Path | None  # None: no local backend, no model loaded
-    registry: ModelRegistry
-    bus: EventBus
-    calibrated: ModelRates
-    rates: dict
-    progress: Callable | None = None
-
-
-# config type -> builder(config, BuildContext) -> a started backend
-BACKEND_KINDS: dict[type, Callable[[object, BuildContext], BackendProtocol]] = {}
-
-
-def backend_kind(config_type: type):
-    """Register the builder of one kind of backend (decorator)."""
-
-    def register(build):
-        BACKEND_KINDS[config_type] = build
-        return build
-
-    return register
-
-
-@backend_kind(BackendConfig)
-def _build_local(c: BackendConfig, ctx: BuildContext) -> Backend:
-    """A llama.cpp context in this process, on the model loaded once per device."""
-    m = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
-    try:
-        r = ctx.rates.get(c.name) or ctx.calibrated.get(c, m.device) or DEFAULT_RATES[m.device]
-        return Backend(c, m, ctx.bus, r).start()
-    except BaseException:
-        ctx.registry.release(m)
-        raise
-
-
-@backend_kind(RemoteConfig)
-def _build_remote(c: RemoteConfig, ctx: BuildContext):
-    """An OpenAI-compatible engine elsewhere (engine/backends/remote/), started and probed."""
-    from .backends.remote import RemoteBackend  # aiohttp and its loop thread: only fleets need them
-
-    return RemoteBackend.from_config(c, ctx.bus, ctx.rates.get(c.name))
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """Facts about one backend that do not change while it serves (the GUI's card)."""
-
-    name: str
-    device: str
-    model: str
-    threads: int
-    n_ctx: int
-    n_seq_max: int
-    n_batch: int
-    flash_attn: str
-    kv_unified: bool
-
 
 class Engine:
     """Owns backends and a router. Thread-safe: submit from any thread."""
 
-    def __init__(self, backends: list[Backend], router: Router | None = None, bus: EventBus | None = None,
+    def __init__(self, backends: list[BackendProtocol], router: Router | None = None, bus: EventBus | None = None,
                  registry: ModelRegistry | None = None):
         if not backends:
             raise InvalidRequest("an engine needs at least one backend")
@@ -161,7 +91,7 @@ class Engine:
         request. With `online_rates` rates are then kept current from the steps the backends
         run (EWMA); benchmarks leave it off so that every run is priced alike.
         """
-        local = [c for c in configs if not isinstance(c, RemoteConfig)]
+        local = [c for c in configs if registry.needs_model(c)]
         if local and model is None:
             raise InvalidRequest("local backends need a model (--model); only remote: backends run without one",
                                  param="model")
@@ -169,24 +99,21 @@ class Engine:
         if path is not None:  # `contexts=auto` specs: as many contexts as the model and device suit
             configs = resolve_contexts(configs, Path(path).stat().st_size)
         calibrated = ModelRates(path) if local else None
-        registry = ModelRegistry()
+        models = ModelRegistry()
         bus = EventBus()
-        ctx = BuildContext(Path(path) if path else None, registry, bus, calibrated, dict(rates or {}), progress)
+        ctx = registry.BuildContext(Path(path) if path else None, models, bus, calibrated, dict(rates or {}), progress)
         backends: list = []
         try:
             for c in configs:
-                build = BACKEND_KINDS.get(type(c))
-                if build is None:
-                    raise InvalidRequest(f"no backend kind builds a {type(c).__name__}")
-                backends.append(build(c, ctx))
+                backends.append(registry.build(c, ctx))
         except BaseException:
             for b in backends:
                 b.stop()
             raise
-        engine = cls(backends, Router(policy), bus, registry)
+        engine = cls(backends, Router(policy), bus, models)
         if calibrate and path is not None:
             try:
-                measured = calibrate_at_load([b for b in backends if b.device != "remote"], Path(path),
+                measured = calibrate_at_load([b for b in backends if b.model is not None], Path(path),
                                              engine.model.info.name if engine.model is not None else "",
                                              status=status, progress=calibration_progress)
                 if measured:  # the measurement's requests are not the user's: start the counts at zero
@@ -206,7 +133,7 @@ class Engine:
     def model(self) -> Model | None:
         """The local model (every local backend runs the same file); None in a fleet of remote
         engines only."""
-        return next((b.model for b in self.backends.values() if b.device != "remote"), None)
+        return next((b.model for b in self.backends.values() if b.model is not None), None)
 
     @property
     def n_vocab(self) -> int:
@@ -214,7 +141,7 @@ class Engine:
         remote engine reports (0: none says)."""
         if self.model is not None:
             return self.model.n_vocab
-        said = [getattr(b, "n_vocab", 0) for b in self.backends.values()]
+        said = [b.n_vocab for b in self.backends.values()]
         return min((v for v in said if v), default=0)
 
     def model_ids(self) -> list[str]:
@@ -222,8 +149,7 @@ class Engine:
         engine's models, in backend order, without repeats."""
         ids: list[str] = []
         for b in self.backends.values():
-            # a "remote" backend is a RemoteBackend, which lists its engine's models
-            for m in (b.models if b.device == "remote" else [Path(b.model.path).stem]):  # type: ignore[attr-defined]
+            for m in b.models:
                 if m not in ids:
                     ids.append(m)
         return ids
@@ -232,9 +158,7 @@ class Engine:
         """Whether `backend` can take a request that names `model` (None: any)."""
         if model is None:
             return True
-        if backend.device == "remote":
-            return model in backend.models or not backend.models  # not known yet: let it try
-        return model == Path(backend.model.path).stem
+        return model in backend.models or not backend.models  # not known yet: let it try
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
@@ -274,15 +198,10 @@ class Engine:
                 try:
                     if group is None:
                         backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
-                    elif hasattr(backend, "enqueue_group"):
+                    else:
                         for h in group[1]:
                             h.decision = decision
                         backend.enqueue_group(*group, pin=pin, cached_estimate=estimate, t_submit=t_submit)
-                    else:  # a remote engine: each choice on its own, on the same engine
-                        for i, (r, h) in enumerate(zip(*group)):
-                            h.decision = decision
-                            backend.enqueue(r, h, pin=pin if i == 0 else None,
-                                            cached_estimate=estimate, t_submit=t_submit)
                     break
                 except BackendUnavailable:
                     # It began a restart (or failed) after the snapshot the router saw: the
@@ -291,7 +210,7 @@ class Engine:
                         raise
         self.bus.publish(RequestRouted(decision))
 
-    def _rehome(self, failed: Backend, moved: list) -> None:
+    def _rehome(self, failed: BackendProtocol, moved: list) -> None:
         """A backend went unhealthy or is restarting: route the requests it gave back to the
         others (called on its worker thread, or on the restarting thread). One whose stream
         broke after it began (a remote engine's, `RequestHandle._interrupt`) goes on from the
@@ -323,7 +242,7 @@ class Engine:
     def _continuation_tokenizer(self, failed) -> Callable[[str], list[int]] | None:
         """How to append streamed text to a token-id prompt: the local model's tokenizer, else
         the failed remote backend's (`tokenizer=`), else none."""
-        vocab = self.model if self.model is not None else getattr(failed, "tokenizer", None)
+        vocab = self.model if self.model is not None else failed.tokenizer
         if vocab is None:
             return None
         return lambda text: vocab.tokenize(text, add_special=False, parse_special=False)
@@ -421,13 +340,7 @@ class Engine:
         return self.backend(name).snapshot()
 
     def info(self, name: str) -> BackendInfo:
-        b = self.backend(name)
-        snap = b.snapshot()
-        c, m = getattr(b, "config", None), getattr(b, "model", None)  # a remote backend has neither
-        return BackendInfo(name=b.name, device=b.device, model=m.info.name if m is not None else "",
-                           threads=snap.threads, n_ctx=snap.n_ctx,
-                           n_seq_max=getattr(c, "n_seq_max", snap.cap), n_batch=getattr(c, "n_batch", 0),
-                           flash_attn=getattr(c, "flash_attn", ""), kv_unified=getattr(c, "kv_unified", True))
+        return self.backend(name).info()
 
     def rates(self, name: str) -> Rates:
         return self.backend(name).rates
@@ -451,7 +364,7 @@ class Engine:
         """llama.cpp's own state size of one backend's context (grows with the KV in use)."""
         return self.backend(name).kv_state_bytes()
 
-    def backend(self, name: str) -> Backend:
+    def backend(self, name: str) -> BackendProtocol:
         try:
             return self.backends[name]
         except KeyError:
@@ -504,7 +417,7 @@ class Engine:
             b.stop()
         if self._registry is not None:
             for b in self.backends.values():
-                if b.device != "remote":
+                if b.model is not None:
                     self._registry.release(b.model)
 
     def __enter__(self):

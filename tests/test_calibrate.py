@@ -16,7 +16,7 @@ from engine.rates.measure import calibrate_backend
 from engine.rates.refresh import OnlineRefresh
 from engine.rates.store import ModelRates, RateStore, cache_dir, config_key, parse_rates, save_calibration
 from engine.backends.config import parse_backend_specs
-from engine.engine import DEFAULT_RATES
+from engine.backends.registry import DEFAULT_RATES
 from engine.engine import Engine
 from engine.core.errors import InvalidRequest
 from engine.rates.store import file_fingerprint

@@ -9,7 +9,7 @@ import pytest
 
 from engine.backends.config import BackendConfig
 from engine.backends.config import parse_backend_specs
-from engine.engine import BACKEND_KINDS, backend_kind
+from engine.backends.registry import BACKEND_KINDS, backend_kind
 from engine.engine import Engine
 from engine.core.errors import InvalidRequest
 from engine.core.request import SamplingParams

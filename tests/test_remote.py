@@ -19,6 +19,7 @@ import urllib.request
 
 import pytest
 
+from engine.backends import registry
 from engine.backends.config import RemoteConfig, parse_backend_spec
 from engine.engine import Engine
 from engine.core.errors import InvalidRequest
@@ -114,7 +115,8 @@ def engines(tmp_path_factory):
 def fleet(engines):
     """An Engine over both engines: backends `a` and `b`, polled fast."""
     bus = EventBus()  # one bus for the engine and its backends, as `Engine.load` makes
-    backends = [RemoteBackend.from_config(RemoteConfig(url=engines.url(i), name=n, poll_s=0.25, health_s=0.5), bus)
+    ctx = registry.BuildContext(model_path=None, registry=None, bus=bus, calibrated=None, rates={})
+    backends = [registry.build(RemoteConfig(url=engines.url(i), name=n, poll_s=0.25, health_s=0.5), ctx)
                 for i, n in enumerate("ab")]
     eng = Engine(backends, Router("round-robin"), bus)
     yield eng

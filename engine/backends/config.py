@@ -36,10 +36,14 @@ import dataclasses
 import os
 import urllib.parse
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
 
 from engine.core.errors import InvalidRequest
 from engine.sched.limiter import CEILING, START
 from engine.sched.scheduler import default_seq_slots
+
+if TYPE_CHECKING:
+    from engine.backends.null import NullConfig
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx", "contexts",
@@ -156,6 +160,9 @@ class BackendConfig:
     0 (`cap=auto`) means the device's `AUTO_CAP` ceiling, starting at `AUTO_START`. With
     `adaptive=False` the cap is fixed (4 when 0)."""
 
+    builder_module: ClassVar[str] = "engine.backends.local"  # registers this kind's builder
+    needs_model: ClassVar[bool] = True  # runs the local model file
+
     name: str = "cpu"
     device: str = "cpu"
     cap: int = 0
@@ -227,6 +234,9 @@ class RemoteConfig:
     they can move if the engine dies); `api` says which load endpoints to read (`auto`:
     detect them); `key` is sent as `Authorization: Bearer KEY`."""
 
+    builder_module: ClassVar[str] = "engine.backends.remote_kind"
+    needs_model: ClassVar[bool] = False
+
     url: str
     name: str = "remote"
     device: str = "remote"
@@ -293,13 +303,17 @@ def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
     return RemoteConfig(**fields)
 
 
-def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig:
+def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig | NullConfig:
     """`DEVICE[:key=value,...]` → a BackendConfig (name defaults to the device), or
     `remote:url=...` → a RemoteConfig."""
     device, _, rest = spec.partition(":")
     device = device.strip().lower()
     if device == "remote":
         return _parse_remote(spec, rest, defaults)
+    if device == "null":  # a backend that answers at once, without a model (engine/backends/null.py)
+        from engine.backends.null import NullConfig
+
+        return NullConfig.from_spec(spec, rest, **defaults)
     if device not in ("cpu", "gpu", "auto"):
         raise InvalidRequest(f"backend spec {spec!r}: device must be cpu, gpu or auto")
     fields: dict = {"device": device, **defaults}
@@ -349,8 +363,8 @@ def _gpu_device(spec: str, device: str, value: str) -> str:
     return f"gpu{index}"
 
 
-def name_backends(configs: list[BackendConfig | RemoteConfig],
-                  explicit: list[bool]) -> list[BackendConfig | RemoteConfig]:
+def name_backends(configs: list[BackendConfig | RemoteConfig | NullConfig],
+                  explicit: list[bool]) -> list[BackendConfig | RemoteConfig | NullConfig]:
     """Repeated devices without an explicit name become cpu0, cpu1, ..."""
     counts: dict[str, int] = {}
     for c, named in zip(configs, explicit):
@@ -371,7 +385,7 @@ def name_backends(configs: list[BackendConfig | RemoteConfig],
     return out
 
 
-def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | RemoteConfig]:
+def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | RemoteConfig | NullConfig]:
     configs, explicit = [], []
     for s in specs:
         c = parse_backend_spec(s, **defaults)
@@ -381,7 +395,7 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
     return name_backends(configs, explicit)
 
 
-def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteConfig]:
+def _contexts(c: BackendConfig | RemoteConfig | NullConfig) -> list[BackendConfig | RemoteConfig | NullConfig]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
     each with the spec's settings (its own cap, context and prefix cache; without a cap, the
     device's adaptive ceiling each: `auto_limits`). `contexts=auto` (0, the
@@ -392,15 +406,15 @@ def _contexts(c: BackendConfig | RemoteConfig) -> list[BackendConfig | RemoteCon
     return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}") for i in range(n)]
 
 
-def resolve_contexts(configs: list[BackendConfig | RemoteConfig], model_bytes: int,
-                     free_bytes=None) -> list[BackendConfig | RemoteConfig]:
+def resolve_contexts(configs: list[BackendConfig | RemoteConfig | NullConfig], model_bytes: int,
+                     free_bytes=None) -> list[BackendConfig | RemoteConfig | NullConfig]:
     """Each `contexts=auto` spec as the contexts its device gets (`auto_contexts`,
     from the model's size and the device's free memory, `free_bytes(device)`; default: ggml's
     report), split as `contexts=N` would split it; 1 on a CPU, and 1 for a GPU another spec
     of this command also uses (the user laid that device out). Called when the model is
     resolved, before any backend is built."""
     devices = [c.device for c in configs if isinstance(c, BackendConfig)]
-    out: list[BackendConfig | RemoteConfig] = []
+    out: list[BackendConfig | RemoteConfig | NullConfig] = []
     for c in configs:
         if not isinstance(c, BackendConfig) or c.contexts != 0:
             out.append(c)

@@ -32,15 +32,18 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from engine.backends.config import AUTO_CTX_MEMORY_SHARE, BackendConfig, auto_limits, auto_pool_cells, host_available_bytes
+from engine.backends.protocol import BackendBase, BackendInfo
+from engine.backends.registry import DEFAULT_RATES, BuildContext, backend_kind
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from engine.core.handle import Outbox, RequestHandle
 from engine.sched.limiter import ConcurrencyLimiter
 from engine.llama.model import Model
 from engine.sched.prefix_cache import PrefixCache
-from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams
+from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.scheduler import Finished, Scheduler, SeqState
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
@@ -136,7 +139,7 @@ class BackendFault(RuntimeError):
     """The backend cannot go on (device error, failed decode, injected fault)."""
 
 
-class Backend:
+class Backend(BackendBase):
     """A llama.cpp context with a continuous-batching scheduler in a worker thread.
 
     Health: a fatal decode error or a crash of the worker marks the backend unhealthy. Its
@@ -444,6 +447,25 @@ class Backend:
     def flush(self) -> Future:
         """Drop every unpinned cached prefix and free its KV."""
         return self.call(lambda b: b._sched.flush_cache())
+
+    @property
+    def models(self) -> list[str]:
+        """The model this backend serves, by its file's stem."""
+        return [Path(self.model.path).stem]
+
+    @property
+    def n_vocab(self) -> int:  # type: ignore[override]
+        return self.model.n_vocab
+
+    @property
+    def tokenizer(self):
+        return self.model
+
+    def info(self) -> BackendInfo:
+        c = self.config
+        return BackendInfo(name=self.name, device=self.device, model=self.model.info.name, threads=c.threads,
+                           n_ctx=self.n_ctx, n_seq_max=c.n_seq_max, n_batch=c.n_batch, flash_attn=c.flash_attn,
+                           kv_unified=c.kv_unified)
 
     def kv_state_bytes(self) -> int:
         """llama.cpp's own serialised-state size: grows with KV cells in use (tests use it)."""
@@ -760,9 +782,13 @@ class Backend:
             self._obs_prefill = n_prefill / dt if not self._obs_prefill else (1 - a) * self._obs_prefill + a * n_prefill / dt
 
 
-def error_record(req: Request, backend: str, why: str, t_submit: float) -> FinishRecord:
-    now = time.monotonic()
-    return FinishRecord(request_id=req.id, backend=backend, status=RequestStatus.FINISHED_ERROR, text="",
-                        prompt_tokens=len(req.prompt_tokens), cached_tokens=0, output_tokens=0,
-                        queue_s=now - t_submit, ttft_s=None, e2e_s=now - t_submit, itl_s=None,
-                        error=why, error_kind="unavailable_error")
+@backend_kind(BackendConfig)
+def build(c: BackendConfig, ctx: BuildContext) -> Backend:
+    """A llama.cpp context in this process, on the model loaded once per device."""
+    m = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
+    try:
+        r = ctx.rates.get(c.name) or ctx.calibrated.get(c, m.device) or DEFAULT_RATES[m.device]
+        return Backend(c, m, ctx.bus, r).start()
+    except BaseException:
+        ctx.registry.release(m)
+        raise

@@ -13,12 +13,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from engine.core.handle import RequestHandle
     from engine.core.request import Request
+    from engine.core.events import EventBus
     from engine.core.snapshot import BackendSnapshot, Rates
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Facts about one backend that do not change while it serves (the GUI's card)."""
+
+    name: str
+    device: str
+    model: str
+    threads: int
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    flash_attn: str
+    kv_unified: bool
+
 
 # (request, handle, t_submit) of each request a failed or draining backend gives back.
 Handed = tuple["Request", "RequestHandle", float]
@@ -60,7 +77,9 @@ class BackendProtocol(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
     # ---- controls ----
-    def set_cap(self, cap: int) -> None: ...
+    def set_cap(self, cap: int | None, adaptive: bool | None = None) -> None:
+        """The most requests it runs at once (None: the device's automatic cap); `adaptive`
+        switches a kind's adaptive limit on or off (None: as it is; a kind without one ignores it)."""
     def set_rates(self, rates: "Rates") -> None: ...
     def set_cache_enabled(self, enabled: bool) -> Future: ...
     def flush(self) -> Future: ...
@@ -68,3 +87,40 @@ class BackendProtocol(Protocol):
 
     # ---- state ----
     def snapshot(self) -> "BackendSnapshot": ...
+    def info(self) -> BackendInfo: ...
+    def kv_state_bytes(self) -> int:
+        """llama.cpp's own state size of the backend's context (0 where it has none here)."""
+
+    # ---- what it serves ----
+    models: list[str]  # model ids it serves ([]: not known yet; it may take any)
+    n_vocab: int  # token ids it accepts (0: not known)
+    model: Any  # the local model it runs, if any (the engine frees it when done)
+    tokenizer: Any  # turns streamed text back into tokens (`tokenize`), if it can
+    bus: "EventBus"  # where it publishes its events
+
+    def enqueue_group(self, requests: "list[Request]", handles: "list[RequestHandle]", *, pin=None,
+                      cached_estimate: int | None = None, t_submit: float | None = None) -> None:
+        """Queue the choices of one request (same prompt) together."""
+
+
+class BackendBase:
+    """What a backend kind may inherit where it has nothing of its own to say."""
+
+    model: Any = None
+    tokenizer: Any = None
+    n_vocab: int = 0
+
+    def enqueue_group(self, requests, handles, *, pin=None, cached_estimate: int | None = None,
+                      t_submit: float | None = None) -> None:
+        """Each choice on its own, in order, on this backend (the first holds the pin)."""
+        for i, (r, h) in enumerate(zip(requests, handles)):
+            self.enqueue(r, h, pin=pin if i == 0 else None,  # type: ignore[attr-defined]
+                         cached_estimate=cached_estimate, t_submit=t_submit)
+
+    def info(self) -> BackendInfo:
+        snap = self.snapshot()  # type: ignore[attr-defined]
+        return BackendInfo(name=snap.name, device=snap.device, model="", threads=snap.threads, n_ctx=snap.n_ctx,
+                           n_seq_max=snap.cap, n_batch=0, flash_attn="", kv_unified=True)
+
+    def kv_state_bytes(self) -> int:
+        return 0

@@ -10,6 +10,8 @@ output token; while it streams, the same values arrive through `RequestHandle.lo
 
 from __future__ import annotations
 
+import time
+
 import enum
 import itertools
 import math
@@ -283,3 +285,12 @@ class FinishRecord:
             "itl_s": self.itl_s,
             "error": self.error,
         }
+
+
+def error_record(req: Request, backend: str, why: str, t_submit: float) -> FinishRecord:
+    """The record of a request that ended with `why` before it ran (its backend could not serve it)."""
+    now = time.monotonic()
+    return FinishRecord(request_id=req.id, backend=backend, status=RequestStatus.FINISHED_ERROR, text="",
+                        prompt_tokens=len(req.prompt_tokens), cached_tokens=0, output_tokens=0,
+                        queue_s=now - t_submit, ttft_s=None, e2e_s=now - t_submit, itl_s=None,
+                        error=why, error_kind="unavailable_error")

@@ -298,9 +298,4 @@ def cpu_only(model_params) -> None:
     model_params.n_gpu_layers = 0
 
 
-def system_info() -> str:
-    init()
-    return lc.llama_print_system_info().decode("utf-8", "replace")
-
-
 init()

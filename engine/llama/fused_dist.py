@@ -1,84 +1,13 @@
 """Temperature sampling on the device: one top-k / top-p / min-p / temperature / draw for every
 sequence of a step.
 
-llama.cpp builds each sequence's device sampler chain on its own: top-k over that sequence's row
-of logits, an argsort, a softmax, a cumulative sum, the cut masks, another softmax and cumsum for
-the draw, each a kernel (or several) per sequence per step, and each `dist` sampler uploads its
-random number with a blocking copy. `fused_dist(params, ...)` is one sampler that stands for the
-chain's top-k → top-p → min-p → temperature → dist (the order `engine/llama/sampling.py`
-builds): the first chain to build its part of a step's graph adds the whole computation once,
-over the step's logits matrix (`_build`), and every chain takes its own row's token as a view
-of the result, as `fused_greedy` does for argmax (engine/llama/greedy.py). The same distribution
-as llama.cpp's chain (tests/test_fused_dist.py checks it against the chain itself):
-
-* top-k: the k best of each row (k = the largest k of the graph's chains; rows asking a
-  smaller k mask the rest), sorted by `ggml_argsort`. With a large vocabulary and a small k
-  (`in_stages`: k <= chunk / 4, vocabulary >= 4 chunks) in stages of small sorts
-  (`_top_k_in_stages`): each row is viewed as chunks of `TOP_K_CHUNK` (1,024) logits, padded
-  with -inf, and the first k of each chunk's argsort survive; the same again over the
-  survivors while more than a chunk survive; then the survivors are sorted (Qwen2.5's 151,936
-  tokens at k 40: 149 chunks, 5,960 survivors, 6 chunks, 240 sorted). The k best of a row are
-  among the k best of their chunks, so the kept set is exactly the row's top k (tests check it
-  against numpy's). Why: CUDA's `ggml_top_k` (an argsort where CUB has no top-k) sorts a row of
-  up to 1,024 values in one thread block (bitonic) and a longer one with CUB's segmented sort,
-  and one 152k-wide top-k cost about 1 ms a step at every batch size (H200,
-  docs/results/gpu/round3/sampling_parts_graphs_on.txt: 2.25 ms a step at B = 1 against
-  greedy's 1.18, 6.8 against 5.5 at B = 32); chunks make C x B small sorts that run side by
-  side in one launch (on accelerators: the CPU backend keeps one `ggml_top_k`, see
-  `TOP_K_STAGES_ON_CPU`). The stages sort with `ggml_argsort`, not `ggml_top_k`: where CUB has a
-  top-k, CUDA runs `ggml_top_k` one row at a time (C x B launches). Otherwise (small
-  vocabularies, large k, `TOP_K_CHUNK` 0) one `ggml_top_k` per row.
-  Ties: where tokens tie at the k-th logit, which of them are kept depends on the sort (as in
-  llama.cpp's own top-k, CPU or GPU); tied tokens have equal probability, so the distribution
-  of the drawn probability is the same, and any difference is which of equally likely tokens
-  is named.
-  Without top-k (top_k = 0: the whole vocabulary) each whole row is sorted by `ggml_argsort` as
-  before: 2.9 ms a step at B = 1 and 17 ms at B = 32 on the H200 for Qwen2.5 (greedy: 1.18
-  and 5.5), the sort, softmaxes and cumulative sums running over 152k values per row.
-* top-p: softmax over the kept logits, a token stays while the probability before it is < p
-  (the token that crosses p stays, as llama.cpp's);
-* min-p: a token stays if its probability is ≥ min_p × the largest;
-* temperature: the kept logits divided by it; dist: a softmax, a cumulative sum, and the first
-  token whose cumulative sum reaches u × total, u uniform in [0, 1).
-* `ignore_eos`: end-of-generation logits get -1e30 before all of it (llama.cpp's logit bias
-  sets -inf: the same tokens, and none of them can be drawn).
-
-Rows with different settings share one graph: each row's settings are a column of numbers
-(`_COLUMNS`) in a small block of device memory this module owns (`_Table`), written when a graph
-is built (chains keep their settings while attached). Each sequence draws its uniform from its
-own RNG (`random.Random`, seeded with the request's seed: a seed reproduces, alone or batched)
-on the host before the step (`draw`, called by the runner before `llama_decode`) and all of a
-step's uniforms go to the device in one copy; the graph picks each row's by its sequence id.
-A step where no fused chain's sequence drew (greedy rows beside idle fused chains, which stay
-attached for the next request: engine/llama/sampling.py) builds one argmax per idle chain
-instead of the whole computation, so greedy decode does not pay for them. No
-Python runs inside a step unless the graph is rebuilt (the callbacks are `backend_apply` and
-`backend_reset`, at builds only; there is no `backend_set_input`).
-
-Which row belongs to which sequence: llama.cpp names each row view `logits_seq_<id>_<i>` and
-hands chains with no output in the step a view of row 0 as well; after each chain's build it
-marks the chosen output with `GGML_TENSOR_FLAG_COMPUTE`, so a build reads the previous chain's
-flag (through our `ggml_tensor` mirror, `_abi.tensor_facts`) to learn whether that one was
-active. The last chain of a build is settled by the step's own list of sequences (`draw`).
-
-Where llama.cpp hands a chain anything but a row view of a matrix, the same computation runs on
-that row alone ("own" in `BUILDS`; llama.cpp's probes at attach land there). A device that lacks
-an operation of the top-k in stages (`ggml_pad`, a broadcast add, `ggml_arange`), `ggml_top_k`
-or I32 row gathers runs a variant without it (`_VARIANTS`, the missing operation in the log:
-without the stages, one `ggml_top_k` per row); one that lacks more keeps the chain on the host
-(`backend_init` says no; "host" in `BUILDS`, the missing operations in the log), where `apply`
-runs llama.cpp's own samplers. `TANDEM_TOPK_CHUNK` (read at import; 0 turns the stages off)
-and `top_k_stages` (graphs built within it; bench overhead's `topk1`/`full1` variants) set the
-chunk; the CPU backend keeps one `ggml_top_k` per row unless `top_k_stages(..., on_cpu=True)`
-(tests: its own top-k is faster there); "two-stage" in `BUILDS` counts the computations that
-ran in stages.
+Rules, measurements and history: docs/NOTES.md, "Fused temperature sampling on the device".
 
 Thread contract: a context's graph builds and `draw` run on the thread that calls
 `llama_decode` (the backend's worker); each such thread has its own `_Table`. `BUILDS` is read
 anywhere. `TOP_K_CHUNK` and `TOP_K_STAGES_ON_CPU` are read by each build: `top_k_stages` on
 any thread takes effect at the next graph build (a graph reused from the step before keeps its
-top-k).
-"""
+top-k)."""
 
 from __future__ import annotations
 

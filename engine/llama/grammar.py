@@ -39,16 +39,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from engine.core.errors import InvalidRequest
 from . import lc
 
-# Any JSON object, llama.cpp's json.gbnf (whitespace bounded). `json_object` requests use the
-# converter's grammar for {"type": "object"} instead, as llama-server does: the same language
-# with single optional spaces, where json.gbnf's `ws` allows a newline and up to 20 blanks after
-# every token and 135M-parameter models fill them.
-JSON_OBJECT = JSON_GBNF
 ROOT = b"root"
 # The converter writes a bound of n as n copies of a rule (`minItems: 10**9` would build a
 # gigabyte string): bounds above this are refused before converting, in the schema and in its
@@ -92,7 +87,9 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
 
 
 def object_grammar() -> str:
-    """Any JSON object (OpenAI's `json_object`)."""
+    """Any JSON object (OpenAI's `json_object`): the converter's grammar for {"type": "object"},
+    as llama-server does, not llama.cpp's json.gbnf, whose `ws` allows a newline and up to 20
+    blanks after every token, which 135M-parameter models fill."""
     return schema_grammar({"type": "object"})
 
 

@@ -28,7 +28,6 @@ lc = llama.lc
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-DEVICES = ("cpu", "gpu", "auto")  # and gpuN
 
 
 def resolve_model(spec: str, progress=None) -> Path:

@@ -151,7 +151,7 @@ class Sampler:
         """The token chosen for output row `row` of the last decode (the caller synchronised
         the context after it); the chain accepts it."""
         if self._ctx is not None:
-            tok = llama.sampled_token_after_sync(ctx, row)  # both keep the GIL (engine/llama.py)
+            tok = llama.sampled_token_after_sync(ctx, row)  # both keep the GIL (engine/llama/__init__.py, holding_gil)
             if tok != lc.LLAMA_TOKEN_NULL:
                 if not self._stateless:
                     llama.sampler_accept(self.ptr, tok)

@@ -396,7 +396,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     store = store or RateStore()
     groups: dict[str, list] = {}
     for b in backends:
-        if getattr(b, "device", "") == "remote" or not b.rates.placeholder:
+        if b.model is None or not b.rates.placeholder:  # only a local model is measured here
             continue
         groups.setdefault(config_key(b.config, b.model.device), []).append(b)
     applied: dict[str, Rates] = {}

@@ -9,89 +9,11 @@ in order, before it decodes. Time comes from an injected `clock`, text from an i
 `piece(token)`, so the same scheduler runs against simulated runners and in unit tests
 (tests/test_scheduler.py, milliseconds, no model).
 
-The rules, in the order each step applies them:
-  1. cancellations (`cancel`), queue timeouts;
-  2. admission, FCFS (a request may be deferred behind a running prefill of its prefix, see
-     below), while running < cap (with a `limiter`, engine/sched/limiter.py, the cap is
-     its live value, moved by the step times `update_from_output` is given and by
-     preemptions): a request is admitted when the cells for its
-     uncached prompt (+ `ADMIT_HEADROOM`) are free, after the cells running prefills still
-     need. KV is NOT reserved for `max_tokens`: a sequence takes its cells as it grows
-     (vLLM's habit), so long generations never hold short ones behind them. With nothing
-     running, a head that does not fit first drops the routing-time pins of the requests
-     queued behind it (their prefixes become evictable) and fails only if it still does not;
-  3. the batch plan: one decode row for every generating sequence, then prompt chunks up to
-     the prefill budget (`n_batch`, halved after a "no KV room" decode). While any other
-     request runs or waits, each chunk is at most `busy_chunk` tokens, so a cancellation
-     takes effect at the next (short) chunk boundary and nobody waits behind a long chunk;
-  4. room for the plan: evict unpinned cached prefixes; if the decode rows alone still do not
-     fit, preempt by recompute — the youngest running sequence frees its cells and goes back
-     to the front of the queue with the tokens it generated kept as prompt (its stream goes
-     on: no text is repeated). A sequence that cannot fit even alone fails with a clear error;
-  5. finish rules (`update_from_output`): end-of-generation (unless `ignore_eos`), a stop
-     string, `max_tokens`, the context's end (`n_ctx_seq`), `stop_after`, cancel.
-
-Prompts are shared while they run (SGLang and vLLM share a running request's prompt KV as soon
-as its prefill computed it). Without this a prompt reached the prefix cache only when its
-request finished, so a burst of one new tenant's requests (8 tenants x 1,500-token prefixes at
-60/s) computed and kept one private copy of the prefix per request admitted before the first
-one finished: ~40 of ~51 misses of a cache-aware two-GPU run, and every decode step attended
-over those copies. The rules (`share_prefill`, `defer_shared`) also carry the choices of one
-request (OpenAI's `n`, `SeqState.choice`), whatever the prompt's length, the cache switch and
-those two say (`n` promises that the prompt is computed once):
-  - publication: when a chunk completes a running sequence's prompt and at least
-    `SHARE_MIN_TOKENS` of it (a choice: any) were computed (not aliased), the prompt — never
-    the generated tail — goes into the prefix cache under a holder id of its own (`KvOp("cp",
-    seq, holder, 0, n_prompt)`: an alias in unified KV, a stream copy in split KV), the
-    highest free id (like `_park`), and only while more ids are free than the cap may still
-    admit (holders never take a running sequence's id; for a choice the least recently used
-    idle cached prefix makes way, as at `_retire`). With the cache off only choices publish
-    (flushed once no choice pins it). The sequence then pins the published prefix
-    (`SeqState.lock`) and counts it as shared (`n_shared`), so eviction and `kv_cells_used`
-    stay exact; at its end the usual retire extends the leaf, and the in-flight holder id is
-    freed (`PrefixCache.insert` returns it). If another sequence published or retired the
-    same prefix first, a unified-KV sequence drops its own copy and aliases those cells (what
-    `_retire` does at the end, done at prefill's end instead).
-  - a cancelled, preempted or failed publisher frees only its own id: `seq_rm` on a cell
-    held by several sequence ids removes that id from the cell's set and frees the cell only
-    when the set is empty (llama.cpp's `llama_kv_cells::seq_rm`), so the holder and every
-    sequence that aliased the prefix keep valid cells; in split KV their copies are
-    physical. The published prefix is then an ordinary unpinned cached prefix.
-  - the router's cache prediction (`match_tokens`, snapshots) sees a published prefix at
-    once. A request's record reports the prefix it reused at admission (`n_hit`).
-  - deferral (`defer_shared`): admission skips a queued request whose prompt shares at
-    least `SHARE_MIN_TOKENS` more tokens with a running sequence's unfinished prompt prefill
-    than the cache holds, and admits those behind it (at most `cap` skipped per step); the
-    deferral ends when that prefill does (published, finished, preempted or cancelled). Both
-    prefills would share the step's prefill budget anyway, so the second request's first
-    token typically comes no later, and its prefix is computed once (CPU, one tenant's burst
-    of 16: 0.55x the prompt tokens computed, TTFT p50 0.20x; publication alone: 1.00x, since
-    the whole burst was admitted before the first prefill ended; scripts/share_prefill.sh).
-    Deferral only while it pays: the donor's remaining prompt (`n_prompt - n_past`) must be
-    at most what the request would compute itself if admitted now (its prompt less what the
-    cache holds). Waiting costs the donor's remaining prefill time, admission now costs the
-    request's own prefill time, and both run on this backend at its one prefill rate, so the
-    rate cancels and the rule compares tokens (no rate needs to reach the scheduler). A short
-    request behind a long prompt that merely shares its system prompt is admitted at once
-    instead of waiting out the long prefill; one tenant's burst of equal prompts still
-    waits. Measured before this rule on one H200 (K = 8, N = 300, 60/s, cap 48,
-    `round3/share-prefill.txt`): deferral cut computed prompt tokens to 0.30x and raised
-    TTFT p50 1.18x (publication alone 1.13x).
-  - a queued choice is deferred, with no other condition, behind a running choice's prefill
-    of all its prompt but the last token. So of a request's choices, queued together
-    (`Backend.enqueue_group`), the first computes the prompt and the others alias it and
-    compute only their last prompt token (their logits): prompt + n - 1 tokens. A choice
-    admitted when that prefix is gone (no id, evicted, or the cache off and every choice
-    before it ended) computes its own prompt: slower, never wrong.
-
-`max_tokens` is clamped, not refused: a request asks for at most `n_ctx_seq - prompt` new
-tokens whatever it says (it ends with `length` there, like llama.cpp's server). The router
-and the snapshot see the clamped budget (`SeqState.max_new`).
+Rules, measurements and history: docs/NOTES.md, "The scheduler's rules".
 
 Thread contract: none. The owner (engine/backends/local.py's worker) calls everything from one
 thread; only `snapshot_items`, `kv_cells_used` and the counters are read by other threads
-under the owner's lock.
-"""
+under the owner's lock."""
 
 from __future__ import annotations
 

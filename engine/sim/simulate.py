@@ -1,46 +1,8 @@
 """What-if: the real router and the real schedulers on simulated hardware, on a virtual clock.
 
-A discrete-event simulation. Every backend is a real `engine.sched.scheduler.Scheduler` (admission,
-KV accounting, prefix cache, chunked prefill, preemption, finish rules) whose `Plan`s a
-simulated runner "executes": a step with `b` decode rows and `p` prompt tokens takes
+Rules, measurements and history: docs/NOTES.md, "The simulator's step model".
 
-    hardware.step_at(b, cells, kv) + p / hardware.prefill_tok_s        (the first term 0 when b = 0)
-
-seconds, where `cells` is the mean context of the step's decode rows, each sequence's `n_past`
-with the token it feeds, and `kv` the pool's cells in use during the step (the scheduler's
-`kv_cells_used()` with the step's new tokens; split KV: the longest row's cells)
-(`Rates.step_at` adds the calibrated context term and the masked scan; none for a profile
-without them) (or, for a profile with a fixed cost per prompt chunk, `step_s(b) + chunk_fixed_s + p*k`,
-plus `admit_s` per request admitted in the step; `BackendProfile.step_seconds`), after which `update_from_output` gets one token per logits row. Every arrival is
-routed by a real `engine.routing.Router` over the backends' snapshots, taken exactly as
-`Backend.snapshot` takes them (running items first, then the queue, with the cache estimate
-pinned at routing time). The clock the schedulers and the router read is the simulation's.
-
-What the simulation leaves out, so where it can miss a real run: host overheads that are not in
-the calibrated step (HTTP, Python scheduling between steps, sampler-chain attaches), the GPU
-and CPU backends contending for the host's cores, and warm-up effects of the first steps.
-The masked scan is priced for decode rows only, and with a stand-in for n_kv: every row gets
-all n_kv cells (the highest used + 1, padded to 256 with flash attention) under a mask, and
-ggml's CPU kernel skips a masked cell after reading its mask, so a decode row costs
-`step_delta_s` per cell of the pool (`Rates.step_at`; `tandem calibrate` measures it with
-unshared sequences). The simulation counts the scheduler's cells in use, as calibration does:
-it leaves out the 256-cell padding and the holes llama.cpp's moving head leaves below the
-highest used cell, and prompt-chunk rows, which scan n_kv too, pay only the prefill rate
-(measured with the prompt alone in the pool).
-A profile can price a prompt chunk's fixed cost (`chunk_fixed_s`) and per-request setup
-(`admit_s`; `tandem calibrate` measures it on a CPU).
-
-A `Profile` is a set of `BackendProfile`s. Each has the rates the router is told (`rates`) and,
-separately, what the simulated device really does (`hardware`, the same unless given), so one
-can ask "what if the router's rates were wrong". Built-in profiles (`PROFILES`): `study-m2`
-(SEED.md's rates), `study-m2-slow` (the M2 with the decode speed the article's own states
-imply), `h200` (the router told the committed H200 calibration, the GPU stepping as today's
-engine measures: see the profile's comment). `this-machine`
-comes from the stored calibration and is built by the caller (`profile_from_calibration`),
-since reading it is not this module's business.
-
-Thread contract: none. A `Simulation` is used by one thread; profiles are immutable values.
-"""
+Thread contract: none. A `Simulation` is used by one thread; profiles are immutable values."""
 
 from __future__ import annotations
 

@@ -3,49 +3,7 @@
 A `WorkloadSpec` describes a workload; `build_workload(spec, run)` turns it into concrete
 `RequestSpec`s, deterministically from `spec.seed` (stdlib `random`, no numpy).
 
-The seed study's workload (`SEED.md`, `seed_workload()`): a 496-token prefix shared by every
-prompt (warmed on every backend before timing starts) plus 20 more tokens = 516-token
-prompts, exactly 128 generated tokens each, one request every 50 ms.
-
-Choices this module makes, and why:
-
-- **Per-request suffixes.** By default each request's 20 tokens after the shared prefix are
-  its own, so every request can reuse exactly the 496 warmed tokens — the state the study's
-  golden scores assume ("only 20 prompt tokens remain"). `identical=True` sends the very same
-  516 tokens every time, as the study literally did; an engine with a prefix cache then
-  matches 515 tokens once the first request has finished, which the study's engine did not.
-- **Runs differ only in suffixes, lengths and arrival draws.** The shared prefix depends on
-  the seed alone (so re-warming it is the same work every run); everything else also depends
-  on the run index, so a server that keeps old prompts in its KV cache (a `--target` peer we
-  cannot flush) gets no full-prompt hits from an earlier run. Every policy sees the same
-  requests within a run.
-- **Variable output length.** `output="uniform"` draws each request's length uniformly in
-  `[min_output, max_output]` (16–256). The study's budget is `max_tokens`; the request should
-  stop early at its drawn length while the router still sees the 256 budget. Engine runners
-  send `max_tokens` = the budget and `Request.stop_after` = the drawn length (an early stop
-  no router or admission sees); peers behind `--target` get `max_tokens = output_tokens`.
-- **Arrivals.** `interval`: request i at `i * interval_s`. `poisson`/`gamma`: gaps drawn from a
-  gamma distribution with shape `burstiness` (1 = Poisson) and mean `1 / rate`, then rescaled so
-  the last arrival is at `(n - 1) / rate` (vLLM's `benchmarks/serve.py` habit: the offered load
-  is exactly the asked-for rate, only its burstiness varies).
-- **Tenants** (`tenants=K`, the router benchmark's workload): K distinct shared prefixes of
-  `shared_tokens` each (a tenant's system prompt), each request = its tenant's prefix + its
-  own `prompt_tokens - shared_tokens`. Tenants are drawn per request from `tenant_skew`:
-  `uniform`, or `zipf[:S]` (tenant k has weight 1 / (k + 1)^S, S = 1 by default; tenant 0 is the
-  most popular). Nothing is warmed (`Workload.prefix` is empty): a router must learn where each
-  tenant's prefix lives; `Workload.prefixes` lists them for an explicit warm-up. Tenant
-  prefixes depend on the seed alone, like the single shared prefix.
-- **Text prompts.** Every request also carries its prompt as TEXT (`RequestSpec.text`), made
-  of common lower-case English words, each with a leading space — one token apiece in the
-  vocabularies we use (Qwen2.5, SmolLM2, the synthetic Qwen2.5 shape; `WORDS`), so a prompt of
-  T words is ~T tokens (more with `synthetic:tiny`'s 512-piece vocabulary), and a
-  tenant's prefix text tokenizes to the same tokens in every request (the suffix starts with a
-  space: no token straddles the boundary). Routers that match text (sglang-router's
-  cache-aware policy refuses token-id prompts with a 422) get the text; the in-process engine
-  gets `tokenized(workload, tokenize)`: the prefix and the suffix tokenized separately, so
-  every request of a tenant shares its prefix tokens exactly. The token-id `prompt` drawn here
-  (random ids) keeps the exact sizes for engines and peers that take token ids.
-"""
+Rules, measurements and history: docs/NOTES.md, "Workloads"."""
 
 from __future__ import annotations
 
@@ -60,7 +18,6 @@ SEED_INTERVAL_S = 0.05
 
 OUTPUT_MODES = ("fixed", "uniform")
 ARRIVAL_MODES = ("interval", "poisson", "gamma")
-SKEW_MODES = ("uniform", "zipf")
 
 # Common English words of at most three letters. With a leading space each is one token in
 # Qwen2.5's and SmolLM2's vocabularies, and in the synthetic models' at Qwen2.5's size (every
