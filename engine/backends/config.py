@@ -36,7 +36,8 @@ import dataclasses
 import os
 import urllib.parse
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from engine.core.errors import InvalidRequest
 from engine.sched.limiter import CEILING, START
@@ -406,15 +407,14 @@ def _contexts(c: BackendConfig | RemoteConfig | NullConfig) -> list[BackendConfi
     return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}") for i in range(n)]
 
 
-def resolve_contexts(configs: list[BackendConfig | RemoteConfig | NullConfig], model_bytes: int,
-                     free_bytes=None) -> list[BackendConfig | RemoteConfig | NullConfig]:
+def resolve_contexts(configs: Sequence[Any], model_bytes: int, free_bytes=None) -> list:
     """Each `contexts=auto` spec as the contexts its device gets (`auto_contexts`,
     from the model's size and the device's free memory, `free_bytes(device)`; default: ggml's
     report), split as `contexts=N` would split it; 1 on a CPU, and 1 for a GPU another spec
     of this command also uses (the user laid that device out). Called when the model is
     resolved, before any backend is built."""
     devices = [c.device for c in configs if isinstance(c, BackendConfig)]
-    out: list[BackendConfig | RemoteConfig | NullConfig] = []
+    out: list = []
     for c in configs:
         if not isinstance(c, BackendConfig) or c.contexts != 0:
             out.append(c)
