@@ -310,6 +310,26 @@ class TestCalibrateAtLoad:
         eng = make_engine()
         assert {b.rates.origin for b in eng.backends.values()} == {"placeholder"}
 
+    def test_measuring_at_load_leaves_no_counts_behind(self, make_engine):
+        eng = make_engine(calibrate=True)
+        for s in eng.snapshot():
+            assert s.rates.origin == "measured at load"
+            assert (s.cache.query_tokens, s.cache.hit_tokens, s.cache.evictions) == (0, 0, 0), s.name
+            assert (s.steps, s.prompt_tokens_computed, s.prefill_tok_s, s.decode_tok_s) == (0, 0, 0.0, 0.0), s.name
+            assert s.cap_reason == "start", s.name  # as it started, not "set by the user"
+
+    def test_reset_stats_zeroes_the_counts_but_not_the_cache(self, make_engine):
+        eng = make_engine()
+        prompt = tuple(range(300, 380))
+        for _ in range(2):  # the second one hits the first one's cached prompt
+            eng.submit(Request(prompt, SamplingParams(max_tokens=4))).result(60)
+        before = eng.backend_snapshot("cpu0") if eng.backend_snapshot("cpu0").steps else eng.backend_snapshot("cpu1")
+        assert before.cache.query_tokens > 0 and before.cache.cached_tokens > 0
+        eng.reset_stats()
+        after = eng.backend_snapshot(before.name)
+        assert (after.cache.query_tokens, after.cache.hit_tokens, after.steps) == (0, 0, 0)
+        assert after.cache.cached_tokens == before.cache.cached_tokens  # what is cached stays
+
     def test_the_engine_serves_after_measuring_at_load(self, make_engine):
         eng = make_engine(calibrate=True)
         h = eng.submit(Request(tuple(range(300, 340)), SamplingParams(max_tokens=4, ignore_eos=True)))

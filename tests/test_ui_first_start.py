@@ -310,3 +310,26 @@ def test_no_label_is_clipped_at_1280x720(qtbot, app_style, make_window, ui_engin
         if found:
             problems[key] = found
     assert not problems, "\n".join(f"{k}: {p}" for k, v in problems.items() for p in v)
+
+
+@pytest.mark.parametrize("size,compact", [((1280, 720), True), ((1920, 1080), False)])
+def test_the_routing_table_never_scrolls_sideways(qtbot, app_style, make_window, ui_engine, size, compact):
+    from ui.live_run import seed_workload
+
+    w = make_window(engine=None, compact=compact)
+    w.resize(*size)
+    w.show()
+    qtbot.waitExposed(w)
+    w.set_engine(ui_engine, owns=False)
+    qtbot.waitUntil(lambda: (w.width(), w.height()) == size, timeout=WAIT_MS)
+    w.show_panel("routing")
+    run = w.start_demo(seed_workload(4, prefix_tokens=64, suffix_tokens=8, gen_tokens=8))
+    qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
+    table = w.panels["routing"].table
+    qtbot.waitUntil(lambda: table.model().rowCount() == 4, timeout=WAIT_MS)
+    assert table.horizontalScrollBar().maximum() == 0
+    header = table.horizontalHeader()
+    for col in range(table.model().columnCount()):  # every cell's text fits its column
+        for row in range(4):
+            text = table.model().index(row, col).data() or ""
+            assert table.fontMetrics().horizontalAdvance(text) <= header.sectionSize(col), (row, col, text)
