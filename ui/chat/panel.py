@@ -282,7 +282,7 @@ class ChatPanel(QWidget):
         if self._start_reply(("append", -1)):
             return True
         self.chat.messages.pop()
-        self._render(notice=self._refused)
+        self._render(notice=self._refused, start=len(self.chat.messages) - 1)
         self._update_buttons()
         return False
 
@@ -363,7 +363,7 @@ class ChatPanel(QWidget):
         if self.busy or not 0 <= index < len(self.chat.messages) or self.chat.messages[index].role != "user":
             return False
         self._editing = index
-        self._render()
+        self._render(start=index)
         return True
 
     @property
@@ -379,8 +379,8 @@ class ChatPanel(QWidget):
     def cancel_edit(self) -> None:
         """Close the editor; the chat stays as it was."""
         if self._editing is not None:
-            self._editing = None
-            self._render()
+            index, self._editing = self._editing, None
+            self._render(start=index)
 
     def save_edit(self, index: int, text: str) -> bool:
         """The edited text becomes a new version of message `index` (the old one and what followed
@@ -547,14 +547,16 @@ class ChatPanel(QWidget):
             handle = self.engine.submit(request, loop=loop)
         except (EngineError, ValueError) as e:
             self._refused = str(e)
-            self._render(notice=str(e))
+            self._render(notice=str(e), start=len(self.chat.messages) - 2)
             self.status_message.emit(f"not sent: {e}")
             self._update_buttons()
             return False
         self.handle = handle
         self._pending = pending
         self._streamed = []
-        self._render()
+        kind, index = pending
+        # from the message before the new one (it loses Regenerate / Continue), or the one replaced
+        self._render(start=index if kind != "append" else len(self.chat.messages) - 2)
         self.transcript.to_bottom()  # the question just asked and the reply coming
         backend = handle.backend or "?"
         self.state_label.setText(f"streaming from {backend}…")
@@ -598,6 +600,7 @@ class ChatPanel(QWidget):
             meta["logprobs"] = [[_piece(e.piece), round(e.logprob, 4), [[_piece(p), round(lp, 4)] for _, p, lp in e.top]]
                                 for e in record.logprobs]
         kind, index = self._pending
+        start = index if kind != "append" else len(self.chat.messages)
         if kind == "version":
             self.chat.add_version(index, record.text, meta)
         elif kind == "continue":
@@ -615,7 +618,7 @@ class ChatPanel(QWidget):
         self.handle = None
         self._task = None
         self._pending = ("append", -1)
-        self._render()
+        self._render(start=start)
         self._save()
         self._reload_list()
         # The label is short (it shares the row); the reply's header and the tooltip have it all.
@@ -635,17 +638,22 @@ class ChatPanel(QWidget):
         self._render(notice=self._notice)
         self.update_context_meter()
 
-    def _render(self, notice: str | None = None) -> None:
-        """Build the transcript's bubbles again (the scroll position kept where the user left it)."""
+    def _render(self, notice: str | None = None, start: int = 0) -> None:
+        """Build the transcript's bubbles again from message `start` on, those before it kept as
+        they are (a long chat re-renders in milliseconds after a reply); the scroll position stays
+        where the user left it."""
         c = palette().transcript
         self._notice = notice
         t = self.transcript
-        t.clear()
+        kind, hidden = self._pending if self.busy else ("append", -1)
+        shown = [w for w in t.bubbles[:start] if isinstance(w, Bubble)]
+        if start <= 0 or len(shown) != start or any(b.index != i for i, b in enumerate(shown)) or 0 <= hidden < start:
+            start = 0  # what is shown is not those messages in order: all of it again
+        t.clear(keep=start)
         self._stream_label = None
         if not self.chat.messages:
             t.add(self._note(welcome_html(self.engine), c.muted))
-        kind, hidden = self._pending if self.busy else ("append", -1)
-        for i, m in enumerate(self.chat.messages):
+        for i, m in enumerate(self.chat.messages[start:], start):
             if i != hidden:
                 t.add(self._bubble(m, i))
         if notice:
@@ -735,7 +743,7 @@ class ChatPanel(QWidget):
             self.switch_version(index, self.chat.messages[index].shown + (1 if action == "next" else -1))
         elif action == "probs":
             self._token_view ^= {index}
-            self._render()
+            self._render(start=index)
 
     def _on_link(self, href: str) -> None:
         url = QUrl(href)

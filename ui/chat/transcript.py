@@ -362,18 +362,19 @@ class Transcript(QScrollArea):
         bar.valueChanged.connect(self._on_scrolled)
         bar.rangeChanged.connect(self._on_range)
 
-    def clear(self) -> None:
-        """Remove every bubble (a re-render follows); the scroll position is kept if the user had
-        scrolled up, so re-rendering never yanks the view."""
+    def clear(self, keep: int = 0) -> None:
+        """Remove the bubbles after the first `keep` (a re-render of the rest follows); the scroll
+        position is kept if the user had scrolled up, so re-rendering never yanks the view."""
         bar = self.verticalScrollBar()
-        self._hold = None if self.following else bar.value()
+        if self._hold is None and not self.following:
+            self._hold = bar.value()
         self._quiet = True
-        for w in self.bubbles:
+        for w in self.bubbles[keep:]:
             self._lay.removeWidget(w)
             w.hide()
             w.setParent(None)
             w.deleteLater()
-        self.bubbles = []
+        del self.bubbles[keep:]
         self._quiet = False
 
     def add(self, widget: QWidget) -> QWidget:
