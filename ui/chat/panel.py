@@ -33,8 +33,8 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QComboBox, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMenu,
-    QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSplitter, QToolButton, QToolTip, QVBoxLayout, QWidget,
+    QComboBox, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSplitter, QToolButton,
+    QToolTip, QVBoxLayout, QWidget,
 )
 
 from engine.errors import EngineError
@@ -43,6 +43,7 @@ from engine.request import Request, SamplingParams
 from ..history import Chat, ChatStore, Message
 from ..presets import PresetButton
 from ..theme import palette
+from .chat_list import ChatList
 from .composer import PromptEdit, SamplingSettings
 from .transcript import Bubble, Transcript, meta_bits, meta_html, meta_plain, tokens_html, welcome_html
 
@@ -85,33 +86,15 @@ class ChatPanel(QWidget):
 
     def _build(self) -> None:
         # Left: saved chats.
-        left = QWidget()
-        lv = QVBoxLayout(left)
-        lv.setContentsMargins(0, 0, 4, 0)
-        self.new_button = QPushButton("+ New chat")
-        self.new_button.setToolTip("Start an empty chat (the current one stays in the list)")
-        self.new_button.clicked.connect(self.new_chat)
-        self.search_edit = QLineEdit()
-        self.search_edit.setPlaceholderText("Search chats")
-        self.search_edit.setClearButtonEnabled(True)
+        left = self.chats = ChatList(self.store)
+        self.new_button, self.search_edit = self.chats.new_button, self.chats.search_edit
+        self.chat_list, self.delete_chat_button = self.chats.chat_list, self.chats.delete_chat_button
+        self.chats.new_asked.connect(self.new_chat)
+        self.chats.open_asked.connect(self.open_chat)
+        self.chats.delete_asked.connect(lambda chat_id: self.delete_chat(chat_id, confirm=True))
+        self.chats.rename_asked.connect(self.rename_chat)
+        self.chats.export_asked.connect(self._export_asked)
         self.search_edit.textChanged.connect(lambda _t: self._reload_list())
-        self.chat_list = QListWidget()
-        self.chat_list.setTextElideMode(Qt.ElideRight)
-        self.chat_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.chat_list.itemClicked.connect(self._on_pick_chat)
-        self.chat_list.setContextMenuPolicy(Qt.CustomContextMenu)
-        self.chat_list.customContextMenuRequested.connect(self._chat_menu)
-        self.delete_chat_button = QPushButton("Delete chat")
-        self.delete_chat_button.setToolTip("Delete the open chat from the disk (right-click a chat for more)")
-        self.delete_chat_button.clicked.connect(lambda: self.delete_chat(self.chat.id, confirm=True))
-        lv.addWidget(self.new_button)
-        lv.addWidget(self.search_edit)
-        lv.addWidget(self.chat_list, 1)
-        lv.addWidget(self.delete_chat_button)
-        saved = QLabel("Saved locally")
-        saved.setObjectName("muted")
-        saved.setToolTip(str(self.store.dir))
-        lv.addWidget(saved)
 
         # Right: system prompt and settings (one row, the settings folded), transcript, message box.
         right = QWidget()
@@ -452,6 +435,7 @@ class ChatPanel(QWidget):
 
     def _set_chat(self, chat: Chat) -> None:
         self.chat = chat
+        self.chats.current_id = chat.id
         self._editing = None
         self._token_view = set()
         self._render()
@@ -778,9 +762,7 @@ class ChatPanel(QWidget):
         has_user = any(m.role == "user" for m in self.chat.messages)
         self.regen_button.setEnabled(not busy and has_user)
         self.copy_button.setEnabled(any(m.role == "assistant" for m in self.chat.messages))
-        self.new_button.setEnabled(not busy)
-        self.chat_list.setEnabled(not busy)
-        self.delete_chat_button.setEnabled(not busy)
+        self.chats.set_busy(busy)
 
     # ---- slots ----
 
@@ -792,11 +774,6 @@ class ChatPanel(QWidget):
     def _on_system_changed(self) -> None:
         self.chat.system = self.system_edit.toPlainText()
 
-    def _on_pick_chat(self, item: QListWidgetItem) -> None:
-        chat_id = item.data(Qt.UserRole)
-        if chat_id and chat_id != self.chat.id:
-            self.open_chat(chat_id)
-
     def _save(self) -> None:
         if not self.chat.messages:
             return
@@ -805,48 +782,14 @@ class ChatPanel(QWidget):
         except OSError as e:
             self.status_message.emit(f"could not save the chat: {e}")
 
-    def _chat_menu(self, pos) -> None:
-        item = self.chat_list.itemAt(pos)
-        if item is None or self.busy:
-            return
-        chat_id = item.data(Qt.UserRole)
-        menu = QMenu(self)
-        menu.addAction("Rename…", lambda: self._ask_rename(chat_id, item.text()))
-        menu.addAction("Export as Markdown…", lambda: self._ask_export(chat_id, "Markdown (*.md)", ".md"))
-        menu.addAction("Export as JSON…", lambda: self._ask_export(chat_id, "JSON (*.json)", ".json"))
-        menu.addSeparator()
-        menu.addAction("Delete", lambda: self.delete_chat(chat_id, confirm=True))
-        menu.exec(self.chat_list.mapToGlobal(pos))
-
-    def _ask_rename(self, chat_id: str, current: str) -> None:
-        name, ok = QInputDialog.getText(self, "Rename chat", "Title", text=current)
-        if ok:
-            self.rename_chat(chat_id, name)
-
-    def _ask_export(self, chat_id: str, filt: str, suffix: str) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"chat{suffix}", filt)
-        if path:
-            try:
-                self.export_chat(path, chat_id)
-            except OSError as e:
-                self.status_message.emit(f"could not export the chat: {e}")
+    def _export_asked(self, chat_id: str, path: str) -> None:
+        try:
+            self.export_chat(path, chat_id)
+        except OSError as e:
+            self.status_message.emit(f"could not export the chat: {e}")
 
     def _reload_list(self) -> None:
-        self.chat_list.clear()
-        chats = self.store.list()
-        if not any(c.id == self.chat.id for c in chats):
-            chats.insert(0, self.chat)
-        query = self.search_edit.text()
-        for c in chats:
-            if c.id != self.chat.id and not c.matches(query):
-                continue
-            item = QListWidgetItem(c.title)
-            item.setData(Qt.UserRole, c.id)
-            item.setToolTip(f"{c.title}\n{len(c.messages)} messages")
-            self.chat_list.addItem(item)
-            if c.id == self.chat.id:
-                item.setSelected(True)
-                self.chat_list.setCurrentItem(item)
+        self.chats.reload(self.chat)
 
 
 def _piece(piece: bytes) -> str:
