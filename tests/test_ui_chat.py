@@ -466,3 +466,21 @@ def test_code_blocks_follow_the_theme(qtbot, make_window):
         assert DARK_CODE.bg not in light and DARK_CODE.head_bg not in light
     finally:
         w.set_theme("dark")  # the palette is process-wide: later tests start dark
+
+
+def test_picking_chats_in_the_list_opens_each_in_turn(qtbot, make_window):
+    chat = _short_replies(make_window)
+    send(qtbot, chat, "first topic")
+    first = chat.chat.id
+    chat.new_button.click()
+    send(qtbot, chat, "second topic")
+    second = chat.chat.id
+
+    def pick(chat_id: str) -> None:
+        item = next(chat.chat_list.item(i) for i in range(chat.chat_list.count())
+                    if chat.chat_list.item(i).data(0x0100) == chat_id)
+        chat.chat_list.itemClicked.emit(item)
+
+    for chat_id, text in ((first, "first topic"), (second, "second topic"), (first, "first topic")):
+        pick(chat_id)
+        assert chat.chat.id == chat_id and text in chat.transcript_text()

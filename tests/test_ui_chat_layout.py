@@ -133,3 +133,18 @@ def test_scrolling_up_while_a_reply_streams_is_not_undone(qtbot, make_window, ui
 
     qtbot.waitUntil(laid_out, timeout=WAIT_MS)
     assert bar.value() == kept
+
+
+def test_a_reply_rebuilds_only_the_bubbles_it_changed(qtbot, make_window):
+    w = make_window(compact=True)
+    chat = shown(qtbot, w, 1280, 720)
+    open_saved(chat, 3)
+    first, last_reply = chat.bubble(0), chat.bubble(5)
+    assert "regenerate" in last_reply.buttons
+    chat.max_tokens.setValue(4)
+    chat.send("one more")
+    qtbot.waitUntil(lambda: not chat.busy, timeout=WAIT_MS)
+    assert chat.bubble(0) is first  # the earlier turns' widgets are kept as they were
+    assert "regenerate" not in chat.bubble(5).buttons  # the reply before the new one lost Regenerate
+    assert "regenerate" in chat.bubble(7).buttons
+    assert [b.index for b in chat.transcript.bubbles] == list(range(8))

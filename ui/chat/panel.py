@@ -33,8 +33,8 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QComboBox, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMenu,
-    QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSplitter, QToolButton, QToolTip, QVBoxLayout, QWidget,
+    QComboBox, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSplitter, QToolButton,
+    QToolTip, QVBoxLayout, QWidget,
 )
 
 from engine.core.errors import EngineError
@@ -43,6 +43,7 @@ from engine.core.request import Request, SamplingParams
 from ..history import Chat, ChatStore, Message
 from ..presets import PresetButton
 from ..theme import palette
+from .chat_list import ChatList
 from .composer import PromptEdit, SamplingSettings
 from .transcript import Bubble, Transcript, meta_bits, meta_html, meta_plain, tokens_html, welcome_html
 
@@ -85,33 +86,15 @@ class ChatPanel(QWidget):
 
     def _build(self) -> None:
         # Left: saved chats.
-        left = QWidget()
-        lv = QVBoxLayout(left)
-        lv.setContentsMargins(0, 0, 4, 0)
-        self.new_button = QPushButton("+ New chat")
-        self.new_button.setToolTip("Start an empty chat (the current one stays in the list)")
-        self.new_button.clicked.connect(self.new_chat)
-        self.search_edit = QLineEdit()
-        self.search_edit.setPlaceholderText("Search chats")
-        self.search_edit.setClearButtonEnabled(True)
+        left = self.chats = ChatList(self.store)
+        self.new_button, self.search_edit = self.chats.new_button, self.chats.search_edit
+        self.chat_list, self.delete_chat_button = self.chats.chat_list, self.chats.delete_chat_button
+        self.chats.new_asked.connect(self.new_chat)
+        self.chats.open_asked.connect(self.open_chat)
+        self.chats.delete_asked.connect(lambda chat_id: self.delete_chat(chat_id, confirm=True))
+        self.chats.rename_asked.connect(self.rename_chat)
+        self.chats.export_asked.connect(self._export_asked)
         self.search_edit.textChanged.connect(lambda _t: self._reload_list())
-        self.chat_list = QListWidget()
-        self.chat_list.setTextElideMode(Qt.ElideRight)
-        self.chat_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.chat_list.itemClicked.connect(self._on_pick_chat)
-        self.chat_list.setContextMenuPolicy(Qt.CustomContextMenu)
-        self.chat_list.customContextMenuRequested.connect(self._chat_menu)
-        self.delete_chat_button = QPushButton("Delete chat")
-        self.delete_chat_button.setToolTip("Delete the open chat from the disk (right-click a chat for more)")
-        self.delete_chat_button.clicked.connect(lambda: self.delete_chat(self.chat.id, confirm=True))
-        lv.addWidget(self.new_button)
-        lv.addWidget(self.search_edit)
-        lv.addWidget(self.chat_list, 1)
-        lv.addWidget(self.delete_chat_button)
-        saved = QLabel("Saved locally")
-        saved.setObjectName("muted")
-        saved.setToolTip(str(self.store.dir))
-        lv.addWidget(saved)
 
         # Right: system prompt and settings (one row, the settings folded), transcript, message box.
         right = QWidget()
@@ -283,7 +266,7 @@ class ChatPanel(QWidget):
         if self._start_reply(("append", -1)):
             return True
         self.chat.messages.pop()
-        self._render(notice=self._refused)
+        self._render(notice=self._refused, start=len(self.chat.messages) - 1)
         self._update_buttons()
         return False
 
@@ -364,7 +347,7 @@ class ChatPanel(QWidget):
         if self.busy or not 0 <= index < len(self.chat.messages) or self.chat.messages[index].role != "user":
             return False
         self._editing = index
-        self._render()
+        self._render(start=index)
         return True
 
     @property
@@ -380,8 +363,8 @@ class ChatPanel(QWidget):
     def cancel_edit(self) -> None:
         """Close the editor; the chat stays as it was."""
         if self._editing is not None:
-            self._editing = None
-            self._render()
+            index, self._editing = self._editing, None
+            self._render(start=index)
 
     def save_edit(self, index: int, text: str) -> bool:
         """The edited text becomes a new version of message `index` (the old one and what followed
@@ -453,6 +436,7 @@ class ChatPanel(QWidget):
 
     def _set_chat(self, chat: Chat) -> None:
         self.chat = chat
+        self.chats.current_id = chat.id
         self._editing = None
         self._token_view = set()
         self._render()
@@ -548,14 +532,16 @@ class ChatPanel(QWidget):
             handle = self.engine.submit(request, loop=loop)
         except (EngineError, ValueError) as e:
             self._refused = str(e)
-            self._render(notice=str(e))
+            self._render(notice=str(e), start=len(self.chat.messages) - 2)
             self.status_message.emit(f"not sent: {e}")
             self._update_buttons()
             return False
         self.handle = handle
         self._pending = pending
         self._streamed = []
-        self._render()
+        kind, index = pending
+        # from the message before the new one (it loses Regenerate / Continue), or the one replaced
+        self._render(start=index if kind != "append" else len(self.chat.messages) - 2)
         self.transcript.to_bottom()  # the question just asked and the reply coming
         backend = handle.backend or "?"
         self.state_label.setText(f"streaming from {backend}…")
@@ -599,6 +585,7 @@ class ChatPanel(QWidget):
             meta["logprobs"] = [[_piece(e.piece), round(e.logprob, 4), [[_piece(p), round(lp, 4)] for _, p, lp in e.top]]
                                 for e in record.logprobs]
         kind, index = self._pending
+        start = index if kind != "append" else len(self.chat.messages)
         if kind == "version":
             self.chat.add_version(index, record.text, meta)
         elif kind == "continue":
@@ -616,7 +603,7 @@ class ChatPanel(QWidget):
         self.handle = None
         self._task = None
         self._pending = ("append", -1)
-        self._render()
+        self._render(start=start)
         self._save()
         self._reload_list()
         # The label is short (it shares the row); the reply's header and the tooltip have it all.
@@ -636,17 +623,22 @@ class ChatPanel(QWidget):
         self._render(notice=self._notice)
         self.update_context_meter()
 
-    def _render(self, notice: str | None = None) -> None:
-        """Build the transcript's bubbles again (the scroll position kept where the user left it)."""
+    def _render(self, notice: str | None = None, start: int = 0) -> None:
+        """Build the transcript's bubbles again from message `start` on, those before it kept as
+        they are (a long chat re-renders in milliseconds after a reply); the scroll position stays
+        where the user left it."""
         c = palette().transcript
         self._notice = notice
         t = self.transcript
-        t.clear()
+        kind, hidden = self._pending if self.busy else ("append", -1)
+        shown = [w for w in t.bubbles[:start] if isinstance(w, Bubble)]
+        if start <= 0 or len(shown) != start or any(b.index != i for i, b in enumerate(shown)) or 0 <= hidden < start:
+            start = 0  # what is shown is not those messages in order: all of it again
+        t.clear(keep=start)
         self._stream_label = None
         if not self.chat.messages:
             t.add(self._note(welcome_html(self.engine), c.muted))
-        kind, hidden = self._pending if self.busy else ("append", -1)
-        for i, m in enumerate(self.chat.messages):
+        for i, m in enumerate(self.chat.messages[start:], start):
             if i != hidden:
                 t.add(self._bubble(m, i))
         if notice:
@@ -736,7 +728,7 @@ class ChatPanel(QWidget):
             self.switch_version(index, self.chat.messages[index].shown + (1 if action == "next" else -1))
         elif action == "probs":
             self._token_view ^= {index}
-            self._render()
+            self._render(start=index)
 
     def _on_link(self, href: str) -> None:
         url = QUrl(href)
@@ -771,9 +763,7 @@ class ChatPanel(QWidget):
         has_user = any(m.role == "user" for m in self.chat.messages)
         self.regen_button.setEnabled(not busy and has_user)
         self.copy_button.setEnabled(any(m.role == "assistant" for m in self.chat.messages))
-        self.new_button.setEnabled(not busy)
-        self.chat_list.setEnabled(not busy)
-        self.delete_chat_button.setEnabled(not busy)
+        self.chats.set_busy(busy)
 
     # ---- slots ----
 
@@ -785,11 +775,6 @@ class ChatPanel(QWidget):
     def _on_system_changed(self) -> None:
         self.chat.system = self.system_edit.toPlainText()
 
-    def _on_pick_chat(self, item: QListWidgetItem) -> None:
-        chat_id = item.data(Qt.UserRole)
-        if chat_id and chat_id != self.chat.id:
-            self.open_chat(chat_id)
-
     def _save(self) -> None:
         if not self.chat.messages:
             return
@@ -798,48 +783,14 @@ class ChatPanel(QWidget):
         except OSError as e:
             self.status_message.emit(f"could not save the chat: {e}")
 
-    def _chat_menu(self, pos) -> None:
-        item = self.chat_list.itemAt(pos)
-        if item is None or self.busy:
-            return
-        chat_id = item.data(Qt.UserRole)
-        menu = QMenu(self)
-        menu.addAction("Rename…", lambda: self._ask_rename(chat_id, item.text()))
-        menu.addAction("Export as Markdown…", lambda: self._ask_export(chat_id, "Markdown (*.md)", ".md"))
-        menu.addAction("Export as JSON…", lambda: self._ask_export(chat_id, "JSON (*.json)", ".json"))
-        menu.addSeparator()
-        menu.addAction("Delete", lambda: self.delete_chat(chat_id, confirm=True))
-        menu.exec(self.chat_list.mapToGlobal(pos))
-
-    def _ask_rename(self, chat_id: str, current: str) -> None:
-        name, ok = QInputDialog.getText(self, "Rename chat", "Title", text=current)
-        if ok:
-            self.rename_chat(chat_id, name)
-
-    def _ask_export(self, chat_id: str, filt: str, suffix: str) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"chat{suffix}", filt)
-        if path:
-            try:
-                self.export_chat(path, chat_id)
-            except OSError as e:
-                self.status_message.emit(f"could not export the chat: {e}")
+    def _export_asked(self, chat_id: str, path: str) -> None:
+        try:
+            self.export_chat(path, chat_id)
+        except OSError as e:
+            self.status_message.emit(f"could not export the chat: {e}")
 
     def _reload_list(self) -> None:
-        self.chat_list.clear()
-        chats = self.store.list()
-        if not any(c.id == self.chat.id for c in chats):
-            chats.insert(0, self.chat)
-        query = self.search_edit.text()
-        for c in chats:
-            if c.id != self.chat.id and not c.matches(query):
-                continue
-            item = QListWidgetItem(c.title)
-            item.setData(Qt.UserRole, c.id)
-            item.setToolTip(f"{c.title}\n{len(c.messages)} messages")
-            self.chat_list.addItem(item)
-            if c.id == self.chat.id:
-                item.setSelected(True)
-                self.chat_list.setCurrentItem(item)
+        self.chats.reload(self.chat)
 
 
 def _piece(piece: bytes) -> str:

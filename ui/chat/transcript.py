@@ -20,7 +20,7 @@ import html
 import math
 
 from PySide6.QtCore import QSize, Qt, Signal
-from PySide6.QtGui import QGuiApplication, QTextDocument
+from PySide6.QtGui import QColor, QGuiApplication, QTextDocument
 from PySide6.QtWidgets import (
     QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy, QToolButton, QVBoxLayout,
     QWidget,
@@ -35,6 +35,11 @@ BUBBLE_BG = {"dark": {"user": "#27334a", "assistant": "#262b33"},
              "light": {"user": "#e4edfb", "assistant": "#f1f3f6"}}
 
 
+def _faded(hex_color: str) -> str:
+    c = QColor(hex_color)
+    return f"rgba({c.red()},{c.green()},{c.blue()},0.35)"
+
+
 def _plain(rich: str) -> str:
     doc = QTextDocument()
     doc.setHtml(rich)
@@ -42,7 +47,11 @@ def _plain(rich: str) -> str:
 
 
 def _transparent(w: QWidget) -> QWidget:
-    w.setStyleSheet("background: transparent;")
+    """`w` drawn on its bubble (the app's style sheet paints every widget's background); by its
+    name only, so its children keep their own styles (a button in an editor stays a button)."""
+    if not w.objectName():
+        w.setObjectName("clear")
+    w.setStyleSheet(f"#{w.objectName()} {{ background: transparent; }}")
     return w
 
 
@@ -174,7 +183,7 @@ class Bubble(QFrame):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(0)
         prev, nxt = self._tool("‹", "prev", "The previous version"), self._tool("›", "next", "The next version")
-        self.version_label = _transparent(QLabel(f"{shown + 1}/{n}"))
+        self.version_label = QLabel(f"{shown + 1}/{n}")
         self.version_label.setStyleSheet(f"color:{self._c.muted}; background: transparent;")
         prev.setEnabled(shown > 0)
         nxt.setEnabled(shown < n - 1)
@@ -205,8 +214,8 @@ class Bubble(QFrame):
                 block.copied.connect(self.copied.emit)
                 self.code_blocks.append(block)
                 self._body.addWidget(block)
-            else:
-                self.add_text(seg.html)
+            else:  # links in the theme's link colour (a label's default blue is unreadable on the dark theme)
+                self.add_text(seg.html.replace("<a href=", f"<a style='color:{colors.code.link}' href="))
 
     def add_tokens(self, rich: str) -> QLabel:
         label = self.tokens_label = self.add_text(rich)
@@ -244,7 +253,7 @@ class Bubble(QFrame):
         b.setCursor(Qt.PointingHandCursor)
         b.setStyleSheet(f"QToolButton {{ color:{self._c.muted}; background: transparent; border: none; padding: 1px 5px; }}"
                         f"QToolButton:hover {{ text-decoration: underline; }}"
-                        f"QToolButton:disabled {{ color: transparent; }}")
+                        f"QToolButton:disabled {{ color: {_faded(self._c.muted)}; }}")
         b.clicked.connect(lambda: self.action.emit(name, self.index))
         self.buttons[name] = b
         return b
@@ -353,18 +362,19 @@ class Transcript(QScrollArea):
         bar.valueChanged.connect(self._on_scrolled)
         bar.rangeChanged.connect(self._on_range)
 
-    def clear(self) -> None:
-        """Remove every bubble (a re-render follows); the scroll position is kept if the user had
-        scrolled up, so re-rendering never yanks the view."""
+    def clear(self, keep: int = 0) -> None:
+        """Remove the bubbles after the first `keep` (a re-render of the rest follows); the scroll
+        position is kept if the user had scrolled up, so re-rendering never yanks the view."""
         bar = self.verticalScrollBar()
-        self._hold = None if self.following else bar.value()
+        if self._hold is None and not self.following:
+            self._hold = bar.value()
         self._quiet = True
-        for w in self.bubbles:
+        for w in self.bubbles[keep:]:
             self._lay.removeWidget(w)
             w.hide()
             w.setParent(None)
             w.deleteLater()
-        self.bubbles = []
+        del self.bubbles[keep:]
         self._quiet = False
 
     def add(self, widget: QWidget) -> QWidget:
