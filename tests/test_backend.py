@@ -172,7 +172,7 @@ def test_one_sequence_stays_within_the_training_context(make_backend, tiny_model
 
 
 def test_a_cpu_backend_without_a_ctx_gets_its_pool_from_the_hosts_memory(make_backend, tiny_model):
-    from engine.backends.local import AUTO_CTX_MAX_CELLS, host_available_bytes
+    from engine.backends.config import AUTO_CTX_MAX_CELLS, host_available_bytes
 
     assert host_available_bytes() > 1 << 30  # this host has room for the largest automatic pool
     assert make_backend(tiny_model, n_ctx=0).n_ctx == AUTO_CTX_MAX_CELLS["cpu"]

@@ -66,7 +66,7 @@ def test_pure_engine_loads_no_native_code():
 
 def test_a_remote_backend_loads_no_llama_cpp():
     """A router-only fleet imports the remote backend and its config; neither needs llama.cpp."""
-    p = _python("-c", "import sys, engine.remote, engine.backends.config\n"
+    p = _python("-c", "import sys, engine.backends.remote.backend, engine.backends.config\n"
                       "print(sorted(m for m in ('llama_cpp', 'engine.llama', 'engine.backends.local') if m in sys.modules))")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]", p.stdout

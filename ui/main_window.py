@@ -686,9 +686,9 @@ class MainWindow(QMainWindow):
             panel = self.panels.get(key)
             if panel is not None:
                 present(panel, on)
-        chat = self.panels.get("chat")
-        if chat is not None and self.docks_hold_panels():
-            self.stack.setVisible(not on)  # the panels take the whole screen; the chat comes back after
+        self.stack.setVisible(not on)  # the Monitor takes the whole screen; the chat comes back after
+        if on:
+            self.monitor.show()
         if on:
             self._normal_geometry = self.saveGeometry()
             self.showFullScreen()
@@ -699,10 +699,6 @@ class MainWindow(QMainWindow):
                 self.restoreGeometry(self._normal_geometry)
         self.show_message("presenter view: large type on Routing, Teaching and Latency (F11 leaves it)" if on
                           else "presenter view off", 4000)
-
-    def docks_hold_panels(self) -> bool:
-        """Whether the monitoring panels live in docks beside the central chat."""
-        return bool(self._docks)
 
     def _set_developer(self, on: bool) -> None:
         self.settings.setValue("view/developer", on)

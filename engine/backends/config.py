@@ -235,7 +235,7 @@ class RemoteConfig:
     they can move if the engine dies); `api` says which load endpoints to read (`auto`:
     detect them); `key` is sent as `Authorization: Bearer KEY`."""
 
-    builder_module: ClassVar[str] = "engine.backends.remote_kind"
+    builder_module: ClassVar[str] = "engine.backends.remote.backend"
     needs_model: ClassVar[bool] = False
 
     url: str

@@ -37,7 +37,7 @@ from PySide6.QtWidgets import (
     QToolTip, QVBoxLayout, QWidget,
 )
 
-from engine.core.errors import EngineError
+from engine.core.errors import ContextLengthExceeded, EngineError
 from engine.core.request import Request, SamplingParams
 
 from ..history import Chat, ChatStore, Message
@@ -453,7 +453,10 @@ class ChatPanel(QWidget):
         elif self.engine.model is None:  # remote engines only: they tokenize; estimate from characters
             prompt = Request((), messages=tuple(messages)).prompt_estimate
         else:
-            prompt = len(self.engine.chat_tokens(messages))
+            try:
+                prompt = len(self.engine.chat_tokens(messages))
+            except ContextLengthExceeded as e:  # refused before it was tokenized whole: at least this long
+                prompt = e.n_prompt_tokens
         n_ctx = max((s.n_ctx for s in self.engine.snapshot() if s.healthy), default=0)
         return prompt, self.max_tokens.value(), n_ctx
 

@@ -81,10 +81,13 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import cast
 
 import aiohttp
 
 from engine.backends.config import RemoteConfig
+from engine.backends.protocol import BackendBase, BackendProtocol
+from engine.backends.registry import BuildContext, backend_kind
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
 from engine.core.events import EventBus, RequestAdmitted, RequestFinished
 from engine.core.handle import Outbox, RequestHandle
@@ -157,7 +160,7 @@ class _Job:
         return self.chunks
 
 
-class RemoteBackend:
+class RemoteBackend(BackendBase):
     """An OpenAI-compatible engine behind a URL, served by its own asyncio thread."""
 
     def __init__(self, config: RemoteConfig, bus: EventBus | None = None, rates: Rates | None = None):
@@ -882,3 +885,11 @@ def _done_future() -> Future:
     f: Future = Future()
     f.set_result(None)
     return f
+
+
+@backend_kind(RemoteConfig)
+def build(c: RemoteConfig, ctx: BuildContext) -> BackendProtocol:
+    """Started and probed once; an engine that does not answer yet starts unhealthy."""
+    backend = RemoteBackend(c, ctx.bus, ctx.rates.get(c.name))
+    backend.start()
+    return cast("BackendProtocol", backend)  # its annotations (`on_unhealthy`, `set_cap`) predate the protocol's
