@@ -45,6 +45,7 @@ from engine.core.errors import InvalidRequest
 
 from . import report as bench_report
 from .progress import Progress
+from .target import read_usage
 
 HELP = "many conversations at once over /v1/chat/completions: TTFT of returning users, cached tokens per turn"
 TOOL = "tandem bench chat"
@@ -234,13 +235,7 @@ async def send_turn(session, target: ChatTarget, messages: list[dict], max_token
                         last = now
                     if c.get("finish_reason"):
                         out["finish_reason"] = c["finish_reason"]
-                usage = chunk.get("usage")
-                if usage:
-                    out["completion_tokens"] = usage.get("completion_tokens")
-                    out["prompt_tokens"] = usage.get("prompt_tokens")
-                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                    if cached is not None:
-                        out["cached"] = int(cached)
+                read_usage(chunk.get("usage"), out)
                 timings = chunk.get("timings")  # llama-server: cache_n prompt tokens reused, prompt_n computed
                 if isinstance(timings, dict) and timings.get("cache_n") is not None:
                     llama_timings = timings

@@ -211,13 +211,19 @@ def _read_final(target: Target, chunk: dict, out: dict) -> None:
     for c in chunk.get("choices") or []:
         if c.get("finish_reason"):
             out["finish_reason"] = c["finish_reason"]
-    usage = chunk.get("usage")
-    if usage:
-        out["reported_tokens"] = usage.get("completion_tokens")
-        out["prompt_tokens"] = usage.get("prompt_tokens")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if cached is not None:
-            out["cached"] = int(cached)
+    read_usage(chunk.get("usage"), out, completion_key="reported_tokens")
+
+
+def read_usage(usage: dict | None, out: dict, completion_key: str = "completion_tokens") -> None:
+    """Copy an OpenAI `usage` block's counts into a request's record: completion and prompt
+    tokens, and the cached prompt tokens where the engine says (`prompt_tokens_details`)."""
+    if not usage:
+        return
+    out[completion_key] = usage.get("completion_tokens")
+    out["prompt_tokens"] = usage.get("prompt_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:
+        out["cached"] = int(cached)
 
 
 def _record(target: Target, workload: Workload, run: int, spec: RequestSpec, t_submit: float,

@@ -77,3 +77,25 @@ def no_thread_leak():
     for t in leaked:
         t.join(5)
     assert not [t for t in leaked if t.is_alive()], f"threads left running: {leaked}"
+
+
+# ---- the OpenAI API tests' server: `tandem serve` on the default model, with the test module's
+# backend spec (`SPEC`) and per-request bound (`TIMEOUT`), and the official client in front ----
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    from servers import Server
+
+    srv = Server("--model", "default", "--backend", request.module.SPEC).wait_healthy()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(request, server):
+    import openai
+
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=request.module.TIMEOUT, max_retries=0)
+    yield c
+    c.close()

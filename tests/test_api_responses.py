@@ -14,7 +14,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from servers import Server
 
 SPEC = "cpu:threads=2,cap=4,ctx=2048"
 TIMEOUT = 600  # seconds for one reply on a loaded two-core machine
@@ -34,19 +33,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Get the cu
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
                           "required": ["city"], "additionalProperties": False}, "strict": True}
 
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server("--model", "default", "--backend", SPEC).wait_healthy()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
-    yield c
-    c.close()
 
 
 def post(server, body: dict) -> httpx.Response:

@@ -17,7 +17,6 @@ import pytest
 from app.openai_schema import ApiRequest
 from engine.core.errors import InvalidRequest
 from engine.core.request import Request, SamplingParams
-from servers import Server
 
 # flash_attn=on: llama.cpp's CPU flash-attention kernel gives each row the same sums whatever
 # the batch beside it (the CPU default is off, for speed: engine/backends/config.py AUTO_FLASH_ATTN), so
@@ -26,19 +25,6 @@ SPEC = "cpu:threads=2,cap=4,ctx=2048,flash_attn=on"
 TIMEOUT = 120  # seconds: the bound on any one request
 ASK = [{"role": "user", "content": "Name three colours."}]
 
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server("--model", "default", "--backend", SPEC).wait_healthy()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

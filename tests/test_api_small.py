@@ -33,19 +33,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": Weather.model_json_schema()}}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = Server("--model", "default", "--backend", SPEC).wait_healthy()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
-    yield c
-    c.close()
-
 
 def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=TIMEOUT)

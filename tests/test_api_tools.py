@@ -16,7 +16,6 @@ from pydantic import BaseModel, Field
 
 from engine.llama.grammar import schema_grammar
 from engine.prompts.structured import ToolMode, output_schema, standalone_schema
-from servers import Server
 
 SPEC = "cpu:threads=2,cap=4,ctx=2048"
 TIMEOUT = 600  # seconds for one reply: a loaded two-core machine decodes a few tokens a second
@@ -107,19 +106,6 @@ def test_a_schema_without_definitions_is_unchanged():
 
 # ---- through the API ----
 
-
-@pytest.fixture(scope="module")
-def server():
-    srv = Server("--model", "default", "--backend", SPEC).wait_healthy()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
-    yield c
-    c.close()
 
 
 def test_a_pydantic_function_tool_of_a_nested_model_gives_a_valid_call(client):
