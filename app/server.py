@@ -98,6 +98,9 @@ BACKLOG = 1024  # many clients connect at once (benchmarks open hundreds of stre
 SHUTDOWN_TIMEOUT_S = 5.0  # on shutdown, open streams get this long before they are cancelled
 
 
+RUN_TOKEN = secrets.token_hex(6)  # this server process's part of every response id
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     api_key: str | None
@@ -543,7 +546,9 @@ class Reply:
         self.chat = parsed.kind == "chat"
         handle = handles[0]
         self.handles = handles
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{secrets.token_hex(12)}"  # unique across restarts
+        # unique across restarts (a token drawn once per process) and traceable to the engine's
+        # request and its routing decision (`/v1/routing`'s request_id ends the id)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{RUN_TOKEN}-{handle.request.id}"
         self.object = "chat.completion" if self.chat else "text_completion"
         self.created = int(time.time())
         self.model = parsed.model

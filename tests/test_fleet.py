@@ -52,7 +52,7 @@ def _tenant_prompt(tenant: int, i: int) -> str:
 
 
 def _decision_of(router: Server, completion_id: str) -> dict:
-    request_id = completion_id.split("-", 1)[1]
+    request_id = completion_id.split("-", 2)[2]  # chatcmpl-RUN-req-N
     for d in router.get("/v1/routing?n=1000")["decisions"]:
         if d["request_id"] == request_id:
             return d
@@ -165,7 +165,7 @@ def test_streams_survive_their_engine_dying_mid_answer(fleet):
             else:
                 stream = client.completions.create(prompt=_tenant_prompt(i % 2, i), **common)
             for chunk in stream:
-                rid = chunk.id.split("-", 1)[1]
+                rid = chunk.id.split("-", 2)[2]
                 for c in chunk.choices:
                     parts.append((c.delta.content if chat else c.text) or "")
                     finish = c.finish_reason or finish
