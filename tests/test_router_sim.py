@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.routing import Policy, RecentPrefixes, RouteQuery, Router
+from engine.routing import RecentPrefixes, RouteQuery, Router
+from engine.routing.seed_score import SeedScored
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 PREFIX, OWN, CAP, CACHE_TENANTS, TENANTS = 1500, 50, 8, 4, 8
@@ -138,7 +139,7 @@ def test_cache_aware_beats_round_robin_on_a_multi_tenant_workload():
     assert min(ca["used"].values()) >= 0.25 * sum(ca["used"].values()), ca["used"]  # both backends serve
 
 
-class SGLangStyle(Policy):
+class SGLangStyle(SeedScored):
     """SGLang router's `cache_aware` rule, for comparison: its knowledge is only where it sent
     prompts (an approximate tree, here `RecentPrefixes` with an unbounded window); balanced
     loads (abs 32, rel 1.5 in its defaults, scaled here to cap 8: abs 4) go to the best match above

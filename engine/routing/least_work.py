@@ -3,13 +3,14 @@ rates are ignored. A baseline."""
 
 from __future__ import annotations
 
-from .policy import Policy, lowest, fmt_tok
+from .policy import lowest, fmt_tok
+from .seed_score import SeedScored
 from .types import BackendScore
 
 HELP = "Fewest remaining prefill + decode tokens; ignores the rates."
 
 
-class LeastWork(Policy):
+class LeastWork(SeedScored):
     """Fewest remaining tokens (prefill + decode, new request included); rates ignored."""
 
     name = "least-work"

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from engine.core.errors import BackendUnavailable
-from .policy import Policy, names_of
+from .policy import names_of
+from .seed_score import SeedScored
 
 HELP = {
     "gpu-only": "Everything to the first GPU backend (the study's baseline).",
@@ -12,7 +13,7 @@ HELP = {
 }
 
 
-class OnlyBackend(Policy):
+class OnlyBackend(SeedScored):
     """Everything to one backend (`only:NAME`) or to one kind of device (`gpu-only`, `cpu-only`).
 
     By device means the backends whose device is `cpu` (case-insensitive) for `cpu-only`, and

@@ -15,17 +15,15 @@ from .types import BackendScore, RouteQuery
 class Policy:
     """Scores every backend and picks one. Subclasses override `score` and/or `choose`.
 
-    The default scoring is the seed score, so baselines that ignore it (round-robin, only:)
-    still record comparable numbers in their decisions.
+    Baselines that ignore scores (round-robin, only:) take the seed score (`SeedScored`), so
+    their decisions still record comparable numbers.
     """
 
     name = ""
     uses_budget = True  # whether the decode-budget mode changes this policy's scores
 
     def score(self, query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget) -> BackendScore:
-        from .seed_score import seed_score  # (seed_score.py builds on this module)
-
-        return seed_score(query, snap, budget)
+        raise NotImplementedError
 
     def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         """Return (backend name, reason) among the eligible `scores` (at least one exists)."""

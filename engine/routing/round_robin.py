@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from engine.core.errors import BackendUnavailable
-from .policy import Policy
+from .seed_score import SeedScored
 
 HELP = "Takes turns, ignoring load (a baseline)."
 
 
-class RoundRobin(Policy):
+class RoundRobin(SeedScored):
     """Cycle through the backends in order, skipping ineligible ones."""
 
     name = "round-robin"

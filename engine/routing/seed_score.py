@@ -33,7 +33,14 @@ def seed_score(query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget = 
     return make_score(snap, cached, prefill, decode, prefill_s, decode_s)
 
 
-class SeedScore(Policy):
+class SeedScored(Policy):
+    """A policy that scores backends by the study's score (its own `choose` aside)."""
+
+    def score(self, query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget) -> BackendScore:
+        return seed_score(query, snap, budget)
+
+
+class SeedScore(SeedScored):
     """The study's policy: lowest `seed_score()` wins; ties go to the first backend."""
 
     name = "seed-score"
