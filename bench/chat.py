@@ -29,7 +29,6 @@ TTFT of first and of later turns, and per turn index the prompt and cached token
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import random
@@ -39,13 +38,12 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from engine.backends import sse
 from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
 from engine.core.errors import InvalidRequest
 
 from . import report as bench_report
 from .progress import Progress
-from .target import read_usage
+from .target import read_usage, stream_chunks
 
 HELP = "many conversations at once over /v1/chat/completions: TTFT of returning users, cached tokens per turn"
 TOOL = "tandem bench chat"
@@ -216,12 +214,7 @@ async def send_turn(session, target: ChatTarget, messages: list[dict], max_token
             if r.status != 200:
                 out["error"] = f"HTTP {r.status}: {(await r.text())[:500]}"
                 return out
-            async for chunk in sse.data_events(r.content):
-                if chunk is sse.DONE:
-                    break
-                if "error" in chunk:
-                    out["error"] = json.dumps(chunk["error"])[:500]
-                    break
+            async for chunk in stream_chunks(r, out):
                 now = time.perf_counter()
                 for c in chunk.get("choices") or []:
                     text = (c.get("delta") or {}).get("content")

@@ -170,12 +170,7 @@ async def _send(session, target: Target, prompt, n_tokens: int) -> dict:
                 out["error"] = f"HTTP {r.status}: {text}"
                 out["e2e"] = time.perf_counter() - t0
                 return out
-            async for chunk in sse.data_events(r.content):
-                if chunk is sse.DONE:
-                    break
-                if "error" in chunk:
-                    out["error"] = json.dumps(chunk["error"])[:500]
-                    break
+            async for chunk in stream_chunks(r, out):
                 now = time.perf_counter()
                 if _is_token(target, chunk):
                     if out["ttft"] is None:
@@ -212,6 +207,18 @@ def _read_final(target: Target, chunk: dict, out: dict) -> None:
         if c.get("finish_reason"):
             out["finish_reason"] = c["finish_reason"]
     read_usage(chunk.get("usage"), out, completion_key="reported_tokens")
+
+
+async def stream_chunks(response, out: dict):
+    """An OpenAI-compatible stream's JSON events up to `[DONE]`; an error event ends it, kept in
+    `out["error"]`."""
+    async for chunk in sse.data_events(response.content):
+        if chunk is sse.DONE:
+            return
+        if "error" in chunk:
+            out["error"] = json.dumps(chunk["error"])[:500]
+            return
+        yield chunk
 
 
 def read_usage(usage: dict | None, out: dict, completion_key: str = "completion_tokens") -> None:
