@@ -7,6 +7,7 @@ cached prefix; 128 tokens generated each.
 
 from __future__ import annotations
 
+import os
 import json
 import threading
 
@@ -842,6 +843,20 @@ class TestRecentPrefixes:
         assert m.match(m.hashes([1, 1])) == {}
         assert m.match(m.hashes([2, 2])) == {"a": 2}
         assert m.match(m.hashes([4, 4, 4, 4])) == {"b": 4}
+
+    def test_backends_come_in_the_order_they_were_sent_the_prefix_in_every_process(self):
+        # Policies break ties by this order; a set's order would follow PYTHONHASHSEED.
+        import subprocess
+        import sys
+
+        code = ("from engine.routing import RecentPrefixes\n"
+                "m = RecentPrefixes(block=2)\n"
+                "for b in ['gpu1', 'cpu', 'gpu0', 'remote-a', 'gpu3', 'b', 'gpu2']: m.record(m.hashes([1, 2]), b)\n"
+                "print(' '.join(m.match(m.hashes([1, 2]))))")
+        for seed in ("0", "1", "2", "3"):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()
+            assert out == ["gpu1", "cpu", "gpu0", "remote-a", "gpu3", "b", "gpu2"], seed
 
     def test_a_block_of_zero_tokens_is_refused(self):
         from engine.routing import RecentPrefixes

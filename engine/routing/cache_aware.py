@@ -60,14 +60,14 @@ class RecentPrefixes:
         return out
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Backend name -> prefix tokens routed there within the window (whole blocks)."""
+        """Backend name -> prefix tokens routed there within the window (whole blocks),
+        backends in the order they were first sent the matched prefix (the same in every process)."""
         oldest = self._serial - self.window
         found: dict[str, int] = {}
-        alive: set[str] | None = None
+        alive: list[str] | None = None  # a list, not a set: the answer's order is the same in every process
         for k, h in enumerate(hashes):
-            seen = self._blocks.get(h)
-            here = {b for b, serial in seen.items() if serial > oldest} if seen else set()
-            alive = here if alive is None else alive & here
+            seen = self._blocks.get(h) or {}
+            alive = [b for b, serial in seen.items() if serial > oldest and (alive is None or b in alive)]
             if not alive:
                 break
             for b in alive:
