@@ -505,6 +505,7 @@ class Backend(BackendBase):
             device_memory_free_bytes=mem_free,
             device_memory_total_bytes=mem_total,
             device_name=self.model.info.device_name,
+            group=self.config.group,
             process_rss_bytes=process_rss(),
             cache=CacheStats(
                 enabled=enabled,
