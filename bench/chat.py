@@ -43,7 +43,7 @@ from engine.core.errors import InvalidRequest
 
 from . import report as bench_report
 from .progress import Progress
-from .target import read_usage, stream_chunks
+from .target import read_usage, routing_decisions, stream_chunks
 
 HELP = "many conversations at once over /v1/chat/completions: TTFT of returning users, cached tokens per turn"
 TOOL = "tandem bench chat"
@@ -437,7 +437,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="default | PATH.gguf | synthetic:SHAPE[:QUANT] (in-process)")
     p.add_argument("--backend", action="append", default=None, metavar="SPEC",
                    help="the in-process engine's backends, as `tandem serve` takes them (repeatable)")
-    p.add_argument("--policy", default="seed-score", help="the in-process engine's routing policy (default: %(default)s)")
+    p.add_argument("--policy", default="default", help="the in-process engine's routing policy (default: %(default)s, the engine's default policy)")
     p.add_argument("--no-calibrate", action="store_true", help="the in-process engine: no calibration at start")
     p.add_argument("--conversations", type=int, default=96, help="(default: %(default)s)")
     p.add_argument("--turns", type=int, default=8, help="user turns per conversation (default: %(default)s)")
@@ -487,7 +487,7 @@ def run_chat(args) -> int:
     if not bench.records:
         return 130 if interrupted else 1
     summary = bench.summary()
-    written = bench_report.write_all(out_dir, summary, bench.records, [], plots=not args.no_plots)
+    written = bench_report.write_all(out_dir, summary, bench.records, bench.decisions, plots=not args.no_plots)
     print(markdown(summary))
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     if interrupted:
@@ -502,6 +502,7 @@ class ChatBench:
         self.args = args
         self.spec = spec
         self.records: list[RequestRecord] = []
+        self.decisions: list[dict] = []  # from each Tandem target's /v1/routing after a run
         self.targets: list[ChatTarget] = []
         self.notes: list[str] = []
         self.model_info: dict = {"spec": args.model}
@@ -536,6 +537,10 @@ class ChatBench:
                     got = await run_workload(target, wl, timeout=args.timeout, time_limit=args.time_limit or None,
                                              temperature=args.temperature, on_done=on_done)
                     self.records.extend(got)
+                    # Tandem's router says where each turn went and why (its last 1,000 decisions); other servers nothing
+                    decided = await asyncio.to_thread(routing_decisions, target.url, len(got))
+                    self.decisions += [{"workload": self.spec.name(), "target": target.label, "run": run, **d}
+                                       for d in decided]
                     if hasattr(os, "getloadavg"):
                         self.loads.append({"workload": self.spec.name(), "policy": target.label,
                                            "requests": self.spec.requests, "run": run,

@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -101,6 +103,15 @@ async def probe(url: str, api: str = "auto", label: str | None = None, timeout: 
         api = "completion" if is_llama_server else "openai"
     name = label or ("llama-server" if is_llama_server else hostport)
     return Target(url=url, label=f"target:{name}", api=api, model=model, prompt=prompt)
+
+
+def routing_decisions(url: str, n: int) -> list[dict]:
+    """The last `n` routing decisions of a Tandem router (its /v1/routing), [] if it does not say."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/routing?n={n}", timeout=10) as r:
+            return list(json.loads(r.read()).get("decisions") or [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
 
 
 def run_target(target: Target, workload: Workload, *, run: int, warm_copies: int = 1,

@@ -153,6 +153,10 @@ def test_a_target_runs_the_workload_with_replies_of_the_asked_length(tiny_server
     assert {r.index: r.output_tokens for r in records} == asked  # ignore_eos: noise text, exact lengths
     assert {r.policy for r in records} == {"tiny"}
     assert (tmp_path / "results.md").read_text().count("| tiny |") == 1
+    # a Tandem target says where each turn went and why (its /v1/routing)
+    decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert len(decisions) == 6 and {(d["target"], d["policy"]) for d in decisions} == {("tiny", "finish-first")}
+    assert all(d["backend"] == "cpu" and d["reason"] for d in decisions), decisions[0]
 
 
 def test_a_refused_turn_ends_its_conversation_leaving_failed_records(tiny_server, tmp_path):
