@@ -509,16 +509,30 @@ _two_processes() {  # _two_processes PORT: two tandem serve (GPU only) on this G
   _wait_ready "$1"
 }
 
-final_defaults() {  # ~9.5 min, the points that decide first: the chat workload (96 conversations) on
+chat_llama_server() {  # ~8 min: llama-server at -np 16/32/64, with -kvu and without, on the chat workload (each
+                      # cut at LLAMA_LIMIT s), beside the no-knob default in the same call
+  [ -x "${LCBIN:-/none}/llama-server" ] || { echo "chat_llama_server: no llama-server in \$LCBIN"; return 1; }
+  mkdir -p "$OUT/logs"
+  _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  local np kvu ctx
+  for np in ${LLAMA_NPS:-32 16 64}; do
+    ctx=$((np > 32 ? 262144 : 131072))
+    for kvu in "" -kvu; do
+      "$LCBIN/llama-server" -m "$P" -ngl 99 -np "$np" -c "$ctx" $kvu --port 8305 --host 127.0.0.1 -fa auto \
+        > "$OUT/logs/llama-server-np$np$kvu.log" 2>&1 & SERVERS+=($!)
+      _wait_ready 8305; CHAT_LIMIT=${LLAMA_LIMIT:-60} _chat_bench "llama-server-np$np$kvu" 8305; _stop_servers
+    done
+  done
+}
+final_defaults() {  # ~8 min, the points that decide first: the chat workload (96 conversations) on
                    # `tandem serve --model M` (nothing else) against four contexts under cache-aware and two
-                   # processes; the default against tuned caps and two contexts on tenants, long prompts, N=48;
-                   # then 24 and 192 conversations
+                   # processes; then 24 and 192 conversations. The grid on the other workloads is `defaults`
+                   # (its own call: ~6 min), llama-server's -np sweep `chat_llama_server`.
   mkdir -p "$OUT/logs"
   _serve_one default 8311; _chat_bench default 8311; _stop_servers
   _serve_one ctx4 8310 --backend "$G:contexts=4" --policy cache-aware; _chat_bench contexts-4-cache-aware 8310
   _stop_servers
   _two_processes 8304; _chat_bench two-processes 8304; _stop_servers
-  CAPS=${CAPS:-32,64} defaults
   for n in 24 192; do
     _serve_one "default-$n" 8311; CHAT_N=$n _chat_bench "default-n$n" 8311; _stop_servers
     _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers
