@@ -19,8 +19,9 @@ Without `--target` the engine runs in this process (`--model`, `--backend`, `--p
 shares that process's event loop; its prefix caches are flushed between runs. With `--target`
 (repeatable) every target runs the same workload, one after another, run by run.
 
-The output files are `bench grid`'s (`bench.report`: summary.json, requests.csv, results.md),
-one row per target; a turn that failed ends its conversation, and the turns it never sent are
+The output files are `bench grid`'s (`bench.report`: summary.json, requests.csv, decisions.jsonl
+from each Tandem target's `/v1/routing`, results.md), one row per target, and `tandem simulate
+--replay` predicts the in-process row; a turn that failed ends its conversation, and the turns it never sent are
 failed records too, as are turns still unfinished at `--time-limit`. summary.json adds, per row,
 TTFT of first and of later turns, and per turn index the prompt and cached tokens and
 `cached_share`.
@@ -580,6 +581,8 @@ class ChatBench:
             "requests": [self.spec.requests],
             "runs": self.args.runs,
             "policies": [t.label for t in self.targets],
+            # the in-process engine's routing policy (`simulate --replay` routes with it)
+            "engine_policy": self.args.policy if any(t.label == IN_PROCESS for t in self.targets) else None,
             "engine_state": "",
             "notes": self.notes,
             "results": summarize(self.records, self.spec),
