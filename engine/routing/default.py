@@ -133,8 +133,8 @@ class FinishFirst(Policy):
     snapshots share a `group`) are not separate machines: they share its compute, so one
     context's finish, priced as if it had the device alone, says little about its neighbours'.
     The device whose best context finishes first wins; among its contexts that also finish
-    before any other device would, `cache-aware` picks, keeping a tenant or a conversation where its prefix is cached while their loads stay in
-    balance. Measured on one H200, 96 chats over four contexts (docs/performance.md): the
+    before any other device would, `cache-aware` picks, keeping a tenant or a conversation
+    where its prefix is cached while their loads stay in balance. Measured on one H200, 96 chats over four contexts (docs/performance.md): the
     contexts chosen by finish alone moved conversations to slightly lighter contexts, leaving
     a private copy of each on two of them (66.7 % of later turns' prompts cached, 42.5 s), where
     cache-aware kept them home (78.7 %, 39.9 s)."""
