@@ -524,6 +524,20 @@ chat_llama_server() {  # ~8 min: llama-server at -np 16/32/64, with -kvu and wit
     done
   done
 }
+chat_cache() {  # ~7 min: what the default layout's caches keep on the chat workload (96 conversations): the
+               # idle budget (`idle_cache_cells`: while B run, a context keeps idle_cache_cells / B cached cells no
+               # running sequence uses; default 65,536) and the pool (65,536 cells per context) against larger ones
+  mkdir -p "$OUT/logs"
+  _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  local idle ctx
+  for idle in ${CHAT_IDLE:-262144 -1}; do
+    _serve_one "idle$idle" 8312 --backend "$G:idle_cache_cells=$idle"; _chat_bench "idle-$idle" 8312; _stop_servers
+  done
+  for ctx in ${CHAT_CTX:-131072}; do
+    _serve_one "ctx$ctx" 8313 --backend "$G:ctx=$ctx,idle_cache_cells=-1"; _chat_bench "ctx-$ctx-idle-all" 8313
+    _stop_servers
+  done
+}
 final_defaults() {  # ~8 min, the points that decide first: the chat workload (96 conversations) on
                    # `tandem serve --model M` (nothing else) against four contexts under cache-aware and two
                    # processes; then 24 and 192 conversations. The grid on the other workloads is `defaults`
