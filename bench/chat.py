@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
 from engine.core.errors import InvalidRequest
@@ -203,10 +204,10 @@ async def send_turn(session, target: ChatTarget, messages: list[dict], max_token
         body["ignore_eos"] = True
     if target.model:
         body["model"] = target.model
-    out = {"text": "", "ttft": None, "e2e": None, "itl": [], "chunks": 0, "completion_tokens": None,
+    out: dict[str, Any] = {"text": "", "ttft": None, "e2e": None, "itl": [], "chunks": 0, "completion_tokens": None,
            "prompt_tokens": None, "cached": -1, "finish_reason": None, "error": None, "backend": None}
     t0 = time.perf_counter()
-    last = None
+    last = t0
     parts: list[str] = []
     llama_timings = None
     try:
@@ -315,11 +316,13 @@ async def run_workload(target: ChatTarget, wl: ChatWorkload, *, timeout: float =
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         for task in tasks:  # a bug in the client is not a measurement: say so
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+            if not task.cancelled() and (error := task.exception()) is not None:
+                raise error
     for c in wl.conversations:  # cut by the time limit: submitted when sent, or at the limit
         for k in range(spec.turns):
             if (c.index, k) not in got:
+                if time_limit is None:
+                    raise RuntimeError(f"conversation {c.index}, turn {k + 1}: neither answered nor failed")
                 why = (f"not finished within the time limit of {time_limit:g} s" if (c.index, k) in sent
                        else f"not sent within the time limit of {time_limit:g} s")
                 done(_record(target, wl, c.index, k, sent.get((c.index, k), time_limit), None, why), (c.index, k))

@@ -70,6 +70,7 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
+from typing import BinaryIO
 
 from engine.sim.benchmark import RequestRecord, oracle
 from engine.core.errors import EngineError, InvalidRequest
@@ -157,7 +158,7 @@ class Proc:
     log: Path
     env: dict = field(default_factory=dict)
     popen: subprocess.Popen | None = None
-    _log_file: object = None
+    _log_file: BinaryIO | None = None
 
     @property
     def url(self) -> str:

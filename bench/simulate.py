@@ -31,7 +31,7 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from engine.sim.benchmark import RequestRecord, run_metrics
+from engine.sim.benchmark import RequestRecord, RunMetrics, run_metrics
 from engine.rates.store import RateStore, rates_from_entry
 from engine.core.errors import InvalidRequest
 from engine.experiment import Variant
@@ -213,6 +213,8 @@ class SimBench(study.Bench):
                         wl = build_workload(replace(with_requests(spec, n), vocab_size=TOKEN_HIGH,
                                                     label=spec.name() + (f", kv {kv} seqs" if kv else "")), run)
                         for v in variants:
+                            if v.policy is None:
+                                raise InvalidRequest(f"{v.label}: the simulator runs routing policies, not HTTP targets")
                             bar.update(0, f"{v.label} N={n} run {run + 1}/{self.args.runs}")
                             got = simulate(self._profile_for(v.cap, kv, per_seq), wl, v.policy,
                                            budget=self.args.budget, label=v.label, on_done=bar.update)
@@ -466,7 +468,7 @@ def _compare(workload, label, n, measured, predicted, same, itl_m, itl_p, *, per
         vals = [getattr(m, key) for m in ms if math.isfinite(getattr(m, key))]
         return statistics.fmean(vals) if vals else math.nan
 
-    def split(ms):
+    def split(ms: list[RunMetrics]) -> dict[str, float]:
         total: dict[str, float] = {}
         for m in ms:
             for b, k in m.routed.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class LocalModel:
         return head + (f" · {' · '.join(bits)}" if bits else "") + (f" · {self.error}" if self.error else "")
 
 
-def model_folders(env: dict | None = None, home: Path | None = None) -> list[tuple[str, Path, str]]:
+def model_folders(env: Mapping[str, str] | None = None, home: Path | None = None) -> list[tuple[str, Path, str]]:
     """(label, folder, kind) for each place to look; kind is "files" or "ollama"."""
     env = os.environ if env is None else env
     home = Path(home) if home is not None else Path.home()

@@ -131,8 +131,10 @@ class Theme(QObject):
         self.palette = _current = pal
         sheet = style_sheet(pal)
         self.window.setStyleSheet(sheet)
+        from PySide6.QtWidgets import QApplication
+
         app = QGuiApplication.instance()
-        if app is not None and hasattr(app, "styleSheet") and app.styleSheet():
+        if isinstance(app, QApplication) and app.styleSheet():
             app.setStyleSheet(sheet)
         configure_pyqtgraph()
         recolor_plots(self.window)
@@ -206,7 +208,7 @@ def scrollable(widget, min_width: int = 0):
 
     area = QScrollArea()
     area.setWidgetResizable(True)
-    area.setFrameShape(QFrame.NoFrame)
+    area.setFrameShape(QFrame.Shape.NoFrame)
     area.setWidget(widget)
     if min_width:
         area.setMinimumWidth(min_width)

@@ -157,10 +157,10 @@ class Sampler:
                     llama.sampler_accept(self.ptr, tok)
                 return tok
         if self._cur is not None:  # a grammar chain
-            return self._constrained(ctx, row)
+            return self._constrained(self._cur, ctx, row)
         return lc.llama_sampler_sample(self.ptr, ctx, row)
 
-    def _constrained(self, ctx, row: int) -> int:
+    def _constrained(self, cur: np.ndarray, ctx, row: int) -> int:
         """A grammar chain's token (accepted), or `DEAD_END`: what `llama_sampler_sample`
         does (candidates from the row's logits, the chain, accept), but never accepting a
         token the grammar refused."""
@@ -173,7 +173,6 @@ class Sampler:
             if tok is not None:
                 llama.sampler_accept(self.ptr, tok)
                 return tok
-        cur = self._cur
         cur["id"] = np.arange(self._n_vocab, dtype=np.int32)  # the chain reorders them in place
         cur["logit"] = logits
         cur["p"] = 0.0
@@ -191,6 +190,8 @@ class Sampler:
         would choose: both take the first maximum), else None."""
         tok = int(logits.argmax())
         one = self._one
+        if one is None:
+            raise RuntimeError("this chain has no grammar of its own to check the argmax with")
         one[0] = lc.llama_token_data(tok, 0.0, 0.0)
         lc.llama_sampler_apply(self._grammar, ctypes.byref(lc.llama_token_data_array(one, 1, -1, False)))
         return tok if one[0].logit != float("-inf") else None

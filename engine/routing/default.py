@@ -208,13 +208,13 @@ class FinishFirst(Policy):
         self._query = None
 
     def _explain(self, s: BackendScore) -> str:
-        part = self._parts.get(s.name) if self._query is not None else None
-        if part is None:
+        q = self._query
+        part = self._parts.get(s.name) if q is not None else None
+        if q is None or part is None:
             return f"{s.name} in {fmt_s(s.score_s)}"
         f, hit, in_flight = part
         if not math.isfinite(f.finish_s):
             return f"{s.name} never (no rate)"
-        q = self._query
         cached = ""
         if hit:
             cached = f", {hit:,} cached" + (f" ({in_flight:,} routed there, in flight)" if in_flight else "")
