@@ -393,7 +393,7 @@ def _replay(directory: Path, summary: dict, progress: Progress | None, hardware:
         base = workload.split(", kv ")[0]
         spec = by_name.get(base)
         if spec is None and chat is None:
-            continue
+            continue  # a workload the summary does not describe
         measured, predicted, same, total, itl_m, itl_p, per_run = [], [], 0, 0, [], [], []
         cached = {"measured": [0, 0], "predicted": [0, 0]}  # cached, prompt tokens (where known)
         for run, recs in sorted(runs.items()):
@@ -402,7 +402,7 @@ def _replay(directory: Path, summary: dict, progress: Progress | None, hardware:
                 recs = [r for r in recs if r.success]  # a failed turn ends its conversation
                 wl = chat_replay_workload(workload, run, int(chat["turns"]), recs, min(vocab, TOKEN_HIGH))
                 got = simulate(profile, wl, policy, budget=summary.get("budget", "raw"), label=label)
-            else:
+            elif spec is not None:
                 wl = build_workload(replace(with_requests(spec, n), vocab_size=min(vocab, TOKEN_HIGH),
                                             label=workload), run)
                 arrivals = [r.t_submit_s for r in recs]
