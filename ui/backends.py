@@ -176,7 +176,7 @@ class BackendCard(QFrame):
         # Where the rates the router prices this backend at came from: a placeholder ("default")
         # is flagged, since every score is rough until it is measured.
         self.rates_source_label = QLabel()
-        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_source_label):
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label, self.rates_source_label):
             lab.setWordWrap(True)
         grid.addWidget(_muted("Prefix hits"), 7, 0)
         grid.addWidget(self.hit_label, 7, 1, 1, 3)
