@@ -176,7 +176,7 @@ class BackendCard(QFrame):
         # Where the rates the router prices this backend at came from: a placeholder ("default")
         # is flagged, since every score is rough until it is measured.
         self.rates_source_label = QLabel()
-        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_source_label):
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label, self.rates_source_label):
             lab.setWordWrap(True)
         grid.addWidget(_muted("Prefix hits"), 7, 0)
         grid.addWidget(self.hit_label, 7, 1, 1, 3)
@@ -184,16 +184,13 @@ class BackendCard(QFrame):
         grid.addWidget(_muted("Observed"), 9, 0)
         grid.addWidget(self.speed_label, 9, 1, 1, 3)
         grid.addWidget(_muted("Priced at"), 10, 0)
-        priced = QHBoxLayout()
-        priced.setSpacing(8)
-        priced.addWidget(self.rates_label)
-        priced.addWidget(self.rates_source_label, 1)
-        grid.addLayout(priced, 10, 1, 1, 3)
+        grid.addWidget(self.rates_label, 10, 1, 1, 3)
+        grid.addWidget(self.rates_source_label, 11, 1, 1, 3)  # under the rates, as the cache's figures under the hits
         # The adaptive cap's live value and why it last moved (engine/sched/limiter.py).
         self.limit_label = _muted("")
         self.limit_label.setWordWrap(True)
-        grid.addWidget(_muted("Cap"), 11, 0)
-        grid.addWidget(self.limit_label, 11, 1, 1, 3)
+        grid.addWidget(_muted("Cap"), 12, 0)
+        grid.addWidget(self.limit_label, 12, 1, 1, 3)
 
         grid.setColumnStretch(1, 1)
 

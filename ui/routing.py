@@ -160,8 +160,9 @@ def score_term(s, term: str) -> str:
         return _tok(s.decode_tokens)
     if term == "rates":  # the unit is in the column's heading
         return f"{_num_rate(s.rates.prefill_tok_s)} / {_num_rate(s.rates.decode_tok_s)}"
-    if term == "score":
-        return "∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f}"
+    if term == "score":  # at most 7 characters, what the column has room for (the tooltip has the rest)
+        x = s.score_s
+        return "∞" if not math.isfinite(x) else f"{x:.3f}" if abs(x) < 1000 else f"{x:.1f}" if abs(x) < 1e5 else f"{x:.0f}"
     raise KeyError(term)
 
 

@@ -40,7 +40,7 @@ from engine.sim.teaching import (
 )
 
 from .live_run import STUDY, WorkloadRun
-from .presenter import TITLE_PT, loosen
+from .presenter import TITLE_PT
 from .run_controls import RunControls
 from .theme import (
     LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable_column, style_plot, wrap_label,
@@ -425,7 +425,6 @@ class TeachingPanel(QWidget):
         """The chart's title, in the presenter view's size while it is on (`ui.presenter`)."""
         size = f"{TITLE_PT}pt" if self.property("presenter") else "10pt"
         self.chart.getPlotItem().setTitle(text, color=palette().text, size=size)
-        loosen(self.chart.getPlotItem().titleLabel)
 
     def _show_chart(self, arrival: int | None) -> None:
         if arrival is None:

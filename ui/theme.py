@@ -21,6 +21,7 @@ from PySide6.QtCore import QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication
 
 from .markdown import DARK_CODE, LIGHT_CODE, CodeColors
+from .plot_title import fit_title
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 STYLE_SHEET = RESOURCES / "tandem.qss"
@@ -195,6 +196,7 @@ def configure_pyqtgraph() -> None:
 
 
 def style_plot(plot: pg.PlotItem, title: str, x: str, y: str) -> None:
+    fit_title(plot)  # a long title wraps rather than widening the plot past its widget
     plot.setTitle(title, color=_current.text, size="10pt")
     plot.setLabel("bottom", x)
     plot.setLabel("left", y)
