@@ -22,8 +22,8 @@ class FitTitle(pg.LabelItem):
     def __init__(self, plot: pg.PlotItem):
         self._natural = 0.0  # the title's width on one line
         super().__init__(" ", parent=plot, size="11pt")
-        option = QTextOption(Qt.AlignHCenter)
-        option.setWrapMode(QTextOption.WrapAtWordBoundaryOrAnywhere)
+        option = QTextOption(Qt.AlignmentFlag.AlignHCenter)
+        option.setWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
         self.item.document().setDefaultTextOption(option)
 
     def setText(self, text, **args):
