@@ -97,7 +97,7 @@ def test_a_model_in_parts_is_one_entry_with_the_parts_total(fake_hub, tiny_parts
     assert hub.fits(f, shape, 512, hub.Memory(f.size, f.size // 2)).ram == "too big"
 
 
-def test_a_model_in_parts_downloads_every_part_and_loads_from_the_first(fake_hub, tiny_parts, tmp_path):
+def test_a_model_in_parts_is_downloaded_whole_then_loaded_from_its_first_part(fake_hub, tiny_parts, tmp_path):
     from engine.backends.config import parse_backend_specs
     from engine.engine import Engine
     from ui import hub
@@ -341,7 +341,7 @@ def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_by
     assert os.path.samefile(w.engine.model.path, dialog.downloaded)
 
 
-def test_get_model_dialog_stops_keeping_the_bytes_and_resumes(qtbot, fake_hub, tiny_bytes, tmp_path, monkeypatch):
+def test_get_model_dialog_resumes_from_the_bytes_a_stop_kept(qtbot, fake_hub, tiny_bytes, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
     from ui import hub
