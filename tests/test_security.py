@@ -122,18 +122,20 @@ def timed_get(url: str, timeout: float = 1.0) -> tuple[httpx.Response, float]:
 
 
 def test_5000_slow_connections_cannot_hold_the_server(many_files):
-    header_timeout = 5
+    header_timeout = 10
     # Only the header deadline is under test: the per-client cap is lifted, and aiohttp's own
     # keep-alive timer (armed when a connection opens) is kept off the same instant.
     with serve("--header-timeout", str(header_timeout), "--max-connections", "6000",
-               "--max-client-connections", "6000", "--keepalive-timeout", "15") as (proc, base):
+               "--max-client-connections", "6000", "--keepalive-timeout", "25") as (proc, base):
         baseline = open_fds(proc.pid)
         with slow_clients(base, 5000):
-            held = open_fds(proc.pid)
+            # they really are held open, else the test proves nothing: the last connections may
+            # still wait in the listen backlog when the clients' loop ends (a busy machine), and
+            # none is let go before its header deadline, so this state holds once reached
+            wait_until(lambda: open_fds(proc.pid) >= baseline + 4000, timeout=header_timeout / 2,
+                       what="the server holding 4,000 slow connections")
             health, took = timed_get(base + "/health", timeout=1)
             assert health.status_code == 200 and took < 1, took
-            # they really were held open, else the test proves nothing
-            assert held >= baseline + 4000, (baseline, held)
             # without closing our side, the server lets go of every one of them
             wait_until(lambda: open_fds(proc.pid) <= baseline + 20, timeout=header_timeout + 15,
                        what="the slow connections' files freed")
