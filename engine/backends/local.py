@@ -549,6 +549,12 @@ class Backend(BackendBase):
         return self._runner.eog_redos
 
     @property
+    def grammar_deferrals(self) -> int:
+        """Grammar searches that ran past their share of a step and went on at the next
+        (engine/llama/runner.py, `GRAMMAR_SHARE`)."""
+        return self._runner.grammar_deferrals
+
+    @property
     def sampler_attaches(self) -> int:
         """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
         return self._runner.samplers.attaches
