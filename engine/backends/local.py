@@ -555,6 +555,11 @@ class Backend(BackendBase):
         return self._runner.grammar_deferrals
 
     @property
+    def grammar_checks(self) -> int:
+        """Candidate tokens grammar chains checked, counted as their requests end."""
+        return self._runner.samplers.grammar_checks
+
+    @property
     def sampler_attaches(self) -> int:
         """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
         return self._runner.samplers.attaches

@@ -208,6 +208,7 @@ class Sampler:
                     return tok
             search = self._search = _Search(logits.copy(), self._need)
         first = True  # each call checks one chunk at least, whatever the deadline
+        last = STAGES[0] // 2  # the last chunk's size
         while not search.done:
             todo = search.todo()
             if deadline is None:
@@ -217,13 +218,17 @@ class Sampler:
                 if left <= 0 and not first:
                     self.deferred += 1
                     return PENDING
-                k = int(left / self._per_candidate) if self._per_candidate > 0 and left > 0 else STAGES[0]
-                k = min(max(k, _MIN_CHUNK), len(todo))
+                # A candidate's check costs from nothing (its first character fits no stack) to
+                # the grammar's whole width: chunks grow at most twofold, and the estimate
+                # rises at once and falls slowly.
+                k = int(left / self._per_candidate) if self._per_candidate > 0 and left > 0 else 0
+                k = min(max(k, _MIN_CHUNK), 2 * last, len(todo))
             first = False
             t0 = time.perf_counter()
             search.took(todo[:k], self._check(todo[:k]))
             if k:
-                self._per_candidate = (time.perf_counter() - t0) / k
+                last = k
+                self._per_candidate = max((time.perf_counter() - t0) / k, 0.5 * self._per_candidate)
         self._search = None
         return self._choose(search)
 
@@ -408,6 +413,7 @@ class SamplerSlots:
         self._fused_ids: set[int] = set()
         self.fused_dist_from = fused_dist_from
         self._temperature_ids: set[int] = set()  # ids whose running request samples at a temperature
+        self.grammar_checks = 0  # candidates grammar chains checked, counted as their requests end
 
     @property
     def fused_busy(self) -> bool:
@@ -500,6 +506,9 @@ class SamplerSlots:
         self._temperature_ids.discard(seq_id)
         if seq_id in self._slots:
             self._idle_since[seq_id] = time.monotonic()
+            chain = self._slots[seq_id]
+            self.grammar_checks += chain.checked
+            chain.checked = 0
 
     def expires_in(self, now: float) -> float | None:
         """Seconds until the oldest idle chain is due for `trim`; None when none is idle."""
