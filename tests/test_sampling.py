@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from engine.llama import greedy, runner, sampling
+from engine.core.errors import InvalidRequest
+from engine.llama import grammar, greedy, runner, sampling
 from engine.llama import holding_gil
 from engine.core.request import Request, RequestStatus, SamplingParams
 
@@ -286,6 +287,19 @@ def test_a_sampled_grammar_token_inside_an_open_grammar_checks_one_stage(make_ba
     r = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
     assert r.output_tokens == 16
     assert 0 < b.grammar_checks <= 16 * sampling.STAGES[0] < 16 * tiny_model.n_vocab
+
+
+def test_a_grammar_check_stops_at_its_cpu_budget(default_model, monkeypatch):
+    """A grammar's check over the vocabulary (the pass a reply may pay at every token) is
+    refused as soon as it has spent `MAX_PASS_MS` of CPU, before it has gone through the
+    vocabulary: a costly grammar costs its sender's check no more than the budget."""
+    monkeypatch.setattr(grammar, "MAX_PASS_MS", 0.001)
+    # 256 alternatives sharing a long prefix: every "e" token matches every stack deeply
+    text = "root ::= (" + " | ".join(f'"{"e" * 20}{i:03d}"' for i in range(256)) + ") root"
+    with pytest.raises(InvalidRequest, match="MAX_PASS_MS") as refused:
+        default_model.check_grammar(text)
+    done = int(re.search(r"by (\d+)% of it", refused.value.message).group(1))
+    assert done < 100  # stopped inside the pass
 
 
 def test_a_reused_logprobs_chain_gives_this_requests_number_of_alternatives(make_backend, tiny_model):

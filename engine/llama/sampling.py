@@ -66,6 +66,7 @@ PENDING = -2  # `Sampler.sample` of a grammar chain whose search ran past its de
 # 1,024 likeliest, then all.
 STAGES = (64, 1024)
 _MIN_CHUNK = 32  # candidates checked between two looks at the deadline, at least
+_MAX_CHUNK = 512  # and at most
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -219,16 +220,18 @@ class Sampler:
                     self.deferred += 1
                     return PENDING
                 # A candidate's check costs from nothing (its first character fits no stack) to
-                # the grammar's whole width: chunks grow at most twofold, and the estimate
-                # rises at once and falls slowly.
+                # the grammar's whole width (50 us here, 256 alternatives): chunks grow at most
+                # twofold up to `_MAX_CHUNK`, the estimate rises at once and falls slowly, and
+                # the last stage goes in a shuffled order, so that a chunk costs about its
+                # share of the whole.
                 k = int(left / self._per_candidate) if self._per_candidate > 0 and left > 0 else 0
-                k = min(max(k, _MIN_CHUNK), 2 * last, len(todo))
+                k = min(max(k, _MIN_CHUNK), 2 * last, _MAX_CHUNK, len(todo))
             first = False
             t0 = time.perf_counter()
             search.took(todo[:k], self._check(todo[:k]))
             if k:
                 last = k
-                self._per_candidate = max((time.perf_counter() - t0) / k, 0.5 * self._per_candidate)
+                self._per_candidate = max((time.perf_counter() - t0) / k, 0.9 * self._per_candidate)
         self._search = None
         return self._choose(search)
 
@@ -344,7 +347,7 @@ class _Search:
         bound = self._stages.pop(0)
         n = len(self.logits)
         if bound >= n:
-            ids = np.arange(n, dtype=np.int32)
+            ids = _shuffled(n)
         else:
             ids = np.argpartition(-self.logits, bound - 1)[:bound].astype(np.int32)
         if self._seen is not None:
@@ -354,6 +357,17 @@ class _Search:
             seen = ids
         self._seen = seen if self._stages else None
         self._todo, self._pos = ids, 0
+
+
+_SHUFFLED: dict[int, np.ndarray] = {}
+
+
+def _shuffled(n: int) -> np.ndarray:
+    """The ids 0..n-1 in a fixed shuffled order (made once per vocabulary size)."""
+    ids = _SHUFFLED.get(n)
+    if ids is None:
+        ids = _SHUFFLED[n] = np.random.default_rng(0).permutation(n).astype(np.int32)
+    return ids
 
 
 def _penalty(params: SamplingParams) -> tuple | None:
