@@ -55,7 +55,7 @@ BULK_READ_FROM = 3
 # A step's grammar searches (host sampling of constrained sequences, engine/llama/sampling.py)
 # stop at this share of the step's decode time, or at the floor, whichever is longer; a search
 # not done by then goes on at the next step, its sequence's input decoded again.
-GRAMMAR_SHARE = 0.5
+GRAMMAR_SHARE = 0.25
 GRAMMAR_FLOOR_S = 0.002
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
