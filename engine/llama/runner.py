@@ -56,7 +56,7 @@ BULK_READ_FROM = 3
 # stop at this share of the step's decode time, or at the floor, whichever is longer; a search
 # not done by then goes on at the next step, its sequence's input decoded again.
 GRAMMAR_SHARE = 0.25
-GRAMMAR_FLOOR_S = 0.002
+GRAMMAR_FLOOR_S = 0.0005
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
