@@ -85,7 +85,8 @@ def run_gui(args) -> int:
     gpu = llama.gpu_offload_supported()
     print(f"tandem: llama_supports_gpu_offload() = {gpu}", file=sys.stderr)
 
-    app = QApplication.instance() or QApplication(sys.argv[:1])
+    running = QApplication.instance()
+    app = running if isinstance(running, QApplication) else QApplication(sys.argv[:1])
     app.setApplicationName("Tandem")
     app.setOrganizationName("tandem")
     app.setStyleSheet(style_sheet())
@@ -103,7 +104,7 @@ def run_gui(args) -> int:
 
         scratch = tempfile.mkdtemp(prefix="tandem-tour-")
         store = ChatStore(os.path.join(scratch, "chats"))
-        settings = QSettings(os.path.join(scratch, "settings.ini"), QSettings.IniFormat)
+        settings = QSettings(os.path.join(scratch, "settings.ini"), QSettings.Format.IniFormat)
     window = MainWindow(load_fn=load_engine, gpu_offload=gpu, recalibrate=recalibrate,
                         bench_runner_factory=experiment_runner, serve_fn=serve, store=store, settings=settings)
     theme = getattr(args, "theme", None)
@@ -119,7 +120,7 @@ def run_gui(args) -> int:
         from ui.tour import chat_tour, first_start, tour, whatif
 
         only = getattr(args, "tour_only", None)
-        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start}.get(only, tour)
+        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start}.get(only or "", tour)
         with loop:
             try:
                 loop.run_until_complete(part(window, Path(tour_dir), args))
@@ -134,8 +135,11 @@ def run_gui(args) -> int:
     responsiveness = getattr(args, "responsiveness", False)
     if responsiveness and not demo:
         demo = 48  # the lateness is measured over a demo run: without one it would never end
-    address = getattr(args, "serve", None)
+    address: tuple[str, int] | None = getattr(args, "serve", None)
     api_key = getattr(args, "api_key", None) or os.environ.get("TANDEM_API_KEY") or None
+    server = window.server
+    if server is None:
+        raise RuntimeError("the window was made without a server control (serve_fn)")
 
     def finish(rc: int = 0) -> None:
         if screenshot:
@@ -146,11 +150,10 @@ def run_gui(args) -> int:
         app.quit()
 
     if address is not None:  # what the server does, on the terminal that asked for it
-        window.server.state_changed.connect(
-            lambda _text: print(f"tandem: server: {window.server.detail()}", file=sys.stderr))
+        server.state_changed.connect(lambda _text: print(f"tandem: server: {server.detail()}", file=sys.stderr))
 
     def on_loaded(_engine) -> None:
-        if address is not None and not window.server.running:
+        if address is not None and not server.running:
             window.start_server(ServerOptions(*address, api_key))
         if panel:
             window.show_panel(panel)
@@ -186,7 +189,7 @@ def run_gui(args) -> int:
     app.aboutToQuit.connect(closed.set)
     with loop:
         loop.run_until_complete(closed.wait())
-        loop.run_until_complete(window.server.aclose())  # if the app quit without closing the window
+        loop.run_until_complete(server.aclose())  # if the app quit without closing the window
     window.shutdown()
     return status["rc"]
 

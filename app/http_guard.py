@@ -340,6 +340,8 @@ class GuardedProtocol(asyncio.Protocol):
             transport.write(_BUSY)
             transport.close()
             return
+        if self._guard.loop is None:
+            raise RuntimeError("a connection arrived before its guarded site started")
         self._deadline = self._guard.loop.call_later(self._guard.settings.header_timeout, self._header_timeout)
         self._inner = self._server()
         self._inner.connection_made(transport)
@@ -501,7 +503,7 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
                 param="Content-Type")
     guard = request.app.get(CONNECTIONS)
     conn = guard.connection_of(request) if guard is not None else None
-    if conn is None:  # served by another site (a test server): nothing to track
+    if guard is None or conn is None:  # served by another site (a test server): nothing to track
         return await handler(request)
     guard.request_started(conn, request.body_exists)
     try:
@@ -566,7 +568,7 @@ async def read_body(request: web.Request) -> bytes:
                           f"the body stopped for {settings.body_idle_timeout:g} s") from None
     guard = request.app.get(CONNECTIONS)
     conn = guard.connection_of(request) if guard is not None else None
-    if conn is not None:
+    if guard is not None and conn is not None:
         guard.body_read(conn)
     return bytes(body)
 

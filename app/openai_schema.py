@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -118,6 +118,9 @@ Bias = Annotated[Finite, Field(ge=-100, le=100)]
 class _Strict(BaseModel):
     # strict: "8" is not 8 and true is not 1; unknown fields are ignored, like OpenAI's other servers
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+M = TypeVar("M", bound=_Strict)
 
 
 class TextPart(_Strict):
@@ -292,7 +295,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = Field(default=None, description="each output token's logprob")
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = Field(
         default=None, description="alternatives per token (needs logprobs: true)")
-    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None  # type: ignore[assignment]
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="default: auto with tools; a reply holds at most one call")
     parallel_tool_calls: bool | None = Field(default=None, description="accepted; a reply holds at most one call")
@@ -454,7 +457,7 @@ class ServedModel:
         return self.id if model in self.aliases else model
 
 
-def validate(cls: type[_Strict], raw: bytes) -> _Strict:
+def validate(cls: type[M], raw: bytes) -> M:
     """Raw JSON bytes → a checked model, or `InvalidRequest` naming the first bad field."""
     try:
         return cls.model_validate_json(raw)
@@ -580,17 +583,26 @@ def _format_grammar(body: _Sampling) -> str | None:
     return schema_grammar(standalone_schema(fmt.json_schema.schema_, fmt.json_schema.name), param="response_format")
 
 
+def _single_prompt(prompt: object) -> str | list[int]:
+    """A completion's prompt: text or token ids, alone or as a one-element batch (as validated)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a one-element batch
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    raise InvalidRequest("the prompt must be a string or a list of token ids", param="prompt")
+
+
 def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
     body = validate(CompletionRequest, raw)
     model = served.check(body.model)
     grammar = _format_grammar(body)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a one-element batch
+    prompt = _single_prompt(body.prompt)
     if engine.model is None:  # a router in front of remote engines: they tokenize
         text = prompt if isinstance(prompt, str) else None
-        return _api_request("completion", body, [] if text else list(prompt), model, "prompt", 0, served, text=text,
+        return _api_request("completion", body, [] if isinstance(prompt, str) else list(prompt), model, "prompt", 0, served, text=text,
                             grammar=grammar)
     if isinstance(prompt, str):
         if not prompt:
@@ -772,7 +784,7 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
                           {"type": "object"}, 400, 401,
                           params=[{"name": "n", "in": "query", "required": False,
                                    "schema": {"type": "integer", "minimum": 0, "maximum": 1000}}]))
-    doc = {
+    doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
         "paths": {

@@ -570,7 +570,7 @@ def document(doc: dict, *, auth: bool) -> None:
                            "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": ["response"]},
                                           "created_at": {"type": "integer"}, "status": {"type": "string"},
                                           "output": {"type": "array"}, "usage": {"type": ["object", "null"]}}}
-    security = {"security": [{"bearer": []}]} if auth else {}
+    security: dict[str, Any] = {"security": [{"bearer": []}]} if auth else {}
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     failures = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model or previous response",
                 429: "queue full, retry later", 503: "no backend can serve"}

@@ -531,11 +531,12 @@ def _succeeded(record: FinishRecord) -> FinishRecord:
 def _failure(record: FinishRecord) -> EngineError:
     """A failed record as the error its kind says: a backend that shut down, restarted or
     failed with nowhere else to go is 503 (retry), a request the model cannot satisfy 400."""
+    message = record.error or f"the request ended {record.status.name}"
     if record.status == RequestStatus.FINISHED_CANCELLED or record.error_kind == "unavailable_error":
-        return BackendUnavailable(record.error)
+        return BackendUnavailable(message)
     if record.error_kind == "invalid_request_error":
-        return InvalidRequest(record.error)
-    return RequestFailed(record.error)
+        return InvalidRequest(message)
+    return RequestFailed(message)
 
 
 class Reply:
@@ -662,7 +663,10 @@ class Reply:
     def _logprobs(self, i: int, entries: list, first_piece: bytes | None = None) -> dict:
         if self.chat:
             return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
-        tokens, offsets, logprobs, tops = [], [], [], []
+        tokens: list[str] = []
+        offsets: list[int] = []
+        logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
         if first_piece is not None:  # a prompt's first token: nothing before it predicts it
             tokens.append(_text(first_piece))
             offsets.append(self._offset[i])
@@ -769,9 +773,8 @@ def _model_object(app: web.Application, model_id: str) -> dict:
 
 
 async def routing(request: web.Request) -> web.Response:
-    n = request.query.get("n", "50")
     try:
-        n = int(n)
+        n = int(request.query.get("n", "50"))
     except ValueError:
         n = -1
     if not 0 <= n <= MAX_ROUTING_DECISIONS:

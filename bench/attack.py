@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -84,7 +85,7 @@ class Phase:
         lat = sorted(self.latencies)
         p50 = statistics.median(lat) if lat else float("nan")
         p95 = lat[min(int(0.95 * len(lat)), len(lat) - 1)] if lat else float("nan")
-        out = {"phase": self.name, "normal_requests": len(lat) + len(self.errors), "errors": len(self.errors),
+        out: dict[str, Any] = {"phase": self.name, "normal_requests": len(lat) + len(self.errors), "errors": len(self.errors),
                "p50_ms": round(p50 * 1000, 1), "p95_ms": round(p95 * 1000, 1),
                "p95_vs_quiet": round(p95 / quiet_p95, 2) if quiet_p95 else 1.0,
                "attack": dict(self.attack), "server_rss_mb": round(self.rss_mb, 1),

@@ -42,7 +42,7 @@ def run_cache(args) -> int:
     backend = Backend(BackendConfig(name="bench", device=model.device, cap=1, n_ctx=2048,
                                     threads=args.threads, flash_attn=args.flash_attn), model).start()
     sp = SamplingParams(temperature=0.0, max_tokens=1)
-    ttft = {"cold": [], "warm": []}
+    ttft: dict[str, list[float]] = {"cold": [], "warm": []}
     cached = []
     try:
         for rnd in range(args.repeats + 1):  # round 0 warms up
@@ -52,6 +52,8 @@ def run_cache(args) -> int:
                     backend.warm(prefix).result(120)
                 r = backend.enqueue(Request(tuple(prompt), sp, source="bench")).result(120)
                 if rnd:
+                    if r.ttft_s is None:
+                        raise RuntimeError(f"the {kind} request produced no token ({r.error or r.status.name})")
                     ttft[kind].append(r.ttft_s)
                     if kind == "warm":
                         cached.append(r.cached_tokens)

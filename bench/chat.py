@@ -19,8 +19,9 @@ Without `--target` the engine runs in this process (`--model`, `--backend`, `--p
 shares that process's event loop; its prefix caches are flushed between runs. With `--target`
 (repeatable) every target runs the same workload, one after another, run by run.
 
-The output files are `bench grid`'s (`bench.report`: summary.json, requests.csv, results.md),
-one row per target; a turn that failed ends its conversation, and the turns it never sent are
+The output files are `bench grid`'s (`bench.report`: summary.json, requests.csv, decisions.jsonl
+from each Tandem target's `/v1/routing`, results.md), one row per target, and `tandem simulate
+--replay` predicts the in-process row; a turn that failed ends its conversation, and the turns it never sent are
 failed records too, as are turns still unfinished at `--time-limit`. summary.json adds, per row,
 TTFT of first and of later turns, and per turn index the prompt and cached tokens and
 `cached_share`.
@@ -37,13 +38,14 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
 from engine.core.errors import InvalidRequest
 
 from . import report as bench_report
 from .progress import Progress
-from .target import read_usage, stream_chunks
+from .target import read_usage, routing_decisions, stream_chunks
 
 HELP = "many conversations at once over /v1/chat/completions: TTFT of returning users, cached tokens per turn"
 TOOL = "tandem bench chat"
@@ -202,10 +204,10 @@ async def send_turn(session, target: ChatTarget, messages: list[dict], max_token
         body["ignore_eos"] = True
     if target.model:
         body["model"] = target.model
-    out = {"text": "", "ttft": None, "e2e": None, "itl": [], "chunks": 0, "completion_tokens": None,
+    out: dict[str, Any] = {"text": "", "ttft": None, "e2e": None, "itl": [], "chunks": 0, "completion_tokens": None,
            "prompt_tokens": None, "cached": -1, "finish_reason": None, "error": None, "backend": None}
     t0 = time.perf_counter()
-    last = None
+    last = t0
     parts: list[str] = []
     llama_timings = None
     try:
@@ -314,11 +316,13 @@ async def run_workload(target: ChatTarget, wl: ChatWorkload, *, timeout: float =
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         for task in tasks:  # a bug in the client is not a measurement: say so
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+            if not task.cancelled() and (error := task.exception()) is not None:
+                raise error
     for c in wl.conversations:  # cut by the time limit: submitted when sent, or at the limit
         for k in range(spec.turns):
             if (c.index, k) not in got:
+                if time_limit is None:
+                    raise RuntimeError(f"conversation {c.index}, turn {k + 1}: neither answered nor failed")
                 why = (f"not finished within the time limit of {time_limit:g} s" if (c.index, k) in sent
                        else f"not sent within the time limit of {time_limit:g} s")
                 done(_record(target, wl, c.index, k, sent.get((c.index, k), time_limit), None, why), (c.index, k))
@@ -437,7 +441,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="default | PATH.gguf | synthetic:SHAPE[:QUANT] (in-process)")
     p.add_argument("--backend", action="append", default=None, metavar="SPEC",
                    help="the in-process engine's backends, as `tandem serve` takes them (repeatable)")
-    p.add_argument("--policy", default="seed-score", help="the in-process engine's routing policy (default: %(default)s)")
+    p.add_argument("--policy", default="default", help="the in-process engine's routing policy (default: %(default)s, the engine's default policy)")
     p.add_argument("--no-calibrate", action="store_true", help="the in-process engine: no calibration at start")
     p.add_argument("--conversations", type=int, default=96, help="(default: %(default)s)")
     p.add_argument("--turns", type=int, default=8, help="user turns per conversation (default: %(default)s)")
@@ -487,7 +491,7 @@ def run_chat(args) -> int:
     if not bench.records:
         return 130 if interrupted else 1
     summary = bench.summary()
-    written = bench_report.write_all(out_dir, summary, bench.records, [], plots=not args.no_plots)
+    written = bench_report.write_all(out_dir, summary, bench.records, bench.decisions, plots=not args.no_plots)
     print(markdown(summary))
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     if interrupted:
@@ -502,6 +506,7 @@ class ChatBench:
         self.args = args
         self.spec = spec
         self.records: list[RequestRecord] = []
+        self.decisions: list[dict] = []  # from each Tandem target's /v1/routing after a run
         self.targets: list[ChatTarget] = []
         self.notes: list[str] = []
         self.model_info: dict = {"spec": args.model}
@@ -536,6 +541,10 @@ class ChatBench:
                     got = await run_workload(target, wl, timeout=args.timeout, time_limit=args.time_limit or None,
                                              temperature=args.temperature, on_done=on_done)
                     self.records.extend(got)
+                    # Tandem's router says where each turn went and why (its last 1,000 decisions); other servers nothing
+                    decided = await asyncio.to_thread(routing_decisions, target.url, len(got))
+                    self.decisions += [{"workload": self.spec.name(), "target": target.label, "run": run, **d}
+                                       for d in decided]
                     if hasattr(os, "getloadavg"):
                         self.loads.append({"workload": self.spec.name(), "policy": target.label,
                                            "requests": self.spec.requests, "run": run,
@@ -575,6 +584,8 @@ class ChatBench:
             "requests": [self.spec.requests],
             "runs": self.args.runs,
             "policies": [t.label for t in self.targets],
+            # the in-process engine's routing policy (`simulate --replay` routes with it)
+            "engine_policy": self.args.policy if any(t.label == IN_PROCESS for t in self.targets) else None,
             "engine_state": "",
             "notes": self.notes,
             "results": summarize(self.records, self.spec),

@@ -33,8 +33,10 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from engine.backends.config import default_specs, parse_backend_specs
+from engine.backends.local import Backend
 from engine.core.request import Request, SamplingParams
 from engine.engine import Engine
 
@@ -62,6 +64,11 @@ def hog_grammar(engine: Engine, hog: str) -> tuple[str, str]:
     """The hog's grammar, and what it is; the largest the engine's limits accept."""
     from engine.llama import grammar as g
 
+    model = engine.model
+    if model is None:
+        raise ValueError("tandem bench constrained needs a local model")
+    schema: dict[str, Any] = {}
+    what = ""
     if hog == "json":  # inside a string every token passes
         schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": g.MAX_REPEAT}},
                   "required": ["text"]}
@@ -72,13 +79,13 @@ def hog_grammar(engine: Engine, hog: str) -> tuple[str, str]:
         what = f"an array of {g.MAX_REPEAT}+ items of an enum of {g.MAX_ENUM} values"
     if hog in ("json", "schema"):
         text = engine.json_grammar(schema)
-        engine.model.check_grammar(text, "response_format")
+        model.check_grammar(text, "response_format")
         return text, what
     # Alternatives that share their first letters, so that many stacks match a token deeply.
     n = g.MAX_ALTERNATIVES
     words = " | ".join(f'"w{i:03d}x"' for i in range(n))
     text = f'root ::= "[" items\nitems ::= item items\nitem ::= ({words}) " "'
-    engine.model.check_grammar(text)
+    model.check_grammar(text)
     return text, f"{n} alternatives, repeated"
 
 
@@ -108,7 +115,7 @@ def run_constrained(args) -> int:
                 control = SamplingParams(temperature=t, max_tokens=4096, seed=1, ignore_eos=True)
                 runs: dict[str, list] = {"alone": [], "plain": [], "hog": [], "hog_tok_s": [], "gaps": [],
                                          "plain_gaps": []}
-                deferrals = engine.backend(name).grammar_deferrals
+                deferrals = _local(engine, name).grammar_deferrals
                 for _ in range(args.repeats):  # alone, beside the control, beside the hog, ...
                     runs["alone"].append(_neighbour(engine, name, prompt, near))
                     one, _, gaps = _beside(engine, name, prompt, near, hog_prompt, control)
@@ -119,7 +126,7 @@ def run_constrained(args) -> int:
                     runs["hog_tok_s"].append(rate)
                     runs["gaps"] += gaps
                 rows.append(_row(hog, mode, what, len(text), runs))
-                rows[-1]["grammar_deferrals"] = engine.backend(name).grammar_deferrals - deferrals
+                rows[-1]["grammar_deferrals"] = _local(engine, name).grammar_deferrals - deferrals
                 _print(rows[-1])
     finally:
         engine.close()
@@ -131,6 +138,14 @@ def run_constrained(args) -> int:
         (out / "constrained.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return 0
+
+
+def _local(engine: Engine, name: str) -> Backend:
+    """Backend `name`, which must be a local (llama.cpp) one: its step counters are read."""
+    backend = engine.backend(name)
+    if not isinstance(backend, Backend):
+        raise ValueError(f"backend {name} is not a local one")
+    return backend
 
 
 def _neighbour(engine: Engine, name: str, prompt: list[int], sp: SamplingParams) -> tuple[float, float]:
@@ -160,7 +175,7 @@ def _beside(engine: Engine, name: str, prompt, near, hog_prompt, hp):
         hog.cancel()
         record = hog.result(60)
         raise RuntimeError(f"the hog did not start decoding: {record.error or record.finish_reason}")
-    backend = engine.backend(name)
+    backend = _local(engine, name)
     t0, n0, s0 = time.perf_counter(), _generated(engine, name, hog.id), backend.steps
     result = _neighbour(engine, name, prompt, near)
     dt, n, s1 = time.perf_counter() - t0, _generated(engine, name, hog.id) - n0, backend.steps

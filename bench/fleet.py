@@ -70,6 +70,7 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
+from typing import BinaryIO
 
 from engine.sim.benchmark import RequestRecord, oracle
 from engine.core.errors import EngineError, InvalidRequest
@@ -157,7 +158,7 @@ class Proc:
     log: Path
     env: dict = field(default_factory=dict)
     popen: subprocess.Popen | None = None
-    _log_file: object = None
+    _log_file: BinaryIO | None = None
 
     @property
     def url(self) -> str:
@@ -311,15 +312,6 @@ def scrape(url: str) -> dict | None:
     return {"requests": None, "output_tokens": None, "prompt_tokens_computed": None}
 
 
-def routing_decisions(url: str, n: int) -> list[dict]:
-    """The last `n` routing decisions of a Tandem router (its /v1/routing), [] if it does not say."""
-    try:
-        with urllib.request.urlopen(f"{url}/v1/routing?n={n}", timeout=10) as r:
-            return list(json.loads(r.read()).get("decisions") or [])
-    except (urllib.error.URLError, OSError, ValueError):
-        return []
-
-
 def counter_deltas(before: dict, after: dict) -> dict:
     """Per engine: after - before of each counter; None where either side is unknown (a killed
     engine answers nothing after)."""
@@ -423,7 +415,7 @@ class Fleet:
         """One run of the workload through a router (or engine e0 alone)."""
         import asyncio
 
-        from .target import Target, probe, run_target
+        from .target import Target, probe, routing_decisions, run_target
 
         self.fresh_engines()
         router = None

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from typing import Any
 
 from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
@@ -159,8 +160,8 @@ def run_overhead(args) -> int:
         results.update({f"{m}_b{b}": [] for b in batches})
     results.update({f"part_{v}_b{b}": [] for b in batches for v in variants})
     variant_reuse: dict[str, list[float]] = {f"{v}_b{b}": [] for b in batches for v in variants}
-    variant_step = {k: [] for k in variant_reuse}  # ms per step inside llama_decode (+ its sync)
-    variant_host = {k: [] for k in variant_reuse}  # µs per step outside it (the uniforms' upload is there)
+    variant_step: dict[str, list[float]] = {k: [] for k in variant_reuse}  # ms per step inside llama_decode (+ its sync)
+    variant_host: dict[str, list[float]] = {k: [] for k in variant_reuse}  # µs per step outside it (the uniforms' upload is there)
     if args.constrained:
         results.update({f"constrained_b{b}": [] for b in batches})
     if llama is not None:
@@ -222,7 +223,7 @@ def run_overhead(args) -> int:
         if chains is not None:
             chains.stop()
         model.close()
-    out = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
+    out: dict[str, Any] = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
     # Share of the engine's wall time spent outside llama_decode (scheduling, sampling, events).
     out["host_share"] = {f"b{b}": round(statistics.median(v), 3) for b, v in HOST_SHARE.items()}

@@ -25,7 +25,7 @@ from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
 from engine.core.events import EventBus, StepDone
 from engine.llama.model import Model, resolve_model
-from engine.core.request import Request, SamplingParams
+from engine.core.request import FinishRecord, Request, SamplingParams
 
 from .common import ctx_for, filler_prompt
 
@@ -78,7 +78,7 @@ def run_prefill(args) -> int:
     print(f"model {path.name}, device {model.device}, prompt {len(prompt)} tokens, "
           f"{args.decoders} decoding beside it", file=sys.stderr)
     keys = ("alone_ttft_s", "beside_ttft_s", "beside_max_step_s")
-    results = {name: {k: [] for k in keys} for name in backends}
+    results: dict[str, dict[str, list[float]]] = {name: {k: [] for k in keys} for name in backends}
     try:
         for rnd in range(args.repeats + 1):  # round 0 warms up
             for name, b in backends.items():
@@ -107,6 +107,12 @@ def run_prefill(args) -> int:
 def _alone(b: Backend, prompt: list[int]) -> float:
     b.flush().result(60)
     r = b.enqueue(Request(tuple(prompt), SamplingParams(temperature=0.0, max_tokens=1), source="bench")).result(600)
+    return _ttft(b, r)
+
+
+def _ttft(b: Backend, r: FinishRecord) -> float:
+    if r.ttft_s is None:
+        raise RuntimeError(f"{b.name}: the prompt produced no token ({r.error or r.status.name})")
     return r.ttft_s
 
 
@@ -132,4 +138,4 @@ def _beside(b: Backend, prompt: list[int], decoders: int, decode_tokens: int, st
     if not mixed:
         raise RuntimeError(f"{b.name}: the prompt was never prefilled beside decoding sequences "
                            "(raise --decode-tokens)")
-    return r.ttft_s, max(mixed)
+    return _ttft(b, r), max(mixed)

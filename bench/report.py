@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from engine.sim.benchmark import CSV_FIELDS, RequestRecord
 
@@ -82,7 +83,7 @@ def read_records(path: Path) -> list[RequestRecord]:
 
 def _record_from_csv(row: dict) -> RequestRecord:
     types = {f.name: f.type for f in fields(RequestRecord)}
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in row.items():
         t = str(types[k])
         if v == "":

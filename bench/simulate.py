@@ -31,13 +31,15 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from engine.sim.benchmark import RequestRecord, run_metrics
+from engine.sim.benchmark import RequestRecord, RunMetrics, run_metrics
 from engine.rates.store import RateStore, rates_from_entry
 from engine.core.errors import InvalidRequest
 from engine.experiment import Variant
-from engine.sim.simulate import PROFILES, BackendProfile, Profile, apply_overrides, profile_from_calibration, simulate
+from engine.sim.simulate import (PROFILES, SAMPLED_TOKEN, BackendProfile, Profile, apply_overrides,
+                                 profile_from_calibration, simulate)
 from engine.core.snapshot import Rates
-from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, with_requests
+from engine.sim.workload import (TOKEN_HIGH, RecordedTurn, Workload, WorkloadSpec, build_workload,
+                                 conversation_workload, with_requests)
 
 from . import report as bench_report
 from . import study
@@ -211,6 +213,8 @@ class SimBench(study.Bench):
                         wl = build_workload(replace(with_requests(spec, n), vocab_size=TOKEN_HIGH,
                                                     label=spec.name() + (f", kv {kv} seqs" if kv else "")), run)
                         for v in variants:
+                            if v.policy is None:
+                                raise InvalidRequest(f"{v.label}: the simulator runs routing policies, not HTTP targets")
                             bar.update(0, f"{v.label} N={n} run {run + 1}/{self.args.runs}")
                             got = simulate(self._profile_for(v.cap, kv, per_seq), wl, v.policy,
                                            budget=self.args.budget, label=v.label, on_done=bar.update)
@@ -271,9 +275,6 @@ def recorded_summary(directory: Path) -> dict:
     if str(summary.get("tool", "")).startswith("tandem simulate"):
         raise InvalidRequest(f"--replay {directory}: a simulated run ({summary['tool']}); replay predicts a "
                              "recorded `tandem bench seed` or `tandem bench grid` run")
-    if summary.get("tool") == "tandem bench chat":
-        raise InvalidRequest(f"--replay {directory}: a `tandem bench chat` run; its files are bench grid's, but the "
-                             "simulator does not model conversations (each turn waits for the previous reply) yet")
     return summary
 
 
@@ -354,8 +355,10 @@ def _replay(directory: Path, summary: dict, progress: Progress | None, hardware:
         import csv
 
         records = [bench_report._record_from_csv(row) for row in csv.DictReader(f)]
-    specs = [WorkloadSpec(**{k: v for k, v in w.items() if k in WorkloadSpec.__dataclass_fields__})
-             for w in summary["workloads"]]
+    # A chat run (`tandem bench chat`): its in-process row, each turn sent when it was sent
+    chat = next((w for w in summary["workloads"] if w.get("kind") == "chat"), None)
+    specs = [] if chat else [WorkloadSpec(**{k: v for k, v in w.items() if k in WorkloadSpec.__dataclass_fields__})
+                             for w in summary["workloads"]]
     by_name = {s.name(): s for s in specs}
     rows_meta = {(r["workload"], r["policy"], r["requests"]): r for r in summary["results"]}
     vocab = int((summary.get("model") or {}).get("n_vocab") or TOKEN_HIGH)
@@ -384,25 +387,31 @@ def _replay(directory: Path, summary: dict, progress: Progress | None, hardware:
                                                            prefill_ref_tokens=hb.prefill_ref_tokens,
                                                            admit_s=hb.admit_s))
         sweep = next((b["name"] for b in engine["backends"] if b.get("swept")), None)
-        policy = label.split("@cap=")[0]
+        policy = label.split("@cap=")[0] if chat is None else summary.get("engine_policy") or "seed-score"
         if meta.get("cap") is not None and sweep:
             profile = profile.with_backend(replace(profile.backend(sweep), cap=int(meta["cap"])))
         base = workload.split(", kv ")[0]
         spec = by_name.get(base)
-        if spec is None:
-            continue
+        if spec is None and chat is None:
+            continue  # a workload the summary does not describe
         measured, predicted, same, total, itl_m, itl_p, per_run = [], [], 0, 0, [], [], []
+        cached = {"measured": [0, 0], "predicted": [0, 0]}  # cached, prompt tokens (where known)
         for run, recs in sorted(runs.items()):
             recs = sorted(recs, key=lambda r: r.index)
-            wl = build_workload(replace(with_requests(spec, n), vocab_size=min(vocab, TOKEN_HIGH), label=workload),
-                                run)
-            arrivals = [r.t_submit_s for r in recs]
-            outputs = [r.output_tokens if r.success and r.output_tokens else wl.requests[r.index].output_tokens
-                       for r in recs]
-            if len(recs) != n:
-                continue
-            got = simulate(profile, wl, policy, budget=summary.get("budget", "raw"), label=label,
-                           arrivals=arrivals, outputs=outputs)
+            if chat is not None:
+                recs = [r for r in recs if r.success]  # a failed turn ends its conversation
+                wl = chat_replay_workload(workload, run, int(chat["turns"]), recs, min(vocab, TOKEN_HIGH))
+                got = simulate(profile, wl, policy, budget=summary.get("budget", "raw"), label=label)
+            elif spec is not None:
+                wl = build_workload(replace(with_requests(spec, n), vocab_size=min(vocab, TOKEN_HIGH),
+                                            label=workload), run)
+                arrivals = [r.t_submit_s for r in recs]
+                outputs = [r.output_tokens if r.success and r.output_tokens else wl.requests[r.index].output_tokens
+                           for r in recs]
+                if len(recs) != n:
+                    continue
+                got = simulate(profile, wl, policy, budget=summary.get("budget", "raw"), label=label,
+                               arrivals=arrivals, outputs=outputs)
             sim = {p.index: p for p in got.records}
             for r in recs:
                 total += 1
@@ -411,17 +420,34 @@ def _replay(directory: Path, summary: dict, progress: Progress | None, hardware:
             predicted.append(run_metrics(got.records))
             per_run.append({"run": run, **{k: {"measured": getattr(measured[-1], k), "predicted": getattr(predicted[-1], k)}
                                            for k in ("makespan_s", "ttft_p50_s", "ttft_p95_s")}})
+            for side, rs in (("measured", recs), ("predicted", got.records)):
+                known = [r for r in rs if r.success and r.cached_tokens >= 0]
+                cached[side][0] += sum(r.cached_tokens for r in known)
+                cached[side][1] += sum(r.prompt_tokens for r in known)
             itl_m += [r.itl_s for r in recs if r.itl_s]
             itl_p += [p.itl_s for p in got.records if p.itl_s]
             if progress is not None:
-                progress.update(n)
+                progress.update(len(recs))
         if not measured:
             continue
         row = _compare(workload, label, n, measured, predicted, same / total if total else math.nan,
                        _mean(itl_m), _mean(itl_p), per_run=per_run, min_runs=min_runs,
                        load=max(loads.get((workload, label, n), []), default=math.nan), cpus=host.get("cpus"))
+        row["cached_share"] = {side: c / p if p else math.nan for side, (c, p) in cached.items()}
         out.append(row)
     return out
+
+
+def chat_replay_workload(label: str, run: int, turns: int, records: list[RequestRecord], vocab: int) -> Workload:
+    """A chat run's turns (successful records, index = conversation x turns + turn) as the
+    simulator's prompts (`conversation_workload`). The shared system prompt's length is what
+    the first turns found cached (their median, over those that found any: the first
+    conversation's computes it); replies are their recorded length (`ignore_eos`)."""
+    firsts = sorted(r.cached_tokens for r in records if r.index % turns == 0 and r.cached_tokens > 0)
+    shared = firsts[len(firsts) // 2] if firsts else 0
+    recorded = [RecordedTurn(r.index // turns, r.index % turns, r.index, r.t_submit_s, r.prompt_tokens,
+                             max(r.output_tokens, 1), max(r.output_tokens, 1)) for r in records]
+    return conversation_workload(label, run, shared, recorded, reply_token=SAMPLED_TOKEN, vocab_size=vocab)
 
 
 def _mean(xs):
@@ -442,7 +468,7 @@ def _compare(workload, label, n, measured, predicted, same, itl_m, itl_p, *, per
         vals = [getattr(m, key) for m in ms if math.isfinite(getattr(m, key))]
         return statistics.fmean(vals) if vals else math.nan
 
-    def split(ms):
+    def split(ms: list[RunMetrics]) -> dict[str, float]:
         total: dict[str, float] = {}
         for m in ms:
             for b, k in m.routed.items():

@@ -63,8 +63,9 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
@@ -157,7 +158,7 @@ class Spec:
                               ignore_eos=self.ignore_eos, stop=self.stop)
 
     def body(self) -> dict:
-        body = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed,
+        body: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed,
                 "ignore_eos": self.ignore_eos, "stream": self.stream}
         if self.stop:
             body["stop"] = list(self.stop)
@@ -210,20 +211,20 @@ class Traffic:
                 cancel_after = rng.randint(1, max(1, max_tokens // 2))
             else:
                 abort_after = rng.uniform(0.005, 0.3)
-        common = {"kind": kind, "max_tokens": max_tokens, "temperature": rng.choice((0.0, 0.7, 1.0)),
-                  "seed": rng.randrange(2**31), "ignore_eos": rng.random() < 0.3,
-                  "stop": tuple(rng.sample(STOPS, rng.randint(1, 2))) if rng.random() < 0.2 else (),
-                  "include_usage": rng.random() < 0.5, "cancel_after": cancel_after, "abort_after_s": abort_after}
+        common = Spec(kind=kind, max_tokens=max_tokens, temperature=rng.choice((0.0, 0.7, 1.0)),
+                      seed=rng.randrange(2**31), ignore_eos=rng.random() < 0.3,
+                      stop=tuple(rng.sample(STOPS, rng.randint(1, 2))) if rng.random() < 0.2 else (),
+                      include_usage=rng.random() < 0.5, cancel_after=cancel_after, abort_after_s=abort_after)
         if kind == "api-completion" or kind == "api-completion-stream":
-            return Spec(prompt=self._words(USER_WORDS_HIGH * 2), **common)
+            return replace(common, prompt=self._words(USER_WORDS_HIGH * 2))
         if kind == "chat" and self.history and len(self.history) < 2 * MAX_TURNS and rng.random() < 0.6:
             turn = {"role": "user", "content": self._words(FOLLOW_UP_WORDS_HIGH)}
             if sum(len(m["content"]) for m in self.history) + len(turn["content"]) < MAX_PROMPT_CHARS:
-                return Spec(messages=(*self.history, turn), **common)
+                return replace(common, messages=(*self.history, turn))
         messages = [{"role": "user", "content": self._words(USER_WORDS_HIGH)}]
         if rng.random() < 0.7:
             messages.insert(0, {"role": "system", "content": rng.choice(self.systems)})
-        return Spec(messages=tuple(messages), **common)
+        return replace(common, messages=tuple(messages))
 
     def replied(self, spec: Spec, text: str | None) -> None:
         """A chat ended: keep its conversation going (text) or start over (None)."""
@@ -360,7 +361,7 @@ class Tally:
     def add(self, o: Outcome) -> None:
         self.by_kind[o.kind][o.status] += 1
         if o.status == "error":
-            key = o.error[:300]
+            key = (o.error or "(no message)")[:300]
             if key in self.errors or len(self.errors) < MAX_ERROR_SAMPLES:
                 self.errors[key] += 1
 
@@ -371,7 +372,7 @@ class Tally:
 class EngineTally:
     """Engine-side counts from the bus (backend threads publish; any thread reads)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.routed = 0
         self.finished: Counter = Counter()
@@ -590,9 +591,10 @@ class Soak:
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
                                         connector=aiohttp.TCPConnector(limit=args.concurrency))
         try:
-            backends = ", ".join(f"{b.name} ({b.model.device}, threads {b.config.threads}, cap {b.cap}, "
-                                 f"ctx {b.n_ctx})" for b in eng.backends.values())
-            print(f"soak: {eng.model.info.name} on {backends}; {args.minutes:g} min, {args.concurrency} in "
+            backends = ", ".join(f"{b.name} ({i.device}, threads {i.threads}, cap {b.cap}, ctx {i.n_ctx})"
+                                 for b, i in ((b, b.info()) for b in eng.backends.values()))
+            model = eng.model.info.name if eng.model is not None else "no local model"
+            print(f"soak: {model} on {backends}; {args.minutes:g} min, {args.concurrency} in "
                   f"flight, cancel rate {args.cancel_rate:g}, seed {args.seed}, warm-up {self.warmup:.0f} s; "
                   f"server {base}", flush=True)
             state_start = await asyncio.to_thread(_kv_state_bytes, eng)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
@@ -186,32 +187,32 @@ def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, cap
     if args.runs < 1 or args.warmup < 0:
         raise InvalidRequest("--runs must be >= 1 and --warmup >= 0")
     bench_class = bench or Bench
-    bench = bench_class(args, kind, specs, n_list, caps=caps, kv_seqs=kv_seqs)
+    runner = bench_class(args, kind, specs, n_list, caps=caps, kv_seqs=kv_seqs)
     prefix = "bench" if bench_class is Bench else "simulate"
     out_dir = Path(args.out or f"out/{prefix}-{kind}-{datetime.now():%Y%m%d-%H%M%S}")
 
     def save() -> list:
-        return bench_report.write_all(out_dir, bench.summary(), bench.records, bench.decisions,
+        return bench_report.write_all(out_dir, runner.summary(), runner.records, runner.decisions,
                                       plots=not args.no_plots)
 
     # Results are saved before each engine is closed too: measurements must outlive a crash there.
-    bench.checkpoint = lambda: save() if bench.records else None
+    runner.checkpoint = lambda: save() if runner.records else None
     interrupted = False
     with Progress(0, f"{prefix} {kind}") as bar:
         try:
-            bench.run(bar)
+            runner.run(bar)
         except KeyboardInterrupt:  # keep what was measured
             interrupted = True
-            bench.notes.append("INTERRUPTED: the results below are partial")
-    if not bench.records:
+            runner.notes.append("INTERRUPTED: the results below are partial")
+    if not runner.records:
         return 130 if interrupted else 1
-    summary = bench.summary()
+    summary = runner.summary()
     written = save()
     print(bench_report.markdown(summary))
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     if interrupted:
         return 130
-    return 0 if all(r.success for r in bench.records) else 1
+    return 0 if all(r.success for r in runner.records) else 1
 
 
 class Bench:
@@ -237,7 +238,7 @@ class Bench:
         self.loads: list[dict] = []  # per recorded run of a row: the host's 1-minute load average after it
         self.model_info = {"spec": args.model}
         self.notes: list[str] = []
-        self.checkpoint = lambda: None  # saves what was measured so far (set by the command)
+        self.checkpoint: Callable[[], object] = lambda: None  # saves what was measured so far (set by the command)
         self.warmup_n = min(min(n_list), WARMUP_MAX_N)
         if args.warmup:
             self.notes.append(f"before timing, {args.warmup} unrecorded warm-up run(s) of every variant "
@@ -293,8 +294,10 @@ class Bench:
         args = self.args
         bar.update(0, f"{v.label} N={len(wl.requests)} " + (f"run {wl.run + 1}/{args.runs}" if keep else "warm-up"))
         if v.target is not None:
-            from .target import run_target
+            from .target import Target, run_target
 
+            if not isinstance(v.target, Target):
+                raise TypeError(f"variant {v.label!r}: its target is a {type(v.target).__name__}, not a bench Target")
             got = Collected(run_target(v.target, wl, run=wl.run, warm_copies=args.target_warm,
                                        timeout=args.timeout, on_done=lambda _r: bar.update(1),
                                        warm_tenants=getattr(args, "warm_tenants", False)))

@@ -32,7 +32,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from engine.backends import sse
@@ -58,8 +61,9 @@ class Target:
 
 def parse_target(text: str) -> tuple[str | None, str]:
     """`URL` or `LABEL=URL` → (label or None, base URL)."""
-    label, eq, url = text.partition("=")
-    if not eq or "://" in label:
+    head, eq, url = text.partition("=")
+    label: str | None = head
+    if not eq or "://" in head:
         label, url = None, text
     url = url.strip().rstrip("/")
     parts = urlsplit(url)
@@ -101,6 +105,15 @@ async def probe(url: str, api: str = "auto", label: str | None = None, timeout: 
         api = "completion" if is_llama_server else "openai"
     name = label or ("llama-server" if is_llama_server else hostport)
     return Target(url=url, label=f"target:{name}", api=api, model=model, prompt=prompt)
+
+
+def routing_decisions(url: str, n: int) -> list[dict]:
+    """The last `n` routing decisions of a Tandem router (its /v1/routing), [] if it does not say."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/routing?n={n}", timeout=10) as r:
+            return list(json.loads(r.read()).get("decisions") or [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
 
 
 def run_target(target: Target, workload: Workload, *, run: int, warm_copies: int = 1,
@@ -158,10 +171,10 @@ async def _send(session, target: Target, prompt, n_tokens: int) -> dict:
                 "stream": True, "stream_options": {"include_usage": True}}
         if target.model:
             body["model"] = target.model
-    out = {"ttft": None, "e2e": None, "itl": [], "tokens": 0, "reported_tokens": None, "cached": -1,
+    out: dict[str, Any] = {"ttft": None, "e2e": None, "itl": [], "tokens": 0, "reported_tokens": None, "cached": -1,
            "finish_reason": None, "error": None, "backend": None, "prompt_tokens": None}
     t0 = time.perf_counter()
-    last = None
+    last = t0
     try:
         async with session.post(target.url + path, json=body) as r:
             out["backend"] = r.headers.get(BACKEND_HEADER) or None

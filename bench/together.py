@@ -13,6 +13,7 @@ import statistics
 import sys
 import os
 import threading
+from typing import Any
 
 from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
@@ -52,16 +53,16 @@ def run_together(args) -> int:
     }
     print(f"model {path.name}; gpu batch {args.gpu_batch} ({args.gpu_threads} host threads), "
           f"cpu batch {args.cpu_batch} ({args.cpu_threads} threads)", file=sys.stderr)
-    alone = {k: [] for k in backends}
-    together = {k: [] for k in backends}
+    alone: dict[str, list[float]] = {k: [] for k in backends}
+    together: dict[str, list[float]] = {k: [] for k in backends}
 
     def measure(name, into):
         into[name].append(engine_decode(backends[name], prompt, args.gen_tokens, batches[name]))
 
     try:
         for rnd in range(args.repeats + 1):
-            a = {k: [] for k in backends}
-            t = {k: [] for k in backends}
+            a: dict[str, list[float]] = {k: [] for k in backends}
+            t: dict[str, list[float]] = {k: [] for k in backends}
             for name in backends:
                 measure(name, a)
             threads = [threading.Thread(target=measure, args=(n, t)) for n in backends]
@@ -80,7 +81,7 @@ def run_together(args) -> int:
             b.stop()
         gpu_model.close()
         cpu_model.close()
-    out = {}
+    out: dict[str, Any] = {}
     for k in backends:
         out[f"{k}_alone_tok_s"] = round(statistics.median(alone[k]), 2)
         out[f"{k}_together_tok_s"] = round(statistics.median(together[k]), 2)

@@ -17,9 +17,11 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
+from engine.core.errors import InvalidRequest
 from engine.core.request import Request, SamplingParams
 
 from .common import decode_rate, filler_prompt
@@ -51,19 +53,30 @@ def run_ui_bench(args) -> int:
     sys.setswitchinterval(args.switch_interval_s)  # as `tandem gui` runs (the app passes its value)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     eng = Engine.load(args.model, parse_backend_specs(args.backend or default_specs(gpu=False)))
+    model = eng.model
+    if model is None:
+        eng.close()
+        raise InvalidRequest("bench ui measures a local model: give --model", param="model")
     window = MainWindow(eng, owns_engine=False)
     window.setStyleSheet(style_sheet())
     window.resize(1600, 1000)
     window.show()
     window.show_panel(args.panel)
-    prompt = filler_prompt(eng.model, args.prompt_tokens)
+    prompt = filler_prompt(model, args.prompt_tokens)
     sp = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
 
     def batch(live_ui: bool) -> float:
         handles = [eng.submit(Request(tuple(prompt), sp, source="bench")) for _ in range(args.batch)]
         if live_ui:  # the app's own loop runs until the batch is done
             loop = QEventLoop()
-            check = QTimer(interval=20, timeout=lambda: all(h.done for h in handles) and loop.quit())
+
+            def quit_when_done() -> None:
+                if all(h.done for h in handles):
+                    loop.quit()
+
+            check = QTimer()
+            check.setInterval(20)
+            check.timeout.connect(quit_when_done)
             check.start()
             loop.exec()
             check.stop()
@@ -86,13 +99,13 @@ def run_ui_bench(args) -> int:
     finally:
         window.shutdown()
         window.deleteLater()
-        QCoreApplication.sendPostedEvents(None, QEvent.DeferredDelete)  # the window goes now
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)  # the window goes now
         eng.close()
         sys.setswitchinterval(previous)
-    out = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
+    out: dict[str, Any] = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
     out["ui_ratio"] = round(out["ui_tok_s"] / out["no_ui_tok_s"], 3)
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
-    out.update(model=eng.model.path.name, backends=[b for b in eng.backends], batch=args.batch,
+    out.update(model=model.path.name, backends=[b for b in eng.backends], batch=args.batch,
                gen_tokens=args.gen_tokens, panel=args.panel, switch_interval_ms=args.switch_interval_s * 1000)
     print(json.dumps(out))
     return 0

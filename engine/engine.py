@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +36,7 @@ from engine.prompts import chat
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
 from engine.backends import registry
-from engine.backends.config import BackendConfig, RemoteConfig, resolve_contexts
+from engine.backends.config import resolve_contexts
 from engine.backends.protocol import BackendInfo
 from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
 from engine.core.events import EventBus, RequestRouted
@@ -71,12 +71,13 @@ class Engine:
         self.online: OnlineRefresh | None = None  # when rates are refreshed from observed steps
 
     @classmethod
-    def load(cls, model: str | Path | None, configs: list[BackendConfig | RemoteConfig], *,
+    def load(cls, model: str | Path | None, configs: Sequence[object], *,
              policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None,
              calibration_progress: Callable[[int, int, str], None] | None = None) -> "Engine":
-        """Resolve the model, load it once per device, start one backend per config.
+        """Resolve the model, load it once per device, start one backend per config (of any kind
+        engine/backends/registry.py knows).
 
         `RemoteConfig`s become remote backends; with nothing but those, no model is loaded
         (`model` may be None).
@@ -98,7 +99,7 @@ class Engine:
         path = resolve_model(str(model), progress=progress) if local else None
         if path is not None:  # `contexts=auto` specs: as many contexts as the model and device suit
             configs = resolve_contexts(configs, Path(path).stat().st_size)
-        calibrated = ModelRates(path) if local else None
+        calibrated = ModelRates(path) if path is not None else None
         models = ModelRegistry()
         bus = EventBus()
         ctx = registry.BuildContext(Path(path) if path else None, models, bus, calibrated, dict(rates or {}), progress)
@@ -263,9 +264,11 @@ class Engine:
     def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
         """Submit raw text (tokenized with BOS where a local model is at hand) or token ids."""
         self._check_open()
-        if isinstance(prompt, str) and self.model is None:
+        if not isinstance(prompt, str):
+            return self.submit(Request(tuple(prompt), sampling or SamplingParams(), **kw))
+        if self.model is None:
             return self.submit(Request((), sampling or SamplingParams(), text=prompt, **kw))
-        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = self.model.tokenize(prompt)
         return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> RequestHandle:

@@ -105,11 +105,10 @@ class EngineRunner:
             t_submit = time.monotonic() - t0
             try:
                 stop = spec.output_tokens if spec.output_tokens < spec.max_tokens else None
-                handle = eng.submit(Request(spec.prompt, sp, source="bench", stop_after=stop))
+                submitted.append((spec, t_submit, eng.submit(Request(spec.prompt, sp, source="bench", stop_after=stop)),
+                                  None))
             except EngineError as e:  # a failure is data
                 submitted.append((spec, t_submit, None, str(e)))
-                continue
-            submitted.append((spec, t_submit, handle, None))
         out = Collected()
         name = workload.spec.name()
         for spec, t_submit, handle, error in submitted:
@@ -132,6 +131,8 @@ class EngineRunner:
 
     def _fresh_state(self, workload: Workload, variant: Variant) -> None:
         eng = self.eng
+        if variant.policy is None:
+            raise ValueError(f"variant {variant.label!r} names no routing policy: the engine runner cannot run it")
         eng.router.set_policy(variant.policy)
         eng.router.clear()
         for n, b in eng.backends.items():
@@ -172,7 +173,7 @@ def experiment_runner(eng: Engine) -> Callable[..., RunSummary]:
             clock: ArrivalClock | None = None) -> RunSummary:
         runner = EngineRunner(eng, sweep_backend=None, budget=eng.router.budget, online=False, timeout=600.0)
         try:
-            workload = build_workload(replace(spec, vocab_size=min(eng.model.n_vocab, TOKEN_HIGH)), run_index)
+            workload = build_workload(replace(spec, vocab_size=min(eng.n_vocab, TOKEN_HIGH)), run_index)
             collected = runner.run(workload, Variant(label=policy, policy=policy), on_done=on_done, clock=clock)
         finally:
             runner.close()

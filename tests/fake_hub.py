@@ -9,15 +9,21 @@ for search, listing and download, for tests with no internet (`HF_ENDPOINT` poin
   `Content-Length`, byte ranges (`Range: bytes=N-` / `N-M` answered 206 with `Content-Range`).
 
 Files are real bytes served from memory. `cut_after` makes a GET end the connection after that
-many bytes (a download cut half way), `requests` records every request (method, path, Range).
-Runs aiohttp on its own thread and loop; `close()` stops it.
+many bytes (a download cut half way); `stall_after` makes a GET hold still after that many bytes
+(`stalled` is set) until `release` is set, so a test can stop or kill a download at a known byte;
+`requests` records every request (method, path, Range) and `served` the body bytes each GET sent
+(by path and Range header).
+Runs aiohttp on its own thread and loop; `close()` stops it. `split_gguf` cuts a GGUF into parts
+the way llama.cpp's gguf-split names and marks them (`split.no`, `split.count`), for models in parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import threading
+from pathlib import Path
 
 from aiohttp import web
 
@@ -31,6 +37,10 @@ class FakeHub:
         self.requests: list[tuple[str, str, str]] = []
         self.cut_after: int | None = None  # end a GET's body after this many bytes (once)
         self.corrupt: set[str] = set()  # paths served with one byte flipped (a bad checksum)
+        self.stall_after: int | None = None  # hold a GET after this many body bytes (once) until `release`
+        self.stalled = threading.Event()
+        self.release = threading.Event()
+        self.served: dict[tuple[str, str], int] = {}  # (path, Range header) -> body bytes sent
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-hub", daemon=True)
@@ -152,10 +162,50 @@ class FakeHub:
         cut = self.cut_after
         if cut is not None and request.method == "GET":
             self.cut_after = None
-            await resp.write(body[:cut])
+            await self._send(resp, (path, rng), body[:cut])
             request.transport.close()  # the connection drops half way
             return resp
-        for i in range(0, len(body), 64 << 10):
-            await resp.write(body[i:i + (64 << 10)])
-        await resp.write_eof()
+        stall = self.stall_after
+        if stall is not None:
+            self.stall_after = None
+            await self._send(resp, (path, rng), body[:stall])
+            self.stalled.set()
+            await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 120)
+            body = body[stall:]
+        await self._send(resp, (path, rng), body)
+        try:
+            await resp.write_eof()
+        except ConnectionError:  # the client went away (a killed download)
+            pass
         return resp
+
+    async def _send(self, resp: web.StreamResponse, key: tuple[str, str], body: bytes) -> None:
+        for i in range(0, len(body), 64 << 10):
+            chunk = body[i:i + (64 << 10)]
+            await resp.write(chunk)
+            self.served[key] = self.served.get(key, 0) + len(chunk)
+
+
+def split_gguf(src: Path, folder: Path, parts: int) -> list[Path]:
+    """Write the GGUF at `src` again as `parts` files in `folder` (`<stem>-0000i-of-0000N.gguf`:
+    the metadata in the first, the tensors spread over all), with gguf's own writer."""
+    import gguf  # numpy: after llama.cpp (the test modules import ui_fixtures first)
+
+    reader = gguf.GGUFReader(str(src), "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(None, arch, split_max_tensors=math.ceil(len(reader.tensors) / parts))
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue  # written by the writer itself
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file(Path(folder) / Path(src).name)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = sorted(Path(folder).glob(f"{Path(src).stem}-*-of-*.gguf"))
+    assert len(out) == parts, out
+    return out

@@ -13,6 +13,7 @@ from bench import report as bench_report
 from bench.chat import WORDS, ChatSpec, build_chat, parse_range, summarize, ttft_split, turn_table
 from bench.simulate import replay
 from engine.sim.benchmark import RequestRecord
+from engine.sim.workload import RecordedTurn, conversation_workload
 from engine.core.errors import InvalidRequest
 from servers import Server
 
@@ -153,6 +154,10 @@ def test_a_target_runs_the_workload_with_replies_of_the_asked_length(tiny_server
     assert {r.index: r.output_tokens for r in records} == asked  # ignore_eos: noise text, exact lengths
     assert {r.policy for r in records} == {"tiny"}
     assert (tmp_path / "results.md").read_text().count("| tiny |") == 1
+    # a Tandem target says where each turn went and why (its /v1/routing)
+    decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert len(decisions) == 6 and {(d["target"], d["policy"]) for d in decisions} == {("tiny", "finish-first")}
+    assert all(d["backend"] == "cpu" and d["reason"] for d in decisions), decisions[0]
 
 
 def test_a_refused_turn_ends_its_conversation_leaving_failed_records(tiny_server, tmp_path):
@@ -184,12 +189,40 @@ def test_turns_past_the_time_limit_are_recorded_as_failures(tiny_server, tmp_pat
             assert records[c * 2 + k].t_submit_s == limit
 
 
-def test_replay_refuses_a_chat_run_with_a_clear_error(tiny_server, tmp_path):
+def test_a_chat_run_against_a_target_only_has_nothing_to_replay(tiny_server, tmp_path, capsys):
     rc = main(["bench", "chat", "--target", tiny_server.url, "--conversations", "1", "--turns", "2", *SMALL,
                "--out", str(tmp_path)])
     assert rc == 0
-    with pytest.raises(InvalidRequest, match="chat"):
-        replay(tmp_path)
+    assert replay(tmp_path) == []
+    assert main(["simulate", "--replay", str(tmp_path)]) == 2
+    assert "no engine rows to predict" in capsys.readouterr().err
+
+
+def test_an_in_process_chat_run_is_replayed_turn_by_turn(tmp_path):
+    rc = main(["bench", "chat", "--model", "synthetic:tiny", "--backend", "cpu:threads=1,cap=4,contexts=2",
+               "--conversations", "4", "--turns", "3", *SMALL, "--out", str(tmp_path)])
+    assert rc == 0
+    assert _summary(tmp_path)["engine_policy"] == "default"
+    (row,) = replay(tmp_path)
+    assert row["policy"] == "in-process" and row["requests"] == 12
+    assert sum(row["routed_predicted"].values()) == 12  # every turn simulated, on the run's two contexts
+    assert set(row["routed_predicted"]) <= {"cpu-a", "cpu-b"}
+    # the simulator's caches keep conversations as the engine's did: later turns mostly cached
+    assert row["cached_share"]["predicted"] > 0.6, row["cached_share"]
+    assert row["cached_share"]["measured"] > 0.6, row["cached_share"]
+
+
+def test_a_recorded_conversation_becomes_prompts_that_extend_each_other():
+    turns = [RecordedTurn(c, k, c * 3 + k, 0.1 * (c * 3 + k), 200 + 150 * k, 20, 20) for c in range(2) for k in range(3)]
+    wl = conversation_workload("chat", 0, 120, turns, reply_token=300)
+    prompt = {r.index: r.prompt for r in wl.requests}
+    assert [len(prompt[i]) for i in range(3)] == [200, 350, 500]
+    for c in range(2):
+        for k in (1, 2):
+            earlier, now = prompt[c * 3 + k - 1], prompt[c * 3 + k]
+            assert now[:len(earlier) + 20] == earlier + (300,) * 20  # the previous turn and its reply
+    assert prompt[0][:120] == prompt[3][:120] and prompt[0][120] != prompt[3][120]  # only the system prompt shared
+    assert [r.arrival_s for r in wl.requests] == sorted(r.arrival_s for r in wl.requests)
 
 
 def test_cached_tokens_come_from_llama_servers_timings_where_usage_has_none():

@@ -36,6 +36,7 @@ def test_an_unknown_kv_layout_is_refused():
 def test_contexts_make_one_backend_each_with_the_spec_settings():
     configs = parse_backend_specs(["gpu:contexts=2,cap=16", "cpu"])
     assert [(c.name, c.cap, c.device) for c in configs] == [("gpu-a", 16, "gpu"), ("gpu-b", 16, "gpu"), ("cpu", 0, "cpu")]
+    assert [c.group for c in configs] == ["gpu", "gpu", ""]  # the default policy picks their device first
 
 
 def test_contexts_take_the_spec_name():
@@ -81,6 +82,7 @@ def two_contexts_wanted(monkeypatch):
 def test_an_auto_gpu_spec_becomes_the_contexts_its_device_gets(two_contexts_wanted):
     configs = resolve_contexts(parse_backend_specs(["gpu:cap=16", "cpu"]), 500 << 20, lambda device: 100 << 30)
     assert [(c.name, c.cap, c.contexts) for c in configs] == [("gpu-a", 16, 2), ("gpu-b", 16, 2), ("cpu", 0, 1)]
+    assert [c.group for c in configs] == ["gpu", "gpu", ""]
 
 
 def test_a_gpu_the_user_laid_out_keeps_its_specs(two_contexts_wanted):

@@ -171,6 +171,7 @@ def test_contexts_of_one_spec_serve_on_one_shared_model(tiny_path):
     try:
         a, b = eng.backends["cpu-a"], eng.backends["cpu-b"]
         assert a.model is b.model
+        assert a.snapshot().group == b.snapshot().group == "cpu"  # one device: the default policy's grouping
         for backend in (a, b):
             assert backend.enqueue(Request((9, 4, 17), SamplingParams(max_tokens=4))).result(60).status.finished
     finally:

@@ -20,9 +20,10 @@ H200_GPU = Rates(53514.1, 3115.6, 0.0010097, 0.00029451, "calibrated",
 H200_CPU = Rates(1969.7, 128.0, 0.0208902, 0.0026692, "calibrated", (0.0230551, 0.0269214, 0.0290254, 0.0312511))
 
 
-def snap(name, device, rates, items=(), cap=4, n_ctx=0, healthy=True, pinned=0) -> BackendSnapshot:
+def snap(name, device, rates, items=(), cap=4, n_ctx=0, healthy=True, pinned=0, group="") -> BackendSnapshot:
     return BackendSnapshot(name=name, device=device, cap=cap, n_ctx=n_ctx or 65536, rates=rates, items=tuple(items),
-                           kv_cells_total=n_ctx, cache=CacheStats(pinned_tokens=pinned), healthy=healthy)
+                           kv_cells_total=n_ctx, cache=CacheStats(pinned_tokens=pinned), healthy=healthy,
+                           group=group)
 
 
 def running(n, decode_left, prompt=516, cached=496, prefix="r", generated=0):
@@ -111,6 +112,35 @@ def test_a_prefix_routed_moments_ago_counts_as_cached_there():
     assert "routed there, in flight" in second.reason
 
 
+def test_a_conversation_stays_on_its_context_when_a_lighter_one_would_finish_a_little_sooner():
+    """Four contexts of one H200 (the default layout): the conversation's 1,700 tokens are
+    cached on gpu-a, which runs 12 sequences; gpu-b runs 8. Priced as separate machines, gpu-b
+    finishes first (a smaller batch decodes faster than 1,650 tokens prefill); sharing one
+    device, the turn stays where its prefix is (cache-aware among the contexts)."""
+    ctx = [snap("gpu-a", "gpu", H200_GPU, running(12, 120, prompt=1800, cached=1700, prefix="a"), cap=32, group="gpu"),
+           snap("gpu-b", "gpu", H200_GPU, running(8, 120, prompt=1800, cached=1700, prefix="b"), cap=32, group="gpu")]
+    q = query(prompt=1750, max_tokens=150, cached={"gpu-a": 1700})
+    alone = [snap(s.name, s.device, s.rates, s.items, cap=s.cap) for s in ctx]  # no group: separate machines
+    assert Router().route(q, alone).backend == "gpu-b"
+    d = Router().route(q, ctx)
+    assert d.backend == "gpu-a", d.reason
+    assert "gpu finishes first" in d.reason and "cache-aware" in d.reason
+
+
+def test_a_context_that_would_finish_after_another_device_gets_nothing():
+    """gpu-a holds the prefix but is full with a queue; gpu-b is free but has nothing cached,
+    and the CPU, empty, finishes before gpu-a: the request goes to gpu-b, never gpu-a."""
+    busy = running(4, 400, prompt=600, cached=500, prefix="a") + queued(6, decode_left=400, prefix="qa")
+    ctx = [snap("gpu-a", "gpu", M2_GPU, busy, cap=4, group="gpu"),
+           snap("gpu-b", "gpu", M2_GPU, cap=4, group="gpu"),
+           snap("cpu", "cpu", Rates(prefill_tok_s=2000, decode_tok_s=45, source="override"))]
+    q = query(prompt=520, max_tokens=32, cached={"gpu-a": 496})
+    finish = {s.name: finish_time(q, s).finish_s for s in ctx}
+    assert finish["gpu-b"] < finish["cpu"] < finish["gpu-a"], finish
+    d = Router().route(q, ctx)
+    assert d.backend == "gpu-b", d.reason
+
+
 def test_a_full_kv_pool_makes_the_request_wait_for_room():
     rates = Rates(prefill_tok_s=10000, decode_tok_s=1000, source="override")
     roomy = snap("roomy", "gpu", rates, running(2, 100, prompt=1000, cached=0), cap=8, n_ctx=100000)
@@ -178,7 +208,8 @@ def backends(draw):
         name = f"b{k}"
         snaps.append(snap(name, draw(st.sampled_from(["gpu", "cpu"])), draw(RATES), draw(items(name)),
                           cap=draw(st.integers(1, 32)), n_ctx=draw(st.sampled_from([0, 4096, 16384])),
-                          healthy=draw(st.booleans()) if k else True))
+                          healthy=draw(st.booleans()) if k else True,
+                          group=draw(st.sampled_from(["", "gpu"]))))  # "gpu": contexts of one device
     return snaps
 
 
@@ -192,13 +223,18 @@ def queries(draw, names):
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_a_request_never_goes_where_it_would_finish_later(data):
+    # Later than any backend on another device; among one device's contexts cache-aware picks.
     snaps = data.draw(backends())
     q = data.draw(queries([s.name for s in snaps]))
     d = Router().route(q, snaps)
     finish = {s.name: finish_time(q, s).finish_s for s in snaps}
+    device = {s.name: s.group or s.name for s in snaps}
     eligible = [s.name for s in snaps if s.healthy]
     assert d.backend in eligible
-    assert all(finish[d.backend] <= finish[n] for n in eligible), (d.reason, finish)
+    elsewhere = [n for n in eligible if device[n] != device[d.backend]]
+    assert all(finish[d.backend] <= finish[n] for n in elsewhere), (d.reason, finish)
+    if not any(s.group for s in snaps):
+        assert all(finish[d.backend] <= finish[n] for n in eligible), (d.reason, finish)
     assert d.score_of(d.backend).score_s == pytest.approx(finish[d.backend])
 
 

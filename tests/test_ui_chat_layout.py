@@ -60,7 +60,7 @@ def test_a_long_code_line_scrolls_its_block_not_the_transcript(qtbot, make_windo
     line = "x = [" + ", ".join(str(i) for i in range(200)) + "]"
     open_saved(chat, 1, f"Here:\n\n```python\n{line}\n```\n")
     block = chat.bubble(1).code_blocks[0]
-    bar = block.scroll.horizontalScrollBar()
+    bar = block.scroll_area.horizontalScrollBar()
     qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.isVisible(), timeout=WAIT_MS)  # the block's own bar
     assert block.width() <= chat.transcript.viewport().width()
     assert chat.transcript.horizontalScrollBar().maximum() == 0

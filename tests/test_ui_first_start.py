@@ -231,6 +231,7 @@ def test_presenter_view_makes_the_teaching_panels_large(qtbot, app_style, make_w
     w.show()
     qtbot.waitExposed(w)
     w.set_engine(ui_engine, owns=False)
+    qtbot.waitUntil(lambda: (w.width(), w.height()) == (1280, 720), timeout=WAIT_MS)
     from ui.live_run import seed_workload
 
     run = w.start_demo(seed_workload(4, prefix_tokens=64, suffix_tokens=8, gen_tokens=8))  # figures to show
@@ -248,6 +249,17 @@ def test_presenter_view_makes_the_teaching_panels_large(qtbot, app_style, make_w
     assert w.panels["routing"].clear_button.font().pointSize() < 16  # controls keep their size
     assert routing.plot.getAxis("left").style["tickFont"].pointSize() >= 14
     assert "17pt" in routing.plot.titleLabel.text or routing.plot.titleLabel.opts.get("size") == "17pt"
+    w.resize(1280, 720)  # full screen on a 1280x720 projector (this test's screen may be another size)
+    qtbot.waitUntil(lambda: (w.width(), w.height()) == (1280, 720), timeout=WAIT_MS)
+    ticked = []
+    w.bridge.tick.connect(ticked.append)
+    for key in ("routing", "teaching", "latency"):  # every plot and its title whole on the 1280x720 screen
+        w.show_panel(key)
+        n = len(ticked)
+        qtbot.waitUntil(lambda n=n: len(ticked) >= n + 2, timeout=WAIT_MS)
+        plots: list = []
+        assert not _clipped_plots(w, plots), key
+        assert plots, key
     w.presenter_action.trigger()
     assert not w.presenter
     qtbot.waitUntil(lambda: routing.explain.font().pointSize() == before, timeout=WAIT_MS)
@@ -290,25 +302,58 @@ def _clipped_labels(window, checked: list | None = None) -> list[str]:
     return out
 
 
-def test_no_label_is_clipped_at_1280x720(qtbot, app_style, make_window, ui_engine):
-    w = make_window(engine=None, compact=True)
-    w.resize(1280, 720)
+def _clipped_plots(window, checked: list | None = None) -> list[str]:
+    """Visible plots cut by their view (the plot wider or taller than the widget showing it, so its
+    right or bottom part is off screen) or whose title's text is wider than the title's room; each
+    plot looked at is appended to `checked`."""
+    import pyqtgraph as pg
+
+    out = []
+    for pw in window.findChildren(pg.PlotWidget):
+        if not pw.isVisible() or pw.visibleRegion().isEmpty():
+            continue
+        if checked is not None:
+            checked.append(pw)
+        item = pw.getPlotItem()
+        view = pw.viewport().size()
+        shown = item.sceneBoundingRect()
+        name = item.titleLabel.text or pw.objectName() or type(pw.parent()).__name__
+        if shown.right() > view.width() + 1 or shown.bottom() > view.height() + 1:
+            out.append(f"plot {name[:50]!r}: {shown.width():.0f}x{shown.height():.0f} px in a "
+                       f"{view.width()}x{view.height()} view")
+        title = item.titleLabel
+        if title.isVisible() and title.text:
+            text = title.item.mapRectToParent(title.item.boundingRect())
+            if text.width() > title.rect().width() + 1 or text.left() < -1:
+                out.append(f"title {title.text[:50]!r}: needs {text.width():.0f} px, has {title.rect().width():.0f}")
+    return out
+
+
+@pytest.mark.parametrize("size", [(1280, 720), (1366, 768), (1920, 1080), (2560, 1440)])
+def test_nothing_is_clipped_at_each_screen_size(qtbot, app_style, make_window, ui_engine, size):
+    from ui.main_window import compact_layout
+    from PySide6.QtCore import QSize
+
+    w = make_window(engine=None, compact=compact_layout(QSize(*size)))  # as a screen this size opens it
+    w.resize(*size)
     w.show()
     qtbot.waitExposed(w)
     w.set_engine(ui_engine, owns=False)
-    qtbot.waitUntil(lambda: w.width() == 1280 and w.height() == 720, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: (w.width(), w.height()) == size, timeout=WAIT_MS)
     ticked = []
     w.bridge.tick.connect(ticked.append)
     problems = {}
+    plots_seen: list = []
     for key in ("backends", "controls", "routing", "latency", "teaching", "experiments"):
         w.show_panel(key)
         n = len(ticked)
         qtbot.waitUntil(lambda n=n: len(ticked) >= n + 2, timeout=WAIT_MS)  # the panel's figures filled in
         seen: list = []
-        found = _clipped_labels(w, seen)
+        found = _clipped_labels(w, seen) + _clipped_plots(w, plots_seen)
         assert len(seen) >= 8, (key, len(seen))  # the panel's own labels were looked at
         if found:
             problems[key] = found
+    assert len({id(p) for p in plots_seen}) >= 5  # routing's, latency's, teaching's, experiments' plots
     assert not problems, "\n".join(f"{k}: {p}" for k, v in problems.items() for p in v)
 
 

@@ -36,6 +36,19 @@ def test_gguf_files_are_listed_under_their_general_name(tmp_path):
     assert "SmolLM2 135M Instruct" in found[0].title()
 
 
+def test_a_model_in_parts_is_listed_once_as_its_first_part(tmp_path):
+    from fake_hub import split_gguf
+
+    from engine.llama.model import resolve_model
+
+    folder = tmp_path / "models" / "tester--Tiny-GGUF"
+    folder.mkdir(parents=True)
+    parts = split_gguf(resolve_model("synthetic:tiny"), folder, 3)
+    found = scan(model_folders(env={}, home=tmp_path))
+    assert [m.path for m in found] == [str(parts[0])]  # what llama.cpp is given
+    assert found[0].size == sum(p.stat().st_size for p in parts) and found[0].architecture
+
+
 def test_hugging_face_cache_snapshots_are_found_once(tmp_path):
     hub = tmp_path / "hf" / "hub" / "models--org--smol"
     blob = write_gguf(hub / "blobs" / "0123abcd", "Smol From HF")

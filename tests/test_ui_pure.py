@@ -148,3 +148,13 @@ def test_a_model_is_titled_by_its_file_name():
 
     info = SimpleNamespace(path="/m/SmolLM2-135M-Instruct.Q4_1.gguf", name="Smollm2 135M 8k Lc100K Mix1 Ep2")
     assert model_title(info) == "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.mark.parametrize("score,text", [(9.80951, "9.810"), (161.2634, "161.263"), (1140.4021, "1140.4"),
+                                        (123456.7, "123457"), (math.inf, "∞")])
+def test_a_routing_score_cell_stays_seven_characters_at_most(score, text):
+    from types import SimpleNamespace
+
+    from ui.routing import score_term
+
+    assert score_term(SimpleNamespace(score_s=score), "score") == text and len(text) <= 7

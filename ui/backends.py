@@ -56,7 +56,7 @@ class BackendCard(QFrame):
         self._restart = engine.restart
         self._restart_worker: Worker | None = None
         self._restart_error: str | None = None
-        self._t0 = None
+        self._t0: float | None = None
         self._history = RingSeries(int(HISTORY_S * hz) + 1, 2)
         self.setObjectName("card")
         self.setMinimumWidth(CARD_WIDTH)
@@ -110,7 +110,7 @@ class BackendCard(QFrame):
         problem.setContentsMargins(0, 2, 0, 2)
         self.error_label = wrap_label(QLabel())
         self.error_label.setStyleSheet(f"color:{FAILED}")
-        self.error_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.error_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.restart_button = QPushButton("Restart")
         self.restart_button.setObjectName("danger")
         self.restart_button.setToolTip("Throw this backend's context away and start it again with a fresh one "
@@ -118,7 +118,7 @@ class BackendCard(QFrame):
         self.restart_button.clicked.connect(self.restart)
         self.restart_button.setEnabled(self._restart is not None)
         problem.addWidget(self.error_label, 1)
-        problem.addWidget(self.restart_button, 0, Qt.AlignTop)
+        problem.addWidget(self.restart_button, 0, Qt.AlignmentFlag.AlignTop)
         self.problem.setVisible(False)
         grid.addWidget(self.problem, 2, 0, 1, 4)
 
@@ -133,7 +133,7 @@ class BackendCard(QFrame):
         grid.addWidget(self.running_bar, 3, 1)
         ceiling_label = _muted("Ceiling")
         ceiling_label.setToolTip(CAP_HELP)
-        grid.addWidget(ceiling_label, 3, 2, Qt.AlignRight)
+        grid.addWidget(ceiling_label, 3, 2, Qt.AlignmentFlag.AlignRight)
         grid.addWidget(self.cap_spin, 3, 3)
         grid.addWidget(_muted("Waiting"), 4, 0)
         grid.addWidget(self.waiting_bar, 4, 1, 1, 3)
@@ -162,7 +162,7 @@ class BackendCard(QFrame):
                                   verSpacing=-6, horSpacing=10)
         self.running_curve = p.plot(pen=pg.mkPen(self.color, width=1.5), fillLevel=0,
                                     brush=qcolor(self.color, 70), name="running")
-        self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.DashLine), name="waiting")
+        self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.PenStyle.DashLine), name="waiting")
         self.plot.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests; an orange dashed line "
                              "marks a change of this backend's cap or health, or of the policy")
         grid.addWidget(self.plot, 6, 0, 1, 4)
@@ -176,7 +176,7 @@ class BackendCard(QFrame):
         # Where the rates the router prices this backend at came from: a placeholder ("default")
         # is flagged, since every score is rough until it is measured.
         self.rates_source_label = QLabel()
-        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_source_label):
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label, self.rates_source_label):
             lab.setWordWrap(True)
         grid.addWidget(_muted("Prefix hits"), 7, 0)
         grid.addWidget(self.hit_label, 7, 1, 1, 3)
@@ -184,16 +184,13 @@ class BackendCard(QFrame):
         grid.addWidget(_muted("Observed"), 9, 0)
         grid.addWidget(self.speed_label, 9, 1, 1, 3)
         grid.addWidget(_muted("Priced at"), 10, 0)
-        priced = QHBoxLayout()
-        priced.setSpacing(8)
-        priced.addWidget(self.rates_label)
-        priced.addWidget(self.rates_source_label, 1)
-        grid.addLayout(priced, 10, 1, 1, 3)
+        grid.addWidget(self.rates_label, 10, 1, 1, 3)
+        grid.addWidget(self.rates_source_label, 11, 1, 1, 3)  # under the rates, as the cache's figures under the hits
         # The adaptive cap's live value and why it last moved (engine/sched/limiter.py).
         self.limit_label = _muted("")
         self.limit_label.setWordWrap(True)
-        grid.addWidget(_muted("Cap"), 11, 0)
-        grid.addWidget(self.limit_label, 11, 1, 1, 3)
+        grid.addWidget(_muted("Cap"), 12, 0)
+        grid.addWidget(self.limit_label, 12, 1, 1, 3)
 
         grid.setColumnStretch(1, 1)
 
@@ -346,7 +343,7 @@ class BackendsPanel(QScrollArea):
         super().__init__(parent)
         self.engine = engine
         self.setWidgetResizable(True)
-        self.setFrameShape(QFrame.NoFrame)
+        self.setFrameShape(QFrame.Shape.NoFrame)
         inner = QWidget()
         lay = QGridLayout(inner)
         lay.setContentsMargins(6, 6, 6, 6)
@@ -373,7 +370,7 @@ class BackendsPanel(QScrollArea):
         for card in self.cards.values():
             self._grid.removeWidget(card)
         for i, card in enumerate(self.cards.values()):
-            self._grid.addWidget(card, i // columns, i % columns, Qt.AlignTop)
+            self._grid.addWidget(card, i // columns, i % columns, Qt.AlignmentFlag.AlignTop)
         for r in range(self._grid.rowCount()):
             self._grid.setRowStretch(r, 0)
         self._grid.setRowStretch((len(self.cards) + columns - 1) // columns, 1)

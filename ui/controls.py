@@ -130,7 +130,8 @@ class ControlsPanel(QWidget):
             ceiling.setSpacing(4)
             ceiling.addWidget(cap)
             ceiling.addWidget(live)
-            for col, w in enumerate((ps, ds, src, ceiling, cache), start=1):
+            cells: tuple[QWidget | QHBoxLayout, ...] = (ps, ds, src, ceiling, cache)
+            for col, w in enumerate(cells, start=1):
                 if isinstance(w, QHBoxLayout):
                     g.addLayout(w, row, col)
                 else:

@@ -64,7 +64,7 @@ class ExperimentsPanel(QWidget):
         self._restore_policy: str | None = None
         self._total = 0
         self._done_before = 0
-        self._last_spec = None
+        self._last_spec: WorkloadSpec | None = None
         self._build()
 
     def _build(self) -> None:
@@ -120,10 +120,10 @@ class ExperimentsPanel(QWidget):
 
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setAlternatingRowColors(True)
         self.table.verticalHeader().setVisible(False)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.horizontalHeader().setStretchLastSection(True)
 
         self.chart = pg.PlotWidget()
@@ -151,7 +151,7 @@ class ExperimentsPanel(QWidget):
         note.setObjectName("muted")
         wrap_label(note)
 
-        right_split = QSplitter(Qt.Vertical)
+        right_split = QSplitter(Qt.Orientation.Vertical)
         right_split.addWidget(self.table)
         right_split.addWidget(self.chart)
         right_split.setSizes([250, 200])
@@ -163,7 +163,7 @@ class ExperimentsPanel(QWidget):
         rv.addLayout(exports)
         rv.addWidget(note)
 
-        split = QSplitter(Qt.Horizontal)
+        split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(scrollable_column(left))
         split.addWidget(right)
         split.setSizes([340, 1100])
@@ -236,8 +236,9 @@ class ExperimentsPanel(QWidget):
             self._end()
             return
         policy = self._queue.pop(0)
-        run = self._bench_run = BenchRun(f"#{len(self.summaries) + 1} {policy}", self._last_spec.n_requests)
-        worker = Worker(lambda: self.bench_runner(self._last_spec, policy, index, worker.report, clock=run.clock),
+        spec = self._started_spec()
+        run = self._bench_run = BenchRun(f"#{len(self.summaries) + 1} {policy}", spec.n_requests)
+        worker = Worker(lambda: self.bench_runner(spec, policy, index, worker.report, clock=run.clock),
                         name="experiments", owner=self)
         worker.progress.connect(self._on_worker_progress)
         worker.returned.connect(lambda summary: self._on_worker_result(summary, index + 1))
@@ -254,6 +255,12 @@ class ExperimentsPanel(QWidget):
         self.add_summary(summary)
         self.run_finished.emit(summary)
         self._bench_next(next_index)
+
+    def _started_spec(self) -> WorkloadSpec:
+        """The workload of the runs `start` began."""
+        if self._last_spec is None:
+            raise RuntimeError("no experiment has started")
+        return self._last_spec
 
     def _on_worker_error(self, e: BaseException) -> None:
         self.status_message.emit(f"experiment run failed: {e}")
@@ -272,7 +279,7 @@ class ExperimentsPanel(QWidget):
             self._next()
             return
         label = f"#{len(self.summaries) + 1}"
-        self._run = WorkloadRun(self.engine, self.bridge, self._last_spec, label=label, parent=self)
+        self._run = WorkloadRun(self.engine, self.bridge, self._started_spec(), label=label, parent=self)
         self._run.progress.connect(lambda done, _t: self.progress.setValue(self._done_before + done))
         self._run.phase.connect(lambda ph, p=policy: self.phase_label.setText(f"{p}: {ph}"))
         self._run.done.connect(self._on_done)
@@ -316,7 +323,7 @@ class ExperimentsPanel(QWidget):
         for col, text in enumerate(cells):
             item = QTableWidgetItem(text)
             if 2 <= col <= 8:
-                item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             if paused and COLUMNS[col] in ("makespan", "output tok/s"):
                 item.setToolTip(paused)
             self.table.setItem(row, col, item)

@@ -3,10 +3,12 @@
 The dialog drives `ui.hub` (Qt-free) on `ui.worker.Worker` threads: a search lists repositories
 (most downloaded first); picking one lists its GGUF files with their size, quantisation and
 whether each fits this machine's RAM / GPU memory at the context chosen in the dialog (the KV
-cache priced from the repository's GGUF header, read by range from its smallest file). Download
-fetches the chosen file into the models folder with a progress bar and the time left (a
-connection that drops is resumed where it stopped); Stop ends it, the sha256 is checked, and the
-dialog is accepted with `downloaded` set: the window then loads it.
+cache priced from the repository's GGUF header, read by range from its smallest file); a model
+in parts is one row (its total size). Download fetches the chosen model (every part) into the
+models folder with a progress bar and the time left; Stop ends it and keeps what came, so the
+next Download of that model (even after a restart) fetches only the rest. The sha256 is checked,
+and the dialog is accepted with `downloaded` set (a model in parts: its first part): the window
+then loads it.
 
 Main thread only; each background call reports back through its worker's signals.
 """
@@ -47,6 +49,7 @@ class GetModelDialog(QDialog):
         self._cancel = threading.Event()
         self._download_worker: Worker | None = None
         self._started = 0.0
+        self._resumed_from = 0  # bytes already on disk when this download started
         self._build(n_ctx)
 
     def _build(self, n_ctx: int) -> None:
@@ -65,14 +68,14 @@ class GetModelDialog(QDialog):
         self.repos.currentItemChanged.connect(lambda item, _old: self.list_files(item.text()) if item else None)
         self.table = QTableWidget(0, 4)
         self.table.setHorizontalHeaderLabels(["File", "Quant", "Size", "On this machine"])
-        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
-        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
         h = self.table.horizontalHeader()
-        h.setSectionResizeMode(0, QHeaderView.Stretch)
+        h.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for col in (1, 2, 3):
-            h.setSectionResizeMode(col, QHeaderView.ResizeToContents)
+            h.setSectionResizeMode(col, QHeaderView.ResizeMode.ResizeToContents)
         self.table.itemSelectionChanged.connect(self._update_buttons)
         middle = QHBoxLayout()
         middle.addWidget(self.repos)
@@ -109,7 +112,7 @@ class GetModelDialog(QDialog):
 
         folder = QLabel(f"Downloads go to {self.folder}")
         folder.setObjectName("muted")
-        folder.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        folder.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         lay = QVBoxLayout(self)
         lay.addLayout(top)
         lay.addLayout(middle, 1)
@@ -163,7 +166,7 @@ class GetModelDialog(QDialog):
         self.files, self.shape = files, shape
         self._fill_table()
         if not files:
-            self.state_label.setText(f"{repo_id} has no single-file GGUF model.")
+            self.state_label.setText(f"{repo_id} has no GGUF model.")
         else:
             kv = ("the KV cache priced from its GGUF header" if shape is not None
                   else "its GGUF header could not be read: weights only, without the KV cache")
@@ -183,7 +186,7 @@ class GetModelDialog(QDialog):
         self.table.setRowCount(len(self.files))
         for row, f in enumerate(self.files):
             fit = self.fit(f)
-            cells = [f.path, f.quant or "?", hub.fmt_bytes(f.size),
+            cells = [f.label, f.quant or "?", hub.fmt_bytes(f.size),
                      f"RAM {fit.ram} · GPU {fit.vram}"]
             for col, text in enumerate(cells):
                 item = QTableWidgetItem(text)
@@ -191,8 +194,11 @@ class GetModelDialog(QDialog):
                     item.setForeground(_brush(VERDICT_COLOR.get(fit.ram, WORKING)))
                     item.setToolTip(fit.text())
                 elif col == 2:
-                    item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                     item.setToolTip(f"{f.size:,} bytes" + (f"\nsha256 {f.sha256}" if f.sha256 else ""))
+                elif col == 0 and f.parts:
+                    item.setToolTip("Downloaded together; llama.cpp loads the first part and finds the others:\n"
+                                    + "\n".join(f"{p.path}  {hub.fmt_bytes(p.size)}" for p in f.parts))
                 self.table.setItem(row, col, item)
         self._update_buttons()
 
@@ -212,9 +218,12 @@ class GetModelDialog(QDialog):
             return None
         self._cancel.clear()
         self._started = time.monotonic()
-        self.progress.setValue(0)
+        self._resumed_from = hub.partial_bytes(f, self.folder)
+        self.progress.setValue(int(self._resumed_from * 100 / f.size) if f.size else 0)
         self.progress.setVisible(True)
-        self.state_label.setText(f"Downloading {f.name} ({hub.fmt_bytes(f.size)})…")
+        what = f"{f.label} ({hub.fmt_bytes(f.size)})"
+        self.state_label.setText(f"Resuming {what} from {hub.fmt_bytes(self._resumed_from)} on disk…"
+                                 if self._resumed_from else f"Downloading {what}…")
         worker = Worker(lambda: hub.download(f, self.folder, lambda done, total: worker.report((done, total)),
                                              self._cancel),
                         name="hub-download", owner=self)
@@ -231,8 +240,9 @@ class GetModelDialog(QDialog):
         self.progress.setValue(int(done * 100 / total) if total else 0)
         spent = time.monotonic() - self._started
         text = f"{hub.fmt_bytes(done)} of {hub.fmt_bytes(total)}"
-        if done and spent > 1:
-            rate = done / spent
+        fetched = done - self._resumed_from  # this time (the bytes on disk before say nothing of the link)
+        if fetched > 0 and spent > 1:
+            rate = fetched / spent
             text += f" · {hub.fmt_bytes(rate)}/s · about {max(0, (total - done) / rate):.0f} s left"
         self.progress.setFormat(text)
 
@@ -244,7 +254,10 @@ class GetModelDialog(QDialog):
     def _on_download_error(self, e: BaseException) -> None:
         self.progress.setVisible(False)
         if isinstance(e, hub.DownloadCancelled):
-            self.state_label.setText("Download stopped; nothing was kept.")
+            f = self.selected_file()
+            kept = hub.partial_bytes(f, self.folder) if f is not None else 0
+            self.state_label.setText(f"Download stopped; {hub.fmt_bytes(kept)} kept: Download goes on from there."
+                                     if kept else "Download stopped.")
         else:
             self._on_error(e)
 

@@ -3,18 +3,23 @@
 Everything goes through `huggingface_hub` (which honours `HF_ENDPOINT`, so tests point it at a
 local server that speaks the Hub's API; `HF_TOKEN` for gated models):
 - `search_models(query)`: `HfApi.list_models(search=…, filter="gguf")`, most downloaded first;
-- `gguf_files(repo)`: `HfApi.list_repo_tree(recursive=True)`, the `.gguf` files with their size
-  and LFS sha256 (models split in parts and vision projectors are left out: this picker gets
-  one file);
+- `gguf_files(repo)`: `HfApi.list_repo_tree(recursive=True)`, the `.gguf` models with their size
+  and LFS sha256; a model in parts (`name-00001-of-00003.gguf`, llama.cpp's gguf-split) is one
+  entry whose size is the parts' total, offered only when every part is there (vision
+  projectors are left out);
 - `model_shape(file)`: reads the file's GGUF header (the first few MiB: one ranged GET of
   `hf_hub_url` on huggingface_hub's HTTP session, with its headers) for the layer and KV-head
   counts, so `fits()` can price the KV cache at the chosen context: weights + KV + a margin
   against this machine's RAM (and a GPU's memory);
-- `download(file, folder)`: `hf_hub_download(local_dir=…)`: a connection that drops is resumed
-  from where it stopped (huggingface_hub's `http_get` retries with a `Range` header); progress
-  through its `tqdm_class`; the finished file's sha256 must match the Hub's, else it is deleted and
-  the download fails. A download stopped by the user is dropped (huggingface_hub >= 2 keeps no
-  partial file between calls).
+- `download(file, folder)`: every part, each through huggingface_hub's own `http_get` into a
+  partial file kept beside the model (`.incomplete/`); the next download of the same file, after
+  a Stop, a failure or the app closed, asks only for the rest (`http_get(resume_size=…)`: a
+  `Range` request, and within one call a dropped connection is resumed the same way).
+  `hf_hub_download` is not used for the bytes: huggingface_hub 2.x writes to a process-unique
+  temporary file and deletes it on any failure, so nothing survives a stop. Progress goes
+  through its `tqdm_class`; each part's sha256 must match the Hub's (else the partial file is
+  deleted and the download fails) before it takes its name. Returns the first part, which is
+  what llama.cpp is given (it finds the other parts beside it).
 
 Qt-free (the Get model dialog drives it on a worker thread): plain functions, any thread; a
 download is stopped by setting the `threading.Event` it was given.
@@ -34,7 +39,8 @@ from typing import Callable
 HEADER_BYTES = 8 << 20  # a GGUF header (with a 150k-token vocabulary) fits in a few MiB
 HTTP_TIMEOUT_S = 30
 OVERHEAD = 1.10  # compute buffers and the runtime beside weights + KV
-SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)  # llama.cpp's gguf-split names
+PARTIAL_DIR = ".incomplete"  # in a repository's download folder: the bytes of unfinished downloads
 QUANT = re.compile(r"(?i)[-_.](I?Q\d(?:_[A-Z0-9]+)*|F16|BF16|F32)(?=\.gguf$|[-_.])")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -57,14 +63,30 @@ class HubModel:
 
 @dataclass(frozen=True)
 class HubFile:
+    """A model to download: one file, or a model in parts (`parts`: each part, in order; `path`
+    is then the first part's, `size` their total and `sha256` None: each part has its own)."""
+
     repo_id: str
     path: str
     size: int
     sha256: str | None = None  # the LFS object id; None if the Hub gave none
+    parts: tuple[HubFile, ...] = ()
 
     @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def files(self) -> tuple[HubFile, ...]:
+        """What to download: the parts, or this one file."""
+        return self.parts or (self,)
+
+    @property
+    def label(self) -> str:
+        """The path as people read it: `dir/name-Q4_K_M (3 parts)` for a model in parts."""
+        if not self.parts:
+            return self.path
+        return f"{SPLIT.sub('', self.path)} ({len(self.parts)} parts)"
 
     @property
     def quant(self) -> str:
@@ -132,7 +154,8 @@ def search_models(query: str, limit: int = 30) -> list[HubModel]:
 
 
 def gguf_files(repo_id: str) -> list[HubFile]:
-    """The single-file GGUF models of a repository, smallest first."""
+    """The GGUF models of a repository, smallest first: single files, and each model in parts
+    as one entry (when all its parts are there)."""
     from huggingface_hub.hf_api import RepoFile
 
     try:
@@ -140,15 +163,25 @@ def gguf_files(repo_id: str) -> list[HubFile]:
     except Exception as e:  # noqa: BLE001
         raise _hub_error(f"listing {repo_id} failed", e) from e
     out = []
+    split: dict[tuple[str, int], dict[int, HubFile]] = {}  # (path less the part's suffix, parts) -> parts
     for entry in tree:
         if not isinstance(entry, RepoFile) or not entry.path.lower().endswith(".gguf"):
             continue
-        name = entry.path.rsplit("/", 1)[-1].lower()
-        if "mmproj" in name or SPLIT.search(name):  # a vision projector; a model in parts
+        if "mmproj" in entry.path.rsplit("/", 1)[-1].lower():  # a vision projector
             continue
         sha = entry.lfs.sha256 if entry.lfs is not None else None
-        out.append(HubFile(repo_id, entry.path, int(entry.size), sha))
-    return sorted(out, key=lambda f: f.size)
+        f = HubFile(repo_id, entry.path, int(entry.size), sha)
+        m = SPLIT.search(entry.path)
+        if m is None:
+            out.append(f)
+        else:
+            split.setdefault((entry.path[:m.start()], int(m.group(2))), {})[int(m.group(1))] = f
+    for (_stem, count), parts in split.items():
+        if count < 1 or sorted(parts) != list(range(1, count + 1)):
+            continue  # a part is missing: llama.cpp could not load it
+        ordered = tuple(parts[i] for i in range(1, count + 1))
+        out.append(HubFile(repo_id, ordered[0].path, sum(p.size for p in ordered), None, ordered))
+    return sorted(out, key=lambda f: (f.size, f.path))
 
 
 def model_shape(file: HubFile) -> Shape | None:
@@ -157,7 +190,7 @@ def model_shape(file: HubFile) -> Shape | None:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-        n = min(HEADER_BYTES, file.size)
+        n = min(HEADER_BYTES, file.files[0].size)  # a model in parts: its first part holds the header
         headers = {**build_hf_headers(), "Range": f"bytes=0-{n - 1}", "Accept-Encoding": "identity"}
         r = get_session().get(hf_hub_url(file.repo_id, file.path), headers=headers, timeout=HTTP_TIMEOUT_S)
         hf_raise_for_status(r)
@@ -316,15 +349,60 @@ def models_folder() -> Path:
 
 def download(file: HubFile, folder: Path | None = None, progress: Progress | None = None,
              cancel: threading.Event | None = None) -> Path:
-    """Download `file` into `folder/<owner>--<repo>/` (a dropped connection resumes where it
-    stopped), check its sha256, return its path. Raises `DownloadCancelled` when `cancel` is set
-    and `HubError` on any failure."""
-    from huggingface_hub import hf_hub_download
-    from tqdm import tqdm
-
+    """Download `file` (every part of a model in parts) into `folder/<owner>--<repo>/`, resuming
+    from the bytes an earlier download left, check each part's sha256, return the path of the
+    (first) file. Raises `DownloadCancelled` when `cancel` is set (what came is kept for next
+    time) and `HubError` on any failure."""
     folder = Path(folder) if folder is not None else models_folder()
     target = folder / file.repo_id.replace("/", "--")
     cancel = cancel or threading.Event()
+    before = 0  # bytes of the parts already done
+    for part in file.files:
+        def report(done: int, _total: int, before=before) -> None:
+            if progress is not None:
+                progress(before + done, file.size)
+
+        _download_one(part, target, report, cancel)
+        before += part.size
+    return target / file.files[0].path
+
+
+def partial_path(file: HubFile, target: Path) -> Path:
+    """Where the bytes of an unfinished download of one file wait (named by its sha256 or size,
+    so a file changed on the Hub never resumes from an old one's bytes)."""
+    key = file.sha256 or f"size-{file.size}"
+    return target / PARTIAL_DIR / f"{file.path}.{key[:16]}"
+
+
+def partial_bytes(file: HubFile, folder: Path | None = None) -> int:
+    """How many bytes of `file` (all its parts) are on disk, finished or waiting to resume."""
+    target = (Path(folder) if folder is not None else models_folder()) / file.repo_id.replace("/", "--")
+    done = 0
+    for part in file.files:
+        final, partial = target / part.path, partial_path(part, target)
+        if final.is_file() and final.stat().st_size == part.size:
+            done += part.size
+        elif partial.is_file():
+            done += min(partial.stat().st_size, part.size)
+    return done
+
+
+def _download_one(file: HubFile, target: Path, progress: Progress, cancel: threading.Event) -> None:
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+    from tqdm import tqdm
+
+    final = target / file.path
+    if final.is_file() and final.stat().st_size == file.size and (
+            not file.sha256 or sha256_of(final, cancel) == file.sha256):
+        progress(file.size, file.size)  # finished and checked before (a model in parts stopped later)
+        return
+    partial = partial_path(file, target)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    if partial.is_file() and partial.stat().st_size > file.size:
+        partial.unlink()  # not a beginning of this file
+    resume = partial.stat().st_size if partial.is_file() else 0
 
     class _Bar(tqdm):  # huggingface_hub's progress bar, reported to `progress`
         def __init__(self, *args, **kwargs):
@@ -334,14 +412,14 @@ def download(file: HubFile, folder: Path | None = None, progress: Progress | Non
             self._report()
 
         def update(self, n=1):
-            if cancel.is_set():
+            if cancel.is_set():  # before the chunk is written: the partial file stays a clean prefix
                 raise DownloadCancelled("download stopped")
             out = super().update(n)
             self._report()
             return out
 
         def _report(self):
-            if progress is not None and self.total:
+            if self.total:
                 progress(int(self.n), int(self.total))
 
         def close(self):
@@ -352,25 +430,27 @@ def download(file: HubFile, folder: Path | None = None, progress: Progress | Non
             except Exception:  # noqa: BLE001
                 pass
 
-    try:
-        path = Path(hf_hub_download(file.repo_id, file.path, local_dir=target, tqdm_class=_Bar))
-    except DownloadCancelled:
-        raise
-    except Exception as e:  # noqa: BLE001
-        if cancel.is_set():
-            raise DownloadCancelled("download stopped") from e
-        raise _hub_error(f"downloading {file.name} failed", e) from e
-    if file.sha256:
+    if resume < file.size:
         try:
-            got = sha256_of(path, cancel)
+            with open(partial, "ab") as fh:
+                http_get(hf_hub_url(file.repo_id, file.path), fh, resume_size=resume,
+                         headers=build_hf_headers(), expected_size=file.size, displayed_filename=file.name,
+                         tqdm_class=_Bar)
         except DownloadCancelled:
-            path.unlink(missing_ok=True)  # complete but unchecked: not kept
             raise
+        except Exception as e:  # noqa: BLE001
+            if cancel.is_set():
+                raise DownloadCancelled("download stopped") from e
+            raise _hub_error(f"downloading {file.name} failed", e) from e
+    if file.sha256:
+        got = sha256_of(partial, cancel)  # a stop here keeps the bytes: the check runs again next time
         if got != file.sha256:
-            path.unlink(missing_ok=True)
+            partial.unlink(missing_ok=True)
             raise HubError(f"{file.name}: the downloaded file's sha256 {got[:12]}… is not the Hub's "
                            f"{file.sha256[:12]}…; it was deleted, try again")
-    return path
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(partial, final)
+    progress(file.size, file.size)
 
 
 def sha256_of(path: Path, cancel: threading.Event | None = None) -> str:

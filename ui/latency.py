@@ -42,7 +42,7 @@ class LatencyView(QWidget):
         self._drawn_version = -1
         hz = max(1, round(1000 / bridge.interval_ms))
         self._smooth = max(1, round(SMOOTH_S * hz))
-        self._recent = {b: [] for b in self.backends}  # last `_smooth` ticks of (dt, tokens)
+        self._recent: dict[str, list[tuple[float, int]]] = {b: [] for b in self.backends}  # last `_smooth` ticks of (dt, tokens)
         self._series = RingSeries(int(THROUGHPUT_WINDOW_S * hz), len(self.backends) + 1)
         self._t0 = None
         self._router = engine.router
@@ -79,7 +79,7 @@ class LatencyView(QWidget):
                 curve = p.plot(edges, zero, stepMode="center", fillLevel=0, brush=qcolor(c, 50),
                                pen=pg.mkPen(c, width=1.6), name=b)
                 p50 = pg.InfiniteLine(angle=90, pen=pg.mkPen(c, width=1.3))
-                p95 = pg.InfiniteLine(angle=90, pen=pg.mkPen(c, width=1.3, style=Qt.DashLine))
+                p95 = pg.InfiniteLine(angle=90, pen=pg.mkPen(c, width=1.3, style=Qt.PenStyle.DashLine))
                 for line in (p50, p95):
                     line.setVisible(False)
                     p.addItem(line, ignoreBounds=True)
@@ -102,20 +102,20 @@ class LatencyView(QWidget):
         self.tput_curves = []
         for b in self.backends:
             self.tput_curves.append(p.plot(pen=pg.mkPen(self.colors[b], width=1.6), name=b))
-        self.tput_curves.append(p.plot(pen=pg.mkPen("#e6e9ef", width=1.2, style=Qt.DashLine), name="total"))
+        self.tput_curves.append(p.plot(pen=pg.mkPen("#e6e9ef", width=1.2, style=Qt.PenStyle.DashLine), name="total"))
         self.tput_hint = EmptyHint(p, "no token decoded yet")
         self.marks = ChangeMarks(p)
         grid.addWidget(w, 0, 3)
         self.run_strip = RunStrip()
 
         self.summary = wrap_label(QLabel())  # wraps rather than widening the window (the presenter's large type)
-        self.summary.setTextFormat(Qt.RichText)
+        self.summary.setTextFormat(Qt.TextFormat.RichText)
         self.clear_button = QPushButton("Clear")
         self.clear_button.setToolTip("Forget the latencies collected so far")
         self.clear_button.clicked.connect(self.clear)
         top = QHBoxLayout()
         top.addWidget(self.summary, 1)
-        top.addWidget(self.clear_button, 0, Qt.AlignTop)
+        top.addWidget(self.clear_button, 0, Qt.AlignmentFlag.AlignTop)
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(self.run_strip)

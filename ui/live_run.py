@@ -24,11 +24,13 @@ Thread contract: main thread only (a QObject driven by Qt timers and the bridge'
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
 from engine.sim.arrivals import ArrivalClock
+from engine.core.handle import RequestHandle
 from engine.core.request import Request, SamplingParams
 from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
@@ -83,15 +85,15 @@ class WorkloadRun(QObject):
         self.spec = spec
         self.result = RunResult(label, engine.router.policy, spec)
         self.state = "idle"
-        self._handles = {}
-        self._pending = []  # futures / warm handles we wait for
+        self._handles: dict[str, RequestHandle] = {}
+        self._pending: list[Future | RequestHandle] = []  # futures / warm handles we wait for
         self._next = 0
         self.clock = ArrivalClock()  # arrival times; stands still while paused
         vocab = min(engine.n_vocab or TOKEN_HIGH, TOKEN_HIGH)
         self.workload = build_workload(replace(spec, vocab_size=vocab), run)
         self._submit_timer = QTimer(self)
         self._submit_timer.setSingleShot(True)
-        self._submit_timer.setTimerType(Qt.PreciseTimer)
+        self._submit_timer.setTimerType(Qt.TimerType.PreciseTimer)
         self._submit_timer.timeout.connect(self._submit_due)
         bridge.tick.connect(self._on_tick)
         bridge.finished.connect(self._on_finished)
@@ -215,7 +217,7 @@ class WorkloadRun(QObject):
     def _on_tick(self, _tick) -> None:
         if self.state not in ("flushing", "warming"):
             return
-        if not all(p.done() if hasattr(p, "add_done_callback") else p.done for p in self._pending):
+        if not all(p.done() if isinstance(p, Future) else p.done for p in self._pending):
             return
         if self.state == "flushing":
             self._start_warm()

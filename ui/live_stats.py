@@ -54,7 +54,7 @@ class LatencyStore:
     def __init__(self, backends: list[str], limit: int = 20000):
         self.backends = list(backends)
         self.limit = limit
-        self._data = {b: {m: [] for m in EDGES} for b in self.backends}
+        self._data: dict[str, dict[str, list[float]]] = {b: {m: [] for m in EDGES} for b in self.backends}
         self.finished = {b: 0 for b in self.backends}
         self.failed = {b: 0 for b in self.backends}  # errors and cancelled requests
         self.version = 0

@@ -12,7 +12,9 @@ Where it looks (`model_folders()`; each folder only if it exists):
 
 `scan(folders)` walks them (bounded: `MAX_FILES` files, `MAX_DEPTH` levels) and reads each file's
 header with the `gguf` package (memory-mapped; only the metadata is read). A file that is not
-GGUF or cannot be read is listed with its error rather than dropped, so the user sees why.
+GGUF or cannot be read is listed with its error rather than dropped, so the user sees why. A
+model in parts (`name-00001-of-00003.gguf`) is listed once, as its first part (what llama.cpp
+loads), at the parts' total size.
 
 Pure functions, no Qt: any thread (the model dialog runs `scan` on a worker thread).
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +32,7 @@ MAX_FILES = 500  # per scan: a home folder full of models still lists in seconds
 MAX_DEPTH = 6  # levels under a folder (HF: models--org--name/snapshots/<rev>/file.gguf is 3)
 RECENT_MAX = 10
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)  # llama.cpp's gguf-split names
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class LocalModel:
         return head + (f" · {' · '.join(bits)}" if bits else "") + (f" · {self.error}" if self.error else "")
 
 
-def model_folders(env: dict | None = None, home: Path | None = None) -> list[tuple[str, Path, str]]:
+def model_folders(env: Mapping[str, str] | None = None, home: Path | None = None) -> list[tuple[str, Path, str]]:
     """(label, folder, kind) for each place to look; kind is "files" or "ollama"."""
     env = os.environ if env is None else env
     home = Path(home) if home is not None else Path.home()
@@ -74,7 +79,7 @@ def read_model(path: str | Path, source: str = "", alias: str = "") -> LocalMode
     """A file's entry, its name and shape from the GGUF header (or the reason it has none)."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        size = path.stat().st_size + _other_parts_size(path)
     except OSError as e:
         return LocalModel(str(path), path.stem, source, alias=alias, error=f"cannot read: {e.strerror or e}")
     try:
@@ -144,6 +149,16 @@ def recent_entries(recent: list[str]) -> list[LocalModel]:
     return out
 
 
+def _other_parts_size(path: Path) -> int:
+    """The bytes of a first part's other parts on disk (0 for a model in one file)."""
+    m = SPLIT.search(path.name)
+    if m is None or int(m.group(1)) != 1:
+        return 0
+    stem, count = path.name[:m.start()], int(m.group(2))
+    others = (path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1))
+    return sum(p.stat().st_size for p in others if p.is_file())
+
+
 def _gguf_files(folder: Path):
     for root, dirs, files in os.walk(folder, followlinks=False):
         depth = len(Path(root).relative_to(folder).parts)
@@ -151,7 +166,8 @@ def _gguf_files(folder: Path):
             dirs.clear()
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "blobs")
         for f in sorted(files):
-            if f.lower().endswith(".gguf"):
+            part = SPLIT.search(f)
+            if f.lower().endswith(".gguf") and (part is None or int(part.group(1)) == 1):  # a model once
                 yield Path(root) / f
 
 

@@ -29,7 +29,7 @@ class LoopProbe(QObject):
         self._t0: float | None = None
         self._done = 0  # ticks of the schedule accounted for
         self._timer = QTimer(self)
-        self._timer.setTimerType(Qt.PreciseTimer)
+        self._timer.setTimerType(Qt.TimerType.PreciseTimer)
         self._timer.setInterval(interval_ms)
         self._timer.timeout.connect(self._on_timeout)
 

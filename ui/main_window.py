@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TypeVar
 
 from PySide6.QtCore import QSettings, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QStackedWidget, QTabWidget, QToolButton, QWidget,
 )
+
+from engine.core.snapshot import BackendSnapshot
 
 from .backends import BackendsPanel
 from .bridge import EngineBridge
@@ -60,6 +63,7 @@ from .theme import CHOICES, FAILED, Theme, configure_pyqtgraph, scrollable
 from .worker import Worker
 
 log = logging.getLogger(__name__)
+P = TypeVar("P", bound=QWidget)
 
 # Under this width the Monitor drawer beside the chat would squeeze one or the other (the chat's
 # rows need ~650 px, two backend cards side by side ~700), so the drawer opens at the bottom.
@@ -112,7 +116,7 @@ class MainWindow(QMainWindow):
             self.loader.step.connect(self._on_load_step)
             self.loader.loaded.connect(self._on_loaded)
             self.loader.failed.connect(self._on_load_failed)
-        self.error_dialog = QMessageBox(QMessageBox.Critical, "Could not load the model", "", QMessageBox.Ok, self)
+        self.error_dialog = QMessageBox(QMessageBox.Icon.Critical, "Could not load the model", "", QMessageBox.StandardButton.Ok, self)
         self.probe = LoopProbe(parent=self)
         self.probe.start()
 
@@ -128,7 +132,7 @@ class MainWindow(QMainWindow):
         geometry = self.settings.value("window/geometry")
         if geometry is not None:
             self.restoreGeometry(geometry)
-        self.setDockOptions(QMainWindow.AnimatedDocks | QMainWindow.AllowTabbedDocks | QMainWindow.AllowNestedDocks)
+        self.setDockOptions(QMainWindow.DockOption.AnimatedDocks | QMainWindow.DockOption.AllowTabbedDocks | QMainWindow.DockOption.AllowNestedDocks)
         self._build_central()
         self._build_monitor()
         self._build_status()
@@ -156,10 +160,10 @@ class MainWindow(QMainWindow):
         self.monitor = QDockWidget("Monitor", self)
         self.monitor.setObjectName("dock-monitor")
         self.monitor.setWidget(self.monitor_tabs)
-        self.monitor.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetFloatable
-                                 | QDockWidget.DockWidgetClosable)
-        self.monitor.setAllowedAreas(Qt.RightDockWidgetArea | Qt.BottomDockWidgetArea | Qt.LeftDockWidgetArea)
-        self.addDockWidget(Qt.BottomDockWidgetArea if self.compact else Qt.RightDockWidgetArea, self.monitor)
+        self.monitor.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                                 | QDockWidget.DockWidgetFeature.DockWidgetClosable)
+        self.monitor.setAllowedAreas(Qt.DockWidgetArea.RightDockWidgetArea | Qt.DockWidgetArea.BottomDockWidgetArea | Qt.DockWidgetArea.LeftDockWidgetArea)
+        self.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea if self.compact else Qt.DockWidgetArea.RightDockWidgetArea, self.monitor)
         self.monitor.setVisible(False)  # opened when there are panels to show (`_build_panels`)
         self._monitor_sized = False  # given its first size (or a saved one)
         self._monitor_defaulted = False  # opened or not as the screen suggests, once
@@ -174,7 +178,7 @@ class MainWindow(QMainWindow):
         button.setDefaultAction(self.monitor_action)
         button.setObjectName("monitorButton")
         self.monitor_button = button
-        self.menuBar().setCornerWidget(button, Qt.TopRightCorner)
+        self.menuBar().setCornerWidget(button, Qt.Corner.TopRightCorner)
 
     def set_monitor_side(self, area) -> None:
         """Put the Monitor drawer at the right (`Qt.RightDockWidgetArea`) or at the bottom, open."""
@@ -191,11 +195,11 @@ class MainWindow(QMainWindow):
         """The drawer's first size: at the right, a share of the width; at the bottom, half the
         height, and at least the 380 px that show the teaching table's 8 rows under the drawer's
         title and tabs."""
-        if self.dockWidgetArea(self.monitor) == Qt.BottomDockWidgetArea:
+        if self.dockWidgetArea(self.monitor) == Qt.DockWidgetArea.BottomDockWidgetArea:
             h = self.height()
-            self.resizeDocks([self.monitor], [max(380, min(h - 300, h // 2))], Qt.Vertical)
+            self.resizeDocks([self.monitor], [max(380, min(h - 300, h // 2))], Qt.Orientation.Vertical)
         else:
-            self.resizeDocks([self.monitor], [int(self.width() * MONITOR_SHARE)], Qt.Horizontal)
+            self.resizeDocks([self.monitor], [int(self.width() * MONITOR_SHARE)], Qt.Orientation.Horizontal)
         self._monitor_sized = True
 
     def _build_status(self) -> None:
@@ -224,23 +228,25 @@ class MainWindow(QMainWindow):
             sb.addPermanentWidget(w)
 
     def _build_menus(self) -> None:
+        # PySide6 connects signals given as keywords (triggered=, toggled=); its stubs do not know
+        # them, hence the `call-overload` ignores on the QActions below.
         m = self.menuBar().addMenu("&File")
-        self.load_action = QAction("&Load model…", self, shortcut=QKeySequence.Open, triggered=self.choose_model)
+        self.load_action = QAction("&Load model…", self, shortcut=QKeySequence.StandardKey.Open, triggered=self.choose_model)  # type: ignore[call-overload]
         m.addAction(self.load_action)
-        self.get_model_action = QAction("&Get model…", self, triggered=self.get_model)
+        self.get_model_action = QAction("&Get model…", self, triggered=self.get_model)  # type: ignore[call-overload]
         self.get_model_action.setToolTip("Search the Hugging Face Hub for a GGUF model, download it and load it")
         m.addAction(self.get_model_action)
-        self.new_chat_action = QAction("&New chat", self, shortcut=QKeySequence.New, triggered=self._new_chat)
+        self.new_chat_action = QAction("&New chat", self, shortcut=QKeySequence.StandardKey.New, triggered=self._new_chat)  # type: ignore[call-overload]
         m.addAction(self.new_chat_action)
-        m.addAction(QAction("Save &screenshot…", self, triggered=self._ask_screenshot))
+        m.addAction(QAction("Save &screenshot…", self, triggered=self._ask_screenshot))  # type: ignore[call-overload]
         m.addSeparator()
-        m.addAction(QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close))
+        m.addAction(QAction("&Quit", self, shortcut=QKeySequence.StandardKey.Quit, triggered=self.close))  # type: ignore[call-overload]
         chat_menu = self.menuBar().addMenu("&Chat")
-        self.regenerate_action = QAction("&Regenerate the last reply", self, shortcut=QKeySequence("Ctrl+R"),
+        self.regenerate_action = QAction("&Regenerate the last reply", self, shortcut=QKeySequence("Ctrl+R"),  # type: ignore[call-overload]
                                          triggered=lambda: self._chat_call("regenerate"))
-        self.copy_reply_action = QAction("&Copy the last reply", self, shortcut=QKeySequence("Ctrl+Shift+C"),
+        self.copy_reply_action = QAction("&Copy the last reply", self, shortcut=QKeySequence("Ctrl+Shift+C"),  # type: ignore[call-overload]
                                          triggered=lambda: self._chat_call("copy_reply"))
-        self.search_action = QAction("&Search chats", self, shortcut=QKeySequence.Find, triggered=self.search_chats)
+        self.search_action = QAction("&Search chats", self, shortcut=QKeySequence.StandardKey.Find, triggered=self.search_chats)  # type: ignore[call-overload]
         for a in (self.regenerate_action, self.copy_reply_action, self.search_action):
             chat_menu.addAction(a)
         self.view_menu = self.menuBar().addMenu("&View")
@@ -255,47 +261,47 @@ class MainWindow(QMainWindow):
             theme_menu.addAction(a)
             self.theme_actions[choice] = a
         # The teacher's view, and the figures a developer wants (the event loop's lateness).
-        self.presenter_action = QAction("&Presenter view (large type)", self, shortcut=QKeySequence("F11"),
+        self.presenter_action = QAction("&Presenter view (large type)", self, shortcut=QKeySequence("F11"),  # type: ignore[call-overload]
                                         checkable=True, toggled=self.set_presenter)
-        self.developer_action = QAction("&Developer figures (UI lag)", self, checkable=True,
+        self.developer_action = QAction("&Developer figures (UI lag)", self, checkable=True,  # type: ignore[call-overload]
                                         checked=bool(self.settings.value("view/developer", False, type=bool)),
                                         toggled=self._set_developer)
-        self.reset_counters_action = QAction("&Reset the counters", self, triggered=self.reset_counters)
+        self.reset_counters_action = QAction("&Reset the counters", self, triggered=self.reset_counters)  # type: ignore[call-overload]
         self.reset_counters_action.setToolTip("Zero every backend's prefix hits, evictions and observed speeds")
         for a in (self.presenter_action, self.developer_action, self.reset_counters_action):
             self.view_menu.addAction(a)
         self.view_menu.addSeparator()
         self.view_menu.addAction(self.monitor_action)
-        self.view_menu.addAction(QAction("Monitor at the &right", self,
-                                         triggered=lambda: self.set_monitor_side(Qt.RightDockWidgetArea)))
-        self.view_menu.addAction(QAction("Monitor at the &bottom", self,
-                                         triggered=lambda: self.set_monitor_side(Qt.BottomDockWidgetArea)))
+        self.view_menu.addAction(QAction("Monitor at the &right", self,  # type: ignore[call-overload]
+                                         triggered=lambda: self.set_monitor_side(Qt.DockWidgetArea.RightDockWidgetArea)))
+        self.view_menu.addAction(QAction("Monitor at the &bottom", self,  # type: ignore[call-overload]
+                                         triggered=lambda: self.set_monitor_side(Qt.DockWidgetArea.BottomDockWidgetArea)))
         self.view_menu.addSeparator()
         run = self.menuBar().addMenu("&Run")
-        run.addAction(QAction("Send the study's 8 requests", self, triggered=lambda: self.start_demo(STUDY)))
-        run.addAction(QAction("Send 48 study requests", self,
+        run.addAction(QAction("Send the study's 8 requests", self, triggered=lambda: self.start_demo(STUDY)))  # type: ignore[call-overload]
+        run.addAction(QAction("Send 48 study requests", self,  # type: ignore[call-overload]
                               triggered=lambda: self.start_demo(seed_workload(48))))
-        run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))
+        run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))  # type: ignore[call-overload]
         run.addSeparator()
-        self.pause_action = QAction("&Pause or resume arrivals", self, shortcut=QKeySequence("F6"),
+        self.pause_action = QAction("&Pause or resume arrivals", self, shortcut=QKeySequence("F6"),  # type: ignore[call-overload]
                                     triggered=self.toggle_pause)
-        self.step_action = QAction("S&tep: send the next arrival", self, shortcut=QKeySequence("F7"),
+        self.step_action = QAction("S&tep: send the next arrival", self, shortcut=QKeySequence("F7"),  # type: ignore[call-overload]
                                    triggered=self.step_run)
         run.addAction(self.pause_action)
         run.addAction(self.step_action)
-        self.start_server_action = QAction("&Start server…", self, triggered=self.choose_server)
-        self.stop_server_action = QAction("S&top server", self, triggered=self.stop_server)
+        self.start_server_action = QAction("&Start server…", self, triggered=self.choose_server)  # type: ignore[call-overload]
+        self.stop_server_action = QAction("S&top server", self, triggered=self.stop_server)  # type: ignore[call-overload]
         if self.server is not None:
             server = self.menuBar().addMenu("&Server")
             server.addAction(self.start_server_action)
             server.addAction(self.stop_server_action)
         self._update_server_actions()
         help_menu = self.menuBar().addMenu("&Help")
-        self.shortcuts_action = QAction("&Keyboard shortcuts", self, shortcut=QKeySequence("Ctrl+/"),
+        self.shortcuts_action = QAction("&Keyboard shortcuts", self, shortcut=QKeySequence("Ctrl+/"),  # type: ignore[call-overload]
                                         triggered=self.show_shortcuts)
         help_menu.addAction(self.shortcuts_action)
-        help_menu.addAction(QAction("&About Tandem", self, triggered=self._about))
-        self.shortcuts_dialog = QMessageBox(QMessageBox.Information, "Keyboard shortcuts", "", QMessageBox.Close, self)
+        help_menu.addAction(QAction("&About Tandem", self, triggered=self._about))  # type: ignore[call-overload]
+        self.shortcuts_dialog = QMessageBox(QMessageBox.Icon.Information, "Keyboard shortcuts", "", QMessageBox.StandardButton.Close, self)
 
     # ---- engine ----
 
@@ -323,7 +329,7 @@ class MainWindow(QMainWindow):
 
     def choose_model(self) -> None:
         dialog = self.model_dialog()
-        if dialog.exec() == ModelDialog.Accepted:
+        if dialog.exec() == ModelDialog.DialogCode.Accepted:
             self.load_model(dialog.spec())
 
     def model_dialog(self, folders=None) -> ModelDialog:
@@ -353,7 +359,7 @@ class MainWindow(QMainWindow):
             title = ", ".join(engine.model_ids()) or "remote engines"
             self.setWindowTitle(f"Tandem — {title}")
             self.model_label.setText(self.model_label.fontMetrics().elidedText(
-                f"{title} · {len(engine.backend_names)} remote engines", Qt.ElideMiddle, 300 - 20))  # the style sheet pads it 8 px a side
+                f"{title} · {len(engine.backend_names)} remote engines", Qt.TextElideMode.ElideMiddle, 300 - 20))  # the style sheet pads it 8 px a side
             self.model_label.setToolTip("\n".join(f"{s.name}: {s.url} ({s.model})" for s in engine.snapshot()))
         else:
             self._show_model(engine)
@@ -367,7 +373,7 @@ class MainWindow(QMainWindow):
         title = model_title(info)
         self.setWindowTitle(f"Tandem — {title}")
         text = f"{title}{synthetic} · {_params(info.n_params)}"
-        self.model_label.setText(self.model_label.fontMetrics().elidedText(text, Qt.ElideMiddle, 300 - 20))  # the style sheet pads it 8 px a side
+        self.model_label.setText(self.model_label.fontMetrics().elidedText(text, Qt.TextElideMode.ElideMiddle, 300 - 20))  # the style sheet pads it 8 px a side
         self.model_label.setToolTip(f"{info.path}\nGGUF general.name: {info.name}"
                                     + ("\nSynthetic: random weights, the text is noise" if synthetic else ""))
 
@@ -418,7 +424,9 @@ class MainWindow(QMainWindow):
         self.settings.setValue("window/geometry", self.saveGeometry())
         if self.panels:
             self.settings.setValue(self._state_key(), self.saveState())
-            self.panels["chat"].save_settings(self.settings)
+            chat = self._panel("chat", ChatPanel)
+            if chat is not None:
+                chat.save_settings(self.settings)
         if self.spec is not None:
             self.settings.setValue("model/last", self.spec.model)
         self.settings.sync()
@@ -436,7 +444,7 @@ class MainWindow(QMainWindow):
         self.settings.sync()
 
     def show_shortcuts(self) -> None:
-        rows = [(a.shortcut().toString(QKeySequence.NativeText), a.text().replace("&", ""))
+        rows = [(a.shortcut().toString(QKeySequence.SequenceFormat.NativeText), a.text().replace("&", ""))
                 for a in self.findChildren(QAction) if not a.shortcut().isEmpty()]
         rows += [("Enter", "Send the message"), ("Shift+Enter", "New line in the message"),
                  ("Esc", "Stop the reply being streamed")]
@@ -460,19 +468,24 @@ class MainWindow(QMainWindow):
 
     def show_panel(self, key: str) -> None:
         """Open the Monitor drawer at a panel's tab."""
-        tab = self._tab_of.get(self.panels.get(key))
+        panel = self.panels.get(key)
+        tab = self._tab_of.get(panel) if panel is not None else None
         if tab is not None:
             self.monitor.show()
             self.monitor.raise_()
             self.monitor_tabs.setCurrentWidget(tab)
 
+    def _panel(self, key: str, kind: type[P]) -> P | None:
+        """The panel under `key`, if the window has one of that kind."""
+        panel = self.panels.get(key)
+        return panel if isinstance(panel, kind) else None
+
     def _teardown_panels(self) -> None:
         self.stop_demo()
-        for key in ("experiments", "teaching"):
-            panel = self.panels.get(key)
+        for panel in (self._panel("experiments", ExperimentsPanel), self._panel("teaching", TeachingPanel)):
             if panel is not None:
                 panel.stop()
-        chat = self.panels.get("chat")
+        chat = self._panel("chat", ChatPanel)
         if chat is not None:
             chat.shutdown()
             self.stack.removeWidget(chat)
@@ -480,7 +493,8 @@ class MainWindow(QMainWindow):
         while self.monitor_tabs.count():
             tab = self.monitor_tabs.widget(0)
             self.monitor_tabs.removeTab(0)
-            tab.deleteLater()
+            if tab is not None:
+                tab.deleteLater()
         self._tab_of = {}
         self.panels = {}
         if self.bridge is not None:
@@ -593,7 +607,7 @@ class MainWindow(QMainWindow):
         """A demo run is an experiment like any other: its row goes to the Experiments table."""
         if result.records:
             summary = result.summary()
-            experiments = self.panels.get("experiments")
+            experiments = self._panel("experiments", ExperimentsPanel)
             if experiments is not None:
                 experiments.add_summary(summary)
             self.show_message(f"demo {summary.metrics.completed}/{result.spec.n_requests} requests in "
@@ -643,7 +657,7 @@ class MainWindow(QMainWindow):
         if self.server is None:
             return
         dialog = ServerDialog(self.server.options, self)
-        if dialog.exec() == ServerDialog.Accepted:
+        if dialog.exec() == ServerDialog.DialogCode.Accepted:
             self.start_server(dialog.options())
 
     def start_server(self, options: ServerOptions | None = None):
@@ -659,6 +673,8 @@ class MainWindow(QMainWindow):
         return self.server.stop() if self.server is not None else None
 
     def _on_server_state(self, text: str) -> None:
+        if self.server is None:
+            raise RuntimeError("a server state arrived at a window that has no server")
         failed = self.server.state == "failed"
         self.server_label.setText(text)
         self.server_label.setStyleSheet(f"color:{FAILED}" if failed else "")
@@ -716,12 +732,12 @@ class MainWindow(QMainWindow):
         if self.loader is not None and self.loader.busy:
             return
         dialog = self.get_model_dialog()
-        if dialog.exec() == GetModelDialog.Accepted and dialog.downloaded is not None:
+        if dialog.exec() == GetModelDialog.DialogCode.Accepted and dialog.downloaded is not None:
             self.load_model(ModelSpec(str(dialog.downloaded)))
 
     def get_model_dialog(self, **kw) -> "GetModelDialog":
         """The Hub dialog, pricing a model against this machine (a GPU backend's memory, if any)."""
-        snaps = self.engine.snapshot() if self.engine is not None else []
+        snaps: list[BackendSnapshot] = self.engine.snapshot() if self.engine is not None else []
         vram = max((s.device_memory_total_bytes for s in snaps if s.device != "cpu"), default=0)
         n_ctx = max((s.n_ctx for s in snaps if s.device != "remote"), default=4096)
         return GetModelDialog(self, n_ctx=n_ctx, vram_total=vram, **kw)
@@ -745,14 +761,14 @@ class MainWindow(QMainWindow):
 
     def search_chats(self) -> None:
         """Put the cursor in the chat list's search box (Ctrl+F)."""
-        chat = self.panels.get("chat")
+        chat = self._panel("chat", ChatPanel)
         if chat is not None:
             self.stack.setCurrentWidget(chat)
-            chat.search_edit.setFocus(Qt.ShortcutFocusReason)
+            chat.search_edit.setFocus(Qt.FocusReason.ShortcutFocusReason)
             chat.search_edit.selectAll()
 
     def _new_chat(self) -> None:
-        chat = self.panels.get("chat")
+        chat = self._panel("chat", ChatPanel)
         if chat is not None:
             chat.new_chat()
 
@@ -782,7 +798,9 @@ class MainWindow(QMainWindow):
         if self.server is not None and (self.server.running or self.server.busy):
             # Stop serving before the engine goes away, then close for real.
             event.ignore()
-            self.server.stop().add_done_callback(lambda _task: self.close())
+            task = self.server.stop()
+            if task is not None:
+                task.add_done_callback(lambda _task: self.close())
             return
         self.shutdown()
         super().closeEvent(event)

@@ -47,7 +47,7 @@ class ModelDialog(QDialog):
         current = current or ModelSpec()
         self.models_list = QListWidget()
         self.models_list.setMinimumHeight(120)
-        self.models_list.setTextElideMode(Qt.ElideMiddle)
+        self.models_list.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.models_list.itemClicked.connect(self._on_pick)
         self.models_list.itemDoubleClicked.connect(self._on_double_click)
         self.scan_label = QLabel("Looking for GGUF models on this machine…")
@@ -103,8 +103,8 @@ class ModelDialog(QDialog):
         note = QLabel("The current model keeps serving until the new one has loaded; if loading fails, nothing changes.")
         note.setObjectName("muted")
         note.setWordWrap(True)
-        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
-        buttons.button(QDialogButtonBox.Ok).setText("Load")
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Load")
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         lay = QVBoxLayout(self)
@@ -125,17 +125,17 @@ class ModelDialog(QDialog):
             if not entries:
                 continue
             head = QListWidgetItem(header)
-            head.setFlags(Qt.NoItemFlags)
+            head.setFlags(Qt.ItemFlag.NoItemFlags)
             font = head.font()
             font.setBold(True)
             head.setFont(font)
             self.models_list.addItem(head)
             for m in entries:
                 item = QListWidgetItem(("    " + m.title()) + (f"  — {m.source}" if header != "Recent" else ""))
-                item.setData(Qt.UserRole, m.path)
+                item.setData(Qt.ItemDataRole.UserRole, m.path)
                 item.setToolTip(f"{m.path}\nGGUF general.name: {m.name}" if m.path != m.name else m.path)
                 if m.error:
-                    item.setFlags(item.flags() & ~Qt.ItemIsEnabled)
+                    item.setFlags(item.flags() & ~Qt.ItemFlag.ItemIsEnabled)
                 self.models_list.addItem(item)
 
     def _on_scanned(self, found: list[LocalModel]) -> None:
@@ -152,8 +152,8 @@ class ModelDialog(QDialog):
         out = []
         for i in range(self.models_list.count()):
             item = self.models_list.item(i)
-            if item.data(Qt.UserRole):
-                out.append((item.text().strip(), item.data(Qt.UserRole)))
+            if item.data(Qt.ItemDataRole.UserRole):
+                out.append((item.text().strip(), item.data(Qt.ItemDataRole.UserRole)))
         return out
 
     def pick(self, model: str) -> None:
@@ -168,12 +168,12 @@ class ModelDialog(QDialog):
             self.path_edit.setText(model)
 
     def _on_pick(self, item: QListWidgetItem) -> None:
-        if item.data(Qt.UserRole):
-            self.pick(item.data(Qt.UserRole))
+        if item.data(Qt.ItemDataRole.UserRole):
+            self.pick(item.data(Qt.ItemDataRole.UserRole))
 
     def _on_double_click(self, item: QListWidgetItem) -> None:
-        if item.data(Qt.UserRole) and item.flags() & Qt.ItemIsEnabled:
-            self.pick(item.data(Qt.UserRole))
+        if item.data(Qt.ItemDataRole.UserRole) and item.flags() & Qt.ItemFlag.ItemIsEnabled:
+            self.pick(item.data(Qt.ItemDataRole.UserRole))
             self.accept()
 
     def _browse(self) -> None:

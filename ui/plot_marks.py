@@ -27,7 +27,7 @@ MAX_MARKS = 40  # older marks go first past this many
 class ChangeTracker:
     """Remembers the last tick's caps, health and policy; `update` says what changed since."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._backends: dict[str, tuple[int, int, bool]] | None = None
         self._policy: str | None = None
 
@@ -64,7 +64,7 @@ class ChangeMarks:
         if not texts:
             return
         text = "; ".join(texts)
-        pen = pg.mkPen(WORKING, width=1.2, style=Qt.DashLine)
+        pen = pg.mkPen(WORKING, width=1.2, style=Qt.PenStyle.DashLine)
         line = pg.InfiniteLine(pos=x, angle=90, pen=pen, movable=False)
         if self.labels:
             short = texts[0] if len(texts) == 1 else f"{texts[0]} (+{len(texts) - 1})"
@@ -107,7 +107,7 @@ class EmptyHint:
         self.plot = plot
         self.item = pg.TextItem(text, color=MUTED, anchor=(0.5, 0.5))
         plot.vb.addItem(self.item, ignoreBounds=True)
-        self.empty = None
+        self.empty: bool | None = None
         self.set_empty(True)
         plot.vb.sigResized.connect(self._place)
         plot.vb.sigRangeChanged.connect(self._place)

@@ -54,16 +54,10 @@ def _plot_fonts(p: pg.PlotItem, on: bool) -> None:
             axis.setWidth(None)  # the wider labels need a wider axis
     title = p.titleLabel
     if title.text:
-        title.setText(title.text, size=f"{TITLE_PT if on else 10}pt")
-        loosen(title)
+        title.setText(title.text, size=f"{TITLE_PT if on else 10}pt")  # wraps to its plot (ui.plot_title)
     legend = p.legend
     if legend is not None:
         legend.setLabelTextSize(f"{PLOT_PT if on else 9}pt")
         for _sample, label in legend.items:
             label.setText(label.text, size=f"{PLOT_PT if on else 9}pt")
 
-
-def loosen(label) -> None:
-    """A plot title no wider than its plot asks for: pyqtgraph makes a title's text width the
-    plot's minimum, which at presenter sizes pushed the window past a 1280 px screen."""
-    label.setMinimumWidth(0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 
 from PySide6.QtCore import QSettings, Signal
 from PySide6.QtWidgets import QInputDialog, QMenu, QPlainTextEdit, QToolButton, QWidget
@@ -39,7 +40,7 @@ class PresetButton(QToolButton):
         self._presets: dict[str, str] = dict(STARTERS)
         self.setText("Presets ▾")
         self.setToolTip("System-prompt presets: choose one, save the current prompt, delete one")
-        self.setPopupMode(QToolButton.InstantPopup)
+        self.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.setStyleSheet("QToolButton::menu-indicator { image: none; width: 0; }")  # the ▾ says it
         self.setMenu(QMenu(self))
         self.menu().aboutToShow.connect(self._build_menu)
@@ -104,7 +105,7 @@ class PresetButton(QToolButton):
         menu.clear()
         current = self.edit.toPlainText()
         for name, text in self._presets.items():
-            a = menu.addAction(name, lambda n=name: self.choose(n))
+            a = menu.addAction(name, partial(self.choose, name))
             a.setCheckable(True)
             a.setChecked(text == current)
             a.setToolTip(text)
@@ -116,4 +117,4 @@ class PresetButton(QToolButton):
         delete = menu.addMenu("Delete preset")
         delete.setEnabled(bool(self._presets))
         for name in self._presets:
-            delete.addAction(name, lambda n=name: self.delete(n))
+            delete.addAction(name, partial(self.delete, name))

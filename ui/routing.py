@@ -160,8 +160,9 @@ def score_term(s, term: str) -> str:
         return _tok(s.decode_tokens)
     if term == "rates":  # the unit is in the column's heading
         return f"{_num_rate(s.rates.prefill_tok_s)} / {_num_rate(s.rates.decode_tok_s)}"
-    if term == "score":
-        return "∞" if not math.isfinite(s.score_s) else f"{s.score_s:.3f}"
+    if term == "score":  # at most 7 characters, what the column has room for (the tooltip has the rest)
+        x = s.score_s
+        return "∞" if not math.isfinite(x) else f"{x:.3f}" if abs(x) < 1000 else f"{x:.1f}" if abs(x) < 1e5 else f"{x:.0f}"
     raise KeyError(term)
 
 
@@ -230,17 +231,17 @@ class RoutingView(QWidget):
         self.table = QTableView()
         self.table.setModel(self.model)
         self.table.setAlternatingRowColors(True)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.verticalHeader().setVisible(False)
         self.table.verticalHeader().setDefaultSectionSize(22)
         # Every column shares the table's width (no sideways scrolling): the id moved to the
         # row's tooltip, units to the headings, so the cells are short numbers.
         h = self.table.horizontalHeader()
-        h.setSectionResizeMode(QHeaderView.Stretch)
+        h.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         h.setMinimumSectionSize(36)
-        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
-        self.table.setTextElideMode(Qt.ElideMiddle)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         self.table.selectionModel().currentRowChanged.connect(self._on_row)
         self.model.rowsInserted.connect(self._follow)
 
@@ -263,7 +264,7 @@ class RoutingView(QWidget):
         self.hint = EmptyHint(p, "no request routed yet")
         self.changes = ChangeTracker()
         self.change_marks = ChangeMarks(p)  # x is the row: a change is marked before the next arrival
-        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.DotLine))  # reads on both themes
+        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.PenStyle.DotLine))  # reads on both themes
         self.selected_line.setVisible(False)
         p.addItem(self.selected_line)
 
@@ -294,11 +295,11 @@ class RoutingView(QWidget):
         lv.addWidget(self.run_strip)
         lv.addLayout(bar)
         lv.addWidget(self.table, 1)
-        right = QSplitter(Qt.Vertical)
+        right = QSplitter(Qt.Orientation.Vertical)
         right.addWidget(self.plot_widget)
         right.addWidget(self.explain)
         right.setSizes([260, 170])
-        split = QSplitter(Qt.Horizontal)
+        split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(left)
         split.addWidget(right)
         split.setSizes([900, 600])
@@ -378,8 +379,8 @@ class RoutingView(QWidget):
         t = np.arange(self.model._first_number, self.model._first_number + len(ds), dtype=float)
         self.plot.getAxis("bottom").setTickSpacing(*([count_axis_top(len(ds))[1]] * 2))
         for b, curve in self.curves.items():
-            y = np.array([_finite(_score_or_nan(d, b)) for d in ds], dtype=float)
-            curve.setData(t, y)
+            ys = np.array([_finite(_score_or_nan(d, b)) for d in ds], dtype=float)
+            curve.setData(t, ys)
         spots = []
         for d, x in zip(ds, t):
             y = _finite(d.chosen.score_s)
@@ -396,7 +397,7 @@ class RoutingView(QWidget):
         m = self.model
         if m.decisions:
             m.dataChanged.emit(m.index(0, 0), m.index(len(m.decisions) - 1, m.columnCount() - 1))
-        m.headerDataChanged.emit(Qt.Horizontal, 0, m.columnCount() - 1)
+        m.headerDataChanged.emit(Qt.Orientation.Horizontal, 0, m.columnCount() - 1)
         current = self.table.selectionModel().currentIndex()
         if current.isValid() and current.row() < len(m.decisions):
             self._on_row(current, None)

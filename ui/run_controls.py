@@ -14,8 +14,14 @@ Thread contract: main thread only (a widget).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWidget
+
+if TYPE_CHECKING:
+    from .experiments import BenchRun
+    from .live_run import WorkloadRun
 
 
 class RunControls(QWidget):
@@ -23,7 +29,7 @@ class RunControls(QWidget):
 
     def __init__(self, parent: QWidget | None = None, pause_text: str = "Pause arrivals"):
         super().__init__(parent)
-        self.run = None
+        self.run: WorkloadRun | BenchRun | None = None
         self._why_off = "no live run"
         self._pause_text = pause_text
         self.pause_button = QPushButton(pause_text)
@@ -35,7 +41,7 @@ class RunControls(QWidget):
         self.step_button.clicked.connect(self.step)
         self.state_label = QLabel()
         self.state_label.setObjectName("muted")
-        self.state_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.state_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         lay = QHBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(self.pause_button)
@@ -46,7 +52,7 @@ class RunControls(QWidget):
         self._timer.timeout.connect(self._refresh)
         self._refresh()
 
-    def attach(self, run, why_off: str = "no live run") -> None:
+    def attach(self, run: WorkloadRun | BenchRun | None, why_off: str = "no live run") -> None:
         """Drive `run` (a WorkloadRun), or nothing (`run=None`, with `why_off` shown)."""
         for sig in self._signals(self.run):
             sig.disconnect(self._refresh)
@@ -92,14 +98,14 @@ class RunControls(QWidget):
         run = self.run
         live = run is not None and run.running
         self.pause_button.setEnabled(live)
-        self.step_button.setEnabled(live and run.n_submitted < run.n_requests)
-        paused = live and run.paused
+        self.step_button.setEnabled(run is not None and live and run.n_submitted < run.n_requests)
+        paused = run is not None and live and run.paused
         if self.pause_button.isChecked() != paused:
             self.pause_button.blockSignals(True)
             self.pause_button.setChecked(paused)
             self.pause_button.blockSignals(False)
         self.pause_button.setText("Resume" if paused else self._pause_text)
-        if not live:
+        if run is None or not live:
             self.state_label.setText(self._why_off if run is None else f"{run.label}: {run.state}")
             if run is not None:
                 self._timer.stop()

@@ -96,10 +96,10 @@ class ServerControl(QObject):
     def detail(self) -> str:
         """The whole story (the status bar's tooltip, the terminal)."""
         if self.state == "on":
-            key = ", with an API key" if self.options.api_key else ""
+            key = ", with an API key" if self.options is not None and self.options.api_key else ""
             return f"serving an OpenAI-compatible API at {self.url}/v1{key}"
         if self.state == "failed":
-            return self.error
+            return self.error or "the server failed"
         return self.text().removeprefix("server: ")
 
     def start(self, engine, options: ServerOptions) -> asyncio.Task | None:
@@ -189,7 +189,7 @@ class ServerDialog(QDialog):
         self.host_edit = QLineEdit(options.host)
         self.port_spin = QSpinBox(minimum=1, maximum=65535, value=options.port or DEFAULT_PORT)
         self.key_edit = QLineEdit(options.api_key or "")
-        self.key_edit.setEchoMode(QLineEdit.PasswordEchoOnEdit)
+        self.key_edit.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.key_edit.setPlaceholderText("none (loopback only)")
         self.key_edit.setToolTip("Clients then send `Authorization: Bearer KEY` on /v1/*")
         form = QFormLayout()
@@ -203,8 +203,8 @@ class ServerDialog(QDialog):
         self.error_label = wrap_label(QLabel())
         self.error_label.setStyleSheet(f"color:{FAILED}")
         self.error_label.setVisible(False)
-        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
-        buttons.button(QDialogButtonBox.Ok).setText("Start")
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Start")
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         lay = QVBoxLayout(self)

@@ -40,7 +40,7 @@ from engine.sim.teaching import (
 )
 
 from .live_run import STUDY, WorkloadRun
-from .presenter import TITLE_PT, loosen
+from .presenter import TITLE_PT
 from .run_controls import RunControls
 from .theme import (
     LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable_column, style_plot, wrap_label,
@@ -57,7 +57,7 @@ def _fill(color: str) -> str:
     """A cell fill: `color` at 35 % over the theme's background (text stays readable on both)."""
     c, bg = QColor(color), QColor(palette().plot_bg)
     return QColor(*(round(0.35 * x + 0.65 * y) for x, y in
-                    zip(c.getRgb()[:3], bg.getRgb()[:3]))).name()
+                    zip((c.red(), c.green(), c.blue()), (bg.red(), bg.green(), bg.blue())))).name()
 
 
 def _queue_html(a: Arrival) -> str:
@@ -231,7 +231,7 @@ class TeachingPanel(QWidget):
         self.bar_labels = [pg.TextItem(anchor=(0.5, 1.0), color=palette().text) for _ in range(2)]
         for t in self.bar_labels:
             p.addItem(t)
-        self.cpu_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(CPU_COLOR, width=1, style=Qt.DashLine))
+        self.cpu_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(CPU_COLOR, width=1, style=Qt.PenStyle.DashLine))
         p.addItem(self.cpu_line)
 
         left = QWidget()
@@ -269,7 +269,7 @@ class TeachingPanel(QWidget):
         mv = QVBoxLayout(middle)
         mv.setContentsMargins(0, 0, 0, 0)
         mv.addWidget(self.step_title)
-        body = QSplitter(Qt.Horizontal)  # the step's text with its chart beside it (fits a short screen)
+        body = QSplitter(Qt.Orientation.Horizontal)  # the step's text with its chart beside it (fits a short screen)
         body.addWidget(self.text)
         body.addWidget(self.chart)
         body.setStretchFactor(0, 3)
@@ -308,10 +308,11 @@ class TeachingPanel(QWidget):
         self.live_table = QTableWidget(STUDY.n_requests, 3 + len(names))
         self.live_table.setHorizontalHeaderLabels(["article", "here", "cached", *names])
         for k, n in enumerate(names):
-            self.live_table.horizontalHeaderItem(3 + k).setToolTip(f"{n}'s score for the request (seconds)")
+            if (header := self.live_table.horizontalHeaderItem(3 + k)) is not None:
+                header.setToolTip(f"{n}'s score for the request (seconds)")
         self.live_table.setVerticalHeaderLabels([f"req {i + 1}" for i in range(STUDY.n_requests)])
-        self.live_table.setEditTriggers(QAbstractItemView.NoEditTriggers)
-        self.live_table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        self.live_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.live_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.live_table.verticalHeader().setDefaultSectionSize(18)
         for i, b in enumerate(ARTICLE_CHOICES):
             item = QTableWidgetItem(f"{b.upper()}")
@@ -324,7 +325,7 @@ class TeachingPanel(QWidget):
         lv2.addWidget(self.live_table, 1)
         lv2.addWidget(self.live_note)
 
-        split = self.split = QSplitter(Qt.Horizontal)
+        split = self.split = QSplitter(Qt.Orientation.Horizontal)
         self.inputs_area = scrollable_column(left)
         split.addWidget(self.inputs_area)
         split.addWidget(middle)
@@ -356,22 +357,26 @@ class TeachingPanel(QWidget):
 
     def reset_inputs(self) -> None:
         g, c = ARTICLE_RATES["gpu"], ARTICLE_RATES["cpu"]
-        for w, v in ((self.gpu_prefill, g.prefill_tok_s), (self.gpu_decode, g.decode_tok_s),
-                     (self.cpu_prefill, c.prefill_tok_s), (self.cpu_decode, c.decode_tok_s), (self.cached, CACHED)):
+        rates = ((self.gpu_prefill, g.prefill_tok_s), (self.gpu_decode, g.decode_tok_s),
+                 (self.cpu_prefill, c.prefill_tok_s), (self.cpu_decode, c.decode_tok_s))
+        for w, v in rates:
             w.blockSignals(True)
             w.setValue(v)
             w.blockSignals(False)
+        self.cached.blockSignals(True)
+        self.cached.setValue(CACHED)
+        self.cached.blockSignals(False)
         self.recompute()
 
     def go(self, step: int) -> None:
         self.step = max(0, min(step, len(self.steps) - 1))
-        step = self.steps[self.step]
-        self.step_title.setText(step.title)
+        shown = self.steps[self.step]
+        self.step_title.setText(shown.title)
         self.step_count.setText(f"step {self.step + 1} of {len(self.steps)}")
         self.text.setHtml(self.bodies[self.step])
         self.back_button.setEnabled(self.step > 0)
         self.next_button.setEnabled(self.step < len(self.steps) - 1)
-        self._show_chart(step.arrival)
+        self._show_chart(shown.arrival)
 
     def restyle(self) -> None:
         """Paint the steps, the chart's labels and the live table's chosen cells in the theme in use."""
@@ -420,7 +425,6 @@ class TeachingPanel(QWidget):
         """The chart's title, in the presenter view's size while it is on (`ui.presenter`)."""
         size = f"{TITLE_PT}pt" if self.property("presenter") else "10pt"
         self.chart.getPlotItem().setTitle(text, color=palette().text, size=size)
-        loosen(self.chart.getPlotItem().titleLabel)
 
     def _show_chart(self, arrival: int | None) -> None:
         if arrival is None:

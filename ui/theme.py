@@ -21,6 +21,7 @@ from PySide6.QtCore import QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication
 
 from .markdown import DARK_CODE, LIGHT_CODE, CodeColors
+from .plot_title import fit_title
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 STYLE_SHEET = RESOURCES / "tandem.qss"
@@ -131,8 +132,10 @@ class Theme(QObject):
         self.palette = _current = pal
         sheet = style_sheet(pal)
         self.window.setStyleSheet(sheet)
+        from PySide6.QtWidgets import QApplication
+
         app = QGuiApplication.instance()
-        if app is not None and hasattr(app, "styleSheet") and app.styleSheet():
+        if isinstance(app, QApplication) and app.styleSheet():
             app.setStyleSheet(sheet)
         configure_pyqtgraph()
         recolor_plots(self.window)
@@ -193,6 +196,7 @@ def configure_pyqtgraph() -> None:
 
 
 def style_plot(plot: pg.PlotItem, title: str, x: str, y: str) -> None:
+    fit_title(plot)  # a long title wraps rather than widening the plot past its widget
     plot.setTitle(title, color=_current.text, size="10pt")
     plot.setLabel("bottom", x)
     plot.setLabel("left", y)
@@ -206,7 +210,7 @@ def scrollable(widget, min_width: int = 0):
 
     area = QScrollArea()
     area.setWidgetResizable(True)
-    area.setFrameShape(QFrame.NoFrame)
+    area.setFrameShape(QFrame.Shape.NoFrame)
     area.setWidget(widget)
     if min_width:
         area.setMinimumWidth(min_width)

@@ -33,13 +33,14 @@ the Monitor drawer open mid-demo, named after the screen's height (`chat-720p.pn
     xvfb-run -a -s "-screen 0 1920x1080x24" python -m app.gui --model default --tour docs/screenshots \
         --tour-only chat
 
-`first-start.png`, `demo-warming.png` and `presenter.png` are `--tour-only first-start` (a scratch
-`TANDEM_CACHE_DIR`, so the load measures the backends' speed as a first start does):
+`first-start.png`, `demo-warming.png`, `presenter.png` and `presenter-teaching.png` are
+`--tour-only first-start` (a scratch `TANDEM_CACHE_DIR`, so the load measures the backends' speed
+as a first start does):
 
     TANDEM_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui \
         --model default --tour docs/screenshots --tour-only first-start
 
-Then `pngquant --strip --quality=70-95` each PNG (a third of the size).
+Then `pngquant --strip --quality=70-95` each PNG (a third of the size), then `optipng -o2`.
 """
 
 from __future__ import annotations
@@ -252,4 +253,8 @@ async def first_start(window, out: Path, args) -> None:
     window.set_presenter(True)
     await asyncio.sleep(1.5)
     shot("presenter")
+    window.show_panel("teaching")
+    window.panels["teaching"].go(6)  # request 8: the chart's bars, the CPU's line and the verdict
+    await asyncio.sleep(1.5)
+    shot("presenter-teaching")
     window.set_presenter(False)

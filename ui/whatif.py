@@ -92,7 +92,7 @@ class WhatIfPanel(QWidget):
         wrap_label(self.description)
         self.table = QTableWidget(0, len(PROFILE_COLUMNS))
         self.table.setHorizontalHeaderLabels(PROFILE_COLUMNS)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.table.verticalHeader().setVisible(False)
         self.table.setToolTip("Edit a cell: caps, KV room and the router's rates; 'speed ×' makes the "
                               "simulated device faster or slower than the rates the router is told")
@@ -124,9 +124,9 @@ class WhatIfPanel(QWidget):
         rv = QVBoxLayout(right)
         self.results = QTableWidget(0, len(RESULT_COLUMNS))
         self.results.setHorizontalHeaderLabels(RESULT_COLUMNS)
-        self.results.setEditTriggers(QAbstractItemView.NoEditTriggers)
-        self.results.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
-        self.results.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeToContents)
+        self.results.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.results.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.results.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
         self.results.verticalHeader().setDefaultSectionSize(22)
         self.results.verticalHeader().setVisible(False)
         self.note = QLabel("Simulate to see where each policy sends the work on this profile; the real router "
@@ -169,7 +169,7 @@ class WhatIfPanel(QWidget):
         base = self.base_profile(self.profile_box.currentText())
         backends = []
         for i, b in enumerate(base.backends):
-            cell = [self.table.item(i, k).text() for k in range(len(PROFILE_COLUMNS))]
+            cell = [it.text() if (it := self.table.item(i, k)) is not None else "" for k in range(len(PROFILE_COLUMNS))]
             try:
                 cap, kv = int(cell[2]), int(cell[3])
                 prefill, decode, speed = float(cell[4]), float(cell[5]), float(cell[6])

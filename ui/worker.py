@@ -61,8 +61,8 @@ class Worker(QObject):
         self._owner = owner
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._delivered = False
-        self._reported.connect(self._on_reported, Qt.QueuedConnection)
-        self._outcome.connect(self._on_outcome, Qt.QueuedConnection)
+        self._reported.connect(self._on_reported, Qt.ConnectionType.QueuedConnection)
+        self._outcome.connect(self._on_outcome, Qt.ConnectionType.QueuedConnection)
 
     @property
     def name(self) -> str:

@@ -208,6 +208,9 @@ class BackendConfig:
     # Contexts its spec makes on the device (`contexts=N`, engine/backends/config.py); 0: auto, decided
     # when the model loads (`auto_contexts`, `resolve_contexts`): one on a CPU.
     contexts: int = 0
+    # The spec's name for each of the contexts it made (gpu-a, gpu-b, ... → "gpu"): they share
+    # one device, which the default policy chooses first ("" for a spec of one context).
+    group: str = ""
 
     @property
     def auto_cap(self) -> bool:
@@ -404,7 +407,7 @@ def _contexts(c: BackendConfig | RemoteConfig | NullConfig) -> list[BackendConfi
     if not isinstance(c, BackendConfig) or c.contexts in (0, 1):
         return [c]
     n = c.contexts
-    return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}") for i in range(n)]
+    return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}", group=c.name) for i in range(n)]
 
 
 def resolve_contexts(configs: Sequence[Any], model_bytes: int, free_bytes=None) -> list:

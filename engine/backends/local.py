@@ -30,6 +30,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,7 +38,8 @@ from pathlib import Path
 from engine.backends.config import AUTO_CTX_MEMORY_SHARE, BackendConfig, auto_limits, auto_pool_cells, host_available_bytes
 from engine.backends.protocol import BackendBase, BackendInfo
 from engine.backends.registry import DEFAULT_RATES, BuildContext, backend_kind
-from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, QueueFull, RestartInProgress
+from engine.core.errors import (BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, QueueFull,
+                                RestartInProgress)
 from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from engine.core.handle import Outbox, RequestHandle
 from engine.sched.limiter import ConcurrencyLimiter
@@ -71,7 +73,7 @@ class SetCap:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    fn: object  # fn(backend) -> result, run on the worker between steps
+    fn: Callable[[Backend], object]  # fn(backend) -> result, run on the worker between steps
     future: Future
 
 
@@ -88,7 +90,7 @@ class Stop:
 class Inbox:
     """The worker's one queue: any thread `put`s, the worker `take`s everything at once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: collections.deque = collections.deque()
         self.closed = False
@@ -362,7 +364,7 @@ class Backend(BackendBase):
             seq.handle._cancel = self.cancel
             seq.handle.logprobs = seq.logprobs  # the worker appends; the caller reads as it streams
             seq.handle.prompt_logprobs = seq.prompt_logprobs
-        refused = None
+        refused: EngineError | None = None
         if not self.serving:
             refused = BackendUnavailable(f"backend {self.name} is not serving")
         elif len(self._sched.waiting) + len(self._inbox.queued()) + len(seqs) > self.config.max_queue:
@@ -398,7 +400,7 @@ class Backend(BackendBase):
         `auto` (the device's ceiling, starting low). `adaptive` switches adaptation on or off
         (None: as it is). `reason`: why the cap moved, where the user did not move it."""
         auto = cap is None
-        if auto:
+        if cap is None:
             cap = min(auto_limits(self._kind)[0], self.config.n_seq_max)
         self._set_limits(cap, auto)
         self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
@@ -469,7 +471,7 @@ class Backend(BackendBase):
 
     def kv_state_bytes(self) -> int:
         """llama.cpp's own serialised-state size: grows with KV cells in use (tests use it)."""
-        return self.call(lambda b: b._runner.state_bytes()).result(30)
+        return self.call(lambda b: b._context().state_bytes()).result(30)
 
     def snapshot(self) -> BackendSnapshot:
         queued = self._inbox.queued()
@@ -505,6 +507,7 @@ class Backend(BackendBase):
             device_memory_free_bytes=mem_free,
             device_memory_total_bytes=mem_total,
             device_name=self.model.info.device_name,
+            group=self.config.group,
             process_rss_bytes=process_rss(),
             cache=CacheStats(
                 enabled=enabled,
@@ -528,7 +531,7 @@ class Backend(BackendBase):
 
     @property
     def kv_bytes_total(self) -> int:
-        return self.n_ctx * self._runner.kv_cell_bytes
+        return self.n_ctx * self._context().kv_cell_bytes
 
     @property
     def step_gaps(self):
@@ -546,28 +549,34 @@ class Backend(BackendBase):
     @property
     def eog_redos(self) -> int:
         """End tokens a guarding chain sampled and the backend took back."""
-        return self._runner.eog_redos
+        return self._context().eog_redos
 
     @property
     def grammar_deferrals(self) -> int:
         """Grammar searches that ran past their share of a step and went on at the next
         (engine/llama/runner.py, `GRAMMAR_SHARE`)."""
-        return self._runner.grammar_deferrals
+        return self._context().grammar_deferrals
 
     @property
     def grammar_checks(self) -> int:
         """Candidate tokens grammar chains checked, counted as their requests end."""
-        return self._runner.samplers.grammar_checks
+        return self._context().samplers.grammar_checks
 
     @property
     def sampler_attaches(self) -> int:
         """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
-        return self._runner.samplers.attaches
+        return self._context().samplers.attaches
 
     @property
     def samplers_attached(self) -> int:
         """Sampler chains attached now, running sequences' and idle ones."""
-        return self._runner.samplers.attached
+        return self._context().samplers.attached
+
+    def _context(self) -> ContextRunner:
+        """The llama.cpp context; gone once the backend has shut down."""
+        if self._runner is None:
+            raise BackendUnavailable(f"backend {self.name} has shut down: its llama.cpp context is freed")
+        return self._runner
 
     # ---- health ----
 
@@ -592,7 +601,7 @@ class Backend(BackendBase):
 
     def _loop(self) -> None:
         """The inbox, then one step; until stopped."""
-        sched, runner = self._sched, self._runner
+        sched, runner = self._sched, self._context()
         samplers = runner.samplers
         while True:
             idle = not sched.has_work() and not sched.pending_text and self._fault is None
@@ -627,7 +636,7 @@ class Backend(BackendBase):
                     m.future.set_result(m.fn(self))
                 except Exception as e:
                     m.future.set_exception(e)
-                self._runner.apply(sched.take_ops())
+                self._context().apply(sched.take_ops())
             elif isinstance(m, Fault):
                 self._fault = m.kind
             elif isinstance(m, Stop):
@@ -645,7 +654,7 @@ class Backend(BackendBase):
         scans every cell) only have to be done before the next step, and 128 sequences
         retiring at once took 59 ms of them (32,768 cells, 2-core dev machine) that every
         one of those requests waited for."""
-        sched, runner = self._sched, self._runner
+        sched, runner = self._sched, self._context()
         ops: list = []
         unplaced: list = []
         if sched.has_effects():
@@ -658,7 +667,7 @@ class Backend(BackendBase):
             runner.release(s)
 
     def _step(self) -> None:
-        sched, runner = self._sched, self._runner
+        sched, runner = self._sched, self._context()
         with self._state:
             plan = sched.schedule()
         self._settle()
@@ -709,7 +718,7 @@ class Backend(BackendBase):
 
     def _publish(self, f: Finished) -> None:
         s = f.seq
-        self._runner.release(s)
+        self._context().release(s)
         now = time.monotonic()
         record = FinishRecord(
             request_id=s.req.id,
@@ -796,9 +805,14 @@ class Backend(BackendBase):
 @backend_kind(BackendConfig)
 def build(c: BackendConfig, ctx: BuildContext) -> Backend:
     """A llama.cpp context in this process, on the model loaded once per device."""
+    if ctx.model_path is None or ctx.registry is None:
+        raise InvalidRequest(f"backend {c.name} runs llama.cpp in this process: it needs a model (--model)",
+                             param="model")
     m = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
     try:
-        r = ctx.rates.get(c.name) or ctx.calibrated.get(c, m.device) or DEFAULT_RATES[m.device]
+        calibrated = ctx.calibrated
+        r = (ctx.rates.get(c.name) or (calibrated.get(c, m.device) if calibrated is not None else None)
+             or DEFAULT_RATES[m.device])
         return Backend(c, m, ctx.bus, r).start()
     except BaseException:
         ctx.registry.release(m)

@@ -52,7 +52,7 @@ Event = RequestRouted | RequestAdmitted | RequestFinished | StepDone
 
 
 class EventBus:
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._subs: list[tuple[Callable[[Any], None], tuple[type, ...] | None]] = []
 

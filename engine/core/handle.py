@@ -44,7 +44,7 @@ class Outbox:
     Handed over in one go, the loop runs while the worker waits in llama.cpp, without the GIL.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._batches: dict[asyncio.AbstractEventLoop, list] = {}
 
     def __enter__(self) -> "Outbox":
@@ -132,17 +132,20 @@ class RequestHandle:
         self._put(_END)
 
     def _put(self, item) -> None:
-        if self._aq is not None:
+        loop, aq = self._loop, self._aq
+        if loop is not None and aq is not None:
             outbox = getattr(_gathering, "outbox", None)
             if outbox is not None:
-                outbox.add(self._loop, self._aq, item)
+                outbox.add(loop, aq, item)
                 return
             try:
-                self._loop.call_soon_threadsafe(self._aq.put_nowait, item)
+                loop.call_soon_threadsafe(aq.put_nowait, item)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
-        else:
+        elif self._q is not None:
             self._q.put(item)
+        else:
+            raise RuntimeError(f"{self.id} has neither a loop nor a queue to stream to")
 
     # ---- called by the caller ----
 
@@ -172,6 +175,8 @@ class RequestHandle:
         """Wait for the finish record (does not consume the stream)."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"{self.id} did not finish within {timeout} s")
+        if self._record is None:
+            raise RuntimeError(f"{self.id} is done without a finish record")
         return self._record
 
     def text(self, timeout: float | None = None) -> str:

@@ -162,6 +162,7 @@ class BackendSnapshot:
     device_memory_free_bytes: int = 0
     device_memory_total_bytes: int = 0
     device_name: str = ""  # ggml's device name(s): "CUDA1", "CPU"
+    group: str = ""  # the spec whose contexts share this backend's device ("gpu" for gpu-a, gpu-b, ...), or ""
     process_rss_bytes: int = 0  # host memory of the whole process (backends share one process)
     cache: CacheStats = field(default_factory=CacheStats)
     prefill_tok_s: float = 0.0  # observed, recent

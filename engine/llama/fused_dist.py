@@ -339,11 +339,15 @@ class _Table:
     """One thread's device memory for its context's fused chains, allocated at the first build
     from the buffer type llama.cpp gave the chains, and what a step's builds share."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.buft = None
         self.n_vocab = 0
         self._ctx = self._buffer = None
-        self.uniforms = self.blocks = self.eog = self.tail = None
+        # ggml tensors (pointers), None until `allocate`
+        self.uniforms: int | None = None
+        self.blocks: int | None = None
+        self.eog: int | None = None
+        self.tail: int | None = None
         self.staged = np.zeros(_SEQS, dtype=np.float32)  # this step's uniform per sequence id
         self.active: set[int] = set()  # sequence ids that drew for this step
         self.live = 0  # fused chains made on this thread
@@ -452,6 +456,8 @@ class _Build:
     two small copies: safe defaults at the start, the rows at the end."""
 
     def __init__(self, t: _Table, ctx, matrix: int, n_rows: int, chains: list):
+        if t.uniforms is None or t.blocks is None:
+            raise RuntimeError("fused_dist: a build before the thread's device tables were allocated")
         self.t = t
         self.n_rows = n_rows
         self.slot, self.base = t.next_block()
@@ -506,7 +512,10 @@ class _Build:
             self.dirty = True
 
     def upload(self) -> None:
-        _set(self.t.blocks, self.values.reshape(-1), self.base * 4)
+        blocks = self.t.blocks
+        if blocks is None:
+            raise RuntimeError("fused_dist: the thread's device tables were freed before the build's upload")
+        _set(blocks, self.values.reshape(-1), self.base * 4)
         self.dirty = False
 
 
@@ -528,8 +537,9 @@ class FusedDist:
         self.rng = random.Random()
         self.on_device = False
         self.buft = None
-        self._table = _table()  # the creating thread's (the backend's worker)
-        self._table.live += 1
+        table = _table()  # the creating thread's (the backend's worker)
+        table.live += 1
+        self._table: _Table | None = table
         self._reseed()
         # On the host (a chain llama.cpp keeps there): llama.cpp's own samplers, in the same order.
         self._host = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
@@ -543,6 +553,12 @@ class FusedDist:
         self.id = next(_ids)
         _chains[self.id] = self
         self.ptr = lc.llama_sampler_init(ctypes.byref(_IFACE), ctypes.c_void_p(self.id))
+
+    def table(self) -> _Table:
+        """The thread's table this chain draws from; gone once llama.cpp freed the chain."""
+        if self._table is None:
+            raise RuntimeError("this fused-dist chain was freed by llama.cpp")
+        return self._table
 
     def _reseed(self) -> None:
         seed = self.params.seed
@@ -566,7 +582,7 @@ def _name_of(view: int) -> int | None:
 
 def _backend_apply(smpl, ctx, _gf, data) -> None:
     d, chain = data.contents, _of(smpl)
-    t = chain._table
+    t = chain.table()
     if t.blocks is None:  # a build before this chain's backend_init: not expected, but be safe
         if chain.buft is None:
             return
@@ -617,7 +633,7 @@ def _backend_reset(_smpl) -> None:
 def _backend_init(smpl, buft, _n_outputs_max_per_seq) -> bool:
     chain = _of(smpl)
     chain.buft = buft
-    t = chain._table
+    t = chain.table()
     missing = []
     for variant in _VARIANTS:
         op = _missing_op(buft, chain, variant)

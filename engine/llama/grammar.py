@@ -36,6 +36,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 
@@ -134,7 +135,7 @@ def _strict_strings(grammar: str) -> str:
     return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
 
 
-def _number(v) -> bool:
+def _number(v) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 

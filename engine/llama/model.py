@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from .. import llama  # loads libllama before numpy; see engine/llama/__init__.py
 from engine.core.errors import ModelLoadError
@@ -28,6 +29,7 @@ lc = llama.lc
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+T = TypeVar("T")
 
 
 def resolve_model(spec: str, progress=None) -> Path:
@@ -77,7 +79,7 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF file (it starts with {head!r}, not b'GGUF')")
 
 
-def _in_passing_thread(fn):
+def _in_passing_thread(fn: Callable[[], T]) -> T:
     """Run `fn` in a thread that ends right after.
 
     llama.cpp's CPU backend (an OpenMP build) converts weights for AMX at load time inside an
@@ -89,7 +91,7 @@ def _in_passing_thread(fn):
     """
     box: dict = {}
 
-    def run():
+    def run() -> None:
         try:
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
@@ -278,7 +280,7 @@ class ModelRegistry:
     a model when its last user lets go.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[tuple[str, str], tuple[Model, int]] = {}
 

@@ -243,11 +243,14 @@ class ContextRunner:
     def _prompt_logprobs(self, s: SeqState, start: int, k: int) -> None:
         """The logprob of each prompt token this chunk's rows predict (position p's row
         predicts p + 1), appended in order; a recompute after a preemption adds nothing."""
+        recorded = s.prompt_logprobs
+        if recorded is None:
+            raise ValueError(f"request {s.req.id} did not ask for prompt logprobs")
         row0 = s.row - k + 1
         top = s.sp.logprobs or 0
         for p in range(start, min(start + k, s.n_prompt - 1)):
-            if p == len(s.prompt_logprobs):  # not yet recorded
-                s.prompt_logprobs.append(self.token_logprob(row0 + p - start, s.tokens[p + 1], top))
+            if p == len(recorded):  # not yet recorded
+                recorded.append(self.token_logprob(row0 + p - start, s.tokens[p + 1], top))
 
     def token_logprob(self, row: int, token: int, k: int) -> TokenLogprob:
         """`token`'s log-probability in output row `row` of the last decode, under the raw

@@ -235,12 +235,18 @@ class Sampler:
         self._search = None
         return self._choose(search)
 
+    def _candidates(self, k: int) -> np.ndarray:
+        """The first `k` entries of this grammar chain's candidate buffer."""
+        if self._cur is None:
+            raise RuntimeError("this chain has no grammar to search with")
+        return self._cur[:k]
+
     def _check(self, ids: np.ndarray) -> np.ndarray:
         """Which of `ids` the grammar allows next (a bool per id)."""
         k = len(ids)
         if not k:
             return np.zeros(0, bool)
-        cur = self._cur[:k]
+        cur = self._candidates(k)
         cur["id"] = ids
         cur["logit"] = 0.0
         arr = lc.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), k, -1, False)
@@ -255,7 +261,7 @@ class Sampler:
         k = len(ids)
         if not k:
             return DEAD_END
-        cur = self._cur[:k]
+        cur = self._candidates(k)
         cur["id"] = ids
         cur["logit"] = search.logits[ids]
         cur["p"] = 0.0
@@ -273,6 +279,8 @@ class Sampler:
         would choose: both take the first maximum), else None."""
         tok = int(logits.argmax())
         one = self._one
+        if one is None:
+            raise RuntimeError("this chain has no grammar of its own to check the argmax with")
         one[0] = lc.llama_token_data(tok, 0.0, 0.0)
         lc.llama_sampler_apply(self._grammar, ctypes.byref(lc.llama_token_data_array(one, 1, -1, False)))
         return tok if one[0].logit != float("-inf") else None
@@ -321,15 +329,13 @@ class _Search:
 
     def todo(self) -> np.ndarray:
         """The current stage's ids not yet checked."""
-        if self._todo is None:
-            self._next_stage()
-        return self._todo[self._pos:]
+        return self._stage()[self._pos:]
 
     def took(self, ids: np.ndarray, allowed: np.ndarray) -> None:
         """The grammar's answer for the first `len(ids)` of `todo()`."""
         self._found.append(ids[allowed])
         self._pos += len(ids)
-        if self._pos >= len(self._todo):
+        if self._pos >= len(self._stage()):
             found = sum(len(f) for f in self._found)
             if found >= self.need or not self._stages:
                 self.done = True
@@ -342,6 +348,12 @@ class _Search:
         ids = np.concatenate(self._found) if self._found else np.zeros(0, np.int32)
         order = np.lexsort((ids, -self.logits[ids]))
         return ids[order[:self.need]]
+
+    def _stage(self) -> np.ndarray:
+        if self._todo is None:
+            self._next_stage()
+        assert self._todo is not None  # set by _next_stage
+        return self._todo
 
     def _next_stage(self) -> None:
         bound = self._stages.pop(0)

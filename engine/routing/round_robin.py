@@ -13,7 +13,7 @@ class RoundRobin(SeedScored):
 
     name = "round-robin"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._last: str | None = None
 
     def choose(self, query, scores):

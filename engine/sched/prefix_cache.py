@@ -66,6 +66,18 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = last_access
 
+    def up(self) -> TreeNode:
+        """The parent of a node in the tree; the root and removed nodes have none."""
+        if self.parent is None:
+            raise RuntimeError(f"{self!r} is the root or was removed from the tree")
+        return self.parent
+
+    def seq(self) -> int:
+        """The seq id a leaf holds; internal nodes and the root hold none."""
+        if self.holder is None:
+            raise RuntimeError(f"{self!r} holds no seq: it is not a leaf")
+        return self.holder
+
     def __lt__(self, other: TreeNode) -> bool:
         return (self.last_access, self.id) < (other.last_access, other.id)
 
@@ -270,10 +282,10 @@ class PrefixCache:
             if pos == len(tokens):
                 return InsertResult(pos, [seq_id])
 
-            free_seqs = []
+            free_seqs: list[int] = []
             if node is not self._root and not node.children:
-                free_seqs.append(node.holder)
-                self._holders.remove(node.holder)
+                free_seqs.append(node.seq())
+                self._holders.remove(node.seq())
                 node.holder = None
                 self._evictable_leaves.discard(node)
             leaf = TreeNode(next(self._node_ids), tuple(tokens[pos:]), node, len(tokens), now)
@@ -390,14 +402,14 @@ class PrefixCache:
                 _check(node.lock_ref >= 0, f"negative lock_ref on {node!r}")
                 if node is not self._root:
                     _check(len(node.key) > 0, f"empty edge on {node!r}")
-                    _check(node.end == node.parent.end + len(node.key), f"wrong end on {node!r}")
+                    _check(node.end == node.up().end + len(node.key), f"wrong end on {node!r}")
                     cached += len(node.key)
                     pinned += len(node.key) if node.lock_ref else 0
                     if node.children:
                         _check(node.holder is None, f"internal {node!r} has a holder")
                     else:
                         _check(node.holder is not None, f"leaf {node!r} has no holder")
-                        holders.append(node.holder)
+                        holders.append(node.seq())
                         if not node.lock_ref:
                             evictable_leaves.add(node)
                 else:
@@ -460,7 +472,7 @@ class PrefixCache:
         The new node sits on every path `child` did, so it inherits `child`'s lock count
         and access time; the totals do not change.
         """
-        parent = child.parent
+        parent = child.up()
         upper = TreeNode(next(self._node_ids), child.key[:k], parent, child.end - len(child.key) + k,
                          child.last_access)
         upper.lock_ref = child.lock_ref
@@ -477,7 +489,7 @@ class PrefixCache:
                 self._pinned_tokens += len(node.key)
                 self._evictable_leaves.discard(node)
             node.lock_ref += 1
-            node = node.parent
+            node = node.up()
 
     def _dec_lock(self, node: TreeNode) -> None:
         while node is not self._root:
@@ -487,7 +499,7 @@ class PrefixCache:
                 self._evictable_tokens += len(node.key)
                 if not node.children:
                     self._evictable_leaves.add(node)
-            node = node.parent
+            node = node.up()
 
     def _attached(self, node: TreeNode) -> bool:
         while node.parent is not None:
@@ -501,10 +513,10 @@ class PrefixCache:
         heapq.heapify(heap)
         while heap and (freed < need_tokens or released < need_seqs):
             leaf = heapq.heappop(heap)
-            parent = leaf.parent
+            parent = leaf.up()
             del parent.children[leaf.key[0]]
             leaf.parent = None
-            seq, leaf.holder = leaf.holder, None
+            seq, leaf.holder = leaf.seq(), None
             self._evictable_leaves.remove(leaf)
             self._cached_tokens -= len(leaf.key)
             self._evictable_tokens -= len(leaf.key)

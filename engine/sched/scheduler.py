@@ -23,12 +23,16 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sched.limiter import ConcurrencyLimiter
-from engine.sched.prefix_cache import PrefixCache
+from engine.sched.prefix_cache import Pin, PrefixCache, TreeNode
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.snapshot import WorkItem
 from engine.core.textstream import TextStream
+
+if TYPE_CHECKING:
+    from engine.llama.sampling import Sampler
 
 # Cells a request needs free beyond its uncached prompt to be admitted: its first few decode
 # tokens, so that a fresh admission is not preempted at once.
@@ -88,10 +92,10 @@ class SeqState:
         self.n_shared = 0  # leading tokens aliased from the prefix cache (or published there)
         self.n_hit = 0  # cached tokens reused at its last admission (what its record reports)
         self.generated = 0
-        self.sampler = None
+        self.sampler: Sampler | None = None
         self.stream = TextStream(self.sp.stop)
         self.pin = pin  # routing-time pin on the cached prefix, released at admission
-        self.lock = None  # pin held while running, so the aliased prefix is never evicted
+        self.lock: Pin | None = None  # pin held while running, so the aliased prefix is never evicted
         self.estimate = estimate  # cached tokens the router counted on
         self.warm = warm
         self.t_submit = t_submit
@@ -159,7 +163,7 @@ class Scheduler:
     def __init__(self, *, cap: int, n_ctx: int, n_ctx_seq: int, n_seq_max: int, n_batch: int,
                  kv_unified: bool = True, cache_enabled: bool = True, idle_cache_cells: int = -1,
                  busy_chunk: int | None = None, queue_timeout_s: float = 0.0, name: str = "backend",
-                 piece: Callable[[int], str] = lambda t: "", is_eog: Callable[[int], bool] = lambda t: False,
+                 piece: Callable[[int], bytes] = lambda t: b"", is_eog: Callable[[int], bool] = lambda t: False,
                  preferred_ids: Callable[[SamplingParams], list[int]] = lambda sp: [],
                  clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None,
                  limiter: ConcurrencyLimiter | None = None, share_prefill: bool = True,
@@ -306,7 +310,7 @@ class Scheduler:
         `logprobs[i]` is row i's `TokenLogprob`, for the rows whose request asked for them.
         `seconds`: the step's time, which drives the limiter."""
         if self.limiter is not None and seconds > 0:
-            self._adapt(plan, seconds)
+            self._adapt(self.limiter, plan, seconds)
         now = self.clock()
         running, on_token = RequestStatus.RUNNING, self._sampled
         for s, tok in zip(plan.decode, sampled):  # decode rows first, one token each
@@ -356,9 +360,8 @@ class Scheduler:
             self._finish(youngest, RequestStatus.FINISHED_ERROR,
                          f"backend {self.name}: the context ran out of KV cells for this request")
 
-    def _adapt(self, plan: Plan, seconds: float) -> None:
+    def _adapt(self, lim: ConcurrencyLimiter, plan: Plan, seconds: float) -> None:
         """Feed the step to the limiter; at a window's end, give it the KV room."""
-        lim = self.limiter
         n_prefill = plan.n_tokens - len(plan.decode)
         if not lim.observe(len(plan.decode), n_prefill, seconds, len(self.running), len(self.waiting)):
             return
@@ -482,8 +485,8 @@ class Scheduler:
             self.blocked = True  # retry when a running request ends
             return False
         seq.seq_id = seq.ran_on = self._take_id(seq)
-        if hit:
-            self._reuse_prefix(self.cache.holder_for(lock.node), seq.seq_id, hit)
+        if lock is not None:  # a hit
+            self._reuse_prefix(self._holder(lock.node), seq.seq_id, hit)
         seq.lock = lock
         self._release_pin(seq)
         seq.n_past = seq.n_shared = seq.n_hit = hit
@@ -494,6 +497,13 @@ class Scheduler:
             seq.admit_reason = self.limiter.reason if self.limiter is not None else "fixed"
         seq.status = RequestStatus.RUNNING
         return True
+
+    def _holder(self, node: TreeNode) -> int:
+        """The seq whose cells hold a matched prefix of at least one token."""
+        holder = self.cache.holder_for(node)
+        if holder is None:
+            raise RuntimeError(f"backend {self.name}: an empty match has no cells to share")
+        return holder
 
     def _deferred(self, seq: SeqState, donors: list[SeqState], defer: bool) -> bool:
         """`seq` waits for a donor's prompt prefill: a choice behind a choice holding all its
@@ -532,7 +542,7 @@ class Scheduler:
             # Another sequence published (or finished) this prefix while `s` computed its own
             # copy: drop the copy and alias those cells, so the prefix exists once.
             self._ops.append(KvOp("rm", s.seq_id, -1, 0, match.length))
-            self._ops.append(KvOp("cp", self.cache.holder_for(match.node), s.seq_id, 0, match.length))
+            self._ops.append(KvOp("cp", self._holder(match.node), s.seq_id, 0, match.length))
             shared = match.length
         if n - match.length >= least and self._holder_free():
             holder = max(self.free_ids)
@@ -751,7 +761,7 @@ class Scheduler:
                 # The sequence computed its own copy of a prefix the cache already holds:
                 # drop the copy and alias the cached cells, so shared cells exist once.
                 self._ops.append(KvOp("rm", sid, -1, 0, match.length))
-                self._ops.append(KvOp("cp", self.cache.holder_for(match.node), sid, 0, match.length))
+                self._ops.append(KvOp("cp", self._holder(match.node), sid, 0, match.length))
             if match.length < len(in_kv):  # it will be kept, on an id of its own
                 sid = self._park(sid)
             result = self.cache.insert(in_kv, sid)

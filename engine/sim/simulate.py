@@ -629,6 +629,8 @@ class Simulation:
 
     def _finish_step(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
         plan, b.plan = b.plan, None
+        if plan is None:
+            raise RuntimeError(f"backend {name}: a step finished that was never planned")
         out.steps += 1
         finished = b.sched.update_from_output(plan, [SAMPLED_TOKEN] * _logit_rows(plan), seconds=b.plan_s)
         b.sched.take_ops()

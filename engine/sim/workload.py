@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 SEED_PREFIX_TOKENS = 496
@@ -256,6 +257,53 @@ def arrival_times(spec: WorkloadSpec, rng: random.Random) -> list[float]:
 
 def with_requests(spec: WorkloadSpec, n: int) -> WorkloadSpec:
     return replace(spec, n_requests=n).validate()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedTurn:
+    """One turn of a recorded chat run, as `conversation_workload` needs it."""
+
+    conversation: int
+    turn: int  # 0-based
+    index: int  # the record's index
+    arrival_s: float  # when it was sent
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+
+
+def conversation_workload(label: str, run: int, shared_tokens: int, turns: Sequence[RecordedTurn], *,
+                          reply_token: int, vocab_size: int = TOKEN_HIGH) -> Workload:
+    """A recorded chat run (`tandem bench chat`) as token prompts the simulator can replay.
+
+    Each conversation's first prompt is the shared system prompt (`shared_tokens` ids, the same
+    for every conversation) and ids of its own up to the recorded length; each later prompt is
+    the previous one, the reply as the simulator writes it (`reply_token` repeated, the
+    recorded number of times), then new ids up to the recorded length (at least one). So a
+    conversation's next turn finds its prefix wherever the previous turn ran, as it did in the
+    run; ids are random per conversation and run, so conversations share only the system
+    prompt. Requests keep the records' indices and arrive when the records were sent."""
+    rng = random.Random(f"chat-system-{run}")
+    system = _tokens(rng, shared_tokens, vocab_size)
+    prompts: dict[int, tuple[int, ...]] = {}
+    requests = []
+    by_turn = sorted(turns, key=lambda t: (t.conversation, t.turn))
+    previous: dict[int, RecordedTurn] = {}
+    for t in by_turn:
+        own = random.Random(f"chat-{run}-{t.conversation}-{t.turn}")
+        before = previous.get(t.conversation)
+        if before is None:
+            base = system[:t.prompt_tokens]
+        else:
+            base = prompts[before.index] + (reply_token,) * before.output_tokens
+        prompt = base + _tokens(own, max(t.prompt_tokens - len(base), 1), vocab_size)
+        prompts[t.index] = prompt
+        previous[t.conversation] = t
+        requests.append(RequestSpec(t.index, t.arrival_s, prompt, t.max_tokens, t.output_tokens))
+    requests.sort(key=lambda r: (r.arrival_s, r.index))
+    spec = WorkloadSpec(n_requests=max(len(requests), 1), prompt_tokens=max((len(r.prompt) for r in requests), default=1),
+                        shared_tokens=0, label=label)
+    return Workload(spec, run, (), tuple(requests))
 
 
 # ---- internal helpers ----

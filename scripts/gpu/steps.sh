@@ -509,16 +509,44 @@ _two_processes() {  # _two_processes PORT: two tandem serve (GPU only) on this G
   _wait_ready "$1"
 }
 
-final_defaults() {  # ~9.5 min, the points that decide first: the chat workload (96 conversations) on
+chat_llama_server() {  # ~8 min: llama-server at -np 16/32/64, with -kvu and without, on the chat workload (each
+                      # cut at LLAMA_LIMIT s), beside the no-knob default in the same call
+  [ -x "${LCBIN:-/none}/llama-server" ] || { echo "chat_llama_server: no llama-server in \$LCBIN"; return 1; }
+  mkdir -p "$OUT/logs"
+  _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  local np kvu ctx
+  for np in ${LLAMA_NPS:-32 16 64}; do
+    ctx=$((np > 32 ? 262144 : 131072))
+    for kvu in "" -kvu; do
+      "$LCBIN/llama-server" -m "$P" -ngl 99 -np "$np" -c "$ctx" $kvu --port 8305 --host 127.0.0.1 -fa auto \
+        > "$OUT/logs/llama-server-np$np$kvu.log" 2>&1 & SERVERS+=($!)
+      _wait_ready 8305; CHAT_LIMIT=${LLAMA_LIMIT:-60} _chat_bench "llama-server-np$np$kvu" 8305; _stop_servers
+    done
+  done
+}
+chat_cache() {  # ~7 min: what the default layout's caches keep on the chat workload (96 conversations): the
+               # idle budget (`idle_cache_cells`: while B run, a context keeps idle_cache_cells / B cached cells no
+               # running sequence uses; default 65,536) and the pool (65,536 cells per context) against larger ones
+  mkdir -p "$OUT/logs"
+  _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  local idle ctx
+  for idle in ${CHAT_IDLE:-262144 -1}; do
+    _serve_one "idle$idle" 8312 --backend "$G:idle_cache_cells=$idle"; _chat_bench "idle-$idle" 8312; _stop_servers
+  done
+  for ctx in ${CHAT_CTX:-131072}; do
+    _serve_one "ctx$ctx" 8313 --backend "$G:ctx=$ctx,idle_cache_cells=-1"; _chat_bench "ctx-$ctx-idle-all" 8313
+    _stop_servers
+  done
+}
+final_defaults() {  # ~8 min, the points that decide first: the chat workload (96 conversations) on
                    # `tandem serve --model M` (nothing else) against four contexts under cache-aware and two
-                   # processes; the default against tuned caps and two contexts on tenants, long prompts, N=48;
-                   # then 24 and 192 conversations
+                   # processes; then 24 and 192 conversations. The grid on the other workloads is `defaults`
+                   # (its own call: ~6 min), llama-server's -np sweep `chat_llama_server`.
   mkdir -p "$OUT/logs"
   _serve_one default 8311; _chat_bench default 8311; _stop_servers
   _serve_one ctx4 8310 --backend "$G:contexts=4" --policy cache-aware; _chat_bench contexts-4-cache-aware 8310
   _stop_servers
   _two_processes 8304; _chat_bench two-processes 8304; _stop_servers
-  CAPS=${CAPS:-32,64} defaults
   for n in 24 192; do
     _serve_one "default-$n" 8311; CHAT_N=$n _chat_bench "default-n$n" 8311; _stop_servers
     _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers

@@ -41,10 +41,10 @@ class ChatList(QWidget):
         self.search_edit.setPlaceholderText("Search chats")
         self.search_edit.setClearButtonEnabled(True)
         self.chat_list = QListWidget()
-        self.chat_list.setTextElideMode(Qt.ElideRight)
-        self.chat_list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.chat_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.chat_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.chat_list.itemClicked.connect(self._on_pick)
-        self.chat_list.setContextMenuPolicy(Qt.CustomContextMenu)
+        self.chat_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.chat_list.customContextMenuRequested.connect(self._menu)
         self.delete_chat_button = QPushButton("Delete chat")
         self.delete_chat_button.setToolTip("Delete the open chat from the disk (right-click a chat for more)")
@@ -76,7 +76,7 @@ class ChatList(QWidget):
             if c.id != current.id and not c.matches(query):
                 continue
             item = QListWidgetItem(c.title)
-            item.setData(Qt.UserRole, c.id)
+            item.setData(Qt.ItemDataRole.UserRole, c.id)
             item.setToolTip(f"{c.title}\n{len(c.messages)} messages")
             self.chat_list.addItem(item)
             if c.id == current.id:
@@ -84,7 +84,7 @@ class ChatList(QWidget):
                 self.chat_list.setCurrentItem(item)
 
     def _on_pick(self, item: QListWidgetItem) -> None:
-        chat_id = item.data(Qt.UserRole)
+        chat_id = item.data(Qt.ItemDataRole.UserRole)
         if chat_id and chat_id != self.current_id:
             self.open_asked.emit(chat_id)
 
@@ -92,7 +92,7 @@ class ChatList(QWidget):
         item = self.chat_list.itemAt(pos)
         if item is None or self.busy:
             return
-        chat_id = item.data(Qt.UserRole)
+        chat_id = item.data(Qt.ItemDataRole.UserRole)
         menu = QMenu(self)
         menu.addAction("Rename…", lambda: self._ask_rename(chat_id, item.text()))
         menu.addAction("Export as Markdown…", lambda: self._ask_export(chat_id, "Markdown (*.md)", ".md"))

@@ -91,9 +91,9 @@ class SamplingSettings(QFrame):
         self.schema_state = QLabel("")
         self.schema_state.setObjectName("muted")
         self.schema_state.setWordWrap(True)
-        for w in (self.schema_edit, self.schema_state):
-            w.setVisible(False)
-            outer.addWidget(w)
+        for widget in (self.schema_edit, self.schema_state):
+            widget.setVisible(False)
+            outer.addWidget(widget)
         self.json_mode.toggled.connect(self._on_json_mode)
         self._schema_timer = QTimer(self, singleShot=True, interval=300)
         self._schema_timer.timeout.connect(self._check_schema)

@@ -33,11 +33,12 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QCursor, QDesktopServices, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QComboBox, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy, QSplitter, QToolButton,
-    QToolTip, QVBoxLayout, QWidget,
+    QCheckBox, QComboBox, QDoubleSpinBox, QHBoxLayout, QLabel, QMessageBox, QPlainTextEdit, QPushButton, QSizePolicy,
+    QSpinBox, QSplitter, QToolButton, QToolTip, QVBoxLayout, QWidget,
 )
 
 from engine.core.errors import ContextLengthExceeded, EngineError
+from engine.core.handle import RequestHandle
 from engine.core.request import Request, SamplingParams
 
 from ..history import Chat, ChatStore, Message
@@ -59,12 +60,24 @@ class ChatPanel(QWidget):
     reply_finished = Signal(object)  # FinishRecord
     status_message = Signal(str)
 
+    # The sampling controls: `self.settings`' own, named here too (`_build`).
+    temperature: QDoubleSpinBox
+    top_p: QDoubleSpinBox
+    top_k: QSpinBox
+    repeat_penalty: QDoubleSpinBox
+    max_tokens: QSpinBox
+    seed: QSpinBox
+    json_mode: QCheckBox
+    schema_edit: QPlainTextEdit
+    schema_state: QLabel
+    token_probs: QCheckBox
+
     def __init__(self, engine, store: ChatStore, parent: QWidget | None = None):
         super().__init__(parent)
         self.engine = engine
         self.store = store
         self.chat = Chat()
-        self.handle = None  # RequestHandle of the reply being streamed
+        self.handle: RequestHandle | None = None  # the reply being streamed
         self._task: asyncio.Task | None = None
         self._pending: tuple = ("append", -1)  # what the streaming reply becomes: append / version j / continue j
         self._streamed: list[str] = []
@@ -138,7 +151,7 @@ class ChatPanel(QWidget):
             self._synthetic_warning = warn
             warn.setToolTip(warn.text())
             warn.setMinimumWidth(100)
-            warn.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # one line, cut rather than widening
+            warn.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)  # one line, cut rather than widening
             rv.addWidget(warn)
 
         self.transcript = Transcript()
@@ -190,7 +203,7 @@ class ChatPanel(QWidget):
         self.state_label = QLabel("")
         self.state_label.setObjectName("muted")
         # Long stats must not widen the window: the label takes what room is left.
-        self.state_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.state_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         send_to = QLabel("Send to")
         send_to.setObjectName("muted")
         footer.addWidget(self.regen_button)
@@ -202,7 +215,7 @@ class ChatPanel(QWidget):
         footer.addWidget(self.context_label)
         rv.addLayout(footer)
 
-        self.split = QSplitter(Qt.Horizontal)
+        self.split = QSplitter(Qt.Orientation.Horizontal)
         self.split.addWidget(left)
         self.split.addWidget(right)
         self.split.setStretchFactor(0, 0)
@@ -215,8 +228,8 @@ class ChatPanel(QWidget):
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(self.split)
 
-        esc = QShortcut(QKeySequence(Qt.Key_Escape), self)
-        esc.setContext(Qt.WindowShortcut)
+        esc = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
+        esc.setContext(Qt.ShortcutContext.WindowShortcut)
         esc.activated.connect(self.stop)
 
     def json_grammar(self) -> str | None:
@@ -388,7 +401,7 @@ class ChatPanel(QWidget):
         if self.busy:
             return False
         if confirm and QMessageBox.question(self, "Delete chat", "Delete this chat? This cannot be undone.") \
-                != QMessageBox.Yes:
+                != QMessageBox.StandardButton.Yes:
             return False
         self.store.delete(chat_id)
         if chat_id == self.chat.id:
@@ -646,7 +659,7 @@ class ChatPanel(QWidget):
                 t.add(self._bubble(m, i))
         if notice:
             t.add(self._note(f"⚠ {html.escape(notice)}", c.error))
-        if self.busy:
+        if self.handle is not None:  # busy
             b = Bubble("assistant", -1)
             b.set_meta(f"<span style='color:{c.muted}'>· {html.escape(self.handle.backend or '')} · "
                        + ("continuing…" if kind == "continue" else "streaming…") + "</span>")
@@ -659,7 +672,7 @@ class ChatPanel(QWidget):
     def _note(rich: str, color: str) -> QLabel:
         label = QLabel(f"<span style='color:{color}'>{rich}</span>")
         label.setWordWrap(True)
-        label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         label.setStyleSheet("background: transparent;")
         return label
 

@@ -79,7 +79,7 @@ class CodeBlock(QFrame):
         self.copy_button = QToolButton()
         self.copy_button.setText("Copy")
         self.copy_button.setAutoRaise(True)
-        self.copy_button.setCursor(Qt.PointingHandCursor)
+        self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
         self.copy_button.setStyleSheet(f"color: {colors.link}; background: transparent; border: none;")
         self.copy_button.clicked.connect(self.copy)
         hl.addWidget(label)
@@ -87,19 +87,19 @@ class CodeBlock(QFrame):
         hl.addWidget(self.copy_button)
         lay.addWidget(head)
         self.code_label = QLabel(code.html)
-        self.code_label.setTextFormat(Qt.RichText)
-        self.code_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.code_label.setTextFormat(Qt.TextFormat.RichText)
+        self.code_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.code_label.setStyleSheet(f"background: {colors.bg}; padding: 6px;")
-        self.scroll = QScrollArea()
-        self.scroll.setWidget(self.code_label)
-        self.scroll.setWidgetResizable(False)
-        self.scroll.setFrameShape(QFrame.NoFrame)
-        self.scroll.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
-        self.scroll.setStyleSheet(f"QScrollArea {{ background: {colors.bg}; }}")
-        self.scroll.viewport().setStyleSheet(f"background: {colors.bg};")
-        self.scroll.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # any width: it scrolls
-        lay.addWidget(self.scroll)
+        self.scroll_area = QScrollArea()
+        self.scroll_area.setWidget(self.code_label)
+        self.scroll_area.setWidgetResizable(False)
+        self.scroll_area.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll_area.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll_area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.scroll_area.setStyleSheet(f"QScrollArea {{ background: {colors.bg}; }}")
+        self.scroll_area.viewport().setStyleSheet(f"background: {colors.bg};")
+        self.scroll_area.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)  # any width: it scrolls
+        lay.addWidget(self.scroll_area)
         self.code_label.adjustSize()
         self._fit()
 
@@ -116,9 +116,9 @@ class CodeBlock(QFrame):
 
     def _fit(self) -> None:
         """As tall as the code, plus the scroll bar when the code is wider than the view."""
-        bar = self.scroll.horizontalScrollBar().sizeHint().height()
-        wide = self.code_label.width() > self.scroll.viewport().width() or self.width() < self.code_label.width()
-        self.scroll.setFixedHeight(self.code_label.height() + (bar if wide else 0) + 2)
+        bar = self.scroll_area.horizontalScrollBar().sizeHint().height()
+        wide = self.code_label.width() > self.scroll_area.viewport().width() or self.width() < self.code_label.width()
+        self.scroll_area.setFixedHeight(self.code_label.height() + (bar if wide else 0) + 2)
 
 
 class Bubble(QFrame):
@@ -155,7 +155,7 @@ class Bubble(QFrame):
                      f"{'You' if role == 'user' else 'Assistant'}</b>")
         self.meta_label = QLabel("")
         self.meta_label.setWordWrap(True)
-        self.meta_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.meta_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.meta_label.setMinimumWidth(40)
         for w in (who, self.meta_label):
             _transparent(w)
@@ -194,13 +194,13 @@ class Bubble(QFrame):
 
     def add_text(self, rich: str, plain: bool = False) -> QLabel:
         label = QLabel()
-        label.setTextFormat(Qt.PlainText if plain else Qt.RichText)
+        label.setTextFormat(Qt.TextFormat.PlainText if plain else Qt.TextFormat.RichText)
         label.setText(rich)
         label.setWordWrap(True)
-        label.setTextInteractionFlags(Qt.TextBrowserInteraction)
+        label.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
         label.setOpenExternalLinks(False)
         label.linkActivated.connect(self._on_link)
-        label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         label.setMinimumWidth(40)
         _transparent(label)
         self._body.addWidget(label)
@@ -250,7 +250,7 @@ class Bubble(QFrame):
         b.setText(text)
         b.setToolTip(tip)
         b.setAutoRaise(True)
-        b.setCursor(Qt.PointingHandCursor)
+        b.setCursor(Qt.CursorShape.PointingHandCursor)
         b.setStyleSheet(f"QToolButton {{ color:{self._c.muted}; background: transparent; border: none; padding: 1px 5px; }}"
                         f"QToolButton:hover {{ text-decoration: underline; }}"
                         f"QToolButton:disabled {{ color: {_faded(self._c.muted)}; }}")
@@ -290,16 +290,16 @@ class Bubble(QFrame):
         parts = []
         head = self._head
         for i in range(head.count()):
-            w = head.itemAt(i).widget()
+            w = item.widget() if (item := head.itemAt(i)) is not None else None
             if isinstance(w, QLabel):
-                parts.append(_plain(w.text()) if w.textFormat() != Qt.PlainText else w.text())
+                parts.append(_plain(w.text()) if w.textFormat() != Qt.TextFormat.PlainText else w.text())
             elif w is self.switcher and self.version_label is not None:
                 parts.append(f"‹{self.version_label.text()}›")
         lines = [" ".join(p for p in parts if p)]
         for i in range(self._body.count()):
-            w = self._body.itemAt(i).widget()
+            w = item.widget() if (item := self._body.itemAt(i)) is not None else None
             if isinstance(w, QLabel):
-                lines.append(w.text() if w.textFormat() == Qt.PlainText else _plain(w.text()))
+                lines.append(w.text() if w.textFormat() == Qt.TextFormat.PlainText else _plain(w.text()))
             elif isinstance(w, CodeBlock):
                 lines.append(w.source.rstrip("\n"))
         for b in self.buttons.values():
@@ -345,8 +345,8 @@ class Transcript(QScrollArea):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setWidgetResizable(True)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setFrameShape(QFrame.StyledPanel)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setFrameShape(QFrame.Shape.StyledPanel)
         self.inner = QWidget()
         self.inner.setObjectName("transcript")
         self._lay = QVBoxLayout(self.inner)
@@ -402,7 +402,7 @@ class Transcript(QScrollArea):
             if isinstance(w, Bubble):
                 out.append(w.plain_text())
             elif isinstance(w, QLabel):
-                out.append(_plain(w.text()) if w.textFormat() != Qt.PlainText else w.text())
+                out.append(_plain(w.text()) if w.textFormat() != Qt.TextFormat.PlainText else w.text())
         return "\n\n".join(out)
 
     def _on_scrolled(self, value: int) -> None:

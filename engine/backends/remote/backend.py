@@ -455,7 +455,19 @@ class RemoteBackend(BackendBase):
             loop.close()
 
     def _submit_coro(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(coro, self._running_loop())
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The backend's event loop (its own thread); None until that thread has started."""
+        if self._loop is None:
+            raise BackendUnavailable(f"backend {self.name}'s event loop has not started")
+        return self._loop
+
+    def _http(self) -> EngineClient:
+        """The HTTP client, made on connecting and dropped on stopping."""
+        if self._client is None:
+            raise BackendUnavailable(f"backend {self.name} is not connected to {self.url}")
+        return self._client
 
     def _wake(self, fn, *args) -> None:
         loop = self._loop
@@ -482,13 +494,13 @@ class RemoteBackend(BackendBase):
         """One health probe; raises if the engine does not answer healthily. The first
         successful one resolves `api: auto` and reads the served models. An engine in
         quarantine (it timed out on a request) is probed but not brought back yet."""
-        await probe.probe_health(self._client)
+        await probe.probe_health(self._http())
         if time.monotonic() < self._out_until:
             return
         if first or not self.healthy or not self.models:  # (back) up: what does it serve now
             if self.api == "auto":
-                self.api = await probe.detect(self._client)
-            models = await probe.read_models(self._client)
+                self.api = await probe.detect(self._http())
+            models = await probe.read_models(self._http())
             if models is not None:
                 self.models = models.ids
                 self.n_ctx = models.n_ctx or self.n_ctx
@@ -502,7 +514,7 @@ class RemoteBackend(BackendBase):
     async def _answers_health(self) -> bool:
         """Whether the engine's health endpoint answers 200 now (a 5xx on one request from an
         engine that does is that request's failure: its queue stays and it stays healthy)."""
-        return await probe.answers_health(self._client)
+        return await probe.answers_health(self._http())
 
     async def _health_loop(self) -> None:
         while True:
@@ -539,7 +551,7 @@ class RemoteBackend(BackendBase):
 
     async def _poll(self) -> Load | None:
         """The engine's running and waiting requests, from its own endpoints (`probe.DIALECTS`)."""
-        return await probe.DIALECTS.get(self.api, probe.Dialect()).load(self._client)
+        return await probe.DIALECTS.get(self.api, probe.Dialect()).load(self._http())
 
     # ---- requests on the loop ----
 
@@ -553,7 +565,7 @@ class RemoteBackend(BackendBase):
                 started.append(job)
         for job in started:
             job.t_sent = time.monotonic()
-            job.task = self._loop.create_task(self._run(job))
+            job.task = self._running_loop().create_task(self._run(job))
             self.bus.publish(RequestAdmitted(self.name, job.req.id, job.estimate, job.t_sent))
 
     def _cancel_now(self, request_id: str) -> None:
@@ -601,7 +613,7 @@ class RemoteBackend(BackendBase):
         chat = job.req.messages is not None and job.req.text is None
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body = self._body(job.req, chat)
-        result = await self._client.stream(path, body, chat=chat, max_tokens=body["max_tokens"],
+        result = await self._http().stream(path, body, chat=chat, max_tokens=body["max_tokens"],
                                            on_delta=lambda d: self._deliver(job, d),
                                            answers_health=self._answers_health)
         job.usage = result.usage
@@ -625,6 +637,8 @@ class RemoteBackend(BackendBase):
         if self.model_name:
             body["model"] = self.model_name
         if chat:
+            if req.messages is None:
+                raise InvalidRequest(f"request {req.id} has no messages to send as a chat")
             body["messages"] = list(req.messages)
             if req.continue_final and self.api != "llama-server":  # llama-server continues a final
                 # assistant message by itself (its assistant prefill, on unless --no-prefill-assistant)
@@ -678,7 +692,7 @@ class RemoteBackend(BackendBase):
         if not self._flush_pending:
             self._flush_pending = True
             self._outbox.__enter__()  # this thread's deliveries go to the outbox until the flush
-            self._loop.call_soon(self._flush)
+            self._running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_pending = False

@@ -69,6 +69,8 @@ class VocabOnly:
         tokenization `Engine.generate` and `Engine.chat` do)."""
         if request.text is not None:
             return tuple(self.tokenize(request.text))
+        if request.messages is None:
+            raise ValueError(f"request {request.id} has neither text nor messages to tokenize")
         return tuple(self.tokenize(self.apply_chat_template(list(request.messages)), add_special=False))
 
 

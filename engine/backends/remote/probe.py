@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -90,7 +91,9 @@ async def read_models(client: EngineClient) -> Models | None:
     out = Models([m["id"][:256] for m in data[:256]])
     n_ctx = n_vocab = 0
     for m in data:
-        meta = m.get("meta") if isinstance(m.get("meta"), dict) else {}
+        meta = m.get("meta")
+        if not isinstance(meta, dict):
+            meta = {}
         n = m.get("max_model_len") or meta.get("n_ctx") or 0
         if _count(n):
             n_ctx = n
@@ -174,5 +177,5 @@ async def read_metrics(client: EngineClient) -> dict[str, float]:
     return out
 
 
-def _count(v, low: int = 1) -> bool:
+def _count(v, low: int = 1) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and low <= v < 1 << 31
