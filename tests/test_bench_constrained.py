@@ -10,7 +10,7 @@ import sys
 WAIT = 300
 
 
-def test_bench_constrained_prints_each_hog_against_the_chat_alone_and_the_control(tmp_path):
+def test_bench_constrained_prints_the_chat_beside_each_hog_against_its_control(tmp_path):
     p = subprocess.run([sys.executable, "-m", "app", "bench", "constrained", "--model", "synthetic:tiny",
                         "--backend", "cpu:threads=1,cap=4,ctx=2048", "--hogs", "grammar,json", "--modes", "sampled",
                         "--repeats", "1", "--tokens", "4", "--out", str(tmp_path)],
