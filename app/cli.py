@@ -117,7 +117,7 @@ def _add_benches(sub) -> None:
     """`tandem bench NAME`: each bench (bench/*.py) declares its own arguments."""
     from app.runtime import SWITCH_INTERVAL_S
     from app.engine_setup import engine_from_args
-    from bench import attack, cache, chat, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
+    from bench import attack, cache, chat, constrained, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
 
     bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_, add_arguments, run in (
@@ -132,6 +132,7 @@ def _add_benches(sub) -> None:
             ("chat", chat.HELP, chat.add_arguments, chat.run_chat),
             ("soak", soak.HELP, soak.add_arguments, soak.run_soak),
             ("attack", attack.HELP, attack.add_arguments, attack.run_attack),
+            ("constrained", constrained.HELP, constrained.add_arguments, constrained.run_constrained),
             ("laptop", laptop.HELP, laptop.add_arguments, laptop.run_laptop)):
         p = bsub.add_parser(name, help=help_)
         add_arguments(p)

@@ -203,8 +203,12 @@ async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int
     port. Stop with `await runner.cleanup()`.
     """
     guard = app[GUARD]
+    # No SO_KEEPALIVE per socket (aiohttp's default): the guard's header, body and keep-alive
+    # deadlines already close dead and idle peers, and a setsockopt per accepted connection is
+    # work a connection flood makes the server do for nothing.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log,
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=guard.keepalive_timeout)
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=guard.keepalive_timeout,
+                           tcp_keepalive=False)
     await runner.setup()
     try:
         await GuardedSite(runner, app[CONNECTIONS], host, port, backlog=BACKLOG).start()

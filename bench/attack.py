@@ -18,7 +18,9 @@ connection each, as curl would), and from the second phase on one attack runs be
 - `bodies`: six near-2 MiB chats at once, again and again.
 
 Each phase prints normal traffic's p50 and p95 latency, its errors, p95 over the quiet
-baseline's, what the attack's requests got, and the server's RSS; the last line is one JSON
+baseline's, what the attack's requests got, the server's RSS, the cores the server and this
+process (normal clients and attack) used during the phase, and the machine's load average
+(the machine may be shared: the phases' ratios are side by side, their figures are not); the last line is one JSON
 object (`--out DIR` also writes it, with the command, date and commit, to `attack.json`).
 The issue's bar: under each attack, p95 <= 2x quiet and 0 errors.
 """
@@ -29,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import os
 import resource
 import signal
 import socket
@@ -73,6 +76,10 @@ class Phase:
     errors: list[str] = field(default_factory=list)
     attack: collections.Counter = field(default_factory=collections.Counter)
     rss_mb: float = 0.0
+    seconds: float = 0.0
+    server_cpu_s: float = 0.0  # the server process's CPU (user + system) during the phase
+    client_cpu_s: float = 0.0  # this process's: the normal clients and the attack
+    load: float = 0.0  # the machine's 1-minute load average at the phase's end
 
     def summary(self, quiet_p95: float | None) -> dict:
         lat = sorted(self.latencies)
@@ -82,6 +89,9 @@ class Phase:
                "p50_ms": round(p50 * 1000, 1), "p95_ms": round(p95 * 1000, 1),
                "p95_vs_quiet": round(p95 / quiet_p95, 2) if quiet_p95 else 1.0,
                "attack": dict(self.attack), "server_rss_mb": round(self.rss_mb, 1),
+               "server_cores": round(self.server_cpu_s / self.seconds, 2) if self.seconds else 0.0,
+               "client_cores": round(self.client_cpu_s / self.seconds, 2) if self.seconds else 0.0,
+               "load_average": round(self.load, 1),
                "error_samples": self.errors[:3]}
         out["pass"] = out["errors"] == 0 and out["p95_vs_quiet"] <= 2.0
         return out
@@ -167,6 +177,7 @@ async def _phase(args, name: str, proc, base: str) -> Phase:
     phase = Phase(name)
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + args.phase_s
+    t0, server0, client0 = time.perf_counter(), _cpu_s(proc.pid), _own_cpu_s()
     attack = None
     if name != "quiet":
         attack = asyncio.create_task(ATTACK_FNS[name](args, base, stop_at, phase.attack))
@@ -179,6 +190,9 @@ async def _phase(args, name: str, proc, base: str) -> Phase:
         with contextlib.suppress(asyncio.CancelledError):
             await attack
     phase.rss_mb = _rss_mb(proc.pid)
+    phase.seconds = time.perf_counter() - t0
+    phase.server_cpu_s, phase.client_cpu_s = _cpu_s(proc.pid) - server0, _own_cpu_s() - client0
+    phase.load = os.getloadavg()[0]
     return phase
 
 
@@ -351,12 +365,28 @@ ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar,
 def _print(row: dict, header: bool = False) -> None:
     if header:
         print(f"{'phase':<11} {'normal':>6} {'errors':>6} {'p50 ms':>8} {'p95 ms':>8} {'p95/quiet':>9} "
-              f"{'rss MB':>7}  attack replies", flush=True)
+              f"{'rss MB':>7} {'server':>6} {'client':>6} {'load':>5}  attack replies", flush=True)
     attack = ", ".join(f"{k}: {v}" for k, v in sorted(row["attack"].items()))
     print(f"{row['phase']:<11} {row['normal_requests']:>6} {row['errors']:>6} {row['p50_ms']:>8.1f} "
-          f"{row['p95_ms']:>8.1f} {row['p95_vs_quiet']:>9.2f} {row['server_rss_mb']:>7.1f}  {attack}", flush=True)
+          f"{row['p95_ms']:>8.1f} {row['p95_vs_quiet']:>9.2f} {row['server_rss_mb']:>7.1f} "
+          f"{row['server_cores']:>6.2f} {row['client_cores']:>6.2f} {row['load_average']:>5.1f}  {attack}", flush=True)
     for e in row["error_samples"]:
         print(f"{'':<10} error: {e}", flush=True)
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, its threads included)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _rss_mb(pid: int) -> float:

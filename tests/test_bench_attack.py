@@ -21,5 +21,6 @@ def test_bench_attack_prints_each_phase_against_the_quiet_baseline(tmp_path):
     assert all(r["normal_requests"] > 0 for r in summary["phases"])
     grammar = summary["phases"][2]
     assert grammar["attack"].get("400", 0) > 0 and "200" not in grammar["attack"]  # every bomb refused
+    assert all(r["server_cores"] > 0 and r["load_average"] >= 0 for r in summary["phases"])  # CPU per phase
     assert json.loads((tmp_path / "attack.json").read_text())["phases"] == summary["phases"]
     assert "p95/quiet" in p.stdout

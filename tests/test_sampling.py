@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from engine.llama import greedy
+from engine.core.errors import InvalidRequest
+from engine.llama import grammar, greedy, runner, sampling
 from engine.llama import holding_gil
 from engine.core.request import Request, RequestStatus, SamplingParams
 
@@ -238,6 +239,67 @@ def test_a_grammar_no_token_can_continue_fails_only_its_request(make_backend, ti
     assert "grammar allows no token" in dead.error
     after = b.enqueue(Request((5, 9, 11), SamplingParams(temperature=0, max_tokens=4))).result(WAIT)
     assert after.output_tokens == 4
+
+
+# Lets every token but NUL through (as a JSON string's content lets almost all), never ends.
+OPEN_GRAMMAR = 'root ::= [^\\x00] root'
+# Lets few through: a refused argmax is the rule, and a search goes past its first stage.
+NARROW_GRAMMAR = 'root ::= ("zq" | "xv" | "wk" | [0-9]) root'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_reply_is_the_same_when_its_searches_stop_at_every_chunk(make_backend, tiny_model, monkeypatch,
+                                                                          temperature):
+    """With no share of the step to spend, a grammar search checks one chunk a step and goes on
+    at the next (its input decoded again): the reply is the one whole searches give."""
+    sp = SamplingParams(temperature=temperature, seed=7, max_tokens=12, grammar=NARROW_GRAMMAR)
+    b = make_backend(tiny_model, cap=2, cache=False)
+    monkeypatch.setattr(runner, "GRAMMAR_FLOOR_S", 3600.0)  # a whole search every step
+    whole = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
+    assert b.grammar_deferrals == 0
+    monkeypatch.setattr(runner, "GRAMMAR_SHARE", 0.0)
+    monkeypatch.setattr(runner, "GRAMMAR_FLOOR_S", 0.0)
+    split = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
+    assert b.grammar_deferrals > 0
+    assert split.output_tokens == whole.output_tokens == 12
+    assert split.text == whole.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_search_that_stops_early_takes_the_token_a_full_pass_takes(make_backend, tiny_model, temperature):
+    """Greedy stops at the first allowed token by rank, top-k at k allowed ones; a chain with a
+    (zero) logit bias checks every token. The tokens are the same."""
+    sp = SamplingParams(temperature=temperature, seed=3, top_k=40, max_tokens=16, grammar=OPEN_GRAMMAR)
+    b = make_backend(tiny_model, cap=1, cache=False)
+    early = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
+    checked = b.grammar_checks
+    full = b.enqueue(Request((5, 9, 11), dataclasses.replace(sp, logit_bias=((7, 0.0),)))).result(WAIT)
+    assert b.grammar_checks - checked >= 16 * tiny_model.n_vocab  # every token, every step
+    assert early.output_tokens == full.output_tokens == 16
+    assert early.text == full.text
+
+
+def test_a_sampled_grammar_token_inside_an_open_grammar_checks_one_stage(make_backend, tiny_model):
+    """Where the grammar lets most tokens through (a JSON string's content), a temperature
+    chain's search ends with its first stage: 64 candidates a token, not the vocabulary."""
+    sp = SamplingParams(temperature=1.0, seed=5, top_k=40, max_tokens=16, grammar=OPEN_GRAMMAR)
+    b = make_backend(tiny_model, cap=1, cache=False)
+    r = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
+    assert r.output_tokens == 16
+    assert 0 < b.grammar_checks <= 16 * sampling.STAGES[0] < 16 * tiny_model.n_vocab
+
+
+def test_a_grammar_check_stops_at_its_cpu_budget(default_model, monkeypatch):
+    """A grammar's check over the vocabulary (the pass a reply may pay at every token) is
+    refused as soon as it has spent `MAX_PASS_MS` of CPU, before it has gone through the
+    vocabulary: a costly grammar costs its sender's check no more than the budget."""
+    monkeypatch.setattr(grammar, "MAX_PASS_MS", 0.001)
+    # 256 alternatives sharing a long prefix: every "e" token matches every stack deeply
+    text = "root ::= (" + " | ".join(f'"{"e" * 20}{i:03d}"' for i in range(256)) + ") root"
+    with pytest.raises(InvalidRequest, match="MAX_PASS_MS") as refused:
+        default_model.check_grammar(text)
+    done = int(re.search(r"by (\d+)% of it", refused.value.message).group(1))
+    assert done < 100  # stopped inside the pass
 
 
 def test_a_reused_logprobs_chain_gives_this_requests_number_of_alternatives(make_backend, tiny_model):

@@ -552,6 +552,17 @@ class Backend(BackendBase):
         return self._context().eog_redos
 
     @property
+    def grammar_deferrals(self) -> int:
+        """Grammar searches that ran past their share of a step and went on at the next
+        (engine/llama/runner.py, `GRAMMAR_SHARE`)."""
+        return self._context().grammar_deferrals
+
+    @property
+    def grammar_checks(self) -> int:
+        """Candidate tokens grammar chains checked, counted as their requests end."""
+        return self._context().samplers.grammar_checks
+
+    @property
     def sampler_attaches(self) -> int:
         """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
         return self._context().samplers.attaches

@@ -58,6 +58,7 @@ MAX_ALTERNATIVES = 256  # `|` in the whole grammar: 1,000 cost 3.9 s a full pass
 MAX_STATES = 32768  # grammar elements (literal characters, classes, references), repetitions expanded
 MAX_ENUM = 128  # values of one `enum` in a schema (256 cost 70 ms of CPU a full pass)
 MAX_PASS_MS = 100  # CPU ms one full pass of the grammar over the vocabulary may take, measured at its start
+_PASS_CHUNK = 2048  # candidates between two looks at that pass's CPU time
 _PAIRS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"),
           ("minimum", "maximum"), ("minContains", "maxContains"))
 _LOOSE_CHAR = 'char ::= [^"\\\\] |'
@@ -310,24 +311,31 @@ def _compile(vocab, grammar: str, param: str, n_vocab: int) -> None:
         raise InvalidRequest(f"{param}: llama.cpp cannot parse this grammar (GBNF)", param=param)
     try:
         if n_vocab > 0:
-            t0 = time.thread_time()
-            allowed = _any_token(ptr, n_vocab)
-            ms = (time.thread_time() - t0) * 1000
+            allowed = _first_pass(ptr, n_vocab, MAX_PASS_MS / 1000, param)
             if not allowed:
                 raise InvalidRequest(f"{param}: no token of this model's vocabulary can start a reply under this "
                                      f"grammar: no text satisfies it", param=param)
-            if ms > MAX_PASS_MS:
-                raise InvalidRequest(f"{param}: checking this grammar against the model's vocabulary took {ms:.0f} ms "
-                                     f"of CPU, which a reply may pay at every token; this server allows "
-                                     f"{MAX_PASS_MS} ms (MAX_PASS_MS): use fewer alternatives", param=param)
     finally:
         lc.llama_sampler_free(ptr)
 
 
-def _any_token(sampler, n_vocab: int) -> bool:
-    """Whether the grammar sampler leaves any token (an end token counts) at its start."""
+def _first_pass(sampler, n_vocab: int, budget_s: float, param: str) -> bool:
+    """Whether the grammar sampler leaves any token (an end token counts) at its start, from
+    one pass over the vocabulary in chunks; refused (`InvalidRequest`) as soon as the pass has
+    taken more than `budget_s` of this thread's CPU, so a costly grammar costs its check no
+    more than that."""
     cur = np.zeros(n_vocab, np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)]))
     cur["id"] = np.arange(n_vocab, dtype=np.int32)
-    arr = lc.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), n_vocab, -1, False)
-    lc.llama_sampler_apply(sampler, ctypes.byref(arr))
+    t0 = time.thread_time()
+    for start in range(0, n_vocab, _PASS_CHUNK):
+        k = min(_PASS_CHUNK, n_vocab - start)
+        data = ctypes.cast(cur.ctypes.data + start * cur.itemsize, ctypes.POINTER(lc.llama_token_data))
+        lc.llama_sampler_apply(sampler, ctypes.byref(lc.llama_token_data_array(data, k, -1, False)))
+        spent = time.thread_time() - t0
+        if spent > budget_s:
+            done = (start + k) / n_vocab
+            raise InvalidRequest(f"{param}: checking this grammar against the model's vocabulary took more than "
+                                 f"{budget_s * 1000:.0f} ms of CPU by {done:.0%} of it, which a reply may pay at "
+                                 f"every token; this server allows {MAX_PASS_MS} ms (MAX_PASS_MS): use fewer "
+                                 f"alternatives", param=param)
     return bool(np.isfinite(cur["logit"]).any())

@@ -46,12 +46,17 @@ from engine.sched.scheduler import KvOp, Plan, SeqState
 from . import fused_dist, lc
 from .batch import Batch
 from .model import Model
-from .sampling import DEAD_END, SamplerSlots
+from .sampling import DEAD_END, PENDING, SamplerSlots
 
 # From this many decode rows on, their tokens are read in one go (`llama.sampled_tokens_after_sync`):
 # one by one cost 0.4 us a row, at once 1.2 us for any number (128 rows: 51 vs 1.3 us a step;
 # 2-core dev machine).
 BULK_READ_FROM = 3
+# A step's grammar searches (host sampling of constrained sequences, engine/llama/sampling.py)
+# stop at this share of the step's decode time, or at the floor, whichever is longer; a search
+# not done by then goes on at the next step, its sequence's input decoded again.
+GRAMMAR_SHARE = 0.25
+GRAMMAR_FLOOR_S = 0.0005
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -108,6 +113,7 @@ class ContextRunner:
                                      idle_s=c.idle_sampler_s, fused=c.fused_greedy, n_ids=c.n_seq_max,
                                      fused_dist_from=c.fused_dist_from, vocab=model.vocab)
         self.eog_redos = 0  # end tokens a guarding chain sampled and the runner took back
+        self.grammar_deferrals = 0  # grammar searches that went on at the next step (GRAMMAR_SHARE)
         # Sequences whose grammar allowed no token this step (sampled as None): the backend
         # fails them after the step.
         self.dead_ends: list[SeqState] = []
@@ -193,13 +199,17 @@ class ContextRunner:
         sampled: list[int | None] = []
         append = sampled.append
         lps = None
+        deadline = self._t_end + max(GRAMMAR_FLOOR_S, GRAMMAR_SHARE * dt)
         for row, s in enumerate(decode):
             smp = s.sampler
             tok = (read(ctx, row) if device is None else device[row]) if smp.direct else null
             if tok == null:
-                tok = smp.sample(ctx, row)
+                tok = smp.sample(ctx, row, deadline)
                 if tok == DEAD_END:
                     self.dead_ends.append(s)
+                    tok = None
+                elif tok == PENDING:  # its grammar search goes on next step
+                    self.grammar_deferrals += 1
                     tok = None
                 elif s.sp.logprobs is not None:  # its chain is a host one (`Sampler.host`)
                     lps = lps or {}
@@ -213,9 +223,12 @@ class ContextRunner:
                 self._prompt_logprobs(s, start, k)
             if logits:
                 smp = s.sampler
-                tok = smp.sample(ctx, s.row)
+                tok = smp.sample(ctx, s.row, deadline)
                 if tok == DEAD_END:
                     self.dead_ends.append(s)
+                    tok = None
+                elif tok == PENDING:
+                    self.grammar_deferrals += 1
                     tok = None
                 else:
                     if s.sp.logprobs is not None:

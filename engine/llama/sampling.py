@@ -27,10 +27,22 @@ is complete only end tokens are left, so the sequence ends there). The grammar s
 device implementation, so such a chain is never attached: that sequence samples on the host
 from its logits row (per-sequence fallback), and every other sequence keeps its device chain
 and `fused_greedy`. Checking the whole vocabulary against a grammar costs 8–80 ms a token on
-SmolLM2's 49k tokens (a loaded two-core machine), so a greedy grammar chain first checks only
-the row's argmax (llama.cpp's common sampler does the same): when the grammar allows it, it is
-the token the whole chain would choose; only a refused one costs the full pass. The full pass
-is made here, not by `llama_sampler_sample`, so that a grammar that allows no token at all
+SmolLM2's 49k tokens (a loaded two-core machine), and up to a second for a grammar with a few
+hundred live alternatives: that work sits between two steps of every sequence of the backend.
+So a grammar chain's token is searched for (`_Search`), not found by one full pass:
+
+- a greedy chain first checks only the row's argmax (llama.cpp's common sampler does the same);
+- then candidates go to the grammar by logit rank, in stages (`STAGES`: the 64 likeliest, the
+  next ones up to 1,024, the rest); when a stage ends with as many allowed tokens as the chain
+  can keep (1 for greedy, `top_k` for a temperature chain with nothing between the grammar and
+  its top-k), later stages cannot change the choice and are skipped. The rest of the chain then
+  runs over the allowed tokens: the same token the grammar-first chain takes over the whole
+  vocabulary, but inside a JSON string (every token allowed) 64 checks instead of 49k;
+- the search stops at the step's `deadline` (a share of the step, set by the runner) and
+  returns `PENDING`: the backend takes the sequence's input back and decodes it again next step
+  (its first logits are kept), so the others' steps go on and the cost stays with the grammar.
+
+The search is made here, not by `llama_sampler_sample`, so that a grammar that allows no token at all
 (one asking for a character no token of the vocabulary spells, e.g. NUL) is seen: llama.cpp
 would accept the token anyway and abort the process. Such a row samples `DEAD_END`, and the
 backend fails that request alone.
@@ -49,6 +61,12 @@ from . import fused_dist, lc
 from .greedy import fused_greedy
 
 DEAD_END = -1  # `Sampler.sample` of a grammar chain whose grammar allows no token
+PENDING = -2  # `Sampler.sample` of a grammar chain whose search ran past its deadline: ask again next step
+# Candidates a grammar search checks first, by logit rank: the 64 likeliest, then up to the
+# 1,024 likeliest, then all.
+STAGES = (64, 1024)
+_MIN_CHUNK = 32  # candidates checked between two looks at the deadline, at least
+_MAX_CHUNK = 512  # and at most
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
@@ -61,7 +79,8 @@ class Sampler:
     """
 
     __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "host", "_stateless", "_bias",
-                 "_user_bias", "_ctx", "_seq", "_grammar", "_one", "_n_vocab", "_cur")
+                 "_user_bias", "_ctx", "_seq", "_grammar", "_one", "_n_vocab", "_cur", "_need", "_search",
+                 "_per_candidate", "checked", "deferred")
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
@@ -91,13 +110,24 @@ class Sampler:
         if grammar is not None:
             add(grammar)
         penalty = _penalty(params)
-        # Greedy with nothing between the grammar and the argmax: the argmax, if the grammar
-        # allows it, is the chain's own choice (`_allowed_argmax`).
-        plain_greedy = params.greedy and penalty is None and not params.logit_bias
-        self._grammar = grammar if plain_greedy else None
-        self._one = (lc.llama_token_data * 1)() if self._grammar is not None else None
+        self._grammar = grammar
         self._n_vocab = n_vocab
-        self._cur = np.zeros(n_vocab, _TOKEN_DATA) if grammar is not None else None  # the full pass's candidates
+        # Allowed tokens a search needs before later stages cannot change the choice: with
+        # nothing between the grammar and the argmax (greedy) or the top-k, those keep only the
+        # likeliest; a bias or a penalty reorders the candidates, so then all of them.
+        untouched = penalty is None and not params.logit_bias and not params.ignore_eos
+        if untouched and params.greedy:
+            self._need = 1
+        elif untouched and 0 < params.top_k < n_vocab:
+            self._need = params.top_k
+        else:
+            self._need = n_vocab
+        self._one = (lc.llama_token_data * 1)() if grammar is not None else None
+        self._cur = np.zeros(n_vocab, _TOKEN_DATA) if grammar is not None else None  # a search's candidates
+        self._search: _Search | None = None
+        self._per_candidate = 0.0  # seconds one candidate's grammar check took, recently
+        self.checked = 0  # candidates checked against the grammar (all tokens)
+        self.deferred = 0  # searches that ran past their step's deadline
         self.dist = (fused_dist.fused_dist(params, n_vocab, eog_tokens)
                      if fused and dist and fused_dist.supports(params) else None)
         # fused_greedy takes its argmax over the step's raw logits: a bias, a penalty or a
@@ -147,38 +177,97 @@ class Sampler:
     def on_device(self) -> bool:
         return self._ctx is not None
 
-    def sample(self, ctx, row: int) -> int:
+    def sample(self, ctx, row: int, deadline: float | None = None) -> int:
         """The token chosen for output row `row` of the last decode (the caller synchronised
-        the context after it); the chain accepts it."""
+        the context after it); the chain accepts it. A grammar chain may instead return
+        `DEAD_END`, or `PENDING` once `perf_counter()` passes `deadline` (the caller decodes
+        the same input again and asks again: the search goes on over the first logits)."""
         if self._ctx is not None:
             tok = llama.sampled_token_after_sync(ctx, row)  # both keep the GIL (engine/llama/__init__.py, holding_gil)
             if tok != lc.LLAMA_TOKEN_NULL:
                 if not self._stateless:
                     llama.sampler_accept(self.ptr, tok)
                 return tok
-        if self._cur is not None:  # a grammar chain
-            return self._constrained(self._cur, ctx, row)
+        if self._grammar is not None:
+            return self._constrained(ctx, row, deadline)
         return lc.llama_sampler_sample(self.ptr, ctx, row)
 
-    def _constrained(self, cur: np.ndarray, ctx, row: int) -> int:
-        """A grammar chain's token (accepted), or `DEAD_END`: what `llama_sampler_sample`
-        does (candidates from the row's logits, the chain, accept), but never accepting a
-        token the grammar refused."""
-        ptr = lc.llama_get_logits_ith(ctx, row)
-        if not ptr:
-            raise RuntimeError(f"llama.cpp has no logits for output row {row}")
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-        if self._grammar is not None:
-            tok = self._allowed_argmax(logits)
-            if tok is not None:
-                llama.sampler_accept(self.ptr, tok)
-                return tok
-        cur["id"] = np.arange(self._n_vocab, dtype=np.int32)  # the chain reorders them in place
-        cur["logit"] = logits
+    def _constrained(self, ctx, row: int, deadline: float | None) -> int:
+        """A grammar chain's token (accepted), `DEAD_END` or `PENDING`: what
+        `llama_sampler_sample` does (candidates from the row's logits, the chain, accept), but
+        searched for by stages (module doc), never accepting a token the grammar refused."""
+        search = self._search
+        if search is None:
+            ptr = lc.llama_get_logits_ith(ctx, row)
+            if not ptr:
+                raise RuntimeError(f"llama.cpp has no logits for output row {row}")
+            logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+            if self._need == 1:
+                tok = self._allowed_argmax(logits)
+                if tok is not None:
+                    llama.sampler_accept(self.ptr, tok)
+                    return tok
+            search = self._search = _Search(logits.copy(), self._need)
+        first = True  # each call checks one chunk at least, whatever the deadline
+        last = STAGES[0] // 2  # the last chunk's size
+        while not search.done:
+            todo = search.todo()
+            if deadline is None:
+                k = len(todo)
+            else:
+                left = deadline - time.perf_counter()
+                if left <= 0 and not first:
+                    self.deferred += 1
+                    return PENDING
+                # A candidate's check costs from nothing (its first character fits no stack) to
+                # the grammar's whole width (50 us here, 256 alternatives): chunks grow at most
+                # twofold up to `_MAX_CHUNK`, the estimate rises at once and falls slowly, and
+                # the last stage goes in a shuffled order, so that a chunk costs about its
+                # share of the whole.
+                k = int(left / self._per_candidate) if self._per_candidate > 0 and left > 0 else 0
+                k = min(max(k, _MIN_CHUNK), 2 * last, _MAX_CHUNK, len(todo))
+            first = False
+            t0 = time.perf_counter()
+            search.took(todo[:k], self._check(todo[:k]))
+            if k:
+                last = k
+                self._per_candidate = max((time.perf_counter() - t0) / k, 0.9 * self._per_candidate)
+        self._search = None
+        return self._choose(search)
+
+    def _candidates(self, k: int) -> np.ndarray:
+        """The first `k` entries of this grammar chain's candidate buffer."""
+        if self._cur is None:
+            raise RuntimeError("this chain has no grammar to search with")
+        return self._cur[:k]
+
+    def _check(self, ids: np.ndarray) -> np.ndarray:
+        """Which of `ids` the grammar allows next (a bool per id)."""
+        k = len(ids)
+        if not k:
+            return np.zeros(0, bool)
+        cur = self._candidates(k)
+        cur["id"] = ids
+        cur["logit"] = 0.0
+        arr = lc.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), k, -1, False)
+        lc.llama_sampler_apply(self._grammar, ctypes.byref(arr))  # sets refused ones to -inf, in place
+        self.checked += k
+        return cur["logit"] != float("-inf")
+
+    def _choose(self, search: "_Search") -> int:
+        """The rest of the chain (after the grammar) over the tokens `search` found allowed,
+        likeliest first; the token, accepted, or `DEAD_END` when there is none."""
+        ids = search.allowed()
+        k = len(ids)
+        if not k:
+            return DEAD_END
+        cur = self._candidates(k)
+        cur["id"] = ids
+        cur["logit"] = search.logits[ids]
         cur["p"] = 0.0
-        data = cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data))
-        arr = lc.llama_token_data_array(data, self._n_vocab, -1, False)
-        lc.llama_sampler_apply(self.ptr, ctypes.byref(arr))
+        arr = lc.llama_token_data_array(cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), k, -1, False)
+        for i in range(1, lc.llama_sampler_chain_n(self.ptr)):  # 0 is the grammar: done
+            lc.llama_sampler_apply(lc.llama_sampler_chain_get(self.ptr, i), ctypes.byref(arr))
         if not 0 <= arr.selected < arr.size or arr.data[arr.selected].logit == float("-inf"):
             return DEAD_END
         tok = int(arr.data[arr.selected].id)
@@ -197,7 +286,9 @@ class Sampler:
         return tok if one[0].logit != float("-inf") else None
 
     def reset(self) -> None:
-        """Forget the previous request: penalty history, and a fresh draw of an unset seed."""
+        """Forget the previous request: penalty history, a search under way, and a fresh draw
+        of an unset seed."""
+        self._search = None
         lc.llama_sampler_reset(self.ptr)
 
     def accept(self, tokens) -> None:
@@ -216,6 +307,79 @@ class Sampler:
             lc.llama_sampler_free(self.ptr)  # the grammar with it: the chain owns its samplers
             self.ptr = None
             self._grammar = None
+
+
+class _Search:
+    """One grammar token's search, possibly over several steps: the logits it ranks by (a
+    copy: the row is gone after the step), the stage it is in and the allowed tokens so far."""
+
+    __slots__ = ("logits", "need", "done", "_stages", "_todo", "_pos", "_found", "_seen")
+
+    def __init__(self, logits: np.ndarray, need: int):
+        self.logits = logits
+        self.need = need
+        n = len(logits)
+        # rank bounds of each stage; a chain that needs every allowed token takes one stage
+        self._stages = [k for k in STAGES if k < n and need < k] + [n]
+        self._todo: np.ndarray | None = None
+        self._pos = 0
+        self._found: list[np.ndarray] = []
+        self._seen: np.ndarray | None = None  # ids of the stages before this one
+        self.done = False
+
+    def todo(self) -> np.ndarray:
+        """The current stage's ids not yet checked."""
+        return self._stage()[self._pos:]
+
+    def took(self, ids: np.ndarray, allowed: np.ndarray) -> None:
+        """The grammar's answer for the first `len(ids)` of `todo()`."""
+        self._found.append(ids[allowed])
+        self._pos += len(ids)
+        if self._pos >= len(self._stage()):
+            found = sum(len(f) for f in self._found)
+            if found >= self.need or not self._stages:
+                self.done = True
+            else:
+                self._todo = None
+
+    def allowed(self) -> np.ndarray:
+        """The allowed ids, likeliest first (ties: the lower id first, as llama.cpp's greedy),
+        at most `need` of them."""
+        ids = np.concatenate(self._found) if self._found else np.zeros(0, np.int32)
+        order = np.lexsort((ids, -self.logits[ids]))
+        return ids[order[:self.need]]
+
+    def _stage(self) -> np.ndarray:
+        if self._todo is None:
+            self._next_stage()
+        assert self._todo is not None  # set by _next_stage
+        return self._todo
+
+    def _next_stage(self) -> None:
+        bound = self._stages.pop(0)
+        n = len(self.logits)
+        if bound >= n:
+            ids = _shuffled(n)
+        else:
+            ids = np.argpartition(-self.logits, bound - 1)[:bound].astype(np.int32)
+        if self._seen is not None:
+            ids = ids[~np.isin(ids, self._seen, assume_unique=True)]
+            seen = np.concatenate((self._seen, ids))
+        else:
+            seen = ids
+        self._seen = seen if self._stages else None
+        self._todo, self._pos = ids, 0
+
+
+_SHUFFLED: dict[int, np.ndarray] = {}
+
+
+def _shuffled(n: int) -> np.ndarray:
+    """The ids 0..n-1 in a fixed shuffled order (made once per vocabulary size)."""
+    ids = _SHUFFLED.get(n)
+    if ids is None:
+        ids = _SHUFFLED[n] = np.random.default_rng(0).permutation(n).astype(np.int32)
+    return ids
 
 
 def _penalty(params: SamplingParams) -> tuple | None:
@@ -275,6 +439,7 @@ class SamplerSlots:
         self._fused_ids: set[int] = set()
         self.fused_dist_from = fused_dist_from
         self._temperature_ids: set[int] = set()  # ids whose running request samples at a temperature
+        self.grammar_checks = 0  # candidates grammar chains checked, counted as their requests end
 
     @property
     def fused_busy(self) -> bool:
@@ -367,6 +532,9 @@ class SamplerSlots:
         self._temperature_ids.discard(seq_id)
         if seq_id in self._slots:
             self._idle_since[seq_id] = time.monotonic()
+            chain = self._slots[seq_id]
+            self.grammar_checks += chain.checked
+            chain.checked = 0
 
     def expires_in(self, now: float) -> float | None:
         """Seconds until the oldest idle chain is due for `trim`; None when none is idle."""
