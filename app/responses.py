@@ -40,6 +40,7 @@ from engine.core.handle import RequestHandle
 from engine.core.request import MAX_TOKENS, FinishRecord
 from engine.prompts.structured import ToolCall, parse_reply
 
+from .errors import error_payload, failure, succeeded
 from .http_guard import read_body
 from .openai_schema import (
     MAX_TOOLS,
@@ -52,7 +53,8 @@ from .openai_schema import (
     quote,
     validate,
 )
-from .server import ENGINE, SETTINGS, _failure, _succeeded, cut_response, error_payload
+from .reply_text import cut_response
+from .settings import ENGINE, SETTINGS
 
 MAX_STORED = 1000  # responses kept for `previous_response_id` / GET, the oldest dropped first
 MAX_STORED_CHARS = 64 << 20  # and at most this much of their text
@@ -446,7 +448,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             return await _stream(request, shape, store)
         async for _ in handle.astream():
             pass
-        record = _succeeded(handle.result(0))
+        record = succeeded(handle.result(0))
         response = shape.finished(record)
         if call.body.store is not False:
             store.put(Stored(response, shape.history(record)))
@@ -476,7 +478,7 @@ async def _stream(request: web.Request, shape: ResponseShape, store: ResponseSto
         first: str | None = await deltas.__anext__()
     except StopAsyncIteration:
         first = None
-        _succeeded(handle.result(0))  # failed before any text: still time for a JSON error
+        succeeded(handle.result(0))  # failed before any text: still time for a JSON error
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **shape.headers})
     await response.prepare(request)
@@ -498,7 +500,7 @@ async def _stream(request: web.Request, shape: ResponseShape, store: ResponseSto
                 pass
         record = handle.result(0)
         if record.error:
-            status, payload = error_payload(_failure(record))
+            status, payload = error_payload(failure(record))
             error = payload["error"]
             await _send(response, shape.event("error", code=error["code"] or error["type"], message=error["message"],
                                               param=error["param"]))

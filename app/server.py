@@ -12,7 +12,7 @@ Routes:
     GET  /openapi.json     the API's OpenAPI document
 
 Handlers are thin: parse the body (`app.openai_schema`), submit to the engine, shape the reply.
-Every error leaves through one function, `error_response()`, which maps an `EngineError`'s
+Every error leaves through one function, `error_response()` (app/errors.py), which maps an `EngineError`'s
 `kind` to a status and OpenAI's `{"error": {message, type, param, code}}` (llama.cpp server's
 `format_error_response` table), its message cut to `MESSAGE_CHARS`. With an API key, `/v1/*`
 (completions, models, routing, backend restarts), `/tokenize`, `/detokenize` and `/openapi.json` need
@@ -50,21 +50,21 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-from pydantic_core import from_json
 
 from engine.engine import Engine
-from engine.core.errors import BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
+from engine.core.errors import ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
 from engine.core.handle import RequestHandle
 from engine.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.core.metrics import EngineMetrics
-from engine.core.request import FinishRecord, RequestStatus
+from engine.core.request import FinishRecord
 from engine.prompts.structured import ToolCall, parse_reply
 from engine.routing import DEFAULT_POLICY
 
+from . import responses
+from .errors import error_payload, error_response, failure, succeeded
 from .http_guard import (
     CONNECTIONS,
     GUARD,
@@ -88,6 +88,8 @@ from .openai_schema import (
     parse_completion,
     tokenize,
 )
+from .reply_text import cut_response
+from .settings import ENGINE, METRICS, SETTINGS, ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +103,6 @@ SHUTDOWN_TIMEOUT_S = 5.0  # on shutdown, open streams get this long before they 
 RUN_TOKEN = secrets.token_hex(6)  # this server process's part of every response id
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    api_key: str | None
-    served: ServedModel
-    openapi: dict
-    started: int  # unix time, the models' `created` where no file dates them
-    fingerprint: str  # `system_fingerprint`: the model and the backends' configuration
-    created: int  # the local model's `created`: its file's modification time
-
-ENGINE = web.AppKey("engine", Engine)
-METRICS = web.AppKey("metrics", EngineMetrics)
-SETTINGS = web.AppKey("settings", ServerSettings)
 
 
 def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | None = None,
@@ -156,8 +146,6 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
         web.get("/metrics", metrics_text),
         web.get("/openapi.json", openapi),
     ])
-    from . import responses  # it builds on this module's helpers
-
     app[responses.RESPONSES] = responses.ResponseStore()
     app.add_routes(responses.ROUTES)
     responses.document(app[SETTINGS].openapi, auth=bool(api_key))
@@ -295,49 +283,6 @@ async def _serve_until_signalled(app: web.Application, host: str, port: int, acc
 
 # ---- errors ----
 
-# kind → (HTTP status, OpenAI `type`, OpenAI `code`); llama.cpp server's table, plus ours.
-_ERRORS: dict[str, tuple[int, str, str | None]] = {
-    "invalid_request_error": (400, "invalid_request_error", None),
-    "exceed_context_size_error": (400, "invalid_request_error", "context_length_exceeded"),
-    "not_found_error": (404, "invalid_request_error", "model_not_found"),
-    "authentication_error": (401, "invalid_request_error", "invalid_api_key"),
-    "queue_full_error": (429, "rate_limit_error", "queue_full"),
-    "conflict_error": (409, "invalid_request_error", "restart_in_progress"),
-    "forbidden_error": (403, "invalid_request_error", "forbidden"),
-    "request_timeout_error": (408, "invalid_request_error", "request_timeout"),
-    "payload_too_large_error": (413, "invalid_request_error", "payload_too_large"),
-    "unsupported_media_type_error": (415, "invalid_request_error", "unsupported_media_type"),
-    "unavailable_error": (503, "unavailable_error", None),
-    "model_load_error": (500, "server_error", None),
-    "server_error": (500, "server_error", None),
-}
-RETRY_AFTER_S = 1
-
-
-def error_payload(exc: EngineError) -> tuple[int, dict]:
-    """The one place an error becomes a status and OpenAI's error object."""
-    status, type_, code = _ERRORS.get(exc.kind, _ERRORS["server_error"])
-    message = exc.message if len(exc.message) <= MESSAGE_CHARS else exc.message[:MESSAGE_CHARS] + "…"
-    error = {"message": message, "type": type_, "param": exc.param, "code": getattr(exc, "code", None) or code}
-    if isinstance(exc, ContextLengthExceeded):
-        error["n_prompt_tokens"] = exc.n_prompt_tokens
-        error["n_ctx"] = exc.n_ctx
-    return status, {"error": error}
-
-
-def error_response(exc: EngineError) -> web.Response:
-    status, payload = error_payload(exc)
-    headers = {}
-    if status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
-    elif status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    response = web.json_response(payload, status=status, headers=headers)
-    if getattr(exc, "close_connection", False):
-        response.force_close()
-    return response
-
-
 def _http_error_response(exc: web.HTTPException, request: web.Request) -> web.Response:
     """aiohttp's own errors (unknown route, wrong method, body too large) in OpenAI's shape; an
     unknown endpoint's names the path and lists the ones served."""
@@ -457,7 +402,7 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
         for h in handles:
             async for _ in h.astream():
                 pass
-        records = [_succeeded(h.result(0)) for h in handles]
+        records = [succeeded(h.result(0)) for h in handles]
         return web.json_response(reply.whole(records), headers=reply.headers)
     finally:
         for h in handles:
@@ -479,7 +424,7 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
     try:
         item = await q.get()
         if item[1] is None:
-            _succeeded(handles[item[0]].result(0))  # failed before any text: still time for a JSON error
+            succeeded(handles[item[0]].result(0))  # failed before any text: still time for a JSON error
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
@@ -499,7 +444,7 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
                 else:
                     record = records[i] = handles[i].result(0)
                     if record.error:
-                        await _send(response, error_payload(_failure(record))[1])
+                        await _send(response, error_payload(failure(record))[1])
                         break
                     for chunk in reply.tool_chunks(i, record):
                         await _send(response, chunk)
@@ -522,21 +467,6 @@ async def _send(response: web.StreamResponse, obj: dict) -> None:
     await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
 
-def _succeeded(record: FinishRecord) -> FinishRecord:
-    if record.error:
-        raise _failure(record)
-    return record
-
-
-def _failure(record: FinishRecord) -> EngineError:
-    """A failed record as the error its kind says: a backend that shut down, restarted or
-    failed with nowhere else to go is 503 (retry), a request the model cannot satisfy 400."""
-    message = record.error or f"the request ended {record.status.name}"
-    if record.status == RequestStatus.FINISHED_CANCELLED or record.error_kind == "unavailable_error":
-        return BackendUnavailable(message)
-    if record.error_kind == "invalid_request_error":
-        return InvalidRequest(message)
-    return RequestFailed(message)
 
 
 class Reply:
@@ -699,17 +629,6 @@ class Reply:
         return out
 
 
-def cut_response(text: str) -> str | None:
-    """The text of a generic-format reply cut short: `{"response": "Hel` gives `Hel`; a cut
-    `tool_call` (or anything else) gives None."""
-    try:
-        obj = from_json(text, allow_partial="trailing-strings")
-    except ValueError:
-        return None
-    response = obj.get("response") if isinstance(obj, dict) else None
-    if response is None:
-        return None
-    return response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)
 
 
 def _joined(head: dict, tail: dict) -> dict:

@@ -30,7 +30,6 @@ TTFT of first and of later turns, and per turn index the prompt and cached token
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import random
 import sys
@@ -384,56 +383,6 @@ def summarize(records: list[RequestRecord], spec: ChatSpec) -> list[dict]:
     return rows
 
 
-def markdown(summary: dict) -> str:
-    """results.md for a chat run: one row per target, then each target's turns."""
-    lines = [f"# {summary['tool']}", ""]
-    for w in summary.get("workloads") or []:
-        lines.append(f"Workload: {w['name']} (seed {w['seed']}); {summary['runs']} run(s) per row; "
-                     "mean ± std over runs.")
-    model = summary.get("model") or {}
-    if model.get("name"):
-        lines.append(f"Model: {model['name']} ({model.get('text', '')}).")
-    for t in summary.get("targets") or []:
-        lines.append(f"- {t['label']}: {t['url']}")
-    lines += ["", "| target | makespan s | output tok/s | TTFT p50 first | TTFT p95 first | TTFT p50 later "
-              "| TTFT p95 later | cached share, turns 2+ | failed |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in summary["results"]:
-        later = [t for t in row["turns"][1:] if t["cached_share"] is not None]
-        prompt = sum(t["prompt_tokens"] for t in later)
-        share = f"{sum(t['cached_tokens'] for t in later) / prompt:.1%}" if later and prompt else "-"
-        lines.append(f"| {row['policy']} | {_pm(row['makespan_s'])} | {_pm(row['output_tok_s'], 1)} | "
-                     f"{_pm(row['first_ttft_p50_s'])} | {_pm(row['first_ttft_p95_s'])} | "
-                     f"{_pm(row['later_ttft_p50_s'])} | {_pm(row['later_ttft_p95_s'])} | {share} | {row['failed']} |")
-    for row in summary["results"]:
-        lines += ["", f"## {row['policy']}: per turn (runs pooled)", "",
-                  "| turn | completed | failed | prompt tok | cached tok | cached share | TTFT p50 s | TTFT p95 s |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for t in row["turns"]:
-            share = "-" if t["cached_share"] is None else f"{t['cached_share']:.1%}"
-            lines.append(f"| {t['turn']} | {t['completed']} | {t['failed']} | {t['prompt_tokens']} | "
-                         f"{'-' if t['cached_tokens'] is None else t['cached_tokens']} | {share} | "
-                         f"{_num(t['ttft_p50_s'])} | {_num(t['ttft_p95_s'])} |")
-        for err, n in (row.get("errors") or {}).items():
-            lines.append(f"- {n} x {err}")
-    notes = list(summary.get("notes") or [])
-    if summary.get("plots_skipped"):
-        notes.append(f"plots skipped: {summary['plots_skipped']}")
-    if notes:
-        lines.append("")
-        lines += [f"- {n}" for n in notes]
-    return "\n".join(lines)
-
-
-def _num(x, digits: int = 3) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
-
-
-def _pm(s: dict, digits: int = 3) -> str:
-    if s.get("mean") is None:
-        return "-"
-    return f"{s['mean']:.{digits}f}" + (f" ± {s['std']:.{digits}f}" if s.get("std") else "")
-
-
 # ---- the command ----
 
 
@@ -492,7 +441,7 @@ def run_chat(args) -> int:
         return 130 if interrupted else 1
     summary = bench.summary()
     written = bench_report.write_all(out_dir, summary, bench.records, bench.decisions, plots=not args.no_plots)
-    print(markdown(summary))
+    print(bench_report.chat_markdown(summary))
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     if interrupted:
         return 130
@@ -556,8 +505,6 @@ class ChatBench:
                 eng.close()
 
     async def _start_engine(self):
-        from .study import _engine_info, _model_info
-
         args = self.args
         eng = await asyncio.to_thread(args.load_engine, args)
         try:
@@ -565,8 +512,8 @@ class ChatBench:
         except BaseException:
             eng.close()
             raise
-        self.model_info = _model_info(args.model, eng)
-        self.engine_info = [{"kv_seqs": None, "backends": _engine_info(eng, None)}]
+        self.model_info = bench_report.model_info(args.model, eng)
+        self.engine_info = [{"kv_seqs": None, "backends": bench_report.engine_info(eng, None)}]
         self.notes.append(f"in-process: the engine ({args.policy}) behind Tandem's HTTP server on {base}, the "
                           "client on the same event loop; prefix caches flushed before each run")
         return eng, runner, ChatTarget(base, IN_PROCESS, None, not args.no_ignore_eos)

@@ -14,10 +14,11 @@ import lzma
 import math
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from engine.rates.store import config_key, file_fingerprint
 from engine.sim.benchmark import CSV_FIELDS, RequestRecord
 
 
@@ -107,8 +108,6 @@ def markdown(summary: dict) -> str:
     if summary.get("tool") == "tandem bench fleet":
         return fleet_markdown(summary)
     if summary.get("tool") == "tandem bench chat":
-        from .chat import markdown as chat_markdown
-
         return chat_markdown(summary)
     lines = [f"# {summary['tool']}", ""]
     model = summary.get("model") or {}
@@ -229,6 +228,80 @@ def _pm(s: dict, digits: int = 3) -> str:
     if s["std"]:
         return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
     return f"{s['mean']:.{digits}f}"
+
+
+def chat_markdown(summary: dict) -> str:
+    """results.md for a chat run: one row per target, then each target's turns."""
+    lines = [f"# {summary['tool']}", ""]
+    for w in summary.get("workloads") or []:
+        lines.append(f"Workload: {w['name']} (seed {w['seed']}); {summary['runs']} run(s) per row; "
+                     "mean ± std over runs.")
+    model = summary.get("model") or {}
+    if model.get("name"):
+        lines.append(f"Model: {model['name']} ({model.get('text', '')}).")
+    for t in summary.get("targets") or []:
+        lines.append(f"- {t['label']}: {t['url']}")
+    lines += ["", "| target | makespan s | output tok/s | TTFT p50 first | TTFT p95 first | TTFT p50 later "
+              "| TTFT p95 later | cached share, turns 2+ | failed |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in summary["results"]:
+        later = [t for t in row["turns"][1:] if t["cached_share"] is not None]
+        prompt = sum(t["prompt_tokens"] for t in later)
+        share = f"{sum(t['cached_tokens'] for t in later) / prompt:.1%}" if later and prompt else "-"
+        lines.append(f"| {row['policy']} | {_chat_pm(row['makespan_s'])} | {_chat_pm(row['output_tok_s'], 1)} | "
+                     f"{_chat_pm(row['first_ttft_p50_s'])} | {_chat_pm(row['first_ttft_p95_s'])} | "
+                     f"{_chat_pm(row['later_ttft_p50_s'])} | {_chat_pm(row['later_ttft_p95_s'])} | {share} | {row['failed']} |")
+    for row in summary["results"]:
+        lines += ["", f"## {row['policy']}: per turn (runs pooled)", "",
+                  "| turn | completed | failed | prompt tok | cached tok | cached share | TTFT p50 s | TTFT p95 s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for t in row["turns"]:
+            share = "-" if t["cached_share"] is None else f"{t['cached_share']:.1%}"
+            lines.append(f"| {t['turn']} | {t['completed']} | {t['failed']} | {t['prompt_tokens']} | "
+                         f"{'-' if t['cached_tokens'] is None else t['cached_tokens']} | {share} | "
+                         f"{_chat_num(t['ttft_p50_s'])} | {_chat_num(t['ttft_p95_s'])} |")
+        for err, n in (row.get("errors") or {}).items():
+            lines.append(f"- {n} x {err}")
+    notes = list(summary.get("notes") or [])
+    if summary.get("plots_skipped"):
+        notes.append(f"plots skipped: {summary['plots_skipped']}")
+    if notes:
+        lines.append("")
+        lines += [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def _chat_num(x, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def _chat_pm(s: dict, digits: int = 3) -> str:
+    if s.get("mean") is None:
+        return "-"
+    return f"{s['mean']:.{digits}f}" + (f" ± {s['std']:.{digits}f}" if s.get("std") else "")
+
+
+# ---- what a summary records of the engine ----
+
+
+def engine_info(eng, sweep) -> list[dict]:
+    """Each backend of `eng` as summary.json records it (`sweep`: the backend a sweep varied)."""
+    out = []
+    for b in eng.backends.values():
+        c = b.config
+        out.append({"name": b.name, "device": b.model.device, "cap": c.cap, "n_ctx": b.n_ctx,
+                    "threads": c.threads, "n_seq_max": c.n_seq_max, "n_batch": c.n_batch,
+                    "kv_unified": c.kv_unified, "swept": b.name == sweep,
+                    "config_key": config_key(c, b.model.device) if b.device != "remote" else "",
+                    "rates": asdict(b.rates)})
+    return out
+
+
+def model_info(spec, eng) -> dict:
+    """The engine's local model as summary.json records it (`spec`: as the command named it)."""
+    m = eng.model
+    return {"spec": spec, "name": m.info.name, "path": str(m.path), "fingerprint": file_fingerprint(m.path),
+            "synthetic": m.synthetic, "n_params": m.info.n_params, "n_vocab": m.n_vocab,
+            "text": "noise (synthetic weights)" if m.synthetic else "real model"}
 
 
 # ---- plots ----

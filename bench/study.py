@@ -24,19 +24,18 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 from engine import llama
 from engine.sim.benchmark import RequestRecord, aggregate, oracle, run_metrics
 from engine.rates.measure import calibrate_at_load
-from engine.rates.store import config_key, parse_rates
+from engine.rates.store import parse_rates
 from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.core.errors import EngineError, InvalidRequest
 from engine.experiment import Collected, EngineRunner, Variant
-from engine.rates.store import file_fingerprint
 from engine.routing import RouteQuery, Router, make_policy
 from engine.sim.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
                              SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
@@ -258,8 +257,8 @@ class Bench:
                 variants = _variants(eng, self.policies, self.caps, [] if k else self.targets, self.args, sweep)
                 if eng is not None:
                     _check_policies(eng, [v for v in variants if v.policy], sweep)
-                    self.engines.append({"kv_seqs": kv, "backends": _engine_info(eng, sweep)})
-                    self.model_info = _model_info(self.args.model, eng)
+                    self.engines.append({"kv_seqs": kv, "backends": bench_report.engine_info(eng, sweep)})
+                    self.model_info = bench_report.model_info(self.args.model, eng)
                     runner = EngineRunner(eng, sweep_backend=sweep, budget=self.args.budget,
                                           online=self.args.online_rates, timeout=self.args.timeout,
                                           warm_tenants=getattr(self.args, "warm_tenants", False))
@@ -512,30 +511,11 @@ def _probe_targets(args) -> list:
     return targets
 
 
-def _engine_info(eng, sweep) -> list[dict]:
-    out = []
-    for b in eng.backends.values():
-        c = b.config
-        out.append({"name": b.name, "device": b.model.device, "cap": c.cap, "n_ctx": b.n_ctx,
-                    "threads": c.threads, "n_seq_max": c.n_seq_max, "n_batch": c.n_batch,
-                    "kv_unified": c.kv_unified, "swept": b.name == sweep,
-                    "config_key": config_key(c, b.model.device) if b.device != "remote" else "",
-                    "rates": asdict(b.rates)})
-    return out
-
-
 def _engine_counters(eng) -> dict:
     """Per backend, over the whole invocation: steps, how many reused the previous step's
     graph, sampler chains attached (each a graph reserve) and end tokens taken back."""
     return {b.name: {"steps": b.steps, "graphs_reused": b.graphs_reused, "sampler_attaches": b.sampler_attaches,
                      "eog_redos": b.eog_redos} for b in eng.backends.values()}
-
-
-def _model_info(spec, eng) -> dict:
-    m = eng.model
-    return {"spec": spec, "name": m.info.name, "path": str(m.path), "fingerprint": file_fingerprint(m.path),
-            "synthetic": m.synthetic, "n_params": m.info.n_params, "n_vocab": m.n_vocab,
-            "text": "noise (synthetic weights)" if m.synthetic else "real model"}
 
 
 def _label(spec: WorkloadSpec, kv) -> str:

@@ -57,12 +57,16 @@ def test_mypy_checks_every_package_strictly():
         assert not any(m.split(".")[0] in ("engine", "bench", "ui", "app") for m in override["module"]), override
 
 
-def test_engine_importing_qt_breaks_a_contract(tmp_path):
-    """The same contracts on a copy of the tree whose engine imports PySide6."""
+def _copy_tree(tmp_path) -> None:
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
     for package in ("app", "bench", "ui", "engine"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=skip)
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+
+
+def test_engine_importing_qt_breaks_a_contract(tmp_path):
+    """The same contracts on a copy of the tree whose engine imports PySide6."""
+    _copy_tree(tmp_path)
     (tmp_path / "engine" / "qt_leak.py").write_text("from PySide6 import QtCore  # noqa: F401\n")
 
     p = _run(["lint-imports", "--no-cache"], cwd=tmp_path)
@@ -70,6 +74,19 @@ def test_engine_importing_qt_breaks_a_contract(tmp_path):
     assert p.returncode != 0, _report(p)
     assert "The engine is Qt-free and knows nothing above it BROKEN" in p.stdout, _report(p)
     assert "engine.qt_leak -> PySide6" in p.stdout, _report(p)
+
+
+def test_an_import_cycle_breaks_a_contract(tmp_path):
+    """The same contracts on a copy of the tree whose Responses routes import the server back."""
+    _copy_tree(tmp_path)
+    with (tmp_path / "app" / "responses.py").open("a") as f:
+        f.write("from . import server  # noqa: E402, F401\n")
+
+    p = _run(["lint-imports", "--no-cache"], cwd=tmp_path)
+
+    assert p.returncode != 0, _report(p)
+    assert "No import cycles among the modules of app, bench and engine BROKEN" in p.stdout, _report(p)
+    assert ".server -> .responses" in p.stdout or ".responses -> .server" in p.stdout, _report(p)
 
 
 def test_no_test_name_joins_two_behaviours():

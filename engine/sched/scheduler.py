@@ -23,16 +23,15 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from engine.core.request import RequestStatus, SamplingParams
+from engine.sched.kv_layout import KvLayout, KvOp, kv_layout
 from engine.sched.limiter import ConcurrencyLimiter
-from engine.sched.prefix_cache import Pin, PrefixCache, TreeNode
-from engine.core.request import Request, RequestStatus, SamplingParams
-from engine.core.snapshot import WorkItem
-from engine.core.textstream import TextStream
+from engine.sched.prefix_cache import PrefixCache, TreeNode
+from engine.sched.reuse import NULL_CACHE, RadixReuse, Reuse
+from engine.sched.sequence import SeqState
 
-if TYPE_CHECKING:
-    from engine.llama.sampling import Sampler
+__all__ = ["ADMIT_HEADROOM", "Finished", "KvOp", "Plan", "Scheduler", "SeqState", "default_seq_slots"]
 
 # Cells a request needs free beyond its uncached prompt to be admitted: its first few decode
 # tokens, so that a fresh admission is not preempted at once.
@@ -51,84 +50,6 @@ SPARE_SLOTS = {"gpu": 64, "cpu": 8}
 def default_seq_slots(cap: int, device: str) -> int:
     """llama.cpp sequence slots (`n_seq_max`) for a backend of `cap` on `device` ("cpu"/"gpu")."""
     return min(256, max(32, cap + SPARE_SLOTS["cpu" if device == "cpu" else "gpu"]))
-
-
-@dataclass(frozen=True, slots=True)
-class KvOp:
-    """One change to the llama.cpp memory, applied by the runner in queue order.
-
-    `cp`: `llama_memory_seq_cp(src, dst, p0, p1)`; `rm`: `llama_memory_seq_rm(src, p0, p1)`.
-    `stream` marks a split-KV copy of a whole stream (p0 = p1 = -1)."""
-
-    kind: str  # "cp" | "rm"
-    src: int
-    dst: int = -1
-    p0: int = -1
-    p1: int = -1
-
-
-class SeqState:
-    """A request inside a backend. The scheduler owns every field except `sampler`, `row`
-    (the batch row of a prompt chunk's last token) and `prompt_logprobs`, which the runner sets."""
-
-    __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
-                 "n_hit", "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
-                 "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
-                 "preemptions", "ran_on", "choice", "logprobs", "prompt_logprobs", "admit_cap", "admit_reason")
-
-    def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
-                 n_ctx_seq: int | None = None, choice: bool = False):
-        self.req = req
-        self.handle = handle
-        self.sp: SamplingParams = req.sampling
-        self.tokens = list(req.prompt_tokens)
-        self.n_prompt = len(self.tokens)
-        # max_tokens, clamped to what the context can hold after the prompt.
-        room = (n_ctx_seq - self.n_prompt) if n_ctx_seq else self.sp.max_tokens
-        self.max_new = max(1, min(self.sp.max_tokens, room))
-        self.seq_id = -1
-        self.ran_on = -1  # the id it last ran on (its sampler chain stays there)
-        self.n_past = 0  # tokens whose KV is in the context
-        self.n_shared = 0  # leading tokens aliased from the prefix cache (or published there)
-        self.n_hit = 0  # cached tokens reused at its last admission (what its record reports)
-        self.generated = 0
-        self.sampler: Sampler | None = None
-        self.stream = TextStream(self.sp.stop)
-        self.pin = pin  # routing-time pin on the cached prefix, released at admission
-        self.lock: Pin | None = None  # pin held while running, so the aliased prefix is never evicted
-        self.estimate = estimate  # cached tokens the router counted on
-        self.warm = warm
-        self.t_submit = t_submit
-        self.t_admit = self.t_first = self.t_last = 0.0
-        self.itl_sum = 0.0
-        self.row = -1
-        self.status = RequestStatus.WAITING
-        self.error: str | None = None
-        self.preemptions = 0
-        self.choice = choice  # one of a request's `n` choices: its prompt is always shared (module doc)
-        # One TokenLogprob per generated token, when the request asked for logprobs.
-        self.logprobs: list | None = [] if self.sp.logprobs is not None else None
-        # One TokenLogprob per prompt token after the first, when the request asked for them.
-        self.prompt_logprobs: list | None = [] if self.sp.prompt_logprobs else None
-        self.admit_cap = 0  # the live cap when it was first admitted, and the limiter's reason then
-        self.admit_reason = ""
-
-    @property
-    def prefilling(self) -> bool:
-        """Tokens other than the next decode input still need computing."""
-        return len(self.tokens) - self.n_past > 1 or self.n_past < self.n_prompt
-
-    def work_item(self, running: bool) -> WorkItem:
-        cached = self.n_shared if running else self.estimate
-        return WorkItem(
-            request_id=self.req.id,
-            running=running,
-            prompt_tokens=self.n_prompt,
-            cached_tokens=cached,
-            prefill_left=max(len(self.tokens) - max(self.n_past, cached) - (1 if self.generated else 0), 0),
-            decode_left=0 if self.warm else self.max_new - self.generated,
-            generated=self.generated,
-        )
 
 
 @dataclass(slots=True)
@@ -176,12 +97,12 @@ class Scheduler:
         self.n_ctx_seq = n_ctx_seq
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
-        self.kv_unified = kv_unified
+        self.kv: KvLayout = kv_layout(kv_unified, n_ctx)  # unified or split (engine/sched/kv_layout.py)
         self.cache = cache or PrefixCache()
-        self.cache_enabled = cache_enabled
+        # The cache switch (engine/sched/reuse.py): on, with its sharing switches, or the null cache.
+        self._cache_on = RadixReuse(share_prefill, defer_shared)
+        self.reuse: Reuse = self._cache_on if cache_enabled else NULL_CACHE
         self.idle_cache_cells = idle_cache_cells
-        self.share_prefill = share_prefill  # publish running prompts (see the module doc)
-        self.defer_shared = defer_shared  # defer a queued request behind a running prefill of its prefix
         self.busy_chunk = max(1, busy_chunk or n_batch)
         self.queue_timeout_s = queue_timeout_s
         self.piece = piece
@@ -202,6 +123,14 @@ class Scheduler:
         self._next_timeout_check = 0.0
         self.overlap = False  # text of requests without stop strings waits for `emit_pending`
         self.pending_text: list[tuple[SeqState, int]] = []
+
+    @property
+    def kv_unified(self) -> bool:
+        return self.kv.unified
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.reuse.enabled
 
     # ---- what the owner calls ----
 
@@ -268,11 +197,8 @@ class Scheduler:
                 prefilling.append(s)
             else:
                 decoding.append(s)
-        if self.kv_unified:
-            free = self.n_ctx - self.cache.cached_tokens - own  # `_free_cells()`
-        else:  # llama.cpp's split-KV ubatches take ids in rising order
-            decoding.sort(key=_seq_id)
-            free = self._free_cells()
+        self.kv.decode_order(decoding)
+        free = self.kv.free_cells(self.cache, own)  # `_free_cells()`
         if len(decoding) > free:
             decoding = self._room_for_decode(decoding)
             prefilling = [s for s in prefilling if s.status == RequestStatus.RUNNING]
@@ -322,7 +248,7 @@ class Scheduler:
             s.n_past += k
             if s.status != RequestStatus.RUNNING:
                 continue
-            if s.n_past - k < s.n_prompt <= s.n_past and not s.warm and (self.share_prefill or s.choice):
+            if s.n_past - k < s.n_prompt <= s.n_past and not s.warm and self.reuse.publishes(s):
                 self._publish(s)
             if s.warm and s.n_past == len(s.tokens):
                 self._finish(s, RequestStatus.FINISHED_STOPPED)
@@ -365,12 +291,7 @@ class Scheduler:
         n_prefill = plan.n_tokens - len(plan.decode)
         if not lim.observe(len(plan.decode), n_prefill, seconds, len(self.running), len(self.waiting)):
             return
-        if self.kv_unified:
-            own = sum(s.n_past - s.n_shared for s in self.running)
-            free = self._free_cells() + self.cache.evictable_tokens
-            per_seq = own // max(len(self.running), 1) + ADMIT_HEADROOM
-        else:  # a stream per sequence: only the ids bound it
-            free, per_seq = len(self.free_ids), 1
+        free, per_seq = self.kv.cap_room(self.cache, self.running, self.free_ids, ADMIT_HEADROOM)
         if lim.decide(free, per_seq):
             self.cap = lim.limit
             self.blocked = False
@@ -386,7 +307,7 @@ class Scheduler:
         self._apply_evictions(self.cache.flush())
 
     def set_cache_enabled(self, enabled: bool) -> None:
-        self.cache_enabled = enabled
+        self.reuse = self._cache_on if enabled else NULL_CACHE
         if not enabled:
             self.flush_cache()
 
@@ -415,21 +336,14 @@ class Scheduler:
         self._finish(s, RequestStatus.FINISHED_ERROR, why, kind)
 
     def kv_cells_used(self, running=None) -> int:
-        """Cells in use. Unified KV: cached tokens (shared ones once) plus each running
-        sequence's own tail. Split KV: each holder's whole path plus each running sequence's
-        whole context, its copied prefix included."""
-        running = self.running if running is None else running
-        if not self.kv_unified:
-            return self.cache.held_tokens + sum(s.n_past for s in running)
-        return self.cache.cached_tokens + sum(s.n_past - s.n_shared for s in running)
+        """Cells in use by the cache and the running sequences (engine/sched/kv_layout.py)."""
+        return self.kv.cells_used(self.cache, self.running if running is None else running)
 
     def lowest_free_ids(self, n: int) -> list[int]:
         return heapq.nsmallest(max(n, 0), self.free_ids)
 
     def match_tokens(self, tokens) -> int:
-        if not self.cache_enabled:
-            return 0
-        return self.cache.match_length(tokens, max_len=len(tokens) - 1)
+        return self.reuse.match_length(self.cache, tokens)
 
     # ---- admission ----
 
@@ -437,7 +351,7 @@ class Scheduler:
         if self.blocked:
             return
         i = 0  # requests deferred behind a running prefill of their prefix stay in place
-        defer = self.defer_shared and self.share_prefill and self.cache_enabled
+        defer = self.reuse.defers
         spare = self._holder_free()
         # Donors: prompt prefills cached at their end (a choice's; with `defer`, others' with an id, warm ones').
         donors = [s for s in self.running if s.n_past < s.n_prompt and (s.choice or defer and (spare or s.warm))]
@@ -464,9 +378,7 @@ class Scheduler:
     def _place(self, seq: SeqState) -> bool | None:
         """Give `seq` a sequence id and its cached prefix, if KV room allows."""
         n = len(seq.tokens)
-        reuse = (self.cache_enabled or seq.choice) and not seq.sp.prompt_logprobs
-        usable = (n - (0 if seq.warm else 1)) if reuse else 0
-        match = self.cache.match(seq.tokens, max_len=usable)
+        match = self.cache.match(seq.tokens, max_len=self.reuse.usable(seq))
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
         hit = match.length
         need = n - hit + (0 if seq.warm else min(ADMIT_HEADROOM, self.n_ctx_seq - n))
@@ -530,20 +442,19 @@ class Scheduler:
     def _publish(self, s: SeqState) -> None:
         """`s` has just computed its whole prompt: alias a copy the cache got meanwhile, then put
         the prompt into the cache under a holder id of its own (see the module doc)."""
-        if not (self.cache_enabled or s.choice):
-            return
         prompt, n = s.tokens[:s.n_prompt], s.n_prompt
         least = 1 if s.choice else SHARE_MIN_TOKENS  # `n` promises one prefill, however short
         if s.choice and not self._holder_free() and self.cache.match_length(prompt) < n:
             self._apply_evictions(self.cache.evict(need_seqs=1))  # an idle cached prefix makes way
         match = self.cache.match(prompt)
         shared = s.n_shared
-        if match.length > shared and self.kv_unified:
+        if match.length > shared:
             # Another sequence published (or finished) this prefix while `s` computed its own
             # copy: drop the copy and alias those cells, so the prefix exists once.
-            self._ops.append(KvOp("rm", s.seq_id, -1, 0, match.length))
-            self._ops.append(KvOp("cp", self._holder(match.node), s.seq_id, 0, match.length))
-            shared = match.length
+            ops = self.kv.share_copy(s.seq_id, self._holder(match.node), match.length)
+            if ops:
+                self._ops += ops
+                shared = match.length
         if n - match.length >= least and self._holder_free():
             holder = max(self.free_ids)
             self.free_ids.remove(holder)
@@ -578,44 +489,23 @@ class Scheduler:
         return held
 
     def _take_id(self, seq: SeqState) -> int:
-        """The lowest free seq id; with unified KV (where ids need not be consecutive) the
-        lowest free one whose idle sampler chain the request can reuse, if any."""
-        if self.kv_unified and not seq.warm:
-            free = set(self.free_ids)
-            ready = [i for i in self.preferred_ids(seq.sp) if i in free]
-            if ready:
-                sid = min(ready)
-                self.free_ids.remove(sid)
-                heapq.heapify(self.free_ids)
-                return sid
-        return heapq.heappop(self.free_ids)
+        """A free seq id for `seq`, as the KV layout prefers it."""
+        return self.kv.take_id(self.free_ids, seq, self.preferred_ids)
 
     def _reuse_prefix(self, holder: int, seq_id: int, n: int) -> None:
         """Give `seq_id` the KV of the holder's first `n` tokens."""
-        if self.kv_unified:  # the same cells, aliased: no copy
-            self._ops.append(KvOp("cp", holder, seq_id, 0, n))
-        else:  # another stream: llama.cpp copies the whole stream, then we drop its tail
-            self._ops.append(KvOp("cp", holder, seq_id, -1, -1))
-            self._ops.append(KvOp("rm", seq_id, -1, n, -1))
+        self._ops += self.kv.reuse_prefix(holder, seq_id, n)
 
     def _free_cells(self) -> int:
-        if not self.kv_unified:
-            return 1 << 30
-        return self.n_ctx - self.kv_cells_used()
+        return self.kv.free_cells(self.cache, sum(s.n_past - s.n_shared for s in self.running))
 
     def _prefill_owed(self) -> int:
-        """Cells running prefills will still take (unified KV)."""
-        if not self.kv_unified:
-            return 0
-        return sum(len(s.tokens) - s.n_past for s in self.running if s.prefilling)
+        """Cells running prefills will still take."""
+        return self.kv.prefill_owed(self.running)
 
     def _make_room(self, need_cells: int) -> bool:
-        """Evict unpinned cached prefixes until `need_cells` cells and one seq id are free.
-
-        Split KV gives every seq id its own stream, sized for one sequence, so there only
-        the seq id counts."""
-        if not self.kv_unified:
-            need_cells = 0
+        """Evict unpinned cached prefixes until `need_cells` cells and one seq id are free
+        (split KV: only the id, its free cells being unbounded)."""
         deficit = need_cells - self._free_cells()
         if deficit > 0:
             self._apply_evictions(self.cache.evict(need_tokens=deficit))
@@ -630,23 +520,16 @@ class Scheduler:
             self._apply_evictions(self.cache.evict(need_tokens=deficit))
 
     def _shed_idle_cache(self) -> None:
-        """Unified KV: evict least recently used cached sequences that no running sequence
-        uses until at most `idle_cache_cells / B` such cells remain. Each decode token attends
-        over every cell in use, so an idle cached cell costs every running sequence at every
-        step: a lone chat keeps its history, a batch of B keeps a B-th of it."""
-        if not self.kv_unified or not self.cache_enabled:
-            return
-        budget = self.n_ctx if self.idle_cache_cells < 0 else self.idle_cache_cells
-        excess = self.cache.evictable_tokens - budget // len(self.running)
-        if excess > 0:
-            self._apply_evictions(self.cache.evict(need_tokens=excess))
+        """Evict least recently used cached sequences that no running sequence uses down to
+        the layout's budget for idle cells (unified KV: `idle_cache_cells / B`)."""
+        budget = self.kv.idle_budget(self.idle_cache_cells, len(self.running))
+        self._apply_evictions(self.reuse.shed(self.cache, budget))
 
     # ---- growth and preemption ----
 
     def _room_for_decode(self, decoding: list[SeqState]) -> list[SeqState]:
-        """Unified KV: a cell for every decode row; evict, then preempt the youngest."""
-        if not self.kv_unified:
-            return decoding
+        """A cell for every decode row; evict, then preempt the youngest (only unified KV gets
+        here: split KV's free cells are unbounded)."""
         while decoding and len(decoding) > self._free_cells():
             self._evict_cells(len(decoding) - self._free_cells())
             if len(decoding) <= self._free_cells():
@@ -747,7 +630,7 @@ class Scheduler:
     def _retire(self, s: SeqState, keep: bool) -> None:
         """Hand a sequence's KV to the prefix cache, or free it."""
         sid, s.seq_id = s.seq_id, -1
-        if not keep or not self.cache_enabled:
+        if not (keep and self.reuse.keeps(s)):
             self._apply_free([sid])
         else:
             in_kv = s.tokens[:s.n_past]
@@ -757,11 +640,10 @@ class Scheduler:
                 # cached sequence makes way (else this one would stay on a chained id).
                 self._apply_evictions(self.cache.evict(need_seqs=1))
                 match = self.cache.match(in_kv)
-            if match.length > s.n_shared and self.kv_unified:
+            if match.length > s.n_shared:
                 # The sequence computed its own copy of a prefix the cache already holds:
                 # drop the copy and alias the cached cells, so shared cells exist once.
-                self._ops.append(KvOp("rm", sid, -1, 0, match.length))
-                self._ops.append(KvOp("cp", self._holder(match.node), sid, 0, match.length))
+                self._ops += self.kv.share_copy(sid, self._holder(match.node), match.length)
             if match.length < len(in_kv):  # it will be kept, on an id of its own
                 sid = self._park(sid)
             result = self.cache.insert(in_kv, sid)
@@ -769,8 +651,7 @@ class Scheduler:
         if s.lock is not None:
             self.cache.unpin(s.lock)
             s.lock = None
-            if not self.cache_enabled:  # switched off while this ran: drop what it held
-                self._apply_evictions(self.cache.flush())
+            self._apply_evictions(self.reuse.released(self.cache))  # cache off: what it held goes
         s.n_shared = s.n_past = 0
 
     def _park(self, sid: int) -> int:
@@ -818,10 +699,6 @@ class Scheduler:
             self.waiting.remove(s)
             self._finish(s, RequestStatus.FINISHED_ERROR,
                          f"backend {self.name}: waited more than {limit:g} s in the queue")
-
-
-def _seq_id(s: SeqState) -> int:
-    return s.seq_id
 
 
 def _common_length(a, b, limit: int) -> int:
