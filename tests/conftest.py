@@ -80,14 +80,16 @@ def no_thread_leak():
 
 
 # ---- the OpenAI API tests' server: `tandem serve` on the default model, with the test module's
-# backend spec (`SPEC`) and per-request bound (`TIMEOUT`), and the official client in front ----
+# backend spec (`SPEC`) and per-request bound (`TIMEOUT`), and the official client in front. It
+# starts uncalibrated: one backend has nothing to route between, and measuring at start (tested in
+# test_calibrate.py) would cost each module's first start several seconds ----
 
 
 @pytest.fixture(scope="module")
 def server(request):
     from servers import Server
 
-    srv = Server("--model", "default", "--backend", request.module.SPEC).wait_healthy()
+    srv = Server("--model", "default", "--backend", request.module.SPEC, "--no-calibrate").wait_healthy()
     yield srv
     srv.close()
 
