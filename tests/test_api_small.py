@@ -19,7 +19,7 @@ from engine.engine import Engine
 from servers import Server
 from test_server import LoopThread
 
-SPEC = "cpu:threads=2,cap=4,ctx=2048"
+SPEC = "cpu:threads=1,cap=4,ctx=2048"
 TIMEOUT = 300  # seconds: the bound on any one request on a loaded two-core machine
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
