@@ -50,24 +50,15 @@ def ui_engine():
     eng.close()
 
 
-_qasync: list = []  # the session's one qasync loop, once a test asked for it
-
-
 @pytest.fixture
-def qasync_loop(qapp):
-    """One qasync loop for the session, as in the app (a second QEventLoop on the same
-    QApplication after closing the first stops delivering callbacks), made the thread's current
-    and running loop for this test only: a test of another file that runs in the same process
-    (pytest-xdist mixes files) may call `asyncio.run`, which refuses to start inside a running
-    loop and leaves no current loop behind."""
-    import qasync
-
-    if not _qasync:
-        _qasync.append(qasync.QEventLoop(qapp, already_running=True))
-    (loop,) = _qasync
-    asyncio.set_event_loop(loop)
-    asyncio.events._set_running_loop(loop)
-    yield loop
+def qasync_loop(qasync_session_loop):
+    """The session's qasync loop (conftest.py), made the thread's current and running loop for
+    this test only: a test of another file that runs in the same process (pytest-xdist mixes
+    files) may call `asyncio.run`, which refuses to start inside a running loop and leaves no
+    current loop behind."""
+    asyncio.set_event_loop(qasync_session_loop)
+    asyncio.events._set_running_loop(qasync_session_loop)
+    yield qasync_session_loop
     asyncio.events._set_running_loop(None)
     asyncio.set_event_loop(None)
 
