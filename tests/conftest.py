@@ -51,6 +51,26 @@ def default_model(default_path):
     m.close()
 
 
+@pytest.fixture(scope="session")
+def qasync_session_loop(qapp):
+    """One qasync loop for the session, as in the app (a second QEventLoop on the same
+    QApplication after closing the first stops delivering callbacks); closed at the end, so its
+    executor's threads are gone before Qt is. GUI tests ask for it through `ui_fixtures.qasync_loop`."""
+    import asyncio
+
+    import qasync
+
+    loop = qasync.QEventLoop(qapp, already_running=True)
+    asyncio.events._set_running_loop(None)  # running only inside a test that asks (qasync_loop)
+    yield loop
+    asyncio.set_event_loop(loop)
+    asyncio.events._set_running_loop(loop)
+    loop.stop()
+    loop.close()
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(None)
+
+
 @pytest.fixture
 def make_backend():
     """`make_backend(model, **config)` → a started Backend, stopped at teardown."""
@@ -80,14 +100,16 @@ def no_thread_leak():
 
 
 # ---- the OpenAI API tests' server: `tandem serve` on the default model, with the test module's
-# backend spec (`SPEC`) and per-request bound (`TIMEOUT`), and the official client in front ----
+# backend spec (`SPEC`) and per-request bound (`TIMEOUT`), and the official client in front. It
+# starts uncalibrated: one backend has nothing to route between, and measuring at start (tested in
+# test_calibrate.py) would cost each module's first start several seconds ----
 
 
 @pytest.fixture(scope="module")
 def server(request):
     from servers import Server
 
-    srv = Server("--model", "default", "--backend", request.module.SPEC).wait_healthy()
+    srv = Server("--model", "default", "--backend", request.module.SPEC, "--no-calibrate").wait_healthy()
     yield srv
     srv.close()
 

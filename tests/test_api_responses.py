@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 
-SPEC = "cpu:threads=2,cap=4,ctx=2048"
+SPEC = "cpu:threads=1,cap=4,ctx=2048"
 TIMEOUT = 600  # seconds for one reply on a loaded two-core machine
 
 

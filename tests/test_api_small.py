@@ -19,7 +19,7 @@ from engine.engine import Engine
 from servers import Server
 from test_server import LoopThread
 
-SPEC = "cpu:threads=2,cap=4,ctx=2048"
+SPEC = "cpu:threads=1,cap=4,ctx=2048"
 TIMEOUT = 300  # seconds: the bound on any one request on a loaded two-core machine
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -66,18 +66,24 @@ def test_model_objects_carry_openais_fields(server):
 # ---- ids and fingerprints ----
 
 
-def first_reply_id() -> str:
-    """The id of a fresh server's first reply (uncalibrated: every start does the same before it)."""
-    srv = Server("--model", "default", "--backend", SPEC, "--no-calibrate").wait_healthy()
+def first_reply_ids(n: int) -> list[str]:
+    """The ids of `n` fresh servers' first replies (uncalibrated: every start does the same
+    before it). The servers start side by side, so the test waits for one start, not `n`."""
+    servers = [Server("--model", "default", "--backend", SPEC, "--no-calibrate") for _ in range(n)]
     try:
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0) as c:
-            return c.chat.completions.create(model="default", messages=ASK, max_tokens=1).id
+        ids = []
+        for srv in servers:
+            with openai.OpenAI(base_url=srv.wait_healthy().url + "/v1", api_key="unused", timeout=TIMEOUT,
+                               max_retries=0) as c:
+                ids.append(c.chat.completions.create(model="default", messages=ASK, max_tokens=1).id)
+        return ids
     finally:
-        srv.close()
+        for srv in servers:
+            srv.close()
 
 
 def test_response_ids_differ_across_restarts():
-    first, second = first_reply_id(), first_reply_id()  # were both chatcmpl-req-1
+    first, second = first_reply_ids(2)  # were both chatcmpl-req-1
     assert first != second
     assert first.startswith("chatcmpl-") and second.startswith("chatcmpl-")
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from engine.llama.grammar import schema_grammar
 from engine.prompts.structured import ToolMode, output_schema, standalone_schema
 
-SPEC = "cpu:threads=2,cap=4,ctx=2048"
+SPEC = "cpu:threads=1,cap=4,ctx=2048"
 TIMEOUT = 600  # seconds for one reply: a loaded two-core machine decodes a few tokens a second
 
 

@@ -455,4 +455,4 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
-TestPrefixCacheMachine.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+TestPrefixCacheMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)  # 100 runs of 30 steps

@@ -220,7 +220,7 @@ def queries(draw, names):
     return RouteQuery("new", prompt, draw(st.integers(1, 512)), cached)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_a_request_never_goes_where_it_would_finish_later(data):
     # Later than any backend on another device; among one device's contexts cache-aware picks.
@@ -238,7 +238,7 @@ def test_a_request_never_goes_where_it_would_finish_later(data):
     assert d.score_of(d.backend).score_s == pytest.approx(finish[d.backend])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_more_work_ahead_never_makes_a_request_finish_sooner(data):
     s = data.draw(backends())[0]
@@ -248,7 +248,7 @@ def test_more_work_ahead_never_makes_a_request_finish_sooner(data):
     assert finish_time(q, busier).finish_s >= finish_time(q, s).finish_s - 1e-9
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_a_longer_cached_prefix_never_makes_a_request_finish_later(data):
     s = data.draw(backends())[0]

@@ -5,7 +5,8 @@
 - `ui_engine`: one real engine per session — the tiny synthetic model on two 1-thread CPU
   backends (`TANDEM_UI_MODEL=default` runs the same tests on SmolLM2-135M).
 - `qasync_loop`: an asyncio loop bound to the Qt loop pytest-qt runs, so chat streaming goes
-  through qasync exactly as in the app.
+  through qasync exactly as in the app; the current (and running) loop only during a test that
+  asks for it, so other files' tests in the same process see none.
 - `make_window`: a factory that builds hidden `MainWindow`s on `ui_engine` (or on `engine=`), with
   their chats and QSettings under the test's tmp_path (never the user's), and at
   teardown shuts them down, checks no bridge is left subscribed to the engine (a leak), waits
@@ -49,17 +50,15 @@ def ui_engine():
     eng.close()
 
 
-@pytest.fixture(scope="session")
-def qasync_loop(qapp):
-    """One loop for the session, as in the app (a second QEventLoop on the same QApplication
-    after closing the first stops delivering callbacks)."""
-    import qasync
-
-    loop = qasync.QEventLoop(qapp, already_running=True)
-    asyncio.set_event_loop(loop)
-    yield loop
-    loop.stop()
-    loop.close()
+@pytest.fixture
+def qasync_loop(qasync_session_loop):
+    """The session's qasync loop (conftest.py), made the thread's current and running loop for
+    this test only: a test of another file that runs in the same process (pytest-xdist mixes
+    files) may call `asyncio.run`, which refuses to start inside a running loop and leaves no
+    current loop behind."""
+    asyncio.set_event_loop(qasync_session_loop)
+    asyncio.events._set_running_loop(qasync_session_loop)
+    yield qasync_session_loop
     asyncio.events._set_running_loop(None)
     asyncio.set_event_loop(None)
 
