@@ -17,9 +17,9 @@ def run_backend(args) -> int:
 async def _restart(url: str, name: str, api_key: str | None) -> int:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            async with session.post(f"{url}/v1/backends/{name}/restart", headers=headers) as r:
-                body = await r.json(content_type=None)
+        async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
+                    session.post(f"{url}/v1/backends/{name}/restart", headers=headers) as r):
+            body = await r.json(content_type=None)
     except aiohttp.ClientError as e:
         print(f"tandem: cannot reach the server at {url}: {e}", file=sys.stderr)
         return 2

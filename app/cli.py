@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_benches(sub) -> None:
     """`tandem bench NAME`: each bench (bench/*.py) declares its own arguments."""
-    from app.runtime import SWITCH_INTERVAL_S
     from app.engine_setup import engine_from_args
-    from bench import attack, cache, chat, constrained, fleet, laptop, overhead, prefill, soak, study, together, ui as ui_cost
+    from app.runtime import SWITCH_INTERVAL_S
+    from bench import attack, cache, chat, constrained, fleet, laptop, overhead, prefill, soak, study, together
+    from bench import ui as ui_cost
 
     bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, help_, add_arguments, run in (

@@ -32,9 +32,9 @@ import os
 import sys
 
 import engine.llama  # noqa: F401  (loads llama.cpp before numpy; see engine/llama/__init__.py)
+from bench.calibrate import recalibrate
 from engine import llama
 from engine.backends.config import default_specs, parse_backend_specs
-from bench.calibrate import recalibrate
 from engine.engine import Engine
 from engine.experiment import experiment_runner
 
@@ -71,16 +71,15 @@ def serve_address(text: str) -> tuple[str, int]:
 
 
 def run_gui(args) -> int:
+    import qasync
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
-    import qasync
-
+    from ui.live_run import seed_workload
     from ui.loader import ModelSpec
     from ui.main_window import MainWindow
     from ui.server_control import ServerOptions
     from ui.theme import style_sheet
-    from ui.live_run import seed_workload
 
     gpu = llama.gpu_offload_supported()
     print(f"tandem: llama_supports_gpu_offload() = {gpu}", file=sys.stderr)

@@ -47,10 +47,10 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import models_json_schema
 
-from engine.prompts.chat import MAX_MESSAGES, min_tokens
 from engine.core.errors import EngineError, InvalidRequest
-from engine.llama.grammar import object_grammar, schema_grammar
 from engine.core.request import MAX_TOKENS, Request, SamplingParams
+from engine.llama.grammar import object_grammar, schema_grammar
+from engine.prompts.chat import MAX_MESSAGES, min_tokens
 from engine.prompts.structured import ToolMode, function_schema, output_schema, standalone_schema
 
 if TYPE_CHECKING:

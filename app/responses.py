@@ -251,7 +251,7 @@ def _function_tool(i: int, tool: dict) -> FunctionTool:
                              f"tools of type 'function' are", param=f"tools[{i}].type")
     try:
         return FunctionTool.model_validate(tool)
-    except Exception as e:  # noqa: BLE001  (pydantic's ValidationError; its first error says what)
+    except Exception as e:  # pydantic's ValidationError; its first error says what
         first = e.errors(include_url=False)[0] if hasattr(e, "errors") else {"msg": str(e), "loc": ()}
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidRequest(f"tools[{i}]{'.' + where if where else ''}: {first['msg']}",
@@ -264,7 +264,7 @@ def _tool_choice(choice) -> str | dict | None:
     if choice.get("type") == "function":
         try:
             named = FunctionChoice.model_validate(choice)
-        except Exception:  # noqa: BLE001
+        except Exception:
             raise InvalidRequest("tool_choice: a function choice is {\"type\": \"function\", \"name\": NAME}",
                                  param="tool_choice") from None
         return {"type": "function", "function": {"name": named.name}}
@@ -500,7 +500,7 @@ async def _stream(request: web.Request, shape: ResponseShape, store: ResponseSto
                 pass
         record = handle.result(0)
         if record.error:
-            status, payload = error_payload(failure(record))
+            _status, payload = error_payload(failure(record))
             error = payload["error"]
             await _send(response, shape.event("error", code=error["code"] or error["type"], message=error["message"],
                                               param=error["param"]))

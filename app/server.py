@@ -54,12 +54,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.engine import Engine
 from engine.core.errors import ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
 from engine.core.handle import RequestHandle
 from engine.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.core.metrics import EngineMetrics
 from engine.core.request import FinishRecord
+from engine.engine import Engine
 from engine.prompts.structured import ToolCall, parse_reply
 from engine.routing import DEFAULT_POLICY
 

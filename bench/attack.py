@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ def run_attack(args) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
     with _server(args) as (proc, base):
         rows = asyncio.run(_phases(args, attacks, proc, base))
-    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(timezone.utc).isoformat(),
+    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(UTC).isoformat(),
               "commit": _commit(), "model": args.model, "phase_s": args.phase_s, "phases": rows,
               "pass": all(r["pass"] for r in rows)}
     if args.out:

@@ -14,11 +14,10 @@ import sys
 
 from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
-from engine.llama.model import Model, resolve_model
 from engine.core.request import Request, SamplingParams
+from engine.llama.model import Model, resolve_model
 
 from .common import filler_prompt
-
 
 HELP = "TTFT with a warm cached prefix vs cold"
 

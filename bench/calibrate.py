@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.rates.measure import CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, calibrate_backend, progress_steps
-from engine.rates.store import RateStore, config_key, save_calibration
 from engine.core.errors import InvalidRequest
-from engine.rates.store import file_fingerprint
+from engine.rates.measure import CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, calibrate_backend, progress_steps
+from engine.rates.store import RateStore, config_key, file_fingerprint, save_calibration
 
 from .progress import Progress
-
 
 HELP = "measure each backend's rates and store them for this model"
 

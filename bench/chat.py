@@ -39,8 +39,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
 from engine.core.errors import InvalidRequest
+from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
 
 from . import report as bench_report
 from .progress import Progress
@@ -53,24 +53,7 @@ BACKEND_HEADER = "X-Tandem-Backend"
 
 # A fixed vocabulary of common English words: the prompts are text a real tokenizer splits
 # like prose, and the same seed gives the same conversations on every machine.
-WORDS = tuple("""
-the of and to in is was that for on are with as at be this have from or one had by word but not
-what all were when we there can an your which their said if do will each about how up out them then
-she many some so these would other into has more her two like him see time could no make than first
-been its who now people my made over did down only way find use may water long little very after
-words called just where most know get through back much before go good new write our used me man
-too any day same right look think also around another came come work three must because does part
-even place well such here take why help put different away again off went old number great tell
-men say small every found still between name should home big give air line set own under read last
-never us left end along while might next sound below saw something thought both few those always
-show large often together asked house world going want school important until form food keep
-children feet land side without boy once animal life enough took four head above kind began almost
-live page got earth need far hand high year mother light country father let night picture being
-study second soon story since white ever paper hard near sentence better best across during today
-however sure knew try told young sun thing whole hear example heard several change answer room sea
-against top turned learn point city play toward five himself usually money seen car morning
-river garden window summer winter question music color table market letter office doctor
-""".split())
+WORDS = tuple(["the", "of", "and", "to", "in", "is", "was", "that", "for", "on", "are", "with", "as", "at", "be", "this", "have", "from", "or", "one", "had", "by", "word", "but", "not", "what", "all", "were", "when", "we", "there", "can", "an", "your", "which", "their", "said", "if", "do", "will", "each", "about", "how", "up", "out", "them", "then", "she", "many", "some", "so", "these", "would", "other", "into", "has", "more", "her", "two", "like", "him", "see", "time", "could", "no", "make", "than", "first", "been", "its", "who", "now", "people", "my", "made", "over", "did", "down", "only", "way", "find", "use", "may", "water", "long", "little", "very", "after", "words", "called", "just", "where", "most", "know", "get", "through", "back", "much", "before", "go", "good", "new", "write", "our", "used", "me", "man", "too", "any", "day", "same", "right", "look", "think", "also", "around", "another", "came", "come", "work", "three", "must", "because", "does", "part", "even", "place", "well", "such", "here", "take", "why", "help", "put", "different", "away", "again", "off", "went", "old", "number", "great", "tell", "men", "say", "small", "every", "found", "still", "between", "name", "should", "home", "big", "give", "air", "line", "set", "own", "under", "read", "last", "never", "us", "left", "end", "along", "while", "might", "next", "sound", "below", "saw", "something", "thought", "both", "few", "those", "always", "show", "large", "often", "together", "asked", "house", "world", "going", "want", "school", "important", "until", "form", "food", "keep", "children", "feet", "land", "side", "without", "boy", "once", "animal", "life", "enough", "took", "four", "head", "above", "kind", "began", "almost", "live", "page", "got", "earth", "need", "far", "hand", "high", "year", "mother", "light", "country", "father", "let", "night", "picture", "being", "study", "second", "soon", "story", "since", "white", "ever", "paper", "hard", "near", "sentence", "better", "best", "across", "during", "today", "however", "sure", "knew", "try", "told", "young", "sun", "thing", "whole", "hear", "example", "heard", "several", "change", "answer", "room", "sea", "against", "top", "turned", "learn", "point", "city", "play", "toward", "five", "himself", "usually", "money", "seen", "car", "morning", "river", "garden", "window", "summer", "winter", "question", "music", "color", "table", "market", "letter", "office", "doctor"])
 
 PERCENTILES = (50, 95)
 
@@ -86,7 +69,7 @@ class ChatSpec:
     reply_tokens: tuple[int, int] = (32, 192)
     seed: int = 0
 
-    def validate(self) -> "ChatSpec":
+    def validate(self) -> ChatSpec:
         if self.conversations < 1 or self.turns < 1:
             raise ValueError("--conversations and --turns must be >= 1")
         if self.rate <= 0 or self.think_s < 0 or self.system_words < 0:
@@ -237,7 +220,7 @@ async def send_turn(session, target: ChatTarget, messages: list[dict], max_token
             out["cached"] = int(llama_timings["cache_n"])
             if out["prompt_tokens"] is None and llama_timings.get("prompt_n") is not None:
                 out["prompt_tokens"] = int(llama_timings["prompt_n"]) + out["cached"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError, TypeError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         out["e2e"] = time.perf_counter() - t0

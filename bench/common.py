@@ -13,8 +13,8 @@ import time
 from dataclasses import replace
 
 from engine.backends.local import Backend
-from engine.llama.model import Model
 from engine.core.request import Request, SamplingParams
+from engine.llama.model import Model
 
 
 def filler_prompt(model: Model, n: int) -> list[int]:

@@ -31,7 +31,7 @@ import statistics
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,7 @@ def run_constrained(args) -> int:
                 _print(rows[-1])
     finally:
         engine.close()
-    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(timezone.utc).isoformat(),
+    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(UTC).isoformat(),
               "commit": _commit(), "model": args.model, "load_average": os.getloadavg(), "rows": rows}
     if args.out:
         out = Path(args.out)

@@ -72,8 +72,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO
 
-from engine.sim.benchmark import RequestRecord, oracle
 from engine.core.errors import EngineError, InvalidRequest
+from engine.sim.benchmark import RequestRecord, oracle
 from engine.sim.workload import OUTPUT_MODES, WorkloadSpec, build_workload
 
 from . import report as bench_report
@@ -537,7 +537,7 @@ def parse_variants(text: str, args) -> list[str]:
     for v in (x.strip() for x in text.split(",")):
         if not v:
             continue
-        kind, colon, policy = v.partition(":")
+        kind, _colon, policy = v.partition(":")
         if v == "single":
             pass
         elif kind == "tandem" and policy:

@@ -33,8 +33,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from engine.sim.benchmark import run_metrics
 from engine.core.errors import InvalidRequest
+from engine.sim.benchmark import run_metrics
 from engine.sim.workload import build_workload, seed_workload
 
 HELP = "first use on a CPU-only machine: default `tandem serve` vs one all-core backend vs llama-cpp-python's server"
@@ -118,7 +118,8 @@ def one_run(layout: Layout, spec, run: int, args) -> dict:
     from engine.llama import child_env
 
     env = child_env(TANDEM_CACHE_DIR=cache)  # llama-cpp-python's server on its own OpenMP defaults
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"laptop-{layout.label}-", suffix=".log", delete=False)
+    # the server writes to it until it stops; it is read back, then closed, below
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"laptop-{layout.label}-", suffix=".log", delete=False)  # noqa: SIM115
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

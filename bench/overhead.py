@@ -39,9 +39,9 @@ from typing import Any
 
 from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
+from engine.core.request import SamplingParams
 from engine.llama import fused_dist
 from engine.llama.model import Model, resolve_model
-from engine.core.request import SamplingParams
 
 from .common import GRAPH_REUSE, HOST_GAP, HOST_SHARE, HOST_US, ctx_for, engine_decode, filler_prompt
 

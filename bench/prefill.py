@@ -24,8 +24,8 @@ import time
 from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
 from engine.core.events import EventBus, StepDone
-from engine.llama.model import Model, resolve_model
 from engine.core.request import FinishRecord, Request, SamplingParams
+from engine.llama.model import Model, resolve_model
 
 from .common import ctx_for, filler_prompt
 

@@ -77,8 +77,7 @@ def read_records(path: Path) -> list[RequestRecord]:
     """The records of a written requests.csv (or, where only that is there, its .csv.xz:
     committed results keep their raw files xz-compressed)."""
     path = Path(path)
-    opener = (lambda: path.open()) if path.exists() else (lambda: lzma.open(path.with_suffix(".csv.xz"), "rt"))
-    with opener() as f:
+    with path.open() if path.exists() else lzma.open(path.with_suffix(".csv.xz"), "rt") as f:
         return [_record_from_csv(row) for row in csv.DictReader(f)]
 
 

@@ -31,15 +31,29 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from engine.sim.benchmark import RequestRecord, RunMetrics, run_metrics
-from engine.rates.store import RateStore, rates_from_entry
 from engine.core.errors import InvalidRequest
-from engine.experiment import Variant
-from engine.sim.simulate import (PROFILES, SAMPLED_TOKEN, BackendProfile, Profile, apply_overrides,
-                                 profile_from_calibration, simulate)
 from engine.core.snapshot import Rates
-from engine.sim.workload import (TOKEN_HIGH, RecordedTurn, Workload, WorkloadSpec, build_workload,
-                                 conversation_workload, with_requests)
+from engine.experiment import Variant
+from engine.rates.store import RateStore, rates_from_entry
+from engine.sim.benchmark import RequestRecord, RunMetrics, run_metrics
+from engine.sim.simulate import (
+    PROFILES,
+    SAMPLED_TOKEN,
+    BackendProfile,
+    Profile,
+    apply_overrides,
+    profile_from_calibration,
+    simulate,
+)
+from engine.sim.workload import (
+    TOKEN_HIGH,
+    RecordedTurn,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    conversation_workload,
+    with_requests,
+)
 
 from . import report as bench_report
 from . import study

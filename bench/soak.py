@@ -68,10 +68,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.config import parse_backend_specs
-from engine.engine import Engine
 from engine.core.errors import EngineError
 from engine.core.events import RequestFinished, RequestRouted
 from engine.core.request import RequestStatus, SamplingParams
+from engine.engine import Engine
 
 DEFAULT_MODEL = "synthetic:tiny"
 DEFAULT_BACKENDS = ("cpu:threads=1,cap=4,ctx=2048", "cpu:threads=1,cap=4,ctx=2048")
@@ -654,7 +654,7 @@ class Soak:
                         await asyncio.wait({fut}, timeout=30)
                 else:
                     outcome = await api_once(session, base, spec)
-            except Exception as e:  # noqa: BLE001  (a failure is data: the worker goes on)
+            except Exception as e:  # a failure is data: the worker goes on
                 outcome = _error(spec, t0, f"{type(e).__name__}: {e}")
             finally:
                 self.tally.in_flight -= 1

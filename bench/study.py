@@ -29,17 +29,29 @@ from datetime import datetime
 from pathlib import Path
 
 from engine import llama
-from engine.sim.benchmark import RequestRecord, aggregate, oracle, run_metrics
+from engine.backends.config import default_specs, parse_backend_specs
+from engine.core.errors import EngineError, InvalidRequest
+from engine.engine import Engine
+from engine.experiment import Collected, EngineRunner, Variant
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import parse_rates
-from engine.backends.config import default_specs, parse_backend_specs
-from engine.engine import Engine
-from engine.core.errors import EngineError, InvalidRequest
-from engine.experiment import Collected, EngineRunner, Variant
 from engine.routing import RouteQuery, Router, make_policy
-from engine.sim.workload import (ARRIVAL_MODES, OUTPUT_MODES, SEED_GEN_TOKENS, SEED_PREFIX_TOKENS,
-                             SEED_SUFFIX_TOKENS, TOKEN_HIGH, Workload, WorkloadSpec, build_workload, seed_workload,
-                             shared_tokens_for, tokenized, with_requests)
+from engine.sim.benchmark import RequestRecord, aggregate, oracle, run_metrics
+from engine.sim.workload import (
+    ARRIVAL_MODES,
+    OUTPUT_MODES,
+    SEED_GEN_TOKENS,
+    SEED_PREFIX_TOKENS,
+    SEED_SUFFIX_TOKENS,
+    TOKEN_HIGH,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    seed_workload,
+    shared_tokens_for,
+    tokenized,
+    with_requests,
+)
 
 from . import report as bench_report
 from .progress import Progress
@@ -143,7 +155,7 @@ def add_tenant_arguments(p, *, tenants: str | None = None) -> None:
 # ---- commands ----
 
 
-def run_seed(args, bench: type["Bench"] | None = None) -> int:
+def run_seed(args, bench: type[Bench] | None = None) -> int:
     n_list = _int_list(args.requests, "--requests")
     spec = seed_workload(1, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
                          gen_tokens=args.gen_tokens, interval_s=args.interval_ms / 1e3,
@@ -151,7 +163,7 @@ def run_seed(args, bench: type["Bench"] | None = None) -> int:
     return _bench(args, "seed", [spec], n_list, caps=[], kv_seqs=[None], bench=bench)
 
 
-def run_grid(args, bench: type["Bench"] | None = None) -> int:
+def run_grid(args, bench: type[Bench] | None = None) -> int:
     n_list = _int_list(args.requests, "--requests")
     shared = _int_list(args.shared, "--shared", low=0)
     if max(shared) > 100:
@@ -180,7 +192,7 @@ def run_grid(args, bench: type["Bench"] | None = None) -> int:
 
 
 def _bench(args, kind: str, specs: list[WorkloadSpec], n_list: list[int], *, caps: list[int],
-           kv_seqs: list, bench: type["Bench"] | None = None) -> int:
+           kv_seqs: list, bench: type[Bench] | None = None) -> int:
     """Run (`Bench`, or a class that runs the same loops another way: `bench.simulate.SimBench`),
     then write the results."""
     if args.runs < 1 or args.warmup < 0:

@@ -88,7 +88,7 @@ async def probe(url: str, api: str = "auto", label: str | None = None, timeout: 
             try:
                 async with session.get(f"{url}/props") as r:
                     is_llama_server = r.status == 200 and "default_generation_settings" in await r.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (TimeoutError, aiohttp.ClientError, ValueError):
                 pass
         model = None
         try:
@@ -97,7 +97,7 @@ async def probe(url: str, api: str = "auto", label: str | None = None, timeout: 
                     data = (await r.json(content_type=None)).get("data") or []
                     model = data[0].get("id") if data else None
                 reachable = True
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
             reachable = is_llama_server
         if not reachable:
             raise ConnectionError(f"--target {url}: no answer from /props or /v1/models")
@@ -193,7 +193,7 @@ async def _send(session, target: Target, prompt, n_tokens: int) -> dict:
                     last = now
                     out["tokens"] += 1
                 _read_final(target, chunk, out)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["e2e"] = time.perf_counter() - t0
     return out

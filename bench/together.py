@@ -9,9 +9,9 @@ through shared cores, memory bandwidth and Python's GIL. The last stdout line is
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
-import os
 import threading
 from typing import Any
 
@@ -20,7 +20,6 @@ from engine.backends.local import Backend
 from engine.llama.model import Model, resolve_model
 
 from .common import ctx_for, engine_decode, filler_prompt
-
 
 HELP = "GPU and CPU backends decoding at once vs each alone"
 

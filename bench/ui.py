@@ -20,12 +20,11 @@ import time
 from typing import Any
 
 from engine.backends.config import default_specs, parse_backend_specs
-from engine.engine import Engine
 from engine.core.errors import InvalidRequest
 from engine.core.request import Request, SamplingParams
+from engine.engine import Engine
 
 from .common import decode_rate, filler_prompt
-
 
 HELP = "what the live desktop app costs the backends' decode (needs a screen)"
 

@@ -32,20 +32,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.prompts import chat
-from engine.rates.measure import calibrate_at_load
-from engine.rates.store import ModelRates
 from engine.backends import registry
 from engine.backends.config import resolve_contexts
-from engine.backends.protocol import BackendInfo
+from engine.backends.protocol import BackendInfo, BackendProtocol
 from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
 from engine.core.events import EventBus, RequestRouted
 from engine.core.handle import RequestHandle
-from .llama.model import Model, ModelRegistry, resolve_model
-from engine.backends.protocol import BackendProtocol
 from engine.core.request import Request, RequestStatus, SamplingParams, error_record
-from engine.routing import RouteQuery, Router
 from engine.core.snapshot import BackendSnapshot, Rates
+from engine.prompts import chat
+from engine.rates.measure import calibrate_at_load
+from engine.rates.store import ModelRates
+from engine.routing import RouteQuery, Router
+
+from .llama.model import Model, ModelRegistry, resolve_model
 
 if TYPE_CHECKING:
     from engine.rates.refresh import OnlineRefresh
@@ -75,7 +75,7 @@ class Engine:
              policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None,
-             calibration_progress: Callable[[int, int, str], None] | None = None) -> "Engine":
+             calibration_progress: Callable[[int, int, str], None] | None = None) -> Engine:
         """Resolve the model, load it once per device, start one backend per config (of any kind
         engine/backends/registry.py knows).
 

@@ -29,14 +29,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from engine.sim.arrivals import ArrivalClock
-from engine.sim.benchmark import RequestRecord, RunSummary, decision_line, run_metrics
-from engine.rates.refresh import OnlineRefresh
-from .engine import Engine
 from engine.core.errors import EngineError
 from engine.core.handle import RequestHandle
 from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.rates.refresh import OnlineRefresh
+from engine.sim.arrivals import ArrivalClock
+from engine.sim.benchmark import RequestRecord, RunSummary, decision_line, run_metrics
 from engine.sim.workload import TOKEN_HIGH, RequestSpec, Workload, WorkloadSpec, build_workload
+
+from .engine import Engine
 
 SINGLE_POLICIES = ("gpu-only", "cpu-only")
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import httpx2 as httpx
-
 from waiting import wait_until
 
 WAIT = 90
@@ -33,7 +32,7 @@ class Server:
                                      stdout=self.log, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
 
-    def wait_healthy(self, timeout: float = WAIT) -> "Server":
+    def wait_healthy(self, timeout: float = WAIT) -> Server:
         def up() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")

@@ -11,7 +11,6 @@ import openai
 import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-
 from servers import Server
 
 # flash_attn=on: a greedy reply does not move with what shares its batch or with a cache hit

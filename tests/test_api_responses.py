@@ -14,7 +14,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-
 SPEC = "cpu:threads=1,cap=4,ctx=2048"
 TIMEOUT = 600  # seconds for one reply on a loaded two-core machine
 

@@ -12,12 +12,12 @@ import httpx2 as httpx
 import openai
 import pytest
 from pydantic import BaseModel
+from servers import Server
+from test_server import LoopThread
 
 from app.server import create_app
 from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
-from servers import Server
-from test_server import LoopThread
 
 SPEC = "cpu:threads=1,cap=4,ctx=2048"
 TIMEOUT = 300  # seconds: the bound on any one request on a loaded two-core machine

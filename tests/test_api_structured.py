@@ -15,12 +15,11 @@ from typing import Literal
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from servers import Server
 
 from engine.core.errors import InvalidRequest
 from engine.llama.grammar import schema_grammar
 from engine.prompts.structured import TemplateCaps, ToolMode, history, output_schema, parse_reply
-
-from servers import Server
 
 WAIT = 600  # seconds for one reply: a loaded two-core test machine decodes ~1 token/s
 SPEC = "cpu:threads=1,cap=4,ctx=2048"

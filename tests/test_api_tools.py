@@ -8,7 +8,6 @@ model first."""
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import openai
 import pytest
@@ -47,7 +46,7 @@ class Shipment(BaseModel):  # its own `Address`, of another shape than Person's
         number: int
 
     to: Address
-    note: Optional[str] = Field(default=None, max_length=24)
+    note: str | None = Field(default=None, max_length=24)
 
 
 def params(model: type[BaseModel]) -> dict:

@@ -6,13 +6,12 @@ import threading
 from dataclasses import replace
 
 import pytest
+from waiting import WAIT, held_when, paused, wait_until
 
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, ModelLoadError
 from engine.core.handle import RequestHandle
-from engine.llama.model import Model, resolve_model
 from engine.core.request import Request, RequestStatus, SamplingParams
-
-from waiting import WAIT, held_when, paused, wait_until
+from engine.llama.model import Model, resolve_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 

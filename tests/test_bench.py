@@ -16,14 +16,24 @@ import pytest
 
 from app.cli import main
 from bench import report as bench_report
-from bench.study import loaded_name
 from bench.progress import Progress
+from bench.study import loaded_name
 from bench.target import Target, parse_target, probe, run_target
-from engine.sim.benchmark import (RequestRecord, aggregate, decision_line, idle_paused_s, makespan, oracle,
-                              output_throughput, percentile, run_metrics, seed_formula)
 from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
 from engine.llama import fused_dist
+from engine.sim.benchmark import (
+    RequestRecord,
+    aggregate,
+    decision_line,
+    idle_paused_s,
+    makespan,
+    oracle,
+    output_throughput,
+    percentile,
+    run_metrics,
+    seed_formula,
+)
 from engine.sim.workload import build_workload, seed_workload
 
 BACKENDS = ["--backend", "cpu:threads=1,cap=2,ctx=512", "--backend", "cpu:threads=1,cap=2,ctx=512"]
@@ -152,8 +162,8 @@ class TestMetrics:
 
 class TestDecisionLine:
     def test_format_of_the_router_issue(self):
-        from engine.routing import RouteQuery, Router
         from engine.core.snapshot import BackendSnapshot, Rates
+        from engine.routing import RouteQuery, Router
 
         snaps = [BackendSnapshot("gpu", "gpu", 4, 4096, Rates(2551, 293)),
                  BackendSnapshot("cpu", "cpu", 4, 4096, Rates(73, 45))]
@@ -262,7 +272,7 @@ class TestBenchSeed:
         assert rc == 0
         assert {p.name for p in out.iterdir()} == {"summary.json", "requests.csv", "decisions.jsonl", "results.md",
                                                    "makespan.png", "ttft_cdf.png"}
-        summary, rows, decisions = read_outputs(out)
+        summary, _rows, _decisions = read_outputs(out)
         assert summary["policies"] == self.POLICIES
         assert summary["requests"] == [2, 6] and summary["runs"] == 2
         assert "fresh engine state" in summary["engine_state"] and "loaded once" in summary["engine_state"]
@@ -289,7 +299,7 @@ class TestBenchSeed:
 
     def test_requests_csv_one_row_per_request(self, run):
         _, out = run
-        summary, rows, _ = read_outputs(out)
+        _summary, rows, _ = read_outputs(out)
         assert len(rows) == len(self.POLICIES) * 2 * (2 + 6)
         for r in rows:
             assert r["success"] == "True" and r["finish_reason"] == "length"
@@ -437,7 +447,7 @@ def test_bench_together_runs_two_backends_at_once(tiny_path, capsys):
                "--gen-tokens", "16"])
     out = _last_json(capsys)
     assert rc == 0 and out["gpu_alone_tok_s"] > 0 and out["cpu_together_tok_s"] > 0
-    assert 0 < out["gpu_keep"] and 0 < out["cpu_keep"]
+    assert out["gpu_keep"] > 0 and out["cpu_keep"] > 0
 
 
 # ---- HTTP peers ----

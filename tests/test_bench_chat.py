@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from servers import Server
 
 from app.cli import main
 from bench import report as bench_report
 from bench.chat import WORDS, ChatSpec, build_chat, parse_range, summarize, ttft_split, turn_table
 from bench.simulate import replay
+from engine.core.errors import InvalidRequest
 from engine.sim.benchmark import RequestRecord
 from engine.sim.workload import RecordedTurn, conversation_workload
-from engine.core.errors import InvalidRequest
-from servers import Server
 
 # ---- the workload ----
 

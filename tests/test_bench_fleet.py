@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from bench.fleet import counter_deltas, ratios, remote_backend_available
 from app.cli import main
+from bench.fleet import counter_deltas, ratios, remote_backend_available
 
 # Two tenants x 64-token prefixes, N=12 at 40/s: a few seconds per variant on one core.
 SMALL = ["--model", "synthetic:tiny", "--count", "2", "--tenants", "2", "--tenant-prefix-tokens", "64",
@@ -99,7 +99,7 @@ def test_killing_an_engine_mid_run_fails_only_its_requests(tmp_path):
                "--max-output", "48", "--variants", "sglang:round_robin", "--kill-one-at", "0.4",
                "--timeout", "30", "--out", str(out)])
     assert rc == 0 and time.monotonic() - t0 < 120  # nothing hangs
-    summary, rows = read(out)
+    summary, _rows = read(out)
     (row,) = summary["results"]
     assert row["killed"] == {"engine": "e1", "at_s": 0.4}
     assert row["completed"] >= 20 and row["completed"] + row["failed"] == 30  # the rest finished

@@ -64,7 +64,7 @@ def test_layouts_name_their_servers_backends():
     assert "--backend" not in got["default"].argv
     assert got["one"].argv[-2:] == ("--backend", "cpu:threads=4,cap=8")
     assert got["split"].argv.count("--backend") == 2
-    assert ("--interrupt_requests", "False") == got[LLAMA_CPP].argv[-2:]
+    assert got[LLAMA_CPP].argv[-2:] == ("--interrupt_requests", "False")
 
 
 def test_summary_without_the_default_layout_has_no_ratios():

@@ -5,11 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from engine.core.request import Request, RequestStatus, SamplingParams
-
 from waiting import WAIT, held_when, wait_until
 
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 # Both KV layouts: unified (a cached prefix's cells are aliased) and split (one stream per
 # sequence; a cached prefix is copied from its holder's stream). Split KV gives each of the
@@ -25,7 +23,7 @@ def _layout(unified: bool, per_seq: int, n_seq_max: int = 8, **kw) -> dict:
 
 def _text_tokens(model, n, seed):
     rng = random.Random(seed)
-    words = "river stone light garden paper window music winter orange silver mountain city".split()
+    words = ["river", "stone", "light", "garden", "paper", "window", "music", "winter", "orange", "silver", "mountain", "city"]
     text = " ".join(rng.choice(words) for _ in range(n))
     return model.tokenize(text, add_special=False)[:n]
 

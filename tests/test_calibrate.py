@@ -10,18 +10,24 @@ from dataclasses import replace
 import pytest
 
 from app.cli import main
-from engine.backends.config import BackendConfig
+from engine.backends.config import BackendConfig, parse_backend_specs
+from engine.backends.registry import DEFAULT_RATES
+from engine.core.errors import InvalidRequest
+from engine.core.request import Request, SamplingParams
+from engine.core.snapshot import Rates
+from engine.engine import Engine
 from engine.rates.fit import fit_step_model, step_table
 from engine.rates.measure import calibrate_backend
 from engine.rates.refresh import OnlineRefresh
-from engine.rates.store import ModelRates, RateStore, cache_dir, config_key, parse_rates, save_calibration
-from engine.backends.config import parse_backend_specs
-from engine.backends.registry import DEFAULT_RATES
-from engine.engine import Engine
-from engine.core.errors import InvalidRequest
-from engine.rates.store import file_fingerprint
-from engine.core.request import Request, SamplingParams
-from engine.core.snapshot import Rates
+from engine.rates.store import (
+    ModelRates,
+    RateStore,
+    cache_dir,
+    config_key,
+    file_fingerprint,
+    parse_rates,
+    save_calibration,
+)
 
 SPECS = ["cpu:threads=1,cap=3,ctx=512", "cpu:threads=1,cap=3,ctx=512"]
 SMALL = dict(prompt_tokens=64, gen_tokens=8, repeats=1)
@@ -374,8 +380,8 @@ class TestCommand:
 
 def test_engine_load_can_refresh_rates_online(tiny_path):
     from engine.backends.config import parse_backend_specs
-    from engine.engine import Engine
     from engine.core.request import Request, SamplingParams
+    from engine.engine import Engine
 
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=1024"]), online_rates=True)
     try:

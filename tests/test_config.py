@@ -5,8 +5,17 @@ from __future__ import annotations
 import pytest
 
 from engine.backends import config as backend_module
-from engine.backends.config import (AUTO_CAP, AUTO_IDLE_CELLS, AUTO_START, auto_contexts, auto_limits, auto_pool_cells,
-                                    parse_backend_spec, parse_backend_specs, resolve_contexts)
+from engine.backends.config import (
+    AUTO_CAP,
+    AUTO_IDLE_CELLS,
+    AUTO_START,
+    auto_contexts,
+    auto_limits,
+    auto_pool_cells,
+    parse_backend_spec,
+    parse_backend_specs,
+    resolve_contexts,
+)
 from engine.core.errors import InvalidRequest
 
 

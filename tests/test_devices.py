@@ -13,7 +13,6 @@ from engine.backends.config import default_specs, parse_backend_spec, parse_back
 from engine.core.errors import InvalidRequest, ModelLoadError
 from engine.llama.model import Model, ModelRegistry
 
-
 # ---- spec grammar ----
 
 
@@ -111,7 +110,7 @@ def test_asking_for_a_missing_gpu_names_what_exists():
 
 
 def test_loading_on_a_missing_gpu_fails_clearly(tiny_path):
-    with pytest.raises(ModelLoadError, match="gpu1 asked for.*devices here: CPU"):
+    with pytest.raises(ModelLoadError, match=r"gpu1 asked for.*devices here: CPU"):
         Model(tiny_path, "gpu1")
     with pytest.raises(ModelLoadError, match="gpu1 asked for"):
         ModelRegistry().acquire(tiny_path, "gpu1")
@@ -159,13 +158,13 @@ def test_snapshot_reports_device_memory_fields(tiny_model, make_backend):
 def test_engine_with_a_missing_gpu_fails_clearly(tiny_path):
     from engine.engine import Engine
 
-    with pytest.raises(ModelLoadError, match="gpu1 asked for.*devices here: CPU"):
+    with pytest.raises(ModelLoadError, match=r"gpu1 asked for.*devices here: CPU"):
         Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=1,ctx=512", "gpu:device=1"]))
 
 
 def test_contexts_of_one_spec_serve_on_one_shared_model(tiny_path):
-    from engine.engine import Engine
     from engine.core.request import Request, SamplingParams
+    from engine.engine import Engine
 
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=512,contexts=2"]), calibrate=False)
     try:

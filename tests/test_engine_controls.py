@@ -6,16 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from waiting import WAIT
 
-from engine.backends.config import BackendConfig
-from engine.backends.config import parse_backend_specs
+from engine.backends.config import BackendConfig, parse_backend_specs
 from engine.backends.registry import BACKEND_KINDS, backend_kind
-from engine.engine import Engine
 from engine.core.errors import InvalidRequest
 from engine.core.request import SamplingParams
 from engine.core.snapshot import Rates
-
-from waiting import WAIT
+from engine.engine import Engine
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 from waiting import WAIT, wait_until
 
+from engine.backends.config import parse_backend_specs
+from engine.core.events import RequestFinished
+from engine.engine import Engine
+from engine.experiment import EngineRunner, Variant, experiment_runner
 from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import makespan, run_metrics
-from engine.backends.config import parse_backend_specs
-from engine.engine import Engine
-from engine.core.events import RequestFinished
-from engine.experiment import EngineRunner, Variant, experiment_runner
 from engine.sim.workload import TOKEN_HIGH, build_workload, seed_workload
 
 SPEC = seed_workload(3, prefix_tokens=32, suffix_tokens=4, gen_tokens=4, interval_s=0.01)

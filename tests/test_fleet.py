@@ -13,7 +13,6 @@ import time
 import openai
 import pytest
 from servers import WAIT, Server
-
 from waiting import wait_until
 
 ENGINE_SPEC = "cpu:threads=1,cap=4,ctx=4096"
@@ -200,7 +199,7 @@ def test_a_stream_ends_with_a_clear_error_when_no_engine_is_left(fleet):
                                        stream=True, extra_body={"ignore_eos": True})
     text = next(iter(stream)).choices[0].text
     engines[1].kill()
-    with pytest.raises(openai.APIError, match="(?i)unavailable|no healthy backend"):
+    with pytest.raises(openai.APIError, match=r"(?i)unavailable|no healthy backend"):
         for chunk in stream:
             text += chunk.choices[0].text if chunk.choices else ""
     assert text

@@ -16,15 +16,14 @@ import time
 
 import pytest
 from aiohttp import web
+from waiting import wait_until
 
-from engine.backends.remote import RemoteBackend
 from engine.backends.config import RemoteConfig
-from engine.engine import Engine
+from engine.backends.remote import RemoteBackend
 from engine.core.events import EventBus
 from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.engine import Engine
 from engine.routing import Router
-
-from waiting import wait_until
 
 WAIT = 30
 FIRST_TOKEN_S = 1.0

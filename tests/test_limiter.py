@@ -19,8 +19,8 @@ import random
 
 import pytest
 
-from engine.sched.limiter import CEILING, START, ConcurrencyLimiter
 from engine.core.request import Request, SamplingParams
+from engine.sched.limiter import CEILING, START, ConcurrencyLimiter
 from engine.sched.scheduler import Scheduler, SeqState
 
 # ---- the rules, on scripted steps ----

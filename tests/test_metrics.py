@@ -11,13 +11,12 @@ import threading
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_until
 
 from engine.backends.config import parse_backend_specs
-from engine.engine import Engine
 from engine.core.metrics import ITL_BUCKETS, EngineMetrics, _WeightedHistogram
 from engine.core.request import FinishRecord, RequestStatus, SamplingParams
-
-from waiting import wait_until
+from engine.engine import Engine
 
 WAIT = 60
 SPECS = ["cpu:threads=1,cap=4,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from waiting import WAIT
 
 from engine.backends.config import parse_backend_specs
 from engine.core.errors import InvalidRequest
 from engine.core.events import RequestFinished
 from engine.core.request import RequestStatus, SamplingParams
 from engine.engine import Engine
-
-from waiting import WAIT
 
 
 def test_an_engine_of_null_backends_answers_every_request_at_once():

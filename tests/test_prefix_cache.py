@@ -4,9 +4,11 @@ brute-force model of the seqs llama.cpp would hold. No model needed."""
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.sched.prefix_cache import EvictAction, Pin, PrefixCache
@@ -27,7 +29,7 @@ def assert_totals(cache: PrefixCache, cached: int, pinned: int) -> None:
 
 
 class TestInsert:
-    CASES = {
+    CASES: ClassVar[dict] = {
         # name: (earlier inserts, new tokens, new seq, already_cached, free_seqs, holders, cached)
         "empty tree": ([], [1, 2, 3], 1, 0, [], {1}, 3),
         "empty tokens": ([([1, 2], 1)], [], 2, 0, [2], {1}, 2),
@@ -189,7 +191,7 @@ class TestEvict:
         cache.unpin(pin)
         assert cache.evict(need_seqs=1) == [EvictAction(1, 0, 1)]
 
-    CASES = {
+    CASES: ClassVar[dict] = {
         # name: (inserts, evict kwargs, actions, holders after, cached after)
         "sibling left: release": ([([1, 2, 3], 1), ([1, 2, 4], 2)], {"need_tokens": 1},
                                   [EvictAction(1, 0, 1)], {2}, 3),
@@ -226,7 +228,7 @@ class TestConversations:
     """Eviction is LRU by conversation: what a request used whole, a chain's time, and superseded
     tails first."""
 
-    SYSTEM = list(range(100, 140))  # a shared system prompt of 40 tokens
+    SYSTEM: ClassVar[list[int]] = list(range(100, 140))  # a shared system prompt of 40 tokens
 
     def conversation(self, n: int, length: int = 30) -> list[int]:
         return self.SYSTEM + [1000 * n + i for i in range(length)]
@@ -340,7 +342,7 @@ class TestThreads:
                 while not stop.is_set():
                     for first in range(4):
                         assert 0 <= cache.match_length([first, 1, 2, 3]) <= 4
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:  # reported below
                 errors.append(exc)
 
         thread = threading.Thread(target=router)

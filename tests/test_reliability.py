@@ -6,13 +6,12 @@ import threading
 import time
 
 import pytest
+from waiting import WAIT, wait_until
 
 from engine.backends.config import parse_backend_specs
-from engine.engine import Engine
 from engine.core.errors import BackendUnavailable, InvalidRequest, QueueFull
 from engine.core.request import Request, RequestStatus, SamplingParams
-
-from waiting import WAIT, wait_until
+from engine.engine import Engine
 
 
 @pytest.fixture

@@ -6,30 +6,28 @@ The engines are subprocesses (module fixture, killed at teardown); every wait is
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
-
-import json
 import urllib.error
 import urllib.request
 
 import pytest
+from waiting import wait_until
 
 from engine.backends import registry
 from engine.backends.config import RemoteConfig, parse_backend_spec
-from engine.engine import Engine
+from engine.backends.remote import RemoteBackend
 from engine.core.errors import InvalidRequest
 from engine.core.events import EventBus
 from engine.core.handle import RequestHandle
-from engine.backends.remote import RemoteBackend
 from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.engine import Engine
 from engine.routing import Router
-
-from waiting import wait_until
 
 UP_S = 60  # an engine process loads the tiny model and answers /health within this
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)

@@ -9,15 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import pytest
+from test_server import LoopThread
+from waiting import WAIT, wait_until
 
 from app.server import create_app
 from engine.backends.config import parse_backend_specs
-from engine.engine import Engine
 from engine.core.errors import RestartInProgress
 from engine.core.request import Request, SamplingParams
-
-from test_server import LoopThread
-from waiting import WAIT, wait_until
+from engine.engine import Engine
 
 MODEL = "synthetic:tiny"
 SPECS = ["cpu:threads=1,cap=1,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]
@@ -100,7 +99,7 @@ def test_restarts_under_traffic_lose_no_request(served):
     """Completions keep coming while cpu0 restarts ten times: what was queued or had produced
     nothing moves to cpu1, what had produced text finishes first (bounded), and every reply is
     a 200 (such restarts used to answer dozens of requests with 503 "shut down")."""
-    eng, base = served
+    _eng, base = served
     stop = threading.Event()
     codes: list[int] = []
 

@@ -7,15 +7,16 @@ cached prefix; 128 tokens generated each.
 
 from __future__ import annotations
 
-import os
+import itertools
 import json
+import os
 import threading
-
 from dataclasses import replace
 
 import pytest
 
 from engine.core.errors import BackendUnavailable, InvalidRequest
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import (
     BUDGET_MODES,
     DEFAULT_POLICY,
@@ -32,7 +33,6 @@ from engine.routing import (
     predicted_finish,
     seed_score,
 )
-from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 CPU_RATES = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
 GPU_RATES = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
@@ -346,7 +346,7 @@ class TestDecodeBudget:
         assert r.value == 0.7
         values = [r.step() for _ in range(100)]
         assert values[0] == pytest.approx(0.69)
-        assert all(a >= b for a, b in zip(values, values[1:]))
+        assert all(a >= b for a, b in itertools.pairwise(values))
         assert r.value == pytest.approx(0.1)
         assert r.reset() == 0.7
 

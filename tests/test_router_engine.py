@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from waiting import WAIT
 
 from engine.backends.config import parse_backend_specs
-from engine.engine import Engine
 from engine.core.request import SamplingParams
-from waiting import WAIT
+from engine.engine import Engine
 
 PREFIX = list(range(10, 210))  # a 200-token "system prompt"
 

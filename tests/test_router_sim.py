@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import RecentPrefixes, RouteQuery, Router
 from engine.routing.seed_score import SeedScored
-from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 
 PREFIX, OWN, CAP, CACHE_TENANTS, TENANTS = 1500, 50, 8, 4, 8
 ALPHA, BETA, PREFILL = 0.010, 0.0005, 20_000.0

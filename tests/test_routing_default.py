@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
 
 M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
 M2_CPU = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")

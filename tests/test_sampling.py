@@ -10,9 +10,8 @@ import re
 import pytest
 
 from engine.core.errors import InvalidRequest
-from engine.llama import grammar, greedy, runner, sampling
-from engine.llama import holding_gil
 from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.llama import grammar, greedy, holding_gil, runner, sampling
 
 WAIT = 120
 
@@ -87,7 +86,7 @@ def test_host_sampling_keeps_llama_chains(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=2, cache=False, backend_sampling=False)
     before = greedy.BUILDS.copy()
     r = b.enqueue(Request((5, 6, 7), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))).result(WAIT)
-    assert r.output_tokens == 8 and greedy.BUILDS == before and b.eog_redos == 0
+    assert r.output_tokens == 8 and before == greedy.BUILDS and b.eog_redos == 0
 
 
 def test_cached_sequences_leave_the_chained_ids_to_new_requests(make_backend, tiny_model):

@@ -21,14 +21,13 @@ import httpx2 as httpx  # the `openai` client's own HTTP library (httpx's API)
 import openai
 import pytest
 from aiohttp import web
+from waiting import wait_until
 
 from app.server import create_app, start_server
 from engine.backends.config import parse_backend_specs
-from engine.engine import Engine
 from engine.core.events import StepDone
+from engine.engine import Engine
 from engine.llama.model import resolve_model
-
-from waiting import wait_until
 
 WAIT = 60  # seconds: the bound on any single wait
 MODEL = "synthetic:tiny"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.sim.benchmark import run_metrics
 from engine.core.errors import InvalidRequest
+from engine.sim.benchmark import run_metrics
 from engine.sim.simulate import PROFILES, Profile, apply_overrides, scaled_profile, simulate
 from engine.sim.workload import WorkloadSpec, build_workload, seed_workload
 
@@ -173,7 +173,7 @@ def test_this_machine_without_the_recorded_models_calibration_says_so(tmp_path):
 
     store = RateStore(tmp_path / "rates.json")
     _calibrated(store, "tiny", "synthetic-tiny", "2026-12-01T04:00:00", 9000.0)
-    with pytest.raises(InvalidRequest, match="no calibration of the recorded model .SmolLM2.*tandem calibrate --model default"):
+    with pytest.raises(InvalidRequest, match=r"no calibration of the recorded model .SmolLM2.*tandem calibrate --model default"):
         this_machine(store, model={"fingerprint": "small", "name": "SmolLM2", "spec": "default"})
 
 
@@ -184,7 +184,7 @@ def test_replaying_a_simulated_run_says_it_is_one(tmp_path):
     args = build_parser().parse_args(["simulate", "seed", "--profile", "study-m2", "--requests", "8", "--runs", "1",
                                       "--policies", "seed-score", "--no-plots", "--out", str(tmp_path)])
     assert args.func(args) == 0
-    with pytest.raises(InvalidRequest, match="a simulated run .tandem simulate seed.; replay predicts a recorded"):
+    with pytest.raises(InvalidRequest, match=r"a simulated run .tandem simulate seed.; replay predicts a recorded"):
         replay(tmp_path)
 
 
@@ -193,10 +193,10 @@ def test_replaying_files_that_are_not_a_bench_run_is_refused(tmp_path):
 
     (tmp_path / "summary.json").write_text(json.dumps({"tool": "tandem bench seed", "workloads": []}))
     (tmp_path / "requests.csv").write_text("workload,policy\n")
-    with pytest.raises(InvalidRequest, match="not a bench run's files .KeyError"):
+    with pytest.raises(InvalidRequest, match=r"not a bench run's files .KeyError"):
         replay(tmp_path)
     (tmp_path / "summary.json").write_text("{not json")
-    with pytest.raises(InvalidRequest, match="summary.json is not JSON"):
+    with pytest.raises(InvalidRequest, match=r"summary\.json is not JSON"):
         replay(tmp_path)
 
 
@@ -283,8 +283,8 @@ _ALPHA, _BETA, _GAMMA = 0.004, 0.02, 4e-5
 
 
 def _ctx_rates(prompt: int = 512, gen: int = 32):
-    from engine.rates.fit import calibration_cells
     from engine.core.snapshot import Rates
+    from engine.rates.fit import calibration_cells
 
     cells = (calibration_cells(prompt, gen),) * 8
     table = tuple(_ALPHA + _BETA * b + _GAMMA * b * c for b, c in enumerate(cells, 1))
@@ -481,8 +481,8 @@ def test_an_entry_stored_before_the_masked_scan_steps_at_its_table_pool(tmp_path
 
 def _scan_profile(delta: float) -> Profile:
     """A GPU-shaped backend (whole prompts in one step) whose step is the table plus delta*b*n_kv."""
-    from engine.sim.simulate import BackendProfile
     from engine.core.snapshot import Rates
+    from engine.sim.simulate import BackendProfile
 
     rates = Rates(1e9, 200.0, source="calibrated", step_table=(0.010, 0.012), step_delta_s=delta)
     return Profile("scan", (BackendProfile("dev", "gpu", rates, cap=2, kv_cells=4096),))

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from engine.sim.benchmark import run_metrics
 from engine.sched.limiter import CEILING
+from engine.sim.benchmark import run_metrics
 from engine.sim.simulate import PROFILES, Simulation, apply_overrides, simulate
 from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 

@@ -14,8 +14,8 @@ import threading
 import llama_cpp  # before numpy (via engine.llama.synthetic): the GPU machine crashes otherwise
 import pytest
 
-from engine.llama import synthetic
 from engine.core.errors import ModelLoadError
+from engine.llama import synthetic
 from engine.llama.synthetic import SHAPES, parse_spec, synthetic_path, write_gguf
 
 

@@ -7,7 +7,14 @@ import pytest
 
 from engine.core.snapshot import Rates
 from engine.sim.teaching import (
-    ARTICLE_RATES, boundary, gpu_decode_to_keep, gpu_sum, score_formula, study_arrivals, teaching_steps, verdict,
+    ARTICLE_RATES,
+    boundary,
+    gpu_decode_to_keep,
+    gpu_sum,
+    score_formula,
+    study_arrivals,
+    teaching_steps,
+    verdict,
 )
 
 

@@ -93,10 +93,10 @@ def test_a_first_start_says_it_is_measuring_the_backends_speed(qtbot, make_windo
 
 
 def test_the_window_shows_the_model_once_loaded(qtbot, qasync_loop, tmp_path):
+    from PySide6.QtCore import QSettings
+
     from ui.history import ChatStore
     from ui.main_window import MainWindow
-
-    from PySide6.QtCore import QSettings
 
     w = MainWindow(load_fn=load_engine, store=ChatStore(tmp_path), gpu_offload=False,
                    settings=QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
@@ -197,7 +197,8 @@ def test_experiments_compare_policies(qtbot, make_window, ui_engine, tmp_path):
     assert ex.summaries[1].metrics.routed == {"cpu1": 3}
     assert ex.table.rowCount() == 2 and ex.progress.value() == 6
     assert ui_engine.router.policy == "seed-score"  # restored
-    rows = list(csv.DictReader(open(ex.export_csv(tmp_path / "r.csv"))))
+    with open(ex.export_csv(tmp_path / "r.csv")) as f:
+        rows = list(csv.DictReader(f))
     assert [r["policy"] for r in rows] == ["seed-score", "only:cpu1"] and rows[1]["requests_cpu1"] == "3"
     doc = json.loads(ex.export_json(tmp_path / "r.json").read_text())
     assert doc["workload"]["n_requests"] == 3 and len(doc["runs"]) == 2

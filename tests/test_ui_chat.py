@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 
-from ui_fixtures import WAIT_MS, StepGate, make_window, qasync_loop, ui_engine  # noqa: F401
-
 from PySide6.QtGui import QGuiApplication
+from ui_fixtures import WAIT_MS, StepGate, make_window, qasync_loop, ui_engine  # noqa: F401
 
 
 def send(qtbot, chat, text: str) -> None:

@@ -3,8 +3,9 @@ prefix cache, and each reply's details say how many prompt tokens were cached.""
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
+import pytest
 from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from engine.backends.config import parse_backend_specs
@@ -29,7 +30,7 @@ def test_later_turns_show_their_cached_history_in_the_details(qtbot, smollm_engi
     replies = [m.meta for m in chat.chat.messages if m.role == "assistant"]
     assert len(replies) == 3 and not any(r["error"] for r in replies)
     transcript = chat.transcript_text()
-    for before, meta in zip(replies, replies[1:]):
+    for before, meta in itertools.pairwise(replies):
         # the earlier turn's prompt and its reply, as far as it was decoded, came from the cache
         assert meta["cached_tokens"] >= before["prompt_tokens"] + before["output_tokens"] - 1, replies
         assert f"cached {meta['cached_tokens']}/{meta['prompt_tokens']}" in transcript

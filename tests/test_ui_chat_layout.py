@@ -5,9 +5,8 @@ that is not yanked back while a reply streams."""
 from __future__ import annotations
 
 import pytest
-from ui_fixtures import WAIT_MS, StepGate, make_window, qasync_loop, ui_engine  # noqa: F401
-
 from PySide6.QtCore import QSettings, Qt
+from ui_fixtures import WAIT_MS, StepGate, make_window, qasync_loop, ui_engine  # noqa: F401
 
 
 def shown(qtbot, w, width: int, height: int):

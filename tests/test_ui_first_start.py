@@ -331,8 +331,9 @@ def _clipped_plots(window, checked: list | None = None) -> list[str]:
 
 @pytest.mark.parametrize("size", [(1280, 720), (1366, 768), (1920, 1080), (2560, 1440)])
 def test_nothing_is_clipped_at_each_screen_size(qtbot, app_style, make_window, ui_engine, size):
-    from ui.main_window import compact_layout
     from PySide6.QtCore import QSize
+
+    from ui.main_window import compact_layout
 
     w = make_window(engine=None, compact=compact_layout(QSize(*size)))  # as a screen this size opens it
     w.resize(*size)

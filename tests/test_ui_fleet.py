@@ -3,10 +3,9 @@ model. The window shows them like local backends, and a chat routes to them."""
 
 from __future__ import annotations
 
-from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
-
 import pytest
 from servers import Server
+from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from engine.backends.config import parse_backend_specs
 from engine.engine import Engine

@@ -204,9 +204,9 @@ def _served_after(fake_hub, path: str, start: int) -> int:
 
 def test_a_stopped_download_resumes_from_the_bytes_on_disk(fake_hub, tiny_bytes, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
+    from waiting import wait_until
 
     from ui import hub
-    from waiting import wait_until
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # the file is written as it comes
     f = hub.gguf_files(REPO)[0]
@@ -237,8 +237,9 @@ def test_a_stopped_download_resumes_from_the_bytes_on_disk(fake_hub, tiny_bytes,
 
 def test_a_download_killed_with_the_app_resumes_next_time(fake_hub, tiny_bytes, tmp_path):
     """The app closed (its process killed) in the middle of a download: the next start fetches the rest."""
-    from ui import hub
     from waiting import wait_until
+
+    from ui import hub
 
     f = hub.gguf_files(REPO)[0]
     partial = hub.partial_path(f, tmp_path / "tester--Tiny-GGUF")
@@ -285,16 +286,16 @@ def test_a_resumed_file_that_does_not_match_its_checksum_is_deleted(fake_hub, ti
 def _raises(fn, *args, **kwargs):
     try:
         fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return e
     return None
 
 
 def test_the_search_fails_with_a_message_when_the_hub_is_unreachable(monkeypatch):
     import huggingface_hub.constants as constants
+    from ui_fixtures import free_port
 
     from ui import hub
-    from ui_fixtures import free_port
 
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(hub.HubError, match="searching the Hub failed"):

@@ -7,7 +7,6 @@ import json
 import os
 
 import gguf
-
 from ui_fixtures import UI_MODEL, WAIT_MS, load_and_wait, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from app.gui import load_engine

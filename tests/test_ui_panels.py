@@ -6,10 +6,8 @@ import math
 import threading
 
 import pytest
-
-from ui_fixtures import WAIT_MS, make_window, qasync_loop, spare_engine, ui_engine  # noqa: F401
-
 from PySide6.QtCore import Qt
+from ui_fixtures import WAIT_MS, make_window, qasync_loop, spare_engine, ui_engine  # noqa: F401
 
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.snapshot import Rates
@@ -141,7 +139,7 @@ def test_routing_table_gains_a_row_per_request_equal_to_the_engines_record(qtbot
     assert d.request_id in text and d.reason in text
     assert f"{d.chosen.score_s:.3f} s" in text
     tick(qtbot, w)
-    x, y = view.curves["cpu0"].getData()
+    x, _y = view.curves["cpu0"].getData()
     assert list(x) == list(range(1, SMALL.n_requests + 1))  # one point per row, by row number
     assert len(view.marks.data) == SMALL.n_requests
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ui_fixtures import make_window, qasync_loop, ui_engine  # noqa: F401
-
 from PySide6.QtCore import QSettings
+from ui_fixtures import make_window, qasync_loop, ui_engine  # noqa: F401
 
 from ui.presets import STARTERS
 

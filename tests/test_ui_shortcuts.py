@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
-
 from PySide6.QtGui import QGuiApplication
+from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
 
 def replied(qtbot, chat, text="hi"):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pyqtgraph as pg
 import pytest
-
-from ui_fixtures import make_window, qasync_loop, ui_engine  # noqa: F401
-
 from PySide6.QtCore import QSettings, Qt
 from PySide6.QtGui import QGuiApplication
+from ui_fixtures import make_window, qasync_loop, ui_engine  # noqa: F401
 
 from ui.theme import DARK, LIGHT, palette
 
@@ -94,8 +92,8 @@ def test_teaching_queue_cells_follow_the_theme(qtbot, make_window, dark_after):
 
 def _decision(backends: list[str]):
     """A real routing decision over idle backends of these names (the router alone, no engine)."""
-    from engine.routing import RouteQuery, Router
     from engine.core.snapshot import BackendSnapshot, Rates
+    from engine.routing import RouteQuery, Router
 
     rates = Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="measured")
     snaps = [BackendSnapshot(name=b, device="cpu", cap=4, n_ctx=4096, rates=rates) for b in backends]

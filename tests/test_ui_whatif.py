@@ -4,7 +4,6 @@ thread, and a live run on this machine beside its simulation."""
 from __future__ import annotations
 
 import pytest
-
 from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from ui.whatif import THIS_MACHINE, WORKLOADS

@@ -3,17 +3,17 @@ reports arrives on the main thread; its thread ends and the worker lets go of it
 
 from __future__ import annotations
 
-import os
 import gc
+import os
 import threading
 import weakref
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-import shiboken6  # noqa: E402
-from PySide6.QtCore import QObject  # noqa: E402
+import shiboken6
+from PySide6.QtCore import QObject
 
-from ui.worker import Worker  # noqa: E402
+from ui.worker import Worker
 
 WAIT_MS = 10_000
 JOIN_S = 10.0

@@ -6,10 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from waiting import WAIT, held_when, wait_until
 
 from engine.core.request import Request, SamplingParams
-
-from waiting import WAIT, held_when, wait_until
 
 
 def test_a_wait_whose_state_can_no_longer_come_fails_at_once():
@@ -24,7 +23,7 @@ def test_a_wait_returns_when_its_state_comes_even_if_it_is_then_impossible():
 
 
 def test_a_wait_without_its_state_times_out():
-    with pytest.raises(TimeoutError, match="the answer not reached within 0.05 s"):
+    with pytest.raises(TimeoutError, match=r"the answer not reached within 0\.05 s"):
         wait_until(lambda: False, timeout=0.05, what="the answer")
 
 
@@ -43,8 +42,8 @@ def test_holding_for_a_state_that_cannot_come_fails_at_once(make_backend, tiny_m
     b = make_backend(tiny_model, cap=1)
     h = b.enqueue(Request((1, 40, 41), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
     t0 = time.monotonic()
-    with pytest.raises(AssertionError, match="9 tokens can no longer come"):
-        with held_when(b, lambda s: any(i.generated >= 9 for i in s.items), "9 tokens"):
-            pass
+    with (pytest.raises(AssertionError, match="9 tokens can no longer come"),
+          held_when(b, lambda s: any(i.generated >= 9 for i in s.items), "9 tokens")):
+        pass
     assert time.monotonic() - t0 < 10
     assert h.result(WAIT).output_tokens == 8

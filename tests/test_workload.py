@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
 from dataclasses import replace
 
 import pytest
 
-from engine.sim.workload import (TOKEN_LOW, WorkloadSpec, build_workload, seed_workload, shared_tokens_for, tokenized,
-                             with_requests)
+from engine.sim.workload import (
+    TOKEN_LOW,
+    WorkloadSpec,
+    build_workload,
+    seed_workload,
+    shared_tokens_for,
+    tokenized,
+    with_requests,
+)
 
 
 def common_prefix(a, b) -> int:
@@ -103,7 +111,7 @@ class TestArrivals:
         times = [r.arrival_s for r in build_workload(spec).requests]
         assert times[0] == 0.0
         assert times[-1] == pytest.approx(49 / 20.0)
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
         assert min(gaps) >= 0 and len(set(round(g, 9) for g in gaps)) > 40  # not a fixed interval
 
     def test_rate_defaults_to_the_interval(self):
@@ -114,7 +122,7 @@ class TestArrivals:
         def cv(burstiness):
             spec = WorkloadSpec(n_requests=2000, arrival="gamma", rate=10.0, burstiness=burstiness)
             times = [r.arrival_s for r in build_workload(spec).requests]
-            gaps = [b - a for a, b in zip(times, times[1:])]
+            gaps = [b - a for a, b in itertools.pairwise(times)]
             return statistics.stdev(gaps) / statistics.fmean(gaps)
 
         bursty, poisson, smooth = cv(0.25), cv(1.0), cv(4.0)

@@ -31,12 +31,12 @@ import time
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-import pytest  # noqa: E402
+import pytest
 
-import engine.llama  # noqa: E402,F401  (llama.cpp before numpy)
-from engine.backends.config import parse_backend_specs  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.core.events import StepDone  # noqa: E402
+import engine.llama  # noqa: F401  (llama.cpp before numpy)
+from engine.backends.config import parse_backend_specs
+from engine.core.events import StepDone
+from engine.engine import Engine
 
 UI_MODEL = os.environ.get("TANDEM_UI_MODEL", "synthetic:tiny")
 UI_SPECS = ["cpu:threads=1,cap=4,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]

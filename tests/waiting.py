@@ -48,7 +48,7 @@ def held_when(backend, cond, what: str = "condition", unless=None, timeout: floa
     def probe(b):
         try:
             look(b)
-        except BaseException as e:  # noqa: BLE001  (a failing check must end the wait, not the worker)
+        except BaseException as e:  # a failing check must end the wait, not the worker
             seen.append((None, f"could not be checked: {e!r}"))
             held.set()
 

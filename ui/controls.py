@@ -10,14 +10,24 @@ from __future__ import annotations
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
-    QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
-    QPushButton, QSpinBox, QVBoxLayout, QWidget,
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
 )
 
 from engine.core.errors import EngineError
+from engine.core.snapshot import Rates
 from engine.routing import BUDGET_MODES, POLICIES
 from engine.routing import HELP as POLICY_HELP  # one line per policy, beside each (engine/routing/)
-from engine.core.snapshot import Rates
 
 from .formatting import CAP_HELP, live_cap_text
 from .theme import backend_color, wrap_label

@@ -28,9 +28,23 @@ from pathlib import Path
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QAbstractItemView, QCheckBox, QFileDialog, QFormLayout, QGridLayout, QGroupBox, QHBoxLayout,
-    QHeaderView, QLabel, QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget,
-    QTableWidgetItem, QVBoxLayout, QWidget,
+    QAbstractItemView,
+    QCheckBox,
+    QFileDialog,
+    QFormLayout,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
 )
 
 from engine.sim.arrivals import ArrivalClock
@@ -183,7 +197,7 @@ class ExperimentsPanel(QWidget):
     def running(self) -> bool:
         if self._worker is not None and self._worker.running:
             return True
-        return self._run is not None and self._run.running or bool(self._queue)
+        return (self._run is not None and self._run.running) or bool(self._queue)
 
     def toggle(self) -> None:
         if self.running:
@@ -274,7 +288,7 @@ class ExperimentsPanel(QWidget):
         policy = self._queue.pop(0)
         try:
             self.engine.router.set_policy(policy)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.status_message.emit(f"policy {policy}: {e}")
             self._next()
             return

@@ -160,7 +160,7 @@ class Chat:
         return not q or any(q in t.casefold() for t in (self.title, self.system, *(m.content for m in self.messages)))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Chat":
+    def from_dict(cls, d: dict) -> Chat:
         return cls(
             id=str(d["id"]),
             system=str(d.get("system", "")),

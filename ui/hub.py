@@ -32,9 +32,9 @@ import os
 import re
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 HEADER_BYTES = 8 << 20  # a GGUF header (with a 150k-token vocabulary) fits in a few MiB
 HTTP_TIMEOUT_S = 30
@@ -149,7 +149,7 @@ def search_models(query: str, limit: int = 30) -> list[HubModel]:
         found = _api().list_models(search=query.strip() or None, filter="gguf", sort="downloads", limit=limit)
         return [HubModel(m.id, int(getattr(m, "downloads", 0) or 0), int(getattr(m, "likes", 0) or 0))
                 for m in found]
-    except Exception as e:  # noqa: BLE001  (offline, a proxy, the Hub down: said in the dialog)
+    except Exception as e:  # offline, a proxy, the Hub down: said in the dialog
         raise _hub_error("searching the Hub failed", e) from e
 
 
@@ -160,7 +160,7 @@ def gguf_files(repo_id: str) -> list[HubFile]:
 
     try:
         tree = list(_api().list_repo_tree(repo_id, recursive=True))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _hub_error(f"listing {repo_id} failed", e) from e
     out = []
     split: dict[tuple[str, int], dict[int, HubFile]] = {}  # (path less the part's suffix, parts) -> parts
@@ -195,7 +195,7 @@ def model_shape(file: HubFile) -> Shape | None:
         r = get_session().get(hf_hub_url(file.repo_id, file.path), headers=headers, timeout=HTTP_TIMEOUT_S)
         hf_raise_for_status(r)
         head = r.content[:n]
-    except Exception:  # noqa: BLE001  (the fit is then priced without KV, and says so)
+    except Exception:  # the fit is then priced without KV, and says so
         return None
     return parse_shape(head)
 
@@ -427,7 +427,7 @@ def _download_one(file: HubFile, target: Path, progress: Progress, cancel: threa
             super().close()
             try:
                 fp.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     if resume < file.size:
@@ -438,7 +438,7 @@ def _download_one(file: HubFile, target: Path, progress: Progress, cancel: threa
                          tqdm_class=_Bar)
         except DownloadCancelled:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if cancel.is_set():
                 raise DownloadCancelled("download stopped") from e
             raise _hub_error(f"downloading {file.name} failed", e) from e

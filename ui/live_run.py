@@ -29,12 +29,11 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
-from engine.sim.arrivals import ArrivalClock
 from engine.core.handle import RequestHandle
 from engine.core.request import Request, SamplingParams
-from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
-
+from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import RunSummary
+from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
 from .live_stats import summarize
 
@@ -154,7 +153,7 @@ class WorkloadRun(QObject):
         try:
             self._pending = self.engine.flush(wait=False)
             self._set("flushing")
-        except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
+        except Exception as e:  # shown to the user, the app goes on
             self._fail(str(e))
 
     def stop(self) -> None:
@@ -204,7 +203,7 @@ class WorkloadRun(QObject):
         t_submit = time.monotonic()  # just before the engine's own: a request's end is t_submit + e2e_s
         try:
             handle = self.engine.submit(Request(spec.prompt, sampling, source="workload"))
-        except Exception as e:  # noqa: BLE001  (shown to the user, the app goes on)
+        except Exception as e:  # shown to the user, the app goes on
             self._fail(f"submitting request {self._next}: {e}")
             return False
         self.result.request_ids.append(handle.id)

@@ -87,7 +87,7 @@ def read_model(path: str | Path, source: str = "", alias: str = "") -> LocalMode
             if fh.read(4) != b"GGUF":
                 return LocalModel(str(path), path.stem, source, size, alias=alias, error="not a GGUF file")
         meta = gguf_metadata(path, ("general.name", "general.architecture", "general.size_label"))
-    except Exception as e:  # noqa: BLE001  (a broken file is listed with why, the scan goes on)
+    except Exception as e:  # a broken file is listed with why, the scan goes on
         return LocalModel(str(path), path.stem, source, size, alias=alias, error=f"unreadable GGUF header: {e}")
     return LocalModel(str(path), meta.get("general.name") or path.stem, source, size,
                       meta.get("general.architecture", ""), meta.get("general.size_label", ""), alias)

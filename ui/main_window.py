@@ -35,7 +35,16 @@ from typing import TypeVar
 from PySide6.QtCore import QSettings, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
-    QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QProgressBar, QStackedWidget, QTabWidget, QToolButton, QWidget,
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QProgressBar,
+    QStackedWidget,
+    QTabWidget,
+    QToolButton,
+    QWidget,
 )
 
 from engine.core.snapshot import BackendSnapshot
@@ -45,17 +54,17 @@ from .bridge import EngineBridge
 from .chat import ChatPanel
 from .controls import ControlsPanel
 from .experiments import ExperimentsPanel
+from .first_start import LoadScreen
 from .formatting import live_cap_text, model_title
 from .get_model import GetModelDialog
-from .presenter import present
 from .history import ChatStore
-from .first_start import LoadScreen
 from .latency import LatencyView
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .loader import PHASES, ModelLoader, ModelSpec
 from .local_models import remember
 from .loop_probe import LoopProbe
 from .model_dialog import ModelDialog
+from .presenter import present
 from .routing import RoutingView
 from .server_control import ServerControl, ServerDialog, ServerOptions
 from .teaching import TeachingPanel
@@ -735,7 +744,7 @@ class MainWindow(QMainWindow):
         if dialog.exec() == GetModelDialog.DialogCode.Accepted and dialog.downloaded is not None:
             self.load_model(ModelSpec(str(dialog.downloaded)))
 
-    def get_model_dialog(self, **kw) -> "GetModelDialog":
+    def get_model_dialog(self, **kw) -> GetModelDialog:
         """The Hub dialog, pricing a model against this machine (a GPU backend's memory, if any)."""
         snaps: list[BackendSnapshot] = self.engine.snapshot() if self.engine is not None else []
         vram = max((s.device_memory_total_bytes for s in snaps if s.device != "cpu"), default=0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from markdown_it import MarkdownIt
 from pygments import highlight
@@ -48,7 +48,7 @@ DARK_CODE = CodeColors("#161a21", "#232833", "#8a93a6", "#8fbcff", "#d8dee9", "m
 LIGHT_CODE = CodeColors("#f3f5f8", "#e3e7ed", "#5f6877", "#1f5fbf", "#1f2329", "friendly")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _formatter(style: str) -> HtmlFormatter:
     return HtmlFormatter(noclasses=True, nowrap=True, style=style)
 

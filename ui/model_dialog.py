@@ -12,8 +12,21 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QButtonGroup, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout,
-    QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton, QRadioButton, QVBoxLayout, QWidget,
+    QButtonGroup,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPushButton,
+    QRadioButton,
+    QVBoxLayout,
+    QWidget,
 )
 
 from engine.routing import DEFAULT, POLICIES
@@ -23,13 +36,12 @@ from .local_models import LocalModel, recent_entries, scan
 from .worker import Worker
 
 
-
 def synthetic_shapes() -> list[str]:
     try:
         from engine.backends.config import synthetic_specs
 
         return synthetic_specs()
-    except Exception:  # noqa: BLE001  (the picker still takes a typed name)
+    except Exception:  # the picker still takes a typed name
         return ["tiny"]
 
 

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import (
-    QDialog, QDialogButtonBox, QFormLayout, QLabel, QLineEdit, QSpinBox, QVBoxLayout, QWidget,
+    QDialog,
+    QDialogButtonBox,
+    QFormLayout,
+    QLabel,
+    QLineEdit,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
 )
 
 from .theme import FAILED, wrap_label
@@ -156,7 +163,7 @@ class ServerControl(QObject):
             why = os.strerror(e.errno) if e.errno else str(e)  # asyncio's own text repeats the address
             self._set("failed", error=f"cannot listen on {where}: {why}", brief=f"{why.lower()} ({where})")
             return
-        except Exception as e:  # noqa: BLE001  (shown in the status bar; the window goes on)
+        except Exception as e:  # shown in the status bar; the window goes on
             log.exception("the server did not start")
             self._set("failed", error=f"cannot serve on {where}: {e}", brief=f"failed to start on {where}")
             return
@@ -169,7 +176,7 @@ class ServerControl(QObject):
         self._set("stopping")
         try:
             await runner.cleanup()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("stopping the server failed")
         self._set("off")
 

@@ -22,28 +22,63 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
-    QAbstractItemView, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
-    QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget, QTextBrowser,
-    QVBoxLayout, QWidget,
+    QAbstractItemView,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QTabWidget,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
 )
 
 from engine.core.snapshot import Rates
 from engine.sim.teaching import (
-    ARRIVAL_GAP_S, ARTICLE_CHOICES, ARTICLE_RATES, CACHED, CAP, MAX_TOKENS, PROMPT, Arrival, Step, boundary,
-    gpu_sum, score_formula, study_arrivals, teaching_steps, verdict,
+    ARRIVAL_GAP_S,
+    ARTICLE_CHOICES,
+    ARTICLE_RATES,
+    CACHED,
+    CAP,
+    MAX_TOKENS,
+    PROMPT,
+    Arrival,
+    Step,
+    boundary,
+    gpu_sum,
+    score_formula,
+    study_arrivals,
+    teaching_steps,
+    verdict,
 )
 
 from .live_run import STUDY, WorkloadRun
 from .presenter import TITLE_PT
 from .run_controls import RunControls
 from .theme import (
-    LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, scrollable_column, style_plot, wrap_label,
+    LEGEND_BG,
+    MUTED,
+    WORKING,
+    backend_color,
+    palette,
+    qcolor,
+    scrollable_column,
+    style_plot,
+    wrap_label,
 )
 from .whatif import WhatIfPanel
 

@@ -22,13 +22,25 @@ from dataclasses import replace
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
-    QAbstractItemView, QComboBox, QFormLayout, QGroupBox, QHBoxLayout, QHeaderView, QLabel, QPushButton,
-    QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
+    QAbstractItemView,
+    QComboBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QSpinBox,
+    QSplitter,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
 )
 
+from engine.core.snapshot import Rates
 from engine.sim.benchmark import run_metrics
 from engine.sim.simulate import PROFILES, Profile, profile_from_snapshots, simulate
-from engine.core.snapshot import Rates
 from engine.sim.workload import WorkloadSpec, build_workload, seed_workload, shared_tokens_for
 
 from .live_run import WorkloadRun

@@ -33,7 +33,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import shiboken6
 from PySide6.QtCore import QObject, Qt, Signal
@@ -105,7 +106,7 @@ class Worker(QObject):
         fn, args, kwargs = self._call
         try:
             value = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001  (every failure is delivered, never raised here)
+        except BaseException as e:  # every failure is delivered, never raised here
             log.info("%s failed: %s", self.name, e, exc_info=True)
             self._outcome.emit(False, e)
         else:

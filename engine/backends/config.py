@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import urllib.parse
-from dataclasses import dataclass, replace
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from engine.core.errors import InvalidRequest
@@ -217,7 +217,7 @@ class BackendConfig:
         """No cap given: the limiter starts low and may grow to the device's ceiling."""
         return self.cap == 0 and self.adaptive
 
-    def resolved(self, device: str | None = None) -> "BackendConfig":
+    def resolved(self, device: str | None = None) -> BackendConfig:
         """Threads, the cap (0 → the ceiling for `device`, the model's device once known),
         sequence slots and flash attention (`AUTO_FLASH_ATTN`) filled in."""
         threads = self.threads or os.cpu_count() or 1

@@ -35,20 +35,32 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.backends.config import AUTO_CTX_MEMORY_SHARE, BackendConfig, auto_limits, auto_pool_cells, host_available_bytes
+from engine.backends.config import (
+    AUTO_CTX_MEMORY_SHARE,
+    BackendConfig,
+    auto_limits,
+    auto_pool_cells,
+    host_available_bytes,
+)
 from engine.backends.protocol import BackendBase, BackendInfo
 from engine.backends.registry import DEFAULT_RATES, BuildContext, backend_kind
-from engine.core.errors import (BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, QueueFull,
-                                RestartInProgress)
+from engine.core.errors import (
+    BackendUnavailable,
+    ContextLengthExceeded,
+    EngineError,
+    InvalidRequest,
+    QueueFull,
+    RestartInProgress,
+)
 from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepDone
 from engine.core.handle import Outbox, RequestHandle
-from engine.sched.limiter import ConcurrencyLimiter
-from engine.llama.model import Model
-from engine.sched.prefix_cache import PrefixCache
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
-from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
-from engine.sched.scheduler import Finished, Scheduler, SeqState
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.llama.model import Model
+from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
+from engine.sched.limiter import ConcurrencyLimiter
+from engine.sched.prefix_cache import PrefixCache
+from engine.sched.scheduler import Finished, Scheduler, SeqState
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +214,7 @@ class Backend(BackendBase):
         self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
         self._inbox = Inbox()
 
-    def start(self) -> "Backend":
+    def start(self) -> Backend:
         self._thread = threading.Thread(target=self._run, name=f"backend-{self.name}", daemon=True)
         self._thread.start()
         return self
@@ -424,7 +436,7 @@ class Backend(BackendBase):
         speeds, steps, prompt tokens computed), on the worker between steps; what is cached
         and the cap stay. The engine calls it after calibration at load, so the measurement's
         requests never show as the user's."""
-        def reset(b: "Backend") -> None:
+        def reset(b: Backend) -> None:
             with b._state:
                 b._sched.cache.reset_counters()
                 b.steps = b.prompt_tokens_computed = 0

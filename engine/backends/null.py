@@ -35,7 +35,7 @@ class NullConfig:
     device: str = "null"
 
     @classmethod
-    def from_spec(cls, spec: str, rest: str, **defaults) -> "NullConfig":
+    def from_spec(cls, spec: str, rest: str, **defaults) -> NullConfig:
         fields: dict = {k: v for k, v in defaults.items() if k in ("name", "cap")}
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, eq, value = (s.strip() for s in item.partition("="))
@@ -73,7 +73,7 @@ class NullBackend(BackendBase):
     def cap(self) -> int:
         return self._cap
 
-    def start(self) -> "NullBackend":
+    def start(self) -> NullBackend:
         self.healthy = True
         return self
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from engine.core.events import EventBus
     from engine.core.handle import RequestHandle
     from engine.core.request import Request
-    from engine.core.events import EventBus
     from engine.core.snapshot import BackendSnapshot, Rates
 
 @dataclass(frozen=True)
@@ -45,16 +45,16 @@ Handed = tuple["Request", "RequestHandle", float]
 class BackendProtocol(Protocol):
     name: str
     device: str  # "cpu", "gpu", "gpu1", ..., "remote"
-    rates: "Rates"
+    rates: Rates
     healthy: bool
     error: str | None  # why it is unhealthy
-    on_unhealthy: Callable[["BackendProtocol", Sequence[Handed]], None] | None
+    on_unhealthy: Callable[[BackendProtocol, Sequence[Handed]], None] | None
 
     @property
     def cap(self) -> int: ...
 
     # ---- lifecycle ----
-    def start(self) -> "BackendProtocol": ...
+    def start(self) -> BackendProtocol: ...
     def stop(self, timeout: float = 10.0) -> None: ...
     def restart(self, timeout: float = 30.0) -> None:
         """Serve again with fresh state. Serialised: a restart while one runs raises
@@ -62,17 +62,17 @@ class BackendProtocol(Protocol):
         handed to `on_unhealthy` (the engine moves them) before it goes down."""
 
     # ---- requests ----
-    def validate(self, request: "Request") -> None:
+    def validate(self, request: Request) -> None:
         """Raise an `EngineError` if this backend can never serve `request`."""
 
-    def match(self, request: "Request") -> int:
+    def match(self, request: Request) -> int:
         """Prompt tokens this backend's cache holds (or is predicted to hold) for `request`."""
 
-    def pin_prefix(self, request: "Request") -> tuple[int, object]:
+    def pin_prefix(self, request: Request) -> tuple[int, object]:
         """`(cached tokens, pin)`: keep the match from eviction until admission; pin may be None."""
 
-    def enqueue(self, request: "Request", handle: "RequestHandle | None" = None, *, pin=None,
-                cached_estimate: int | None = None, t_submit: float | None = None) -> "RequestHandle": ...
+    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin=None,
+                cached_estimate: int | None = None, t_submit: float | None = None) -> RequestHandle: ...
 
     def cancel(self, request_id: str) -> None: ...
 
@@ -80,13 +80,13 @@ class BackendProtocol(Protocol):
     def set_cap(self, cap: int | None, adaptive: bool | None = None) -> None:
         """The most requests it runs at once (None: the device's automatic cap); `adaptive`
         switches a kind's adaptive limit on or off (None: as it is; a kind without one ignores it)."""
-    def set_rates(self, rates: "Rates") -> None: ...
+    def set_rates(self, rates: Rates) -> None: ...
     def set_cache_enabled(self, enabled: bool) -> Future: ...
     def flush(self) -> Future: ...
-    def warm(self, tokens) -> "RequestHandle": ...
+    def warm(self, tokens) -> RequestHandle: ...
 
     # ---- state ----
-    def snapshot(self) -> "BackendSnapshot": ...
+    def snapshot(self) -> BackendSnapshot: ...
     def info(self) -> BackendInfo: ...
     def kv_state_bytes(self) -> int:
         """llama.cpp's own state size of the backend's context (0 where it has none here)."""
@@ -96,9 +96,9 @@ class BackendProtocol(Protocol):
     n_vocab: int  # token ids it accepts (0: not known)
     model: Any  # the local model it runs, if any (the engine frees it when done)
     tokenizer: Any  # turns streamed text back into tokens (`tokenize`), if it can
-    bus: "EventBus"  # where it publishes its events
+    bus: EventBus  # where it publishes its events
 
-    def enqueue_group(self, requests: "list[Request]", handles: "list[RequestHandle]", *, pin=None,
+    def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin=None,
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:
         """Queue the choices of one request (same prompt) together."""
 

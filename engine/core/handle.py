@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from engine.core.errors import RequestFailed
 from engine.core.request import FinishRecord, Request
@@ -47,7 +48,7 @@ class Outbox:
     def __init__(self) -> None:
         self._batches: dict[asyncio.AbstractEventLoop, list] = {}
 
-    def __enter__(self) -> "Outbox":
+    def __enter__(self) -> Outbox:
         _gathering.outbox = self
         return self
 

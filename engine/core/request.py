@@ -10,11 +10,10 @@ output token; while it streams, the same values arrive through `RequestHandle.lo
 
 from __future__ import annotations
 
-import time
-
 import enum
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -72,7 +71,7 @@ class SamplingParams:
         return (not self.logit_bias and self.logprobs is None and self.presence_penalty == 0.0
                 and self.frequency_penalty == 0.0 and self.grammar is None)
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raise `InvalidRequest` naming the first value out of range; return self."""
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS,
@@ -154,7 +153,7 @@ class Request:
         chars = len(self.text or "") + sum(len(str(m.get("content") or "")) for m in self.messages or ())
         return max(chars // CHARS_PER_TOKEN, 1)
 
-    def continued(self, text: str, n_tokens: int, tokenize: Callable[[str], list[int]] | None = None) -> "Request":
+    def continued(self, text: str, n_tokens: int, tokenize: Callable[[str], list[int]] | None = None) -> Request:
         """This request as it goes on after `text` (`n_tokens` output tokens) was streamed
         from it: the same id and sampling, the prompt followed by `text` (a completion's text,
         a chat's assistant message continued in its turn, or token ids with `tokenize(text)`

@@ -17,7 +17,7 @@ class TextStream:
     stop string has been released; nothing more is accepted.
     """
 
-    __slots__ = ("_decoder", "_pending", "_stops", "_hold", "text", "stopped")
+    __slots__ = ("_decoder", "_hold", "_pending", "_stops", "stopped", "text")
 
     def __init__(self, stop: tuple[str, ...] = ()):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

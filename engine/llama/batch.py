@@ -81,6 +81,6 @@ class Batch:
         self.logits[:n] = 1
         self.n = n
 
-    def full(self) -> "lc.llama_batch":
+    def full(self) -> lc.llama_batch:
         self.struct.n_tokens = self.n
         return self.struct

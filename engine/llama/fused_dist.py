@@ -396,7 +396,7 @@ class _Table:
     def __del__(self):
         try:
             self.free()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone already
+        except Exception:  # interpreter shutdown: the library may be gone already
             pass
 
 
@@ -482,7 +482,7 @@ class _Build:
         self.dirty = False
         self.upload()  # no row of the block may name a sequence beyond the uniforms
 
-    def add(self, ctx, row: int, chain: "FusedDist", seq: int) -> int:
+    def add(self, ctx, row: int, chain: FusedDist, seq: int) -> int:
         """A chain's view of its row's token; settles the previous chain with llama.cpp's flag."""
         self.settle()
         view = _g["ggml_view_1d"](ctx, self.tokens, 1, row * 4)
@@ -505,7 +505,7 @@ class _Build:
             self.owned[row] = True
             self.write(row, chain, seq)
 
-    def write(self, row: int, chain: "FusedDist", seq: int) -> None:
+    def write(self, row: int, chain: FusedDist, seq: int) -> None:
         new = (float(seq), *chain.row_settings)
         if tuple(self.values[:, row]) != new:
             self.values[:, row] = new
@@ -521,7 +521,7 @@ class _Build:
 
 # ---- the sampler ----
 
-_chains: dict[int, "FusedDist"] = {}
+_chains: dict[int, FusedDist] = {}
 _ids = itertools.count(1)
 _built = threading.local()  # per thread: (ggml ctx, matrix) -> _Build
 
@@ -608,7 +608,7 @@ def _backend_apply(smpl, ctx, _gf, data) -> None:
         b = builds[(ctx, matrix)] = t.last = _Build(t, ctx, matrix, n_rows, [c for c in _chains.values()
                                                                             if c._table is t and c.on_device] or [chain])
     BUILDS["row"] += 1
-    if int(chain.row_settings[3]) > b.k or chain.row_settings[4] and b.ban == "none":
+    if int(chain.row_settings[3]) > b.k or (chain.row_settings[4] and b.ban == "none"):
         d.sampled = _alone(ctx, t, d.logits, chain, seq)  # not covered by the shared part
         return
     d.sampled = b.add(ctx, row, chain, seq)
@@ -763,7 +763,7 @@ def top_k_rows(logits: np.ndarray, k: int, chunk: int | None = None, threads: in
 
     def build(ctx, tensor) -> int:
         m = _g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
-        _, ids, int_ids = _top_k(ctx, m, n_vocab, n_rows, k, (True, False, True), tensor(_tail(n_vocab)), size)
+        _, ids, _int_ids = _top_k(ctx, m, n_vocab, n_rows, k, (True, False, True), tensor(_tail(n_vocab)), size)
         return ids  # F32 ids (int_ids is False for this variant)
 
     return _on_cpu(build, logits.nbytes, threads).reshape(n_rows, k).astype(np.int64)

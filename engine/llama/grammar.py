@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 import numpy as np
-
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from engine.core.errors import InvalidRequest
+
 from . import lc
 
 ROOT = b"root"
@@ -80,7 +80,7 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
     except RecursionError:
         raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar",
                              param=param) from None
-    except Exception as e:  # noqa: BLE001  (the converter asserts; its message is the reason)
+    except Exception as e:  # the converter asserts; its message is the reason
         reason = str(e) or type(e).__name__
         raise InvalidRequest(f"{param}: the JSON schema cannot be turned into a grammar: {reason}",
                              param=param) from None

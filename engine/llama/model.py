@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from .. import llama  # loads libllama before numpy; see engine/llama/__init__.py
 from engine.core.errors import ModelLoadError
+
+from .. import llama  # loads libllama before numpy; see engine/llama/__init__.py
 
 lc = llama.lc
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _in_passing_thread(fn: Callable[[], T]) -> T:
     def run() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
+        except BaseException as e:  # handed to the caller's thread
             box["error"] = e
 
     t = threading.Thread(target=run, name="model-load")

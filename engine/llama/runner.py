@@ -39,10 +39,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import llama
 from engine.core.errors import BackendUnavailable
 from engine.core.request import TokenLogprob
 from engine.sched.scheduler import KvOp, Plan, SeqState
+
+from .. import llama
 from . import fused_dist, lc
 from .batch import Batch
 from .model import Model

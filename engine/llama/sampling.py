@@ -55,8 +55,9 @@ import time
 
 import numpy as np
 
-from .. import llama
 from engine.core.request import SamplingParams
+
+from .. import llama
 from . import fused_dist, lc
 from .greedy import fused_greedy
 
@@ -78,9 +79,28 @@ class Sampler:
     reads that token and falls back to host sampling when the backend chose none.
     """
 
-    __slots__ = ("ptr", "key", "guards_eog", "direct", "dist", "host", "_stateless", "_bias",
-                 "_user_bias", "_ctx", "_seq", "_grammar", "_one", "_n_vocab", "_cur", "_need", "_search",
-                 "_per_candidate", "checked", "deferred")
+    __slots__ = (
+        "_bias",
+        "_ctx",
+        "_cur",
+        "_grammar",
+        "_n_vocab",
+        "_need",
+        "_one",
+        "_per_candidate",
+        "_search",
+        "_seq",
+        "_stateless",
+        "_user_bias",
+        "checked",
+        "deferred",
+        "direct",
+        "dist",
+        "guards_eog",
+        "host",
+        "key",
+        "ptr",
+    )
 
     @staticmethod
     def key_of(params: SamplingParams) -> tuple:
@@ -254,7 +274,7 @@ class Sampler:
         self.checked += k
         return cur["logit"] != float("-inf")
 
-    def _choose(self, search: "_Search") -> int:
+    def _choose(self, search: _Search) -> int:
         """The rest of the chain (after the grammar) over the tokens `search` found allowed,
         likeliest first; the token, accepted, or `DEAD_END` when there is none."""
         ids = search.allowed()
@@ -313,7 +333,7 @@ class _Search:
     """One grammar token's search, possibly over several steps: the logits it ranks by (a
     copy: the row is gone after the step), the stage it is in and the allowed tokens so far."""
 
-    __slots__ = ("logits", "need", "done", "_stages", "_todo", "_pos", "_found", "_seen")
+    __slots__ = ("_found", "_pos", "_seen", "_stages", "_todo", "done", "logits", "need")
 
     def __init__(self, logits: np.ndarray, need: int):
         self.logits = logits
@@ -358,10 +378,7 @@ class _Search:
     def _next_stage(self) -> None:
         bound = self._stages.pop(0)
         n = len(self.logits)
-        if bound >= n:
-            ids = _shuffled(n)
-        else:
-            ids = np.argpartition(-self.logits, bound - 1)[:bound].astype(np.int32)
+        ids = _shuffled(n) if bound >= n else np.argpartition(-self.logits, bound - 1)[:bound].astype(np.int32)
         if self._seen is not None:
             ids = ids[~np.isin(ids, self._seen, assume_unique=True)]
             seen = np.concatenate((self._seen, ids))

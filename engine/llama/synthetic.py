@@ -37,27 +37,27 @@ import logging
 import os
 import string
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
 from engine.core.errors import ModelLoadError
 
 __all__ = [
-    "SyntheticShape",
-    "SHAPES",
-    "QUANTS",
     "DEFAULT_QUANT",
+    "QUANTS",
+    "SHAPES",
     "Progress",
-    "parse_spec",
-    "spec_names",
-    "file_name",
+    "SyntheticShape",
     "cache_dir",
+    "file_name",
+    "parse_spec",
+    "quantize",
+    "spec_names",
     "synthetic_path",
     "write_gguf",
-    "quantize",
 ]
 
 Progress = Callable[[int, int], None]
@@ -425,11 +425,9 @@ def _tensor_chunks(shape: SyntheticShape, t: _Tensor, index: int) -> Iterator[np
         yield (rng.standard_normal(t.shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
         return
     rows, cols = t.shape
-    if t.kind in ("embd", "output"):
-        # logits get a standard deviation of about 2 over the normal tokens
-        std = 2.0 / np.sqrt(shape.n_embd)
-    else:
-        std = 1.0 / np.sqrt(cols)  # fan-in scaling: each projection keeps the RMS of its input
+    # logits get a standard deviation of about 2 over the normal tokens; the rest fan-in scaling,
+    # so each projection keeps the RMS of its input
+    std = 2.0 / np.sqrt(shape.n_embd) if t.kind in ("embd", "output") else 1.0 / np.sqrt(cols)
     zero_rows = N_FIXED if (t.kind == "output" or (t.kind == "embd" and shape.tied_embeddings)) else 0
     step = max(1, _CHUNK_ELEMENTS // cols)
     scratch = np.empty((min(step, rows), cols), dtype=np.float32)

@@ -171,7 +171,7 @@ def _probe(model: Model) -> TemplateCaps:
     def renders(needle: str, messages: list[dict], tools=None) -> bool:
         try:
             return needle in model.apply_chat_template(messages, tools)
-        except Exception:  # noqa: BLE001  (a template that refuses the probe does not support it)
+        except Exception:  # a template that refuses the probe does not support it
             return False
 
     return TemplateCaps(tools=renders(name, [user], [tool]), tool_calls=renders(name, [user, call]),

@@ -8,11 +8,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-
+from datetime import UTC, datetime
 
 from engine.core.snapshot import Rates
-
 
 OWN_TOKENS = 4  # tokens of its own each decode-measuring request adds to the shared prompt
 
@@ -55,7 +53,7 @@ class Calibration:
     scan_step_s: float = 0.0
     scan_kv: float = 0.0
     step_delta_s: float = 0.0
-    measured_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
     def rates(self) -> Rates:
         cells = step_table(self.step_cells) if self.step_gamma_s else ()

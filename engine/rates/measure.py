@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from engine.core.errors import InvalidRequest
 from engine.core.events import StepDone
 from engine.core.request import Request, SamplingParams

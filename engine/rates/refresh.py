@@ -7,10 +7,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-
 from engine.core.events import StepDone
 from engine.core.snapshot import Rates
-
 
 # ---- online refresh ----
 
@@ -50,7 +48,7 @@ class OnlineRefresh:
         self._tracks: dict[str, _Track] = {}
         self._unsubscribe: Callable[[], None] | None = None
 
-    def attach(self) -> "OnlineRefresh":
+    def attach(self) -> OnlineRefresh:
         self.reset()
         if self._unsubscribe is None:
             self._unsubscribe = self.engine.bus.subscribe(self._on_step, (StepDone,))

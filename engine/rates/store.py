@@ -12,7 +12,6 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from engine.backends.config import BackendConfig
 from engine.core.errors import InvalidRequest
 from engine.core.snapshot import Rates

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from engine.core.errors import InvalidRequest
 from engine.core.request import CHARS_PER_TOKEN
+
 from .policy import Policy, fmt_s, seconds_for
 from .predicted_finish import predicted_first_token
 from .types import BackendScore, RouteQuery
@@ -334,7 +335,7 @@ class CacheAware(Policy):
 
     @staticmethod
     def _explain_price(s: BackendScore, price: dict, load: dict) -> str:
-        total, delay = price[s.name]
+        _total, delay = price[s.name]
         n = load[s.name]
         return (f"{s.name} first token in {fmt_s(s.score_s)} + {fmt_s(delay)} delay to its {n} item{'' if n == 1 else 's'} "
                 f"({s.cached_tokens:,} cached)")
@@ -352,7 +353,7 @@ _CACHE_AWARE_PARAMS = {"cache_threshold": float, "balance_abs": int, "balance_re
                        "move_abs": int, "move_rel": float}
 
 
-def from_spec(spec: str) -> "CacheAware":
+def from_spec(spec: str) -> CacheAware:
     kw: dict = {}
     for item in filter(None, (p.strip() for p in spec[len("cache-aware:"):].split(","))):
         key, eq, value = (x.strip() for x in item.partition("="))

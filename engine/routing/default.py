@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.core.snapshot import BackendSnapshot
+
 from .cache_aware import CacheAware, RecentPrefixes
 from .policy import Policy, fmt_s, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery

@@ -3,7 +3,7 @@ rates are ignored. A baseline."""
 
 from __future__ import annotations
 
-from .policy import lowest, fmt_tok
+from .policy import fmt_tok, lowest
 from .seed_score import SeedScored
 from .types import BackendScore
 

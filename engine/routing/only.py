@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from engine.core.errors import BackendUnavailable
+
 from .policy import names_of
 from .seed_score import SeedScored
 

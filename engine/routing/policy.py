@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 
 from engine.core.snapshot import BackendSnapshot, Rates
+
 from .budget import DecodeBudget
 from .types import BackendScore, RouteQuery
 

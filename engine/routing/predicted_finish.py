@@ -12,6 +12,7 @@ import math
 from collections import deque
 
 from engine.core.snapshot import BackendSnapshot, WorkItem
+
 from .policy import Policy, lowest, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
 

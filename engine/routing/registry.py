@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.core.errors import InvalidRequest
+
 from .cache_aware import HELP as CACHE_AWARE_HELP
 from .cache_aware import CacheAware, from_spec
 from .default import HELP as DEFAULT_HELP

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.core.errors import BackendUnavailable
+
 from .seed_score import SeedScored
 
 HELP = "Takes turns, ignoring load (a baseline)."

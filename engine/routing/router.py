@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from engine.core.errors import BackendUnavailable, InvalidRequest
 from engine.core.snapshot import BackendSnapshot
+
 from .budget import RAW, DecodeBudget, NewTokenRatio, check_budget
 from .policy import names_of
 from .registry import DEFAULT_POLICY, make_policy

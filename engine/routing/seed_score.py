@@ -8,8 +8,9 @@ the app's Teaching view explains; the default is `engine/routing/default.py`.
 from __future__ import annotations
 
 from engine.core.snapshot import BackendSnapshot
+
 from .budget import RAW, DecodeBudget
-from .policy import Policy, lowest, make_score, seconds_for, fmt_tok
+from .policy import Policy, fmt_tok, lowest, make_score, seconds_for
 from .types import BackendScore, RouteQuery
 
 HELP = "The study's score: prefill tokens / prefill rate + decode budget / decode rate; lowest wins."

@@ -41,8 +41,8 @@ class RouteQuery:
     continued: int = 0
 
     @classmethod
-    def from_request(cls, request: "Request", cached: Mapping[str, int] | None = None,
-                     moved_from: str | None = None, continued: int = 0) -> "RouteQuery":
+    def from_request(cls, request: Request, cached: Mapping[str, int] | None = None,
+                     moved_from: str | None = None, continued: int = 0) -> RouteQuery:
         """Build the query for an engine `Request` and its per-backend cache matches."""
         return cls(
             moved_from=moved_from,
@@ -143,7 +143,7 @@ class RoutingDecision:
         }
 
 
-def prompt_text(request: "Request") -> str:
+def prompt_text(request: Request) -> str:
     """A text request's prompt as one string (messages joined role by role), for prefix hashing."""
     if request.text is not None:
         return request.text

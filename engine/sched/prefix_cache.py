@@ -53,7 +53,7 @@ class TreeNode:
     a heap. `last_access` is a tick of the cache's logical clock, not wall time.
     """
 
-    __slots__ = ("id", "key", "parent", "children", "end", "holder", "lock_ref", "last_access")
+    __slots__ = ("children", "end", "holder", "id", "key", "last_access", "lock_ref", "parent")
 
     def __init__(self, node_id: int, key: tuple[int, ...], parent: TreeNode | None, end: int,
                  last_access: int):

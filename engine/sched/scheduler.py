@@ -354,7 +354,7 @@ class Scheduler:
         defer = self.reuse.defers
         spare = self._holder_free()
         # Donors: prompt prefills cached at their end (a choice's; with `defer`, others' with an id, warm ones').
-        donors = [s for s in self.running if s.n_past < s.n_prompt and (s.choice or defer and (spare or s.warm))]
+        donors = [s for s in self.running if s.n_past < s.n_prompt and (s.choice or (defer and (spare or s.warm)))]
         while i < len(self.waiting) and len(self.running) < self.cap:
             seq = self.waiting[i]
             if donors and self._deferred(seq, donors, defer):

@@ -19,10 +19,40 @@ class SeqState:
     """A request inside a backend. The scheduler owns every field except `sampler`, `row`
     (the batch row of a prompt chunk's last token) and `prompt_logprobs`, which the runner sets."""
 
-    __slots__ = ("req", "handle", "sp", "tokens", "n_prompt", "seq_id", "n_past", "n_shared",
-                 "n_hit", "generated", "sampler", "stream", "pin", "lock", "estimate", "warm", "max_new",
-                 "t_submit", "t_admit", "t_first", "t_last", "itl_sum", "row", "status", "error",
-                 "preemptions", "ran_on", "choice", "logprobs", "prompt_logprobs", "admit_cap", "admit_reason")
+    __slots__ = (
+        "admit_cap",
+        "admit_reason",
+        "choice",
+        "error",
+        "estimate",
+        "generated",
+        "handle",
+        "itl_sum",
+        "lock",
+        "logprobs",
+        "max_new",
+        "n_hit",
+        "n_past",
+        "n_prompt",
+        "n_shared",
+        "pin",
+        "preemptions",
+        "prompt_logprobs",
+        "ran_on",
+        "req",
+        "row",
+        "sampler",
+        "seq_id",
+        "sp",
+        "status",
+        "stream",
+        "t_admit",
+        "t_first",
+        "t_last",
+        "t_submit",
+        "tokens",
+        "warm",
+    )
 
     def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
                  n_ctx_seq: int | None = None, choice: bool = False):

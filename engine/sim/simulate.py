@@ -7,18 +7,19 @@ Thread contract: none. A `Simulation` is used by one thread; profiles are immuta
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from engine.sim.benchmark import RequestRecord, decision_line
 from engine.core.errors import InvalidRequest
 from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
 from engine.routing import RouteQuery, Router
 from engine.sched.limiter import CEILING, START, ConcurrencyLimiter
 from engine.sched.scheduler import Plan, Scheduler, SeqState, default_seq_slots
-from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.sim.benchmark import RequestRecord, decision_line
 from engine.sim.workload import Workload
 
 SAMPLED_TOKEN = 300  # the token every simulated logits row samples (never an end token here)
@@ -105,7 +106,7 @@ class BackendProfile:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "BackendProfile":
+    def from_dict(cls, d: Mapping) -> BackendProfile:
         try:
             hardware = d.get("hardware")
             return cls(name=str(d["name"]), device=str(d.get("device", "gpu")), rates=_rates(d["rates"]),
@@ -135,7 +136,7 @@ class Profile:
         raise InvalidRequest(f"profile {self.name!r} has no backend {name!r} "
                              f"({', '.join(b.name for b in self.backends)})")
 
-    def with_backend(self, b: BackendProfile) -> "Profile":
+    def with_backend(self, b: BackendProfile) -> Profile:
         return replace(self, backends=tuple(b if x.name == b.name else x for x in self.backends))
 
     def to_dict(self) -> dict:
@@ -143,7 +144,7 @@ class Profile:
                 "backends": [b.to_dict() for b in self.backends]}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Profile":
+    def from_dict(cls, d: Mapping) -> Profile:
         backends = d.get("backends")
         if not isinstance(backends, list) or not backends:
             raise InvalidRequest("a profile needs a non-empty 'backends' list")
@@ -220,7 +221,7 @@ _H200_ENGINE_STEP = {1: 1 / 808.19, 4: 4 / 2064.02, 16: 16 / 3679.22, 32: 32 / 5
 
 def _interp(x: float, points: Mapping[int, float]) -> float:
     xs = sorted(points)
-    for a, b in zip(xs, xs[1:]):
+    for a, b in itertools.pairwise(xs):
         if x <= b:
             return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
     return points[xs[-1]]
@@ -641,7 +642,7 @@ class Simulation:
     def _publish(self, b: _SimBackend, finished, out: SimRun, submitted, name: str, n: int) -> None:
         for f in finished:
             s = f.seq
-            i, spec, t_submit = submitted[s.req.id]
+            _i, spec, t_submit = submitted[s.req.id]
             ok = f.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
             out.records.append(RequestRecord(
                 workload=name, policy=self.label, run=self.workload.run, requests=n, index=spec.index,

@@ -15,11 +15,11 @@ Thread contract: none needed; every function builds new immutable values from it
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
-from engine.routing import BackendScore, RouteQuery, Router, RoutingDecision
 from engine.core.snapshot import BackendSnapshot, Rates, WorkItem
+from engine.routing import BackendScore, RouteQuery, Router, RoutingDecision
 
 # The article's rates (Apple M2, Qwen2.5-0.5B, profiled alone).
 ARTICLE_RATES: Mapping[str, Rates] = {"gpu": Rates(2551.0, 293.0, source="article"),

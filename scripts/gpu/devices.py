@@ -13,12 +13,12 @@ import sys
 
 sys.path.insert(0, ".")
 
-import engine.llama  # noqa: F401,E402  (llama.cpp before numpy)
-from engine import llama  # noqa: E402
-from engine.backends.config import default_specs, parse_backend_specs  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.core.errors import ModelLoadError  # noqa: E402
-from engine.core.request import SamplingParams  # noqa: E402
+import engine.llama  # noqa: F401  (llama.cpp before numpy)
+from engine import llama
+from engine.backends.config import default_specs, parse_backend_specs
+from engine.core.errors import ModelLoadError
+from engine.core.request import SamplingParams
+from engine.engine import Engine
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 fail = []

@@ -22,7 +22,15 @@ import math
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QTextDocument
 from PySide6.QtWidgets import (
-    QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy, QToolButton, QVBoxLayout,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
     QWidget,
 )
 

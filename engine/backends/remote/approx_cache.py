@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 
 class _Node:
-    __slots__ = ("edge", "children", "parent", "last_used")
+    __slots__ = ("children", "edge", "last_used", "parent")
 
-    def __init__(self, edge: Sequence, parent: "_Node | None", last_used: int):
+    def __init__(self, edge: Sequence, parent: _Node | None, last_used: int):
         self.edge = edge  # the key elements on the edge from the parent to this node
         self.children: dict = {}  # first element of a child's edge -> child
         self.parent = parent
@@ -138,4 +138,5 @@ class ApproxTree:
 def _common(edge: Sequence, key: Sequence, start: int) -> int:
     """Length of the common prefix of `edge` and `key[start:]`."""
     # commonprefix works on any sequences; typeshed types it for paths and lists only.
-    return len(os.path.commonprefix([edge, key[start:start + len(edge)]]))  # type: ignore[list-item]
+    # token ids compared one by one: RUF071's warning is about strings
+    return len(os.path.commonprefix([edge, key[start:start + len(edge)]]))  # type: ignore[list-item]  # noqa: RUF071

@@ -93,6 +93,7 @@ from engine.core.events import EventBus, RequestAdmitted, RequestFinished
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import CHARS_PER_TOKEN, FinishRecord, Request, RequestStatus, SamplingParams
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
+
 from . import probe
 from .approx_cache import ApproxTree
 from .client import EngineClient, EngineFailed, EngineMisbehaved, EngineRefused, EngineSilent
@@ -121,8 +122,25 @@ _EXTRA = {
 class _Job:
     """A request inside the backend. Fields other than those the snapshot reads are loop-owned."""
 
-    __slots__ = ("req", "handle", "t_submit", "estimate", "key", "parts", "chunks", "t_sent", "t_first",
-                 "t_last", "usage", "finish_reason", "task", "moved", "fail", "done", "prompt_estimate")
+    __slots__ = (
+        "chunks",
+        "done",
+        "estimate",
+        "fail",
+        "finish_reason",
+        "handle",
+        "key",
+        "moved",
+        "parts",
+        "prompt_estimate",
+        "req",
+        "t_first",
+        "t_last",
+        "t_sent",
+        "t_submit",
+        "task",
+        "usage",
+    )
 
     def __init__(self, req: Request, handle: RequestHandle, t_submit: float, estimate: int, key, prompt_estimate):
         self.req = req
@@ -210,7 +228,7 @@ class RemoteBackend(BackendBase):
 
     @classmethod
     def from_config(cls, config: RemoteConfig, bus: EventBus | None = None,
-                    rates: Rates | None = None) -> "RemoteBackend":
+                    rates: Rates | None = None) -> RemoteBackend:
         """Build and start one (it probes the engine once, up to `START_TIMEOUT_S`; an engine
         that does not answer yet starts unhealthy and is probed in when it does)."""
         return cls(config, bus, rates).start()
@@ -225,7 +243,7 @@ class RemoteBackend(BackendBase):
 
     # ---- lifecycle ----
 
-    def start(self) -> "RemoteBackend":
+    def start(self) -> RemoteBackend:
         ready = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run_loop, args=(ready,), name=f"remote-{self.name}",
@@ -523,7 +541,7 @@ class RemoteBackend(BackendBase):
                 await self._probe()
             except asyncio.CancelledError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._probe_failures += 1
                 if self.healthy and self._probe_failures >= PROBE_FAILURES:
                     self._engine_failed(f"{self.url} did not answer {PROBE_FAILURES} health probes")
@@ -598,7 +616,7 @@ class RemoteBackend(BackendBase):
         except EngineSilent as e:  # unhealthy even if its /health answers: out for a while
             self._quarantine()
             self._engine_failed(f"{self.url} went silent: {e}", job)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineFailed) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, EngineFailed) as e:
             self._engine_failed(f"{self.url} failed: {_why(e)}", job)
         except Exception as e:  # a bug: this request fails, not the engine
             log.exception("%s: request %s failed", self.name, job.req.id)
@@ -859,7 +877,7 @@ class RemoteBackend(BackendBase):
             self._load = Load(0, 0, 0)
         try:
             await self._probe(first=True)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineFailed, EngineMisbehaved) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, EngineFailed, EngineMisbehaved) as e:
             self._set_unhealthy(f"cannot reach {self.url}: {_why(e)}")
 
     async def _cancel_inflight(self, why: str) -> None:

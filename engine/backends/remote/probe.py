@@ -15,7 +15,6 @@ Thread contract: coroutines for the backend's loop thread.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -49,7 +48,7 @@ async def answers_health(client: EngineClient) -> bool:
     """Whether the engine's health endpoint answers 200 now."""
     try:
         status, _ = await client.get("/health")
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineMisbehaved):
+    except (TimeoutError, aiohttp.ClientError, OSError, EngineMisbehaved):
         return False
     return status == 200
 
@@ -69,7 +68,7 @@ async def detect(client: EngineClient) -> str:
                 return "vllm"
             if "sglang:" in body:
                 return "sglang"
-    except (aiohttp.ClientError, asyncio.TimeoutError, EngineMisbehaved):
+    except (TimeoutError, aiohttp.ClientError, EngineMisbehaved):
         pass
     return "openai"
 
