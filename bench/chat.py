@@ -53,7 +53,24 @@ BACKEND_HEADER = "X-Tandem-Backend"
 
 # A fixed vocabulary of common English words: the prompts are text a real tokenizer splits
 # like prose, and the same seed gives the same conversations on every machine.
-WORDS = tuple(["the", "of", "and", "to", "in", "is", "was", "that", "for", "on", "are", "with", "as", "at", "be", "this", "have", "from", "or", "one", "had", "by", "word", "but", "not", "what", "all", "were", "when", "we", "there", "can", "an", "your", "which", "their", "said", "if", "do", "will", "each", "about", "how", "up", "out", "them", "then", "she", "many", "some", "so", "these", "would", "other", "into", "has", "more", "her", "two", "like", "him", "see", "time", "could", "no", "make", "than", "first", "been", "its", "who", "now", "people", "my", "made", "over", "did", "down", "only", "way", "find", "use", "may", "water", "long", "little", "very", "after", "words", "called", "just", "where", "most", "know", "get", "through", "back", "much", "before", "go", "good", "new", "write", "our", "used", "me", "man", "too", "any", "day", "same", "right", "look", "think", "also", "around", "another", "came", "come", "work", "three", "must", "because", "does", "part", "even", "place", "well", "such", "here", "take", "why", "help", "put", "different", "away", "again", "off", "went", "old", "number", "great", "tell", "men", "say", "small", "every", "found", "still", "between", "name", "should", "home", "big", "give", "air", "line", "set", "own", "under", "read", "last", "never", "us", "left", "end", "along", "while", "might", "next", "sound", "below", "saw", "something", "thought", "both", "few", "those", "always", "show", "large", "often", "together", "asked", "house", "world", "going", "want", "school", "important", "until", "form", "food", "keep", "children", "feet", "land", "side", "without", "boy", "once", "animal", "life", "enough", "took", "four", "head", "above", "kind", "began", "almost", "live", "page", "got", "earth", "need", "far", "hand", "high", "year", "mother", "light", "country", "father", "let", "night", "picture", "being", "study", "second", "soon", "story", "since", "white", "ever", "paper", "hard", "near", "sentence", "better", "best", "across", "during", "today", "however", "sure", "knew", "try", "told", "young", "sun", "thing", "whole", "hear", "example", "heard", "several", "change", "answer", "room", "sea", "against", "top", "turned", "learn", "point", "city", "play", "toward", "five", "himself", "usually", "money", "seen", "car", "morning", "river", "garden", "window", "summer", "winter", "question", "music", "color", "table", "market", "letter", "office", "doctor"])
+WORDS = tuple("""
+the of and to in is was that for on are with as at be this have from or one had by word but not
+what all were when we there can an your which their said if do will each about how up out them then
+she many some so these would other into has more her two like him see time could no make than first
+been its who now people my made over did down only way find use may water long little very after
+words called just where most know get through back much before go good new write our used me man
+too any day same right look think also around another came come work three must because does part
+even place well such here take why help put different away again off went old number great tell
+men say small every found still between name should home big give air line set own under read last
+never us left end along while might next sound below saw something thought both few those always
+show large often together asked house world going want school important until form food keep
+children feet land side without boy once animal life enough took four head above kind began almost
+live page got earth need far hand high year mother light country father let night picture being
+study second soon story since white ever paper hard near sentence better best across during today
+however sure knew try told young sun thing whole hear example heard several change answer room sea
+against top turned learn point city play toward five himself usually money seen car morning
+river garden window summer winter question music color table market letter office doctor
+""".split())
 
 PERCENTILES = (50, 95)
 

@@ -23,7 +23,7 @@ def _layout(unified: bool, per_seq: int, n_seq_max: int = 8, **kw) -> dict:
 
 def _text_tokens(model, n, seed):
     rng = random.Random(seed)
-    words = ["river", "stone", "light", "garden", "paper", "window", "music", "winter", "orange", "silver", "mountain", "city"]
+    words = "river stone light garden paper window music winter orange silver mountain city".split()
     text = " ".join(rng.choice(words) for _ in range(n))
     return model.tokenize(text, add_special=False)[:n]
 

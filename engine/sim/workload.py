@@ -23,7 +23,11 @@ ARRIVAL_MODES = ("interval", "poisson", "gamma")
 # Common English words of at most three letters. With a leading space each is one token in
 # Qwen2.5's and SmolLM2's vocabularies, and in the synthetic models' at Qwen2.5's size (every
 # "▁" + up to three letters is a piece there; `engine.llama.synthetic`): T words are ~T tokens.
-WORDS = tuple(dict.fromkeys(["the", "of", "and", "to", "in", "is", "it", "for", "on", "as", "was", "at", "by", "be", "are", "or", "not", "but", "had", "his", "you", "one", "all", "her", "she", "can", "an", "has", "if", "who", "so", "no", "out", "up", "do", "any", "two", "may", "new", "its", "our", "way", "use", "see", "day", "man", "old", "end", "few", "put", "run", "set", "top", "yes", "yet", "big", "far", "low", "own", "red", "win", "ago", "air", "art", "bad", "bed", "box", "boy", "car", "cut", "dog", "eat", "eye", "fly", "fun", "hit", "hot", "job", "key", "law", "lay", "leg", "let", "lie", "lot", "mix", "net", "nor", "oil", "pay", "per", "sea", "sit", "six", "sky", "son", "sun", "tax", "ten", "tie", "toy", "try", "war", "web", "why", "age", "arm", "ask", "bag", "bit", "bus", "buy", "cup", "dry", "egg", "fit", "gas", "hat", "ice", "kid", "map", "mom"]))
+WORDS = tuple(dict.fromkeys("""the of and to in is it for on as was at by be are or not but had his you one
+all her she can an has if who so no out up do any two may new its our way use see day man old end
+few put run set top yes yet big far low own red win ago air art bad bed box boy car cut dog eat eye
+fly fun hit hot job key law lay leg let lie lot mix net nor oil pay per sea sit six sky son sun tax
+ten tie toy try war web why age arm ask bag bit bus buy cup dry egg fit gas hat ice kid map mom""".split()))
 
 # Token ids are drawn from this range: above the control tokens most vocabularies start with,
 # below the size of every vocabulary we use (SmolLM2 49152, Qwen2.5 151936).
