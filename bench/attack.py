@@ -46,6 +46,8 @@ from typing import Any
 
 import aiohttp
 
+from . import report as bench_report
+
 HELP = ("each attack (idle and stalled connections, grammar and schema bombs, 50,000 messages, near-2 MiB "
         "bodies) beside normal traffic against a real tandem serve: normal p50/p95 and errors vs a quiet baseline")
 ATTACKS = ("keepalive", "stalled", "grammar", "schema", "schema-max", "messages", "bodies")
@@ -110,7 +112,7 @@ def run_attack(args) -> int:
     with _server(args) as (proc, base):
         rows = asyncio.run(_phases(args, attacks, proc, base))
     result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(UTC).isoformat(),
-              "commit": _commit(), "model": args.model, "phase_s": args.phase_s, "phases": rows,
+              "commit": bench_report.git_commit(), "model": args.model, "phase_s": args.phase_s, "phases": rows,
               "pass": all(r["pass"] for r in rows)}
     if args.out:
         out = Path(args.out)
@@ -400,10 +402,4 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent.parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 

@@ -40,6 +40,8 @@ from engine.backends.local import Backend
 from engine.core.request import Request, SamplingParams
 from engine.engine import Engine
 
+from . import report as bench_report
+
 HELP = ("a plain chat's TTFT and tok/s beside the costliest grammar, schema and json_object requests "
         "the limits accept, against the same chat alone")
 HOGS = ("grammar", "schema", "json")
@@ -131,7 +133,7 @@ def run_constrained(args) -> int:
     finally:
         engine.close()
     result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(UTC).isoformat(),
-              "commit": _commit(), "model": args.model, "load_average": os.getloadavg(), "rows": rows}
+              "commit": bench_report.git_commit(), "model": args.model, "load_average": os.getloadavg(), "rows": rows}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -223,11 +225,3 @@ def _print(r: dict) -> None:
           flush=True)
 
 
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent.parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""

@@ -427,3 +427,12 @@ def _clean(obj):
 
 if __name__ == "__main__":  # python -m bench.report DIR: (re)draw a result directory's plots
     plot_dir(Path(sys.argv[1]))
+
+
+def git_commit() -> str:
+    """The checkout's HEAD, which a result file records ("" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
