@@ -40,8 +40,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -111,14 +109,8 @@ def run_attack(args) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
     with _server(args) as (proc, base):
         rows = asyncio.run(_phases(args, attacks, proc, base))
-    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(UTC).isoformat(),
-              "commit": bench_report.git_commit(), "model": args.model, "phase_s": args.phase_s, "phases": rows,
-              "pass": all(r["pass"] for r in rows)}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "attack.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    bench_report.write_result(args.out, "attack.json", {"model": args.model, "phase_s": args.phase_s, "phases": rows,
+                                                        "pass": all(r["pass"] for r in rows)})
     return 0
 
 

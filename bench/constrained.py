@@ -25,14 +25,11 @@ writes it, with the command, date and commit, to `constrained.json`).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import threading
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from engine.backends.config import default_specs, parse_backend_specs
@@ -132,13 +129,8 @@ def run_constrained(args) -> int:
                 _print(rows[-1])
     finally:
         engine.close()
-    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(UTC).isoformat(),
-              "commit": bench_report.git_commit(), "model": args.model, "load_average": os.getloadavg(), "rows": rows}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "constrained.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    bench_report.write_result(args.out, "constrained.json",
+                              {"model": args.model, "load_average": os.getloadavg(), "rows": rows})
     return 0
 
 

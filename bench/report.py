@@ -15,6 +15,7 @@ import math
 import subprocess
 import sys
 from dataclasses import asdict, fields
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -427,6 +428,19 @@ def _clean(obj):
 
 if __name__ == "__main__":  # python -m bench.report DIR: (re)draw a result directory's plots
     plot_dir(Path(sys.argv[1]))
+
+
+def write_result(out: str | None, name: str, values: dict) -> dict:
+    """A one-shot bench's result: the command, date and commit before its own `values`, written
+    to `out/name` when `out` is given and printed as one JSON line."""
+    result = {"command": "tandem " + " ".join(sys.argv[1:]), "date": datetime.now(UTC).isoformat(),
+              "commit": git_commit(), **values}
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return result
 
 
 def git_commit() -> str:

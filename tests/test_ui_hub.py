@@ -302,11 +302,9 @@ def test_the_search_fails_with_a_message_when_the_hub_is_unreachable(monkeypatch
         hub.search_models("anything")
 
 
-def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_bytes,
-                                                                           tmp_path, make_window):
-    from app.gui import load_engine
+def _dialog_on_the_tiny_repo(qtbot, tmp_path):
+    """File ▸ Get model, having searched for "tiny" and picked the one repository found."""
     from ui.get_model import GetModelDialog
-    from ui.loader import ModelSpec
 
     dialog = GetModelDialog(n_ctx=2048, folder=tmp_path / "models")
     qtbot.addWidget(dialog)
@@ -314,6 +312,16 @@ def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_by
     dialog.search()
     qtbot.waitUntil(lambda: dialog.repos.count() == 1, timeout=WAIT_MS)
     dialog.repos.setCurrentRow(0)
+    return dialog
+
+
+def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_bytes,
+                                                                           tmp_path, make_window):
+    from app.gui import load_engine
+    from ui.get_model import GetModelDialog
+    from ui.loader import ModelSpec
+
+    dialog = _dialog_on_the_tiny_repo(qtbot, tmp_path)
     qtbot.waitUntil(lambda: dialog.table.rowCount() == 3 and dialog.shape is not None, timeout=WAIT_MS)
     names = [dialog.table.item(r, 0).text() for r in range(3)]
     assert names.count(SPLIT_DIR + "synthetic-tiny-f16 (3 parts)") == 1  # a model in parts: one row
@@ -349,12 +357,7 @@ def test_get_model_dialog_resumes_from_the_bytes_a_stop_kept(qtbot, fake_hub, ti
     from ui.get_model import GetModelDialog
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
-    dialog = GetModelDialog(n_ctx=2048, folder=tmp_path / "models")
-    qtbot.addWidget(dialog)
-    dialog.query.setText("tiny")
-    dialog.search()
-    qtbot.waitUntil(lambda: dialog.repos.count() == 1, timeout=WAIT_MS)
-    dialog.repos.setCurrentRow(0)
+    dialog = _dialog_on_the_tiny_repo(qtbot, tmp_path)
     qtbot.waitUntil(lambda: dialog.table.rowCount() == 3, timeout=WAIT_MS)
     dialog.table.selectRow(0)
     f = dialog.selected_file()

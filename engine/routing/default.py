@@ -150,7 +150,7 @@ class FinishFirst(Policy):
         self._hashes: list[int] = []
         self._routed: dict[str, int] = {}
         self._parts: dict[str, tuple[Finish, int, int]] = {}  # backend -> (finish, cached, of which in flight)
-        self._group: dict[str, str] = {}  # backend -> its device's group (its own name if alone)
+        self._group: dict[str, str] = {}  # backend -> the group of contexts sharing its device
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
 
     def score(self, query, snap, budget):
@@ -163,16 +163,16 @@ class FinishFirst(Policy):
         hit = max(held, min(self._routed.get(snap.name, 0), query.prompt_tokens))
         f = finish_time(query, snap, hit)
         self._parts[snap.name] = (f, hit, hit - held)
-        self._group[snap.name] = snap.group or snap.name
         if snap.group:
+            self._group[snap.name] = snap.group
             self._within[snap.name] = self.within.score(query, snap, budget)
         return make_score(snap, hit, f.all_prefill_tokens, f.all_decode_tokens, f.all_prefill_s, f.all_decode_s)
 
     def choose(self, query, scores):
         eligible = [s for s in scores if s.eligible]
         first = min(eligible, key=lambda s: s.score_s)  # min() keeps the first of equal scores
-        group = self._group.get(first.name, first.name) if self._query is query else first.name
-        grouped = [s for s in eligible if self._group.get(s.name) == group and s.name in self._within]
+        group = self._group.get(first.name) if self._query is query else None
+        grouped = [s for s in eligible if group is not None and self._group.get(s.name) == group]
         # The device's best context stands for it against the other devices; a context that
         # would finish later than another device does not take part.
         others = sorted((s for s in eligible if s not in grouped and s is not first), key=lambda s: s.score_s)
