@@ -475,9 +475,11 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
   # several default contexts the others stay idle) and, over HTTP, the GPU as two contexts under
   # cache-aware ($TUNED2, a `tandem serve` started by `defaults`).
   local dir=$1; shift
+  local alt=()
+  [ -n "${ALT_BACKENDS:-}" ] && alt=(--target "${ALT_LABEL:-alt}=http://127.0.0.1:8098")
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
     --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-only:swept}" \
-    --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" --target-warm 4 \
+    --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" "${alt[@]}" --target-warm 4 \
     --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py defaults "$OUT/$dir" | tee -a "$OUT/defaults.txt"
 }
@@ -489,6 +491,11 @@ defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) aga
   python3 -m app serve --model "$M" --backend "${TUNED2:-$G:contexts=2,cap=32,threads=8}" --policy cache-aware \
     --port "${TUNED2_PORT:-8097}" > "/tmp/tandem-serve-${TUNED2_PORT:-8097}.log" 2>&1 &
   SERVERS+=($!)
+  if [ -n "${ALT_BACKENDS:-}" ]; then  # another layout beside them, e.g. ALT_BACKENDS="gpu:contexts=8 cpu:threads=15"
+    local specs=() b; for b in $ALT_BACKENDS; do specs+=(--backend "$b"); done
+    python3 -m app serve --model "$M" "${specs[@]}" --port 8098 > /tmp/tandem-serve-8098.log 2>&1 & SERVERS+=($!)
+    _wait_ready 8098
+  fi
   _wait_ready "${TUNED2_PORT:-8097}"
   _stamp "defaults: the study's N=$n48"
   _defaults_grid defaults-n48 --requests "$n48" --shared 96 --outputs fixed --arrivals interval
@@ -514,6 +521,7 @@ chat_llama_server() {  # ~8 min: llama-server at -np 16/32/64, with -kvu and wit
   [ -x "${LCBIN:-/none}/llama-server" ] || { echo "chat_llama_server: no llama-server in \$LCBIN"; return 1; }
   mkdir -p "$OUT/logs"
   _serve_one default 8311; _chat_bench default 8311; _stop_servers
+  _chat_alt 8312
   local np kvu ctx
   for np in ${LLAMA_NPS:-32 16 64}; do
     ctx=$((np > 32 ? 262144 : 131072))
@@ -538,6 +546,24 @@ chat_cache() {  # ~7 min: what the default layout's caches keep on the chat work
     _stop_servers
   done
 }
+_chat_alt() {  # _chat_alt PORT: the chat workload on `tandem serve` with the backends in $ALT_BACKENDS, if set
+  [ -n "${ALT_BACKENDS:-}" ] || return 0
+  local specs=() b; for b in $ALT_BACKENDS; do specs+=(--backend "$b"); done
+  _serve_one "${ALT_LABEL:-alt}" "$1" "${specs[@]}"; _chat_bench "${ALT_LABEL:-alt}${CHAT_SUFFIX:-}" "$1"; _stop_servers
+}
+
+chat_contexts() {  # ~8.5 min: contexts per GPU on the chat workload at CHAT_NS conversations (96 192 24): the
+                  # default (no --backend) against the default layout with 8 GPU contexts ($ALT_BACKENDS, e.g.
+                  # "gpu:contexts=8 cpu:threads=15") and two default processes behind Tandem's router
+  mkdir -p "$OUT/logs"
+  local n
+  for n in ${CHAT_NS:-96 192 24}; do
+    _serve_one "default-$n" 8311; CHAT_N=$n _chat_bench "default-n$n" 8311; _stop_servers
+    CHAT_N=$n CHAT_SUFFIX=-n$n _chat_alt 8312
+    _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers
+  done
+}
+
 final_defaults() {  # ~8 min, the points that decide first: the chat workload (96 conversations) on
                    # `tandem serve --model M` (nothing else) against four contexts under cache-aware and two
                    # processes; then 24 and 192 conversations. The grid on the other workloads is `defaults`
