@@ -578,3 +578,20 @@ final_defaults() {  # ~8 min, the points that decide first: the chat workload (9
     _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers
   done
 }
+
+first_turns() {  # ~2 min: a fresh `tandem serve`'s first chat turns (24 conversations x 2 turns), with py-spy dumps of
+                # the server and the GPU's utilisation while they run, as is and under FIRST_ENVS (space-separated
+                # VAR=VALUE, one variant each: e.g. CUDA_MODULE_LOADING=EAGER GGML_CUDA_DISABLE_GRAPHS=1)
+  mkdir -p "$OUT/logs"
+  local v tag pid
+  for v in plain ${FIRST_ENVS:-}; do
+    tag=${v%%=*}; tag=${tag,,}
+    if [ "$v" = plain ]; then _serve_one "first-$tag" 8311; else env "$v" bash -c ':' && export "$v"; _serve_one "first-$tag" 8311; unset "${v%%=*}"; fi
+    pid=${SERVERS[-1]}
+    ( for i in $(seq 10); do echo "--- $((i * 2)) s"; py-spy dump --pid "$pid" 2>&1 | grep -v "^ *$" | head -60; sleep 2; done ) \
+      > "$OUT/logs/pyspy-$tag.txt" 2>&1 &
+    ( for i in $(seq 50); do nvidia-smi --query-gpu=utilization.gpu,clocks.sm --format=csv,noheader 2>&1; sleep 0.5; done ) \
+      > "$OUT/logs/gpu-$tag.txt" 2>&1 &
+    CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench "first-$tag" 8311; _stop_servers
+  done
+}
