@@ -595,3 +595,18 @@ first_turns() {  # ~2 min: a fresh `tandem serve`'s first chat turns (24 convers
     CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench "first-$tag" 8311; _stop_servers
   done
 }
+
+first_probe() {  # ~1.5 min: where a fresh server's first chat requests wait (scripts/gpu/first_probe.py: connect,
+                # response head, first chunk; the accept queue and unread bytes), then `bench chat` 24 x 2 beside
+                # the same sampling, on a second fresh server
+  mkdir -p "$OUT/logs"
+  local root=$PWD
+  _serve_one probe 8311
+  (cd "$OUT/logs" && python3 "$root/scripts/gpu/first_probe.py" 8311 24) 2>&1 | tee "$OUT/first-probe.txt"
+  _stop_servers
+  _serve_one probe2 8311
+  (cd "$OUT/logs" && timeout 40 python3 -c "
+import sys, threading, time; sys.path.insert(0, '$root/scripts/gpu'); import first_probe as p
+stop = threading.Event(); t = time.perf_counter(); p.sample(8311, 'ss-bench.txt', stop, t)" &)
+  CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench probe-bench 8311; _stop_servers
+}
