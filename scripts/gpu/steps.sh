@@ -610,3 +610,29 @@ import sys, threading, time; sys.path.insert(0, '$root/scripts/gpu'); import fir
 stop = threading.Event(); t = time.perf_counter(); p.sample(8311, 'ss-bench.txt', stop, t)" &)
   CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench probe-bench 8311; _stop_servers
 }
+
+_dump_both() {  # _dump_both TAG SERVER_PID: py-spy dumps of the server and of the running `bench chat` every 2 s
+  local tag=$1 spid=$2 i cpid
+  for i in $(seq 12); do
+    sleep 2
+    cpid=$(pgrep -f "app bench chat" | head -1)
+    { echo "--- $((i * 2)) s"; py-spy dump --pid "$spid" 2>&1 | grep -v "^ *$\|threading.py" | head -40
+      [ -n "$cpid" ] && { echo "- client $cpid"; py-spy dump --native --pid "$cpid" 2>&1 | grep -v "^ *$" | head -60; }
+    } >> "$OUT/logs/dump-$tag.txt"
+  done
+}
+
+client_probe() {  # ~2 min: is a fresh server's slow first chat turn the client's or the server's? `bench chat`
+                 # 24 x 2 on a fresh server (py-spy of both), again on the same server from a new client, and on a
+                 # fresh server after scripts/gpu/first_probe.py's requests
+  mkdir -p "$OUT/logs"
+  local root=$PWD
+  _serve_one cp1 8311
+  _dump_both fresh "${SERVERS[-1]}" & local dumper=$!
+  CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench fresh 8311
+  wait "$dumper"
+  CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench same-server 8311; _stop_servers
+  _serve_one cp2 8311
+  (cd "$OUT/logs" && python3 "$root/scripts/gpu/first_probe.py" 8311 4) 2>&1 | tail -2
+  CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench after-probe 8311; _stop_servers
+}
