@@ -106,6 +106,23 @@ def _in_passing_thread(fn: Callable[[], T]) -> T:
     return box["value"]
 
 
+_token_to_piece = llama.holding_gil(
+    "llama_token_to_piece",
+    [lc.llama_vocab_p_ctypes, lc.llama_token, ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_bool],
+    ctypes.c_int32)
+
+
+def _longest_piece(vocab, n_vocab: int) -> int:
+    """The most bytes one token renders as, special tokens' text included: one pass over the
+    vocabulary while the model loads (0.2 s for Qwen2.5's 151,936 tokens), keeping the GIL.
+
+    Not on first use: a server's first requests each ran this pass at once, from the request
+    threads beside the backends' workers, and on an H200 24 first chat turns waited 17 s for it
+    (docs/results/gpu/probe1)."""
+    buf = ctypes.create_string_buffer(256)
+    return max(1, max((abs(_token_to_piece(vocab, t, buf, 256, 0, True)) for t in range(n_vocab)), default=1))
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     path: str
@@ -167,6 +184,7 @@ class Model:
         self._pieces: dict[int, bytes] = {}
         self._eog = [bool(lc.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)]
         self.eog_tokens = [t for t, eog in enumerate(self._eog) if eog]
+        self._longest = _longest_piece(self.vocab, self.n_vocab)
         self._chat: Callable[[list[dict], list[dict] | None], str] | None = None
         self.info = ModelInfo(
             path=str(path),
@@ -212,16 +230,9 @@ class Model:
         return p
 
     def longest_token_bytes(self) -> int:
-        """The most bytes one token stands for, special tokens' text included (computed once:
-        ~50k calls): `engine.prompts.chat.min_tokens` bounds a prompt's length without tokenizing it."""
-        n = getattr(self, "_longest", 0)
-        if not n:
-            buf = ctypes.create_string_buffer(256)
-            for t in range(self.n_vocab):
-                k = lc.llama_token_to_piece(self.vocab, t, buf, 256, 0, True)
-                n = max(n, -k if k < 0 else k)
-            self._longest = n = max(n, 1)
-        return n
+        """The most bytes one token stands for, special tokens' text included:
+        `engine.prompts.chat.min_tokens` bounds a prompt's length without tokenizing it."""
+        return self._longest
 
     def detokenize(self, tokens) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
