@@ -5,6 +5,8 @@ The router scores snapshots; the UI draws them; `/v1/routing` serialises them.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 
 
@@ -79,6 +81,14 @@ class Rates:
         if self.step_alpha_s or self.step_beta_s:
             return self.step_alpha_s + self.step_beta_s * b
         return b / self.decode_tok_s
+
+    def peak_decode_tok_s(self, up_to: int) -> float:
+        """The most tokens per second a decode step gives at any batch from 1 to `up_to` (0 with
+        no decode rate)."""
+        if not (self.step_table or self.step_alpha_s or self.step_beta_s or self.decode_tok_s > 0):
+            return 0.0
+        steps = (self.step_s(b) for b in range(1, max(up_to, 1) + 1))
+        return max((b / s if s > 0 else math.inf) for b, s in enumerate(steps, 1))
 
     def step_at(self, batch: int, cells: float, kv: float | None = None) -> float:
         """Seconds for one decode step of `batch` rows, each over `cells` KV cells of its own,

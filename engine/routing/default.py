@@ -15,7 +15,12 @@ Everything that decides when the request's last token comes is counted, per back
 
 The lowest predicted finish wins; a backend that cannot finish the request sooner gets
 nothing, and a backend that can (the study's M2, where the GPU's 4 slots are full and the CPU
-is idle) gets it. Running and queued requests are priced at their whole remaining budget (a
+is idle) gets it. A backend whose peak decode (tokens per second at its best batch, by its
+rates) is under `MIN_PEAK_SHARE` of the fastest one's takes no part: it adds too little to pay
+for what a misjudged request costs there. On one H200 a 15-thread CPU backend beside four GPU
+contexts was predicted from its idle calibration (87 tok/s for one sequence) but decoded at
+~3 tok/s with the GPU busy; the 9 chat turns sent there took 28-40 s each and decided the run
+(docs/results/gpu/contexts1). The study's M2 CPU is 15 % of its GPU and keeps its work. Running and queued requests are priced at their whole remaining budget (a
 stop string is not foreseen), the same on every backend.
 
 Why not `seed-score`: it sums the tokens queued on a backend over its aggregate rates and never
@@ -40,6 +45,9 @@ HELP = ("The default: each request goes where its last token comes first, counti
         "of it under the live cap, its prefill less what is cached there, and its decode at the "
         "per-sequence speed of the batch it joins.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
+# A backend whose peak decode is under this share of the fastest eligible one's gets nothing
+# (the H200's CPU: 128 / 3,265 tok/s, 4 %; the study's M2 CPU: 45 / 293, 15 %).
+MIN_PEAK_SHARE = 0.10
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,24 +160,26 @@ class FinishFirst(Policy):
         self._parts: dict[str, tuple[Finish, int, int]] = {}  # backend -> (finish, cached, of which in flight)
         self._group: dict[str, str] = {}  # backend -> the group of contexts sharing its device
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
+        self._peak: dict[str, float] = {}  # backend -> peak decode tok/s by its rates
 
     def score(self, query, snap, budget):
         if self._query is not query:
             self._query = query
-            self._parts, self._group, self._within = {}, {}, {}
+            self._parts, self._group, self._within, self._peak = {}, {}, {}, {}
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
             self._routed = self.recent.match(self._hashes) if self._hashes else {}
         held = query.cached_on(snap.name)
         hit = max(held, min(self._routed.get(snap.name, 0), query.prompt_tokens))
         f = finish_time(query, snap, hit)
         self._parts[snap.name] = (f, hit, hit - held)
+        self._peak[snap.name] = snap.rates.peak_decode_tok_s(snap.cap_ceiling or snap.cap)
         if snap.group:
             self._group[snap.name] = snap.group
             self._within[snap.name] = self.within.score(query, snap, budget)
         return make_score(snap, hit, f.all_prefill_tokens, f.all_decode_tokens, f.all_prefill_s, f.all_decode_s)
 
     def choose(self, query, scores):
-        eligible = [s for s in scores if s.eligible]
+        eligible, slow = self._fast_enough([s for s in scores if s.eligible], query)
         first = min(eligible, key=lambda s: s.score_s)  # min() keeps the first of equal scores
         group = self._group.get(first.name) if self._query is query else None
         grouped = [s for s in eligible if group is not None and self._group.get(s.name) == group]
@@ -192,11 +202,30 @@ class FinishFirst(Policy):
             reason += f"; {rel} {self._explain(others[0])}"
             if rel == "ties with":
                 reason += f" (the tie goes to {first.name}, first in order)"
+        if slow:
+            reason += f"; {slow}"
         skipped = [s.name for s in scores if not s.eligible]
         if skipped:
             reason += f" ({', '.join(skipped)} unhealthy)"
         self._record(query, best.name)
         return best.name, reason
+
+    def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
+        """The eligible backends whose peak decode is at least MIN_PEAK_SHARE of the fastest
+        one's, and a sentence on those left out ("" if none)."""
+        peak = self._peak if self._query is query else {}
+        known = [s for s in eligible if s.name in peak]
+        if len(known) < 2:
+            return eligible, ""
+        top = max(known, key=lambda s: peak[s.name])
+        out = [s for s in known if peak[s.name] < MIN_PEAK_SHARE * peak[top.name]]
+        if not out:
+            return eligible, ""
+        names = "; ".join(f"{self._explain(s)}, peak {peak[s.name]:,.0f} tok/s ({peak[s.name] / peak[top.name]:.1%})"
+                          for s in out)
+        why = (f"left out, under {MIN_PEAK_SHARE:.0%} of {top.name}'s peak decode of {peak[top.name]:,.0f} tok/s: "
+               f"{names}")
+        return [s for s in eligible if s not in out], why
 
     def pinned(self, query, backend):
         if self._within.get(backend) is not None and self._query is query:
