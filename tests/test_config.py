@@ -83,9 +83,19 @@ def test_auto_contexts_fit_the_model_beside_the_free_memory(model, free, want, e
     assert auto_contexts(model, free, want=want, max_model_bytes=4 << 30, context_bytes=2 << 30) == expected
 
 
+@pytest.mark.parametrize(("model", "expected"), [
+    (530 << 20, 8),  # Qwen2.5-0.5B q8_0, as measured (docs/results/gpu/contexts1)
+    (2 << 30, 4),  # up to 4 GiB: four
+    (8 << 30, 1),  # larger: one
+])
+def test_auto_contexts_follow_the_models_size(model, expected):
+    assert auto_contexts(model, 0) == expected
+    assert auto_contexts(model, model + (3 << 30), context_bytes=1 << 30) == min(expected, 4)  # memory still bounds it
+
+
 @pytest.fixture
 def two_contexts_wanted(monkeypatch):
-    monkeypatch.setattr(backend_module, "AUTO_CONTEXTS", 2)
+    monkeypatch.setattr(backend_module, "AUTO_CONTEXTS", ((1 << 40, 2),))
 
 
 def test_an_auto_gpu_spec_becomes_the_contexts_its_device_gets(two_contexts_wanted):

@@ -88,16 +88,20 @@ AUTO_CTX_MAX_CELLS = {"gpu": 65536, "cpu": 16384}
 # default pool gave before the pool was sized from memory (n_ctx / B), now apart from the pool.
 AUTO_IDLE_CELLS = {"gpu": 65536, "cpu": 4096}
 # Contexts per GPU when a spec names no count (`contexts=auto`, the default; `auto_contexts`):
-# four. In one unified pool every step attends over every cell in use, so N contexts each attend
-# over their own quarter while the GPU runs them side by side. Measured on one H200 with
-# Qwen2.5-0.5B, cache-aware, ceiling 32 each (docs/results/gpu/chat1, defaults1): 96 chats in
-# 89.5 / 53.1 / 39.5 s with 1 / 2 / 4 contexts (later-turn TTFT p50 4.16 / 0.35 / 0.10 s; two
-# processes 57.7 s); tenants 4/16/32 7.5-12.9 s on one context's best cap, 6.2-7.5 s on two.
-# A model above AUTO_CONTEXTS_MAX_MODEL_BYTES keeps one (each context's step reads all the
-# weights again), and each context beyond the first needs AUTO_CONTEXT_BYTES of free device
-# memory beside the model (its pool, compute buffers).
-AUTO_CONTEXTS = 4
-AUTO_CONTEXTS_MAX_MODEL_BYTES = 4 << 30
+# AUTO_CONTEXTS by the model's size. In one unified pool every step attends over every cell in
+# use, so N contexts each attend over their own share while the GPU runs them side by side.
+# Measured on one H200 with Qwen2.5-0.5B q8_0 (0.5 GB), ceiling 32 each, the chat workload
+# (96 conversations x 8 turns): 89.5 / 53.1 / 39.5 s with 1 / 2 / 4 contexts under cache-aware
+# (docs/results/gpu/chat1); then 46.4 s with 8 against 55.5 s with 4, and 68.0 against 88.4 s
+# at 192 conversations, where two processes of four took 68.4 s (contexts1: every run there
+# also paid a first-request stall since fixed, ~17 s, and 4 contexts sent 9 turns to the CPU).
+# On the grid 8 stayed within 3-5 % of 4 (N=48, long prompts, 4 tenants; defaults2). Each
+# context's step reads all the weights again, so a larger model gets fewer: 4 up to
+# AUTO_CONTEXTS_MAX_MODEL_BYTES (measured only at 0.5 GB), one above it. Each context beyond
+# the first needs AUTO_CONTEXT_BYTES of free device memory beside the model (its pool, compute
+# buffers).
+AUTO_CONTEXTS = ((1 << 30, 8), (4 << 30, 4))  # (model bytes up to, contexts)
+AUTO_CONTEXTS_MAX_MODEL_BYTES = AUTO_CONTEXTS[-1][0]
 AUTO_CONTEXT_BYTES = 2 << 30
 # Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU
 # (on); off on the CPU, whose flash-attention kernel is slow for the few query rows of a decode
@@ -141,10 +145,11 @@ def host_available_bytes() -> int:
 
 def auto_contexts(model_bytes: int, free_bytes: int, *, want: int | None = None,
                   max_model_bytes: int | None = None, context_bytes: int | None = None) -> int:
-    """Contexts for a GPU spec that names no count: `want` (AUTO_CONTEXTS), one for a model over
+    """Contexts for a GPU spec that names no count: `want` (by AUTO_CONTEXTS), one for a model over
     `max_model_bytes`, and no more than the device's free memory (`free_bytes`; 0: unknown)
     holds beside the model at `context_bytes` each beyond the first."""
-    want = AUTO_CONTEXTS if want is None else want
+    if want is None:
+        want = next((n for limit, n in AUTO_CONTEXTS if model_bytes <= limit), 1)
     max_model_bytes = AUTO_CONTEXTS_MAX_MODEL_BYTES if max_model_bytes is None else max_model_bytes
     context_bytes = AUTO_CONTEXT_BYTES if context_bytes is None else context_bytes
     if want <= 1 or model_bytes > max_model_bytes:
@@ -449,13 +454,10 @@ def default_specs(gpu: bool, cores: int | None = None, gpus: int | None = None) 
 
     - several GPUs: one backend per GPU (`gpu:device=N`, named gpu0, gpu1, ...) and a CPU
       backend on the cores left after one per GPU backend's worker thread;
-    - one GPU: GPU + CPU. Two contexts on the GPU (`gpu:contexts=2`) won with fixed caps
-      (docs/results/gpu/round4, groups-*: cap 16 each, 16 and 32 tenants 3,705 and 3,454
-      output tok/s against 3,045 and 2,578 for one context at cap 32) and with adaptive
-      ceilings of 48 each on the study (2.60-2.66 s vs 2.73 s) and on long prompts (6.17-6.70
-      s vs 6.87 s), but not with adaptive caps on tenants (tenants-default*: 2,343-2,669 and
-      1,996-2,420 tok/s at 16 and 32 tenants): the limiter starts low and climbs only under
-      backlog, so it stays one context until the limiter is measured on that layout;
+    - one GPU: GPU + CPU. The GPU spec names no context count, so the model's size and the
+      device's memory choose it when the model loads (`auto_contexts`: eight for a small
+      model). The default policy leaves the CPU out where its peak decode is under a tenth
+      of the GPU's (an H200's: 4 %), and sends it work where it pays (the study's M2: 15 %);
     - no offload: one CPU backend with every core, cap 8 (`CPU_ONLY_CAP`).
 
     Why one on a CPU-only machine (docs/performance.md, "First use on a laptop"): splitting the

@@ -6,7 +6,6 @@ The router scores snapshots; the UI draws them; `/v1/routing` serialises them.
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass, field
 
 
