@@ -68,14 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open connections at most; above, the longest-idle connection (headers, body "
                             "or keep-alive) is dropped, else the new one gets 503 (default: %(default)s)")
     serve.add_argument("--max-client-connections", type=int, default=g.max_client_connections, metavar="N",
-                       help="open connections per client address; above, that client's longest-idle one is "
-                            "dropped, else the new one gets 503 (default: %(default)s)")
+                       help="open connections per client address; above, a new one from that address gets 503 "
+                            "(default: %(default)s)")
+    serve.add_argument("--refuse-hold", type=float, default=g.refuse_hold_s, metavar="S",
+                       help="seconds a connection over its address's cap waits, unread, for its 503, so a "
+                            "client that reconnects at once cannot keep the server busy (default: %(default)s)")
     serve.add_argument("--header-timeout", type=float, default=g.header_timeout, metavar="S",
                        help="seconds a new connection has to send its request headers (default: %(default)s)")
     serve.add_argument("--body-timeout", type=float, default=g.body_timeout, metavar="S",
                        help="seconds a request has to send its whole body (default: %(default)s)")
     serve.add_argument("--body-idle-timeout", type=float, default=g.body_idle_timeout, metavar="S",
-                       help="seconds a body may pause between bytes (default: %(default)s)")
+                       help="seconds a body may pause between bytes, at least (up to twice that, drawn per "
+                            "wait, so bodies stalled together time out apart; default: %(default)s)")
     serve.add_argument("--keepalive-timeout", type=float, default=g.keepalive_timeout, metavar="S",
                        help="seconds an idle kept-alive connection stays open (default: %(default)s)")
     serve.add_argument("--max-body-bytes", type=int, default=g.max_body_bytes, metavar="N",

@@ -13,11 +13,15 @@ Two layers, both on aiohttp's public surfaces:
     A connection is busy, and never evicted, only while a handler runs with its whole body
     read (`request_started` / `body_read` / `request_done`, called by `guard_middleware` and
     `read_body`). Only when every connection is busy does a new one get a raw `503`;
-  - a *per-client cap* (`max_client_connections`, per remote address): a client at its cap
-    evicts its own longest-idle connection first, so one address cannot hold the table.
+  - a *per-client cap* (`max_client_connections`, per remote address; nginx's `limit_conn`):
+    a client at its cap gets a raw `503` for a new connection, so one address cannot hold the
+    table. It does not evict its own: an attacker that reconnects as soon as it is let go then
+    made the server set connections up and tear them down as fast as its loop could (1,100
+    stalled bodies from one address: normal traffic's p95 2.96-3.10x quiet; docs/security.md).
   Kept-alive connections are closed after `keepalive_timeout` (aiohttp's, 5 s: uvicorn's
   default). A body must keep coming: `read_body` allows `body_idle_timeout` from the last
-  byte and `body_timeout` in all. aiohttp has `keepalive_timeout` and `client_max_size` but no
+  byte (up to twice that, drawn per wait, so bodies stalled together time out apart) and
+  `body_timeout` in all. aiohttp has `keepalive_timeout` and `client_max_size` but no
   header-read timeout and no eviction. We chose to wrap the protocol rather than move to another server
   (uvicorn has `--limit-concurrency` and `--timeout-keep-alive` but no header timeout either;
   hypercorn has one but would mean rewriting the streaming and cancellation paths that the
@@ -48,6 +52,7 @@ import collections
 import ipaddress
 import json
 import logging
+import random
 import resource
 import threading
 import time
@@ -80,16 +85,17 @@ class GuardSettings:
 
     header_timeout: float = 10.0  # s from connect to a whole request head
     body_timeout: float = 30.0  # s to receive a whole request body
-    body_idle_timeout: float = 5.0  # s a body may pause between bytes
+    body_idle_timeout: float = 5.0  # s a body may pause between bytes (at least: 1-2x, drawn per wait)
     keepalive_timeout: float = 5.0  # s an idle kept-alive connection stays open (uvicorn's default)
     max_connections: int = 1000  # open connections; above, evict the longest-idle one, else 503
-    max_client_connections: int = 512  # open connections per client address; above, evict its own
+    max_client_connections: int = 512  # open connections per client address; above, 503
+    refuse_hold_s: float = 5.0  # s a connection over its address's cap waits for that 503 (a tarpit)
     max_body_bytes: int = 2 << 20  # a 128k-token prompt is ~0.5 MB of text; 2 MiB leaves room
     allowed_hosts: tuple[str, ...] = ()  # more `Host` names to accept; "*" accepts any
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed (CORS on); "*" allows any
 
     def __post_init__(self):
-        for name in ("header_timeout", "body_timeout", "body_idle_timeout", "keepalive_timeout"):
+        for name in ("header_timeout", "body_timeout", "body_idle_timeout", "keepalive_timeout", "refuse_hold_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_connections < 1 or self.max_body_bytes < 1 or self.max_client_connections < 1:
@@ -207,9 +213,9 @@ class ConnectionGuard:
         self.evicted = 0
         self.refused = 0
         self.timed_out = 0
+        self.held = 0  # connections over their address's cap, waiting for their 503
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the site that serves
         self._idle = _IdleOrder()
-        self._idle_by_client: dict[str, _IdleOrder] = {}
         self._per_client: collections.Counter[str] = collections.Counter()
         self._by_transport: dict[int, GuardedProtocol] = {}
 
@@ -256,10 +262,11 @@ class ConnectionGuard:
     def _admit(self, proto: GuardedProtocol) -> bool:
         client = proto.client
         cap = self.settings.max_client_connections
-        if self._per_client[client] >= cap and not self._evict(self._idle_by_client.get(client)):
+        if self._per_client[client] >= cap:
             self.refused += 1
+            proto.over_cap = True
             return False
-        if self.open >= self.settings.max_connections and not self._evict(self._idle):
+        if self.open >= self.settings.max_connections and not self._evict():
             self.refused += 1
             return False
         self.open += 1
@@ -269,9 +276,28 @@ class ConnectionGuard:
         self._set_idle(proto)
         return True
 
-    def _evict(self, table: _IdleOrder | None) -> bool:
-        """Drop the longest-idle connection of `table` (False when none is idle)."""
-        victim = table.oldest() if table is not None else None
+    def _hold(self, proto: GuardedProtocol) -> bool:
+        """Keep a connection over its address's cap unread for `refuse_hold_s`, then answer it
+        503 (False, to answer now, when `max_connections` are held already). Answered at once,
+        an attacker that reconnects at once made the loop accept and close ~750 connections a
+        second (1,100 stalled bodies from one address; docs/security.md)."""
+        if self.held >= self.settings.max_connections or self.loop is None or proto.transport is None:
+            return False
+        self.held += 1
+        proto.holding = True
+        proto.transport.pause_reading()
+        # 1-2x the hold, drawn per connection, so refusals that arrived together are answered apart.
+        proto._deadline = self.loop.call_later(self.settings.refuse_hold_s * (1 + random.random()), proto.drop, _BUSY)
+        return True
+
+    def _unhold(self, proto: GuardedProtocol) -> None:
+        if proto.holding:
+            proto.holding = False
+            self.held -= 1
+
+    def _evict(self) -> bool:
+        """Drop the longest-idle connection (False when none is idle)."""
+        victim = self._idle.oldest()
         if victim is None:
             return False
         self.evicted += 1
@@ -287,19 +313,14 @@ class ConnectionGuard:
 
     def _set_idle(self, proto: GuardedProtocol) -> None:
         self._idle.put(proto)
-        self._idle_by_client.setdefault(proto.client, _IdleOrder()).put(proto)
 
     def _set_busy(self, proto: GuardedProtocol) -> None:
         self._idle.remove(proto)
-        table = self._idle_by_client.get(proto.client)
-        if table is not None:
-            table.remove(proto)
 
     def _touch(self, proto: GuardedProtocol) -> None:
         """A byte arrived: an idle connection becomes the most recently active of its tier."""
         if proto in self._idle:
             self._idle.touch(proto)
-            self._idle_by_client[proto.client].touch(proto)
 
     def _release(self, proto: GuardedProtocol) -> None:
         """Forget a connection (closed or evicted); idempotent."""
@@ -307,9 +328,6 @@ class ConnectionGuard:
             return
         proto.admitted = False
         self._set_busy(proto)
-        table = self._idle_by_client.get(proto.client)
-        if table is not None and not table:
-            del self._idle_by_client[proto.client]
         self._by_transport.pop(id(proto.transport), None)
         self.open -= 1
         self._per_client[proto.client] -= 1
@@ -329,14 +347,18 @@ class GuardedProtocol(asyncio.Protocol):
         self.admitted = False
         self.handlers = 0  # requests of this connection inside the app's handlers
         self.served = 0  # requests finished on this connection
-        self._deadline: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None  # the header deadline, or a held refusal's end
         self._tail = b""  # the last 3 bytes seen while looking for the end of the head
+        self.over_cap = False  # refused: its address was at its cap
+        self.holding = False  # refused and held (`ConnectionGuard._hold`)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.client = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
         if not self._guard._admit(self):
+            if self.over_cap and self._guard._hold(self):
+                return
             transport.write(_BUSY)
             transport.close()
             return
@@ -366,6 +388,7 @@ class GuardedProtocol(asyncio.Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        self._guard._unhold(self)
         self._guard._release(self)
         if self._inner is not None:
             inner, self._inner = self._inner, None
@@ -417,11 +440,12 @@ class GuardedSite(web.TCPSite):
 
 
 def raise_fd_limit(settings: GuardSettings, reserve: int = 256) -> GuardSettings:
-    """Make room for `max_connections` sockets plus `reserve` other files (models, logs, threads):
+    """Make room for `max_connections` sockets, as many held refusals (`ConnectionGuard._hold`)
+    and `reserve` other files (models, logs, threads):
     raise this process's soft RLIMIT_NOFILE toward the hard one, or lower the cap (with a
     warning) so accept() never runs into EMFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = settings.max_connections + reserve
+    need = 2 * settings.max_connections + reserve  # the table, and as many held refusals
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -430,7 +454,7 @@ def raise_fd_limit(settings: GuardSettings, reserve: int = 256) -> GuardSettings
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < need:
-        cap = max(1, soft - reserve)
+        cap = max(1, (soft - reserve) // 2)
         log.warning("the open-file limit is %d: serving at most %d connections, not %d",
                     soft, cap, settings.max_connections)
         from dataclasses import replace
@@ -552,7 +576,9 @@ async def read_body(request: web.Request) -> bytes:
     deadline = loop.time() + settings.body_timeout
     try:
         while True:
-            wait = min(settings.body_idle_timeout, deadline - loop.time())
+            # Up to twice the idle timeout, drawn per wait: bodies that stall together (an attack's
+            # connections, opened at once) then time out apart, not in one burst of 408s and reconnects.
+            wait = min(settings.body_idle_timeout * (1 + random.random()), deadline - loop.time())
             if wait <= 0:
                 raise TimeoutError
             async with asyncio.timeout(wait):
@@ -565,7 +591,7 @@ async def read_body(request: web.Request) -> bytes:
     except TimeoutError:
         total = loop.time() >= deadline
         raise BodyTimeout(f"the body did not arrive within {settings.body_timeout:g} s" if total else
-                          f"the body stopped for {settings.body_idle_timeout:g} s") from None
+                          f"the body stopped for {settings.body_idle_timeout:g} s or more") from None
     guard = request.app.get(CONNECTIONS)
     conn = guard.connection_of(request) if guard is not None else None
     if guard is not None and conn is not None:

@@ -213,7 +213,7 @@ def guard_from_args(args) -> GuardSettings:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         body_idle_timeout=args.body_idle_timeout, keepalive_timeout=args.keepalive_timeout,
         max_connections=args.max_connections, max_client_connections=args.max_client_connections,
-        max_body_bytes=args.max_body_bytes,
+        refuse_hold_s=args.refuse_hold, max_body_bytes=args.max_body_bytes,
         allowed_hosts=tuple(h for v in args.allowed_hosts or () for h in v.split(",") if h),
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o))
 

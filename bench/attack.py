@@ -4,7 +4,8 @@ real `tandem serve`, in one invocation.
 It starts `tandem serve --model M` (a subprocess on a free 127.0.0.1 port; attack traffic goes
 to 127.0.0.1 only, bounded in count and time), then runs phases of `--phase-s` seconds each.
 In every phase `--concurrency` normal clients send 8-token chats one after another (a new
-connection each, as curl would), and from the second phase on one attack runs beside them:
+connection each, as curl would, from `--normal-source`: 127.0.0.2, another address than the
+attack's), and from the second phase on one attack runs beside them:
 
 - `keepalive`: `--connections` kept-alive connections that each send `GET /health` every 10 s
   (reconnecting when the server lets go of them);
@@ -66,6 +67,10 @@ def add_arguments(p) -> None:
     p.add_argument("--connections", type=int, default=1100,
                    help="connections of the keepalive and stalled attacks (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=2, help="normal clients (default: %(default)s)")
+    p.add_argument("--normal-source", default="127.0.0.2", metavar="ADDR",
+                   help="the address normal clients connect from, apart from the attack's 127.0.0.1 as a user "
+                        "elsewhere on the LAN would be; 127.0.0.1 puts them beside the attacker, where no "
+                        "per-address limit can tell them apart (default: %(default)s)")
     p.add_argument("--out", default=None, metavar="DIR", help="write attack.json there")
 
 
@@ -109,7 +114,8 @@ def run_attack(args) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
     with _server(args) as (proc, base):
         rows = asyncio.run(_phases(args, attacks, proc, base))
-    bench_report.write_result(args.out, "attack.json", {"model": args.model, "phase_s": args.phase_s, "phases": rows,
+    bench_report.write_result(args.out, "attack.json", {"model": args.model, "phase_s": args.phase_s,
+                                                        "normal_source": args.normal_source, "phases": rows,
                                                         "pass": all(r["pass"] for r in rows)})
     return 0
 
@@ -151,7 +157,7 @@ def _server(args):
 
 async def _phases(args, attacks: list[str], proc, base: str) -> list[dict]:
     rows = []
-    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    connector = _normal_connector(args)
     async with aiohttp.ClientSession(connector=connector) as session:  # warm-up: not measured
         warm = Phase("warm-up")
         await _normal(session, base, asyncio.get_running_loop().time() + 3, warm)
@@ -176,7 +182,7 @@ async def _phase(args, name: str, proc, base: str) -> Phase:
     if name != "quiet":
         attack = asyncio.create_task(ATTACK_FNS[name](args, base, stop_at, phase.attack))
         await asyncio.sleep(min(3.0, args.phase_s / 4))  # let it build up before measuring
-    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    connector = _normal_connector(args)
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(_normal(session, base, stop_at, phase) for _ in range(args.concurrency)))
     if attack is not None:
@@ -188,6 +194,11 @@ async def _phase(args, name: str, proc, base: str) -> Phase:
     phase.server_cpu_s, phase.client_cpu_s = _cpu_s(proc.pid) - server0, _own_cpu_s() - client0
     phase.load = os.getloadavg()[0]
     return phase
+
+
+def _normal_connector(args) -> aiohttp.TCPConnector:
+    """Normal clients: a new connection per request (as curl), from `--normal-source`."""
+    return aiohttp.TCPConnector(force_close=True, limit=0, local_addr=(args.normal_source, 0))
 
 
 async def _normal(session: aiohttp.ClientSession, base: str, stop_at: float, phase: Phase) -> None:

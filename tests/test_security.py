@@ -258,17 +258,27 @@ def test_stalled_bodies_are_evicted_before_a_new_connection_still_sending_its_he
         loop_thread.run(runner.cleanup())
 
 
-def test_one_client_address_at_its_cap_evicts_its_own_idle_connection(loop_thread, engine):
-    app = create_app(engine, guard=GuardSettings(max_client_connections=5, keepalive_timeout=120))
+def test_one_client_address_at_its_cap_is_refused_while_others_are_served(loop_thread, engine):
+    """nginx's `limit_conn`: over its cap an address gets a raw 503 and keeps what it holds.
+    Evicting its own idle connection instead let an attacker that reconnects at once make the
+    server set connections up and tear them down as fast as its loop could."""
+    app = create_app(engine, guard=GuardSettings(max_client_connections=5, keepalive_timeout=120, refuse_hold_s=0.3))
     runner, base = loop_thread.serve(app)
     mine, other = [], []
     try:
-        other = kept_alive(base, 1, source="127.0.0.3")
-        mine = kept_alive(base, 6, source="127.0.0.2")  # the sixth evicts the first
-        assert closed_by_server(mine[0])
-        assert not closed_by_server(other[0], timeout=0.2), "another client's connection stays"
-        other[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        assert other[0].recv(65536).startswith(b"HTTP/1.1 200")
+        mine = kept_alive(base, 5, source="127.0.0.2")
+        with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=WAIT,
+                                      source_address=("127.0.0.2", 0)) as sixth:
+            sixth.settimeout(WAIT)
+            t0 = time.monotonic()
+            assert sixth.recv(65536).startswith(b"HTTP/1.1 503")
+            assert time.monotonic() - t0 >= 0.25, "held unread before its 503 (a tarpit)"
+        wait_until(lambda: app[CONNECTIONS].held == 0, timeout=WAIT, what="the held refusal let go")
+        assert not closed_by_server(mine[0], timeout=0.2), "the address keeps what it holds"
+        other = kept_alive(base, 1, source="127.0.0.3")  # another client is served
+        mine[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert mine[0].recv(65536).startswith(b"HTTP/1.1 200")
+        assert app[CONNECTIONS].refused == 1 and app[CONNECTIONS].evicted == 0
     finally:
         for s in mine + other:
             s.close()
