@@ -14,14 +14,31 @@ Thread contract: main thread only (a widget).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QWidget
 
-if TYPE_CHECKING:
-    from .experiments import BenchRun
-    from .live_run import WorkloadRun
+
+class SteppableRun(Protocol):
+    """What the row reads and drives (a `WorkloadRun` or a `BenchRun`; named here, not
+    imported, so `ui.experiments`, which holds this row, is not imported back)."""
+
+    @property
+    def running(self) -> bool: ...
+    @property
+    def paused(self) -> bool: ...
+    @property
+    def n_submitted(self) -> int: ...
+    @property
+    def n_requests(self) -> int: ...
+    @property
+    def label(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    def pause(self) -> bool: ...
+    def resume(self) -> bool: ...
+    def step(self) -> bool: ...
 
 
 class RunControls(QWidget):
@@ -29,7 +46,7 @@ class RunControls(QWidget):
 
     def __init__(self, parent: QWidget | None = None, pause_text: str = "Pause arrivals"):
         super().__init__(parent)
-        self.run: WorkloadRun | BenchRun | None = None
+        self.run: SteppableRun | None = None
         self._why_off = "no live run"
         self._pause_text = pause_text
         self.pause_button = QPushButton(pause_text)
@@ -52,7 +69,7 @@ class RunControls(QWidget):
         self._timer.timeout.connect(self._refresh)
         self._refresh()
 
-    def attach(self, run: WorkloadRun | BenchRun | None, why_off: str = "no live run") -> None:
+    def attach(self, run: SteppableRun | None, why_off: str = "no live run") -> None:
         """Drive `run` (a WorkloadRun), or nothing (`run=None`, with `why_off` shown)."""
         for sig in self._signals(self.run):
             sig.disconnect(self._refresh)
