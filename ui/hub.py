@@ -38,6 +38,7 @@ from pathlib import Path
 
 HEADER_BYTES = 8 << 20  # a GGUF header (with a 150k-token vocabulary) fits in a few MiB
 HTTP_TIMEOUT_S = 30
+REACH_TIMEOUT_S = 5  # the Hub's address must answer within this before a listing is asked for
 OVERHEAD = 1.10  # compute buffers and the runtime beside weights + KV
 SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)  # llama.cpp's gguf-split names
 PARTIAL_DIR = ".incomplete"  # in a repository's download folder: the bytes of unfinished downloads
@@ -143,8 +144,22 @@ def _hub_error(what: str, e: Exception) -> HubError:
     return HubError(f"{what}: {text}")
 
 
+def _reachable(what: str) -> None:
+    """Raise `HubError` at once when the Hub's address does not answer at all (offline, no
+    route, refused): huggingface_hub's listings retry a connection error five times with
+    backoff, so a search without a network took 23 s to say so."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:  # any answer will do (an HTTP error is still an answer); only a failed transport raises
+        get_session().head(constants.ENDPOINT, timeout=REACH_TIMEOUT_S)
+    except Exception as e:  # the session's HTTP library is huggingface_hub's to choose
+        raise _hub_error(what, e) from e
+
+
 def search_models(query: str, limit: int = 30) -> list[HubModel]:
     """GGUF repositories whose name matches `query`, most downloaded first."""
+    _reachable("searching the Hub failed")
     try:
         found = _api().list_models(search=query.strip() or None, filter="gguf", sort="downloads", limit=limit)
         return [HubModel(m.id, int(getattr(m, "downloads", 0) or 0), int(getattr(m, "likes", 0) or 0))
@@ -158,6 +173,7 @@ def gguf_files(repo_id: str) -> list[HubFile]:
     as one entry (when all its parts are there)."""
     from huggingface_hub.hf_api import RepoFile
 
+    _reachable(f"listing {repo_id} failed")
     try:
         tree = list(_api().list_repo_tree(repo_id, recursive=True))
     except Exception as e:
