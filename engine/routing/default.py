@@ -15,8 +15,8 @@ Everything that decides when the request's last token comes is counted, per back
 
 The lowest predicted finish wins; a backend that cannot finish the request sooner gets
 nothing, and a backend that can (the study's M2, where the GPU's 4 slots are full and the CPU
-is idle) gets it. A backend whose peak decode (tokens per second at its best batch, by its
-rates) is under `MIN_PEAK_SHARE` of the fastest one's takes no part: it adds too little to pay
+is idle) gets it. A CPU backend whose peak decode (tokens per second at its best batch, by its
+rates) is under `MIN_PEAK_SHARE` of a GPU backend's takes no part: it adds too little to pay
 for what a misjudged request costs there. On one H200 a 15-thread CPU backend beside four GPU
 contexts was predicted from its idle calibration (87 tok/s for one sequence) but decoded at
 ~3 tok/s with the GPU busy; the 9 chat turns sent there took 28-40 s each and decided the run
@@ -211,14 +211,20 @@ class FinishFirst(Policy):
         return best.name, reason
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
-        """The eligible backends whose peak decode is at least MIN_PEAK_SHARE of the fastest
-        one's, and a sentence on those left out ("" if none)."""
+        """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of the
+        fastest one's when that one is a GPU, and a sentence on those left out ("" if none).
+        Only a CPU beside a GPU: that is what was measured (a CPU slowed by the GPU's own host
+        threads), and backends of one kind, such as a fleet's engines, differ by the noise of
+        their calibrations rather than by what they can do (two engines measured on a loaded
+        2-core machine came out apart by more than ten times)."""
         peak = self._peak if self._query is query else {}
         known = [s for s in eligible if s.name in peak]
         if len(known) < 2:
             return eligible, ""
         top = max(known, key=lambda s: peak[s.name])
-        out = [s for s in known if peak[s.name] < MIN_PEAK_SHARE * peak[top.name]]
+        if not top.device.startswith("gpu"):
+            return eligible, ""
+        out = [s for s in known if s.device == "cpu" and peak[s.name] < MIN_PEAK_SHARE * peak[top.name]]
         if not out:
             return eligible, ""
         names = "; ".join(f"{self._explain(s)}, peak {peak[s.name]:,.0f} tok/s ({peak[s.name] / peak[top.name]:.1%})"
