@@ -45,7 +45,7 @@ HELP = ("The default: each request goes where its last token comes first, counti
         "of it under the live cap, its prefill less what is cached there, and its decode at the "
         "per-sequence speed of the batch it joins.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
-# A backend whose peak decode is under this share of the fastest eligible one's gets nothing
+# A CPU backend whose peak decode is under this share of the fastest one's, a GPU, gets nothing
 # (the H200's CPU: 128 / 3,265 tok/s, 4 %; the study's M2 CPU: 45 / 293, 15 %).
 MIN_PEAK_SHARE = 0.10
 
