@@ -34,7 +34,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine.core.snapshot import BackendSnapshot
+from engine.core.snapshot import BackendSnapshot, Rates
 
 from .cache_aware import CacheAware, RecentPrefixes
 from .policy import Policy, fmt_s, make_score, seconds_for, step_seconds
@@ -160,19 +160,19 @@ class FinishFirst(Policy):
         self._parts: dict[str, tuple[Finish, int, int]] = {}  # backend -> (finish, cached, of which in flight)
         self._group: dict[str, str] = {}  # backend -> the group of contexts sharing its device
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
-        self._peak: dict[str, float] = {}  # backend -> peak decode tok/s by its rates
+        self._speed: dict[str, tuple[Rates, int]] = {}  # backend -> its rates and cap ceiling
 
     def score(self, query, snap, budget):
         if self._query is not query:
             self._query = query
-            self._parts, self._group, self._within, self._peak = {}, {}, {}, {}
+            self._parts, self._group, self._within, self._speed = {}, {}, {}, {}
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
             self._routed = self.recent.match(self._hashes) if self._hashes else {}
         held = query.cached_on(snap.name)
         hit = max(held, min(self._routed.get(snap.name, 0), query.prompt_tokens))
         f = finish_time(query, snap, hit)
         self._parts[snap.name] = (f, hit, hit - held)
-        self._peak[snap.name] = snap.rates.peak_decode_tok_s(snap.cap_ceiling or snap.cap)
+        self._speed[snap.name] = (snap.rates, snap.cap_ceiling or snap.cap)
         if snap.group:
             self._group[snap.name] = snap.group
             self._within[snap.name] = self.within.score(query, snap, budget)
@@ -215,12 +215,14 @@ class FinishFirst(Policy):
         fastest one's when that one is a GPU, and a sentence on those left out ("" if none).
         Only a CPU beside a GPU: that is what was measured (a CPU slowed by the GPU's own host
         threads), and backends of one kind, such as a fleet's engines, differ by the noise of
-        their calibrations rather than by what they can do (two engines measured on a loaded
-        2-core machine came out apart by more than ten times)."""
-        peak = self._peak if self._query is query else {}
-        known = [s for s in eligible if s.name in peak]
-        if len(known) < 2:
+        their calibrations rather than by what they can do on a loaded machine. Peaks are
+        worked out only when a CPU and a GPU are both eligible."""
+        speed = self._speed if self._query is query else {}
+        known = [s for s in eligible if s.name in speed]
+        kinds = {s.device for s in known}
+        if "cpu" not in kinds or not any(k.startswith("gpu") for k in kinds):
             return eligible, ""
+        peak = {s.name: speed[s.name][0].peak_decode_tok_s(speed[s.name][1]) for s in known}
         top = max(known, key=lambda s: peak[s.name])
         if not top.device.startswith("gpu"):
             return eligible, ""
