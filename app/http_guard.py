@@ -264,7 +264,7 @@ class ConnectionGuard:
         cap = self.settings.max_client_connections
         if self._per_client[client] >= cap:
             self.refused += 1
-            proto.over_cap = True
+            self._hold(proto)
             return False
         if self.open >= self.settings.max_connections and not self._evict():
             self.refused += 1
@@ -349,7 +349,6 @@ class GuardedProtocol(asyncio.Protocol):
         self.served = 0  # requests finished on this connection
         self._deadline: asyncio.TimerHandle | None = None  # the header deadline, or a held refusal's end
         self._tail = b""  # the last 3 bytes seen while looking for the end of the head
-        self.over_cap = False  # refused: its address was at its cap
         self.holding = False  # refused and held (`ConnectionGuard._hold`)
 
     def connection_made(self, transport) -> None:
@@ -357,7 +356,7 @@ class GuardedProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.client = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
         if not self._guard._admit(self):
-            if self.over_cap and self._guard._hold(self):
+            if self.holding:  # over its address's cap: answered later (`ConnectionGuard._hold`)
                 return
             transport.write(_BUSY)
             transport.close()
