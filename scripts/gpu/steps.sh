@@ -564,18 +564,20 @@ chat_contexts() {  # ~8.5 min: contexts per GPU on the chat workload at CHAT_NS 
   done
 }
 
-final_defaults() {  # ~8 min, the points that decide first: the chat workload (96 conversations) on
-                   # `tandem serve --model M` (nothing else) against four contexts under cache-aware and two
-                   # processes; then 24 and 192 conversations. The grid on the other workloads is `defaults`
-                   # (its own call: ~6 min), llama-server's -np sweep `chat_llama_server`.
+final_defaults() {  # ~8 min, the points that decide first: the chat workload at CHAT_NS conversations (96 24 192)
+                   # on `tandem serve --model M` (nothing else) against two processes behind Tandem's router,
+                   # and at 96 against four contexts under cache-aware (CHAT_CTX4=0 leaves it out). The grid on
+                   # the other workloads is `defaults` (its own call: ~6 min), llama-server's -np sweep
+                   # `chat_llama_server`.
   mkdir -p "$OUT/logs"
-  _serve_one default 8311; _chat_bench default 8311; _stop_servers
-  _serve_one ctx4 8310 --backend "$G:contexts=4" --policy cache-aware; _chat_bench contexts-4-cache-aware 8310
-  _stop_servers
-  _two_processes 8304; _chat_bench two-processes 8304; _stop_servers
-  for n in 24 192; do
+  local n
+  for n in ${CHAT_NS:-96 24 192}; do
     _serve_one "default-$n" 8311; CHAT_N=$n _chat_bench "default-n$n" 8311; _stop_servers
     _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers
+    if [ "$n" = 96 ] && [ "${CHAT_CTX4:-1}" = 1 ]; then
+      _serve_one ctx4 8310 --backend "$G:contexts=4" --policy cache-aware; _chat_bench contexts-4-cache-aware 8310
+      _stop_servers
+    fi
   done
 }
 
