@@ -75,15 +75,17 @@ def caps(folder: str) -> None:
 def defaults(folder: str, label: str = "default", only: str = "") -> None:
     """Per workload: the default row's makespan and TTFT p50 over those of the tuned row with the
     lowest makespan (every other row: fixed caps, other layouts, HTTP targets; with `only` =
-    "fixed", the fixed-cap rows `POLICY@cap=N`)."""
+    "fixed", the fixed-cap rows `POLICY@cap=N`; with "tuned", those and `target:two-contexts`,
+    the tuned single-GPU configurations, so other candidate layouts are not counted as tuned)."""
     rows, _ = _rows(folder)
     by_workload: dict[str, dict[str, dict]] = defaultdict(dict)
     for r in rows:
         by_workload[r["workload"]][r["policy"]] = r
     for workload, variants in by_workload.items():
         mine = variants.get(label)
-        tuned = {p: r for p, r in variants.items() if p != label
-                 and (only != "fixed" or ("@cap=" in p and not p.endswith("@cap=auto")))}
+        fixed = {p for p in variants if "@cap=" in p and not p.endswith("@cap=auto")}
+        allowed = {"fixed": fixed, "tuned": fixed | {"target:two-contexts"}}.get(only)
+        tuned = {p: r for p, r in variants.items() if p != label and (allowed is None or p in allowed)}
         if mine is None or not tuned:
             print(f"{workload}: no {label!r} row or no tuned row")
             continue

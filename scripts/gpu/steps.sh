@@ -473,29 +473,42 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
   # The engine as a user gets it (no --backend: the default layout, adaptive caps) under `default`;
   # in the same invocation its first GPU context alone at fixed caps ($CAPS; `only:swept`: with
   # several default contexts the others stay idle) and, over HTTP, the GPU as two contexts under
-  # cache-aware ($TUNED2, a `tandem serve` started by `defaults`).
+  # cache-aware ($TUNED2, a `tandem serve` started by `defaults`) and the servers of $ALTS.
   local dir=$1; shift
-  local alt=()
-  [ -n "${ALT_BACKENDS:-}" ] && alt=(--target "${ALT_LABEL:-alt}=http://127.0.0.1:8098")
+  local alt=() i=0 alts a
+  IFS=';' read -ra alts <<< "${ALTS:-}"
+  for a in "${alts[@]}"; do alt+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))"); i=$((i + 1)); done
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
     --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-only:swept}" \
     --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" "${alt[@]}" --target-warm 4 \
     --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
-  python3 scripts/gpu/ratios.py defaults "$OUT/$dir" | tee -a "$OUT/defaults.txt"
+  python3 scripts/gpu/ratios.py defaults "$OUT/$dir" default tuned | tee -a "$OUT/defaults.txt"
+  for a in "${alts[@]}"; do  # each candidate layout against the same tuned rows
+    python3 scripts/gpu/ratios.py defaults "$OUT/$dir" "target:${a%%=*}" tuned | tee -a "$OUT/defaults.txt"
+  done
+}
+
+_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec;label2="; empty: the default layout),
+                  # on ports 8098, 8099, ...
+  local i=0 alts a parts b specs
+  IFS=';' read -ra alts <<< "${ALTS:-}"
+  for a in "${alts[@]}"; do
+    specs=(); IFS='+' read -ra parts <<< "${a#*=}"; for b in "${parts[@]}"; do specs+=(--backend "$b"); done
+    python3 -m app serve --model "$M" "${specs[@]}" --port $((8098 + i)) > "/tmp/tandem-serve-$((8098 + i)).log" 2>&1 &
+    SERVERS+=($!); i=$((i + 1))
+  done
+  for ((j = 0; j < i; j++)); do _wait_ready $((8098 + j)); done
 }
 
 defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) against the best tuned single-GPU
              # configuration found in the same invocation (fixed caps 16/32/64; two contexts), on the study's
              # N=48, the long-prompt workload and 4/16/32 tenants; prints makespan and TTFT p50 ratios
+             # (+ about a minute per server in $ALTS)
   local n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
   python3 -m app serve --model "$M" --backend "${TUNED2:-$G:contexts=2,cap=32,threads=8}" --policy cache-aware \
     --port "${TUNED2_PORT:-8097}" > "/tmp/tandem-serve-${TUNED2_PORT:-8097}.log" 2>&1 &
   SERVERS+=($!)
-  if [ -n "${ALT_BACKENDS:-}" ]; then  # another layout beside them, e.g. ALT_BACKENDS="gpu:contexts=8 cpu:threads=15"
-    local specs=() b; for b in $ALT_BACKENDS; do specs+=(--backend "$b"); done
-    python3 -m app serve --model "$M" "${specs[@]}" --port 8098 > /tmp/tandem-serve-8098.log 2>&1 & SERVERS+=($!)
-    _wait_ready 8098
-  fi
+  _alt_servers  # other layouts beside them, e.g. ALTS="serve-default=;contexts-4=gpu:contexts=4"
   _wait_ready "${TUNED2_PORT:-8097}"
   _stamp "defaults: the study's N=$n48"
   _defaults_grid defaults-n48 --requests "$n48" --shared 96 --outputs fixed --arrivals interval
