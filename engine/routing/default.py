@@ -16,7 +16,7 @@ Everything that decides when the request's last token comes is counted, per back
 The lowest predicted finish wins; a backend that cannot finish the request sooner gets
 nothing, and a backend that can (the study's M2, where the GPU's 4 slots are full and the CPU
 is idle) gets it. A CPU backend whose peak decode (tokens per second at its best batch, by its
-rates) is under `MIN_PEAK_SHARE` of a GPU backend's takes no part: it adds too little to pay
+rates) is under `MIN_PEAK_SHARE` of a GPU's (all its contexts together) takes no part: it adds too little to pay
 for what a misjudged request costs there. On one H200 a 15-thread CPU backend beside four GPU
 contexts was predicted from its idle calibration (87 tok/s for one sequence) but decoded at
 ~3 tok/s with the GPU busy; the 9 chat turns sent there took 28-40 s each and decided the run
@@ -45,8 +45,8 @@ HELP = ("The default: each request goes where its last token comes first, counti
         "of it under the live cap, its prefill less what is cached there, and its decode at the "
         "per-sequence speed of the batch it joins.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
-# A CPU backend whose peak decode is under this share of the fastest one's, a GPU, gets nothing
-# (the H200's CPU: 128 / 3,265 tok/s, 4 %; the study's M2 CPU: 45 / 293, 15 %).
+# A CPU backend whose peak decode is under this share of a GPU device's (the sum over its contexts)
+# gets nothing (the H200's CPU: 128 / 3,265 tok/s for one context, 4 %; the study's M2 CPU: 45 / 293, 15 %).
 MIN_PEAK_SHARE = 0.10
 
 
@@ -211,28 +211,33 @@ class FinishFirst(Policy):
         return best.name, reason
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
-        """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of the
-        fastest one's when that one is a GPU, and a sentence on those left out ("" if none).
-        Only a CPU beside a GPU: that is what was measured (a CPU slowed by the GPU's own host
-        threads), and backends of one kind, such as a fleet's engines, differ by the noise of
-        their calibrations rather than by what they can do on a loaded machine. Peaks are
-        worked out only when a CPU and a GPU are both eligible."""
+        """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU
+        device's, and a sentence on those left out ("" if none). A device's peak is the sum of
+        its contexts' (the backends of one `group` share it): under online rates each context
+        measures only its share of the GPU, and one context's peak set beside a CPU's let a
+        15-thread CPU back into the default's choice on an H200 running eight contexts
+        (docs/results/gpu/defaults3). Only a CPU beside a GPU: that is what was measured (a CPU
+        slowed by the GPU's own host threads), and backends of one kind, such as a fleet's
+        engines, differ by the noise of their calibrations rather than by what they can do on a
+        loaded machine. Peaks are worked out only when a CPU and a GPU are both eligible."""
         speed = self._speed if self._query is query else {}
         known = [s for s in eligible if s.name in speed]
         kinds = {s.device for s in known}
         if "cpu" not in kinds or not any(k.startswith("gpu") for k in kinds):
             return eligible, ""
         peak = {s.name: speed[s.name][0].peak_decode_tok_s(speed[s.name][1]) for s in known}
-        top = max(known, key=lambda s: peak[s.name])
-        if not top.device.startswith("gpu"):
-            return eligible, ""
-        out = [s for s in known if s.device == "cpu" and peak[s.name] < MIN_PEAK_SHARE * peak[top.name]]
+        devices: dict[str, float] = {}  # each GPU device (a group, or a backend of its own): its peak
+        for s in known:
+            if s.device.startswith("gpu"):
+                device = self._group.get(s.name) or s.name
+                devices[device] = devices.get(device, 0.0) + peak[s.name]
+        top, top_peak = max(devices.items(), key=lambda kv: kv[1])
+        out = [s for s in known if s.device == "cpu" and peak[s.name] < MIN_PEAK_SHARE * top_peak]
         if not out:
             return eligible, ""
-        names = "; ".join(f"{self._explain(s)}, peak {peak[s.name]:,.0f} tok/s ({peak[s.name] / peak[top.name]:.1%})"
+        names = "; ".join(f"{self._explain(s)}, peak {peak[s.name]:,.0f} tok/s ({peak[s.name] / top_peak:.1%})"
                           for s in out)
-        why = (f"left out, under {MIN_PEAK_SHARE:.0%} of {top.name}'s peak decode of {peak[top.name]:,.0f} tok/s: "
-               f"{names}")
+        why = f"left out, under {MIN_PEAK_SHARE:.0%} of {top}'s peak decode of {top_peak:,.0f} tok/s: {names}"
         return [s for s in eligible if s not in out], why
 
     def pinned(self, query, backend):
