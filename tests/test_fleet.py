@@ -181,7 +181,8 @@ def test_streams_survive_their_engine_dying_mid_answer(fleet):
 
     with cf.ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(ask, i) for i in range(n)]
-        wait_until(e1_streaming, WAIT, "two streams under way on e1")
+        wait_until(e1_streaming, WAIT, "two streams under way on e1",
+                   unless=lambda: all(f.done() for f in futures))  # every stream over: it cannot come
         engines[1].kill()
         results = [f.result(WAIT) for f in futures]
     assert [r[:2] for r in results] == [("length", out)] * n, results

@@ -309,16 +309,7 @@ class TestFlushAndClear:
         assert cache.n_holders == 0 and cache.match_length([1, 2]) == 0
 
 
-class TestDisabledAndStats:
-    def test_disabled_caches_nothing(self):
-        cache = PrefixCache(enabled=False)
-        assert cache.insert([1, 2], 1).free_seqs == [1]
-        assert cache.insert([1, 2], 1).free_seqs == [1]
-        assert cache.match([1, 2]).length == 0
-        assert cache.evict(need_tokens=1) == [] and cache.flush() == []
-        assert_totals(cache, 0, 0)
-        assert not cache.enabled
-
+class TestStats:
     def test_stats(self):
         cache = make_cache(([1, 2], 1), ([1, 3], 2))
         cache.match([1, 2])  # lookups do not count as queries

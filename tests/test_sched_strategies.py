@@ -120,6 +120,20 @@ def test_the_null_cache_matches_nothing():
     assert NULL_CACHE.match_length(cache, list(range(41))) == 0
 
 
+def test_a_pinned_prefix_survives_eviction_until_unpinned():
+    cache = cached()
+    length, pin = RadixReuse().pin(cache, list(range(41)))
+    assert length == 40 and pin is not None
+    assert cache.evict(need_tokens=40) == []  # pinned: nothing can go
+    cache.unpin(pin)
+    assert [a.seq_id for a in cache.evict(need_tokens=40)] == [9]
+    assert RadixReuse().pin(cached(), [99, 1]) == (0, None)  # nothing matched: nothing pinned
+
+
+def test_the_null_cache_pins_nothing():
+    assert NULL_CACHE.pin(cached(), list(range(41))) == (0, None)
+
+
 def test_the_null_cache_sheds_nothing():
     cache = cached()
     assert [a.seq_id for a in RadixReuse().shed(cache, 0)] == [9]

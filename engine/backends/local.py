@@ -326,14 +326,9 @@ class Backend(BackendBase):
         The pin keeps the prefix from eviction until the request is admitted (or cancelled),
         so the estimate the router used stays true. `pin` is None when nothing matched.
         """
-        tokens = request.prompt_tokens
-        cache = self._sched.cache
-        for _ in range(3 if self._sched.cache_enabled else 0):  # the worker may evict in between: again
-            m = cache.match(tokens, max_len=len(tokens) - 1)
-            if m.length == 0:
-                return 0, None
+        for _ in range(3):  # the worker may evict between the match and the pin: again
             try:
-                return m.length, cache.pin(m)
+                return self._sched.pin_prefix(request.prompt_tokens)
             except ValueError:
                 continue
         return 0, None

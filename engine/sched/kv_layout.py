@@ -82,6 +82,19 @@ class KvLayout(Protocol):
         which holds them cached, so a prefix exists once; none where sequences cannot share cells."""
         ...
 
+    def scanned_cells(self, used: int, rows: list[SeqState], n_new: int) -> int:
+        """The cells a step's decode `rows` scan (n_kv), `used` cells in use and `n_new` tokens
+        in the step (the simulator's step model, engine/sim/simulate.py)."""
+        ...
+
+    def step_growth(self, n_rows: int) -> int:
+        """How many more cells the next decode step of `n_rows` rows scans than this one."""
+        ...
+
+    def decode_room(self, used: int, n_rows: int) -> int:
+        """Decode steps of `n_rows` rows the free cells allow, `used` in use."""
+        ...
+
 
 class UnifiedKv:
     """One pool of `n_ctx` cells shared by every sequence id: prefixes are aliased."""
@@ -135,6 +148,17 @@ class UnifiedKv:
     def share_copy(self, seq_id: int, holder: int, n: int) -> list[KvOp]:
         return [KvOp("rm", seq_id, -1, 0, n), KvOp("cp", holder, seq_id, 0, n)]
 
+    def scanned_cells(self, used: int, rows: list[SeqState], n_new: int) -> int:
+        # The cells in use with the step's new tokens: a stand-in for the highest used cell + 1
+        # (calibration counts the same).
+        return used + n_new
+
+    def step_growth(self, n_rows: int) -> int:
+        return n_rows  # every row's new cell joins the one pool
+
+    def decode_room(self, used: int, n_rows: int) -> int:
+        return (self.n_ctx - used) // max(n_rows, 1)
+
 
 class SplitKv:
     """A stream per sequence id, each sized for one sequence: only ids bind, prefixes are copied."""
@@ -171,6 +195,15 @@ class SplitKv:
 
     def share_copy(self, seq_id: int, holder: int, n: int) -> list[KvOp]:
         return []
+
+    def scanned_cells(self, used: int, rows: list[SeqState], n_new: int) -> int:
+        return max((s.n_past + 1 for s in rows), default=0)  # the longest row's own stream
+
+    def step_growth(self, n_rows: int) -> int:
+        return 1  # each row's stream grows by its own cell
+
+    def decode_room(self, used: int, n_rows: int) -> int:
+        return UNBOUNDED
 
 
 def kv_layout(unified: bool, n_ctx: int) -> KvLayout:

@@ -156,13 +156,13 @@ class Stats:
 class PrefixCache:
     """Which token prefixes a llama.cpp context holds, and in which seq. See the module doc.
 
-    All public methods are thread-safe (one re-entrant lock). When `enabled` is False the
-    tree stays empty: `match` finds nothing and `insert` hands the seq straight back.
+    All public methods are thread-safe (one re-entrant lock). "Cache off" is not a mode of the
+    tree but the scheduler's `NullCache` (engine/sched/reuse.py), which never asks it to match
+    or keep anything.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self):
         self._lock = threading.RLock()
-        self._enabled = enabled
         self._node_ids = itertools.count()
         self._clock = itertools.count(1)
         self._query_tokens = 0
@@ -261,7 +261,7 @@ class PrefixCache:
         with self._lock:
             if seq_id in self._holders:
                 raise ValueError(f"seq {seq_id} already holds cached tokens")
-            if not self._enabled or not tokens:
+            if not tokens:
                 return InsertResult(0, [seq_id])
             now = next(self._clock)
             node, pos = self._root, 0
@@ -339,10 +339,6 @@ class PrefixCache:
             self._hit_tokens += n_hit
 
     # ---- accounting ----
-
-    @property
-    def enabled(self) -> bool:
-        return self._enabled
 
     @property
     def cached_tokens(self) -> int:
@@ -453,8 +449,6 @@ class PrefixCache:
         limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
         node, pos = self._root, 0
         path: list[TreeNode] = []
-        if not self._enabled:
-            return 0, node, path
         while pos < limit:
             child = node.children.get(tokens[pos])
             if child is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.sched.prefix_cache import EvictAction, PrefixCache
+    from engine.sched.prefix_cache import EvictAction, Pin, PrefixCache
     from engine.sched.sequence import SeqState
 
 
@@ -29,6 +29,12 @@ class Reuse(Protocol):
 
     def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
         """Cached tokens a request of `tokens` would reuse (the router's estimate)."""
+        ...
+
+    def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
+        """Match and pin that prefix for a request about to be queued: `(length, pin)`, the pin
+        keeping it from eviction until admission; (0, None) when nothing matched. Raises
+        `ValueError` when the match was evicted before the pin (another thread: match again)."""
         ...
 
     def publishes(self, seq: SeqState) -> bool:
@@ -67,6 +73,10 @@ class RadixReuse:
     def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
         return cache.match_length(tokens, max_len=len(tokens) - 1)
 
+    def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
+        m = cache.match(tokens, max_len=len(tokens) - 1)
+        return (m.length, cache.pin(m)) if m.length else (0, None)
+
     def publishes(self, seq: SeqState) -> bool:
         return self.share_prefill or seq.choice
 
@@ -92,6 +102,9 @@ class NullCache:
 
     def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
         return 0
+
+    def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
+        return 0, None
 
     def publishes(self, seq: SeqState) -> bool:
         return seq.choice

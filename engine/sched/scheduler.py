@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from engine.core.request import RequestStatus, SamplingParams
 from engine.sched.kv_layout import KvLayout, KvOp, kv_layout
 from engine.sched.limiter import ConcurrencyLimiter
-from engine.sched.prefix_cache import PrefixCache, TreeNode
+from engine.sched.prefix_cache import Pin, PrefixCache, TreeNode
 from engine.sched.reuse import NULL_CACHE, RadixReuse, Reuse
 from engine.sched.sequence import SeqState
 
@@ -344,6 +344,10 @@ class Scheduler:
 
     def match_tokens(self, tokens) -> int:
         return self.reuse.match_length(self.cache, tokens)
+
+    def pin_prefix(self, tokens) -> tuple[int, Pin | None]:
+        """The cached prefix a request of `tokens` about to be queued reuses, pinned (Reuse.pin)."""
+        return self.reuse.pin(self.cache, tokens)
 
     # ---- admission ----
 

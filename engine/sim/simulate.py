@@ -566,10 +566,7 @@ class Simulation:
                                         "queued": len(s.waiting)} for s in snaps})
         decision = self.router.route(query, snaps)
         b = self.by_name[decision.backend]
-        cache = b.sched.cache
-        m = cache.match(req.prompt_tokens, max_len=len(req.prompt_tokens) - 1) if b.sched.cache_enabled else None
-        pin = cache.pin(m) if m is not None and m.length else None
-        estimate = m.length if m is not None else 0
+        estimate, pin = b.sched.pin_prefix(req.prompt_tokens)
         b.sched.add(SeqState(req, None, pin, estimate, self.now, n_ctx_seq=b.sched.n_ctx_seq))
         return b, decision
 
@@ -595,7 +592,7 @@ class Simulation:
         d = b.p.step_seconds(n_decode, n_prefill, len(plan.admitted), cells, kv)
         m = self._steady_steps(b, plan) if self.fast and sched.limiter is None else 0  # a limiter sees every step
         if m > 1:  # each next step: a cell more per row, and in a unified pool `n_decode` more in the pool
-            grow = n_decode if sched.kv_unified else 1
+            grow = sched.kv.step_growth(n_decode)
             g = (b.p.step_seconds(n_decode, 0, 0, cells + 1, kv + grow)
                  - b.p.step_seconds(n_decode, 0, 0, cells, kv))
             b.run = _DecodeRun(self.now, d, m, list(plan.decode), g=g)
@@ -607,12 +604,9 @@ class Simulation:
 
     @staticmethod
     def _pool(b: _SimBackend, plan: Plan, n_prefill: int) -> float:
-        """The KV cells the step's rows scan (n_kv): in a unified pool, the cells in use with the
-        step's new tokens (a stand-in for the highest used cell + 1: calibration counts the
-        same, see the module docstring); split KV, the longest row's stream."""
-        if b.sched.kv_unified:
-            return b.sched.kv_cells_used() + len(plan.decode) + n_prefill
-        return max((s.n_past + 1 for s in plan.decode), default=0)
+        """The KV cells the step's rows scan (n_kv), as the layout says (KvLayout.scanned_cells)."""
+        sched = b.sched
+        return sched.kv.scanned_cells(sched.kv_cells_used(), plan.decode, len(plan.decode) + n_prefill)
 
     @staticmethod
     def _steady_steps(b: _SimBackend, plan: Plan) -> int:
@@ -625,8 +619,7 @@ class Simulation:
         for s in plan.decode:
             stop = s.max_new if s.req.stop_after is None else min(s.max_new, s.req.stop_after)
             k = min(k, stop - s.generated, sched.n_ctx_seq - 1 - s.n_past)
-        free = (sched.n_ctx - sched.kv_cells_used()) // len(plan.decode) if sched.kv_unified else k
-        return min(k, free) - 1
+        return min(k, sched.kv.decode_room(sched.kv_cells_used(), len(plan.decode))) - 1
 
     def _finish_step(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
         plan, b.plan = b.plan, None
