@@ -291,7 +291,8 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # max_length stops validation at the limit: messages past it are never looked at
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     logprobs: bool | None = Field(default=None, description="each output token's logprob")
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = Field(
         default=None, description="alternatives per token (needs logprobs: true)")
@@ -485,6 +486,9 @@ def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidReq
         return InvalidRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them "
                               f"(each at most {MAX_STOP_CHARS} characters), got {quote(first['input'])}",
                               param="stop")
+    if first["type"] == "too_long" and param == "messages":  # found at the limit, before the rest is validated
+        return InvalidRequest(f"messages: {first['ctx']['actual_length']} messages; this server takes at most "
+                              f"{MAX_MESSAGES}", param="messages")
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         return InvalidRequest(f"{_path(loc)} is required", param=param)
@@ -509,9 +513,6 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart",
 def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     """A `/v1/chat/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
     body = validate(ChatCompletionRequest, raw)
-    if len(body.messages) > MAX_MESSAGES:  # before any per-message work (routers too)
-        raise InvalidRequest(f"messages: {len(body.messages)} messages; this server takes at most {MAX_MESSAGES}",
-                             param="messages")
     model = served.check(body.model)
     messages = [m.as_dict() for m in body.messages]
     tools, mode, grammar = _structured(body)

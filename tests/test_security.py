@@ -702,6 +702,21 @@ def test_many_tiny_messages_are_refused_at_the_message_limit_at_once(http):
     assert took < 15, took
 
 
+def test_messages_past_the_limit_are_never_validated():
+    """A bad message far past the limit is not what the refusal names: validation stopped at the
+    limit, so 50,000 messages cost what 4,097 do (every one was validated before the count)."""
+    from app.openai_schema import ChatCompletionRequest, validate
+    from engine.core.errors import InvalidRequest
+    from engine.prompts.chat import MAX_MESSAGES
+
+    messages = [{"role": "user", "content": "x"}] * 50_000
+    messages[10_000] = {"role": "bogus", "content": "x"}
+    with pytest.raises(InvalidRequest) as e:
+        validate(ChatCompletionRequest, json.dumps({"messages": messages}).encode())
+    assert e.value.param == "messages"
+    assert f"50000 messages; this server takes at most {MAX_MESSAGES}" in str(e.value)
+
+
 def test_a_chat_at_the_message_limit_is_split_in_linear_time(engine):
     from engine.prompts.chat import MAX_MESSAGES, chat_tokens
 
