@@ -12,6 +12,20 @@ from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
 from engine.llama.model import Model, resolve_model
 
+# The longest files first (seconds of setup and calls on this 2-core machine, `pytest -n 2
+# --durations=0`, 2026-12-02). With `--no-loadscope-reorder` (pyproject.toml) `--dist loadfile`
+# hands files out in collection order; by default it orders them by their number of tests, and a
+# long file of few tests (the fleet's, the soak, the attack bench) ran alone at the end.
+LONGEST_FIRST = ("test_ui_first_start.py", "test_ui_app.py", "test_fleet.py", "test_server.py",
+                 "test_bench_fleet.py", "test_security.py", "test_ui_chat.py", "test_api_clients.py",
+                 "test_api_tools.py", "test_fused_dist.py", "test_ui_panels.py", "test_ui_live_run.py",
+                 "test_bench_attack.py", "test_bench_chat.py", "test_api_responses.py", "test_soak.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir(tmp_path_factory):
