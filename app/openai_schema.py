@@ -467,6 +467,13 @@ def validate(cls: type[M], raw: bytes) -> M:
 
 
 def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidRequest:
+    # Too many messages first, without the inputs: a union's other branch (`input` as a string)
+    # would quote the whole list.
+    for brief in e.errors(include_url=False, include_input=False):
+        field = str(brief["loc"][0]) if brief["loc"] else ""
+        if brief["type"] == "too_long" and field in ("messages", "input"):  # validation stopped at the limit
+            return InvalidRequest(f"{field}: {brief['ctx']['actual_length']} items; this server takes at most "
+                                  f"{MAX_MESSAGES} messages", param=field)
     errors = e.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":
@@ -486,9 +493,6 @@ def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidReq
         return InvalidRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them "
                               f"(each at most {MAX_STOP_CHARS} characters), got {quote(first['input'])}",
                               param="stop")
-    if first["type"] == "too_long" and param == "messages":  # found at the limit, before the rest is validated
-        return InvalidRequest(f"messages: {first['ctx']['actual_length']} messages; this server takes at most "
-                              f"{MAX_MESSAGES}", param="messages")
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         return InvalidRequest(f"{_path(loc)} is required", param=param)

@@ -38,6 +38,7 @@ from pydantic import Field
 from engine.core.errors import ContextLengthExceeded, EngineError, InvalidRequest
 from engine.core.handle import RequestHandle
 from engine.core.request import MAX_TOKENS, FinishRecord
+from engine.prompts.chat import MAX_MESSAGES
 from engine.prompts.structured import ToolCall, parse_reply
 
 from .errors import error_payload, failure, succeeded
@@ -102,7 +103,7 @@ class FunctionChoice(_Strict):
 
 class ResponsesRequest(_Strict):
     model: str | None = None
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[dict], Field(min_length=1)] | None = None
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[dict], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
     temperature: Annotated[Finite, Field(ge=0, le=2)] | None = None

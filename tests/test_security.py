@@ -714,7 +714,20 @@ def test_messages_past_the_limit_are_never_validated():
     with pytest.raises(InvalidRequest) as e:
         validate(ChatCompletionRequest, json.dumps({"messages": messages}).encode())
     assert e.value.param == "messages"
-    assert f"50000 messages; this server takes at most {MAX_MESSAGES}" in str(e.value)
+    assert f"50000 items; this server takes at most {MAX_MESSAGES} messages" in str(e.value)
+
+
+def test_a_responses_input_past_the_limit_is_refused_as_too_many_items():
+    from app.openai_schema import validate
+    from app.responses import ResponsesRequest
+    from engine.core.errors import InvalidRequest
+    from engine.prompts.chat import MAX_MESSAGES
+
+    items = [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)
+    with pytest.raises(InvalidRequest) as e:
+        validate(ResponsesRequest, json.dumps({"model": "m", "input": items}).encode())
+    assert e.value.param == "input"
+    assert f"{MAX_MESSAGES + 1} items; this server takes at most {MAX_MESSAGES} messages" in str(e.value)
 
 
 def test_a_chat_at_the_message_limit_is_split_in_linear_time(engine):
