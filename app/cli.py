@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--refuse-hold", type=float, default=g.refuse_hold_s, metavar="S",
                        help="seconds a connection over its address's cap waits, unread, for its 503, so a "
                             "client that reconnects at once cannot keep the server busy (default: %(default)s)")
+    serve.add_argument("--refused-cpu-share", type=float, default=g.refused_cpu_share, metavar="F",
+                       help="share of a core that parsing an address's refused (4xx) requests may take; past "
+                            "its burst, that address waits before its next request is read (default: %(default)s)")
+    serve.add_argument("--refused-cpu-burst", type=float, default=g.refused_cpu_burst_s, metavar="S",
+                       help="CPU seconds of refused requests an address may spend at once (default: %(default)s)")
     serve.add_argument("--header-timeout", type=float, default=g.header_timeout, metavar="S",
                        help="seconds a new connection has to send its request headers (default: %(default)s)")
     serve.add_argument("--body-timeout", type=float, default=g.body_timeout, metavar="S",

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from aiohttp import hdrs, web
 from aiohttp import web_response as _web_response
 
-from engine.core.errors import EngineError
+from engine.core.errors import EngineError, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,15 @@ class GuardSettings:
     max_connections: int = 1000  # open connections; above, evict the longest-idle one, else 503
     max_client_connections: int = 512  # open connections per client address; above, 503
     refuse_hold_s: float = 5.0  # s a connection over its address's cap waits for that 503 (a tarpit)
+    refused_cpu_share: float = 0.1  # of a core: what an address's refused requests may cost to parse
+    refused_cpu_burst_s: float = 0.5  # s of such parsing an address may spend at once before it waits
     max_body_bytes: int = 2 << 20  # a 128k-token prompt is ~0.5 MB of text; 2 MiB leaves room
     allowed_hosts: tuple[str, ...] = ()  # more `Host` names to accept; "*" accepts any
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed (CORS on); "*" allows any
 
     def __post_init__(self):
-        for name in ("header_timeout", "body_timeout", "body_idle_timeout", "keepalive_timeout", "refuse_hold_s"):
+        for name in ("header_timeout", "body_timeout", "body_idle_timeout", "keepalive_timeout", "refuse_hold_s",
+                     "refused_cpu_share", "refused_cpu_burst_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_connections < 1 or self.max_body_bytes < 1 or self.max_client_connections < 1:
@@ -421,6 +424,40 @@ class GuardedProtocol(asyncio.Protocol):
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)  # the app's tables (`create_app` sets it)
 
 
+class RefusalLedger:
+    """What parsing the requests each client address sent and was refused (4xx) cost, in CPU
+    seconds, as a leaky bucket: it drains at `share` seconds per second, and an address over
+    `burst` seconds waits, before its next body is read, until it is back at `burst`. A client
+    that sends 50,000-message chats (each refused, each ~0.2 s of CPU that holds the GIL the
+    backends need between steps) is held to a tenth of a core; one that never errs never waits.
+    Every client behind one proxy is one address here."""
+
+    MAX_ADDRESSES = 4096  # past this, addresses whose debt has drained are forgotten
+
+    def __init__(self, share: float, burst: float, clock=time.monotonic):
+        self.share, self.burst, self._clock = share, burst, clock
+        self._debt: dict[str, tuple[float, float]] = {}  # address -> (seconds owed, when)
+        self._lock = threading.Lock()  # parsing threads charge, the loop reads
+
+    def owed(self, address: str) -> float:
+        debt, since = self._debt.get(address, (0.0, 0.0))
+        return max(0.0, debt - (self._clock() - since) * self.share)
+
+    def charge(self, address: str, seconds: float) -> None:
+        with self._lock:
+            self._debt[address] = (self.owed(address) + seconds, self._clock())
+            if len(self._debt) > self.MAX_ADDRESSES:
+                for a in [a for a in self._debt if self.owed(a) == 0.0]:
+                    del self._debt[a]
+
+    def wait_s(self, address: str) -> float:
+        """Seconds `address` waits before its next request is read (0: none)."""
+        return max(0.0, self.owed(address) - self.burst) / self.share
+
+
+REFUSALS = web.AppKey("refusals", RefusalLedger)  # `create_app` sets it
+
+
 class GuardedSite(web.TCPSite):
     """`web.TCPSite` whose connections go through a `ConnectionGuard`."""
 
@@ -560,6 +597,27 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
         response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = origin
         response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = "X-Request-Id, X-Tandem-Backend"
         response.headers.add(hdrs.VARY, "Origin")
+
+
+async def parse_body(request: web.Request, parse, *args):
+    """`parse(body, *args)` on a worker thread, the body read by `read_body`. An address whose
+    refused requests (InvalidRequest) cost more than its share to parse waits first
+    (`RefusalLedger`): that work holds the GIL the backends need between their steps."""
+    refusals, address = request.app[REFUSALS], request.remote or ""
+    wait = refusals.wait_s(address)
+    if wait > 0:
+        await asyncio.sleep(wait)
+    raw = await read_body(request)
+    return await asyncio.to_thread(_parse_charged, refusals, address, parse, raw, *args)
+
+
+def _parse_charged(refusals: RefusalLedger, address: str, parse, raw: bytes, *args):
+    t0 = time.thread_time()
+    try:
+        return parse(raw, *args)
+    except InvalidRequest:  # refused: what reading it cost stays with its sender
+        refusals.charge(address, time.thread_time() - t0)
+        raise
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -42,7 +42,7 @@ from engine.prompts.chat import MAX_MESSAGES
 from engine.prompts.structured import ToolCall, parse_reply
 
 from .errors import error_payload, failure, succeeded
-from .http_guard import read_body
+from .http_guard import parse_body
 from .openai_schema import (
     MAX_TOOLS,
     ApiRequest,
@@ -434,10 +434,9 @@ def usage(record: FinishRecord) -> dict:
 
 async def create(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`: a response, whole or as a stream of events."""
-    raw = await read_body(request)
     app = request.app
     store = app[RESPONSES]
-    call = await asyncio.to_thread(build, raw, app[ENGINE], app[SETTINGS].served, store)
+    call = await parse_body(request, build, app[ENGINE], app[SETTINGS].served, store)
     try:
         handle = app[ENGINE].submit(call.parsed.request, loop=asyncio.get_running_loop())
     except ContextLengthExceeded as e:

@@ -68,14 +68,16 @@ from .errors import error_payload, error_response, failure, succeeded
 from .http_guard import (
     CONNECTIONS,
     GUARD,
+    REFUSALS,
     ConnectionGuard,
     GuardedSite,
     GuardSettings,
+    RefusalLedger,
     guard_middleware,
     install_log_limits,
     on_prepare,
+    parse_body,
     raise_fd_limit,
-    read_body,
 )
 from .openai_schema import (
     MESSAGE_CHARS,
@@ -120,6 +122,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
                           client_max_size=guard.max_body_bytes)
     app[GUARD] = guard
     app[CONNECTIONS] = ConnectionGuard(guard)
+    app[REFUSALS] = RefusalLedger(guard.refused_cpu_share, guard.refused_cpu_burst_s)
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     started = int(time.time())
@@ -213,7 +216,8 @@ def guard_from_args(args) -> GuardSettings:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         body_idle_timeout=args.body_idle_timeout, keepalive_timeout=args.keepalive_timeout,
         max_connections=args.max_connections, max_client_connections=args.max_client_connections,
-        refuse_hold_s=args.refuse_hold, max_body_bytes=args.max_body_bytes,
+        refuse_hold_s=args.refuse_hold, refused_cpu_share=args.refused_cpu_share,
+        refused_cpu_burst_s=args.refused_cpu_burst, max_body_bytes=args.max_body_bytes,
         allowed_hosts=tuple(h for v in args.allowed_hosts or () for h in v.split(",") if h),
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o))
 
@@ -377,10 +381,9 @@ async def detokenize_tokens(request: web.Request) -> web.Response:
 
 
 async def _parse(request: web.Request, parse):
-    """Check the body and tokenize its prompt on a worker thread: a long prompt (templating,
-    tokenizing megabytes) must not stall the loop that streams everyone else's tokens."""
-    raw = await read_body(request)  # bounded in size and time (`app.http_guard`)
-    return await asyncio.to_thread(parse, raw, request.app[ENGINE], request.app[SETTINGS].served)
+    """Check the body and tokenize its prompt on a worker thread (`parse_body`): a long prompt
+    (templating, tokenizing megabytes) must not stall the loop that streams everyone else's tokens."""
+    return await parse_body(request, parse, request.app[ENGINE], request.app[SETTINGS].served)
 
 
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:

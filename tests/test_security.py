@@ -29,7 +29,7 @@ import pytest
 from test_server import HELLO, KEY, MODEL, WAIT, LoopThread, assert_openai_error, free_port
 from waiting import wait_until
 
-from app.http_guard import CONNECTIONS, GuardSettings, RepeatFilter
+from app.http_guard import CONNECTIONS, REFUSALS, GuardSettings, RepeatFilter
 from app.server import create_app
 from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
@@ -728,6 +728,50 @@ def test_a_responses_input_past_the_limit_is_refused_as_too_many_items():
         validate(ResponsesRequest, json.dumps({"model": "m", "input": items}).encode())
     assert e.value.param == "input"
     assert f"{MAX_MESSAGES + 1} items; this server takes at most {MAX_MESSAGES} messages" in str(e.value)
+
+
+def test_the_refusal_ledger_drains_at_its_share_and_holds_only_past_its_burst():
+    from app.http_guard import RefusalLedger
+
+    now = [0.0]
+    ledger = RefusalLedger(share=0.1, burst=0.5, clock=lambda: now[0])
+    ledger.charge("a", 0.4)
+    assert ledger.wait_s("a") == 0  # within its burst
+    ledger.charge("a", 0.3)
+    assert ledger.wait_s("a") == pytest.approx(2.0)  # 0.2 s over, drained at 0.1 s per second
+    now[0] = 1.0
+    assert ledger.owed("a") == pytest.approx(0.6) and ledger.wait_s("a") == pytest.approx(1.0)
+    assert ledger.owed("b") == 0 and ledger.wait_s("b") == 0  # an address that never erred
+    now[0] = 100.0
+    assert ledger.owed("a") == 0
+
+
+def test_refused_bodies_cost_their_sender_a_wait_and_no_one_else(loop_thread, engine):
+    """50,000-message chats from one address are refused, and what parsing them cost is charged
+    to that address alone: its next request waits, another address's does not."""
+    app = create_app(engine, guard=GuardSettings(refused_cpu_share=0.05, refused_cpu_burst_s=0.001))
+    runner, base = loop_thread.serve(app)
+    bomb = {"messages": [{"role": "user", "content": "x"}] * 50_000, "max_tokens": 1}
+    ledger = app[REFUSALS]
+
+    def client(source: str) -> httpx.Client:
+        return httpx.Client(base_url=base, timeout=WAIT, transport=httpx.HTTPTransport(local_address=source))
+
+    try:
+        with client("127.0.0.2") as attacker, client("127.0.0.3") as user:
+            assert attacker.post("/v1/chat/completions", json=bomb).status_code == 400
+            owed = ledger.owed("127.0.0.2")
+            assert owed > 0.001 and ledger.owed("127.0.0.3") == 0
+            wait = ledger.wait_s("127.0.0.2")
+            t0 = time.monotonic()
+            assert attacker.post("/v1/chat/completions", json=bomb).status_code == 400
+            assert time.monotonic() - t0 >= 0.9 * wait > 0  # held before its body was read
+            assert ledger.wait_s("127.0.0.3") == 0
+            r = user.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 2})
+            assert r.status_code == 200 and ledger.owed("127.0.0.3") == 0
+    finally:
+        loop_thread.run(runner.cleanup())
 
 
 def test_a_chat_at_the_message_limit_is_split_in_linear_time(engine):
