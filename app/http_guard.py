@@ -611,12 +611,18 @@ async def parse_body(request: web.Request, parse, *args):
     return await asyncio.to_thread(_parse_charged, refusals, address, parse, raw, *args)
 
 
+# What reading a body costs the loop, charged with a refusal as CPU seconds: one per this many
+# bytes. Uncharged, six near-2 MiB bodies at a time came at ~150 MB/s and held normal traffic's
+# p95 at 2.7x quiet on a 2-core machine; charged, at 1.25x (docs/security.md, run 7).
+REFUSED_BYTES_PER_S = 100e6
+
+
 def _parse_charged(refusals: RefusalLedger, address: str, parse, raw: bytes, *args):
     t0 = time.thread_time()
     try:
         return parse(raw, *args)
-    except InvalidRequest:  # refused: what reading it cost stays with its sender
-        refusals.charge(address, time.thread_time() - t0)
+    except InvalidRequest:  # refused: what reading and parsing it cost stays with its sender
+        refusals.charge(address, time.thread_time() - t0 + len(raw) / REFUSED_BYTES_PER_S)
         raise
 
 
