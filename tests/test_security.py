@@ -730,7 +730,7 @@ def test_a_responses_input_past_the_limit_is_refused_as_too_many_items():
     assert f"{MAX_MESSAGES + 1} items; this server takes at most {MAX_MESSAGES} messages" in str(e.value)
 
 
-def test_the_refusal_ledger_drains_at_its_share_and_holds_only_past_its_burst():
+def test_the_refusal_ledger_holds_an_address_only_past_its_burst():
     from app.http_guard import RefusalLedger
 
     now = [0.0]
@@ -746,7 +746,7 @@ def test_the_refusal_ledger_drains_at_its_share_and_holds_only_past_its_burst():
     assert ledger.owed("a") == 0
 
 
-def test_refused_bodies_cost_their_sender_a_wait_and_no_one_else(loop_thread, engine):
+def test_refused_bodies_make_only_their_sender_wait(loop_thread, engine):
     """50,000-message chats from one address are refused, and what parsing them cost is charged
     to that address alone: its next request waits, another address's does not."""
     app = create_app(engine, guard=GuardSettings(refused_cpu_share=0.05, refused_cpu_burst_s=0.001))
