@@ -30,6 +30,7 @@ replies to a CPU that decodes one sequence at ~30 tok/s (issue 25).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sch
 # A CPU backend whose peak decode is under this share of a GPU device's (the sum over its contexts)
 # gets nothing (the H200's CPU: 128 / 3,265 tok/s for one context, 4 %; the study's M2 CPU: 45 / 293, 15 %).
 MIN_PEAK_SHARE = 0.10
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_decode(rates: Rates, up_to: int) -> float:
+    """`Rates.peak_decode_tok_s` (up to `up_to` step times), once per rates and ceiling: it is
+    asked of every backend for every request on a GPU machine with a CPU backend, and the rates
+    change only when they are measured again."""
+    return rates.peak_decode_tok_s(up_to)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +234,7 @@ class FinishFirst(Policy):
         kinds = {s.device for s in known}
         if "cpu" not in kinds or not any(k.startswith("gpu") for k in kinds):
             return eligible, ""
-        peak = {s.name: speed[s.name][0].peak_decode_tok_s(speed[s.name][1]) for s in known}
+        peak = {s.name: _peak_decode(*speed[s.name]) for s in known}
         devices: dict[str, float] = {}  # each GPU device (a group, or a backend of its own): its peak
         for s in known:
             if s.device.startswith("gpu"):
