@@ -20,8 +20,8 @@ from engine.core.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("spec, cap, adaptive", [
-    ("gpu", 32, True),  # no cap: adaptive up to the device's ceiling
-    ("gpu:cap=auto", 32, True),
+    ("gpu", 64, True),  # no cap: adaptive up to the device's ceiling
+    ("gpu:cap=auto", 64, True),
     ("cpu:cap=auto", 16, True),
     ("gpu:cap=16", 16, True),  # an explicit cap is the ceiling
     ("gpu:cap=16,adaptive=0", 16, False),  # ... or fixed
@@ -60,7 +60,7 @@ def test_a_context_count_out_of_range_is_refused(n):
 
 def test_contexts_without_a_cap_each_get_the_device_ceiling():
     # as two processes would: a ceiling each, not one shared (issue 26)
-    assert [c.resolved().cap for c in parse_backend_specs(["gpu:contexts=2"])] == [32, 32]
+    assert [c.resolved().cap for c in parse_backend_specs(["gpu:contexts=2"])] == [64, 64]
     assert [c.resolved().cap for c in parse_backend_specs(["cpu:contexts=2"])] == [16, 16]
 
 

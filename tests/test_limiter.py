@@ -298,17 +298,18 @@ def test_noisy_steps_do_not_pull_the_limit_down_on_the_study(seed):
     assert ttft_p95 <= 1.1 * fixed[best][1] + 0.02, (best, fixed, ttft_p95)
 
 
-def test_with_the_default_ceiling_the_limit_climbs_past_16_while_the_h200_steps_still_pay():
+def test_with_the_default_ceiling_the_limit_climbs_from_its_start_while_the_h200_steps_still_pay():
     """No cap given on a GPU: from START the limit climbs while requests wait and decode tok/s
-    at the new batch holds (the H200's step table), up to CEILING, not stopping where a fixed
-    cap of 16 sits."""
+    at the new batch holds (the H200's step table), step by step up to CEILING, not stopping
+    where a fixed cap of 32 sits."""
     lim = ConcurrencyLimiter(CEILING["gpu"], initial=START["gpu"])
-    seen = {lim.limit}
+    seen = [lim.limit]
     for _ in range(40):
         feed(lim, 16, batch=lim.limit, step_s=_step_s(lim.limit, 0, 0), waiting=50)
-        seen.add(lim.limit)
-    assert lim.limit == CEILING["gpu"] > 16
-    assert 16 in seen  # it passed through 16
+        if lim.limit != seen[-1]:
+            seen.append(lim.limit)
+    assert seen[0] == START["gpu"] and seen[-1] == CEILING["gpu"] > 32
+    assert len(seen) >= 3  # a step between: each was judged before the next
 
 
 def test_a_finished_request_names_the_live_cap_at_its_admission(make_backend, tiny_model):

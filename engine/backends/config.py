@@ -59,13 +59,9 @@ REMOTE_APIS = ("auto", "openai", "llama-server", "vllm", "sglang", "tandem")
 
 
 # No cap given: the ceiling the limiter may grow to, and where it starts, for each context on a
-# device (`auto_limits`): two contexts on one GPU get a ceiling each, as two processes would
-# (issue 26: two contexts sharing one ceiling of 32 answered a returning chat user in 1.14 s,
-# two processes with 32 each in 0.17 s). A GPU's decode tok/s still rises to b = 32 (6,016 tok/s
-# against 3,916 at 16, H200, `docs/results/gpu/speed10`), but the 1,516-token workload ran 6.71 s
-# at cap 32 and 7.97 s at 48 (more prompt chunks beside more decodes, over more cells), and the
-# limiter, let up to 48, took 8.21 s (round4/caps-long).
-# On a CPU decode flattens sooner and each sequence's tokens come slower with every one added.
+# device (`auto_limits`; engine/sched/limiter.py says what set them): two contexts on one GPU get
+# a ceiling each, as two processes would (issue 26: two contexts sharing one ceiling of 32
+# answered a returning chat user in 1.14 s, two processes with 32 each in 0.17 s).
 AUTO_CAP = CEILING  # engine/sched/limiter.py, the one place they are set
 AUTO_START = START
 # KV cells when a spec names no ctx: what AUTO_CTX_MEMORY_SHARE of the device's free memory holds

@@ -55,17 +55,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # An adaptive cap's ceiling and start per device kind, when no cap is given (`gpu`, `cap=auto`):
-# the one place they are set (engine/backends/local.py divides them among a spec's contexts; the
-# simulator's adaptive backends use them too). The ceiling is a measurement's to decide, not
-# one workload's: `scripts/gpu/steps.sh defaults` compares the default with fixed caps 16 / 32 /
-# 64 on the study, long prompts and 4 / 16 / 32 tenants. What set 32 (H200, Qwen2.5-0.5B shape):
-# decode tok/s still rises to b = 32 (6,016 tok/s against 3,916 at 16, docs/results/gpu/speed10),
-# but the 1,516-token workload ran 6.71 s at cap 32 and 7.97 s at 48 (more prompt chunks beside
-# more decodes, over more cells), and the limiter, let up to 48, took 8.21 s (round4/caps-long);
-# the 4-tenant workload was fastest at 64 (issue 25). On a CPU decode flattens sooner and each
-# sequence's tokens come slower with every one added.
-CEILING = {"gpu": 32, "cpu": 16}
-START = {"gpu": 8, "cpu": 4}
+# the one place they are set (engine/backends/local.py gives each of a spec's contexts its own;
+# the simulator's adaptive backends use them too). The ceiling is a measurement's to decide, not
+# one workload's: `scripts/gpu/steps.sh defaults_http` compares the default with one and two
+# contexts at fixed caps 16 / 32 / 64 on the study, long prompts, 4 / 16 / 32 tenants and chats.
+# A GPU starts at 32: its decode tok/s still rises to b = 32 (6,016 tok/s against 3,916 at 16,
+# H200, docs/results/gpu/speed10), and a start of 8 left the limiter climbing through queues it
+# need not have had: long prompts 6.24 s against 5.73 at a fixed 32, with the same two contexts
+# busy (docs/results/gpu/defaults4). It climbs to 64 under backlog, where one context ran 4 and
+# 16 tenants fastest (defaults1, defaults4) and the simulated H200 meets every fixed cap
+# (docs/results/simulate/defaults). On a CPU decode flattens sooner and each sequence's tokens
+# come slower with every one added.
+CEILING = {"gpu": 64, "cpu": 16}
+START = {"gpu": 32, "cpu": 4}
 
 
 @dataclass(slots=True)

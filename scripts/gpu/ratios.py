@@ -27,6 +27,11 @@ def _mean(row: dict, key: str) -> float:
     return row[key]["mean"] or float("nan")
 
 
+def _runs(row: dict, key: str = "makespan_s") -> str:
+    values = row[key].get("values") or []
+    return " [" + " ".join(f"{v:.2f}" for v in values) + "]" if len(values) > 1 else ""
+
+
 def tenants(folder: str) -> None:
     rows, k_of = _rows(folder)
     by_policy: dict[str, dict[int, float]] = defaultdict(dict)
@@ -75,8 +80,9 @@ def caps(folder: str) -> None:
 def defaults(folder: str, label: str = "default", only: str = "") -> None:
     """Per workload: the default row's makespan and TTFT p50 over those of the tuned row with the
     lowest makespan (every other row: fixed caps, other layouts, HTTP targets; with `only` =
-    "fixed", the fixed-cap rows `POLICY@cap=N`; with "tuned", those and `target:two-contexts`,
-    the tuned single-GPU configurations, so other candidate layouts are not counted as tuned)."""
+    "fixed", the fixed-cap rows `POLICY@cap=N`; with "tuned", those, `target:two-contexts` and
+    the servers labelled `tuned-*`, the tuned single-GPU configurations, so other candidate
+    layouts are not counted as tuned). Means over the runs, each run's makespan in brackets."""
     rows, _ = _rows(folder)
     by_workload: dict[str, dict[str, dict]] = defaultdict(dict)
     for r in rows:
@@ -84,7 +90,8 @@ def defaults(folder: str, label: str = "default", only: str = "") -> None:
     for workload, variants in by_workload.items():
         mine = variants.get(label)
         fixed = {p for p in variants if "@cap=" in p and not p.endswith("@cap=auto")}
-        allowed = {"fixed": fixed, "tuned": fixed | {"target:two-contexts"}}.get(only)
+        served = {p for p in variants if p.startswith("target:tuned-")}
+        allowed = {"fixed": fixed, "tuned": fixed | served | {"target:two-contexts"}}.get(only)
         tuned = {p: r for p, r in variants.items() if p != label and (allowed is None or p in allowed)}
         if mine is None or not tuned:
             print(f"{workload}: no {label!r} row or no tuned row")
@@ -94,9 +101,9 @@ def defaults(folder: str, label: str = "default", only: str = "") -> None:
         t = _mean(mine, "ttft_p50_s") / _mean(best, "ttft_p50_s")
         others = ", ".join(f"{p} {_mean(r, 'makespan_s'):.3f} s" for p, r in tuned.items())
         verdict = "met" if m <= 1.03 and t <= 1.10 else "NOT met"
-        print(f"{workload}: {label} makespan {_mean(mine, 'makespan_s'):.3f} s, TTFT p50 "
+        print(f"{workload}: {label} makespan {_mean(mine, 'makespan_s'):.3f} s{_runs(mine)}, TTFT p50 "
               f"{_mean(mine, 'ttft_p50_s'):.3f} s -> {m:.3f}x / {t:.2f}x the best tuned row ({best_name}: "
-              f"{_mean(best, 'makespan_s'):.3f} s, {_mean(best, 'ttft_p50_s'):.3f} s)   "
+              f"{_mean(best, 'makespan_s'):.3f} s{_runs(best)}, {_mean(best, 'ttft_p50_s'):.3f} s)   "
               f"[target: <= 1.03x / <= 1.10x: {verdict}]   tuned: {others}")
 
 

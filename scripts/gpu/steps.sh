@@ -577,6 +577,81 @@ chat_contexts() {  # ~8.5 min: contexts per GPU on the chat workload at CHAT_NS 
   done
 }
 
+# The tuned single-GPU configurations of issue 25, each a `tandem serve` (label=spec): one or two contexts at
+# fixed caps 16 / 32 / 64, two contexts under cache-aware (which keeps a tenant on one).
+TUNED=(one-ctx-cap16="$G:contexts=1,cap=16,adaptive=0,threads=8" one-ctx-cap32="$G:contexts=1,cap=32,adaptive=0,threads=8"
+       one-ctx-cap64="$G:contexts=1,cap=64,adaptive=0,threads=8" two-ctx-cap16="$G:contexts=2,cap=16,adaptive=0,threads=8"
+       two-ctx-cap32="$G:contexts=2,cap=32,adaptive=0,threads=8" two-ctx-cap64="$G:contexts=2,cap=64,adaptive=0,threads=8")
+_tuned_servers() {  # one `tandem serve` per TUNED entry on ports 8101..., the default (nothing else) on 8100
+  local i=1 t
+  python3 -m app serve --model "$M" --port 8100 > "$OUT/logs/serve-default.log" 2>&1 & SERVERS+=($!)
+  for t in "${TUNED[@]}"; do
+    local policy=(); [[ ${t#*=} == *contexts=2* ]] && policy=(--policy cache-aware)
+    python3 -m app serve --model "$M" --backend "${t#*=}" "${policy[@]}" --port $((8100 + i)) \
+      > "$OUT/logs/serve-tuned-${t%%=*}.log" 2>&1 & SERVERS+=($!)
+    i=$((i + 1))
+  done
+}
+_http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every server of defaults_http on one workload,
+                # runs interleaved; SKIP: tuned labels left out of this workload
+  local dir=$1 skip=" $2 " i=1 t a alts targets=(--target "default=http://127.0.0.1:8100")
+  shift 2
+  for t in "${TUNED[@]}"; do
+    [[ $skip == *" ${t%%=*} "* ]] || targets+=(--target "tuned-${t%%=*}=http://127.0.0.1:$((8100 + i))")
+    i=$((i + 1))
+  done
+  IFS=';' read -ra alts <<< "${ALTS:-}"; i=0
+  for a in "${alts[@]}"; do targets+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))"); i=$((i + 1)); done
+  python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-3}" --warmup 1 --policies none --caps none \
+    "${targets[@]}" --target-warm 4 --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
+  python3 scripts/gpu/ratios.py defaults "$OUT/$dir" target:default tuned | tee -a "$OUT/defaults.txt"
+  for a in "${alts[@]}"; do
+    python3 scripts/gpu/ratios.py defaults "$OUT/$dir" "target:${a%%=*}" tuned | tee -a "$OUT/defaults.txt"
+  done
+}
+
+defaults_http() {  # issue 25's must-show, every row served over HTTP: `tandem serve --model M` with nothing else
+                   # against each TUNED configuration, on HTTP_WORKLOADS (n48 long tenants), RUNS (3) interleaved runs,
+                   # ratios to the best tuned row per workload (~4 min for tenants, ~3 for n48 + long; $ALTS beside,
+                   # on ports 8098...; TENANT_SKIP: tuned rows left out of the tenant runs)
+  mkdir -p "$OUT/logs"
+  _tuned_servers
+  _alt_servers
+  _wait_ready 8100 8101 8102 8103 8104 8105 8106
+  local w n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
+  for w in ${HTTP_WORKLOADS:-n48 long tenants}; do
+    case $w in
+      n48) _stamp "defaults over HTTP: the study's N=$n48"
+        _http_grid http-n48 "" --requests "$n48" --shared 96 --outputs fixed --arrivals interval ;;
+      long) _stamp "defaults over HTTP: 1,516-token prompts (1,000 shared), outputs 32-512, Poisson 20/s, N=$long"
+        _http_grid http-long "" --requests "$long" --prompt-tokens "${LONG_PROMPT:-1516}" --shared 66 \
+          --outputs uniform --min-output 32 --max-output "${LONG_MAX_OUT:-512}" --arrivals poisson --rate 20 ;;
+      tenants) _stamp "defaults over HTTP: ${TENANTS:-4,16,32} tenants, outputs 32-256, Poisson 40/s, N=$tn"
+        _http_grid http-tenants "${TENANT_SKIP:-}" --requests "$tn" --tenants "${TENANTS:-4,16,32}" \
+          --tenant-prefix-tokens "${TENANT_PREFIX:-1500}" --tenant-suffix-tokens 50 --outputs uniform --min-output 32 \
+          --max-output "${TENANT_MAX_OUT:-256}" --arrivals poisson --rate 40 ;;
+    esac
+  done
+  _stop_servers
+}
+
+chat_tuned() {  # ~3.5 min: issue 26's chat workload (CHAT_N, 96, conversations) on `tandem serve --model M` against the
+                # tuned CHAT_TUNED (two-ctx-cap32 two-ctx-cap64) and four contexts under cache-aware, one server at a time
+  mkdir -p "$OUT/logs"
+  local t name
+  _serve_one chat-default 8311; _chat_bench default 8311; _stop_servers
+  for name in ${CHAT_TUNED:-two-ctx-cap32 two-ctx-cap64}; do
+    for t in "${TUNED[@]}"; do
+      [ "${t%%=*}" = "$name" ] || continue
+      _serve_one "chat-$name" 8311 --backend "${t#*=}" --policy cache-aware; _chat_bench "tuned-$name" 8311; _stop_servers
+    done
+  done
+  if [ "${CHAT_CTX4:-1}" = 1 ]; then
+    _serve_one chat-ctx4 8310 --backend "$G:contexts=4" --policy cache-aware; _chat_bench contexts-4-cache-aware 8310
+    _stop_servers
+  fi
+}
+
 final_defaults() {  # ~8 min, the points that decide first: the chat workload at CHAT_NS conversations (96 24 192)
                    # on `tandem serve --model M` (nothing else) against two processes behind Tandem's router,
                    # and at 96 against four contexts under cache-aware (CHAT_CTX4=0 leaves it out). The grid on
