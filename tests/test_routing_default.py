@@ -4,13 +4,15 @@ H200's decisions by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
-from engine.routing.default import MIN_PEAK_SHARE
+from engine.routing.default import MIN_PEAK_SHARE, OPEN_KV_SHARE
 
 M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
 M2_CPU = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
@@ -126,6 +128,54 @@ def test_a_conversation_stays_on_its_context_when_a_lighter_one_would_finish_a_l
     d = Router().route(q, ctx)
     assert d.backend == "gpu-a", d.reason
     assert "gpu finishes first" in d.reason and "cache-aware" in d.reason
+
+
+def _contexts(*items_per_context, cap=32, used=(), total=65536):
+    """One H200 as four (or more) contexts of a group, holding these many running requests."""
+    used = tuple(used) + (0,) * (len(items_per_context) - len(used))
+    return [replace(snap(f"gpu-{chr(97 + k)}", "gpu", H200_GPU, running(n, 100, prefix=f"{k}-"), cap=cap,
+                         n_ctx=total, group="gpu"), kv_cells_used=u)
+            for k, (n, u) in enumerate(zip(items_per_context, used))]
+
+
+def test_a_devices_requests_stay_on_its_contexts_in_use_until_they_are_full():
+    """New work joins the context already running (a larger batch of one context, not eight
+    small ones each stepping on its own), even though an idle context would finish it sooner."""
+    ctx = _contexts(6, 0, 0, 0)
+    q = query(prompt=1550, max_tokens=128)
+    assert finish_time(q, ctx[1]).finish_s < finish_time(q, ctx[0]).finish_s
+    d = Router().route(q, ctx)
+    assert d.backend == "gpu-a", d.reason
+    assert "1 in use, 3 idle until those are full" in d.reason
+
+
+def test_an_idle_context_opens_when_every_context_in_use_holds_its_cap():
+    d = Router().route(query(prompt=1550, max_tokens=128), _contexts(32, 32, 0, 0))
+    assert d.backend == "gpu-c", d.reason
+    assert "every context in use is full, so gpu-c opens" in d.reason
+
+
+def test_a_context_whose_pool_is_half_used_is_full():
+    """Past OPEN_KV_SHARE of its pool, a context takes no new prefix: every step attends over
+    the cells in use."""
+    q = query(prompt=1550, max_tokens=128)
+    room = int(OPEN_KV_SHARE * 65536) - 1550 - 16
+    assert Router().route(q, _contexts(4, 0, used=(room,))).backend == "gpu-a"
+    assert Router().route(q, _contexts(4, 0, used=(room + 1,))).backend == "gpu-b"
+
+
+def test_a_prompt_cached_on_an_idle_context_goes_back_there():
+    """A conversation whose context has gone idle is still at home there: its prefix counts
+    that context as in use."""
+    ctx = _contexts(6, 0, 0)
+    d = Router().route(query(prompt=1800, max_tokens=128, cached={"gpu-c": 1700}), ctx)
+    assert d.backend == "gpu-c", d.reason
+
+
+def test_the_first_request_to_an_idle_device_goes_to_its_first_context():
+    d = Router().route(query(prompt=1550, max_tokens=128), _contexts(0, 0, 0, 0))
+    assert d.backend == "gpu-a", d.reason
+    assert "all 4 idle, the first" in d.reason
 
 
 def test_a_context_that_would_finish_after_another_device_gets_nothing():

@@ -49,6 +49,11 @@ HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sch
 # A CPU backend whose peak decode is under this share of a GPU device's (the sum over its contexts)
 # gets nothing (the H200's CPU: 128 / 3,265 tok/s for one context, 4 %; the study's M2 CPU: 45 / 293, 15 %).
 MIN_PEAK_SHARE = 0.10
+# Of a device's contexts, a request goes to those in use (holding requests, or its prefix); one
+# more is opened only when every context in use is full: its live cap taken by the requests it
+# holds, or its pool used past this share (a unified pool's every step attends over the cells in
+# use, so a fuller pool slows every sequence on it; half leaves a step's worth of room).
+OPEN_KV_SHARE = 0.5
 
 
 @functools.lru_cache(maxsize=256)
@@ -170,11 +175,12 @@ class FinishFirst(Policy):
         self._group: dict[str, str] = {}  # backend -> the group of contexts sharing its device
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
         self._speed: dict[str, tuple[Rates, int]] = {}  # backend -> its rates and cap ceiling
+        self._room: dict[str, tuple[int, int, int, int]] = {}  # grouped backend -> items, cap, KV cells used, total
 
     def score(self, query, snap, budget):
         if self._query is not query:
             self._query = query
-            self._parts, self._group, self._within, self._speed = {}, {}, {}, {}
+            self._parts, self._group, self._within, self._speed, self._room = {}, {}, {}, {}, {}
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
             self._routed = self.recent.match(self._hashes) if self._hashes else {}
         held = query.cached_on(snap.name)
@@ -185,6 +191,7 @@ class FinishFirst(Policy):
         if snap.group:
             self._group[snap.name] = snap.group
             self._within[snap.name] = self.within.score(query, snap, budget)
+            self._room[snap.name] = (len(snap.items), max(snap.cap, 1), snap.kv_cells_used, snap.kv_cells_total)
         return make_score(snap, hit, f.all_prefill_tokens, f.all_decode_tokens, f.all_prefill_s, f.all_decode_s)
 
     def choose(self, query, scores):
@@ -196,11 +203,18 @@ class FinishFirst(Policy):
         # would finish later than another device does not take part.
         others = sorted((s for s in eligible if s not in grouped and s is not first), key=lambda s: s.score_s)
         contexts = [s for s in grouped if not others or s.score_s <= others[0].score_s]
+        narrowed = ""
+        if len(contexts) > 1:
+            contexts, narrowed = self._in_use(contexts, query)
         if len(contexts) > 1:
             best_name, why = self.within.choose(query, [self._within[s.name] for s in contexts])
             best = next(s for s in contexts if s.name == best_name)
-            reason = (f"{group} finishes first: {self._explain(first)}; of its {len(contexts)} contexts, "
+            reason = (f"{group} finishes first: {self._explain(first)}; {narrowed}of its {len(contexts)} contexts, "
                       f"cache-aware: {why}")
+        elif narrowed:
+            best = contexts[0]
+            reason = f"{group} finishes first: {self._explain(first)}; {narrowed}sent to {best.name}"
+            self.within.pinned(query, best.name)
         else:
             best = first
             reason = f"{best.name} finishes first: {self._explain(best)}"
@@ -218,6 +232,32 @@ class FinishFirst(Policy):
             reason += f" ({', '.join(skipped)} unhealthy)"
         self._record(query, best.name)
         return best.name, reason
+
+    def _in_use(self, contexts: list[BackendScore], query) -> tuple[list[BackendScore], str]:
+        """The contexts of one device a request may go to, and a phrase on why ("" or ending in
+        a space): those in use (holding requests, or at least half of this prompt cached or
+        routed there) and, when every one of those is full (`_full`), the first idle one; with
+        all idle, the first. Eight contexts of one H200, each taking a share of 4 tenants,
+        decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5): each
+        context's step reads all the weights and runs its own host work, so a device runs
+        fastest on the fewest contexts that hold its load, and opens more as caps and pools fill."""
+        need = max(1, query.prompt_tokens // 2)
+        busy = [s for s in contexts if self._room[s.name][0] or s.cached_tokens >= need]
+        idle = [s for s in contexts if s not in busy]
+        if not idle:
+            return busy, ""
+        if not busy:
+            return idle[:1], f"all {len(idle)} idle, the first: "
+        if all(self._full(s, query) for s in busy):
+            return busy + idle[:1], f"every context in use is full, so {idle[0].name} opens; "
+        return busy, f"{len(busy)} in use, {len(idle)} idle until those are full; "
+
+    def _full(self, s: BackendScore, query) -> bool:
+        """A context takes no more new work before another opens: the requests it holds reach
+        its live cap, or its pool would be used past OPEN_KV_SHARE with this prompt."""
+        items, cap, used, total = self._room[s.name]
+        own = query.prompt_tokens - s.cached_tokens
+        return items >= cap or (total > 0 and used + own + HEADROOM_CELLS > OPEN_KV_SHARE * total)
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU

@@ -15,6 +15,8 @@ fi
 for step in "$@"; do
   declare -F "$step" >/dev/null || { echo "unknown step: $step (run without arguments for the list)"; exit 2; }
 done
+# Every step runs `app`: a package the device lacks (the kit's wheels: docs/NOTES.md, "GPU runs") fails here, at once.
+python3 -c "import app.cli, app.server" || { echo "run.sh: app does not import here: carry the missing wheels in .gpukit"; exit 3; }
 DEST=${OUT:?set OUT to where results should go}; mkdir -p "$DEST"
 export OUT=/tmp/results; mkdir -p "$OUT"
 export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}; mkdir -p "$TANDEM_CACHE_DIR"

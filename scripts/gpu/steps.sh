@@ -23,11 +23,18 @@ _tandem_server() {  # _tandem_server CAP PORT
   python3 -m app serve --model "$M" --backend "gpu:cap=$1,ctx=32768,threads=8" --port "$2" > "/tmp/tandem-serve-$2.log" 2>&1 &
   SERVERS+=($!)
 }
-_wait_ready() {  # _wait_ready PORT...
+_wait_ready() {  # _wait_ready PORT...: until each answers /health (a minute at most); fails at once when a server
+                # started here has exited (its log says why)
+  local port
   for port in "$@"; do
-    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+    for _ in $(seq 300); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      _servers_alive || { echo "a server exited before port $port was ready: see its log" >&2; return 1; }
+      sleep 0.2
+    done
   done
 }
+_servers_alive() { local p; for p in "${SERVERS[@]}"; do kill -0 "$p" 2>/dev/null || return 1; done; }
 _stop_servers() { kill "${SERVERS[@]}" 2>/dev/null; SERVERS=(); sleep 2; }
 
 _decode() {  # _decode FILE REPEATS BATCHES [bench overhead options...]
@@ -497,7 +504,7 @@ _alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec;labe
     python3 -m app serve --model "$M" "${specs[@]}" --port $((8098 + i)) > "/tmp/tandem-serve-$((8098 + i)).log" 2>&1 &
     SERVERS+=($!); i=$((i + 1))
   done
-  for ((j = 0; j < i; j++)); do _wait_ready $((8098 + j)); done
+  for ((j = 0; j < i; j++)); do _wait_ready $((8098 + j)) || return 1; done
 }
 
 defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) against the best tuned single-GPU
@@ -616,8 +623,8 @@ defaults_http() {  # issue 25's must-show, every row served over HTTP: `tandem s
                    # on ports 8098...; TENANT_SKIP: tuned rows left out of the tenant runs)
   mkdir -p "$OUT/logs"
   _tuned_servers
-  _alt_servers
-  _wait_ready 8100 8101 8102 8103 8104 8105 8106
+  _alt_servers || { _stop_servers; return 1; }
+  _wait_ready 8100 8101 8102 8103 8104 8105 8106 || { _stop_servers; return 1; }
   local w n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
   for w in ${HTTP_WORKLOADS:-n48 long tenants}; do
     case $w in
