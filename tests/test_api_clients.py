@@ -6,6 +6,8 @@ short; every wait is bounded."""
 
 from __future__ import annotations
 
+import json
+
 import instructor
 import openai
 import pytest
@@ -82,8 +84,12 @@ def test_langchain_structured_output_over_the_responses_api(server):
 def test_instructor_tools_mode_with_a_list_model(fresh_server):
     client = instructor.from_openai(openai.OpenAI(base_url=fresh_server.url + "/v1", api_key="unused", timeout=TIMEOUT,
                                                   max_retries=0), mode=instructor.Mode.TOOLS)
-    users = client.chat.completions.create(
+    users, completion = client.chat.completions.create_with_completion(
         model="default", temperature=0, max_tokens=300, max_retries=1, response_model=list[User],
         messages=[{"role": "user", "content": "Users: Ann (31), Bob (42)."}])
-    assert isinstance(users, list) and users
-    assert all(isinstance(u, User) for u in users)
+    # The server's side: one call of instructor's list tool, its arguments whole and in its schema
+    # (how many users SmolLM2-135M lists at temperature 0 is the model's, and varies by build).
+    (call,) = completion.choices[0].message.tool_calls
+    assert call.function.name == "IterableUser"
+    assert isinstance(json.loads(call.function.arguments)["tasks"], list)
+    assert isinstance(users, list) and all(isinstance(u, User) for u in users)

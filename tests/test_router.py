@@ -176,7 +176,7 @@ def test_policy_table(policy, gpu_items, cpu_items, expected):
 
 
 def test_every_registered_policy_is_made_by_its_name():
-    assert set(POLICIES) == {"finish-first", "seed-score", "predicted-finish", "least-work", "round-robin",
+    assert set(POLICIES) == {"finish-first", "finish-first:pack", "seed-score", "predicted-finish", "least-work", "round-robin",
                              "cache-aware", "gpu-only", "cpu-only"}
     for name in POLICIES:
         assert make_policy(name).name == name

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
 from engine.routing.default import MIN_PEAK_SHARE, OPEN_KV_SHARE
+from engine.routing.default import PACK_NAME as PACK
 
 M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
 M2_CPU = Rates(prefill_tok_s=73, decode_tok_s=45, source="override")
@@ -144,13 +145,13 @@ def test_a_devices_requests_stay_on_its_contexts_in_use_until_they_are_full():
     ctx = _contexts(6, 0, 0, 0)
     q = query(prompt=1550, max_tokens=128)
     assert finish_time(q, ctx[1]).finish_s < finish_time(q, ctx[0]).finish_s
-    d = Router().route(q, ctx)
+    d = Router(PACK).route(q, ctx)
     assert d.backend == "gpu-a", d.reason
     assert "1 in use, 3 idle until those are full" in d.reason
 
 
 def test_an_idle_context_opens_when_every_context_in_use_holds_its_cap():
-    d = Router().route(query(prompt=1550, max_tokens=128), _contexts(32, 32, 0, 0))
+    d = Router(PACK).route(query(prompt=1550, max_tokens=128), _contexts(32, 32, 0, 0))
     assert d.backend == "gpu-c", d.reason
     assert "every context in use is full, so gpu-c opens" in d.reason
 
@@ -160,20 +161,41 @@ def test_a_context_whose_pool_is_half_used_is_full():
     the cells in use."""
     q = query(prompt=1550, max_tokens=128)
     room = int(OPEN_KV_SHARE * 65536) - 1550 - 16
-    assert Router().route(q, _contexts(4, 0, used=(room,))).backend == "gpu-a"
-    assert Router().route(q, _contexts(4, 0, used=(room + 1,))).backend == "gpu-b"
+    assert Router(PACK).route(q, _contexts(4, 0, used=(room,))).backend == "gpu-a"
+    assert Router(PACK).route(q, _contexts(4, 0, used=(room + 1,))).backend == "gpu-b"
 
 
 def test_a_prompt_cached_on_an_idle_context_goes_back_there():
     """A conversation whose context has gone idle is still at home there: its prefix counts
     that context as in use."""
     ctx = _contexts(6, 0, 0)
-    d = Router().route(query(prompt=1800, max_tokens=128, cached={"gpu-c": 1700}), ctx)
+    d = Router(PACK).route(query(prompt=1800, max_tokens=128, cached={"gpu-c": 1700}), ctx)
     assert d.backend == "gpu-c", d.reason
 
 
+def test_a_context_that_would_shed_idle_cached_prefixes_is_full():
+    """One more running sequence shrinks a unified pool's idle budget (a B-th of it for a batch
+    of B): a context whose idle cached prefixes would no longer fit takes no new conversation,
+    which would push out the cached histories of those waiting for their next turn."""
+    q = query(prompt=1550, max_tokens=128)
+
+    def with_idle(idle):
+        ctx = _contexts(3, 0)
+        a = replace(ctx[0], kv_idle_cells=65536, cache=CacheStats(cached_tokens=idle + 1500, pinned_tokens=1500))
+        return [a, ctx[1]]
+
+    assert Router(PACK).route(q, with_idle(65536 // 4)).backend == "gpu-a"
+    assert Router(PACK).route(q, with_idle(65536 // 4 + 1)).backend == "gpu-b"
+
+
+def test_the_default_spreads_a_devices_work_over_its_contexts():
+    """Without `:pack` a new prompt goes where cache-aware finds its first token soonest: an
+    idle context, not the busy one."""
+    assert Router().route(query(prompt=1550, max_tokens=128), _contexts(6, 0, 0, 0)).backend != "gpu-a"
+
+
 def test_the_first_request_to_an_idle_device_goes_to_its_first_context():
-    d = Router().route(query(prompt=1550, max_tokens=128), _contexts(0, 0, 0, 0))
+    d = Router(PACK).route(query(prompt=1550, max_tokens=128), _contexts(0, 0, 0, 0))
     assert d.backend == "gpu-a", d.reason
     assert "all 4 idle, the first" in d.reason
 

@@ -45,14 +45,19 @@ NAME = "finish-first"
 HELP = ("The default: each request goes where its last token comes first, counting the queue ahead "
         "of it under the live cap, its prefill less what is cached there, and its decode at the "
         "per-sequence speed of the batch it joins.")
+PACK_NAME = NAME + ":pack"
+PACK_HELP = ("finish-first, with a device's contexts filled before another opens: new work joins the "
+             "contexts in use until their caps, pools or idle caches are full.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
 # A CPU backend whose peak decode is under this share of a GPU device's (the sum over its contexts)
 # gets nothing (the H200's CPU: 128 / 3,265 tok/s for one context, 4 %; the study's M2 CPU: 45 / 293, 15 %).
 MIN_PEAK_SHARE = 0.10
-# Of a device's contexts, a request goes to those in use (holding requests, or its prefix); one
-# more is opened only when every context in use is full: its live cap taken by the requests it
-# holds, or its pool used past this share (a unified pool's every step attends over the cells in
-# use, so a fuller pool slows every sequence on it; half leaves a step's worth of room).
+# `finish-first:pack`: of a device's contexts, a request goes to those in use (holding requests, or
+# its prefix); another opens only when every one in use is full (`FinishFirst._full`): its live cap
+# taken, its pool used past this share (every step of a unified pool attends over the cells in use),
+# or its idle cache at its budget. Not the default: on one H200 it met two tuned contexts on 4 / 16 /
+# 32 tenants, but packed 96 chats onto few contexts, 45.8 s against eight spread contexts' 35.9,
+# before `_full` counted idle caches (docs/results/gpu/defaults6, chat3).
 OPEN_KV_SHARE = 0.5
 
 
@@ -62,6 +67,19 @@ def _peak_decode(rates: Rates, up_to: int) -> float:
     asked of every backend for every request on a GPU machine with a CPU backend, and the rates
     change only when they are measured again."""
     return rates.peak_decode_tok_s(up_to)
+
+
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """What one context of a device holds, for `FinishFirst._in_use`."""
+
+    items: int  # requests running or queued
+    running: int
+    cap: int  # the live cap
+    used: int  # KV cells in use, idle cached prefixes included
+    total: int  # the pool (0: unknown)
+    idle: int  # cached cells no running or queued request holds
+    idle_cells: int  # idle cached cells it keeps beside one running sequence (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +183,11 @@ class FinishFirst(Policy):
     name = NAME
     uses_budget = False
 
-    def __init__(self, recent: RecentPrefixes | None = None):
+    def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False):
         self.recent = recent or RecentPrefixes()
+        self.pack = pack  # `finish-first:pack`: a device's contexts in use first (`_in_use`)
+        if pack:
+            self.name = PACK_NAME
         self.within = CacheAware()  # among the contexts of one device
         self._query: RouteQuery | None = None
         self._hashes: list[int] = []
@@ -175,7 +196,7 @@ class FinishFirst(Policy):
         self._group: dict[str, str] = {}  # backend -> the group of contexts sharing its device
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
         self._speed: dict[str, tuple[Rates, int]] = {}  # backend -> its rates and cap ceiling
-        self._room: dict[str, tuple[int, int, int, int]] = {}  # grouped backend -> items, cap, KV cells used, total
+        self._room: dict[str, _Room] = {}  # grouped backend -> what it holds and has room for
 
     def score(self, query, snap, budget):
         if self._query is not query:
@@ -191,7 +212,9 @@ class FinishFirst(Policy):
         if snap.group:
             self._group[snap.name] = snap.group
             self._within[snap.name] = self.within.score(query, snap, budget)
-            self._room[snap.name] = (len(snap.items), max(snap.cap, 1), snap.kv_cells_used, snap.kv_cells_total)
+            self._room[snap.name] = _Room(len(snap.items), len(snap.running), max(snap.cap, 1), snap.kv_cells_used,
+                                          snap.kv_cells_total, snap.cache.cached_tokens - snap.cache.pinned_tokens,
+                                          snap.kv_idle_cells)
         return make_score(snap, hit, f.all_prefill_tokens, f.all_decode_tokens, f.all_prefill_s, f.all_decode_s)
 
     def choose(self, query, scores):
@@ -204,7 +227,7 @@ class FinishFirst(Policy):
         others = sorted((s for s in eligible if s not in grouped and s is not first), key=lambda s: s.score_s)
         contexts = [s for s in grouped if not others or s.score_s <= others[0].score_s]
         narrowed = ""
-        if len(contexts) > 1:
+        if self.pack and len(contexts) > 1:
             contexts, narrowed = self._in_use(contexts, query)
         if len(contexts) > 1:
             best_name, why = self.within.choose(query, [self._within[s.name] for s in contexts])
@@ -242,7 +265,7 @@ class FinishFirst(Policy):
         context's step reads all the weights and runs its own host work, so a device runs
         fastest on the fewest contexts that hold its load, and opens more as caps and pools fill."""
         need = max(1, query.prompt_tokens // 2)
-        busy = [s for s in contexts if self._room[s.name][0] or s.cached_tokens >= need]
+        busy = [s for s in contexts if self._room[s.name].items or s.cached_tokens >= need]
         idle = [s for s in contexts if s not in busy]
         if not idle:
             return busy, ""
@@ -254,10 +277,17 @@ class FinishFirst(Policy):
 
     def _full(self, s: BackendScore, query) -> bool:
         """A context takes no more new work before another opens: the requests it holds reach
-        its live cap, or its pool would be used past OPEN_KV_SHARE with this prompt."""
-        items, cap, used, total = self._room[s.name]
+        its live cap; its pool would be used past OPEN_KV_SHARE with this prompt; or one more
+        running sequence would shed idle cached prefixes (a unified pool keeps idle cells for
+        a batch of B at a B-th of what it keeps for one). The last is what keeps conversations
+        cached: packed onto few contexts, 96 chats on one H200 kept 63.5 % of their later
+        turns' prompts cached, where eight contexts of a dozen each kept 89.9 %
+        (docs/results/gpu/defaults6, chat3)."""
+        r = self._room[s.name]
         own = query.prompt_tokens - s.cached_tokens
-        return items >= cap or (total > 0 and used + own + HEADROOM_CELLS > OPEN_KV_SHARE * total)
+        if r.items >= r.cap or (r.total > 0 and r.used + own + HEADROOM_CELLS > OPEN_KV_SHARE * r.total):
+            return True
+        return r.idle_cells > 0 and r.idle > r.idle_cells // (r.running + 1)
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU

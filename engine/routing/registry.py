@@ -16,7 +16,7 @@ from .cache_aware import HELP as CACHE_AWARE_HELP
 from .cache_aware import CacheAware, from_spec
 from .default import HELP as DEFAULT_HELP
 from .default import NAME as DEFAULT_NAME
-from .default import FinishFirst
+from .default import PACK_HELP, PACK_NAME, FinishFirst
 from .least_work import HELP as LEAST_WORK_HELP
 from .least_work import LeastWork
 from .only import HELP as ONLY_HELP
@@ -34,6 +34,7 @@ DEFAULT_POLICY = DEFAULT_NAME
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     DEFAULT_NAME: FinishFirst,
+    PACK_NAME: lambda: FinishFirst(pack=True),
     "seed-score": SeedScore,
     "predicted-finish": PredictedFinish,
     "least-work": LeastWork,
@@ -45,6 +46,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 HELP: dict[str, str] = {
     DEFAULT_NAME: DEFAULT_HELP,
+    PACK_NAME: PACK_HELP,
     "seed-score": SEED_SCORE_HELP,
     "predicted-finish": PREDICTED_FINISH_HELP,
     "least-work": LEAST_WORK_HELP,

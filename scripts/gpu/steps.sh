@@ -495,13 +495,16 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
   done
 }
 
-_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec;label2="; empty: the default layout),
-                  # on ports 8098, 8099, ...
-  local i=0 alts a parts b specs
+_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@policy];label2=@policy"; no spec: the
+                  # default layout), on ports 8098, 8099, ...
+  local i=0 alts a parts b specs rest policy
   IFS=';' read -ra alts <<< "${ALTS:-}"
   for a in "${alts[@]}"; do
-    specs=(); IFS='+' read -ra parts <<< "${a#*=}"; for b in "${parts[@]}"; do specs+=(--backend "$b"); done
-    python3 -m app serve --model "$M" "${specs[@]}" --port $((8098 + i)) > "/tmp/tandem-serve-$((8098 + i)).log" 2>&1 &
+    rest=${a#*=}; policy=()
+    [[ $rest == *@* ]] && { policy=(--policy "${rest##*@}"); rest=${rest%@*}; }
+    specs=(); IFS='+' read -ra parts <<< "$rest"; for b in "${parts[@]}"; do specs+=(--backend "$b"); done
+    python3 -m app serve --model "$M" "${specs[@]}" "${policy[@]}" --port $((8098 + i)) \
+      > "/tmp/tandem-serve-$((8098 + i)).log" 2>&1 &
     SERVERS+=($!); i=$((i + 1))
   done
   for ((j = 0; j < i; j++)); do _wait_ready $((8098 + j)) || return 1; done
