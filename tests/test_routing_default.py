@@ -181,7 +181,8 @@ def test_a_context_that_would_shed_idle_cached_prefixes_is_full():
 
     def with_idle(idle):
         ctx = _contexts(3, 0)
-        a = replace(ctx[0], kv_idle_cells=65536, cache=CacheStats(cached_tokens=idle + 1500, pinned_tokens=1500))
+        a = replace(ctx[0], kv_idle_budget=65536 // 4,  # three running: a quarter with a fourth
+                    cache=CacheStats(cached_tokens=idle + 1500, pinned_tokens=1500))
         return [a, ctx[1]]
 
     assert Router(PACK).route(q, with_idle(65536 // 4)).backend == "gpu-a"

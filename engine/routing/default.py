@@ -70,19 +70,6 @@ def _peak_decode(rates: Rates, up_to: int) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class _Room:
-    """What one context of a device holds, for `FinishFirst._in_use`."""
-
-    items: int  # requests running or queued
-    running: int
-    cap: int  # the live cap
-    used: int  # KV cells in use, idle cached prefixes included
-    total: int  # the pool (0: unknown)
-    idle: int  # cached cells no running or queued request holds
-    idle_cells: int  # idle cached cells it keeps beside one running sequence (0: unknown)
-
-
-@dataclass(frozen=True, slots=True)
 class Finish:
     """When the new request would finish on one backend, and its parts (seconds from now)."""
 
@@ -196,12 +183,12 @@ class FinishFirst(Policy):
         self._group: dict[str, str] = {}  # backend -> the group of contexts sharing its device
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
         self._speed: dict[str, tuple[Rates, int]] = {}  # backend -> its rates and cap ceiling
-        self._room: dict[str, _Room] = {}  # grouped backend -> what it holds and has room for
+        self._snaps: dict[str, BackendSnapshot] = {}  # grouped backend -> its snapshot (`_in_use`)
 
     def score(self, query, snap, budget):
         if self._query is not query:
             self._query = query
-            self._parts, self._group, self._within, self._speed, self._room = {}, {}, {}, {}, {}
+            self._parts, self._group, self._within, self._speed, self._snaps = {}, {}, {}, {}, {}
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
             self._routed = self.recent.match(self._hashes) if self._hashes else {}
         held = query.cached_on(snap.name)
@@ -212,9 +199,7 @@ class FinishFirst(Policy):
         if snap.group:
             self._group[snap.name] = snap.group
             self._within[snap.name] = self.within.score(query, snap, budget)
-            self._room[snap.name] = _Room(len(snap.items), len(snap.running), max(snap.cap, 1), snap.kv_cells_used,
-                                          snap.kv_cells_total, snap.cache.cached_tokens - snap.cache.pinned_tokens,
-                                          snap.kv_idle_cells)
+            self._snaps[snap.name] = snap
         return make_score(snap, hit, f.all_prefill_tokens, f.all_decode_tokens, f.all_prefill_s, f.all_decode_s)
 
     def choose(self, query, scores):
@@ -265,7 +250,7 @@ class FinishFirst(Policy):
         context's step reads all the weights and runs its own host work, so a device runs
         fastest on the fewest contexts that hold its load, and opens more as caps and pools fill."""
         need = max(1, query.prompt_tokens // 2)
-        busy = [s for s in contexts if self._room[s.name].items or s.cached_tokens >= need]
+        busy = [s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need]
         idle = [s for s in contexts if s not in busy]
         if not idle:
             return busy, ""
@@ -283,11 +268,15 @@ class FinishFirst(Policy):
         cached: packed onto few contexts, 96 chats on one H200 kept 63.5 % of their later
         turns' prompts cached, where eight contexts of a dozen each kept 89.9 %
         (docs/results/gpu/defaults6, chat3)."""
-        r = self._room[s.name]
+        snap = self._snaps[s.name]
         own = query.prompt_tokens - s.cached_tokens
-        if r.items >= r.cap or (r.total > 0 and r.used + own + HEADROOM_CELLS > OPEN_KV_SHARE * r.total):
+        total = snap.kv_cells_total
+        if len(snap.items) >= max(snap.cap, 1):
             return True
-        return r.idle_cells > 0 and r.idle > r.idle_cells // (r.running + 1)
+        if total > 0 and snap.kv_cells_used + own + HEADROOM_CELLS > OPEN_KV_SHARE * total:
+            return True
+        idle = snap.cache.cached_tokens - snap.cache.pinned_tokens  # cached cells no request holds
+        return snap.kv_idle_budget > 0 and idle > snap.kv_idle_budget
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU

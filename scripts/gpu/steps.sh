@@ -451,9 +451,13 @@ _chat_bench() {  # _chat_bench LABEL PORT: issue 26's chat workload against one 
     | grep -v "^|---" | tee -a "$OUT/chat-layouts.txt"
 }
 
+_serve_bg() {  # _serve_bg LOGFILE PORT [serve options...]: start one tandem serve in the background
+  local log=$1 port=$2; shift 2
+  python3 -m app serve --model "$M" --port "$port" "$@" > "$log" 2>&1 & SERVERS+=($!)
+}
 _serve_one() {  # _serve_one LOGNAME PORT [serve options...]: start one tandem serve, wait for it
   local name=$1 port=$2; shift 2
-  python3 -m app serve --model "$M" --port "$port" "$@" > "$OUT/logs/$name.log" 2>&1 & SERVERS+=($!)
+  _serve_bg "$OUT/logs/$name.log" "$port" "$@"
   _wait_ready "$port"
 }
 
@@ -503,9 +507,8 @@ _alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@pol
     rest=${a#*=}; policy=()
     [[ $rest == *@* ]] && { policy=(--policy "${rest##*@}"); rest=${rest%@*}; }
     specs=(); IFS='+' read -ra parts <<< "$rest"; for b in "${parts[@]}"; do specs+=(--backend "$b"); done
-    python3 -m app serve --model "$M" "${specs[@]}" "${policy[@]}" --port $((8098 + i)) \
-      > "/tmp/tandem-serve-$((8098 + i)).log" 2>&1 &
-    SERVERS+=($!); i=$((i + 1))
+    _serve_bg "/tmp/tandem-serve-$((8098 + i)).log" $((8098 + i)) "${specs[@]}" "${policy[@]}"
+    i=$((i + 1))
   done
   for ((j = 0; j < i; j++)); do _wait_ready $((8098 + j)) || return 1; done
 }
@@ -594,11 +597,10 @@ TUNED=(one-ctx-cap16="$G:contexts=1,cap=16,adaptive=0,threads=8" one-ctx-cap32="
        two-ctx-cap32="$G:contexts=2,cap=32,adaptive=0,threads=8" two-ctx-cap64="$G:contexts=2,cap=64,adaptive=0,threads=8")
 _tuned_servers() {  # one `tandem serve` per TUNED entry on ports 8101..., the default (nothing else) on 8100
   local i=1 t
-  python3 -m app serve --model "$M" --port 8100 > "$OUT/logs/serve-default.log" 2>&1 & SERVERS+=($!)
+  _serve_bg "$OUT/logs/serve-default.log" 8100
   for t in "${TUNED[@]}"; do
     local policy=(); [[ ${t#*=} == *contexts=2* ]] && policy=(--policy cache-aware)
-    python3 -m app serve --model "$M" --backend "${t#*=}" "${policy[@]}" --port $((8100 + i)) \
-      > "$OUT/logs/serve-tuned-${t%%=*}.log" 2>&1 & SERVERS+=($!)
+    _serve_bg "$OUT/logs/serve-tuned-${t%%=*}.log" $((8100 + i)) --backend "${t#*=}" "${policy[@]}"
     i=$((i + 1))
   done
 }
