@@ -3,11 +3,13 @@ close (a fleet's engines, a router in front of them)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx2 as httpx
 from waiting import wait_until
@@ -48,6 +50,50 @@ class Server:
         r = httpx.get(self.url + path, timeout=10)
         r.raise_for_status()
         return r.json()
+
+    def kill_when(self, cond, what: str = "condition", unless=None, timeout: float = WAIT,
+                  slice_s: float = 0.02) -> None:
+        """Kill the process at the first moment `cond()` holds, checked while it is stopped.
+
+        A state of a running engine (a request under way) can pass between two polls. Here the
+        process runs in slices of `slice_s` (SIGCONT, sleep, SIGSTOP) and `cond()` is checked
+        only once every thread of it has stopped, so what it saw still holds when SIGKILL comes.
+        Fails at once when `unless()` holds (the state can no longer come), or at `timeout`."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._stop()
+            while not cond():
+                if unless is not None and unless():
+                    if cond():
+                        break
+                    raise AssertionError(f"{what} can no longer come")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} not reached within {timeout} s")
+                self.proc.send_signal(signal.SIGCONT)
+                time.sleep(slice_s)
+                self._stop()
+        except BaseException:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGCONT)
+            raise
+        self.kill()
+
+    def _stop(self) -> None:
+        """SIGSTOP, then wait until every thread of the process shows as stopped."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+        def stopped() -> bool:
+            for stat in glob.glob(f"/proc/{self.proc.pid}/task/*/stat"):
+                try:
+                    with open(stat) as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except OSError:  # a thread that just exited
+                    continue
+                if state not in ("T", "t", "Z", "X"):
+                    return False
+            return True
+
+        wait_until(stopped, 10, f"pid {self.proc.pid} stopped")
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -2,7 +2,8 @@
 backends and loads no model (router-only mode), driven with the official `openai` client.
 
 Every process is real (`python -m app serve`, loopback only) and every wait is bounded; the
-fixtures kill what they started.
+fixtures kill what they started. An engine killed mid-run is killed at a moment checked while it
+was stopped (`Server.kill_when`), so the state the test needs cannot pass before the kill.
 """
 
 from __future__ import annotations
@@ -99,9 +100,8 @@ def test_killing_one_engine_mid_run_moves_its_queue(fleet):
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(24) as pool:
         futures = [pool.submit(ask, i) for i in range(24)]
-        wait_until(lambda: any(b["name"] == "e1" and b["items"] for b in router.get("/v1/routing")["backends"]),
-                   WAIT, "work on e1")
-        engines[1].kill()
+        engines[1].kill_when(lambda: any(b["name"] == "e1" and b["items"] for b in router.get("/v1/routing")["backends"]),
+                             "work on e1", unless=lambda: all(f.done() for f in futures))
         results = [f.result(WAIT) for f in futures]
     assert time.monotonic() - t0 < WAIT
     ok = [r for r in results if r[0] == "ok"]
@@ -139,8 +139,7 @@ def test_non_streaming_requests_survive_their_engine_dying_mid_answer(fleet):
 
     with cf.ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(ask, i) for i in range(n)]
-        wait_until(e1_generating, WAIT, "e1 generating")
-        engines[1].kill()
+        engines[1].kill_when(e1_generating, "e1 generating", unless=lambda: all(f.done() for f in futures))
         results = [f.result(WAIT) for f in futures]
     assert results == [("ok", out)] * n
     e1 = next(b for b in router.get("/v1/routing")["backends"] if b["name"] == "e1")
@@ -181,9 +180,8 @@ def test_streams_survive_their_engine_dying_mid_answer(fleet):
 
     with cf.ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(ask, i) for i in range(n)]
-        wait_until(e1_streaming, WAIT, "two streams under way on e1",
-                   unless=lambda: all(f.done() for f in futures))  # every stream over: it cannot come
-        engines[1].kill()
+        engines[1].kill_when(e1_streaming, "two streams under way on e1",
+                             unless=lambda: all(f.done() for f in futures))  # every stream over: it cannot come
         results = [f.result(WAIT) for f in futures]
     assert [r[:2] for r in results] == [("length", out)] * n, results
     assert all(r[2] for r in results)
