@@ -18,6 +18,11 @@ Two layers, both on aiohttp's public surfaces:
     table. It does not evict its own: an attacker that reconnects as soon as it is let go then
     made the server set connections up and tear them down as fast as its loop could (1,100
     stalled bodies from one address: normal traffic's p95 2.96-3.10x quiet; docs/security.md).
+  - *timeouts charged to their address*: a connection that sends no whole request in time
+    charges its address in the `RefusalLedger` (`TIMEOUT_CHARGE_S`); an address in debt has
+    its new connections held unread until the debt is paid, then admitted, and its stalled
+    bodies wait for the debt before their 408. Answered at once, such a client reconnects
+    and stalls again, and the churn, not the stalled connections, is what costs the server.
   Kept-alive connections are closed after `keepalive_timeout` (aiohttp's, 5 s: uvicorn's
   default). A body must keep coming: `read_body` allows `body_idle_timeout` from the last
   byte (up to twice that, drawn per wait, so bodies stalled together time out apart) and
@@ -73,6 +78,14 @@ _web_response.SERVER_SOFTWARE = SERVER_NAME
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 CORS_MAX_AGE_S = 600
 CORS_ALLOWED_HEADERS = "Authorization, Content-Type"
+# A connection that sent no whole request in time is charged to its address as this much CPU
+# in the `RefusalLedger`: ~10x what the loop spends to accept, time out and close it (~2 ms
+# under 1,100 stalled bodies), as it also held a connection for 5-20 s. At the ledger's
+# defaults an address may time out 25 connections at once and 5 a second after that; past
+# it, its new connections are held unread until the debt is paid (`ConnectionGuard._hold`).
+TIMEOUT_CHARGE_S = 0.02
+MAX_HOLD_S = 60.0  # the longest a connection or stalled body of an address in debt waits at a time (1-2x)
+HOLD_FACTOR = 2  # held refusals at most, in `max_connections`: one address's 1,100 fit
 
 
 # ---- settings and errors ----
@@ -210,13 +223,15 @@ class ConnectionGuard:
     request moves a connection to the end of its tier; a handler that has its whole body takes
     it out until the request is done. Eviction takes the front, so it costs O(1)."""
 
-    def __init__(self, settings: GuardSettings):
+    def __init__(self, settings: GuardSettings, refusals: RefusalLedger | None = None):
         self.settings = settings
+        self.refusals = refusals  # what each address owes (timeouts charged here, refusals by `parse_body`)
         self.open = 0
         self.evicted = 0
         self.refused = 0
         self.timed_out = 0
-        self.held = 0  # connections over their address's cap, waiting for their 503
+        self.held = 0  # connections held unread: over their address's cap (a 503 follows), or in debt
+        self.deferred = 0  # connections held because their address was in debt (then admitted, or held again)
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the site that serves
         self._idle = _IdleOrder()
         self._per_client: collections.Counter[str] = collections.Counter()
@@ -264,10 +279,13 @@ class ConnectionGuard:
 
     def _admit(self, proto: GuardedProtocol) -> bool:
         client = proto.client
-        cap = self.settings.max_client_connections
-        if self._per_client[client] >= cap:
+        owed = self.refusals.wait_s(client) if self.refusals is not None else 0.0
+        if owed > 0 and self._hold(proto, debt_hold_s(owed, self.settings.refuse_hold_s), then=proto.enter):
+            self.deferred += 1
+            return False
+        if self._per_client[client] >= self.settings.max_client_connections:
             self.refused += 1
-            self._hold(proto)
+            self._hold(proto, self.settings.refuse_hold_s, then=lambda: proto.drop(_BUSY))
             return False
         if self.open >= self.settings.max_connections and not self._evict():
             self.refused += 1
@@ -279,19 +297,32 @@ class ConnectionGuard:
         self._set_idle(proto)
         return True
 
-    def _hold(self, proto: GuardedProtocol) -> bool:
-        """Keep a connection over its address's cap unread for `refuse_hold_s`, then answer it
-        503 (False, to answer now, when `max_connections` are held already). Answered at once,
-        an attacker that reconnects at once made the loop accept and close ~750 connections a
-        second (1,100 stalled bodies from one address; docs/security.md)."""
-        if self.held >= self.settings.max_connections or self.loop is None or proto.transport is None:
+    def _hold(self, proto: GuardedProtocol, seconds: float, then) -> bool:
+        """Keep a connection unread for 1-2x `seconds` (drawn per connection, so connections
+        that came together are let go apart), then call `then`: over its address's cap, a 503;
+        from an address in debt, admission tried again. False, to decide now, when
+        `HOLD_FACTOR` x `max_connections` are held already. Answered at once, an attacker that
+        reconnects at once made the loop accept and close ~750 connections a second (1,100
+        stalled bodies from one address; docs/security.md)."""
+        if self.held >= HOLD_FACTOR * self.settings.max_connections or self.loop is None or proto.transport is None:
             return False
         self.held += 1
         proto.holding = True
         proto.transport.pause_reading()
-        # 1-2x the hold, drawn per connection, so refusals that arrived together are answered apart.
-        proto._deadline = self.loop.call_later(self.settings.refuse_hold_s * (1 + random.random()), proto.drop, _BUSY)
+
+        def release() -> None:
+            proto._deadline = None
+            self._unhold(proto)
+            then()
+
+        proto._deadline = self.loop.call_later(seconds * (1 + random.random()), release)
         return True
+
+    def charge_timeout(self, client: str) -> None:
+        """A connection of `client` sent no whole request in time (header or body deadline, or
+        evicted idle in one): its address owes `TIMEOUT_CHARGE_S`."""
+        if self.refusals is not None:
+            self.refusals.charge(client, TIMEOUT_CHARGE_S)
 
     def _unhold(self, proto: GuardedProtocol) -> None:
         if proto.holding:
@@ -310,6 +341,8 @@ class ConnectionGuard:
             reply = _EVICTED_HEAD
         else:  # kept alive between requests: nothing to answer
             reply = b""
+        if reply:
+            self.charge_timeout(victim.client)
         victim.drop(reply)
         self._release(victim)
         return True
@@ -352,23 +385,31 @@ class GuardedProtocol(asyncio.Protocol):
         self.served = 0  # requests finished on this connection
         self._deadline: asyncio.TimerHandle | None = None  # the header deadline, or a held refusal's end
         self._tail = b""  # the last 3 bytes seen while looking for the end of the head
-        self.holding = False  # refused and held (`ConnectionGuard._hold`)
+        self.holding = False  # held unread (`ConnectionGuard._hold`)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.client = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
+        self.enter()
+
+    def enter(self) -> None:
+        """Admitted: aiohttp's handler takes the connection; else held (`ConnectionGuard._hold`)
+        or answered 503 now."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
         if not self._guard._admit(self):
-            if self.holding:  # over its address's cap: answered later (`ConnectionGuard._hold`)
-                return
-            transport.write(_BUSY)
-            transport.close()
+            if not self.holding:
+                transport.write(_BUSY)
+                transport.close()
             return
         if self._guard.loop is None:
             raise RuntimeError("a connection arrived before its guarded site started")
         self._deadline = self._guard.loop.call_later(self._guard.settings.header_timeout, self._header_timeout)
         self._inner = self._server()
         self._inner.connection_made(transport)
+        transport.resume_reading()  # paused while it was held; a no-op otherwise
 
     def data_received(self, data: bytes) -> None:
         if self._inner is None:
@@ -407,6 +448,7 @@ class GuardedProtocol(asyncio.Protocol):
     def _header_timeout(self) -> None:
         self._deadline = None
         self._guard.timed_out += 1
+        self._guard.charge_timeout(self.client)
         self.drop(_HEADER_TIMEOUT)
 
     def drop(self, reply: bytes) -> None:
@@ -426,11 +468,12 @@ CONNECTIONS = web.AppKey("connections", ConnectionGuard)  # the app's tables (`c
 
 class RefusalLedger:
     """What parsing the requests each client address sent and was refused (4xx) cost, in CPU
-    seconds, as a leaky bucket: it drains at `share` seconds per second, and an address over
-    `burst` seconds waits, before its next body is read, until it is back at `burst`. A client
-    that sends 50,000-message chats (each refused, each ~0.2 s of CPU that holds the GIL the
-    backends need between steps) is held to a tenth of a core; one that never errs never waits.
-    Every client behind one proxy is one address here."""
+    seconds, and its connections that timed out (`TIMEOUT_CHARGE_S` each), as a leaky bucket:
+    it drains at `share` seconds per second, and an address over `burst` seconds waits, before
+    its next body is read or its next connection admitted, until it is back at `burst`. A
+    client that sends 50,000-message chats (each refused, each ~0.2 s of CPU that holds the GIL
+    the backends need between steps) is held to a tenth of a core; one that never errs never
+    waits. Every client behind one proxy is one address here."""
 
     MAX_ADDRESSES = 4096  # past this, addresses whose debt has drained are forgotten
 
@@ -475,13 +518,19 @@ class GuardedSite(web.TCPSite):
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)
 
 
+def debt_hold_s(owed_s: float, floor_s: float) -> float:
+    """How long a connection or a stalled body of an address that owes `owed_s` waits before it
+    is looked at again: the debt, within `floor_s` (fewer wake-ups) and `MAX_HOLD_S`."""
+    return max(floor_s, min(owed_s, MAX_HOLD_S))
+
+
 def raise_fd_limit(settings: GuardSettings, reserve: int = 256) -> GuardSettings:
-    """Make room for `max_connections` sockets, as many held refusals (`ConnectionGuard._hold`)
-    and `reserve` other files (models, logs, threads):
+    """Make room for `max_connections` sockets, `HOLD_FACTOR` times as many held refusals
+    (`ConnectionGuard._hold`) and `reserve` other files (models, logs, threads):
     raise this process's soft RLIMIT_NOFILE toward the hard one, or lower the cap (with a
     warning) so accept() never runs into EMFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * settings.max_connections + reserve  # the table, and as many held refusals
+    need = (1 + HOLD_FACTOR) * settings.max_connections + reserve  # the table and the held refusals
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -490,7 +539,7 @@ def raise_fd_limit(settings: GuardSettings, reserve: int = 256) -> GuardSettings
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < need:
-        cap = max(1, (soft - reserve) // 2)
+        cap = max(1, (soft - reserve) // (1 + HOLD_FACTOR))
         log.warning("the open-file limit is %d: serving at most %d connections, not %d",
                     soft, cap, settings.max_connections)
         from dataclasses import replace
@@ -633,6 +682,7 @@ async def read_body(request: web.Request) -> bytes:
 
     Chunked bodies carry no length: reading stops at the limit."""
     settings = request.app[GUARD]
+    refusals, address = request.app.get(REFUSALS), request.remote or ""
     limit = settings.max_body_bytes
     body = bytearray()
     loop = asyncio.get_running_loop()
@@ -642,10 +692,22 @@ async def read_body(request: web.Request) -> bytes:
             # Up to twice the idle timeout, drawn per wait: bodies that stall together (an attack's
             # connections, opened at once) then time out apart, not in one burst of 408s and reconnects.
             wait = min(settings.body_idle_timeout * (1 + random.random()), deadline - loop.time())
-            if wait <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(wait):
-                chunk = await request.content.readany()
+            try:
+                if wait <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(wait):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                # A stalled body of an address in debt (its connections keep timing out) waits
+                # until the debt is paid before its 408: answered at once, its client reconnects
+                # and stalls again, and the server's loop spends itself on the churn (1,100
+                # stalled bodies from one address; docs/security.md). So its timeouts come at
+                # the ledger's rate, `share` / `TIMEOUT_CHARGE_S` a second.
+                owed = refusals.wait_s(address) if refusals is not None else 0.0
+                if owed <= 0:
+                    raise
+                deadline = loop.time() + debt_hold_s(owed, settings.body_idle_timeout) * (1 + random.random())
+                continue
             if not chunk:
                 break
             body += chunk
@@ -653,6 +715,9 @@ async def read_body(request: web.Request) -> bytes:
                 raise _too_large(request, settings)
     except TimeoutError:
         total = loop.time() >= deadline
+        guard = request.app.get(CONNECTIONS)
+        if guard is not None:
+            guard.charge_timeout(request.remote or "")
         raise BodyTimeout(f"the body did not arrive within {settings.body_timeout:g} s" if total else
                           f"the body stopped for {settings.body_idle_timeout:g} s or more") from None
     guard = request.app.get(CONNECTIONS)

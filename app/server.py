@@ -121,8 +121,8 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app = web.Application(middlewares=[error_middleware, guard_middleware, auth_middleware],
                           client_max_size=guard.max_body_bytes)
     app[GUARD] = guard
-    app[CONNECTIONS] = ConnectionGuard(guard)
     app[REFUSALS] = RefusalLedger(guard.refused_cpu_share, guard.refused_cpu_burst_s)
+    app[CONNECTIONS] = ConnectionGuard(guard, app[REFUSALS])
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     started = int(time.time())

@@ -78,6 +78,8 @@ def add_arguments(p) -> None:
 class Phase:
     name: str
     latencies: list[float] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)  # each latency's request start, s into the phase
+    started: float = field(default_factory=time.perf_counter)
     errors: list[str] = field(default_factory=list)
     attack: collections.Counter = field(default_factory=collections.Counter)
     rss_mb: float = 0.0
@@ -97,9 +99,18 @@ class Phase:
                "server_cores": round(self.server_cpu_s / self.seconds, 2) if self.seconds else 0.0,
                "client_cores": round(self.client_cpu_s / self.seconds, 2) if self.seconds else 0.0,
                "load_average": round(self.load, 1),
-               "error_samples": self.errors[:3]}
+               "error_samples": self.errors[:3], "p95_ms_by_quarter": self._by_quarter()}
         out["pass"] = out["errors"] == 0 and out["p95_vs_quiet"] <= 2.0
         return out
+
+    def _by_quarter(self) -> list[float | None]:
+        """p95 of the requests sent in each quarter of the phase: when in an attack it hurt."""
+        end = max(self.sent_at, default=0.0) + 1e-9
+        quarters: list[list[float]] = [[], [], [], []]
+        for t, lat in zip(self.sent_at, self.latencies, strict=True):
+            quarters[min(int(4 * t / end), 3)].append(lat)
+        return [round(sorted(q)[min(int(0.95 * len(q)), len(q) - 1)] * 1000, 1) if q else None
+                for q in quarters]
 
 
 def run_attack(args) -> int:
@@ -216,6 +227,7 @@ async def _normal(session: aiohttp.ClientSession, base: str, stop_at: float, pha
             phase.errors.append(f"{type(e).__name__}: {e}")
             continue
         phase.latencies.append(time.perf_counter() - t0)
+        phase.sent_at.append(t0 - phase.started)
 
 
 # ---- attacks (127.0.0.1 only, bounded in count and time) ----

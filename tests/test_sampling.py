@@ -257,6 +257,7 @@ def test_a_grammar_reply_is_the_same_when_its_searches_stop_at_every_chunk(make_
     whole = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
     assert b.grammar_deferrals == 0
     monkeypatch.setattr(runner, "GRAMMAR_SHARE", 0.0)
+    monkeypatch.setattr(runner, "GRAMMAR_ALONE_SHARE", 0.0)
     monkeypatch.setattr(runner, "GRAMMAR_FLOOR_S", 0.0)
     split = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
     assert b.grammar_deferrals > 0

@@ -29,7 +29,7 @@ import pytest
 from test_server import HELLO, KEY, MODEL, WAIT, LoopThread, assert_openai_error, free_port
 from waiting import wait_until
 
-from app.http_guard import CONNECTIONS, REFUSALS, GuardSettings, RepeatFilter
+from app.http_guard import CONNECTIONS, HOLD_FACTOR, REFUSALS, GuardSettings, RepeatFilter
 from app.server import create_app
 from engine.backends.config import parse_backend_specs
 from engine.engine import Engine
@@ -112,9 +112,10 @@ def slow_clients(base: str, n: int, head: bytes = b"GET /health HTTP/1.1\r\nHost
             s.close()
 
 
-def timed_get(url: str, timeout: float = 1.0) -> tuple[httpx.Response, float]:
+def timed_get(url: str, timeout: float = 1.0, source: str = "127.0.0.1") -> tuple[httpx.Response, float]:
     t0 = time.monotonic()
-    r = httpx.get(url, timeout=timeout)
+    with httpx.Client(timeout=timeout, transport=httpx.HTTPTransport(local_address=source)) as client:
+        r = client.get(url)
     return r, time.monotonic() - t0
 
 
@@ -148,9 +149,13 @@ def test_at_the_connection_cap_slow_connections_make_room_for_real_ones(many_fil
     with serve("--max-connections", str(cap), "--header-timeout", "60") as (proc, base):
         baseline = open_fds(proc.pid)
         with slow_clients(base, 3 * cap):
-            health, took = timed_get(base + "/health", timeout=3)  # the slow ones hold on for 60 s
+            # the slow ones hold on for 60 s; the 200 they evicted put their address in debt
+            # (its next connections are held: test_connections_that_time_out_make_only_their_address_wait),
+            # so the real client is another address, as it would be
+            health, took = timed_get(base + "/health", timeout=3, source="127.0.0.2")
             assert health.status_code == 200 and took < 3, took
-            assert open_fds(proc.pid) <= baseline + cap + 10
+            # the table's cap, and the held connections of the indebted address beside it
+            assert open_fds(proc.pid) <= baseline + (1 + HOLD_FACTOR) * cap + 10
 
 
 def test_above_the_cap_with_every_connection_busy_a_new_one_gets_503(loop_thread, engine):
@@ -282,6 +287,65 @@ def test_one_client_address_at_its_cap_is_refused_while_others_are_served(loop_t
     finally:
         for s in mine + other:
             s.close()
+        loop_thread.run(runner.cleanup())
+
+
+def test_connections_that_time_out_make_only_their_address_wait(loop_thread, engine):
+    """Each connection that sends no whole request in time is charged to its address
+    (`TIMEOUT_CHARGE_S` in the `RefusalLedger`); past the burst, that address's new connections
+    are held unread while another address is served at once."""
+    from app.http_guard import TIMEOUT_CHARGE_S
+
+    n, share, burst = 40, 0.01, 0.5
+    app = create_app(engine, guard=GuardSettings(header_timeout=0.2, refused_cpu_share=share,
+                                                 refused_cpu_burst_s=burst))
+    runner, base = loop_thread.serve(app)
+    guard, ledger = app[CONNECTIONS], app[REFUSALS]
+    port = int(base.rsplit(":", 1)[1])
+    try:
+        with slow_clients(base, n):
+            wait_until(lambda: guard.timed_out == n, timeout=WAIT, what="every slow head timed out")
+        # n x 0.02 s = 0.8 s owed, 0.3 s over the burst: it drains for 30 s at a hundredth of a core
+        assert ledger.owed("127.0.0.1") > burst and ledger.wait_s("127.0.0.1") > 10
+        assert n * TIMEOUT_CHARGE_S > burst
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as next_one:
+            wait_until(lambda: guard.held == 1, timeout=WAIT, what="the indebted address's connection held")
+            next_one.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            health, _ = timed_get(base + "/health", timeout=WAIT, source="127.0.0.2")
+            assert health.status_code == 200 and ledger.owed("127.0.0.2") == 0
+            next_one.settimeout(0.3)
+            with pytest.raises(TimeoutError):
+                next_one.recv(65536)  # still held, unread
+        wait_until(lambda: guard.held == 0, timeout=WAIT, what="the held connection let go when its client left")
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_a_connection_from_an_address_in_debt_is_served_once_the_debt_is_paid(loop_thread, engine):
+    """An address in debt is not refused: its new connection is held unread until the debt is
+    paid, then admitted like any other."""
+    from app.http_guard import RefusalLedger
+
+    now = [0.0]
+    app = create_app(engine, guard=GuardSettings(refuse_hold_s=0.2))
+    ledger = RefusalLedger(share=0.1, burst=0.5, clock=lambda: now[0])  # time stands still until we move it
+    app[REFUSALS] = app[CONNECTIONS].refusals = ledger
+    ledger.charge("127.0.0.2", 0.55)  # 0.05 s over the burst: 0.5 s to pay
+    runner, base = loop_thread.serve(app)
+    guard = app[CONNECTIONS]
+    try:
+        with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=WAIT,
+                                      source_address=("127.0.0.2", 0)) as s:
+            wait_until(lambda: guard.deferred >= 1 and guard.held == 1, timeout=WAIT, what="the connection held")
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            s.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                s.recv(65536)  # unread while the debt stands (each wake-up finds it unpaid)
+            now[0] = 100.0  # paid
+            s.settimeout(WAIT)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert guard.refused == 0
+    finally:
         loop_thread.run(runner.cleanup())
 
 
