@@ -13,8 +13,11 @@ attack's), and from the second phase on one attack runs beside them:
   (reopened when the server lets go);
 - `grammar`: chats with a 20,000-alternative grammar (~200 KB), one after another;
 - `schema`: chats whose `json_schema` is a 20,000-value enum, one after another;
+- `users`: not an attack but its control: two more users, each sending 16-token chats at
+  temperature 1 one after another (what any two clients beside the normal ones cost);
 - `schema-max`: what is still accepted: chats whose schema is an enum at `MAX_ENUM` values,
   sampled at temperature 1 (every token a full grammar pass over the vocabulary), two at once;
+  its row also gives p95 over the `users` phase's, when that ran: what the grammar adds;
 - `messages`: chats of 50,000 one-character messages, one after another;
 - `bodies`: six near-2 MiB chats at once, again and again.
 
@@ -49,7 +52,7 @@ from . import report as bench_report
 
 HELP = ("each attack (idle and stalled connections, grammar and schema bombs, 50,000 messages, near-2 MiB "
         "bodies) beside normal traffic against a real tandem serve: normal p50/p95 and errors vs a quiet baseline")
-ATTACKS = ("keepalive", "stalled", "grammar", "schema", "schema-max", "messages", "bodies")
+ATTACKS = ("keepalive", "stalled", "grammar", "schema", "users", "schema-max", "messages", "bodies")
 NORMAL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 UP_S = 180  # the server loads the model and answers /health within this
 REQUEST_S = 60  # the most one normal request may take
@@ -127,7 +130,7 @@ def run_attack(args) -> int:
         rows = asyncio.run(_phases(args, attacks, proc, base))
     bench_report.write_result(args.out, "attack.json", {"model": args.model, "phase_s": args.phase_s,
                                                         "normal_source": args.normal_source, "phases": rows,
-                                                        "pass": all(r["pass"] for r in rows)})
+                                                        "pass": all(r["pass"] for r in rows if r["pass"] is not None)})
     return 0
 
 
@@ -180,6 +183,11 @@ async def _phases(args, attacks: list[str], proc, base: str) -> list[dict]:
         await asyncio.sleep(2)  # the previous attack's connections close
         phase = await _phase(args, name, proc, base)
         rows.append(phase.summary(quiet_p95))
+        if name == "users":  # a control, not an attack: no bar
+            rows[-1]["pass"] = None
+        users = next((r for r in rows if r["phase"] == "users"), None)
+        if name == "schema-max" and users is not None and users["p95_ms"]:
+            rows[-1]["p95_vs_users"] = round(rows[-1]["p95_ms"] / users["p95_ms"], 2)
         _print(rows[-1])
     return rows
 
@@ -360,6 +368,11 @@ async def _schema(args, base, stop_at, tally):
     await _posting(base, _schema_body(), stop_at, tally)
 
 
+async def _users(args, base, stop_at, tally):
+    body = json.dumps({**NORMAL, "temperature": 1.0, "max_tokens": 16, "ignore_eos": True}).encode()
+    await _posting(base, body, stop_at, tally, parallel=2)
+
+
 async def _schema_max(args, base, stop_at, tally):
     await _posting(base, _schema_max_body(), stop_at, tally, parallel=2)
 
@@ -372,8 +385,8 @@ async def _bodies(args, base, stop_at, tally):
     await _posting(base, _big_body(), stop_at, tally, parallel=6)
 
 
-ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar, "schema": _schema, "schema-max": _schema_max,
-              "messages": _messages, "bodies": _bodies}
+ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar, "schema": _schema, "users": _users,
+              "schema-max": _schema_max, "messages": _messages, "bodies": _bodies}
 
 
 # ---- reporting ----
@@ -384,6 +397,8 @@ def _print(row: dict, header: bool = False) -> None:
         print(f"{'phase':<11} {'normal':>6} {'errors':>6} {'p50 ms':>8} {'p95 ms':>8} {'p95/quiet':>9} "
               f"{'rss MB':>7} {'server':>6} {'client':>6} {'load':>5}  attack replies", flush=True)
     attack = ", ".join(f"{k}: {v}" for k, v in sorted(row["attack"].items()))
+    if "p95_vs_users" in row:
+        attack += f"; p95 / users' {row['p95_vs_users']:.2f}"
     print(f"{row['phase']:<11} {row['normal_requests']:>6} {row['errors']:>6} {row['p50_ms']:>8.1f} "
           f"{row['p95_ms']:>8.1f} {row['p95_vs_quiet']:>9.2f} {row['server_rss_mb']:>7.1f} "
           f"{row['server_cores']:>6.2f} {row['client_cores']:>6.2f} {row['load_average']:>5.1f}  {attack}", flush=True)
