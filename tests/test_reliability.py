@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from waiting import WAIT, wait_until
+from waiting import WAIT, held_when, wait_until
 
 from engine.backends.config import parse_backend_specs
 from engine.core.errors import BackendUnavailable, InvalidRequest, QueueFull
@@ -31,9 +31,12 @@ def _long(eng, i, **kw):
 def test_a_failing_backend_hands_its_queue_over_until_restarted(engine, fault):
     a, b = engine.backends["a"], engine.backends["b"]
     handles = [engine.submit(_long(engine, i)) for i in range(8)]  # 4 each: 2 running, 2 queued
-    wait_until(lambda: a.snapshot().waiting and any(i.generated > 2 for i in a.snapshot().items), what="a busy")
+    # Held at a step boundary where a runs its pair with the other two queued: the fault is
+    # taken one step later, long before either 300-token request could finish.
+    with held_when(a, lambda snap: snap.waiting and any(2 < i.generated < 250 for i in snap.running),
+                   "a busy, two queued"):
+        a.inject_fault(fault)
     on_a = {h.id for h in handles if h.backend == "a"}
-    a.inject_fault(fault)
     records = [h.result(WAIT) for h in handles]
     failed = [r for r in records if r.error]
     assert len(failed) == 2 and all(r.request_id in on_a for r in failed), "only a's running pair fails"
@@ -141,7 +144,8 @@ def test_shutdown_under_load_ends_everything_it_started(tiny_path):
     before = set(threading.enumerate())  # a session's engines (the GUI tests') may run in this process
     eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=2,ctx=2048", "cpu:threads=1,cap=2,ctx=2048"]))
     handles = [eng.submit(_long(eng, i)) for i in range(10)]
-    wait_until(lambda: any(i.generated for s in eng.snapshot() for i in s.items), what="decoding")
+    wait_until(lambda: any(i.generated for s in eng.snapshot() for i in s.items), what="decoding",
+               unless=lambda: all(h.done for h in handles))
     t0 = time.monotonic()
     eng.close()
     assert time.monotonic() - t0 < 10

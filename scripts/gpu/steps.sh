@@ -499,15 +499,19 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
   done
 }
 
-_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@policy];label2=@policy"; no spec: the
-                  # default layout), on ports 8098, 8099, ...
-  local i=0 alts a parts b specs rest policy
+_alt_parse() {  # _alt_parse "label=spec+spec[@policy]": ALT_NAME and ALT_ARGS, its serve options (no spec: the
+                # default layout)
+  local rest=${1#*=} parts b
+  ALT_NAME=${1%%=*}; ALT_ARGS=()
+  [[ $rest == *@* ]] && { ALT_ARGS=(--policy "${rest##*@}"); rest=${rest%@*}; }
+  IFS='+' read -ra parts <<< "$rest"; for b in "${parts[@]}"; do ALT_ARGS+=(--backend "$b"); done
+}
+_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@policy];label2=@policy"), on ports 8098, ...
+  local i=0 alts a
   IFS=';' read -ra alts <<< "${ALTS:-}"
   for a in "${alts[@]}"; do
-    rest=${a#*=}; policy=()
-    [[ $rest == *@* ]] && { policy=(--policy "${rest##*@}"); rest=${rest%@*}; }
-    specs=(); IFS='+' read -ra parts <<< "$rest"; for b in "${parts[@]}"; do specs+=(--backend "$b"); done
-    _serve_bg "/tmp/tandem-serve-$((8098 + i)).log" $((8098 + i)) "${specs[@]}" "${policy[@]}"
+    _alt_parse "$a"
+    _serve_bg "/tmp/tandem-serve-$((8098 + i)).log" $((8098 + i)) "${ALT_ARGS[@]}"
     i=$((i + 1))
   done
   for ((j = 0; j < i; j++)); do _wait_ready $((8098 + j)) || return 1; done
@@ -648,10 +652,15 @@ defaults_http() {  # issue 25's must-show, every row served over HTTP: `tandem s
 }
 
 chat_tuned() {  # ~3.5 min: issue 26's chat workload (CHAT_N, 96, conversations) on `tandem serve --model M` against the
-                # tuned CHAT_TUNED (two-ctx-cap32 two-ctx-cap64) and four contexts under cache-aware, one server at a time
+                # tuned CHAT_TUNED (two-ctx-cap32 two-ctx-cap64), each of $ALTS (as in defaults_http) and four
+                # contexts under cache-aware (CHAT_CTX4=0: not), one server at a time
   mkdir -p "$OUT/logs"
-  local t name
+  local t name alts a
   _serve_one chat-default 8311; _chat_bench default 8311; _stop_servers
+  IFS=';' read -ra alts <<< "${ALTS:-}"
+  for a in "${alts[@]}"; do
+    _alt_parse "$a"; _serve_one "chat-alt-$ALT_NAME" 8311 "${ALT_ARGS[@]}"; _chat_bench "alt-$ALT_NAME" 8311; _stop_servers
+  done
   for name in ${CHAT_TUNED:-two-ctx-cap32 two-ctx-cap64}; do
     for t in "${TUNED[@]}"; do
       [ "${t%%=*}" = "$name" ] || continue
