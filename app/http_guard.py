@@ -85,7 +85,6 @@ CORS_ALLOWED_HEADERS = "Authorization, Content-Type"
 # it, its new connections are held unread until the debt is paid (`ConnectionGuard._hold`).
 TIMEOUT_CHARGE_S = 0.02
 MAX_HOLD_S = 60.0  # the longest a connection or stalled body of an address in debt waits at a time (1-2x)
-DEBT_RECHECK_S = 1.0  # the least a connection of an address in debt waits before it is looked at again (1-2x)
 HOLD_FACTOR = 2  # held refusals at most, in `max_connections`: one address's 1,100 fit
 
 
@@ -281,7 +280,7 @@ class ConnectionGuard:
     def _admit(self, proto: GuardedProtocol) -> bool:
         client = proto.client
         owed = self.refusals.wait_s(client) if self.refusals is not None else 0.0
-        if owed > 0 and self._hold(proto, debt_hold_s(owed, DEBT_RECHECK_S), then=proto.enter):
+        if owed > 0 and self._hold(proto, debt_hold_s(owed, self.settings.refuse_hold_s), then=proto.enter):
             self.deferred += 1
             return False
         if self._per_client[client] >= self.settings.max_client_connections:
