@@ -265,6 +265,18 @@ def test_a_grammar_reply_is_the_same_when_its_searches_stop_at_every_chunk(make_
     assert split.text == whole.text
 
 
+def test_a_sequence_whose_search_goes_on_is_not_decoded_again(make_backend, tiny_model, monkeypatch):
+    """A search past its share goes on over the logits it copied, and its sequence takes no
+    batch row meanwhile: each token costs one decode, however many steps its search took."""
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=12, grammar=NARROW_GRAMMAR)
+    b = make_backend(tiny_model, cap=2, cache=False)
+    for name in ("GRAMMAR_SHARE", "GRAMMAR_ALONE_SHARE", "GRAMMAR_FLOOR_S"):
+        monkeypatch.setattr(runner, name, 0.0)  # one chunk of a search per step beside a decode
+    record = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
+    assert b.grammar_deferrals > 0 and record.output_tokens == 12
+    assert sum(n_decode for n_decode, _, _ in b.step_log) == record.output_tokens - 1  # the first: the prompt's row
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_grammar_search_that_stops_early_takes_the_token_a_full_pass_takes(make_backend, tiny_model, temperature):
     """Greedy stops at the first allowed token by rank, top-k at k allowed ones; a chain with a

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from engine.core.request import Request, RequestStatus, SamplingParams
-from engine.sched.scheduler import ADMIT_HEADROOM, Scheduler, SeqState
+from engine.sched.scheduler import ADMIT_HEADROOM, SEARCHING, Scheduler, SeqState
 
 EOG = 2
 
@@ -100,6 +100,7 @@ class Sim:
             for p in range(start, start + k):
                 self.mem.write(q.seq_id, p)
         sampled = [self.model(q) for q in plan.decode] + [self.model(q) for q, _, _, lg in plan.chunks if lg]
+        sampled += [self.model(q) for q in plan.searching]
         self.now += 0.01
         self.finished += s.update_from_output(plan, sampled)
         self.mem.apply(s.take_ops())
@@ -140,6 +141,38 @@ class Sim:
         """Empty the prefix cache, as the backend's flush does."""
         self.sched.flush_cache()
         self.mem.apply(self.sched.take_ops())
+
+
+# ---- grammar searches ----
+
+
+def test_a_searching_sequence_takes_no_row_until_its_token_comes():
+    """A constrained sequence whose search ran past its share (`SEARCHING`) keeps the KV of the
+    input it decoded and takes no row while the search goes on; its reply is the same."""
+    left = {"searches": 3}
+
+    def searching_model(q):
+        if q.req.id == slow.req.id and len(q.tokens) == q.n_prompt + 2 and left["searches"]:
+            left["searches"] -= 1  # its third token is searched for over three more steps
+            return SEARCHING
+        return counting(q)
+
+    sim = Sim(model=searching_model)
+    slow, other = sim.submit([1, 5, 6], max_tokens=6), sim.submit([1, 7, 8], max_tokens=6)
+    rows = 0
+    while sim.sched.running or sim.sched.waiting:
+        past = slow.n_past
+        plan = sim.step()  # `Sim.check`: every running sequence holds exactly its first n_past cells
+        rows += slow in plan.decode
+        if slow in plan.searching:
+            assert slow not in plan.decode and slow.n_past == past, "no row, its KV kept"
+    assert left["searches"] == 0
+    assert rows == 5  # one decode per token after the prompt's: none again while it searched
+
+    plain = Sim()
+    same_slow, same_other = plain.submit([1, 5, 6], max_tokens=6), plain.submit([1, 7, 8], max_tokens=6)
+    plain.run()
+    assert (slow.tokens, other.tokens) == (same_slow.tokens, same_other.tokens)
 
 
 # ---- admission ----

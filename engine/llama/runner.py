@@ -41,7 +41,7 @@ import numpy as np
 
 from engine.core.errors import BackendUnavailable
 from engine.core.request import TokenLogprob
-from engine.sched.scheduler import KvOp, Plan, SeqState
+from engine.sched.scheduler import SEARCHING, KvOp, Plan, SeqState
 
 from .. import llama
 from . import fused_dist, lc
@@ -55,7 +55,7 @@ from .sampling import DEAD_END, PENDING, SamplerSlots
 BULK_READ_FROM = 3
 # A step's grammar searches (host sampling of constrained sequences, engine/llama/sampling.py)
 # stop at this share of the step's decode time, or at the floor, whichever is longer; a search
-# not done by then goes on at the next step, its sequence's input decoded again. The share is
+# not done by then goes on at the next step (`SEARCH_SLICE_S` below). The share is
 # what the searches may delay every other sequence of the step: two 128-value enum schemas at
 # temperature 1 beside two chats held the chats' p95 at 2.14x quiet with a quarter, 1.63x with
 # a tenth (`tandem bench attack`, docs/security.md). A step of constrained sequences alone
@@ -63,6 +63,11 @@ BULK_READ_FROM = 3
 GRAMMAR_SHARE = 0.1
 GRAMMAR_ALONE_SHARE = 1.0
 GRAMMAR_FLOOR_S = 0.0005
+# A search that runs past its share goes on in later steps over the logits it has, its sequence
+# taking no row meanwhile (`SEARCHING`; a request with logprobs decodes its input again instead,
+# as the logprobs are read from the row). A step with nothing to decode gives the searches this
+# slice of host time, so a request that arrives meanwhile is admitted within it.
+SEARCH_SLICE_S = 0.01
 
 _FLASH = {"auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
           "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -170,6 +175,11 @@ class ContextRunner:
     # ---- one step ----
 
     def execute(self, plan: Plan, kv_unified: bool, during=None) -> RunnerOutput:
+        if plan.batch_empty:  # only searches go on: no decode
+            if during is not None:
+                during()
+            deadline = time.perf_counter() + SEARCH_SLICE_S
+            return RunnerOutput(0, [self._go_on(s, deadline) for s in plan.searching], 0, 0, 0.0)
         batch = self._batch
         decode = plan.decode
         batch.set_decode(decode)  # decode rows are rows 0 .. n_decode - 1, in plan order
@@ -217,7 +227,7 @@ class ContextRunner:
                     tok = None
                 elif tok == PENDING:  # its grammar search goes on next step
                     self.grammar_deferrals += 1
-                    tok = None
+                    tok = SEARCHING if s.sp.logprobs is None else None
                 elif s.sp.logprobs is not None:  # its chain is a host one (`Sampler.host`)
                     lps = lps or {}
                     lps[row] = self.token_logprob(row, tok, s.sp.logprobs)
@@ -237,7 +247,7 @@ class ContextRunner:
                     tok = None
                 elif tok == PENDING:
                     self.grammar_deferrals += 1
-                    tok = None
+                    tok = SEARCHING if s.sp.logprobs is None else None
                 else:
                     if s.sp.logprobs is not None:
                         lps = lps or {}
@@ -246,7 +256,24 @@ class ContextRunner:
                         self._redo(s)
                         tok = None
                 append(tok)
+        if plan.searching:
+            deadline = deadline or self._search_deadline(decode, plan, dt)
+            sampled += [self._go_on(s, deadline) for s in plan.searching]
         return RunnerOutput(0, sampled, n_decode, n_prefill, dt, lps)
+
+    def _go_on(self, s: SeqState, deadline: float) -> int | None:
+        """A searching sequence's token (`SEARCHING` while its search goes on; None when its
+        grammar allows nothing, the sequence then in `dead_ends`)."""
+        if s.sampler is None:
+            raise RuntimeError(f"request {s.req.id} searches for a token without a sampler chain")
+        tok = s.sampler.go_on(deadline)
+        if tok == PENDING:
+            self.grammar_deferrals += 1
+            return SEARCHING
+        if tok == DEAD_END:
+            self.dead_ends.append(s)
+            return None
+        return tok
 
     def _search_deadline(self, decode: list[SeqState], plan: Plan, dt: float) -> float:
         """When this step's grammar searches stop (`GRAMMAR_SHARE`, `GRAMMAR_ALONE_SHARE`)."""

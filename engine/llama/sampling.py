@@ -39,8 +39,9 @@ So a grammar chain's token is searched for (`_Search`), not found by one full pa
   runs over the allowed tokens: the same token the grammar-first chain takes over the whole
   vocabulary, but inside a JSON string (every token allowed) 64 checks instead of 49k;
 - the search stops at the step's `deadline` (a share of the step, set by the runner) and
-  returns `PENDING`: the backend takes the sequence's input back and decodes it again next step
-  (its first logits are kept), so the others' steps go on and the cost stays with the grammar.
+  returns `PENDING`; it goes on in later steps over the logits it copied (`go_on`), its sequence
+  taking no batch row meanwhile (the scheduler's `SEARCHING`), so the others' steps go on and
+  the cost stays with the grammar.
 
 The search is made here, not by `llama_sampler_sample`, so that a grammar that allows no token at all
 (one asking for a character no token of the vocabulary spells, e.g. NUL) is seen: llama.cpp
@@ -211,6 +212,13 @@ class Sampler:
         if self._grammar is not None:
             return self._constrained(ctx, row, deadline)
         return lc.llama_sampler_sample(self.ptr, ctx, row)
+
+    def go_on(self, deadline: float | None) -> int:
+        """Go on with the search under way (over the logits it copied; no decode since): the
+        token, accepted, `DEAD_END` or `PENDING` again."""
+        if self._search is None:
+            raise RuntimeError("no grammar search is under way on this chain")
+        return self._constrained(None, -1, deadline)
 
     def _constrained(self, ctx, row: int, deadline: float | None) -> int:
         """A grammar chain's token (accepted), `DEAD_END` or `PENDING`: what

@@ -52,14 +52,24 @@ def default_seq_slots(cap: int, device: str) -> int:
     return min(256, max(32, cap + SPARE_SLOTS["cpu" if device == "cpu" else "gpu"]))
 
 
+# A row's token is not known yet: its grammar search goes on over the logits it has (the runner's
+# answer for a constrained sequence whose search ran past its share of the step). The sequence
+# keeps its KV and takes no row until the token comes: decoding its input again would cost a
+# row every step for nothing (on a CPU, where each row costs about the same, as much as any
+# other user).
+SEARCHING = -2
+
+
 @dataclass(slots=True)
 class Plan:
     """One step: decode rows first (`decode`), then prompt chunks (`chunks`: seq, start, k,
-    logits). `admitted` are new this step (the runner gives them a sampler)."""
+    logits). `admitted` are new this step (the runner gives them a sampler). `searching`
+    take no row: their grammar searches go on over the logits they have (`SEARCHING`)."""
 
     decode: list = field(default_factory=list)
     chunks: list = field(default_factory=list)
     admitted: list = field(default_factory=list)
+    searching: list = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -67,6 +77,11 @@ class Plan:
 
     @property
     def empty(self) -> bool:
+        return not self.decode and not self.chunks and not self.searching
+
+    @property
+    def batch_empty(self) -> bool:
+        """Nothing to decode: only searches go on (the runner calls no `llama_decode`)."""
         return not self.decode and not self.chunks
 
 
@@ -193,7 +208,9 @@ class Scheduler:
         for s in self.running:
             n_past = s.n_past
             own += n_past - s.n_shared
-            if len(s.tokens) - n_past > 1 or n_past < s.n_prompt:
+            if s.searching:
+                plan.searching.append(s)
+            elif len(s.tokens) - n_past > 1 or n_past < s.n_prompt:
                 prefilling.append(s)
             else:
                 decoding.append(s)
@@ -202,6 +219,7 @@ class Scheduler:
         if len(decoding) > free:
             decoding = self._room_for_decode(decoding)
             prefilling = [s for s in prefilling if s.status == RequestStatus.RUNNING]
+            plan.searching = [s for s in plan.searching if s.status == RequestStatus.RUNNING]
             free = self._free_cells()
         plan.decode = decoding
         free -= len(decoding)
@@ -233,6 +251,8 @@ class Scheduler:
         """Apply a decoded plan: `sampled[i]` is the token of the i-th row that asked for
         logits (decode rows, then chunks that ended their prompt), or None when the runner
         took the token back (an end token under `ignore_eos`: decode that input again).
+        `sampled[i]` may also be `SEARCHING` (the token is not known yet); after the rows come
+        the `searching` sequences' tokens, in order (`SEARCHING` again while not known).
         `logprobs[i]` is row i's `TokenLogprob`, for the rows whose request asked for them.
         `seconds`: the step's time, which drives the limiter."""
         if self.limiter is not None and seconds > 0:
@@ -256,6 +276,12 @@ class Scheduler:
                 tok = sampled[i]
                 i += 1
                 self._sampled(s, tok, now)
+        for s in plan.searching:
+            tok = sampled[i]
+            i += 1
+            if s.status is running and tok != SEARCHING:
+                s.searching = False
+                on_token(s, tok, now)
         if logprobs:
             self._record_logprobs(plan, sampled, logprobs)
         self.prefill_budget = self.n_batch
@@ -561,6 +587,7 @@ class Scheduler:
 
     def _forget(self, s: SeqState) -> None:
         """Take `s` out of the running set and free its KV, without finishing it."""
+        s.searching = False  # its search goes with its sampler; recomputed, its last row gives logits again
         self._leave(s, keep=False)
         s.estimate = 0
         self._unplaced.append(s)
@@ -580,6 +607,9 @@ class Scheduler:
     # ---- finish rules ----
 
     def _sampled(self, s: SeqState, tok: int | None, now: float) -> None:
+        if tok == SEARCHING:  # its input is in; the token comes from a search in a later step
+            s.searching = True
+            return
         if tok is None:  # taken back: the same input is decoded again next step
             s.n_past -= 1
             self._ops.append(KvOp("rm", s.seq_id, -1, s.n_past, -1))
