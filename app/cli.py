@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     serve.add_argument("--refuse-hold", type=float, default=g.refuse_hold_s, metavar="S",
                        help="seconds a connection over its address's cap waits, unread, for its 503, so a "
-                            "client that reconnects at once cannot keep the server busy (default: %(default)s)")
+                            "client that reconnects at once cannot keep the server busy; also the least a "
+                            "connection of an address in debt waits before it is looked at again "
+                            "(default: %(default)s)")
     serve.add_argument("--refused-cpu-share", type=float, default=g.refused_cpu_share, metavar="F",
                        help="share of a core that parsing an address's refused (4xx) requests may take; past "
                             "its burst, that address waits before its next request is read (default: %(default)s)")

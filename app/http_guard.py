@@ -102,7 +102,8 @@ class GuardSettings:
     keepalive_timeout: float = 5.0  # s an idle kept-alive connection stays open (uvicorn's default)
     max_connections: int = 1000  # open connections; above, evict the longest-idle one, else 503
     max_client_connections: int = 512  # open connections per client address; above, 503
-    refuse_hold_s: float = 5.0  # s a connection over its address's cap waits for that 503 (a tarpit)
+    refuse_hold_s: float = 5.0  # s a connection over its address's cap waits for that 503 (a tarpit), and the
+    # least one of an address in debt waits before it is looked at again
     refused_cpu_share: float = 0.1  # of a core: what an address's refused requests may cost to parse
     refused_cpu_burst_s: float = 0.5  # s of such parsing an address may spend at once before it waits
     max_body_bytes: int = 2 << 20  # a 128k-token prompt is ~0.5 MB of text; 2 MiB leaves room
