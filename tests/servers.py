@@ -56,22 +56,19 @@ class Server:
         """Kill the process at the first moment `cond()` holds, checked while it is stopped.
 
         A state of a running engine (a request under way) can pass between two polls. Here the
-        process runs in slices of `slice_s` (SIGCONT, sleep, SIGSTOP) and `cond()` is checked
-        only once every thread of it has stopped, so what it saw still holds when SIGKILL comes.
-        Fails at once when `unless()` holds (the state can no longer come), or at `timeout`."""
-        deadline = time.monotonic() + timeout
+        process runs in slices of `slice_s` (SIGCONT, sleep, SIGSTOP) and `wait_until` checks
+        `cond()` and `unless()` between them, once every thread of it has stopped, so what it
+        saw still holds when SIGKILL comes."""
+
+        def run_a_slice() -> bool:
+            self.proc.send_signal(signal.SIGCONT)
+            time.sleep(slice_s)
+            self._stop()
+            return False
+
         try:
             self._stop()
-            while not cond():
-                if unless is not None and unless():
-                    if cond():
-                        break
-                    raise AssertionError(f"{what} can no longer come")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{what} not reached within {timeout} s")
-                self.proc.send_signal(signal.SIGCONT)
-                time.sleep(slice_s)
-                self._stop()
+            wait_until(lambda: cond() or run_a_slice(), timeout, what, unless=unless)
         except BaseException:
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGCONT)

@@ -690,12 +690,6 @@ class Backend(BackendBase):
         if self._fault is not None:
             self._inject()
         out = runner.execute(plan, self.config.kv_unified, self._during if sched.pending_text else None)
-        if plan.batch_empty:  # only grammar searches went on: no step to count or observe
-            with self._state:
-                finished = sched.update_from_output(plan, out.sampled)
-                self._fail_dead_ends(sched, runner)
-            self._settle(finished)
-            return
         if out.rc != 0:
             if out.rc != 1:
                 raise BackendFault(f"llama_decode returned {out.rc}")
@@ -704,32 +698,30 @@ class Backend(BackendBase):
                 sched.decode_failed(plan)
             self._settle()
             return
-        self.steps += 1
-        self.prompt_tokens_computed += out.n_prefill
-        self.decode_s += out.seconds
-        self._observe(out.n_decode, out.n_prefill, out.seconds)
+        decoded = not plan.batch_empty  # else only grammar searches went on: no step to count or observe
+        if decoded:
+            self.steps += 1
+            self.prompt_tokens_computed += out.n_prefill
+            self.decode_s += out.seconds
+            self._observe(out.n_decode, out.n_prefill, out.seconds)
         with self._state:
             finished = sched.update_from_output(plan, out.sampled, out.logprobs, seconds=out.seconds)
-            self._fail_dead_ends(sched, runner)
-        rows = [s.ran_on for s in plan.decode]
-        if plan.chunks:
-            rows += [s.ran_on for s, _, _, lg in plan.chunks if lg]
-        # The step's log entry and event go out before the finish records it caused: a caller
-        # that waits for its requests (calibration's probe, tests) then sees the step.
-        self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))
-        self.bus.publish(StepDone(self.name, out.n_decode, out.n_prefill, len(sched.running), out.seconds,
-                                  time.monotonic()))
+            for s in runner.dead_ends:  # their grammar allowed no token (engine/llama/sampling.py)
+                if s.status == RequestStatus.RUNNING:
+                    sched.fail(s, "the grammar allows no token of this model's vocabulary here; "
+                                  "the reply cannot go on (no text satisfies the grammar or schema from here)",
+                               "invalid_request_error")
+            runner.dead_ends.clear()
+        if decoded:
+            rows = [s.ran_on for s in plan.decode]
+            if plan.chunks:
+                rows += [s.ran_on for s, _, _, lg in plan.chunks if lg]
+            # The step's log entry and event go out before the finish records it caused: a caller
+            # that waits for its requests (calibration's probe, tests) then sees the step.
+            self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))
+            self.bus.publish(StepDone(self.name, out.n_decode, out.n_prefill, len(sched.running), out.seconds,
+                                      time.monotonic()))
         self._settle(finished)
-
-    @staticmethod
-    def _fail_dead_ends(sched, runner) -> None:
-        """Fail the sequences whose grammar allowed no token (engine/llama/sampling.py)."""
-        for s in runner.dead_ends:
-            if s.status == RequestStatus.RUNNING:
-                sched.fail(s, "the grammar allows no token of this model's vocabulary here; "
-                              "the reply cannot go on (no text satisfies the grammar or schema from here)",
-                           "invalid_request_error")
-        runner.dead_ends.clear()
 
     def _during(self) -> None:
         """While the device runs this step: the previous step's text, to the event loops."""

@@ -208,12 +208,13 @@ class Scheduler:
         for s in self.running:
             n_past = s.n_past
             own += n_past - s.n_shared
-            if s.searching:
-                plan.searching.append(s)
-            elif len(s.tokens) - n_past > 1 or n_past < s.n_prompt:
+            left = len(s.tokens) - n_past
+            if left > 1 or n_past < s.n_prompt:
                 prefilling.append(s)
-            else:
+            elif left:
                 decoding.append(s)
+            else:  # its input is in and its token not yet known: a grammar search (`SEARCHING`)
+                plan.searching.append(s)
         self.kv.decode_order(decoding)
         free = self.kv.free_cells(self.cache, own)  # `_free_cells()`
         if len(decoding) > free:
@@ -280,7 +281,6 @@ class Scheduler:
             tok = sampled[i]
             i += 1
             if s.status is running and tok != SEARCHING:
-                s.searching = False
                 on_token(s, tok, now)
         if logprobs:
             self._record_logprobs(plan, sampled, logprobs)
@@ -587,7 +587,6 @@ class Scheduler:
 
     def _forget(self, s: SeqState) -> None:
         """Take `s` out of the running set and free its KV, without finishing it."""
-        s.searching = False  # its search goes with its sampler; recomputed, its last row gives logits again
         self._leave(s, keep=False)
         s.estimate = 0
         self._unplaced.append(s)
@@ -607,8 +606,7 @@ class Scheduler:
     # ---- finish rules ----
 
     def _sampled(self, s: SeqState, tok: int | None, now: float) -> None:
-        if tok == SEARCHING:  # its input is in; the token comes from a search in a later step
-            s.searching = True
+        if tok == SEARCHING:  # its input is in (n_past counts it); a search in a later step gives the token
             return
         if tok is None:  # taken back: the same input is decoded again next step
             s.n_past -= 1

@@ -42,7 +42,6 @@ class SeqState:
         "req",
         "row",
         "sampler",
-        "searching",
         "seq_id",
         "sp",
         "status",
@@ -72,9 +71,6 @@ class SeqState:
         self.n_hit = 0  # cached tokens reused at its last admission (what its record reports)
         self.generated = 0
         self.sampler: Sampler | None = None
-        # Its grammar search for the next token goes on over the last logits (the runner said
-        # `SEARCHING`): its input's KV is in, it takes no batch row until the token comes.
-        self.searching = False
         self.stream = TextStream(self.sp.stop)
         self.pin = pin  # routing-time pin on the cached prefix, released at admission
         self.lock: Pin | None = None  # pin held while running, so the aliased prefix is never evicted
