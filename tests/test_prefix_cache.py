@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.sched.prefix_cache import EvictAction, Pin, PrefixCache
+from engine.sched.prefix_cache import GONE_BLOCK, RECENT_ADMISSIONS, EvictAction, Pin, PrefixCache
 
 
 def make_cache(*inserts: tuple[list[int], int]) -> PrefixCache:
@@ -320,6 +320,61 @@ class TestStats:
         assert (stats.query_tokens, stats.hit_tokens, stats.hit_rate) == (20, 4, 0.2)
         assert (stats.cached_tokens, stats.pinned_tokens, stats.evictions, stats.n_holders) == (2, 0, 1, 1)
         assert PrefixCache().stats().hit_rate == 0.0
+
+
+class TestLost:
+    """Tokens a prompt asks again for after this cache evicted them: prefill paid twice."""
+
+    SYSTEM: ClassVar[list[int]] = list(range(1000, 1000 + 2 * GONE_BLOCK))  # two blocks, shared
+    HISTORY: ClassVar[list[int]] = list(range(5000, 5000 + 3 * GONE_BLOCK))  # one conversation's own three
+
+    def test_a_prompt_that_asks_again_for_an_evicted_history_counts_it_lost(self):
+        cache = make_cache((self.SYSTEM + self.HISTORY, 1), (self.SYSTEM + [7], 2))
+        cache.match(self.SYSTEM + [7])  # the newcomer is touched last: the history goes
+        assert [a.seq_id for a in cache.evict(need_seqs=1)] == [1]
+        prompt = self.SYSTEM + self.HISTORY + [9] * 40  # the next turn
+        assert cache.record_query(len(prompt), len(self.SYSTEM), prompt) == len(self.HISTORY)
+        assert cache.stats().lost_tokens == len(self.HISTORY)
+        assert cache.recent_lost_share == len(self.HISTORY) / len(prompt)
+
+    def test_a_prompt_never_cached_here_loses_nothing(self):
+        cache = make_cache((self.SYSTEM + self.HISTORY, 1), (self.SYSTEM + [7], 2))
+        cache.match(self.SYSTEM + [7])
+        cache.evict(need_seqs=1)
+        other = self.SYSTEM + list(range(8000, 8000 + 3 * GONE_BLOCK))
+        assert cache.record_query(len(other), len(self.SYSTEM), other) == 0
+        assert cache.stats().lost_tokens == 0
+
+    def test_only_whole_blocks_from_the_hit_on_count(self):
+        """A tail shorter than a block is not remembered; lost tokens stop where the prompt
+        leaves what was evicted."""
+        cache = make_cache((self.SYSTEM + self.HISTORY + [3] * (GONE_BLOCK - 1), 1), (self.SYSTEM + [7], 2))
+        cache.match(self.SYSTEM + [7])
+        cache.evict(need_seqs=1)
+        changed = self.SYSTEM + self.HISTORY[:GONE_BLOCK] + [4] * (2 * GONE_BLOCK)  # one block, then new
+        assert cache.record_query(len(changed), len(self.SYSTEM), changed) == GONE_BLOCK
+
+    def test_flushed_prefixes_are_not_lost_later(self):
+        cache = make_cache((self.SYSTEM + self.HISTORY, 1))
+        cache.flush()
+        prompt = self.SYSTEM + self.HISTORY + [9]
+        assert cache.record_query(len(prompt), 0, prompt) == 0
+
+    def test_the_recent_share_looks_back_over_the_last_admissions(self):
+        cache = make_cache((self.SYSTEM + self.HISTORY, 1), (self.SYSTEM + [7], 2))
+        cache.match(self.SYSTEM + [7])
+        cache.evict(need_seqs=1)
+        prompt = self.SYSTEM + self.HISTORY
+        lost = cache.record_query(len(prompt), len(self.SYSTEM), prompt)
+        assert cache.recent_lost_share == lost / len(prompt) == len(self.HISTORY) / len(prompt)
+        for _ in range(RECENT_ADMISSIONS - 1):
+            cache.record_query(100, 100)
+        assert cache.recent_lost_share == lost / (len(prompt) + 100 * (RECENT_ADMISSIONS - 1))
+        cache.record_query(100, 100)  # the loss leaves the window
+        assert cache.recent_lost_share == 0.0
+        assert cache.stats().lost_tokens == lost
+        cache.reset_counters()
+        assert cache.stats().lost_tokens == 0
 
 
 class TestThreads:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
-from engine.routing.default import MIN_PEAK_SHARE, OPEN_KV_SHARE
+from engine.routing.default import LOST_SHARE, MIN_PEAK_SHARE, OPEN_KV_SHARE
 from engine.routing.default import PACK_NAME as PACK
 
 M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
@@ -153,7 +153,7 @@ def test_a_devices_requests_stay_on_its_contexts_in_use_until_they_are_full():
 def test_an_idle_context_opens_when_every_context_in_use_holds_its_cap():
     d = Router(PACK).route(query(prompt=1550, max_tokens=128), _contexts(32, 32, 0, 0))
     assert d.backend == "gpu-c", d.reason
-    assert "every context in use is full, so gpu-c opens" in d.reason
+    assert "every context in use is full (gpu-a holds 32 at cap 32; gpu-b holds 32 at cap 32), so gpu-c opens" in d.reason
 
 
 def test_a_context_whose_pool_is_half_used_is_full():
@@ -173,20 +173,20 @@ def test_a_prompt_cached_on_an_idle_context_goes_back_there():
     assert d.backend == "gpu-c", d.reason
 
 
-def test_a_context_that_would_shed_idle_cached_prefixes_is_full():
-    """One more running sequence shrinks a unified pool's idle budget (a B-th of it for a batch
-    of B): a context whose idle cached prefixes would no longer fit takes no new conversation,
-    which would push out the cached histories of those waiting for their next turn."""
+def test_a_context_that_evicts_what_its_requests_come_back_for_is_full():
+    """Past LOST_SHARE of its recent prompts' tokens computed again (cached there, then
+    evicted), a context takes no new conversation: more running sequences would push out more
+    of the histories its conversations come back for. The reason names what filled it."""
     q = query(prompt=1550, max_tokens=128)
 
-    def with_idle(idle):
+    def losing(share):
         ctx = _contexts(3, 0)
-        a = replace(ctx[0], kv_idle_budget=65536 // 4,  # three running: a quarter with a fourth
-                    cache=CacheStats(cached_tokens=idle + 1500, pinned_tokens=1500))
-        return [a, ctx[1]]
+        return [replace(ctx[0], cache=CacheStats(recent_lost_share=share)), ctx[1]]
 
-    assert Router(PACK).route(q, with_idle(65536 // 4)).backend == "gpu-a"
-    assert Router(PACK).route(q, with_idle(65536 // 4 + 1)).backend == "gpu-b"
+    assert Router(PACK).route(q, losing(LOST_SHARE)).backend == "gpu-a"
+    d = Router(PACK).route(q, losing(0.2))
+    assert d.backend == "gpu-b", d.reason
+    assert "gpu-a computes 20% of its recent prompts again (evicted there)" in d.reason
 
 
 def test_the_default_spreads_a_devices_work_over_its_contexts():

@@ -525,6 +525,8 @@ class Backend(BackendBase):
                 cached_tokens=stats.cached_tokens,
                 pinned_tokens=stats.pinned_tokens,
                 evictions=stats.evictions,
+                lost_tokens=stats.lost_tokens,
+                recent_lost_share=stats.recent_lost_share,
             ),
             prefill_tok_s=self._obs_prefill,
             decode_tok_s=self._obs_decode,

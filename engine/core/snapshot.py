@@ -139,6 +139,8 @@ class CacheStats:
     cached_tokens: int = 0
     pinned_tokens: int = 0
     evictions: int = 0
+    lost_tokens: int = 0  # admitted prompt tokens this cache had held, then evicted (prefill paid twice)
+    recent_lost_share: float = 0.0  # lost / prompt tokens over the last few admissions (engine/sched/prefix_cache.py)
     # What the figures count: "tokens", or "chars/4" where a remote backend without a
     # tokenizer predicts its engine's cache from text (characters / 4 as a token estimate).
     units: str = "tokens"

@@ -54,11 +54,11 @@ HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sch
 MIN_PEAK_SHARE = 0.10
 # `finish-first:pack`: of a device's contexts, a request goes to those in use (holding requests, or
 # its prefix); another opens only when every one in use is full (`FinishFirst._full`): its live cap
-# taken, its pool used past this share (every step of a unified pool attends over the cells in use),
-# or its idle cache at its budget. Not the default: on one H200 it met two tuned contexts on 4 / 16 /
-# 32 tenants, but packed 96 chats onto few contexts, 45.8 s against eight spread contexts' 35.9,
-# before `_full` counted idle caches (docs/results/gpu/defaults6, chat3).
+# taken, its pool used past OPEN_KV_SHARE (every step of a unified pool attends over the cells in
+# use), or over LOST_SHARE of its recent prompts' tokens computed again because it had evicted them
+# (engine/sched/prefix_cache.py, `recent_lost_share`).
 OPEN_KV_SHARE = 0.5
+LOST_SHARE = 0.05
 
 
 @functools.lru_cache(maxsize=256)
@@ -248,7 +248,7 @@ class FinishFirst(Policy):
         all idle, the first. Eight contexts of one H200, each taking a share of 4 tenants,
         decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5): each
         context's step reads all the weights and runs its own host work, so a device runs
-        fastest on the fewest contexts that hold its load, and opens more as caps and pools fill."""
+        fastest on the fewest contexts that hold its load, and opens more as they fill."""
         need = max(1, query.prompt_tokens // 2)
         busy = [s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need]
         idle = [s for s in contexts if s not in busy]
@@ -256,27 +256,32 @@ class FinishFirst(Policy):
             return busy, ""
         if not busy:
             return idle[:1], f"all {len(idle)} idle, the first: "
-        if all(self._full(s, query) for s in busy):
-            return busy + idle[:1], f"every context in use is full, so {idle[0].name} opens; "
+        full = [self._full(s, query) for s in busy]
+        if all(full):
+            why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full))
+            return busy + idle[:1], f"every context in use is full ({why}), so {idle[0].name} opens; "
         return busy, f"{len(busy)} in use, {len(idle)} idle until those are full; "
 
-    def _full(self, s: BackendScore, query) -> bool:
-        """A context takes no more new work before another opens: the requests it holds reach
-        its live cap; its pool would be used past OPEN_KV_SHARE with this prompt; or one more
-        running sequence would shed idle cached prefixes (a unified pool keeps idle cells for
-        a batch of B at a B-th of what it keeps for one). The last is what keeps conversations
-        cached: packed onto few contexts, 96 chats on one H200 kept 63.5 % of their later
-        turns' prompts cached, where eight contexts of a dozen each kept 89.9 %
-        (docs/results/gpu/defaults6, chat3)."""
+    def _full(self, s: BackendScore, query) -> str:
+        """Why a context takes no more new work before another opens ("" if it does): the
+        requests it holds reach its live cap; its pool would be used past OPEN_KV_SHARE with
+        this prompt; or it is evicting what its own requests come back for (over LOST_SHARE of
+        its recent prompts' tokens had been cached there and were evicted). The last keeps
+        conversations cached: packed onto five contexts, 96 chats on one H200 lost their
+        histories between turns (67.5 % of later turns' prompts cached, 42.0 s), where eight
+        contexts of a dozen each kept 90.1 % (36.5 s; docs/results/gpu/defaults7). A tenant's
+        request leaves a tail nobody asks for again, so its evictions lose nothing and its
+        contexts stay packed."""
         snap = self._snaps[s.name]
         own = query.prompt_tokens - s.cached_tokens
         total = snap.kv_cells_total
         if len(snap.items) >= max(snap.cap, 1):
-            return True
+            return f"holds {len(snap.items)} at cap {snap.cap}"
         if total > 0 and snap.kv_cells_used + own + HEADROOM_CELLS > OPEN_KV_SHARE * total:
-            return True
-        idle = snap.cache.cached_tokens - snap.cache.pinned_tokens  # cached cells no request holds
-        return snap.kv_idle_budget > 0 and idle > snap.kv_idle_budget
+            return f"would use {snap.kv_cells_used + own:,} of {total:,} KV cells"
+        if snap.cache.recent_lost_share > LOST_SHARE:
+            return f"computes {snap.cache.recent_lost_share:.0%} of its recent prompts again (evicted there)"
+        return ""
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU

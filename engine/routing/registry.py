@@ -30,7 +30,7 @@ from .seed_score import HELP as SEED_SCORE_HELP
 from .seed_score import SeedScore
 
 DEFAULT = "default"  # the name that means the default policy
-DEFAULT_POLICY = DEFAULT_NAME
+DEFAULT_POLICY = PACK_NAME
 
 POLICIES: dict[str, Callable[[], Policy]] = {
     DEFAULT_NAME: FinishFirst,

@@ -27,6 +27,13 @@ that leaves LRU times alone, from its own thread; the backend's worker thread, w
 the llama.cpp context, calls everything else. Answers are snapshots: pin a `Match` before
 the next mutating call (`insert`, `evict`, `flush`, `clear`), and call `holder_for()` right
 before using its answer.
+
+What eviction costs is counted too. An evicted leaf's tokens are remembered by hash, per
+`GONE_BLOCK` tokens (`_gone`, bounded), and an admitted prompt that asks again for tokens
+evicted here counts them as lost (`record_query(..., tokens)`): prefill paid twice because
+the context kept too little. `recent_lost_share` is their share of the last
+`RECENT_ADMISSIONS` prompts, what the default policy reads to open another context before
+this one pushes out histories its conversations come back for (engine/routing/default.py).
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import heapq
 import itertools
 import math
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 # A pin that ends at least this many tokens into a leaf's edge (one not hanging from the root),
@@ -44,6 +52,12 @@ from dataclasses import dataclass
 # are taken for two conversations that merely start alike.
 SUPERSEDED_MIN_TOKENS = 16
 SUPERSEDED = 0  # the access time of a superseded tail: older than any real one
+# Evicted tokens are remembered in blocks of GONE_BLOCK (chained hashes: a block's hash covers
+# every token before its end), at most GONE_MAX_BLOCKS blocks, the oldest forgotten first
+# (64 Ki blocks: two million tokens, ~8 MiB).
+GONE_BLOCK = 32
+GONE_MAX_BLOCKS = 1 << 16
+RECENT_ADMISSIONS = 32  # the admissions `recent_lost_share` looks back over
 
 
 class TreeNode:
@@ -151,6 +165,8 @@ class Stats:
     evictable_tokens: int
     n_holders: int
     evictions: int
+    lost_tokens: int = 0  # admitted prompt tokens that had been cached here and were evicted
+    recent_lost_share: float = 0.0  # lost tokens / prompt tokens, the last RECENT_ADMISSIONS admissions
 
 
 class PrefixCache:
@@ -168,6 +184,8 @@ class PrefixCache:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
+        self._lost_tokens = 0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=RECENT_ADMISSIONS)  # (prompt, lost) per admission
         self._reset()
 
     # ---- lookups ----
@@ -307,16 +325,18 @@ class PrefixCache:
         Returns the actions in the order the caller must apply them.
         """
         with self._lock:
-            return self._evict(need_tokens, need_seqs)
+            return self._evict(need_tokens, need_seqs, remember=True)
 
     def flush(self) -> list[EvictAction]:
-        """Evict every unpinned node; pinned paths stay.
+        """Evict every unpinned node; pinned paths stay. Nothing flushed counts as lost later
+        (a flush starts over: a bench run's reset, a cache switched off).
 
         Returns actions, not bare seq ids: a pinned node that loses all its children
         inherits a trimmed seq (`keep > 0`), which the caller must apply like any other.
         """
         with self._lock:
-            return self._evict(math.inf, 0)
+            self._gone.clear()
+            return self._evict(math.inf, 0, remember=False)
 
     def clear(self) -> list[int]:
         """Drop everything, pins included (for shutdown). Returns every held seq id; earlier
@@ -327,16 +347,29 @@ class PrefixCache:
             return seqs
 
     def reset_counters(self) -> None:
-        """Zero the query, hit and eviction counters (what is cached stays)."""
+        """Zero the query, hit, eviction and loss counters (what is cached stays)."""
         with self._lock:
-            self._query_tokens = self._hit_tokens = self._evictions = 0
+            self._query_tokens = self._hit_tokens = self._evictions = self._lost_tokens = 0
+            self._recent.clear()
 
-    def record_query(self, n_query: int, n_hit: int) -> None:
-        """Count an admitted request: `n_query` prompt tokens, `n_hit` of them from cache.
-        Only the backend calls this; router lookups do not count."""
+    def record_query(self, n_query: int, n_hit: int, tokens: Sequence[int] = ()) -> int:
+        """Count an admitted request: `n_query` prompt tokens, `n_hit` of them from cache, and
+        of the rest those this cache had held and evicted (found by `tokens`, the prompt).
+        Returns those lost tokens. Only the backend calls this; router lookups do not count."""
         with self._lock:
+            lost = self._lost_beyond(tokens, n_hit) if tokens and self._gone else 0
             self._query_tokens += n_query
             self._hit_tokens += n_hit
+            self._lost_tokens += lost
+            self._recent.append((n_query, lost))
+            return lost
+
+    @property
+    def recent_lost_share(self) -> float:
+        """Lost tokens over prompt tokens, the last RECENT_ADMISSIONS admissions (0 before any)."""
+        with self._lock:
+            prompt = sum(n for n, _ in self._recent)
+            return sum(lost for _, lost in self._recent) / prompt if prompt else 0.0
 
     # ---- accounting ----
 
@@ -384,6 +417,8 @@ class PrefixCache:
                 evictable_tokens=self._evictable_tokens,
                 n_holders=len(self._holders),
                 evictions=self._evictions,
+                lost_tokens=self._lost_tokens,
+                recent_lost_share=self.recent_lost_share,
             )
 
     def check_invariants(self) -> None:
@@ -443,6 +478,36 @@ class PrefixCache:
         self._cached_tokens = 0
         self._pinned_tokens = 0
         self._evictable_tokens = 0
+        self._gone: OrderedDict[int, None] = OrderedDict()  # hashes of evicted blocks (`_remember`)
+
+    def _remember(self, leaf: TreeNode) -> None:
+        """Note the blocks that end inside `leaf`'s edge, about to be evicted, as gone."""
+        start = leaf.end - len(leaf.key)
+        if leaf.end // GONE_BLOCK == start // GONE_BLOCK:
+            return  # no block ends inside this edge
+        keys = []
+        node: TreeNode | None = leaf
+        while node is not None and node is not self._root:
+            keys.append(node.key)
+            node = node.parent
+        path = [t for key in reversed(keys) for t in key]
+        for end, h in _block_hashes(path):
+            if end > start:
+                self._gone[h] = None
+                self._gone.move_to_end(h)
+        while len(self._gone) > GONE_MAX_BLOCKS:
+            self._gone.popitem(last=False)
+
+    def _lost_beyond(self, tokens: Sequence[int], hit: int) -> int:
+        """Tokens of `tokens` past `hit` that were evicted here, in whole blocks from `hit` on."""
+        lost_end = hit
+        for end, h in _block_hashes(tokens):
+            if end <= hit:
+                continue
+            if h not in self._gone:
+                break
+            lost_end = end
+        return lost_end - hit
 
     def _walk(self, tokens: Sequence[int], max_len: int | None) -> tuple[int, TreeNode, list[TreeNode]]:
         """(matched length, node holding the last matched token, nodes entered)."""
@@ -500,13 +565,15 @@ class PrefixCache:
             node = node.parent
         return node is self._root
 
-    def _evict(self, need_tokens: float, need_seqs: float) -> list[EvictAction]:
+    def _evict(self, need_tokens: float, need_seqs: float, remember: bool) -> list[EvictAction]:
         actions: list[EvictAction] = []
         freed = released = 0
         heap = list(self._evictable_leaves)
         heapq.heapify(heap)
         while heap and (freed < need_tokens or released < need_seqs):
             leaf = heapq.heappop(heap)
+            if remember:
+                self._remember(leaf)
             parent = leaf.up()
             del parent.children[leaf.key[0]]
             leaf.parent = None
@@ -528,6 +595,15 @@ class PrefixCache:
                     self._evictable_leaves.add(parent)
                     heapq.heappush(heap, parent)
         return actions
+
+
+def _block_hashes(tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """(end, hash) of each whole GONE_BLOCK-token block of `tokens`, each hash chained over
+    every token before its end, so equal hashes mean equal prefixes."""
+    h = 0
+    for start in range(0, len(tokens) - GONE_BLOCK + 1, GONE_BLOCK):
+        h = hash((h, tuple(tokens[start:start + GONE_BLOCK])))
+        yield start + GONE_BLOCK, h
 
 
 def _common_prefix(edge: tuple[int, ...], tokens: Sequence[int], start: int,

@@ -432,7 +432,7 @@ class Scheduler:
         seq.lock = lock
         self._release_pin(seq)
         seq.n_past = seq.n_shared = seq.n_hit = hit
-        self.cache.record_query(n, hit)
+        self.cache.record_query(n, hit, seq.tokens)
         if not seq.t_admit:
             seq.t_admit = self.clock()
             seq.admit_cap = self.cap
