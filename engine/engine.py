@@ -190,7 +190,8 @@ class Engine:
             for b in candidates:
                 b.validate(request)
             cached = {b.name: b.match(request) for b in serving}
-            query = RouteQuery.from_request(request, cached, moved_from, continued)
+            own = {b.name: b.own_cached(request) for b in serving}
+            query = RouteQuery.from_request(request, cached, moved_from, continued, own)
             for attempt in range(len(serving)):
                 decision = self.router.route(query, [b.snapshot() for b in serving])
                 backend = self.backends[decision.backend]

@@ -354,6 +354,13 @@ class TestLost:
         changed = self.SYSTEM + self.HISTORY[:GONE_BLOCK] + [4] * (2 * GONE_BLOCK)  # one block, then new
         assert cache.record_query(len(changed), len(self.SYSTEM), changed) == GONE_BLOCK
 
+    def test_a_conversations_own_history_is_what_no_other_prompt_shares(self):
+        mine = self.SYSTEM + self.HISTORY
+        cache = make_cache((mine, 1), (self.SYSTEM + [7, 8], 2))
+        assert cache.own_length(mine + [9, 9]) == len(self.HISTORY)  # its next turn
+        assert cache.own_length(self.SYSTEM + [7, 5]) == 1  # a newcomer: one token past the parting
+        assert make_cache((mine, 1)).own_length(mine + [9]) == len(mine)  # nothing shared yet
+
     def test_flushed_prefixes_are_not_lost_later(self):
         cache = make_cache((self.SYSTEM + self.HISTORY, 1))
         cache.flush()

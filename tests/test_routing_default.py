@@ -38,16 +38,16 @@ def queued(n, prompt=516, cached=496, decode_left=128, prefix="q"):
     return [WorkItem(f"{prefix}{k}", False, prompt, cached, prompt - cached, decode_left, 0) for k in range(n)]
 
 
-def query(rid="req", prompt=516, max_tokens=128, cached=None, tokens=()):
-    return RouteQuery(rid, prompt, max_tokens, cached or {}, tokens=tuple(tokens))
+def query(rid="req", prompt=516, max_tokens=128, cached=None, tokens=(), own=None):
+    return RouteQuery(rid, prompt, max_tokens, cached or {}, tokens=tuple(tokens), own=own or {})
 
 
 # ---- the decisions the issue names ----
 
 
-def test_the_default_is_finish_first():
-    assert DEFAULT_POLICY == "finish-first"
-    assert Router().policy == Router("default").policy == "finish-first"
+def test_the_default_is_finish_first_packing_a_devices_contexts():
+    assert DEFAULT_POLICY == PACK == "finish-first:pack"
+    assert Router().policy == Router("default").policy == PACK
 
 
 def test_the_studys_request_8_still_goes_to_the_idle_cpu():
@@ -189,10 +189,26 @@ def test_a_context_that_evicts_what_its_requests_come_back_for_is_full():
     assert "gpu-a computes 20% of its recent prompts again (evicted there)" in d.reason
 
 
-def test_the_default_spreads_a_devices_work_over_its_contexts():
+def test_a_conversation_goes_home_to_a_context_losing_histories():
+    """A context losing histories still takes the next turn of a conversation whose own
+    history it holds; a new conversation, sharing only the system prompt there, goes to the
+    context in use that is not losing them."""
+    ctx = _contexts(3, 3, 0)
+    ctx[0] = replace(ctx[0], cache=CacheStats(recent_lost_share=0.2))
+    turn = query(prompt=2400, max_tokens=128, cached={"gpu-a": 2300}, own={"gpu-a": 1200})
+    d = Router(PACK).route(turn, ctx)
+    assert d.backend == "gpu-a", d.reason
+    new = query(prompt=1400, max_tokens=128, cached={"gpu-a": 1100, "gpu-b": 1100}, own={"gpu-a": 3})
+    d = Router(PACK).route(new, ctx)
+    assert d.backend == "gpu-b", d.reason
+    assert "gpu-a computes 20% of its recent prompts again (evicted there), so it takes only conversations it holds" \
+        in d.reason
+
+
+def test_finish_first_alone_spreads_a_devices_work_over_its_contexts():
     """Without `:pack` a new prompt goes where cache-aware finds its first token soonest: an
     idle context, not the busy one."""
-    assert Router().route(query(prompt=1550, max_tokens=128), _contexts(6, 0, 0, 0)).backend != "gpu-a"
+    assert Router("finish-first").route(query(prompt=1550, max_tokens=128), _contexts(6, 0, 0, 0)).backend != "gpu-a"
 
 
 def test_the_first_request_to_an_idle_device_goes_to_its_first_context():

@@ -54,11 +54,15 @@ HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sch
 MIN_PEAK_SHARE = 0.10
 # `finish-first:pack`: of a device's contexts, a request goes to those in use (holding requests, or
 # its prefix); another opens only when every one in use is full (`FinishFirst._full`): its live cap
-# taken, its pool used past OPEN_KV_SHARE (every step of a unified pool attends over the cells in
-# use), or over LOST_SHARE of its recent prompts' tokens computed again because it had evicted them
-# (engine/sched/prefix_cache.py, `recent_lost_share`).
+# taken, or its pool used past OPEN_KV_SHARE (every step of a unified pool attends over the cells in
+# use). One computing over LOST_SHARE of its recent prompts' tokens again, because it had evicted
+# them (engine/sched/prefix_cache.py, `recent_lost_share`), takes only conversations it holds.
 OPEN_KV_SHARE = 0.5
 LOST_SHARE = 0.05
+# A context losing histories (over LOST_SHARE) takes back a request only if this much of its prompt
+# there is its own (no other cached prompt shares it): a conversation's earlier turns, not the
+# chat template's few tokens after a shared system prompt.
+OWN_MIN = 64
 
 
 @functools.lru_cache(maxsize=256)
@@ -248,30 +252,33 @@ class FinishFirst(Policy):
         all idle, the first. Eight contexts of one H200, each taking a share of 4 tenants,
         decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5): each
         context's step reads all the weights and runs its own host work, so a device runs
-        fastest on the fewest contexts that hold its load, and opens more as they fill."""
+        fastest on the fewest contexts that hold its load, and opens more as they fill.
+
+        A context that is losing its own requests' histories (`_losing`) takes back only
+        requests whose own history it holds (`RouteQuery.own_on`, at least OWN_MIN tokens): a
+        conversation's next turn goes home, a new conversation goes elsewhere."""
         need = max(1, query.prompt_tokens // 2)
         busy = [s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need]
         idle = [s for s in contexts if s not in busy]
-        if not idle:
-            return busy, ""
         if not busy:
             return idle[:1], f"all {len(idle)} idle, the first: "
-        full = [self._full(s, query) for s in busy]
-        if all(full):
-            why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full))
-            return busy + idle[:1], f"every context in use is full ({why}), so {idle[0].name} opens; "
-        return busy, f"{len(busy)} in use, {len(idle)} idle until those are full; "
+        losing = {s.name: why for s in busy
+                  if (why := self._losing(s)) and query.own_on(s.name) < OWN_MIN}
+        takers = [s for s in busy if s.name not in losing]
+        kept_out = "".join(f"{name} {why}, so it takes only conversations it holds; " for name, why in losing.items())
+        if not idle:
+            return (takers or busy), kept_out
+        full = {s.name: self._full(s, query) for s in takers}
+        if takers and not all(full.values()):
+            return takers, f"{kept_out}{len(takers)} in use, {len(idle)} idle until those are full; "
+        why = "; ".join(f"{name} {f}" for name, f in full.items())
+        opens = f"every context in use is full ({why}), so " if why else ""
+        return takers + idle[:1], f"{kept_out}{opens}{idle[0].name} opens; "
 
     def _full(self, s: BackendScore, query) -> str:
         """Why a context takes no more new work before another opens ("" if it does): the
-        requests it holds reach its live cap; its pool would be used past OPEN_KV_SHARE with
-        this prompt; or it is evicting what its own requests come back for (over LOST_SHARE of
-        its recent prompts' tokens had been cached there and were evicted). The last keeps
-        conversations cached: packed onto five contexts, 96 chats on one H200 lost their
-        histories between turns (67.5 % of later turns' prompts cached, 42.0 s), where eight
-        contexts of a dozen each kept 90.1 % (36.5 s; docs/results/gpu/defaults7). A tenant's
-        request leaves a tail nobody asks for again, so its evictions lose nothing and its
-        contexts stay packed."""
+        requests it holds reach its live cap, or its pool would be used past OPEN_KV_SHARE
+        with this prompt."""
         snap = self._snaps[s.name]
         own = query.prompt_tokens - s.cached_tokens
         total = snap.kv_cells_total
@@ -279,9 +286,17 @@ class FinishFirst(Policy):
             return f"holds {len(snap.items)} at cap {snap.cap}"
         if total > 0 and snap.kv_cells_used + own + HEADROOM_CELLS > OPEN_KV_SHARE * total:
             return f"would use {snap.kv_cells_used + own:,} of {total:,} KV cells"
-        if snap.cache.recent_lost_share > LOST_SHARE:
-            return f"computes {snap.cache.recent_lost_share:.0%} of its recent prompts again (evicted there)"
         return ""
+
+    def _losing(self, s: BackendScore) -> str:
+        """Why a context is evicting what its own requests come back for ("" if not): over
+        LOST_SHARE of its recent prompts' tokens had been cached there and were evicted
+        (`CacheStats.recent_lost_share`). Packed onto five contexts, 96 chats on one H200 lost
+        their histories between turns (67.5 % of later turns' prompts cached, 42.0 s), where
+        eight contexts of a dozen each kept 90.1 % (36.5 s; docs/results/gpu/defaults7). A
+        tenant's request leaves a tail nobody asks for again, so its evictions lose nothing."""
+        share = self._snaps[s.name].cache.recent_lost_share
+        return f"computes {share:.0%} of its recent prompts again (evicted there)" if share > LOST_SHARE else ""
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU

@@ -211,6 +211,16 @@ class PrefixCache:
         with self._lock:
             return self._walk(tokens, max_len)[0]
 
+    def own_length(self, tokens: Sequence[int], max_len: int | None = None) -> int:
+        """Of `match_length(tokens, max_len)`, the tokens past the deepest node where cached
+        prompts part (two or more children): what only this prompt's own earlier requests
+        left, such as a conversation's history below a system prompt that many share. A
+        tenant's request or a new conversation, matching only what others share, has ~0."""
+        with self._lock:
+            length, _, path = self._walk(tokens, max_len)
+            parted = max((n.end for n in path if n.end <= length and len(n.children) > 1), default=0)
+            return length - parted
+
     def holder_for(self, node: TreeNode) -> int | None:
         """A live seq whose cells hold every token from the root to `node` (the most
         recently used leaf below it), or None for the root, which holds no tokens.

@@ -371,6 +371,10 @@ class Scheduler:
     def match_tokens(self, tokens) -> int:
         return self.reuse.match_length(self.cache, tokens)
 
+    def own_tokens(self, tokens) -> int:
+        """Of `match_tokens`, what no other cached prompt shares (`PrefixCache.own_length`)."""
+        return self.cache.own_length(tokens, max_len=len(tokens) - 1) if self.reuse.enabled else 0
+
     def pin_prefix(self, tokens) -> tuple[int, Pin | None]:
         """The cached prefix a request of `tokens` about to be queued reuses, pinned (Reuse.pin)."""
         return self.reuse.pin(self.cache, tokens)

@@ -313,6 +313,10 @@ class RemoteBackend(BackendBase):
             n = self._tree.match(key)
         return self._tokens(n, per_token, request)
 
+    def own_cached(self, request: Request) -> int:
+        """0: the predicted tree does not know which prefixes the engine's prompts share."""
+        return 0
+
     def _key(self, request: Request):
         """`_key()`, remembered for the last requests (the router matches every backend)."""
         with self._tree_lock:
