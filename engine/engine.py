@@ -190,8 +190,8 @@ class Engine:
             for b in candidates:
                 b.validate(request)
             cached = {b.name: b.match(request) for b in serving}
-            own = {b.name: b.own_cached(request) for b in serving}
-            query = RouteQuery.from_request(request, cached, moved_from, continued, own)
+            resumed = {b.name: b.resumed(request) for b in serving}
+            query = RouteQuery.from_request(request, cached, moved_from, continued, resumed)
             for attempt in range(len(serving)):
                 decision = self.router.route(query, [b.snapshot() for b in serving])
                 backend = self.backends[decision.backend]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
-from engine.routing.default import LOST_SHARE, MIN_PEAK_SHARE, OPEN_KV_SHARE
+from engine.routing.default import CONVERSING_SHARE, CONVERSING_WINDOW, MIN_PEAK_SHARE, OPEN_KV_SHARE, RESUMED_MIN
 from engine.routing.default import PACK_NAME as PACK
 
 M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
@@ -38,8 +38,8 @@ def queued(n, prompt=516, cached=496, decode_left=128, prefix="q"):
     return [WorkItem(f"{prefix}{k}", False, prompt, cached, prompt - cached, decode_left, 0) for k in range(n)]
 
 
-def query(rid="req", prompt=516, max_tokens=128, cached=None, tokens=(), own=None):
-    return RouteQuery(rid, prompt, max_tokens, cached or {}, tokens=tuple(tokens), own=own or {})
+def query(rid="req", prompt=516, max_tokens=128, cached=None, tokens=(), resumed=None):
+    return RouteQuery(rid, prompt, max_tokens, cached or {}, tokens=tuple(tokens), resumed=resumed or {})
 
 
 # ---- the decisions the issue names ----
@@ -173,36 +173,51 @@ def test_a_prompt_cached_on_an_idle_context_goes_back_there():
     assert d.backend == "gpu-c", d.reason
 
 
-def test_a_context_that_evicts_what_its_requests_come_back_for_is_full():
-    """Past LOST_SHARE of its recent prompts' tokens computed again (cached there, then
-    evicted), a context takes no new conversation: more running sequences would push out more
-    of the histories its conversations come back for. The reason names what filled it."""
-    q = query(prompt=1550, max_tokens=128)
-
-    def losing(share):
-        ctx = _contexts(3, 0)
-        return [replace(ctx[0], cache=CacheStats(recent_lost_share=share)), ctx[1]]
-
-    assert Router(PACK).route(q, losing(LOST_SHARE)).backend == "gpu-a"
-    d = Router(PACK).route(q, losing(0.2))
-    assert d.backend == "gpu-b", d.reason
-    assert "gpu-a computes 20% of its recent prompts again (evicted there)" in d.reason
+def _new_conversation(k):
+    return query(f"new{k}", prompt=1400, max_tokens=128, cached={"gpu-a": 1246})
 
 
-def test_a_conversation_goes_home_to_a_context_losing_histories():
-    """A context losing histories still takes the next turn of a conversation whose own
-    history it holds; a new conversation, sharing only the system prompt there, goes to the
-    context in use that is not losing them."""
-    ctx = _contexts(3, 3, 0)
-    ctx[0] = replace(ctx[0], cache=CacheStats(recent_lost_share=0.2))
-    turn = query(prompt=2400, max_tokens=128, cached={"gpu-a": 2300}, own={"gpu-a": 1200})
-    d = Router(PACK).route(turn, ctx)
+def _next_turn(k):
+    return query(f"turn{k}", prompt=2400, max_tokens=128, cached={"gpu-a": 2300}, resumed={"gpu-a": 1050})
+
+
+def test_a_device_serving_conversations_shares_its_new_work_out():
+    """Packed until its requests resume conversations: past CONVERSING_SHARE of the last
+    CONVERSING_WINDOW, a new conversation goes where cache-aware sends it (an idle context),
+    not onto the busy one, whose pool must keep the histories of those it holds."""
+    r = Router(PACK)
+    resumes = int(CONVERSING_SHARE * CONVERSING_WINDOW)
+    for k in range(CONVERSING_WINDOW - resumes):
+        d = r.route(_new_conversation(k), _contexts(6, 0, 0, 0))
+        assert d.backend == "gpu-a", d.reason
+    for k in range(resumes - 1):
+        assert r.route(_next_turn(k), _contexts(6, 0, 0, 0)).backend == "gpu-a"
+    d = r.route(_new_conversation("a"), _contexts(6, 0, 0, 0))
+    assert d.backend == "gpu-a", d.reason  # 7 of the last 32 resumed one: still packed
+    assert r.route(_next_turn("b"), _contexts(6, 0, 0, 0)).backend == "gpu-a"  # a turn goes home
+    d = r.route(_new_conversation("c"), _contexts(6, 3, 0, 0))
+    assert d.backend == "gpu-c", d.reason
+    assert (f"it serves conversations ({resumes} of its last {CONVERSING_WINDOW} requests resumed one); "
+            "a new one goes to the context holding fewest: sent to gpu-c") in d.reason
+    d = r.route(_next_turn("d"), _contexts(6, 3, 0, 0))
     assert d.backend == "gpu-a", d.reason
-    new = query(prompt=1400, max_tokens=128, cached={"gpu-a": 1100, "gpu-b": 1100}, own={"gpu-a": 3})
-    d = Router(PACK).route(new, ctx)
-    assert d.backend == "gpu-b", d.reason
-    assert "gpu-a computes 20% of its recent prompts again (evicted there), so it takes only conversations it holds" \
-        in d.reason
+    assert "this one resumes one" in d.reason
+
+
+def test_a_tenants_requests_resume_nothing_so_they_stay_packed():
+    """Every request shares the tenant's cached prefix, none resumes an earlier one's own part."""
+    r = Router(PACK)
+    for k in range(2 * CONVERSING_WINDOW):
+        q = query(f"t{k}", prompt=1550, max_tokens=128, cached={"gpu-a": 1500})
+        d = r.route(q, _contexts(6, 0, 0, 0))
+        assert d.backend == "gpu-a", d.reason
+
+
+def test_a_chat_templates_few_tokens_are_no_resumed_history():
+    r = Router(PACK)
+    for k in range(CONVERSING_WINDOW):
+        q = query(f"n{k}", prompt=1400, max_tokens=128, cached={"gpu-a": 1250}, resumed={"gpu-a": RESUMED_MIN - 1})
+        assert r.route(q, _contexts(6, 0, 0, 0)).backend == "gpu-a"
 
 
 def test_finish_first_alone_spreads_a_devices_work_over_its_contexts():

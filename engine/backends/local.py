@@ -320,9 +320,9 @@ class Backend(BackendBase):
         """
         return self._sched.match_tokens(request.prompt_tokens)
 
-    def own_cached(self, request: Request) -> int:
-        """Of `match`, the tokens no other cached prompt shares (a conversation's own history)."""
-        return self._sched.own_tokens(request.prompt_tokens)
+    def resumed(self, request: Request) -> int:
+        """Of `match`, the own history of an earlier request that this one resumes."""
+        return self._sched.resumed_tokens(request.prompt_tokens)
 
     def pin_prefix(self, request: Request) -> tuple[int, object]:
         """Match and pin the usable cached prefix of the prompt (any thread): `(length, pin)`.

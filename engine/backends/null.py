@@ -90,7 +90,7 @@ class NullBackend(BackendBase):
     def match(self, request: Request) -> int:
         return 0
 
-    def own_cached(self, request: Request) -> int:
+    def resumed(self, request: Request) -> int:
         return 0
 
     def pin_prefix(self, request: Request) -> tuple[int, object]:

@@ -46,8 +46,9 @@ HELP = ("The default: each request goes where its last token comes first, counti
         "of it under the live cap, its prefill less what is cached there, and its decode at the "
         "per-sequence speed of the batch it joins.")
 PACK_NAME = NAME + ":pack"
-PACK_HELP = ("finish-first, with a device's contexts filled before another opens: new work joins the "
-             "contexts in use until their caps, pools or idle caches are full.")
+PACK_HELP = ("The default: finish-first, with a device's contexts filled before another opens (new work "
+             "joins the contexts in use until their caps or pools are full), while its requests do not "
+             "resume conversations; a device serving conversations shares its new work out over its contexts.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
 # A CPU backend whose peak decode is under this share of a GPU device's (the sum over its contexts)
 # gets nothing (the H200's CPU: 128 / 3,265 tok/s for one context, 4 %; the study's M2 CPU: 45 / 293, 15 %).
@@ -55,14 +56,16 @@ MIN_PEAK_SHARE = 0.10
 # `finish-first:pack`: of a device's contexts, a request goes to those in use (holding requests, or
 # its prefix); another opens only when every one in use is full (`FinishFirst._full`): its live cap
 # taken, or its pool used past OPEN_KV_SHARE (every step of a unified pool attends over the cells in
-# use). One computing over LOST_SHARE of its recent prompts' tokens again, because it had evicted
-# them (engine/sched/prefix_cache.py, `recent_lost_share`), takes only conversations it holds.
+# use).
 OPEN_KV_SHARE = 0.5
-LOST_SHARE = 0.05
-# A context losing histories (over LOST_SHARE) takes back a request only if this much of its prompt
-# there is its own (no other cached prompt shares it): a conversation's earlier turns, not the
-# chat template's few tokens after a shared system prompt.
-OWN_MIN = 64
+# ...unless the device serves conversations: at least CONVERSING_SHARE of the last CONVERSING_WINDOW
+# requests routed to it resumed an earlier request's own history there (RouteQuery.resumed_on, at
+# least RESUMED_MIN tokens: a turn's message and reply, not a chat template's few tokens).
+# Conversations keep their histories cached between turns only where each context holds a few
+# (`FinishFirst._conversing`), so the device's new work is shared out over its contexts.
+CONVERSING_SHARE = 0.25
+CONVERSING_WINDOW = 32
+RESUMED_MIN = 64
 
 
 @functools.lru_cache(maxsize=256)
@@ -188,6 +191,7 @@ class FinishFirst(Policy):
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
         self._speed: dict[str, tuple[Rates, int]] = {}  # backend -> its rates and cap ceiling
         self._snaps: dict[str, BackendSnapshot] = {}  # grouped backend -> its snapshot (`_in_use`)
+        self._resumes: dict[str, deque[bool]] = {}  # group -> whether its last requests resumed one
 
     def score(self, query, snap, budget):
         if self._query is not query:
@@ -216,8 +220,16 @@ class FinishFirst(Policy):
         others = sorted((s for s in eligible if s not in grouped and s is not first), key=lambda s: s.score_s)
         contexts = [s for s in grouped if not others or s.score_s <= others[0].score_s]
         narrowed = ""
-        if self.pack and len(contexts) > 1:
-            contexts, narrowed = self._in_use(contexts, query)
+        if self.pack and group is not None:
+            resumes = any(query.resumed_on(s.name) >= RESUMED_MIN for s in grouped)
+            conversing = self._conversing(group, resumes)
+            if conversing and resumes:
+                narrowed = f"{conversing}this one resumes one: "
+            elif conversing:
+                contexts = [min(contexts, key=lambda s: len(self._snaps[s.name].items))]  # the first of equals
+                narrowed = f"{conversing}a new one goes to the context holding fewest: "
+            elif len(contexts) > 1:
+                contexts, narrowed = self._in_use(contexts, query)
         if len(contexts) > 1:
             best_name, why = self.within.choose(query, [self._within[s.name] for s in contexts])
             best = next(s for s in contexts if s.name == best_name)
@@ -245,6 +257,23 @@ class FinishFirst(Policy):
         self._record(query, best.name)
         return best.name, reason
 
+    def _conversing(self, group: str, resumes: bool) -> str:
+        """Whether `group`'s device serves conversations, as a phrase ("" if not), counting
+        this request (`resumes`: it resumes an earlier one's own history on one of the
+        device's contexts): at least CONVERSING_SHARE of its last CONVERSING_WINDOW requests
+        did. Then each new conversation goes to the context holding the fewest requests, and a
+        resumed one where cache-aware sends it (home). Packed, 96 chats on one H200 went onto
+        five or six contexts, which could not keep every thinking conversation's history (42.0
+        to 47.7 s, 67.5-80.2 % of later turns' prompts cached); spread over eight, 36.5 s and
+        90.1 % (docs/results/gpu/defaults7, defaults8, defaults9). A tenant's request or a
+        one-shot prompt resumes nothing, so such traffic stays packed."""
+        window = self._resumes.setdefault(group, deque(maxlen=CONVERSING_WINDOW))
+        window.append(resumes)
+        n = sum(window)
+        if n == 0 or n < CONVERSING_SHARE * len(window):
+            return ""
+        return f"it serves conversations ({n} of its last {len(window)} requests resumed one); "
+
     def _in_use(self, contexts: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The contexts of one device a request may go to, and a phrase on why ("" or ending in
         a space): those in use (holding requests, or at least half of this prompt cached or
@@ -252,28 +281,19 @@ class FinishFirst(Policy):
         all idle, the first. Eight contexts of one H200, each taking a share of 4 tenants,
         decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5): each
         context's step reads all the weights and runs its own host work, so a device runs
-        fastest on the fewest contexts that hold its load, and opens more as they fill.
-
-        A context that is losing its own requests' histories (`_losing`) takes back only
-        requests whose own history it holds (`RouteQuery.own_on`, at least OWN_MIN tokens): a
-        conversation's next turn goes home, a new conversation goes elsewhere."""
+        fastest on the fewest contexts that hold its load, and opens more as they fill."""
         need = max(1, query.prompt_tokens // 2)
         busy = [s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need]
         idle = [s for s in contexts if s not in busy]
+        if not idle:
+            return busy, ""
         if not busy:
             return idle[:1], f"all {len(idle)} idle, the first: "
-        losing = {s.name: why for s in busy
-                  if (why := self._losing(s)) and query.own_on(s.name) < OWN_MIN}
-        takers = [s for s in busy if s.name not in losing]
-        kept_out = "".join(f"{name} {why}, so it takes only conversations it holds; " for name, why in losing.items())
-        if not idle:
-            return (takers or busy), kept_out
-        full = {s.name: self._full(s, query) for s in takers}
-        if takers and not all(full.values()):
-            return takers, f"{kept_out}{len(takers)} in use, {len(idle)} idle until those are full; "
-        why = "; ".join(f"{name} {f}" for name, f in full.items())
-        opens = f"every context in use is full ({why}), so " if why else ""
-        return takers + idle[:1], f"{kept_out}{opens}{idle[0].name} opens; "
+        full = [self._full(s, query) for s in busy]
+        if all(full):
+            why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full))
+            return busy + idle[:1], f"every context in use is full ({why}), so {idle[0].name} opens; "
+        return busy, f"{len(busy)} in use, {len(idle)} idle until those are full; "
 
     def _full(self, s: BackendScore, query) -> str:
         """Why a context takes no more new work before another opens ("" if it does): the
@@ -287,16 +307,6 @@ class FinishFirst(Policy):
         if total > 0 and snap.kv_cells_used + own + HEADROOM_CELLS > OPEN_KV_SHARE * total:
             return f"would use {snap.kv_cells_used + own:,} of {total:,} KV cells"
         return ""
-
-    def _losing(self, s: BackendScore) -> str:
-        """Why a context is evicting what its own requests come back for ("" if not): over
-        LOST_SHARE of its recent prompts' tokens had been cached there and were evicted
-        (`CacheStats.recent_lost_share`). Packed onto five contexts, 96 chats on one H200 lost
-        their histories between turns (67.5 % of later turns' prompts cached, 42.0 s), where
-        eight contexts of a dozen each kept 90.1 % (36.5 s; docs/results/gpu/defaults7). A
-        tenant's request leaves a tail nobody asks for again, so its evictions lose nothing."""
-        share = self._snaps[s.name].cache.recent_lost_share
-        return f"computes {share:.0%} of its recent prompts again (evicted there)" if share > LOST_SHARE else ""
 
     def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU

@@ -39,17 +39,17 @@ class RouteQuery:
     # output tokens it had streamed, which the new backend continues from (0: from the prompt).
     moved_from: str | None = None
     continued: int = 0
-    # Of `cached`, per backend, the tokens no other cached prompt shares there: a conversation's
-    # own history below a shared system prompt (engine/sched/prefix_cache.py `own_length`).
-    own: Mapping[str, int] = field(default_factory=dict)
+    # Of `cached`, per backend, the own history of an earlier request this prompt resumes there
+    # (a conversation's next turn), past a system prompt others share (PrefixCache.resumed_length).
+    resumed: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_request(cls, request: Request, cached: Mapping[str, int] | None = None,
                      moved_from: str | None = None, continued: int = 0,
-                     own: Mapping[str, int] | None = None) -> RouteQuery:
+                     resumed: Mapping[str, int] | None = None) -> RouteQuery:
         """Build the query for an engine `Request` and its per-backend cache matches."""
         return cls(
-            own=dict(own or {}),
+            resumed=dict(resumed or {}),
             moved_from=moved_from,
             continued=continued,
             request_id=request.id,
@@ -65,9 +65,9 @@ class RouteQuery:
         """Cached prefix tokens on `backend`, clamped to [0, prompt_tokens]."""
         return min(max(int(self.cached.get(backend, 0)), 0), self.prompt_tokens)
 
-    def own_on(self, backend: str) -> int:
-        """Of `cached_on(backend)`, the tokens only this prompt's own earlier requests left there."""
-        return min(max(int(self.own.get(backend, 0)), 0), self.cached_on(backend))
+    def resumed_on(self, backend: str) -> int:
+        """Of `cached_on(backend)`, the own history of an earlier request this one resumes there."""
+        return min(max(int(self.resumed.get(backend, 0)), 0), self.cached_on(backend))
 
     def prefill_on(self, backend: str) -> int:
         """Prompt tokens the new request would still have to compute on `backend`."""

@@ -32,8 +32,7 @@ What eviction costs is counted too. An evicted leaf's tokens are remembered by h
 `GONE_BLOCK` tokens (`_gone`, bounded), and an admitted prompt that asks again for tokens
 evicted here counts them as lost (`record_query(..., tokens)`): prefill paid twice because
 the context kept too little. `recent_lost_share` is their share of the last
-`RECENT_ADMISSIONS` prompts, what the default policy reads to open another context before
-this one pushes out histories its conversations come back for (engine/routing/default.py).
+`RECENT_ADMISSIONS` prompts (`/v1/backends`: the pool kept too little for its requests).
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ class TreeNode:
     a heap. `last_access` is a tick of the cache's logical clock, not wall time.
     """
 
-    __slots__ = ("children", "end", "holder", "id", "key", "last_access", "lock_ref", "parent")
+    __slots__ = ("children", "end", "holder", "id", "key", "last_access", "lock_ref", "parent", "prompt_end")
 
     def __init__(self, node_id: int, key: tuple[int, ...], parent: TreeNode | None, end: int,
                  last_access: int):
@@ -79,6 +78,7 @@ class TreeNode:
         self.holder: int | None = None  # llama.cpp seq id; set on leaves only
         self.lock_ref = 0
         self.last_access = last_access
+        self.prompt_end = 0  # where a request's prompt ended inside this edge, its reply after it (0: none)
 
     def up(self) -> TreeNode:
         """The parent of a node in the tree; the root and removed nodes have none."""
@@ -211,13 +211,18 @@ class PrefixCache:
         with self._lock:
             return self._walk(tokens, max_len)[0]
 
-    def own_length(self, tokens: Sequence[int], max_len: int | None = None) -> int:
-        """Of `match_length(tokens, max_len)`, the tokens past the deepest node where cached
-        prompts part (two or more children): what only this prompt's own earlier requests
-        left, such as a conversation's history below a system prompt that many share. A
-        tenant's request or a new conversation, matching only what others share, has ~0."""
+    def resumed_length(self, tokens: Sequence[int], max_len: int | None = None) -> int:
+        """How much of an earlier request this prompt resumes: when its match covers the whole
+        prompt of a cached request that was answered (a conversation's next turn holds the
+        last turn's prompt, then its reply), the matched tokens past the deepest node where
+        cached prompts part (two or more children), i.e. the conversation's own history below
+        a system prompt that many share; else 0. A tenant's request shares only the start of
+        another's prompt, a warmed prefix was never answered, and a prompt sent again whole
+        matches all but its last token."""
         with self._lock:
             length, _, path = self._walk(tokens, max_len)
+            if not any(0 < n.prompt_end <= length for n in path):
+                return 0
             parted = max((n.end for n in path if n.end <= length and len(n.children) > 1), default=0)
             return length - parted
 
@@ -273,9 +278,11 @@ class PrefixCache:
 
     # ---- mutation ----
 
-    def insert(self, tokens: Sequence[int], seq_id: int) -> InsertResult:
+    def insert(self, tokens: Sequence[int], seq_id: int, prompt_end: int = 0) -> InsertResult:
         """Record that llama.cpp seq `seq_id` holds the KV of `tokens` at positions
         [0, len(tokens)): a finished request's prompt and output, as far as it was decoded.
+        `prompt_end`, the length of its prompt, is kept where a reply follows it
+        (`resumed_length`).
 
         - All of `tokens` already cached: `seq_id` itself is redundant and returned.
         - `tokens` extend a leaf: the new leaf takes `seq_id`, and the old leaf's holder,
@@ -310,6 +317,8 @@ class PrefixCache:
             if pos == len(tokens):
                 return InsertResult(pos, [seq_id])
 
+            if pos == prompt_end < len(tokens) and node is not self._root:
+                node.prompt_end = prompt_end  # the prompt was cached already (published while it ran)
             free_seqs: list[int] = []
             if node is not self._root and not node.children:
                 free_seqs.append(node.seq())
@@ -318,6 +327,8 @@ class PrefixCache:
                 self._evictable_leaves.discard(node)
             leaf = TreeNode(next(self._node_ids), tuple(tokens[pos:]), node, len(tokens), now)
             leaf.holder = seq_id
+            if pos < prompt_end < len(tokens):
+                leaf.prompt_end = prompt_end
             node.children[leaf.key[0]] = leaf
             self._holders.add(seq_id)
             self._evictable_leaves.add(leaf)
@@ -549,6 +560,8 @@ class PrefixCache:
         child.parent = upper
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
+        if child.prompt_end and child.prompt_end <= upper.end:  # the prompt's end stays on its edge
+            upper.prompt_end, child.prompt_end = child.prompt_end, 0
         return upper
 
     def _inc_lock(self, node: TreeNode) -> None:

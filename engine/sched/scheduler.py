@@ -371,9 +371,10 @@ class Scheduler:
     def match_tokens(self, tokens) -> int:
         return self.reuse.match_length(self.cache, tokens)
 
-    def own_tokens(self, tokens) -> int:
-        """Of `match_tokens`, what no other cached prompt shares (`PrefixCache.own_length`)."""
-        return self.cache.own_length(tokens, max_len=len(tokens) - 1) if self.reuse.enabled else 0
+    def resumed_tokens(self, tokens) -> int:
+        """Of `match_tokens`, an earlier request's own part that this prompt resumes
+        (`PrefixCache.resumed_length`)."""
+        return self.cache.resumed_length(tokens, max_len=len(tokens) - 1) if self.reuse.enabled else 0
 
     def pin_prefix(self, tokens) -> tuple[int, Pin | None]:
         """The cached prefix a request of `tokens` about to be queued reuses, pinned (Reuse.pin)."""
@@ -682,7 +683,7 @@ class Scheduler:
                 self._ops += self.kv.share_copy(sid, self._holder(match.node), match.length)
             if match.length < len(in_kv):  # it will be kept, on an id of its own
                 sid = self._park(sid)
-            result = self.cache.insert(in_kv, sid)
+            result = self.cache.insert(in_kv, sid, prompt_end=s.n_prompt)
             self._apply_free(result.free_seqs)
         if s.lock is not None:
             self.cache.unpin(s.lock)

@@ -313,8 +313,8 @@ class RemoteBackend(BackendBase):
             n = self._tree.match(key)
         return self._tokens(n, per_token, request)
 
-    def own_cached(self, request: Request) -> int:
-        """0: the predicted tree does not know which prefixes the engine's prompts share."""
+    def resumed(self, request: Request) -> int:
+        """0: the predicted tree does not know where the engine's requests end."""
         return 0
 
     def _key(self, request: Request):
