@@ -23,7 +23,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="DEVICE[:cap=N,threads=N,ctx=N,name=X] (repeatable; default: GPU+CPU, "
                         "or one CPU backend with every core)")
     p.add_argument("--policy", default="default",
-                   help="routing policy; default: the default policy, finish-first (engine/routing/default.py)")
+                   help="routing policy; default: the default policy, finish-first:pack (engine/routing/default.py)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -156,7 +156,7 @@ def test_a_target_runs_the_workload_with_replies_of_the_asked_length(tiny_server
     assert (tmp_path / "results.md").read_text().count("| tiny |") == 1
     # a Tandem target says where each turn went and why (its /v1/routing)
     decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
-    assert len(decisions) == 6 and {(d["target"], d["policy"]) for d in decisions} == {("tiny", "finish-first")}
+    assert len(decisions) == 6 and {(d["target"], d["policy"]) for d in decisions} == {("tiny", "finish-first:pack")}
     assert all(d["backend"] == "cpu" and d["reason"] for d in decisions), decisions[0]
 
 

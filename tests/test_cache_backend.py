@@ -293,3 +293,36 @@ def test_the_routers_cache_prediction_sees_a_running_prompt(make_backend, tiny_m
     # The first prompt itself is matched whole (the scheduler tests check its generated tail is not).
     assert b.match(Request(tuple(first + [7, 8]))) == len(first)
     h.cancel()
+
+
+def test_a_next_turn_resumes_its_conversation_and_a_tenants_request_does_not(make_backend, tiny_model):
+    """The backend says which prompt resumes an answered one (the router's signal that a device
+    serves conversations): the next turn holds the last turn's whole prompt, then its reply sent
+    back as text; a request sharing only another's prefix does not."""
+    b = make_backend(tiny_model, n_ctx=2048)
+    system = _text_tokens(tiny_model, 100, seed=20)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    turn1 = system + _text_tokens(tiny_model, 30, seed=21)
+    reply = b.enqueue(Request(tuple(turn1), sp)).result(WAIT).text
+    other = b.enqueue(Request(tuple(system + _text_tokens(tiny_model, 30, seed=22)), sp)).result(WAIT)
+    shared = other.cached_tokens  # the system prompt (and the first words, if they happen to match)
+    assert shared >= 100
+    turn2 = turn1 + tiny_model.tokenize(reply, add_special=False) + _text_tokens(tiny_model, 20, seed=23)
+    assert b.resumed(Request(tuple(turn2))) >= len(turn1) - shared  # its own part, past what both share
+    assert b.resumed(Request(tuple(system + _text_tokens(tiny_model, 30, seed=24)))) == 0
+
+
+def test_a_history_evicted_then_asked_for_again_counts_as_lost(make_backend, tiny_model):
+    """An idle budget of 150 cells: a second request sheds the first one's 203 cached cells, and
+    that prompt sent again is computed again, its whole 32-token blocks counted as lost."""
+    b = make_backend(tiny_model, n_ctx=2048, idle_cache_cells=150)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    history = _text_tokens(tiny_model, 200, seed=30)
+    b.enqueue(Request(tuple(history), sp)).result(WAIT)
+    b.enqueue(Request(tuple(_text_tokens(tiny_model, 60, seed=31)), sp)).result(WAIT)
+    assert b.match(Request(tuple(history + [70]))) == 0, "the history was shed"
+    again = b.enqueue(Request(tuple(history + [70, 71]), sp)).result(WAIT)
+    assert again.cached_tokens == 0
+    stats = b.snapshot().cache
+    assert stats.lost_tokens == 192  # six whole blocks of the 200
+    assert stats.recent_lost_share == pytest.approx(192 / (200 + 60 + 202))

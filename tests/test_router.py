@@ -180,8 +180,8 @@ def test_every_registered_policy_is_made_by_its_name():
                              "cache-aware", "gpu-only", "cpu-only"}
     for name in POLICIES:
         assert make_policy(name).name == name
-    assert make_policy("default").name == DEFAULT_POLICY == "finish-first"
-    assert Router("default").policy == Router().policy == "finish-first"
+    assert make_policy("default").name == DEFAULT_POLICY == "finish-first:pack"
+    assert Router("default").policy == Router().policy == "finish-first:pack"
     assert "default" in policy_names()
     assert make_policy("only:GPU").name == "only:GPU"
     assert make_policy(" only:CPU ").backend == "CPU"
@@ -427,7 +427,7 @@ class TestRouter:
         r = Router()
         with pytest.raises(InvalidRequest):
             r.set_policy("nope")
-        assert r.policy == "finish-first"  # unchanged: the default
+        assert r.policy == "finish-first:pack"  # unchanged: the default
         assert r.set_policy("least-work") == "least-work" and r.policy == "least-work"
 
     @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "cpu-only"])

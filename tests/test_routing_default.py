@@ -1,4 +1,4 @@
-"""The default policy, finish-first (engine/routing/default.py), on synthetic router states:
+"""The default policy, finish-first:pack (engine/routing/default.py), on synthetic router states:
 no model, no threads. Properties over random states (hypothesis) and the study's and the
 H200's decisions by hand."""
 

@@ -277,7 +277,7 @@ def test_health_says_ok(http):
 
 def test_routing_names_the_policy(http):
     routing = http.get("/v1/routing").json()
-    assert routing["policy"] == routing["default_policy"] == "finish-first"  # the engine's default
+    assert routing["policy"] == routing["default_policy"] == "finish-first:pack"  # the engine's default
 
 
 def test_routing_refuses_a_count_that_is_not_a_number(http):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from dataclasses import replace
 
 import pytest
 from PySide6.QtCore import Qt
@@ -81,9 +83,11 @@ def test_the_policy_control_sets_the_routers_policy(make_window, ui_engine):
 
 def test_the_policy_help_says_which_policy_is_the_default(make_window, ui_engine):
     c = make_window().panels["controls"]
-    c.policy_combo.setCurrentText("finish-first")
-    assert ui_engine.router.policy == "finish-first"
+    c.policy_combo.setCurrentText("finish-first:pack")
+    assert ui_engine.router.policy == "finish-first:pack"
     assert c.policy_help.text().startswith("The default:")
+    c.policy_combo.setCurrentText("finish-first")
+    assert not c.policy_help.text().startswith("The default:")
 
 
 def test_the_budget_control_sets_the_routers_budget(make_window, ui_engine):
@@ -190,6 +194,13 @@ def test_a_cards_warm_button_fills_its_cache(qtbot, make_window, ui_engine):
     card = _warmed_card(qtbot, w, ui_engine)
     tick(qtbot, w)
     assert not card.cache_label.text().startswith("0 cached")
+
+
+def test_a_card_shows_the_prompt_tokens_its_cache_evicted_and_was_asked_for_again(make_window, ui_engine):
+    card = make_window().panels["backends"].cards["cpu1"]
+    snap = ui_engine.backend("cpu1").snapshot()
+    card.update_snapshot(replace(snap, cache=replace(snap.cache, evictions=3, lost_tokens=1234)), time.monotonic())
+    assert "3 evicted, 1,234 tok asked for again" in card.cache_label.text()
 
 
 def test_a_cards_flush_button_empties_its_cache(qtbot, make_window, ui_engine):

@@ -177,6 +177,9 @@ class BackendCard(QFrame):
         self.hit_label = QLabel()
         self.cache_label = QLabel()
         self.cache_label.setObjectName("muted")
+        self.cache_label.setToolTip("KV cells the prefix cache holds, those queued requests hold, how many cached "
+                                    "sequences were evicted, and how many prompt tokens came back after their "
+                                    "eviction and were computed again (a pool that keeps too little)")
         self.speed_label = QLabel()
         self.rates_label = QLabel()
         self.rates_label.setObjectName("muted")
@@ -288,7 +291,8 @@ class BackendCard(QFrame):
             self.hit_label.setText("cache off")
         else:
             self.hit_label.setText(f"<b>{c.hit_rate * 100:.1f} %</b>  ({c.hit_tokens:,} / {c.query_tokens:,} tokens)")
-        self.cache_label.setText(f"{c.cached_tokens:,} cached · {c.pinned_tokens:,} pinned · {c.evictions} evicted")
+        self.cache_label.setText(f"{c.cached_tokens:,} cached · {c.pinned_tokens:,} pinned · {c.evictions} evicted, "
+                                 f"{c.lost_tokens:,} tok asked for again")
         self.speed_label.setText(f"prefill {_rate(snap.prefill_tok_s)} · decode {_rate(snap.decode_tok_s)}")
         self.speed_label.setToolTip(f"{snap.steps:,} llama_decode steps so far")
         r = snap.rates

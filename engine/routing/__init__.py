@@ -6,8 +6,10 @@ its help text beside it; `registry` names them; `router.Router` holds the curren
 recent decisions; `types` holds the query, score and decision values; `budget` the study's
 decode-budget modes.
 
-- `finish-first` (`default`, `default.py`): where the request's last token comes first, with
-  the queue, the cache and the batch it joins counted. The default.
+- `finish-first:pack` (`default`, `default.py`): where the request's last token comes first, with
+  the queue, the cache and the batch it joins counted; a device's contexts packed while its
+  requests start fresh, shared out once it serves conversations. The default. `finish-first`:
+  the same, never packed.
 - `seed-score` (`seed_score.py`): the study's score, exactly (SEED.md's golden numbers).
 - `predicted-finish` (`predicted_finish.py`): finish time with decode budgets reserved in KV.
 - `cache-aware` (`cache_aware.py`): prefix affinity for whole tenants, load-balanced.

@@ -1,4 +1,5 @@
-"""`finish-first`, the default policy (`default`): each request goes where it finishes first.
+"""`finish-first`: each request goes where it finishes first; `finish-first:pack`, the default
+policy (`default`), also packs a device's contexts while its requests start fresh.
 
 Everything that decides when the request's last token comes is counted, per backend:
 
@@ -23,6 +24,16 @@ contexts was predicted from its idle calibration (87 tok/s for one sequence) but
 (docs/results/gpu/contexts1). The study's M2 CPU is 15 % of its GPU and keeps its work. Running and queued requests are priced at their whole remaining budget (a
 stop string is not foreseen), the same on every backend.
 
+The contexts one device runs share its compute: the device whose best context finishes first
+wins, then one of its contexts. `finish-first` lets `cache-aware` choose among them.
+`finish-first:pack` packs them while the device's requests start fresh (`FinishFirst._in_use`:
+each context's step reads all the weights and runs its own host work, so the fewest contexts
+that hold the load run fastest), and shares new work out once it serves conversations
+(`FinishFirst._conversing`: a context keeps thinking conversations' histories cached only when
+it holds a few). On one H200 that met two tuned contexts on 4-32 tenants and ran 96 chats in
+35.95 s where eight spread contexts took 36.5 and two tuned ones 52-54 (docs/performance.md,
+"Defaults that never lose").
+
 Why not `seed-score`: it sums the tokens queued on a backend over its aggregate rates and never
 asks when this request would finish; on an H200 beside a 15-thread CPU it sent 256-token
 replies to a CPU that decodes one sequence at ~30 tok/s (issue 25).
@@ -42,9 +53,9 @@ from .policy import Policy, fmt_s, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
 
 NAME = "finish-first"
-HELP = ("The default: each request goes where its last token comes first, counting the queue ahead "
-        "of it under the live cap, its prefill less what is cached there, and its decode at the "
-        "per-sequence speed of the batch it joins.")
+HELP = ("Each request goes where its last token comes first, counting the queue ahead of it under "
+        "the live cap, its prefill less what is cached there, and its decode at the per-sequence "
+        "speed of the batch it joins; among a device's contexts, cache-aware chooses.")
 PACK_NAME = NAME + ":pack"
 PACK_HELP = ("The default: finish-first, with a device's contexts filled before another opens (new work "
              "joins the contexts in use until their caps or pools are full), while its requests do not "
@@ -264,9 +275,11 @@ class FinishFirst(Policy):
         did. Then each new conversation goes to the context holding the fewest requests, and a
         resumed one where cache-aware sends it (home). Packed, 96 chats on one H200 went onto
         five or six contexts, which could not keep every thinking conversation's history (42.0
-        to 47.7 s, 67.5-80.2 % of later turns' prompts cached); spread over eight, 36.5 s and
-        90.1 % (docs/results/gpu/defaults7, defaults8, defaults9). A tenant's request or a
-        one-shot prompt resumes nothing, so such traffic stays packed."""
+        to 47.7 s, 67.5-80.2 % of later turns' prompts cached; docs/results/gpu/defaults7-9);
+        shared out from their eighth request on, 35.95 s and 91.0 % (defaults10). Rules that
+        judged a context full once it shed or recomputed histories came too late: a
+        conversation is placed at its first turn. A tenant's request or a one-shot prompt
+        resumes nothing, so such traffic stays packed."""
         window = self._resumes.setdefault(group, deque(maxlen=CONVERSING_WINDOW))
         window.append(resumes)
         n = sum(window)

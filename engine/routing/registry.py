@@ -1,7 +1,7 @@
 """The policies by name: `POLICIES`, `make_policy()` and each policy's one-line help (`HELP`,
 what the app's policy list shows).
 
-`default` names the default policy (`DEFAULT_POLICY`, today `finish-first`): `--policy
+`default` names the default policy (`DEFAULT_POLICY`, today `finish-first:pack`): `--policy
 default`, `--policies default,...` and the app's choice mean it, and a router made with it
 reports the policy's own name, so `/v1/routing` and the app say which policy the default is.
 """
