@@ -295,7 +295,7 @@ def test_the_routers_cache_prediction_sees_a_running_prompt(make_backend, tiny_m
     h.cancel()
 
 
-def test_a_next_turn_resumes_its_conversation_and_a_tenants_request_does_not(make_backend, tiny_model):
+def test_only_a_next_turn_resumes_an_answered_prompt(make_backend, tiny_model):
     """The backend says which prompt resumes an answered one (the router's signal that a device
     serves conversations): the next turn holds the last turn's whole prompt, then its reply sent
     back as text; a request sharing only another's prefix does not."""

@@ -196,7 +196,7 @@ def test_a_cards_warm_button_fills_its_cache(qtbot, make_window, ui_engine):
     assert not card.cache_label.text().startswith("0 cached")
 
 
-def test_a_card_shows_the_prompt_tokens_its_cache_evicted_and_was_asked_for_again(make_window, ui_engine):
+def test_a_card_shows_the_prompt_tokens_asked_for_again_after_their_eviction(make_window, ui_engine):
     card = make_window().panels["backends"].cards["cpu1"]
     snap = ui_engine.backend("cpu1").snapshot()
     card.update_snapshot(replace(snap, cache=replace(snap.cache, evictions=3, lost_tokens=1234)), time.monotonic())
