@@ -491,7 +491,6 @@ class Backend(BackendBase):
             running = list(sched.running)
             waiting = list(sched.waiting) + queued
             used = sched.kv_cells_used(running)
-            idle_budget = sched.kv.idle_budget(sched.idle_cache_cells, len(running) + 1)
             stats = sched.cache.stats()
             enabled = sched.cache_enabled
             limit = sched.cap
@@ -513,7 +512,6 @@ class Backend(BackendBase):
             threads=self.config.threads,
             kv_cells_used=used,
             kv_cells_total=self.n_ctx,
-            kv_idle_budget=idle_budget,
             kv_bytes=used * cell_bytes,
             kv_bytes_total=self.n_ctx * cell_bytes,
             model_bytes=self.model.info.size_bytes,

@@ -167,7 +167,6 @@ class BackendSnapshot:
     kv_cells_total: int = 0
     kv_bytes: int = 0  # KV cells in use × bytes per cell
     kv_bytes_total: int = 0  # the context's whole KV buffer
-    kv_idle_budget: int = 0  # idle cached cells the pool keeps with one more sequence running; 0: unknown
     model_bytes: int = 0  # weights on this backend's device (shared by backends on the same device)
     # The backend's GPU memory as ggml reports it (ggml_backend_dev_memory; summed over GPUs
     # for a plain `gpu` backend spread over all of them); 0 on a CPU backend.
