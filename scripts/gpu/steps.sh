@@ -551,7 +551,7 @@ chat_llama_server() {  # ~8 min: llama-server at -np 16/32/64, with -kvu and wit
   [ -x "${LCBIN:-/none}/llama-server" ] || { echo "chat_llama_server: no llama-server in \$LCBIN"; return 1; }
   mkdir -p "$OUT/logs"
   _serve_one default 8311; _chat_bench default 8311; _stop_servers
-  _chat_alt 8312
+  _chat_alts 8312
   local np kvu ctx
   for np in ${LLAMA_NPS:-32 16 64}; do
     ctx=$((np > 32 ? 262144 : 131072))
@@ -576,20 +576,24 @@ chat_cache() {  # ~7 min: what the default layout's caches keep on the chat work
     _stop_servers
   done
 }
-_chat_alt() {  # _chat_alt PORT: the chat workload on `tandem serve` with the backends in $ALT_BACKENDS, if set
-  [ -n "${ALT_BACKENDS:-}" ] || return 0
-  local specs=() b; for b in $ALT_BACKENDS; do specs+=(--backend "$b"); done
-  _serve_one "${ALT_LABEL:-alt}" "$1" "${specs[@]}"; _chat_bench "${ALT_LABEL:-alt}${CHAT_SUFFIX:-}" "$1"; _stop_servers
+_chat_alts() {  # _chat_alts PORT: the chat workload on one `tandem serve` per $ALTS entry (as in defaults_http:
+               # "label=spec+spec[@policy];..."), one at a time, labelled alt-LABEL$CHAT_SUFFIX
+  local alts a
+  IFS=';' read -ra alts <<< "${ALTS:-}"
+  for a in "${alts[@]}"; do
+    _alt_parse "$a"
+    _serve_one "chat-alt-$ALT_NAME" "$1" "${ALT_ARGS[@]}"; _chat_bench "alt-$ALT_NAME${CHAT_SUFFIX:-}" "$1"; _stop_servers
+  done
 }
 
 chat_contexts() {  # ~8.5 min: contexts per GPU on the chat workload at CHAT_NS conversations (96 192 24): the
-                  # default (no --backend) against the default layout with 8 GPU contexts ($ALT_BACKENDS, e.g.
-                  # "gpu:contexts=8 cpu:threads=15") and two default processes behind Tandem's router
+                  # default (no --backend) against each layout of $ALTS (e.g. "contexts-8=gpu:contexts=8+cpu:threads=15")
+                  # and two default processes behind Tandem's router
   mkdir -p "$OUT/logs"
   local n
   for n in ${CHAT_NS:-96 192 24}; do
     _serve_one "default-$n" 8311; CHAT_N=$n _chat_bench "default-n$n" 8311; _stop_servers
-    CHAT_N=$n CHAT_SUFFIX=-n$n _chat_alt 8312
+    CHAT_N=$n CHAT_SUFFIX=-n$n _chat_alts 8312
     _two_processes 8304; CHAT_N=$n _chat_bench "two-processes-n$n" 8304; _stop_servers
   done
 }
@@ -655,12 +659,9 @@ chat_tuned() {  # ~3.5 min: issue 26's chat workload (CHAT_N, 96, conversations)
                 # tuned CHAT_TUNED (two-ctx-cap32 two-ctx-cap64), each of $ALTS (as in defaults_http) and four
                 # contexts under cache-aware (CHAT_CTX4=0: not), one server at a time
   mkdir -p "$OUT/logs"
-  local t name alts a
+  local t name
   _serve_one chat-default 8311; _chat_bench default 8311; _stop_servers
-  IFS=';' read -ra alts <<< "${ALTS:-}"
-  for a in "${alts[@]}"; do
-    _alt_parse "$a"; _serve_one "chat-alt-$ALT_NAME" 8311 "${ALT_ARGS[@]}"; _chat_bench "alt-$ALT_NAME" 8311; _stop_servers
-  done
+  _chat_alts 8311
   for name in ${CHAT_TUNED:-two-ctx-cap32 two-ctx-cap64}; do
     for t in "${TUNED[@]}"; do
       [ "${t%%=*}" = "$name" ] || continue
