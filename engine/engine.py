@@ -189,9 +189,9 @@ class Engine:
             candidates = [b for b in serving if request.backend in (None, b.name)]
             for b in candidates:
                 b.validate(request)
-            cached = {b.name: b.match(request) for b in serving}
-            resumed = {b.name: b.resumed(request) for b in serving}
-            query = RouteQuery.from_request(request, cached, moved_from, continued, resumed)
+            prefixes = {b.name: b.cached_prefix(request) for b in serving}
+            query = RouteQuery.from_request(request, {name: n for name, (n, _) in prefixes.items()}, moved_from,
+                                            continued, {name: r for name, (_, r) in prefixes.items()})
             for attempt in range(len(serving)):
                 decision = self.router.route(query, [b.snapshot() for b in serving])
                 backend = self.backends[decision.backend]

@@ -308,8 +308,8 @@ def test_only_a_next_turn_resumes_an_answered_prompt(make_backend, tiny_model):
     shared = other.cached_tokens  # the system prompt (and the first words, if they happen to match)
     assert shared >= 100
     turn2 = turn1 + tiny_model.tokenize(reply, add_special=False) + _text_tokens(tiny_model, 20, seed=23)
-    assert b.resumed(Request(tuple(turn2))) >= len(turn1) - shared  # its own part, past what both share
-    assert b.resumed(Request(tuple(system + _text_tokens(tiny_model, 30, seed=24)))) == 0
+    assert b.cached_prefix(Request(tuple(turn2)))[1] >= len(turn1) - shared  # its own part, past what both share
+    assert b.cached_prefix(Request(tuple(system + _text_tokens(tiny_model, 30, seed=24))))[1] == 0
 
 
 def test_a_history_evicted_then_asked_for_again_counts_as_lost(make_backend, tiny_model):

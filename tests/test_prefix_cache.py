@@ -360,17 +360,17 @@ class TestLost:
         prompt = self.SYSTEM + self.HISTORY
         cache = make_cache((self.SYSTEM + [7] * 40, 2))
         cache.insert(prompt + [6] * 20, 1, prompt_end=len(prompt))  # the last turn and its reply
-        assert cache.resumed_length(prompt + [5] * 30) == len(self.HISTORY)  # the reply re-tokenized
-        assert cache.resumed_length(prompt + [6] * 20 + [9]) == len(self.HISTORY) + 20
-        assert cache.resumed_length(prompt[:-1] + [5] * 30) == 0  # parts before that prompt's end
-        assert cache.resumed_length(self.SYSTEM + [7, 5]) == 0  # a newcomer
-        assert cache.resumed_length(prompt, max_len=len(prompt) - 1) == 0  # sent again: all but its last token
+        assert cache.match_resumed(prompt + [5] * 30)[1] == len(self.HISTORY)  # the reply re-tokenized
+        assert cache.match_resumed(prompt + [6] * 20 + [9])[1] == len(self.HISTORY) + 20
+        assert cache.match_resumed(prompt[:-1] + [5] * 30)[1] == 0  # parts before that prompt's end
+        assert cache.match_resumed(self.SYSTEM + [7, 5])[1] == 0  # a newcomer
+        assert cache.match_resumed(prompt, max_len=len(prompt) - 1)[1] == 0  # sent again: all but its last token
 
     def test_a_prompt_published_while_it_ran_keeps_its_end(self):
         prompt = self.SYSTEM + self.HISTORY
         cache = make_cache((prompt, 1))  # published while it ran
         cache.insert(prompt + [6] * 20, 2, prompt_end=len(prompt))  # then done
-        assert cache.resumed_length(prompt + [5] * 30) == len(prompt)  # nothing shared: all its own
+        assert cache.match_resumed(prompt + [5] * 30)[1] == len(prompt)  # nothing shared: all its own
 
     def test_a_split_keeps_the_prompts_end_on_the_path(self):
         prompt = self.SYSTEM + self.HISTORY
@@ -378,7 +378,7 @@ class TestLost:
         cache.insert(prompt + [6] * 20, 1, prompt_end=len(prompt))
         cache.insert(prompt + [6] * 10 + [8] * 5, 2)  # another continuation splits the reply
         cache.check_invariants()
-        assert cache.resumed_length(prompt + [5] * 30) == len(prompt)
+        assert cache.match_resumed(prompt + [5] * 30)[1] == len(prompt)
 
     def test_a_tenants_second_request_resumes_nothing(self):
         """It shares the first one's prefix and parts before that request's prompt ends."""
@@ -386,12 +386,12 @@ class TestLost:
         cache = make_cache()
         cache.insert(tenant + [1] * 50 + [2] * 100, 1, prompt_end=len(tenant) + 50)
         assert cache.match_length(tenant + [3] * 50) == len(tenant)
-        assert cache.resumed_length(tenant + [3] * 50) == 0
+        assert cache.match_resumed(tenant + [3] * 50)[1] == 0
 
     def test_a_warmed_prefix_was_never_answered(self):
         cache = make_cache((self.SYSTEM, 1))
         cache.insert(self.SYSTEM, 2, prompt_end=len(self.SYSTEM))
-        assert cache.resumed_length(self.SYSTEM + [3] * 50) == 0
+        assert cache.match_resumed(self.SYSTEM + [3] * 50)[1] == 0
 
     def test_flushed_prefixes_are_not_lost_later(self):
         cache = make_cache((self.SYSTEM + self.HISTORY, 1))

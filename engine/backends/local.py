@@ -320,9 +320,9 @@ class Backend(BackendBase):
         """
         return self._sched.match_tokens(request.prompt_tokens)
 
-    def resumed(self, request: Request) -> int:
-        """Of `match`, the own history of an earlier request that this one resumes."""
-        return self._sched.resumed_tokens(request.prompt_tokens)
+    def cached_prefix(self, request: Request) -> tuple[int, int]:
+        """`match`, and of it the own history of an earlier request that this one resumes."""
+        return self._sched.match_resumed(request.prompt_tokens)
 
     def pin_prefix(self, request: Request) -> tuple[int, object]:
         """Match and pin the usable cached prefix of the prompt (any thread): `(length, pin)`.

@@ -90,8 +90,8 @@ class NullBackend(BackendBase):
     def match(self, request: Request) -> int:
         return 0
 
-    def resumed(self, request: Request) -> int:
-        return 0
+    def cached_prefix(self, request: Request) -> tuple[int, int]:
+        return 0, 0
 
     def pin_prefix(self, request: Request) -> tuple[int, object]:
         return 0, None

@@ -68,10 +68,10 @@ class BackendProtocol(Protocol):
     def match(self, request: Request) -> int:
         """Prompt tokens this backend's cache holds (or is predicted to hold) for `request`."""
 
-    def resumed(self, request: Request) -> int:
-        """Of `match`, the own history of an earlier request that `request` resumes here (a
-        conversation's next turn), past what other cached prompts share; 0 where none, or where
-        the backend cannot tell."""
+    def cached_prefix(self, request: Request) -> tuple[int, int]:
+        """`match`, and of it the own history of an earlier request that `request` resumes here
+        (a conversation's next turn), past what other cached prompts share: 0 where none, or
+        where the backend cannot tell. One lookup, for the router."""
 
     def pin_prefix(self, request: Request) -> tuple[int, object]:
         """`(cached tokens, pin)`: keep the match from eviction until admission; pin may be None."""

@@ -222,16 +222,13 @@ class ContextRunner:
             if tok == null:
                 deadline = deadline or self._search_deadline(decode, plan, dt)
                 tok = smp.sample(ctx, row, deadline)
-                if tok == DEAD_END:
-                    self.dead_ends.append(s)
-                    tok = None
-                elif tok == PENDING:  # its grammar search goes on next step
-                    self.grammar_deferrals += 1
-                    tok = SEARCHING if s.sp.logprobs is None else None
-                elif s.sp.logprobs is not None:  # its chain is a host one (`Sampler.host`)
+                if tok in (DEAD_END, PENDING):
+                    append(self._unsettled(s, tok))
+                    continue
+                if s.sp.logprobs is not None:  # its chain is a host one (`Sampler.host`)
                     lps = lps or {}
                     lps[row] = self.token_logprob(row, tok, s.sp.logprobs)
-            if smp.guards_eog and tok is not None and is_eog(tok):
+            if smp.guards_eog and is_eog(tok):
                 self._redo(s)
                 tok = None
             append(tok)
@@ -242,12 +239,8 @@ class ContextRunner:
                 smp = s.sampler
                 deadline = deadline or self._search_deadline(decode, plan, dt)
                 tok = smp.sample(ctx, s.row, deadline)
-                if tok == DEAD_END:
-                    self.dead_ends.append(s)
-                    tok = None
-                elif tok == PENDING:
-                    self.grammar_deferrals += 1
-                    tok = SEARCHING if s.sp.logprobs is None else None
+                if tok in (DEAD_END, PENDING):
+                    tok = self._unsettled(s, tok)
                 else:
                     if s.sp.logprobs is not None:
                         lps = lps or {}
@@ -267,13 +260,17 @@ class ContextRunner:
         if s.sampler is None:
             raise RuntimeError(f"request {s.req.id} searches for a token without a sampler chain")
         tok = s.sampler.go_on(deadline)
-        if tok == PENDING:
-            self.grammar_deferrals += 1
-            return SEARCHING
+        return self._unsettled(s, tok) if tok in (DEAD_END, PENDING) else tok
+
+    def _unsettled(self, s: SeqState, tok: int) -> int | None:
+        """What a grammar search that gave no token leaves in the step's answer: None for a
+        dead end (`s` into `dead_ends`); for a search that goes on, `SEARCHING`, or None for a
+        request with logprobs (they are read from the row, so its input is decoded again)."""
         if tok == DEAD_END:
             self.dead_ends.append(s)
             return None
-        return tok
+        self.grammar_deferrals += 1
+        return SEARCHING if s.sp.logprobs is None else None
 
     def _search_deadline(self, decode: list[SeqState], plan: Plan, dt: float) -> float:
         """When this step's grammar searches stop (`GRAMMAR_SHARE`, `GRAMMAR_ALONE_SHARE`)."""

@@ -40,7 +40,7 @@ class RouteQuery:
     moved_from: str | None = None
     continued: int = 0
     # Of `cached`, per backend, the own history of an earlier request this prompt resumes there
-    # (a conversation's next turn), past a system prompt others share (PrefixCache.resumed_length).
+    # (a conversation's next turn), past a system prompt others share (PrefixCache.match_resumed).
     resumed: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod

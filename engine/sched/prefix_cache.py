@@ -211,20 +211,20 @@ class PrefixCache:
         with self._lock:
             return self._walk(tokens, max_len)[0]
 
-    def resumed_length(self, tokens: Sequence[int], max_len: int | None = None) -> int:
-        """How much of an earlier request this prompt resumes: when its match covers the whole
-        prompt of a cached request that was answered (a conversation's next turn holds the
-        last turn's prompt, then its reply), the matched tokens past the deepest node where
-        cached prompts part (two or more children), i.e. the conversation's own history below
-        a system prompt that many share; else 0. A tenant's request shares only the start of
-        another's prompt, a warmed prefix was never answered, and a prompt sent again whole
-        matches all but its last token."""
+    def match_resumed(self, tokens: Sequence[int], max_len: int | None = None) -> tuple[int, int]:
+        """`match_length(tokens, max_len)` and, in the same walk, how much of an earlier request
+        this prompt resumes: when its match covers the whole prompt of a cached request that was
+        answered (a conversation's next turn holds the last turn's prompt, then its reply), the
+        matched tokens past the deepest node where cached prompts part (two or more children),
+        i.e. the conversation's own history below a system prompt that many share; else 0. A
+        tenant's request shares only the start of another's prompt, a warmed prefix was never
+        answered, and a prompt sent again whole matches all but its last token."""
         with self._lock:
             length, _, path = self._walk(tokens, max_len)
             if not any(0 < n.prompt_end <= length for n in path):
-                return 0
+                return length, 0
             parted = max((n.end for n in path if n.end <= length and len(n.children) > 1), default=0)
-            return length - parted
+            return length, length - parted
 
     def holder_for(self, node: TreeNode) -> int | None:
         """A live seq whose cells hold every token from the root to `node` (the most
@@ -282,7 +282,7 @@ class PrefixCache:
         """Record that llama.cpp seq `seq_id` holds the KV of `tokens` at positions
         [0, len(tokens)): a finished request's prompt and output, as far as it was decoded.
         `prompt_end`, the length of its prompt, is kept where a reply follows it
-        (`resumed_length`).
+        (`match_resumed`).
 
         - All of `tokens` already cached: `seq_id` itself is redundant and returned.
         - `tokens` extend a leaf: the new leaf takes `seq_id`, and the old leaf's holder,

@@ -31,6 +31,11 @@ class Reuse(Protocol):
         """Cached tokens a request of `tokens` would reuse (the router's estimate)."""
         ...
 
+    def match_resumed(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, int]:
+        """`match_length`, and of it an earlier request's own part that `tokens` resumes
+        (`PrefixCache.match_resumed`)."""
+        ...
+
     def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
         """Match and pin that prefix for a request about to be queued: `(length, pin)`, the pin
         keeping it from eviction until admission; (0, None) when nothing matched. Raises
@@ -73,6 +78,9 @@ class RadixReuse:
     def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
         return cache.match_length(tokens, max_len=len(tokens) - 1)
 
+    def match_resumed(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, int]:
+        return cache.match_resumed(tokens, max_len=len(tokens) - 1)
+
     def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
         m = cache.match(tokens, max_len=len(tokens) - 1)
         return (m.length, cache.pin(m)) if m.length else (0, None)
@@ -102,6 +110,9 @@ class NullCache:
 
     def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
         return 0
+
+    def match_resumed(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, int]:
+        return 0, 0
 
     def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
         return 0, None

@@ -371,10 +371,9 @@ class Scheduler:
     def match_tokens(self, tokens) -> int:
         return self.reuse.match_length(self.cache, tokens)
 
-    def resumed_tokens(self, tokens) -> int:
-        """Of `match_tokens`, an earlier request's own part that this prompt resumes
-        (`PrefixCache.resumed_length`)."""
-        return self.cache.resumed_length(tokens, max_len=len(tokens) - 1) if self.reuse.enabled else 0
+    def match_resumed(self, tokens) -> tuple[int, int]:
+        """`match_tokens`, and of it an earlier request's own part that this prompt resumes."""
+        return self.reuse.match_resumed(self.cache, tokens)
 
     def pin_prefix(self, tokens) -> tuple[int, Pin | None]:
         """The cached prefix a request of `tokens` about to be queued reuses, pinned (Reuse.pin)."""

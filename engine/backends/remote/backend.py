@@ -313,9 +313,9 @@ class RemoteBackend(BackendBase):
             n = self._tree.match(key)
         return self._tokens(n, per_token, request)
 
-    def resumed(self, request: Request) -> int:
-        """0: the predicted tree does not know where the engine's requests end."""
-        return 0
+    def cached_prefix(self, request: Request) -> tuple[int, int]:
+        """`match`; nothing resumed: the predicted tree does not know where the engine's requests end."""
+        return self.match(request), 0
 
     def _key(self, request: Request):
         """`_key()`, remembered for the last requests (the router matches every backend)."""
