@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core.errors import InvalidRequest
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
 from engine.routing.default import CONVERSING_SHARE, CONVERSING_WINDOW, MIN_PEAK_SHARE, OPEN_KV_SHARE, RESUMED_MIN
@@ -154,6 +155,40 @@ def test_an_idle_context_opens_when_every_context_in_use_holds_its_cap():
     d = Router(PACK).route(query(prompt=1550, max_tokens=128), _contexts(32, 32, 0, 0))
     assert d.backend == "gpu-c", d.reason
     assert "every context in use is full (gpu-a holds 32 at cap 32; gpu-b holds 32 at cap 32), so gpu-c opens" in d.reason
+
+
+def test_min_contexts_keeps_that_many_of_a_devices_contexts_in_use():
+    """`finish-first:pack:min_contexts=2`: an idle device's first request may go to either of
+    its first two contexts, and with one in use a second stays open beside it (cache-aware
+    chooses: the idle one here)."""
+    r = Router(f"{PACK}:min_contexts=2")
+    d = r.route(query(prompt=1550, max_tokens=128), _contexts(0, 0, 0, 0))
+    assert d.backend == "gpu-a" and "all 4 idle, the first 2" in d.reason, d.reason
+    d = r.route(query(prompt=1550, max_tokens=128), _contexts(6, 0, 0, 0))
+    assert d.backend == "gpu-b", d.reason
+    assert "1 in use, 2 kept in use" in d.reason
+    d = r.route(query(prompt=1550, max_tokens=128), _contexts(6, 6, 0, 0))
+    assert d.backend in ("gpu-a", "gpu-b"), d.reason  # two in use, neither full: no third opens
+
+
+def test_fill_opens_another_context_below_the_live_cap():
+    q = query(prompt=1550, max_tokens=128)
+    assert Router(PACK).route(q, _contexts(16, 0, 0)).backend == "gpu-a"  # live cap 32
+    d = Router(f"{PACK}:fill=16").route(q, _contexts(16, 0, 0))
+    assert d.backend == "gpu-b", d.reason
+    assert "every context in use is full (gpu-a holds 16, filled at 16), so gpu-b opens" in d.reason
+    assert Router(f"{PACK}:fill=16").route(q, _contexts(15, 0, 0)).backend == "gpu-a"
+
+
+@pytest.mark.parametrize("spec, error", [("min_contexts=0", "at least 1"), ("fill=x", "whole number"),
+                                         ("open=2", "not one of min_contexts=, fill=")])
+def test_a_bad_pack_parameter_is_a_clear_error(spec, error):
+    with pytest.raises(InvalidRequest, match=error):
+        Router(f"{PACK}:{spec}")
+
+
+def test_pack_parameters_name_the_policy_in_a_fixed_order():
+    assert Router(f"{PACK}:fill=16,min_contexts=2").policy == f"{PACK}:min_contexts=2,fill=16"
 
 
 def test_a_context_whose_pool_is_half_used_is_full():

@@ -46,6 +46,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from engine.core.errors import InvalidRequest
 from engine.core.snapshot import BackendSnapshot, Rates
 
 from .cache_aware import CacheAware, RecentPrefixes
@@ -188,9 +189,14 @@ class FinishFirst(Policy):
     name = NAME
     uses_budget = False
 
-    def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False):
+    def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False, min_contexts: int = 1,
+                 fill: int = 0):
+        if min_contexts < 1 or fill < 0:
+            raise ValueError("min_contexts must be at least 1 and fill at least 0")
         self.recent = recent or RecentPrefixes()
         self.pack = pack  # `finish-first:pack`: a device's contexts in use first (`_in_use`)
+        self.min_contexts = min_contexts  # contexts kept in use, at least
+        self.fill = fill  # requests a context in use holds before another opens (0: its live cap)
         if pack:
             self.name = PACK_NAME
         self.within = CacheAware()  # among the contexts of one device
@@ -301,7 +307,11 @@ class FinishFirst(Policy):
         if not idle:
             return busy, ""
         if not busy:
-            return idle[:1], f"all {len(idle)} idle, the first: "
+            first = idle[:self.min_contexts]
+            return first, f"all {len(idle)} idle, the first{f' {len(first)}' if len(first) > 1 else ''}: "
+        if len(busy) < self.min_contexts:
+            kept = busy + idle[:self.min_contexts - len(busy)]
+            return kept, f"{len(busy)} in use, {len(kept)} kept in use: "
         full = [self._full(s, query) for s in busy]
         if all(full):
             why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full))
@@ -317,6 +327,8 @@ class FinishFirst(Policy):
         total = snap.kv_cells_total
         if len(snap.items) >= max(snap.cap, 1):
             return f"holds {len(snap.items)} at cap {snap.cap}"
+        if self.fill and len(snap.items) >= self.fill:
+            return f"holds {len(snap.items)}, filled at {self.fill}"
         if total > 0 and snap.kv_cells_used + own + HEADROOM_CELLS > OPEN_KV_SHARE * total:
             return f"would use {snap.kv_cells_used + own:,} of {total:,} KV cells"
         return ""
@@ -378,3 +390,28 @@ class FinishFirst(Policy):
                 f"tokens in {f.prefill_s:.3f} s{cached}; decodes {q.max_tokens:,} tokens at batch {f.batch} "
                 f"in {f.decode_s:.3f} s, {per_seq:.0f} tok/s for it)")
 
+
+PACK_PARAMS = {"min_contexts": int, "fill": int}
+
+
+def pack_from_spec(spec: str) -> FinishFirst:
+    """`finish-first:pack:KEY=VALUE,...`: the packed policy with `min_contexts` (a device's contexts
+    kept in use, at least; 1) and `fill` (the requests a context in use holds before another
+    opens; 0, its live cap). The policy's name is the spec with its parameters in a fixed order."""
+    kw: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in spec[len(PACK_NAME) + 1:].split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in PACK_PARAMS:
+            raise InvalidRequest(f"policy {spec!r}: {item!r} is not one of "
+                                 f"{', '.join(k + '=' for k in PACK_PARAMS)}", param="policy")
+        try:
+            kw[key] = PACK_PARAMS[key](value)
+        except ValueError:
+            raise InvalidRequest(f"policy {spec!r}: {key} must be a whole number", param="policy") from None
+    try:
+        policy = FinishFirst(pack=True, **kw)
+    except ValueError as e:
+        raise InvalidRequest(f"policy {spec!r}: {e}", param="policy") from None
+    if kw:
+        policy.name = f"{PACK_NAME}:" + ",".join(f"{k}={kw[k]}" for k in PACK_PARAMS if k in kw)
+    return policy

@@ -16,7 +16,7 @@ from .cache_aware import HELP as CACHE_AWARE_HELP
 from .cache_aware import CacheAware, from_spec
 from .default import HELP as DEFAULT_HELP
 from .default import NAME as DEFAULT_NAME
-from .default import PACK_HELP, PACK_NAME, FinishFirst
+from .default import PACK_HELP, PACK_NAME, FinishFirst, pack_from_spec
 from .least_work import HELP as LEAST_WORK_HELP
 from .least_work import LeastWork
 from .only import HELP as ONLY_HELP
@@ -64,15 +64,16 @@ def resolve(name: str) -> str:
 
 def policy_names() -> list[str]:
     """Every valid policy name, with `only:NAME` and `cache-aware:KEY=VALUE,...` as patterns."""
-    return [DEFAULT, *POLICIES, "only:NAME", "cache-aware:KEY=VALUE,..."]
+    return [DEFAULT, *POLICIES, "only:NAME", "cache-aware:KEY=VALUE,...", f"{PACK_NAME}:KEY=VALUE,..."]
 
 
 def make_policy(name: str) -> Policy:
     """A fresh policy for `name`; InvalidRequest otherwise.
 
-    `name` is `default`, a `POLICIES` key, `only:NAME`, or `cache-aware:` with `CacheAware`'s
-    parameters, e.g. `cache-aware:cache_threshold=0.3,balance_abs=8` (the policy's name is then
-    that spec with the parameters in a fixed order, so `Router.clear()` rebuilds the same policy).
+    `name` is `default`, a `POLICIES` key, `only:NAME`, `cache-aware:` with `CacheAware`'s
+    parameters, e.g. `cache-aware:cache_threshold=0.3,balance_abs=8`, or `finish-first:pack:` with
+    its own, e.g. `finish-first:pack:min_contexts=2,fill=16` (the policy's name is then that spec
+    with the parameters in a fixed order, so `Router.clear()` rebuilds the same policy).
     """
     name = resolve(name)
     if name in POLICIES:
@@ -81,6 +82,8 @@ def make_policy(name: str) -> Policy:
         return OnlyBackend(backend=name[len("only:"):].strip())
     if name.startswith("cache-aware:"):
         return from_spec(name)
+    if name.startswith(PACK_NAME + ":"):
+        return pack_from_spec(name)
     raise InvalidRequest(
         f"unknown routing policy {name!r}; valid: {', '.join(policy_names())}", param="policy"
     )

@@ -603,12 +603,20 @@ chat_contexts() {  # ~8.5 min: contexts per GPU on the chat workload at CHAT_NS 
 TUNED=(one-ctx-cap16="$G:contexts=1,cap=16,adaptive=0,threads=8" one-ctx-cap32="$G:contexts=1,cap=32,adaptive=0,threads=8"
        one-ctx-cap64="$G:contexts=1,cap=64,adaptive=0,threads=8" two-ctx-cap16="$G:contexts=2,cap=16,adaptive=0,threads=8"
        two-ctx-cap32="$G:contexts=2,cap=32,adaptive=0,threads=8" two-ctx-cap64="$G:contexts=2,cap=64,adaptive=0,threads=8")
-_tuned_servers() {  # one `tandem serve` per TUNED entry on ports 8101..., the default (nothing else) on 8100
+_tuned() {  # _tuned LABEL: whether the TUNED entry LABEL runs in this call (TUNED_ONLY: the labels that do; all)
+  [ -z "${TUNED_ONLY:-}" ] || [[ " $TUNED_ONLY " == *" $1 "* ]]
+}
+_tuned_servers() {  # one `tandem serve` per TUNED entry on ports 8101..., the default (nothing else) on 8100;
+                    # TUNED_PORTS: the ports started
   local i=1 t
   _serve_bg "$OUT/logs/serve-default.log" 8100
+  TUNED_PORTS=(8100)
   for t in "${TUNED[@]}"; do
-    local policy=(); [[ ${t#*=} == *contexts=2* ]] && policy=(--policy cache-aware)
-    _serve_bg "$OUT/logs/serve-tuned-${t%%=*}.log" $((8100 + i)) --backend "${t#*=}" "${policy[@]}"
+    if _tuned "${t%%=*}"; then
+      local policy=(); [[ ${t#*=} == *contexts=2* ]] && policy=(--policy cache-aware)
+      _serve_bg "$OUT/logs/serve-tuned-${t%%=*}.log" $((8100 + i)) --backend "${t#*=}" "${policy[@]}"
+      TUNED_PORTS+=($((8100 + i)))
+    fi
     i=$((i + 1))
   done
 }
@@ -617,7 +625,7 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
   local dir=$1 skip=" $2 " i=1 t a alts targets=(--target "default=http://127.0.0.1:8100")
   shift 2
   for t in "${TUNED[@]}"; do
-    [[ $skip == *" ${t%%=*} "* ]] || targets+=(--target "tuned-${t%%=*}=http://127.0.0.1:$((8100 + i))")
+    [[ $skip == *" ${t%%=*} "* ]] || ! _tuned "${t%%=*}" || targets+=(--target "tuned-${t%%=*}=http://127.0.0.1:$((8100 + i))")
     i=$((i + 1))
   done
   IFS=';' read -ra alts <<< "${ALTS:-}"; i=0
@@ -633,11 +641,12 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
 defaults_http() {  # issue 25's must-show, every row served over HTTP: `tandem serve --model M` with nothing else
                    # against each TUNED configuration, on HTTP_WORKLOADS (n48 long tenants), RUNS (3) interleaved runs,
                    # ratios to the best tuned row per workload (~4 min for tenants, ~3 for n48 + long; $ALTS beside,
-                   # on ports 8098...; TENANT_SKIP: tuned rows left out of the tenant runs)
+                   # on ports 8098...; TENANT_SKIP: tuned rows left out of the tenant runs; TUNED_ONLY: the tuned
+                   # rows started at all)
   mkdir -p "$OUT/logs"
   _tuned_servers
   _alt_servers || { _stop_servers; return 1; }
-  _wait_ready 8100 8101 8102 8103 8104 8105 8106 || { _stop_servers; return 1; }
+  _wait_ready "${TUNED_PORTS[@]}" || { _stop_servers; return 1; }
   local w n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
   for w in ${HTTP_WORKLOADS:-n48 long tenants}; do
     case $w in
