@@ -409,7 +409,7 @@ def pack_from_spec(spec: str) -> FinishFirst:
         except ValueError:
             raise InvalidRequest(f"policy {spec!r}: {key} must be a whole number", param="policy") from None
     try:
-        policy = FinishFirst(pack=True, **kw)
+        policy = FinishFirst(None, pack=True, **kw)
     except ValueError as e:
         raise InvalidRequest(f"policy {spec!r}: {e}", param="policy") from None
     if kw:
