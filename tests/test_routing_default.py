@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 from engine.core.errors import InvalidRequest
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
-from engine.routing.default import CONVERSING_SHARE, CONVERSING_WINDOW, MIN_PEAK_SHARE, OPEN_KV_SHARE, RESUMED_MIN
+from engine.routing.default import (
+    CONVERSING_SHARE,
+    CONVERSING_WINDOW,
+    FILL,
+    MIN_CONTEXTS,
+    MIN_PEAK_SHARE,
+    OPEN_KV_SHARE,
+    RESUMED_MIN,
+)
 from engine.routing.default import PACK_NAME as PACK
 
 M2_GPU = Rates(prefill_tok_s=2551, decode_tok_s=293, source="override")
@@ -141,43 +149,48 @@ def _contexts(*items_per_context, cap=32, used=(), total=65536):
 
 
 def test_a_devices_requests_stay_on_its_contexts_in_use_until_they_are_full():
-    """New work joins the context already running (a larger batch of one context, not eight
-    small ones each stepping on its own), even though an idle context would finish it sooner."""
-    ctx = _contexts(6, 0, 0, 0)
+    """New work joins the MIN_CONTEXTS contexts already running (larger batches of two contexts,
+    not eight small ones each stepping on its own), even though an idle one would finish it sooner."""
+    ctx = _contexts(6, 6, 0, 0)
     q = query(prompt=1550, max_tokens=128)
-    assert finish_time(q, ctx[1]).finish_s < finish_time(q, ctx[0]).finish_s
+    assert finish_time(q, ctx[2]).finish_s < finish_time(q, ctx[0]).finish_s
     d = Router(PACK).route(q, ctx)
-    assert d.backend == "gpu-a", d.reason
-    assert "1 in use, 3 idle until those are full" in d.reason
+    assert d.backend in ("gpu-a", "gpu-b"), d.reason
+    assert "2 in use, 2 idle until those are full" in d.reason
 
 
-def test_an_idle_context_opens_when_every_context_in_use_holds_its_cap():
-    d = Router(PACK).route(query(prompt=1550, max_tokens=128), _contexts(32, 32, 0, 0))
-    assert d.backend == "gpu-c", d.reason
-    assert "every context in use is full (gpu-a holds 32 at cap 32; gpu-b holds 32 at cap 32), so gpu-c opens" in d.reason
-
-
-def test_min_contexts_keeps_that_many_of_a_devices_contexts_in_use():
-    """`finish-first:pack:min_contexts=2`: an idle device's first request may go to either of
-    its first two contexts, and with one in use a second stays open beside it (cache-aware
-    chooses: the idle one here)."""
-    r = Router(f"{PACK}:min_contexts=2")
+def test_two_contexts_are_kept_in_use():
+    """An idle device's first request may go to either of its first two contexts; with one in
+    use, a second stays open beside it (cache-aware chooses: the idle one here)."""
+    assert MIN_CONTEXTS == 2
+    r = Router(PACK)
     d = r.route(query(prompt=1550, max_tokens=128), _contexts(0, 0, 0, 0))
     assert d.backend == "gpu-a" and "all 4 idle, the first 2" in d.reason, d.reason
     d = r.route(query(prompt=1550, max_tokens=128), _contexts(6, 0, 0, 0))
     assert d.backend == "gpu-b", d.reason
     assert "1 in use, 2 kept in use" in d.reason
-    d = r.route(query(prompt=1550, max_tokens=128), _contexts(6, 6, 0, 0))
-    assert d.backend in ("gpu-a", "gpu-b"), d.reason  # two in use, neither full: no third opens
+    d = Router(f"{PACK}:min_contexts=1").route(query(prompt=1550, max_tokens=128), _contexts(6, 0, 0, 0))
+    assert d.backend == "gpu-a", d.reason
+    assert "1 in use, 3 idle until those are full" in d.reason
 
 
-def test_fill_opens_another_context_below_the_live_cap():
+def test_an_idle_context_opens_when_every_context_in_use_holds_its_cap():
+    d = Router(PACK).route(query(prompt=1550, max_tokens=128), _contexts(16, 16, 0, 0, cap=16))
+    assert d.backend == "gpu-c", d.reason
+    assert "every context in use is full (gpu-a holds 16 at cap 16; gpu-b holds 16 at cap 16), so gpu-c opens" in d.reason
+
+
+def test_a_context_is_full_at_fill_though_its_live_cap_climbed():
+    """A live cap of 64 (climbed while requests waited) does not fill one context to 64: at FILL,
+    another opens. `fill=0` leaves the live cap alone."""
     q = query(prompt=1550, max_tokens=128)
-    assert Router(PACK).route(q, _contexts(16, 0, 0)).backend == "gpu-a"  # live cap 32
-    d = Router(f"{PACK}:fill=16").route(q, _contexts(16, 0, 0))
-    assert d.backend == "gpu-b", d.reason
-    assert "every context in use is full (gpu-a holds 16, filled at 16), so gpu-b opens" in d.reason
-    assert Router(f"{PACK}:fill=16").route(q, _contexts(15, 0, 0)).backend == "gpu-a"
+    d = Router(PACK).route(q, _contexts(FILL, FILL, 0, cap=64))
+    assert d.backend == "gpu-c", d.reason
+    assert f"gpu-a holds {FILL}, filled at {FILL}" in d.reason
+    assert Router(PACK).route(q, _contexts(FILL - 1, FILL, 0, cap=64)).backend == "gpu-a"
+    assert Router(f"{PACK}:fill=0").route(q, _contexts(FILL, FILL, 0, cap=64)).backend in ("gpu-a", "gpu-b")
+    d = Router(f"{PACK}:fill=16").route(q, _contexts(16, 16, 0, cap=64))
+    assert d.backend == "gpu-c" and "gpu-a holds 16, filled at 16" in d.reason, d.reason
 
 
 @pytest.mark.parametrize("spec, error", [("min_contexts=0", "at least 1"), ("fill=x", "whole number"),
@@ -188,7 +201,7 @@ def test_a_bad_pack_parameter_is_a_clear_error(spec, error):
 
 
 def test_pack_parameters_name_the_policy_in_a_fixed_order():
-    assert Router(f"{PACK}:fill=16,min_contexts=2").policy == f"{PACK}:min_contexts=2,fill=16"
+    assert Router(f"{PACK}:fill=16,min_contexts=1").policy == f"{PACK}:min_contexts=1,fill=16"
 
 
 def test_a_context_whose_pool_is_half_used_is_full():
@@ -196,8 +209,8 @@ def test_a_context_whose_pool_is_half_used_is_full():
     the cells in use."""
     q = query(prompt=1550, max_tokens=128)
     room = int(OPEN_KV_SHARE * 65536) - 1550 - 16
-    assert Router(PACK).route(q, _contexts(4, 0, used=(room,))).backend == "gpu-a"
-    assert Router(PACK).route(q, _contexts(4, 0, used=(room + 1,))).backend == "gpu-b"
+    assert Router(PACK).route(q, _contexts(4, 4, 0, used=(room, room))).backend in ("gpu-a", "gpu-b")
+    assert Router(PACK).route(q, _contexts(4, 4, 0, used=(room + 1, room + 1))).backend == "gpu-c"
 
 
 def test_a_prompt_cached_on_an_idle_context_goes_back_there():

@@ -11,7 +11,7 @@
   their chats and QSettings under the test's tmp_path (never the user's), and at
   teardown shuts them down, checks no bridge is left subscribed to the engine (a leak), waits
   until the engine is idle, that no `ui.worker.Worker` thread is left running, and restores its
-  caps, rates, policy and caches for the next test.
+  caps, rates, policy (UI_POLICY, which it also sets first) and caches for the next test.
 - `spare_engine`: a second engine like `ui_engine`, for a test that breaks a backend and restarts
   it. A restart starts a new `backend-*` worker thread, which conftest's `no_thread_leak` wants
   gone by the end of the test; closing this engine at teardown ends it, and the shared engine is
@@ -40,6 +40,7 @@ from engine.engine import Engine
 
 UI_MODEL = os.environ.get("TANDEM_UI_MODEL", "synthetic:tiny")
 UI_SPECS = ["cpu:threads=1,cap=4,ctx=1024", "cpu:threads=1,cap=4,ctx=1024"]
+UI_POLICY = "seed-score"  # the policy each window test starts from (the Teaching view explains it)
 WAIT_MS = 60_000  # the bound on any single wait in a GUI test
 
 
@@ -107,6 +108,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     qtbot_app = qasync_loop  # noqa: F841  (the loop must exist before any panel streams)
     subs_before = ui_engine.bus.n_subscribers
     initial = {n: (b.cap, b.rates) for n, b in ui_engine.backends.items()}
+    ui_engine.router.set_policy(UI_POLICY)  # every test starts from the same policy, first or not
     made: list[MainWindow] = []
 
     def make(**kw) -> MainWindow:
@@ -132,7 +134,7 @@ def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
         b = ui_engine.backend(name)
         b.set_cap(cap)
         b.set_rates(rates)
-    ui_engine.router.set_policy("seed-score")
+    ui_engine.router.set_policy(UI_POLICY)
     ui_engine.router.set_budget("raw")
     ui_engine.router.clear()
     ui_engine.flush(timeout=30)

@@ -70,6 +70,14 @@ MIN_PEAK_SHARE = 0.10
 # taken, or its pool used past OPEN_KV_SHARE (every step of a unified pool attends over the cells in
 # use).
 OPEN_KV_SHARE = 0.5
+# At least MIN_CONTEXTS of a device's contexts stay in use, and one in use is full at FILL requests
+# (or its live cap, if lower; `fill=0` in the spec: the live cap alone). Filled to its live cap, once
+# that had climbed to 64 in an earlier burst, one H200 context took 113 of 200 tenants' requests at
+# 16 ms a token (9.5 s where two contexts at cap 32 took 6.6; docs/results/gpu/defaults11), and 63 of
+# 64 long prompts (8.0 s against 5.5; defaults13). Two kept in use, each full at 32, ran those
+# workloads at 1.00-1.07x the best tuned row of their call (defaults12, defaults13).
+MIN_CONTEXTS = 2
+FILL = 32
 # ...unless the device serves conversations: at least CONVERSING_SHARE of the last CONVERSING_WINDOW
 # requests routed to it resumed an earlier request's own history there (RouteQuery.resumed_on, at
 # least RESUMED_MIN tokens: a turn's message and reply, not a chat template's few tokens).
@@ -189,14 +197,14 @@ class FinishFirst(Policy):
     name = NAME
     uses_budget = False
 
-    def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False, min_contexts: int = 1,
-                 fill: int = 0):
+    def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False,
+                 min_contexts: int = MIN_CONTEXTS, fill: int = FILL):
         if min_contexts < 1 or fill < 0:
             raise ValueError("min_contexts must be at least 1 and fill at least 0")
         self.recent = recent or RecentPrefixes()
         self.pack = pack  # `finish-first:pack`: a device's contexts in use first (`_in_use`)
         self.min_contexts = min_contexts  # contexts kept in use, at least
-        self.fill = fill  # requests a context in use holds before another opens (0: its live cap)
+        self.fill = fill  # requests a context in use holds before another opens (or its live cap; 0: that alone)
         if pack:
             self.name = PACK_NAME
         self.within = CacheAware()  # among the contexts of one device
@@ -296,10 +304,10 @@ class FinishFirst(Policy):
     def _in_use(self, contexts: list[BackendScore], query) -> tuple[list[BackendScore], str]:
         """The contexts of one device a request may go to, and a phrase on why ("" or ending in
         a space): those in use (holding requests, or at least half of this prompt cached or
-        routed there) and, when every one of those is full (`_full`), the first idle one; with
-        all idle, the first. Eight contexts of one H200, each taking a share of 4 tenants,
-        decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5): each
-        context's step reads all the weights and runs its own host work, so a device runs
+        routed there), topped up with idle ones to `min_contexts`, and, when every one of those
+        is full (`_full`), the first idle one. Eight contexts of one H200, each taking a share of
+        4 tenants, decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5):
+        each context's step reads all the weights and runs its own host work, so a device runs
         fastest on the fewest contexts that hold its load, and opens more as they fill."""
         need = max(1, query.prompt_tokens // 2)
         busy = [s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need]
@@ -320,8 +328,8 @@ class FinishFirst(Policy):
 
     def _full(self, s: BackendScore, query) -> str:
         """Why a context takes no more new work before another opens ("" if it does): the
-        requests it holds reach its live cap, or its pool would be used past OPEN_KV_SHARE
-        with this prompt."""
+        requests it holds reach its live cap or `fill`, or its pool would be used past
+        OPEN_KV_SHARE with this prompt."""
         snap = self._snaps[s.name]
         own = query.prompt_tokens - s.cached_tokens
         total = snap.kv_cells_total
@@ -396,8 +404,9 @@ PACK_PARAMS = {"min_contexts": int, "fill": int}
 
 def pack_from_spec(spec: str) -> FinishFirst:
     """`finish-first:pack:KEY=VALUE,...`: the packed policy with `min_contexts` (a device's contexts
-    kept in use, at least; 1) and `fill` (the requests a context in use holds before another
-    opens; 0, its live cap). The policy's name is the spec with its parameters in a fixed order."""
+    kept in use, at least; MIN_CONTEXTS) and `fill` (the requests a context in use holds before
+    another opens, or its live cap if lower; FILL; 0: the live cap alone). The policy's name is the
+    spec with its parameters in a fixed order."""
     kw: dict[str, int] = {}
     for item in filter(None, (p.strip() for p in spec[len(PACK_NAME) + 1:].split(","))):
         key, eq, value = (x.strip() for x in item.partition("="))

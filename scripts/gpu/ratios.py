@@ -5,13 +5,17 @@
     python3 scripts/gpu/ratios.py caps DIR             # adaptive cap vs the best fixed cap, per workload
     python3 scripts/gpu/ratios.py defaults DIR [LABEL [fixed]]  # the default (row LABEL, `default`) vs the best
                                                        # tuned row (every other row; `fixed`: fixed-cap rows only)
+    python3 scripts/gpu/ratios.py runs DIR             # each run of each row from requests.csv: its last token,
+                                                       # TTFT and ITL p50, prompt tokens computed, requests per backend
 
 Every ratio compares rows of the same invocation (runs interleaved), never across calls.
 """
 
 from __future__ import annotations
 
+import csv
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -107,8 +111,31 @@ def defaults(folder: str, label: str = "default", only: str = "") -> None:
               f"[target: <= 1.03x / <= 1.10x: {verdict}]   tuned: {others}")
 
 
+def runs(folder: str) -> None:
+    """One line per workload, row and run, from the folder's requests.csv: what a mean over runs
+    hides (a run slower than its siblings, and where its requests went)."""
+    groups: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
+    with open(Path(folder) / "requests.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            groups[(r["workload"], r["policy"], int(r["run"]))].append(r)
+    for (workload, policy, run), rows in sorted(groups.items()):
+        ok = [r for r in rows if r["success"] == "True"]
+        end = max((float(r["t_submit_s"]) + float(r["e2e_s"]) for r in ok), default=0.0)
+        ttft = statistics.median(float(r["ttft_s"]) for r in ok) if ok else 0.0
+        itls = [float(r["itl_s"]) for r in ok if r["itl_s"]]
+        itl = statistics.median(itls) if itls else 0.0
+        computed = sum(int(r["prompt_tokens"]) - int(r["cached_tokens"] or 0) for r in ok)
+        split = defaultdict(int)
+        for r in rows:
+            split[r["backend"]] += 1
+        where = " ".join(f"{b} {n}" for b, n in sorted(split.items()))
+        print(f"{workload} | {policy} | run {run}: last token {end:.2f} s, TTFT p50 {ttft * 1000:.0f} ms, "
+              f"ITL p50 {itl * 1000:.1f} ms, {computed:,} prompt tokens computed, "
+              f"{len(rows) - len(ok)} failed | {where}")
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps", "defaults"):
+    if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps", "defaults", "runs"):
         print(__doc__, file=sys.stderr)
         return 2
     kind, folder = argv[0], argv[1]
@@ -118,6 +145,8 @@ def main(argv: list[str]) -> int:
         pairs(folder, argv[2:])
     elif kind == "defaults":
         defaults(folder, *argv[2:4])
+    elif kind == "runs":
+        runs(folder)
     else:
         caps(folder)
     return 0
