@@ -27,12 +27,13 @@ stop string is not foreseen), the same on every backend.
 The contexts one device runs share its compute: the device whose best context finishes first
 wins, then one of its contexts. `finish-first` lets `cache-aware` choose among them.
 `finish-first:pack` packs them while the device's requests start fresh (`FinishFirst._in_use`:
-each context's step reads all the weights and runs its own host work, so the fewest contexts
-that hold the load run fastest), and shares new work out once it serves conversations
-(`FinishFirst._conversing`: a context keeps thinking conversations' histories cached only when
-it holds a few). On one H200 that met two tuned contexts on 4-32 tenants and ran 96 chats in
-35.95 s where eight spread contexts took 36.5 and two tuned ones 52-54 (docs/performance.md,
-"Defaults that never lose").
+two contexts kept in use, another opened when each holds 32 requests; each context's step reads
+all the weights and runs its own host work, so the fewest contexts that hold the load run
+fastest), and shares new work out once it serves conversations (`FinishFirst._conversing`: a
+context keeps thinking conversations' histories cached only when it holds a few). On one H200
+that ran 4-32 tenants and the study's N=48 at 0.95-1.01x the best tuned layout of the same call,
+and 96 chats in 34.1 s where two tuned contexts took 49.5 (docs/performance.md, "On the H200
+(2026-12-02, sixth session ...)"); long prompts are 1.07x two contexts at cap 16.
 
 Why not `seed-score`: it sums the tokens queued on a backend over its aggregate rates and never
 asks when this request would finish; on an H200 beside a 15-thread CPU it sent 256-token
@@ -59,8 +60,9 @@ HELP = ("Each request goes where its last token comes first, counting the queue 
         "speed of the batch it joins; among a device's contexts, cache-aware chooses.")
 PACK_NAME = NAME + ":pack"
 PACK_HELP = ("The default: finish-first, with a device's contexts filled before another opens (new work "
-             "joins the contexts in use until their caps or pools are full), while its requests do not "
-             "resume conversations; a device serving conversations shares its new work out over its contexts.")
+             "joins the two contexts kept in use until each holds 32 requests, its cap or half its pool), "
+             "while its requests do not resume conversations; a device serving conversations shares its "
+             "new work out over its contexts.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
 # A CPU backend whose peak decode is under this share of a GPU device's (the sum over its contexts)
 # gets nothing (the H200's CPU: 128 / 3,265 tok/s for one context, 4 %; the study's M2 CPU: 45 / 293, 15 %).
