@@ -801,7 +801,7 @@ class TestCacheAwareParameters:
 
     @pytest.mark.parametrize("spec,words", [
         ("cache-aware:threshold=0.3", "is not one of cache_threshold="),
-        ("cache-aware:balance_abs=x", "balance_abs must be a number"),
+        ("cache-aware:balance_abs=x", "balance_abs must be a whole number"),
         ("cache-aware:balance_rel=0.5", "balance_rel >= 1"),
         ("cache-aware:cache_threshold", "is not one of"),
     ])

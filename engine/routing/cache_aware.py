@@ -12,10 +12,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 
-from engine.core.errors import InvalidRequest
 from engine.core.request import CHARS_PER_TOKEN
 
 from .policy import Policy, fmt_s, seconds_for
+from .policy import from_spec as parse_spec
 from .predicted_finish import predicted_first_token
 from .types import BackendScore, RouteQuery
 
@@ -349,25 +349,10 @@ class CacheAware(Policy):
         return "cached" if query.cached_on(s.name) >= s.cached_tokens else "routed there, in flight"
 
 
-_CACHE_AWARE_PARAMS = {"cache_threshold": float, "balance_abs": int, "balance_rel": float, "delay_weight": float,
+_CACHE_AWARE_PARAMS: dict[str, type[int] | type[float]] = {"cache_threshold": float, "balance_abs": int, "balance_rel": float, "delay_weight": float,
                        "move_abs": int, "move_rel": float}
 
 
 def from_spec(spec: str) -> CacheAware:
-    kw: dict = {}
-    for item in filter(None, (p.strip() for p in spec[len("cache-aware:"):].split(","))):
-        key, eq, value = (x.strip() for x in item.partition("="))
-        if not eq or key not in _CACHE_AWARE_PARAMS:
-            raise InvalidRequest(f"policy {spec!r}: {item!r} is not one of "
-                                 f"{', '.join(k + '=' for k in _CACHE_AWARE_PARAMS)}", param="policy")
-        try:
-            kw[key] = _CACHE_AWARE_PARAMS[key](value)
-        except ValueError:
-            raise InvalidRequest(f"policy {spec!r}: {key} must be a number", param="policy") from None
-    try:
-        policy = CacheAware(**kw)
-    except ValueError as e:
-        raise InvalidRequest(f"policy {spec!r}: {e}", param="policy") from None
-    if kw:
-        policy.name = "cache-aware:" + ",".join(f"{k}={kw[k]:g}" for k in _CACHE_AWARE_PARAMS if k in kw)
-    return policy
+    """`cache-aware:KEY=VALUE,...`, with `CacheAware`'s parameters (`_CACHE_AWARE_PARAMS`)."""
+    return parse_spec(spec, "cache-aware", _CACHE_AWARE_PARAMS, CacheAware)

@@ -47,11 +47,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine.core.errors import InvalidRequest
 from engine.core.snapshot import BackendSnapshot, Rates
 
 from .cache_aware import CacheAware, RecentPrefixes
-from .policy import Policy, fmt_s, make_score, seconds_for, step_seconds
+from .policy import Policy, fmt_s, from_spec, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
 
 NAME = "finish-first"
@@ -401,28 +400,11 @@ class FinishFirst(Policy):
                 f"in {f.decode_s:.3f} s, {per_seq:.0f} tok/s for it)")
 
 
-PACK_PARAMS = {"min_contexts": int, "fill": int}
+PACK_PARAMS: dict[str, type[int] | type[float]] = {"min_contexts": int, "fill": int}
 
 
 def pack_from_spec(spec: str) -> FinishFirst:
     """`finish-first:pack:KEY=VALUE,...`: the packed policy with `min_contexts` (a device's contexts
     kept in use, at least; MIN_CONTEXTS) and `fill` (the requests a context in use holds before
-    another opens, or its live cap if lower; FILL; 0: the live cap alone). The policy's name is the
-    spec with its parameters in a fixed order."""
-    kw: dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in spec[len(PACK_NAME) + 1:].split(","))):
-        key, eq, value = (x.strip() for x in item.partition("="))
-        if not eq or key not in PACK_PARAMS:
-            raise InvalidRequest(f"policy {spec!r}: {item!r} is not one of "
-                                 f"{', '.join(k + '=' for k in PACK_PARAMS)}", param="policy")
-        try:
-            kw[key] = PACK_PARAMS[key](value)
-        except ValueError:
-            raise InvalidRequest(f"policy {spec!r}: {key} must be a whole number", param="policy") from None
-    try:
-        policy = FinishFirst(None, pack=True, **kw)
-    except ValueError as e:
-        raise InvalidRequest(f"policy {spec!r}: {e}", param="policy") from None
-    if kw:
-        policy.name = f"{PACK_NAME}:" + ",".join(f"{k}={kw[k]}" for k in PACK_PARAMS if k in kw)
-    return policy
+    another opens, or its live cap if lower; FILL; 0: the live cap alone)."""
+    return from_spec(spec, PACK_NAME, PACK_PARAMS, lambda **kw: FinishFirst(None, pack=True, **kw))

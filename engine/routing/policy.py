@@ -5,8 +5,10 @@ eligible score with its explanation against the runner-up)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+from engine.core.errors import InvalidRequest
 from engine.core.snapshot import BackendSnapshot, Rates
 
 from .budget import DecodeBudget
@@ -35,6 +37,34 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+P = TypeVar("P", bound=Policy)
+
+
+def from_spec(spec: str, prefix: str, params: dict[str, type[int] | type[float]], make: Callable[..., P]) -> P:
+    """The policy a spec `PREFIX:KEY=VALUE,...` names: each KEY one of `params` (its value read as
+    that type), `make(**values)` builds it; anything else is an InvalidRequest naming the spec. Its
+    name is PREFIX with the parameters given, in `params`' order, so `Router.clear()` rebuilds the
+    same policy."""
+    kw: dict[str, int | float] = {}
+    for item in filter(None, (p.strip() for p in spec[len(prefix) + 1:].split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in params:
+            raise InvalidRequest(f"policy {spec!r}: {item!r} is not one of "
+                                 f"{', '.join(k + '=' for k in params)}", param="policy")
+        try:
+            kw[key] = params[key](value)
+        except ValueError:
+            number = "a whole number" if params[key] is int else "a number"
+            raise InvalidRequest(f"policy {spec!r}: {key} must be {number}", param="policy") from None
+    try:
+        policy = make(**kw)
+    except ValueError as e:
+        raise InvalidRequest(f"policy {spec!r}: {e}", param="policy") from None
+    if kw:
+        policy.name = f"{prefix}:" + ",".join(f"{k}={kw[k]:g}" for k in params if k in kw)
+    return policy
 
 
 def seconds_for(tokens: float, rate: float) -> float:
