@@ -108,9 +108,42 @@ def test_a_full_queue_refuses_only_the_overflow(tiny_path):
                 accepted.append(eng.submit(r))
             except QueueFull:
                 refused += 1
-        assert 3 <= len(accepted) <= 4 and refused == 10 - len(accepted)  # 3 queued (+1 running)
+        # 3 queued, and the first running if the worker admitted it before the queue filled
+        assert 3 <= len(accepted) <= 4 and refused == 10 - len(accepted)
         assert all(h.result(WAIT).output_tokens == 800 for h in accepted)
     finally:
+        eng.close()
+
+
+def _hold(backend) -> tuple[threading.Event, threading.Event]:
+    """Post a call that holds the worker; (inside, release)."""
+    inside, release = threading.Event(), threading.Event()
+    backend.call(lambda _: (inside.set(), release.wait(WAIT)))
+    return inside, release
+
+
+def test_requests_the_worker_took_but_has_not_queued_count_against_max_queue(tiny_path):
+    """The worker takes its inbox whole and queues each request as it comes to it: three
+    requests taken behind a call that holds it are in neither the inbox nor the scheduler's
+    queue, and still fill a queue of three."""
+    eng = Engine.load(tiny_path, parse_backend_specs(["cpu:threads=1,cap=1,ctx=1024,max_queue=3"]))
+    backend = next(iter(eng.backends.values()))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first_in, first_go = _hold(backend)
+    second_in, second_go = threading.Event(), threading.Event()
+    try:
+        assert first_in.wait(WAIT)
+        second_in, second_go = _hold(backend)  # posted while the first holds: taken with the three below
+        accepted = [eng.submit(Request(tuple(eng.model.tokenize(f"q{i}")), sp)) for i in range(3)]
+        first_go.set()
+        assert second_in.wait(WAIT)  # the three are taken, not yet queued
+        with pytest.raises(QueueFull, match=r"3 queued, at most 3"):
+            eng.submit(Request(tuple(eng.model.tokenize("one more")), sp))
+        second_go.set()
+        assert all(h.result(WAIT).output_tokens == 4 for h in accepted)
+    finally:
+        first_go.set()
+        second_go.set()
         eng.close()
 
 

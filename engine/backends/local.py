@@ -27,6 +27,7 @@ serialised per backend: a second one while one runs raises `RestartInProgress`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -105,6 +106,7 @@ class Inbox:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: collections.deque = collections.deque()
+        self._in_transit = 0  # requests `take` handed the worker that are not yet in its queue (`landed`)
         self.closed = False
 
     def put(self, msg) -> None:
@@ -118,6 +120,21 @@ class Inbox:
             self._items.extend(msgs)
             self._cond.notify()
 
+    def put_queued(self, msgs: list[Enqueue], waiting: Callable[[], int], limit: int) -> int | None:
+        """Post requests unless the queue would pass `limit`; None if posted, else how many are
+        queued: those posted here, those taken and not yet in the scheduler's queue, and
+        `waiting()`, that queue, all under the lock a request moves under (`landing`), so each
+        is counted once; no other submitter posts between the count and the post."""
+        with self._cond:
+            if self.closed:
+                raise BackendUnavailable("the backend is stopped")
+            queued = sum(isinstance(m, Enqueue) for m in self._items) + self._in_transit + waiting()
+            if queued + len(msgs) > limit:
+                return queued
+            self._items.extend(msgs)
+            self._cond.notify()
+            return None
+
     def take(self, wait: bool, timeout: float | None = None) -> list:
         if not wait and not self._items:  # the busy loop's common case: no lock
             return []
@@ -126,7 +143,18 @@ class Inbox:
                 self._cond.wait(timeout)
             items = list(self._items)
             self._items.clear()
+            self._in_transit += sum(isinstance(m, Enqueue) for m in items)
             return items
+
+    @contextlib.contextmanager
+    def landing(self):
+        """Worker: a request `take` handed it goes into the scheduler's queue inside this block,
+        which no `put_queued` count can split."""
+        with self._cond:
+            try:
+                yield
+            finally:
+                self._in_transit -= 1
 
     def take_enqueued(self) -> list[SeqState]:
         """Take the posted requests out, leaving every other message in order."""
@@ -378,13 +406,13 @@ class Backend(BackendBase):
         refused: EngineError | None = None
         if not self.serving:
             refused = BackendUnavailable(f"backend {self.name} is not serving")
-        elif len(self._sched.waiting) + len(self._inbox.queued()) + len(seqs) > self.config.max_queue:
-            queued = len(self._sched.waiting) + len(self._inbox.queued())
-            refused = QueueFull(f"backend {self.name}'s queue is full ({queued} queued, at most "
-                                f"{self.config.max_queue}); retry later")
         else:
             try:
-                self._inbox.put_many([Enqueue(seq) for seq in seqs])
+                queued = self._inbox.put_queued([Enqueue(seq) for seq in seqs], lambda: len(self._sched.waiting),
+                                                self.config.max_queue)
+                if queued is not None:
+                    refused = QueueFull(f"backend {self.name}'s queue is full ({queued} queued, at most "
+                                        f"{self.config.max_queue}); retry later")
             except BackendUnavailable:
                 refused = BackendUnavailable(f"backend {self.name} is not serving")
         if refused is not None:
@@ -638,7 +666,7 @@ class Backend(BackendBase):
         cancelled = set()
         for m in msgs:
             if isinstance(m, Enqueue):
-                with self._state:
+                with self._state, self._inbox.landing():
                     sched.add(m.seq)
             elif isinstance(m, Cancel):
                 cancelled.add(m.request_id)
