@@ -11,8 +11,9 @@ for search, listing and download, for tests with no internet (`HF_ENDPOINT` poin
 Files are real bytes served from memory. `cut_after` makes a GET end the connection after that
 many bytes (a download cut half way); `stall_after` makes a GET hold still after that many bytes
 (`stalled` is set) until `release` is set, so a test can stop or kill a download at a known byte;
-`requests` records every request (method, path, Range) and `served` the body bytes each GET sent
-(by path and Range header).
+`requests` records every request (method, path, Range) and `served` the body bytes each GET handed
+to its connection (by path and Range header; counted before each write, so a test that has read
+a whole body finds it all counted).
 Runs aiohttp on its own thread and loop; `close()` stops it. `split_gguf` cuts a GGUF into parts
 the way llama.cpp's gguf-split names and marks them (`split.no`, `split.count`), for models in parts.
 """
@@ -182,8 +183,9 @@ class FakeHub:
     async def _send(self, resp: web.StreamResponse, key: tuple[str, str], body: bytes) -> None:
         for i in range(0, len(body), 64 << 10):
             chunk = body[i:i + (64 << 10)]
-            await resp.write(chunk)
+            # Counted before it is written: a client that has read the bytes finds them counted.
             self.served[key] = self.served.get(key, 0) + len(chunk)
+            await resp.write(chunk)
 
 
 def split_gguf(src: Path, folder: Path, parts: int) -> list[Path]:
