@@ -31,6 +31,13 @@ def test_a_bad_model_is_a_clear_error_not_a_traceback(capsys, tmp_path):
     assert "not a GGUF file" in capsys.readouterr().err
 
 
+def test_a_bad_policy_is_refused_before_the_model_loads(capsys, tmp_path):
+    """The model named does not exist: the policy's error comes first, so nothing was loaded."""
+    assert main(["serve", "--model", str(tmp_path / "absent.gguf"), "--policy", "finish-first:pack:fill=x"]) == 2
+    err = capsys.readouterr().err
+    assert "policy 'finish-first:pack:fill=x': fill must be a whole number" in err and "absent" not in err
+
+
 def test_generate_streams_a_reply(capsys):
     assert main(["generate", "--model", "synthetic:tiny", "--backend", "cpu:threads=1,ctx=512",
                  "--prompt", "hello", "--max-tokens", "8", "--stats"]) == 0
