@@ -9,7 +9,6 @@ from bench.progress import loading_bar
 from engine import llama
 from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
-from engine.routing import make_policy
 
 log = logging.getLogger("tandem")
 
@@ -18,15 +17,13 @@ def engine_from_args(args, *, progress: bool = True, calibrate: bool = True) -> 
     """The engine a command asked for. With `calibrate`, backends this machine has no stored
     rates for are measured before it returns (a few seconds, once per model and config;
     `Engine.load`), so nothing is routed on placeholder rates."""
-    policy = getattr(args, "policy", "default")
-    make_policy(policy)  # a bad policy name or parameter fails here, before the model loads
     gpu = llama.gpu_offload_supported()
     log.info("llama.cpp GPU offload: %s", "yes" if gpu else "no (CPU build)")
     specs = args.backend or default_specs(gpu=gpu)
     configs = parse_backend_specs(specs)
     bar = loading_bar("loading model") if progress and sys.stderr.isatty() else None
     try:
-        return Engine.load(args.model, configs, policy=policy,
+        return Engine.load(args.model, configs, policy=getattr(args, "policy", "default"),
                            progress=bar, online_rates=True,
                            calibrate=calibrate and not getattr(args, "no_calibrate", False), status=_say)
     finally:

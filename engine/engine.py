@@ -92,6 +92,7 @@ class Engine:
         request. With `online_rates` rates are then kept current from the steps the backends
         run (EWMA); benchmarks leave it off so that every run is priced alike.
         """
+        router = Router(policy)  # a bad policy name or parameter fails here, before the model loads
         local = [c for c in configs if registry.needs_model(c)]
         if local and model is None:
             raise InvalidRequest("local backends need a model (--model); only remote: backends run without one",
@@ -111,7 +112,7 @@ class Engine:
             for b in backends:
                 b.stop()
             raise
-        engine = cls(backends, Router(policy), bus, models)
+        engine = cls(backends, router, bus, models)
         if calibrate and path is not None:
             try:
                 measured = calibrate_at_load([b for b in backends if b.model is not None], Path(path),

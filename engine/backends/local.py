@@ -106,23 +106,20 @@ class Inbox:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: collections.deque = collections.deque()
-        self._in_transit = 0  # requests `take` handed the worker that are not yet in its queue (`landed`)
+        self._in_transit = 0  # requests `take` handed the worker that are not yet in its queue (`landing`)
         self.closed = False
 
     def put(self, msg) -> None:
-        self.put_many([msg])
-
-    def put_many(self, msgs: list) -> None:
-        """Post messages next to each other (nothing another thread posts comes between)."""
+        """Post a message (requests: `put_queued`); once closed, only a `Stop`."""
         with self._cond:
-            if self.closed and not all(isinstance(m, Stop) for m in msgs):
+            if self.closed and not isinstance(msg, Stop):
                 raise BackendUnavailable("the backend is stopped")
-            self._items.extend(msgs)
+            self._items.append(msg)
             self._cond.notify()
 
     def put_queued(self, msgs: list[Enqueue], waiting: Callable[[], int], limit: int) -> int | None:
-        """Post requests unless the queue would pass `limit`; None if posted, else how many are
-        queued: those posted here, those taken and not yet in the scheduler's queue, and
+        """Post requests next to each other unless the queue would pass `limit`; None if posted,
+        else how many are queued: those posted here, those taken and not yet in the scheduler's queue, and
         `waiting()`, that queue, all under the lock a request moves under (`landing`), so each
         is counted once; no other submitter posts between the count and the post."""
         with self._cond:
