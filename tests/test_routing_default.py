@@ -193,8 +193,22 @@ def test_a_context_is_full_at_fill_though_its_live_cap_climbed():
     assert d.backend == "gpu-c" and "gpu-a holds 16, filled at 16" in d.reason, d.reason
 
 
+def test_strict_keeps_new_work_off_a_full_context():
+    """`strict=1`: a context at `fill` takes nothing while another in use has room, though it holds
+    the prompt's prefix; once every one in use is full, the request goes to the one that opens.
+    Without it, cache-aware sends the prefix home to the full context."""
+    q = query(prompt=1550, max_tokens=128, cached={"gpu-a": 1500})
+    assert Router(f"{PACK}:fill=16").route(q, _contexts(16, 10, 0, cap=64)).backend == "gpu-a"
+    d = Router(f"{PACK}:fill=16,strict=1").route(q, _contexts(16, 10, 0, cap=64))
+    assert d.backend == "gpu-b", d.reason
+    assert "1 of 2 in use not full (gpu-a holds 16, filled at 16)" in d.reason
+    d = Router(f"{PACK}:fill=16,strict=1").route(q, _contexts(16, 16, 0, cap=64))
+    assert d.backend == "gpu-c" and "so gpu-c opens" in d.reason, d.reason
+
+
 @pytest.mark.parametrize("spec, error", [("min_contexts=0", "at least 1"), ("fill=x", "whole number"),
-                                         ("open=2", "not one of min_contexts=, fill=")])
+                                         ("open=2", "not one of min_contexts=, fill=, strict="),
+                                         ("strict=2", "strict 0 or 1")])
 def test_a_bad_pack_parameter_is_a_clear_error(spec, error):
     with pytest.raises(InvalidRequest, match=error):
         Router(f"{PACK}:{spec}")

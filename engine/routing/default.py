@@ -79,6 +79,10 @@ OPEN_KV_SHARE = 0.5
 # workloads at 1.00-1.07x the best tuned row of their call (defaults12, defaults13).
 MIN_CONTEXTS = 2
 FILL = 32
+# STRICT (`strict=1`): a full context takes no new work while one in use is not full, and once all
+# are, the request goes to the context that opens; `strict=0`: `cache-aware` chooses among every one in
+# use, full or not, and the one that opens.
+STRICT = 0
 # ...unless the device serves conversations: at least CONVERSING_SHARE of the last CONVERSING_WINDOW
 # requests routed to it resumed an earlier request's own history there (RouteQuery.resumed_on, at
 # least RESUMED_MIN tokens: a turn's message and reply, not a chat template's few tokens).
@@ -199,13 +203,14 @@ class FinishFirst(Policy):
     uses_budget = False
 
     def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False,
-                 min_contexts: int = MIN_CONTEXTS, fill: int = FILL):
-        if min_contexts < 1 or fill < 0:
-            raise ValueError("min_contexts must be at least 1 and fill at least 0")
+                 min_contexts: int = MIN_CONTEXTS, fill: int = FILL, strict: int = STRICT):
+        if min_contexts < 1 or fill < 0 or strict not in (0, 1):
+            raise ValueError("min_contexts must be at least 1, fill at least 0 and strict 0 or 1")
         self.recent = recent or RecentPrefixes()
         self.pack = pack  # `finish-first:pack`: a device's contexts in use first (`_in_use`)
         self.min_contexts = min_contexts  # contexts kept in use, at least
         self.fill = fill  # requests a context in use holds before another opens (or its live cap; 0: that alone)
+        self.strict = bool(strict)  # a full context takes no new work while another can (`_in_use`)
         if pack:
             self.name = PACK_NAME
         self.within = CacheAware()  # among the contexts of one device
@@ -324,7 +329,12 @@ class FinishFirst(Policy):
         full = [self._full(s, query) for s in busy]
         if all(full):
             why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full))
-            return busy + idle[:1], f"every context in use is full ({why}), so {idle[0].name} opens; "
+            opened = idle[:1] if self.strict else busy + idle[:1]
+            return opened, f"every context in use is full ({why}), so {idle[0].name} opens; "
+        if self.strict and any(full):
+            room = [s for s, f in zip(busy, full) if not f]
+            why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full) if f)
+            return room, f"{len(room)} of {len(busy)} in use not full ({why}); "
         return busy, f"{len(busy)} in use, {len(idle)} idle until those are full; "
 
     def _full(self, s: BackendScore, query) -> str:
@@ -400,11 +410,12 @@ class FinishFirst(Policy):
                 f"in {f.decode_s:.3f} s, {per_seq:.0f} tok/s for it)")
 
 
-PACK_PARAMS: dict[str, type[int] | type[float]] = {"min_contexts": int, "fill": int}
+PACK_PARAMS: dict[str, type[int] | type[float]] = {"min_contexts": int, "fill": int, "strict": int}
 
 
 def pack_from_spec(spec: str) -> FinishFirst:
     """`finish-first:pack:KEY=VALUE,...`: the packed policy with `min_contexts` (a device's contexts
     kept in use, at least; MIN_CONTEXTS) and `fill` (the requests a context in use holds before
-    another opens, or its live cap if lower; FILL; 0: the live cap alone)."""
+    another opens, or its live cap if lower; FILL; 0: the live cap alone) and `strict` (1: a full context
+    takes no new work while another can; STRICT)."""
     return from_spec(spec, PACK_NAME, PACK_PARAMS, lambda **kw: FinishFirst(None, pack=True, **kw))
