@@ -400,6 +400,29 @@ def test_queued_requests_pins_give_way_to_the_head_when_nothing_runs():
     assert cache.pinned_tokens == 0
 
 
+def test_queued_requests_pins_give_way_to_a_running_sequence_that_must_grow():
+    # 64 cells: a cached 40-token prefix, pinned at routing for a request queued behind a lone
+    # running sequence that grows to 42 cells. Failing it, or preempting it, for a queued
+    # request's estimate would lose work; the pin is dropped and the prefix evicted instead.
+    sim = Sim(n_ctx=64, cap=1)
+    prefix = list(range(100, 140))
+    sim.submit(prefix, warm=True)
+    sim.run()
+    cache = sim.sched.cache
+    grower = sim.submit([1, 5], max_tokens=40, ignore_eos=True)
+    sim.step()
+    behind_tokens = (*prefix, 7)
+    behind = SeqState(Request(behind_tokens, SamplingParams(temperature=0.0, max_tokens=2)), Handle(),
+                      cache.pin(cache.match(behind_tokens, max_len=40)), 40, sim.now, n_ctx_seq=64)
+    sim.sched.add(behind)
+    assert cache.pinned_tokens == 40
+    sim.run()
+    assert sim.record(grower).status == RequestStatus.FINISHED_LENGTH, sim.record(grower).error
+    assert grower.preemptions == 0 and grower.generated == 40
+    assert sim.record(behind).status == RequestStatus.FINISHED_LENGTH, sim.record(behind).error
+    assert cache.pinned_tokens == 0
+
+
 def test_prefix_reuse_aliases_cached_cells():
     sim = Sim(n_ctx=256)
     prefix = list(range(100, 180))

@@ -507,14 +507,17 @@ class Scheduler:
             s.lock = lock
             s.n_shared = shared
 
-    def _unpin_queued(self, head: SeqState) -> bool:
-        """Drop the routing-time pins of the requests queued behind `head`; True if any was held.
+    def _unpin_queued(self, head: SeqState | None) -> bool:
+        """Drop the routing-time pins of the requests queued (behind `head`, if given); True if
+        any was held.
 
         Those pins are estimates made when each request was routed, not promises: with nothing
         running, nothing else will free cells, and a head that fits once their prefixes may be
         evicted must not fail for them (a 2,048-cell engine failed a 1,237-token request with
-        1,222 cells pinned for two queued tenants' prefixes). They find what is still cached
-        when their turn comes."""
+        1,222 cells pinned for two queued tenants' prefixes). Nor may a running sequence that
+        needs a cell to grow be preempted or failed for them (`_room_for_decode`: the soak's lone
+        779-cell request failed with 1,852 cells pinned for the queue). They find what is still
+        cached when their turn comes."""
         held = False
         for s in self.waiting:
             if s is not head and s.pin is not None:
@@ -568,6 +571,8 @@ class Scheduler:
             self._evict_cells(len(decoding) - self._free_cells())
             if len(decoding) <= self._free_cells():
                 break
+            if self._unpin_queued(None):
+                continue  # a running sequence comes before a queued request's routing-time estimate
             victim = self.running[-1]
             if len(self.running) == 1:
                 self._finish(victim, RequestStatus.FINISHED_ERROR,
