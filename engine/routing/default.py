@@ -27,13 +27,13 @@ stop string is not foreseen), the same on every backend.
 The contexts one device runs share its compute: the device whose best context finishes first
 wins, then one of its contexts. `finish-first` lets `cache-aware` choose among them.
 `finish-first:pack` packs them while the device's requests start fresh (`FinishFirst._in_use`:
-two contexts kept in use, another opened when each holds 32 requests; each context's step reads
-all the weights and runs its own host work, so the fewest contexts that hold the load run
+three contexts kept in use, another opened when each holds 32 requests; each context's step
+reads all the weights and runs its own host work, so a few contexts that hold the load run
 fastest), and shares new work out once it serves conversations (`FinishFirst._conversing`: a
 context keeps thinking conversations' histories cached only when it holds a few). On one H200
-that ran 4-32 tenants and the study's N=48 at 0.95-1.01x the best tuned layout of the same call,
-and 96 chats in 34.1 s where two tuned contexts took 49.5 (docs/performance.md, "On the H200
-(2026-12-02, sixth session ...)"); long prompts are 1.07x two contexts at cap 16.
+that ran the study's N=48, long prompts and 4-32 tenants at 0.94-1.02x the makespan of the best
+tuned layout of the same call, and 96 chats in 36.5 s where the best tuned one took 49.5
+(docs/performance.md, "On the H200 (2026-12-02, seventh session ...)").
 
 Why not `seed-score`: it sums the tokens queued on a backend over its aggregate rates and never
 asks when this request would finish; on an H200 beside a 15-thread CPU it sent 256-token
@@ -59,7 +59,7 @@ HELP = ("Each request goes where its last token comes first, counting the queue 
         "speed of the batch it joins; among a device's contexts, cache-aware chooses.")
 PACK_NAME = NAME + ":pack"
 PACK_HELP = ("The default: finish-first, with a device's contexts filled before another opens (new work "
-             "joins the two contexts kept in use until each holds 32 requests, its cap or half its pool), "
+             "joins the three contexts kept in use until each holds 32 requests, its cap or half its pool), "
              "while its requests do not resume conversations; a device serving conversations shares its "
              "new work out over its contexts.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
@@ -76,8 +76,12 @@ OPEN_KV_SHARE = 0.5
 # that had climbed to 64 in an earlier burst, one H200 context took 113 of 200 tenants' requests at
 # 16 ms a token (9.5 s where two contexts at cap 32 took 6.6; docs/results/gpu/defaults11), and 63 of
 # 64 long prompts (8.0 s against 5.5; defaults13). Two kept in use, each full at 32, ran those
-# workloads at 1.00-1.07x the best tuned row of their call (defaults12, defaults13).
-MIN_CONTEXTS = 2
+# workloads at 1.00-1.07x the best tuned row of their call (defaults12, defaults13). Long prompts,
+# whose ~500 private prompt cells a request make every step of a unified pool attend over more,
+# ran fastest on three: ITL p50 6.1-6.7 ms where two contexts took 7.3-8.0, 0.999x two contexts at
+# cap 16 where two kept in use took 1.078x (defaults16), and tenants and the study lost nothing
+# (defaults15-17).
+MIN_CONTEXTS = 3
 FILL = 32
 # STRICT (`strict=1`): a full context takes no new work while one in use is not full, and once all
 # are, the request goes to the context that opens; `strict=0`: `cache-aware` chooses among every one in
@@ -260,7 +264,7 @@ class FinishFirst(Policy):
                 contexts = [min(contexts, key=lambda s: len(self._snaps[s.name].items))]  # the first of equals
                 narrowed = f"{conversing}a new one goes to the context holding fewest: "
             elif len(contexts) > 1:
-                contexts, narrowed = self._in_use(contexts, query)
+                contexts, narrowed = self._in_use(contexts, query, resumes)
         if len(contexts) > 1:
             best_name, why = self.within.choose(query, [self._within[s.name] for s in contexts])
             best = next(s for s in contexts if s.name == best_name)
@@ -307,11 +311,14 @@ class FinishFirst(Policy):
             return ""
         return f"it serves conversations ({n} of its last {len(window)} requests resumed one); "
 
-    def _in_use(self, contexts: list[BackendScore], query) -> tuple[list[BackendScore], str]:
+    def _in_use(self, contexts: list[BackendScore], query, resumes: bool = False) -> tuple[list[BackendScore], str]:
         """The contexts of one device a request may go to, and a phrase on why ("" or ending in
         a space): those in use (holding requests, or at least half of this prompt cached or
-        routed there), topped up with idle ones to `min_contexts`, and, when every one of those
-        is full (`_full`), the first idle one. Eight contexts of one H200, each taking a share of
+        routed there); while fewer than `min_contexts` are in use, the first idle one alone, unless
+        the request `resumes` its own history on one of them (left to cache-aware beside them, the
+        idle one got nothing: the contexts holding a long prompt's shared prefix drew every
+        request, docs/results/gpu/defaults15; a shared prefix is copied once, a conversation's
+        history stays home); and, when every one in use is full (`_full`), the first idle one too. Eight contexts of one H200, each taking a share of
         4 tenants, decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5):
         each context's step reads all the weights and runs its own host work, so a device runs
         fastest on the fewest contexts that hold its load, and opens more as they fill."""
@@ -323,9 +330,8 @@ class FinishFirst(Policy):
         if not busy:
             first = idle[:self.min_contexts]
             return first, f"all {len(idle)} idle, the first{f' {len(first)}' if len(first) > 1 else ''}: "
-        if len(busy) < self.min_contexts:
-            kept = busy + idle[:self.min_contexts - len(busy)]
-            return kept, f"{len(busy)} in use, {len(kept)} kept in use: "
+        if len(busy) < self.min_contexts and not resumes:
+            return idle[:1], f"{len(busy)} in use, so {idle[0].name} opens ({self.min_contexts} kept in use): "
         full = [self._full(s, query) for s in busy]
         if all(full):
             why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full))

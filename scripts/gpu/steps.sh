@@ -642,8 +642,8 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
 defaults_http() {  # issue 25's must-show, every row served over HTTP: `tandem serve --model M` with nothing else
                    # against each TUNED configuration, on HTTP_WORKLOADS (n48 long tenants), RUNS (3) interleaved runs,
                    # ratios to the best tuned row per workload (~4 min for tenants, ~3 for n48 + long; $ALTS beside,
-                   # on ports 8098...; TENANT_SKIP: tuned rows left out of the tenant runs; TUNED_ONLY: the tuned
-                   # rows started at all)
+                   # on ports 8098...; TENANT_SKIP: tuned rows left out of the tenant runs; TENANT_RUNS: their runs
+                   # (RUNS); TUNED_ONLY: the tuned rows started at all)
   mkdir -p "$OUT/logs"
   _tuned_servers
   _alt_servers || { _stop_servers; return 1; }
@@ -657,7 +657,7 @@ defaults_http() {  # issue 25's must-show, every row served over HTTP: `tandem s
         _http_grid http-long "" --requests "$long" --prompt-tokens "${LONG_PROMPT:-1516}" --shared 66 \
           --outputs uniform --min-output 32 --max-output "${LONG_MAX_OUT:-512}" --arrivals poisson --rate 20 ;;
       tenants) _stamp "defaults over HTTP: ${TENANTS:-4,16,32} tenants, outputs 32-256, Poisson 40/s, N=$tn"
-        _http_grid http-tenants "${TENANT_SKIP:-}" --requests "$tn" --tenants "${TENANTS:-4,16,32}" \
+        RUNS=${TENANT_RUNS:-${RUNS:-3}} _http_grid http-tenants "${TENANT_SKIP:-}" --requests "$tn" --tenants "${TENANTS:-4,16,32}" \
           --tenant-prefix-tokens "${TENANT_PREFIX:-1500}" --tenant-suffix-tokens 50 --outputs uniform --min-output 32 \
           --max-output "${TENANT_MAX_OUT:-256}" --arrivals poisson --rate 40 ;;
     esac
