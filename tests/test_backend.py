@@ -386,9 +386,11 @@ def test_a_preempted_request_goes_before_later_arrivals(make_backend, tiny_model
     assert admitted.index(second.id, 2) < admitted.index(late.id), admitted
 
 
-def test_a_request_that_cannot_fit_alone_fails_clearly(make_backend, tiny_model):
-    """A running sequence with nothing to preempt and no cell to take ends with an error that
-    says so; here a queued request pins a cached prefix over most of the context."""
+def test_a_running_request_takes_the_cells_a_queued_one_pinned(make_backend, tiny_model):
+    """A lone running sequence that needs a cell a queued request's routing-time pin holds gets
+    it: the pin is dropped and the cached prefix evicted, and the queued request computes its
+    prefix when its turn comes (before, the running one failed: "ran out of KV cells"; the
+    scheduler's own test keeps that error for cells nothing can free)."""
     b = make_backend(tiny_model, cap=1, n_ctx=256)
     prefix = tuple((7 * i) % 200 + 5 for i in range(150))
     b.warm(prefix).result(WAIT)
@@ -398,9 +400,10 @@ def test_a_request_that_cannot_fit_alone_fails_clearly(make_backend, tiny_model)
     grower = b.enqueue(Request((1, 40, 41), HUGE))
     waiting = b.enqueue(queued, pin=pin, cached_estimate=n)
     r = grower.result(WAIT)
-    assert r.status == RequestStatus.FINISHED_ERROR and "ran out of KV cells" in r.error, r.error
-    assert r.output_tokens > 50, "it ran until the cells were gone"
-    assert waiting.result(WAIT).error is None
+    assert r.status == RequestStatus.FINISHED_LENGTH, r.error
+    assert r.output_tokens > 256 - 150 - 3, "it grew into the cells the pin held"
+    w = waiting.result(WAIT)
+    assert w.error is None and w.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
 
 
 # ---- long prefills: short chunks while others wait, cancel at the next chunk boundary ----
