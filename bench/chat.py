@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.errors import InvalidRequest
-from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, spread
+from engine.sim.benchmark import RequestRecord, aggregate, percentile, run_metrics, run_order, spread
 
 from . import report as bench_report
 from .progress import Progress
@@ -474,7 +474,7 @@ class ChatBench:
             bar.add_total(len(self.targets) * args.runs * self.spec.requests)
             for run in range(args.runs):
                 wl = build_chat(self.spec, run)
-                for target in self.targets:
+                for target in run_order(self.targets, run):
                     if eng is not None:
                         await asyncio.to_thread(eng.flush, None, 120)
                     state = {"n": 0, "later": []}

@@ -4,7 +4,8 @@ and HTTP peers, side by side in one invocation.
 One *variant* is one row of the results: a routing policy on the engine (optionally with the
 swept backend's cap changed, `gpu-only@cap=8`) or an HTTP peer (`target:llama-server`).
 Variants run interleaved, run by run (run 1 of every variant and N, then run 2, ...), so
-drift hits all alike.
+drift hits all alike, and each run starts one variant further on (`run_order`), so no variant
+always runs first, or always right after the same one.
 
 Fresh state per run, without reloading the model (the runner is `engine.experiment`'s
 `EngineRunner`, which the desktop app's experiments use too): the engine stays loaded (per KV
@@ -36,7 +37,7 @@ from engine.experiment import Collected, EngineRunner, Variant
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import parse_rates
 from engine.routing import RouteQuery, Router, make_policy
-from engine.sim.benchmark import RequestRecord, aggregate, oracle, run_metrics
+from engine.sim.benchmark import RequestRecord, aggregate, oracle, run_metrics, run_order
 from engine.sim.workload import (
     ARRIVAL_MODES,
     OUTPUT_MODES,
@@ -298,7 +299,7 @@ class Bench:
                 for n in self.n_list:
                     wl = build_workload(replace(with_requests(spec, n), vocab_size=vocab,
                                                 label=spec.name() + (f", kv {kv} seqs" if kv else "")), run)
-                    for v in variants:
+                    for v in run_order(variants, run):
                         self._one(wl, v, runner, kv, bar)
 
     def _one(self, wl: Workload, v: Variant, runner, kv, bar: Progress, keep: bool = True) -> None:

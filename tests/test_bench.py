@@ -297,6 +297,16 @@ class TestBenchSeed:
         assert {(o["workload"], o["requests"]) for o in summary["oracle"]} == {("seed", 2), ("seed", 6)}
         assert "| seed-score | 6 |" in (out / "results.md").read_text()
 
+    def test_each_run_starts_one_variant_further_on(self, run):
+        """Run 1 of every N takes the policies rotated by one, so no variant always runs first
+        (the host's load, recorded per variant as it ran, keeps their order)."""
+        _rc, out = run
+        summary, _rows, _decisions = read_outputs(out)
+        ran = [(e["run"], e["requests"], e["policy"]) for e in summary["host"]["load_avg"]]
+        rotated = self.POLICIES[1:] + self.POLICIES[:1]
+        assert ran == ([(0, n, p) for n in (2, 6) for p in self.POLICIES]
+                       + [(1, n, p) for n in (2, 6) for p in rotated])
+
     def test_requests_csv_one_row_per_request(self, run):
         _, out = run
         _summary, rows, _ = read_outputs(out)

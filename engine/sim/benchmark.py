@@ -330,3 +330,12 @@ def seed_formula(candidate: Mapping) -> float:
 
     return part(candidate["prefill_tokens"], candidate["prefill_rate"]) + part(
         candidate["decode_tokens"], candidate["decode_rate"])
+
+
+def run_order(variants: list, run: int) -> list:
+    """The variants in the order run `run` takes them: the list rotated by `run`. Each takes every
+    place once in `len(variants)` runs: on one H200, the default's server (always first in every
+    run before) ran its 4 tenants' TTFT p50 at 1.03x and 1.13x the best tuned row of two calls,
+    every run of the second above it (docs/results/gpu/defaults16, defaults18)."""
+    k = run % len(variants) if variants else 0
+    return variants[k:] + variants[:k]
