@@ -379,20 +379,33 @@ def test_a_sequence_that_cannot_grow_alone_fails_with_a_clear_error():
     sim.sched.cache.unpin(pin)
 
 
+def _warm(sim, tokens) -> list[int]:
+    """Cache `tokens` on `sim`'s context (a warmed prefix) and return them."""
+    prefix = list(tokens)
+    sim.submit(prefix, warm=True)
+    sim.run()
+    return prefix
+
+
+def _queue_pinned(sim, prefix: list[int]) -> SeqState:
+    """Queue a request for `prefix` plus one token, its cached prefix pinned as routing pins it."""
+    tokens = (*prefix, 7)
+    cache = sim.sched.cache
+    seq = SeqState(Request(tokens, SamplingParams(temperature=0.0, max_tokens=2)), Handle(),
+                   cache.pin(cache.match(tokens, max_len=len(prefix))), len(prefix), sim.now, n_ctx_seq=sim.sched.n_ctx_seq)
+    sim.sched.add(seq)
+    return seq
+
+
 def test_queued_requests_pins_give_way_to_the_head_when_nothing_runs():
     # 128 cells: a cached 60-token prefix, pinned at routing for a request queued behind a
     # 100-token head that needs 116 cells. Nothing runs, so only the pin stands in the way.
     sim = Sim(n_ctx=128, cap=2)
-    prefix = list(range(100, 160))
-    sim.submit(prefix, warm=True)
-    sim.run()
+    prefix = _warm(sim, range(100, 160))
     cache = sim.sched.cache
     assert cache.cached_tokens == 60
     head = sim.submit(range(200, 300), max_tokens=2)
-    behind_tokens = (*prefix, 7)
-    behind = SeqState(Request(behind_tokens, SamplingParams(temperature=0.0, max_tokens=2)), Handle(),
-                      cache.pin(cache.match(behind_tokens, max_len=60)), 60, sim.now, n_ctx_seq=128)
-    sim.sched.add(behind)
+    behind = _queue_pinned(sim, prefix)
     assert cache.pinned_tokens == 60
     sim.run()
     assert sim.record(head).status == RequestStatus.FINISHED_LENGTH, sim.record(head).error
@@ -405,16 +418,11 @@ def test_queued_requests_pins_give_way_to_a_running_sequence_that_must_grow():
     # running sequence that grows to 42 cells. Failing it, or preempting it, for a queued
     # request's estimate would lose work; the pin is dropped and the prefix evicted instead.
     sim = Sim(n_ctx=64, cap=1)
-    prefix = list(range(100, 140))
-    sim.submit(prefix, warm=True)
-    sim.run()
+    prefix = _warm(sim, range(100, 140))
     cache = sim.sched.cache
     grower = sim.submit([1, 5], max_tokens=40, ignore_eos=True)
     sim.step()
-    behind_tokens = (*prefix, 7)
-    behind = SeqState(Request(behind_tokens, SamplingParams(temperature=0.0, max_tokens=2)), Handle(),
-                      cache.pin(cache.match(behind_tokens, max_len=40)), 40, sim.now, n_ctx_seq=64)
-    sim.sched.add(behind)
+    behind = _queue_pinned(sim, prefix)
     assert cache.pinned_tokens == 40
     sim.run()
     assert sim.record(grower).status == RequestStatus.FINISHED_LENGTH, sim.record(grower).error
