@@ -306,13 +306,17 @@ class Bench:
         args = self.args
         bar.update(0, f"{v.label} N={len(wl.requests)} " + (f"run {wl.run + 1}/{args.runs}" if keep else "warm-up"))
         if v.target is not None:
-            from .target import Target, run_target
+            from .target import Target, routing_decisions, run_target
 
             if not isinstance(v.target, Target):
                 raise TypeError(f"variant {v.label!r}: its target is a {type(v.target).__name__}, not a bench Target")
             got = Collected(run_target(v.target, wl, run=wl.run, warm_copies=args.target_warm,
                                        timeout=args.timeout, on_done=lambda _r: bar.update(1),
                                        warm_tenants=getattr(args, "warm_tenants", False)))
+            if keep:  # a Tandem peer says where each request of the run went and why (others: nothing)
+                got.decisions = [{"workload": wl.spec.name(), "run": wl.run, "requests": len(wl.requests),
+                                  "label": v.label, "target": True, **d}
+                                 for d in routing_decisions(v.target.url, len(got.records))]
         else:
             if wl.spec.tenants:  # the same text the peers get, tokenized by the engine's model
                 model = runner.eng.model

@@ -638,9 +638,13 @@ def test_side_by_side_with_our_own_server(tmp_path, tiny_path):
         thread.join(30)
         peer.close()
     assert rc == 0
-    summary, rows, _ = read_outputs(tmp_path)
+    summary, rows, decisions = read_outputs(tmp_path)
     assert summary["policies"] == ["seed-score", "target:tandem"]
     assert summary["targets"][0]["api"] == "openai"
+    # The peer's router said where each request of the run went and why (its /v1/routing).
+    peer_said = [d for d in decisions if d["label"] == "target:tandem"]
+    assert len(peer_said) == 3 and all(d["target"] and d["backend"] == "cpu" and "finishes first" in d["reason"] for d in peer_said)
+    assert all(d["policy"] == "finish-first:pack" and (d["workload"], d["run"]) == ("seed", 0) for d in peer_said)
     peer_rows = [r for r in rows if r["policy"] == "target:tandem"]
     assert len(peer_rows) == 3 and all(r["success"] == "True" and r["output_tokens"] == "8" for r in peer_rows)
     assert all(int(r["cached_tokens"]) == 48 for r in peer_rows)  # the warmed prefix, reported in usage
