@@ -7,6 +7,8 @@
                                                        # tuned row (every other row; `fixed`: fixed-cap rows only)
     python3 scripts/gpu/ratios.py runs DIR             # each run of each row from requests.csv: its last token,
                                                        # TTFT and ITL p50, prompt tokens computed, requests per backend
+    python3 scripts/gpu/ratios.py ttft DIR             # each row over all its runs: TTFT p10 ... p99, prompts that
+                                                       # missed their prefix, and why a Tandem peer routed as it did
 
 Every ratio compares rows of the same invocation (runs interleaved), never across calls.
 """
@@ -134,8 +136,46 @@ def runs(folder: str) -> None:
               f"{len(rows) - len(ok)} failed | {where}")
 
 
+# What a Tandem router's reasons say (decisions.jsonl, a peer's /v1/routing), phrase -> label.
+REASONS = (("kept in use)", "a context opened to keep the minimum in use"),
+           ("every context in use is full", "a context opened, all in use full"),
+           ("the tenant moves to", "a tenant moved to a less loaded context"),
+           ("are uneven", "loads uneven"),
+           ("beyond balance", "loads beyond balance"),
+           ("no backend holds", "no context held the prompt"),
+           ("serves conversations", "conversations shared out"))
+
+
+def ttft(folder: str) -> None:
+    """One line per workload and row over all its runs: TTFT quantiles, the requests whose prompt
+    was mostly computed (less than half cached: a prefix missed), and, where the folder holds a
+    Tandem peer's decisions, how often each kind of reason came up."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    with open(Path(folder) / "requests.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            groups[(r["workload"], r["policy"])].append(r)
+    said: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    path = Path(folder) / "decisions.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        d = json.loads(line)
+        for phrase, label in REASONS:
+            if phrase in (d.get("reason") or ""):
+                said[(d.get("workload", ""), d.get("label", ""))][label] += 1
+    for (workload, policy), rows in sorted(groups.items()):
+        ok = sorted(float(r["ttft_s"]) for r in rows if r["success"] == "True")
+        if not ok:
+            continue
+        q = " ".join(f"p{int(p * 100)} {ok[min(len(ok) - 1, int(p * len(ok)))] * 1000:.0f}"
+                     for p in (0.1, 0.25, 0.5, 0.75, 0.9, 0.99))
+        missed = sum(int(r["cached_tokens"] or 0) * 2 < int(r["prompt_tokens"]) for r in rows if r["success"] == "True")
+        reasons = said.get((workload.split(", kv ")[0], policy)) or said.get((workload, policy)) or {}
+        why = "; ".join(f"{label} {n}" for label, n in reasons.items())
+        print(f"{workload} | {policy} | TTFT ms {q} | {missed} of {len(ok)} missed their prefix"
+              + (f" | {why}" if why else ""))
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps", "defaults", "runs"):
+    if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps", "defaults", "runs", "ttft"):
         print(__doc__, file=sys.stderr)
         return 2
     kind, folder = argv[0], argv[1]
@@ -147,6 +187,8 @@ def main(argv: list[str]) -> int:
         defaults(folder, *argv[2:4])
     elif kind == "runs":
         runs(folder)
+    elif kind == "ttft":
+        ttft(folder)
     else:
         caps(folder)
     return 0

@@ -633,6 +633,7 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-3}" --warmup 1 --policies none --caps none \
     "${targets[@]}" --target-warm 4 --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py runs "$OUT/$dir" > "$OUT/$dir/runs.txt"
+  python3 scripts/gpu/ratios.py ttft "$OUT/$dir" > "$OUT/$dir/ttft.txt"
   python3 scripts/gpu/ratios.py defaults "$OUT/$dir" target:default tuned | tee -a "$OUT/defaults.txt"
   for a in "${alts[@]}"; do
     python3 scripts/gpu/ratios.py defaults "$OUT/$dir" "target:${a%%=*}" tuned | tee -a "$OUT/defaults.txt"
