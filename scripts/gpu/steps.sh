@@ -620,6 +620,29 @@ _tuned_servers() {  # one `tandem serve` per TUNED entry on ports 8101..., the d
     i=$((i + 1))
   done
 }
+_backends() {  # _backends DIR --target LABEL=URL ...: each Tandem server's /v1/backends (its caches' hits, evictions
+               # and lost tokens so far, per context) as DIR/backends.txt, a line per backend
+  local dir=$1; shift
+  python3 - "$dir" "$@" <<'PY'
+import json, sys, urllib.request
+out = open(f"{sys.argv[1]}/backends.txt", "w")
+for arg in sys.argv[2:]:
+    if arg == "--target":
+        continue
+    label, url = arg.split("=", 1)
+    try:
+        with urllib.request.urlopen(f"{url}/v1/backends", timeout=10) as r:
+            doc = json.loads(r.read())
+    except (OSError, ValueError) as e:
+        print(f"{label}: {e}", file=out)
+        continue
+    for b in doc.get("backends", []):
+        c = b.get("cache") or {}
+        print(f"{label} | {b['name']} | cached {c.get('cached_tokens')} hit {c.get('hit_tokens')} of {c.get('query_tokens')} "
+              f"| evictions {c.get('evictions')} lost {c.get('lost_tokens')} | steps {b.get('steps')}", file=out)
+PY
+}
+
 _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every server of defaults_http on one workload,
                 # runs interleaved; SKIP: tuned labels left out of this workload
   local dir=$1 skip=" $2 " i=1 t a alts targets=(--target "default=http://127.0.0.1:8100")
@@ -634,6 +657,7 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
     "${targets[@]}" --target-warm 4 --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py runs "$OUT/$dir" > "$OUT/$dir/runs.txt"
   python3 scripts/gpu/ratios.py ttft "$OUT/$dir" > "$OUT/$dir/ttft.txt"
+  _backends "$OUT/$dir" "${targets[@]}"
   python3 scripts/gpu/ratios.py defaults "$OUT/$dir" target:default tuned | tee -a "$OUT/defaults.txt"
   for a in "${alts[@]}"; do
     python3 scripts/gpu/ratios.py defaults "$OUT/$dir" "target:${a%%=*}" tuned | tee -a "$OUT/defaults.txt"
