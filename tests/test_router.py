@@ -529,11 +529,14 @@ TENANT_PROMPT, TENANT_PREFIX, TENANT_OUT = 1550, 1500, 128
 H200 = Rates(prefill_tok_s=20_000, decode_tok_s=500, step_alpha_s=0.010, step_beta_s=0.0005, source="override")
 
 
-def gpus(*loads, cap: int = 8, names: str = "abcd") -> list[BackendSnapshot]:
-    """One identical GPU backend per load: `load` items, the first `cap` running, the rest queued."""
+def gpus(*loads, cap: int = 8, names: str = "abcd", held: dict[str, tuple[str, ...]] | None = None
+         ) -> list[BackendSnapshot]:
+    """One identical GPU backend per load: `load` items, the first `cap` running, the rest queued;
+    `held` names the request ids among a backend's items (the ones routed there still in flight)."""
     out = []
     for name, n in zip(names, loads):
-        items = [WorkItem(f"{name}{k}", k < cap, TENANT_PROMPT, TENANT_PREFIX,
+        ids = list((held or {}).get(name, ())) + [f"{name}{k}" for k in range(n)]
+        items = [WorkItem(ids[k], k < cap, TENANT_PROMPT, TENANT_PREFIX,
                           0 if k < cap else TENANT_PROMPT - TENANT_PREFIX, 100) for k in range(n)]
         out.append(snap(name, "gpu", H200, items, cap=cap))
     return out
@@ -608,7 +611,8 @@ class TestCacheAware:
         r = Router(TABLE_POLICY)
         first = r.route(tenant_query("r0", 7, tokens=True), [replace(s, rates=slow) for s in gpus(0, 0)])
         assert first.backend == "a"
-        d = r.route(tenant_query("r1", 7, own=1, tokens=True), [replace(s, rates=slow) for s in gpus(6, 0)])
+        d = r.route(tenant_query("r1", 7, own=1, tokens=True),
+                    [replace(s, rates=slow) for s in gpus(6, 0, held={"a": ("r0",)})])
         assert d.backend == "b", d.reason
         assert d.score_of("a").cached_tokens == 1472  # affinity still sees it
         assert d.score_of("a").prefill_s == pytest.approx(1550 / 73)  # priced cold
@@ -635,25 +639,25 @@ class TestCacheAware:
         r = Router(TABLE_POLICY)
         first = r.route(tenant_query("r0", 7, own=0, tokens=True), gpus(0, 0))
         assert first.backend == "a"
-        second = r.route(tenant_query("r1", 7, own=1, tokens=True), gpus(1, 0))
+        second = r.route(tenant_query("r1", 7, own=1, tokens=True), gpus(1, 0, held={"a": ("r0",)}))
         assert second.backend == "a"
         # 46 whole blocks of 32 tokens: the 47th mixes the prefix with the request's own tokens
         assert "a: 1,472 of 1,550 tokens routed there, in flight" in second.reason
         # Another tenant's prompt shares no block: it goes to the idle backend.
-        other = r.route(tenant_query("r2", 8, tokens=True), gpus(2, 0))
+        other = r.route(tenant_query("r2", 8, tokens=True), gpus(2, 0, held={"a": ("r0", "r1")}))
         assert other.backend == "b" and "nothing cached anywhere" in other.reason
 
     def test_the_remembered_prefixes_are_per_backend(self):
         r = Router(TABLE_POLICY)
         r.route(tenant_query("r0", 1, tokens=True), gpus(0, 0))
-        d = r.route(tenant_query("r1", 1, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1))
+        d = r.route(tenant_query("r1", 1, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1, held={"a": ("r0",)}))
         # b's real 1,500 cached tokens and the 1,472 remembered on a are the same 46 blocks:
         # equal hits, and a is the tenant's home (where its last request went)
         assert d.backend == "a"
         assert d.score_of("a").cached_tokens == 1472 and d.score_of("b").cached_tokens == 1500
         assert d.reason.startswith("a: 1,472 of 1,550 tokens routed there, in flight")
         r.clear()
-        d = r.route(tenant_query("r2", 1, own=2, tokens=True), gpus(1, 0))
+        d = r.route(tenant_query("r2", 1, own=2, tokens=True), gpus(1, 0, held={"a": ("r1",)}))
         assert d.backend == "b" and "nothing cached anywhere" in d.reason
 
     def test_pinned_request_is_remembered(self):
@@ -661,8 +665,23 @@ class TestCacheAware:
         pinned = replace(tenant_query("r0", 3, tokens=True), backend="b")
         d = r.route(pinned, gpus(0, 0))
         assert d.pinned and d.backend == "b"
-        d = r.route(tenant_query("r1", 3, own=1, tokens=True), gpus(0, 1))
+        d = r.route(tenant_query("r1", 3, own=1, tokens=True), gpus(0, 1, held={"b": ("r0",)}))
         assert d.backend == "b" and "routed there, in flight" in d.reason
+
+    def test_a_finished_request_leaves_its_prefix_to_the_cache(self):
+        """Once the request routed to a has finished (its snapshot no longer holds it), the
+        router's memory of it stops counting: a's cache says whether the prefix stayed. Shed,
+        it draws nothing, and the tenant's next request goes where the prefix is cached."""
+        r = Router(TABLE_POLICY)
+        assert r.route(tenant_query("r0", 5, tokens=True), gpus(0, 0)).backend == "a"
+        d = r.route(tenant_query("r1", 5, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1))
+        assert d.score_of("a").cached_tokens == 0 and d.score_of("b").cached_tokens == 1500
+        assert d.backend == "b" and d.reason.startswith("b: 1,500 of 1,550 tokens cached"), d.reason
+        # While r0 still ran there, a was the tenant's home and drew it (the test above).
+        d = Router(TABLE_POLICY)
+        d.route(tenant_query("r0", 5, tokens=True), gpus(0, 0))
+        held = d.route(tenant_query("r1", 5, own=1, tokens=True, cached={"b": 1500}), gpus(1, 1, held={"a": ("r0",)}))
+        assert held.backend == "a" and held.score_of("a").cached_tokens == 1472
 
     def test_unhealthy_backend_with_the_hit_is_skipped(self):
         snaps = gpus(0, 3)

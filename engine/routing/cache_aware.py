@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 from engine.core.request import CHARS_PER_TOKEN
@@ -24,6 +25,11 @@ HELP = ("Keeps each tenant (requests sharing a prompt prefix) on the backend tha
         "prefill against the queue.")
 
 
+def live_ids(snap) -> frozenset[str]:
+    """The request ids `snap`'s backend holds, queued or running."""
+    return frozenset(i.request_id for i in snap.items)
+
+
 class RecentPrefixes:
     """Which backends recent prompts were routed to, by prefix blocks.
 
@@ -33,7 +39,12 @@ class RecentPrefixes:
     k's hash covers tokens [0, (k+1) * block), so equal hashes mean equal prefixes: Dynamo's
     and vLLM's block hashing) and where that request went. `match()` answers, per backend, the
     longest remembered prefix in whole blocks. SGLang's router keeps such an approximate tree
-    as its only cache knowledge; here it only fills the gap before the real cache reports.
+    as its only cache knowledge; here it only fills the gap before the real cache reports:
+    given what each backend holds now (`live`, the request ids of its snapshot's items), a
+    route counts only while its request is still there, queued or running. Once it finished,
+    the backend's cache says whether the prefix stayed; counted for the whole window (256
+    requests, 6 s at 40 requests a second), a prefix the cache had since shed still drew a
+    tenant's requests there, to compute it again.
 
     Bounded: at most `max_blocks` hashes, the oldest forgotten first. Not thread-safe alone;
     `Router` calls it under its lock.
@@ -60,23 +71,29 @@ class RecentPrefixes:
             out.append(h)
         return out
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+    def match(self, hashes: Sequence[int], live: Mapping[str, AbstractSet[str]] | None = None) -> dict[str, int]:
         """Backend name -> prefix tokens routed there within the window (whole blocks),
-        backends in the order they were first sent the matched prefix (the same in every process)."""
+        backends in the order they were first sent the matched prefix (the same in every process).
+        With `live`, a backend named there counts a route only while the request routed is among
+        its ids (still held there); one not named counts every route of the window."""
         oldest = self._serial - self.window
         found: dict[str, int] = {}
         alive: list[str] | None = None  # a list, not a set: the answer's order is the same in every process
         for k, h in enumerate(hashes):
             seen = self._blocks.get(h) or {}
-            alive = [b for b, serial in seen.items() if serial > oldest and (alive is None or b in alive)]
+            alive = [b for b, (serial, rid) in seen.items()
+                     if serial > oldest and (alive is None or b in alive)
+                     and (live is None or b not in live or rid in live[b])]
             if not alive:
                 break
             for b in alive:
                 found[b] = (k + 1) * self.block
         return found
 
-    def record(self, hashes: Sequence[int], backend: str) -> None:
-        """Remember that a prompt with these block hashes was routed to `backend`."""
+    def record(self, hashes: Sequence[int], backend: str, request_id: str = "") -> None:
+        """Remember that a prompt with these block hashes (request `request_id`) was routed to
+        `backend`; of several routed there with one prefix, the last stands for them (while it
+        runs, so do the earlier ones' prefix cells: the cache holds them)."""
         self._serial += 1
         for h in hashes:
             seen = self._blocks.get(h)
@@ -84,7 +101,7 @@ class RecentPrefixes:
                 seen = self._blocks[h] = {}
             else:
                 self._blocks.move_to_end(h)
-            seen[backend] = self._serial
+            seen[backend] = (self._serial, request_id)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
 
@@ -191,7 +208,8 @@ class CacheAware(Policy):
         self._query: RouteQuery | None = None  # the query the memos below belong to (held, so unique)
         self._hashes: list[int] = []
         self._memory: RecentPrefixes = self.recent
-        self._remembered: dict[str, int] = {}
+        self._remembered: dict[str, int] = {}  # backend -> prompt tokens routed there by a request it holds
+        self._per_token = 1  # tokens per remembered unit (text prompts: characters)
         self._cache_size: dict[str, int] = {}
         self._group: int | None = None  # the query's tenant (a prefix hash), None without one
         self._members: dict[str, int] = {}  # backend -> the tenant's items held there
@@ -205,7 +223,7 @@ class CacheAware(Policy):
         if self._group is not None:
             self._members[snap.name] = sum(1 for i in snap.items if self._tenant_of.get(i.request_id) == self._group)
         held = query.cached_on(snap.name)
-        remembered = min(self._remembered.get(snap.name, 0), query.prompt_tokens)
+        remembered = min(self._remembered_on(snap), query.prompt_tokens)
         # Priced on what the cache holds: a backend's prefix cache takes a sequence when it
         # finishes, so a request admitted while the prefix is still in flight there computes it
         # again (a cold prefill: 1,550 tokens at 73 tok/s is 21 s on one CPU core, not the
@@ -224,9 +242,17 @@ class CacheAware(Policy):
         else:
             self._memory, per_token = self.recent_text, CHARS_PER_TOKEN
         self._hashes = self._memory.hashes(key) if key else []
-        remembered = self._memory.match(self._hashes) if self._hashes else {}
-        self._remembered = {b: n // per_token for b, n in remembered.items()}
+        self._per_token = per_token
+        self._remembered = {}
         self._group = self._tenant(self._hashes, self._memory.block // per_token, query.prompt_tokens)
+
+    def _remembered_on(self, snap) -> int:
+        """Prompt tokens routed to `snap`'s backend by a request it still holds (`RecentPrefixes`)."""
+        if not self._hashes:
+            return 0
+        n = self._memory.match(self._hashes, {snap.name: live_ids(snap)}).get(snap.name, 0) // self._per_token
+        self._remembered[snap.name] = n
+        return n
 
     def _tenant(self, hashes: Sequence[int], block_tokens: int, prompt_tokens: int) -> int | None:
         """The tenant of a prompt: the deepest known tenant among its prefixes that cover at
@@ -314,7 +340,7 @@ class CacheAware(Policy):
         if self._query is not query:
             return
         if self._hashes:
-            self._memory.record(self._hashes, backend)
+            self._memory.record(self._hashes, backend, query.request_id)
         if self._group is not None:
             if home or self._group not in self._homes:
                 self._homes[self._group] = backend

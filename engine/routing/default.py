@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from engine.core.snapshot import BackendSnapshot, Rates
 
-from .cache_aware import CacheAware, RecentPrefixes
+from .cache_aware import CacheAware, RecentPrefixes, live_ids
 from .policy import Policy, fmt_s, from_spec, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
 
@@ -220,7 +220,6 @@ class FinishFirst(Policy):
         self.within = CacheAware()  # among the contexts of one device
         self._query: RouteQuery | None = None
         self._hashes: list[int] = []
-        self._routed: dict[str, int] = {}
         self._parts: dict[str, tuple[Finish, int, int]] = {}  # backend -> (finish, cached, of which in flight)
         self._group: dict[str, str] = {}  # backend -> the group of contexts sharing its device
         self._within: dict[str, BackendScore] = {}  # grouped backend -> its cache-aware score
@@ -233,9 +232,9 @@ class FinishFirst(Policy):
             self._query = query
             self._parts, self._group, self._within, self._speed, self._snaps = {}, {}, {}, {}, {}
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
-            self._routed = self.recent.match(self._hashes) if self._hashes else {}
         held = query.cached_on(snap.name)
-        hit = max(held, min(self._routed.get(snap.name, 0), query.prompt_tokens))
+        routed = self.recent.match(self._hashes, {snap.name: live_ids(snap)}).get(snap.name, 0) if self._hashes else 0
+        hit = max(held, min(routed, query.prompt_tokens))
         f = finish_time(query, snap, hit)
         self._parts[snap.name] = (f, hit, hit - held)
         self._speed[snap.name] = (snap.rates, snap.cap_ceiling or snap.cap)
@@ -395,7 +394,7 @@ class FinishFirst(Policy):
 
     def _record(self, query, backend):
         if self._hashes and self._query is query:
-            self.recent.record(self._hashes, backend)
+            self.recent.record(self._hashes, backend, query.request_id)
         self._query = None
 
     def _explain(self, s: BackendScore) -> str:
