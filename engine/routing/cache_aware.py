@@ -57,7 +57,7 @@ class RecentPrefixes:
         self.window = window
         self.max_blocks = max_blocks
         self._serial = 0  # requests recorded so far
-        self._blocks: OrderedDict[int, dict[str, int]] = OrderedDict()  # hash -> {backend: serial}
+        self._blocks: OrderedDict[int, dict[str, tuple[int, str]]] = OrderedDict()  # hash -> {backend: (serial, request id)}
 
     def hashes(self, tokens: Sequence) -> list[int]:
         """Chained hashes of the prompt's whole blocks (a trailing partial block is left out):
