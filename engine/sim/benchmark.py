@@ -333,9 +333,9 @@ def seed_formula(candidate: Mapping) -> float:
 
 
 def run_order(variants: list, run: int) -> list:
-    """The variants in the order run `run` takes them: the list rotated by `run`. Each takes every
-    place once in `len(variants)` runs: on one H200, the default's server (always first in every
-    run before) ran its 4 tenants' TTFT p50 at 1.03x and 1.13x the best tuned row of two calls,
-    every run of the second above it (docs/results/gpu/defaults16, defaults18)."""
+    """The variants in the order run `run` takes them: the list rotated by `run`, so each takes
+    every place once in `len(variants)` runs and none always runs first, or right after the
+    same one. (On one H200 the default's server had run first in every run; rotated, its 4
+    tenants' TTFT gap stayed: docs/results/gpu/defaults19, defaults20.)"""
     k = run % len(variants) if variants else 0
     return variants[k:] + variants[:k]
