@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
@@ -39,9 +39,9 @@ class RecentPrefixes:
     k's hash covers tokens [0, (k+1) * block), so equal hashes mean equal prefixes: Dynamo's
     and vLLM's block hashing) and where that request went. `match()` answers, per backend, the
     longest remembered prefix in whole blocks. SGLang's router keeps such an approximate tree
-    as its only cache knowledge; here it only fills the gap before the real cache reports:
-    given what each backend holds now (`live`, the request ids of its snapshot's items), a
-    route counts only while its request is still there, queued or running. Once it finished,
+    as its only cache knowledge; here it only fills the gap before the real cache reports
+    (`match_on`): a route counts only while its request is still held there, queued or
+    running (the request ids of the backend's snapshot items). Once it finished,
     the backend's cache says whether the prefix stayed; counted for the whole window (256
     requests, 6 s at 40 requests a second), a prefix the cache had since shed still drew a
     tenant's requests there, to compute it again.
@@ -71,24 +71,32 @@ class RecentPrefixes:
             out.append(h)
         return out
 
-    def match(self, hashes: Sequence[int], live: Mapping[str, AbstractSet[str]] | None = None) -> dict[str, int]:
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Backend name -> prefix tokens routed there within the window (whole blocks),
-        backends in the order they were first sent the matched prefix (the same in every process).
-        With `live`, a backend named there counts a route only while the request routed is among
-        its ids (still held there); one not named counts every route of the window."""
+        backends in the order they were first sent the matched prefix (the same in every process)."""
         oldest = self._serial - self.window
         found: dict[str, int] = {}
         alive: list[str] | None = None  # a list, not a set: the answer's order is the same in every process
         for k, h in enumerate(hashes):
             seen = self._blocks.get(h) or {}
-            alive = [b for b, (serial, rid) in seen.items()
-                     if serial > oldest and (alive is None or b in alive)
-                     and (live is None or b not in live or rid in live[b])]
+            alive = [b for b, (serial, _) in seen.items() if serial > oldest and (alive is None or b in alive)]
             if not alive:
                 break
             for b in alive:
                 found[b] = (k + 1) * self.block
         return found
+
+    def match_on(self, hashes: Sequence[int], backend: str, held: AbstractSet[str]) -> int:
+        """Prefix tokens routed to `backend` within the window (whole blocks) by requests it
+        still `held` (request ids): what its cache may not report yet."""
+        oldest = self._serial - self.window
+        n = 0
+        for h in hashes:
+            serial, rid = (self._blocks.get(h) or {}).get(backend, (0, ""))
+            if serial <= oldest or rid not in held:
+                break
+            n += self.block
+        return n
 
     def record(self, hashes: Sequence[int], backend: str, request_id: str = "") -> None:
         """Remember that a prompt with these block hashes (request `request_id`) was routed to
@@ -208,7 +216,6 @@ class CacheAware(Policy):
         self._query: RouteQuery | None = None  # the query the memos below belong to (held, so unique)
         self._hashes: list[int] = []
         self._memory: RecentPrefixes = self.recent
-        self._remembered: dict[str, int] = {}  # backend -> prompt tokens routed there by a request it holds
         self._per_token = 1  # tokens per remembered unit (text prompts: characters)
         self._cache_size: dict[str, int] = {}
         self._group: int | None = None  # the query's tenant (a prefix hash), None without one
@@ -243,16 +250,11 @@ class CacheAware(Policy):
             self._memory, per_token = self.recent_text, CHARS_PER_TOKEN
         self._hashes = self._memory.hashes(key) if key else []
         self._per_token = per_token
-        self._remembered = {}
         self._group = self._tenant(self._hashes, self._memory.block // per_token, query.prompt_tokens)
 
     def _remembered_on(self, snap) -> int:
         """Prompt tokens routed to `snap`'s backend by a request it still holds (`RecentPrefixes`)."""
-        if not self._hashes:
-            return 0
-        n = self._memory.match(self._hashes, {snap.name: live_ids(snap)}).get(snap.name, 0) // self._per_token
-        self._remembered[snap.name] = n
-        return n
+        return self._memory.match_on(self._hashes, snap.name, live_ids(snap)) // self._per_token
 
     def _tenant(self, hashes: Sequence[int], block_tokens: int, prompt_tokens: int) -> int | None:
         """The tenant of a prompt: the deepest known tenant among its prefixes that cover at

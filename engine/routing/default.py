@@ -233,7 +233,7 @@ class FinishFirst(Policy):
             self._parts, self._group, self._within, self._speed, self._snaps = {}, {}, {}, {}, {}
             self._hashes = self.recent.hashes(query.tokens) if query.tokens else []
         held = query.cached_on(snap.name)
-        routed = self.recent.match(self._hashes, {snap.name: live_ids(snap)}).get(snap.name, 0) if self._hashes else 0
+        routed = self.recent.match_on(self._hashes, snap.name, live_ids(snap))
         hit = max(held, min(routed, query.prompt_tokens))
         f = finish_time(query, snap, hit)
         self._parts[snap.name] = (f, hit, hit - held)
