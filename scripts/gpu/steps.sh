@@ -4,6 +4,7 @@
 M=${MODEL:-${M:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}}
 G=${GPU_DEVICE:-gpu}  # GPU_DEVICE=cpu tries a step on a machine without a GPU (MODEL=synthetic:tiny)
 SERVERS=()
+SERVER_LOGS=()  # pid -> its log (_serve_bg)
 
 _setup() {
   T0=$SECONDS
@@ -29,12 +30,18 @@ _wait_ready() {  # _wait_ready PORT...: until each answers /health (a minute at 
   for port in "$@"; do
     for _ in $(seq 300); do
       curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-      _servers_alive || { echo "a server exited before port $port was ready: see its log" >&2; return 1; }
+      _servers_alive || { _dead_servers; echo "a server exited before port $port was ready" >&2; return 1; }
       sleep 0.2
     done
   done
 }
 _servers_alive() { local p; for p in "${SERVERS[@]}"; do kill -0 "$p" 2>/dev/null || return 1; done; }
+_dead_servers() {  # the end of each exited server's log (SERVER_LOGS, by pid), on stderr
+  local p
+  for p in "${SERVERS[@]}"; do
+    kill -0 "$p" 2>/dev/null || { echo "server $p exited: ${SERVER_LOGS[$p]:-}" >&2; tail -n 15 "${SERVER_LOGS[$p]:-/dev/null}" >&2; }
+  done
+}
 _stop_servers() { kill "${SERVERS[@]}" 2>/dev/null; SERVERS=(); sleep 2; }
 
 _decode() {  # _decode FILE REPEATS BATCHES [bench overhead options...]
@@ -453,7 +460,7 @@ _chat_bench() {  # _chat_bench LABEL PORT: issue 26's chat workload against one 
 
 _serve_bg() {  # _serve_bg LOGFILE PORT [serve options...]: start one tandem serve in the background
   local log=$1 port=$2; shift 2
-  python3 -m app serve --model "$M" --port "$port" "$@" > "$log" 2>&1 & SERVERS+=($!)
+  python3 -m app serve --model "$M" --port "$port" "$@" > "$log" 2>&1 & SERVERS+=($!); SERVER_LOGS[$!]=$log
 }
 _serve_one() {  # _serve_one LOGNAME PORT [serve options...]: start one tandem serve, wait for it
   local name=$1 port=$2; shift 2
@@ -488,17 +495,22 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
   local dir=$1; shift
   local alt=() i=0 alts a
   IFS=';' read -ra alts <<< "${ALTS:-}"
-  for a in "${alts[@]}"; do alt+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))"); i=$((i + 1)); done
+  for a in "${alts[@]}"; do
+    ! _alt_up "${a%%=*}" || alt+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))")
+    i=$((i + 1))
+  done
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
     --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-only:swept}" \
     --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" "${alt[@]}" --target-warm 4 \
     --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py defaults "$OUT/$dir" default tuned | tee -a "$OUT/defaults.txt"
   for a in "${alts[@]}"; do  # each candidate layout against the same tuned rows
+    _alt_up "${a%%=*}" || continue
     python3 scripts/gpu/ratios.py defaults "$OUT/$dir" "target:${a%%=*}" tuned | tee -a "$OUT/defaults.txt"
   done
 }
 
+_alt_up() { [[ ${ALT_DOWN:- } != *" $1 "* ]]; }  # _alt_up LABEL: whether $ALTS's server LABEL started (_alt_servers)
 _alt_parse() {  # _alt_parse "label=spec+spec[@policy]": ALT_NAME and ALT_ARGS, its serve options (no spec: the
                 # default layout)
   local rest=${1#*=} parts b
@@ -506,15 +518,30 @@ _alt_parse() {  # _alt_parse "label=spec+spec[@policy]": ALT_NAME and ALT_ARGS, 
   [[ $rest == *@* ]] && { ALT_ARGS=(--policy "${rest##*@}"); rest=${rest%@*}; }
   IFS='+' read -ra parts <<< "$rest"; for b in "${parts[@]}"; do ALT_ARGS+=(--backend "$b"); done
 }
-_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@policy];label2=@policy"), on ports 8098, ...
-  local i=0 alts a
+_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@policy];label2=@policy"), on ports 8098, ...;
+                 # one that exits before it is ready is left out (ALT_DOWN: their labels; its log's end on stderr)
+  local i=0 alts a pids=() names=() j
+  ALT_DOWN=" "
   IFS=';' read -ra alts <<< "${ALTS:-}"
   for a in "${alts[@]}"; do
     _alt_parse "$a"
-    _serve_bg "/tmp/tandem-serve-$((8098 + i)).log" $((8098 + i)) "${ALT_ARGS[@]}"
+    _serve_bg "$OUT/logs/serve-alt-$ALT_NAME.log" $((8098 + i)) "${ALT_ARGS[@]}"
+    pids+=($!); names+=("$ALT_NAME")
     i=$((i + 1))
   done
-  for ((j = 0; j < i; j++)); do _wait_ready $((8098 + j)) || return 1; done
+  for ((j = 0; j < i; j++)); do
+    for _ in $(seq 300); do
+      curl -sf "http://127.0.0.1:$((8098 + j))/health" >/dev/null && break
+      kill -0 "${pids[j]}" 2>/dev/null || break
+      sleep 0.2
+    done
+    if ! kill -0 "${pids[j]}" 2>/dev/null; then
+      echo "alt ${names[j]} exited before it was ready, left out:" >&2; tail -n 15 "$OUT/logs/serve-alt-${names[j]}.log" >&2
+      ALT_DOWN+="${names[j]} "
+      SERVERS=("${SERVERS[@]/${pids[j]}}")
+    fi
+  done
+  return 0
 }
 
 defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) against the best tuned single-GPU
@@ -522,6 +549,7 @@ defaults() {  # ~6 min at RUNS=1: the default (no --backend, policy default) aga
              # N=48, the long-prompt workload and 4/16/32 tenants; prints makespan and TTFT p50 ratios
              # (+ about a minute per server in $ALTS)
   local n48=${N48:-48} long=${LONG_N:-64} tn=${TENANT_N:-200}
+  mkdir -p "$OUT/logs"
   python3 -m app serve --model "$M" --backend "${TUNED2:-$G:contexts=2,cap=32,threads=8}" --policy cache-aware \
     --port "${TUNED2_PORT:-8097}" > "/tmp/tandem-serve-${TUNED2_PORT:-8097}.log" 2>&1 &
   SERVERS+=($!)
@@ -652,7 +680,10 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
     i=$((i + 1))
   done
   IFS=';' read -ra alts <<< "${ALTS:-}"; i=0
-  for a in "${alts[@]}"; do targets+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))"); i=$((i + 1)); done
+  for a in "${alts[@]}"; do
+    ! _alt_up "${a%%=*}" || targets+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))")
+    i=$((i + 1))
+  done
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-3}" --warmup 1 --policies none --caps none \
     "${targets[@]}" --target-warm 4 --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py runs "$OUT/$dir" > "$OUT/$dir/runs.txt"
@@ -660,6 +691,7 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
   _backends "$OUT/$dir" "${targets[@]}"
   python3 scripts/gpu/ratios.py defaults "$OUT/$dir" target:default tuned | tee -a "$OUT/defaults.txt"
   for a in "${alts[@]}"; do
+    _alt_up "${a%%=*}" || continue
     python3 scripts/gpu/ratios.py defaults "$OUT/$dir" "target:${a%%=*}" tuned | tee -a "$OUT/defaults.txt"
   done
 }
