@@ -181,7 +181,9 @@ class Engine:
 
     def _route(self, request: Request, handle: RequestHandle, t_submit: float, group=None,
                moved_from: str | None = None, continued: int = 0) -> None:
+        t_wait = time.perf_counter()
         with self._lock:
+            t_in = time.perf_counter()
             self._check_open()
             serving = [b for b in self.backends.values() if self.serves(b, request.model)]
             if not serving:
@@ -194,7 +196,7 @@ class Engine:
             query = RouteQuery.from_request(request, {name: n for name, (n, _) in prefixes.items()}, moved_from,
                                             continued, {name: r for name, (_, r) in prefixes.items()})
             for attempt in range(len(serving)):
-                decision = self.router.route(query, [b.snapshot() for b in serving])
+                decision = self.router.route(query, [b.snapshot() for b in serving], since=t_in, wait_s=t_in - t_wait)
                 backend = self.backends[decision.backend]
                 estimate, pin = backend.pin_prefix(request)
                 handle.decision = decision

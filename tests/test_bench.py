@@ -645,12 +645,15 @@ def test_side_by_side_with_our_own_server(tmp_path, tiny_path):
     peer_said = [d for d in decisions if d["label"] == "target:tandem"]
     assert len(peer_said) == 3 and all(d["target"] and d["backend"] == "cpu" and "finishes first" in d["reason"] for d in peer_said)
     assert all(d["policy"] == "finish-first:pack" and (d["workload"], d["run"]) == ("seed", 0) for d in peer_said)
+    # Each says how long the engine took to route it: snapshots and the policy's choice take time.
+    assert all(d["took_s"] > 0 and d["wait_s"] >= 0 for d in peer_said)
     # The GPU driver's summary of them: each row's TTFT quantiles, its missed prefixes, the peer's reasons.
     import subprocess
     lines = subprocess.run([sys.executable, "scripts/gpu/ratios.py", "ttft", str(tmp_path)], check=True,
                            capture_output=True, text=True).stdout.splitlines()
     assert [line.split(" | ")[1] for line in lines] == ["seed-score", "target:tandem"]
     assert all("TTFT ms p10 " in line and "0 of 3 missed their prefix" in line for line in lines)
+    assert "routing ms p50/p99: waited " in lines[1] and "routing ms" not in lines[0]
     peer_rows = [r for r in rows if r["policy"] == "target:tandem"]
     assert len(peer_rows) == 3 and all(r["success"] == "True" and r["output_tokens"] == "8" for r in peer_rows)
     assert all(int(r["cached_tokens"]) == 48 for r in peer_rows)  # the warmed prefix, reported in usage

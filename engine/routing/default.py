@@ -214,7 +214,7 @@ class FinishFirst(Policy):
                  min_contexts: int = MIN_CONTEXTS, fill: int = FILL, strict: int = STRICT,
                  spread_live: int = SPREAD_LIVE):
         if min_contexts < 1 or fill < 0 or strict not in (0, 1) or spread_live not in (0, 1):
-            raise ValueError("min_contexts must be at least 1, fill at least 0, strict and spread_live 0 or 1")
+            raise ValueError("min_contexts must be at least 1, fill at least 0, strict 0 or 1 and spread_live 0 or 1")
         self.recent = recent or RecentPrefixes()
         self.pack = pack  # `finish-first:pack`: a device's contexts in use first (`_in_use`)
         self.min_contexts = min_contexts  # contexts kept in use, at least

@@ -78,8 +78,12 @@ class Router:
         with self._lock:
             return self._ratio.reset()
 
-    def route(self, query: RouteQuery, snapshots: Sequence[BackendSnapshot]) -> RoutingDecision:
+    def route(self, query: RouteQuery, snapshots: Sequence[BackendSnapshot], *,
+              since: float | None = None, wait_s: float = 0.0) -> RoutingDecision:
         """Choose a backend for `query` among `snapshots` (in backend order) and record it.
+
+        `since`: the `time.perf_counter()` at which the caller began routing it (after `wait_s`
+        waiting its turn); the decision's `took_s` counts from there (the snapshots included).
 
         A pinned query (`query.backend`) bypasses the policy. Raises InvalidRequest for an
         unknown pinned backend, BackendUnavailable if the chosen/pinned backend or every
@@ -118,6 +122,8 @@ class Router:
                 pinned=pinned,
                 moved_from=query.moved_from,
                 continued=query.continued,
+                wait_s=wait_s,
+                took_s=time.perf_counter() - since if since is not None else 0.0,
             )
             self._history.append(decision)
             return decision

@@ -124,6 +124,10 @@ class RoutingDecision:
     pinned: bool = False
     moved_from: str | None = None  # the backend that gave the request back (`RouteQuery`)
     continued: int = 0  # output tokens streamed there, continued here
+    # Seconds the engine spent on it: waiting for its routing lock (other requests being routed),
+    # then looking up every backend's cached prefix, taking their snapshots and choosing.
+    wait_s: float = 0.0
+    took_s: float = 0.0
 
     def score_of(self, backend: str) -> BackendScore:
         """The score entry for `backend` (KeyError if it was not in the snapshot)."""
@@ -148,6 +152,8 @@ class RoutingDecision:
             "pinned": self.pinned,
             "moved_from": self.moved_from,
             "continued": self.continued,
+            "wait_s": self.wait_s,
+            "took_s": self.took_s,
             "scores": [s.to_dict() for s in self.scores],
         }
 

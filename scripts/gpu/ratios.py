@@ -149,18 +149,23 @@ REASONS = (("kept in use)", "a context opened to keep the minimum in use"),
 def ttft(folder: str) -> None:
     """One line per workload and row over all its runs: TTFT quantiles, the requests whose prompt
     was mostly computed (less than half cached: a prefix missed), and, where the folder holds a
-    Tandem peer's decisions, how often each kind of reason came up."""
+    Tandem peer's decisions, how often each kind of reason came up and how long its routing took
+    (p50 / p99 ms: waiting for the routing lock, then deciding)."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     with open(Path(folder) / "requests.csv", newline="") as f:
         for r in csv.DictReader(f):
             groups[(r["workload"], r["policy"])].append(r)
     said: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    timed: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     path = Path(folder) / "decisions.jsonl"
     for line in path.read_text().splitlines() if path.exists() else []:
         d = json.loads(line)
+        key = (d.get("workload", ""), d.get("label", ""))
         for phrase, label in REASONS:
             if phrase in (d.get("reason") or ""):
-                said[(d.get("workload", ""), d.get("label", ""))][label] += 1
+                said[key][label] += 1
+        if "took_s" in d:
+            timed[key].append((d.get("wait_s") or 0.0, d["took_s"]))
     for (workload, policy), rows in sorted(groups.items()):
         ok = sorted(float(r["ttft_s"]) for r in rows if r["success"] == "True")
         if not ok:
@@ -170,8 +175,15 @@ def ttft(folder: str) -> None:
         missed = sum(int(r["cached_tokens"] or 0) * 2 < int(r["prompt_tokens"]) for r in rows if r["success"] == "True")
         reasons = said.get((workload.split(", kv ")[0], policy)) or said.get((workload, policy)) or {}
         why = "; ".join(f"{label} {n}" for label, n in reasons.items())
+        times = timed.get((workload.split(", kv ")[0], policy)) or timed.get((workload, policy)) or []
+        took = ""
+        if times:
+            def ms(values: list[float]) -> str:
+                values = sorted(values)
+                return "/".join(f"{values[min(len(values) - 1, int(p * len(values)))] * 1000:.2f}" for p in (0.5, 0.99))
+            took = f" | routing ms p50/p99: waited {ms([w for w, _ in times])}, took {ms([t for _, t in times])}"
         print(f"{workload} | {policy} | TTFT ms {q} | {missed} of {len(ok)} missed their prefix"
-              + (f" | {why}" if why else ""))
+              + (f" | {why}" if why else "") + took)
 
 
 def main(argv: list[str]) -> int:

@@ -5,6 +5,7 @@ M=${MODEL:-${M:-synthetic:qwen2.5-0.5b:${QUANT:-q8_0}}}
 G=${GPU_DEVICE:-gpu}  # GPU_DEVICE=cpu tries a step on a machine without a GPU (MODEL=synthetic:tiny)
 SERVERS=()
 SERVER_LOGS=()  # pid -> its log (_serve_bg)
+ALT_PORT=8200  # $ALTS's servers: 8200, 8201, ... (clear of the default on 8100 and the tuned rows after it)
 
 _setup() {
   T0=$SECONDS
@@ -496,7 +497,7 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
   local alt=() i=0 alts a
   IFS=';' read -ra alts <<< "${ALTS:-}"
   for a in "${alts[@]}"; do
-    ! _alt_up "${a%%=*}" || alt+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))")
+    ! _alt_up "${a%%=*}" || alt+=(--target "${a%%=*}=http://127.0.0.1:$((ALT_PORT + i))")
     i=$((i + 1))
   done
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
@@ -518,20 +519,20 @@ _alt_parse() {  # _alt_parse "label=spec+spec[@policy]": ALT_NAME and ALT_ARGS, 
   [[ $rest == *@* ]] && { ALT_ARGS=(--policy "${rest##*@}"); rest=${rest%@*}; }
   IFS='+' read -ra parts <<< "$rest"; for b in "${parts[@]}"; do ALT_ARGS+=(--backend "$b"); done
 }
-_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@policy];label2=@policy"), on ports 8098, ...;
+_alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@policy];label2=@policy"), on ports ALT_PORT (8200), ...;
                  # one that exits before it is ready is left out (ALT_DOWN: their labels; its log's end on stderr)
   local i=0 alts a pids=() names=() j
   ALT_DOWN=" "
   IFS=';' read -ra alts <<< "${ALTS:-}"
   for a in "${alts[@]}"; do
     _alt_parse "$a"
-    _serve_bg "$OUT/logs/serve-alt-$ALT_NAME.log" $((8098 + i)) "${ALT_ARGS[@]}"
+    _serve_bg "$OUT/logs/serve-alt-$ALT_NAME.log" $((ALT_PORT + i)) "${ALT_ARGS[@]}"
     pids+=($!); names+=("$ALT_NAME")
     i=$((i + 1))
   done
   for ((j = 0; j < i; j++)); do
     for _ in $(seq 300); do
-      curl -sf "http://127.0.0.1:$((8098 + j))/health" >/dev/null && break
+      curl -sf "http://127.0.0.1:$((ALT_PORT + j))/health" >/dev/null && break
       kill -0 "${pids[j]}" 2>/dev/null || break
       sleep 0.2
     done
@@ -681,7 +682,7 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
   done
   IFS=';' read -ra alts <<< "${ALTS:-}"; i=0
   for a in "${alts[@]}"; do
-    ! _alt_up "${a%%=*}" || targets+=(--target "${a%%=*}=http://127.0.0.1:$((8098 + i))")
+    ! _alt_up "${a%%=*}" || targets+=(--target "${a%%=*}=http://127.0.0.1:$((ALT_PORT + i))")
     i=$((i + 1))
   done
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-3}" --warmup 1 --policies none --caps none \
@@ -699,7 +700,7 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
 defaults_http() {  # issue 25's must-show, every row served over HTTP: `tandem serve --model M` with nothing else
                    # against each TUNED configuration, on HTTP_WORKLOADS (n48 long tenants), RUNS (3) interleaved runs,
                    # ratios to the best tuned row per workload (~4 min for tenants, ~3 for n48 + long; $ALTS beside,
-                   # on ports 8098...; TENANT_SKIP: tuned rows left out of the tenant runs; TENANT_RUNS: their runs
+                   # on ports 8200...; TENANT_SKIP: tuned rows left out of the tenant runs; TENANT_RUNS: their runs
                    # (RUNS); TUNED_ONLY: the tuned rows started at all)
   mkdir -p "$OUT/logs"
   _tuned_servers
