@@ -138,6 +138,24 @@ def test_snapshot_reports_memory(make_backend, tiny_model):
     assert s.process_rss_bytes > s.model_bytes
 
 
+def test_the_process_rss_is_read_at_most_every_half_second(monkeypatch):
+    """Snapshots are taken for every routing decision: /proc is read again only once the
+    last reading is RSS_MAX_AGE_S old (each read gives the GIL away)."""
+    from engine.llama import runner
+
+    opened = []
+    real_open = open
+    monkeypatch.setattr(runner, "_rss", [-float("inf"), 0])
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
+    now = [100.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
+    first = runner.process_rss()
+    now[0] += runner.RSS_MAX_AGE_S / 2
+    assert runner.process_rss() == first > 0 and len(opened) == 1
+    now[0] += runner.RSS_MAX_AGE_S
+    assert runner.process_rss() > 0 and len(opened) == 2
+
+
 def test_the_cache_can_be_toggled_while_serving(make_backend, tiny_model):
     b = make_backend(tiny_model, n_ctx=1024)
     prefix = list(range(10, 70))

@@ -346,10 +346,24 @@ def kv_bytes_per_cell(model: Model) -> int:
     return model.info.n_layer * 2 * n_head_kv * head_dim * 2
 
 
-def process_rss() -> int:
-    """Resident set size of this process from /proc (0 where there is no /proc)."""
+RSS_MAX_AGE_S = 0.5
+_rss = [-float("inf"), 0]  # [when read (time.monotonic), bytes]
+
+
+def process_rss(max_age_s: float = RSS_MAX_AGE_S) -> int:
+    """Resident set size of this process from /proc (0 where there is no /proc), read again at
+    most every `max_age_s` seconds. Every backend's snapshot reports it, and the engine takes
+    every backend's snapshot for each request it routes, under its routing lock: each file read
+    gives the GIL away and waits to win it back from the busy workers. On this machine, four
+    CPU contexts under load, the snapshots of one decision took 0.39 ms reading it each time,
+    0.18 ms with this."""
+    now = time.monotonic()
+    if now - _rss[0] < max_age_s:
+        return _rss[1]
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            value = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return 0
+        value = 0
+    _rss[0], _rss[1] = now, value
+    return value
