@@ -196,21 +196,18 @@ class CacheAware(Policy):
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.5,
                  delay_weight: float = 1.0, recent: RecentPrefixes | None = None, *,
-                 move_abs: int = 4, move_rel: float = 0.25, spread_live: int = 0):
+                 move_abs: int = 4, move_rel: float = 0.25):
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs < 0 or balance_rel < 1:
             raise ValueError(f"need balance_abs >= 0 and balance_rel >= 1, got {balance_abs}, {balance_rel}")
         if move_abs < 0 or move_rel < 0:
             raise ValueError(f"need move_abs >= 0 and move_rel >= 0, got {move_abs}, {move_rel}")
-        if spread_live not in (0, 1):
-            raise ValueError(f"spread_live must be 0 or 1, got {spread_live}")
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.move_abs = move_abs
         self.move_rel = move_rel
-        self.spread_live = bool(spread_live)  # a tenant spreads only where it runs already (step 4)
         self.recent = recent or RecentPrefixes()
         # Text prompts (no token ids): the same memory in blocks of characters.
         self.recent_text = RecentPrefixes(block=self.recent.block * CHARS_PER_TOKEN, window=self.recent.window,
@@ -297,15 +294,13 @@ class CacheAware(Policy):
         mine = self._members.get(h.name, 0)
 
         if hit and not imbalanced:
-            other_hits = [s for s in eligible if s is not h and s.cached_tokens >= need and load[s.name] < lh
-                          and (not self.spread_live or self._members.get(s.name, 0) > 0)]
+            other_hits = [s for s in eligible if s is not h and s.cached_tokens >= need and load[s.name] < lh]
             lighter = min(other_hits, key=lambda s: (load[s.name], order[s.name])) if other_hits else None
             if uneven and lighter is not None and lh - load[lighter.name] > self.move_abs:
                 chosen = lighter
                 reason = (f"{held}, but loads {lh} vs {load[lighter.name]} on {lighter.name} are uneven "
                           f"(>{self.move_abs} apart and >{self.move_rel:.0%} of the mean {mean:.0f}); "
-                          f"{lighter.name} holds {lighter.cached_tokens:,} too"
-                          + (f" and runs {self._members.get(lighter.name, 0)} of the tenant's" if self.spread_live else ""))
+                          f"{lighter.name} holds {lighter.cached_tokens:,} too")
             elif uneven and home is not None and 2 * mine <= gap:
                 chosen = least
                 reason = (f"{held}, but loads {lh} vs {ll} on {least.name} are uneven (>{self.move_abs} apart "
@@ -383,7 +378,7 @@ class CacheAware(Policy):
 
 
 _CACHE_AWARE_PARAMS: dict[str, type[int] | type[float]] = {"cache_threshold": float, "balance_abs": int, "balance_rel": float, "delay_weight": float,
-                       "move_abs": int, "move_rel": float, "spread_live": int}
+                       "move_abs": int, "move_rel": float}
 
 
 def from_spec(spec: str) -> CacheAware:

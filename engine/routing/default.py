@@ -87,10 +87,6 @@ FILL = 32
 # are, the request goes to the context that opens; `strict=0`: `cache-aware` chooses among every one in
 # use, full or not, and the one that opens.
 STRICT = 0
-# SPREAD_LIVE (`spread_live=1`): among a device's contexts, a tenant whose home is busier than another
-# context holding its prefix spreads there only if it runs requests there already (`CacheAware`'s
-# step 4); `spread_live=0`: wherever its prefix is cached.
-SPREAD_LIVE = 0
 # ...unless the device serves conversations: at least CONVERSING_SHARE of the last CONVERSING_WINDOW
 # requests routed to it resumed an earlier request's own history there (RouteQuery.resumed_on, at
 # least RESUMED_MIN tokens: a turn's message and reply, not a chat template's few tokens).
@@ -211,10 +207,9 @@ class FinishFirst(Policy):
     uses_budget = False
 
     def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False,
-                 min_contexts: int = MIN_CONTEXTS, fill: int = FILL, strict: int = STRICT,
-                 spread_live: int = SPREAD_LIVE):
-        if min_contexts < 1 or fill < 0 or strict not in (0, 1) or spread_live not in (0, 1):
-            raise ValueError("min_contexts must be at least 1, fill at least 0, strict 0 or 1 and spread_live 0 or 1")
+                 min_contexts: int = MIN_CONTEXTS, fill: int = FILL, strict: int = STRICT):
+        if min_contexts < 1 or fill < 0 or strict not in (0, 1):
+            raise ValueError("min_contexts must be at least 1, fill at least 0 and strict 0 or 1")
         self.recent = recent or RecentPrefixes()
         self.pack = pack  # `finish-first:pack`: a device's contexts in use first (`_in_use`)
         self.min_contexts = min_contexts  # contexts kept in use, at least
@@ -222,7 +217,7 @@ class FinishFirst(Policy):
         self.strict = bool(strict)  # a full context takes no new work while another can (`_in_use`)
         if pack:
             self.name = PACK_NAME
-        self.within = CacheAware(spread_live=spread_live)  # among the contexts of one device
+        self.within = CacheAware()  # among the contexts of one device
         self._query: RouteQuery | None = None
         self._hashes: list[int] = []
         self._parts: dict[str, tuple[Finish, int, int]] = {}  # backend -> (finish, cached, of which in flight)
@@ -420,13 +415,12 @@ class FinishFirst(Policy):
                 f"in {f.decode_s:.3f} s, {per_seq:.0f} tok/s for it)")
 
 
-PACK_PARAMS: dict[str, type[int] | type[float]] = {"min_contexts": int, "fill": int, "strict": int, "spread_live": int}
+PACK_PARAMS: dict[str, type[int] | type[float]] = {"min_contexts": int, "fill": int, "strict": int}
 
 
 def pack_from_spec(spec: str) -> FinishFirst:
     """`finish-first:pack:KEY=VALUE,...`: the packed policy with `min_contexts` (a device's contexts
     kept in use, at least; MIN_CONTEXTS) and `fill` (the requests a context in use holds before
-    another opens, or its live cap if lower; FILL; 0: the live cap alone), `strict` (1: a full context
-    takes no new work while another can; STRICT) and `spread_live` (1: a tenant spreads over a device's
-    contexts only where it runs already; SPREAD_LIVE)."""
+    another opens, or its live cap if lower; FILL; 0: the live cap alone) and `strict` (1: a full context
+    takes no new work while another can; STRICT)."""
     return from_spec(spec, PACK_NAME, PACK_PARAMS, lambda **kw: FinishFirst(None, pack=True, **kw))
