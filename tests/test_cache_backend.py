@@ -145,7 +145,7 @@ def test_the_process_rss_is_read_at_most_every_half_second(monkeypatch):
 
     opened = []
     real_open = open
-    monkeypatch.setattr(runner, "_rss", [-float("inf"), 0])
+    monkeypatch.setattr(runner, "_rss", (-float("inf"), 0))
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
     now = [100.0]
     monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
