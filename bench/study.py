@@ -31,7 +31,7 @@ from pathlib import Path
 
 from engine import llama
 from engine.backends.config import default_specs, parse_backend_specs
-from engine.core.errors import EngineError, InvalidRequest
+from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
 from engine.engine import Engine
 from engine.experiment import Collected, EngineRunner, Variant
 from engine.rates.measure import calibrate_at_load
@@ -278,7 +278,7 @@ class Bench:
                 per_variant = (self.args.runs * len(self.specs) * sum(self.n_list)
                                + self.args.warmup * self.warmup_n)
                 bar.add_total(len(variants) * per_variant)
-                self._run_variants(variants, runner, kv, eng.model.n_vocab if eng else TOKEN_HIGH, bar)
+                self._run_variants(variants, runner, kv, eng.model.n_vocab if eng else self._vocab(), bar)
             finally:
                 if runner is not None:
                     runner.close()
@@ -287,6 +287,23 @@ class Bench:
                         self.engines[-1]["counters"] = _engine_counters(eng)
                     self.checkpoint()
                     eng.close()
+
+    def _vocab(self) -> int:
+        """The size of `--model`'s vocabulary with no engine loaded (peers alone), read without its
+        weights: the prompts' token ids are drawn below it (and below TOKEN_HIGH), so a peer
+        serving that model accepts them. TOKEN_HIGH where the model cannot be read."""
+        from engine.backends.remote.keys import VocabOnly
+
+        try:
+            vocab = VocabOnly(self.args.model)
+        except EngineError as e:
+            self.notes.append(f"token ids drawn below {TOKEN_HIGH:,}: the vocabulary of {self.args.model} "
+                              f"could not be read ({e})")
+            return TOKEN_HIGH
+        try:
+            return vocab.n_vocab
+        finally:
+            vocab.close()
 
     def _run_variants(self, variants, runner, kv, vocab: int, bar: Progress) -> None:
         args = self.args
@@ -310,9 +327,12 @@ class Bench:
 
             if not isinstance(v.target, Target):
                 raise TypeError(f"variant {v.label!r}: its target is a {type(v.target).__name__}, not a bench Target")
-            got = Collected(run_target(v.target, wl, run=wl.run, warm_copies=args.target_warm,
-                                       timeout=args.timeout, on_done=lambda _r: bar.update(1),
-                                       warm_tenants=getattr(args, "warm_tenants", False)))
+            try:
+                got = Collected(run_target(v.target, wl, run=wl.run, warm_copies=args.target_warm,
+                                           timeout=args.timeout, on_done=lambda _r: bar.update(1),
+                                           warm_tenants=getattr(args, "warm_tenants", False)))
+            except ConnectionError as e:  # a peer that refused its warm-up: a clear error, not a traceback
+                raise BackendUnavailable(str(e)) from None
             if keep:  # a Tandem peer says where each request of the run went and why (others: nothing)
                 got.decisions = [{"workload": wl.spec.name(), "run": wl.run, "requests": len(wl.requests),
                                   "label": v.label, "target": True, **d}

@@ -5,6 +5,7 @@ SSE and against our own server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
@@ -217,6 +218,39 @@ def test_report_without_matplotlib_says_plots_were_skipped(tmp_path, monkeypatch
 
 
 # ---- real runs ----
+
+
+@contextlib.contextmanager
+def our_server(model, spec: str):
+    """A `tandem serve` peer (our aiohttp app on an engine of `model` with one `spec` backend)
+    on its own thread and event loop; yields its URL, and stops it and its engine after."""
+    from app.server import create_app, start_server
+
+    peer = Engine.load(str(model), parse_backend_specs([spec]))
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    box = {}
+
+    def serve():
+        async def go():
+            box["runner"], box["url"] = await start_server(create_app(peer), "127.0.0.1", 0)
+            box["stop"] = asyncio.Event()
+            started.set()
+            await box["stop"].wait()
+            await box["runner"].cleanup()
+
+        loop.run_until_complete(go())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(30)
+        yield box["url"]
+    finally:
+        if "stop" in box:
+            loop.call_soon_threadsafe(box["stop"].set)
+        thread.join(30)
+        peer.close()
 
 
 def read_outputs(out):
@@ -608,35 +642,10 @@ class TestTargetClient:
 
 def test_side_by_side_with_our_own_server(tmp_path, tiny_path):
     """The engine's policies and a `tandem serve` peer (our aiohttp app) in one invocation."""
-    from app.server import create_app, start_server
-
-    peer = Engine.load(str(tiny_path), parse_backend_specs(["cpu:threads=1,cap=2,ctx=512"]))
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    box = {}
-
-    def serve():
-        async def go():
-            box["runner"], box["url"] = await start_server(create_app(peer), "127.0.0.1", 0)
-            box["stop"] = asyncio.Event()
-            started.set()
-            await box["stop"].wait()
-            await box["runner"].cleanup()
-
-        loop.run_until_complete(go())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        assert started.wait(30)
+    with our_server(tiny_path, "cpu:threads=1,cap=2,ctx=512") as url:
         rc = main(["bench", "seed", "--model", str(tiny_path), *BACKENDS, "--policies", "seed-score",
-                   "--target", f"tandem={box['url']}", "--requests", "3", "--runs", "1", *SMALL_SEED,
+                   "--target", f"tandem={url}", "--requests", "3", "--runs", "1", *SMALL_SEED,
                    "--no-plots", "--out", str(tmp_path)])
-    finally:
-        if "stop" in box:
-            loop.call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
-        peer.close()
     assert rc == 0
     summary, rows, decisions = read_outputs(tmp_path)
     assert summary["policies"] == ["seed-score", "target:tandem"]
@@ -663,38 +672,13 @@ def test_tenants_as_text_give_a_text_peer_the_engines_prompts(tmp_path, tiny_pat
     """`bench grid --tenants` with a `tandem serve` peer sent text: the peer tokenizes each
     whole prompt, the engine its tenant's prefix and its suffix apart; the words make both the
     same tokens, so prompt sizes agree request by request, and tenants' prefixes get cache hits."""
-    from app.server import create_app, start_server
-
-    peer = Engine.load(str(tiny_path), parse_backend_specs(["cpu:threads=1,cap=4,ctx=2048"]))
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    box = {}
-
-    def serve():
-        async def go():
-            box["runner"], box["url"] = await start_server(create_app(peer), "127.0.0.1", 0)
-            box["stop"] = asyncio.Event()
-            started.set()
-            await box["stop"].wait()
-            await box["runner"].cleanup()
-
-        loop.run_until_complete(go())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        assert started.wait(30)
+    with our_server(tiny_path, "cpu:threads=1,cap=4,ctx=2048") as url:
         rc = main(["bench", "grid", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=4,ctx=2048",
                    "--backend", "cpu:threads=1,cap=4,ctx=2048", "--policies", "round-robin",
-                   "--target", f"tandem={box['url']}", "--target-prompt", "text", "--requests", "10", "--runs", "1",
+                   "--target", f"tandem={url}", "--target-prompt", "text", "--requests", "10", "--runs", "1",
                    "--tenants", "2", "--tenant-prefix-tokens", "32", "--tenant-suffix-tokens", "6",
                    "--outputs", "fixed", "--gen-tokens", "4", "--arrivals", "poisson", "--rate", "50",
                    "--caps", "none", "--warmup", "0", "--no-plots", "--out", str(tmp_path)])
-    finally:
-        if "stop" in box:
-            loop.call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
-        peer.close()
     assert rc == 0
     summary, rows, _ = read_outputs(tmp_path)
     assert summary["workloads"][0]["tenants"] == 2 and summary["targets"][0]["prompt"] == "text"
@@ -704,6 +688,39 @@ def test_tenants_as_text_give_a_text_peer_the_engines_prompts(tmp_path, tiny_pat
     assert all(engine[i]["prompt_tokens"] == text_peer[i]["prompt_tokens"] for i in engine)
     assert int(engine["0"]["prompt_tokens"]) > 38  # synthetic:tiny's 512 pieces split words
     assert max(int(r["cached_tokens"]) for r in text_peer.values()) > 32  # a tenant's prefix reused
+
+
+def test_peers_alone_get_token_ids_of_the_models_vocabulary(tmp_path, tiny_path):
+    """`bench grid --policies none` loads no engine; the prompts' token ids still come from
+    `--model`'s vocabulary (read without its weights), which synthetic:tiny's 512 pieces bound:
+    ids up to 32,000 were refused by the peer's validation at the prefix warm-up."""
+    with our_server(tiny_path, "cpu:threads=1,cap=4,ctx=2048") as url:
+        rc = main(["bench", "grid", "--model", str(tiny_path), "--policies", "none", "--caps", "none",
+                   "--target", f"tandem={url}", "--requests", "4", "--runs", "1", "--prompt-tokens", "60",
+                   "--shared", "50", "--outputs", "fixed", "--gen-tokens", "4", "--arrivals", "interval",
+                   "--warmup", "0", "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    summary, rows, _ = read_outputs(tmp_path)
+    assert summary["policies"] == ["target:tandem"]
+    assert len(rows) == 4 and all(r["success"] == "True" and r["prompt_tokens"] == "60" for r in rows)
+    assert max(int(r["cached_tokens"]) for r in rows) >= 29  # the shared half, warmed
+
+
+def test_a_peer_refusing_its_warm_up_is_a_clear_error(tmp_path, tiny_path, monkeypatch, capsys):
+    """A peer that refuses the prefix warm-up (say, a model with a smaller vocabulary than
+    `--model`'s) ends the bench with its answer on one line and exit 2, not a traceback."""
+    import bench.target
+
+    def refuse(target, *a, **k):
+        raise ConnectionError(f"{target.label}: warming the prefix failed: HTTP 400: token ids out of range")
+
+    monkeypatch.setattr(bench.target, "run_target", refuse)
+    with our_server(tiny_path, "cpu:threads=1,cap=4,ctx=2048") as url:
+        rc = main(["bench", "grid", "--model", str(tiny_path), "--policies", "none", "--caps", "none",
+                   "--target", f"tandem={url}", "--requests", "2", "--runs", "1", "--warmup", "0",
+                   "--no-plots", "--out", str(tmp_path)])
+    assert rc == 2
+    assert "tandem: target:tandem: warming the prefix failed: HTTP 400" in capsys.readouterr().err
 
 
 def test_bench_overhead_sampled_variants_print_each_part_against_greedy(tiny_path, capsys):

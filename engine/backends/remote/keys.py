@@ -38,6 +38,7 @@ class VocabOnly:
         self.vocab = lc.llama_model_get_vocab(self.ptr)
         self.bos = lc.llama_vocab_bos(self.vocab)
         self.eos = lc.llama_vocab_eos(self.vocab)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self._pieces: dict[int, bytes] = {}
         self._chat = None
 
