@@ -350,16 +350,16 @@ RSS_MAX_AGE_S = 0.5
 _rss: tuple[float, int] = (-float("inf"), 0)  # (when read, time.monotonic; bytes)
 
 
-def process_rss(max_age_s: float = RSS_MAX_AGE_S) -> int:
+def process_rss() -> int:
     """Resident set size of this process from /proc (0 where there is no /proc), read again at
-    most every `max_age_s` seconds. Every backend's snapshot reports it, and the engine takes
+    most every RSS_MAX_AGE_S seconds. Every backend's snapshot reports it, and the engine takes
     every backend's snapshot for each request it routes, under its routing lock: each file read
     gives the GIL away and waits to win it back from the busy workers. On this machine, four
     CPU contexts under load, the snapshots of one decision took 0.39 ms reading it each time,
     0.18 ms with this."""
     global _rss
     now = time.monotonic()
-    if now - _rss[0] < max_age_s:
+    if now - _rss[0] < RSS_MAX_AGE_S:
         return _rss[1]
     try:
         with open("/proc/self/statm") as f:

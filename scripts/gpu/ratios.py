@@ -166,22 +166,25 @@ def ttft(folder: str) -> None:
                 said[key][label] += 1
         if "took_s" in d:
             timed[key].append((d.get("wait_s") or 0.0, d["took_s"]))
+    def ms(values, quantiles, digits: int) -> str:  # each quantile of `values` (seconds) in ms
+        values = sorted(values)
+        return "/".join(f"{values[min(len(values) - 1, int(p * len(values)))] * 1000:.{digits}f}" for p in quantiles)
+
     for (workload, policy), rows in sorted(groups.items()):
-        ok = sorted(float(r["ttft_s"]) for r in rows if r["success"] == "True")
+        ok = [float(r["ttft_s"]) for r in rows if r["success"] == "True"]
         if not ok:
             continue
-        q = " ".join(f"p{int(p * 100)} {ok[min(len(ok) - 1, int(p * len(ok)))] * 1000:.0f}"
-                     for p in (0.1, 0.25, 0.5, 0.75, 0.9, 0.99))
+        quantiles = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+        q = " ".join(f"p{int(p * 100)} {v}" for p, v in zip(quantiles, ms(ok, quantiles, 0).split("/")))
         missed = sum(int(r["cached_tokens"] or 0) * 2 < int(r["prompt_tokens"]) for r in rows if r["success"] == "True")
-        reasons = said.get((workload.split(", kv ")[0], policy)) or said.get((workload, policy)) or {}
-        why = "; ".join(f"{label} {n}" for label, n in reasons.items())
-        times = timed.get((workload.split(", kv ")[0], policy)) or timed.get((workload, policy)) or []
+        short = (workload.split(", kv ")[0], policy)  # decisions name it without the bench's ", kv N seqs"
+        key = short if short in said or short in timed else (workload, policy)
+        why = "; ".join(f"{label} {n}" for label, n in said.get(key, {}).items())
+        times = timed.get(key, [])
         took = ""
         if times:
-            def ms(values: list[float]) -> str:
-                values = sorted(values)
-                return "/".join(f"{values[min(len(values) - 1, int(p * len(values)))] * 1000:.2f}" for p in (0.5, 0.99))
-            took = f" | routing ms p50/p99: waited {ms([w for w, _ in times])}, took {ms([t for _, t in times])}"
+            took = (f" | routing ms p50/p99: waited {ms([w for w, _ in times], (0.5, 0.99), 2)}, "
+                    f"took {ms([t for _, t in times], (0.5, 0.99), 2)}")
         print(f"{workload} | {policy} | TTFT ms {q} | {missed} of {len(ok)} missed their prefix"
               + (f" | {why}" if why else "") + took)
 

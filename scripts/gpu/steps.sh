@@ -494,12 +494,9 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
   # several default contexts the others stay idle) and, over HTTP, the GPU as two contexts under
   # cache-aware ($TUNED2, a `tandem serve` started by `defaults`) and the servers of $ALTS.
   local dir=$1; shift
-  local alt=() i=0 alts a
+  local alt=() alts a
   IFS=';' read -ra alts <<< "${ALTS:-}"
-  for a in "${alts[@]}"; do
-    ! _alt_up "${a%%=*}" || alt+=(--target "${a%%=*}=http://127.0.0.1:$((ALT_PORT + i))")
-    i=$((i + 1))
-  done
+  _alt_targets alt
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-1}" --warmup "${WARMUP:-1}" \
     --policies default --caps "${CAPS:-16,32,64}" --sweep-policies "${SWEEP:-only:swept}" \
     --target "two-contexts=http://127.0.0.1:${TUNED2_PORT:-8097}" "${alt[@]}" --target-warm 4 \
@@ -512,6 +509,15 @@ _defaults_grid() {  # _defaults_grid OUTDIR [bench grid workload options...]: th
 }
 
 _alt_up() { [[ ${ALT_DOWN:- } != *" $1 "* ]]; }  # _alt_up LABEL: whether $ALTS's server LABEL started (_alt_servers)
+_alt_targets() {  # _alt_targets ARRAY: append `--target LABEL=URL` for each server of $ALTS that started to ARRAY
+  local -n into=$1
+  local i=0 alts a
+  IFS=';' read -ra alts <<< "${ALTS:-}"
+  for a in "${alts[@]}"; do
+    ! _alt_up "${a%%=*}" || into+=(--target "${a%%=*}=http://127.0.0.1:$((ALT_PORT + i))")
+    i=$((i + 1))
+  done
+}
 _alt_parse() {  # _alt_parse "label=spec+spec[@policy]": ALT_NAME and ALT_ARGS, its serve options (no spec: the
                 # default layout)
   local rest=${1#*=} parts b
@@ -537,9 +543,11 @@ _alt_servers() {  # one `tandem serve` per entry of $ALTS ("label=spec+spec[@pol
       sleep 0.2
     done
     if ! kill -0 "${pids[j]}" 2>/dev/null; then
-      echo "alt ${names[j]} exited before it was ready, left out:" >&2; tail -n 15 "$OUT/logs/serve-alt-${names[j]}.log" >&2
+      echo "alt ${names[j]} exited before it was ready, left out:" >&2; tail -n 15 "${SERVER_LOGS[${pids[j]}]}" >&2
       ALT_DOWN+="${names[j]} "
-      SERVERS=("${SERVERS[@]/${pids[j]}}")
+      local left=() p
+      for p in "${SERVERS[@]}"; do [ "$p" = "${pids[j]}" ] || left+=("$p"); done
+      SERVERS=("${left[@]}")
     fi
   done
   return 0
@@ -680,11 +688,8 @@ _http_grid() {  # _http_grid OUTDIR SKIP [bench grid workload options...]: every
     [[ $skip == *" ${t%%=*} "* ]] || ! _tuned "${t%%=*}" || targets+=(--target "tuned-${t%%=*}=http://127.0.0.1:$((8100 + i))")
     i=$((i + 1))
   done
-  IFS=';' read -ra alts <<< "${ALTS:-}"; i=0
-  for a in "${alts[@]}"; do
-    ! _alt_up "${a%%=*}" || targets+=(--target "${a%%=*}=http://127.0.0.1:$((ALT_PORT + i))")
-    i=$((i + 1))
-  done
+  IFS=';' read -ra alts <<< "${ALTS:-}"
+  _alt_targets targets
   python3 -X faulthandler -m app bench grid --model "$M" --runs "${RUNS:-3}" --warmup 1 --policies none --caps none \
     "${targets[@]}" --target-warm 4 --no-plots --out "$OUT/$dir" "$@" 2>&1 | grep -v "it/s\]" | tail -3
   python3 scripts/gpu/ratios.py runs "$OUT/$dir" > "$OUT/$dir/runs.txt"
