@@ -149,8 +149,8 @@ def _contexts(*items_per_context, cap=32, used=(), total=65536):
 
 
 def test_a_devices_requests_stay_on_its_contexts_in_use_until_they_are_full():
-    """New work joins the contexts already running (larger batches of three contexts, not eight
-    small ones each stepping on its own), even though an idle one would finish it sooner."""
+    """New work joins the MIN_CONTEXTS contexts already running (larger batches of three contexts,
+    not eight small ones each stepping on its own), even though an idle one would finish it sooner."""
     ctx = _contexts(6, 6, 6, 0, 0)
     q = query(prompt=1550, max_tokens=128)
     assert finish_time(q, ctx[3]).finish_s < finish_time(q, ctx[0]).finish_s
@@ -159,32 +159,21 @@ def test_a_devices_requests_stay_on_its_contexts_in_use_until_they_are_full():
     assert "3 in use, 2 idle until those are full" in d.reason
 
 
-def test_one_context_is_kept_in_use_by_default():
-    """An idle device's first request goes to its first context, and the next joins it though an
-    idle one would finish sooner: another opens only as the ones in use fill."""
-    assert MIN_CONTEXTS == 1
+def test_three_contexts_are_kept_in_use():
+    """An idle device's first request goes to its first context; while fewer than MIN_CONTEXTS
+    are in use, the next opens the first idle one, though a shared prefix is cached on those in
+    use (a long prompt's 1,000 shared tokens drew every request to two contexts otherwise)."""
+    assert MIN_CONTEXTS == 3
     r = Router(PACK)
-    d = r.route(query(prompt=1550, max_tokens=128), _contexts(0, 0, 0, 0))
-    assert d.backend == "gpu-a" and "all 4 idle, the first:" in d.reason, d.reason
-    q = query(prompt=1550, max_tokens=128)
-    ctx = _contexts(6, 0, 0, 0)
-    assert finish_time(q, ctx[1]).finish_s < finish_time(q, ctx[0]).finish_s
-    d = r.route(q, ctx)
-    assert d.backend == "gpu-a", d.reason
-    assert "1 in use, 3 idle until those are full" in d.reason
-
-
-def test_min_contexts_keeps_that_many_in_use():
-    """`min_contexts=3`: while fewer than three are in use, the next request opens the first idle
-    one, though a shared prefix is cached on those in use (a long prompt's 1,000 shared tokens
-    drew every request to two contexts otherwise)."""
-    r = Router(f"{PACK}:min_contexts=3")
     d = r.route(query(prompt=1550, max_tokens=128), _contexts(0, 0, 0, 0))
     assert d.backend == "gpu-a" and "all 4 idle, the first 3" in d.reason, d.reason
     shared = {"gpu-a": 1000, "gpu-b": 1000}
     d = r.route(query(prompt=1516, max_tokens=512, cached=shared), _contexts(6, 6, 0, 0))
     assert d.backend == "gpu-c", d.reason
     assert "2 in use, so gpu-c opens (3 kept in use)" in d.reason
+    d = Router(f"{PACK}:min_contexts=1").route(query(prompt=1550, max_tokens=128), _contexts(6, 0, 0, 0))
+    assert d.backend == "gpu-a", d.reason
+    assert "1 in use, 3 idle until those are full" in d.reason
 
 
 def test_an_idle_context_opens_when_every_context_in_use_holds_its_cap():
@@ -243,9 +232,9 @@ def test_a_context_whose_pool_is_half_used_is_full():
 
 def test_a_prompt_cached_on_an_idle_context_goes_back_there():
     """A conversation whose context has gone idle is still at home there: its history counts
-    that context as in use, and it opens no other to keep `min_contexts` in use, though the
+    that context as in use, and it opens no other to keep MIN_CONTEXTS in use, though the
     device does not serve conversations (one resumed request in nine)."""
-    r = Router(f"{PACK}:min_contexts=3")
+    r = Router(PACK)
     for k in range(8):
         r.route(query(f"one-shot{k}", prompt=1550, max_tokens=128), _contexts(6, 6, 6))
     q = query(prompt=1800, max_tokens=128, cached={"gpu-c": 1700}, resumed={"gpu-c": 1600})

@@ -27,9 +27,9 @@ stop string is not foreseen), the same on every backend.
 The contexts one device runs share its compute: the device whose best context finishes first
 wins, then one of its contexts. `finish-first` lets `cache-aware` choose among them.
 `finish-first:pack` packs them while the device's requests start fresh (`FinishFirst._in_use`:
-new work joins the contexts in use, another opened when each holds 32 requests; each context's
-step reads all the weights and runs its own host work, so the fewest contexts that hold the load
-run fastest), and shares new work out once it serves conversations (`FinishFirst._conversing`: a
+three contexts kept in use, another opened when each holds 32 requests; each context's step
+reads all the weights and runs its own host work, so a few contexts that hold the load run
+fastest), and shares new work out once it serves conversations (`FinishFirst._conversing`: a
 context keeps thinking conversations' histories cached only when it holds a few). On one H200
 that ran the study's N=48, long prompts and 4-32 tenants at 0.94-1.02x the makespan of the best
 tuned layout of the same call, and 96 chats in 36.5 s where the best tuned one took 49.5
@@ -59,7 +59,7 @@ HELP = ("Each request goes where its last token comes first, counting the queue 
         "speed of the batch it joins; among a device's contexts, cache-aware chooses.")
 PACK_NAME = NAME + ":pack"
 PACK_HELP = ("The default: finish-first, with a device's contexts filled before another opens (new work "
-             "joins the contexts in use until each holds 32 requests, its cap or half its pool), "
+             "joins the three contexts kept in use until each holds 32 requests, its cap or half its pool), "
              "while its requests do not resume conversations; a device serving conversations shares its "
              "new work out over its contexts.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
@@ -75,11 +75,13 @@ OPEN_KV_SHARE = 0.5
 # (or its live cap, if lower; `fill=0` in the spec: the live cap alone). Filled to its live cap, once
 # that had climbed to 64 in an earlier burst, one H200 context took 113 of 200 tenants' requests at
 # 16 ms a token (9.5 s where two contexts at cap 32 took 6.6; docs/results/gpu/defaults11), and 63 of
-# 64 long prompts (8.0 s against 5.5; defaults13): hence FILL. Three kept in use (defaults16-24)
-# spread long prompts over three contexts (64 / 66 / 62 requests) at a 1.16-1.19x TTFT p50 of two
-# contexts at cap 32, where one kept in use, opening the next as each fills, took 0.99x (4 tenants:
-# 1.10x against 1.07x; docs/results/gpu/defaults24, docs/performance.md).
-MIN_CONTEXTS = 1
+# 64 long prompts (8.0 s against 5.5; defaults13). Two kept in use, each full at 32, ran those
+# workloads at 1.00-1.07x the best tuned row of their call (defaults12, defaults13). Long prompts,
+# whose ~500 private prompt cells a request make every step of a unified pool attend over more,
+# ran fastest on three: ITL p50 6.1-6.7 ms where two contexts took 7.3-8.0, 0.999x two contexts at
+# cap 16 where two kept in use took 1.078x (defaults16), and tenants and the study lost nothing
+# (defaults15-17).
+MIN_CONTEXTS = 3
 FILL = 32
 # STRICT (`strict=1`): a full context takes no new work while one in use is not full, and once all
 # are, the request goes to the context that opens; `strict=0`: `cache-aware` chooses among every one in
