@@ -80,7 +80,10 @@ OPEN_KV_SHARE = 0.5
 # whose ~500 private prompt cells a request make every step of a unified pool attend over more,
 # ran fastest on three: ITL p50 6.1-6.7 ms where two contexts took 7.3-8.0, 0.999x two contexts at
 # cap 16 where two kept in use took 1.078x (defaults16), and tenants and the study lost nothing
-# (defaults15-17).
+# (defaults15-17). One kept in use (`min_contexts=1`), beside three in one call, ran every workload
+# slower: N=48 1.006x the best tuned row where three took 0.933x, long prompts 1.046x against 0.949x
+# (a fresh server's first burst filled one context to 32 long prompts at 9.4 ms a token), 4 and 16
+# tenants 0.989x / 0.990x against 0.980x / 0.982x (docs/results/gpu/defaults25).
 MIN_CONTEXTS = 3
 FILL = 32
 # STRICT (`strict=1`): a full context takes no new work while one in use is not full, and once all
