@@ -146,6 +146,12 @@ REASONS = (("kept in use)", "a context opened to keep the minimum in use"),
            ("serves conversations", "conversations shared out"))
 
 
+def _ms(values, quantiles) -> list[float]:
+    """Each quantile of `values` (seconds) in milliseconds: the value at rank p * n."""
+    values = sorted(values)
+    return [values[min(len(values) - 1, int(p * len(values)))] * 1000 for p in quantiles]
+
+
 def ttft(folder: str) -> None:
     """One line per workload and row over all its runs: TTFT quantiles, the requests whose prompt
     was mostly computed (less than half cached: a prefix missed), and, where the folder holds a
@@ -166,16 +172,12 @@ def ttft(folder: str) -> None:
                 said[key][label] += 1
         if "took_s" in d:
             timed[key].append((d.get("wait_s") or 0.0, d["took_s"]))
-    def ms(values, quantiles, digits: int) -> str:  # each quantile of `values` (seconds) in ms
-        values = sorted(values)
-        return "/".join(f"{values[min(len(values) - 1, int(p * len(values)))] * 1000:.{digits}f}" for p in quantiles)
-
     for (workload, policy), rows in sorted(groups.items()):
         ok = [float(r["ttft_s"]) for r in rows if r["success"] == "True"]
         if not ok:
             continue
         quantiles = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
-        q = " ".join(f"p{int(p * 100)} {v}" for p, v in zip(quantiles, ms(ok, quantiles, 0).split("/")))
+        q = " ".join(f"p{int(p * 100)} {v:.0f}" for p, v in zip(quantiles, _ms(ok, quantiles)))
         missed = sum(int(r["cached_tokens"] or 0) * 2 < int(r["prompt_tokens"]) for r in rows if r["success"] == "True")
         short = (workload.split(", kv ")[0], policy)  # decisions name it without the bench's ", kv N seqs"
         key = short if short in said or short in timed else (workload, policy)
@@ -183,8 +185,8 @@ def ttft(folder: str) -> None:
         times = timed.get(key, [])
         took = ""
         if times:
-            took = (f" | routing ms p50/p99: waited {ms([w for w, _ in times], (0.5, 0.99), 2)}, "
-                    f"took {ms([t for _, t in times], (0.5, 0.99), 2)}")
+            waited, spent = (_ms(part, (0.5, 0.99)) for part in zip(*times))
+            took = f" | routing ms p50/p99: waited {waited[0]:.2f}/{waited[1]:.2f}, took {spent[0]:.2f}/{spent[1]:.2f}"
         print(f"{workload} | {policy} | TTFT ms {q} | {missed} of {len(ok)} missed their prefix"
               + (f" | {why}" if why else "") + took)
 
