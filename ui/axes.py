@@ -52,3 +52,52 @@ def log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
     if len(out) > 7:  # a wide range: decades only
         out = [(x, t) for x, t in out if abs(x - round(x)) < 1e-9]
     return out
+
+
+def dodged_steps(edges, counts, index: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A step-mode histogram (x edges, y counts) for backend `index` of `n` sharing `edges`:
+    each bin's bar takes the `index`-th of `n` equal slices of the bin (equal on a log axis), with
+    empty gaps between, so two backends' equal bins stand side by side instead of one hiding the
+    other. With one backend, the bins as they are."""
+    edges = np.asarray(edges, dtype=float)
+    counts = np.asarray(counts, dtype=float)
+    if n <= 1:
+        return edges, counts
+    lo, hi = np.log10(edges[:-1]), np.log10(edges[1:])
+    width = (hi - lo) / n
+    x = np.empty(2 * len(counts))
+    x[0::2] = 10 ** (lo + index * width)
+    x[1::2] = 10 ** (lo + (index + 1) * width)
+    y = np.zeros(2 * len(counts) - 1)
+    y[0::2] = counts
+    return x, y
+
+
+def thin_ticks(ticks: list[tuple[float, str]], lo: float, hi: float, width_px: float, text_width,
+               room: tuple[float, float] = (0.0, 0.0), gap_px: float = 10.0) -> list[tuple[float, str]]:
+    """The most of `ticks` (on an axis from `lo` to `hi`, `width_px` wide) whose labels
+    (`text_width(label)` px wide, centred on their tick) neither touch each other nor run past
+    the axis's ends by more than `room` (px free left and right of it): all of them, else 1s and
+    5s, else decades, else every other decade."""
+    def mult(x: float) -> int:
+        return round(10 ** (x - math.floor(x + 1e-9)))
+
+    def decade(x: float) -> int:
+        return math.floor(x + 1e-9)
+
+    choices = [ticks, [t for t in ticks if mult(t[0]) in (1, 5)], [t for t in ticks if mult(t[0]) == 1],
+               [t for t in ticks if mult(t[0]) == 1 and decade(t[0]) % 2 == 0]]
+    span = hi - lo
+    for chosen in choices:
+        if span <= 0 or width_px <= 0:
+            return chosen
+        spans = []
+        for x, label in chosen:
+            centre = (x - lo) / span * width_px
+            half = text_width(label) / 2
+            spans.append((centre - half, centre + half))
+        inside = all(a >= -room[0] and b <= width_px + room[1] for a, b in spans)
+        apart = all(spans[k + 1][0] - spans[k][1] >= gap_px for k in range(len(spans) - 1))
+        if inside and apart:
+            return chosen
+    return choices[-1][:1]
