@@ -391,6 +391,7 @@ class BackendsPanel(QScrollArea):
         names = engine.backend_names
         self._grid = lay
         self._columns = 0
+        self._card_width = CARD_WIDTH  # the narrowest a card stays readable (wider in large type)
         self.cards: dict[str, BackendCard] = {}
         for i, name in enumerate(names):
             card = BackendCard(engine, name, i, warm_tokens, hz)
@@ -420,15 +421,26 @@ class BackendsPanel(QScrollArea):
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
-        self._reflow((self.viewport().width() - 12) // (CARD_WIDTH + 8))
+        self._reflow(self._fit_columns())
 
     def restyle(self) -> None:
         for card in self.cards.values():
             card.restyle()
 
     def presenter_changed(self, on: bool) -> None:
+        """Large type: each card's history grows, and the cards get the width their text needs
+        (fewer side by side)."""
         for card in self.cards.values():
             card.presenter_changed(on)
+            card.layout().activate()
+        self._card_width = max([CARD_WIDTH] + [c.minimumSizeHint().width() for c in self.cards.values()]) \
+            if on else CARD_WIDTH
+        for card in self.cards.values():
+            card.setMinimumWidth(self._card_width)
+        self._reflow(self._fit_columns())
+
+    def _fit_columns(self) -> int:
+        return (self.viewport().width() - 12) // (self._card_width + 8)
 
     def on_tick(self, tick) -> None:
         for snap in tick.snapshots:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pyqtgraph as pg
 from PySide6.QtGui import QFont
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QHeaderView, QWidget
 
 PRESENTER_PT = 17  # body text: about 23 px, readable from ~8 m on a 2 m wide 720p picture
 PLOT_PT = 15  # tick labels, axis labels and legends
@@ -44,12 +44,28 @@ def present(widget: QWidget, on: bool) -> None:
     else:
         widget.setStyleSheet(widget.property("presenter_sheet") or "")
     widget.setProperty("presenter", on)
+    for header in widget.findChildren(QHeaderView):
+        _keep_last_column(header, on)
     for pw in widget.findChildren(pg.PlotWidget):
         if not pw.property("sparkline"):  # a card's 76 px history keeps its small type
             _plot_fonts(pw.getPlotItem(), on)
     hook = getattr(widget, "presenter_changed", None)
     if callable(hook):
         hook(on)
+
+
+def _keep_last_column(header: QHeaderView, on: bool) -> None:
+    """A table sized to its contents, last column stretched (Experiments' results): in large type
+    the columns outgrow the table, and Qt then gives the stretched last column what is left, less
+    than its heading needs; while on, it keeps its contents' width (the table scrolls sideways)."""
+    last = header.count() - 1
+    if on and last >= 0 and header.stretchLastSection() and \
+            header.sectionResizeMode(last) == QHeaderView.ResizeMode.ResizeToContents:
+        header.setProperty("presenter_stretch", True)
+        header.setStretchLastSection(False)
+    elif not on and header.property("presenter_stretch"):
+        header.setProperty("presenter_stretch", False)
+        header.setStretchLastSection(True)
 
 
 def _plot_fonts(p: pg.PlotItem, on: bool) -> None:
@@ -77,18 +93,31 @@ def _plot_fonts(p: pg.PlotItem, on: bool) -> None:
 
 
 def fit_legend(p: pg.PlotItem) -> None:
-    """A legend as wide as its plot's view at most: its entries one under another when a row of
-    them would run past the view's right edge (it remembers the columns it was made with)."""
+    """A legend inside its plot's view: the columns it was made with if they fit, else the fewest
+    that fit (entries side by side when one under another is too tall for the plot, one under
+    another when a row is too wide); the one that overflows least if none fits."""
     legend = p.legend
     if legend is None or not legend.items:
         return
     made = legend.property("columns") or legend.columnCount
     legend.setProperty("columns", made)
-    legend.setColumnCount(made)
-    legend.updateSize()
-    left = legend.pos().x()
-    if made > 1 and left + legend.boundingRect().width() > p.vb.width():
-        legend.setColumnCount(1)
+    room = p.vb.boundingRect()
+    if room.width() <= 0 or room.height() <= 0:
+        return
+    corner = legend.mapToItem(p.vb, legend.boundingRect().topLeft())
+    best: tuple[float, int] | None = None
+    for columns in [made, *[c for c in range(1, len(legend.items) + 1) if c != made]]:
+        legend.setColumnCount(columns)
+        legend.updateSize()
+        size = legend.boundingRect()
+        over = max(0.0, corner.x() + size.width() - room.width()) + max(0.0, corner.y() + size.height() - room.height())
+        if over == 0:
+            return
+        if best is None or over < best[0]:
+            best = (over, columns)
+    if best is not None:
+        legend.setColumnCount(best[1])
+        legend.updateSize()
 
 
 def set_axis_labels(plot: pg.PlotItem, bottom: str, left: str) -> None:
