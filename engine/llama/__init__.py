@@ -291,9 +291,27 @@ class MemoryProbe:
 _NO_DEVICES = (ctypes.c_void_p * 1)(None)
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+# ggml repacks CPU weights into "extra buffer types" at load; on a CPU with AMX the first is
+# ggml's AMX type, whose kernel crashes the process (SIGSEGV in ggml_backend_amx_mul_mat) on some
+# AMX machines as soon as a batch holds more than one token: llama.cpp issue 20824, machine-
+# dependent and unfixed upstream; llama-cpp-python's own `Llama` crashes the same way there. A
+# crash takes every backend and request down with it, so on a CPU that reports AMX, CPU models
+# load into plain CPU buffers (no repacking) unless `TANDEM_CPU_REPACK=1` asks for them.
+CPU_REPACK = os.environ.get("TANDEM_CPU_REPACK", "") == "1" or not _cpu_has_amx()
+
+
 def cpu_only(model_params) -> None:
     model_params.devices = ctypes.cast(_NO_DEVICES, ctypes.c_void_p)
     model_params.n_gpu_layers = 0
+    model_params.use_extra_bufts = CPU_REPACK
 
 
 init()
