@@ -46,7 +46,7 @@ NOT_OURS = {"ui/theme", "tests/v1/core/test_scheduler.py"}
 # Docs other work writes, which this branch links before they land. Each entry goes once the
 # file exists (`test_docs_written_elsewhere_are_still_missing` says when).
 WRITTEN_ELSEWHERE = {"docs/api.md", "docs/teaching.md"}
-# Docs whose dated headings their owner is to drop; the mark fails once they are gone.
+# Docs whose dated headings their owner is to drop: a strict xfail, which fails once they are gone.
 DATED_ELSEWHERE = {"security.md"}
 
 
@@ -99,10 +99,10 @@ def _resolves(word: str, doc_dir: Path) -> bool | None:
         roots = [doc_dir]
     else:
         roots = [r for r in (ROOT, doc_dir, RESULTS) if (r / first).exists()]
-    for root in roots[:1]:
-        target = word.rstrip("/")
-        return any(root.glob(target)) if "*" in target else (root / target).exists()
-    return None
+    if not roots:
+        return None
+    target = word.rstrip("/")
+    return any(roots[0].glob(target)) if "*" in target else (roots[0] / target).exists()
 
 
 def missing_paths(doc: Path) -> list[str]:
@@ -153,8 +153,8 @@ def test_the_notes_with_the_performance_page_stay_under_900_lines() -> None:
 
 
 @pytest.mark.parametrize("doc", [
-    pytest.param(d, id=d.name, marks=pytest.mark.xfail(strict=True, reason="its owner drops the dated headings"))
-    if d.name in DATED_ELSEWHERE else pytest.param(d, id=d.name)
+    pytest.param(d, id=_rel(d), marks=pytest.mark.xfail(strict=True, reason="its owner drops the dated headings"))
+    if d.name in DATED_ELSEWHERE else pytest.param(d, id=_rel(d))
     for d in DOC_FILES])
 def test_no_doc_heading_carries_a_date_or_a_run(doc: Path) -> None:
     assert dated_headings(doc) == []
