@@ -4,7 +4,7 @@ The engine, the Hub client and aiohttp say what failed in their own terms ("[Err
 service not known", "… is not a GGUF file (it starts with b'52\\xc7G'…)", "ClientConnectorError:
 Cannot connect to host 127.0.0.1:9 ssl:default"). `advise(error, where)` matches the few causes a
 person can act on (no network, a file that is not a GGUF model, a missing file, an engine that
-does not answer) and returns an `Advice`: one sentence to show, and the original text for a
+does not answer, a backend that is down) and returns an `Advice`: one sentence to show, and the original text for a
 tooltip or a dialog's details. Anything else is shown as it was raised. Pure and Qt-free: any
 thread, no I/O, so it costs nothing on the path that shows the error.
 """
@@ -22,6 +22,7 @@ MISSING_FILE = re.compile(r"model file not found: (?P<path>.+)$", re.IGNORECASE 
 DEAD_ENGINE = re.compile(r"cannot connect to host|clientconnectorerror|connection refused|connect call failed"
                          r"|serverdisconnectederror|did not answer \d+ health probes|is unreachable|went silent"
                          r"|cannot reach", re.IGNORECASE)
+DOWN = re.compile(r"backend '?(?P<name>[\w.:-]+?)'? (?:is unhealthy|is not serving|is down)")
 TIMED_OUT = re.compile(r"timed out|timeouterror|read timeout|connecttimeout", re.IGNORECASE)
 HOST = re.compile(r"(?:cannot connect to host |https?://)(?P<host>\[[0-9a-f:]+\](?::\d+)?|[\w.-]+(?::\d+)?)",
                   re.IGNORECASE)
@@ -57,6 +58,10 @@ def advise(error: BaseException | str, where: str = "") -> Advice:
             return Advice(f"You seem to be offline: {GET_FROM_DISK}.", detail)
         if TIMED_OUT.search(detail):
             return Advice(f"The Hugging Face Hub did not answer in time: try again, or {GET_FROM_DISK}.", detail)
+    elif (down := DOWN.search(detail)) and not engine_host:
+        name = down.group("name")
+        return Advice(f"{name} is down: send to another backend (Send to: auto), or wait until it answers "
+                      "again.", detail)
     elif DEAD_ENGINE.search(detail) or OFFLINE.search(detail) or (where == "engine" and TIMED_OUT.search(detail)):
         at = f"at {engine_host} " if engine_host else ""
         return Advice(f"The engine {at}does not answer: check that it is running; Tandem uses it again as "

@@ -432,7 +432,8 @@ class BackendsPanel(QScrollArea):
         (fewer side by side)."""
         for card in self.cards.values():
             card.presenter_changed(on)
-            card.layout().activate()
+            if (grid := card.layout()) is not None:
+                grid.activate()  # its minimum width for the new type, now
         self._card_width = max([CARD_WIDTH] + [c.minimumSizeHint().width() for c in self.cards.values()]) \
             if on else CARD_WIDTH
         for card in self.cards.values():

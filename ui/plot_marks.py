@@ -71,6 +71,7 @@ class ChangeMarks:
         self.labels = labels
         self.marks: list[tuple[float, pg.InfiniteLine]] = []  # (time or x, line)
         self._labels: dict[int, pg.TextItem] = {}  # id(line) -> its label
+        self._watched = None  # the legend whose moves lay the labels out again
         self._font = QFont()
         self._font.setPointSize(LABEL_PT)
         if labels:
@@ -143,6 +144,10 @@ class ChangeMarks:
         (x0, x1), _ = vb.viewRange()
         legend = self.plot.legend
         taken: list[QRectF] = []
+        if legend is not None and legend is not self._watched:  # laid out again when it moves or grows
+            self._watched = legend
+            for signal in (legend.xChanged, legend.yChanged, legend.geometryChanged):
+                signal.connect(self.layout)
         if legend is not None and legend.isVisible() and legend.items:
             taken.append(legend.mapRectToItem(vb, legend.boundingRect()))
         for _t, line in sorted(self.marks, key=lambda m: -m[1].value()):
@@ -166,17 +171,17 @@ class ChangeMarks:
 
 def place_label(px: float, w: float, h: float, room: QRectF, taken: list[QRectF]) -> QRectF | None:
     """Where a mark's label goes: the first of `MAX_LABEL_ROWS` rows from the top of `room` where,
-    at the right of the line at `px` (or else at its left), it stays inside `room` and overlaps
-    nothing in `taken`; None if nowhere."""
+    at the right of the line at `px` (or else at its left), it stays inside `room` and keeps a
+    few pixels from everything in `taken`; None if nowhere."""
     gap = 3.0
     for row in range(MAX_LABEL_ROWS):
-        y = room.top() + 2 + row * (h + 2)
+        y = room.top() + gap + row * (h + 2 * gap)
         if y + h > room.bottom():
             return None
         for left in (px + gap, px - gap - w):
             rect = QRectF(left, y, w, h)
             if rect.left() >= room.left() and rect.right() <= room.right() and \
-                    not any(rect.intersects(t) for t in taken):
+                    not any(rect.intersects(t.adjusted(-gap, -gap, gap, gap)) for t in taken):
                 return rect
     return None
 

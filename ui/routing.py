@@ -259,6 +259,7 @@ class RoutingView(QWidget):
         self._plot_dirty = False
         self._explain_newest = False
         self._presenting = False
+        self._pinned_seen = False  # a row says "(pinned)": the chosen column makes room for it
         self._build()
         for d in engine.router.recent():  # decisions made before the view existed
             if d.time >= self.t0 - 3600:
@@ -351,10 +352,12 @@ class RoutingView(QWidget):
     # ---- updates ----
 
     def add_decision(self, decision) -> None:
+        self._pinned_seen = self._pinned_seen or decision.pinned
         self.model.add(decision)
         self._plot_dirty = True
 
     def clear(self) -> None:
+        self._pinned_seen = False
         self.model.clear()
         self._plot_dirty = True
         self._show_hint()
@@ -489,14 +492,18 @@ class RoutingView(QWidget):
         self.selected_line.setVisible(True)
 
     def _fixed_widths(self) -> tuple[int, int]:
-        """The presenter view's widths of # and chosen: the largest row number (at least 4
-        digits) and the longest backend name, pinned, in its large type, and their headings."""
+        """The presenter view's widths of # and chosen in its large type: the largest row number
+        (at least 4 digits), the longest backend name ("(pinned)" added once a row has it), or
+        their headings if wider."""
         font = QFont(self.table.font())
         font.setPointSize(PRESENTER_PT)
         fm = QFontMetrics(font)
         digits = max(4, len(str(self.model._first_number + max(len(self.model.decisions), 1) - 1)))
-        name = max(self.backends, key=fm.horizontalAdvance) + " (pinned)"
-        return fm.horizontalAdvance("0" * digits) + CELL_PAD, fm.horizontalAdvance(name) + CELL_PAD
+        pinned = " (pinned)" if self._pinned_seen else ""
+        name = max((b + pinned for b in self.backends), key=fm.horizontalAdvance)
+        h = self.table.horizontalHeader()
+        return (max(fm.horizontalAdvance("0" * digits) + CELL_PAD, h.sectionSizeFromContents(0).width()),
+                max(fm.horizontalAdvance(name) + CELL_PAD, h.sectionSizeFromContents(BACKEND_COLUMN).width()))
 
     def _fit_fixed_columns(self) -> None:
         """# and chosen: as wide as their text in the presenter view, a share of the width else."""
