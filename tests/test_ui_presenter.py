@@ -158,7 +158,7 @@ def presenter_problems(qtbot, w, ticked) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("backends", [2, 4])
-def test_the_presenter_view_elides_and_cuts_nothing_at_1280x720(qtbot, app_style, make_window, ui_engine,
+def test_the_presenter_view_leaves_nothing_elided_or_cut_at_1280x720(qtbot, app_style, make_window, ui_engine,
                                                                 four_backends, backends):
     from ui.live_run import seed_workload
     from ui.presenter import PRESENTER_PT

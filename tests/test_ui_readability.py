@@ -20,7 +20,7 @@ from ui_fixtures import UI_MODEL, WAIT_MS, free_port, make_window, qasync_loop, 
 # ---- What-if ----
 
 
-def test_what_if_words_a_shorter_makespan_as_sooner_and_a_longer_one_as_later():
+def test_what_if_words_a_makespan_change_as_sooner_or_later():
     from ui.whatif import compare_text
 
     assert "2.4 % sooner than the first backend alone (9.760 s against 10.000 s)" in compare_text("p", 9.76, 10.0)
@@ -89,7 +89,7 @@ def test_the_hub_unreachable_by_name_reads_you_seem_to_be_offline(qtbot, monkeyp
     assert "Errno" not in dialog.state_label.text() and dialog.state_label.toolTip()  # the raw error on demand
 
 
-def test_a_broken_file_reads_this_file_is_not_a_gguf_model_and_the_chat_goes_on(qtbot, make_window, ui_engine,
+def test_a_broken_file_reads_this_file_is_not_a_gguf_model(qtbot, make_window, ui_engine,
                                                                                tmp_path):
     from app.gui import load_engine
     from ui.loader import ModelSpec
@@ -124,7 +124,7 @@ def dead_engine():
     eng.close()
 
 
-def test_a_dead_engine_reads_as_advice_on_its_card_and_in_the_chat(qtbot, dead_engine, make_window):
+def test_a_dead_engine_reads_as_advice_wherever_it_shows(qtbot, dead_engine, make_window):
     eng, port = dead_engine
     w = make_window(engine=eng)
     card = w.panels["backends"].cards["far"]
@@ -201,7 +201,7 @@ def test_one_backend_reads_every_request_goes_to_it(qtbot, make_window):
 # ---- plot furniture ----
 
 
-def test_change_labels_stay_inside_their_plot_and_off_each_other_and_the_legend(qtbot):
+def test_change_labels_stay_inside_their_plot_off_everything_else(qtbot):
     import pyqtgraph as pg
 
     from ui.legend import add_legend
@@ -244,7 +244,7 @@ def _sample_image(item):
     return image
 
 
-def test_legend_glyphs_are_a_bar_for_a_histogram_and_a_line_for_a_line(qapp):
+def test_legend_glyphs_look_like_what_they_stand_for(qapp):
     import pyqtgraph as pg
     from PySide6.QtGui import QColor
 
@@ -287,7 +287,7 @@ def _contrast(a: str, b: str) -> float:
     return (hi + 0.05) / (lo + 0.05)
 
 
-def test_the_total_line_and_the_waiting_line_stand_out_on_both_themes(make_window):
+def test_the_dashed_lines_stand_out_on_both_themes(make_window):
     from ui.theme import palette
 
     w = make_window()

@@ -51,8 +51,8 @@ def advise(error: BaseException | str, where: str = "") -> Advice:
                       "or get one with File ▸ Get model.", detail)
     missing = MISSING_FILE.search(detail)
     if missing:
-        return Advice(f"There is no model file at {missing.group('path').strip()}: pick one with File ▸ Load model.",
-                      detail)
+        return Advice(f"The model file was not found at {missing.group('path').strip()}: pick one with "
+                      "File ▸ Load model.", detail)
     if where == "hub":
         if OFFLINE.search(detail) or DEAD_ENGINE.search(detail):
             return Advice(f"You seem to be offline: {GET_FROM_DISK}.", detail)

@@ -556,15 +556,14 @@ class MainWindow(QMainWindow):
         self._set_load_actions(True)
         what = spec.describe() if spec is not None else "the model"
         advice = advise(message, "load")  # plain words; the raw error in the dialog's details
-        message = advice.text
         self.error_dialog.setDetailedText(advice.detail if advice.detail != advice.text else "")
-        self.load_screen.finish(f"Could not load {what}:\n{message}" if self.engine is None else None)
+        self.load_screen.finish(f"Could not load {what}:\n{advice.text}" if self.engine is None else None)
         if self.engine is None:
             self.state_label.setText("no model")
         else:
             self.state_label.setText("engine ready (last load failed)")
         self.error_dialog.setText(f"Could not load {what}.")
-        self.error_dialog.setInformativeText(message)
+        self.error_dialog.setInformativeText(advice.text)
         self.error_dialog.open()  # window-modal, does not block the event loop
         self.load_failed.emit(message)
 
