@@ -730,8 +730,7 @@ async def health(request: web.Request) -> web.Response:
     that can name remote engines' URLs) is shown only to a caller with the API key, when one
     is set."""
     engine = request.app[ENGINE]
-    backends = list(engine.backends.values())
-    up = [bool(b.healthy) for b in backends]
+    up = list(engine.health().values())
     status = "ok" if up and all(up) else "degraded" if any(up) else "unavailable"
     body: dict = {"status": status}
     if _authorized(request):

@@ -71,7 +71,7 @@ class Engine:
         self.online: OnlineRefresh | None = None  # when rates are refreshed from observed steps
 
     @classmethod
-    def load(cls, model: str | Path | None, configs: Sequence[object], *,
+    def load(cls, model: str | Path | None, configs: Sequence[registry.BackendSpec], *,
              policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None,
@@ -312,8 +312,8 @@ class Engine:
             raise InvalidRequest(f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from e
 
     def prompt_limit(self) -> int:
-        """The longest prompt a local backend can take (its context per sequence); 0: none."""
-        return max((getattr(b, "n_ctx_seq", 0) for b in self.backends.values() if b.device != "remote"), default=0)
+        """The longest prompt a backend checks here (a local one's context per sequence); 0: none does."""
+        return max((b.prompt_limit() for b in self.backends.values()), default=0)
 
     def prompt_tokens(self, text: str, param: str = "prompt") -> list[int]:
         """A raw prompt's tokens (`Model.tokenize`), refused cheaply first when it cannot fit
@@ -342,6 +342,10 @@ class Engine:
     def devices(self) -> dict[str, str]:
         """Each backend's device ("cpu", "gpu", ...), by name."""
         return {name: b.device for name, b in self.backends.items()}
+
+    def health(self) -> dict[str, bool]:
+        """Whether each backend serves, by name: its flag, cheaper than a snapshot."""
+        return {name: bool(b.healthy) for name, b in self.backends.items()}
 
     def backend_snapshot(self, name: str) -> BackendSnapshot:
         return self.backend(name).snapshot()
@@ -408,7 +412,7 @@ class Engine:
         """Zero the counters of one backend or all (prefix-cache queries, hits and evictions,
         observed speeds, steps); what is cached, caps and rates stay. Waits up to `timeout` s."""
         targets = [self.backend(backend)] if backend else list(self.backends.values())
-        futures = [b.reset_stats() for b in targets if hasattr(b, "reset_stats")]
+        futures = [b.reset_stats() for b in targets]
         for f in futures:
             f.result(timeout)
 

@@ -18,8 +18,8 @@ import pytest
 from aiohttp import web
 from waiting import wait_until
 
-from engine.backends.config import RemoteConfig
 from engine.backends.remote import RemoteBackend
+from engine.backends.remote.config import RemoteConfig
 from engine.core.events import EventBus
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.engine import Engine

@@ -20,8 +20,9 @@ import pytest
 from waiting import wait_until
 
 from engine.backends import registry
-from engine.backends.config import RemoteConfig, parse_backend_spec
+from engine.backends.config import parse_backend_spec
 from engine.backends.remote import RemoteBackend
+from engine.backends.remote.config import RemoteConfig
 from engine.core.errors import InvalidRequest
 from engine.core.events import EventBus
 from engine.core.handle import RequestHandle

@@ -14,7 +14,10 @@ Every call is bounded, so one bad engine costs its own requests, never the route
 - *shape*: every field read from a reply is checked (`parse_event`): a `choices` entry whose
   `text` is `12345`, a `usage` that is a string, an event that is not an object are
   `EngineMisbehaved` for that request alone (it used to raise a `TypeError` deep in the
-  backend and leave its callers hanging).
+  backend and leave its callers hanging);
+- *counts*: `usage` is read into `Usage`, each count clamped where it is parsed (at most
+  `MAX_COUNT`; completion tokens at most the request's `max_tokens`, cached at most the prompt):
+  a 400-digit count once overflowed the rates' floats and left the request unanswered.
 
 Thread contract: one `EngineClient` per backend, used on that backend's loop thread only.
 """
@@ -35,6 +38,7 @@ EVENT_BYTES = 256 << 10  # one SSE line (one chunk's JSON); aiohttp's reader ref
 TOKEN_BYTES = 64  # the most bytes one streamed token may carry (the longest tokens are ~16-32)
 FIRST_TOKEN_S = 60.0  # defaults of `RemoteConfig.first_token_s` / `token_gap_s`
 TOKEN_GAP_S = 30.0
+MAX_COUNT = 1 << 24  # the most tokens an engine's usage may claim for one prompt (longer contexts do not exist)
 
 
 class EngineFailed(Exception):
@@ -57,11 +61,39 @@ class EngineRefused(Exception):
         self.kind = kind
 
 
+@dataclass(frozen=True)
+class Usage:
+    """An engine's token counts for one request, each bounded (None: it did not say)."""
+
+    prompt: int | None = None
+    completion: int | None = None
+    cached: int | None = None
+
+    @classmethod
+    def read(cls, usage: object, max_tokens: int) -> Usage:
+        """`usage` of a stream event: `EngineMisbehaved` for a shape OpenAI's API does not
+        have; counts clamped (see the module docstring); a `cached_tokens` that is not a
+        count is taken as unsaid."""
+        if not isinstance(usage, dict):
+            raise EngineMisbehaved(f"usage is {_type(usage)}, not an object")
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            v = usage.get(k)
+            if v is not None and not _is_count(v):
+                raise EngineMisbehaved(f"usage.{k} is {_type(v)}, not a count")
+        details = usage.get("prompt_tokens_details")
+        if details is not None and not isinstance(details, dict):
+            raise EngineMisbehaved(f"usage.prompt_tokens_details is {_type(details)}, not an object")
+        prompt = _bounded(usage.get("prompt_tokens"), MAX_COUNT)
+        cached = (details or {}).get("cached_tokens")
+        cached = _bounded(cached if _is_count(cached) else None, MAX_COUNT if prompt is None else prompt)
+        return cls(prompt, _bounded(usage.get("completion_tokens"), max(max_tokens, 0)), cached)
+
+
 @dataclass
 class StreamResult:
     """What one streamed request produced, beside the deltas handed to `on_delta`."""
 
-    usage: dict | None = None
+    usage: Usage | None = None
     finish_reason: str | None = None
     chunks: int = 0
     cut: bool = False  # stopped here at the request's output bound
@@ -162,7 +194,7 @@ class EngineClient:
                 if error is not None:
                     raise EngineRefused(error_message(error), error_kind(error, 500))
                 if usage is not None:
-                    out.usage = usage
+                    out.usage = Usage.read(usage, max_tokens)
                 for delta in deltas:
                     seen_bytes += len(delta.encode("utf-8", "surrogatepass"))
                     if out.chunks + 1 > max_tokens or seen_bytes > limit_bytes:
@@ -206,17 +238,9 @@ def parse_event(obj, chat: bool) -> tuple[list[str], str | None, dict | None, ob
     if error:
         return [], None, None, obj
     usage = obj.get("usage")
-    if usage is not None:
-        if not isinstance(usage, dict):
-            raise EngineMisbehaved(f"usage is {_type(usage)}, not an object")
-        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            v = usage.get(k)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise EngineMisbehaved(f"usage.{k} is {_type(v)}, not a count")
-        details = usage.get("prompt_tokens_details")
-        if details is not None and not isinstance(details, dict):
-            raise EngineMisbehaved(f"usage.prompt_tokens_details is {_type(details)}, not an object")
-        usage = usage or None
+    if usage is not None and not isinstance(usage, dict):
+        raise EngineMisbehaved(f"usage is {_type(usage)}, not an object")
+    usage = usage or None  # its fields are read by `Usage.read`
     choices = obj.get("choices")
     if choices is None:
         choices = []
@@ -282,6 +306,15 @@ def error_kind(text, status: int) -> str:
 # The kinds an engine's error may carry through to our clients; anything else is ours to name.
 _KINDS = frozenset({"invalid_request_error", "exceed_context_size_error", "not_found_error",
                     "queue_full_error", "unavailable_error", "server_error"})
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _bounded(v: object, most: int) -> int | None:
+    """A count no larger than `most` (compared as ints: a 400-digit one never becomes a float)."""
+    return min(v, most) if isinstance(v, int) else None
 
 
 def _type(v) -> str:
