@@ -9,7 +9,8 @@ engine) loads it only when a config of that kind is built; config modules stay l
 is its config module, its builder module, and one import line in engine/backends/config.py (which
 imports every config module, so that the table is full before a spec is parsed).
 
-Messages never show a secret of a spec: `spec_error` masks every `key=` value (`shown`).
+Messages never show a secret of a spec: `spec_error` masks every `key=` value, and a URL's
+credentials and query (`shown`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ SpecType = TypeVar("SpecType", bound=type)
 
 _SECRET = re.compile(r"(?i)(^|,)(\s*key\s*)[=:][^,]*")
 _USERINFO = re.compile(r"(//)[^/@,]*@")
+_QUERY = re.compile(r"\?[^,]*")
 
 
 def spec_kind(*prefixes: str) -> Callable[[SpecType], SpecType]:
@@ -103,8 +105,8 @@ def parse_spec(spec: str, defaults: Mapping[str, Any]) -> BackendSpec:
 
 
 def shown(spec: str) -> str:
-    """`spec` as messages may show it: every `key=` value and a URL's user:password masked."""
-    return _USERINFO.sub(r"\1***@", _SECRET.sub(r"\1\2=***", spec))
+    """`spec` as messages may show it: every `key=` value, a URL's user:password and query masked."""
+    return _QUERY.sub("?***", _USERINFO.sub(r"\1***@", _SECRET.sub(r"\1\2=***", spec)))
 
 
 def spec_error(spec: str, why: str) -> InvalidRequest:

@@ -108,6 +108,7 @@ class EngineClient:
         self.first_token_s = first_token_s
         self.token_gap_s = token_gap_s
         self.timeout_s = timeout_s
+        self._key = key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # No pool limit: the backend's `cap` bounds the connections for requests; probes need their own.
         self.session = aiohttp.ClientSession(
@@ -117,6 +118,12 @@ class EngineClient:
 
     async def close(self) -> None:
         await self.session.close()
+
+    def _said(self, text: object) -> str:
+        """An error body's message, with our key masked (an engine may echo the request's
+        headers back, as aiohttp's own 400 does)."""
+        message = error_message(text)
+        return message.replace(self._key, "***") if self._key else message
 
     async def get(self, path: str, timeout: float = PROBE_TIMEOUT_S, limit: int = PROBE_BODY_BYTES):
         """GET a path: (status, parsed JSON or text), its body read up to `limit` bytes
@@ -153,9 +160,9 @@ class EngineClient:
                 text = await read_capped(resp, ERROR_BODY_BYTES, path, cut=True)
                 if resp.status >= 500:
                     if await answers_health():  # a live engine failed this request, not itself
-                        raise EngineRefused(error_message(text), error_kind(text, resp.status))
-                    raise EngineFailed(f"{path} answered {resp.status}: {error_message(text)}")
-                raise EngineRefused(f"refused the request: {error_message(text)}", error_kind(text, resp.status))
+                        raise EngineRefused(self._said(text), error_kind(text, resp.status))
+                    raise EngineFailed(f"{path} answered {resp.status}: {self._said(text)}")
+                raise EngineRefused(f"refused the request: {self._said(text)}", error_kind(text, resp.status))
             deadline = started + self.first_token_s
             done = False
             while True:
@@ -192,7 +199,7 @@ class EngineClient:
                     raise EngineMisbehaved("an event that is not JSON") from None
                 deltas, finish, usage, error = parse_event(obj, chat)
                 if error is not None:
-                    raise EngineRefused(error_message(error), error_kind(error, 500))
+                    raise EngineRefused(self._said(error), error_kind(error, 500))
                 if usage is not None:
                     out.usage = Usage.read(usage, max_tokens)
                 for delta in deltas:
