@@ -343,6 +343,10 @@ class Engine:
         """Each backend's device ("cpu", "gpu", ...), by name."""
         return {name: b.device for name, b in self.backends.items()}
 
+    def relays_logprobs(self) -> bool:
+        """Whether every backend relays token log-probabilities (a request may go to any)."""
+        return all(b.info().logprobs for b in self.backends.values())
+
     def health(self) -> dict[str, bool]:
         """Whether each backend serves, by name: its flag, cheaper than a snapshot."""
         return {name: bool(b.healthy) for name, b in self.backends.items()}

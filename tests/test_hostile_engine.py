@@ -162,7 +162,7 @@ def fleet(fakes, *manners, **config) -> Engine:
     bus = EventBus()
     cfg = dict(first_token_s=FIRST_TOKEN_S, token_gap_s=TOKEN_GAP_S, health_s=0.2, poll_s=0.2, api="openai",
                quarantine_s=60.0) | config
-    backends = [RemoteBackend.from_config(RemoteConfig(url=fakes.urls[m], name=m, **cfg), bus) for m in manners]
+    backends = [RemoteBackend(RemoteConfig(url=fakes.urls[m], name=m, **cfg), bus).start() for m in manners]
     return Engine(backends, Router("round-robin"), bus)
 
 

@@ -366,7 +366,7 @@ def test_finished_requests_refine_the_rates_online(fleet):
 
 
 def test_a_tokenizer_predicts_the_engines_cached_tokens(engines):
-    backend = RemoteBackend.from_config(RemoteConfig(url=engines.url(0), name="t", tokenizer="synthetic:tiny"))
+    backend = RemoteBackend(RemoteConfig(url=engines.url(0), name="t", tokenizer="synthetic:tiny")).start()
     try:
         shared = "The same long system prompt, sent twice to one engine. " * 6
         backend.enqueue(Request((), GREEDY, text=shared + "First question?")).text(60)

@@ -149,7 +149,7 @@ def test_a_missing_key_file_is_refused_naming_the_file(tmp_path):
 
 def test_the_key_from_its_file_opens_the_engine_and_shows_nowhere(engine, key_file, caplog):
     with caplog.at_level(logging.DEBUG):
-        backend = RemoteBackend.from_config(RemoteConfig(url=engine.url, name="locked", key_file=str(key_file)))
+        backend = RemoteBackend(RemoteConfig(url=engine.url, name="locked", key_file=str(key_file))).start()
         try:
             record = ask(backend)
             assert record.status == RequestStatus.FINISHED_STOPPED and record.text == "open"
@@ -163,7 +163,7 @@ def test_the_key_from_its_file_opens_the_engine_and_shows_nowhere(engine, key_fi
 def test_an_engine_echoing_our_key_in_its_error_has_it_masked(engine, tmp_path):
     wrong = tmp_path / "wrong.key"
     wrong.write_text("sk-WRONG-1234\n")
-    backend = RemoteBackend.from_config(RemoteConfig(url=engine.url, name="locked", key_file=str(wrong)))
+    backend = RemoteBackend(RemoteConfig(url=engine.url, name="locked", key_file=str(wrong))).start()
     try:
         record = ask(backend)
         assert record.status == RequestStatus.FINISHED_ERROR and "bad key" in record.error
@@ -173,7 +173,7 @@ def test_an_engine_echoing_our_key_in_its_error_has_it_masked(engine, tmp_path):
 
 
 def test_a_rotated_key_file_is_read_again_at_restart(engine, key_file):
-    backend = RemoteBackend.from_config(RemoteConfig(url=engine.url, name="locked", key_file=str(key_file)))
+    backend = RemoteBackend(RemoteConfig(url=engine.url, name="locked", key_file=str(key_file))).start()
     try:
         assert ask(backend).status == RequestStatus.FINISHED_STOPPED
         engine.key = "sk-ROTATED-7777"

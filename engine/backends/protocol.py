@@ -47,6 +47,7 @@ class BackendInfo:
     kind: str = "local"  # the kind that built it: "local", "remote", "null"
     url: str = ""  # where it runs: "" in this process, else the engine's URL
     rates_key: str = ""  # what measured rates of it are stored under ("": none are)
+    logprobs: bool = True  # relays each token's log-probabilities (`SamplingParams.logprobs`)
 
 
 @dataclass(frozen=True)

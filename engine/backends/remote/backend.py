@@ -75,15 +75,8 @@ class RemoteBackend(BackendBase):
         self._flights = Flights(self, self.bus, self._queue, self._cache, self._online, self._loop, self._monitor,
                                 self._http)
         self._client: EngineClient | None = None
-        self._tasks: list[asyncio.Task] = []
         self._stopped = False
         self._restarting = threading.Lock()
-
-    @classmethod
-    def from_config(cls, config: RemoteConfig, bus: EventBus | None = None,
-                    rates: Rates | None = None) -> RemoteBackend:
-        """Build and start one (see `start`)."""
-        return cls(config, bus, rates).start()
 
     @property
     def cap(self) -> int:
@@ -102,11 +95,6 @@ class RemoteBackend(BackendBase):
         return self._monitor.n_vocab
 
     @property
-    def steps(self) -> int:
-        """Requests finished (a remote engine's steps are not visible)."""
-        return self._flights.finished
-
-    @property
     def api(self) -> str:
         """The engine's dialect (`auto` until the first good probe names it)."""
         return self._monitor.dialect.name
@@ -123,10 +111,10 @@ class RemoteBackend(BackendBase):
         self._stopped = False
         self._loop.start(START_TIMEOUT_S)
         try:
-            self._loop.submit(self._connect()).result(START_TIMEOUT_S + 1)
+            self._loop.submit(self._monitor.probe(first=True)).result(START_TIMEOUT_S + 1)
         except Exception as e:  # unreachable for now: the health loop keeps trying
-            self._set_unhealthy(f"cannot reach {self.url}: {why(e)}")
-        self._loop.submit(self._start_watching())
+            self.healthy, self.error = False, f"cannot reach {self.url}: {why(e)}"
+        self._loop.submit(self._monitor.start())
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -190,14 +178,11 @@ class RemoteBackend(BackendBase):
         job = Job(request, handle, t_submit or time.monotonic(), cached_estimate, key, max(len(key) // per_token, 1))
         handle.backend = self.name
         handle._cancel = self.cancel
-        self._queue.push(job, self._refusal)
+        self._queue.push(job, lambda: None if self.serving() and self._loop.started else self.error or "stopped")
         self._monitor.sent(request.sampling.max_tokens)
         self._cache.sent(key, per_token)  # what is sent there is what its cache will hold (SGLang's rule)
         self._loop.wake(self._flights.pump)
         return handle
-
-    def _refusal(self) -> str | None:
-        return None if self.healthy and not self._stopped and self._loop.started else (self.error or "stopped")
 
     def cancel(self, request_id: str) -> None:
         self._loop.wake(self._flights.cancel, request_id)
@@ -247,13 +232,14 @@ class RemoteBackend(BackendBase):
         return BackendSnapshot(
             name=self.name, device=self.device, cap=cap, n_ctx=self._monitor.n_ctx, rates=self.rates, items=items,
             healthy=self.healthy and not self._stopped, error=self.error, cache=self._cache.stats(),
-            prefill_tok_s=self._online.prefill_tok_s, decode_tok_s=self._online.decode_tok_s, steps=self.steps,
+            prefill_tok_s=self._online.prefill_tok_s, decode_tok_s=self._online.decode_tok_s,
+            steps=self._flights.finished,  # requests finished: a remote engine's steps are not visible
             time=time.monotonic(), url=self.url, model=self.models[0] if self.models else "")
 
     def info(self) -> BackendInfo:
         return BackendInfo(name=self.name, device=self.device, model=self.models[0] if self.models else "",
                            threads=0, n_ctx=self._monitor.n_ctx, n_seq_max=self.cap, n_batch=0, flash_attn="",
-                           kv_unified=True, kind="remote", url=self.url, rates_key=f"remote:{self.url}")
+                           kv_unified=True, kind="remote", url=self.url, rates_key=f"remote:{self.url}", logprobs=False)
 
     def describe(self) -> dict:
         """What the UI and `/v1/routing` can show beside the snapshot."""
@@ -273,15 +259,11 @@ class RemoteBackend(BackendBase):
         self.healthy, self.error = True, None
         self._flights.pump()
 
-    def _set_unhealthy(self, why: str) -> None:
-        self.healthy = False
-        self.error = why
-
     def went_down(self, why: str, failing: Job | None = None) -> None:
         """Mark unhealthy; hand every queued and in-flight request over (failover.py)."""
         if self.healthy:
             log.warning("%s: %s", self.name, why)
-        self._set_unhealthy(why)
+        self.healthy, self.error = False, why
         queued, inflight = self._queue.drain()
         callback = self.on_unhealthy
         live = [j for j in inflight if not j.done]
@@ -313,21 +295,15 @@ class RemoteBackend(BackendBase):
                                         token_gap_s=c.token_gap_s, timeout_s=c.timeout_s)
         return self._client
 
-    async def _connect(self) -> None:
-        await self._monitor.probe(first=True)
-
-    async def _start_watching(self) -> None:
-        self._tasks = [asyncio.create_task(self._monitor.watch()), asyncio.create_task(self._monitor.poll())]
-
     async def _reconnect(self) -> None:
         queued, _ = self._queue.drain(inflight=False)  # a healthy one drains first: its queue moves
         if queued and self.healthy and self.on_unhealthy is not None:
-            self._set_unhealthy("restarting")
+            self.healthy, self.error = False, "restarting"
             self.on_unhealthy(self, handed(queued))
         else:
             for j in queued:
                 self._flights.finish(j, RequestStatus.FINISHED_ERROR, f"backend {self.name} restarted", "unavailable_error")
-        self._set_unhealthy("restarting")
+        self.healthy, self.error = False, "restarting"
         await self._cancel_inflight(f"backend {self.name} restarted")
         if self._client is not None:
             await self._client.close()
@@ -337,7 +313,7 @@ class RemoteBackend(BackendBase):
         try:
             await self._monitor.probe(first=True)
         except (TimeoutError, aiohttp.ClientError, OSError, EngineFailed, EngineMisbehaved, InvalidRequest) as e:
-            self._set_unhealthy(f"cannot reach {self.url}: {why(e)}")
+            self.healthy, self.error = False, f"cannot reach {self.url}: {why(e)}"
 
     async def _cancel_inflight(self, why: str) -> None:
         tasks = []
@@ -351,8 +327,7 @@ class RemoteBackend(BackendBase):
             await asyncio.wait(tasks, timeout=5)
 
     async def _shutdown(self) -> None:
-        for t in self._tasks:
-            t.cancel()
+        self._monitor.stop()
         queued, _ = self._queue.drain(inflight=False)
         for j in queued:
             self._flights.finish(j, RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
@@ -361,7 +336,7 @@ class RemoteBackend(BackendBase):
         if self._client is not None:
             await self._client.close()
             self._client = None
-        self._set_unhealthy("stopped")
+        self.healthy, self.error = False, "stopped"
 
 
 @backend_kind(RemoteConfig)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -139,83 +139,104 @@ class EngineClient:
             return r.status, text
 
     async def stream(self, path: str, body: dict, *, chat: bool, max_tokens: int,
-                     on_delta: Callable[[str], None], answers_health) -> StreamResult:
+                     on_delta: Callable[[str], None], answers_health: Callable[[], Awaitable[bool]]) -> StreamResult:
         """POST a streaming completion and hand each text delta to `on_delta`, within the
         deadlines and the output bound (see the module docstring). `answers_health()` tells a
         5xx from a live engine (this request's failure) from a failing one."""
-        out = StreamResult()
-        limit_bytes = max(max_tokens, 1) * TOKEN_BYTES
-        max_events = 2 * max(max_tokens, 1) + 64  # a token's event, and a few for role, finish, usage
-        seen_bytes = events = 0
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=PROBE_TIMEOUT_S)
+        reading = _Reading(max_tokens, chat, on_delta, self._said)
         loop = asyncio.get_running_loop()
         started = loop.time()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=PROBE_TIMEOUT_S)
         try:
             async with asyncio.timeout(self.first_token_s):
                 resp = await self.session.post(self.url + path, json=body, timeout=timeout)
         except TimeoutError:
             raise EngineSilent(f"no answer within {self.first_token_s:g} s (first-token deadline)") from None
-        async with resp:
+        async with resp:  # leaving it closes the connection (a cut stream included): the engine sees it
             if resp.status >= 400:
-                text = await read_capped(resp, ERROR_BODY_BYTES, path, cut=True)
-                if resp.status >= 500:
-                    if await answers_health():  # a live engine failed this request, not itself
-                        raise EngineRefused(self._said(text), error_kind(text, resp.status))
-                    raise EngineFailed(f"{path} answered {resp.status}: {self._said(text)}")
-                raise EngineRefused(f"refused the request: {self._said(text)}", error_kind(text, resp.status))
+                raise await self._refusal(resp, path, answers_health)
             deadline = started + self.first_token_s
             done = False
-            while True:
-                wait = deadline - loop.time()
-                try:
-                    async with asyncio.timeout(max(wait, 0.0)):
-                        raw = await resp.content.readline()
-                except TimeoutError:
-                    which = "first-token" if out.chunks == 0 else "inter-token"
-                    limit = self.first_token_s if out.chunks == 0 else self.token_gap_s
-                    raise EngineSilent(f"no {'first ' if out.chunks == 0 else ''}token within {limit:g} s "
-                                       f"({which} deadline)") from None
-                except ValueError as e:  # aiohttp: a line longer than max_line_size
-                    raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes ({e})") from None
+            while not done:
+                raw = await self._line(resp, deadline - loop.time(), first=reading.out.chunks == 0)
                 if not raw:
                     break
-                if len(raw) > EVENT_BYTES:
-                    raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes")
                 line = raw.strip()
                 if not line.startswith(b"data:"):  # comments and keep-alives move no deadline
                     continue
-                events += 1
-                if events > max_events:  # events without text, forever
-                    out.cut = True
-                    out.finish_reason = "length"
-                    return out
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                try:
-                    obj = json.loads(payload)
-                except ValueError:
-                    raise EngineMisbehaved("an event that is not JSON") from None
-                deltas, finish, usage, error = parse_event(obj, chat)
-                if error is not None:
-                    raise EngineRefused(self._said(error), error_kind(error, 500))
-                if usage is not None:
-                    out.usage = Usage.read(usage, max_tokens)
-                for delta in deltas:
-                    seen_bytes += len(delta.encode("utf-8", "surrogatepass"))
-                    if out.chunks + 1 > max_tokens or seen_bytes > limit_bytes:
-                        out.cut = True
-                        out.finish_reason = "length"
-                        return out  # leaving the block closes the connection: the engine sees it
-                    out.chunks += 1
-                    on_delta(delta)
-                if finish is not None:
-                    out.finish_reason = finish
+                done = reading.take(line[5:].strip())
                 deadline = loop.time() + self.token_gap_s
-            if not done and out.finish_reason is None:
+            if not done and reading.out.finish_reason is None:
                 raise EngineFailed("the stream ended before the request did")
-        return out
+        return reading.out
+
+    async def _refusal(self, resp: aiohttp.ClientResponse, path: str,
+                       answers_health: Callable[[], Awaitable[bool]]) -> Exception:
+        """What an error status means: this request refused (4xx, or a 5xx from an engine whose
+        health still answers), else the engine failed."""
+        text = await read_capped(resp, ERROR_BODY_BYTES, path, cut=True)
+        if resp.status < 500:
+            return EngineRefused(f"refused the request: {self._said(text)}", error_kind(text, resp.status))
+        if await answers_health():  # a live engine failed this request, not itself
+            return EngineRefused(self._said(text), error_kind(text, resp.status))
+        return EngineFailed(f"{path} answered {resp.status}: {self._said(text)}")
+
+    async def _line(self, resp: aiohttp.ClientResponse, wait: float, first: bool) -> bytes:
+        """The stream's next line within `wait` seconds (b"" at its end)."""
+        try:
+            async with asyncio.timeout(max(wait, 0.0)):
+                raw = await resp.content.readline()
+        except TimeoutError:
+            limit, which = (self.first_token_s, "first-token") if first else (self.token_gap_s, "inter-token")
+            raise EngineSilent(f"no {'first ' if first else ''}token within {limit:g} s ({which} deadline)") from None
+        except ValueError as e:  # aiohttp: a line longer than max_line_size
+            raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes ({e})") from None
+        if len(raw) > EVENT_BYTES:
+            raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes")
+        return raw
+
+
+class _Reading:
+    """One stream's events as they are read: deltas handed on, usage kept, the output bound held."""
+
+    def __init__(self, max_tokens: int, chat: bool, on_delta: Callable[[str], None], said: Callable[[object], str]):
+        self.out = StreamResult()
+        self.max_tokens, self.chat, self.on_delta, self.said = max_tokens, chat, on_delta, said
+        self.limit_bytes = max(max_tokens, 1) * TOKEN_BYTES
+        self.max_events = 2 * max(max_tokens, 1) + 64  # a token's event, and a few for role, finish, usage
+        self.seen_bytes = self.events = 0
+
+    def take(self, payload: bytes) -> bool:
+        """One event's payload; True when the stream is over (`[DONE]`, or cut at the bound)."""
+        out = self.out
+        self.events += 1
+        if self.events > self.max_events:  # events without text, forever
+            return self._cut()
+        if payload == b"[DONE]":
+            return True
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            raise EngineMisbehaved("an event that is not JSON") from None
+        deltas, finish, usage, error = parse_event(obj, self.chat)
+        if error is not None:
+            raise EngineRefused(self.said(error), error_kind(error, 500))
+        if usage is not None:
+            out.usage = Usage.read(usage, self.max_tokens)
+        for delta in deltas:
+            self.seen_bytes += len(delta.encode("utf-8", "surrogatepass"))
+            if out.chunks + 1 > self.max_tokens or self.seen_bytes > self.limit_bytes:
+                return self._cut()
+            out.chunks += 1
+            self.on_delta(delta)
+        if finish is not None:
+            out.finish_reason = finish
+        return False
+
+    def _cut(self) -> bool:
+        self.out.cut = True
+        self.out.finish_reason = "length"
+        return True
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int, what: str, cut: bool = False) -> bytes:

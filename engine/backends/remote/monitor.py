@@ -75,8 +75,17 @@ class Monitor:
         self._client = client
         self._owner = owner
         self._missed = 0
+        self._tasks: list[asyncio.Task] = []
         self._quarantine_s = config.quarantine_s
         self._out_until = 0.0  # monotonic time before which probes do not bring it back
+
+    async def start(self) -> None:
+        """Start the health loop and the load poll on this (the loop's) thread."""
+        self._tasks = [asyncio.create_task(self.watch()), asyncio.create_task(self.poll())]
+
+    def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
 
     # ---- health ----
 
