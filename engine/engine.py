@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from engine.backends import registry
 from engine.backends.config import resolve_contexts
-from engine.backends.protocol import BackendInfo, BackendProtocol
+from engine.backends.protocol import BackendInfo, BackendProtocol, Handed
 from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
 from engine.core.events import EventBus, RequestRouted
 from engine.core.handle import RequestHandle
@@ -62,7 +62,7 @@ class Engine:
             raise InvalidRequest("an engine needs at least one backend")
         self.backends = {b.name: b for b in backends}
         for b in backends:
-            b.on_unhealthy = self._rehome  # type: ignore[assignment]  # declared None in Backend
+            b.on_unhealthy = self._rehome
         self.router = router or Router()
         self.bus = bus or backends[0].bus
         self._registry = registry
@@ -215,7 +215,7 @@ class Engine:
                         raise
         self.bus.publish(RequestRouted(decision))
 
-    def _rehome(self, failed: BackendProtocol, moved: list) -> None:
+    def _rehome(self, failed: BackendProtocol, moved: Sequence[Handed]) -> None:
         """A backend went unhealthy or is restarting: route the requests it gave back to the
         others (called on its worker thread, or on the restarting thread). One whose stream
         broke after it began (a remote engine's, `RequestHandle._interrupt`) goes on from the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -59,7 +59,7 @@ class NullBackend(BackendBase):
     device = "null"
     n_vocab = 0  # any token id: nothing is decoded
 
-    def __init__(self, config: NullConfig, bus: EventBus | None = None, rates: Rates | None = None):
+    def __init__(self, config: NullConfig, bus: EventBus | None = None, rates: Rates | None = None) -> None:
         self.config = config
         self.name = config.name
         self.bus = bus or EventBus()
@@ -99,7 +99,7 @@ class NullBackend(BackendBase):
     def pin_prefix(self, request: Request) -> tuple[int, object]:
         return 0, None
 
-    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin=None,
+    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin: object = None,
                 cached_estimate: int | None = None, t_submit: float | None = None) -> RequestHandle:
         self.validate(request)
         handle = handle or RequestHandle(request)
@@ -142,7 +142,7 @@ class NullBackend(BackendBase):
         return BackendInfo(name=self.name, device=self.device, model="", threads=0, n_ctx=0, n_seq_max=self._cap,
                            n_batch=0, flash_attn="", kv_unified=True, kind="null")
 
-    def warm(self, tokens) -> RequestHandle:
+    def warm(self, tokens: Sequence[int]) -> RequestHandle:
         request = Request(tuple(tokens))
         return self.enqueue(request)
 

@@ -213,7 +213,12 @@ class BackendProtocol(Protocol):
         ...
 
     model: Any  # the local model it runs, if any (the engine frees it when done)
-    tokenizer: Any  # turns streamed text back into tokens (`tokenize`), if it can
+
+    @property
+    def tokenizer(self) -> Any:
+        """Turns streamed text back into tokens (`tokenize`), if it can (None: it cannot)."""
+        ...
+
     bus: EventBus  # where it publishes its events
 
 
@@ -224,6 +229,7 @@ class BackendBase:
     name: str
     model: Any = None
     tokenizer: Any = None
+    on_unhealthy: Callable[[BackendProtocol, Sequence[Handed]], None] | None = None  # set by the engine
 
     def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin: object = None,
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:

@@ -55,7 +55,7 @@ class BackendSpec(Protocol):
 class StoredRates(Protocol):
     """Rates stored for the model file (engine/rates/store.py `ModelRates`)."""
 
-    def get(self, config, device: str | None = None) -> Rates | None: ...
+    def get(self, config: Any, device: str | None = None) -> Rates | None: ...
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,13 @@ def spec_error(spec: str, why: str) -> InvalidRequest:
 BACKEND_KINDS: dict[type, Callable[..., BackendProtocol]] = {}
 
 
-def backend_kind(config_type: type):
+Builder = TypeVar("Builder", bound=Callable[..., "BackendProtocol"])  # (config, BuildContext) -> a started backend
+
+
+def backend_kind(config_type: type) -> Callable[[Builder], Builder]:
     """Register the builder of one kind of backend (decorator)."""
 
-    def register(build):
+    def register(build: Builder) -> Builder:
         BACKEND_KINDS[config_type] = build
         return build
 

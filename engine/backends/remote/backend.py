@@ -22,12 +22,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import aiohttp
 
-from engine.backends.protocol import BackendBase, BackendInfo, BackendProtocol, Calibrator, Found, Handed, done_future
+from engine.backends.protocol import BackendBase, BackendInfo, BackendProtocol, Calibrator, Found, done_future
 from engine.backends.registry import BuildContext, backend_kind
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, RestartInProgress
 from engine.core.events import EventBus
@@ -58,14 +58,14 @@ class RemoteBackend(BackendBase):
 
     device = "remote"
 
-    def __init__(self, config: RemoteConfig, bus: EventBus | None = None, rates: Rates | None = None):
+    def __init__(self, config: RemoteConfig, bus: EventBus | None = None, rates: Rates | None = None) -> None:
         self.config = config
         self.name = config.name
         self.url = config.url
         self.bus = bus or EventBus()
         self.healthy = False
         self.error: str | None = "not started"
-        self.on_unhealthy: Callable[[BackendProtocol, Sequence[Handed]], None] | None = None  # set by the engine
+        self.on_unhealthy = None  # set by the engine
         self.tokenizer = VocabOnly(config.tokenizer) if config.tokenizer else None
         self._queue = JobQueue(config.name, config.cap, config.max_queue)
         self._cache = CachePrediction(config.cache_capacity, self.tokenizer)

@@ -28,6 +28,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -56,7 +57,7 @@ class EngineMisbehaved(Exception):
 class EngineRefused(Exception):
     """The engine refused this one request (4xx, or an error in its stream)."""
 
-    def __init__(self, message: str, kind: str):
+    def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
 
@@ -103,7 +104,7 @@ class EngineClient:
     """HTTP to one engine: bounded GETs and bounded, validated completion streams."""
 
     def __init__(self, url: str, key: str | None, *, first_token_s: float = FIRST_TOKEN_S,
-                 token_gap_s: float = TOKEN_GAP_S, timeout_s: float = 600.0):
+                 token_gap_s: float = TOKEN_GAP_S, timeout_s: float = 600.0) -> None:
         self.url = url
         self.first_token_s = first_token_s
         self.token_gap_s = token_gap_s
@@ -119,13 +120,14 @@ class EngineClient:
     async def close(self) -> None:
         await self.session.close()
 
-    def _said(self, text: object) -> str:
+    def _said(self, text: str | bytes | dict) -> str:
         """An error body's message, with our key masked (an engine may echo the request's
         headers back, as aiohttp's own 400 does)."""
         message = error_message(text)
         return message.replace(self._key, "***") if self._key else message
 
-    async def get(self, path: str, timeout: float = PROBE_TIMEOUT_S, limit: int = PROBE_BODY_BYTES):
+    async def get(self, path: str, timeout: float = PROBE_TIMEOUT_S,
+                  limit: int = PROBE_BODY_BYTES) -> tuple[int, Any]:
         """GET a path: (status, parsed JSON or text), its body read up to `limit` bytes
         (`EngineMisbehaved` past it). Raises aiohttp and timeout errors."""
         async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -199,7 +201,8 @@ class EngineClient:
 class _Reading:
     """One stream's events as they are read: deltas handed on, usage kept, the output bound held."""
 
-    def __init__(self, max_tokens: int, chat: bool, on_delta: Callable[[str], None], said: Callable[[object], str]):
+    def __init__(self, max_tokens: int, chat: bool, on_delta: Callable[[str], None],
+                 said: Callable[[dict], str]) -> None:
         self.out = StreamResult()
         self.max_tokens, self.chat, self.on_delta, self.said = max_tokens, chat, on_delta, said
         self.limit_bytes = max(max_tokens, 1) * TOKEN_BYTES
@@ -257,7 +260,7 @@ async def read_capped(resp: aiohttp.ClientResponse, limit: int, what: str, cut: 
     return bytes(data)
 
 
-def parse_event(obj, chat: bool) -> tuple[list[str], str | None, dict | None, object | None]:
+def parse_event(obj: object, chat: bool) -> tuple[list[str], str | None, dict | None, dict | None]:
     """One stream event → (text deltas, finish reason, usage, error), every field checked:
     `EngineMisbehaved` names the first that is not what OpenAI's API says it is."""
     if not isinstance(obj, dict):
@@ -302,7 +305,7 @@ def parse_event(obj, chat: bool) -> tuple[list[str], str | None, dict | None, ob
     return deltas, finish, usage, None
 
 
-def error_message(text) -> str:
+def error_message(text: str | bytes | dict) -> str:
     """An error body's message: `text` is the body (str or bytes) or its parsed JSON."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
@@ -318,7 +321,7 @@ def error_message(text) -> str:
     return str(obj.get("message") or obj.get("detail") or text)[:500] if isinstance(obj, dict) else str(text)[:500]
 
 
-def error_kind(text, status: int) -> str:
+def error_kind(text: str | bytes | dict, status: int) -> str:
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
     try:
@@ -345,6 +348,6 @@ def _bounded(v: object, most: int) -> int | None:
     return min(v, most) if isinstance(v, int) else None
 
 
-def _type(v) -> str:
+def _type(v: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)

@@ -58,7 +58,7 @@ class Flights:
     """The request flow of one backend, from its queue to each finish."""
 
     def __init__(self, owner: Owner, bus: EventBus, queue: JobQueue, cache: CachePrediction, online: OnlineRates,
-                 loop: LoopThread, monitor: Monitor, client: Callable[[], EngineClient]):
+                 loop: LoopThread, monitor: Monitor, client: Callable[[], EngineClient]) -> None:
         self.owner, self.bus, self.queue, self.cache, self.online = owner, bus, queue, cache, online
         self.loop, self.monitor, self.client = loop, monitor, client
         self.finished = 0  # requests finished (a remote engine's steps are not visible)

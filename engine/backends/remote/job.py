@@ -27,7 +27,7 @@ class Job:
                  "prompt_estimate", "req", "t_first", "t_last", "t_sent", "t_submit", "task", "usage")
 
     def __init__(self, req: Request, handle: RequestHandle, t_submit: float, estimate: int, key: Key,
-                 prompt_estimate: int):
+                 prompt_estimate: int) -> None:
         self.req = req
         self.handle = handle
         self.t_submit = t_submit

@@ -24,7 +24,7 @@ class VocabOnly:
 
     Thread contract: immutable after construction but for the piece cache (see `Model`)."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str) -> None:
         from ...llama import cpu_only, lc  # native code only where a tokenizer is asked for
         from ...llama.model import check_gguf, resolve_model
 

@@ -23,7 +23,7 @@ from engine.core.handle import Outbox
 class LoopThread:
     """One event loop in one daemon thread, named for its backend."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.name = name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -64,7 +64,7 @@ class Watched(Protocol):
 class Monitor:
     """The health probe, the load poll and what they learnt of one engine."""
 
-    def __init__(self, config: RemoteConfig, client: Callable[[], EngineClient], owner: Watched):
+    def __init__(self, config: RemoteConfig, client: Callable[[], EngineClient], owner: Watched) -> None:
         self.config = config
         self.dialect: Dialect = dialect(config.api)
         self.models: list[str] = []  # model ids it serves (`/v1/models`)

@@ -23,7 +23,7 @@ MIN_PREFILL_TOKENS = 32  # fewer new prompt tokens say more about latency than a
 class OnlineRates:
     """The rates the router prices the engine with, and the speeds observed there."""
 
-    def __init__(self, base: Rates):
+    def __init__(self, base: Rates) -> None:
         self.rates = self._base = base
         self._factor = 1.0  # observed / predicted step time
         self.prefill_tok_s = self.decode_tok_s = 0.0  # observed, recent

@@ -27,7 +27,7 @@ KEYS_KEPT = 256
 class CachePrediction:
     """What the engine's cache holds, predicted; `enabled` False predicts nothing."""
 
-    def __init__(self, capacity: int, tokenizer: VocabOnly | None):
+    def __init__(self, capacity: int, tokenizer: VocabOnly | None) -> None:
         self.tokenizer = tokenizer
         self.enabled = True
         self.units = "tokens"  # "tokens" or "chars/4": what the last key counted

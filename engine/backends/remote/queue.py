@@ -27,7 +27,7 @@ def check_cap(cap: int) -> int:
 class JobQueue:
     """Waiting and in-flight jobs of one backend."""
 
-    def __init__(self, name: str, cap: int, max_queue: int):
+    def __init__(self, name: str, cap: int, max_queue: int) -> None:
         self.name = name
         self.max_queue = max_queue
         self._cap = check_cap(cap)
