@@ -684,7 +684,7 @@ def _model_object(app: web.Application, model_id: str) -> dict:
     """OpenAI's model object (`id`, `object`, `created`, `owned_by`) plus Tandem's `meta`."""
     engine, settings = app[ENGINE], app[SETTINGS]
     routed = settings.served.routed(model_id)
-    meta: dict = {"backends": [b.name for b in engine.backends.values() if engine.serves(b, routed)]}
+    meta: dict = {"backends": engine.serving(routed)}
     created = settings.started
     if engine.model is not None and model_id == settings.served.id:
         info = engine.model.info

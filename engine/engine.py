@@ -162,6 +162,10 @@ class Engine:
             return True
         return model in backend.models or not backend.models  # not known yet: let it try
 
+    def serving(self, model: str | None) -> list[str]:
+        """The backends that can take a request naming `model` (None: any), by name."""
+        return [name for name, b in self.backends.items() if self.serves(b, model)]
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
         handle = RequestHandle(request, loop)

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "bench", "engine", "ui")
 KIND_CHECK = re.compile(r"""device\s*[!=]=\s*["']remote["']|["']remote["']\s+(not\s+)?in\s+[\w.]*devices""")
 BACKENDISH = re.compile(r"(^|\.)(b|be|backend|backends\[.*\]|backend\(.*\))$|backends\b")
+HOLDS_BACKEND = re.compile(r"^(?!\s*(from|import)\s).*\b(engine|eng|_engine)\.backends\b")
 MAX_REMOTE_BACKEND_LINES = 350
 MAX_METHODS = 35
 
@@ -44,11 +45,20 @@ def test_no_caller_probes_a_backend_with_hasattr_or_getattr():
     assert not found, "a member every backend has belongs on BackendProtocol:\n" + "\n".join(found)
 
 
+def test_the_app_and_the_ui_hold_no_backend():
+    """`app/` and `ui/` name backends and go through `Engine`'s controls, never its table of them."""
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in _sources() if p.parts[len(ROOT.parts)] in ("app", "ui")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if HOLDS_BACKEND.search(line)]
+    assert not found, "\n".join(found)
+
+
 def test_the_grep_finds_what_it_looks_for():
     """The two patterns above catch the forms they were written for (so a pass means something)."""
     assert KIND_CHECK.search('if b.device != "remote":') and KIND_CHECK.search("'remote' not in engine.devices.values()")
     assert BACKENDISH.search("b") and BACKENDISH.search("eng.backends[n]") and BACKENDISH.search("self.backend(name)")
     assert not BACKENDISH.search("body") and not BACKENDISH.search("os")
+    assert HOLDS_BACKEND.search("up = [b.healthy for b in engine.backends.values()]")
+    assert not HOLDS_BACKEND.search("from engine.backends.config import x") and not HOLDS_BACKEND.search("engine.backend_names")
 
 
 def test_the_remote_backend_module_stays_small():
