@@ -333,3 +333,21 @@ def test_a_finish_that_fails_still_ends_the_request_with_an_error(fakes, monkeyp
         assert again.status == RequestStatus.FINISHED_LENGTH
     finally:
         eng.close()
+
+
+def test_a_failed_hand_over_still_ends_the_requests(fakes):
+    """The engine's `on_unhealthy` raising (a bug there) ends the silent engine's requests with
+    its error instead of leaving them hanging."""
+    backend = RemoteBackend(RemoteConfig(url=fakes.urls["silent"], name="silent", first_token_s=FIRST_TOKEN_S,
+                                         token_gap_s=TOKEN_GAP_S, health_s=0.2, poll_s=0.2, api="openai")).start()
+
+    def broken(failed, moved):
+        raise RuntimeError("a bug while re-routing")
+
+    backend.on_unhealthy = broken
+    try:
+        handles = [backend.enqueue(Request((), SamplingParams(max_tokens=4), text="hi")) for _ in range(2)]
+        records = [h.result(ANSWER_S) for h in handles]
+        assert all(r.status == RequestStatus.FINISHED_ERROR and "silent" in r.error for r in records), records
+    finally:
+        backend.stop()

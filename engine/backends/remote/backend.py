@@ -275,8 +275,11 @@ class RemoteBackend(BackendBase):
                 job.task.cancel()  # a moved one's task finishes nothing; a failing one ends with `fail`
         if callback is not None and moved:
             self._loop.flush()  # the text streamed so far reaches its caller before the rest
-            callback(self, handed(moved))
-            return
+            try:
+                callback(self, handed(moved))
+                return
+            except Exception:  # they could not be handed over: they end here, with the error
+                log.exception("%s: handing %d requests over failed", self.name, len(moved))
         for job in moved:
             job.done = False
             self._flights.finish(job, RequestStatus.FINISHED_ERROR, f"backend {self.name} is unhealthy: {why}",

@@ -16,6 +16,7 @@ Thread contract: the backend's loop thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -70,6 +71,7 @@ class Flights:
         for job in self.queue.take():
             job.t_sent = time.monotonic()
             job.task = self.loop.loop.create_task(self.run(job))
+            job.task.add_done_callback(functools.partial(self._reap, job))
             self.bus.publish(RequestAdmitted(self.owner.name, job.req.id, job.estimate, job.t_sent))
 
     def cancel(self, request_id: str) -> None:
@@ -104,6 +106,15 @@ class Flights:
             self.finish(job, RequestStatus.FINISHED_ERROR, f"backend {name}: {type(e).__name__}", "server_error")
         else:
             self.finish(job, job.end_status())
+
+    def _reap(self, job: Job, task: asyncio.Task) -> None:
+        """A task that raised past `run` (a failover that failed): its request still ends."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("%s: request %s's task failed", self.owner.name, job.req.id, exc_info=task.exception())
+        if not job.moved:
+            self.finish(job, RequestStatus.FINISHED_ERROR, f"backend {self.owner.name}: "
+                                                           f"{type(task.exception()).__name__}", "server_error")
 
     async def _stream(self, job: Job) -> None:
         models = self.monitor.models
