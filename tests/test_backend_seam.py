@@ -45,7 +45,7 @@ def test_no_caller_probes_a_backend_with_hasattr_or_getattr():
     assert not found, "a member every backend has belongs on BackendProtocol:\n" + "\n".join(found)
 
 
-def test_the_app_and_the_ui_hold_no_backend():
+def test_neither_app_nor_ui_holds_a_backend():
     """`app/` and `ui/` name backends and go through `Engine`'s controls, never its table of them."""
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in _sources() if p.parts[len(ROOT.parts)] in ("app", "ui")
              for i, line in enumerate(p.read_text().splitlines(), 1) if HOLDS_BACKEND.search(line)]
@@ -77,11 +77,13 @@ def test_no_class_of_the_remote_kind_has_more_than_35_methods():
     assert not big, "\n".join(big)
 
 
-def test_every_optional_capability_has_its_default_and_contract():
-    """What a kind may leave out has a default on `BackendBase`, and each protocol method says
-    its contract in its docstring."""
+def test_every_optional_capability_has_a_default_on_the_base():
+    """What a kind may leave out has its default on `BackendBase`."""
     optional = ("prompt_limit", "cap_state", "reset_stats", "calibrate", "info", "kv_state_bytes", "enqueue_group")
     assert all(callable(getattr(BackendBase, name, None)) for name in optional)
+
+
+def test_every_protocol_method_states_its_contract():
     undocumented = [name for name, member in vars(BackendProtocol).items()
                     if callable(member) and not name.startswith("_") and not (member.__doc__ or "").strip()]
     assert not undocumented, undocumented

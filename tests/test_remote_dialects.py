@@ -39,7 +39,7 @@ def test_every_api_a_spec_may_name_has_a_dialect():
     ("vllm", {"top_k": 7, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True}),
     ("sglang", {"top_k": 7, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True}),
 ])
-def test_a_completion_carries_openai_s_fields_and_the_dialect_s_own(api, fields):
+def test_a_completion_carries_openai_s_fields_plus_the_dialect_s_own(api, fields):
     body = dialect(api).body(Request((), KNOBS, text="Once"), chat=False, model="m")
     common = {"stream": True, "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": KNOBS.top_p,
               "max_tokens": 20, "model": "m", "prompt": "Once", "stop": ["END"], "seed": 3}

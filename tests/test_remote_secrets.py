@@ -147,7 +147,7 @@ def test_a_missing_key_file_is_refused_naming_the_file(tmp_path):
 # ---- in use ----
 
 
-def test_the_key_from_its_file_opens_the_engine_and_shows_nowhere(engine, key_file, caplog):
+def test_the_key_from_its_file_opens_the_engine_without_showing_anywhere(engine, key_file, caplog):
     with caplog.at_level(logging.DEBUG):
         backend = RemoteBackend(RemoteConfig(url=engine.url, name="locked", key_file=str(key_file))).start()
         try:
