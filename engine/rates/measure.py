@@ -259,8 +259,8 @@ def calibrate_steps(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT
 
 
 def calibrate_remote(backend: BackendProtocol, *, prompt_tokens: int = CALIBRATION_PROMPT,
-                     gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None, repeats: int = 3, seed: int = 0,
-                     timeout: float = 600.0, progress: Progress | None = None) -> Calibration:
+                     gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None, repeats: int = 3,
+                     seed: int = 0, timeout: float = 600.0, progress: Progress | None = None) -> Calibration:
     """Measure an idle, healthy remote backend by sending it requests (see the module docstring).
 
     Prompts are random words, different for every request, so the engine's prefix cache does

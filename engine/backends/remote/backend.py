@@ -283,7 +283,7 @@ class RemoteBackend(BackendBase):
         for job in moved:
             job.done = False
             self._flights.finish(job, RequestStatus.FINISHED_ERROR, f"backend {self.name} is unhealthy: {why}",
-                         "unavailable_error")
+                                 "unavailable_error")
 
     # ---- the loop thread ----
 
@@ -305,7 +305,8 @@ class RemoteBackend(BackendBase):
             self.on_unhealthy(self, handed(queued))
         else:
             for j in queued:
-                self._flights.finish(j, RequestStatus.FINISHED_ERROR, f"backend {self.name} restarted", "unavailable_error")
+                self._flights.finish(j, RequestStatus.FINISHED_ERROR, f"backend {self.name} restarted",
+                                     "unavailable_error")
         self.healthy, self.error = False, "restarting"
         await self._cancel_inflight(f"backend {self.name} restarted")
         if self._client is not None:

@@ -69,7 +69,8 @@ class RemoteConfig:
             with open(self.key_file, "rb") as f:
                 raw = f.read(KEY_FILE_BYTES + 1)
         except OSError as e:
-            raise InvalidRequest(f"key_file {self.key_file}: cannot read it ({e.strerror or type(e).__name__})") from None
+            why = e.strerror or type(e).__name__
+            raise InvalidRequest(f"key_file {self.key_file}: cannot read it ({why})") from None
         if len(raw) > KEY_FILE_BYTES:
             raise InvalidRequest(f"key_file {self.key_file}: longer than {KEY_FILE_BYTES} bytes; it must hold one key")
         lines = raw.decode("utf-8", "replace").splitlines()
