@@ -258,6 +258,7 @@ class RoutingView(QWidget):
         self.model = RoutingTableModel(self.backends, self)
         self._plot_dirty = False
         self._explain_newest = False
+        self._to_bottom = False
         self._presenting = False
         self._pinned_seen = False  # a row says "(pinned)": the chosen column makes room for it
         self._build()
@@ -397,6 +398,7 @@ class RoutingView(QWidget):
         if not self.table.selectionModel().hasSelection():
             if bar.value() >= bar.maximum() - 2:
                 self.table.scrollToBottom()
+                self._to_bottom = True  # again on the tick, once the view has laid the new row out
             self._explain_newest = True  # the explanation follows the newest row (drawn on the tick)
         if self._presenting:
             self._fit_fixed_columns()  # a row number with one more digit
@@ -449,6 +451,9 @@ class RoutingView(QWidget):
             self._explain_newest = False
             if not self.table.selectionModel().hasSelection():
                 self._refresh_explanation()
+                if self._to_bottom:
+                    self.table.scrollToBottom()
+            self._to_bottom = False
         if self._plot_dirty:
             self._plot_dirty = False
             self._redraw()
