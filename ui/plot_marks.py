@@ -59,7 +59,9 @@ class ChangeTracker:
 class ChangeMarks:
     """Labelled vertical lines on `plot`. `relative`: x is seconds before now (call `scroll`).
 
-    Labels sit at the top of the plot, beside their line (at its right, or at its left where the
+    A change a person made, or a backend's health, gets a dashed line and a label; the engine's
+    own (an adaptive cap moving) a dotted line, its text in the tooltip. Labels sit at the top
+    of the plot, beside their line (at its right, or at its left where the
     right has no room), each in the first row where it overlaps no other label and not the
     legend; newer marks are placed first, and a label with no room left is hidden (its line's
     tooltip still says what changed). They are laid out again whenever the view moves or resizes.
@@ -82,12 +84,13 @@ class ChangeMarks:
         if not texts:
             return
         text = "; ".join(texts)
-        pen = pg.mkPen(WORKING, width=1.2, style=Qt.PenStyle.DashLine)
+        said = [t for t in texts if not is_engines_own(t)]  # what a person did, or a backend's health
+        pen = pg.mkPen(WORKING, width=1.2 if said else 0.8, style=Qt.PenStyle.DashLine if said else Qt.PenStyle.DotLine)
         line = pg.InfiniteLine(pos=x, angle=90, pen=pen, movable=False)
         line.setToolTip(text)
         self.plot.addItem(line, ignoreBounds=True)
-        if self.labels:
-            short = texts[0] if len(texts) == 1 else f"{texts[0]} (+{len(texts) - 1})"
+        if self.labels and said:
+            short = said[0] if len(texts) == 1 else f"{said[0]} (+{len(texts) - 1})"
             pal = palette()
             label = pg.TextItem(short, color=pal.transcript.muted, fill=pg.mkBrush(pal.legend_bg), anchor=(0, 0))
             label.setFont(self._font)
@@ -167,6 +170,13 @@ class ChangeMarks:
         label = self._labels.pop(id(line), None)
         if label is not None:
             self.plot.vb.removeItem(label)
+
+
+def is_engines_own(change: str) -> bool:
+    """A change the engine made by itself (an adaptive cap moving), not one a person made (a
+    ceiling, the policy) nor a backend's health: its line stays, dotted, unlabelled (the
+    tooltip says it), so the labels a class reads are the moments a control acted."""
+    return " live cap " in f" {change}"
 
 
 def place_label(px: float, w: float, h: float, room: QRectF, taken: list[QRectF]) -> QRectF | None:
