@@ -174,6 +174,9 @@ def test_the_presenter_view_leaves_nothing_elided_or_cut_at_1280x720(qtbot, app_
     w.bridge.tick.connect(ticked.append)
     run = w.start_demo(seed_workload(6, prefix_tokens=64, suffix_tokens=8, gen_tokens=8))
     qtbot.waitUntil(lambda: run.state == "done", timeout=WAIT_MS)
+    teaching = w.panels["teaching"]
+    teaching.run_live()  # Teaching's live table filled with every backend's scores
+    qtbot.waitUntil(lambda: teaching.run is not None and not teaching.run.running, timeout=WAIT_MS)
     eng.set_cap("cpu0", 2)  # marks on the time plots, and a cap reason on the cards
     eng.router.set_policy("round-robin")
     n = len(ticked)
