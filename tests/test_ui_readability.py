@@ -298,3 +298,25 @@ def test_the_dashed_lines_stand_out_on_both_themes(make_window):
         bg = palette().plot_bg
         assert _contrast(latency.tput_curves[-1].opts["pen"].color().name(), bg) >= 4.5, theme
         assert _contrast(card.waiting_curve.opts["pen"].color().name(), bg) >= 3.0, theme
+
+
+def test_time_ticks_thin_until_their_labels_stand_apart_inside_the_axis():
+    from ui.axes import log_ticks, thin_ticks
+
+    def width(label: str) -> float:
+        return 8.0 * len(label)  # 8 px a character
+
+    lo, hi = -2.5, 0.8  # 3 ms .. 6.3 s: 1-2-5 ticks would crowd; decades only (log_ticks)
+    ticks = log_ticks(lo, hi)
+    wide = thin_ticks(ticks, lo, hi, 600, width)
+    assert [t for _x, t in wide] == ["10 ms", "100 ms", "1 s"]
+    narrow = thin_ticks(ticks, lo, hi, 90, width)
+    assert len(narrow) == 1  # no room for two: one, not none
+    lo, hi = -3.3, -2.05  # 0.5 ms .. 8.9 ms: 1-2-5 ticks
+    ticks = log_ticks(lo, hi)
+    for px in (120, 320, 900):
+        shown = thin_ticks(ticks, lo, hi, px, width)
+        spans = [((x - lo) / (hi - lo) * px - width(t) / 2, (x - lo) / (hi - lo) * px + width(t) / 2) for x, t in shown]
+        assert shown and all(a >= 0 and b <= px for a, b in spans)  # inside: pyqtgraph draws them all
+        assert all(spans[k + 1][0] - spans[k][1] >= 10 for k in range(len(spans) - 1))
+    assert len(thin_ticks(ticks, lo, hi, 900, width)) > len(thin_ticks(ticks, lo, hi, 120, width))

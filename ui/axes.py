@@ -74,30 +74,28 @@ def dodged_steps(edges, counts, index: int, n: int) -> tuple[np.ndarray, np.ndar
 
 
 def thin_ticks(ticks: list[tuple[float, str]], lo: float, hi: float, width_px: float, text_width,
-               room: tuple[float, float] = (0.0, 0.0), gap_px: float = 10.0) -> list[tuple[float, str]]:
+               gap_px: float = 10.0) -> list[tuple[float, str]]:
     """The most of `ticks` (on an axis from `lo` to `hi`, `width_px` wide) whose labels
-    (`text_width(label)` px wide, centred on their tick) neither touch each other nor run past
-    the axis's ends by more than `room` (px free left and right of it): all of them, else 1s and
-    5s, else decades, else every other decade."""
+    (`text_width(label)` px wide, centred on their tick) stand apart: those whose label lies
+    within the axis (pyqtgraph does not draw one that runs past its ends), then all of them, else
+    1s and 5s, else decades, else every other decade, else the first."""
+    span = hi - lo
+    if span <= 0 or width_px <= 0:
+        return ticks
+
+    def extent(tick: tuple[float, str]) -> tuple[float, float]:
+        centre = (tick[0] - lo) / span * width_px
+        half = text_width(tick[1]) / 2
+        return centre - half, centre + half
+
     def mult(x: float) -> int:
         return round(10 ** (x - math.floor(x + 1e-9)))
 
-    def decade(x: float) -> int:
-        return math.floor(x + 1e-9)
-
-    choices = [ticks, [t for t in ticks if mult(t[0]) in (1, 5)], [t for t in ticks if mult(t[0]) == 1],
-               [t for t in ticks if mult(t[0]) == 1 and decade(t[0]) % 2 == 0]]
-    span = hi - lo
+    inside = [t for t in ticks if extent(t)[0] >= 0 and extent(t)[1] <= width_px]
+    choices = [inside, [t for t in inside if mult(t[0]) in (1, 5)], [t for t in inside if mult(t[0]) == 1],
+               [t for t in inside if mult(t[0]) == 1 and math.floor(t[0] + 1e-9) % 2 == 0]]
     for chosen in choices:
-        if span <= 0 or width_px <= 0:
+        spans = [extent(t) for t in chosen]
+        if chosen and all(spans[k + 1][0] - spans[k][1] >= gap_px for k in range(len(spans) - 1)):
             return chosen
-        spans = []
-        for x, label in chosen:
-            centre = (x - lo) / span * width_px
-            half = text_width(label) / 2
-            spans.append((centre - half, centre + half))
-        inside = all(a >= -room[0] and b <= width_px + room[1] for a, b in spans)
-        apart = all(spans[k + 1][0] - spans[k][1] >= gap_px for k in range(len(spans) - 1))
-        if inside and apart:
-            return chosen
-    return choices[-1][:1]
+    return inside[:1]

@@ -247,8 +247,7 @@ class LatencyView(QWidget):
         (lo, hi), _ = p.viewRange()
         axis = p.getAxis("bottom")
         fm = QFontMetrics(axis.style.get("tickFont") or QFont())
-        left = p.getAxis("left").width()
-        ticks = thin_ticks(log_ticks(lo, hi), lo, hi, p.vb.width(), fm.horizontalAdvance, room=(left, 0.0))
+        ticks = thin_ticks(log_ticks(lo, hi), lo, hi, axis.width(), fm.horizontalAdvance)
         axis.setTicks([ticks, []])
 
     def _update_summary(self) -> None:
