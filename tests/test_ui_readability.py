@@ -320,3 +320,11 @@ def test_time_ticks_thin_until_their_labels_stand_apart_inside_the_axis():
         assert shown and all(a >= 0 and b <= px for a, b in spans)  # inside: pyqtgraph draws them all
         assert all(spans[k + 1][0] - spans[k][1] >= 10 for k in range(len(spans) - 1))
     assert len(thin_ticks(ticks, lo, hi, 900, width)) > len(thin_ticks(ticks, lo, hi, 120, width))
+
+
+def test_a_narrow_time_range_still_gets_labelled_ticks():
+    import math
+
+    from ui.axes import log_ticks
+
+    assert [t for _x, t in log_ticks(math.log10(0.28), math.log10(0.45))] == ["300 ms", "400 ms"]

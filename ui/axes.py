@@ -41,16 +41,24 @@ def occupied_log_range(histograms, edges) -> tuple[float, float] | None:
 
 def log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
     """Ticks for a log10(seconds) axis from `lo` to `hi`: 1-2-5 steps, labelled '20 ms', '1 s'
-    (pyqtgraph's own log ticks crowd '2·10 3·10 …' when the range is under a decade)."""
+    (pyqtgraph's own log ticks crowd '2·10 3·10 …' when the range is under a decade); every whole
+    multiple ('300 ms', '400 ms') where 1-2-5 steps would leave fewer than two."""
+    out = _ticks_at(lo, hi, (1, 2, 5))
+    if len(out) < 2:  # a narrow range (every value in a bin or two): every whole multiple
+        out = _ticks_at(lo, hi, range(1, 10))
+    if len(out) > 7:  # a wide range: decades only
+        out = [(x, t) for x, t in out if abs(x - round(x)) < 1e-9]
+    return out
+
+
+def _ticks_at(lo: float, hi: float, multiples) -> list[tuple[float, str]]:
     out = []
     for exp in range(math.floor(lo) - 1, math.ceil(hi) + 1):
-        for m in (1, 2, 5):
+        for m in multiples:
             v = m * 10.0 ** exp
             x = math.log10(v)
             if lo - 1e-9 <= x <= hi + 1e-9:
                 out.append((x, fmt_seconds_short(v)))
-    if len(out) > 7:  # a wide range: decades only
-        out = [(x, t) for x, t in out if abs(x - round(x)) < 1e-9]
     return out
 
 
