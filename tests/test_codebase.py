@@ -33,6 +33,12 @@ def test_import_contracts_are_kept():
     assert p.returncode == 0, _report(p)
 
 
+def test_import_contracts_count_type_only_imports():
+    """An import under `if TYPE_CHECKING:` is held to the same layers as any other."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config.get("exclude_type_checking_imports", False) is False
+
+
 def test_ruff_finds_nothing():
     p = _run(["ruff", "check", "--no-cache", "."])
     assert p.returncode == 0, _report(p)
@@ -74,6 +80,18 @@ def test_engine_importing_qt_breaks_a_contract(tmp_path):
     assert p.returncode != 0, _report(p)
     assert "The engine is Qt-free and knows nothing above it BROKEN" in p.stdout, _report(p)
     assert "engine.qt_leak -> PySide6" in p.stdout, _report(p)
+
+
+def test_a_type_only_import_against_the_layers_breaks_a_contract(tmp_path):
+    """The same contracts on a copy of the tree whose core names the engine facade for a type."""
+    _copy_tree(tmp_path)
+    (tmp_path / "engine" / "core" / "upward.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from engine.engine import Engine  # noqa: F401\n")
+
+    p = _run(["lint-imports", "--no-cache"], cwd=tmp_path)
+
+    assert p.returncode != 0, _report(p)
+    assert "engine.core.upward -> engine.engine" in p.stdout, _report(p)
 
 
 def test_an_import_cycle_breaks_a_contract(tmp_path):

@@ -852,7 +852,7 @@ def build(c: BackendConfig, ctx: BuildContext) -> Backend:
     if ctx.model_path is None or ctx.registry is None:
         raise InvalidRequest(f"backend {c.name} runs llama.cpp in this process: it needs a model (--model)",
                              param="model")
-    m = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
+    m: Model = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
     try:
         calibrated = ctx.calibrated
         r = (ctx.rates.get(c.name) or (calibrated.get(c, m.device) if calibrated is not None else None)

@@ -27,7 +27,7 @@ from engine.core.errors import RequestFailed
 from engine.core.request import FinishRecord, Request
 
 if TYPE_CHECKING:
-    from engine.routing import RoutingDecision
+    from engine.core.decision import RoutingDecision
 
 _END = object()
 _gathering = threading.local()

@@ -41,7 +41,7 @@ from engine.core.errors import ContextLengthExceeded, InvalidRequest
 from engine.prompts.structured import TemplateCaps, history, tool_prompt
 
 if TYPE_CHECKING:
-    from engine.llama.model import Model
+    from engine.core.tokenizer import Tokenizer as Model
 
 
 MAX_MESSAGES = 4096  # messages in one chat; 55,000 one-character messages took 68 s to refuse

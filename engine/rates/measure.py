@@ -13,21 +13,20 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from engine.backends.config import BackendConfig
+from engine.backends.protocol import BackendProtocol
 from engine.core.errors import InvalidRequest
 from engine.core.events import StepDone
 from engine.core.request import Request, SamplingParams
 from engine.core.snapshot import Rates
+from engine.core.tokenizer import TOKEN_HIGH, TOKEN_LOW
 from engine.rates.fit import OWN_TOKENS, Calibration, calibration_cells, fit_step_model, fit_step_terms
 from engine.rates.store import RateStore, config_key, save_calibration
-from engine.sim.workload import TOKEN_HIGH, TOKEN_LOW
-
-if TYPE_CHECKING:
-    from engine.backends.local import Backend
-    from engine.backends.protocol import BackendProtocol
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,27 @@ CALIBRATION_PROMPT = 512
 CALIBRATION_GEN = 32
 
 Progress = Callable[[int, int, str], None]  # (done, total, what is being measured)
+
+
+class SteppedBackend(BackendProtocol, Protocol):
+    """A backend whose batched steps run in this process (engine/backends/local.py `Backend`),
+    as `calibrate_steps` times it: it publishes `StepDone` on `bus`, its worker takes `call`s,
+    and `model` is the llama.cpp model it runs."""
+
+    config: BackendConfig  # as resolved for its device
+    n_ctx: int  # KV cells of its context, all sequences together
+
+    def set_cap(self, cap: int | None, adaptive: bool | None = None, reason: str | None = None) -> None:
+        """`BackendProtocol.set_cap`, with the `reason` its snapshot shows for the cap."""
+        ...
+
+    def call(self, fn: Callable[[Any], object]) -> Future:
+        """Run `fn(backend)` on its worker thread between steps; the future holds the result."""
+        ...
+
+    def kv_cells_used(self) -> int:
+        """KV cells in use now, cached prefixes included."""
+        ...
 
 
 def default_batches(cap: int) -> list[int]:
@@ -97,7 +117,7 @@ class _Measure:
     def __init__(self, options: dict[str, Any], stepped: dict[str, Any]):
         self.options, self.stepped = options, stepped
 
-    def by_steps(self, backend: Backend) -> Calibration:
+    def by_steps(self, backend: SteppedBackend) -> Calibration:
         return calibrate_steps(backend, **self.options, **self.stepped)
 
     def by_requests(self, backend: BackendProtocol) -> Calibration:
@@ -110,14 +130,14 @@ class _Count:
     def __init__(self, batches: Sequence[int] | None, repeats: int, context_tokens: int):
         self.batches, self.repeats, self.context_tokens = batches, repeats, context_tokens
 
-    def by_steps(self, backend: Backend) -> int:
+    def by_steps(self, backend: SteppedBackend) -> int:
         return progress_steps(backend.cap, self.batches, self.repeats, self.context_tokens)
 
     def by_requests(self, backend: BackendProtocol) -> int:
         return 1 + self.repeats + len(set(self.batches or range(1, backend.cap + 1)))
 
 
-def calibrate_steps(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT,
+def calibrate_steps(backend: SteppedBackend, *, prompt_tokens: int = CALIBRATION_PROMPT,
                     gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None,
                     repeats: int = 3, seed: int = 0, timeout: float = 600.0,
                     progress: Progress | None = None, context_tokens: int = 0,
@@ -330,7 +350,7 @@ def calibrate_remote(backend: BackendProtocol, *, prompt_tokens: int = CALIBRATI
 class _Probe:
     """Sends calibration requests to one backend and collects the steps they caused."""
 
-    def __init__(self, backend: Backend, seed: int, timeout: float):
+    def __init__(self, backend: SteppedBackend, seed: int, timeout: float):
         self.backend = backend
         self.timeout = timeout
         self._rng = random.Random(seed)

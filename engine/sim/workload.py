@@ -12,6 +12,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from engine.core.tokenizer import TOKEN_HIGH, TOKEN_LOW  # re-exported: the workloads' token range
+
 SEED_PREFIX_TOKENS = 496
 SEED_SUFFIX_TOKENS = 20
 SEED_GEN_TOKENS = 128
@@ -29,10 +31,6 @@ few put run set top yes yet big far low own red win ago air art bad bed box boy 
 fly fun hit hot job key law lay leg let lie lot mix net nor oil pay per sea sit six sky son sun tax
 ten tie toy try war web why age arm ask bag bit bus buy cup dry egg fit gas hat ice kid map mom""".split()))
 
-# Token ids are drawn from this range: above the control tokens most vocabularies start with,
-# below the size of every vocabulary we use (SmolLM2 49152, Qwen2.5 151936).
-TOKEN_LOW = 256
-TOKEN_HIGH = 32000
 
 
 @dataclass(frozen=True, slots=True)
