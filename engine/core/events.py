@@ -65,7 +65,7 @@ class EventBus:
         with self._lock:
             self._subs = [*self._subs, entry]
 
-        def unsubscribe():
+        def unsubscribe() -> None:
             with self._lock:
                 self._subs = [s for s in self._subs if s is not entry]
 

@@ -22,7 +22,7 @@ from engine.backends.config import BackendConfig
 from engine.backends.protocol import BackendProtocol
 from engine.core.errors import InvalidRequest
 from engine.core.events import StepDone
-from engine.core.request import Request, SamplingParams
+from engine.core.request import FinishRecord, Request, SamplingParams
 from engine.core.snapshot import Rates
 from engine.core.tokenizer import TOKEN_HIGH, TOKEN_LOW
 from engine.rates.fit import OWN_TOKENS, Calibration, calibration_cells, fit_step_model, fit_step_terms
@@ -353,7 +353,7 @@ def calibrate_remote(backend: BackendProtocol, *, prompt_tokens: int = CALIBRATI
     def words(n: int) -> str:
         return " ".join(f"w{rng.randrange(10**6)}" for _ in range(n))
 
-    def run(prompts: list[str], sampling: SamplingParams) -> list:
+    def run(prompts: list[str], sampling: SamplingParams) -> list[FinishRecord]:
         handles = [backend.enqueue(Request((), sampling, text=p, source="calibrate")) for p in prompts]
         records = [h.result(timeout) for h in handles]
         for r in records:
@@ -410,7 +410,7 @@ class _Probe:
         self._shared: tuple[int, ...] = ()  # the prefix `step_times` warmed last
         self._high = min(backend.model.n_vocab, TOKEN_HIGH)
         self._events: list[tuple[StepDone, int]] = []  # each step and the pool's cells in use after it
-        self.records: list = []  # the last `run`'s request records
+        self.records: list[FinishRecord] = []  # the last `run`'s request records
         self._unsubscribe = backend.bus.subscribe(self._on_step, (StepDone,))
 
     def _on_step(self, ev: StepDone) -> None:
@@ -455,8 +455,9 @@ class _Probe:
                 out.append(r.ttft_s - (r.prompt_tokens - r.cached_tokens) / prefill_tok_s)
         return out
 
-    def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick, notes: list[str],
-                   label: str = "decode batch", unshared: bool = False):
+    def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick: Callable[[str], None],
+                   notes: list[str], label: str = "decode batch",
+                   unshared: bool = False) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
         """Median step cycle, median `llama_decode` time and median KV cells in use per batch
         size (see the module docstring). `unshared`: each of a batch's sequences has a
         `prompt`-token prefix of its own (all warmed first), not one shared prefix."""
@@ -498,7 +499,7 @@ LOAD_PROMPT = 128
 LOAD_GEN = 8
 
 
-def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: RateStore | None = None,
+def calibrate_at_load(backends: Sequence[BackendProtocol], model_path: Path, model_name: str = "", store: RateStore | None = None,
                       status: Callable[[str], None] | None = None, timeout: float = 300.0,
                       progress: Progress | None = None) -> dict[str, Rates]:
     """Measure the local `backends` (started, idle) that still have placeholder rates, one per
@@ -510,7 +511,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     placeholder rates, with a warning: the engine still serves.
     """
     store = store or RateStore()
-    groups: dict[str, list] = {}
+    groups: dict[str, list[BackendProtocol]] = {}
     for b in backends:
         if b.model is None or not b.rates.placeholder:  # only a local model is measured here
             continue
@@ -539,7 +540,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     return applied
 
 
-def _ticker(progress, name: str, total: int):
+def _ticker(progress: Progress | None, name: str, total: int) -> Callable[[str], None]:
     """`tick(what)`: one more of `total` calibration steps done, reported to `progress`."""
     done = 0
 
