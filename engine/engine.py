@@ -41,6 +41,8 @@ from engine.core.handle import RequestHandle
 from engine.core.request import Request, RequestStatus, SamplingParams, error_record
 from engine.core.snapshot import BackendSnapshot, Rates
 from engine.prompts import chat
+from engine.prompts.chat import ChatPrompt
+from engine.prompts.tool_calls import ToolMode
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
 from engine.routing import RouteQuery, Router
@@ -296,8 +298,15 @@ class Engine:
     def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
                     continue_final: bool = False) -> list[int]:
         """Render `messages` with the model's chat template and tokenize the result; with
-        `tools`, a prompt for a reply in the generic tool-call format (engine/prompts/structured.py);
+        `tools`, a prompt for a reply that may call them (engine/prompts/tool_calls.py);
         with `continue_final`, a prompt that goes on with the last (assistant) message."""
+        return self.chat_prompt(messages, tools, continue_final=continue_final).tokens
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, mode: ToolMode | None = None, *,
+                    continue_final: bool = False, extra: dict | None = None) -> ChatPrompt:
+        """`chat_tokens` with how to read the reply: the tool mode in the template's call format,
+        and whether the reply starts in a thinking block (`engine.prompts.chat.render_chat`);
+        `extra` are template variables (`chat_template_kwargs`)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         self._check_open()
@@ -305,7 +314,8 @@ class Engine:
             raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
             # content is never parsed for special tokens
-            return chat.chat_tokens(self.model, messages, tools, continue_final, self.prompt_limit())
+            return chat.render_chat(self.model, messages, tools, mode, continue_final=continue_final,
+                                    max_prompt=self.prompt_limit(), extra=extra)
         except InvalidRequest:
             raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)
