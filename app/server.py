@@ -2,7 +2,9 @@
 
 Routes:
     POST /v1/chat/completions, POST /v1/completions   JSON or SSE (`stream: true`)
-    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (app/responses.py)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items
+                           OpenAI's Responses API (app/responses.py)
+    POST /v1/embeddings    OpenAI's embeddings, from the loaded model (app/embeddings.py)
     POST /tokenize, POST /detokenize   llama-server's: text <-> token ids of the served model
     GET  /v1/models, GET /v1/models/{id}   the served model(s), OpenAI's model objects
     GET  /v1/routing       backends' snapshots and the router's recent decisions
@@ -24,10 +26,13 @@ browser could be tricked into sending (foreign `Host`, disallowed `Origin`, non-
 bodies). `docs/security.md` has the threat model and which test covers each defence. Replies
 name no file path and no library version (`Server: tandem`; the model id is the file's stem).
 
+Every route also answers without its `/v1` (llama-server serves both) and with a trailing
+slash; the key check goes by the path an alias stands for.
+
 Streaming pulls the first text before committing to SSE, so a request that fails early still
-gets a JSON error. A chat with tools is read whole before it is shown (the reply is one JSON
-value in llama-server's generic format, engine/prompts/structured.py): its stream carries the tool
-call, or the content, in OpenAI's delta shape once the reply is complete. The app must run
+gets a JSON error. A chat reply is read as it streams (engine/prompts/reply.py): text, a
+thinking block's `reasoning_content`, and tool calls (their name, then their arguments in
+pieces) arrive in OpenAI's delta shape as they are decoded. The app must run
 with `handler_cancellation=True` (`start_server()` and `run_serve()` do): a client that
 disconnects cancels its handler, whose `finally` cancels the engine request, and the backend
 frees its KV at its next step.
@@ -64,7 +69,7 @@ from engine.prompts.reply import ReasoningDelta, ReplyParts, ReplyReader
 from engine.prompts.tool_calls import CallStart, TextDelta
 from engine.routing import DEFAULT_POLICY
 
-from . import responses
+from . import embeddings, responses
 from .errors import error_payload, error_response, failure, succeeded
 from .http_guard import (
     CONNECTIONS,
@@ -152,7 +157,30 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[responses.RESPONSES] = responses.ResponseStore()
     app.add_routes(responses.ROUTES)
     responses.document(app[SETTINGS].openapi, auth=bool(api_key))
+    app.add_routes(embeddings.ROUTES)
+    embeddings.document(app[SETTINGS].openapi, auth=bool(api_key))
+    app[ALIASES] = _add_aliases(app)
     return app
+
+
+ALIASES = web.AppKey("aliases", dict)
+
+
+def _add_aliases(app: web.Application) -> dict[str, str]:
+    """Every route also without its `/v1` (llama-server serves both) and with a trailing slash;
+    returns alias path -> the path it stands for (what the key check and the 404 list go by)."""
+    aliases: dict[str, str] = {}
+    for route in list(app.router.routes()):
+        if route.method in ("HEAD", "OPTIONS") or route.resource is None:
+            continue
+        path = route.resource.canonical
+        variants = [path.removeprefix("/v1")] if path.startswith("/v1/") else []
+        variants = [v + "/" for v in [path, *variants] if not path.endswith(":.+}")] + variants
+        for alias in variants:
+            if alias not in aliases and alias != path:
+                app.router.add_route(route.method, alias, route.handler)
+                aliases[alias] = path
+    return aliases
 
 
 def system_fingerprint(engine: Engine, served: ServedModel) -> str:
@@ -306,11 +334,13 @@ def _http_error_response(exc: web.HTTPException, request: web.Request) -> web.Re
 def endpoints(app: web.Application) -> list[str]:
     """`METHOD /path` of every route, in the order they were added."""
     out = []
+    aliases = app.get(ALIASES, {})
     for route in app.router.routes():
         if route.method in ("HEAD", "OPTIONS"):
             continue
         path = route.resource.canonical if route.resource is not None else "?"
-        out.append(f"{route.method} {path}")
+        if path not in aliases:
+            out.append(f"{route.method} {path}")
     return list(dict.fromkeys(out))
 
 
@@ -352,9 +382,17 @@ def _authorized(request: web.Request) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+def _route_path(request: web.Request) -> str:
+    """The path a request's route stands for (an alias's `/v1/...` path), else its own."""
+    resource = request.match_info.route.resource
+    canonical = resource.canonical if resource is not None else request.path
+    return request.app[ALIASES].get(canonical, request.path)
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if (request.path.startswith("/v1/") or request.path in _KEYED) and not _authorized(request):
+    path = _route_path(request)
+    if (path.startswith("/v1/") or path in _KEYED) and not _authorized(request):
         raise AuthenticationFailed("missing or wrong API key: send `Authorization: Bearer KEY`")
     return await handler(request)
 
@@ -689,7 +727,7 @@ async def model_info(request: web.Request) -> web.Response:
     """`GET /v1/models/{id}` (OpenAI's `models.retrieve`): the model by its id or one of its
     names; 404 `model_not_found` otherwise."""
     settings = request.app[SETTINGS]
-    asked = request.match_info["model"]
+    asked = request.match_info["model"].rstrip("/")
     settings.served.check(asked)  # raises ModelNotFound
     model_id = settings.served.id if asked in settings.served.aliases else asked
     return web.json_response(_model_object(request.app, model_id))

@@ -2,8 +2,10 @@
 served by one worker thread.
 
 The shell is llama.cpp server's loop (`server-queue.h`): other threads post typed messages
-(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Fault`, `Stop`) to ONE inbox; the worker takes them
-all between steps, in order, then runs a step:
+(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Embed`, `Fault`, `Stop`) to ONE inbox; the worker takes
+them all between steps, in order (the embeddings of every `Embed` taken together in as few
+decodes as fit, on the worker's own embedding context, engine/llama/embedding.py), then runs a
+step:
   1. the scheduler admits what fits and plans one batch (`Scheduler.schedule`);
   2. the runner applies the plan's KV ops, gives new sequences a sampler, decodes and samples
      (`ContextRunner.execute`; the previous step's text is made while the device runs);
@@ -57,6 +59,7 @@ from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepD
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.llama.embedding import Embedder
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
@@ -87,6 +90,12 @@ class SetCap:
 @dataclass(frozen=True, slots=True)
 class Call:
     fn: Callable[[Backend], object]  # fn(backend) -> result, run on the worker between steps
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Embed:
+    inputs: tuple[tuple[int, ...], ...]  # token ids per input; the future gets one vector each
     future: Future
 
 
@@ -219,6 +228,7 @@ class Backend(BackendBase):
         self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
         self._thread: threading.Thread | None = None
         self._runner: ContextRunner | None = None
+        self._embedder: Embedder | None = None  # made by the worker on the first `Embed`
         self._open(PrefixCache(), self.config.cache)
 
     # ---- lifecycle ----
@@ -419,6 +429,17 @@ class Backend(BackendBase):
                         self._sched.cache.unpin(seq.pin)
                     seq.pin = None
             raise refused
+
+    embeds = True
+
+    def embed(self, inputs) -> Future:
+        """The pooled, normalised embedding of each input (token ids), in order: a Future of a
+        list of float32 arrays, computed by the worker between two steps."""
+        future: Future = Future()
+        if not self.serving:
+            raise BackendUnavailable(f"backend {self.name} is not serving")
+        self._inbox.put(Embed(tuple(tuple(t) for t in inputs), future))
+        return future
 
     @property
     def serving(self) -> bool:
@@ -661,6 +682,9 @@ class Backend(BackendBase):
         """Apply the inbox's messages in order; True on `Stop`."""
         sched = self._sched
         cancelled = set()
+        embeds = [m for m in msgs if isinstance(m, Embed)]
+        if embeds:
+            self._embed(embeds)
         for m in msgs:
             if isinstance(m, Enqueue):
                 with self._state, self._inbox.landing():
@@ -684,6 +708,37 @@ class Backend(BackendBase):
                 sched.cancel(cancelled)
             self._settle()
         return False
+
+    def _embed(self, msgs: list[Embed]) -> None:
+        """Worker thread: the embeddings of every message, packed into as few decodes as fit;
+        a message with an input the context cannot take fails alone."""
+        if self._embedder is None:
+            try:
+                c = self.config
+                self._embedder = Embedder(self.model, c.threads, c.threads_batch, self.name)
+            except EngineError as e:
+                for m in msgs:
+                    m.future.set_exception(e)
+                return
+        embedder = self._embedder
+        good = []
+        for m in msgs:
+            try:
+                for tokens in m.inputs:
+                    embedder.check(tokens)
+                good.append(m)
+            except EngineError as e:
+                m.future.set_exception(e)
+        try:
+            vectors = embedder.embed([t for m in good for t in m.inputs])
+        except EngineError as e:
+            for m in good:
+                m.future.set_exception(e)
+            return
+        at = 0
+        for m in good:
+            m.future.set_result(vectors[at:at + len(m.inputs)])
+            at += len(m.inputs)
 
     def _settle(self, finished=()) -> None:
         """Apply what the scheduler decided: finish records, then KV ops and released ids.
@@ -818,7 +873,7 @@ class Backend(BackendBase):
         for m in self._inbox.close():
             if isinstance(m, Enqueue):
                 movable.append(m.seq)
-            elif isinstance(m, Call):
+            elif isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is unhealthy"))
         self._hand_over([(s.req, s.handle, s.t_submit) for s in movable], why)
 
@@ -831,8 +886,11 @@ class Backend(BackendBase):
             self._sched.shutdown(RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
         self._settle()
         for m in leftovers:
-            if isinstance(m, Call):
+            if isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
+        if self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
         self._outbox.flush()
 
     def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:

@@ -16,6 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from engine.core.errors import InvalidRequest
+
 if TYPE_CHECKING:
     from engine.core.events import EventBus
     from engine.core.handle import RequestHandle
@@ -107,6 +109,11 @@ class BackendProtocol(Protocol):
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:
         """Queue the choices of one request (same prompt) together."""
 
+    embeds: bool  # computes embeddings (`embed`)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> Future:
+        """A Future of one embedding (float32 array) per input (token ids), in order."""
+
 
 class BackendBase:
     """What a backend kind may inherit where it has nothing of its own to say."""
@@ -114,6 +121,11 @@ class BackendBase:
     model: Any = None
     tokenizer: Any = None
     n_vocab: int = 0
+    embeds: bool = False
+
+    def embed(self, inputs) -> Future:
+        """A kind without embeddings refuses them (the engine routes only to backends that have them)."""
+        raise InvalidRequest(f"backend {self.name} does not compute embeddings")  # type: ignore[attr-defined]
 
     def enqueue_group(self, requests, handles, *, pin=None, cached_estimate: int | None = None,
                       t_submit: float | None = None) -> None:
