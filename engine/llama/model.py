@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,10 +153,6 @@ class Model:
         self.device = "gpu" if index is not None else self.spec
         self.gpu_index = index  # None: not one chosen GPU
         params = lc.llama_model_default_params()
-        if os.environ.get("TANDEM_CPU_EXTRA_BUFFERS") == "0":
-            # ggml's repacked CPU weight buffers (AMX, AVX repack) off: a virtual machine whose CPU
-            # reports AMX without giving it (a general protection fault in the first matmul).
-            params.use_extra_bufts = False
         if self.device == "cpu":
             llama.cpu_only(params)
             placed = [d for d in llama.devices() if d.kind == "cpu"]
