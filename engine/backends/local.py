@@ -442,6 +442,12 @@ class Backend(BackendBase):
         return future
 
     @property
+    def embedding_decodes(self) -> int:
+        """Decodes its embedding context ran (requests taken together share them)."""
+        e = self._embedder
+        return e.decodes if e is not None else 0
+
+    @property
     def serving(self) -> bool:
         return self.healthy and not self._draining and not self._inbox.closed
 

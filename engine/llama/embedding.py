@@ -84,6 +84,7 @@ class Embedder:
         self.dims = lc.llama_model_n_embd_out(model.ptr) or model.info.n_embd
         self._mem = lc.llama_get_memory(self.ctx)
         self._batch = Batch(self.n_ctx)
+        self.decodes = 0  # llama_decode calls so far (any thread may read it)
 
     @property
     def pooling_name(self) -> str:
@@ -122,6 +123,7 @@ class Embedder:
         for seq, tokens in enumerate(group):
             batch.add(list(tokens), seq, 0, True, want_all=True)  # pooling reads every token's output
         try:
+            self.decodes += 1
             rc = lc.llama_decode(self.ctx, batch.full())
             if rc != 0:
                 raise RequestFailed(f"llama_decode returned {rc} while embedding {len(group)} inputs")
