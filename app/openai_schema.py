@@ -129,6 +129,7 @@ M = TypeVar("M", bound=_Strict)
 # Content parts a text-only model cannot read, and what to call them in a refusal.
 NOT_TAKEN = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
              "audio": "audio", "file": "files", "input_file": "files", "video_url": "video"}
+NOT_TAKEN_PREFIX = "this model does not take"
 TEMPLATE_GLOBALS = frozenset({"messages", "tools", "functions", "function_call", "tool_choice", "eos_token",
                               "bos_token", "raise_exception", "add_generation_prompt", "strftime_now"})
 
@@ -168,8 +169,8 @@ class ChatMessage(_Strict):
         for part in parts if isinstance(parts, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in NOT_TAKEN:
-                raise ValueError(f"this model does not take {NOT_TAKEN[kind]} (a {kind!r} part); "
-                                 "send the content as text")
+                raise ValueError(f"{NOT_TAKEN_PREFIX} {NOT_TAKEN[kind]} (its {kind!r} part); send the "
+                                 "content as text")
         return data
 
     @model_validator(mode="after")
@@ -528,6 +529,8 @@ def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidReq
                               f"(each at most {MAX_STOP_CHARS} characters), got {quote(first['input'])}",
                               param="stop")
     msg = first["msg"].removeprefix("Value error, ")
+    if msg.startswith(NOT_TAKEN_PREFIX):  # said in plain words already; the input may be a whole image
+        return InvalidRequest(f"{_path(loc)}: {msg}", param=param)
     if first["type"] == "missing":
         return InvalidRequest(f"{_path(loc)} is required", param=param)
     return InvalidRequest(f"{_path(loc)}: {msg}, got {quote(first['input'])}", param=param)

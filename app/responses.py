@@ -365,7 +365,7 @@ def _text(content, where: str) -> str:
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in NOT_TAKEN:
-            raise InvalidRequest(f"{where}[{k}]: this model does not take {NOT_TAKEN[kind]} (a {kind!r} part); "
+            raise InvalidRequest(f"{where}[{k}]: this model does not take {NOT_TAKEN[kind]} (its {kind!r} part); "
                                  f"send the content as text", param="input")
         if kind not in _TEXT_PARTS:
             raise InvalidRequest(f"{where}[{k}]: parts of type {quote(kind)} are not supported by this server (only "

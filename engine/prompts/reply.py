@@ -42,10 +42,11 @@ class ReasoningSplitter:
 
     state: str = "start"
     _held: str = ""
+    _trim: bool = False  # the answer after a block starts past the newlines that follow `</think>`
 
     def feed(self, text: str) -> tuple[str, str]:
         if self.state == "answer":
-            return "", text
+            return "", self._answer(text)
         self._held += text
         if self.state == "start":
             head = self._held.lstrip()
@@ -58,6 +59,12 @@ class ReasoningSplitter:
                 return "", answer
         return self._in_block()
 
+    def _answer(self, text: str) -> str:
+        if self._trim:
+            text = text.lstrip("\n")
+            self._trim = not text
+        return text
+
     def finish(self) -> tuple[str, str]:
         """What was held back: reasoning inside an unclosed block, else answer text."""
         held, self._held = self._held, ""
@@ -66,9 +73,9 @@ class ReasoningSplitter:
     def _in_block(self) -> tuple[str, str]:
         end = self._held.find(THINK_CLOSE)
         if end >= 0:
-            reasoning, answer = self._held[:end], self._held[end + len(THINK_CLOSE):].lstrip("\n")
-            self.state, self._held = "answer", ""
-            return reasoning, answer
+            reasoning, rest = self._held[:end], self._held[end + len(THINK_CLOSE):]
+            self.state, self._held, self._trim = "answer", "", True
+            return reasoning, self._answer(rest)
         keep = _partial_suffix(self._held, THINK_CLOSE)
         out = self._held[:len(self._held) - keep]
         self._held = self._held[len(out):]
