@@ -183,7 +183,7 @@ def test_a_named_choice_grammar_holds_only_that_functions_arguments():
     mode = ToolMode("set_reminder", ("get_weather", "set_reminder"), named=True)
     grammar = reply_grammar(mode, {"set_reminder": schema_grammar(Reminder.model_json_schema())})
     assert "tandem-f1" not in grammar and "get_weather" not in grammar
-    assert mode.prefill == '{"name":"set_reminder","arguments":'
+    assert mode.prefill == '{"name": "set_reminder", "arguments": '
 
 
 def test_an_auto_reply_with_a_response_is_content():

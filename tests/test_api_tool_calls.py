@@ -63,8 +63,8 @@ def test_an_auto_prompt_ends_with_the_json_objects_opening():
 
 
 def test_a_known_functions_prompt_holds_its_whole_head():
-    assert ToolMode("get_weather", ("get_weather", "x"), named=True).prefill == '{"name":"get_weather","arguments":'
-    assert ToolMode("required", ("get_weather",)).prefill == '{"name":"get_weather","arguments":'
+    assert ToolMode("get_weather", ("get_weather", "x"), named=True).prefill == '{"name": "get_weather", "arguments": '
+    assert ToolMode("required", ("get_weather",)).prefill == '{"name": "get_weather", "arguments": '
 
 
 def test_a_call_streams_its_name_then_its_arguments_in_pieces():
@@ -100,12 +100,20 @@ def test_a_hermes_template_keeps_its_own_format_and_plain_text_answers():
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
-def test_the_reply_grammar_allows_no_whitespace_between_json_tokens(choice):
+def test_the_wrapper_is_compact_and_arguments_take_at_most_one_space(choice):
     args = schema_grammar(WEATHER["function"]["parameters"])
     grammar = reply_grammar(ToolMode(choice, ("get_weather", "set_reminder")),
                             {"get_weather": args, "set_reminder": args})
-    assert 'space ::= ""' in grammar and 'space ::= " "?' not in grammar
+    assert '"get_weather\\",\\"arguments\\":"' in grammar  # the head, with no space in it
+    assert 'tandem-f0-space ::= " "?' in grammar  # one space at most, never a newline
     assert "tandem-f1-root" in grammar  # each function's rules kept apart
+
+
+def test_a_spaced_head_and_arguments_read_as_a_call():
+    mode = ToolMode("get_weather", ("get_weather",), named=True)
+    events, (_, calls) = feed_all(mode, ['{"', "city", '":', ' "', "Paris", '"}', " }"])
+    assert calls[0].arguments == '{"city": "Paris"}'
+    assert "".join(e.text for e in events if isinstance(e, ArgumentsDelta)) == calls[0].arguments
 
 
 def test_the_json_string_prefix_holds_back_an_escape_cut_short():
@@ -122,10 +130,10 @@ def test_past_calls_are_plain_words_when_no_tool_may_be_called():
     assert shown[1] == {"role": "user", "content": "get_weather returned: 21 C"}
 
 
-def test_past_calls_are_compact_calls_while_a_tool_may_be_called():
+def test_past_calls_are_calls_while_a_tool_may_be_called():
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     shown = history([{"role": "assistant", "content": None, "tool_calls": [call]}], TemplateCaps(), JSON_FORMAT)
-    assert shown[0]["content"] == '{"name":"get_weather","arguments":{"city":"Oslo"}}'
+    assert shown[0]["content"] == '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 
 
 def test_a_whole_reply_with_a_thinking_block_splits_reasoning_from_the_answer():

@@ -1,8 +1,10 @@
 """Tool calls as the model writes them: the format, the prompt that asks for it, the grammar
 that forces it, and the reader that turns the reply into text and calls while it streams.
 
-Two formats (`ToolFormat`), both compact JSON with no whitespace between tokens (the grammar
-allows none, so the wrapper costs the same few tokens whatever indentation the prompt shows):
+Two formats (`ToolFormat`). A wrapper the model writes is compact JSON, no whitespace at all,
+so it costs the same few tokens whatever indentation the prompt shows; the arguments take at
+most one space between tokens (the schema converter's own rule: no newline, no indentation) —
+forced to write them compact, SmolLM2-135M falls into loops a space avoids:
 
 - the template's own, where it has one (`<tool_call>` in it: Hermes, Qwen, SmolLM3):
   `<tool_call>\\n{"name":"NAME","arguments":{...}}`; under `auto` a text answer is plain text
@@ -18,7 +20,8 @@ allows none, so the wrapper costs the same few tokens whatever indentation the p
 The prompt ends with what is settled before the model chooses (`ToolMode.prefill`): `{"`,
 the Hermes opener and `{"name":"` under `required`, and the whole head where the function is
 known (a named choice, or `required` with one function), which leaves only the arguments to
-write. Past calls in the history: while a tool may be called, in the call format (or the
+write; a head in the prompt costs no generated token, so it is written as the model would
+(`{"name": "f", "arguments": `, as Hermes and Qwen templates render past calls). Past calls in the history: while a tool may be called, in the call format (or the
 template's own rendering of `tool_calls`); when none may be (`tool_choice: none`, no tools), in
 plain words (`get_weather(city="Paris")`), so the model has no wrapper to imitate.
 
@@ -52,8 +55,11 @@ class ToolFormat:
     auto_instruction: str
     required_instruction: str
 
-    def head(self, function: str) -> str:
-        """What a call of `function` starts with, up to its arguments."""
+    def head(self, function: str, spaced: bool = False) -> str:
+        """What a call of `function` starts with, up to its arguments: compact where the model
+        writes it, `spaced` as models write JSON where the prompt holds it."""
+        if spaced:
+            return f'{self.opener}{{"name": "{function}", "arguments": '
         return f'{self.opener}{{"name":"{function}","arguments":'
 
     def chooser(self, choice: str) -> str:
@@ -64,8 +70,7 @@ class ToolFormat:
 
     def call_text(self, function: str, arguments: object) -> str:
         """A whole call as the history shows it."""
-        args = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
-        return f"{self.head(function)}{args}}}{self.closer}"
+        return f"{self.head(function, spaced=True)}{json.dumps(arguments, ensure_ascii=False)}}}{self.closer}"
 
     def read_head(self, text: str) -> tuple[str, int] | None:
         """(function name, length of the head) once `text` starts with a whole head."""
@@ -86,7 +91,7 @@ HERMES_FORMAT = ToolFormat(
                       '"arguments":{<its arguments>}}. Otherwise answer in plain text.'),
     required_instruction='Reply with nothing but <tool_call>\n{"name":"<tool name>","arguments":{<its arguments>}}.')
 FORMATS = (HERMES_FORMAT,)  # detected by their opener's tag in the template; else JSON_FORMAT
-_HEAD = re.compile(r'\{"name":"([a-zA-Z0-9_-]+)","arguments":')
+_HEAD = re.compile(r'\{ ?"name": ?"([a-zA-Z0-9_-]+)", ?"arguments": ?')
 
 
 def tool_format(template: str) -> ToolFormat:
@@ -125,7 +130,7 @@ class ToolMode:
     def prefill(self) -> str:
         """The start of the reply the prompt already holds."""
         known = self.known
-        return self.format.head(known) if known is not None else self.format.chooser(self.choice)
+        return self.format.head(known, spaced=True) if known is not None else self.format.chooser(self.choice)
 
 
 @dataclass(frozen=True)
@@ -238,14 +243,8 @@ def arguments(text: str) -> object:
 _LITERAL = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
 _RULE = re.compile(r"^([a-zA-Z0-9-]+) ::=", re.MULTILINE)
 _NAME = re.compile(r"(?<![\w-])[a-zA-Z0-9-]+(?![\w-])")
-SPACE_RULE = re.compile(r"^space ::= .*$", re.MULTILINE)
 JSON_CHAR = ('[^"\\\\\\x7F\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
              '[0-9a-fA-F])')  # a JSON string's character, as the converter writes it (no control characters)
-
-
-def compact(grammar: str) -> str:
-    """A converted schema's grammar with no whitespace between JSON tokens."""
-    return SPACE_RULE.sub('space ::= ""', grammar)
 
 
 def prefixed(grammar: str, prefix: str) -> str:
@@ -270,8 +269,8 @@ def reply_grammar(mode: ToolMode, arguments_grammars: dict[str, str]) -> str:
     fmt, prefill = mode.format, mode.prefill
     rules, branches = [], []
     for i, name in enumerate(mode.allowed):
-        rules.append(prefixed(compact(arguments_grammars[name]), f"tandem-f{i}-"))
-        rest = fmt.head(name)[len(prefill):]  # the head past what the prompt holds
+        rules.append(prefixed(arguments_grammars[name], f"tandem-f{i}-"))
+        rest = "" if mode.known is not None else fmt.head(name)[len(prefill):]  # the head past the prompt's part
         branches.append((json.dumps(rest) + " " if rest else "") + f'tandem-f{i}-root "}}"')
     if mode.choice == "auto":
         if fmt is JSON_FORMAT:
@@ -348,7 +347,7 @@ class ToolReplyReader:
             return None, []
         if not self._args.endswith("}"):
             return None, []
-        args = self._args[:-1]
+        args = self._args[:-1].rstrip()
         try:
             json.loads(args)
         except ValueError:
@@ -400,7 +399,7 @@ class ToolReplyReader:
     def _read_arguments(self) -> list[ReplyEvent]:
         self._args += self._buf
         self._buf = ""
-        ready = len(self._args) - 1  # the last character may be the wrapper's closing brace
+        ready = len(self._args[:-1].rstrip())  # the last character may be the wrapper's closing brace
         if ready <= self._sent:
             return []
         piece, self._sent = self._args[self._sent:ready], ready
