@@ -761,6 +761,15 @@ def document(doc: dict, *, auth: bool) -> None:
                                               "requestBody": {"required": True, "content": {"application/json": {
                                                   "schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}},
                                               "responses": answers}}
+    doc["paths"]["/v1/responses/{id}/input_items"] = {"get": {
+        "summary": "a stored response's input items (OpenAI's cursor page)", **security,
+        "parameters": [*by_id, *({"name": name, "in": "query", "required": False, "schema": schema} for name, schema in (
+            ("order", {"type": "string", "enum": ["asc", "desc"]}), ("limit", {"type": "integer", "minimum": 1,
+                                                                              "maximum": 100}),
+            ("after", {"type": "string"})))],
+        "responses": {"200": {"description": "the items", "content": {"application/json": {"schema": {
+            "type": "object", "required": ["object", "data", "has_more"]}}}}, "400": {"description": "bad query", **error},
+            "404": {"description": "not stored", **error}}}}
     doc["paths"]["/v1/responses/{id}"] = {
         "get": {"summary": "a stored response", "parameters": by_id, "responses": stored, **security},
         "delete": {"summary": "forget a stored response", "parameters": by_id, "responses": stored, **security}}
