@@ -128,13 +128,13 @@ def test_an_image_is_refused_in_plain_words(server, path, body):
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/v1/chat/completions/", "/chat/completions/"])
-def test_chat_answers_without_v1_and_with_a_trailing_slash(server, path):
+def test_chat_answers_on_its_alias_paths(server, path):
     r = post(server, path, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
 
 
 @pytest.mark.parametrize("path", ["/models", "/models/", "/v1/models/", "/v1/models/default/"])
-def test_models_answer_without_v1_and_with_a_trailing_slash(server, path):
+def test_models_answer_on_their_alias_paths(server, path):
     assert httpx.get(server.url + path, timeout=TIMEOUT).status_code == 200
 
 

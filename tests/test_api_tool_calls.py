@@ -83,24 +83,30 @@ def test_an_answer_string_is_decoded_as_it_streams():
     assert (content, calls) == ("Hello\ncafé 😀", [])
 
 
-def test_a_call_cut_short_is_no_call_and_no_content():
+def test_a_call_cut_short_is_nothing():
     assert read_reply('name":"get_weather","arguments":{"ci', ToolMode("auto", ("get_weather",))) == (None, [])
     assert read_reply('name":"get_wea', ToolMode("auto", ("get_weather",))) == (None, [])
 
 
-def test_a_hermes_template_keeps_its_own_format_and_plain_text_answers():
+def test_a_template_with_tool_call_tags_keeps_its_own_call_format():
     assert tool_format("{% if tools %}<tool_call>{% endif %}") is HERMES_FORMAT
     assert tool_format("{{ messages }}") is JSON_FORMAT
+    assert ToolMode("auto", ("get_weather",), format=HERMES_FORMAT).prefill == ""
+
+
+def test_a_hermes_call_is_read_after_its_opener():
     mode = ToolMode("auto", ("get_weather",), format=HERMES_FORMAT)
-    assert mode.prefill == ""
-    events, (content, calls) = feed_all(mode, ["<tool", '_call>\n{"name":"get_weather","arguments":{"a":1}}'])
+    _, (_, calls) = feed_all(mode, ["<tool", '_call>\n{"name":"get_weather","arguments":{"a":1}}'])
     assert calls[0].name == "get_weather" and calls[0].arguments == '{"a":1}'
-    events, (content, calls) = feed_all(mode, ["Sun", "ny."])
+
+
+def test_a_hermes_text_answer_is_plain_text_as_it_streams():
+    events, (content, _) = feed_all(ToolMode("auto", ("get_weather",), format=HERMES_FORMAT), ["Sun", "ny."])
     assert [e.text for e in events if isinstance(e, TextDelta)] == ["Sun", "ny."] and content == "Sunny."
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
-def test_the_wrapper_is_compact_and_arguments_take_at_most_one_space(choice):
+def test_the_wrapper_is_compact_where_arguments_take_one_space(choice):
     args = schema_grammar(WEATHER["function"]["parameters"])
     grammar = reply_grammar(ToolMode(choice, ("get_weather", "set_reminder")),
                             {"get_weather": args, "set_reminder": args})
@@ -109,7 +115,7 @@ def test_the_wrapper_is_compact_and_arguments_take_at_most_one_space(choice):
     assert "tandem-f1-root" in grammar  # each function's rules kept apart
 
 
-def test_a_spaced_head_and_arguments_read_as_a_call():
+def test_a_spaced_call_reads_as_a_call():
     mode = ToolMode("get_weather", ("get_weather",), named=True)
     events, (_, calls) = feed_all(mode, ['{"', "city", '":', ' "', "Paris", '"}', " }"])
     assert calls[0].arguments == '{"city": "Paris"}'
