@@ -232,14 +232,7 @@ def build(raw: bytes, engine, served: ServedModel, store: ResponseStore) -> Resp
     if LOGPROBS in (body.include or ()):
         chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     fmt = body.text.format if body.text is not None else None
-    if fmt is not None and fmt.type == "json_schema":
-        if fmt.name is None:
-            raise InvalidRequest("text.format.name is required when type is 'json_schema'", param="text.format")
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.name, "schema": fmt.schema_ if fmt.schema_ is not None else {"type": "object"},
-            **({"strict": fmt.strict} if fmt.strict is not None else {})}}
-    elif fmt is not None and fmt.type == "json_object":
-        chat["response_format"] = {"type": "json_object"}
+    chat.update(_response_format(fmt))
     extras = json.loads(raw)  # valid JSON: `validate` read it
     chat.update({k: extras[k] for k in EXTENSIONS if k in extras})
     try:
@@ -250,6 +243,19 @@ def build(raw: bytes, engine, served: ServedModel, store: ResponseStore) -> Resp
     text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}}
     return ResponsesCall(body, parsed, history, [t.model_dump(exclude_none=False) for t in tools],
                          body.tool_choice if body.tool_choice is not None else "auto", text, input_items(body.input))
+
+
+def _response_format(fmt: TextFormat | None) -> dict:
+    """`text.format` as the chat body's `response_format` (empty for plain text)."""
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.name is None:
+            raise InvalidRequest("text.format.name is required when type is 'json_schema'", param="text.format")
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": fmt.name, "schema": fmt.schema_ if fmt.schema_ is not None else {"type": "object"},
+            **({"strict": fmt.strict} if fmt.strict is not None else {})}}}
+    if fmt is not None and fmt.type == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    return {}
 
 
 def _param(param: str | None) -> str | None:

@@ -59,7 +59,7 @@ from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepD
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
-from engine.llama.embedding import Embedder
+from engine.llama.embedding import Embeddings
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
@@ -228,7 +228,7 @@ class Backend(BackendBase):
         self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
         self._thread: threading.Thread | None = None
         self._runner: ContextRunner | None = None
-        self._embedder: Embedder | None = None  # made by the worker on the first `Embed`
+        self._embeddings = Embeddings(model, self.config.threads, self.config.threads_batch, self.name)
         self._open(PrefixCache(), self.config.cache)
 
     # ---- lifecycle ----
@@ -447,8 +447,7 @@ class Backend(BackendBase):
     @property
     def embedding_decodes(self) -> int:
         """Decodes its embedding context ran (requests taken together share them)."""
-        e = self._embedder
-        return e.decodes if e is not None else 0
+        return self._embeddings.decodes
 
     @property
     def serving(self) -> bool:
@@ -691,9 +690,9 @@ class Backend(BackendBase):
         """Apply the inbox's messages in order; True on `Stop`."""
         sched = self._sched
         cancelled = set()
-        embeds = [m for m in msgs if isinstance(m, Embed)]
+        embeds = [(m.inputs, m.future) for m in msgs if isinstance(m, Embed)]
         if embeds:
-            self._embed(embeds)
+            self._embeddings.run(embeds)
         for m in msgs:
             if isinstance(m, Enqueue):
                 with self._state, self._inbox.landing():
@@ -717,37 +716,6 @@ class Backend(BackendBase):
                 sched.cancel(cancelled)
             self._settle()
         return False
-
-    def _embed(self, msgs: list[Embed]) -> None:
-        """Worker thread: the embeddings of every message, packed into as few decodes as fit;
-        a message with an input the context cannot take fails alone."""
-        if self._embedder is None:
-            try:
-                c = self.config
-                self._embedder = Embedder(self.model, c.threads, c.threads_batch, self.name)
-            except EngineError as e:
-                for m in msgs:
-                    m.future.set_exception(e)
-                return
-        embedder = self._embedder
-        good = []
-        for m in msgs:
-            try:
-                for tokens in m.inputs:
-                    embedder.check(tokens)
-                good.append(m)
-            except EngineError as e:
-                m.future.set_exception(e)
-        try:
-            vectors = embedder.embed([t for m in good for t in m.inputs])
-        except EngineError as e:
-            for m in good:
-                m.future.set_exception(e)
-            return
-        at = 0
-        for m in good:
-            m.future.set_result(vectors[at:at + len(m.inputs)])
-            at += len(m.inputs)
 
     def _settle(self, finished=()) -> None:
         """Apply what the scheduler decided: finish records, then KV ops and released ids.
@@ -897,9 +865,7 @@ class Backend(BackendBase):
         for m in leftovers:
             if isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
-        if self._embedder is not None:
-            self._embedder.close()
-            self._embedder = None
+        self._embeddings.close()
         self._outbox.flush()
 
     def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
-from engine.core.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest, RequestFailed
+from engine.core.errors import BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
 
 from . import lc
 from .batch import Batch
@@ -143,3 +144,53 @@ class Embedder:
         if self.ctx:
             lc.llama_free(self.ctx)
             self.ctx = None
+
+
+class Embeddings:
+    """A backend worker's embedding work: its `Embedder`, made on the first request and kept
+    until `close`; `run` answers the requests taken between two steps together (worker thread)."""
+
+    def __init__(self, model: Model, threads: int, threads_batch: int, name: str):
+        self._args = (model, threads, threads_batch, name)
+        self._embedder: Embedder | None = None
+
+    @property
+    def decodes(self) -> int:
+        """Decodes the embedding context ran (requests taken together share them); any thread."""
+        e = self._embedder
+        return e.decodes if e is not None else 0
+
+    def run(self, requests: Sequence[tuple[Sequence[Sequence[int]], Future]]) -> None:
+        """Each request's vectors into its future, in as few decodes as fit; a request with an
+        input the context cannot take fails alone."""
+        try:
+            if self._embedder is None:
+                self._embedder = Embedder(*self._args)
+        except EngineError as e:
+            for _, future in requests:
+                future.set_exception(e)
+            return
+        embedder = self._embedder
+        good = []
+        for inputs, future in requests:
+            try:
+                for tokens in inputs:
+                    embedder.check(tokens)
+                good.append((inputs, future))
+            except EngineError as e:
+                future.set_exception(e)
+        try:
+            vectors = embedder.embed([t for inputs, _ in good for t in inputs])
+        except EngineError as e:
+            for _, future in good:
+                future.set_exception(e)
+            return
+        at = 0
+        for inputs, future in good:
+            future.set_result(vectors[at:at + len(inputs)])
+            at += len(inputs)
+
+    def close(self) -> None:
+        if self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
