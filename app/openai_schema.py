@@ -16,9 +16,9 @@ refused rather than silently dropped.
 
 Structured output: `response_format` `json_object` or `json_schema`, chat `tools` /
 `tool_choice`, and llama-server's `grammar` (GBNF) become one grammar on `SamplingParams`
-(the schema converted by llama-cpp-python's converter, engine/llama/grammar.py; tools in
-llama-server's generic format, engine/prompts/structured.py). A schema the converter cannot take is a
-400 with its reason. Without `max_tokens`, such a request may write `STRUCTURED_MAX_TOKENS`
+(the schema converted by llama-cpp-python's converter, engine/llama/grammar.py; tool calls in
+the format of engine/prompts/tool_calls.py, the prompt holding what is settled before the model
+writes). A schema the converter cannot take is a 400 with its reason. Without `max_tokens`, such a request may write `STRUCTURED_MAX_TOKENS`
 (a JSON value cut short is no JSON at all; a reply cut by `max_tokens` ends with `length` and
 is not valid).
 
@@ -31,7 +31,9 @@ completions: an integer 0–5), `presence_penalty` / `frequency_penalty` (-2–2
 
 Extensions beyond OpenAI's fields (llama-server's names where they exist): `backend` (pin the
 request to one backend), `ignore_eos`, `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`,
-`grammar`. Unset sampling fields take the engine's defaults (`SamplingParams`), like llama-server.
+`grammar`, `chat_template_kwargs` (template variables; the template's own globals refused).
+Content parts a text model cannot read (images, audio, files) are refused in plain words.
+Completions take a list of prompts (`MAX_PROMPTS`), each with `n` choices. Unset sampling fields take the engine's defaults (`SamplingParams`), like llama-server.
 
 Thread contract: pure functions of their inputs; `parse_chat`/`parse_completion` run on a worker
 thread (they tokenize).
