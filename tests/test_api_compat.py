@@ -55,6 +55,14 @@ def test_streamed_responses_logprobs_come_with_each_delta(client):
     assert sum(len(e.logprobs) for e in deltas) == 4 and all(e.logprobs for e in deltas)
 
 
+def test_a_streamed_responses_text_answer_with_tools_comes_token_by_token(client):
+    events = list(client.responses.create(model="default", input="Is it raining in Tokyo?", tools=[WEATHER],
+                                          max_output_tokens=32, temperature=0, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 5 and not "".join(deltas).lstrip().startswith("{"), deltas
+    assert events[-1].response.output[0].type == "message"
+
+
 def test_a_reply_cut_by_max_output_tokens_leaves_its_message_incomplete(client):
     r = client.responses.create(model="default", input="Count from one to fifty in words.", max_output_tokens=3,
                                 temperature=0)
