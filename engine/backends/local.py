@@ -2,8 +2,10 @@
 served by one worker thread.
 
 The shell is llama.cpp server's loop (`server-queue.h`): other threads post typed messages
-(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Fault`, `Stop`) to ONE inbox; the worker takes them
-all between steps, in order, then runs a step:
+(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Embed`, `Fault`, `Stop`) to ONE inbox; the worker takes
+them all between steps, in order (the embeddings of every `Embed` taken together in as few
+decodes as fit, on the worker's own embedding context, engine/llama/embedding.py), then runs a
+step:
   1. the scheduler admits what fits and plans one batch (`Scheduler.schedule`);
   2. the runner applies the plan's KV ops, gives new sequences a sampler, decodes and samples
      (`ContextRunner.execute`; the previous step's text is made while the device runs);
@@ -57,6 +59,7 @@ from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepD
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.llama.embedding import Embeddings
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
@@ -91,6 +94,12 @@ class Call:
 
 
 @dataclass(frozen=True, slots=True)
+class Embed:
+    inputs: tuple[tuple[int, ...], ...]  # token ids per input; the future gets one vector each
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
 class Fault:
     kind: str  # "decode" | "crash"
 
@@ -100,7 +109,7 @@ class Stop:
     pass
 
 
-Message = Enqueue | Cancel | SetCap | Call | Fault | Stop
+Message = Enqueue | Cancel | SetCap | Call | Embed | Fault | Stop
 
 
 class Inbox:
@@ -222,6 +231,7 @@ class Backend(BackendBase):
         self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
         self._thread: threading.Thread | None = None
         self._runner: ContextRunner | None = None
+        self._embeddings = Embeddings(model, self.config.threads, self.config.threads_batch, self.name)
         self._open(PrefixCache(), self.config.cache)
 
     # ---- lifecycle ----
@@ -425,6 +435,22 @@ class Backend(BackendBase):
                         self._sched.cache.unpin(seq.pin)
                     seq.pin = None
             raise refused
+
+    embeds = True
+
+    def embed(self, inputs) -> Future:
+        """The pooled, normalised embedding of each input (token ids), in order: a Future of a
+        list of float32 arrays, computed by the worker between two steps."""
+        future: Future = Future()
+        if not self.serving:
+            raise BackendUnavailable(f"backend {self.name} is not serving")
+        self._inbox.put(Embed(tuple(tuple(t) for t in inputs), future))
+        return future
+
+    @property
+    def embedding_decodes(self) -> int:
+        """Decodes its embedding context ran (requests taken together share them)."""
+        return self._embeddings.decodes
 
     @property
     def serving(self) -> bool:
@@ -667,6 +693,9 @@ class Backend(BackendBase):
         """Apply the inbox's messages in order; True on `Stop`."""
         sched = self._sched
         cancelled: set[str] = set()
+        embeds = [(m.inputs, m.future) for m in msgs if isinstance(m, Embed)]
+        if embeds:
+            self._embeddings.run(embeds)
         for m in msgs:
             if isinstance(m, Enqueue):
                 with self._state, self._inbox.landing():
@@ -824,7 +853,7 @@ class Backend(BackendBase):
         for m in self._inbox.close():
             if isinstance(m, Enqueue):
                 movable.append(m.seq)
-            elif isinstance(m, Call):
+            elif isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is unhealthy"))
         self._hand_over([(s.req, s.handle, s.t_submit) for s in movable], why)
 
@@ -837,8 +866,9 @@ class Backend(BackendBase):
             self._sched.shutdown(RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
         self._settle()
         for m in leftovers:
-            if isinstance(m, Call):
+            if isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
+        self._embeddings.close()
         self._outbox.flush()
 
     def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:

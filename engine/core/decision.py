@@ -35,6 +35,14 @@ class BackendScore:
     eligible: bool
 
     @property
+    def queue_wait_s(self) -> float | None:
+        """About how long a request arriving now waits before it is admitted: the share of the
+        scored work that the requests queued ahead of it hold (None: no finite score)."""
+        if not math.isfinite(self.score_s):
+            return None
+        return self.score_s * self.n_waiting / max(self.n_waiting + self.n_running, 1)
+
+    @property
     def work_tokens(self) -> float:
         """Prefill plus decode tokens: the `least-work` measure."""
         return self.prefill_tokens + self.decode_tokens
@@ -64,6 +72,7 @@ class RoutingDecision:
     # then looking up every backend's cached prefix, taking their snapshots and choosing.
     wait_s: float = 0.0
     took_s: float = 0.0
+    kind: str = "completion"  # what was routed: a completion (chat, text) or an "embedding"
 
     def score_of(self, backend: str) -> BackendScore:
         """The score entry for `backend` (KeyError if it was not in the snapshot)."""
@@ -90,6 +99,7 @@ class RoutingDecision:
             "continued": self.continued,
             "wait_s": self.wait_s,
             "took_s": self.took_s,
+            "kind": self.kind,
             "scores": [s.to_dict() for s in self.scores],
         }
 

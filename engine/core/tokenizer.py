@@ -1,6 +1,6 @@
 """What prompt rendering asks of a model: text to tokens and its chat template. The loaded
 llama.cpp model (engine/llama/model.py `Model`) is one; engine/prompts/ depends on this protocol,
-so it loads no native code and reads the same for any model that offers these three. And the
+so it loads no native code and reads the same for any model that offers these. And the
 range of token ids that made-up prompts (workloads, calibration) are drawn from."""
 
 from __future__ import annotations
@@ -20,9 +20,15 @@ class Tokenizer(Protocol):
         """`text`'s token ids; `parse_special`: special tokens' text becomes those tokens."""
         ...
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            extra: dict | None = None) -> str:
         """`messages` (and OpenAI's `tools`) rendered by the model's template, ending with the
-        assistant's turn."""
+        assistant's turn; `extra`: more template variables (`chat_template_kwargs`)."""
+        ...
+
+    @property
+    def chat_template(self) -> str:
+        """The template's text ("" where the model has none)."""
         ...
 
     def longest_token_bytes(self) -> int:

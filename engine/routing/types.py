@@ -44,6 +44,7 @@ class RouteQuery:
     # Of `cached`, per backend, the own history of an earlier request this prompt resumes there
     # (a conversation's next turn), past a system prompt others share (PrefixCache.match_resumed).
     resumed: Mapping[str, int] = field(default_factory=dict)
+    kind: str = "completion"  # or "embedding": prompt tokens only, nothing decoded
 
     @classmethod
     def from_request(cls, request: Request, cached: Mapping[str, int] | None = None,
