@@ -17,7 +17,7 @@ from engine.backends.remote.client import EngineMisbehaved, parse_event
     ({"choices": [{"delta": None, "finish_reason": None}]}, True, ([], None, None, None)),
     ({"error": {"message": "overloaded"}}, True, ([], None, None, {"error": {"message": "overloaded"}})),
 ])
-def test_a_well_formed_event_gives_its_text_reason_and_usage(event, chat, parsed):
+def test_a_well_formed_event_is_read_field_by_field(event, chat, parsed):
     assert parse_event(event, chat) == parsed
 
 

@@ -438,7 +438,7 @@ class Backend(BackendBase):
 
     embeds = True
 
-    def embed(self, inputs) -> Future:
+    def embed(self, inputs: Sequence[Sequence[int]]) -> Future:
         """The pooled, normalised embedding of each input (token ids), in order: a Future of a
         list of float32 arrays, computed by the worker between two steps."""
         future: Future = Future()
