@@ -20,6 +20,7 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "not_found_error": (404, "invalid_request_error", "model_not_found"),
     "authentication_error": (401, "invalid_request_error", "invalid_api_key"),
     "queue_full_error": (429, "rate_limit_error", "queue_full"),
+    "rate_limit_error": (429, "rate_limit_error", "rate_limit_exceeded"),
     "conflict_error": (409, "invalid_request_error", "restart_in_progress"),
     "forbidden_error": (403, "invalid_request_error", "forbidden"),
     "request_timeout_error": (408, "invalid_request_error", "request_timeout"),
@@ -47,7 +48,7 @@ def error_response(exc: EngineError) -> web.Response:
     status, payload = error_payload(exc)
     headers = {}
     if status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
+        headers["Retry-After"] = str(getattr(exc, "retry_after_s", RETRY_AFTER_S))
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     response = web.json_response(payload, status=status, headers=headers)

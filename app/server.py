@@ -45,10 +45,12 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +92,7 @@ from .openai_schema import (
     parse_completion,
     tokenize,
 )
+from .parse_pool import PARSING, ParsePool
 from .reply_text import cut_response
 from .settings import ENGINE, METRICS, SETTINGS, ServerSettings
 
@@ -99,7 +102,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 MAX_ROUTING_DECISIONS = 1000
 BACKLOG = 1024  # many clients connect at once (benchmarks open hundreds of streams)
-SHUTDOWN_TIMEOUT_S = 5.0  # on shutdown, open streams get this long before they are cancelled
+SHUTDOWN_TIMEOUT_S = 3.0  # on shutdown, open streams get this long before they are cancelled
+# After SIGTERM/SIGINT the process is gone within this, whatever still runs: a call into llama.cpp
+# that never returns (a grammar's) once kept a server alive through SIGTERM until SIGKILL.
+EXIT_DEADLINE_S = 4.5
 
 
 RUN_TOKEN = secrets.token_hex(6)  # this server process's part of every response id
@@ -123,6 +129,8 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[GUARD] = guard
     app[REFUSALS] = RefusalLedger(guard.refused_cpu_share, guard.refused_cpu_burst_s)
     app[CONNECTIONS] = ConnectionGuard(guard, app[REFUSALS])
+    app.cleanup_ctx.append(_own_parse_pool)
+    app[RENDERED] = RenderedMetrics()
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     started = int(time.time())
@@ -218,6 +226,8 @@ def guard_from_args(args) -> GuardSettings:
         max_connections=args.max_connections, max_client_connections=args.max_client_connections,
         refuse_hold_s=args.refuse_hold, refused_cpu_share=args.refused_cpu_share,
         refused_cpu_burst_s=args.refused_cpu_burst, max_body_bytes=args.max_body_bytes,
+        send_timeout=args.send_timeout, max_head_bytes=args.max_head_bytes,
+        trusted_proxies=tuple(a.strip() for v in args.trusted_proxy or () for a in v.split(",") if a.strip()),
         allowed_hosts=tuple(h for v in args.allowed_hosts or () for h in v.split(",") if h),
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o))
 
@@ -276,13 +286,27 @@ async def _serve_until_signalled(app: web.Application, host: str, port: int, acc
     """`web.run_app`'s job with our guarded site: serve until SIGINT/SIGTERM, then clean up."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            threading.Thread(target=_exit_after, args=(EXIT_DEADLINE_S,), name="tandem-exit", daemon=True).start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     runner, _ = await start_server(app, host, port, access_log=access_log)
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def _exit_after(seconds: float) -> None:
+    """End the process `seconds` from now if it has not ended by then (a daemon thread)."""
+    time.sleep(seconds)
+    print(f"tandem: shutdown did not finish within {seconds:g} s (a call that does not return); exiting now",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 # ---- errors ----
@@ -414,14 +438,14 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
 
 async def _stream(request: web.Request, handles: list[RequestHandle], reply: Reply) -> web.StreamResponse:
     """SSE for every choice, interleaved as their text comes (`choices[].index` says whose)."""
-    q: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client that does not read blocks the writer, then the pumps, then the handles'
+    # readers, and its sequences pause (`RequestHandle.reader_behind`) instead of filling memory.
+    q: asyncio.Queue = asyncio.Queue(maxsize=2 * len(handles))
 
     async def pump(i: int, handle: RequestHandle) -> None:
-        try:
-            async for delta in handle.astream():
-                q.put_nowait((i, delta))
-        finally:
-            q.put_nowait((i, None))
+        async for delta in handle.astream():
+            await q.put((i, delta))
+        await q.put((i, None))
 
     pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     try:
@@ -725,27 +749,60 @@ async def restart_backend(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """`ok` (every backend serves), `degraded` (some do) or `unavailable` (503, none does).
+    """`ok` (every backend serves), `degraded` (some do, or a body parser is stuck past its
+    deadline: `parsing.stuck`) or `unavailable` (503, none does, or every parser is stuck).
     Cheap: each backend's health flag, no snapshot. Which backend failed and why (error text
     that can name remote engines' URLs) is shown only to a caller with the API key, when one
     is set."""
     engine = request.app[ENGINE]
     backends = list(engine.backends.values())
     up = [bool(b.healthy) for b in backends]
-    status = "ok" if up and all(up) else "degraded" if any(up) else "unavailable"
+    pool = request.app.get(PARSING)
+    stuck = pool.stuck if pool is not None else 0
+    if pool is not None and pool.exhausted:  # no body can be read: nothing is served
+        up = [False]
+    status = "ok" if up and all(up) and not stuck else "degraded" if any(up) else "unavailable"
     body: dict = {"status": status}
+    if stuck:
+        body["parsing"] = {"stuck": stuck, "threads": pool.workers + pool.spares}  # type: ignore[union-attr]
     if _authorized(request):
         body["backends"] = [{"name": s.name, "device": s.device, "healthy": s.healthy, "error": s.error,
                              "running": len(s.running), "waiting": len(s.waiting)} for s in engine.snapshot()]
     return web.json_response(body, status=200 if any(up) else 503)
 
 
+class RenderedMetrics:
+    """`/metrics`' text, rendered at most once per `METRICS_TTL_S` (Prometheus scrapes every
+    10-60 s): 1,000 connections pipelining `GET /metrics` made the loop render it (2.2 ms) for
+    each of them."""
+
+    def __init__(self) -> None:
+        self.at, self.body = -math.inf, b""
+
+    def get(self, metrics: EngineMetrics) -> bytes:
+        now = time.monotonic()
+        if now - self.at >= METRICS_TTL_S:
+            self.at, self.body = now, metrics.render()
+        return self.body
+
+
+METRICS_TTL_S = 1.0
+RENDERED = web.AppKey("rendered_metrics", RenderedMetrics)
+
+
 async def metrics_text(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    return web.Response(body=request.app[RENDERED].get(request.app[METRICS]),
+                        headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[SETTINGS].openapi)
+
+
+async def _own_parse_pool(app: web.Application):
+    app[PARSING] = ParsePool()
+    yield
+    app[PARSING].close()
 
 
 async def _own_metrics(app: web.Application):

@@ -103,7 +103,7 @@ class Scheduler:
                  preferred_ids: Callable[[SamplingParams], list[int]] = lambda sp: [],
                  clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None,
                  limiter: ConcurrencyLimiter | None = None, share_prefill: bool = True,
-                 defer_shared: bool = True):
+                 defer_shared: bool = True, paused: Callable[[SeqState], bool] | None = None):
         self.name = name
         # The live cap; with a `limiter` (engine/sched/limiter.py) it follows the measured steps.
         self.limiter = limiter
@@ -138,6 +138,10 @@ class Scheduler:
         self._next_timeout_check = 0.0
         self.overlap = False  # text of requests without stop strings waits for `emit_pending`
         self.pending_text: list[tuple[SeqState, int]] = []
+        # A decoding sequence for which `paused` holds (its reader is behind) takes no row and
+        # keeps its KV until it does not; `n_paused` counts them at the last `schedule`.
+        self.paused = paused
+        self.n_paused = 0
 
     @property
     def kv_unified(self) -> bool:
@@ -188,7 +192,9 @@ class Scheduler:
             self._finish(s, RequestStatus.FINISHED_CANCELLED)
 
     def has_work(self) -> bool:
-        return bool(self.running) or (bool(self.waiting) and len(self.running) < self.cap and not self.blocked)
+        """Something to plan: a running sequence that is not paused, or an admission."""
+        return len(self.running) > self.n_paused or (bool(self.waiting) and len(self.running) < self.cap
+                                                      and not self.blocked)
 
     def schedule(self) -> Plan:
         """Admit what fits, then plan one step. KV ops to apply first are in `take_ops()`;
@@ -204,7 +210,7 @@ class Scheduler:
         # One pass over the running set per step: decode rows, prefills, and the cells the
         # running sequences own (`SeqState.prefilling` and `kv_cells_used`, inlined).
         decoding, prefilling = [], []
-        own = 0
+        own, paused, self.n_paused = 0, self.paused, 0
         for s in self.running:
             n_past = s.n_past
             own += n_past - s.n_shared
@@ -212,7 +218,10 @@ class Scheduler:
             if left > 1 or n_past < s.n_prompt:
                 prefilling.append(s)
             elif left:
-                decoding.append(s)
+                if paused is not None and paused(s):
+                    self.n_paused += 1
+                else:
+                    decoding.append(s)
             else:  # its input is in and its token not yet known: a grammar search (`SEARCHING`)
                 plan.searching.append(s)
         self.kv.decode_order(decoding)
