@@ -272,6 +272,7 @@ class ConnectionGuard:
         self.settings = settings
         self.refusals = refusals  # what each address owes (timeouts charged here, refusals by `parse_body`)
         self.open = 0
+        self.accepted = 0  # connections admitted, ever
         self.evicted = 0
         self.refused = 0
         self.timed_out = 0
@@ -370,6 +371,7 @@ class ConnectionGuard:
             proto.drop(_BUSY)
             return False
         self.open += 1
+        self.accepted += 1
         self._per_client[client] += 1
         proto.admitted = True
         self._by_transport[id(proto.transport)] = proto

@@ -653,7 +653,7 @@ class Backend(BackendBase):
             if idle:
                 due = samplers.expires_in(time.monotonic())  # idle chains to detach
                 timeout = None if due is None else max(due, 0.0)
-                if sched.n_paused:  # look again soon whether their readers caught up
+                if sched.n_paused or sched.parked:  # look again soon whether their readers caught up
                     timeout = PAUSED_POLL_S if timeout is None else min(timeout, PAUSED_POLL_S)
             msgs = self._inbox.take(idle and timeout != 0.0, timeout)
             if msgs and self._take(msgs):

@@ -71,6 +71,7 @@ _STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
 
 def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
     """`schema` (a JSON Schema) as a GBNF grammar; `InvalidRequest` with the converter's reason."""
+    schema = _root_ref(schema)
     try:
         text = json.dumps(schema)
     except (TypeError, ValueError) as e:
@@ -84,12 +85,25 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
     except RecursionError:
         raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar",
                              param=param) from None
+    except KeyError as e:  # a `$ref` it did not resolve
+        raise InvalidRequest(f"{param}: the JSON schema's $ref {str(e.args[0])[:100]!r} cannot be resolved (refer "
+                             f"to $defs or definitions of this schema as #/$defs/NAME)", param=param) from None
     except Exception as e:  # the converter asserts; its message is the reason
         reason = str(e) or type(e).__name__
         raise InvalidRequest(f"{param}: the JSON schema cannot be turned into a grammar: {reason}",
                              param=param) from None
     measure(grammar, param=param, what="the JSON schema's grammar")
     return grammar
+
+
+def _root_ref(schema):
+    """A root `$ref` beside `$defs` as a one-branch `anyOf`: the converter resolves the root's
+    `$ref` but never looks into its siblings, so a recursive `$defs` schema (`#/$defs/node`
+    referring to itself) failed with its internal `KeyError`."""
+    if isinstance(schema, dict) and "$ref" in schema and len(schema) > 1 and "anyOf" not in schema:
+        rest = {k: v for k, v in schema.items() if k != "$ref"}
+        return {**rest, "anyOf": [{"$ref": schema["$ref"]}]}
+    return schema
 
 
 def object_grammar() -> str:

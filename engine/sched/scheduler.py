@@ -58,6 +58,10 @@ def default_seq_slots(cap: int, device: str) -> int:
 # row every step for nothing (on a CPU, where each row costs about the same, as much as any
 # other user).
 SEARCHING = -2
+# A sequence paused for its reader this long gives its place (and its KV) to the queue when
+# someone waits for it, and is set aside until its reader catches up (`Scheduler.parked`):
+# 640 sequences whose readers never read held every place until their connections timed out.
+PAUSE_YIELD_S = 1.0
 
 
 @dataclass(slots=True)
@@ -142,6 +146,7 @@ class Scheduler:
         # keeps its KV until it does not; `n_paused` counts them at the last `schedule`.
         self.paused = paused
         self.n_paused = 0
+        self.parked: list[SeqState] = []  # paused sequences set aside, their KV freed (`_set_aside`)
 
     @property
     def kv_unified(self) -> bool:
@@ -190,6 +195,9 @@ class Scheduler:
             self._finish(s, RequestStatus.FINISHED_CANCELLED)
         for s in [s for s in self.running if s.req.id in ids]:
             self._finish(s, RequestStatus.FINISHED_CANCELLED)
+        for s in [s for s in self.parked if s.req.id in ids]:
+            self.parked.remove(s)
+            self._finish(s, RequestStatus.FINISHED_CANCELLED)
 
     def has_work(self) -> bool:
         """Something to plan: a running sequence that is not paused, or an admission."""
@@ -202,6 +210,8 @@ class Scheduler:
         plan = Plan()
         if self.queue_timeout_s:
             self._expire_waiting()
+        if self.parked:
+            self._take_back_parked()
         if self.waiting and not self.blocked:
             self._admit(plan)
         if not self.running:
@@ -211,6 +221,7 @@ class Scheduler:
         # running sequences own (`SeqState.prefilling` and `kv_cells_used`, inlined).
         decoding, prefilling = [], []
         own, paused, self.n_paused = 0, self.paused, 0
+        yielding: list[SeqState] = []
         for s in self.running:
             n_past = s.n_past
             own += n_past - s.n_shared
@@ -220,10 +231,14 @@ class Scheduler:
             elif left:
                 if paused is not None and paused(s):
                     self.n_paused += 1
+                    yielding = self._pause(s, yielding)
                 else:
+                    s.paused_at = 0.0
                     decoding.append(s)
             else:  # its input is in and its token not yet known: a grammar search (`SEARCHING`)
                 plan.searching.append(s)
+        for s in yielding:
+            self._set_aside(s)
         self.kv.decode_order(decoding)
         free = self.kv.free_cells(self.cache, own)  # `_free_cells()`
         if len(decoding) > free:
@@ -320,6 +335,33 @@ class Scheduler:
         else:
             self._finish(youngest, RequestStatus.FINISHED_ERROR,
                          f"backend {self.name}: the context ran out of KV cells for this request")
+
+    def _pause(self, s: SeqState, yielding: list[SeqState]) -> list[SeqState]:
+        """`s` is paused for its reader: note since when, and whether it now yields its place."""
+        now = self.clock()
+        if not s.paused_at:
+            s.paused_at = now
+        elif self.waiting and now - s.paused_at > PAUSE_YIELD_S:
+            yielding.append(s)
+        return yielding
+
+    def _set_aside(self, s: SeqState) -> None:
+        """Free a long-paused sequence's KV and keep it out of the queue until its reader
+        catches up (then it queues again, what it generated becoming its prompt)."""
+        self._forget(s)
+        s.status = RequestStatus.WAITING
+        s.preemptions += 1
+        self.preemptions += 1
+        self.n_paused -= 1
+        self.parked.append(s)
+
+    def _take_back_parked(self) -> None:
+        """Parked sequences whose readers caught up queue again (at the back)."""
+        ready = [s for s in self.parked if self.paused is None or not self.paused(s)]
+        for s in ready:
+            self.parked.remove(s)
+            s.paused_at = 0.0
+            self.add(s)
 
     def _adapt(self, lim: ConcurrencyLimiter, plan: Plan, seconds: float) -> None:
         """Feed the step to the limiter; at a window's end, give it the KV room."""
