@@ -75,6 +75,7 @@ from .http_guard import (
     GuardedSite,
     GuardSettings,
     RefusalLedger,
+    TooManyRequests,
     guard_middleware,
     install_log_limits,
     on_prepare,
@@ -791,6 +792,14 @@ RENDERED = web.AppKey("rendered_metrics", RenderedMetrics)
 
 
 async def metrics_text(request: web.Request) -> web.Response:
+    """Prometheus text; a connection asking again within `METRICS_TTL_S` gets 429 (a scraper
+    asks every 10-60 s; pipelined requests that never read their replies ask 120 at once)."""
+    conn = request.app[CONNECTIONS].connection_of(request)
+    if conn is not None:
+        now = time.monotonic()
+        if now - conn.metrics_at < METRICS_TTL_S:
+            raise TooManyRequests("/metrics was sent on this connection less than a second ago", retry_after_s=1)
+        conn.metrics_at = now
     return web.Response(body=request.app[RENDERED].get(request.app[METRICS]),
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
 

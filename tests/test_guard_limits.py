@@ -185,30 +185,48 @@ def test_a_malformed_head_is_refused_without_echoing_the_request(loop_thread, en
 # ---- connections that never read their replies ----
 
 
-def _pipelined_metrics(port: int, n: int, source: str) -> list[socket.socket]:
-    """`n` connections (2 KB receive buffers) that pipeline 400 `GET /metrics` and never read:
-    ~6 MB of replies each, past what the kernel buffers (its send buffer grows to 4 MB)."""
+def _pipelined(port: int, n: int, source: str, path: bytes = b"/openapi.json", count: int = 200) -> list[socket.socket]:
+    """`n` connections (2 KB receive buffers) that pipeline `count` GETs of `path` and never read:
+    200 x 33 KB of `/openapi.json` is past what the kernel buffers (its send buffer grows to 4 MB)."""
     socks = []
-    request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 400
+    request = b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     for _ in range(n):
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
         s.bind((source, 0))
         s.connect(("127.0.0.1", port))
-        s.sendall(request)
+        s.sendall(request * count)
         socks.append(s)
     return socks
 
 
 def test_connections_that_never_read_cannot_lock_a_new_client_out(loop_thread, engine):
     """A table full of connections whose replies fill their readers' sockets: each is blocked
-    writing, which makes it evictable (it counted as busy, and a third address got nothing),
-    and `/metrics` is rendered once, not for every pipelined request."""
+    writing, which makes it evictable (it counted as busy, and a third address got nothing)."""
     cap = 12
     app = create_app(engine, guard=GuardSettings(max_connections=cap, send_timeout=120))
     runner, base = loop_thread.serve(app)
-    guard, renders = app[CONNECTIONS], [0]
-    metrics = app[METRICS]
+    guard = app[CONNECTIONS]
+    socks: list[socket.socket] = []
+    try:
+        socks = _pipelined(_port(base), cap, "127.0.0.2")
+        wait_until(lambda: guard.open == cap and guard.busy == 0, timeout=WAIT,
+                   what="every connection blocked writing, none busy")
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=WAIT) as other:
+            r = other.get(base + "/health")
+        assert r.status_code == 200 and guard.evicted >= 1
+    finally:
+        for s in socks:
+            s.close()
+        loop_thread.run(runner.cleanup())
+
+
+def test_pipelined_metrics_requests_are_rendered_once_and_refused_past_the_first(loop_thread, engine):
+    """120 pipelined `GET /metrics` on one connection: one rendering, one reply, then 429 and
+    the connection closed (each was rendered, 2.2 ms, and written before)."""
+    app = create_app(engine)
+    runner, base = loop_thread.serve(app)
+    metrics, renders = app[METRICS], [0]
     render = metrics.render
 
     def counted() -> bytes:
@@ -216,18 +234,15 @@ def test_connections_that_never_read_cannot_lock_a_new_client_out(loop_thread, e
         return render()
 
     metrics.render = counted  # type: ignore[method-assign]
-    socks: list[socket.socket] = []
     try:
-        socks = _pipelined_metrics(_port(base), cap, "127.0.0.2")
-        wait_until(lambda: guard.open == cap and guard.busy == 0, timeout=WAIT,
-                   what="every connection blocked writing, none busy")
-        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=WAIT) as other:
-            r = other.get(base + "/health")
-        assert r.status_code == 200 and guard.evicted >= 1
-        assert renders[0] <= 3, f"/metrics rendered {renders[0]} times"
+        with socket.create_connection(("127.0.0.1", _port(base)), timeout=WAIT) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 120)
+            replies = b""
+            while chunk := s.recv(65536):
+                replies += chunk
+        assert replies.count(b"HTTP/1.1 200") == 1 and replies.count(b"HTTP/1.1 429") == 1
+        assert renders[0] == 1
     finally:
-        for s in socks:
-            s.close()
         loop_thread.run(runner.cleanup())
 
 
@@ -239,7 +254,7 @@ def test_a_reply_that_makes_no_progress_times_out(loop_thread, engine):
     guard = app[CONNECTIONS]
     socks: list[socket.socket] = []
     try:
-        socks = _pipelined_metrics(_port(base), 4, "127.0.0.2")
+        socks = _pipelined(_port(base), 4, "127.0.0.2")
         wait_until(lambda: guard.send_timeouts == 4 and guard.open == 0, timeout=WAIT,
                    what="every stuck reply timed out")
         assert app[REFUSALS].owed("127.0.0.2") > 0
