@@ -14,17 +14,23 @@ Two layers, both on aiohttp's public surfaces:
     read (`request_started` / `body_read` / `request_done`, called by `guard_middleware` and
     `read_body`). Only when every connection is busy does a new one get a raw `503`;
   - a *per-client cap* (`max_client_connections`, per remote address; nginx's `limit_conn`):
-    a client at its cap gets a raw `503` for a new connection, so one address cannot hold the
-    table. It does not evict its own: an attacker that reconnects as soon as it is let go then
+    a client at its cap has a new connection held briefly, then answered a raw `429` with
+    `Retry-After`, so one address cannot hold the table. It does not evict its own: an attacker that reconnects as soon as it is let go then
     made the server set connections up and tear them down as fast as its loop could (1,100
     stalled bodies from one address: normal traffic's p95 2.96-3.10x quiet; docs/security.md).
   - *timeouts charged to their address*: a connection that sends no whole request in time
     charges its address in the `RefusalLedger` (`TIMEOUT_CHARGE_S`); an address in debt has
-    its new connections held unread until the debt is paid, then admitted, and its stalled
-    bodies wait for the debt before their 408. Answered at once, such a client reconnects
-    and stalls again, and the churn, not the stalled connections, is what costs the server.
-  Kept-alive connections are closed after `keepalive_timeout` (aiohttp's, 5 s: uvicorn's
-  default). A body must keep coming: `read_body` allows `body_idle_timeout` from the last
+    its new connections held unread once (`refuse_hold_s`, 1-2x), then admitted if the debt
+    is paid, else answered a raw `429` with `Retry-After`, and its stalled bodies wait for
+    the debt before their 408. Answered at once, such a client reconnects and stalls again,
+    and the churn, not the stalled connections, is what costs the server;
+  - *write-side limits*: a connection whose reply fills its reader's socket (`pause_writing`)
+    is idle, evictable, and its reply has `send_timeout` to make progress (nginx's);
+  - a *head cap*: a request head over `max_head_bytes` gets a raw 431;
+  - *trusted proxies* (`ProxyTrust`): behind one, the client is the `X-Forwarded-For` hop the
+    proxy saw, and the per-address limits and debts are that client's.
+  Kept-alive connections are closed after `keepalive_timeout` (75 s, nginx's: longer than the
+  pools of the clients that reuse connections). A body must keep coming: `read_body` allows `body_idle_timeout` from the last
   byte (up to twice that, drawn per wait, so bodies stalled together time out apart) and
   `body_timeout` in all. aiohttp has `keepalive_timeout` and `client_max_size` but no
   header-read timeout and no eviction. We chose to wrap the protocol rather than move to another server
@@ -32,13 +38,14 @@ Two layers, both on aiohttp's public surfaces:
   hypercorn has one but would mean rewriting the streaming and cancellation paths that the
   GUI also runs on its qasync loop): the wrapper is on asyncio's stable Protocol
   API, keeps `handler_cancellation`, and needs nothing private from aiohttp beyond
-  `TCPSite`'s attribute names.
+  `TCPSite`'s attribute names and `web.Server`'s handler arguments (`_QuietRequestHandler`,
+  whose own 400s do not quote the request).
 * **Requests** (`guard_middleware`, `on_prepare`). Before auth and parsing: the `Host` must be
   the address the connection arrived on, a loopback name, or one of `allowed_hosts` (DNS
   rebinding); a request carrying an `Origin` that is not in `allowed_origins` is `403`
   (cross-site forms and fetches); CORS preflights are answered only when origins are allowed;
   a POST with a body must be `application/json` (`415`: no CORS-"simple" form or text POST
-  can reach a handler); a declared `Content-Length` above `max_body_bytes` is `413` before a
+  can reach a handler); an address in debt gets 429 with `Retry-After` before its body is read; a declared `Content-Length` above `max_body_bytes` is `413` before a
   byte of the body is read, and a chunked body is cut off at the limit. Every response says
   `Server: tandem` (no library versions), including aiohttp's own low-level error replies.
 

@@ -30,14 +30,14 @@ attack's), and from the second phase on one attack runs beside them:
   what their refusals cost their address);
 - `stream`: 40 connections asking a streamed chat with n=16 and top_logprobs=20 that never
   read it;
-- `metadata`: Responses with 140,000 metadata keys (1.9 MB), one after another.
+- `metadata`: Responses with 90,000 metadata keys (1.9 MB, under the body limit), one after another.
 
 Beside the normal clients from `--normal-source`, one client sends the same chats from the
 attack's own address, 127.0.0.1 (one connection each, honouring `Retry-After`): what a user
 behind the attacker's address (a NAT, a proxy) gets. Each phase prints normal traffic's p50
 and p95 latency, its errors, p95 over the quiet baseline's, the own-address client's replies
 (200s, 429s with `Retry-After`, anything else) and its longest wait, what the attack's
-requests got, the server's RSS at the phase's end and its peak growth over the quiet phase's,
+requests got, the server's RSS at the phase's end and its peak growth over the phase's start,
 the cores the server and this process (normal clients and attack) used during the phase, and
 the machine's load average (the machine may be shared: the phases' ratios are side by side,
 their figures are not); the last line is one JSON object (`--out DIR` also writes it, with the
@@ -75,7 +75,7 @@ ATTACKS = ("keepalive", "stalled", "grammar", "schema", "users", "schema-max", "
 ATTACKER = "127.0.0.1"  # the attack's own address (its own normal client's too)
 OTHER_ATTACKER = "127.0.0.3"  # the second address of the two-address attacks
 OWN_MAX_S = 5.0  # the longest the attacker's own address may wait for any answer
-RSS_GROWTH_MB = 300.0  # the most a phase may grow the server's peak RSS over the quiet phase's
+RSS_GROWTH_MB = 300.0  # the most a phase may grow the server's peak RSS over its start
 NORMAL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 UP_S = 180  # the server loads the model and answers /health within this
 REQUEST_S = 60  # the most one normal request may take
@@ -119,8 +119,9 @@ class Phase:
     own: collections.Counter = field(default_factory=collections.Counter)  # the attacker's own address's replies
     own_max_s: float = 0.0  # its longest wait for any answer
     rss_peak_mb: float = 0.0  # the server's peak RSS during the phase (sampled)
+    rss_start_mb: float = 0.0  # and at its start
 
-    def summary(self, quiet_p95: float | None, base_rss_mb: float | None = None) -> dict:
+    def summary(self, quiet_p95: float | None) -> dict:
         lat = sorted(self.latencies)
         p50 = statistics.median(lat) if lat else float("nan")
         p95 = lat[min(int(0.95 * len(lat)), len(lat) - 1)] if lat else float("nan")
@@ -134,7 +135,7 @@ class Phase:
                "error_samples": self.errors[:3], "p95_ms_by_quarter": self._by_quarter(),
                "own": dict(self.own), "own_max_s": round(self.own_max_s, 2),
                "rss_peak_mb": round(self.rss_peak_mb, 1),
-               "rss_growth_mb": round(self.rss_peak_mb - base_rss_mb, 1) if base_rss_mb is not None else 0.0}
+               "rss_growth_mb": round(self.rss_peak_mb - self.rss_start_mb, 1)}
         own_ok = set(self.own) <= {"200", "429"} and self.own_max_s <= OWN_MAX_S
         out["pass"] = (out["errors"] == 0 and out["p95_vs_quiet"] <= 2.0 and own_ok
                        and out["rss_growth_mb"] <= RSS_GROWTH_MB)
@@ -212,14 +213,13 @@ async def _phases(args, attacks: list[str], proc, base: str) -> list[dict]:
         warm = Phase("warm-up")
         await _normal(session, base, asyncio.get_running_loop().time() + 3, warm)
     quiet = await _phase(args, "quiet", proc, base)
-    base_rss = quiet.rss_peak_mb
-    rows.append(quiet.summary(None, base_rss))
+    rows.append(quiet.summary(None))
     _print(rows[-1], header=True)
     quiet_p95 = rows[0]["p95_ms"] / 1000 or None
     for name in attacks:
         await asyncio.sleep(2)  # the previous attack's connections close
         phase = await _phase(args, name, proc, base)
-        rows.append(phase.summary(quiet_p95, base_rss))
+        rows.append(phase.summary(quiet_p95))
         if name == "users":  # a control, not an attack: no bar
             rows[-1]["pass"] = None
         elif name == "schema-max":
@@ -235,6 +235,7 @@ async def _phase(args, name: str, proc, base: str) -> Phase:
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + args.phase_s
     t0, server0, client0 = time.perf_counter(), _cpu_s(proc.pid), _own_cpu_s()
+    phase.rss_start_mb = phase.rss_peak_mb = _rss_mb(proc.pid)
     attack = None
     if name != "quiet":
         attack = asyncio.create_task(ATTACK_FNS[name](args, base, stop_at, phase.attack))
@@ -473,7 +474,7 @@ def _tools_body() -> bytes:
 
 def _metadata_body() -> bytes:
     return json.dumps({"input": "Say hello.", "max_output_tokens": 8,
-                       "metadata": {f"k{i}": f"v{i}" for i in range(140_000)}}).encode()
+                       "metadata": {f"k{i}": f"v{i}" for i in range(90_000)}}).encode()
 
 
 async def _pattern(args, base, stop_at, tally):

@@ -64,3 +64,29 @@ def test_a_set_aside_sequence_can_be_cancelled():
     sim.sched.cancel({slow.req.id})
     sim.settle()
     assert not sim.sched.parked and sim.record(slow).status == RequestStatus.FINISHED_CANCELLED
+
+
+def test_a_client_with_sequences_running_does_not_queue_another_client_behind_its_own():
+    """40 streams of n=16 from one address queued everyone's chats behind 640 sequences: a
+    queued request of a client that runs fewer sequences goes before the head's client's."""
+    from engine.core.handle import RequestHandle
+    from engine.core.request import Request, SamplingParams
+    from engine.sched.scheduler import SeqState
+
+    sim = Sim(cap=2)
+
+    def submit(client: str, prompt: list[int]) -> SeqState:
+        req = Request(tuple(prompt), SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0), client=client)
+        seq = SeqState(req, RequestHandle(req), None, 0, sim.now, n_ctx_seq=sim.sched.n_ctx_seq)
+        sim.sched.add(seq)
+        return seq
+
+    flood = [submit("10.0.0.1", [1, 2, k]) for k in range(6)]
+    sim.step()
+    assert {s.req.id for s in sim.sched.running} == {flood[0].req.id, flood[1].req.id}
+    other = submit("10.0.0.2", [7, 8, 9])
+    while flood[0].status == RequestStatus.RUNNING and flood[1].status == RequestStatus.RUNNING:
+        sim.step()
+    sim.step()
+    # two places freed at once: the other client's request takes one, the flood the other
+    assert other in sim.sched.running and sum(s in sim.sched.running for s in flood[2:]) == 1

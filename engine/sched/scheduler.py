@@ -61,7 +61,7 @@ SEARCHING = -2
 # A sequence paused for its reader this long gives its place (and its KV) to the queue when
 # someone waits for it, and is set aside until its reader catches up (`Scheduler.parked`):
 # 640 sequences whose readers never read held every place until their connections timed out.
-PAUSE_YIELD_S = 1.0
+PAUSE_YIELD_S = 0.5
 
 
 @dataclass(slots=True)
@@ -212,6 +212,8 @@ class Scheduler:
             self._expire_waiting()
         if self.parked:
             self._take_back_parked()
+        if len(self.waiting) > 1 and self.running:
+            self._fair_head()
         if self.waiting and not self.blocked:
             self._admit(plan)
         if not self.running:
@@ -354,6 +356,24 @@ class Scheduler:
         self.preemptions += 1
         self.n_paused -= 1
         self.parked.append(s)
+
+    def _fair_head(self) -> None:
+        """When the queue's head is of a client that already runs sequences, the first queued
+        request of a client that runs fewer goes first (`Request.client`; "" is never moved):
+        40 streams of n=16 from one address queued everyone else's chats behind 640 sequences."""
+        head = self.waiting[0].req.client
+        if not head:
+            return
+        running = collections.Counter(s.req.client for s in self.running)
+        least = running[head]
+        if not least:
+            return
+        for i, s in enumerate(self.waiting):
+            client = s.req.client
+            if client and running[client] < least:
+                del self.waiting[i]
+                self.waiting.appendleft(s)
+                return
 
     def _take_back_parked(self) -> None:
         """Parked sequences whose readers caught up queue again (at the back)."""
