@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-client-connections", type=int, default=g.max_client_connections, metavar="N",
                        help="open connections per client address; above, a new one from that address gets 429 "
                             "(default: %(default)s)")
+    serve.add_argument("--max-client-sequences", type=int, default=g.max_client_sequences, metavar="N",
+                       help="sequences (a request's n choices each) one client address may have generating or "
+                            "queued; above, its next request gets 429 (default: %(default)s)")
     serve.add_argument("--refuse-hold", type=float, default=g.refuse_hold_s, metavar="S",
                        help="seconds (1-2x) a connection over its address's cap, or of an address in debt, waits "
                             "unread before its 429, so a client that reconnects at once cannot keep the server "

@@ -120,6 +120,7 @@ class GuardSettings:
     keepalive_timeout: float = 75.0
     max_connections: int = 1000  # open connections; above, evict the longest-idle one, else 503
     max_client_connections: int = 512  # open connections per client address; above, 429
+    max_client_sequences: int = 512  # sequences (choices) one client address may have generating or queued; above, 429
     refuse_hold_s: float = 2.0  # s (1-2x) a connection over its address's cap, or of an address in debt, waits
     # unread before its 429 (a tarpit that still answers a real client of that address within 4 s)
     send_timeout: float = 30.0  # s a reply may make no progress into a reader's socket (nginx's send_timeout)
@@ -136,8 +137,9 @@ class GuardSettings:
                      "refused_cpu_share", "refused_cpu_burst_s", "send_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.max_connections < 1 or self.max_body_bytes < 1 or self.max_client_connections < 1:
-            raise ValueError("max_connections, max_client_connections and max_body_bytes must be >= 1")
+        if min(self.max_connections, self.max_body_bytes, self.max_client_connections, self.max_client_sequences) < 1:
+            raise ValueError("max_connections, max_client_connections, max_client_sequences and max_body_bytes "
+                             "must be >= 1")
         if self.max_head_bytes < 1024:
             raise ValueError("max_head_bytes must be >= 1024")
         for proxy in self.trusted_proxies:

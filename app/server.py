@@ -40,6 +40,8 @@ loop. Tokens come back through `RequestHandle.astream()` (marshalled with
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -135,6 +137,7 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[CONNECTIONS] = ConnectionGuard(guard, app[REFUSALS])
     app.cleanup_ctx.append(_own_parse_pool)
     app[RENDERED] = RenderedMetrics()
+    app[IN_FLIGHT] = InFlight()
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     started = int(time.time())
@@ -228,6 +231,7 @@ def guard_from_args(args) -> GuardSettings:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         body_idle_timeout=args.body_idle_timeout, keepalive_timeout=args.keepalive_timeout,
         max_connections=args.max_connections, max_client_connections=args.max_client_connections,
+        max_client_sequences=args.max_client_sequences,
         refuse_hold_s=args.refuse_hold, refused_cpu_share=args.refused_cpu_share,
         refused_cpu_burst_s=args.refused_cpu_burst, max_body_bytes=args.max_body_bytes,
         send_timeout=args.send_timeout, max_head_bytes=args.max_head_bytes,
@@ -417,7 +421,40 @@ async def _parse(request: web.Request, parse):
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
-    parsed = dataclasses.replace(parsed, request=dataclasses.replace(parsed.request, client=client_address(request)))
+    client = client_address(request)
+    parsed = dataclasses.replace(parsed, request=dataclasses.replace(parsed.request, client=client))
+    with request.app[IN_FLIGHT].hold(client, parsed.n, request.app[GUARD].max_client_sequences):
+        return await _generate(request, engine, loop, parsed)
+
+
+class InFlight:
+    """Sequences (choices) each client address has generating or queued: past
+    `max_client_sequences` its next request is 429 with `Retry-After`, so one address cannot
+    fill every backend's queue (40 unread streams of n=16 queued 640 sequences)."""
+
+    def __init__(self) -> None:
+        self.by_client: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def hold(self, client: str, n: int, limit: int):
+        if self.by_client[client] + n > limit:
+            raise TooManyRequests(f"this address has {self.by_client[client]} sequences generating or queued; this "
+                                  f"server takes at most {limit} from one address (--max-client-sequences)",
+                                  retry_after_s=1)
+        self.by_client[client] += n
+        try:
+            yield
+        finally:
+            self.by_client[client] -= n
+            if self.by_client[client] <= 0:
+                del self.by_client[client]
+
+
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
+
+
+async def _generate(request: web.Request, engine: Engine, loop: asyncio.AbstractEventLoop,
+                    parsed: ApiRequest) -> web.StreamResponse:
     try:
         if parsed.n == 1:
             handles = [engine.submit(parsed.request, loop=loop)]

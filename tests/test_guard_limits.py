@@ -425,3 +425,15 @@ def test_a_malformed_pattern_is_refused(http, pattern):
     r = http.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "pattern": pattern}}}})
     assert r.status_code == 400 and "pattern" in r.json()["error"]["message"]
+
+
+def test_one_address_s_sequences_are_bounded_with_429(loop_thread, engine):
+    """40 unread streams of n=16 from one address queued 640 sequences: past
+    `max_client_sequences` an address's next request is 429 with `Retry-After`, another
+    address's is served."""
+    app = create_app(engine, guard=GuardSettings(max_client_sequences=3))
+    with loop_thread.serving(app) as base, httpx.Client(base_url=base, timeout=WAIT) as http:
+        r = http.post("/v1/chat/completions", json={**CHAT, "n": 4})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert "--max-client-sequences" in r.json()["error"]["message"]
+        assert http.post("/v1/chat/completions", json={**CHAT, "n": 3}).status_code == 200

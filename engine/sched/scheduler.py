@@ -59,7 +59,7 @@ def default_seq_slots(cap: int, device: str) -> int:
 # other user).
 SEARCHING = -2
 # A sequence paused for its reader this long gives its place (and its KV) to the queue when
-# someone waits for it, and is set aside until its reader catches up (`Scheduler.parked`):
+# another client waits for it, and is set aside until its reader catches up (`Scheduler.parked`):
 # 640 sequences whose readers never read held every place until their connections timed out.
 PAUSE_YIELD_S = 0.5
 
@@ -339,11 +339,14 @@ class Scheduler:
                          f"backend {self.name}: the context ran out of KV cells for this request")
 
     def _pause(self, s: SeqState, yielding: list[SeqState]) -> list[SeqState]:
-        """`s` is paused for its reader: note since when, and whether it now yields its place."""
+        """`s` is paused for its reader: note since when, and whether it now yields its place
+        (to another client's queued request: yielding to its own client's, whose readers are
+        as slow, would only make it compute prompts it cannot send)."""
         now = self.clock()
         if not s.paused_at:
             s.paused_at = now
-        elif self.waiting and now - s.paused_at > PAUSE_YIELD_S:
+        elif now - s.paused_at > PAUSE_YIELD_S and any(w.req.client != s.req.client or not w.req.client
+                                                        for w in self.waiting):
             yielding.append(s)
         return yielding
 
