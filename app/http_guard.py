@@ -79,7 +79,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from engine.core.errors import EngineError, InvalidRequest
 
-from .parse_pool import PARSING
+from .parse_pool import PARSING, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -920,6 +920,8 @@ def _parse_charged(refusals: RefusalLedger, address: str, parse, raw: bytes, *ar
     except InvalidRequest:  # refused: what reading and parsing it cost stays with its sender
         refusals.charge(address, time.thread_time() - t0 + len(raw) / REFUSED_BYTES_PER_S)
         raise
+    finally:
+        trim_heap(len(raw))
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import time
@@ -437,3 +438,23 @@ def test_one_address_s_sequences_are_bounded_with_429(loop_thread, engine):
         assert r.status_code == 429 and r.headers["Retry-After"] == "1"
         assert "--max-client-sequences" in r.json()["error"]["message"]
         assert http.post("/v1/chat/completions", json={**CHAT, "n": 3}).status_code == 200
+
+
+def test_refused_large_bodies_leave_no_memory_behind(loop_thread, engine):
+    """A refusal's traceback held the parse's frames (the validated body) in cycles only the
+    full collector broke: a 1 MB tool list refused 25 times kept +400 MB of RSS."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{k}": {"type": "string"} for k in range(300)}}}} for i in range(128)]
+    body = json.dumps({**CHAT, "tools": tools}).encode()
+    app = create_app(engine, guard=GuardSettings(refused_cpu_share=100, refused_cpu_burst_s=100))
+    with loop_thread.serving(app) as base, httpx.Client(base_url=base, timeout=WAIT) as http:
+        def refuse() -> None:
+            r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400
+
+        refuse()
+        before = rss_bytes(os.getpid())
+        for _ in range(20):
+            refuse()
+        grown = rss_bytes(os.getpid()) - before
+    assert grown < 100 << 20, f"RSS grew {grown >> 20} MB over 20 refusals"
