@@ -539,9 +539,15 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
 STREAM_SNDBUF = 64 << 10
 
 
+STREAM_WRITE_BUFFER = 16 << 10  # and the transport's buffer above it (asyncio's default high-water: 64 KB)
+
+
 def _small_send_buffer(request: web.Request) -> None:
     transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    if transport is None:
+        return
+    transport.set_write_buffer_limits(high=STREAM_WRITE_BUFFER)
+    sock = transport.get_extra_info("socket")
     if sock is not None:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)

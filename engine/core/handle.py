@@ -34,7 +34,7 @@ _gathering = threading.local()
 # Text deltas an asyncio reader may leave unread before its request pauses (`reader_behind`): a
 # client that asked for n=16 with top_logprobs=20 and never read made the server buffer its
 # whole reply (6.9 MB for a 135-byte request) while the sequences kept their rows.
-STREAM_BACKLOG = 16
+STREAM_BACKLOG = 8
 
 
 class Outbox:

@@ -61,7 +61,7 @@ SEARCHING = -2
 # A sequence paused for its reader this long gives its place (and its KV) to the queue when
 # another client waits for it, and is set aside until its reader catches up (`Scheduler.parked`):
 # 640 sequences whose readers never read held every place until their connections timed out.
-PAUSE_YIELD_S = 0.5
+PAUSE_YIELD_S = 0.25
 
 
 @dataclass(slots=True)
