@@ -491,7 +491,6 @@ class GuardedProtocol(asyncio.Protocol):
         self.busy_before_block = False  # busy when it blocked: busy again when it resumes
         self._send_timer: asyncio.TimerHandle | None = None
         self._send_mark = 0  # write buffer size when the send timer was armed
-        self.metrics_at = -math.inf  # when this connection last asked for /metrics (app/server.py)
 
     def connection_made(self, transport) -> None:
         self.transport = transport

@@ -29,7 +29,7 @@ def _bomb_chat() -> dict:
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": BOMB}}}}}}
 
 
-def test_six_nested_repetition_patterns_are_answered_at_once_and_sigterm_ends_the_server():
+def test_six_nested_repetition_patterns_are_answered_at_once_then_sigterm_ends_the_server():
     """Six at once: each answered (400) within 2 s while a chat is served normally, and
     SIGTERM then ends the server within 5 s (it spun at 100 % and ignored SIGTERM before)."""
     with serve() as (proc, base):
@@ -81,7 +81,7 @@ def test_parse_stacks_are_counted_as_llama_cpp_makes_them(grammar, fan):
     measure(grammar)
 
 
-def test_a_parse_that_never_returns_times_out_and_health_reports_it(loop_thread, engine, monkeypatch):
+def test_a_parse_that_never_returns_times_out_with_health_reporting_it(loop_thread, engine, monkeypatch):
     """A call on the parsing pool past its deadline answers its client 503 (retry), its
     thread counts as stuck and a spare takes its place: other requests are parsed, and
     `/health` says `degraded` with the stuck count until the call comes back."""

@@ -119,7 +119,7 @@ def test_a_preflight_asking_for_odd_or_too_many_headers_gets_the_api_s_own(cors_
 # ---- request heads: bytes, not only lines ----
 
 
-def test_unfinished_8kb_header_lines_cost_little_memory_and_get_431(many_files):
+def test_unfinished_8kb_header_lines_get_431_at_little_memory(many_files):
     """300 connections each sending 40 header lines of 8,000 bytes and no end of head: each is
     answered 431 past 32 KiB (or 429: the 431s charge their address), and the server's memory
     barely moves (each held ~1 MB before)."""
@@ -222,9 +222,9 @@ def test_connections_that_never_read_cannot_lock_a_new_client_out(loop_thread, e
         loop_thread.run(runner.cleanup())
 
 
-def test_pipelined_metrics_requests_are_rendered_once_and_refused_past_the_first(loop_thread, engine):
-    """120 pipelined `GET /metrics` on one connection: one rendering, one reply, then 429 and
-    the connection closed (each was rendered, 2.2 ms, and written before)."""
+def test_pipelined_metrics_requests_share_one_rendering(loop_thread, engine):
+    """120 pipelined `GET /metrics` on one connection: every one answered from one rendering
+    (each was rendered, 2.2 ms, before)."""
     app = create_app(engine)
     runner, base = loop_thread.serve(app)
     metrics, renders = app[METRICS], [0]
@@ -237,12 +237,13 @@ def test_pipelined_metrics_requests_are_rendered_once_and_refused_past_the_first
     metrics.render = counted  # type: ignore[method-assign]
     try:
         with socket.create_connection(("127.0.0.1", _port(base)), timeout=WAIT) as s:
-            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 120)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 119 +
+                      b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             replies = b""
             while chunk := s.recv(65536):
                 replies += chunk
-        assert replies.count(b"HTTP/1.1 200") == 1 and replies.count(b"HTTP/1.1 429") == 1
-        assert renders[0] == 1
+        assert replies.count(b"HTTP/1.1 200") == 120
+        assert renders[0] <= 3, f"rendered {renders[0]} times"
     finally:
         loop_thread.run(runner.cleanup())
 
@@ -268,7 +269,7 @@ def test_a_reply_that_makes_no_progress_times_out(loop_thread, engine):
 # ---- a stream whose reader does not read ----
 
 
-def test_a_stream_whose_reader_stops_reading_pauses_and_frees_its_kv(loop_thread):
+def test_a_stream_whose_reader_stops_reading_pauses_then_frees_its_kv(loop_thread):
     """n=4 with top_logprobs=20 and a reader that never reads: once a bounded backlog is
     unread its sequences pause (the server buffered the whole reply before, 6.9 MB for a
     135-byte request: here ~12 MB, past the 4 MB a kernel send buffer takes), and when the reply
@@ -375,12 +376,12 @@ def test_a_huge_tool_list_is_refused_by_its_size_before_it_is_converted(http):
     ("metadata", {"k": "v" * (MAX_METADATA_VALUE + 1)}),
     ("user", "u" * (MAX_USER + 1)),
 ])
-def test_responses_metadata_and_user_are_bounded_as_openai_s(http, field, value):
+def test_responses_metadata_or_user_past_openai_s_bounds_is_refused(http, field, value):
     r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith(field)
 
 
-def test_responses_metadata_at_its_bounds_is_stored_and_echoed(http):
+def test_responses_metadata_at_its_bounds_is_echoed(http):
     metadata = {f"{i:0{MAX_METADATA_KEY}d}": "v" * MAX_METADATA_VALUE for i in range(MAX_METADATA)}
     r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "metadata": metadata,
                                          "user": "u" * MAX_USER})

@@ -11,7 +11,7 @@ from engine.core.request import RequestStatus
 from engine.sched.scheduler import PAUSE_YIELD_S
 
 
-def test_a_paused_sequence_takes_no_row_then_yields_its_place_and_comes_back():
+def test_a_paused_sequence_takes_no_row_then_yields_its_place_until_its_reader_reads():
     behind: set[str] = set()
     sim = Sim(cap=1, paused=lambda s: s.req.id in behind)
     slow = sim.submit([1, 2, 3], max_tokens=50, ignore_eos=True)

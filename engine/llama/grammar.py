@@ -100,9 +100,11 @@ def _root_ref(schema):
     """A root `$ref` beside `$defs` as a one-branch `anyOf`: the converter resolves the root's
     `$ref` but never looks into its siblings, so a recursive `$defs` schema (`#/$defs/node`
     referring to itself) failed with its internal `KeyError`."""
-    if isinstance(schema, dict) and "$ref" in schema and len(schema) > 1 and "anyOf" not in schema:
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) and len(schema) > 1 \
+            and "anyOf" not in schema:
         rest = {k: v for k, v in schema.items() if k != "$ref"}
-        return {**rest, "anyOf": [{"$ref": schema["$ref"]}]}
+        return {**rest, "anyOf": [{"$ref": ref}]}
     return schema
 
 
@@ -304,15 +306,20 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
         raise InvalidRequest(f"{param}: {what} has {states} elements (literal characters, classes, references, "
                              f"repetitions expanded); this server takes at most {MAX_STATES} (MAX_STATES)",
                              param=param)
+    _check_stacks(grammar, param, what)
+    return GrammarSize(size, rules, alternatives, states)
+
+
+def _check_stacks(grammar: str, param: str, what: str) -> None:
+    """Refuse a grammar one advance of which may create more than `MAX_STACKS` parse stacks."""
     try:
         fan = gbnf_cost.stacks(grammar, MAX_STACKS)
     except gbnf_cost.Unreadable:
-        fan = 0  # llama.cpp's parser refuses it (`check`)
+        return  # llama.cpp's parser refuses it (`check`)
     if fan > MAX_STACKS:
         raise InvalidRequest(f"{param}: {what} can make llama.cpp follow more than {MAX_STACKS} parses at once "
                              f"(MAX_STACKS): repetitions of what may match nothing, nested; bound or remove "
                              f"the inner ones", param=param)
-    return GrammarSize(size, rules, alternatives, states)
 
 
 def _class_is_empty(chars: list[str]) -> bool:

@@ -210,10 +210,7 @@ class Scheduler:
         plan = Plan()
         if self.queue_timeout_s:
             self._expire_waiting()
-        if self.parked:
-            self._take_back_parked()
-        if len(self.waiting) > 1 and self.running:
-            self._fair_head()
+        self._queue_turns()
         if self.waiting and not self.blocked:
             self._admit(plan)
         if not self.running:
@@ -359,6 +356,14 @@ class Scheduler:
         self.preemptions += 1
         self.n_paused -= 1
         self.parked.append(s)
+
+    def _queue_turns(self) -> None:
+        """Before admission: parked sequences whose readers caught up queue again, and another
+        client's request may go first (`_fair_head`)."""
+        if self.parked:
+            self._take_back_parked()
+        if len(self.waiting) > 1 and self.running:
+            self._fair_head()
 
     def _fair_head(self) -> None:
         """When the queue's head is of a client that already runs sequences, the first queued
