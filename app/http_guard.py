@@ -491,6 +491,7 @@ class GuardedProtocol(asyncio.Protocol):
         self.busy_before_block = False  # busy when it blocked: busy again when it resumes
         self._send_timer: asyncio.TimerHandle | None = None
         self._send_mark = 0  # write buffer size when the send timer was armed
+        self.metrics_window, self.metrics_asked = -math.inf, 0  # /metrics asked in the current second (app/server.py)
 
     def connection_made(self, transport) -> None:
         self.transport = transport

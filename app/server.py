@@ -857,10 +857,23 @@ class RenderedMetrics:
 
 
 METRICS_TTL_S = 0.1
+METRICS_PER_CONNECTION = 10  # /metrics a second on one connection
 RENDERED = web.AppKey("rendered_metrics", RenderedMetrics)
 
 
 async def metrics_text(request: web.Request) -> web.Response:
+    """Prometheus text, from one rendering per `METRICS_TTL_S`; past `METRICS_PER_CONNECTION`
+    in a second on one connection, 429 and the connection closed (a scraper asks every 10-60 s;
+    1,000 connections pipelining 120 each and never reading took 6.6x quiet from other clients)."""
+    conn = request.app[CONNECTIONS].connection_of(request)
+    if conn is not None:
+        now = time.monotonic()
+        if now - conn.metrics_window >= 1.0:
+            conn.metrics_window, conn.metrics_asked = now, 0
+        conn.metrics_asked += 1
+        if conn.metrics_asked > METRICS_PER_CONNECTION:
+            raise TooManyRequests(f"more than {METRICS_PER_CONNECTION} /metrics a second on this connection",
+                                  retry_after_s=1)
     return web.Response(body=request.app[RENDERED].get(request.app[METRICS]),
                         headers={"Content-Type": METRICS_CONTENT_TYPE})
 
