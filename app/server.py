@@ -857,7 +857,7 @@ class RenderedMetrics:
 
 
 METRICS_TTL_S = 0.1
-METRICS_PER_CONNECTION = 10  # /metrics a second on one connection
+METRICS_PER_CONNECTION = 3  # /metrics a second on one connection
 RENDERED = web.AppKey("rendered_metrics", RenderedMetrics)
 
 
