@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ lc = llama.lc
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+# A CPU model keeps its weights in plain CPU buffers unless TANDEM_CPU_EXTRA_BUFTS=1: the CPU
+# backend's extra buffer types (AMX, repacked layouts) crashed every batched decode of a
+# quantized model (SIGSEGV in ggml_backend_amx_mul_mat, one-token decodes ran) on an AMX Xeon
+# with the pip-built llama-cpp-python 0.3.36; a GPU host's own build ran them.
+CPU_EXTRA_BUFTS = os.environ.get("TANDEM_CPU_EXTRA_BUFTS") == "1"
 T = TypeVar("T")
 
 
@@ -155,6 +161,7 @@ class Model:
         params = lc.llama_model_default_params()
         if self.device == "cpu":
             llama.cpu_only(params)
+            params.use_extra_bufts = CPU_EXTRA_BUFTS
             placed = [d for d in llama.devices() if d.kind == "cpu"]
         elif index is not None:
             placed = [llama.gpu(index)]
