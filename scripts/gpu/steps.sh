@@ -906,3 +906,13 @@ seq_history() {  # issue 43's must-show: the workloads of SEQ_STEPS (chat chat_t
   cat "$OUT/seq.txt"
   _stop_servers
 }
+
+chats_n() {  # the chat workload at CHAT_NS conversations (24 192) on the default and the tuned SEQ_HIST layouts, each
+            # count on servers of its own (seq_history's chat step; results under $OUT/nN)
+  local n top=$OUT
+  for n in ${CHAT_NS:-24 192}; do
+    mkdir -p "$top/n$n"
+    OUT=$top/n$n SEQ_STEPS=chat SEQ_FRESH="" CHAT_N=$n seq_history
+  done
+  OUT=$top
+}
