@@ -6,6 +6,8 @@ Every route module (app/server.py, app/responses.py) answers errors through here
 
 from __future__ import annotations
 
+import math
+
 from aiohttp import web
 
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
@@ -29,7 +31,8 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "model_load_error": (500, "server_error", None),
     "server_error": (500, "server_error", None),
 }
-RETRY_AFTER_S = 1
+RETRY_AFTER_S = 1  # where nothing says how long the wait is
+MAX_RETRY_AFTER_S = 60  # the openai SDK honours a Retry-After up to 60 s
 
 
 def error_payload(exc: EngineError) -> tuple[int, dict]:
@@ -47,13 +50,22 @@ def error_response(exc: EngineError) -> web.Response:
     status, payload = error_payload(exc)
     headers = {}
     if status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
+        headers["Retry-After"] = str(retry_after(exc))
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     response = web.json_response(payload, status=status, headers=headers)
     if getattr(exc, "close_connection", False):
         response.force_close()
     return response
+
+
+def retry_after(exc: EngineError) -> int:
+    """Whole seconds to wait before retrying: the queue's expected wait where the engine knows
+    it (`QueueFull.retry_after_s`), in [1, MAX_RETRY_AFTER_S]."""
+    wait = getattr(exc, "retry_after_s", None)
+    if wait is None:
+        return RETRY_AFTER_S
+    return min(max(math.ceil(wait), 1), MAX_RETRY_AFTER_S)
 
 
 def succeeded(record: FinishRecord) -> FinishRecord:

@@ -2,7 +2,9 @@
 
 Routes:
     POST /v1/chat/completions, POST /v1/completions   JSON or SSE (`stream: true`)
-    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (app/responses.py)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items
+                           OpenAI's Responses API (app/responses.py)
+    POST /v1/embeddings    OpenAI's embeddings, from the loaded model (app/embeddings.py)
     POST /tokenize, POST /detokenize   llama-server's: text <-> token ids of the served model
     GET  /v1/models, GET /v1/models/{id}   the served model(s), OpenAI's model objects
     GET  /v1/routing       backends' snapshots and the router's recent decisions
@@ -24,10 +26,13 @@ browser could be tricked into sending (foreign `Host`, disallowed `Origin`, non-
 bodies). `docs/security.md` has the threat model and which test covers each defence. Replies
 name no file path and no library version (`Server: tandem`; the model id is the file's stem).
 
+Every route also answers without its `/v1` (llama-server serves both) and with a trailing
+slash; the key check goes by the path an alias stands for.
+
 Streaming pulls the first text before committing to SSE, so a request that fails early still
-gets a JSON error. A chat with tools is read whole before it is shown (the reply is one JSON
-value in llama-server's generic format, engine/prompts/structured.py): its stream carries the tool
-call, or the content, in OpenAI's delta shape once the reply is complete. The app must run
+gets a JSON error. A chat reply is read as it streams (engine/prompts/reply.py): text, a
+thinking block's `reasoning_content`, and tool calls (their name, then their arguments in
+pieces) arrive in OpenAI's delta shape as they are decoded. The app must run
 with `handler_cancellation=True` (`start_server()` and `run_serve()` do): a client that
 disconnects cancels its handler, whose `finally` cancels the engine request, and the backend
 frees its KV at its next step.
@@ -60,10 +65,11 @@ from engine.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.core.metrics import EngineMetrics
 from engine.core.request import FinishRecord
 from engine.engine import Engine
-from engine.prompts.structured import ToolCall, parse_reply
+from engine.prompts.reply import ReasoningDelta, ReplyParts, ReplyReader
+from engine.prompts.tool_calls import CallStart, TextDelta
 from engine.routing import DEFAULT_POLICY
 
-from . import responses
+from . import embeddings, responses
 from .errors import error_payload, error_response, failure, succeeded
 from .http_guard import (
     CONNECTIONS,
@@ -90,7 +96,6 @@ from .openai_schema import (
     parse_completion,
     tokenize,
 )
-from .reply_text import cut_response
 from .settings import ENGINE, METRICS, SETTINGS, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -152,7 +157,30 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[responses.RESPONSES] = responses.ResponseStore()
     app.add_routes(responses.ROUTES)
     responses.document(app[SETTINGS].openapi, auth=bool(api_key))
+    app.add_routes(embeddings.ROUTES)
+    embeddings.document(app[SETTINGS].openapi, auth=bool(api_key))
+    app[ALIASES] = _add_aliases(app)
     return app
+
+
+ALIASES = web.AppKey("aliases", dict)
+
+
+def _add_aliases(app: web.Application) -> dict[str, str]:
+    """Every route also without its `/v1` (llama-server serves both) and with a trailing slash;
+    returns alias path -> the path it stands for (what the key check and the 404 list go by)."""
+    aliases: dict[str, str] = {}
+    for route in list(app.router.routes()):
+        if route.method in ("HEAD", "OPTIONS") or route.resource is None:
+            continue
+        path = route.resource.canonical
+        variants = [path.removeprefix("/v1")] if path.startswith("/v1/") else []
+        variants = [v + "/" for v in [path, *variants] if not path.endswith(":.+}")] + variants
+        for alias in variants:
+            if alias not in aliases and alias != path:
+                app.router.add_route(route.method, alias, route.handler)
+                aliases[alias] = path
+    return aliases
 
 
 def system_fingerprint(engine: Engine, served: ServedModel) -> str:
@@ -306,11 +334,13 @@ def _http_error_response(exc: web.HTTPException, request: web.Request) -> web.Re
 def endpoints(app: web.Application) -> list[str]:
     """`METHOD /path` of every route, in the order they were added."""
     out = []
+    aliases = app.get(ALIASES, {})
     for route in app.router.routes():
         if route.method in ("HEAD", "OPTIONS"):
             continue
         path = route.resource.canonical if route.resource is not None else "?"
-        out.append(f"{route.method} {path}")
+        if path not in aliases:
+            out.append(f"{route.method} {path}")
     return list(dict.fromkeys(out))
 
 
@@ -352,9 +382,17 @@ def _authorized(request: web.Request) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+def _route_path(request: web.Request) -> str:
+    """The path a request's route stands for (an alias's `/v1/...` path), else its own."""
+    resource = request.match_info.route.resource
+    canonical = resource.canonical if resource is not None else request.path
+    return request.app[ALIASES].get(canonical, request.path)
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if (request.path.startswith("/v1/") or request.path in _KEYED) and not _authorized(request):
+    path = _route_path(request)
+    if (path.startswith("/v1/") or path in _KEYED) and not _authorized(request):
         raise AuthenticationFailed("missing or wrong API key: send `Authorization: Bearer KEY`")
     return await handler(request)
 
@@ -389,15 +427,25 @@ async def _parse(request: web.Request, parse):
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
+    handles: list[RequestHandle] = []
+    echoes: list[str] = []
     try:
-        if parsed.n == 1:
-            handles = [engine.submit(parsed.request, loop=loop)]
-        else:  # the choices go to one backend together and share the prompt's KV
-            handles = engine.submit_group(parsed.requests(), loop=loop)
+        for choices, echo in parsed.groups():
+            if len(choices) == 1:
+                handles.append(engine.submit(choices[0], loop=loop))
+            else:  # the choices go to one backend together and share the prompt's KV
+                handles += engine.submit_group(choices, loop=loop)
+            echoes += [echo or ""] * len(choices)
     except ContextLengthExceeded as e:
         e.param = parsed.prompt_param
+        for h in handles:
+            h.cancel()
         raise
-    reply = Reply(parsed, handles, engine.model.piece if engine.model is not None else None,
+    except EngineError:
+        for h in handles:
+            h.cancel()
+        raise
+    reply = Reply(parsed, handles, echoes, engine.model.piece if engine.model is not None else None,
                   request.app[SETTINGS].fingerprint)
     try:
         if parsed.stream:
@@ -442,16 +490,15 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
             while True:
                 i, delta = item
                 if delta is not None:
-                    if delta and not reply.tools:
-                        await _send(response, reply.chunk(i, delta))
+                    for chunk in reply.chunks(i, delta) if delta else ():
+                        await _send(response, chunk)
                 else:
                     record = records[i] = handles[i].result(0)
                     if record.error:
                         await _send(response, error_payload(failure(record))[1])
                         break
-                    for chunk in reply.tool_chunks(i, record):
+                    for chunk in reply.closing(i, record):
                         await _send(response, chunk)
-                    await _send(response, reply.closing(i, record))
                     if all(r is not None for r in records):
                         if reply.include_usage:
                             await _send(response, reply.usage_chunk(records))  # type: ignore[arg-type]
@@ -473,14 +520,17 @@ async def _send(response: web.StreamResponse, obj: dict) -> None:
 
 
 class Reply:
-    """Shapes one request's output (one or `n` choices) as OpenAI chat or text-completion
-    objects, with logprobs in OpenAI's shape for each endpoint when they were asked for:
-    chat `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`,
-    completions `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`.
-    A stream sends each choice's entries with its text (`RequestHandle.logprobs`, read as the
-    text arrives), and the rest with its closing chunk."""
+    """Shapes one request's output (one or `n` choices per prompt, a completions prompt list's
+    prompts one after another) as OpenAI chat or text-completion objects, with logprobs in
+    OpenAI's shape for each endpoint when they were asked for: chat `{"content": [{token,
+    logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`, completions `{tokens,
+    token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A stream sends each
+    choice's entries with its text (`RequestHandle.logprobs`, read as the text arrives), and the
+    rest with its closing chunk. A chat reply is read as it streams (`ReplyReader`): text,
+    a thinking block's `reasoning_content`, and tool calls with their arguments in pieces."""
 
-    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], piece=None, fingerprint: str = ""):
+    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], echoes: list[str], piece=None,
+                 fingerprint: str = ""):
         self.chat = parsed.kind == "chat"
         handle = handles[0]
         self.handles = handles
@@ -492,85 +542,100 @@ class Reply:
         self.model = parsed.model
         self.fingerprint = fingerprint
         self.include_usage = parsed.include_usage
-        self.echo = parsed.echo or ""
+        self.echoes = echoes  # per choice: the prompt's text before the reply ("" without echo)
+        self.n = parsed.n
         self.logprobs = parsed.top_logprobs is not None
         self.piece = piece  # token id -> bytes (a local model's), for the echoed prompt's first token
         self._sent = [0] * len(handles)  # logprob entries streamed, per choice
-        self._offset = [0 if self.logprobs else len(self.echo)] * len(handles)  # completions' text_offset
+        self._offset = [0 if self.logprobs else len(e) for e in echoes]  # completions' text_offset
         self.headers = {"X-Request-Id": handle.id, "X-Tandem-Backend": handle.backend or ""}
-        self.tools = parsed.tools  # a chat with tools: the reply is read whole, then shown
-        self._read: dict[int, tuple[str | None, list[ToolCall]]] = {}
+        self.readers = [ReplyReader(parsed.tools, parsed.reasoning, parsed.thinking)
+                        if self.chat and (parsed.tools is not None or parsed.reasoning) else None for _ in handles]
 
-    def _reply(self, i: int, record: FinishRecord) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of choice `i`'s finished reply. A reply the grammar did not
-        finish (cut by `max_tokens`: `length`) holds no call: its content is the response's
-        text so far, or none for a call cut short (never the generic format's JSON)."""
-        if i not in self._read:
-            self._read[i] = (record.text, [])
-            if self.tools is not None:
-                try:
-                    self._read[i] = parse_reply(record.text, self.tools)
-                except InvalidRequest:
-                    self._read[i] = (cut_response(record.text), [])
-        return self._read[i]
+    def parts(self, i: int, record: FinishRecord) -> ReplyParts:
+        """Choice `i`'s whole reply (its reader's, once the stream is done; else read now)."""
+        reader = self.readers[i]
+        if reader is None:
+            return ReplyParts(record.text, None)
+        if not reader._closed:
+            reader.feed(record.text)
+            reader.close()
+        return reader.parts()
 
     def _finish_reason(self, i: int, record: FinishRecord) -> str | None:
-        return "tool_calls" if self.tools is not None and self._reply(i, record)[1] else record.finish_reason
-
-    def tool_chunks(self, i: int, record: FinishRecord) -> list[dict]:
-        """A chat with tools, streamed: choice `i`'s content or its call, in OpenAI's delta shape."""
-        if self.tools is None:
-            return []
-        content, calls = self._reply(i, record)
-        if not calls:
-            return [self._chunk(i, {"content": content or ""}, None)]
-        out = []
-        for k, call in enumerate(calls):
-            out.append(self._chunk(i, {"tool_calls": [{"index": k, "id": call.id, "type": "function",
-                                                       "function": {"name": call.name, "arguments": ""}}]}, None))
-            out.append(self._chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]},
-                                   None))
-        return out
+        return "tool_calls" if self.parts(i, record).calls else record.finish_reason
 
     def whole(self, records: list[FinishRecord]) -> dict:
         choices = []
         for i, record in enumerate(records):
             lp = None
+            echo = self.echoes[i]
             if self.logprobs:
-                head = self._prompt_logprobs(i, record.prompt_logprobs) if self.echo and not self.chat else None
+                head = self._prompt_logprobs(i, record.prompt_logprobs) if echo and not self.chat else None
                 lp = self._logprobs(i, list(record.logprobs or ()))
                 if head is not None:
                     lp = _joined(head, lp)
             if self.chat:
-                content, calls = self._reply(i, record)
-                message: dict = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = [c.to_dict() for c in calls]
+                parts = self.parts(i, record)
+                message: dict = {"role": "assistant", "content": parts.content}
+                if parts.reasoning is not None:
+                    message["reasoning_content"] = parts.reasoning
+                if parts.calls:
+                    message["tool_calls"] = [c.to_dict() for c in parts.calls]
                 choices.append({"index": i, "message": message, "logprobs": lp,
                                 "finish_reason": self._finish_reason(i, record)})
             else:
-                choices.append({"index": i, "text": self.echo + record.text, "logprobs": lp,
+                choices.append({"index": i, "text": echo + record.text, "logprobs": lp,
                                 "finish_reason": record.finish_reason})
-        return {**self._head(self.object), "choices": choices, "usage": _usage(records)}
+        return {**self._head(self.object), "choices": choices, "usage": self.usage(records)}
 
     def opening(self) -> list[dict]:
         """Chunks before any text: chat announces the assistant's role (per choice); an echo
         sends the prompt's text."""
         if self.chat:
             return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.handles))]
-        if self.echo:
-            return [self._chunk(i, self.echo, None, self._prompt_logprobs(i, h.prompt_logprobs))
-                    if self.logprobs else self._chunk(i, self.echo, None) for i, h in enumerate(self.handles)]
-        return []
+        return [self._chunk(i, echo, None, self._prompt_logprobs(i, h.prompt_logprobs) if self.logprobs else None)
+                for i, (h, echo) in enumerate(zip(self.handles, self.echoes)) if echo]
 
-    def chunk(self, i: int, text: str) -> dict:
-        return self._chunk(i, {"content": text} if self.chat else text, None, self._new_logprobs(i))
+    def chunks(self, i: int, text: str) -> list[dict]:
+        """Choice `i`'s next text as chunks (none while a reader holds it back)."""
+        reader = self.readers[i]
+        if reader is None:
+            return [self._chunk(i, {"content": text} if self.chat else text, None, self._new_logprobs(i))]
+        return self._event_chunks(i, reader.feed(text))
 
-    def closing(self, i: int, record: FinishRecord) -> dict:
-        return self._chunk(i, {} if self.chat else "", self._finish_reason(i, record), self._new_logprobs(i))
+    def closing(self, i: int, record: FinishRecord) -> list[dict]:
+        """What the reader held back, then the chunk with the finish reason."""
+        reader = self.readers[i]
+        out = self._event_chunks(i, reader.close()) if reader is not None else []
+        out.append(self._chunk(i, {} if self.chat else "", self._finish_reason(i, record), self._new_logprobs(i)))
+        return out
+
+    def _event_chunks(self, i: int, events: list) -> list[dict]:
+        out = []
+        for e in events:
+            if isinstance(e, TextDelta):
+                delta: dict = {"content": e.text}
+            elif isinstance(e, ReasoningDelta):
+                delta = {"reasoning_content": e.text}
+            elif isinstance(e, CallStart):
+                delta = {"tool_calls": [{"index": e.index, "id": e.call_id, "type": "function",
+                                         "function": {"name": e.name, "arguments": ""}}]}
+            else:
+                delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+            out.append(self._chunk(i, delta, None, self._new_logprobs(i)))
+        return out
 
     def usage_chunk(self, records: list[FinishRecord]) -> dict:
-        return {**self._head(self._chunk_object), "choices": [], "usage": _usage(records)}
+        return {**self._head(self._chunk_object), "choices": [], "usage": self.usage(records)}
+
+    def usage(self, records: list[FinishRecord]) -> dict:
+        """Each prompt once (its choices share it), every choice's output tokens."""
+        firsts = records[::self.n]
+        prompt = sum(r.prompt_tokens for r in firsts)
+        out = sum(r.output_tokens for r in records)
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "prompt_tokens_details": {"cached_tokens": sum(max(r.cached_tokens, 0) for r in firsts)}}
 
     def _new_logprobs(self, i: int) -> dict | None:
         """The entries of choice `i` not streamed yet (None without logprobs or when none)."""
@@ -587,7 +652,7 @@ class Reply:
         entries = list(entries or ())
         first = self.handles[i].request.prompt_tokens[:1]
         out = self._logprobs(i, entries, first_piece=self._piece(first[0]) if first else None)
-        self._offset[i] = max(self._offset[i], len(self.echo))  # the reply's tokens start after the echo
+        self._offset[i] = max(self._offset[i], len(self.echoes[i]))  # the reply's tokens start after the echo
         return out
 
     def _piece(self, token: int) -> bytes:
@@ -648,18 +713,6 @@ def _chat_logprob(e) -> dict:
             "top_logprobs": [{"token": _text(p), "logprob": lp, "bytes": list(p)} for _, p, lp in e.top]}
 
 
-def _usage(records: list[FinishRecord]) -> dict:
-    """The prompt once (the choices share it), every choice's output tokens."""
-    prompt = records[0].prompt_tokens
-    out = sum(r.output_tokens for r in records)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": out,
-        "total_tokens": prompt + out,
-        "prompt_tokens_details": {"cached_tokens": max(records[0].cached_tokens, 0)},
-    }
-
-
 # ---- state ----
 
 
@@ -674,7 +727,7 @@ async def model_info(request: web.Request) -> web.Response:
     """`GET /v1/models/{id}` (OpenAI's `models.retrieve`): the model by its id or one of its
     names; 404 `model_not_found` otherwise."""
     settings = request.app[SETTINGS]
-    asked = request.match_info["model"]
+    asked = request.match_info["model"].rstrip("/")
     settings.served.check(asked)  # raises ModelNotFound
     model_id = settings.served.id if asked in settings.served.aliases else asked
     return web.json_response(_model_object(request.app, model_id))
@@ -684,7 +737,7 @@ def _model_object(app: web.Application, model_id: str) -> dict:
     """OpenAI's model object (`id`, `object`, `created`, `owned_by`) plus Tandem's `meta`."""
     engine, settings = app[ENGINE], app[SETTINGS]
     routed = settings.served.routed(model_id)
-    meta: dict = {"backends": [b.name for b in engine.backends.values() if engine.serves(b, routed)]}
+    meta: dict = {"backends": engine.serving(routed)}
     created = settings.started
     if engine.model is not None and model_id == settings.served.id:
         info = engine.model.info
@@ -730,8 +783,7 @@ async def health(request: web.Request) -> web.Response:
     that can name remote engines' URLs) is shown only to a caller with the API key, when one
     is set."""
     engine = request.app[ENGINE]
-    backends = list(engine.backends.values())
-    up = [bool(b.healthy) for b in backends]
+    up = list(engine.health().values())
     status = "ok" if up and all(up) else "degraded" if any(up) else "unavailable"
     body: dict = {"status": status}
     if _authorized(request):

@@ -34,16 +34,18 @@ from typing import TYPE_CHECKING
 
 from engine.backends import registry
 from engine.backends.config import resolve_contexts
-from engine.backends.protocol import BackendInfo, BackendProtocol
-from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
+from engine.backends.protocol import BackendInfo, BackendProtocol, Handed
+from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest, QueueFull
 from engine.core.events import EventBus, RequestRouted
 from engine.core.handle import RequestHandle
-from engine.core.request import Request, RequestStatus, SamplingParams, error_record
+from engine.core.request import Request, RequestStatus, SamplingParams, error_record, next_request_id
 from engine.core.snapshot import BackendSnapshot, Rates
 from engine.prompts import chat
+from engine.prompts.chat import ChatPrompt
+from engine.prompts.tool_calls import ToolMode
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
-from engine.routing import RouteQuery, Router
+from engine.routing import RouteQuery, Router, RoutingDecision
 
 from .llama.model import Model, ModelRegistry, resolve_model
 
@@ -62,7 +64,7 @@ class Engine:
             raise InvalidRequest("an engine needs at least one backend")
         self.backends = {b.name: b for b in backends}
         for b in backends:
-            b.on_unhealthy = self._rehome  # type: ignore[assignment]  # declared None in Backend
+            b.on_unhealthy = self._rehome
         self.router = router or Router()
         self.bus = bus or backends[0].bus
         self._registry = registry
@@ -71,7 +73,7 @@ class Engine:
         self.online: OnlineRefresh | None = None  # when rates are refreshed from observed steps
 
     @classmethod
-    def load(cls, model: str | Path | None, configs: Sequence[object], *,
+    def load(cls, model: str | Path | None, configs: Sequence[registry.BackendSpec], *,
              policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None,
@@ -162,6 +164,10 @@ class Engine:
             return True
         return model in backend.models or not backend.models  # not known yet: let it try
 
+    def serving(self, model: str | None) -> list[str]:
+        """The backends that can take a request naming `model` (None: any), by name."""
+        return [name for name, b in self.backends.items() if self.serves(b, model)]
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
         handle = RequestHandle(request, loop)
@@ -208,6 +214,9 @@ class Engine:
                             h.decision = decision
                         backend.enqueue_group(*group, pin=pin, cached_estimate=estimate, t_submit=t_submit)
                     break
+                except QueueFull as e:  # how long the client should wait: the router's estimate
+                    e.retry_after_s = decision.chosen.queue_wait_s
+                    raise
                 except BackendUnavailable:
                     # It began a restart (or failed) after the snapshot the router saw: the
                     # next snapshot shows it unhealthy, so route again.
@@ -215,7 +224,26 @@ class Engine:
                         raise
         self.bus.publish(RequestRouted(decision))
 
-    def _rehome(self, failed: BackendProtocol, moved: list) -> None:
+    def embed(self, inputs: Sequence[Sequence[int]], backend: str | None = None) -> tuple[Future, RoutingDecision]:
+        """Route an embedding request (token ids per input) like any request, among the backends
+        that compute embeddings (the decision's `kind` is "embedding"); the chosen backend
+        batches it with the others it has (`Future` of one vector per input, in order)."""
+        t_wait = time.perf_counter()
+        with self._lock:
+            t_in = time.perf_counter()
+            self._check_open()
+            able = [b for b in self.backends.values() if b.embeds]
+            if not able:
+                raise InvalidRequest("no backend here computes embeddings (a remote engine embeds at its own "
+                                     "/v1/embeddings)", param="model")
+            query = RouteQuery(request_id=next_request_id(), prompt_tokens=sum(len(t) for t in inputs), max_tokens=0,
+                               backend=backend, kind="embedding")
+            decision = self.router.route(query, [b.snapshot() for b in able], since=t_in, wait_s=t_in - t_wait)
+            future = self.backends[decision.backend].embed(inputs)
+        self.bus.publish(RequestRouted(decision))
+        return future, decision
+
+    def _rehome(self, failed: BackendProtocol, moved: Sequence[Handed]) -> None:
         """A backend went unhealthy or is restarting: route the requests it gave back to the
         others (called on its worker thread, or on the restarting thread). One whose stream
         broke after it began (a remote engine's, `RequestHandle._interrupt`) goes on from the
@@ -296,8 +324,15 @@ class Engine:
     def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
                     continue_final: bool = False) -> list[int]:
         """Render `messages` with the model's chat template and tokenize the result; with
-        `tools`, a prompt for a reply in the generic tool-call format (engine/prompts/structured.py);
+        `tools`, a prompt for a reply that may call them (engine/prompts/tool_calls.py);
         with `continue_final`, a prompt that goes on with the last (assistant) message."""
+        return self.chat_prompt(messages, tools, continue_final=continue_final).tokens
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, mode: ToolMode | None = None, *,
+                    continue_final: bool = False, extra: dict | None = None) -> ChatPrompt:
+        """`chat_tokens` with how to read the reply: the tool mode in the template's call format,
+        and whether the reply starts in a thinking block (`engine.prompts.chat.render_chat`);
+        `extra` are template variables (`chat_template_kwargs`)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         self._check_open()
@@ -305,15 +340,16 @@ class Engine:
             raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
             # content is never parsed for special tokens
-            return chat.chat_tokens(self.model, messages, tools, continue_final, self.prompt_limit())
+            return chat.render_chat(self.model, messages, tools, mode, continue_final=continue_final,
+                                    max_prompt=self.prompt_limit(), extra=extra)
         except InvalidRequest:
             raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)
             raise InvalidRequest(f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from e
 
     def prompt_limit(self) -> int:
-        """The longest prompt a local backend can take (its context per sequence); 0: none."""
-        return max((getattr(b, "n_ctx_seq", 0) for b in self.backends.values() if b.device != "remote"), default=0)
+        """The longest prompt a backend checks here (a local one's context per sequence); 0: none does."""
+        return max((b.prompt_limit() for b in self.backends.values()), default=0)
 
     def prompt_tokens(self, text: str, param: str = "prompt") -> list[int]:
         """A raw prompt's tokens (`Model.tokenize`), refused cheaply first when it cannot fit
@@ -342,6 +378,14 @@ class Engine:
     def devices(self) -> dict[str, str]:
         """Each backend's device ("cpu", "gpu", ...), by name."""
         return {name: b.device for name, b in self.backends.items()}
+
+    def relays_logprobs(self) -> bool:
+        """Whether every backend relays token log-probabilities (a request may go to any)."""
+        return all(b.info().logprobs for b in self.backends.values())
+
+    def health(self) -> dict[str, bool]:
+        """Whether each backend serves, by name: its flag, cheaper than a snapshot."""
+        return {name: bool(b.healthy) for name, b in self.backends.items()}
 
     def backend_snapshot(self, name: str) -> BackendSnapshot:
         return self.backend(name).snapshot()
@@ -408,7 +452,7 @@ class Engine:
         """Zero the counters of one backend or all (prefix-cache queries, hits and evictions,
         observed speeds, steps); what is cached, caps and rates stay. Waits up to `timeout` s."""
         targets = [self.backend(backend)] if backend else list(self.backends.values())
-        futures = [b.reset_stats() for b in targets if hasattr(b, "reset_stats")]
+        futures = [b.reset_stats() for b in targets]
         for f in futures:
             f.result(timeout)
 

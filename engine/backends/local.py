@@ -2,8 +2,10 @@
 served by one worker thread.
 
 The shell is llama.cpp server's loop (`server-queue.h`): other threads post typed messages
-(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Fault`, `Stop`) to ONE inbox; the worker takes them
-all between steps, in order, then runs a step:
+(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Embed`, `Fault`, `Stop`) to ONE inbox; the worker takes
+them all between steps, in order (the embeddings of every `Embed` taken together in as few
+decodes as fit, on the worker's own embedding context, engine/llama/embedding.py), then runs a
+step:
   1. the scheduler admits what fits and plans one batch (`Scheduler.schedule`);
   2. the runner applies the plan's KV ops, gives new sequences a sampler, decodes and samples
      (`ContextRunner.execute`; the previous step's text is made while the device runs);
@@ -43,7 +45,7 @@ from engine.backends.config import (
     auto_pool_cells,
     host_available_bytes,
 )
-from engine.backends.protocol import BackendBase, BackendInfo
+from engine.backends.protocol import BackendBase, BackendInfo, Calibrator, CapState, Found
 from engine.backends.registry import DEFAULT_RATES, BuildContext, backend_kind
 from engine.core.errors import (
     BackendUnavailable,
@@ -57,6 +59,7 @@ from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepD
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.llama.embedding import Embeddings
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
@@ -87,6 +90,12 @@ class SetCap:
 @dataclass(frozen=True, slots=True)
 class Call:
     fn: Callable[[Backend], object]  # fn(backend) -> result, run on the worker between steps
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Embed:
+    inputs: tuple[tuple[int, ...], ...]  # token ids per input; the future gets one vector each
     future: Future
 
 
@@ -219,6 +228,7 @@ class Backend(BackendBase):
         self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
         self._thread: threading.Thread | None = None
         self._runner: ContextRunner | None = None
+        self._embeddings = Embeddings(model, self.config.threads, self.config.threads_batch, self.name)
         self._open(PrefixCache(), self.config.cache)
 
     # ---- lifecycle ----
@@ -300,14 +310,17 @@ class Backend(BackendBase):
         """The user's cap (with `cap_adaptive`, the ceiling of the limiter's live value)."""
         return self._cap
 
-    @property
-    def cap_adaptive(self) -> bool:
-        return self._adaptive
+    def cap_state(self) -> CapState:
+        """`auto`: no cap was given (or `set_cap(None)`): the ceiling is the device's, the start low."""
+        return CapState(self._cap, self._auto, self._adaptive)
 
-    @property
-    def cap_auto(self) -> bool:
-        """No cap was given (or `set_cap(None)`): the ceiling is the device's, the start low."""
-        return self._auto
+    def prompt_limit(self) -> int:
+        """The context per sequence (`validate` refuses a prompt that fills it)."""
+        return self.n_ctx_seq
+
+    def calibrate(self, how: Calibrator[Found]) -> Found:
+        """Measured by its own steps (`StepDone`), in this process."""
+        return how.by_steps(self)
 
     @property
     def cache(self) -> PrefixCache:
@@ -420,6 +433,22 @@ class Backend(BackendBase):
                     seq.pin = None
             raise refused
 
+    embeds = True
+
+    def embed(self, inputs) -> Future:
+        """The pooled, normalised embedding of each input (token ids), in order: a Future of a
+        list of float32 arrays, computed by the worker between two steps."""
+        future: Future = Future()
+        if not self.serving:
+            raise BackendUnavailable(f"backend {self.name} is not serving")
+        self._inbox.put(Embed(tuple(tuple(t) for t in inputs), future))
+        return future
+
+    @property
+    def embedding_decodes(self) -> int:
+        """Decodes its embedding context ran (requests taken together share them)."""
+        return self._embeddings.decodes
+
     @property
     def serving(self) -> bool:
         return self.healthy and not self._draining and not self._inbox.closed
@@ -492,7 +521,7 @@ class Backend(BackendBase):
         return [Path(self.model.path).stem]
 
     @property
-    def n_vocab(self) -> int:  # type: ignore[override]
+    def n_vocab(self) -> int:
         return self.model.n_vocab
 
     @property
@@ -503,7 +532,7 @@ class Backend(BackendBase):
         c = self.config
         return BackendInfo(name=self.name, device=self.device, model=self.model.info.name, threads=c.threads,
                            n_ctx=self.n_ctx, n_seq_max=c.n_seq_max, n_batch=c.n_batch, flash_attn=c.flash_attn,
-                           kv_unified=c.kv_unified)
+                           kv_unified=c.kv_unified, kind="local", rates_key=c.speed_key(self.model.device))
 
     def kv_state_bytes(self) -> int:
         """llama.cpp's own serialised-state size: grows with KV cells in use (tests use it)."""
@@ -661,6 +690,9 @@ class Backend(BackendBase):
         """Apply the inbox's messages in order; True on `Stop`."""
         sched = self._sched
         cancelled = set()
+        embeds = [(m.inputs, m.future) for m in msgs if isinstance(m, Embed)]
+        if embeds:
+            self._embeddings.run(embeds)
         for m in msgs:
             if isinstance(m, Enqueue):
                 with self._state, self._inbox.landing():
@@ -818,7 +850,7 @@ class Backend(BackendBase):
         for m in self._inbox.close():
             if isinstance(m, Enqueue):
                 movable.append(m.seq)
-            elif isinstance(m, Call):
+            elif isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is unhealthy"))
         self._hand_over([(s.req, s.handle, s.t_submit) for s in movable], why)
 
@@ -831,8 +863,9 @@ class Backend(BackendBase):
             self._sched.shutdown(RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
         self._settle()
         for m in leftovers:
-            if isinstance(m, Call):
+            if isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
+        self._embeddings.close()
         self._outbox.flush()
 
     def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:
