@@ -139,7 +139,7 @@ def _add_benches(sub) -> None:
     """`tandem bench NAME`: each bench (bench/*.py) declares its own arguments."""
     from app.engine_setup import engine_from_args
     from app.runtime import SWITCH_INTERVAL_S
-    from bench import attack, cache, chat, constrained, fleet, laptop, overhead, prefill, soak, study, together
+    from bench import attack, cache, chat, constrained, fleet, history, laptop, overhead, prefill, soak, study, together
     from bench import ui as ui_cost
 
     bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -153,6 +153,7 @@ def _add_benches(sub) -> None:
             ("grid", study.GRID_HELP, study.add_grid_arguments, study.run_grid),
             ("fleet", fleet.HELP, fleet.add_arguments, fleet.run_fleet),
             ("chat", chat.HELP, chat.add_arguments, chat.run_chat),
+            ("history", history.HELP, history.add_arguments, history.run_history),
             ("soak", soak.HELP, soak.add_arguments, soak.run_soak),
             ("attack", attack.HELP, attack.add_arguments, attack.run_attack),
             ("constrained", constrained.HELP, constrained.add_arguments, constrained.run_constrained),

@@ -135,6 +135,7 @@ class Scheduler:
         self.prefill_budget = n_batch  # halved after a "no KV room" decode
         self.blocked = False  # the queue's head waits for KV room that only a finish frees
         self.preemptions = 0
+        self.unrelated_sheds = 0  # idle caches cleared for unrelated work (`_shed_unrelated`)
         self._ops: list[KvOp] = []
         self._finished: list[Finished] = []
         self._unplaced: list[SeqState] = []  # left the running set unfinished (preempted, drained)
@@ -493,6 +494,8 @@ class Scheduler:
         match = self.cache.match(seq.tokens, max_len=self.reuse.usable(seq))
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
         hit = match.length
+        if not self.running and hit < SHARE_MIN_TOKENS:
+            self._shed_unrelated()
         need = n - hit + (0 if seq.warm else min(ADMIT_HEADROOM, self.n_ctx_seq - n))
         if not self._make_room(need + self._prefill_owed() + len(self.running)):
             if lock is not None:
@@ -639,6 +642,20 @@ class Scheduler:
         the layout's budget for idle cells (unified KV: `idle_cache_cells / B`)."""
         budget = self.kv.idle_budget(self.idle_cache_cells, len(self.running))
         self._apply_evictions(self.reuse.shed(self.cache, budget))
+
+    def _shed_unrelated(self) -> None:
+        """Work that uses (almost) nothing cached starts on an idle context: what the cache
+        holds belongs to other work, so all of it but the few tokens this request matched
+        (pinned) goes down to the layout's budget for that (unified KV: nothing) before the
+        new cells are placed. Kept, every decode step of the new work would scan it (unified KV
+        without flash attention: every cell up to the highest in use): a tiny-model context that had served 4 conversations held 858 cells through
+        the study's workload where a fresh one held 384 (tests/test_history.py). A prefix
+        another queued request was routed to stays pinned; a new conversation sharing the
+        cached system prompt keeps the other conversations' histories."""
+        evicted = self.reuse.shed(self.cache, self.kv.unrelated_budget())
+        if evicted:
+            self._apply_evictions(evicted)
+            self.unrelated_sheds += 1
 
     # ---- growth and preemption ----
 
