@@ -22,6 +22,7 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "not_found_error": (404, "invalid_request_error", "model_not_found"),
     "authentication_error": (401, "invalid_request_error", "invalid_api_key"),
     "queue_full_error": (429, "rate_limit_error", "queue_full"),
+    "rate_limit_error": (429, "rate_limit_error", "rate_limit_exceeded"),
     "conflict_error": (409, "invalid_request_error", "restart_in_progress"),
     "forbidden_error": (403, "invalid_request_error", "forbidden"),
     "request_timeout_error": (408, "invalid_request_error", "request_timeout"),

@@ -45,15 +45,21 @@ loop. Tokens come back through `RequestHandle.astream()` (marshalled with
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import secrets
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,6 +85,8 @@ from .http_guard import (
     GuardedSite,
     GuardSettings,
     RefusalLedger,
+    TooManyRequests,
+    client_address,
     guard_middleware,
     install_log_limits,
     on_prepare,
@@ -96,6 +104,7 @@ from .openai_schema import (
     parse_completion,
     tokenize,
 )
+from .parse_pool import PARSING, ParsePool
 from .settings import ENGINE, METRICS, SETTINGS, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -104,7 +113,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 MAX_ROUTING_DECISIONS = 1000
 BACKLOG = 1024  # many clients connect at once (benchmarks open hundreds of streams)
-SHUTDOWN_TIMEOUT_S = 5.0  # on shutdown, open streams get this long before they are cancelled
+SHUTDOWN_TIMEOUT_S = 3.0  # on shutdown, open streams get this long before they are cancelled
+# After SIGTERM/SIGINT the process is gone within this, whatever still runs: a call into llama.cpp
+# that never returns (a grammar's) once kept a server alive through SIGTERM until SIGKILL.
+EXIT_DEADLINE_S = 4.5
 
 
 RUN_TOKEN = secrets.token_hex(6)  # this server process's part of every response id
@@ -128,6 +140,9 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[GUARD] = guard
     app[REFUSALS] = RefusalLedger(guard.refused_cpu_share, guard.refused_cpu_burst_s)
     app[CONNECTIONS] = ConnectionGuard(guard, app[REFUSALS])
+    app.cleanup_ctx.append(_own_parse_pool)
+    app[RENDERED] = RenderedMetrics()
+    app[IN_FLIGHT] = InFlight()
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     started = int(time.time())
@@ -244,8 +259,11 @@ def guard_from_args(args) -> GuardSettings:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         body_idle_timeout=args.body_idle_timeout, keepalive_timeout=args.keepalive_timeout,
         max_connections=args.max_connections, max_client_connections=args.max_client_connections,
+        max_client_sequences=args.max_client_sequences,
         refuse_hold_s=args.refuse_hold, refused_cpu_share=args.refused_cpu_share,
         refused_cpu_burst_s=args.refused_cpu_burst, max_body_bytes=args.max_body_bytes,
+        send_timeout=args.send_timeout, max_head_bytes=args.max_head_bytes,
+        trusted_proxies=tuple(a.strip() for v in args.trusted_proxy or () for a in v.split(",") if a.strip()),
         allowed_hosts=tuple(h for v in args.allowed_hosts or () for h in v.split(",") if h),
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o))
 
@@ -304,13 +322,27 @@ async def _serve_until_signalled(app: web.Application, host: str, port: int, acc
     """`web.run_app`'s job with our guarded site: serve until SIGINT/SIGTERM, then clean up."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            threading.Thread(target=_exit_after, args=(EXIT_DEADLINE_S,), name="tandem-exit", daemon=True).start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     runner, _ = await start_server(app, host, port, access_log=access_log)
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def _exit_after(seconds: float) -> None:
+    """End the process `seconds` from now if it has not ended by then (a daemon thread)."""
+    time.sleep(seconds)
+    print(f"tandem: shutdown did not finish within {seconds:g} s (a call that does not return); exiting now",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 # ---- errors ----
@@ -427,6 +459,42 @@ async def _parse(request: web.Request, parse):
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
+    client = client_address(request)
+    parsed = dataclasses.replace(parsed, request=dataclasses.replace(parsed.request, client=client),
+                                 more=tuple((dataclasses.replace(r, client=client), e) for r, e in parsed.more))
+    sequences = parsed.n * (1 + len(parsed.more))
+    with request.app[IN_FLIGHT].hold(client, sequences, request.app[GUARD].max_client_sequences):
+        return await _generate(request, engine, loop, parsed)
+
+
+class InFlight:
+    """Sequences (choices) each client address has generating or queued: past
+    `max_client_sequences` its next request is 429 with `Retry-After`, so one address cannot
+    fill every backend's queue (40 unread streams of n=16 queued 640 sequences)."""
+
+    def __init__(self) -> None:
+        self.by_client: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def hold(self, client: str, n: int, limit: int):
+        if self.by_client[client] + n > limit:
+            raise TooManyRequests(f"this address has {self.by_client[client]} sequences generating or queued; this "
+                                  f"server takes at most {limit} from one address (--max-client-sequences)",
+                                  retry_after_s=1)
+        self.by_client[client] += n
+        try:
+            yield
+        finally:
+            self.by_client[client] -= n
+            if self.by_client[client] <= 0:
+                del self.by_client[client]
+
+
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
+
+
+async def _generate(request: web.Request, engine: Engine, loop: asyncio.AbstractEventLoop,
+                    parsed: ApiRequest) -> web.StreamResponse:
     handles: list[RequestHandle] = []
     echoes: list[str] = []
     try:
@@ -450,9 +518,8 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
     try:
         if parsed.stream:
             return await _stream(request, handles, reply)
-        for h in handles:
-            async for _ in h.astream():
-                pass
+        # every choice read as it comes: one left unread while another is read would pause
+        await asyncio.gather(*(_drain(h) for h in handles))
         records = [succeeded(h.result(0)) for h in handles]
         return web.json_response(reply.whole(records), headers=reply.headers)
     finally:
@@ -460,16 +527,21 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
             h.cancel()  # a no-op once finished; on disconnect, frees the request's KV
 
 
+async def _drain(handle: RequestHandle) -> None:
+    async for _ in handle.astream():
+        pass
+
+
 async def _stream(request: web.Request, handles: list[RequestHandle], reply: Reply) -> web.StreamResponse:
     """SSE for every choice, interleaved as their text comes (`choices[].index` says whose)."""
-    q: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client that does not read blocks the writer, then the pumps, then the handles'
+    # readers, and its sequences pause (`RequestHandle.reader_behind`) instead of filling memory.
+    q: asyncio.Queue = asyncio.Queue(maxsize=2 * len(handles))
 
     async def pump(i: int, handle: RequestHandle) -> None:
-        try:
-            async for delta in handle.astream():
-                q.put_nowait((i, delta))
-        finally:
-            q.put_nowait((i, None))
+        async for delta in handle.astream():
+            await q.put((i, delta))
+        await q.put((i, None))
 
     pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     try:
@@ -483,6 +555,7 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
             **reply.headers,
         })
         await response.prepare(request)
+        _small_send_buffer(request)
         try:
             for chunk in reply.opening():
                 await _send(response, chunk)
@@ -511,6 +584,28 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
     finally:
         for t in pumps:
             t.cancel()
+
+
+# A stream's socket send buffer: the kernel grows one to 4 MB, so a reader that stops reading
+# took ~125 tokens of each of 16 choices before the writer noticed; 64 KB (the kernel doubles it)
+# still carries a fast stream of logprobs over a 200 ms link.
+STREAM_SNDBUF = 64 << 10
+
+
+STREAM_WRITE_BUFFER = 16 << 10  # and the transport's buffer above it (asyncio's default high-water: 64 KB)
+
+
+def _small_send_buffer(request: web.Request) -> None:
+    transport = request.transport
+    if transport is None:
+        return
+    transport.set_write_buffer_limits(high=STREAM_WRITE_BUFFER)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+        except OSError:
+            pass
 
 
 async def _send(response: web.StreamResponse, obj: dict) -> None:
@@ -778,26 +873,73 @@ async def restart_backend(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """`ok` (every backend serves), `degraded` (some do) or `unavailable` (503, none does).
+    """`ok` (every backend serves), `degraded` (some do, or a body parser is stuck past its
+    deadline: `parsing.stuck`) or `unavailable` (503, none does, or every parser is stuck).
     Cheap: each backend's health flag, no snapshot. Which backend failed and why (error text
     that can name remote engines' URLs) is shown only to a caller with the API key, when one
     is set."""
     engine = request.app[ENGINE]
     up = list(engine.health().values())
-    status = "ok" if up and all(up) else "degraded" if any(up) else "unavailable"
+    pool = request.app.get(PARSING)
+    stuck = pool.stuck if pool is not None else 0
+    if pool is not None and pool.exhausted:  # no body can be read: nothing is served
+        up = [False]
+    status = "ok" if up and all(up) and not stuck else "degraded" if any(up) else "unavailable"
     body: dict = {"status": status}
+    if stuck:
+        body["parsing"] = {"stuck": stuck, "threads": pool.workers + pool.spares}  # type: ignore[union-attr]
     if _authorized(request):
         body["backends"] = [{"name": s.name, "device": s.device, "healthy": s.healthy, "error": s.error,
                              "running": len(s.running), "waiting": len(s.waiting)} for s in engine.snapshot()]
     return web.json_response(body, status=200 if any(up) else 503)
 
 
+class RenderedMetrics:
+    """`/metrics`' text, rendered at most once per `METRICS_TTL_S`: 1,000 connections
+    pipelining `GET /metrics` made the loop render it (2.2 ms) for each of them; now a burst
+    of them is served the same bytes (and a reader that does not read them blocks only its own
+    connection, which is then evictable: `ConnectionGuard.write_blocked`)."""
+
+    def __init__(self) -> None:
+        self.at, self.body = -math.inf, b""
+
+    def get(self, metrics: EngineMetrics) -> bytes:
+        now = time.monotonic()
+        if now - self.at >= METRICS_TTL_S:
+            self.at, self.body = now, metrics.render()
+        return self.body
+
+
+METRICS_TTL_S = 0.1
+METRICS_PER_CONNECTION = 3  # /metrics a second on one connection
+RENDERED = web.AppKey("rendered_metrics", RenderedMetrics)
+
+
 async def metrics_text(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    """Prometheus text, from one rendering per `METRICS_TTL_S`; past `METRICS_PER_CONNECTION`
+    in a second on one connection, 429 and the connection closed (a scraper asks every 10-60 s;
+    1,000 connections pipelining 120 each and never reading took 6.6x quiet from other clients)."""
+    conn = request.app[CONNECTIONS].connection_of(request)
+    if conn is not None:
+        now = time.monotonic()
+        if now - conn.metrics_window >= 1.0:
+            conn.metrics_window, conn.metrics_asked = now, 0
+        conn.metrics_asked += 1
+        if conn.metrics_asked > METRICS_PER_CONNECTION:
+            raise TooManyRequests(f"more than {METRICS_PER_CONNECTION} /metrics a second on this connection",
+                                  retry_after_s=1)
+    return web.Response(body=request.app[RENDERED].get(request.app[METRICS]),
+                        headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[SETTINGS].openapi)
+
+
+async def _own_parse_pool(app: web.Application):
+    app[PARSING] = ParsePool()
+    yield
+    app[PARSING].close()
 
 
 async def _own_metrics(app: web.Application):

@@ -67,6 +67,12 @@ from engine.sched.prefix_cache import PrefixCache
 from engine.sched.scheduler import Finished, KvOp, Scheduler, SeqState
 
 log = logging.getLogger(__name__)
+PAUSED_POLL_S = 0.02  # how often a backend whose only work is paused sequences looks at their readers
+
+
+def _reader_behind(s: SeqState) -> bool:
+    """The scheduler's `paused` predicate: the request's asyncio reader is behind."""
+    return s.handle is not None and s.handle.reader_behind
 
 
 # ---- the inbox's messages ----
@@ -248,7 +254,7 @@ class Backend(BackendBase):
             busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, piece=self.model.piece,
             is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache,
             limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive),
-            share_prefill=c.share_prefill, defer_shared=c.defer_shared)
+            share_prefill=c.share_prefill, defer_shared=c.defer_shared, paused=_reader_behind)
         self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
         self._inbox = Inbox()
 
@@ -679,6 +685,8 @@ class Backend(BackendBase):
             if idle:
                 due = samplers.expires_in(time.monotonic())  # idle chains to detach
                 timeout = None if due is None else max(due, 0.0)
+                if sched.n_paused or sched.parked:  # look again soon whether their readers caught up
+                    timeout = PAUSED_POLL_S if timeout is None else min(timeout, PAUSED_POLL_S)
             msgs = self._inbox.take(idle and timeout != 0.0, timeout)
             if msgs and self._take(msgs):
                 return
