@@ -156,7 +156,7 @@ def test_ruff_bounds_complexity_at_15():
 
 
 @pytest.mark.xfail(strict=True, reason="open in files being changed elsewhere: engine/engine.py, engine/experiment.py, "
-                   "engine/llama/ (but embedding.py, synthetic.py), engine/prompts/{chat,structured}.py, "
+                   "engine/llama/ (but embedding.py, gbnf_cost.py, synthetic.py), engine/prompts/{chat,structured}.py, "
                    "engine/rates/refresh.py, engine/routing/, engine/sched/{prefix_cache,scheduler,sequence}.py")
 def test_every_function_in_engine_is_annotated():
     missing = [_where(path, fn) for path in _python_files("engine")
@@ -166,7 +166,7 @@ def test_every_function_in_engine_is_annotated():
 
 @pytest.mark.xfail(strict=True, reason="open in files being changed elsewhere: ui/{teaching,backends,controls,"
                    "experiments,routing}.py and ui/chat/panel.py (_build), app/gui.py (run_gui), app/cli.py "
-                   "(build_parser)")
+                   "(build_parser), engine/llama/grammar.py (measure)")
 def test_no_function_is_over_80_lines():
     long = [f"{_where(path, fn)}: {fn.end_lineno - fn.lineno + 1} lines"
             for path in _python_files("engine", "app", "ui", "bench")
