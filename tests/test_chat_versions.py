@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ui.history import Chat, ChatStore, Message
+from ui.model.history import Chat, ChatStore, Message
 
 
 def contents(chat: Chat) -> list[str]:

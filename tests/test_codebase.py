@@ -76,6 +76,23 @@ def test_engine_importing_qt_breaks_a_contract(tmp_path):
     assert "engine.qt_leak -> PySide6" in p.stdout, _report(p)
 
 
+@pytest.mark.parametrize("leak, chain", [
+    ("from ui.chat import transcript", "ui.model.history -> ui.chat.transcript"),
+    ("import pyqtgraph", "ui.model.history -> pyqtgraph"),
+])
+def test_a_ui_model_importing_a_view_or_qt_breaks_a_contract(tmp_path, leak, chain):
+    """The same contracts on a copy of the tree whose chat history imports a view, or Qt."""
+    _copy_tree(tmp_path)
+    with (tmp_path / "ui" / "model" / "history.py").open("a") as f:
+        f.write(f"{leak}  # noqa: E402, F401\n")
+
+    p = _run(["lint-imports", "--no-cache"], cwd=tmp_path)
+
+    assert p.returncode != 0, _report(p)
+    assert "The UI's models are Qt-free and know no view BROKEN" in p.stdout, _report(p)
+    assert chain in p.stdout, _report(p)
+
+
 def test_an_import_cycle_breaks_a_contract(tmp_path):
     """The same contracts on a copy of the tree whose Responses routes import the server back."""
     _copy_tree(tmp_path)

@@ -302,7 +302,7 @@ def test_enter_while_a_reply_streams_keeps_the_text(qtbot, make_window, ui_engin
 
 
 def _open_reply(chat, text: str) -> None:
-    from ui.history import Chat, Message
+    from ui.model.history import Chat, Message
 
     saved = Chat(messages=[Message("user", "show me"), Message("assistant", text, {"backend": "cpu0"})])
     chat.store.save(saved)
@@ -451,7 +451,7 @@ def test_the_transcript_follows_the_theme(qtbot, make_window, ui_engine):
 
 
 def test_code_blocks_follow_the_theme(qtbot, make_window):
-    from ui.markdown import DARK_CODE, LIGHT_CODE
+    from ui.model.markdown import DARK_CODE, LIGHT_CODE
 
     w = make_window()
     chat = w.panels["chat"]

@@ -18,7 +18,7 @@ def shown(qtbot, w, width: int, height: int):
 
 
 def open_saved(chat, turns: int, reply: str = "A short answer.") -> None:
-    from ui.history import Chat, Message
+    from ui.model.history import Chat, Message
 
     saved = Chat(messages=[m for i in range(turns) for m in
                            (Message("user", f"question {i + 1}"), Message("assistant", reply, {"backend": "cpu0"}))])

@@ -304,7 +304,7 @@ def test_the_search_fails_with_a_message_when_the_hub_is_unreachable(monkeypatch
 
 def _dialog_on_the_tiny_repo(qtbot, tmp_path):
     """File ▸ Get model, having searched for "tiny" and picked the one repository found."""
-    from ui.get_model import GetModelDialog
+    from ui.dialogs.get_model import GetModelDialog
 
     dialog = GetModelDialog(n_ctx=2048, folder=tmp_path / "models")
     qtbot.addWidget(dialog)
@@ -318,7 +318,7 @@ def _dialog_on_the_tiny_repo(qtbot, tmp_path):
 def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_bytes,
                                                                            tmp_path, make_window):
     from app.gui import load_engine
-    from ui.get_model import GetModelDialog
+    from ui.dialogs.get_model import GetModelDialog
     from ui.loader import ModelSpec
 
     dialog = _dialog_on_the_tiny_repo(qtbot, tmp_path)
@@ -354,7 +354,7 @@ def test_get_model_dialog_resumes_from_the_bytes_a_stop_kept(qtbot, fake_hub, ti
     import huggingface_hub.constants as constants
 
     from ui import hub
-    from ui.get_model import GetModelDialog
+    from ui.dialogs.get_model import GetModelDialog
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
     dialog = _dialog_on_the_tiny_repo(qtbot, tmp_path)

@@ -10,9 +10,9 @@ import pytest
 
 import engine.llama  # noqa: F401  (llama.cpp before numpy)
 from engine.core.request import FinishRecord, RequestStatus
-from ui.formatting import fmt_seconds
-from ui.history import Chat, ChatStore, Message
-from ui.live_stats import EDGES, LatencyStore, RingSeries, percentile, step_histogram, summarize
+from ui.model.formatting import fmt_seconds
+from ui.model.history import Chat, ChatStore, Message
+from ui.model.live_stats import EDGES, LatencyStore, RingSeries, percentile, step_histogram, summarize
 
 
 def record(backend="cpu0", ttft=0.1, e2e=1.0, itl=0.01, out=10, error=None, rid="r"):
@@ -129,14 +129,14 @@ class TestChatStore:
 
 
 def test_log_axis_ticks_are_few_readable_seconds():
-    from ui.axes import log_ticks
+    from ui.model.axes import log_ticks
 
     assert [t for _, t in log_ticks(-1.7, -0.3)] == ["20 ms", "50 ms", "100 ms", "200 ms", "500 ms"]
     assert [t for _, t in log_ticks(-3, 1)] == ["1 ms", "10 ms", "100 ms", "1 s", "10 s"]  # decades when wide
 
 
 def test_rates_read_as_tokens_per_second():
-    from ui.formatting import fmt_rate
+    from ui.model.formatting import fmt_rate
 
     assert (fmt_rate(76.2413), fmt_rate(2551.0), fmt_rate(0.0)) == ("76.2 tok/s", "2,551 tok/s", "–")
 
@@ -144,7 +144,7 @@ def test_rates_read_as_tokens_per_second():
 def test_a_model_is_titled_by_its_file_name():
     from types import SimpleNamespace
 
-    from ui.formatting import model_title
+    from ui.model.formatting import model_title
 
     info = SimpleNamespace(path="/m/SmolLM2-135M-Instruct.Q4_1.gguf", name="Smollm2 135M 8k Lc100K Mix1 Ep2")
     assert model_title(info) == "SmolLM2-135M-Instruct.Q4_1"
@@ -155,6 +155,6 @@ def test_a_model_is_titled_by_its_file_name():
 def test_a_routing_score_cell_stays_seven_characters_at_most(score, text):
     from types import SimpleNamespace
 
-    from ui.routing import score_term
+    from ui.panels.routing import score_term
 
     assert score_term(SimpleNamespace(score_s=score), "score") == text and len(text) <= 7

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..history import Chat, ChatStore
+from ..model.history import Chat, ChatStore
 
 
 class ChatList(QWidget):

@@ -3,9 +3,9 @@
 Replies stream through asyncio (qasync): the panel submits with `loop=` the running loop and a
 task iterates `handle.astream()`, so text deltas arrive on the GUI thread without a worker ever
 touching a widget. Each reply records the backend that served it, TTFT, decode tok/s and cached
-tokens; chats are saved as JSON under the user data dir (`ui.history.ChatStore`).
+tokens; chats are saved as JSON under the user data dir (`ui.model.history.ChatStore`).
 
-The chat itself (`ui.history.Chat`) changes only here: a reply is appended, a regenerated one
+The chat itself (`ui.model.history.Chat`) changes only here: a reply is appended, a regenerated one
 becomes a new version of the last reply (‹k/n› switches), an edited question saved becomes a new
 version of it and is answered again (Cancel leaves the chat as it was), Continue goes on with a
 reply cut by its length limit. A prompt the engine refuses (too long for the context, a bad
@@ -54,12 +54,12 @@ from engine.core.errors import ContextLengthExceeded, EngineError
 from engine.core.handle import RequestHandle
 from engine.core.request import Request, SamplingParams
 
-from ..advice import advise
-from ..history import Chat, ChatStore, Message
-from ..presets import PresetButton
+from ..model.advice import advise
+from ..model.history import Chat, ChatStore, Message
 from ..theme import palette
 from .chat_list import ChatList
 from .composer import PromptEdit, SamplingSettings
+from .presets import PresetButton
 from .transcript import Bubble, Transcript, meta_bits, meta_html, meta_plain, tokens_html, welcome_html
 
 log = logging.getLogger(__name__)

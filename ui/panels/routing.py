@@ -39,13 +39,13 @@ from PySide6.QtWidgets import (
 
 from engine.routing import DEFAULT_POLICY
 
-from .axes import count_axis_top
-from .formatting import fmt_rate
-from .legend import add_legend
+from ..model.axes import count_axis_top
+from ..model.formatting import fmt_rate
+from ..plots.legend import add_legend
+from ..theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
 from .plot_marks import LABEL_PT, ChangeMarks, ChangeTracker, EmptyHint, hover_tips
 from .presenter import PLOT_PT, PRESENTER_PT, set_axis_labels
 from .run_strip import RunStrip
-from .theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
 
 # Per backend: the score's terms. The rates it priced them at are in each cell's tooltip, the
 # explanation and the CSV (a column of them pushed the table past a 1080p window's width).
@@ -404,7 +404,7 @@ class RoutingView(QWidget):
             self._fit_fixed_columns()  # a row number with one more digit
 
     def presenter_changed(self, on: bool) -> None:
-        """The presenter view (ui.presenter): the table shows #, the chosen backend and each
+        """The presenter view (ui.panels.presenter): the table shows #, the chosen backend and each
         backend's score (the rest is in each cell's tooltip and the explanation), rows as tall as
         the large type, the explanation a sentence with the arithmetic behind a link and tall
         enough to read whole; the row count and Export make way."""

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from .loader import PHASES
-from .theme import HEALTHY, MUTED, WORKING
+from ..loader import PHASES
+from ..theme import HEALTHY, MUTED, WORKING
 
 MIN_FRACTION_FOR_ESTIMATE = 0.1  # a phase's pace says little before a tenth of it is done
 

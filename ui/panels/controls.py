@@ -30,10 +30,10 @@ from engine.core.snapshot import Rates
 from engine.routing import BUDGET_MODES, DEFAULT_POLICY, POLICIES
 from engine.routing import HELP as POLICY_HELP  # one line per policy, beside each (engine/routing/)
 
-from .formatting import CAP_HELP, cap_reason_detail, live_cap_text, policy_sentence
+from ..model.formatting import CAP_HELP, cap_reason_detail, live_cap_text, policy_sentence
+from ..theme import backend_color, palette, wrap_label
+from ..worker import Worker
 from .presenter import VALUE_PT
-from .theme import backend_color, palette, wrap_label
-from .worker import Worker
 
 SPIN_WIDTH = 92  # px: a rate box at the app's type size
 BUDGET_HELP = {
@@ -255,7 +255,7 @@ class ControlsPanel(QWidget):
         self.rates_changed.emit()
 
     def presenter_changed(self, on: bool) -> None:
-        """The presenter view (ui.presenter): rate boxes wide enough for their larger digits."""
+        """The presenter view (ui.panels.presenter): rate boxes wide enough for their larger digits."""
         font = QFont(self.font())
         font.setPointSize(VALUE_PT if on else 10)
         width = QFontMetrics(font).horizontalAdvance("0000000.0") + 30 if on else SPIN_WIDTH

@@ -32,14 +32,14 @@ from PySide6.QtWidgets import (
 
 from engine.core.errors import EngineError
 
-from .advice import advise
-from .axes import count_axis_top
-from .formatting import CAP_HELP, cap_reason_detail, fmt_rate, live_cap_text, rates_source_text
-from .legend import add_legend
-from .live_stats import RingSeries
+from ..model.advice import advise
+from ..model.axes import count_axis_top
+from ..model.formatting import CAP_HELP, cap_reason_detail, fmt_rate, live_cap_text, rates_source_text
+from ..model.live_stats import RingSeries
+from ..plots.legend import add_legend
+from ..theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, wrap_label
+from ..worker import Worker
 from .plot_marks import ChangeMarks, ChangeTracker
-from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, wrap_label
-from .worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class BackendCard(QFrame):
         grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
-        self.plot.setProperty("sparkline", True)  # keeps its small type in the presenter view (ui.presenter)
+        self.plot.setProperty("sparkline", True)  # keeps its small type in the presenter view (ui.panels.presenter)
         self.plot.setFixedHeight(SPARK_HEIGHT[False])
         p = self.plot.getPlotItem()
         p.setMouseEnabled(False, False)

@@ -22,7 +22,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QFont
 
-from .theme import GRID_ALPHA, MUTED, WORKING, palette
+from ..theme import GRID_ALPHA, MUTED, WORKING, palette
 
 MAX_MARKS = 40  # older marks go first past this many
 MAX_LABEL_ROWS = 3  # rows of change labels at the top of a plot
