@@ -240,7 +240,7 @@ def scrollable_column(widget):
     area.setWidgetResizable(True)
     area.setFrameShape(QFrame.Shape.NoFrame)
     area.setWidget(widget)
-    area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     widget.installEventFilter(area)
     return area
 

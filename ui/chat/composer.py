@@ -38,7 +38,7 @@ class PromptEdit(QPlainTextEdit):
     submitted = Signal()
 
     def keyPressEvent(self, event):
-        if event.key() in (Qt.Key_Return, Qt.Key_Enter) and not event.modifiers() & Qt.ShiftModifier:
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
             self.submitted.emit()
             return
         super().keyPressEvent(event)

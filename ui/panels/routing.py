@@ -108,18 +108,18 @@ class RoutingTableModel(QAbstractTableModel):
     def columnCount(self, parent=QModelIndex()) -> int:
         return 0 if parent.isValid() else len(FIXED) + len(TERMS) * len(self.backends)
 
-    def headerData(self, section, orientation, role=Qt.DisplayRole):
-        if orientation != Qt.Horizontal:
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if orientation != Qt.Orientation.Horizontal:
             return None
-        if role == Qt.DisplayRole:
+        if role == Qt.ItemDataRole.DisplayRole:
             if section < len(FIXED):
                 return FIXED[section]
             b, t = divmod(section - len(FIXED), len(TERMS))
             return f"{self.backends[b]}\n{TERMS[t]}\n{UNITS[TERMS[t]]}"
-        if role == Qt.ForegroundRole and section >= len(FIXED):
+        if role == Qt.ItemDataRole.ForegroundRole and section >= len(FIXED):
             b = (section - len(FIXED)) // len(TERMS)
             return QBrush(_text_color(self._colors[self.backends[b]]))
-        if role == Qt.ToolTipRole and section >= len(FIXED):
+        if role == Qt.ItemDataRole.ToolTipRole and section >= len(FIXED):
             t = TERMS[(section - len(FIXED)) % len(TERMS)]
             return {
                 "cached": "prompt tokens of the new request already in this backend's prefix cache",
@@ -129,24 +129,24 @@ class RoutingTableModel(QAbstractTableModel):
             }[t]
         return None
 
-    def data(self, index, role=Qt.DisplayRole):
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
         if not index.isValid():
             return None
         d = self.decisions[index.row()]
         col = index.column()
         if col < len(FIXED):
-            if role == Qt.DisplayRole:
+            if role == Qt.ItemDataRole.DisplayRole:
                 return [
                     str(self._first_number + index.row()),
                     f"{d.time - self.t0:.2f} s",
                     d.backend + (" (pinned)" if d.pinned else ""),
                 ][col]
-            if role == Qt.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
+            if role == Qt.ItemDataRole.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
                 return QBrush(_text_color(self._colors[d.backend]))
-            if role == Qt.ToolTipRole:
+            if role == Qt.ItemDataRole.ToolTipRole:
                 return f"{d.request_id} · {d.policy}: {d.reason}"
-            if role == Qt.TextAlignmentRole and col in (0, 1):
-                return int(Qt.AlignRight | Qt.AlignVCenter)
+            if role == Qt.ItemDataRole.TextAlignmentRole and col in (0, 1):
+                return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             return None
         b, t = divmod(col - len(FIXED), len(TERMS))
         name = self.backends[b]
@@ -154,13 +154,13 @@ class RoutingTableModel(QAbstractTableModel):
             s = d.score_of(name)
         except KeyError:
             return None
-        if role == Qt.DisplayRole:
+        if role == Qt.ItemDataRole.DisplayRole:
             return score_term(s, TERMS[t])
-        if role == Qt.BackgroundRole and name == d.backend:
+        if role == Qt.ItemDataRole.BackgroundRole and name == d.backend:
             return QBrush(QColor(palette().chosen_bg))  # the theme in use
-        if role == Qt.TextAlignmentRole:
-            return int(Qt.AlignRight | Qt.AlignVCenter)
-        if role == Qt.ToolTipRole:
+        if role == Qt.ItemDataRole.TextAlignmentRole:
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        if role == Qt.ItemDataRole.ToolTipRole:
             return explain_score(s)
         return None
 
