@@ -435,11 +435,11 @@ def test_ctrl_slash_lists_the_shortcuts(qtbot, make_window):
 def test_context_meter_warns_before_sending_a_prompt_too_long(qtbot, make_window):
     w = make_window()
     chat = w.panels["chat"]
-    chat.update_context_meter()
+    chat.context_meter.refresh()
     assert chat.context_label.text().endswith("/ 1,024")
     chat.input.setPlainText("word " * 3000)
     qtbot.waitUntil(lambda: "too long" in chat.context_label.text(), timeout=WAIT_MS)
-    prompt, _, n_ctx = chat.context_usage()
+    prompt, _, n_ctx = chat.context_meter.usage()
     assert prompt > n_ctx == 1024
     chat.input.setPlainText("hi")
     qtbot.waitUntil(lambda: "too long" not in chat.context_label.text(), timeout=WAIT_MS)
