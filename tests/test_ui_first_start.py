@@ -231,7 +231,7 @@ def test_time_plots_mark_where_a_cap_or_the_policy_changed(qtbot, make_window, u
     qtbot.waitUntil(lambda: len(ticked) >= n + 2, timeout=WAIT_MS)
     latency = w.panels["latency"].marks.texts()
     assert any("cpu0 ceiling 4→2" in t for t in latency) and any("policy → round-robin" in t for t in latency)
-    card = w.panels["backends"].cards["cpu0"].marks.texts()
+    card = w.panels["backends"].cards["cpu0"].history.marks.texts()
     assert any("ceiling 4→2" in t for t in card) and any("policy" in t for t in card)
     assert any("policy → round-robin" in t for t in w.panels["routing"].change_marks.texts())
 

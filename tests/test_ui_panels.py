@@ -350,7 +350,7 @@ def test_latency_axes_fit_their_data_with_whole_request_counts(qtbot, make_windo
 
 def test_a_backend_sparkline_has_a_legend(make_window):
     card = make_window().panels["backends"].cards["cpu0"]
-    assert [label.text for _, label in card.legend.items] == ["running", "waiting"]
+    assert [label.text for _, label in card.history.legend.items] == ["running", "waiting"]
 
 
 def test_the_teaching_bars_have_a_legend(make_window):

@@ -297,7 +297,7 @@ def test_the_dashed_lines_stand_out_on_both_themes(make_window):
         w.set_theme(theme)
         bg = palette().plot_bg
         assert _contrast(latency.tput_curves[-1].opts["pen"].color().name(), bg) >= 4.5, theme
-        assert _contrast(card.waiting_curve.opts["pen"].color().name(), bg) >= 3.0, theme
+        assert _contrast(card.history.waiting_curve.opts["pen"].color().name(), bg) >= 3.0, theme
 
 
 def test_time_ticks_thin_until_their_labels_stand_apart_inside_the_axis():

@@ -269,44 +269,8 @@ class RoutingView(QWidget):
         bridge.tick.connect(self._on_tick)
 
     def _build(self) -> None:
-        self.table = QTableView()
-        self.table.setModel(self.model)
-        self.table.setAlternatingRowColors(True)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.verticalHeader().setVisible(False)
-        self.table.verticalHeader().setDefaultSectionSize(22)
-        # Every column shares the table's width (no sideways scrolling): the id moved to the
-        # row's tooltip, units to the headings, so the cells are short numbers.
-        h = self.table.horizontalHeader()
-        h.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-        h.setMinimumSectionSize(36)
-        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
-        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
-        self.table.selectionModel().currentRowChanged.connect(self._on_row)
-        self.model.rowsInserted.connect(self._follow)
-
-        self.plot_widget = pg.PlotWidget()
-        p = self.plot = self.plot_widget.getPlotItem()
-        # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
-        style_plot(p, "Each backend's score per request (lower wins)", *AXIS_LABELS)
-        add_legend(p, offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
-        for axis in ("left", "bottom"):
-            p.getAxis(axis).enableAutoSIPrefix(False)  # seconds stay seconds, no "(x0.001)"
-        self.curves = {}
-        for b in self.backends:
-            c = self.colors[b]
-            self.curves[b] = p.plot(pen=pg.mkPen(c, width=1.5), symbol="o", symbolSize=4, symbolBrush=c,
-                                    symbolPen=None, name=f"{b} score", connect="finite")
-        self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
-        hover_tips(self.marks, lambda _x, _y, data: data)
-        p.addItem(self.marks)
-        self.hint = EmptyHint(p, "no request routed yet")
-        self.changes = ChangeTracker()
-        self.change_marks = ChangeMarks(p)  # x is the row: a change is marked before the next arrival
-        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.PenStyle.DotLine))  # reads on both themes
-        self.selected_line.setVisible(False)
-        p.addItem(self.selected_line)
+        self._build_table()
+        self._build_plot()
 
         self.explain = QTextBrowser()
         self.explain.setOpenLinks(False)
@@ -349,6 +313,49 @@ class RoutingView(QWidget):
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(split)
+
+    def _build_table(self) -> None:
+        """The decisions, one row each, every column sharing the table's width."""
+        self.table = QTableView()
+        self.table.setModel(self.model)
+        self.table.setAlternatingRowColors(True)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.verticalHeader().setVisible(False)
+        self.table.verticalHeader().setDefaultSectionSize(22)
+        # Every column shares the table's width (no sideways scrolling): the id moved to the
+        # row's tooltip, units to the headings, so the cells are short numbers.
+        h = self.table.horizontalHeader()
+        h.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        h.setMinimumSectionSize(36)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self.table.selectionModel().currentRowChanged.connect(self._on_row)
+        self.model.rowsInserted.connect(self._follow)
+
+    def _build_plot(self) -> None:
+        """Each backend's score per request, the chosen one marked, the selected row's line."""
+        self.plot_widget = pg.PlotWidget()
+        p = self.plot = self.plot_widget.getPlotItem()
+        # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
+        style_plot(p, "Each backend's score per request (lower wins)", *AXIS_LABELS)
+        add_legend(p, offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+        for axis in ("left", "bottom"):
+            p.getAxis(axis).enableAutoSIPrefix(False)  # seconds stay seconds, no "(x0.001)"
+        self.curves = {}
+        for b in self.backends:
+            c = self.colors[b]
+            self.curves[b] = p.plot(pen=pg.mkPen(c, width=1.5), symbol="o", symbolSize=4, symbolBrush=c,
+                                    symbolPen=None, name=f"{b} score", connect="finite")
+        self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
+        hover_tips(self.marks, lambda _x, _y, data: data)
+        p.addItem(self.marks)
+        self.hint = EmptyHint(p, "no request routed yet")
+        self.changes = ChangeTracker()
+        self.change_marks = ChangeMarks(p)  # x is the row: a change is marked before the next arrival
+        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.PenStyle.DotLine))  # reads on both themes
+        self.selected_line.setVisible(False)
+        p.addItem(self.selected_line)
 
     # ---- updates ----
 
