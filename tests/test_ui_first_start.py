@@ -98,7 +98,7 @@ def test_reset_the_counters_zeroes_them_again(qtbot, make_window, ui_engine):
 
 
 def test_load_times_estimate_what_is_left_from_the_phase_pace():
-    from ui.panels.first_start import LoadTimes, fmt_duration
+    from ui.model.load_times import LoadTimes, fmt_duration
 
     t = LoadTimes(started=100.0)
     t.new_phase(now=102.0)

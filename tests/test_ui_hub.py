@@ -353,8 +353,8 @@ def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_by
 def test_get_model_dialog_resumes_from_the_bytes_a_stop_kept(qtbot, fake_hub, tiny_bytes, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
-    from ui.model import hub
     from ui.dialogs.get_model import GetModelDialog
+    from ui.model import hub
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
     dialog = _dialog_on_the_tiny_repo(qtbot, tmp_path)

@@ -1,15 +1,17 @@
-"""UI logic tested without any widget: live statistics, formatting, plot axes, chat history
-(the teaching replay's numbers: tests/test_teaching.py)."""
+"""UI logic tested without any widget: live statistics, formatting, plot axes, chat history, what
+changed between ticks (the teaching replay's numbers: tests/test_teaching.py)."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import engine.llama  # noqa: F401  (llama.cpp before numpy)
 from engine.core.request import FinishRecord, RequestStatus
+from ui.model.changes import ChangeTracker, is_engines_own
 from ui.model.formatting import fmt_seconds
 from ui.model.history import Chat, ChatStore, Message
 from ui.model.live_stats import EDGES, LatencyStore, RingSeries, percentile, step_histogram, summarize
@@ -158,3 +160,33 @@ def test_a_routing_score_cell_stays_seven_characters_at_most(score, text):
     from ui.panels.routing import score_term
 
     assert score_term(SimpleNamespace(score_s=score), "score") == text and len(text) <= 7
+
+
+def _snap(name="cpu0", cap=4, ceiling=8, healthy=True):
+    return SimpleNamespace(name=name, cap=cap, cap_ceiling=ceiling, healthy=healthy)
+
+
+class TestChangeTracker:
+    @pytest.mark.parametrize("after, policy, changes", [
+        (_snap(), "seed-score", []),
+        (_snap(ceiling=6), "seed-score", ["cpu0 ceiling 8→6"]),
+        (_snap(cap=2), "seed-score", ["cpu0 live cap 4→2"]),
+        (_snap(healthy=False), "seed-score", ["cpu0 down"]),
+        (_snap(), "cache-aware", ["policy → cache-aware"]),
+        (_snap(name="cpu1", cap=1), "seed-score", []),  # a backend it has not seen before
+    ])
+    def test_says_what_changed_since_the_last_tick(self, after, policy, changes):
+        tracker = ChangeTracker()
+        assert tracker.update([_snap()], "seed-score") == []  # the first tick: nothing to compare
+        assert tracker.update([after], policy) == changes
+
+    def test_a_backend_back_up_is_said_once(self):
+        tracker = ChangeTracker()
+        tracker.update([_snap(healthy=False)], "p")
+        assert tracker.update([_snap()], "p") == ["cpu0 healthy again"]
+        assert tracker.update([_snap()], "p") == []
+
+    @pytest.mark.parametrize("change, own", [("cpu0 live cap 4→2", True), ("cpu0 ceiling 8→6", False),
+                                             ("policy → cache-aware", False), ("cpu0 down", False)])
+    def test_only_an_adaptive_cap_moving_is_the_engines_own(self, change, own):
+        assert is_engines_own(change) is own

@@ -34,12 +34,13 @@ from engine.core.errors import EngineError
 
 from ..model.advice import advise
 from ..model.axes import count_axis_top
+from ..model.changes import ChangeTracker
 from ..model.formatting import CAP_HELP, cap_reason_detail, fmt_rate, live_cap_text, rates_source_text
 from ..model.live_stats import RingSeries
 from ..plots.legend import add_legend
 from ..theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, wrap_label
 from ..worker import Worker
-from .plot_marks import ChangeMarks, ChangeTracker
+from .plot_marks import ChangeMarks
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,12 @@ from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from ..model.axes import count_axis_top, dodged_steps, log_ticks, occupied_log_range, thin_ticks
+from ..model.changes import ChangeTracker
 from ..model.formatting import fmt_seconds
 from ..model.live_stats import EDGES, METRIC_TITLES, LatencyStore, RingSeries
 from ..plots.legend import add_legend
 from ..theme import LEGEND_BG, backend_color, palette, qcolor, style_plot, wrap_label
-from .plot_marks import LABEL_PT, ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .plot_marks import LABEL_PT, ChangeMarks, EmptyHint, hover_tips
 from .presenter import PLOT_PT, set_axis_labels
 from .run_strip import RunStrip
 

@@ -40,10 +40,11 @@ from PySide6.QtWidgets import (
 from engine.routing import DEFAULT_POLICY
 
 from ..model.axes import count_axis_top
+from ..model.changes import ChangeTracker
 from ..model.formatting import fmt_rate
 from ..plots.legend import add_legend
 from ..theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
-from .plot_marks import LABEL_PT, ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .plot_marks import LABEL_PT, ChangeMarks, EmptyHint, hover_tips
 from .presenter import PLOT_PT, PRESENTER_PT, set_axis_labels
 from .run_strip import RunStrip
 
