@@ -57,16 +57,27 @@ SAMPLING_MODES = {
 HELP = "engine decode tok/s vs llama-cpp-python's Llama, same run"
 
 
-# The fused sampler's parts (`--sampled-variants`), each at temperature 0.8.
+# The fused sampler's parts (`--sampled-variants`), each at temperature 0.8. A name ending in
+# STAGED runs the computation by sorts (`fused_dist.fused_path("staged")`) instead of the sort-free one.
 VARIANTS = {
-    "temp": SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),  # whole-vocabulary sort
+    "temp": SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),  # whole vocabulary
     "topk": SamplingParams(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0),
     "topp": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0),
     "full": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
     "topk1": SamplingParams(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0),
     "full1": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    "p": SamplingParams(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0),  # temperature + top-p
+    "pk": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0),  # + top-k 40
 }
 ONE_STAGE = {"topk1", "full1"}  # variants whose top-k runs as one ggml_top_k per row (no stages)
+STAGED = "-staged"
+
+
+def _variant(name: str) -> tuple[SamplingParams, str, int]:
+    """A `--sampled-variants` name's request, fused path and top-k chunk."""
+    base = name.removesuffix(STAGED)
+    path = "staged" if name.endswith(STAGED) else "sortfree"
+    return VARIANTS[base], path, 0 if base in ONE_STAGE else fused_dist.TOP_K_CHUNK
 
 
 def add_arguments(p) -> None:
@@ -98,7 +109,8 @@ def add_arguments(p) -> None:
                         "1 here, so that --sampled and --sampled-variants measure the fused sampler at every B)")
     p.add_argument("--sampled-variants", default="", metavar="LIST",
                    help="also decode with the fused sampler's parts alone, each as a ratio to greedy: "
-                        f"comma-separated among {','.join(VARIANTS)}")
+                        f"comma-separated among {','.join(VARIANTS)} (p: temperature + top-p; pk: + top-k 40); "
+                        f"NAME{STAGED}: by the computation by sorts")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: the backend default, engine/sched/scheduler.py default_seq_slots)")
     p.add_argument("--busy-thread", action="store_true",
@@ -111,10 +123,11 @@ def add_arguments(p) -> None:
                         "with the prompt copied (llama-batched-bench then runs without -kvu)")
 
 
-def _names(listed: str, known: dict, flag: str) -> list[str]:
-    """The comma-separated names of `listed`, each one of `known` (ValueError naming the rest)."""
+def _names(listed: str, known: dict, flag: str, suffix: str = "") -> list[str]:
+    """The comma-separated names of `listed`, each one of `known` (or one with `suffix`;
+    ValueError naming the rest)."""
     names = [n for n in listed.split(",") if n]
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in known and not (suffix and n.removesuffix(suffix) in known)]
     if unknown:
         raise ValueError(f"unknown {flag} value(s) {', '.join(unknown)}: use {', '.join(known)}")
     return names
@@ -125,7 +138,7 @@ def run_overhead(args) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     try:
         modes = [m for m in _names(args.sampling, SAMPLING_MODES, "--sampling") if m != "plain"]
-        variants = _names(args.sampled_variants, VARIANTS, "--sampled-variants")
+        variants = _names(args.sampled_variants, VARIANTS, "--sampled-variants", STAGED)
     except ValueError as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 2
@@ -192,8 +205,9 @@ def run_overhead(args) -> int:
                 for name in variants:
                     steps0, reused0, dec0 = backend.steps, backend.graphs_reused, backend.decode_s
                     t0 = time.perf_counter()
-                    with fused_dist.top_k_stages(0 if name in ONE_STAGE else fused_dist.TOP_K_CHUNK):
-                        v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=VARIANTS[name])
+                    params, fpath, chunk = _variant(name)
+                    with fused_dist.top_k_stages(chunk), fused_dist.fused_path(fpath):
+                        v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=params)
                     if rnd:
                         steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
                         results[f"part_{name}_b{b}"].append(v)

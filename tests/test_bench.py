@@ -755,6 +755,23 @@ def test_bench_overhead_one_stage_variants_run_without_top_k_stages(default_path
     assert out["fused_dist_builds"]["shared"] >= 1 and out["fused_dist_builds"].get("two-stage", 0) == 0
 
 
+def test_bench_overhead_compares_the_sort_free_computation_with_the_one_by_sorts(default_path, capsys):
+    """`p` (temperature + top-p), `pk` (+ top-k 40) and their `-staged` twins in one run: the
+    sort-free builds (proposals for `p`, the top-k by maxima for `pk` where the CPU backend is
+    asked to) beside the builds by sorts, each a ratio to greedy; the path is as it was after."""
+    with fused_dist.fused_path("sortfree", pooled_on_cpu=True):
+        rc = main(["bench", "overhead", "--model", str(default_path), "--threads", "1", "--batches", "2",
+                   "--repeats", "1", "--no-llama", "--prompt-tokens", "32", "--gen-tokens", "8",
+                   "--sampled-variants", "p,pk,pk-staged"])
+        assert (fused_dist.PATH, fused_dist.POOLED_ON_CPU) == ("sortfree", True)
+    out = _last_json(capsys)
+    assert rc == 0
+    for name in ("p", "pk", "pk-staged"):
+        assert out[f"ratio_part_{name}_greedy_b2"] > 0
+    builds = out["fused_dist_builds"]
+    assert builds["proposals"] >= 1 and builds["maxima"] >= 1 and builds["sortfree"] > builds["proposals"]
+
+
 def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):
     rc = main(["bench", "overhead", "--model", str(tiny_path), "--threads", "1", "--batches", "1",
                "--repeats", "1", "--no-llama", "--sampled-variants", "temp,nucleus"])

@@ -2,8 +2,10 @@
 served by one worker thread.
 
 The shell is llama.cpp server's loop (`server-queue.h`): other threads post typed messages
-(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Fault`, `Stop`) to ONE inbox; the worker takes them
-all between steps, in order, then runs a step:
+(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Embed`, `Fault`, `Stop`) to ONE inbox; the worker takes
+them all between steps, in order (the embeddings of every `Embed` taken together in as few
+decodes as fit, on the worker's own embedding context, engine/llama/embedding.py), then runs a
+step:
   1. the scheduler admits what fits and plans one batch (`Scheduler.schedule`);
   2. the runner applies the plan's KV ops, gives new sequences a sampler, decodes and samples
      (`ContextRunner.execute`; the previous step's text is made while the device runs);
@@ -57,6 +59,7 @@ from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepD
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.llama.embedding import Embeddings
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
@@ -64,6 +67,12 @@ from engine.sched.prefix_cache import PrefixCache
 from engine.sched.scheduler import Finished, Scheduler, SeqState
 
 log = logging.getLogger(__name__)
+PAUSED_POLL_S = 0.02  # how often a backend whose only work is paused sequences looks at their readers
+
+
+def _reader_behind(s: SeqState) -> bool:
+    """The scheduler's `paused` predicate: the request's asyncio reader is behind."""
+    return s.handle is not None and s.handle.reader_behind
 
 
 # ---- the inbox's messages ----
@@ -87,6 +96,12 @@ class SetCap:
 @dataclass(frozen=True, slots=True)
 class Call:
     fn: Callable[[Backend], object]  # fn(backend) -> result, run on the worker between steps
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Embed:
+    inputs: tuple[tuple[int, ...], ...]  # token ids per input; the future gets one vector each
     future: Future
 
 
@@ -219,6 +234,7 @@ class Backend(BackendBase):
         self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
         self._thread: threading.Thread | None = None
         self._runner: ContextRunner | None = None
+        self._embeddings = Embeddings(model, self.config.threads, self.config.threads_batch, self.name)
         self._open(PrefixCache(), self.config.cache)
 
     # ---- lifecycle ----
@@ -235,7 +251,7 @@ class Backend(BackendBase):
             busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, piece=self.model.piece,
             is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache,
             limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive),
-            share_prefill=c.share_prefill, defer_shared=c.defer_shared)
+            share_prefill=c.share_prefill, defer_shared=c.defer_shared, paused=_reader_behind)
         self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
         self._inbox = Inbox()
 
@@ -422,6 +438,22 @@ class Backend(BackendBase):
                         self._sched.cache.unpin(seq.pin)
                     seq.pin = None
             raise refused
+
+    embeds = True
+
+    def embed(self, inputs) -> Future:
+        """The pooled, normalised embedding of each input (token ids), in order: a Future of a
+        list of float32 arrays, computed by the worker between two steps."""
+        future: Future = Future()
+        if not self.serving:
+            raise BackendUnavailable(f"backend {self.name} is not serving")
+        self._inbox.put(Embed(tuple(tuple(t) for t in inputs), future))
+        return future
+
+    @property
+    def embedding_decodes(self) -> int:
+        """Decodes its embedding context ran (requests taken together share them)."""
+        return self._embeddings.decodes
 
     @property
     def serving(self) -> bool:
@@ -650,6 +682,8 @@ class Backend(BackendBase):
             if idle:
                 due = samplers.expires_in(time.monotonic())  # idle chains to detach
                 timeout = None if due is None else max(due, 0.0)
+                if sched.n_paused or sched.parked:  # look again soon whether their readers caught up
+                    timeout = PAUSED_POLL_S if timeout is None else min(timeout, PAUSED_POLL_S)
             msgs = self._inbox.take(idle and timeout != 0.0, timeout)
             if msgs and self._take(msgs):
                 return
@@ -664,6 +698,9 @@ class Backend(BackendBase):
         """Apply the inbox's messages in order; True on `Stop`."""
         sched = self._sched
         cancelled = set()
+        embeds = [(m.inputs, m.future) for m in msgs if isinstance(m, Embed)]
+        if embeds:
+            self._embeddings.run(embeds)
         for m in msgs:
             if isinstance(m, Enqueue):
                 with self._state, self._inbox.landing():
@@ -821,7 +858,7 @@ class Backend(BackendBase):
         for m in self._inbox.close():
             if isinstance(m, Enqueue):
                 movable.append(m.seq)
-            elif isinstance(m, Call):
+            elif isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is unhealthy"))
         self._hand_over([(s.req, s.handle, s.t_submit) for s in movable], why)
 
@@ -834,8 +871,9 @@ class Backend(BackendBase):
             self._sched.shutdown(RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
         self._settle()
         for m in leftovers:
-            if isinstance(m, Call):
+            if isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
+        self._embeddings.close()
         self._outbox.flush()
 
     def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 _END = object()
 _gathering = threading.local()
+# Text deltas an asyncio reader may leave unread before its request pauses (`reader_behind`): a
+# client that asked for n=16 with top_logprobs=20 and never read made the server buffer its
+# whole reply (6.9 MB for a 135-byte request) while the sequences kept their rows.
+STREAM_BACKLOG = 8
 
 
 class Outbox:
@@ -108,6 +112,10 @@ class RequestHandle:
         # request went on elsewhere from their text, and the final record counts every part.
         self._parts: list[FinishRecord] = []
         self._unresumed: FinishRecord | None = None
+        # Deltas handed to an asyncio reader, and taken by it: each count has one writer (the
+        # backend thread, the loop), so their difference is the reader's backlog without a lock.
+        self._handed = 0
+        self._taken = 0
 
     # ---- called by the backend thread ----
 
@@ -135,6 +143,7 @@ class RequestHandle:
     def _put(self, item) -> None:
         loop, aq = self._loop, self._aq
         if loop is not None and aq is not None:
+            self._handed += 1
             outbox = getattr(_gathering, "outbox", None)
             if outbox is not None:
                 outbox.add(loop, aq, item)
@@ -167,10 +176,18 @@ class RequestHandle:
             parts = [item]
             while not q.empty():
                 if (more := q.get_nowait()) is _END:
+                    self._taken += len(parts)
                     yield "".join(parts)
                     return
                 parts.append(more)
+            self._taken += len(parts)
             yield parts[0] if len(parts) == 1 else "".join(parts)
+
+    @property
+    def reader_behind(self) -> bool:
+        """An asyncio reader has left more than `STREAM_BACKLOG` deltas unread: its request
+        should make no more until it reads (the scheduler's `paused` predicate)."""
+        return self._handed - self._taken > STREAM_BACKLOG
 
     def result(self, timeout: float | None = None) -> FinishRecord:
         """Wait for the finish record (does not consume the stream)."""

@@ -144,6 +144,10 @@ class Request:
     # The last of `messages` is the assistant's reply so far: the engine continues it in the
     # same turn (vLLM's and Tandem's `continue_final_message`, llama-server's assistant prefill).
     continue_final: bool = False
+    # Who asked (an HTTP client's address; "": unknown): a backend's queue gives each client a
+    # fair turn (`Scheduler._fair_head`), so one client's hundreds of sequences do not queue
+    # everyone else's behind them.
+    client: str = ""
 
     @property
     def prompt_estimate(self) -> int:

@@ -42,6 +42,7 @@ class RouteQuery:
     # Of `cached`, per backend, the own history of an earlier request this prompt resumes there
     # (a conversation's next turn), past a system prompt others share (PrefixCache.match_resumed).
     resumed: Mapping[str, int] = field(default_factory=dict)
+    kind: str = "completion"  # or "embedding": prompt tokens only, nothing decoded
 
     @classmethod
     def from_request(cls, request: Request, cached: Mapping[str, int] | None = None,
@@ -99,6 +100,14 @@ class BackendScore:
     eligible: bool
 
     @property
+    def queue_wait_s(self) -> float | None:
+        """About how long a request arriving now waits before it is admitted: the share of the
+        scored work that the requests queued ahead of it hold (None: no finite score)."""
+        if not math.isfinite(self.score_s):
+            return None
+        return self.score_s * self.n_waiting / max(self.n_waiting + self.n_running, 1)
+
+    @property
     def work_tokens(self) -> float:
         """Prefill plus decode tokens: the `least-work` measure."""
         return self.prefill_tokens + self.decode_tokens
@@ -128,6 +137,7 @@ class RoutingDecision:
     # then looking up every backend's cached prefix, taking their snapshots and choosing.
     wait_s: float = 0.0
     took_s: float = 0.0
+    kind: str = "completion"  # what was routed: a completion (chat, text) or an "embedding"
 
     def score_of(self, backend: str) -> BackendScore:
         """The score entry for `backend` (KeyError if it was not in the snapshot)."""
@@ -154,6 +164,7 @@ class RoutingDecision:
             "continued": self.continued,
             "wait_s": self.wait_s,
             "took_s": self.took_s,
+            "kind": self.kind,
             "scores": [s.to_dict() for s in self.scores],
         }
 
