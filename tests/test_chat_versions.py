@@ -102,7 +102,7 @@ def test_a_reply_joins_its_chat_as_it_was_asked_for(to, texts, versions):
     assert chat.messages[-1].meta["backend"] == "cpu1"
 
 
-def test_a_continued_reply_sums_its_tokens_and_joins_its_probabilities():
+def test_a_continued_reply_merges_its_counts_with_the_earlier_ones():
     chat = cut_reply()
     more = {"backend": "cpu0", "output_tokens": 1, "finish_reason": "stop", "logprobs": [["!", -0.3, []]]}
     meta = chat.take_reply(ReplyTo("continue", 1), "!", more)
@@ -118,5 +118,5 @@ def test_a_continued_reply_without_probabilities_keeps_the_earlier_ones_once():
 
 
 @pytest.mark.parametrize("k, lines", [(0, ["'Hel'  p = 0.905  (logprob -0.100)", "   'Hi'  0.050"]), (1, []), (-1, [])])
-def test_a_token_tip_names_the_token_its_probability_and_the_alternatives(k, lines):
+def test_a_token_tip_gives_the_tokens_probability_with_its_alternatives(k, lines):
     assert token_tip([["Hel", -0.1, [["Hi", -3.0]]]], k).splitlines() == lines
