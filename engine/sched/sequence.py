@@ -12,7 +12,7 @@ from engine.core.textstream import TextStream
 from engine.sched.prefix_cache import Pin
 
 if TYPE_CHECKING:
-    from engine.llama.sampling import Sampler
+    from engine.sched.sampler import Sampler
 
 
 class SeqState:
