@@ -100,7 +100,7 @@ def run_gui(args) -> int:
 
         from PySide6.QtCore import QSettings
 
-        from ui.history import ChatStore
+        from ui.model.history import ChatStore
 
         scratch = tempfile.mkdtemp(prefix="tandem-tour-")
         store = ChatStore(os.path.join(scratch, "chats"))

@@ -1,6 +1,6 @@
 """The experiment runner: one workload driven through a loaded `Engine` and recorded, from a
 fresh engine state. `tandem bench seed|grid` (`bench/study.py`) and the desktop app's
-Experiments panel (`ui/experiments.py`, through `experiment_runner`) both run through it, so
+Experiments panel (`ui/panels/experiments.py`, through `experiment_runner`) both run through it, so
 the command line and the GUI measure the same way.
 
 Fresh state per run, without reloading the model (`EngineRunner._fresh_state`): the routing

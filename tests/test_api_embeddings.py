@@ -156,7 +156,7 @@ def test_embeddings_are_routed_among_the_backends(two_backends):
 
 
 def test_the_routing_table_shows_an_embedding_as_such(qapp, two_backends):
-    from ui.routing import RoutingTableModel
+    from ui.panels.routing import RoutingTableModel
 
     eng, base = two_backends
     httpx.post(base + "/v1/embeddings", json={"input": CAT}, timeout=TIMEOUT).raise_for_status()

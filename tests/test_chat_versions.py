@@ -1,11 +1,15 @@
 """A chat's versions without any widget: regenerated answers and edited questions, each with the
-turns that followed it, switched, saved and read back; chats saved before versions still load."""
+turns that followed it, switched, saved and read back; chats saved before versions still load; a
+reply joins its chat as a new message, a new version or the rest of a cut reply."""
 
 from __future__ import annotations
 
 import json
 
-from ui.history import Chat, ChatStore, Message
+import pytest
+
+from ui.model.formatting import token_tip
+from ui.model.history import APPEND, Chat, ChatStore, Message, ReplyTo
 
 
 def contents(chat: Chat) -> list[str]:
@@ -76,3 +80,43 @@ def test_a_chat_saved_with_earlier_answers_loads_them_as_versions():
 def test_prompt_messages_upto_leaves_out_the_rest():
     chat = two_turns()
     assert [m["content"] for m in chat.prompt_messages(upto=3)] == ["You are a helpful assistant.", "q1", "a1", "q2"]
+
+
+def cut_reply() -> Chat:
+    """A question and a reply cut by its length limit, with its token probabilities."""
+    meta = {"backend": "cpu0", "output_tokens": 2, "finish_reason": "length",
+            "logprobs": [["Hel", -0.1, []], ["lo", -0.2, []]]}
+    return Chat(messages=[Message("user", "q"), Message("assistant", "Hello", meta)])
+
+
+@pytest.mark.parametrize("to, texts, versions", [
+    (APPEND, ["q", "Hello", "again"], [1, 1, 1]),
+    (ReplyTo("version", 1), ["q", "again"], [1, 2]),
+    (ReplyTo("continue", 1), ["q", "Hello again"], [1, 1]),
+])
+def test_a_reply_joins_its_chat_as_it_was_asked_for(to, texts, versions):
+    chat = cut_reply()
+    chat.take_reply(to, "again" if to.kind != "continue" else " again", {"backend": "cpu1", "output_tokens": 3})
+    assert contents(chat) == texts
+    assert [m.n_versions for m in chat.messages] == versions
+    assert chat.messages[-1].meta["backend"] == "cpu1"
+
+
+def test_a_continued_reply_merges_its_counts_with_the_earlier_ones():
+    chat = cut_reply()
+    more = {"backend": "cpu0", "output_tokens": 1, "finish_reason": "stop", "logprobs": [["!", -0.3, []]]}
+    meta = chat.take_reply(ReplyTo("continue", 1), "!", more)
+    assert meta is chat.messages[1].meta
+    assert (meta["output_tokens"], meta["continued"], meta["finish_reason"]) == (3, 1, "stop")
+    assert [t[0] for t in meta["logprobs"]] == ["Hel", "lo", "!"]
+
+
+def test_a_continued_reply_without_probabilities_keeps_the_earlier_ones_once():
+    chat = cut_reply()
+    meta = chat.take_reply(ReplyTo("continue", 1), "!", {"output_tokens": 1})
+    assert [t[0] for t in meta["logprobs"]] == ["Hel", "lo"]
+
+
+@pytest.mark.parametrize("k, lines", [(0, ["'Hel'  p = 0.905  (logprob -0.100)", "   'Hi'  0.050"]), (1, []), (-1, [])])
+def test_a_token_tip_gives_the_tokens_probability_with_its_alternatives(k, lines):
+    assert token_tip([["Hel", -0.1, [["Hi", -3.0]]]], k).splitlines() == lines

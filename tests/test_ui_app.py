@@ -10,10 +10,10 @@ from ui_fixtures import UI_MODEL, UI_SPECS, WAIT_MS, load_and_wait, make_window,
 
 from app.gui import load_engine
 from engine.experiment import experiment_runner
-from ui.formatting import model_title
+from ui.dialogs.load_model import ModelDialog
 from ui.live_run import seed_workload
 from ui.loader import ModelSpec
-from ui.model_dialog import ModelDialog
+from ui.model.formatting import model_title
 
 TINY_RUN = dict(n=3, prefix=32, suffix=4, gen=4)
 
@@ -95,8 +95,8 @@ def test_a_first_start_says_it_is_measuring_the_backends_speed(qtbot, make_windo
 def test_the_window_shows_the_model_once_loaded(qtbot, qasync_loop, tmp_path):
     from PySide6.QtCore import QSettings
 
-    from ui.history import ChatStore
     from ui.main_window import MainWindow
+    from ui.model.history import ChatStore
 
     w = MainWindow(load_fn=load_engine, store=ChatStore(tmp_path), gpu_offload=False,
                    settings=QSettings(str(tmp_path / "settings.ini"), QSettings.IniFormat))
@@ -435,11 +435,11 @@ def test_ctrl_slash_lists_the_shortcuts(qtbot, make_window):
 def test_context_meter_warns_before_sending_a_prompt_too_long(qtbot, make_window):
     w = make_window()
     chat = w.panels["chat"]
-    chat.update_context_meter()
+    chat.context_meter.refresh()
     assert chat.context_label.text().endswith("/ 1,024")
     chat.input.setPlainText("word " * 3000)
     qtbot.waitUntil(lambda: "too long" in chat.context_label.text(), timeout=WAIT_MS)
-    prompt, _, n_ctx = chat.context_usage()
+    prompt, _, n_ctx = chat.context_meter.usage()
     assert prompt > n_ctx == 1024
     chat.input.setPlainText("hi")
     qtbot.waitUntil(lambda: "too long" not in chat.context_label.text(), timeout=WAIT_MS)

@@ -132,7 +132,7 @@ def test_reopening_a_chat_restores_its_transcript_with_its_system_prompt(qtbot, 
     chat.new_button.click()
     chat.system_edit.setPlainText("Answer in French.")
     send(qtbot, chat, "second chat")
-    chat.open_chat(first_id)
+    chat.chats.open_chat(first_id)
     assert "first question" in chat.transcript_text() and chat.system_edit.toPlainText() == "You are a helpful assistant."
 
 
@@ -252,11 +252,11 @@ def test_continue_goes_on_with_a_reply_cut_by_its_length(qtbot, make_window):
 def test_a_renamed_chat_exports_under_its_title(qtbot, make_window, tmp_path):
     chat = _short_replies(make_window)
     send(qtbot, chat, "edited question")
-    chat.rename_chat(chat.chat.id, "My title")
+    chat.chats.rename_chat(chat.chat.id, "My title")
     assert chat.chat_list.item(0).text() == "My title"
-    md = chat.export_chat(tmp_path / "out.md").read_text()
+    md = chat.chats.export_chat(tmp_path / "out.md").read_text()
     assert md.startswith("# My title") and "edited question" in md
-    assert json.loads(chat.export_chat(tmp_path / "out.json").read_text())["name"] == "My title"
+    assert json.loads(chat.chats.export_chat(tmp_path / "out.json").read_text())["name"] == "My title"
 
 
 def test_search_lists_the_chat_that_holds_the_words(qtbot, make_window):
@@ -275,7 +275,7 @@ def test_a_deleted_chat_is_gone_from_the_list_with_its_file(qtbot, make_window, 
     first = chat.chat.id
     chat.new_button.click()
     send(qtbot, chat, "another topic")
-    assert chat.delete_chat(first)
+    assert chat.chats.delete_chat(first)
     assert not (tmp_path / "chats" / f"{first}.json").exists()
     assert first not in _listed(chat)
 
@@ -302,11 +302,11 @@ def test_enter_while_a_reply_streams_keeps_the_text(qtbot, make_window, ui_engin
 
 
 def _open_reply(chat, text: str) -> None:
-    from ui.history import Chat, Message
+    from ui.model.history import Chat, Message
 
     saved = Chat(messages=[Message("user", "show me"), Message("assistant", text, {"backend": "cpu0"})])
     chat.store.save(saved)
-    chat.open_chat(saved.id)
+    chat.chats.open_chat(saved.id)
 
 
 def test_replies_render_markdown_keeping_code(qtbot, make_window):
@@ -451,7 +451,7 @@ def test_the_transcript_follows_the_theme(qtbot, make_window, ui_engine):
 
 
 def test_code_blocks_follow_the_theme(qtbot, make_window):
-    from ui.markdown import DARK_CODE, LIGHT_CODE
+    from ui.model.markdown import DARK_CODE, LIGHT_CODE
 
     w = make_window()
     chat = w.panels["chat"]

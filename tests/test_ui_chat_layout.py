@@ -18,12 +18,12 @@ def shown(qtbot, w, width: int, height: int):
 
 
 def open_saved(chat, turns: int, reply: str = "A short answer.") -> None:
-    from ui.history import Chat, Message
+    from ui.model.history import Chat, Message
 
     saved = Chat(messages=[m for i in range(turns) for m in
                            (Message("user", f"question {i + 1}"), Message("assistant", reply, {"backend": "cpu0"}))])
     chat.store.save(saved)
-    chat.open_chat(saved.id)
+    chat.chats.open_chat(saved.id)
 
 
 @pytest.mark.parametrize("size,compact", [((1280, 720), True), ((1366, 768), True), ((1920, 1080), False),

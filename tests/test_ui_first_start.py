@@ -98,7 +98,7 @@ def test_reset_the_counters_zeroes_them_again(qtbot, make_window, ui_engine):
 
 
 def test_load_times_estimate_what_is_left_from_the_phase_pace():
-    from ui.first_start import LoadTimes, fmt_duration
+    from ui.model.load_times import LoadTimes, fmt_duration
 
     t = LoadTimes(started=100.0)
     t.new_phase(now=102.0)
@@ -111,7 +111,7 @@ def test_load_times_estimate_what_is_left_from_the_phase_pace():
 
 
 def test_one_cap_concept_names_the_ceiling_beside_the_live_cap(qtbot, make_window, ui_engine):
-    from ui.formatting import live_cap_text
+    from ui.model.formatting import live_cap_text
 
     w = make_window()
     ui_engine.set_cap("cpu0", 3)
@@ -163,7 +163,7 @@ def test_the_status_bar_says_machine_busy_only_while_the_lag_lasts(qtbot, make_w
 
 def test_a_demo_says_it_is_warming(qtbot, app_style, make_window, ui_engine):
     from ui.live_run import seed_workload
-    from ui.run_strip import run_phase
+    from ui.panels.run_strip import run_phase
 
     w = make_window(engine=None, compact=True)
     w.resize(1280, 720)
@@ -231,7 +231,7 @@ def test_time_plots_mark_where_a_cap_or_the_policy_changed(qtbot, make_window, u
     qtbot.waitUntil(lambda: len(ticked) >= n + 2, timeout=WAIT_MS)
     latency = w.panels["latency"].marks.texts()
     assert any("cpu0 ceiling 4→2" in t for t in latency) and any("policy → round-robin" in t for t in latency)
-    card = w.panels["backends"].cards["cpu0"].marks.texts()
+    card = w.panels["backends"].cards["cpu0"].history.marks.texts()
     assert any("ceiling 4→2" in t for t in card) and any("policy" in t for t in card)
     assert any("policy → round-robin" in t for t in w.panels["routing"].change_marks.texts())
 

@@ -59,7 +59,7 @@ def fake_hub(tiny_bytes, tiny_parts, monkeypatch, tmp_path):
 
 
 def test_search_lists_gguf_repositories_most_downloaded_first(fake_hub):
-    from ui import hub
+    from ui.model import hub
 
     found = hub.search_models("gguf")
     assert [m.repo_id for m in found] == ["tester/Other-GGUF", REPO]
@@ -68,7 +68,7 @@ def test_search_lists_gguf_repositories_most_downloaded_first(fake_hub):
 
 
 def test_listing_keeps_single_file_models_with_their_size_sha256_quant(fake_hub, tiny_bytes, tiny_parts):
-    from ui import hub
+    from ui.model import hub
 
     files = hub.gguf_files(REPO)
     assert [f.path for f in files if not f.parts] == ["tiny-Q8_0.gguf", "sub/tiny-F16.gguf"]  # smallest first
@@ -80,7 +80,7 @@ def test_listing_keeps_single_file_models_with_their_size_sha256_quant(fake_hub,
 
 
 def test_a_model_in_parts_is_one_entry_with_the_parts_total(fake_hub, tiny_parts):
-    from ui import hub
+    from ui.model import hub
 
     split = [f for f in hub.gguf_files(REPO) if f.parts]
     assert len(split) == 1  # the three parts as one model; "big" (a part missing) is not offered
@@ -100,7 +100,7 @@ def test_a_model_in_parts_is_one_entry_with_the_parts_total(fake_hub, tiny_parts
 def test_a_model_in_parts_is_downloaded_whole_then_loaded_from_its_first_part(fake_hub, tiny_parts, tmp_path):
     from engine.backends.config import parse_backend_specs
     from engine.engine import Engine
-    from ui import hub
+    from ui.model import hub
 
     f = next(f for f in hub.gguf_files(REPO) if f.parts)
     seen = []
@@ -121,7 +121,7 @@ def test_a_model_in_parts_is_downloaded_whole_then_loaded_from_its_first_part(fa
 def test_the_shape_comes_from_the_header_read_by_range(fake_hub, tiny_bytes):
     from gguf import GGUFReader
 
-    from ui import hub
+    from ui.model import hub
 
     f = hub.gguf_files(REPO)[0]
     shape = hub.model_shape(f)
@@ -147,7 +147,7 @@ def test_a_dropped_connection_resumes_where_it_stopped(fake_hub, tiny_bytes, tmp
                                                                               monkeypatch):
     import huggingface_hub.constants as constants
 
-    from ui import hub
+    from ui.model import hub
 
     # huggingface_hub writes (and can resume from) whole 10 MB chunks; the tiny file needs smaller ones
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
@@ -167,7 +167,7 @@ def test_a_dropped_connection_resumes_where_it_stopped(fake_hub, tiny_bytes, tmp
 
 
 def test_a_file_that_does_not_match_its_checksum_is_deleted(fake_hub, tmp_path):
-    from ui import hub
+    from ui.model import hub
 
     f = hub.gguf_files(REPO)[0]
     fake_hub.corrupt.add(f.path)
@@ -179,7 +179,7 @@ def test_a_file_that_does_not_match_its_checksum_is_deleted(fake_hub, tmp_path):
 def test_a_cancelled_download_stops(fake_hub, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
-    from ui import hub
+    from ui.model import hub
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # several chunks: stop after the first
 
@@ -206,7 +206,7 @@ def test_a_stopped_download_resumes_from_the_bytes_on_disk(fake_hub, tiny_bytes,
     import huggingface_hub.constants as constants
     from waiting import wait_until
 
-    from ui import hub
+    from ui.model import hub
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # the file is written as it comes
     f = hub.gguf_files(REPO)[0]
@@ -239,13 +239,13 @@ def test_a_download_killed_with_the_app_resumes_next_time(fake_hub, tiny_bytes, 
     """The app closed (its process killed) in the middle of a download: the next start fetches the rest."""
     from waiting import wait_until
 
-    from ui import hub
+    from ui.model import hub
 
     f = hub.gguf_files(REPO)[0]
     partial = hub.partial_path(f, tmp_path / "tester--Tiny-GGUF")
     fake_hub.stall_after = STOP_AT
     script = ("import sys, huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 16 << 10\n"
-              "from pathlib import Path\nfrom ui import hub\n"
+              "from pathlib import Path\nfrom ui.model import hub\n"
               f"f = hub.gguf_files({REPO!r})[0]\nhub.download(f, Path(sys.argv[1]))\n")
     env = {**os.environ, "HF_ENDPOINT": fake_hub.url, "HF_HUB_DISABLE_TELEMETRY": "1",
            "HF_HOME": str(tmp_path / "hf-home")}
@@ -270,7 +270,7 @@ def test_a_download_killed_with_the_app_resumes_next_time(fake_hub, tiny_bytes, 
 
 
 def test_a_resumed_file_that_does_not_match_its_checksum_is_deleted(fake_hub, tiny_bytes, tmp_path):
-    from ui import hub
+    from ui.model import hub
 
     f = hub.gguf_files(REPO)[0]
     partial = hub.partial_path(f, tmp_path / "tester--Tiny-GGUF")
@@ -295,7 +295,7 @@ def test_the_search_fails_with_a_message_when_the_hub_is_unreachable(monkeypatch
     import huggingface_hub.constants as constants
     from ui_fixtures import free_port
 
-    from ui import hub
+    from ui.model import hub
 
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(hub.HubError, match="searching the Hub failed"):
@@ -304,7 +304,7 @@ def test_the_search_fails_with_a_message_when_the_hub_is_unreachable(monkeypatch
 
 def _dialog_on_the_tiny_repo(qtbot, tmp_path):
     """File ▸ Get model, having searched for "tiny" and picked the one repository found."""
-    from ui.get_model import GetModelDialog
+    from ui.dialogs.get_model import GetModelDialog
 
     dialog = GetModelDialog(n_ctx=2048, folder=tmp_path / "models")
     qtbot.addWidget(dialog)
@@ -318,7 +318,7 @@ def _dialog_on_the_tiny_repo(qtbot, tmp_path):
 def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_bytes,
                                                                            tmp_path, make_window):
     from app.gui import load_engine
-    from ui.get_model import GetModelDialog
+    from ui.dialogs.get_model import GetModelDialog
     from ui.loader import ModelSpec
 
     dialog = _dialog_on_the_tiny_repo(qtbot, tmp_path)
@@ -353,8 +353,8 @@ def test_get_model_dialog_gets_a_model_the_window_loads(qtbot, fake_hub, tiny_by
 def test_get_model_dialog_resumes_from_the_bytes_a_stop_kept(qtbot, fake_hub, tiny_bytes, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
-    from ui import hub
-    from ui.get_model import GetModelDialog
+    from ui.dialogs.get_model import GetModelDialog
+    from ui.model import hub
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
     dialog = _dialog_on_the_tiny_repo(qtbot, tmp_path)

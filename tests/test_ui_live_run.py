@@ -12,8 +12,8 @@ import csv
 import pytest
 from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
-from ui.experiments import COLUMNS
 from ui.live_run import STUDY, seed_workload
+from ui.panels.experiments import COLUMNS
 
 SPACED = seed_workload(4, prefix_tokens=32, suffix_tokens=4, gen_tokens=6, interval_s=0.3)
 
@@ -115,7 +115,7 @@ def test_step_needs_a_live_run(qtbot, make_window):
 
 def test_a_benchmark_runner_experiment_pauses_between_arrivals(qtbot, make_window):
     from engine.experiment import experiment_runner
-    from ui.experiments import BenchRun
+    from ui.panels.experiments import BenchRun
 
     w = make_window(bench_runner_factory=experiment_runner)
     ex = w.panels["experiments"]

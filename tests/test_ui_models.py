@@ -10,8 +10,8 @@ import gguf
 from ui_fixtures import UI_MODEL, WAIT_MS, load_and_wait, make_window, qasync_loop, ui_engine  # noqa: F401
 
 from app.gui import load_engine
-from ui.local_models import model_folders, remember, scan
-from ui.model_dialog import ModelDialog
+from ui.dialogs.load_model import ModelDialog
+from ui.model.local_models import model_folders, remember, scan
 
 
 def write_gguf(path, name: str, arch: str = "llama") -> str:

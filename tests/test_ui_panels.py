@@ -13,10 +13,10 @@ from ui_fixtures import WAIT_MS, make_window, qasync_loop, spare_engine, ui_engi
 
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.snapshot import Rates
-from ui.axes import occupied_log_range
 from ui.live_run import WorkloadRun, seed_workload
-from ui.live_stats import EDGES
-from ui.routing import BACKEND_COLUMN, TERMS, score_term
+from ui.model.axes import occupied_log_range
+from ui.model.live_stats import EDGES
+from ui.panels.routing import BACKEND_COLUMN, TERMS, score_term
 from ui.theme import WORKING
 
 SMALL = seed_workload(6, prefix_tokens=64, suffix_tokens=8, gen_tokens=8, interval_s=0.02)
@@ -350,7 +350,7 @@ def test_latency_axes_fit_their_data_with_whole_request_counts(qtbot, make_windo
 
 def test_a_backend_sparkline_has_a_legend(make_window):
     card = make_window().panels["backends"].cards["cpu0"]
-    assert [label.text for _, label in card.legend.items] == ["running", "waiting"]
+    assert [label.text for _, label in card.history.legend.items] == ["running", "waiting"]
 
 
 def test_the_teaching_bars_have_a_legend(make_window):

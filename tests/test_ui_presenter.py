@@ -161,8 +161,8 @@ def presenter_problems(qtbot, w, ticked) -> dict[str, list[str]]:
 def test_the_presenter_view_leaves_nothing_elided_or_cut_at_1280x720(qtbot, app_style, make_window, ui_engine,
                                                                 four_backends, backends):
     from ui.live_run import seed_workload
-    from ui.presenter import PRESENTER_PT
-    from ui.routing import BACKEND_COLUMN, FIXED
+    from ui.panels.presenter import PRESENTER_PT
+    from ui.panels.routing import BACKEND_COLUMN, FIXED
 
     eng = ui_engine if backends == 2 else four_backends
     w = make_window(engine=None, compact=True)
@@ -202,7 +202,7 @@ def test_the_presenter_explanation_is_a_sentence_with_the_arithmetic_on_demand(q
     from PySide6.QtCore import QUrl
 
     from ui.live_run import seed_workload
-    from ui.routing import DETAILS_LINK
+    from ui.panels.routing import DETAILS_LINK
 
     w = make_window(engine=None, compact=True)
     w.resize(*SIZE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import QSettings
 from ui_fixtures import make_window, qasync_loop, ui_engine  # noqa: F401
 
-from ui.presets import STARTERS
+from ui.chat.presets import STARTERS
 
 
 def menu_action(presets, text):

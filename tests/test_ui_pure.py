@@ -1,18 +1,20 @@
-"""UI logic tested without any widget: live statistics, formatting, plot axes, chat history
-(the teaching replay's numbers: tests/test_teaching.py)."""
+"""UI logic tested without any widget: live statistics, formatting, plot axes, chat history, what
+changed between ticks (the teaching replay's numbers: tests/test_teaching.py)."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import engine.llama  # noqa: F401  (llama.cpp before numpy)
 from engine.core.request import FinishRecord, RequestStatus
-from ui.formatting import fmt_seconds
-from ui.history import Chat, ChatStore, Message
-from ui.live_stats import EDGES, LatencyStore, RingSeries, percentile, step_histogram, summarize
+from ui.model.changes import ChangeTracker, is_engines_own
+from ui.model.formatting import fmt_seconds
+from ui.model.history import Chat, ChatStore, Message
+from ui.model.live_stats import EDGES, LatencyStore, RingSeries, percentile, step_histogram, summarize
 
 
 def record(backend="cpu0", ttft=0.1, e2e=1.0, itl=0.01, out=10, error=None, rid="r"):
@@ -129,14 +131,14 @@ class TestChatStore:
 
 
 def test_log_axis_ticks_are_few_readable_seconds():
-    from ui.axes import log_ticks
+    from ui.model.axes import log_ticks
 
     assert [t for _, t in log_ticks(-1.7, -0.3)] == ["20 ms", "50 ms", "100 ms", "200 ms", "500 ms"]
     assert [t for _, t in log_ticks(-3, 1)] == ["1 ms", "10 ms", "100 ms", "1 s", "10 s"]  # decades when wide
 
 
 def test_rates_read_as_tokens_per_second():
-    from ui.formatting import fmt_rate
+    from ui.model.formatting import fmt_rate
 
     assert (fmt_rate(76.2413), fmt_rate(2551.0), fmt_rate(0.0)) == ("76.2 tok/s", "2,551 tok/s", "–")
 
@@ -144,7 +146,7 @@ def test_rates_read_as_tokens_per_second():
 def test_a_model_is_titled_by_its_file_name():
     from types import SimpleNamespace
 
-    from ui.formatting import model_title
+    from ui.model.formatting import model_title
 
     info = SimpleNamespace(path="/m/SmolLM2-135M-Instruct.Q4_1.gguf", name="Smollm2 135M 8k Lc100K Mix1 Ep2")
     assert model_title(info) == "SmolLM2-135M-Instruct.Q4_1"
@@ -155,6 +157,36 @@ def test_a_model_is_titled_by_its_file_name():
 def test_a_routing_score_cell_stays_seven_characters_at_most(score, text):
     from types import SimpleNamespace
 
-    from ui.routing import score_term
+    from ui.panels.routing import score_term
 
     assert score_term(SimpleNamespace(score_s=score), "score") == text and len(text) <= 7
+
+
+def _snap(name="cpu0", cap=4, ceiling=8, healthy=True):
+    return SimpleNamespace(name=name, cap=cap, cap_ceiling=ceiling, healthy=healthy)
+
+
+class TestChangeTracker:
+    @pytest.mark.parametrize("after, policy, changes", [
+        (_snap(), "seed-score", []),
+        (_snap(ceiling=6), "seed-score", ["cpu0 ceiling 8→6"]),
+        (_snap(cap=2), "seed-score", ["cpu0 live cap 4→2"]),
+        (_snap(healthy=False), "seed-score", ["cpu0 down"]),
+        (_snap(), "cache-aware", ["policy → cache-aware"]),
+        (_snap(name="cpu1", cap=1), "seed-score", []),  # a backend it has not seen before
+    ])
+    def test_says_what_changed_since_the_last_tick(self, after, policy, changes):
+        tracker = ChangeTracker()
+        assert tracker.update([_snap()], "seed-score") == []  # the first tick: nothing to compare
+        assert tracker.update([after], policy) == changes
+
+    def test_a_backend_back_up_is_said_once(self):
+        tracker = ChangeTracker()
+        tracker.update([_snap(healthy=False)], "p")
+        assert tracker.update([_snap()], "p") == ["cpu0 healthy again"]
+        assert tracker.update([_snap()], "p") == []
+
+    @pytest.mark.parametrize("change, own", [("cpu0 live cap 4→2", True), ("cpu0 ceiling 8→6", False),
+                                             ("policy → cache-aware", False), ("cpu0 down", False)])
+    def test_only_an_adaptive_cap_moving_is_the_engines_own(self, change, own):
+        assert is_engines_own(change) is own

@@ -21,7 +21,7 @@ from ui_fixtures import UI_MODEL, WAIT_MS, free_port, make_window, qasync_loop, 
 
 
 def test_what_if_words_a_makespan_change_as_sooner_or_later():
-    from ui.whatif import compare_text
+    from ui.panels.whatif import compare_text
 
     assert "2.4 % sooner than the first backend alone (9.760 s against 10.000 s)" in compare_text("p", 9.76, 10.0)
     assert "2.4 % later than the first backend alone (10.240 s against 10.000 s)" in compare_text("p", 10.24, 10.0)
@@ -57,7 +57,7 @@ def test_what_ifs_note_agrees_with_its_rows(qtbot, make_window, cpu_speed, word)
 
 
 def test_the_three_raw_errors_read_as_advice():
-    from ui.advice import advise
+    from ui.model.advice import advise
 
     offline = advise("searching the Hub failed: [Errno -2] Name or service not known", "hub")
     assert offline.text == "You seem to be offline: load a GGUF from disk with File ▸ Load model."
@@ -75,7 +75,7 @@ def test_the_three_raw_errors_read_as_advice():
 def test_the_hub_unreachable_by_name_reads_you_seem_to_be_offline(qtbot, monkeypatch, tmp_path):
     import huggingface_hub.constants as constants
 
-    from ui.get_model import GetModelDialog
+    from ui.dialogs.get_model import GetModelDialog
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://hub.invalid")  # RFC 6761: never resolves
     dialog = GetModelDialog(n_ctx=2048, folder=tmp_path / "models")
@@ -151,7 +151,7 @@ def test_the_caps_reasons_read_as_plain_sentences_with_the_figures_on_demand():
     from test_limiter import feed
 
     from engine.sched.limiter import ConcurrencyLimiter
-    from ui.formatting import cap_reason_detail, cap_reason_text
+    from ui.model.formatting import cap_reason_detail, cap_reason_text
 
     lim = ConcurrencyLimiter(64, initial=16, window=8)
     feed(lim, 16, batch=16, step_s=0.004, waiting=0, running=16)
@@ -204,8 +204,8 @@ def test_one_backend_reads_every_request_goes_to_it(qtbot, make_window):
 def test_change_labels_stay_inside_their_plot_off_everything_else(qtbot):
     import pyqtgraph as pg
 
-    from ui.legend import add_legend
-    from ui.plot_marks import ChangeMarks
+    from ui.panels.plot_marks import ChangeMarks
+    from ui.plots.legend import add_legend
 
     pw = pg.PlotWidget()
     qtbot.addWidget(pw)
@@ -233,7 +233,7 @@ def test_change_labels_stay_inside_their_plot_off_everything_else(qtbot):
 def _sample_image(item):
     from PySide6.QtGui import QImage, QPainter
 
-    from ui.legend import Glyph
+    from ui.plots.legend import Glyph
 
     glyph = Glyph(item)
     image = QImage(20, 20, QImage.Format.Format_ARGB32)
@@ -259,8 +259,8 @@ def test_legend_glyphs_look_like_what_they_stand_for(qapp):
 
 
 def test_equal_bins_of_two_backends_stand_side_by_side():
-    from ui.axes import dodged_steps
-    from ui.live_stats import EDGES
+    from ui.model.axes import dodged_steps
+    from ui.model.live_stats import EDGES
 
     edges = EDGES["ttft"]
     counts = np.zeros(len(edges) - 1)
@@ -297,11 +297,11 @@ def test_the_dashed_lines_stand_out_on_both_themes(make_window):
         w.set_theme(theme)
         bg = palette().plot_bg
         assert _contrast(latency.tput_curves[-1].opts["pen"].color().name(), bg) >= 4.5, theme
-        assert _contrast(card.waiting_curve.opts["pen"].color().name(), bg) >= 3.0, theme
+        assert _contrast(card.history.waiting_curve.opts["pen"].color().name(), bg) >= 3.0, theme
 
 
 def test_time_ticks_thin_until_their_labels_stand_apart_inside_the_axis():
-    from ui.axes import log_ticks, thin_ticks
+    from ui.model.axes import log_ticks, thin_ticks
 
     def width(label: str) -> float:
         return 8.0 * len(label)  # 8 px a character
@@ -325,6 +325,6 @@ def test_time_ticks_thin_until_their_labels_stand_apart_inside_the_axis():
 def test_a_narrow_time_range_still_gets_labelled_ticks():
     import math
 
-    from ui.axes import log_ticks
+    from ui.model.axes import log_ticks
 
     assert [t for _x, t in log_ticks(math.log10(0.28), math.log10(0.45))] == ["300 ms", "400 ms"]

@@ -101,7 +101,7 @@ def _decision(backends: list[str]):
 
 
 def test_routing_text_follows_the_theme(qtbot, make_window, dark_after):
-    from ui.routing import BACKEND_COLUMN
+    from ui.panels.routing import BACKEND_COLUMN
 
     w = make_window()
     view = w.panels["routing"]

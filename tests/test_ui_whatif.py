@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from ui_fixtures import WAIT_MS, make_window, qasync_loop, ui_engine  # noqa: F401
 
-from ui.whatif import THIS_MACHINE, WORKLOADS
+from ui.panels.whatif import THIS_MACHINE, WORKLOADS
 
 
 def _whatif(w):

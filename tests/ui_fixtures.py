@@ -100,8 +100,8 @@ def load_and_wait(qtbot, window, backends: tuple[str, ...] = ONE_CPU):
 def make_window(qtbot, qasync_loop, ui_engine, tmp_path):
     from PySide6.QtCore import QSettings
 
-    from ui.history import ChatStore
     from ui.main_window import MainWindow
+    from ui.model.history import ChatStore
     from ui.theme import style_sheet
     from ui.worker import Worker
 

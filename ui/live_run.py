@@ -35,7 +35,7 @@ from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import RunSummary
 from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
 
-from .live_stats import summarize
+from .model.live_stats import summarize
 
 STUDY = seed_workload(8)
 

@@ -49,26 +49,26 @@ from PySide6.QtWidgets import (
 
 from engine.core.snapshot import BackendSnapshot
 
-from .advice import advise
-from .backends import BackendsPanel
 from .bridge import EngineBridge
 from .chat import ChatPanel
-from .controls import ControlsPanel
-from .experiments import ExperimentsPanel
-from .first_start import LoadScreen
-from .formatting import live_cap_text, model_title
-from .get_model import GetModelDialog
-from .history import ChatStore
-from .latency import LatencyView
+from .dialogs.get_model import GetModelDialog
+from .dialogs.load_model import ModelDialog
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .loader import PHASES, ModelLoader, ModelSpec
-from .local_models import remember
 from .loop_probe import LoopProbe
-from .model_dialog import ModelDialog
-from .presenter import present
-from .routing import RoutingView
+from .model.advice import advise
+from .model.formatting import live_cap_text, model_title
+from .model.history import ChatStore
+from .model.local_models import remember
+from .panels.backends import BackendsPanel
+from .panels.controls import ControlsPanel
+from .panels.experiments import ExperimentsPanel
+from .panels.first_start import LoadScreen
+from .panels.latency import LatencyView
+from .panels.presenter import present
+from .panels.routing import RoutingView
+from .panels.teaching import TeachingPanel
 from .server_control import ServerControl, ServerDialog, ServerOptions
-from .teaching import TeachingPanel
 from .theme import CHOICES, FAILED, Theme, configure_pyqtgraph, scrollable
 from .worker import Worker
 

@@ -20,8 +20,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication
 
-from .markdown import DARK_CODE, LIGHT_CODE, CodeColors
-from .plot_title import fit_title
+from .model.markdown import DARK_CODE, LIGHT_CODE, CodeColors
+from .plots.title import fit_title
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 STYLE_SHEET = RESOURCES / "tandem.qss"
@@ -240,7 +240,7 @@ def scrollable_column(widget):
     area.setWidgetResizable(True)
     area.setFrameShape(QFrame.Shape.NoFrame)
     area.setWidget(widget)
-    area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+    area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
     widget.installEventFilter(area)
     return area
 

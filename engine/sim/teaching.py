@@ -1,6 +1,6 @@
 """The study's worked example as numbers: backend states, the real router's verdicts, and every
 value the Teaching panel narrates. Qt-free and pure (no llama.cpp, no threads, no clock), so its
-arithmetic is tested without a window; `ui/teaching.py` only renders it.
+arithmetic is tested without a window; `ui/panels/teaching.py` only renders it.
 
 The example is the article's requests 7 and 8: the GPU has 4 running requests with 124 then 122
 tokens of decode budget left and 2 then 3 queued; the CPU is idle; every request is a 516-token

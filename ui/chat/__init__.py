@@ -1,6 +1,7 @@
-"""The chat: the panel (`panel`), its transcript of bubbles (`transcript`), what the user writes
-and asks with (`composer`) and the saved chats beside it (`chat_list`); the conversation itself,
-with its versions, is `ui.history.Chat`."""
+"""The chat: the panel (`panel`) holds the open chat and what is done to it; the reply being
+streamed (`reply`); the transcript of bubbles (`transcript`) and the view that draws the chat in
+it (`view`); what the user writes and asks with (`composer`, `presets`); the saved chats beside
+it (`chat_list`). The conversation itself, with its versions, is `ui.model.history.Chat`."""
 
 from .composer import TOP_ALTERNATIVES, PromptEdit, SamplingSettings
 from .panel import AUTO, ChatPanel

@@ -34,8 +34,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..formatting import fmt_seconds
-from ..markdown import COPY_SCHEME, Code, markdown_segments
+from ..model.formatting import fmt_seconds
+from ..model.markdown import COPY_SCHEME, Code, markdown_segments
 from ..theme import TranscriptColors, backend_color, palette
 
 # Bubble backgrounds by palette name: the user's tinted, the assistant's close to the page.
@@ -448,7 +448,7 @@ def tokens_html(tokens: list, index: int, unlikely: str) -> str:
 
 
 def welcome_html(engine) -> str:
-    from ..formatting import model_title
+    from ..model.formatting import model_title
 
     names = ", ".join(engine.backend_names)
     model = model_title(engine.model.info) if engine.model is not None else ", ".join(engine.model_ids()) or "?"

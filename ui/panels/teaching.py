@@ -12,7 +12,7 @@ where the article's went. Pause / Step beside Run live (`ui.run_controls.RunCont
 same run methods as the Run menu's F6 / F7) hold back or send the live run's arrivals; they are
 on only while the live run is under way.
 
-Part 3, the "What if" tab (`ui/whatif.py`), runs the study or a grid row on simulated hardware
+Part 3, the "What if" tab (`ui/panels/whatif.py`), runs the study or a grid row on simulated hardware
 (`engine.sim.simulate`) beside a live run on this machine.
 
 Thread contract: main thread only (a widget); the live run reports through `WorkloadRun`'s signals.
@@ -66,10 +66,8 @@ from engine.sim.teaching import (
     verdict,
 )
 
-from .live_run import STUDY, WorkloadRun
-from .presenter import TITLE_PT
-from .run_controls import RunControls
-from .theme import (
+from ..live_run import STUDY, WorkloadRun
+from ..theme import (
     LEGEND_BG,
     MUTED,
     WORKING,
@@ -80,6 +78,8 @@ from .theme import (
     style_plot,
     wrap_label,
 )
+from .presenter import TITLE_PT
+from .run_controls import RunControls
 from .whatif import WhatIfPanel
 
 GPU_COLOR, CPU_COLOR = backend_color(0), backend_color(1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
-from .theme import HEALTHY, MUTED, WORKING
+from ..theme import HEALTHY, MUTED, WORKING
 
 STEPS = ("warming", "arrivals", "draining")
 NAMES = {"warming": "Warming the shared prefix", "arrivals": "Arrivals", "draining": "Draining"}

@@ -80,7 +80,7 @@ def _plot_fonts(p: pg.PlotItem, on: bool) -> None:
             axis.setWidth(None)  # the wider labels need a wider axis
     title = p.titleLabel
     if title.text:
-        title.setText(title.text, size=f"{TITLE_PT if on else 10}pt")  # wraps to its plot (ui.plot_title)
+        title.setText(title.text, size=f"{TITLE_PT if on else 10}pt")  # wraps to its plot (ui.plots.title)
     legend = p.legend
     if legend is not None:
         legend.setLabelTextSize(f"{PLOT_PT if on else 9}pt")

@@ -1,8 +1,8 @@
 """The latency view: TTFT, end-to-end and inter-token step histograms per backend, with p50/p95
 markers, and output throughput over time.
 
-Histograms use fixed log-spaced edges (`ui.live_stats.EDGES`) and are drawn with
-`stepMode="center"`, each backend's bar taking its own slice of the bin (`ui.axes.dodged_steps`)
+Histograms use fixed log-spaced edges (`ui.model.live_stats.EDGES`) and are drawn with
+`stepMode="center"`, each backend's bar taking its own slice of the bin (`ui.model.axes.dodged_steps`)
 so equal bins of two backends stand side by side; every curve and marker is created once and
 only `setData`/`setPos` is called afterwards, from the bridge's tick (and only when a request
 finished since the last redraw). Throughput comes from the decoded-token counts each tick
@@ -10,9 +10,9 @@ carries; its "total" line is drawn in the theme's text colour.
 
 Axes fit their data: a histogram's x axis spans the bins in use (one bin of margin), its y axis
 counts requests in whole numbers. An empty plot shows a sentence instead of made-up axes
-(`ui.plot_marks.EmptyHint`); hovering a bin's point tells its count and range. Throughput is
+(`ui.panels.plot_marks.EmptyHint`); hovering a bin's point tells its count and range. Throughput is
 timed from the view's first tick, with a mark wherever a cap, the policy or a backend's health
-changed. A strip above the plots says which phase a demo is in (`ui.run_strip`).
+changed. A strip above the plots says which phase a demo is in (`ui.panels.run_strip`).
 
 The presenter view (`presenter_changed`) lays the four plots out two by two, with short axis
 labels, a summary of one line per backend (the p95s in its tooltip) and tick labels thinned to
@@ -29,14 +29,15 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from .axes import count_axis_top, dodged_steps, log_ticks, occupied_log_range, thin_ticks
-from .formatting import fmt_seconds
-from .legend import add_legend
-from .live_stats import EDGES, METRIC_TITLES, LatencyStore, RingSeries
-from .plot_marks import LABEL_PT, ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from ..model.axes import count_axis_top, dodged_steps, log_ticks, occupied_log_range, thin_ticks
+from ..model.changes import ChangeTracker
+from ..model.formatting import fmt_seconds
+from ..model.live_stats import EDGES, METRIC_TITLES, LatencyStore, RingSeries
+from ..plots.legend import add_legend
+from ..theme import LEGEND_BG, backend_color, palette, qcolor, style_plot, wrap_label
+from .plot_marks import LABEL_PT, ChangeMarks, EmptyHint, hover_tips
 from .presenter import PLOT_PT, set_axis_labels
 from .run_strip import RunStrip
-from .theme import LEGEND_BG, backend_color, palette, qcolor, style_plot, wrap_label
 
 THROUGHPUT_WINDOW_S = 120.0
 SMOOTH_S = 2.0  # throughput is averaged over this many seconds
@@ -154,7 +155,7 @@ class LatencyView(QWidget):
         self.store.clear()
 
     def presenter_changed(self, on: bool) -> None:
-        """The presenter view (ui.presenter): two plots by two, short axis labels, a one-line
+        """The presenter view (ui.panels.presenter): two plots by two, short axis labels, a one-line
         summary per backend, change labels in large type."""
         self.presenting = on
         self._place_plots(columns=2 if on else 4)

@@ -1,5 +1,6 @@
 """How figures and names are written for people: seconds, token rates, where a backend's rates
-came from, a model's title. Qt-free, so they test without a screen; pure functions, any thread.
+came from, a model's title, a token's probability. Qt-free, so they test without a screen; pure
+functions, any thread.
 """
 
 from __future__ import annotations
@@ -140,3 +141,14 @@ def policy_sentence(policy: str, backends: int, default: bool = False) -> str:
             name = name.rpartition(":")[0]
         text = POLICY_SENTENCES.get(name, f"The {policy} policy.")
     return text[:-1] + " (the default)." if default else text
+
+
+def token_tip(tokens: list, k: int) -> str:
+    """Token `k` of a reply's stored token probabilities (`[text, logprob, [[alternative,
+    logprob], ...]]` each) in words: its probability, then each alternative's; empty if none."""
+    if not 0 <= k < len(tokens):
+        return ""
+    text, lp, top = tokens[k]
+    lines = [f"{text!r}  p = {math.exp(lp):.3f}  (logprob {lp:.3f})"]
+    lines += [f"   {alt!r}  {math.exp(alt_lp):.3f}" for alt, alt_lp in top]
+    return "\n".join(lines)

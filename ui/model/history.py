@@ -5,6 +5,11 @@ a question edited and sent again): `Message.versions` holds them all, each with 
 followed it, and `Chat.switch` shows another one with its own continuation (the chat's ‹1/2›
 switcher). `Chat.add_version` adds one and shows it.
 
+A reply joins its chat through `Chat.take_reply(to, text, meta)`: as a new last message, as a new
+version of a message (regenerated), or added to a message (continued past its length limit, its
+counts and token probabilities joined); `reply_meta` is what a reply keeps of its request's
+record (backend, times, tokens, why it went there).
+
 `ChatStore(dir)` lists, loads, saves and deletes chats, one JSON file each; `default_dir()` is
 `platformdirs.user_data_dir("tandem")/chats`. Writes go through a temporary file and a rename,
 so a crash never leaves half a chat.
@@ -82,6 +87,45 @@ class Message:
         return m
 
 
+@dataclass(frozen=True)
+class ReplyTo:
+    """What the reply being streamed becomes in its chat."""
+
+    kind: str = "append"  # "append": a new last message; "version": a new version of message
+    index: int = -1  # `index`; "continue": text added to message `index`
+
+
+APPEND = ReplyTo()
+
+
+def reply_meta(record, decision=None) -> dict:
+    """What a reply keeps of its request's `FinishRecord` (and the routing decision, if any):
+    the backend, TTFT, end-to-end time, decode tok/s, token counts, why it ended and why it went
+    there; each token's text, logprob and alternatives when the request asked for them."""
+    meta = {
+        "request_id": record.request_id,
+        "backend": record.backend,
+        "ttft_s": record.ttft_s,
+        "e2e_s": record.e2e_s,
+        "tok_s": record.decode_tok_s,
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "output_tokens": record.output_tokens,
+        "finish_reason": record.finish_reason,
+        "error": record.error,
+        "policy": getattr(decision, "policy", None),
+        "reason": getattr(decision, "reason", None),
+    }
+    if record.logprobs:  # [token text, logprob, [[alternative, logprob], ...]] per token
+        meta["logprobs"] = [[_piece(e.piece), round(e.logprob, 4), [[_piece(p), round(lp, 4)] for _, p, lp in e.top]]
+                            for e in record.logprobs]
+    return meta
+
+
+def _piece(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
 @dataclass
 class Chat:
     id: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
@@ -117,6 +161,24 @@ class Chat:
         m.shown = len(m.versions) - 1
         m.content, m.meta = content, meta
         del self.messages[index + 1:]
+
+    def take_reply(self, to: ReplyTo, text: str, meta: dict) -> dict:
+        """The reply `text` joins the chat as `to` says; returns the meta its message now holds
+        (a continued reply's: its counts summed, its token probabilities joined)."""
+        if to.kind == "version":
+            self.add_version(to.index, text, meta)
+        elif to.kind == "continue":
+            m = self.messages[to.index]
+            before = m.meta or {}
+            merged = {**before, **meta, "output_tokens": before.get("output_tokens", 0) + meta.get("output_tokens", 0),
+                      "continued": before.get("continued", 0) + 1}
+            if before.get("logprobs") or meta.get("logprobs"):
+                merged["logprobs"] = (before.get("logprobs") or []) + (meta.get("logprobs") or [])
+            m.content += text
+            m.meta = meta = merged
+        else:
+            self.messages.append(Message("assistant", text, meta))
+        return meta
 
     def switch(self, index: int, k: int) -> None:
         """Show version `k` of message `index`, with the messages that followed it."""

@@ -32,14 +32,15 @@ from PySide6.QtWidgets import (
 
 from engine.core.errors import EngineError
 
-from .advice import advise
-from .axes import count_axis_top
-from .formatting import CAP_HELP, cap_reason_detail, fmt_rate, live_cap_text, rates_source_text
-from .legend import add_legend
-from .live_stats import RingSeries
-from .plot_marks import ChangeMarks, ChangeTracker
-from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, wrap_label
-from .worker import Worker
+from ..model.advice import advise
+from ..model.axes import count_axis_top
+from ..model.changes import ChangeTracker
+from ..model.formatting import CAP_HELP, cap_reason_detail, fmt_rate, live_cap_text, rates_source_text
+from ..model.live_stats import RingSeries
+from ..plots.legend import add_legend
+from ..theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, wrap_label
+from ..worker import Worker
+from .plot_marks import ChangeMarks
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,7 @@ class BackendCard(QFrame):
         self._restart = engine.restart
         self._restart_worker: Worker | None = None
         self._restart_error: str | None = None
-        self._t0: float | None = None
-        self._history = RingSeries(int(HISTORY_S * hz) + 1, 2)
+        self._hz = hz
         self.setObjectName("card")
         self.setMinimumWidth(CARD_WIDTH)
         self._build()
@@ -80,20 +80,20 @@ class BackendCard(QFrame):
         grid.setContentsMargins(10, 8, 10, 8)
         grid.setHorizontalSpacing(8)
         grid.setVerticalSpacing(4)
+        grid.addLayout(self._head(b), 0, 0, 1, 4)
+        self.facts = _facts(b, snap)
+        grid.addWidget(self.facts, 1, 0, 1, 4)
+        grid.addWidget(self._problem(), 2, 0, 1, 4)  # shown only while the backend is down
+        self._occupancy(grid, b, snap)  # rows 3-5
+        self.history = CardHistory(self.color, self._hz)
+        grid.addWidget(self.history, 6, 0, 1, 4)
+        self._figures(grid)  # rows 7-12
+        grid.setColumnStretch(1, 1)
 
+    def _head(self, b) -> QHBoxLayout:
+        """The name in its colour, its health, Warm prefix and Flush cache."""
         title = QLabel(f"<span style='color:{self.color}'>■</span> <b>{b.name}</b>")
         title.setObjectName("title")
-        threads = b.threads
-        if b.url:  # an engine elsewhere: where it is and what it serves
-            self.facts = QLabel(f"REMOTE · {snap.url.removeprefix('http://')} · {snap.model or '?'}")
-            self.facts.setToolTip(f"an OpenAI-compatible engine at {snap.url}; Tandem sends it at most "
-                                  f"{snap.cap} requests at a time and predicts its prefix cache")
-        else:
-            self.facts = QLabel(f"{b.device.upper()} · {threads} thread{'s' if threads != 1 else ''} · "
-                                f"ctx {b.n_ctx} · {b.n_seq_max} seqs")
-            self.facts.setToolTip(f"{b.model} on {b.device}; n_batch {b.n_batch}, "
-                                  f"flash attention {b.flash_attn}, unified KV {b.kv_unified}")
-        self.facts.setObjectName("muted")
         self.health = QLabel("healthy")
         self.warm_button = QPushButton("Warm prefix")
         self.warm_button.setToolTip("Prefill the chat's system prompt into this backend's prefix cache, "
@@ -109,11 +109,10 @@ class BackendCard(QFrame):
         head.addSpacing(6)
         head.addWidget(self.warm_button)
         head.addWidget(self.flush_button)
-        grid.addLayout(head, 0, 0, 1, 4)
-        self.facts.setWordWrap(True)
-        grid.addWidget(self.facts, 1, 0, 1, 4)
+        return head
 
-        # Shown only while the backend is down: why, and the way back.
+    def _problem(self) -> QWidget:
+        """While the backend is down: why, and the way back (Restart)."""
         self.problem = QWidget()
         self.problem.setObjectName("problem")
         self.problem.setStyleSheet("QWidget#problem { background: transparent; }")  # the card's colour
@@ -131,8 +130,10 @@ class BackendCard(QFrame):
         problem.addWidget(self.error_label, 1)
         problem.addWidget(self.restart_button, 0, Qt.AlignmentFlag.AlignTop)
         self.problem.setVisible(False)
-        grid.addWidget(self.problem, 2, 0, 1, 4)
+        return self.problem
 
+    def _occupancy(self, grid: QGridLayout, b, snap) -> None:
+        """Running against the live cap, with the ceiling to set; waiting; KV cells."""
         self.running_bar = _bar("running")
         self.waiting_bar = _bar("waiting")
         self.kv_bar = _bar("kv")
@@ -151,34 +152,9 @@ class BackendCard(QFrame):
         grid.addWidget(_muted("KV cells"), 5, 0)
         grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
-        self.plot = pg.PlotWidget()
-        self.plot.setProperty("sparkline", True)  # keeps its small type in the presenter view (ui.presenter)
-        self.plot.setFixedHeight(SPARK_HEIGHT[False])
-        p = self.plot.getPlotItem()
-        p.setMouseEnabled(False, False)
-        p.hideButtons()
-        p.showGrid(x=True, y=True, alpha=0.15)
-        # a time axis: seconds before now
-        small = QFont()
-        small.setPointSize(SPARK_PT[False])
-        bottom = p.getAxis("bottom")
-        bottom.setStyle(tickFont=small, tickLength=3, tickTextOffset=1)
-        bottom.setHeight(16)
-        bottom.setTicks([[(-25, "−25 s"), (-15, "−15 s"), (-5, "−5 s")], []])  # inside the edges
-        p.getAxis("left").setWidth(28)
-        p.setXRange(-HISTORY_S, 0, padding=0)
-        self.marks = ChangeMarks(p, relative_window_s=HISTORY_S, labels=False)
-        self.changes = ChangeTracker()
-        p.getAxis("left").enableAutoSIPrefix(False)
-        self.legend = add_legend(p, offset=(30, 0), labelTextSize="7pt", colCount=2, brush=LEGEND_BG,
-                                 verSpacing=-6, horSpacing=10)
-        self.running_curve = p.plot(pen=pg.mkPen(self.color, width=1.5), fillLevel=0,
-                                    brush=qcolor(self.color, 70), name="running")
-        self.waiting_curve = p.plot(pen=_waiting_pen(), name="waiting")
-        self.plot.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests; an orange dashed line "
-                             "marks a change of this backend's cap or health, or of the policy")
-        grid.addWidget(self.plot, 6, 0, 1, 4)
-
+    def _figures(self, grid: QGridLayout) -> None:
+        """Prefix hits and the cache's figures, observed speeds, the rates priced at and where they
+        came from, the live cap and why it last moved."""
         self.hit_label = QLabel()
         self.cache_label = QLabel()
         self.cache_label.setObjectName("muted")
@@ -191,7 +167,10 @@ class BackendCard(QFrame):
         # Where the rates the router prices this backend at came from: a placeholder ("default")
         # is flagged, since every score is rough until it is measured.
         self.rates_source_label = QLabel()
-        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label, self.rates_source_label):
+        # The adaptive cap's live value and why it last moved (engine/sched/limiter.py).
+        self.limit_label = _muted("")
+        for lab in (self.hit_label, self.cache_label, self.speed_label, self.rates_label, self.rates_source_label,
+                    self.limit_label):
             lab.setWordWrap(True)
         grid.addWidget(_muted("Prefix hits"), 7, 0)
         grid.addWidget(self.hit_label, 7, 1, 1, 3)
@@ -201,13 +180,8 @@ class BackendCard(QFrame):
         grid.addWidget(_muted("Priced at"), 10, 0)
         grid.addWidget(self.rates_label, 10, 1, 1, 3)
         grid.addWidget(self.rates_source_label, 11, 1, 1, 3)  # under the rates, as the cache's figures under the hits
-        # The adaptive cap's live value and why it last moved (engine/sched/limiter.py).
-        self.limit_label = _muted("")
-        self.limit_label.setWordWrap(True)
         grid.addWidget(_muted("Cap"), 12, 0)
         grid.addWidget(self.limit_label, 12, 1, 1, 3)
-
-        grid.setColumnStretch(1, 1)
 
     # ---- actions ----
 
@@ -305,40 +279,15 @@ class BackendCard(QFrame):
         self._show_rates_source(r)
         self._show_health(snap.healthy, snap.error)
 
-        if self._t0 is None:
-            self._t0 = now
-        self.marks.add(now, self.changes.update([snap], self.engine.router.policy))
-        self.marks.scroll(now)
-        self._history.append(now, (running, waiting))
-        x, y_run = self._history.view(0)
-        _, y_wait = self._history.view(1)
-        xs = x - now
-        self.running_curve.setData(xs, y_run)
-        self.waiting_curve.setData(xs, y_wait)
-        top = max(float(np.nanmax(y_run)) if y_run.size else 0, float(np.nanmax(y_wait)) if y_wait.size else 0, cap)
-        axis_top, step = count_axis_top(top)
-        self.plot.getPlotItem().setYRange(0, axis_top, padding=0)
-        self.plot.getPlotItem().getAxis("left").setTickSpacing(step, step)
+        self.history.add(snap, self.engine.router.policy, now)
 
     def restyle(self) -> None:
-        """The theme now in use: the waiting line in its text colour."""
-        self.waiting_curve.setPen(_waiting_pen())
+        """The theme now in use: the history's waiting line in its text colour."""
+        self.history.restyle()
 
     def presenter_changed(self, on: bool) -> None:
         """The presenter view: a taller history with type a room can read."""
-        p = self.plot.getPlotItem()
-        font = QFont()
-        font.setPointSize(SPARK_PT[on])
-        bottom = p.getAxis("bottom")
-        bottom.setStyle(tickFont=font)
-        bottom.setHeight(QFontMetrics(font).height() + 2 if on else 16)
-        left = p.getAxis("left")
-        left.setStyle(tickFont=font)
-        left.setWidth(QFontMetrics(font).horizontalAdvance("000") + 8 if on else 28)
-        self.legend.setLabelTextSize(f"{SPARK_PT[on]}pt")
-        for _sample, label in self.legend.items:
-            label.setText(label.text, size=f"{SPARK_PT[on]}pt")
-        self.plot.setFixedHeight(SPARK_HEIGHT[on])
+        self.history.presenter_changed(on)
 
     def _show_rates_source(self, rates) -> None:
         """Where the router's rates came from (`Rates.origin`); a placeholder is flagged."""
@@ -448,6 +397,96 @@ class BackendsPanel(QScrollArea):
             card = self.cards.get(snap.name)
             if card is not None:
                 card.update_snapshot(snap, tick.time)
+
+
+class CardHistory(pg.PlotWidget):
+    """A card's last 30 s: running (filled) and waiting (dashed) requests, an orange dashed line
+    where the backend's cap or health, or the policy, changed. Its items are created once; `add`
+    appends a tick and sets their data."""
+
+    def __init__(self, color: str, hz: int, parent: QWidget | None = None):
+        super().__init__(parent)
+        self._series = RingSeries(int(HISTORY_S * hz) + 1, 2)
+        self.setProperty("sparkline", True)  # keeps its small type in the presenter view (ui.panels.presenter)
+        self.setFixedHeight(SPARK_HEIGHT[False])
+        p = self.getPlotItem()
+        p.setMouseEnabled(False, False)
+        p.hideButtons()
+        p.showGrid(x=True, y=True, alpha=0.15)
+        # a time axis: seconds before now
+        small = QFont()
+        small.setPointSize(SPARK_PT[False])
+        bottom = p.getAxis("bottom")
+        bottom.setStyle(tickFont=small, tickLength=3, tickTextOffset=1)
+        bottom.setHeight(16)
+        bottom.setTicks([[(-25, "−25 s"), (-15, "−15 s"), (-5, "−5 s")], []])  # inside the edges
+        p.getAxis("left").setWidth(28)
+        p.setXRange(-HISTORY_S, 0, padding=0)
+        self.marks = ChangeMarks(p, relative_window_s=HISTORY_S, labels=False)
+        self.changes = ChangeTracker()
+        p.getAxis("left").enableAutoSIPrefix(False)
+        self.legend = add_legend(p, offset=(30, 0), labelTextSize="7pt", colCount=2, brush=LEGEND_BG,
+                                 verSpacing=-6, horSpacing=10)
+        self.running_curve = p.plot(pen=pg.mkPen(color, width=1.5), fillLevel=0, brush=qcolor(color, 70),
+                                    name="running")
+        self.waiting_curve = p.plot(pen=_waiting_pen(), name="waiting")
+        self.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests; an orange dashed line "
+                        "marks a change of this backend's cap or health, or of the policy")
+
+    def add(self, snap, policy: str, now: float) -> None:
+        """The backend's snapshot at `now` (monotonic seconds), under the router's `policy`."""
+        running, waiting = len(snap.running), len(snap.waiting)
+        self.marks.add(now, self.changes.update([snap], policy))
+        self.marks.scroll(now)
+        self._series.append(now, (running, waiting))
+        x, y_run = self._series.view(0)
+        _, y_wait = self._series.view(1)
+        xs = x - now
+        self.running_curve.setData(xs, y_run)
+        self.waiting_curve.setData(xs, y_wait)
+        top = max(float(np.nanmax(y_run)) if y_run.size else 0, float(np.nanmax(y_wait)) if y_wait.size else 0,
+                  snap.cap)
+        axis_top, step = count_axis_top(top)
+        p = self.getPlotItem()
+        p.setYRange(0, axis_top, padding=0)
+        p.getAxis("left").setTickSpacing(step, step)
+
+    def restyle(self) -> None:
+        """The theme now in use: the waiting line in its text colour."""
+        self.waiting_curve.setPen(_waiting_pen())
+
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view: taller, with type a room can read."""
+        p = self.getPlotItem()
+        font = QFont()
+        font.setPointSize(SPARK_PT[on])
+        bottom = p.getAxis("bottom")
+        bottom.setStyle(tickFont=font)
+        bottom.setHeight(QFontMetrics(font).height() + 2 if on else 16)
+        left = p.getAxis("left")
+        left.setStyle(tickFont=font)
+        left.setWidth(QFontMetrics(font).horizontalAdvance("000") + 8 if on else 28)
+        self.legend.setLabelTextSize(f"{SPARK_PT[on]}pt")
+        for _sample, label in self.legend.items:
+            label.setText(label.text, size=f"{SPARK_PT[on]}pt")
+        self.setFixedHeight(SPARK_HEIGHT[on])
+
+
+def _facts(b, snap) -> QLabel:
+    """What the backend is: a remote engine's address and model, or a local one's device and shape."""
+    if b.url:  # an engine elsewhere: where it is and what it serves
+        facts = QLabel(f"REMOTE · {snap.url.removeprefix('http://')} · {snap.model or '?'}")
+        facts.setToolTip(f"an OpenAI-compatible engine at {snap.url}; Tandem sends it at most "
+                         f"{snap.cap} requests at a time and predicts its prefix cache")
+    else:
+        threads = b.threads
+        facts = QLabel(f"{b.device.upper()} · {threads} thread{'s' if threads != 1 else ''} · "
+                       f"ctx {b.n_ctx} · {b.n_seq_max} seqs")
+        facts.setToolTip(f"{b.model} on {b.device}; n_batch {b.n_batch}, "
+                         f"flash attention {b.flash_attn}, unified KV {b.kv_unified}")
+    facts.setObjectName("muted")
+    facts.setWordWrap(True)
+    return facts
 
 
 def _bar(name: str) -> QProgressBar:

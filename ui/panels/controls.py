@@ -30,10 +30,10 @@ from engine.core.snapshot import Rates
 from engine.routing import BUDGET_MODES, DEFAULT_POLICY, POLICIES
 from engine.routing import HELP as POLICY_HELP  # one line per policy, beside each (engine/routing/)
 
-from .formatting import CAP_HELP, cap_reason_detail, live_cap_text, policy_sentence
+from ..model.formatting import CAP_HELP, cap_reason_detail, live_cap_text, policy_sentence
+from ..theme import backend_color, palette, wrap_label
+from ..worker import Worker
 from .presenter import VALUE_PT
-from .theme import backend_color, palette, wrap_label
-from .worker import Worker
 
 SPIN_WIDTH = 92  # px: a rate box at the app's type size
 BUDGET_HELP = {
@@ -73,11 +73,17 @@ class ControlsPanel(QWidget):
         bridge.tick.connect(self._on_tick)
 
     def _build(self) -> None:
-        router = self.engine.router
         lay = QVBoxLayout(self)
         lay.setContentsMargins(6, 6, 6, 6)
         lay.setSpacing(8)
+        lay.addWidget(self._routing_box())
+        lay.addWidget(self._rates_box())
+        lay.addStretch(1)
+        self._update_help()
 
+    def _routing_box(self) -> QGroupBox:
+        """The policy and the decode budget, with the policy in a sentence and its details."""
+        router = self.engine.router
         routing = QGroupBox("Routing")
         f = QFormLayout(routing)
         self.policy_combo = QComboBox()
@@ -104,8 +110,11 @@ class ControlsPanel(QWidget):
         f.addRow(self.details_link)
         f.addRow(self.details)
         f.addRow(self.ratio_label)
-        lay.addWidget(routing)
+        return routing
 
+    def _rates_box(self) -> QGroupBox:
+        """One row per backend (rates, where they came from, ceiling and live cap, cache), then
+        Reset rates, Recalibrate and Flush caches."""
         rates = QGroupBox("Rates the router prices work at (tok/s)")
         g = QGridLayout(rates)
         for col, text in enumerate(("", "prefill", "decode", "source", "ceiling", "cache")):
@@ -121,41 +130,46 @@ class ControlsPanel(QWidget):
         self.live_labels: dict[str, QLabel] = {}  # the live cap beside each ceiling
         self.cache_checks: dict[str, QCheckBox] = {}
         for row, name in enumerate(self.engine.backend_names, start=1):
-            r, snap, info = self.engine.rates(name), self.engine.backend_snapshot(name), self.engine.info(name)
-            i = row - 1
-            g.addWidget(QLabel(f"<span style='color:{backend_color(i)}'>■</span> {name}"), row, 0)
-            ps = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e7, value=r.prefill_tok_s)
-            ds = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e6, value=r.decode_tok_s)
-            for s in (ps, ds):
-                s.setFixedWidth(SPIN_WIDTH)
-                s.setKeyboardTracking(False)  # apply on Enter / focus out / arrows, not per digit
-                s.valueChanged.connect(lambda _v, n=name: self.apply_rates(n))
-            src = QLabel(r.source)
-            src.setObjectName("muted")
-            cap = QSpinBox(minimum=1, maximum=info.n_seq_max, value=snap.cap_ceiling or snap.cap)
-            cap.setKeyboardTracking(False)
-            cap.setToolTip(CAP_HELP)
-            cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
-            cache = QCheckBox()
-            cache.setChecked(snap.cache.enabled)
-            cache.setToolTip("Prefix cache on/off, live: off drops what is cached and reuses nothing"
-                             + ("" if info.kv_unified else " (split KV: a cached prefix is copied)"))
-            cache.toggled.connect(lambda on, n=name: self.set_cache(n, on))
-            self.prefill_spins[name], self.decode_spins[name] = ps, ds
-            self.source_labels[name], self.cap_spins[name], self.cache_checks[name] = src, cap, cache
-            live = QLabel(f"live {snap.cap}" if snap.cap_adaptive else "fixed")
-            live.setObjectName("muted")
-            self.live_labels[name] = live
-            ceiling = QHBoxLayout()
-            ceiling.setSpacing(4)
-            ceiling.addWidget(cap)
-            ceiling.addWidget(live)
-            cells: tuple[QWidget | QHBoxLayout, ...] = (ps, ds, src, ceiling, cache)
-            for col, w in enumerate(cells, start=1):
-                if isinstance(w, QHBoxLayout):
-                    g.addLayout(w, row, col)
-                else:
-                    g.addWidget(w, row, col)
+            self._backend_row(g, row, name)
+        g.addLayout(self._rate_buttons(), len(self.engine.backend_names) + 1, 0, 1, 6)
+        g.setColumnStretch(6, 1)  # spare width goes right of the table, not into the cap boxes
+        return rates
+
+    def _backend_row(self, g: QGridLayout, row: int, name: str) -> None:
+        r, snap, info = self.engine.rates(name), self.engine.backend_snapshot(name), self.engine.info(name)
+        g.addWidget(QLabel(f"<span style='color:{backend_color(row - 1)}'>■</span> {name}"), row, 0)
+        ps = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e7, value=r.prefill_tok_s)
+        ds = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e6, value=r.decode_tok_s)
+        for s in (ps, ds):
+            s.setFixedWidth(SPIN_WIDTH)
+            s.setKeyboardTracking(False)  # apply on Enter / focus out / arrows, not per digit
+            s.valueChanged.connect(lambda _v, n=name: self.apply_rates(n))
+        src = QLabel(r.source)
+        src.setObjectName("muted")
+        cap = QSpinBox(minimum=1, maximum=info.n_seq_max, value=snap.cap_ceiling or snap.cap)
+        cap.setKeyboardTracking(False)
+        cap.setToolTip(CAP_HELP)
+        cap.valueChanged.connect(lambda v, n=name: self.set_cap(n, v))
+        cache = QCheckBox()
+        cache.setChecked(snap.cache.enabled)
+        cache.setToolTip("Prefix cache on/off, live: off drops what is cached and reuses nothing"
+                         + ("" if info.kv_unified else " (split KV: a cached prefix is copied)"))
+        cache.toggled.connect(lambda on, n=name: self.set_cache(n, on))
+        self.prefill_spins[name], self.decode_spins[name] = ps, ds
+        self.source_labels[name], self.cap_spins[name], self.cache_checks[name] = src, cap, cache
+        live = QLabel(f"live {snap.cap}" if snap.cap_adaptive else "fixed")
+        live.setObjectName("muted")
+        self.live_labels[name] = live
+        ceiling = QHBoxLayout()
+        ceiling.setSpacing(4)
+        ceiling.addWidget(cap)
+        ceiling.addWidget(live)
+        for col, w in enumerate((ps, ds, src), start=1):
+            g.addWidget(w, row, col)
+        g.addLayout(ceiling, row, 4)
+        g.addWidget(cache, row, 5)
+
+    def _rate_buttons(self) -> QHBoxLayout:
         buttons = QHBoxLayout()
         buttons.setSpacing(4)
         self.reset_button = QPushButton("Reset rates")
@@ -175,11 +189,7 @@ class ControlsPanel(QWidget):
         buttons.addWidget(self.recal_button)
         buttons.addWidget(self.flush_button)
         buttons.addStretch(1)
-        g.addLayout(buttons, len(self.engine.backend_names) + 1, 0, 1, 6)
-        g.setColumnStretch(6, 1)  # spare width goes right of the table, not into the cap boxes
-        lay.addWidget(rates)
-        lay.addStretch(1)
-        self._update_help()
+        return buttons
 
     # ---- actions (GUI thread; engine setters are thread-safe) ----
 
@@ -255,7 +265,7 @@ class ControlsPanel(QWidget):
         self.rates_changed.emit()
 
     def presenter_changed(self, on: bool) -> None:
-        """The presenter view (ui.presenter): rate boxes wide enough for their larger digits."""
+        """The presenter view (ui.panels.presenter): rate boxes wide enough for their larger digits."""
         font = QFont(self.font())
         font.setPointSize(VALUE_PT if on else 10)
         width = QFontMetrics(font).horizontalAdvance("0000000.0") + 30 if on else SPIN_WIDTH

@@ -1,6 +1,6 @@
 """File ▸ Get model: search the Hugging Face Hub for GGUF models, see what fits, download one.
 
-The dialog drives `ui.hub` (Qt-free) on `ui.worker.Worker` threads: a search lists repositories
+The dialog drives `ui.model.hub` (Qt-free) on `ui.worker.Worker` threads: a search lists repositories
 (most downloaded first); picking one lists its GGUF files with their size, quantisation and
 whether each fits this machine's RAM / GPU memory at the context chosen in the dialog (the KV
 cache priced from the repository's GGUF header, read by range from its smallest file); a model
@@ -39,10 +39,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from . import hub
-from .advice import advise
-from .theme import FAILED, HEALTHY, WORKING, wrap_label
-from .worker import Worker
+from ..model import hub
+from ..model.advice import advise
+from ..theme import FAILED, HEALTHY, WORKING, wrap_label
+from ..worker import Worker
 
 VERDICT_COLOR = {"fits": HEALTHY, "tight": WORKING, "too big": FAILED}
 

@@ -1,19 +1,16 @@
 """What the time plots add to their curves: marks where something changed, hover tips, and a
 word instead of empty axes.
 
-- `ChangeTracker` (Qt-free) compares each tick's snapshots with the last: a backend's live cap or
-  ceiling, its health, the router's policy. What changed comes back as short texts
-  ("cpu0 live cap 4→8", "policy → cache-aware", "cpu1 down").
-- `ChangeMarks` draws them on a pyqtgraph plot as labelled vertical lines at the time they were
-  seen, with the whole text as the line's tooltip; the labels are laid out at the top of the
-  plot so none is cut at its edge or lies on another or on the legend (`place_label`); on a
-  plot whose x axis is "seconds before now" (a card's sparkline) the lines move left each tick
-  and go when they leave the window.
+- `ChangeMarks` draws what `ui.model.changes.ChangeTracker` says changed on a pyqtgraph plot,
+  as labelled vertical lines at the time they were seen, with the whole text as the line's
+  tooltip; the labels are laid out at the top of the plot so none is cut at its edge or lies on
+  another or on the legend (`place_label`); on a plot whose x axis is "seconds before now" (a
+  card's sparkline) the lines move left each tick and go when they leave the window.
 - `hover_tips(scatter, fmt)` makes a scatter's points show a tooltip when the pointer is on them.
 - `EmptyHint` shows a sentence in the middle of a plot with no data and hides its axes, so a
   plot never shows made-up 0..1 axes; the axes come back, fitted, with the first point.
 
-Main thread only (pyqtgraph items), except `ChangeTracker`, which is plain Python.
+Main thread only (pyqtgraph items).
 """
 
 from __future__ import annotations
@@ -22,38 +19,12 @@ import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QFont
 
-from .theme import GRID_ALPHA, MUTED, WORKING, palette
+from ..model.changes import is_engines_own
+from ..theme import GRID_ALPHA, MUTED, WORKING, palette
 
 MAX_MARKS = 40  # older marks go first past this many
 MAX_LABEL_ROWS = 3  # rows of change labels at the top of a plot
 LABEL_PT = 8
-
-
-class ChangeTracker:
-    """Remembers the last tick's caps, health and policy; `update` says what changed since."""
-
-    def __init__(self) -> None:
-        self._backends: dict[str, tuple[int, int, bool]] | None = None
-        self._policy: str | None = None
-
-    def update(self, snapshots, policy: str) -> list[str]:
-        now = {s.name: (s.cap, s.cap_ceiling or s.cap, s.healthy) for s in snapshots}
-        changes: list[str] = []
-        if self._backends is not None:
-            for name, (cap, ceiling, healthy) in now.items():
-                old = self._backends.get(name)
-                if old is None:
-                    continue
-                if ceiling != old[1]:
-                    changes.append(f"{name} ceiling {old[1]}→{ceiling}")
-                if cap != old[0]:
-                    changes.append(f"{name} live cap {old[0]}→{cap}")
-                if healthy != old[2]:
-                    changes.append(f"{name} {'healthy again' if healthy else 'down'}")
-        if self._policy is not None and policy != self._policy:
-            changes.append(f"policy → {policy}")
-        self._backends, self._policy = now, policy
-        return changes
 
 
 class ChangeMarks:
@@ -170,13 +141,6 @@ class ChangeMarks:
         label = self._labels.pop(id(line), None)
         if label is not None:
             self.plot.vb.removeItem(label)
-
-
-def is_engines_own(change: str) -> bool:
-    """A change the engine made by itself (an adaptive cap moving), not one a person made (a
-    ceiling, the policy) nor a backend's health: its line stays, dotted, unlabelled (the
-    tooltip says it), so the labels a class reads are the moments a control acted."""
-    return " live cap " in f" {change}"
 
 
 def place_label(px: float, w: float, h: float, room: QRectF, taken: list[QRectF]) -> QRectF | None:

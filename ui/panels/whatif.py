@@ -43,9 +43,9 @@ from engine.sim.benchmark import run_metrics
 from engine.sim.simulate import PROFILES, Profile, profile_from_snapshots, simulate
 from engine.sim.workload import WorkloadSpec, build_workload, seed_workload, shared_tokens_for
 
-from .live_run import WorkloadRun
-from .theme import wrap_label
-from .worker import Worker
+from ..live_run import WorkloadRun
+from ..theme import wrap_label
+from ..worker import Worker
 
 THIS_MACHINE = "this machine (as configured)"
 PROFILE_COLUMNS = ("backend", "device", "cap", "KV cells", "prefill/s", "decode/s", "speed ×")

@@ -1,7 +1,7 @@
 """The model picker: the embedded default, a GGUF file, or a synthetic model of a real shape.
 
 Above the choices, a list of the models loaded recently and of the GGUF files found on this
-machine (`ui.local_models`: the Hugging Face cache, LM Studio's and Ollama's folders, ~/models,
+machine (`ui.model.local_models`: the Hugging Face cache, LM Studio's and Ollama's folders, ~/models,
 the app's data folder), each under its real name from the GGUF metadata. The folders are scanned
 on a worker thread when the dialog opens; a click fills the choice below, a double-click loads.
 
@@ -31,9 +31,9 @@ from PySide6.QtWidgets import (
 
 from engine.routing import DEFAULT, POLICIES
 
-from .loader import ModelSpec
-from .local_models import LocalModel, recent_entries, scan
-from .worker import Worker
+from ..loader import ModelSpec
+from ..model.local_models import LocalModel, recent_entries, scan
+from ..worker import Worker
 
 
 def synthetic_shapes() -> list[str]:

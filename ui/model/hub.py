@@ -404,11 +404,6 @@ def partial_bytes(file: HubFile, folder: Path | None = None) -> int:
 
 
 def _download_one(file: HubFile, target: Path, progress: Progress, cancel: threading.Event) -> None:
-    from huggingface_hub import hf_hub_url
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
-    from tqdm import tqdm
-
     final = target / file.path
     if final.is_file() and final.stat().st_size == file.size and (
             not file.sha256 or sha256_of(final, cancel) == file.sha256):
@@ -419,8 +414,44 @@ def _download_one(file: HubFile, target: Path, progress: Progress, cancel: threa
     if partial.is_file() and partial.stat().st_size > file.size:
         partial.unlink()  # not a beginning of this file
     resume = partial.stat().st_size if partial.is_file() else 0
+    if resume < file.size:
+        _fetch(file, partial, resume, progress, cancel)
+    if file.sha256:
+        got = sha256_of(partial, cancel)  # a stop here keeps the bytes: the check runs again next time
+        if got != file.sha256:
+            partial.unlink(missing_ok=True)
+            raise HubError(f"{file.name}: the downloaded file's sha256 {got[:12]}… is not the Hub's "
+                           f"{file.sha256[:12]}…; it was deleted, try again")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(partial, final)
+    progress(file.size, file.size)
 
-    class _Bar(tqdm):  # huggingface_hub's progress bar, reported to `progress`
+
+def _fetch(file: HubFile, partial: Path, resume: int, progress: Progress, cancel: threading.Event) -> None:
+    """Append the bytes of `file` from `resume` on to `partial` with huggingface_hub's `http_get`;
+    `DownloadCancelled` once `cancel` is set, `HubError` for anything else that fails."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    try:
+        with open(partial, "ab") as fh:
+            http_get(hf_hub_url(file.repo_id, file.path), fh, resume_size=resume,
+                     headers=build_hf_headers(), expected_size=file.size, displayed_filename=file.name,
+                     tqdm_class=_progress_bar(progress, cancel))
+    except DownloadCancelled:
+        raise
+    except Exception as e:
+        if cancel.is_set():
+            raise DownloadCancelled("download stopped") from e
+        raise _hub_error(f"downloading {file.name} failed", e) from e
+
+
+def _progress_bar(progress: Progress, cancel: threading.Event) -> type:
+    """huggingface_hub's progress bar class, reporting to `progress` and stopping once `cancel` is set."""
+    from tqdm import tqdm
+
+    class _Bar(tqdm):
         def __init__(self, *args, **kwargs):
             kwargs["disable"] = False
             kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115  (closed in close())
@@ -446,27 +477,7 @@ def _download_one(file: HubFile, target: Path, progress: Progress, cancel: threa
             except Exception:
                 pass
 
-    if resume < file.size:
-        try:
-            with open(partial, "ab") as fh:
-                http_get(hf_hub_url(file.repo_id, file.path), fh, resume_size=resume,
-                         headers=build_hf_headers(), expected_size=file.size, displayed_filename=file.name,
-                         tqdm_class=_Bar)
-        except DownloadCancelled:
-            raise
-        except Exception as e:
-            if cancel.is_set():
-                raise DownloadCancelled("download stopped") from e
-            raise _hub_error(f"downloading {file.name} failed", e) from e
-    if file.sha256:
-        got = sha256_of(partial, cancel)  # a stop here keeps the bytes: the check runs again next time
-        if got != file.sha256:
-            partial.unlink(missing_ok=True)
-            raise HubError(f"{file.name}: the downloaded file's sha256 {got[:12]}… is not the Hub's "
-                           f"{file.sha256[:12]}…; it was deleted, try again")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(partial, final)
-    progress(file.size, file.size)
+    return _Bar
 
 
 def sha256_of(path: Path, cancel: threading.Event | None = None) -> str:

@@ -39,13 +39,14 @@ from PySide6.QtWidgets import (
 
 from engine.routing import DEFAULT_POLICY
 
-from .axes import count_axis_top
-from .formatting import fmt_rate
-from .legend import add_legend
-from .plot_marks import LABEL_PT, ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from ..model.axes import count_axis_top
+from ..model.changes import ChangeTracker
+from ..model.formatting import fmt_rate
+from ..plots.legend import add_legend
+from ..theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
+from .plot_marks import LABEL_PT, ChangeMarks, EmptyHint, hover_tips
 from .presenter import PLOT_PT, PRESENTER_PT, set_axis_labels
 from .run_strip import RunStrip
-from .theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
 
 # Per backend: the score's terms. The rates it priced them at are in each cell's tooltip, the
 # explanation and the CSV (a column of them pushed the table past a 1080p window's width).
@@ -108,18 +109,18 @@ class RoutingTableModel(QAbstractTableModel):
     def columnCount(self, parent=QModelIndex()) -> int:
         return 0 if parent.isValid() else len(FIXED) + len(TERMS) * len(self.backends)
 
-    def headerData(self, section, orientation, role=Qt.DisplayRole):
-        if orientation != Qt.Horizontal:
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if orientation != Qt.Orientation.Horizontal:
             return None
-        if role == Qt.DisplayRole:
+        if role == Qt.ItemDataRole.DisplayRole:
             if section < len(FIXED):
                 return FIXED[section]
             b, t = divmod(section - len(FIXED), len(TERMS))
             return f"{self.backends[b]}\n{TERMS[t]}\n{UNITS[TERMS[t]]}"
-        if role == Qt.ForegroundRole and section >= len(FIXED):
+        if role == Qt.ItemDataRole.ForegroundRole and section >= len(FIXED):
             b = (section - len(FIXED)) // len(TERMS)
             return QBrush(_text_color(self._colors[self.backends[b]]))
-        if role == Qt.ToolTipRole and section >= len(FIXED):
+        if role == Qt.ItemDataRole.ToolTipRole and section >= len(FIXED):
             t = TERMS[(section - len(FIXED)) % len(TERMS)]
             return {
                 "cached": "prompt tokens of the new request already in this backend's prefix cache",
@@ -129,24 +130,24 @@ class RoutingTableModel(QAbstractTableModel):
             }[t]
         return None
 
-    def data(self, index, role=Qt.DisplayRole):
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
         if not index.isValid():
             return None
         d = self.decisions[index.row()]
         col = index.column()
         if col < len(FIXED):
-            if role == Qt.DisplayRole:
+            if role == Qt.ItemDataRole.DisplayRole:
                 return [
                     str(self._first_number + index.row()),
                     f"{d.time - self.t0:.2f} s",
                     d.backend + (" (pinned)" if d.pinned else "") + (" · embedding" if d.kind == "embedding" else ""),
                 ][col]
-            if role == Qt.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
+            if role == Qt.ItemDataRole.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
                 return QBrush(_text_color(self._colors[d.backend]))
-            if role == Qt.ToolTipRole:
+            if role == Qt.ItemDataRole.ToolTipRole:
                 return f"{d.request_id} · {d.policy}: {d.reason}"
-            if role == Qt.TextAlignmentRole and col in (0, 1):
-                return int(Qt.AlignRight | Qt.AlignVCenter)
+            if role == Qt.ItemDataRole.TextAlignmentRole and col in (0, 1):
+                return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             return None
         b, t = divmod(col - len(FIXED), len(TERMS))
         name = self.backends[b]
@@ -154,13 +155,13 @@ class RoutingTableModel(QAbstractTableModel):
             s = d.score_of(name)
         except KeyError:
             return None
-        if role == Qt.DisplayRole:
+        if role == Qt.ItemDataRole.DisplayRole:
             return score_term(s, TERMS[t])
-        if role == Qt.BackgroundRole and name == d.backend:
+        if role == Qt.ItemDataRole.BackgroundRole and name == d.backend:
             return QBrush(QColor(palette().chosen_bg))  # the theme in use
-        if role == Qt.TextAlignmentRole:
-            return int(Qt.AlignRight | Qt.AlignVCenter)
-        if role == Qt.ToolTipRole:
+        if role == Qt.ItemDataRole.TextAlignmentRole:
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        if role == Qt.ItemDataRole.ToolTipRole:
             return explain_score(s)
         return None
 
@@ -269,44 +270,8 @@ class RoutingView(QWidget):
         bridge.tick.connect(self._on_tick)
 
     def _build(self) -> None:
-        self.table = QTableView()
-        self.table.setModel(self.model)
-        self.table.setAlternatingRowColors(True)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.verticalHeader().setVisible(False)
-        self.table.verticalHeader().setDefaultSectionSize(22)
-        # Every column shares the table's width (no sideways scrolling): the id moved to the
-        # row's tooltip, units to the headings, so the cells are short numbers.
-        h = self.table.horizontalHeader()
-        h.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-        h.setMinimumSectionSize(36)
-        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
-        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
-        self.table.selectionModel().currentRowChanged.connect(self._on_row)
-        self.model.rowsInserted.connect(self._follow)
-
-        self.plot_widget = pg.PlotWidget()
-        p = self.plot = self.plot_widget.getPlotItem()
-        # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
-        style_plot(p, "Each backend's score per request (lower wins)", *AXIS_LABELS)
-        add_legend(p, offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
-        for axis in ("left", "bottom"):
-            p.getAxis(axis).enableAutoSIPrefix(False)  # seconds stay seconds, no "(x0.001)"
-        self.curves = {}
-        for b in self.backends:
-            c = self.colors[b]
-            self.curves[b] = p.plot(pen=pg.mkPen(c, width=1.5), symbol="o", symbolSize=4, symbolBrush=c,
-                                    symbolPen=None, name=f"{b} score", connect="finite")
-        self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
-        hover_tips(self.marks, lambda _x, _y, data: data)
-        p.addItem(self.marks)
-        self.hint = EmptyHint(p, "no request routed yet")
-        self.changes = ChangeTracker()
-        self.change_marks = ChangeMarks(p)  # x is the row: a change is marked before the next arrival
-        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.PenStyle.DotLine))  # reads on both themes
-        self.selected_line.setVisible(False)
-        p.addItem(self.selected_line)
+        self._build_table()
+        self._build_plot()
 
         self.explain = QTextBrowser()
         self.explain.setOpenLinks(False)
@@ -349,6 +314,49 @@ class RoutingView(QWidget):
         outer = QVBoxLayout(self)
         outer.setContentsMargins(6, 6, 6, 6)
         outer.addWidget(split)
+
+    def _build_table(self) -> None:
+        """The decisions, one row each, every column sharing the table's width."""
+        self.table = QTableView()
+        self.table.setModel(self.model)
+        self.table.setAlternatingRowColors(True)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.verticalHeader().setVisible(False)
+        self.table.verticalHeader().setDefaultSectionSize(22)
+        # Every column shares the table's width (no sideways scrolling): the id moved to the
+        # row's tooltip, units to the headings, so the cells are short numbers.
+        h = self.table.horizontalHeader()
+        h.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        h.setMinimumSectionSize(36)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self.table.selectionModel().currentRowChanged.connect(self._on_row)
+        self.model.rowsInserted.connect(self._follow)
+
+    def _build_plot(self) -> None:
+        """Each backend's score per request, the chosen one marked, the selected row's line."""
+        self.plot_widget = pg.PlotWidget()
+        p = self.plot = self.plot_widget.getPlotItem()
+        # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
+        style_plot(p, "Each backend's score per request (lower wins)", *AXIS_LABELS)
+        add_legend(p, offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+        for axis in ("left", "bottom"):
+            p.getAxis(axis).enableAutoSIPrefix(False)  # seconds stay seconds, no "(x0.001)"
+        self.curves = {}
+        for b in self.backends:
+            c = self.colors[b]
+            self.curves[b] = p.plot(pen=pg.mkPen(c, width=1.5), symbol="o", symbolSize=4, symbolBrush=c,
+                                    symbolPen=None, name=f"{b} score", connect="finite")
+        self.marks = pg.ScatterPlotItem(size=11, pen=pg.mkPen("w", width=1.2))
+        hover_tips(self.marks, lambda _x, _y, data: data)
+        p.addItem(self.marks)
+        self.hint = EmptyHint(p, "no request routed yet")
+        self.changes = ChangeTracker()
+        self.change_marks = ChangeMarks(p)  # x is the row: a change is marked before the next arrival
+        self.selected_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1.5, style=Qt.PenStyle.DotLine))  # reads on both themes
+        self.selected_line.setVisible(False)
+        p.addItem(self.selected_line)
 
     # ---- updates ----
 
@@ -404,7 +412,7 @@ class RoutingView(QWidget):
             self._fit_fixed_columns()  # a row number with one more digit
 
     def presenter_changed(self, on: bool) -> None:
-        """The presenter view (ui.presenter): the table shows #, the chosen backend and each
+        """The presenter view (ui.panels.presenter): the table shows #, the chosen backend and each
         backend's score (the rest is in each cell's tooltip and the explanation), rows as tall as
         the large type, the explanation a sentence with the arithmetic behind a link and tall
         enough to read whole; the row count and Export make way."""

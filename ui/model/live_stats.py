@@ -5,7 +5,7 @@ log-spaced edges (one set per metric, never re-binned, so histograms stay compar
 run grows); `RingSeries` is a bounded time series for "per second over time" plots;
 `summarize` turns a live run's records into the engine's `benchmark.RunSummary` (an
 experiment row), its makespan less the time the run stood paused with nothing in flight. How
-the figures are written is `ui.formatting`; plot axes are `ui.axes`.
+the figures are written is `ui.model.formatting`; plot axes are `ui.model.axes`.
 Plain data: whoever owns one (a view, on the GUI thread) is the only one touching it.
 """
 

@@ -7,54 +7,18 @@ weights' fraction, the measurement's steps), the time so far and, once a phase i
 rough time left from its own pace. Nothing invites a second load meanwhile: the buttons are
 disabled until the load ends. Without a load it offers Load a model… and Get a model….
 
-`LoadTimes` is the arithmetic (Qt-free, tested alone); `LoadScreen` the widget, driven by the
+`ui.model.load_times.LoadTimes` is the arithmetic (Qt-free, tested alone); `LoadScreen` the widget, driven by the
 window from `ui.loader.ModelLoader`'s signals. Main thread only.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from .loader import PHASES
-from .theme import HEALTHY, MUTED, WORKING
-
-MIN_FRACTION_FOR_ESTIMATE = 0.1  # a phase's pace says little before a tenth of it is done
-
-
-@dataclass
-class LoadTimes:
-    """When the load and the phase in progress started, and how far the phase is."""
-
-    started: float = field(default_factory=time.monotonic)
-    phase_started: float = 0.0
-    fraction: float = 0.0
-
-    def new_phase(self, now: float | None = None) -> None:
-        self.phase_started = time.monotonic() if now is None else now
-        self.fraction = 0.0
-
-    def elapsed(self, now: float | None = None) -> float:
-        return (time.monotonic() if now is None else now) - self.started
-
-    def left(self, now: float | None = None) -> float | None:
-        """Seconds the phase in progress still needs at its pace so far; None until it is a tenth
-        done (or when it is complete)."""
-        now = time.monotonic() if now is None else now
-        f = self.fraction
-        if not MIN_FRACTION_FOR_ESTIMATE <= f < 1.0 or not self.phase_started:
-            return None
-        spent = now - self.phase_started
-        return spent * (1.0 - f) / f
-
-
-def fmt_duration(seconds: float) -> str:
-    """3.2 -> '3 s', 75 -> '1 min 15 s'."""
-    s = max(0, round(seconds))
-    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60:02d} s"
+from ..loader import PHASES
+from ..model.load_times import LoadTimes, fmt_duration
+from ..theme import HEALTHY, MUTED, WORKING
 
 
 class LoadScreen(QWidget):

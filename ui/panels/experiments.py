@@ -50,12 +50,12 @@ from PySide6.QtWidgets import (
 from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import METRICS, RunSummary
 
+from ..live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
+from ..model.formatting import fmt_seconds
+from ..theme import backend_color, qcolor, scrollable_column, style_plot, wrap_label
+from ..worker import Worker
 from .controls import policy_choices
-from .formatting import fmt_seconds
-from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .run_controls import RunControls
-from .theme import backend_color, qcolor, scrollable_column, style_plot, wrap_label
-from .worker import Worker
 
 COLUMNS = ["run", "policy", "requests", "makespan", "output tok/s", "TTFT p50", "TTFT p95",
            "E2E p50", "E2E p95", "per backend"]
