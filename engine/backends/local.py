@@ -64,7 +64,7 @@ from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
 from engine.sched.prefix_cache import PrefixCache
-from engine.sched.scheduler import Finished, Scheduler, SeqState
+from engine.sched.scheduler import Finished, Scheduler, SchedulerConfig, SeqState
 
 log = logging.getLogger(__name__)
 PAUSED_POLL_S = 0.02  # how often a backend whose only work is paused sequences looks at their readers
@@ -245,14 +245,16 @@ class Backend(BackendBase):
         r = self._runner
         self.n_ctx, self.n_ctx_seq = r.n_ctx, r.n_ctx_seq
         busy = c.busy_chunk or (c.n_batch if self.model.device == "gpu" else max(c.n_batch // 8, 16))
-        self._sched = Scheduler(
+        overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
+        config = SchedulerConfig(
             cap=self._cap, n_ctx=r.n_ctx, n_ctx_seq=r.n_ctx_seq, n_seq_max=c.n_seq_max, n_batch=c.n_batch,
             kv_unified=c.kv_unified, cache_enabled=cache_enabled, idle_cache_cells=c.idle_cache_cells,
-            busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, piece=self.model.piece,
-            is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache,
-            limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive),
-            share_prefill=c.share_prefill, defer_shared=c.defer_shared, paused=_reader_behind)
-        self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
+            busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, share_prefill=c.share_prefill,
+            defer_shared=c.defer_shared, overlap=overlap)
+        self._sched = Scheduler(
+            config, piece=self.model.piece, is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids,
+            cache=cache, limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive),
+            paused=_reader_behind)
         self._inbox = Inbox()
 
     def start(self) -> Backend:
@@ -690,7 +692,7 @@ class Backend(BackendBase):
             if sched.running or sched.waiting:
                 self._step()
             if sched.pending_text and not sched.running:
-                sched.emit_pending()
+                sched.rules.emit_pending()
             samplers.trim(sched.cap)
             self._outbox.flush()
 
@@ -750,7 +752,7 @@ class Backend(BackendBase):
             plan = sched.schedule()
         self._settle()
         if plan.admitted:
-            runner.admit(plan.admitted, sched.cap, sched.lowest_free_ids)
+            runner.admit(plan.admitted, sched.cap, sched.ledger.lowest_free_ids)
             for s in plan.admitted:
                 if s.status == RequestStatus.RUNNING:
                     self.bus.publish(RequestAdmitted(self.name, s.req.id, s.n_hit, s.t_admit))
@@ -794,7 +796,7 @@ class Backend(BackendBase):
 
     def _during(self) -> None:
         """While the device runs this step: the previous step's text, to the event loops."""
-        self._sched.emit_pending()
+        self._sched.rules.emit_pending()
         self._outbox.flush()
 
     def _publish(self, f: Finished) -> None:
