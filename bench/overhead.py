@@ -203,7 +203,7 @@ def run_overhead(args) -> int:
                     if rnd:
                         results[f"{m}_b{b}"].append(v)
                 for name in variants:
-                    steps0, reused0, dec0 = backend.steps, backend.graphs_reused, backend.decode_s
+                    steps0, reused0, dec0 = backend.steps, backend.stats().graphs_reused, backend.decode_s
                     t0 = time.perf_counter()
                     params, fpath, chunk = _variant(name)
                     with fused_dist.top_k_stages(chunk), fused_dist.fused_path(fpath):
@@ -211,7 +211,7 @@ def run_overhead(args) -> int:
                     if rnd:
                         steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
                         results[f"part_{name}_b{b}"].append(v)
-                        variant_reuse[f"{name}_b{b}"].append((backend.graphs_reused - reused0) / steps)
+                        variant_reuse[f"{name}_b{b}"].append((backend.stats().graphs_reused - reused0) / steps)
                         variant_step[f"{name}_b{b}"].append(1e3 * dec / steps)
                         variant_host[f"{name}_b{b}"].append(1e6 * (time.perf_counter() - t0 - dec) / steps)
                 if args.constrained:
@@ -283,7 +283,7 @@ def run_overhead(args) -> int:
         print("temperature 0.8 / top-p 0.95 vs greedy: " + "  ".join(
             f"B={b} fused {out[f'ratio_fused_temp_greedy_b{b}']:.3f} chains {out[f'ratio_chain_temp_greedy_b{b}']:.3f}"
             for b in batches), file=sys.stderr)
-    out["eog_redos"] = backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
+    out["eog_redos"] = backend.stats().eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
     if modes:
         for b in batches:
             row = "  ".join(f"{m} {out[f'cost_{m}_b{b}']:.3f}" for m in modes)

@@ -189,6 +189,23 @@ class Inbox:
             return items
 
 
+@dataclass(frozen=True, slots=True)
+class LocalStats:
+    """A local backend's counters at one moment (`Backend.stats()`; the snapshot reads it)."""
+
+    steps: int  # decode steps run (a step of grammar searches alone does not count)
+    prompt_tokens_computed: int  # tokens decoded as prompt chunks (`n` choices share theirs)
+    decode_s: float  # time inside llama_decode (+ device sync), summed over steps
+    preemptions: int  # sequences preempted or set aside (the scheduler's count)
+    graphs_reused: int  # decodes that reused the previous step's compute graph (llama.cpp's count)
+    eog_redos: int  # end tokens a guarding chain sampled and the backend took back
+    grammar_deferrals: int  # grammar searches that went on at the next step (`GRAMMAR_SHARE`)
+    grammar_checks: int  # candidate tokens grammar chains checked, counted as their requests end
+    sampler_attaches: int  # sampler chains handed to llama.cpp (each costs a graph reserve)
+    samplers_attached: int  # sampler chains attached now, running sequences' and idle ones
+    embedding_decodes: int  # decodes the embedding context ran (inputs taken together share them)
+
+
 class BackendFault(RuntimeError):
     """The backend cannot go on (device error, failed decode, injected fault)."""
 
@@ -338,10 +355,6 @@ class Backend(BackendBase):
     def cache_enabled(self) -> bool:
         return self._sched.cache_enabled
 
-    @property
-    def preemptions(self) -> int:
-        return self._sched.preemptions
-
     def validate(self, request: Request) -> None:
         """Raise if this backend can never serve `request`: the prompt does not fit the
         context, holds a token id the model does not have (llama.cpp would fail the
@@ -453,11 +466,6 @@ class Backend(BackendBase):
         return future
 
     @property
-    def embedding_decodes(self) -> int:
-        """Decodes its embedding context ran (requests taken together share them)."""
-        return self._embeddings.decodes
-
-    @property
     def serving(self) -> bool:
         return self.healthy and not self._draining and not self._inbox.closed
 
@@ -558,6 +566,7 @@ class Backend(BackendBase):
             limit = sched.cap
             reason = sched.limiter.reason if sched.limiter is not None else ""
         cell_bytes = self._runner.kv_cell_bytes if self._runner is not None else 0
+        counts = self.stats()
         mem_free, mem_total = self.model.memory.read()
         return BackendSnapshot(
             name=self.name,
@@ -594,8 +603,8 @@ class Backend(BackendBase):
             ),
             prefill_tok_s=self._obs_prefill,
             decode_tok_s=self._obs_decode,
-            steps=self.steps,
-            prompt_tokens_computed=self.prompt_tokens_computed,
+            steps=counts.steps,
+            prompt_tokens_computed=counts.prompt_tokens_computed,
             time=time.monotonic(),
         )
 
@@ -615,37 +624,23 @@ class Backend(BackendBase):
         r = self._runner
         return r.gaps if r is not None else ()
 
-    @property
-    def graphs_reused(self) -> int:
-        """Decodes that reused the previous step's compute graph (llama.cpp's own count)."""
+    def stats(self) -> LocalStats:
+        """The backend's counters now (any thread; the runner's read zero once it has shut down)."""
         r = self._runner
-        return r.graphs_reused if r is not None else 0
-
-    @property
-    def eog_redos(self) -> int:
-        """End tokens a guarding chain sampled and the backend took back."""
-        return self._context().eog_redos
-
-    @property
-    def grammar_deferrals(self) -> int:
-        """Grammar searches that ran past their share of a step and went on at the next
-        (engine/llama/runner.py, `GRAMMAR_SHARE`)."""
-        return self._context().grammar_deferrals
-
-    @property
-    def grammar_checks(self) -> int:
-        """Candidate tokens grammar chains checked, counted as their requests end."""
-        return self._context().samplers.grammar_checks
-
-    @property
-    def sampler_attaches(self) -> int:
-        """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
-        return self._context().samplers.attaches
-
-    @property
-    def samplers_attached(self) -> int:
-        """Sampler chains attached now, running sequences' and idle ones."""
-        return self._context().samplers.attached
+        samplers = r.samplers if r is not None else None
+        return LocalStats(
+            steps=self.steps,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            decode_s=self.decode_s,
+            preemptions=self._sched.preemptions,
+            graphs_reused=r.graphs_reused if r is not None else 0,
+            eog_redos=r.eog_redos if r is not None else 0,
+            grammar_deferrals=r.grammar_deferrals if r is not None else 0,
+            grammar_checks=samplers.grammar_checks if samplers is not None else 0,
+            sampler_attaches=samplers.attaches if samplers is not None else 0,
+            samplers_attached=samplers.attached if samplers is not None else 0,
+            embedding_decodes=self._embeddings.decodes,
+        )
 
     def _context(self) -> ContextRunner:
         """The llama.cpp context; gone once the backend has shut down."""
