@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
+from typing import Any
 
 
 def function_schema(function: dict) -> dict:
@@ -59,26 +61,7 @@ def lift_definitions(schema: dict, owner: str, defs: dict) -> dict:
             return target
         return "#/$defs/" + root + pointer if pointer else "#/$defs/" + root
 
-    def rewrite(node):
-        if isinstance(node, list):
-            return [rewrite(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-                out[key] = ref(value)
-            elif key in _MAPS:  # a map of names to schemas: the names are data, not keywords
-                out[key] = {k: rewrite(v) for k, v in value.items()} if isinstance(value, dict) else value
-            elif key in _VALUES:
-                out[key] = value
-            else:
-                out[key] = rewrite(value)
-        if isinstance(out.get("nullable"), bool) and out.pop("nullable"):
-            out = {"anyOf": [out, {"type": "null"}]}
-        return out
-
-    body = rewrite(schema)
+    body = _rewrite(schema, ref)
     for section in ("$defs", "definitions"):
         for name, sub in (body.pop(section, None) or {}).items():
             if name in own and defs.get(own[name]) is None:
@@ -86,6 +69,28 @@ def lift_definitions(schema: dict, owner: str, defs: dict) -> dict:
     if root is not None:  # the body stays in place (the converter registers only the refs it can reach
         defs[root] = copy.deepcopy(body)  # from the root's keys, never from behind a root `$ref`)
     return body
+
+
+def _rewrite(node: Any, ref: Callable[[str], str]) -> Any:
+    """A copy of `node` with every local `$ref` passed through `ref`, and `nullable: true`
+    (OpenAPI's) turned into a null branch (`lift_definitions`)."""
+    if isinstance(node, list):
+        return [_rewrite(x, ref) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = ref(value)
+        elif key in _MAPS:  # a map of names to schemas: the names are data, not keywords
+            out[key] = {k: _rewrite(v, ref) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in _VALUES:
+            out[key] = value
+        else:
+            out[key] = _rewrite(value, ref)
+    if isinstance(out.get("nullable"), bool) and out.pop("nullable"):
+        out = {"anyOf": [out, {"type": "null"}]}
+    return out
 
 
 _RULE_CHARS = re.compile(r"[^a-zA-Z0-9-]+")

@@ -402,12 +402,12 @@ class FinishFirst(Policy):
         why = f"left out, under {MIN_PEAK_SHARE:.0%} of {top}'s peak decode of {top_peak:,.0f} tok/s: {names}"
         return [s for s in eligible if s not in out], why
 
-    def pinned(self, query, backend):
+    def pinned(self, query: RouteQuery, backend: str) -> None:
         if self._within.get(backend) is not None and self._query is query:
             self.within.pinned(query, backend)
         self._record(query, backend)
 
-    def _record(self, query, backend):
+    def _record(self, query: RouteQuery, backend: str) -> None:
         if self._hashes and self._query is query:
             self.recent.record(self._hashes, backend, query.request_id)
         self._query = None
