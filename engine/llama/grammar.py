@@ -245,32 +245,13 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
             i = n if j < 0 else j + 1
             continue
         if c == '"':
-            j, count = i + 1, 0
-            while j < n and grammar[j] != '"':
-                j += 2 if grammar[j] == "\\" else 1
-                count += 1
-            last = max(count, 1)
+            i, last = _literal(grammar, i)
             states += last
-            i = j + 1
             continue
         if c == "[":
-            j = i + 1
-            negated = j < n and grammar[j] == "^"
-            chars: list[str] = []
-            j += 1 if negated else 0
-            while j < n and grammar[j] != "]":
-                if grammar[j] == "\\" and j + 1 < n:
-                    chars.append(grammar[j:j + 2])
-                    j += 2
-                else:
-                    chars.append(grammar[j])
-                    j += 1
-            if not negated and _class_is_empty(chars):
-                raise InvalidRequest(f"{param}: {what} has a character class that matches nothing "
-                                     f"({grammar[i:j + 1][:40]}): no text can satisfy it", param=param)
+            i = _char_class(grammar, i, param, what)
             last = 1
             states += 1
-            i = j + 1
             continue
         if c == "|":
             alternatives += 1
@@ -281,11 +262,7 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
         elif c == "{":
             m = _REPEAT.match(grammar, i)
             if m:
-                high = max(int(g) for g in (m.group(1), m.group(3)) if g) if (m.group(1) or m.group(3)) else 0
-                if high > MAX_REPEAT:
-                    raise InvalidRequest(f"{param}: {what} repeats an item {high} times; this server takes at most "
-                                         f"{MAX_REPEAT} (MAX_REPEAT)", param=param)
-                states += last * max(high - 1, 0)
+                states += last * max(_repeat_high(m, param, what) - 1, 0)
                 i = m.end()
                 continue
         elif c == ".":
@@ -308,6 +285,48 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
                              param=param)
     _check_stacks(grammar, param, what)
     return GrammarSize(size, rules, alternatives, states)
+
+
+def _literal(grammar: str, i: int) -> tuple[int, int]:
+    """The string literal opening at `i`: where the text after it starts, and its characters
+    (at least 1: an empty literal still counts as an element)."""
+    n = len(grammar)
+    j, count = i + 1, 0
+    while j < n and grammar[j] != '"':
+        j += 2 if grammar[j] == "\\" else 1
+        count += 1
+    return j + 1, max(count, 1)
+
+
+def _char_class(grammar: str, i: int, param: str, what: str) -> int:
+    """The character class opening at `i`: where the text after it starts; refused when it
+    matches nothing."""
+    n = len(grammar)
+    j = i + 1
+    negated = j < n and grammar[j] == "^"
+    chars: list[str] = []
+    j += 1 if negated else 0
+    while j < n and grammar[j] != "]":
+        if grammar[j] == "\\" and j + 1 < n:
+            chars.append(grammar[j:j + 2])
+            j += 2
+        else:
+            chars.append(grammar[j])
+            j += 1
+    if not negated and _class_is_empty(chars):
+        raise InvalidRequest(f"{param}: {what} has a character class that matches nothing "
+                             f"({grammar[i:j + 1][:40]}): no text can satisfy it", param=param)
+    return j + 1
+
+
+def _repeat_high(m: re.Match[str], param: str, what: str) -> int:
+    """The upper count of a `{m,n}` repetition (its lower one when open-ended; 0 for `{}`),
+    refused over `MAX_REPEAT`."""
+    high = max(int(g) for g in (m.group(1), m.group(3)) if g) if (m.group(1) or m.group(3)) else 0
+    if high > MAX_REPEAT:
+        raise InvalidRequest(f"{param}: {what} repeats an item {high} times; this server takes at most "
+                             f"{MAX_REPEAT} (MAX_REPEAT)", param=param)
+    return high
 
 
 def _check_stacks(grammar: str, param: str, what: str) -> None:
