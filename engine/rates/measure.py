@@ -13,7 +13,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +127,73 @@ def calibrate_steps(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT
     cost per request there. A batch that does not fit the context is skipped with a note."""
     t_start = time.monotonic()
     notes: list[str] = []
+    plan = _plan_steps(backend, prompt_tokens, gen_tokens, batches, context_tokens, notes)
+    tick = _ticker(progress, backend.name, _n_steps(plan.fits, repeats, bool(plan.short)))
+    runs = _measure_steps(backend, plan, _Probe(backend, seed, timeout), gen_tokens, context_gen, repeats,
+                          timeout, tick, notes)
+    step_s, context_s, scan_s = runs.step_s, runs.context_s, runs.scan_s
+    if not step_s:
+        raise InvalidRequest(f"{backend.name}: no decode step could be measured")
+    alpha, beta = fit_step_model(step_s)
+    cap = backend.cap
+    at_cap = step_s.get(cap) or (alpha + beta * cap)
+    cells = {b: calibration_cells(plan.prompt, gen_tokens) for b in step_s}
+    c_cells = {b: calibration_cells(plan.short, context_gen) for b in context_s}
+    c_alpha = c_beta = gamma = delta = 0.0
+    if context_s:
+        c_alpha, c_beta, gamma, delta = _fit_context(backend, runs, cells, c_cells, notes)
+    admit = max(statistics.median(runs.admit_runs), 0.0) if runs.admit_runs else 0.0
+    return Calibration(
+        backend=backend.name,
+        device=backend.model.device,
+        config_key=config_key(backend.config, backend.model.device),
+        cap=cap,
+        threads=backend.config.threads,
+        prompt_tokens=plan.prompt,
+        gen_tokens=gen_tokens,
+        prefill_tok_s=statistics.median(runs.prefill_runs),
+        prefill_runs=tuple(runs.prefill_runs),
+        step_s=step_s,
+        decode_only_s=runs.decode_only_s,
+        step_alpha_s=alpha,
+        step_beta_s=beta,
+        decode_tok_s=cap / at_cap,
+        seconds=time.monotonic() - t_start,
+        notes=tuple(notes),
+        step_cells=cells if gamma else {},
+        context_tokens=plan.short,
+        context_step_s=context_s,
+        context_cells=c_cells,
+        context_alpha_s=c_alpha,
+        context_beta_s=c_beta,
+        step_gamma_s=gamma,
+        admit_s=admit,
+        admit_runs=tuple(runs.admit_runs),
+        step_kv=runs.step_kv if delta else {},
+        context_kv=runs.context_kv,
+        scan_batch=next(iter(scan_s), 0),
+        scan_step_s=next(iter(scan_s.values()), 0.0),
+        scan_kv=next(iter(runs.scan_kv.values()), 0.0),
+        step_delta_s=delta,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _StepPlan:
+    """What `calibrate_steps` runs: the prompt, the batches that fit, the short context's."""
+
+    prompt: int  # prompt tokens of the prefill and long-context runs
+    fits: list[int]  # the batches measured
+    per_seq: int  # cells each sequence of a batch takes beyond the shared prompt
+    short: int  # the short context's tokens (0: the context term is not measured)
+    c_batches: list[int]  # the short context's batches
+    scan: int  # the unshared pass's batch (0: not measured)
+
+
+def _plan_steps(backend: Backend, prompt_tokens: int, gen_tokens: int, batches: Sequence[int] | None,
+                context_tokens: int, notes: list[str]) -> _StepPlan:
+    """The runs that fit the backend's context; what does not fit is noted, or refused when
+    nothing would be measured."""
     n_ctx = backend.n_ctx
     prompt = min(prompt_tokens, n_ctx - gen_tokens - OWN_TOKENS - 2)
     if prompt < 8:
@@ -143,8 +210,6 @@ def calibrate_steps(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT
                      f"{n_ctx} KV cells / {backend.config.n_seq_max} sequences")
     if not fits:
         raise InvalidRequest(f"{backend.name}: no batch size fits the context; lower --gen-tokens or raise ctx")
-
-    probe = _Probe(backend, seed, timeout)
     short = context_tokens
     if context_tokens and not 8 <= context_tokens <= prompt // 2:  # closer contexts cannot separate γ·b·c from β·b
         notes.append(f"context term not measured: the short context ({context_tokens}) must be >= 8 tokens "
@@ -155,39 +220,56 @@ def calibrate_steps(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT
     if scan and scan * (short + per_seq) > n_ctx:
         notes.append(f"masked scan not measured: {scan} unshared {short}-token sequences do not fit {n_ctx} KV cells")
         scan = 0
-    tick = _ticker(progress, backend.name, _n_steps(fits, repeats, bool(short)))
+    return _StepPlan(prompt, fits, per_seq, short, c_batches, scan)
 
+
+@dataclass(slots=True)
+class _StepRuns:
+    """What `_measure_steps` measured (seconds per step by batch, KV pools, rates)."""
+
+    prefill_runs: list[float] = field(default_factory=list)
+    step_s: dict[int, float] = field(default_factory=dict)
+    decode_only_s: dict[int, float] = field(default_factory=dict)
+    step_kv: dict[int, float] = field(default_factory=dict)
+    context_s: dict[int, float] = field(default_factory=dict)
+    context_kv: dict[int, float] = field(default_factory=dict)
+    scan_s: dict[int, float] = field(default_factory=dict)
+    scan_kv: dict[int, float] = field(default_factory=dict)
+    admit_runs: list[float] = field(default_factory=list)
+
+
+def _measure_steps(backend: Backend, plan: _StepPlan, probe: _Probe, gen_tokens: int, context_gen: int,
+                   repeats: int, timeout: float, tick: Callable[[str], None], notes: list[str]) -> _StepRuns:
+    """Run the plan at a fixed cap (each batch runs whole); the user's cap, and the reason it
+    last moved, come back afterwards."""
     old = backend.cap_state()
     old_cap, old_adaptive = (None if old.auto else old.cap), old.adaptive
     old_reason = backend.snapshot().cap_reason or None  # restored below: calibration is not the user
-    backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
+    backend.set_cap(max(max(plan.fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
+    runs = _StepRuns()
     try:
         backend.flush().result(timeout)
-        probe.run([Request(probe.tokens(prompt), greedy1, source="calibrate")])  # warm-up, not measured
+        probe.run([Request(probe.tokens(plan.prompt), greedy1, source="calibrate")])  # warm-up, not measured
         tick("warm-up")
-        prefill_runs = []
         for k in range(repeats):
             backend.flush().result(timeout)
-            steps = [e for e, _ in probe.run([Request(probe.tokens(prompt), greedy1, source="calibrate")])
+            steps = [e for e, _ in probe.run([Request(probe.tokens(plan.prompt), greedy1, source="calibrate")])
                      if e.n_prefill]
-            prefill_runs.append(sum(e.n_prefill for e in steps) / sum(e.seconds for e in steps))
+            runs.prefill_runs.append(sum(e.n_prefill for e in steps) / sum(e.seconds for e in steps))
             tick(f"prefill {k + 1}/{repeats}")
-        step_s, decode_only_s, step_kv = probe.step_times(prompt, gen_tokens, fits, tick, notes)
-        context_s: dict[int, float] = {}
-        context_kv: dict[int, float] = {}
-        scan_s: dict[int, float] = {}
-        scan_kv: dict[int, float] = {}
-        admit_runs: list[float] = []
-        if short:
-            context_s, _, context_kv = probe.step_times(short, context_gen, c_batches, tick, notes,
-                                                        label="short context, batch")
-            admit_runs = probe.host_costs(short, repeats, statistics.median(prefill_runs))
+        runs.step_s, runs.decode_only_s, runs.step_kv = probe.step_times(plan.prompt, gen_tokens, plan.fits,
+                                                                         tick, notes)
+        if plan.short:
+            runs.context_s, _, runs.context_kv = probe.step_times(plan.short, context_gen, plan.c_batches, tick,
+                                                                  notes, label="short context, batch")
+            runs.admit_runs = probe.host_costs(plan.short, repeats, statistics.median(runs.prefill_runs))
             tick("host cost per request")
-            if c_batches[-1] > 1:
-                if scan:
-                    scan_s, _, scan_kv = probe.step_times(short, context_gen, [scan], tick, notes,
-                                                          label="unshared prefixes, batch", unshared=True)
+            if plan.c_batches[-1] > 1:
+                if plan.scan:
+                    runs.scan_s, _, runs.scan_kv = probe.step_times(plan.short, context_gen, [plan.scan], tick,
+                                                                    notes, label="unshared prefixes, batch",
+                                                                    unshared=True)
                 else:
                     tick("masked scan skipped")
     finally:
@@ -197,65 +279,29 @@ def calibrate_steps(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT
             backend.flush().result(timeout)
         except Exception:  # a stopped backend has nothing left to flush
             pass
+    return runs
 
-    if not step_s:
-        raise InvalidRequest(f"{backend.name}: no decode step could be measured")
-    alpha, beta = fit_step_model(step_s)
-    cap = backend.cap
-    at_cap = step_s.get(cap) or (alpha + beta * cap)
-    cells = {b: calibration_cells(prompt, gen_tokens) for b in step_s}
-    c_cells = {b: calibration_cells(short, context_gen) for b in context_s}
-    c_alpha = c_beta = gamma = delta = 0.0
-    if context_s:
-        pairs = [(b, context_kv[b], context_s[b], scan_kv[b], t) for b, t in scan_s.items()
-                 if b in context_s and scan_kv[b] > context_kv[b]]
-        if scan_s and not pairs:
-            notes.append("masked scan not measured: the unshared pass's pool was no larger than the shared one's")
-        points = ([(b, cells[b], step_kv[b], t) for b, t in step_s.items()]
-                  + [(b, c_cells[b], context_kv[b], t) for b, t in context_s.items()])
-        pool = backend.config.flash_attn == "off"  # every row over the whole pool (fit_step_terms)
-        c_alpha, c_beta, gamma, delta = fit_step_terms(points, pairs, pool_attention=pool)
-        if pool:
-            notes.append("no flash attention: every row attends over the whole pool (no context term; "
-                         "the pool term fitted over every step)")
-        if pairs and not delta:
-            notes.append("the unshared prefixes' steps were no slower: no masked-scan term (noise, or none to see)")
-        if not gamma and not pool:
-            notes.append("the short context's steps were no faster: no context term (noise, or none to see)")
-    admit = max(statistics.median(admit_runs), 0.0) if admit_runs else 0.0
-    return Calibration(
-        backend=backend.name,
-        device=backend.model.device,
-        config_key=config_key(backend.config, backend.model.device),
-        cap=cap,
-        threads=backend.config.threads,
-        prompt_tokens=prompt,
-        gen_tokens=gen_tokens,
-        prefill_tok_s=statistics.median(prefill_runs),
-        prefill_runs=tuple(prefill_runs),
-        step_s=step_s,
-        decode_only_s=decode_only_s,
-        step_alpha_s=alpha,
-        step_beta_s=beta,
-        decode_tok_s=cap / at_cap,
-        seconds=time.monotonic() - t_start,
-        notes=tuple(notes),
-        step_cells=cells if gamma else {},
-        context_tokens=short,
-        context_step_s=context_s,
-        context_cells=c_cells,
-        context_alpha_s=c_alpha,
-        context_beta_s=c_beta,
-        step_gamma_s=gamma,
-        admit_s=admit,
-        admit_runs=tuple(admit_runs),
-        step_kv=step_kv if delta else {},
-        context_kv=context_kv,
-        scan_batch=next(iter(scan_s), 0),
-        scan_step_s=next(iter(scan_s.values()), 0.0),
-        scan_kv=next(iter(scan_kv.values()), 0.0),
-        step_delta_s=delta,
-    )
+
+def _fit_context(backend: Backend, runs: _StepRuns, cells: dict[int, float], c_cells: dict[int, float],
+                 notes: list[str]) -> tuple[float, float, float, float]:
+    """The context, pool and masked-scan terms over every measured step (`fit_step_terms`)."""
+    context_s, context_kv, scan_kv = runs.context_s, runs.context_kv, runs.scan_kv
+    pairs = [(b, context_kv[b], context_s[b], scan_kv[b], t) for b, t in runs.scan_s.items()
+             if b in context_s and scan_kv[b] > context_kv[b]]
+    if runs.scan_s and not pairs:
+        notes.append("masked scan not measured: the unshared pass's pool was no larger than the shared one's")
+    points = ([(b, cells[b], runs.step_kv[b], t) for b, t in runs.step_s.items()]
+              + [(b, c_cells[b], context_kv[b], t) for b, t in context_s.items()])
+    pool = backend.config.flash_attn == "off"  # every row over the whole pool (fit_step_terms)
+    c_alpha, c_beta, gamma, delta = fit_step_terms(points, pairs, pool_attention=pool)
+    if pool:
+        notes.append("no flash attention: every row attends over the whole pool (no context term; "
+                     "the pool term fitted over every step)")
+    if pairs and not delta:
+        notes.append("the unshared prefixes' steps were no slower: no masked-scan term (noise, or none to see)")
+    if not gamma and not pool:
+        notes.append("the short context's steps were no faster: no context term (noise, or none to see)")
+    return c_alpha, c_beta, gamma, delta
 
 
 def calibrate_remote(backend: BackendProtocol, *, prompt_tokens: int = CALIBRATION_PROMPT,
