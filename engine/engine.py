@@ -57,7 +57,7 @@ class Engine:
     """Owns backends and a router. Thread-safe: submit from any thread."""
 
     def __init__(self, backends: list[BackendProtocol], router: Router | None = None, bus: EventBus | None = None,
-                 registry: ModelRegistry | None = None):
+                 registry: ModelRegistry | None = None) -> None:
         if not backends:
             raise InvalidRequest("an engine needs at least one backend")
         self.backends = {b.name: b for b in backends}

@@ -73,7 +73,7 @@ class EngineRunner:
     """Runs one workload under one variant on a loaded engine, from a fresh state."""
 
     def __init__(self, eng: Engine, *, sweep_backend: str | None, budget: str, online: bool,
-                 timeout: float, warm_tenants: bool = False):
+                 timeout: float, warm_tenants: bool = False) -> None:
         self.eng = eng
         self.warm_tenants = warm_tenants
         self.sweep_backend = sweep_backend

@@ -229,7 +229,7 @@ class Backend(BackendBase):
     """
 
     def __init__(self, config: BackendConfig, model: Model, bus: EventBus | None = None,
-                 rates: Rates | None = None):
+                 rates: Rates | None = None) -> None:
         self.config = config.resolved(model.device)
         if not config.n_ctx and not config.seq_ctx:  # a pool from the memory the device has
             kind = "cpu" if model.device == "cpu" else "gpu"

@@ -265,7 +265,7 @@ class MemoryProbe:
     """Devices' (free, total) memory, summed, asked of ggml at most every `max_age_s` seconds:
     snapshots are taken for every routing decision, and on CUDA each ask is a driver call."""
 
-    def __init__(self, devices: list[Device], max_age_s: float = 0.5, clock=time.monotonic):
+    def __init__(self, devices: list[Device], max_age_s: float = 0.5, clock=time.monotonic) -> None:
         self.devices = list(devices)
         self.max_age_s = max_age_s
         self._clock = clock

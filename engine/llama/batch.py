@@ -17,7 +17,7 @@ from . import lc
 class Batch:
     """Room for `capacity` tokens, each belonging to exactly one sequence."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.token = np.zeros(capacity, dtype=np.int32)
         self.pos = np.zeros(capacity, dtype=np.int32)

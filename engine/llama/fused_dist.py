@@ -576,7 +576,7 @@ class _Build:
     ids); the settings block goes to the device once all have (`expected`), so a build costs
     two small copies: safe defaults at the start, the rows at the end."""
 
-    def __init__(self, t: _Table, ctx, matrix: int, n_rows: int, chains: list):
+    def __init__(self, t: _Table, ctx, matrix: int, n_rows: int, chains: list) -> None:
         if t.uniforms is None or t.blocks is None:
             raise RuntimeError("fused_dist: a build before the thread's device tables were allocated")
         self.t = t
@@ -653,7 +653,7 @@ _built = threading.local()  # per thread: (ggml ctx, matrix) -> _Build
 class FusedDist:
     """One sequence's top-k → top-p → min-p → temperature → dist, for a llama.cpp chain."""
 
-    def __init__(self, params, n_vocab: int, eog_tokens: list[int]):
+    def __init__(self, params, n_vocab: int, eog_tokens: list[int]) -> None:
         self.params = params
         self.n_vocab = n_vocab
         self.eog = list(eog_tokens)

@@ -369,7 +369,7 @@ def _char(item: str) -> int | None:
 class _Verdicts:
     """Grammar hash → None (takes it) or the refusal's message and param, most recent 256."""
 
-    def __init__(self, size: int = 256):
+    def __init__(self, size: int = 256) -> None:
         self._lock = threading.Lock()
         self._seen: collections.OrderedDict[bytes, tuple[str, str | None] | None] = collections.OrderedDict()
         self._size = size

@@ -51,7 +51,7 @@ class _Matrix:
 
     __slots__ = ("n_cols", "n_rows", "row_bytes", "rows")
 
-    def __init__(self, n_cols: int, n_rows: int):
+    def __init__(self, n_cols: int, n_rows: int) -> None:
         self.n_cols, self.n_rows, self.row_bytes = n_cols, n_rows, 4 * n_cols
         self.rows = None  # the shared argmax, made by the first chain that takes a row
 

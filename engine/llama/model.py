@@ -145,7 +145,7 @@ class Model:
     to fill from several threads (a race only computes a piece twice).
     """
 
-    def __init__(self, path: Path, device: str = "auto", progress=None):
+    def __init__(self, path: Path, device: str = "auto", progress=None) -> None:
         check_gguf(path)
         self.path = path
         self.spec = llama.pick_device(device)  # cpu, gpu or gpuN: the registry's key

@@ -116,7 +116,7 @@ class _Step:
 class ContextRunner:
     """A llama.cpp context with its batch and sampler chains (worker thread only)."""
 
-    def __init__(self, config, model: Model, name: str):
+    def __init__(self, config, model: Model, name: str) -> None:
         c = config
         self.model = model
         p = lc.llama_context_default_params()

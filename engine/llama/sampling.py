@@ -114,7 +114,7 @@ class Sampler:
                 params.temperature, params.seed, *extra)
 
     def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False,
-                 dist: bool = True, vocab=None):
+                 dist: bool = True, vocab=None) -> None:
         """`fused`: a chain for the device: greedy takes `fused_greedy` and, for `ignore_eos`,
         no bias but `guards_eog` (the caller must not keep an end token it samples); a
         temperature chain without penalties is one `fused_dist` sampler (`dist`, whose
@@ -343,7 +343,7 @@ class _Search:
 
     __slots__ = ("_found", "_pos", "_seen", "_stages", "_todo", "done", "logits", "need")
 
-    def __init__(self, logits: np.ndarray, need: int):
+    def __init__(self, logits: np.ndarray, need: int) -> None:
         self.logits = logits
         self.need = need
         n = len(logits)
@@ -446,7 +446,7 @@ class SamplerSlots:
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
-                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 2, vocab=None):
+                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 2, vocab=None) -> None:
         self.n_ids = n_ids  # sequence ids of the context
         self._vocab = vocab
         self._n_vocab = n_vocab

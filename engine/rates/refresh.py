@@ -38,7 +38,7 @@ class OnlineRefresh:
     between runs.
     """
 
-    def __init__(self, engine, weight: float = 0.1, every: int = 8, min_prefill: int = 32):
+    def __init__(self, engine, weight: float = 0.1, every: int = 8, min_prefill: int = 32) -> None:
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         self.engine = engine

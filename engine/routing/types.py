@@ -113,7 +113,7 @@ class BackendScore:
         return self.prefill_tokens + self.decode_tokens
 
     def to_dict(self) -> dict:
-        d = {f.name: json_number(getattr(self, f.name)) for f in fields(self) if f.name != "rates"}
+        d: dict[str, object] = {f.name: json_number(getattr(self, f.name)) for f in fields(self) if f.name != "rates"}
         d["rates"] = {f.name: json_number(getattr(self.rates, f.name)) for f in fields(self.rates)}
         return d
 
@@ -176,8 +176,9 @@ def prompt_text(request: Request) -> str:
     return "".join(f"<|{m.get('role', '')}|>{m.get('content') or ''}" for m in request.messages or ())
 
 
-def json_number(x):
-    """JSON has no infinity: an unreachable backend's infinite score becomes null."""
+def json_number(x: object) -> object:
+    """A field's value for JSON, which has no infinity: an unreachable backend's infinite
+    score becomes null; anything else stays as it is."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x

@@ -66,7 +66,7 @@ class RadixReuse:
 
     enabled = True
 
-    def __init__(self, share_prefill: bool = True, defer_shared: bool = True):
+    def __init__(self, share_prefill: bool = True, defer_shared: bool = True) -> None:
         self.share_prefill = share_prefill
         self.defers = share_prefill and defer_shared
 

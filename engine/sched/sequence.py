@@ -51,7 +51,7 @@ class SeqState:
     )
 
     def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
-                 n_ctx_seq: int | None = None, choice: bool = False):
+                 n_ctx_seq: int | None = None, choice: bool = False) -> None:
         self.req = req
         self.handle = handle
         self.sp: SamplingParams = req.sampling
