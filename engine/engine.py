@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.backends import registry
 from engine.backends.config import resolve_contexts
@@ -75,7 +75,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | Path | None, configs: Sequence[registry.BackendSpec], *,
-             policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
+             policy: str = "default", rates: dict[str, Rates] | None = None, progress: Callable[..., None] | None = None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None,
              calibration_progress: Callable[[int, int, str], None] | None = None) -> Engine:
@@ -184,7 +184,7 @@ class Engine:
         b.restart(timeout)
         return b.snapshot()
 
-    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw: Any) -> RequestHandle:
         """Submit raw text (tokenized with BOS where a local model is at hand) or token ids."""
         self._dispatch.check_open()
         if not isinstance(prompt, str):
@@ -194,7 +194,7 @@ class Engine:
         tokens = self.model.tokenize(prompt)
         return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
 
-    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw: Any) -> RequestHandle:
         """Submit a chat, rendered with the model's own template (remote engines only: as
         messages, which each engine renders with its own)."""
         if self.model is None:
@@ -300,7 +300,7 @@ class Engine:
         """Replace one backend's rates (calibration, online refresh, a typed override)."""
         self.backend(name).set_rates(rates)
 
-    def warm(self, tokens, backend: str | None = None, timeout: float | None = None,
+    def warm(self, tokens: Sequence[int], backend: str | None = None, timeout: float | None = None,
              wait: bool = True) -> list[RequestHandle]:
         """Prefill `tokens` into the prefix cache of one backend or all; with `wait`, until done."""
         targets = [self.backend(backend)] if backend else list(self.backends.values())
@@ -345,10 +345,10 @@ class Engine:
                 if b.model is not None:
                     self._registry.release(b.model)
 
-    def __enter__(self):
+    def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

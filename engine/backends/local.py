@@ -33,7 +33,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,7 +63,7 @@ from engine.llama.embedding import Embeddings
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
-from engine.sched.prefix_cache import PrefixCache
+from engine.sched.prefix_cache import Pin, PrefixCache
 from engine.sched.scheduler import Finished, Scheduler, SchedulerConfig, SeqState
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,20 @@ def _limits(cap: int, auto: bool, kind: str, n_seq_max: int) -> tuple[int, bool,
     if not 1 <= cap <= n_seq_max:
         raise InvalidRequest(f"cap must be in [1, {n_seq_max}], got {cap}", param="cap")
     return cap, auto, (min(auto_limits(kind)[1], cap) if auto else cap)
+
+
+def _pin(pin: object) -> Pin | None:
+    """The pin `pin_prefix` gave (the protocol passes it on as an opaque object)."""
+    if pin is not None and not isinstance(pin, Pin):
+        raise TypeError(f"a local backend takes its own pin_prefix pins, not {type(pin).__name__}")
+    return pin
+
+
+def _handle_of(s: SeqState) -> RequestHandle:
+    """The handle of a backend's sequence (only the simulator's sequences have none)."""
+    if s.handle is None:
+        raise RuntimeError(f"request {s.req.id} reached a backend without a handle")
+    return s.handle
 
 
 def _reader_behind(s: SeqState) -> bool:
@@ -123,6 +137,9 @@ class Stop:
     pass
 
 
+Message = Enqueue | Cancel | SetCap | Call | Embed | Fault | Stop  # what the inbox carries
+
+
 class Inbox:
     """The worker's one queue: any thread `put`s, the worker `take`s everything at once."""
 
@@ -132,7 +149,7 @@ class Inbox:
         self._in_transit = 0  # requests `take` handed the worker that are not yet in its queue (`landing`)
         self.closed = False
 
-    def put(self, msg) -> None:
+    def put(self, msg: Message) -> None:
         """Post a message (requests: `put_queued`); once closed, only a `Stop`."""
         with self._cond:
             if self.closed and not isinstance(msg, Stop):
@@ -155,7 +172,7 @@ class Inbox:
             self._cond.notify()
             return None
 
-    def take(self, wait: bool, timeout: float | None = None) -> list:
+    def take(self, wait: bool, timeout: float | None = None) -> list[Message]:
         if not wait and not self._items:  # the busy loop's common case: no lock
             return []
         with self._cond:
@@ -167,7 +184,7 @@ class Inbox:
             return items
 
     @contextlib.contextmanager
-    def landing(self):
+    def landing(self) -> Iterator[None]:
         """Worker: a request `take` handed it goes into the scheduler's queue inside this block,
         which no `put_queued` count can split."""
         with self._cond:
@@ -401,18 +418,18 @@ class Backend(BackendBase):
                 continue
         return 0, None
 
-    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin=None,
+    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin: object = None,
                 cached_estimate: int | None = None, t_submit: float | None = None) -> RequestHandle:
         """Queue a request (FCFS). `pin` keeps the router's cache estimate valid until admission."""
         self.validate(request)
         handle = handle or RequestHandle(request)
         if cached_estimate is None:
             cached_estimate = self.match(request)
-        seq = SeqState(request, handle, pin, cached_estimate, t_submit or time.monotonic(), n_ctx_seq=self.n_ctx_seq)
+        seq = SeqState(request, handle, _pin(pin), cached_estimate, t_submit or time.monotonic(), n_ctx_seq=self.n_ctx_seq)
         self._submit(seq)
         return handle
 
-    def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin=None,
+    def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin: object = None,
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:
         """Queue the choices of one request (same prompt) together: the first computes the
         prompt, the others alias its KV (engine/sched/scheduler.py). `pin` and `cached_estimate` are
@@ -421,11 +438,11 @@ class Backend(BackendBase):
             self.validate(r)
         t = t_submit or time.monotonic()
         estimate = self.match(requests[0]) if cached_estimate is None else cached_estimate
-        self._submit(*(SeqState(r, h, None if i else pin, len(r.prompt_tokens) - 1 if i else estimate, t,
+        self._submit(*(SeqState(r, h, None if i else _pin(pin), len(r.prompt_tokens) - 1 if i else estimate, t,
                                 n_ctx_seq=self.n_ctx_seq, choice=True)
                        for i, (r, h) in enumerate(zip(requests, handles))))
 
-    def warm(self, tokens) -> RequestHandle:
+    def warm(self, tokens: Sequence[int]) -> RequestHandle:
         """Prefill `tokens` into the prefix cache (no generation); the handle ends when done."""
         req = Request(tuple(tokens), SamplingParams(max_tokens=1, temperature=0.0), source="warm")
         self.validate(req)
@@ -435,10 +452,11 @@ class Backend(BackendBase):
 
     def _submit(self, *seqs: SeqState) -> None:
         for seq in seqs:
-            seq.handle.backend = self.name
-            seq.handle._cancel = self.cancel
-            seq.handle.logprobs = seq.logprobs  # the worker appends; the caller reads as it streams
-            seq.handle.prompt_logprobs = seq.prompt_logprobs
+            handle = _handle_of(seq)
+            handle.backend = self.name
+            handle._cancel = self.cancel
+            handle.logprobs = seq.logprobs  # the worker appends; the caller reads as it streams
+            handle.prompt_logprobs = seq.prompt_logprobs
         refused: EngineError | None = None
         if not self.serving:
             refused = BackendUnavailable(f"backend {self.name} is not serving")
@@ -461,7 +479,7 @@ class Backend(BackendBase):
 
     embeds = True
 
-    def embed(self, inputs) -> Future:
+    def embed(self, inputs: Sequence[Sequence[int]]) -> Future:
         """The pooled, normalised embedding of each input (token ids), in order: a Future of a
         list of float32 arrays, computed by the worker between two steps."""
         future: Future = Future()
@@ -510,7 +528,7 @@ class Backend(BackendBase):
                 b._obs_prefill = b._obs_decode = 0.0
         return self.call(reset)
 
-    def call(self, fn) -> Future:
+    def call(self, fn: Callable[[Backend], object]) -> Future:
         """Run `fn(backend)` on the worker thread between steps; the future holds its result."""
         fut: Future = Future()
         try:
@@ -598,7 +616,7 @@ class Backend(BackendBase):
             return self._sched.kv_cells_used()
 
     @property
-    def step_gaps(self):
+    def step_gaps(self) -> Sequence[float]:
         """Seconds of host work between consecutive steps, the last 8,192 (ContextRunner.gaps);
         read while the worker is idle."""
         r = self._runner
@@ -681,7 +699,7 @@ class _Worker:
             samplers.trim(sched.cap)
             b._outbox.flush()
 
-    def take(self, msgs) -> bool:
+    def take(self, msgs: list[Message]) -> bool:
         """Apply the inbox's messages in order; True on `Stop`."""
         b = self.b
         sched = b._sched
@@ -713,7 +731,7 @@ class _Worker:
             self.settle()
         return False
 
-    def settle(self, finished=()) -> None:
+    def settle(self, finished: Sequence[Finished] = ()) -> None:
         """Apply what the scheduler decided: finish records, then KV ops and released ids.
 
         The records go out first: the KV ops of finished sequences (each `seq_rm` / `seq_cp`
@@ -812,7 +830,7 @@ class _Worker:
             logprobs=tuple(s.logprobs) if s.logprobs is not None else None,
             prompt_logprobs=tuple(s.prompt_logprobs) if s.prompt_logprobs is not None else None,
         )
-        s.handle._deliver_finish(record)
+        _handle_of(s)._deliver_finish(record)
         b.bus.publish(RequestFinished(record, now))
 
     def inject(self) -> None:

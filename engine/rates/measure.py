@@ -428,8 +428,9 @@ class _Probe:
                 out.append(r.ttft_s - (r.prompt_tokens - r.cached_tokens) / prefill_tok_s)
         return out
 
-    def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick, notes: list[str],
-                   label: str = "decode batch", unshared: bool = False):
+    def step_times(self, prompt: int, gen_tokens: int, batches: list[int], tick: Callable[[str], None],
+                   notes: list[str], label: str = "decode batch", unshared: bool = False
+                   ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
         """Median step cycle, median `llama_decode` time and median KV cells in use per batch
         size (see the module docstring). `unshared`: each of a batch's sequences has a
         `prompt`-token prefix of its own (all warmed first), not one shared prefix."""
@@ -471,7 +472,7 @@ LOAD_PROMPT = 128
 LOAD_GEN = 8
 
 
-def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: RateStore | None = None,
+def calibrate_at_load(backends: Sequence[BackendProtocol], model_path: Path, model_name: str = "", store: RateStore | None = None,
                       status: Callable[[str], None] | None = None, timeout: float = 300.0,
                       progress: Progress | None = None) -> dict[str, Rates]:
     """Measure the local `backends` (started, idle) that still have placeholder rates, one per
@@ -512,7 +513,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     return applied
 
 
-def _ticker(progress, name: str, total: int):
+def _ticker(progress: Progress | None, name: str, total: int) -> Callable[[str], None]:
     """`tick(what)`: one more of `total` calibration steps done, reported to `progress`."""
     done = 0
 

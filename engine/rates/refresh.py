@@ -6,9 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from engine.core.events import StepDone
 from engine.core.snapshot import Rates
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 # ---- online refresh ----
 
@@ -38,7 +42,7 @@ class OnlineRefresh:
     between runs.
     """
 
-    def __init__(self, engine, weight: float = 0.1, every: int = 8, min_prefill: int = 32) -> None:
+    def __init__(self, engine: Engine, weight: float = 0.1, every: int = 8, min_prefill: int = 32) -> None:
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         self.engine = engine

@@ -52,7 +52,7 @@ class FinishRules:
     def emit(self, s: SeqState, tok: int) -> bool:
         """Push a token's text to the request's stream; True if a stop string ended it."""
         delta = s.stream.push(self.piece(tok))
-        if delta:
+        if delta and s.handle is not None:
             s.handle._deliver_text(delta)
         return s.stream.stopped
 
@@ -76,7 +76,7 @@ class FinishRules:
         if status == RequestStatus.FINISHED_LENGTH or (status == RequestStatus.FINISHED_STOPPED
                                                        and not s.stream.stopped):
             rest = s.stream.flush()
-            if rest:
+            if rest and s.handle is not None:
                 s.handle._deliver_text(rest)
 
     def record_logprobs(self, rows: Sequence[SeqState], sampled: Sequence[int | None],

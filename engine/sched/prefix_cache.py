@@ -484,7 +484,7 @@ class PrefixCache:
 
     # ---- internal helpers ----
 
-    def _leaves(self):
+    def _leaves(self) -> Iterator[TreeNode]:
         stack = [self._root]
         while stack:
             node = stack.pop()

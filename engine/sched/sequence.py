@@ -5,6 +5,7 @@ the same way (`vllm/v1/request.py`), and the runner's per-request state apart ag
 
 from __future__ import annotations
 
+from engine.core.handle import RequestHandle
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.snapshot import WorkItem
 from engine.core.textstream import TextStream
@@ -50,7 +51,7 @@ class SeqState:
         "warm",
     )
 
-    def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
+    def __init__(self, req: Request, handle: RequestHandle | None, pin: Pin | None, estimate: int, t_submit: float, warm: bool = False,
                  n_ctx_seq: int | None = None, choice: bool = False) -> None:
         self.req = req
         self.handle = handle
