@@ -35,8 +35,9 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -96,7 +97,7 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
     return grammar
 
 
-def _root_ref(schema):
+def _root_ref(schema: Any) -> Any:
     """A root `$ref` beside `$defs` as a one-branch `anyOf`: the converter resolves the root's
     `$ref` but never looks into its siblings, so a recursive `$defs` schema (`#/$defs/node`
     referring to itself) failed with its internal `KeyError`."""
@@ -115,7 +116,7 @@ def object_grammar() -> str:
     return schema_grammar({"type": "object"})
 
 
-def _check_bounds(schema, param: str, depth: int = 0) -> None:
+def _check_bounds(schema: Any, param: str, depth: int = 0) -> None:
     """Refuse repetition bounds the converter would expand into an enormous grammar."""
     if depth > 64:
         raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar", param=param)
@@ -192,7 +193,7 @@ def check_pattern(pattern: str, param: str) -> None:
         raise bad("has a ( without its )")
 
 
-def _repeat_at(pattern: str, i: int, bad) -> int:
+def _repeat_at(pattern: str, i: int, bad: Callable[[str], InvalidRequest]) -> int:
     """The bound of a `{m,n}` quantifier at `i` (1 for none, `*`, `+`, `?`); refused above
     `MAX_REPEAT` or reversed."""
     m = _QUANTIFIER.match(pattern, i)
@@ -209,7 +210,7 @@ def _strict_strings(grammar: str) -> str:
     return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
 
 
-def _number(v) -> TypeGuard[float]:
+def _number(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -374,14 +375,14 @@ class _Verdicts:
         self._seen: collections.OrderedDict[bytes, tuple[str, str | None] | None] = collections.OrderedDict()
         self._size = size
 
-    def get(self, key: bytes):
+    def get(self, key: bytes) -> tuple[bool, tuple[str, str | None] | None]:
         with self._lock:
             if key in self._seen:
                 self._seen.move_to_end(key)
                 return True, self._seen[key]
             return False, None
 
-    def put(self, key: bytes, verdict) -> None:
+    def put(self, key: bytes, verdict: tuple[str, str | None] | None) -> None:
         with self._lock:
             self._seen[key] = verdict
             while len(self._seen) > self._size:
@@ -391,7 +392,7 @@ class _Verdicts:
 _VERDICTS = _Verdicts()
 
 
-def check(vocab, grammar: str, *, param: str = "grammar", n_vocab: int = 0) -> None:
+def check(vocab: Any, grammar: str, *, param: str = "grammar", n_vocab: int = 0) -> None:
     """Raise `InvalidRequest` unless `grammar` is within the limits (`measure`), llama.cpp's
     grammar parser takes it (its own error goes to the log) and, given `n_vocab`, some token
     can start a reply under it. The verdict is cached by the grammar's hash (and vocabulary)."""
@@ -410,7 +411,7 @@ def check(vocab, grammar: str, *, param: str = "grammar", n_vocab: int = 0) -> N
         raise InvalidRequest(message, param=where)
 
 
-def _compile(vocab, grammar: str, param: str, n_vocab: int) -> None:
+def _compile(vocab: Any, grammar: str, param: str, n_vocab: int) -> None:
     measure(grammar, param=param)
     ptr = lc.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), ROOT)
     if not ptr:
@@ -425,7 +426,7 @@ def _compile(vocab, grammar: str, param: str, n_vocab: int) -> None:
         lc.llama_sampler_free(ptr)
 
 
-def _first_pass(sampler, n_vocab: int, budget_s: float, param: str) -> bool:
+def _first_pass(sampler: Any, n_vocab: int, budget_s: float, param: str) -> bool:
     """Whether the grammar sampler leaves any token (an end token counts) at its start, from
     one pass over the vocabulary in chunks; refused (`InvalidRequest`) as soon as the pass has
     taken more than `budget_s` of this thread's CPU, so a costly grammar costs its check no

@@ -37,6 +37,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -86,6 +87,35 @@ class RunnerOutput:
     logprobs: dict | None = None  # index in `sampled` -> TokenLogprob, for rows that asked
 
 
+class ContextSettings(Protocol):
+    """What the runner reads of a local backend's config (`BackendConfig`, resolved)."""
+
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def kv_unified(self) -> bool: ...
+    @property
+    def n_batch(self) -> int: ...
+    @property
+    def n_ubatch(self) -> int: ...
+    @property
+    def n_seq_max(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def threads_batch(self) -> int: ...
+    @property
+    def flash_attn(self) -> str: ...
+    @property
+    def backend_sampling(self) -> bool: ...
+    @property
+    def idle_sampler_s(self) -> float: ...
+    @property
+    def fused_greedy(self) -> bool: ...
+    @property
+    def fused_dist_from(self) -> int: ...
+
+
 @dataclass(slots=True)
 class SeqRun:
     """The runner's part of a running sequence, beside the scheduler's `SeqState` (as vLLM keeps
@@ -116,7 +146,7 @@ class _Step:
 class ContextRunner:
     """A llama.cpp context with its batch and sampler chains (worker thread only)."""
 
-    def __init__(self, config, model: Model, name: str) -> None:
+    def __init__(self, config: ContextSettings, model: Model, name: str) -> None:
         c = config
         self.model = model
         p = lc.llama_context_default_params()
