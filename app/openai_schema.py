@@ -772,40 +772,23 @@ def request_schemas() -> dict[str, dict]:
 
 def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, auth: bool = False) -> dict:
     """The server's OpenAPI 3.1 document (served at `GET /openapi.json`, fuzzed by schemathesis)."""
-    def ref(name):
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    def errors(*codes):
-        return {str(c): {"description": _STATUS_TEXT[c], "content": {"application/json": {"schema": ref("Error")}}}
-                for c in codes}
-
-    def secured(op):
-        if auth:
-            op["security"] = [{"bearer": []}]
-        return op
-
-    def post(summary, request, reply):
-        return secured({
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
-            "responses": {
-                "200": {"description": "the reply, or an SSE stream of chunks when `stream` is true",
-                        "content": {"application/json": {"schema": ref(reply)},
-                                    "text/event-stream": {"schema": {"type": "string"}}}},
-                **errors(400, 401, 403, 404, 408, 413, 415, 429, 503),
-            },
-        })
-
-    def get(summary, content_type, schema, *extra_codes, params=None):
-        op = {"summary": summary,
-              "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}},
-                            **errors(403, *extra_codes)}}
-        if params:
-            op["parameters"] = params
-        return op
-
     schemas = request_schemas()
-    # What only the running server knows, written into the generated schemas.
+    _served_facts(schemas, served, n_vocab, backends)
+    schemas.update(_reply_schemas())
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
+        "paths": _Operations(auth).paths(),
+        "components": {"schemas": schemas},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
+def _served_facts(schemas: dict, served: ServedModel, n_vocab: int, backends: list[str]) -> None:
+    """What only the running server knows, written into the generated request schemas: the
+    model names it answers to, its backends, the largest token id it takes."""
     names = sorted({*served.ids, *served.public_aliases})
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
@@ -818,10 +801,13 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
         elif items.get("type") == "array":
             items["items"]["maximum"] = n_vocab - 1
 
+
+def _reply_schemas() -> dict[str, Any]:
+    """The replies' schemas, and the one error shape."""
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
     finish = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
-    schemas.update({
+    return {
         "ChatCompletion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {
@@ -875,16 +861,28 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
                                "param": {"type": ["string", "null"]},
                                "code": {"type": ["string", "null"]}}}},
         },
-    })
-    models = secured(get("the served model", "application/json", ref("ModelList"), 401))
-    routing = secured(get("backends' snapshots and recent routing decisions", "application/json",
-                          {"type": "object"}, 400, 401,
-                          params=[{"name": "n", "in": "query", "required": False,
-                                   "schema": {"type": "integer", "minimum": 0, "maximum": 1000}}]))
-    doc: dict[str, Any] = {
-        "openapi": "3.1.0",
-        "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
-        "paths": {
+    }
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+class _Operations:
+    """The document's paths: each operation with its replies and error codes, secured by the
+    bearer scheme where the server asks for a key (`auth`)."""
+
+    def __init__(self, auth: bool) -> None:
+        self.auth = auth
+
+    def paths(self) -> dict[str, Any]:
+        post, get, secured = self.post, self.get, self.secured
+        models = secured(get("the served model", "application/json", _ref("ModelList"), 401))
+        routing = secured(get("backends' snapshots and recent routing decisions", "application/json",
+                              {"type": "object"}, 400, 401,
+                              params=[{"name": "n", "in": "query", "required": False,
+                                       "schema": {"type": "integer", "minimum": 0, "maximum": 1000}}]))
+        return {
             "/v1/chat/completions": {"post": post("chat completion", "ChatCompletionRequest", "ChatCompletion")},
             "/v1/completions": {"post": post("text completion", "CompletionRequest", "Completion")},
             "/v1/models": {"get": models},
@@ -896,12 +894,38 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
                                                 "application/json", {"type": "object"}, 401))},
             "/health": {"get": get("liveness", "application/json", {"type": "object"}, 503)},
             "/metrics": {"get": get("Prometheus metrics", "text/plain", {"type": "string"})},
-        },
-        "components": {"schemas": schemas},
-    }
-    if auth:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    return doc
+        }
+
+    @staticmethod
+    def errors(*codes: int) -> dict[str, Any]:
+        return {str(c): {"description": _STATUS_TEXT[c], "content": {"application/json": {"schema": _ref("Error")}}}
+                for c in codes}
+
+    def secured(self, op: dict[str, Any]) -> dict[str, Any]:
+        if self.auth:
+            op["security"] = [{"bearer": []}]
+        return op
+
+    def post(self, summary: str, request: str, reply: str) -> dict[str, Any]:
+        return self.secured({
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {
+                "200": {"description": "the reply, or an SSE stream of chunks when `stream` is true",
+                        "content": {"application/json": {"schema": _ref(reply)},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                **self.errors(400, 401, 403, 404, 408, 413, 415, 429, 503),
+            },
+        })
+
+    def get(self, summary: str, content_type: str, schema: dict, *extra_codes: int,
+            params: list[dict] | None = None) -> dict[str, Any]:
+        op: dict[str, Any] = {"summary": summary,
+                              "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}},
+                                            **self.errors(403, *extra_codes)}}
+        if params:
+            op["parameters"] = params
+        return op
 
 
 _STATUS_TEXT = {400: "invalid request", 401: "missing or wrong API key", 403: "foreign Host or Origin",

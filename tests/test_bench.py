@@ -421,6 +421,16 @@ def test_bench_grid_sweeps_caps_as_policies(tmp_path, tiny_path):
     assert len(decisions) == len(rows)
 
 
+def test_a_kv_budget_for_a_swept_backend_that_is_not_local_is_a_clear_error(tmp_path, tiny_path, capsys):
+    """`--kv-seqs` sizes a llama.cpp context of this process: a null (or remote) swept backend has none."""
+    rc = main(["bench", "grid", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512",
+               "--backend", "null", "--sweep-backend", "null", "--policies", "seed-score", "--requests", "2",
+               "--runs", "1", "--prompt-tokens", "40", "--caps", "1", "--kv-seqs", "3", "--warmup", "0",
+               "--no-plots", "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "--kv-seqs sizes a local backend's context: the swept backend null is not one" in capsys.readouterr().err
+
+
 def test_unusable_policy_is_a_clear_error(tmp_path, tiny_path, capsys):
     rc = main(["bench", "seed", "--model", str(tiny_path), *BACKENDS, "--policies", "gpu-only",
                "--requests", "2", "--runs", "1", *SMALL_SEED, "--out", str(tmp_path / "x")])

@@ -46,8 +46,6 @@ NOT_OURS = {"ui/theme", "tests/v1/core/test_scheduler.py"}
 # Docs other work writes, which this branch links before they land. Each entry goes once the
 # file exists (`test_docs_written_elsewhere_are_still_missing` says when).
 WRITTEN_ELSEWHERE = {"docs/teaching.md"}
-# Docs whose dated headings their owner is to drop: a strict xfail, which fails once they are gone.
-DATED_ELSEWHERE = {"security.md"}
 
 
 def _rel(path: Path) -> str:
@@ -158,10 +156,7 @@ def test_the_notes_with_the_performance_page_stay_under_900_lines() -> None:
     assert lines < NOTES_AND_PERFORMANCE_MAX_LINES
 
 
-@pytest.mark.parametrize("doc", [
-    pytest.param(d, id=_rel(d), marks=pytest.mark.xfail(strict=True, reason="its owner drops the dated headings"))
-    if d.name in DATED_ELSEWHERE else pytest.param(d, id=_rel(d))
-    for d in DOC_FILES])
+@pytest.mark.parametrize("doc", DOC_FILES, ids=lambda d: _rel(d))
 def test_no_doc_heading_carries_a_date_or_a_run(doc: Path) -> None:
     assert dated_headings(doc) == []
 

@@ -15,7 +15,7 @@ import llama_cpp  # before numpy (via engine.llama.synthetic): the GPU machine c
 import pytest
 
 from engine.core.errors import ModelLoadError
-from engine.llama import synthetic
+from engine.llama import CPU_REPACK, synthetic
 from engine.llama.synthetic import SHAPES, parse_spec, synthetic_path, write_gguf
 
 
@@ -37,6 +37,7 @@ class Model:
     def __init__(self, path):
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.use_extra_bufts = CPU_REPACK  # ggml's AMX kernel crashes on some AMX CPUs (engine/llama/__init__.py)
         self.ptr = llama_cpp.llama_model_load_from_file(os.fsencode(str(path)), params)
         assert self.ptr, f"llama.cpp refused {path}"
         self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)

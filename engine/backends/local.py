@@ -64,7 +64,7 @@ from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
 from engine.sched.prefix_cache import Pin, PrefixCache
-from engine.sched.scheduler import Finished, Scheduler, SchedulerConfig, SeqState
+from engine.sched.scheduler import Finished, KvOp, Scheduler, SchedulerConfig, SeqState
 
 log = logging.getLogger(__name__)
 PAUSED_POLL_S = 0.02  # how often a backend whose only work is paused sequences looks at their readers
@@ -145,7 +145,7 @@ class Inbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._items: collections.deque = collections.deque()
+        self._items: collections.deque[Message] = collections.deque()
         self._in_transit = 0  # requests `take` handed the worker that are not yet in its queue (`landing`)
         self.closed = False
 
@@ -205,7 +205,7 @@ class Inbox:
         with self._cond:
             return [m.seq for m in self._items if isinstance(m, Enqueue)]
 
-    def close(self) -> list:
+    def close(self) -> list[Message]:
         """Refuse new messages; return what was never taken."""
         with self._cond:
             self.closed = True
@@ -703,7 +703,7 @@ class _Worker:
         """Apply the inbox's messages in order; True on `Stop`."""
         b = self.b
         sched = b._sched
-        cancelled = set()
+        cancelled: set[str] = set()
         embeds = [(m.inputs, m.future) for m in msgs if isinstance(m, Embed)]
         if embeds:
             b._embeddings.run(embeds)
@@ -740,8 +740,8 @@ class _Worker:
         one of those requests waited for."""
         b = self.b
         sched, runner = b._sched, b._context()
-        ops: list = []
-        unplaced: list = []
+        ops: list[KvOp] = []
+        unplaced: list[SeqState] = []
         if sched.has_effects():
             ops, unplaced = sched.take_ops(), sched.take_unplaced()
             finished = [*finished, *sched.take_finished()]
@@ -907,7 +907,7 @@ def build(c: BackendConfig, ctx: BuildContext) -> Backend:
     if ctx.model_path is None or ctx.registry is None:
         raise InvalidRequest(f"backend {c.name} runs llama.cpp in this process: it needs a model (--model)",
                              param="model")
-    m = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
+    m: Model = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
     try:
         calibrated = ctx.calibrated
         r = (ctx.rates.get(c.name) or (calibrated.get(c, m.device) if calibrated is not None else None)

@@ -17,19 +17,25 @@ backend threads one after the other (the second starts only once the first has h
 from __future__ import annotations
 
 import asyncio
+import enum
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, Literal
 
 from engine.core.errors import RequestFailed
 from engine.core.request import FinishRecord, Request
 
 if TYPE_CHECKING:
-    from engine.routing import RoutingDecision
+    from engine.core.decision import RoutingDecision
 
-_END = object()
+class _Sentinel(enum.Enum):
+    END = enum.auto()
+
+
+_END: Final = _Sentinel.END  # delivered after the last text: the stream ends
+Delivery = str | Literal[_Sentinel.END]  # what a handle's queue carries
 _gathering = threading.local()
 # Text deltas an asyncio reader may leave unread before its request pauses (`reader_behind`): a
 # client that asked for n=16 with top_logprobs=20 and never read made the server buffer its
@@ -50,17 +56,17 @@ class Outbox:
     """
 
     def __init__(self) -> None:
-        self._batches: dict[asyncio.AbstractEventLoop, list] = {}
+        self._batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delivery], Delivery]]] = {}
 
     def __enter__(self) -> Outbox:
         _gathering.outbox = self
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _gathering.outbox = None
         self.flush()
 
-    def add(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+    def add(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Delivery], item: Delivery) -> None:
         self._batches.setdefault(loop, []).append((q, item))
 
     def flush(self) -> None:
@@ -74,7 +80,7 @@ class Outbox:
                 pass
 
 
-def _hand_over(batch) -> None:
+def _hand_over(batch: list[tuple[asyncio.Queue[Delivery], Delivery]]) -> None:
     for q, item in batch:
         q.put_nowait(item)
 
@@ -98,8 +104,8 @@ class RequestHandle:
         self.backend: str | None = None
         self.decision: RoutingDecision | None = None  # set by the engine
         self._loop = loop
-        self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self._q: queue.SimpleQueue | None = None if loop is not None else queue.SimpleQueue()
+        self._aq: asyncio.Queue[Delivery] | None = asyncio.Queue() if loop is not None else None
+        self._q: queue.SimpleQueue[Delivery] | None = None if loop is not None else queue.SimpleQueue()
         self._done = threading.Event()
         self._record: FinishRecord | None = None
         self._cancel: Callable[[str], None] | None = None
@@ -140,7 +146,7 @@ class RequestHandle:
         self._done.set()
         self._put(_END)
 
-    def _put(self, item) -> None:
+    def _put(self, item: Delivery) -> None:
         loop, aq = self._loop, self._aq
         if loop is not None and aq is not None:
             self._handed += 1
@@ -159,14 +165,14 @@ class RequestHandle:
 
     # ---- called by the caller ----
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         """Yield text deltas until the request ends (blocking)."""
         if self._q is None:
             raise TypeError("this handle streams to an asyncio loop: use astream()")
         while (item := self._q.get()) is not _END:
             yield item
 
-    async def astream(self):
+    async def astream(self) -> AsyncIterator[str]:
         """Yield text deltas until the request ends (asyncio). Text that piled up while the
         consumer was busy comes as one delta."""
         if self._aq is None:

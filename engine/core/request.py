@@ -107,7 +107,7 @@ class SamplingParams:
         return self
 
 
-def _finite(x) -> bool:
+def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -188,7 +188,7 @@ class Request:
         return replace(self, sampling=replace(sp, max_tokens=max(sp.max_tokens - n_tokens, 1)),
                        stop_after=None if self.stop_after is None else max(self.stop_after - n_tokens, 1), **more)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not (self.prompt_tokens or self.text or self.messages):
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.sampling.validate()

@@ -45,7 +45,7 @@ from engine.prompts.reply import opens_thinking, thinks
 from engine.prompts.tool_calls import TemplateCaps, ToolMode, history, tool_format, tool_prompt
 
 if TYPE_CHECKING:
-    from engine.llama.model import Model
+    from engine.core.tokenizer import Tokenizer as Model
 
 
 MAX_MESSAGES = 4096  # messages in one chat; 55,000 one-character messages took 68 s to refuse

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -43,54 +43,66 @@ def lift_definitions(schema: dict, owner: str, defs: dict) -> dict:
     Names are unique within `defs`, so many schemas can share one top level."""
     if not isinstance(schema, dict):
         return schema
-    own: dict[str, str] = {}  # a definition's name here -> its name in `defs`
-    for section in ("$defs", "definitions"):
-        for name in (schema.get(section) or {}):
-            if name not in own:
-                own[name] = _fresh(f"defs-{owner}-{name}", defs)
-    root = _fresh(f"defs-{owner}", defs) if _refers_inside(schema) else None
+    lift = _Lift(schema, owner, defs)
+    body = lift.rewrite(schema)
+    lift.store(body)
+    return body
 
-    def ref(target: str) -> str:
+
+class _Lift:
+    """One schema's definitions on their way into a shared `defs` (`lift_definitions`): their
+    names there are reserved first, then the body is rewritten, then they are stored."""
+
+    def __init__(self, schema: dict, owner: str, defs: dict) -> None:
+        self.defs = defs
+        self.own: dict[str, str] = {}  # a definition's name here -> its name in `defs`
+        for section in ("$defs", "definitions"):
+            for name in (schema.get(section) or {}):
+                if name not in self.own:
+                    self.own[name] = _fresh(f"defs-{owner}-{name}", defs)
+        self.root = _fresh(f"defs-{owner}", defs) if _refers_inside(schema) else None
+
+    def ref(self, target: str) -> str:
+        """A local `$ref` as it reads once the definitions are lifted."""
         pointer = target[1:]
         parts = pointer.split("/")[1:] if pointer.startswith("/") else []
         if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
             name = parts[1].replace("~1", "/").replace("~0", "~")
-            if name in own:
-                return "#/$defs/" + "/".join([own[name], *parts[2:]])
-        if root is None:  # only refs into definitions, and this one is not among them
+            if name in self.own:
+                return "#/$defs/" + "/".join([self.own[name], *parts[2:]])
+        if self.root is None:  # only refs into definitions, and this one is not among them
             return target
-        return "#/$defs/" + root + pointer if pointer else "#/$defs/" + root
+        return "#/$defs/" + self.root + pointer if pointer else "#/$defs/" + self.root
 
-    body = _rewrite(schema, ref)
-    for section in ("$defs", "definitions"):
-        for name, sub in (body.pop(section, None) or {}).items():
-            if name in own and defs.get(own[name]) is None:
-                defs[own[name]] = sub
-    if root is not None:  # the body stays in place (the converter registers only the refs it can reach
-        defs[root] = copy.deepcopy(body)  # from the root's keys, never from behind a root `$ref`)
-    return body
+    def rewrite(self, node: Any) -> Any:
+        """`node` with its local `$ref`s rewritten and `nullable` as a null branch."""
+        if isinstance(node, list):
+            return [self.rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = self.ref(value)
+            elif key in _MAPS:  # a map of names to schemas: the names are data, not keywords
+                out[key] = {k: self.rewrite(v) for k, v in value.items()} if isinstance(value, dict) else value
+            elif key in _VALUES:
+                out[key] = value
+            else:
+                out[key] = self.rewrite(value)
+        if isinstance(out.get("nullable"), bool) and out.pop("nullable"):
+            out = {"anyOf": [out, {"type": "null"}]}
+        return out
 
-
-def _rewrite(node: Any, ref: Callable[[str], str]) -> Any:
-    """A copy of `node` with every local `$ref` passed through `ref`, and `nullable: true`
-    (OpenAPI's) turned into a null branch (`lift_definitions`)."""
-    if isinstance(node, list):
-        return [_rewrite(x, ref) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = ref(value)
-        elif key in _MAPS:  # a map of names to schemas: the names are data, not keywords
-            out[key] = {k: _rewrite(v, ref) for k, v in value.items()} if isinstance(value, dict) else value
-        elif key in _VALUES:
-            out[key] = value
-        else:
-            out[key] = _rewrite(value, ref)
-    if isinstance(out.get("nullable"), bool) and out.pop("nullable"):
-        out = {"anyOf": [out, {"type": "null"}]}
-    return out
+    def store(self, body: dict) -> None:
+        """Move the rewritten body's definitions into `defs`, and a copy of the body where a
+        `$ref` points inside it."""
+        for section in ("$defs", "definitions"):
+            for name, sub in (body.pop(section, None) or {}).items():
+                if name in self.own and self.defs.get(self.own[name]) is None:
+                    self.defs[self.own[name]] = sub
+        if self.root is not None:  # the body stays in place (the converter registers only the refs it can
+            self.defs[self.root] = copy.deepcopy(body)  # reach from the root's keys, never from behind a root `$ref`)
 
 
 _RULE_CHARS = re.compile(r"[^a-zA-Z0-9-]+")
