@@ -16,7 +16,7 @@ def run_generate(args) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     with engine_from_args(args, calibrate=False) as eng:  # one request: nothing to route
-        if eng.model.synthetic:
+        if eng.model is not None and eng.model.synthetic:
             print("(synthetic model: random weights, the text is noise)", file=sys.stderr)
         handle = eng.chat(messages, sampling, source="cli")
         try:

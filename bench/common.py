@@ -53,7 +53,7 @@ def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, r
     backend.set_cap(batch)  # B at a time, and no more idle sampler chains than that
     backend.flush().result(60)
     backend.warm(prompt[:-1]).result(120)
-    d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.graphs_reused
+    d0, t0, s0, g0 = backend.decode_s, time.perf_counter(), backend.steps, backend.stats().graphs_reused
     sp = replace(sampling or SamplingParams(temperature=0.0), max_tokens=n_gen, ignore_eos=True)
     cp = SamplingParams(temperature=0.0, max_tokens=n_gen, grammar=UNENDING_GRAMMAR)
     handles = [backend.enqueue(Request(tuple(prompt), cp if i < constrained else sp, source="bench"))
@@ -67,7 +67,7 @@ def engine_decode(backend: Backend, prompt: list[int], n_gen: int, batch: int, r
     wall = time.perf_counter() - t0
     HOST_SHARE.setdefault(batch, []).append(1 - (backend.decode_s - d0) / wall)
     HOST_US.setdefault(batch, []).append(1e6 * (wall - (backend.decode_s - d0)) / max(backend.steps - s0, 1))
-    GRAPH_REUSE.setdefault(batch, []).append((backend.graphs_reused - g0) / max(backend.steps - s0, 1))
+    GRAPH_REUSE.setdefault(batch, []).append((backend.stats().graphs_reused - g0) / max(backend.steps - s0, 1))
     steps = backend.steps - s0
     gaps = list(backend.step_gaps)[-steps:][1:] if steps > 1 else []  # the first: idle before the run
     if gaps:

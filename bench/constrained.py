@@ -114,7 +114,7 @@ def run_constrained(args) -> int:
                 control = SamplingParams(temperature=t, max_tokens=4096, seed=1, ignore_eos=True)
                 runs: dict[str, list] = {"alone": [], "plain": [], "hog": [], "hog_tok_s": [], "gaps": [],
                                          "plain_gaps": []}
-                deferrals = _local(engine, name).grammar_deferrals
+                deferrals = _local(engine, name).stats().grammar_deferrals
                 for _ in range(args.repeats):  # alone, beside the control, beside the hog, ...
                     runs["alone"].append(_neighbour(engine, name, prompt, near))
                     one, _, gaps = _beside(engine, name, prompt, near, hog_prompt, control)
@@ -125,7 +125,7 @@ def run_constrained(args) -> int:
                     runs["hog_tok_s"].append(rate)
                     runs["gaps"] += gaps
                 rows.append(_row(hog, mode, what, len(text), runs))
-                rows[-1]["grammar_deferrals"] = _local(engine, name).grammar_deferrals - deferrals
+                rows[-1]["grammar_deferrals"] = _local(engine, name).stats().grammar_deferrals - deferrals
                 _print(rows[-1])
     finally:
         engine.close()

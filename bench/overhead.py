@@ -156,7 +156,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     _add_ratios(out, args, plan, rig)
     _add_variants(out, plan, samples)
     _add_sampler_builds(out, plan, rig, samples)
-    out["eog_redos"] = rig.backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
+    out["eog_redos"] = rig.backend.stats().eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
     if plan.modes:
         for b in plan.batches:
             row = "  ".join(f"{m} {out[f'cost_{m}_b{b}']:.3f}" for m in plan.modes)
@@ -299,7 +299,7 @@ def _variant_decode(rig: _Rig, samples: _Samples, name: str, b: int, n_gen: int,
     """One sampler part at batch `b` on the greedy backend, with its graph reuse and its time
     per step inside and outside `llama_decode`."""
     backend = rig.backend
-    steps0, reused0, dec0 = backend.steps, backend.graphs_reused, backend.decode_s
+    steps0, reused0, dec0 = backend.steps, backend.stats().graphs_reused, backend.decode_s
     t0 = time.perf_counter()
     params, fpath, chunk = _variant(name)
     with fused_dist.top_k_stages(chunk), fused_dist.fused_path(fpath):
@@ -308,7 +308,7 @@ def _variant_decode(rig: _Rig, samples: _Samples, name: str, b: int, n_gen: int,
         steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
         key = f"{name}_b{b}"
         samples.results[f"part_{key}"].append(v)
-        samples.variant_reuse[key].append((backend.graphs_reused - reused0) / steps)
+        samples.variant_reuse[key].append((backend.stats().graphs_reused - reused0) / steps)
         samples.variant_step[key].append(1e3 * dec / steps)
         samples.variant_host[key].append(1e6 * (time.perf_counter() - t0 - dec) / steps)
 

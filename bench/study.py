@@ -567,8 +567,8 @@ def _probe_targets(args) -> list:
 def _engine_counters(eng) -> dict:
     """Per backend, over the whole invocation: steps, how many reused the previous step's
     graph, sampler chains attached (each a graph reserve) and end tokens taken back."""
-    return {b.name: {"steps": b.steps, "graphs_reused": b.graphs_reused, "sampler_attaches": b.sampler_attaches,
-                     "eog_redos": b.eog_redos} for b in eng.backends.values()}
+    return {b.name: {"steps": b.steps, "graphs_reused": b.stats().graphs_reused, "sampler_attaches": b.stats().sampler_attaches,
+                     "eog_redos": b.stats().eog_redos} for b in eng.backends.values()}
 
 
 def _label(spec: WorkloadSpec, kv) -> str:

@@ -6,10 +6,9 @@ fleet, and requests carry their prompt as text or chat messages (`Request.text`/
 
 `submit()` routes one whole request to one backend and returns its handle; `submit_group()`
 routes the choices of one request (OpenAI's `n`) together, to one backend, which computes
-their shared prompt once (engine/backends/local.py `enqueue_group`). Routing and
-enqueueing happen under one lock, so each request sees the queues its predecessors made,
-and the chosen backend's matched prefix is pinned until the request is admitted (the
-router's cache estimate cannot be evicted under it).
+their shared prompt once (engine/backends/local.py `enqueue_group`). The routing itself, under
+one lock, and the re-routing of what a failed backend gives back are its `Dispatcher`
+(engine/dispatch.py).
 
 Every control is here (cap, cache on/off, warm, flush, restart, rates, snapshot, facts), so
 `ui/` and `app/` name backends by name and never hold a backend object. It asks backends only
@@ -24,28 +23,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.backends import registry
 from engine.backends.config import resolve_contexts
-from engine.backends.protocol import BackendInfo, BackendProtocol, Handed
-from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest, QueueFull
-from engine.core.events import EventBus, RequestRouted
+from engine.backends.protocol import BackendInfo, BackendProtocol
+from engine.core.errors import InvalidRequest
+from engine.core.events import EventBus
 from engine.core.handle import RequestHandle
-from engine.core.request import Request, RequestStatus, SamplingParams, error_record, next_request_id
+from engine.core.request import Request, SamplingParams
 from engine.core.snapshot import BackendSnapshot, Rates
+from engine.dispatch import Dispatcher, model_ids, serves
 from engine.prompts import chat
 from engine.prompts.chat import ChatPrompt
 from engine.prompts.tool_calls import ToolMode
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
-from engine.routing import RouteQuery, Router, RoutingDecision
+from engine.routing import Router, RoutingDecision
 
 from .llama.model import Model, ModelRegistry, resolve_model
 
@@ -59,22 +57,25 @@ class Engine:
     """Owns backends and a router. Thread-safe: submit from any thread."""
 
     def __init__(self, backends: list[BackendProtocol], router: Router | None = None, bus: EventBus | None = None,
-                 registry: ModelRegistry | None = None):
+                 registry: ModelRegistry | None = None) -> None:
         if not backends:
             raise InvalidRequest("an engine needs at least one backend")
         self.backends = {b.name: b for b in backends}
-        for b in backends:
-            b.on_unhealthy = self._rehome
+        self.backend_names = list(self.backends)
+        self.devices = {b.name: b.device for b in backends}  # each backend's device ("cpu", "gpu", ...)
+        # The local model (every local backend runs the same file); None in a fleet of remote engines only.
+        self.model: Model | None = next((b.model for b in backends if b.model is not None), None)
         self.router = router or Router()
         self.bus = bus or backends[0].bus
+        self._dispatch = Dispatcher(self.backends, self.router, self.bus, self.model)
+        for b in backends:
+            b.on_unhealthy = self._dispatch.rehome
         self._registry = registry
-        self._lock = threading.Lock()
-        self._closed = False
         self.online: OnlineRefresh | None = None  # when rates are refreshed from observed steps
 
     @classmethod
     def load(cls, model: str | Path | None, configs: Sequence[registry.BackendSpec], *,
-             policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
+             policy: str = "default", rates: dict[str, Rates] | None = None, progress: Callable[..., None] | None = None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None,
              calibration_progress: Callable[[int, int, str], None] | None = None) -> Engine:
@@ -134,12 +135,6 @@ class Engine:
     # ---- requests ----
 
     @property
-    def model(self) -> Model | None:
-        """The local model (every local backend runs the same file); None in a fleet of remote
-        engines only."""
-        return next((b.model for b in self.backends.values() if b.model is not None), None)
-
-    @property
     def n_vocab(self) -> int:
         """Token ids every backend accepts: the local model's vocabulary, else the smallest a
         remote engine reports (0: none says)."""
@@ -151,27 +146,16 @@ class Engine:
     def model_ids(self) -> list[str]:
         """The models this engine serves: the local model's file stem, then each remote
         engine's models, in backend order, without repeats."""
-        ids: list[str] = []
-        for b in self.backends.values():
-            for m in b.models:
-                if m not in ids:
-                    ids.append(m)
-        return ids
-
-    def serves(self, backend, model: str | None) -> bool:
-        """Whether `backend` can take a request that names `model` (None: any)."""
-        if model is None:
-            return True
-        return model in backend.models or not backend.models  # not known yet: let it try
+        return model_ids(self.backends)
 
     def serving(self, model: str | None) -> list[str]:
         """The backends that can take a request naming `model` (None: any), by name."""
-        return [name for name, b in self.backends.items() if self.serves(b, model)]
+        return [name for name, b in self.backends.items() if serves(b, model)]
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
         handle = RequestHandle(request, loop)
-        self._route(request, handle, time.monotonic())
+        self._dispatch.route(request, handle, time.monotonic())
         return handle
 
     def submit_group(self, requests: list[Request], loop: asyncio.AbstractEventLoop | None = None
@@ -182,120 +166,27 @@ class Engine:
         if len({r.prompt_tokens for r in requests}) != 1:
             raise InvalidRequest("the requests of a group must share their prompt")
         handles = [RequestHandle(r, loop) for r in requests]
-        self._route(requests[0], handles[0], time.monotonic(), group=(requests, handles))
+        self._dispatch.route(requests[0], handles[0], time.monotonic(), group=(requests, handles))
         return handles
-
-    def _route(self, request: Request, handle: RequestHandle, t_submit: float, group=None,
-               moved_from: str | None = None, continued: int = 0) -> None:
-        t_wait = time.perf_counter()
-        with self._lock:
-            t_in = time.perf_counter()
-            self._check_open()
-            serving = [b for b in self.backends.values() if self.serves(b, request.model)]
-            if not serving:
-                raise InvalidRequest(f"no backend serves the model {request.model!r} "
-                                     f"(served: {', '.join(self.model_ids())})", param="model")
-            candidates = [b for b in serving if request.backend in (None, b.name)]
-            for b in candidates:
-                b.validate(request)
-            prefixes = {b.name: b.cached_prefix(request) for b in serving}
-            query = RouteQuery.from_request(request, {name: n for name, (n, _) in prefixes.items()}, moved_from,
-                                            continued, {name: r for name, (_, r) in prefixes.items()})
-            for attempt in range(len(serving)):
-                decision = self.router.route(query, [b.snapshot() for b in serving], since=t_in, wait_s=t_in - t_wait)
-                backend = self.backends[decision.backend]
-                estimate, pin = backend.pin_prefix(request)
-                handle.decision = decision
-                try:
-                    if group is None:
-                        backend.enqueue(request, handle, pin=pin, cached_estimate=estimate, t_submit=t_submit)
-                    else:
-                        for h in group[1]:
-                            h.decision = decision
-                        backend.enqueue_group(*group, pin=pin, cached_estimate=estimate, t_submit=t_submit)
-                    break
-                except QueueFull as e:  # how long the client should wait: the router's estimate
-                    e.retry_after_s = decision.chosen.queue_wait_s
-                    raise
-                except BackendUnavailable:
-                    # It began a restart (or failed) after the snapshot the router saw: the
-                    # next snapshot shows it unhealthy, so route again.
-                    if attempt == len(serving) - 1:
-                        raise
-        self.bus.publish(RequestRouted(decision))
 
     def embed(self, inputs: Sequence[Sequence[int]], backend: str | None = None) -> tuple[Future, RoutingDecision]:
         """Route an embedding request (token ids per input) like any request, among the backends
         that compute embeddings (the decision's `kind` is "embedding"); the chosen backend
         batches it with the others it has (`Future` of one vector per input, in order)."""
-        t_wait = time.perf_counter()
-        with self._lock:
-            t_in = time.perf_counter()
-            self._check_open()
-            able = [b for b in self.backends.values() if b.embeds]
-            if not able:
-                raise InvalidRequest("no backend here computes embeddings (a remote engine embeds at its own "
-                                     "/v1/embeddings)", param="model")
-            query = RouteQuery(request_id=next_request_id(), prompt_tokens=sum(len(t) for t in inputs), max_tokens=0,
-                               backend=backend, kind="embedding")
-            decision = self.router.route(query, [b.snapshot() for b in able], since=t_in, wait_s=t_in - t_wait)
-            future = self.backends[decision.backend].embed(inputs)
-        self.bus.publish(RequestRouted(decision))
-        return future, decision
-
-    def _rehome(self, failed: BackendProtocol, moved: Sequence[Handed]) -> None:
-        """A backend went unhealthy or is restarting: route the requests it gave back to the
-        others (called on its worker thread, or on the restarting thread). One whose stream
-        broke after it began (a remote engine's, `RequestHandle._interrupt`) goes on from the
-        text it streamed (`Request.continued`), so its caller sees one stream."""
-        why = failed.error or f"backend {failed.name} is restarting"
-        log.warning("%s: %s; re-routing %d requests", failed.name, why, len(moved))
-        for request, handle, t_submit in moved:
-            part = handle._take_interrupted()
-            try:
-                if request.backend == failed.name:  # pinned to the failed backend: nowhere to go
-                    raise BackendUnavailable(f"backend {failed.name} is not serving: {why}")
-                if part is None:
-                    self._route(request, handle, t_submit, moved_from=failed.name)
-                    continue
-                n = part.output_tokens
-                budget = min(request.sampling.max_tokens, request.stop_after or request.sampling.max_tokens)
-                if n >= budget:  # it had made all it may: what it streamed is the answer
-                    stopped = request.stop_after is not None and n >= request.stop_after
-                    handle._deliver_finish(replace(
-                        part, text="", prompt_tokens=0, cached_tokens=0, output_tokens=0, error=None, error_kind=None,
-                        status=RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH))
-                    continue
-                tokenize = self._continuation_tokenizer(failed)
-                self._route(request.continued(part.text, n, tokenize), handle, t_submit, moved_from=failed.name,
-                            continued=n)
-            except EngineError as e:
-                handle._deliver_finish(error_record(request, failed.name, f"{e} (after: {why})", t_submit))
-
-    def _continuation_tokenizer(self, failed) -> Callable[[str], list[int]] | None:
-        """How to append streamed text to a token-id prompt: the local model's tokenizer, else
-        the failed remote backend's (`tokenizer=`), else none."""
-        vocab = self.model if self.model is not None else failed.tokenizer
-        if vocab is None:
-            return None
-        return lambda text: vocab.tokenize(text, add_special=False, parse_special=False)
+        return self._dispatch.embed(inputs, backend)
 
     def restart(self, name: str, timeout: float = 30.0) -> BackendSnapshot:
         """Give a backend a fresh context; it serves again afterwards. A healthy one is drained
         first (its queue moves to the other backends). Raises `RestartInProgress` while a
         restart of the same backend runs. Blocks: run it off an event loop."""
-        self._check_open()
+        self._dispatch.check_open()
         b = self.backend(name)
         b.restart(timeout)
         return b.snapshot()
 
-    def restart_backend(self, name: str) -> None:
-        """Same as `restart` (kept for callers that used this name)."""
-        self.restart(name)
-
-    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kw: Any) -> RequestHandle:
         """Submit raw text (tokenized with BOS where a local model is at hand) or token ids."""
-        self._check_open()
+        self._dispatch.check_open()
         if not isinstance(prompt, str):
             return self.submit(Request(tuple(prompt), sampling or SamplingParams(), **kw))
         if self.model is None:
@@ -303,7 +194,7 @@ class Engine:
         tokens = self.model.tokenize(prompt)
         return self.submit(Request(tuple(tokens), sampling or SamplingParams(), **kw))
 
-    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> RequestHandle:
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw: Any) -> RequestHandle:
         """Submit a chat, rendered with the model's own template (remote engines only: as
         messages, which each engine renders with its own)."""
         if self.model is None:
@@ -335,49 +226,32 @@ class Engine:
         `extra` are template variables (`chat_template_kwargs`)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        self._check_open()
+        self._dispatch.check_open()
         if self.model is None:
             raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
             # content is never parsed for special tokens
             return chat.render_chat(self.model, messages, tools, mode, continue_final=continue_final,
-                                    max_prompt=self.prompt_limit(), extra=extra)
+                                    max_prompt=_prompt_limit(self.backends.values()), extra=extra)
         except InvalidRequest:
             raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)
             raise InvalidRequest(f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from e
-
-    def prompt_limit(self) -> int:
-        """The longest prompt a backend checks here (a local one's context per sequence); 0: none does."""
-        return max((b.prompt_limit() for b in self.backends.values()), default=0)
 
     def prompt_tokens(self, text: str, param: str = "prompt") -> list[int]:
         """A raw prompt's tokens (`Model.tokenize`), refused cheaply first when it cannot fit
         any local backend's context (`engine.prompts.chat.check_bound`)."""
         if self.model is None:
             raise InvalidRequest("this engine has no local model to tokenize with", param=param)
-        limit = self.prompt_limit()
+        limit = _prompt_limit(self.backends.values())
         if limit:
             chat.check_bound(self.model, [text], limit, param)
         return self.model.tokenize(text)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendUnavailable("the engine is closed")
 
     # ---- state and controls ----
 
     def snapshot(self) -> list[BackendSnapshot]:
         return [b.snapshot() for b in self.backends.values()]
-
-    @property
-    def backend_names(self) -> list[str]:
-        return list(self.backends)
-
-    @property
-    def devices(self) -> dict[str, str]:
-        """Each backend's device ("cpu", "gpu", ...), by name."""
-        return {name: b.device for name, b in self.backends.items()}
 
     def relays_logprobs(self) -> bool:
         """Whether every backend relays token log-probabilities (a request may go to any)."""
@@ -426,7 +300,7 @@ class Engine:
         """Replace one backend's rates (calibration, online refresh, a typed override)."""
         self.backend(name).set_rates(rates)
 
-    def warm(self, tokens, backend: str | None = None, timeout: float | None = None,
+    def warm(self, tokens: Sequence[int], backend: str | None = None, timeout: float | None = None,
              wait: bool = True) -> list[RequestHandle]:
         """Prefill `tokens` into the prefix cache of one backend or all; with `wait`, until done."""
         targets = [self.backend(backend)] if backend else list(self.backends.values())
@@ -458,10 +332,10 @@ class Engine:
 
     def close(self) -> None:
         """Stop every backend (cancelling what they hold) and free the models. Idempotent."""
-        with self._lock:
-            if self._closed:
+        with self._dispatch.lock:
+            if self._dispatch.closed:
                 return
-            self._closed = True
+            self._dispatch.closed = True
         if self.online is not None:
             self.online.detach()
         for b in self.backends.values():
@@ -471,8 +345,13 @@ class Engine:
                 if b.model is not None:
                     self._registry.release(b.model)
 
-    def __enter__(self):
+    def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _prompt_limit(backends: Iterable[BackendProtocol]) -> int:
+    """The longest prompt a backend checks here (a local one's context per sequence); 0: none does."""
+    return max((b.prompt_limit() for b in backends), default=0)

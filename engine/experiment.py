@@ -28,10 +28,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from engine.core.errors import EngineError
 from engine.core.handle import RequestHandle
-from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams
 from engine.rates.refresh import OnlineRefresh
 from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import RequestRecord, RunSummary, decision_line, run_metrics
@@ -73,7 +74,7 @@ class EngineRunner:
     """Runs one workload under one variant on a loaded engine, from a fresh state."""
 
     def __init__(self, eng: Engine, *, sweep_backend: str | None, budget: str, online: bool,
-                 timeout: float, warm_tenants: bool = False):
+                 timeout: float, warm_tenants: bool = False) -> None:
         self.eng = eng
         self.warm_tenants = warm_tenants
         self.sweep_backend = sweep_backend
@@ -180,9 +181,10 @@ def experiment_runner(eng: Engine) -> Callable[..., RunSummary]:
     return run
 
 
-def _engine_record(name, label, workload, spec, t_submit, handle, record, error) -> RequestRecord:
+def _engine_record(name: str, label: str, workload: Workload, spec: RequestSpec, t_submit: float,
+                   handle: RequestHandle | None, record: FinishRecord | None, error: str | None) -> RequestRecord:
     """A request's record from its finish record, or a failed one from `error`."""
-    common = dict(workload=name, policy=label, run=workload.run, requests=len(workload.requests),
+    common: dict[str, Any] = dict(workload=name, policy=label, run=workload.run, requests=len(workload.requests),
                   index=spec.index, t_submit_s=t_submit)
     if record is None:
         return RequestRecord(**common, request_id=handle.id if handle else f"unsubmitted-{spec.index}",

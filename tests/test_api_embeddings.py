@@ -142,9 +142,9 @@ def test_embedding_requests_taken_together_share_one_decode(two_backends):
     blocker.result(TIMEOUT)
     first, second = (f.result(TIMEOUT) for f in futures)
     assert len(first) == len(second) == 1
-    assert backend.embedding_decodes == 1
+    assert backend.stats().embedding_decodes == 1
     alone = eng.embed([tokens[1]], backend=name)[0].result(TIMEOUT)
-    assert np.allclose(second[0], alone[0], atol=1e-4) and backend.embedding_decodes == 2
+    assert np.allclose(second[0], alone[0], atol=1e-4) and backend.stats().embedding_decodes == 2
 
 
 def test_embeddings_are_routed_among_the_backends(two_backends):

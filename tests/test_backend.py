@@ -222,15 +222,15 @@ def test_sampler_chains_stay_with_their_sequence_id(make_backend, default_model,
         return [h.text(WAIT) for h in handles]
 
     first = texts(("The sea is", greedy))[0]
-    n0 = b.sampler_attaches
+    n0 = b.stats().sampler_attaches
     out = texts(*[("The sea is", greedy)] * 3, ("Once upon a time", seeded), ("Once upon a time", seeded),
                 ("The sea is", greedy))
     assert out[:3] == [first] * 3 and out[-1] == first
     # Same seed and penalty after a reset: the same draw (the penalty history was cleared).
     assert out[3] == out[4]
     # greedy reused, seeded once (reused by the second), greedy again
-    assert b.sampler_attaches - n0 == (2 if on_device else 0)
-    assert b.samplers_attached == (1 if on_device else 0)
+    assert b.stats().sampler_attaches - n0 == (2 if on_device else 0)
+    assert b.stats().samplers_attached == (1 if on_device else 0)
 
 
 def test_idle_sampler_chains_follow_the_cap(make_backend, tiny_model):
@@ -238,13 +238,13 @@ def test_idle_sampler_chains_follow_the_cap(make_backend, tiny_model):
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     h = b.enqueue(Request((5, 6, 7), long))
     wait_until(lambda: b.snapshot().running, what="admitted", unless=lambda: h.done)
-    assert b.samplers_attached == 4, "the free ids the next requests take got the chain in the same reserve"
+    assert b.stats().samplers_attached == 4, "the free ids the next requests take got the chain in the same reserve"
     b.set_cap(2)
-    wait_until(lambda: b.samplers_attached == 2, what="idle chains beyond the cap detached")
+    wait_until(lambda: b.stats().samplers_attached == 2, what="idle chains beyond the cap detached")
     h.cancel()
     h.result(WAIT)
-    assert b.samplers_attached >= 1, "a chain outlives its request for a while"
-    wait_until(lambda: b.samplers_attached == 0, what="chains idle for idle_sampler_s detached")
+    assert b.stats().samplers_attached >= 1, "a chain outlives its request for a while"
+    wait_until(lambda: b.stats().samplers_attached == 0, what="chains idle for idle_sampler_s detached")
 
 
 def test_a_hidden_stop_ends_early_but_admission_reserves_the_budget(make_backend, tiny_model):
@@ -362,7 +362,7 @@ def test_a_preempted_request_resumes_with_the_same_text(make_backend, tiny_model
     handles = [b.enqueue(Request(p, sp)) for p in prompts]
     streamed = ["".join(h) for h in handles]
     records = [h.result(WAIT) for h in handles]
-    assert b.preemptions >= 1
+    assert b.stats().preemptions >= 1
     assert [r.error for r in records] == [None, None]
     assert [r.output_tokens for r in records] == [400, 400]
     assert [r.text for r in records] == alone == streamed
@@ -382,7 +382,7 @@ def test_a_preempted_request_goes_before_later_arrivals(make_backend, tiny_model
     late = b.enqueue(Request((1, 60, 61), SamplingParams(temperature=0.0, max_tokens=8)))
     for h in (first, second, late):
         assert h.result(WAIT).error is None
-    assert b.preemptions >= 1
+    assert b.stats().preemptions >= 1
     assert admitted.index(second.id, 2) < admitted.index(late.id), admitted
 
 

@@ -184,7 +184,7 @@ def test_decode_steps_reuse_the_compute_graph(make_backend, tiny_model, unified)
     b = make_backend(tiny_model, **_layout(unified, 256, n_ctx=2048, cap=4))
     prefix = _text_tokens(tiny_model, 60, seed=8)
     b.warm(prefix).result(WAIT)
-    steps, reused = b.steps, b.graphs_reused
+    steps, reused = b.steps, b.stats().graphs_reused
     # Uneven lengths: requests finish (and are cached) between others, and new ones start.
     lengths = [40, 12, 30, 20, 36, 16, 28, 24]
     handles = [b.enqueue(Request(tuple(prefix + [90 + i]),
@@ -193,7 +193,7 @@ def test_decode_steps_reuse_the_compute_graph(make_backend, tiny_model, unified)
     assert [h.result(WAIT).output_tokens for h in handles] == lengths
     assert b.cache.n_holders >= 4, "finished requests stay cached between the running ones"
     b.cache.check_invariants()
-    share = (b.graphs_reused - reused) / (b.steps - steps)
+    share = (b.stats().graphs_reused - reused) / (b.steps - steps)
     assert share > 0.6
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from engine.core.request import Request, SamplingParams
 from engine.sched.limiter import CEILING, START, ConcurrencyLimiter
-from engine.sched.scheduler import Scheduler, SeqState
+from engine.sched.scheduler import Scheduler, SchedulerConfig, SeqState
 
 # ---- the rules, on scripted steps ----
 
@@ -144,7 +144,7 @@ def _seq(prompt, t: float, out: int, n_ctx: int) -> SeqState:
 
 def test_the_scheduler_admits_up_to_the_limiters_value():
     lim = ConcurrencyLimiter(32, initial=4)
-    sched = Scheduler(cap=1, n_ctx=8192, n_ctx_seq=8192, n_seq_max=40, n_batch=512, limiter=lim,
+    sched = Scheduler(SchedulerConfig(cap=1, n_ctx=8192, n_ctx_seq=8192, n_seq_max=40, n_batch=512), limiter=lim,
                       piece=lambda t: b"x")
     for i in range(20):
         sched.add(_seq([1, 2, 3 + i], 0.0, 64, 8192))
@@ -162,14 +162,15 @@ def test_the_scheduler_admits_up_to_the_limiters_value():
 
 def test_a_user_cap_on_the_scheduler_is_the_limiters_ceiling():
     lim = ConcurrencyLimiter(32, initial=8)
-    sched = Scheduler(cap=1, n_ctx=1024, n_ctx_seq=1024, n_seq_max=40, n_batch=64, limiter=lim)
+    sched = Scheduler(SchedulerConfig(cap=1, n_ctx=1024, n_ctx_seq=1024, n_seq_max=40, n_batch=64), limiter=lim)
     sched.set_cap(6)
     assert (sched.cap, lim.ceiling) == (6, 6)
 
 
 def test_a_preemption_in_the_scheduler_lowers_the_limit():
     lim = ConcurrencyLimiter(8, initial=8)
-    sched = Scheduler(cap=1, n_ctx=64, n_ctx_seq=64, n_seq_max=16, n_batch=64, limiter=lim, piece=lambda t: b"x")
+    sched = Scheduler(SchedulerConfig(cap=1, n_ctx=64, n_ctx_seq=64, n_seq_max=16, n_batch=64), limiter=lim,
+                      piece=lambda t: b"x")
     for i in range(4):
         sched.add(_seq([1, 2, 3 + i], 0.0, 60, 64))
     for _ in range(40):
@@ -212,8 +213,8 @@ def _replay(reqs, prefix, cap: int | None, ceiling: int = 64, n_ctx: int = 65536
     now = [0.0]
     rng = random.Random(seed)
     lim = ConcurrencyLimiter(ceiling, initial=8) if cap is None else None
-    sched = Scheduler(cap=cap or 1, n_ctx=n_ctx, n_ctx_seq=n_ctx, n_seq_max=(cap or ceiling) + 8, n_batch=512,
-                      clock=lambda: now[0], limiter=lim, piece=lambda t: b"x")
+    sched = Scheduler(SchedulerConfig(cap=cap or 1, n_ctx=n_ctx, n_ctx_seq=n_ctx, n_seq_max=(cap or ceiling) + 8,
+                                      n_batch=512), lambda: now[0], limiter=lim, piece=lambda t: b"x")
 
     def step(plan) -> None:
         sched.take_ops()

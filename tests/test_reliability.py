@@ -50,7 +50,7 @@ def test_a_failing_backend_hands_its_queue_over_until_restarted(engine, fault):
     assert h.backend == "b" and h.result(WAIT).status == RequestStatus.FINISHED_LENGTH
     with pytest.raises(BackendUnavailable):
         engine.submit(_long(engine, 100, backend="a"))
-    engine.restart_backend("a")
+    engine.restart("a")
     assert a.snapshot().healthy
     r = engine.submit(_long(engine, 101, backend="a")).result(WAIT)
     assert r.backend == "a" and r.status == RequestStatus.FINISHED_LENGTH

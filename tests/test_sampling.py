@@ -75,7 +75,7 @@ def test_ignore_eos_guard_takes_back_end_tokens(make_backend, default_model):
                     prompts, sp, together=False)
     assert [r.text for r in out] == [r.text for r in biased]
     assert all(r.output_tokens == 24 and r.finish_reason == "length" for r in out)
-    assert guarded.eog_redos >= 1, "the prompts were chosen for a model that wants to end early"
+    assert guarded.stats().eog_redos >= 1, "the prompts were chosen for a model that wants to end early"
     # Together, too: every request runs to its length and no end token leaks into the text.
     again = _texts(guarded, default_model, prompts * 2, sp)
     assert all(r.output_tokens == 24 and "<|im_end|>" not in r.text for r in again)
@@ -86,7 +86,7 @@ def test_host_sampling_keeps_llama_chains(make_backend, tiny_model):
     b = make_backend(tiny_model, cap=2, cache=False, backend_sampling=False)
     before = greedy.BUILDS.copy()
     r = b.enqueue(Request((5, 6, 7), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))).result(WAIT)
-    assert r.output_tokens == 8 and before == greedy.BUILDS and b.eog_redos == 0
+    assert r.output_tokens == 8 and before == greedy.BUILDS and b.stats().eog_redos == 0
 
 
 def test_cached_sequences_leave_the_chained_ids_to_new_requests(make_backend, tiny_model):
@@ -100,12 +100,12 @@ def test_cached_sequences_leave_the_chained_ids_to_new_requests(make_backend, ti
     handles = [b.enqueue(Request(tuple(prefix + [210 + i, 240 + i]), sp)) for i in range(24)]
     assert all(h.result(WAIT).output_tokens == 16 for h in handles)
     assert b.cache.n_holders == 24, "every reply is cached, each on its own holder id"
-    assert b.sampler_attaches == 4 and b.samplers_attached == 4
+    assert b.stats().sampler_attaches == 4 and b.stats().samplers_attached == 4
     assert b.kv_cells_used() == 200 + 24 * (2 + 15), "the prefix once, each request's own cells once"
     # More than the ids left for the cache (32 - 4): the oldest cached replies make way.
     handles = [b.enqueue(Request(tuple(prefix + [1 + i, 240 + i]), sp)) for i in range(16)]
     assert all(h.result(WAIT).output_tokens == 16 for h in handles)
-    assert b.cache.n_holders == 32 - 4 and b.sampler_attaches == 4 and b.samplers_attached == 4
+    assert b.cache.n_holders == 32 - 4 and b.stats().sampler_attaches == 4 and b.stats().samplers_attached == 4
 
 
 def test_the_token_read_after_sync_is_the_public_functions(make_backend, tiny_model):
@@ -192,7 +192,7 @@ def test_a_logprobs_request_samples_the_greedy_tokens_on_the_host(make_backend, 
     assert [r.text for r in mixed] == [r.text for r in plain]
     lps = mixed[3].logprobs
     assert len(lps) == 12 and all(e.top[0][0] == e.token and e.logprob <= 0 for e in lps)
-    assert b.samplers_attached == 3, "the logprobs request's id has no device chain"
+    assert b.stats().samplers_attached == 3, "the logprobs request's id has no device chain"
 
 
 def test_a_logit_bias_chain_stays_on_the_device(make_backend, tiny_model):
@@ -205,7 +205,7 @@ def test_a_logit_bias_chain_stays_on_the_device(make_backend, tiny_model):
     sp = SamplingParams(temperature=0, max_tokens=12, logit_bias=((banned, -100.0),), logprobs=None)
     h = b.enqueue(Request(prompt, sp))
     r = h.result(WAIT)
-    assert r.output_tokens == 12 and b.samplers_attached == 1
+    assert r.output_tokens == 12 and b.stats().samplers_attached == 1
     # The same bias on the host (a logprobs chain): the same tokens, none of them the banned one.
     check = b.enqueue(Request(prompt, dataclasses.replace(sp, logprobs=0))).result(WAIT)
     assert banned not in [e.token for e in check.logprobs] and check.text == r.text
@@ -255,12 +255,12 @@ def test_a_grammar_reply_is_the_same_when_its_searches_stop_at_every_chunk(make_
     b = make_backend(tiny_model, cap=2, cache=False)
     monkeypatch.setattr(runner, "GRAMMAR_FLOOR_S", 3600.0)  # a whole search every step
     whole = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
-    assert b.grammar_deferrals == 0
+    assert b.stats().grammar_deferrals == 0
     monkeypatch.setattr(runner, "GRAMMAR_SHARE", 0.0)
     monkeypatch.setattr(runner, "GRAMMAR_ALONE_SHARE", 0.0)
     monkeypatch.setattr(runner, "GRAMMAR_FLOOR_S", 0.0)
     split = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
-    assert b.grammar_deferrals > 0
+    assert b.stats().grammar_deferrals > 0
     assert split.output_tokens == whole.output_tokens == 12
     assert split.text == whole.text
 
@@ -273,7 +273,7 @@ def test_a_sequence_whose_search_goes_on_is_not_decoded_again(make_backend, tiny
     for name in ("GRAMMAR_SHARE", "GRAMMAR_ALONE_SHARE", "GRAMMAR_FLOOR_S"):
         monkeypatch.setattr(runner, name, 0.0)  # one chunk of a search per step beside a decode
     record = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
-    assert b.grammar_deferrals > 0 and record.output_tokens == 12
+    assert b.stats().grammar_deferrals > 0 and record.output_tokens == 12
     assert sum(n_decode for n_decode, _, _ in b.step_log) == record.output_tokens - 1  # the first: the prompt's row
 
 
@@ -284,9 +284,9 @@ def test_a_grammar_search_that_stops_early_takes_the_token_a_full_pass_takes(mak
     sp = SamplingParams(temperature=temperature, seed=3, top_k=40, max_tokens=16, grammar=OPEN_GRAMMAR)
     b = make_backend(tiny_model, cap=1, cache=False)
     early = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
-    checked = b.grammar_checks
+    checked = b.stats().grammar_checks
     full = b.enqueue(Request((5, 9, 11), dataclasses.replace(sp, logit_bias=((7, 0.0),)))).result(WAIT)
-    assert b.grammar_checks - checked >= 16 * tiny_model.n_vocab  # every token, every step
+    assert b.stats().grammar_checks - checked >= 16 * tiny_model.n_vocab  # every token, every step
     assert early.output_tokens == full.output_tokens == 16
     assert early.text == full.text
 
@@ -298,7 +298,7 @@ def test_a_sampled_grammar_token_inside_an_open_grammar_checks_one_stage(make_ba
     b = make_backend(tiny_model, cap=1, cache=False)
     r = b.enqueue(Request((5, 9, 11), sp)).result(WAIT)
     assert r.output_tokens == 16
-    assert 0 < b.grammar_checks <= 16 * sampling.STAGES[0] < 16 * tiny_model.n_vocab
+    assert 0 < b.stats().grammar_checks <= 16 * sampling.STAGES[0] < 16 * tiny_model.n_vocab
 
 
 def test_a_grammar_check_stops_at_its_cpu_budget(default_model, monkeypatch):

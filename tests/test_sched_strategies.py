@@ -13,7 +13,7 @@ from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.sched.kv_layout import UNBOUNDED, KvOp, SplitKv, UnifiedKv, kv_layout
 from engine.sched.prefix_cache import PrefixCache
 from engine.sched.reuse import NULL_CACHE, NullCache, RadixReuse
-from engine.sched.scheduler import Scheduler, SeqState
+from engine.sched.scheduler import Scheduler, SchedulerConfig, SeqState
 
 
 def seq(prompt, *, warm=False, choice=False, seq_id=-1, n_past=0, n_shared=0, **sp) -> SeqState:
@@ -189,7 +189,8 @@ def drive(sched: Scheduler, mem: Streams, steps=10_000) -> list:
 
 
 def split_scheduler(**kw) -> Scheduler:
-    return Scheduler(cap=4, n_ctx=64, n_ctx_seq=64, n_seq_max=16, n_batch=64, kv_unified=False, piece=_piece, **kw)
+    return Scheduler(SchedulerConfig(cap=4, n_ctx=64, n_ctx_seq=64, n_seq_max=16, n_batch=64, kv_unified=False, **kw),
+                     piece=_piece)
 
 
 def submit(sched: Scheduler, prompt, **sp) -> SeqState:
@@ -239,8 +240,8 @@ def test_split_kv_resumes_a_cached_prefix_from_a_copied_stream():
 
 @pytest.mark.parametrize("unified", [True, False])
 def test_with_the_null_cache_a_finished_request_leaves_no_kv(unified):
-    sched = Scheduler(cap=4, n_ctx=256, n_ctx_seq=256, n_seq_max=16, n_batch=64, kv_unified=unified,
-                      cache_enabled=False, piece=_piece)
+    sched = Scheduler(SchedulerConfig(cap=4, n_ctx=256, n_ctx_seq=256, n_seq_max=16, n_batch=64, kv_unified=unified,
+                                      cache_enabled=False), piece=_piece)
     mem = Streams() if not unified else None
     a = submit(sched, range(100, 130), max_tokens=4)
     if mem is not None:
@@ -253,7 +254,7 @@ def test_with_the_null_cache_a_finished_request_leaves_no_kv(unified):
 
 
 def test_switching_the_cache_swaps_the_strategy():
-    sched = Scheduler(cap=4, n_ctx=256, n_ctx_seq=256, n_seq_max=16, n_batch=64, piece=_piece)
+    sched = Scheduler(SchedulerConfig(cap=4, n_ctx=256, n_ctx_seq=256, n_seq_max=16, n_batch=64), piece=_piece)
     on = sched.reuse
     assert isinstance(on, RadixReuse) and sched.cache_enabled
     sched.set_cache_enabled(False)
@@ -263,7 +264,7 @@ def test_switching_the_cache_swaps_the_strategy():
 
 
 def test_switching_the_cache_off_flushes_it():
-    sched = Scheduler(cap=4, n_ctx=256, n_ctx_seq=256, n_seq_max=16, n_batch=64, piece=_piece)
+    sched = Scheduler(SchedulerConfig(cap=4, n_ctx=256, n_ctx_seq=256, n_seq_max=16, n_batch=64), piece=_piece)
     submit(sched, range(100, 130), max_tokens=4)
     _drive_unified(sched)
     assert sched.cache.n_holders == 1 and sched.match_tokens([*range(100, 130), 1]) == 30

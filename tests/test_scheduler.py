@@ -12,7 +12,7 @@ import math
 import pytest
 
 from engine.core.request import Request, RequestStatus, SamplingParams
-from engine.sched.scheduler import ADMIT_HEADROOM, SEARCHING, Scheduler, SeqState
+from engine.sched.scheduler import ADMIT_HEADROOM, SEARCHING, Scheduler, SchedulerConfig, SeqState
 
 EOG = 2
 
@@ -74,8 +74,9 @@ class Sim:
         kw.setdefault("n_batch", 64)
         kw.setdefault("n_ctx_seq", kw["n_ctx"])
         self.now = 0.0
-        self.sched = Scheduler(piece=lambda t: bytes([ord("a") + t % 26]), is_eog=lambda t: t == EOG,
-                               clock=clock or (lambda: self.now), **kw)
+        extra = {k: kw.pop(k) for k in ("cache", "limiter", "paused", "preferred_ids") if k in kw}
+        self.sched = Scheduler(SchedulerConfig(**kw), clock or (lambda: self.now),
+                               piece=lambda t: bytes([ord("a") + t % 26]), is_eog=lambda t: t == EOG, **extra)
         self.mem = Memory()
         self.model = model
         self.finished: list = []

@@ -63,11 +63,33 @@ from engine.llama.embedding import Embeddings
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
-from engine.sched.prefix_cache import PrefixCache
-from engine.sched.scheduler import Finished, KvOp, Scheduler, SeqState
+from engine.sched.prefix_cache import Pin, PrefixCache
+from engine.sched.scheduler import Finished, KvOp, Scheduler, SchedulerConfig, SeqState
 
 log = logging.getLogger(__name__)
 PAUSED_POLL_S = 0.02  # how often a backend whose only work is paused sequences looks at their readers
+
+
+def _limits(cap: int, auto: bool, kind: str, n_seq_max: int) -> tuple[int, bool, int]:
+    """The user's cap, whether it is `auto`, and where the live limit starts: low for an `auto`
+    cap, at the cap otherwise; a cap outside [1, n_seq_max] is refused."""
+    if not 1 <= cap <= n_seq_max:
+        raise InvalidRequest(f"cap must be in [1, {n_seq_max}], got {cap}", param="cap")
+    return cap, auto, (min(auto_limits(kind)[1], cap) if auto else cap)
+
+
+def _pin(pin: object) -> Pin | None:
+    """The pin `pin_prefix` gave (the protocol passes it on as an opaque object)."""
+    if pin is not None and not isinstance(pin, Pin):
+        raise TypeError(f"a local backend takes its own pin_prefix pins, not {type(pin).__name__}")
+    return pin
+
+
+def _handle_of(s: SeqState) -> RequestHandle:
+    """The handle of a backend's sequence (only the simulator's sequences have none)."""
+    if s.handle is None:
+        raise RuntimeError(f"request {s.req.id} reached a backend without a handle")
+    return s.handle
 
 
 def _reader_behind(s: SeqState) -> bool:
@@ -115,7 +137,7 @@ class Stop:
     pass
 
 
-Message = Enqueue | Cancel | SetCap | Call | Embed | Fault | Stop
+Message = Enqueue | Cancel | SetCap | Call | Embed | Fault | Stop  # what the inbox carries
 
 
 class Inbox:
@@ -192,6 +214,23 @@ class Inbox:
             return items
 
 
+@dataclass(frozen=True, slots=True)
+class LocalStats:
+    """A local backend's counters at one moment (`Backend.stats()`; the snapshot reads it)."""
+
+    steps: int  # decode steps run (a step of grammar searches alone does not count)
+    prompt_tokens_computed: int  # tokens decoded as prompt chunks (`n` choices share theirs)
+    decode_s: float  # time inside llama_decode (+ device sync), summed over steps
+    preemptions: int  # sequences preempted or set aside (the scheduler's count)
+    graphs_reused: int  # decodes that reused the previous step's compute graph (llama.cpp's count)
+    eog_redos: int  # end tokens a guarding chain sampled and the backend took back
+    grammar_deferrals: int  # grammar searches that went on at the next step (`GRAMMAR_SHARE`)
+    grammar_checks: int  # candidate tokens grammar chains checked, counted as their requests end
+    sampler_attaches: int  # sampler chains handed to llama.cpp (each costs a graph reserve)
+    samplers_attached: int  # sampler chains attached now, running sequences' and idle ones
+    embedding_decodes: int  # decodes the embedding context ran (inputs taken together share them)
+
+
 class BackendFault(RuntimeError):
     """The backend cannot go on (device error, failed decode, injected fault)."""
 
@@ -207,7 +246,7 @@ class Backend(BackendBase):
     """
 
     def __init__(self, config: BackendConfig, model: Model, bus: EventBus | None = None,
-                 rates: Rates | None = None):
+                 rates: Rates | None = None) -> None:
         self.config = config.resolved(model.device)
         if not config.n_ctx and not config.seq_ctx:  # a pool from the memory the device has
             kind = "cpu" if model.device == "cpu" else "gpu"
@@ -217,11 +256,15 @@ class Backend(BackendBase):
         self.name = self.config.name
         self.model = model
         self.device = model.device
+        self.models = [Path(model.path).stem]  # the model it serves, by its file's stem
+        self.n_vocab = model.n_vocab
+        self.tokenizer = model
         self.bus = bus or EventBus()
         self.rates = rates or Rates(prefill_tok_s=500.0, decode_tok_s=50.0, source="default")
         self._kind = "cpu" if model.device == "cpu" else "gpu"
         self._adaptive = self.config.adaptive
-        self._set_limits(self.config.cap, config.auto_cap)
+        # The user's cap (the limiter's ceiling, `cap_state`) and where the live limit starts.
+        self.cap, self._auto, self._start = _limits(self.config.cap, config.auto_cap, self._kind, self.config.n_seq_max)
         self.healthy = True
         self.error: str | None = None  # why the backend is unhealthy
         self.on_unhealthy = None  # callable(backend, [(request, handle, t_submit)]), set by the engine
@@ -237,6 +280,7 @@ class Backend(BackendBase):
         self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
         self._thread: threading.Thread | None = None
         self._runner: ContextRunner | None = None
+        self._worker = _Worker(self)
         self._embeddings = Embeddings(model, self.config.threads, self.config.threads_batch, self.name)
         self._open(PrefixCache(), self.config.cache)
 
@@ -245,21 +289,24 @@ class Backend(BackendBase):
     def _open(self, cache: PrefixCache, cache_enabled: bool) -> None:
         c = self.config
         self._runner = ContextRunner(c, self.model, self.name)
+        self.cache = cache  # the scheduler's prefix cache (a restart brings a fresh one)
         r = self._runner
         self.n_ctx, self.n_ctx_seq = r.n_ctx, r.n_ctx_seq
         busy = c.busy_chunk or (c.n_batch if self.model.device == "gpu" else max(c.n_batch // 8, 16))
-        self._sched = Scheduler(
-            cap=self._cap, n_ctx=r.n_ctx, n_ctx_seq=r.n_ctx_seq, n_seq_max=c.n_seq_max, n_batch=c.n_batch,
+        overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
+        config = SchedulerConfig(
+            cap=self.cap, n_ctx=r.n_ctx, n_ctx_seq=r.n_ctx_seq, n_seq_max=c.n_seq_max, n_batch=c.n_batch,
             kv_unified=c.kv_unified, cache_enabled=cache_enabled, idle_cache_cells=c.idle_cache_cells,
-            busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, piece=self.model.piece,
-            is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache,
-            limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive),
-            share_prefill=c.share_prefill, defer_shared=c.defer_shared, paused=_reader_behind)
-        self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
+            busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, share_prefill=c.share_prefill,
+            defer_shared=c.defer_shared, overlap=overlap)
+        self._sched = Scheduler(
+            config, piece=self.model.piece, is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids,
+            cache=cache, limiter=ConcurrencyLimiter(self.cap, initial=self._start, adaptive=self._adaptive),
+            paused=_reader_behind)
         self._inbox = Inbox()
 
     def start(self) -> Backend:
-        self._thread = threading.Thread(target=self._run, name=f"backend-{self.name}", daemon=True)
+        self._thread = threading.Thread(target=self._worker.run, name=f"backend-{self.name}", daemon=True)
         self._thread.start()
         return self
 
@@ -277,7 +324,7 @@ class Backend(BackendBase):
                 return False
             self._thread = None
         else:  # never started: end what was posted
-            self._shutdown()
+            self._worker.shutdown()
         if self._runner is not None:
             self._runner.close()
         return True
@@ -296,10 +343,10 @@ class Backend(BackendBase):
             deadline = time.monotonic() + min(drain_s, timeout)
             if self._thread is not None and self._thread.is_alive():
                 try:
-                    handed = self.call(lambda b: b._drain()).result(timeout)
+                    handed = self.call(lambda b: b._worker.drain()).result(timeout)
                 except Exception:  # stopped or hung: nothing to move, the halt below says
                     handed = []
-                self._hand_over(handed, f"backend {self.name} is restarting")
+                self._worker.hand_over(handed, f"backend {self.name} is restarting")
                 while self._sched.running and self.healthy and time.monotonic() < deadline:
                     time.sleep(0.01)  # the ones that produced text finish (bounded)
             if not self._halt(timeout):
@@ -314,14 +361,9 @@ class Backend(BackendBase):
 
     # ---- any thread ----
 
-    @property
-    def cap(self) -> int:
-        """The user's cap (with `cap_adaptive`, the ceiling of the limiter's live value)."""
-        return self._cap
-
     def cap_state(self) -> CapState:
         """`auto`: no cap was given (or `set_cap(None)`): the ceiling is the device's, the start low."""
-        return CapState(self._cap, self._auto, self._adaptive)
+        return CapState(self.cap, self._auto, self._adaptive)
 
     def prompt_limit(self) -> int:
         """The context per sequence (`validate` refuses a prompt that fills it)."""
@@ -332,16 +374,8 @@ class Backend(BackendBase):
         return how.by_steps(self)
 
     @property
-    def cache(self) -> PrefixCache:
-        return self._sched.cache
-
-    @property
     def cache_enabled(self) -> bool:
         return self._sched.cache_enabled
-
-    @property
-    def preemptions(self) -> int:
-        return self._sched.preemptions
 
     def validate(self, request: Request) -> None:
         """Raise if this backend can never serve `request`: the prompt does not fit the
@@ -391,7 +425,7 @@ class Backend(BackendBase):
         handle = handle or RequestHandle(request)
         if cached_estimate is None:
             cached_estimate = self.match(request)
-        seq = SeqState(request, handle, pin, cached_estimate, t_submit or time.monotonic(), n_ctx_seq=self.n_ctx_seq)
+        seq = SeqState(request, handle, _pin(pin), cached_estimate, t_submit or time.monotonic(), n_ctx_seq=self.n_ctx_seq)
         self._submit(seq)
         return handle
 
@@ -404,7 +438,7 @@ class Backend(BackendBase):
             self.validate(r)
         t = t_submit or time.monotonic()
         estimate = self.match(requests[0]) if cached_estimate is None else cached_estimate
-        self._submit(*(SeqState(r, h, None if i else pin, len(r.prompt_tokens) - 1 if i else estimate, t,
+        self._submit(*(SeqState(r, h, None if i else _pin(pin), len(r.prompt_tokens) - 1 if i else estimate, t,
                                 n_ctx_seq=self.n_ctx_seq, choice=True)
                        for i, (r, h) in enumerate(zip(requests, handles))))
 
@@ -418,10 +452,11 @@ class Backend(BackendBase):
 
     def _submit(self, *seqs: SeqState) -> None:
         for seq in seqs:
-            seq.handle.backend = self.name
-            seq.handle._cancel = self.cancel
-            seq.handle.logprobs = seq.logprobs  # the worker appends; the caller reads as it streams
-            seq.handle.prompt_logprobs = seq.prompt_logprobs
+            handle = _handle_of(seq)
+            handle.backend = self.name
+            handle._cancel = self.cancel
+            handle.logprobs = seq.logprobs  # the worker appends; the caller reads as it streams
+            handle.prompt_logprobs = seq.prompt_logprobs
         refused: EngineError | None = None
         if not self.serving:
             refused = BackendUnavailable(f"backend {self.name} is not serving")
@@ -454,11 +489,6 @@ class Backend(BackendBase):
         return future
 
     @property
-    def embedding_decodes(self) -> int:
-        """Decodes its embedding context ran (requests taken together share them)."""
-        return self._embeddings.decodes
-
-    @property
     def serving(self) -> bool:
         return self.healthy and not self._draining and not self._inbox.closed
 
@@ -476,19 +506,11 @@ class Backend(BackendBase):
         auto = cap is None
         if cap is None:
             cap = min(auto_limits(self._kind)[0], self.config.n_seq_max)
-        self._set_limits(cap, auto)
+        self.cap, self._auto, self._start = _limits(cap, auto, self._kind, self.config.n_seq_max)
         self._adaptive = True if auto else (self._adaptive if adaptive is None else adaptive)
         with self._state:  # at once: the next snapshot shows it (the worker plans under this lock)
-            self._sched.set_cap(self._cap, self._adaptive, self._start, reason)
-        self._inbox.put(SetCap(self._cap))  # wakes the worker: queued requests may fit now
-
-    def _set_limits(self, cap: int, auto: bool) -> None:
-        """The user's cap (the limiter's ceiling) and where the live limit starts: low for an
-        `auto` cap, at the cap otherwise."""
-        if not 1 <= cap <= self.config.n_seq_max:
-            raise InvalidRequest(f"cap must be in [1, {self.config.n_seq_max}], got {cap}", param="cap")
-        self._cap, self._auto = cap, auto
-        self._start = min(auto_limits(self._kind)[1], cap) if auto else cap
+            self._sched.set_cap(self.cap, self._adaptive, self._start, reason)
+        self._inbox.put(SetCap(self.cap))  # wakes the worker: queued requests may fit now
 
     def set_rates(self, rates: Rates) -> None:
         self.rates = rates
@@ -524,19 +546,6 @@ class Backend(BackendBase):
         """Drop every unpinned cached prefix and free its KV."""
         return self.call(lambda b: b._sched.flush_cache())
 
-    @property
-    def models(self) -> list[str]:
-        """The model this backend serves, by its file's stem."""
-        return [Path(self.model.path).stem]
-
-    @property
-    def n_vocab(self) -> int:
-        return self.model.n_vocab
-
-    @property
-    def tokenizer(self) -> Model:
-        return self.model
-
     def info(self) -> BackendInfo:
         c = self.config
         return BackendInfo(name=self.name, device=self.device, model=self.model.info.name, threads=c.threads,
@@ -559,12 +568,13 @@ class Backend(BackendBase):
             limit = sched.cap
             reason = sched.limiter.reason if sched.limiter is not None else ""
         cell_bytes = self._runner.kv_cell_bytes if self._runner is not None else 0
+        counts = self.stats()
         mem_free, mem_total = self.model.memory.read()
         return BackendSnapshot(
             name=self.name,
             device=self.model.device,
             cap=limit,
-            cap_ceiling=self._cap,
+            cap_ceiling=self.cap,
             cap_adaptive=self._adaptive,
             cap_reason=reason,
             n_ctx=self.n_ctx,
@@ -595,8 +605,8 @@ class Backend(BackendBase):
             ),
             prefill_tok_s=self._obs_prefill,
             decode_tok_s=self._obs_decode,
-            steps=self.steps,
-            prompt_tokens_computed=self.prompt_tokens_computed,
+            steps=counts.steps,
+            prompt_tokens_computed=counts.prompt_tokens_computed,
             time=time.monotonic(),
         )
 
@@ -606,47 +616,29 @@ class Backend(BackendBase):
             return self._sched.kv_cells_used()
 
     @property
-    def kv_bytes_total(self) -> int:
-        return self.n_ctx * self._context().kv_cell_bytes
-
-    @property
     def step_gaps(self) -> Sequence[float]:
         """Seconds of host work between consecutive steps, the last 8,192 (ContextRunner.gaps);
         read while the worker is idle."""
         r = self._runner
         return r.gaps if r is not None else ()
 
-    @property
-    def graphs_reused(self) -> int:
-        """Decodes that reused the previous step's compute graph (llama.cpp's own count)."""
+    def stats(self) -> LocalStats:
+        """The backend's counters now (any thread; the runner's read zero once it has shut down)."""
         r = self._runner
-        return r.graphs_reused if r is not None else 0
-
-    @property
-    def eog_redos(self) -> int:
-        """End tokens a guarding chain sampled and the backend took back."""
-        return self._context().eog_redos
-
-    @property
-    def grammar_deferrals(self) -> int:
-        """Grammar searches that ran past their share of a step and went on at the next
-        (engine/llama/runner.py, `GRAMMAR_SHARE`)."""
-        return self._context().grammar_deferrals
-
-    @property
-    def grammar_checks(self) -> int:
-        """Candidate tokens grammar chains checked, counted as their requests end."""
-        return self._context().samplers.grammar_checks
-
-    @property
-    def sampler_attaches(self) -> int:
-        """Sampler chains handed to llama.cpp (each makes it re-reserve its graph once)."""
-        return self._context().samplers.attaches
-
-    @property
-    def samplers_attached(self) -> int:
-        """Sampler chains attached now, running sequences' and idle ones."""
-        return self._context().samplers.attached
+        samplers = r.samplers if r is not None else None
+        return LocalStats(
+            steps=self.steps,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            decode_s=self.decode_s,
+            preemptions=self._sched.preemptions,
+            graphs_reused=r.graphs_reused if r is not None else 0,
+            eog_redos=r.eog_redos if r is not None else 0,
+            grammar_deferrals=r.grammar_deferrals if r is not None else 0,
+            grammar_checks=samplers.grammar_checks if samplers is not None else 0,
+            sampler_attaches=samplers.attaches if samplers is not None else 0,
+            samplers_attached=samplers.attached if samplers is not None else 0,
+            embedding_decodes=self._embeddings.decodes,
+        )
 
     def _context(self) -> ContextRunner:
         """The llama.cpp context; gone once the backend has shut down."""
@@ -663,50 +655,61 @@ class Backend(BackendBase):
             raise InvalidRequest(f"unknown fault {kind!r}: decode or crash")
         self._inbox.put(Fault(kind))
 
-    # ---- worker thread ----
+class _Worker:
+    """The worker thread's side of a `Backend` (llama.cpp server's `server_context_impl` beside
+    its facade): the loop over the inbox, one step (plan, run, apply, publish), and what a
+    failure, a drain or a shutdown does to the requests it holds. Everything here runs on the
+    backend's worker thread, except `shutdown` of a backend that never started."""
 
-    def _run(self) -> None:
+    def __init__(self, backend: Backend) -> None:
+        self.b = backend
+
+    def run(self) -> None:
+        """The thread's body: the loop; a failure marks the backend unhealthy; then shut down."""
+        b = self.b
         try:
-            with self._outbox:  # text for asyncio consumers, handed over once per step
-                self._loop()
+            with b._outbox:  # text for asyncio consumers, handed over once per step
+                self.loop()
         except Exception as e:  # a device failure or a bug: this backend stops, the process goes on
-            log.exception("%s: worker failed", self.name)
-            self._die(f"backend {self.name} failed: {e}")
+            log.exception("%s: worker failed", b.name)
+            self.die(f"backend {b.name} failed: {e}")
         finally:
-            self._shutdown()
+            self.shutdown()
 
-    def _loop(self) -> None:
+    def loop(self) -> None:
         """The inbox, then one step; until stopped."""
-        sched, runner = self._sched, self._context()
+        b = self.b
+        sched, runner = b._sched, b._context()
         samplers = runner.samplers
         while True:
-            idle = not sched.has_work() and not sched.pending_text and self._fault is None
+            idle = not sched.has_work() and not sched.pending_text and b._fault is None
             timeout = None
             if idle:
                 due = samplers.expires_in(time.monotonic())  # idle chains to detach
                 timeout = None if due is None else max(due, 0.0)
                 if sched.n_paused or sched.parked:  # look again soon whether their readers caught up
                     timeout = PAUSED_POLL_S if timeout is None else min(timeout, PAUSED_POLL_S)
-            msgs = self._inbox.take(idle and timeout != 0.0, timeout)
-            if msgs and self._take(msgs):
+            msgs = b._inbox.take(idle and timeout != 0.0, timeout)
+            if msgs and self.take(msgs):
                 return
             if sched.running or sched.waiting:
-                self._step()
+                self.step()
             if sched.pending_text and not sched.running:
-                sched.emit_pending()
+                sched.rules.emit_pending()
             samplers.trim(sched.cap)
-            self._outbox.flush()
+            b._outbox.flush()
 
-    def _take(self, msgs: list[Message]) -> bool:
+    def take(self, msgs: list[Message]) -> bool:
         """Apply the inbox's messages in order; True on `Stop`."""
-        sched = self._sched
+        b = self.b
+        sched = b._sched
         cancelled: set[str] = set()
         embeds = [(m.inputs, m.future) for m in msgs if isinstance(m, Embed)]
         if embeds:
-            self._embeddings.run(embeds)
+            b._embeddings.run(embeds)
         for m in msgs:
             if isinstance(m, Enqueue):
-                with self._state, self._inbox.landing():
+                with b._state, b._inbox.landing():
                     sched.add(m.seq)
             elif isinstance(m, Cancel):
                 cancelled.add(m.request_id)
@@ -714,69 +717,71 @@ class Backend(BackendBase):
                 sched.blocked = False  # the head of the queue may fit under the new cap
             elif isinstance(m, Call):
                 try:  # not under the state lock: a call may take long (tests hold the worker)
-                    m.future.set_result(m.fn(self))
+                    m.future.set_result(m.fn(b))
                 except Exception as e:
                     m.future.set_exception(e)
-                self._context().apply(sched.take_ops())
+                b._context().apply(sched.take_ops())
             elif isinstance(m, Fault):
-                self._fault = m.kind
+                b._fault = m.kind
             elif isinstance(m, Stop):
                 return True
         if cancelled:
-            with self._state:
+            with b._state:
                 sched.cancel(cancelled)
-            self._settle()
+            self.settle()
         return False
 
-    def _settle(self, finished: Sequence[Finished] = ()) -> None:
+    def settle(self, finished: Sequence[Finished] = ()) -> None:
         """Apply what the scheduler decided: finish records, then KV ops and released ids.
 
         The records go out first: the KV ops of finished sequences (each `seq_rm` / `seq_cp`
         scans every cell) only have to be done before the next step, and 128 sequences
         retiring at once took 59 ms of them (32,768 cells, 2-core dev machine) that every
         one of those requests waited for."""
-        sched, runner = self._sched, self._context()
+        b = self.b
+        sched, runner = b._sched, b._context()
         ops: list[KvOp] = []
         unplaced: list[SeqState] = []
         if sched.has_effects():
             ops, unplaced = sched.take_ops(), sched.take_unplaced()
             finished = [*finished, *sched.take_finished()]
         for f in finished:
-            self._publish(f)
+            self.publish(f)
         runner.apply(ops)
         for s in unplaced:
             runner.release(s)
 
-    def _step(self) -> None:
-        sched, runner = self._sched, self._context()
-        with self._state:
+    def step(self) -> None:
+        b = self.b
+        sched, runner = b._sched, b._context()
+        with b._state:
             plan = sched.schedule()
-        self._settle()
+        self.settle()
         if plan.admitted:
-            runner.admit(plan.admitted, sched.cap, sched.lowest_free_ids)
+            runner.admit(plan.admitted, sched.cap, sched.ledger.lowest_free_ids)
             for s in plan.admitted:
                 if s.status == RequestStatus.RUNNING:
-                    self.bus.publish(RequestAdmitted(self.name, s.req.id, s.n_hit, s.t_admit))
+                    b.bus.publish(RequestAdmitted(b.name, s.req.id, s.n_hit, s.t_admit))
         if plan.empty:
             return
-        if self._fault is not None:
-            self._inject()
-        out = runner.execute(plan, self.config.kv_unified, self._during if sched.pending_text else None)
+        if b._fault is not None:
+            self.inject()
+        out = runner.execute(plan, b.config.kv_unified, self.during if sched.pending_text else None)
         if out.rc != 0:
             if out.rc != 1:
                 raise BackendFault(f"llama_decode returned {out.rc}")
-            log.warning("%s: no KV room for the batch (prefill budget %d)", self.name, sched.prefill_budget)
-            with self._state:
+            log.warning("%s: no KV room for the batch (prefill budget %d)", b.name, sched.prefill_budget)
+            with b._state:
                 sched.decode_failed(plan)
-            self._settle()
+            self.settle()
             return
         decoded = not plan.batch_empty  # else only grammar searches went on: no step to count or observe
         if decoded:
-            self.steps += 1
-            self.prompt_tokens_computed += out.n_prefill
-            self.decode_s += out.seconds
-            self._observe(out.n_decode, out.n_prefill, out.seconds)
-        with self._state:
+            b.steps += 1
+            b.prompt_tokens_computed += out.n_prefill
+            b.decode_s += out.seconds
+            self.observe(out.n_decode, out.n_prefill, out.seconds)
+        with b._state:
             finished = sched.update_from_output(plan, out.sampled, out.logprobs, seconds=out.seconds)
             for s in runner.dead_ends:  # their grammar allowed no token (engine/llama/sampling.py)
                 if s.status == RequestStatus.RUNNING:
@@ -790,23 +795,25 @@ class Backend(BackendBase):
                 rows += [s.ran_on for s, _, _, lg in plan.chunks if lg]
             # The step's log entry and event go out before the finish records it caused: a caller
             # that waits for its requests (calibration's probe, tests) then sees the step.
-            self.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))
-            self.bus.publish(StepDone(self.name, out.n_decode, out.n_prefill, len(sched.running), out.seconds,
+            b.step_log.append((out.n_decode, out.n_prefill, tuple(rows)))
+            b.bus.publish(StepDone(b.name, out.n_decode, out.n_prefill, len(sched.running), out.seconds,
                                       time.monotonic()))
-        self._settle(finished)
+        self.settle(finished)
 
-    def _during(self) -> None:
+    def during(self) -> None:
         """While the device runs this step: the previous step's text, to the event loops."""
-        self._sched.emit_pending()
-        self._outbox.flush()
+        b = self.b
+        b._sched.rules.emit_pending()
+        b._outbox.flush()
 
-    def _publish(self, f: Finished) -> None:
+    def publish(self, f: Finished) -> None:
+        b = self.b
         s = f.seq
-        self._context().release(s)
+        b._context().release(s)
         now = time.monotonic()
         record = FinishRecord(
             request_id=s.req.id,
-            backend=self.name,
+            backend=b.name,
             status=f.status,
             text=s.stream.text,
             prompt_tokens=s.n_prompt,
@@ -823,68 +830,75 @@ class Backend(BackendBase):
             logprobs=tuple(s.logprobs) if s.logprobs is not None else None,
             prompt_logprobs=tuple(s.prompt_logprobs) if s.prompt_logprobs is not None else None,
         )
-        s.handle._deliver_finish(record)
-        self.bus.publish(RequestFinished(record, now))
+        _handle_of(s)._deliver_finish(record)
+        b.bus.publish(RequestFinished(record, now))
 
-    def _inject(self) -> None:
-        kind, self._fault = self._fault, None
+    def inject(self) -> None:
+        b = self.b
+        kind, b._fault = b._fault, None
         if kind == "decode":
             raise BackendFault("llama_decode returned -1 (injected fault)")
         raise RuntimeError("worker crashed (injected fault)")
 
-    def _drain(self) -> list:
+    def drain(self) -> list:
         """Worker thread: take the movable requests out (see `Scheduler.drain`); the rest run on
         until the halt cancels them."""
-        with self._state:
-            movable, _ = self._sched.drain(unstarted=True)
-        self._settle()
-        movable += self._inbox.take_enqueued()  # posted but not yet taken: they move too
+        b = self.b
+        with b._state:
+            movable, _ = b._sched.drain(unstarted=True)
+        self.settle()
+        movable += b._inbox.take_enqueued()  # posted but not yet taken: they move too
         return [(s.req, s.handle, s.t_submit) for s in movable]
 
-    def _hand_over(self, handed: list, why: str) -> None:
-        callback = self.on_unhealthy
+    def hand_over(self, handed: list, why: str) -> None:
+        b = self.b
+        callback = b.on_unhealthy
         if callback is not None and handed:
-            callback(self, handed)
+            callback(b, handed)
         else:
             for req, handle, t_submit in handed:
-                handle._deliver_finish(error_record(req, self.name, why, t_submit))
+                handle._deliver_finish(error_record(req, b.name, why, t_submit))
 
-    def _die(self, why: str) -> None:
+    def die(self, why: str) -> None:
         """Mark unhealthy; hand movable requests to `on_unhealthy`, fail the rest."""
-        self.error = why  # first: a snapshot that reads unhealthy has the reason
-        self.healthy = False
-        with self._state:
-            movable, rest = self._sched.drain()
+        b = self.b
+        b.error = why  # first: a snapshot that reads unhealthy has the reason
+        b.healthy = False
+        with b._state:
+            movable, rest = b._sched.drain()
             for s in rest:
-                self._sched.fail(s, why)
-        self._settle()
-        for m in self._inbox.close():
+                b._sched.fail(s, why)
+        self.settle()
+        for m in b._inbox.close():
             if isinstance(m, Enqueue):
                 movable.append(m.seq)
             elif isinstance(m, (Call, Embed)):
-                m.future.set_exception(BackendUnavailable(f"backend {self.name} is unhealthy"))
-        self._hand_over([(s.req, s.handle, s.t_submit) for s in movable], why)
+                m.future.set_exception(BackendUnavailable(f"backend {b.name} is unhealthy"))
+        self.hand_over([(s.req, s.handle, s.t_submit) for s in movable], why)
 
-    def _shutdown(self) -> None:
-        leftovers = self._inbox.close()
-        with self._state:
+    def shutdown(self) -> None:
+        b = self.b
+        leftovers = b._inbox.close()
+        with b._state:
             for m in leftovers:
                 if isinstance(m, Enqueue):
-                    self._sched.add(m.seq)
-            self._sched.shutdown(RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
-        self._settle()
+                    b._sched.add(m.seq)
+            b._sched.shutdown(RequestStatus.FINISHED_CANCELLED, f"backend {b.name} shut down")
+        self.settle()
         for m in leftovers:
             if isinstance(m, (Call, Embed)):
-                m.future.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
-        self._embeddings.close()
-        self._outbox.flush()
+                m.future.set_exception(BackendUnavailable(f"backend {b.name} is stopped"))
+        b._embeddings.close()
+        b._outbox.flush()
 
-    def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:
+    def observe(self, n_decode: int, n_prefill: int, dt: float) -> None:
+        b = self.b
         a = 0.2
         if n_prefill == 0 and n_decode:
-            self._obs_decode = n_decode / dt if not self._obs_decode else (1 - a) * self._obs_decode + a * n_decode / dt
+            b._obs_decode = n_decode / dt if not b._obs_decode else (1 - a) * b._obs_decode + a * n_decode / dt
         elif n_prefill >= 32 and n_decode == 0:
-            self._obs_prefill = n_prefill / dt if not self._obs_prefill else (1 - a) * self._obs_prefill + a * n_prefill / dt
+            b._obs_prefill = n_prefill / dt if not b._obs_prefill else (1 - a) * b._obs_prefill + a * n_prefill / dt
+
 
 
 @backend_kind(BackendConfig)

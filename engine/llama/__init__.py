@@ -28,7 +28,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # How long OpenMP threads spin at a barrier before they sleep. libgomp reads it once, when
 # llama.cpp's CPU library loads it (the import below), so it is set here, unless the user chose
@@ -55,7 +57,7 @@ from . import _abi  # noqa: E402  (checks the installed llama-cpp-python before 
 log = logging.getLogger("llama.cpp")
 
 
-def holding_gil(name: str, argtypes: list, restype):
+def holding_gil(name: str, argtypes: list, restype: Any) -> Callable[..., Any]:
     """A binding of llama.cpp's (or ggml's) function `name` that keeps the GIL.
 
     Calls made for every generated token return within microseconds. Through ctypes.CDLL (as
@@ -99,7 +101,7 @@ _SAMPLER_CALLBACK_TYPES = {
 }
 
 
-def sampler_interface(name: bytes, **callbacks):
+def sampler_interface(name: bytes, **callbacks: Callable[..., Any]) -> tuple[Any, tuple[Any, ...]]:
     """A `llama_sampler_i` for a sampler written here (`fused_greedy`, `fused_dist`): its name
     and the given callbacks (`apply`, `reset`, `free`, `backend_init`, `backend_apply`,
     `backend_reset`) wrapped in their ctypes types. Returns (interface, what must stay alive
@@ -112,7 +114,7 @@ def sampler_interface(name: bytes, **callbacks):
 
 
 @lc.llama_log_callback
-def _log_callback(level, text, _user_data):
+def _log_callback(level: int, text: bytes, _user_data: Any) -> None:
     # Called from llama.cpp threads; keep it cheap. Only warnings and errors are forwarded
     # unless TANDEM_LLAMA_LOG=1 asks for everything.
     lvl = _LEVELS.get(level, logging.DEBUG)
@@ -176,7 +178,7 @@ def gpu_index(device: str) -> int | None:
 _DEV_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
 
-def _bind(name: str, argtypes: list, restype):
+def _bind(name: str, argtypes: list, restype: Any) -> Callable[..., Any]:
     return _abi.function(name, argtypes, restype, keep_gil=False)
 
 
@@ -252,7 +254,7 @@ def describe_devices() -> str:
 _DEVICE_LISTS: dict[int, ctypes.Array] = {}
 
 
-def on_device(model_params, device: Device) -> None:
+def on_device(model_params: Any, device: Device) -> None:
     """Put the whole model (every layer) on `device` and nowhere else."""
     lst = _DEVICE_LISTS.get(device.index)
     if lst is None:
@@ -265,7 +267,7 @@ class MemoryProbe:
     """Devices' (free, total) memory, summed, asked of ggml at most every `max_age_s` seconds:
     snapshots are taken for every routing decision, and on CUDA each ask is a driver call."""
 
-    def __init__(self, devices: list[Device], max_age_s: float = 0.5, clock=time.monotonic):
+    def __init__(self, devices: list[Device], max_age_s: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         self.devices = list(devices)
         self.max_age_s = max_age_s
         self._clock = clock
@@ -308,7 +310,7 @@ def _cpu_has_amx() -> bool:
 CPU_REPACK = os.environ.get("TANDEM_CPU_REPACK", "") == "1" or not _cpu_has_amx()
 
 
-def cpu_only(model_params) -> None:
+def cpu_only(model_params: Any) -> None:
     model_params.devices = ctypes.cast(_NO_DEVICES, ctypes.c_void_p)
     model_params.n_gpu_layers = 0
     model_params.use_extra_bufts = CPU_REPACK

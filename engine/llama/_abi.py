@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp
 
@@ -117,7 +119,7 @@ _lib: ctypes.CDLL | None = None  # llama_cpp's CDLL of libllama, once `check()` 
 _held: ctypes.PyDLL | None = None  # the same library, with functions that keep the GIL
 
 
-def function(name: str, argtypes: list, restype, *, keep_gil: bool):
+def function(name: str, argtypes: list, restype: Any, *, keep_gil: bool) -> Callable[..., Any]:
     """A new binding of llama.cpp's or ggml's C function `name` (ggml's symbols resolve through
     libllama, which links them). `keep_gil`: called without releasing the GIL (for calls that
     return within microseconds); otherwise as llama_cpp calls everything. A binding of its own,
@@ -130,7 +132,7 @@ def function(name: str, argtypes: list, restype, *, keep_gil: bool):
     return f
 
 
-def sampled_tokens_reader():
+def sampled_tokens_reader() -> Callable[[Any, int], list[int] | None] | None:
     """`(ctx, n) -> list` of the sampled tokens of output rows 0 .. n - 1 of the last decode, read
     from the buffer `llama_context::get_sampled_tokens()` returns (None when it has none),
     keeping the GIL; or None when libllama exports not both C++ methods. The buffer method
@@ -145,7 +147,7 @@ def sampled_tokens_reader():
     if one is None:
         return None
 
-    def read(ctx, n: int) -> list[int] | None:
+    def read(ctx: Any, n: int) -> list[int] | None:
         one(ctx, 0)
         address = buffer(ctx)
         return (ctypes.c_int32 * n).from_address(address)[:] if address else None
@@ -153,7 +155,7 @@ def sampled_tokens_reader():
     return read
 
 
-def sampled_token_method():
+def sampled_token_method() -> Callable[[Any, int], int] | None:
     """`llama_context::get_sampled_token_ith(int)` as `(ctx, i) -> token`, keeping the GIL, or
     None when libllama does not export it. Valid only after `llama_synchronize` following the
     last decode: unlike the public function it does not synchronise."""

@@ -8,16 +8,21 @@ and the row pointers are set once, so filling a step is a handful of numpy assig
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import lc
 
+if TYPE_CHECKING:
+    from engine.sched.sequence import SeqState
+
 
 class Batch:
     """Room for `capacity` tokens, each belonging to exactly one sequence."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.token = np.zeros(capacity, dtype=np.int32)
         self.pos = np.zeros(capacity, dtype=np.int32)
@@ -41,7 +46,7 @@ class Batch:
     def clear(self) -> None:
         self.n = 0
 
-    def add(self, tokens, seq_id: int, pos0: int, want_last_logits: bool, want_all: bool = False) -> int:
+    def add(self, tokens: Sequence[int], seq_id: int, pos0: int, want_last_logits: bool, want_all: bool = False) -> int:
         """Append `tokens` of one sequence at positions pos0.. ; return the row of the last one.
         `want_all`: logits for every one of them (prompt logprobs)."""
         k = len(tokens)
@@ -65,7 +70,7 @@ class Batch:
         self.n = i + 1
         return i
 
-    def set_decode(self, seqs) -> None:
+    def set_decode(self, seqs: Sequence[SeqState]) -> None:
         """Start the batch with one decode row per sequence (`tokens[n_past]` at `n_past`, on
         `seq_id`, logits wanted), in order: row i is `seqs[i]`'s. From 8 rows on, three list
         assignments beat a Python call per row (measured 5.2 vs 8.8 µs at 32 rows)."""

@@ -59,7 +59,7 @@ def _meta(model: Model, key: str) -> str:
 class Embedder:
     """A pooled-embedding context on `model` (worker thread only)."""
 
-    def __init__(self, model: Model, threads: int, threads_batch: int, name: str):
+    def __init__(self, model: Model, threads: int, threads_batch: int, name: str) -> None:
         self.model = model
         self.pooling = model_pooling(model)
         if self.pooling == lc.LLAMA_POOLING_TYPE_RANK:
@@ -150,7 +150,7 @@ class Embeddings:
     """A backend worker's embedding work: its `Embedder`, made on the first request and kept
     until `close`; `run` answers the requests taken between two steps together (worker thread)."""
 
-    def __init__(self, model: Model, threads: int, threads_batch: int, name: str):
+    def __init__(self, model: Model, threads: int, threads_batch: int, name: str) -> None:
         self._args = (model, threads, threads_batch, name)
         self._embedder: Embedder | None = None
 

@@ -22,8 +22,12 @@ import math
 import os
 import random
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
+
+from engine.core.request import SamplingParams
 
 from . import _abi, greedy, holding_gil, lc, sampler_interface, sortfree
 
@@ -138,7 +142,7 @@ TOP_K_STAGES_ON_CPU = False
 
 
 @contextlib.contextmanager
-def top_k_stages(chunk: int, on_cpu: bool | None = None):
+def top_k_stages(chunk: int, on_cpu: bool | None = None) -> Iterator[None]:
     """Within the block, graphs built use the top-k in stages of `chunk` (0: one `ggml_top_k`
     per row), on the CPU backend too if `on_cpu` (None: as it was); the previous settings after.
     ValueError for a chunk that is not 0 or a power of two from 16 to 8192. A graph reused from
@@ -166,7 +170,7 @@ POOLED_ON_CPU = False
 
 
 @contextlib.contextmanager
-def fused_path(name: str, pooled_on_cpu: bool | None = None):
+def fused_path(name: str, pooled_on_cpu: bool | None = None) -> Iterator[None]:
     """Within the block, graphs built take computation `name` (PATHS); the previous after."""
     global PATH, POOLED_ON_CPU
     if name not in PATHS:
@@ -201,7 +205,7 @@ def in_stages(n_vocab: int, k: int, chunk: int, n_rows: int = 1) -> bool:
 _COVERED = {"temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos", "repeat_last_n"}
 
 
-def add_temperature_chain(add, params, n_vocab: int) -> None:
+def add_temperature_chain(add: Callable[[Any], None], params: SamplingParams, n_vocab: int) -> None:
     """llama.cpp's own samplers for a temperature request, in our chain's order (top-k → top-p →
     min-p → temperature → seeded draw): the host path here, and the per-sequence chain
     (engine/llama/sampling.py) that this module's fused computation stands for."""
@@ -215,7 +219,7 @@ def add_temperature_chain(add, params, n_vocab: int) -> None:
     add(lc.llama_sampler_init_dist(params.seed if params.seed is not None else lc.LLAMA_DEFAULT_SEED))
 
 
-def supports(params) -> bool:
+def supports(params: SamplingParams) -> bool:
     """Whether `fused_dist` stands for the whole chain of `params`: a temperature chain with
     nothing before top-k."""
     if params.greedy:
@@ -223,7 +227,7 @@ def supports(params) -> bool:
     return all(getattr(params, f.name) == _default(f) for f in dataclasses.fields(params) if f.name not in _COVERED)
 
 
-def _default(f: dataclasses.Field):
+def _default(f: dataclasses.Field) -> object:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -231,7 +235,7 @@ def _default(f: dataclasses.Field):
     return object()  # no default: never "at its default"
 
 
-def _settings(params, n_vocab: int) -> tuple[float, ...]:
+def _settings(params: SamplingParams, n_vocab: int) -> tuple[float, ...]:
     """A row's settings column values (`_COLUMNS` without the sequence id)."""
     k = min(params.top_k, n_vocab) if params.top_k > 0 else n_vocab
     top_p = params.top_p if params.top_p < 1.0 else _NO_CUT
@@ -243,7 +247,7 @@ def _settings(params, n_vocab: int) -> tuple[float, ...]:
 
 # ---- the computation ----
 
-def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int,
+def _top_k_in_stages(ctx: Any, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int,
                      tail: int) -> tuple[int, int]:
     """The k best of each row of `lg` (n_vocab x n_rows), in descending order: (their logits,
     k x n_rows; their token ids as F32, 1 x k x n_rows), exact, by stages of small sorts.
@@ -289,7 +293,7 @@ def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int
     return logits, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, ids, 1, n, n_rows), order)
 
 
-def _top_k(ctx, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool, ...], tail: int | None,
+def _top_k(ctx: Any, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool, ...], tail: int | None,
            chunk: int) -> tuple[int, int, bool]:
     """The k best of each row of `lg` in descending order: (their logits, k x n_rows; their token
     ids, 1 x k x n_rows; whether the ids are I32, else F32). `_build` says the rest."""
@@ -332,7 +336,7 @@ class Shape:
     whole: bool = False  # every row asks no top-k (then `sortfree.rejection` takes them)
 
 
-def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
+def _build(ctx: Any, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
            eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, ...] = (True, True, True, True),
            tail: int | None = None, chunk: int = 0, shape: Shape = Shape()) -> int:
     """Sampled tokens (I32, n_rows) for every row of `m`: the sort-free computation where the
@@ -345,13 +349,13 @@ def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: i
                          tail, chunk)
 
 
-def _columns(g, ctx, block: int, n_rows: int, stride: int):
+def _columns(g: Any, ctx: Any, block: int, n_rows: int, stride: int) -> Callable[[int], Any]:
     def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
         return g["ggml_reshape_2d"](ctx, g["ggml_view_1d"](ctx, block, n_rows, c * stride * 4), 1, n_rows)
     return col
 
 
-def _banned(g, ctx, m: int, eog: int | None, ban: str, col) -> int:
+def _banned(g: Any, ctx: Any, m: int, eog: int | None, ban: str, col: Any) -> int:
     if ban == "all":
         return g["ggml_add"](ctx, m, eog)
     if ban == "mixed":
@@ -359,7 +363,7 @@ def _banned(g, ctx, m: int, eog: int | None, ban: str, col) -> int:
     return m
 
 
-def _build_sortfree(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
+def _build_sortfree(ctx: Any, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
                     eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, ...], tail: int, chunk: int,
                     shape: Shape) -> int:
     """`sortfree`'s computation: whole-vocabulary rows (no top-k asked) by proposals; a top-k of
@@ -395,14 +399,14 @@ def _build_sortfree(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, 
     return g["ggml_set_name"](tokens, b"fused_dist_tokens")
 
 
-def _masked_beyond(g, ctx, logits: int, k: int, col) -> int:
+def _masked_beyond(g: Any, ctx: Any, logits: int, k: int, col: Any) -> int:
     """Rows that keep fewer than k: log(j < k_row) = -inf beyond their k."""
     pos = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(k), 1.0), k, 1)
     room = g["ggml_sub"](ctx, g["ggml_repeat"](ctx, col(4), logits), pos)  # k_row - j
     return g["ggml_add"](ctx, logits, g["ggml_log"](ctx, g["ggml_step"](ctx, g["ggml_scale_bias"](ctx, room, 1.0, -0.5))))
 
 
-def _build_staged(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
+def _build_staged(ctx: Any, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
                   eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, ...] = (True, True, True),
                   tail: int | None = None, chunk: int = 0) -> int:
     """Sampled tokens (I32, n_rows) for every row of the F32 logits matrix `m` (n_vocab x n_rows).
@@ -467,7 +471,7 @@ class _Table:
         self.slot = 0
         self.last: _Build | None = None  # the latest build of a shared computation
 
-    def allocate(self, buft, n_vocab: int, eog_tokens) -> None:
+    def allocate(self, buft: Any, n_vocab: int, eog_tokens: Sequence[int]) -> None:
         if self.buft == buft and self.n_vocab == n_vocab:
             return
         self.free()
@@ -506,7 +510,7 @@ class _Table:
         self.slot = (self.slot + 1) % _SLOTS
         return self.slot, self.slot * _NC * _ROWS
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.free()
         except Exception:  # interpreter shutdown: the library may be gone already
@@ -539,7 +543,7 @@ def live() -> bool:
     return t is not None and t.live > 0
 
 
-def draw(samplers) -> None:
+def draw(samplers: Iterable[tuple[int, FusedDist | None]]) -> None:
     """Before a step: each fused chain among `samplers` (the step's output rows, as
     `(seq_id, FusedDist or None)`) draws its uniform from its own RNG; all go to the device in
     one copy."""
@@ -576,7 +580,7 @@ class _Build:
     ids); the settings block goes to the device once all have (`expected`), so a build costs
     two small copies: safe defaults at the start, the rows at the end."""
 
-    def __init__(self, t: _Table, ctx, matrix: int, n_rows: int, chains: list):
+    def __init__(self, t: _Table, ctx: Any, matrix: int, n_rows: int, chains: list) -> None:
         if t.uniforms is None or t.blocks is None:
             raise RuntimeError("fused_dist: a build before the thread's device tables were allocated")
         self.t = t
@@ -606,7 +610,7 @@ class _Build:
         self.dirty = False
         self.upload()  # no row of the block may name a sequence beyond the uniforms
 
-    def add(self, ctx, row: int, chain: FusedDist, seq: int) -> int:
+    def add(self, ctx: Any, row: int, chain: FusedDist, seq: int) -> int:
         """A chain's view of its row's token; settles the previous chain with llama.cpp's flag."""
         self.settle()
         view = _g["ggml_view_1d"](ctx, self.tokens, 1, row * 4)
@@ -653,7 +657,7 @@ _built = threading.local()  # per thread: (ggml ctx, matrix) -> _Build
 class FusedDist:
     """One sequence's top-k → top-p → min-p → temperature → dist, for a llama.cpp chain."""
 
-    def __init__(self, params, n_vocab: int, eog_tokens: list[int]):
+    def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int]) -> None:
         self.params = params
         self.n_vocab = n_vocab
         self.eog = list(eog_tokens)
@@ -692,7 +696,7 @@ class FusedDist:
         self.rng.seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
 
-def _of(smpl) -> FusedDist:
+def _of(smpl: Any) -> FusedDist:
     return _chains[smpl.contents.ctx]
 
 
@@ -707,7 +711,7 @@ def _name_of(view: int) -> int | None:
         return None
 
 
-def _backend_apply(smpl, ctx, _gf, data) -> None:
+def _backend_apply(smpl: Any, ctx: Any, _gf: Any, data: Any) -> None:
     d, chain = data.contents, _of(smpl)
     t = chain.table()
     if t.blocks is None:  # a build before this chain's backend_init: not expected, but be safe
@@ -741,7 +745,7 @@ def _backend_apply(smpl, ctx, _gf, data) -> None:
     d.sampled = b.add(ctx, row, chain, seq)
 
 
-def _alone(ctx, t: _Table, logits: int, chain: FusedDist, seq: int | None) -> int:
+def _alone(ctx: Any, t: _Table, logits: int, chain: FusedDist, seq: int | None) -> int:
     """The computation on one chain's logits alone (its sequence's uniform, its settings)."""
     BUILDS["own"] += 1
     facts = _abi.tensor_facts(logits)
@@ -753,11 +757,11 @@ def _alone(ctx, t: _Table, logits: int, chain: FusedDist, seq: int | None) -> in
     return _g["ggml_view_1d"](ctx, b.tokens, 1, 0)
 
 
-def _backend_reset(_smpl) -> None:
+def _backend_reset(_smpl: Any) -> None:
     _built.__dict__.pop("builds", None)
 
 
-def _backend_init(smpl, buft, _n_outputs_max_per_seq) -> bool:
+def _backend_init(smpl: Any, buft: Any, _n_outputs_max_per_seq: Any) -> bool:
     chain = _of(smpl)
     chain.buft = buft
     t = chain.table()
@@ -788,7 +792,7 @@ _VARIANTS = ((True, True, True, True), (True, False, True, True),
              (True, False, False, False), (False, True, False, False), (False, False, False, False))
 
 
-def _missing_op(buft, chain: FusedDist, variant: tuple[bool, ...]) -> str | None:
+def _missing_op(buft: Any, chain: FusedDist, variant: tuple[bool, ...]) -> str | None:
     """The first operation of the computation the device behind `buft` does not run, by name;
     None when it runs them all (the CPU runs them all)."""
     dev = _g["ggml_backend_buft_get_device"](buft)
@@ -823,18 +827,18 @@ def _missing_op(buft, chain: FusedDist, variant: tuple[bool, ...]) -> str | None
         g["ggml_free"](ctx)
 
 
-def _apply(smpl, cur_p) -> None:
+def _apply(smpl: Any, cur_p: Any) -> None:
     """On the host: llama.cpp's own top-k, top-p, min-p, temperature and dist."""
     lc.llama_sampler_apply(_of(smpl)._host, cur_p)
 
 
-def _reset(smpl) -> None:
+def _reset(smpl: Any) -> None:
     chain = _of(smpl)
     chain._reseed()
     lc.llama_sampler_reset(chain._host)
 
 
-def _free(smpl) -> None:
+def _free(smpl: Any) -> None:
     chain = _chains.pop(smpl.contents.ctx, None)
     if chain is None:
         return
@@ -851,14 +855,14 @@ _IFACE, _KEEP = sampler_interface(b"fused-dist", apply=_apply, reset=_reset, fre
                                   backend_reset=_backend_reset)
 
 
-def fused_dist(params, n_vocab: int, eog_tokens: list[int]) -> FusedDist:
+def fused_dist(params: SamplingParams, n_vocab: int, eog_tokens: list[int]) -> FusedDist:
     """A new sampler for `params` (see `supports`); a chain that takes its `ptr` owns and frees it."""
     return FusedDist(params, n_vocab, eog_tokens)
 
 
 # ---- the same computation on ggml's CPU backend, for tests and checks ----
 
-def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens=(), threads: int = 1,
+def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens: Sequence[int]=(), threads: int = 1,
                 variant: tuple[bool, ...] = _VARIANTS[0], chunk: int | None = None) -> np.ndarray:
     """Tokens the device computation draws for each row of `logits` (rows x n_vocab, F32), row r
     with `settings[r]` (`SamplingParams`) and uniform `uniforms[r]` (rows x sortfree.PROPOSALS for
@@ -884,7 +888,7 @@ def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_to
     shape = Shape(min_p=bool((cols[3] > 0).any()), scale=temps.pop() if len(temps) == 1 else None,
                   cpu=True, path=PATH, whole=ks == {n_vocab})
 
-    def build(ctx, tensor) -> int:
+    def build(ctx: Any, tensor: Any) -> int:
         m = _g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
         return _build(ctx, m, n_vocab, n_rows, max(ks), tensor(cols.reshape(-1)), n_rows,
                       tensor(props[:, 0].copy()), tensor(bias), ban, len(ks) > 1, variant,
@@ -909,7 +913,7 @@ def top_k_rows(logits: np.ndarray, k: int, chunk: int | None = None, threads: in
         raise ValueError(f"no top-k of {k} by maxima over {n_vocab} tokens")
     size = TOP_K_CHUNK if chunk is None else _checked_chunk(chunk)
 
-    def build(ctx, tensor) -> int:
+    def build(ctx: Any, tensor: Any) -> int:
         m = _g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
         if maxima:
             n_pad = -(-n_vocab // sortfree.POOL) * sortfree.POOL
@@ -922,7 +926,7 @@ def top_k_rows(logits: np.ndarray, k: int, chunk: int | None = None, threads: in
     return _on_cpu(build, logits.nbytes, threads).reshape(n_rows, k).astype(np.int64)
 
 
-def _on_cpu(build, input_bytes: int, threads: int, scale: int = 48) -> np.ndarray:
+def _on_cpu(build: Callable[[Any, Callable[[np.ndarray], Any]], Any], input_bytes: int, threads: int, scale: int = 48) -> np.ndarray:
     """Run `build(ctx, tensor)`'s output on ggml's CPU backend (`tensor(values)`: an F32 input);
     its values as F32 (the bytes of an I32 output: view them as such)."""
     g = _g
@@ -950,7 +954,7 @@ def _on_cpu(build, input_bytes: int, threads: int, scale: int = 48) -> np.ndarra
         g["ggml_free"](ctx)
 
 
-def reference_probs(logits: np.ndarray, params, eog_tokens=()) -> np.ndarray:
+def reference_probs(logits: np.ndarray, params: SamplingParams, eog_tokens: Sequence[int]=()) -> np.ndarray:
     """llama.cpp's own chain for `params` (logit bias for ignore_eos, top-k, top-p, min-p,
     temperature, dist) applied on the host to one row of logits: the probability of each token."""
     n_vocab = logits.shape[0]

@@ -54,7 +54,7 @@ class _Parser:
     """llama.cpp's GBNF grammar read into `rules` (name → alternatives → sequences of `Item`),
     each parenthesized group a rule of its own; iterative, so nesting depth costs no stack."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str) -> None:
         self.text, self.pos = text, 0
         self.rules: Rules = {}
         self.groups = 0
@@ -176,7 +176,7 @@ class _Cost:
     """`first` and `nullable` of every rule (a worklist fixpoint: a rule is looked at again when
     one it refers to changes), each count capped at `cap + 1`."""
 
-    def __init__(self, rules: Rules, cap: int):
+    def __init__(self, rules: Rules, cap: int) -> None:
         self.rules, self.cap = rules, cap
         self.first = dict.fromkeys(rules, 0)
         self.nullable = dict.fromkeys(rules, False)

@@ -35,8 +35,9 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -96,7 +97,7 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
     return grammar
 
 
-def _root_ref(schema):
+def _root_ref(schema: Any) -> Any:
     """A root `$ref` beside `$defs` as a one-branch `anyOf`: the converter resolves the root's
     `$ref` but never looks into its siblings, so a recursive `$defs` schema (`#/$defs/node`
     referring to itself) failed with its internal `KeyError`."""
@@ -115,7 +116,7 @@ def object_grammar() -> str:
     return schema_grammar({"type": "object"})
 
 
-def _check_bounds(schema, param: str, depth: int = 0) -> None:
+def _check_bounds(schema: Any, param: str, depth: int = 0) -> None:
     """Refuse repetition bounds the converter would expand into an enormous grammar."""
     if depth > 64:
         raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar", param=param)
@@ -192,7 +193,7 @@ def check_pattern(pattern: str, param: str) -> None:
         raise bad("has a ( without its )")
 
 
-def _repeat_at(pattern: str, i: int, bad) -> int:
+def _repeat_at(pattern: str, i: int, bad: Callable[[str], InvalidRequest]) -> int:
     """The bound of a `{m,n}` quantifier at `i` (1 for none, `*`, `+`, `?`); refused above
     `MAX_REPEAT` or reversed."""
     m = _QUANTIFIER.match(pattern, i)
@@ -209,7 +210,7 @@ def _strict_strings(grammar: str) -> str:
     return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
 
 
-def _number(v) -> TypeGuard[float]:
+def _number(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -245,32 +246,13 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
             i = n if j < 0 else j + 1
             continue
         if c == '"':
-            j, count = i + 1, 0
-            while j < n and grammar[j] != '"':
-                j += 2 if grammar[j] == "\\" else 1
-                count += 1
-            last = max(count, 1)
+            i, last = _literal(grammar, i)
             states += last
-            i = j + 1
             continue
         if c == "[":
-            j = i + 1
-            negated = j < n and grammar[j] == "^"
-            chars: list[str] = []
-            j += 1 if negated else 0
-            while j < n and grammar[j] != "]":
-                if grammar[j] == "\\" and j + 1 < n:
-                    chars.append(grammar[j:j + 2])
-                    j += 2
-                else:
-                    chars.append(grammar[j])
-                    j += 1
-            if not negated and _class_is_empty(chars):
-                raise InvalidRequest(f"{param}: {what} has a character class that matches nothing "
-                                     f"({grammar[i:j + 1][:40]}): no text can satisfy it", param=param)
+            i = _char_class(grammar, i, param, what)
             last = 1
             states += 1
-            i = j + 1
             continue
         if c == "|":
             alternatives += 1
@@ -281,11 +263,7 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
         elif c == "{":
             m = _REPEAT.match(grammar, i)
             if m:
-                high = max(int(g) for g in (m.group(1), m.group(3)) if g) if (m.group(1) or m.group(3)) else 0
-                if high > MAX_REPEAT:
-                    raise InvalidRequest(f"{param}: {what} repeats an item {high} times; this server takes at most "
-                                         f"{MAX_REPEAT} (MAX_REPEAT)", param=param)
-                states += last * max(high - 1, 0)
+                states += last * max(_repeat_high(m, param, what) - 1, 0)
                 i = m.end()
                 continue
         elif c == ".":
@@ -308,6 +286,48 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
                              param=param)
     _check_stacks(grammar, param, what)
     return GrammarSize(size, rules, alternatives, states)
+
+
+def _literal(grammar: str, i: int) -> tuple[int, int]:
+    """The string literal opening at `i`: where the text after it starts, and its characters
+    (at least 1: an empty literal still counts as an element)."""
+    n = len(grammar)
+    j, count = i + 1, 0
+    while j < n and grammar[j] != '"':
+        j += 2 if grammar[j] == "\\" else 1
+        count += 1
+    return j + 1, max(count, 1)
+
+
+def _char_class(grammar: str, i: int, param: str, what: str) -> int:
+    """The character class opening at `i`: where the text after it starts; refused when it
+    matches nothing."""
+    n = len(grammar)
+    j = i + 1
+    negated = j < n and grammar[j] == "^"
+    chars: list[str] = []
+    j += 1 if negated else 0
+    while j < n and grammar[j] != "]":
+        if grammar[j] == "\\" and j + 1 < n:
+            chars.append(grammar[j:j + 2])
+            j += 2
+        else:
+            chars.append(grammar[j])
+            j += 1
+    if not negated and _class_is_empty(chars):
+        raise InvalidRequest(f"{param}: {what} has a character class that matches nothing "
+                             f"({grammar[i:j + 1][:40]}): no text can satisfy it", param=param)
+    return j + 1
+
+
+def _repeat_high(m: re.Match[str], param: str, what: str) -> int:
+    """The upper count of a `{m,n}` repetition (its lower one when open-ended; 0 for `{}`),
+    refused over `MAX_REPEAT`."""
+    high = max(int(g) for g in (m.group(1), m.group(3)) if g) if (m.group(1) or m.group(3)) else 0
+    if high > MAX_REPEAT:
+        raise InvalidRequest(f"{param}: {what} repeats an item {high} times; this server takes at most "
+                             f"{MAX_REPEAT} (MAX_REPEAT)", param=param)
+    return high
 
 
 def _check_stacks(grammar: str, param: str, what: str) -> None:
@@ -350,19 +370,19 @@ def _char(item: str) -> int | None:
 class _Verdicts:
     """Grammar hash → None (takes it) or the refusal's message and param, most recent 256."""
 
-    def __init__(self, size: int = 256):
+    def __init__(self, size: int = 256) -> None:
         self._lock = threading.Lock()
         self._seen: collections.OrderedDict[bytes, tuple[str, str | None] | None] = collections.OrderedDict()
         self._size = size
 
-    def get(self, key: bytes):
+    def get(self, key: bytes) -> tuple[bool, tuple[str, str | None] | None]:
         with self._lock:
             if key in self._seen:
                 self._seen.move_to_end(key)
                 return True, self._seen[key]
             return False, None
 
-    def put(self, key: bytes, verdict) -> None:
+    def put(self, key: bytes, verdict: tuple[str, str | None] | None) -> None:
         with self._lock:
             self._seen[key] = verdict
             while len(self._seen) > self._size:
@@ -372,7 +392,7 @@ class _Verdicts:
 _VERDICTS = _Verdicts()
 
 
-def check(vocab, grammar: str, *, param: str = "grammar", n_vocab: int = 0) -> None:
+def check(vocab: Any, grammar: str, *, param: str = "grammar", n_vocab: int = 0) -> None:
     """Raise `InvalidRequest` unless `grammar` is within the limits (`measure`), llama.cpp's
     grammar parser takes it (its own error goes to the log) and, given `n_vocab`, some token
     can start a reply under it. The verdict is cached by the grammar's hash (and vocabulary)."""
@@ -391,7 +411,7 @@ def check(vocab, grammar: str, *, param: str = "grammar", n_vocab: int = 0) -> N
         raise InvalidRequest(message, param=where)
 
 
-def _compile(vocab, grammar: str, param: str, n_vocab: int) -> None:
+def _compile(vocab: Any, grammar: str, param: str, n_vocab: int) -> None:
     measure(grammar, param=param)
     ptr = lc.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), ROOT)
     if not ptr:
@@ -406,7 +426,7 @@ def _compile(vocab, grammar: str, param: str, n_vocab: int) -> None:
         lc.llama_sampler_free(ptr)
 
 
-def _first_pass(sampler, n_vocab: int, budget_s: float, param: str) -> bool:
+def _first_pass(sampler: Any, n_vocab: int, budget_s: float, param: str) -> bool:
     """Whether the grammar sampler leaves any token (an end token counts) at its start, from
     one pass over the vocabulary in chunks; refused (`InvalidRequest`) as soon as the pass has
     taken more than `budget_s` of this thread's CPU, so a costly grammar costs its check no

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class _Matrix:
 
     __slots__ = ("n_cols", "n_rows", "row_bytes", "rows")
 
-    def __init__(self, n_cols: int, n_rows: int):
+    def __init__(self, n_cols: int, n_rows: int) -> None:
         self.n_cols, self.n_rows, self.row_bytes = n_cols, n_rows, 4 * n_cols
         self.rows = None  # the shared argmax, made by the first chain that takes a row
 
@@ -83,7 +84,7 @@ def row_of(logits: int) -> tuple[int, int] | None:
     return None if row is None else (t.view_src, row)
 
 
-def _backend_apply(_smpl, ctx, _gf, data) -> None:
+def _backend_apply(_smpl: Any, ctx: Any, _gf: Any, data: Any) -> None:
     # Runs for every attached chain at every graph build (at B = 128, every second step, as
     # n_kv grows). Two full `tensor_facts` copies per chain took 8-12 us a chain, ~1.5 ms a
     # build; the matrix is now checked once per build and each chain reads a few fields of its
@@ -109,15 +110,15 @@ def _backend_apply(_smpl, ctx, _gf, data) -> None:
     d.sampled = ggml_view_1d(ctx, m.rows, 1, row * 4)
 
 
-def _backend_reset(_smpl) -> None:
+def _backend_reset(_smpl: Any) -> None:
     _built.__dict__.pop("matrices", None)
 
 
-def _backend_init(_smpl, _buft, _n_outputs_max_per_seq) -> bool:
+def _backend_init(_smpl: Any, _buft: Any, _n_outputs_max_per_seq: Any) -> bool:
     return True
 
 
-def _apply(_smpl, cur_p) -> None:
+def _apply(_smpl: Any, cur_p: Any) -> None:
     """Host greedy: the index of the largest logit among the candidates."""
     arr = cur_p.contents
     data = np.ctypeslib.as_array(ctypes.cast(arr.data, ctypes.POINTER(ctypes.c_float)), shape=(arr.size * 3,))
@@ -128,6 +129,6 @@ _IFACE, _KEEP = sampler_interface(b"fused-greedy", apply=_apply, backend_init=_b
                                   backend_apply=_backend_apply, backend_reset=_backend_reset)
 
 
-def fused_greedy():
+def fused_greedy() -> Any:
     """A new greedy sampler (stateless; a chain that takes it owns and frees it)."""
     return lc.llama_sampler_init(ctypes.byref(_IFACE), None)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.core.errors import ModelLoadError
 
@@ -33,7 +33,7 @@ GGUF_MAGIC = b"GGUF"
 T = TypeVar("T")
 
 
-def resolve_model(spec: str, progress=None) -> Path:
+def resolve_model(spec: str, progress: Callable[..., None] | None = None) -> Path:
     """Turn a model spec into an existing, plausible GGUF file, or raise `ModelLoadError`."""
     if spec == "default":
         path = default_model_path()
@@ -112,7 +112,7 @@ _token_to_piece = llama.holding_gil(
     ctypes.c_int32)
 
 
-def _longest_piece(vocab, n_vocab: int) -> int:
+def _longest_piece(vocab: Any, n_vocab: int) -> int:
     """The most bytes one token renders as, special tokens' text included: one pass over the
     vocabulary while the model loads (0.2 s for Qwen2.5's 151,936 tokens), keeping the GIL.
 
@@ -145,7 +145,7 @@ class Model:
     to fill from several threads (a race only computes a piece twice).
     """
 
-    def __init__(self, path: Path, device: str = "auto", progress=None):
+    def __init__(self, path: Path, device: str = "auto", progress: Callable[..., None] | None = None) -> None:
         check_gguf(path)
         self.path = path
         self.spec = llama.pick_device(device)  # cpu, gpu or gpuN: the registry's key
@@ -234,7 +234,7 @@ class Model:
         `engine.prompts.chat.min_tokens` bounds a prompt's length without tokenizing it."""
         return self._longest
 
-    def detokenize(self, tokens) -> str:
+    def detokenize(self, tokens: Iterable[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
@@ -267,13 +267,13 @@ class Model:
         return raw.decode("utf-8", "replace") if raw else ""
 
 
-def _make_chat_formatter(model: Model):
+def _make_chat_formatter(model: Model) -> Callable[..., str]:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     raw = lc.llama_model_chat_template(model.ptr, None)
     if not raw:
         # A model with no template: plain "role: content" turns.
-        def plain(messages, tools=None, extra=None):
+        def plain(messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None) -> str:
             turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return turns + "assistant:"
 
@@ -286,7 +286,7 @@ def _make_chat_formatter(model: Model):
     return lambda messages, tools=None, extra=None: fmt(messages=messages, tools=tools, **(extra or {})).prompt
 
 
-def _model_name(ptr, path: Path) -> str:
+def _model_name(ptr: Any, path: Path) -> str:
     buf = ctypes.create_string_buffer(256)
     n = lc.llama_model_meta_val_str(ptr, b"general.name", buf, 256)
     return buf.value.decode("utf-8", "replace") if n > 0 else path.stem
@@ -304,7 +304,7 @@ class ModelRegistry:
         self._lock = threading.Lock()
         self._models: dict[tuple[str, str], tuple[Model, int]] = {}
 
-    def acquire(self, path: Path, device: str, progress=None) -> Model:
+    def acquire(self, path: Path, device: str, progress: Callable[..., None] | None = None) -> Model:
         key = (str(Path(path).resolve()), llama.pick_device(device))
         with self._lock:
             if key in self._models:

@@ -35,7 +35,9 @@ from __future__ import annotations
 import collections
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -47,7 +49,7 @@ from .. import llama
 from . import fused_dist, lc
 from .batch import Batch
 from .model import Model
-from .sampling import DEAD_END, PENDING, SamplerSlots
+from .sampling import DEAD_END, PENDING, Sampler, SamplerSlots
 
 # From this many decode rows on, their tokens are read in one go (`llama.sampled_tokens_after_sync`):
 # one by one cost 0.4 us a row, at once 1.2 us for any number (128 rows: 51 vs 1.3 us a step;
@@ -85,10 +87,66 @@ class RunnerOutput:
     logprobs: dict | None = None  # index in `sampled` -> TokenLogprob, for rows that asked
 
 
+class ContextSettings(Protocol):
+    """What the runner reads of a local backend's config (`BackendConfig`, resolved)."""
+
+    @property
+    def n_ctx(self) -> int: ...
+    @property
+    def kv_unified(self) -> bool: ...
+    @property
+    def n_batch(self) -> int: ...
+    @property
+    def n_ubatch(self) -> int: ...
+    @property
+    def n_seq_max(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def threads_batch(self) -> int: ...
+    @property
+    def flash_attn(self) -> str: ...
+    @property
+    def backend_sampling(self) -> bool: ...
+    @property
+    def idle_sampler_s(self) -> float: ...
+    @property
+    def fused_greedy(self) -> bool: ...
+    @property
+    def fused_dist_from(self) -> int: ...
+
+
+@dataclass(slots=True)
+class SeqRun:
+    """The runner's part of a running sequence, beside the scheduler's `SeqState` (as vLLM keeps
+    its input batch's per-request rows beside `Request`): its sampler chain, and the batch row
+    of its last prompt-chunk token. Kept by sequence id from admission until it leaves that id."""
+
+    req_id: str  # the request it belongs to
+    sampler: Sampler
+    row: int = -1
+
+
+@dataclass(slots=True)
+class _Step:
+    """What sampling one decoded plan builds up: the tokens, the logprobs, the search deadline."""
+
+    plan: Plan
+    dt: float  # the decode's seconds
+    sampled: list[int | None] = field(default_factory=list)
+    logprobs: dict[int, TokenLogprob] | None = None
+    deadline: float = 0.0  # for grammar searches: set by the first row sampled on the host
+
+    def add_logprob(self, i: int, lp: TokenLogprob) -> None:
+        if self.logprobs is None:
+            self.logprobs = {}
+        self.logprobs[i] = lp
+
+
 class ContextRunner:
     """A llama.cpp context with its batch and sampler chains (worker thread only)."""
 
-    def __init__(self, config, model: Model, name: str):
+    def __init__(self, config: ContextSettings, model: Model, name: str) -> None:
         c = config
         self.model = model
         p = lc.llama_context_default_params()
@@ -129,6 +187,8 @@ class ContextRunner:
         # fails them after the step.
         self.dead_ends: list[SeqState] = []
         self.kv_cell_bytes = kv_bytes_per_cell(model)
+        # Per sequence id: the running sequence's `SeqRun` (None while the id is not running).
+        self.runs: list[SeqRun | None] = [None] * c.n_seq_max
         # Seconds from the end of one step (its device sync) to the next step's llama_decode:
         # the host work between two steps that no device work overlaps (and any idle wait
         # between them). The benchmarks take the median over a run (bench/common.py).
@@ -145,7 +205,7 @@ class ContextRunner:
             else:
                 lc.llama_memory_seq_rm(mem, op.src, op.p0, op.p1)
 
-    def admit(self, seqs: list[SeqState], cap: int, free_ids) -> None:
+    def admit(self, seqs: list[SeqState], cap: int, free_ids: Callable[[int], list[int]]) -> None:
         """Give each newly admitted sequence a sampler chain on its id; when that costs a graph
         reserve anyway, attach the same chain to the next free ids too (`free_ids(n)`)."""
         reserve_for = None
@@ -157,9 +217,10 @@ class ContextRunner:
                 continue
             attached = self.samplers.attaches
             alongside -= 0 if s.sp.greedy else 1
-            s.sampler = self.samplers.acquire(self.ctx, s.seq_id, s.sp, alongside)
+            sampler = self.samplers.acquire(self.ctx, s.seq_id, s.sp, alongside)
+            self.runs[s.seq_id] = SeqRun(s.req.id, sampler)
             if s.generated:  # resumed after a preemption: the chain's history
-                s.sampler.accept(s.tokens[s.n_prompt:])
+                sampler.accept(s.tokens[s.n_prompt:])
             if self.samplers.attaches > attached and reserve_for is None:
                 reserve_for = s.sp
         if reserve_for is not None and self.samplers.on_device:  # a reserve is due anyway
@@ -168,29 +229,41 @@ class ContextRunner:
 
     def release(self, s: SeqState) -> None:
         """The sequence left its id: its chain stays there, idle (SamplerSlots)."""
-        if s.sampler is not None:
+        run = self.runs[s.ran_on] if s.ran_on >= 0 else None
+        if run is not None and run.req_id == s.req.id:
+            self.runs[s.ran_on] = None
             self.samplers.release(s.ran_on)
-            s.sampler = None
+
+    def run_of(self, s: SeqState) -> SeqRun:
+        """`s`'s runner state (it runs: it was admitted and has not left its id)."""
+        run = self.runs[s.seq_id] if s.seq_id >= 0 else None
+        if run is None:
+            raise RuntimeError(f"request {s.req.id} runs without a sampler chain")
+        return run
 
     # ---- one step ----
 
-    def execute(self, plan: Plan, kv_unified: bool, during=None) -> RunnerOutput:
+    def execute(self, plan: Plan, kv_unified: bool, during: Callable[[], None] | None = None) -> RunnerOutput:
+        """Decode `plan` as one batch and sample every row that asked for logits (`RunnerOutput`);
+        `during` runs while the device computes."""
         if plan.batch_empty:  # only searches go on: no decode
             if during is not None:
                 during()
             deadline = time.perf_counter() + SEARCH_SLICE_S
             return RunnerOutput(0, [self._go_on(s, deadline) for s in plan.searching], 0, 0, 0.0)
-        batch = self._batch
+        batch, runs = self._batch, self.runs
         decode = plan.decode
         batch.set_decode(decode)  # decode rows are rows 0 .. n_decode - 1, in plan order
         n_decode = batch.n
         for s, start, k, logits in plan.chunks:
-            s.row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits, s.prompt_logprobs is not None)
+            row = batch.add(s.tokens[start:start + k], s.seq_id, start, logits, s.prompt_logprobs is not None)
+            if not s.warm:
+                self.run_of(s).row = row
         n_prefill = batch.n - n_decode
         ctx = self.ctx
         if self.samplers.fused_busy:  # fused temperature chains run: this step's uniforms, one upload
-            fused_dist.draw([(s.seq_id, s.sampler.dist) for s in decode]
-                            + [(s.seq_id, s.sampler.dist) for s, _, _, logits in plan.chunks if logits])
+            fused_dist.draw([(s.seq_id, runs[s.seq_id].sampler.dist) for s in decode]  # type: ignore[union-attr]
+                            + [(s.seq_id, self.run_of(s).sampler.dist) for s, _, _, logits in plan.chunks if logits])
         elif fused_dist.live():  # only idle ones: no row to draw for, and their builds stay cheap
             fused_dist.draw(())
         t0 = time.perf_counter()
@@ -204,61 +277,70 @@ class ContextRunner:
         dt = self._t_end - t0
         if rc != 0:
             return RunnerOutput(rc, [], n_decode, n_prefill, dt)
-        # One loop, no call per row beyond the token read: the host's share of a GPU step
-        # grows with every per-row call (`host_us_per_step` in `tandem bench overhead`).
+        step = _Step(plan, dt)
+        self._sample_decode(step)
+        self._sample_chunks(step)
+        if plan.searching:
+            deadline = step.deadline or self._search_deadline(decode, plan, dt)
+            step.sampled += [self._go_on(s, deadline) for s in plan.searching]
+        return RunnerOutput(0, step.sampled, n_decode, n_prefill, dt, step.logprobs)
+
+    def _sample_decode(self, step: _Step) -> None:
+        """The decode rows' tokens, in one loop with no call per row beyond the token read:
+        the host's share of a GPU step grows with every per-row call (`host_us_per_step` in
+        `tandem bench overhead`)."""
+        ctx, plan, runs = self.ctx, step.plan, self.runs
+        decode = plan.decode
         read, null, is_eog = llama.sampled_token_after_sync, lc.LLAMA_TOKEN_NULL, self.model.is_eog
         # The decode rows' device tokens in one read where libllama allows it (they are the
         # batch's first rows, all with logits); a few rows are cheaper read one by one.
         bulk = llama.sampled_tokens_after_sync
-        device = bulk(ctx, n_decode) if bulk is not None and n_decode >= BULK_READ_FROM else None
-        sampled: list[int | None] = []
-        append = sampled.append
-        lps = None
-        deadline = 0.0  # for grammar searches: set by the first row sampled on the host
+        device = bulk(ctx, len(decode)) if bulk is not None and len(decode) >= BULK_READ_FROM else None
+        append = step.sampled.append
         for row, s in enumerate(decode):
-            smp = s.sampler
+            smp = runs[s.seq_id].sampler  # type: ignore[union-attr]  # a decoding sequence runs
             tok = (read(ctx, row) if device is None else device[row]) if smp.direct else null
             if tok == null:
-                deadline = deadline or self._search_deadline(decode, plan, dt)
-                tok = smp.sample(ctx, row, deadline)
+                step.deadline = step.deadline or self._search_deadline(decode, plan, step.dt)
+                tok = smp.sample(ctx, row, step.deadline)
                 if tok in (DEAD_END, PENDING):
                     append(self._unsettled(s, tok))
                     continue
                 if s.sp.logprobs is not None:  # its chain is a host one (`Sampler.host`)
-                    lps = lps or {}
-                    lps[row] = self.token_logprob(row, tok, s.sp.logprobs)
+                    step.add_logprob(row, self.token_logprob(row, tok, s.sp.logprobs))
             if smp.guards_eog and is_eog(tok):
                 self._redo(s)
-                tok = None
-            append(tok)
+                append(None)
+            else:
+                append(tok)
+
+    def _sample_chunks(self, step: _Step) -> None:
+        """The prompt chunks' prompt logprobs, and the first token of each prompt they end."""
+        plan, is_eog = step.plan, self.model.is_eog
         for s, start, k, logits in plan.chunks:
             if s.prompt_logprobs is not None:
                 self._prompt_logprobs(s, start, k)
-            if logits:
-                smp = s.sampler
-                deadline = deadline or self._search_deadline(decode, plan, dt)
-                tok = smp.sample(ctx, s.row, deadline)
-                if tok in (DEAD_END, PENDING):
-                    tok = self._unsettled(s, tok)
-                else:
-                    if s.sp.logprobs is not None:
-                        lps = lps or {}
-                        lps[len(sampled)] = self.token_logprob(s.row, tok, s.sp.logprobs)
-                    if smp.guards_eog and is_eog(tok):
-                        self._redo(s)
-                        tok = None
-                append(tok)
-        if plan.searching:
-            deadline = deadline or self._search_deadline(decode, plan, dt)
-            sampled += [self._go_on(s, deadline) for s in plan.searching]
-        return RunnerOutput(0, sampled, n_decode, n_prefill, dt, lps)
+            if not logits:
+                continue
+            run = self.run_of(s)
+            smp = run.sampler
+            step.deadline = step.deadline or self._search_deadline(plan.decode, plan, step.dt)
+            tok = smp.sample(self.ctx, run.row, step.deadline)
+            if tok in (DEAD_END, PENDING):
+                step.sampled.append(self._unsettled(s, tok))
+                continue
+            if s.sp.logprobs is not None:
+                step.add_logprob(len(step.sampled), self.token_logprob(run.row, tok, s.sp.logprobs))
+            if smp.guards_eog and is_eog(tok):
+                self._redo(s)
+                step.sampled.append(None)
+            else:
+                step.sampled.append(tok)
 
     def _go_on(self, s: SeqState, deadline: float) -> int | None:
         """A searching sequence's token (`SEARCHING` while its search goes on; None when its
         grammar allows nothing, the sequence then in `dead_ends`)."""
-        if s.sampler is None:
-            raise RuntimeError(f"request {s.req.id} searches for a token without a sampler chain")
-        tok = s.sampler.go_on(deadline)
+        tok = self.run_of(s).sampler.go_on(deadline)
         return self._unsettled(s, tok) if tok in (DEAD_END, PENDING) else tok
 
     def _unsettled(self, s: SeqState, tok: int) -> int | None:
@@ -283,7 +365,7 @@ class ContextRunner:
         recorded = s.prompt_logprobs
         if recorded is None:
             raise ValueError(f"request {s.req.id} did not ask for prompt logprobs")
-        row0 = s.row - k + 1
+        row0 = self.run_of(s).row - k + 1
         top = s.sp.logprobs or 0
         for p in range(start, min(start + k, s.n_prompt - 1)):
             if p == len(recorded):  # not yet recorded
@@ -310,7 +392,7 @@ class ContextRunner:
         """`s` ignores end tokens and its chain guarded one (engine/llama/sampling.py): forget it;
         the scheduler removes the cell and the same input is decoded again next step, with a
         chain that bans end tokens."""
-        s.sampler = self.samplers.ban_eog(self.ctx, s.seq_id, s.sp, s.tokens[s.n_prompt:])
+        self.run_of(s).sampler = self.samplers.ban_eog(self.ctx, s.seq_id, s.sp, s.tokens[s.n_prompt:])
         self.eog_redos += 1
 
     # ---- state ----

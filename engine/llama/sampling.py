@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -114,7 +116,7 @@ class Sampler:
                 params.temperature, params.seed, *extra)
 
     def __init__(self, params: SamplingParams, n_vocab: int, eog_tokens: list[int], fused: bool = False,
-                 dist: bool = True, vocab=None):
+                 dist: bool = True, vocab: Any=None) -> None:
         """`fused`: a chain for the device: greedy takes `fused_greedy` and, for `ignore_eos`,
         no bias but `guards_eog` (the caller must not keep an end token it samples); a
         temperature chain without penalties is one `fused_dist` sampler (`dist`, whose
@@ -186,7 +188,7 @@ class Sampler:
             fused_dist.add_temperature_chain(add, params, n_vocab)
         self.ptr = chain
 
-    def attach(self, ctx, seq_id: int) -> bool:
+    def attach(self, ctx: Any, seq_id: int) -> bool:
         """Sample `seq_id` on the device from now on; False if llama.cpp keeps it on the host
         (or the chain is a `host` one — logprobs or a grammar — which is never attached)."""
         if not self.host and lc.llama_set_sampler(ctx, seq_id, self.ptr):
@@ -198,7 +200,7 @@ class Sampler:
     def on_device(self) -> bool:
         return self._ctx is not None
 
-    def sample(self, ctx, row: int, deadline: float | None = None) -> int:
+    def sample(self, ctx: Any, row: int, deadline: float | None = None) -> int:
         """The token chosen for output row `row` of the last decode (the caller synchronised
         the context after it); the chain accepts it. A grammar chain may instead return
         `DEAD_END`, or `PENDING` once `perf_counter()` passes `deadline` (the caller decodes
@@ -220,7 +222,7 @@ class Sampler:
             raise RuntimeError("no grammar search is under way on this chain")
         return self._constrained(None, -1, deadline)
 
-    def _constrained(self, ctx, row: int, deadline: float | None) -> int:
+    def _constrained(self, ctx: Any, row: int, deadline: float | None) -> int:
         """A grammar chain's token (accepted), `DEAD_END` or `PENDING`: what
         `llama_sampler_sample` does (candidates from the row's logits, the chain, accept), but
         searched for by stages (module doc), never accepting a token the grammar refused."""
@@ -302,7 +304,7 @@ class Sampler:
         llama.sampler_accept(self.ptr, tok)
         return tok
 
-    def _allowed_argmax(self, logits) -> int | None:
+    def _allowed_argmax(self, logits: np.ndarray) -> int | None:
         """The row's argmax if the grammar allows it next (then it is what grammar → greedy
         would choose: both take the first maximum), else None."""
         tok = int(logits.argmax())
@@ -319,7 +321,7 @@ class Sampler:
         self._search = None
         lc.llama_sampler_reset(self.ptr)
 
-    def accept(self, tokens) -> None:
+    def accept(self, tokens: Sequence[int]) -> None:
         """Replay tokens chosen before this chain took over (penalty history)."""
         for t in tokens:
             llama.sampler_accept(self.ptr, t)
@@ -343,7 +345,7 @@ class _Search:
 
     __slots__ = ("_found", "_pos", "_seen", "_stages", "_todo", "done", "logits", "need")
 
-    def __init__(self, logits: np.ndarray, need: int):
+    def __init__(self, logits: np.ndarray, need: int) -> None:
         self.logits = logits
         self.need = need
         n = len(logits)
@@ -446,7 +448,7 @@ class SamplerSlots:
     """
 
     def __init__(self, n_vocab: int, eog_tokens: list[int], on_device: bool, idle_s: float = 2.0,
-                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 2, vocab=None):
+                 fused: bool = True, n_ids: int = 0, fused_dist_from: int = 2, vocab: Any=None) -> None:
         self.n_ids = n_ids  # sequence ids of the context
         self._vocab = vocab
         self._n_vocab = n_vocab
@@ -491,7 +493,7 @@ class SamplerSlots:
             return False
         return params.seed is not None or len(self._temperature_ids) + 1 + alongside >= self.fused_dist_from
 
-    def acquire(self, ctx, seq_id: int, params: SamplingParams, alongside: int = 0) -> Sampler:
+    def acquire(self, ctx: Any, seq_id: int, params: SamplingParams, alongside: int = 0) -> Sampler:
         """The chain for the request about to run on `seq_id`, reset or newly attached;
         `alongside`: temperature requests admitted with it that are still to acquire theirs."""
         self._idle_since.pop(seq_id, None)
@@ -511,7 +513,7 @@ class SamplerSlots:
             self._fused_ids.discard(seq_id)
         return chain
 
-    def ban_eog(self, ctx, seq_id: int, params: SamplingParams, accepted) -> Sampler:
+    def ban_eog(self, ctx: Any, seq_id: int, params: SamplingParams, accepted: Sequence[int]) -> Sampler:
         """Swap `seq_id`'s guarding chain for one that bans end tokens (logit bias), with the
         request's `accepted` tokens replayed into it."""
         new = self._replace(ctx, seq_id, Sampler(params, self._n_vocab, self._eog, vocab=self._vocab))
@@ -522,7 +524,7 @@ class SamplerSlots:
     def _chain(self, params: SamplingParams, dist: bool = True) -> Sampler:
         return Sampler(params, self._n_vocab, self._eog, self.fused, dist, vocab=self._vocab)
 
-    def _replace(self, ctx, seq_id: int, new: Sampler) -> Sampler:
+    def _replace(self, ctx: Any, seq_id: int, new: Sampler) -> Sampler:
         old = self._slots.get(seq_id)
         if self.on_device and not new.host:
             new.attach(ctx, seq_id)  # replaces the old chain for this id in one reserve
@@ -534,7 +536,7 @@ class SamplerSlots:
         self._slots[seq_id] = new
         return new
 
-    def prepare(self, ctx, seq_ids, params: SamplingParams) -> int:
+    def prepare(self, ctx: Any, seq_ids: Sequence[int], params: SamplingParams) -> int:
         """Attach a chain for `params` to each of `seq_ids` that has none; returns how many."""
         n = 0
         if not params.plain:  # a burst of plain requests is what the extra chains are for

@@ -28,6 +28,7 @@ Two parts, each a few ggml operations over the step's logits matrix (n_vocab x r
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 POOL = 256  # first-level chunk of `pooled_top_k`
 POOL2 = 16  # its second-level chunk
@@ -49,12 +50,12 @@ def pooled(n_vocab: int, k: int) -> bool:
     return 0 < k <= POOL_MAX_K and k <= -(-n_vocab // POOL) <= SORT_MAX and n_vocab < 1 << 24
 
 
-def _first(g, ctx, order: int, k: int, n: int, n_rows: int) -> int:
+def _first(g: Any, ctx: Any, order: int, k: int, n: int, n_rows: int) -> int:
     """The first k of each row of an argsort `order` (n x n_rows), contiguous (k x n_rows)."""
     return g["ggml_cont"](ctx, g["ggml_view_2d"](ctx, order, k, n_rows, n * 4, 0))
 
 
-def pooled_top_k(g: dict[str, Callable], ctx, x: int, n_pad: int, n_rows: int, k: int) -> tuple[int, int]:
+def pooled_top_k(g: dict[str, Callable], ctx: Any, x: int, n_pad: int, n_rows: int, k: int) -> tuple[int, int]:
     """The k best of each row of `x` (F32, n_pad x n_rows, padded with -inf to a multiple of
     POOL), in descending order: (their values, k x n_rows; their token ids as F32, 1 x k x n_rows)."""
     c1 = n_pad // POOL
@@ -77,7 +78,7 @@ def pooled_top_k(g: dict[str, Callable], ctx, x: int, n_pad: int, n_rows: int, k
     return g["ggml_reshape_2d"](ctx, values, k, n_rows), ids
 
 
-def draw(g: dict[str, Callable], ctx, logits: int, ids: int, int_ids: bool, k: int, n_rows: int,
+def draw(g: dict[str, Callable], ctx: Any, logits: int, ids: int, int_ids: bool, k: int, n_rows: int,
          col: Callable[[int], int], u: int, *, min_p: bool, scale: float | None) -> int:
     """Tokens (I32, n_rows) drawn from the k sorted `logits` of each row (k x n_rows; `ids`
     their token ids, 1 x k x n_rows, I32 or F32): top-p at temperature 1 (column 2), min-p if any
@@ -109,7 +110,7 @@ def chunk_for(n_vocab: int) -> int:
     return min(CHUNK, n_vocab)
 
 
-def _inverse_cdf(g, ctx, pt: int, n_pad: int, n_rows: int, u: int, size: int) -> int:
+def _inverse_cdf(g: Any, ctx: Any, pt: int, n_pad: int, n_rows: int, u: int, size: int) -> int:
     """For each of PROPOSALS uniforms a row (`u`: 1 x PROPOSALS x n_rows, scaled by U_SCALE), the
     token (F32, 1 x PROPOSALS x n_rows) whose cumulative probability first passes it, over the
     row's probabilities `pt` (n_pad x n_rows, zeros past the vocabulary): the chunk of `size`
@@ -135,7 +136,7 @@ def _inverse_cdf(g, ctx, pt: int, n_pad: int, n_rows: int, u: int, size: int) ->
     return g["ggml_add"](ctx, g["ggml_scale"](ctx, chunk, float(size)), lane)
 
 
-def rejection(g: dict[str, Callable], ctx, lg: int, n_vocab: int, n_pad: int, n_rows: int,
+def rejection(g: dict[str, Callable], ctx: Any, lg: int, n_vocab: int, n_pad: int, n_rows: int,
               col: Callable[[int], int], u: int, scale: float | None) -> int:
     """Tokens (I32, n_rows) for rows of `lg` (F32, n_vocab x n_rows) cut by top-p, min-p and
     top-k over the whole vocabulary at temperature 1, drawn at the row's temperature (column 1,

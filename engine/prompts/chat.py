@@ -197,7 +197,7 @@ def _probe(model: Model) -> TemplateCaps:
             "tool_calls": [{"id": "call_probe", "type": "function", "function": {"name": name, "arguments": {}}}]}
     answer = {"role": "tool", "tool_call_id": "call_probe", "content": result}
 
-    def renders(needle: str, messages: list[dict], tools=None) -> bool:
+    def renders(needle: str, messages: list[dict], tools: list[dict] | None = None) -> bool:
         try:
             return needle in model.apply_chat_template(messages, tools)
         except Exception:  # a template that refuses the probe does not support it

@@ -103,7 +103,7 @@ class ReplyReader:
     """One chat reply: `feed` each text delta, get events (`TextDelta`, `ReasoningDelta`,
     `CallStart`, `ArgumentsDelta`); `close` gives the last events; `parts` the whole reply."""
 
-    def __init__(self, tools: ToolMode | None = None, reasoning: bool = False, thinking: bool = False):
+    def __init__(self, tools: ToolMode | None = None, reasoning: bool = False, thinking: bool = False) -> None:
         self.splitter = ReasoningSplitter("reasoning" if thinking else "start") if reasoning else None
         self.tools = ToolReplyReader(tools) if tools is not None else None
         self.reasoning = ""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -120,12 +121,12 @@ def _fresh(name: str, taken: dict) -> str:
     return key
 
 
-def _refers_inside(schema) -> bool:
+def _refers_inside(schema: Any) -> bool:
     """Whether `schema` holds a local `$ref` to something other than one of its definitions."""
     return any(not re.match(r"^#/(\$defs|definitions)/[^/]+", target) for target in _local_refs(schema))
 
 
-def _local_refs(node):
+def _local_refs(node: Any) -> Iterator[str]:
     """The local `$ref`s of a schema, where they are keywords (not inside values, not names)."""
     if isinstance(node, list):
         for x in node:

@@ -114,7 +114,7 @@ def calibration_steps(backend: BackendProtocol, batches: Sequence[int] | None, r
 class _Measure:
     """`calibrate_backend`'s two ways, with its options (`stepped`: the steps' own)."""
 
-    def __init__(self, options: dict[str, Any], stepped: dict[str, Any]):
+    def __init__(self, options: dict[str, Any], stepped: dict[str, Any]) -> None:
         self.options, self.stepped = options, stepped
 
     def by_steps(self, backend: SteppedBackend) -> Calibration:
@@ -127,7 +127,7 @@ class _Measure:
 class _Count:
     """The progress steps of each way (`calibration_steps`)."""
 
-    def __init__(self, batches: Sequence[int] | None, repeats: int, context_tokens: int):
+    def __init__(self, batches: Sequence[int] | None, repeats: int, context_tokens: int) -> None:
         self.batches, self.repeats, self.context_tokens = batches, repeats, context_tokens
 
     def by_steps(self, backend: SteppedBackend) -> int:
@@ -403,7 +403,7 @@ def calibrate_remote(backend: BackendProtocol, *, prompt_tokens: int = CALIBRATI
 class _Probe:
     """Sends calibration requests to one backend and collects the steps they caused."""
 
-    def __init__(self, backend: SteppedBackend, seed: int, timeout: float):
+    def __init__(self, backend: SteppedBackend, seed: int, timeout: float) -> None:
         self.backend = backend
         self.timeout = timeout
         self._rng = random.Random(seed)

@@ -4,11 +4,28 @@ backends report (EWMA), leaving overridden rates alone."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Protocol
 
-from engine.core.events import StepDone
+from engine.core.events import EventBus, StepDone
 from engine.core.snapshot import Rates
+
+
+class _Rated(Protocol):
+    @property
+    def rates(self) -> Rates: ...
+
+
+class RatedEngine(Protocol):
+    """What the refresh needs of an engine (`engine.engine.Engine`, which sits above this layer)."""
+
+    @property
+    def bus(self) -> EventBus: ...
+    @property
+    def backends(self) -> Mapping[str, _Rated]: ...
+
+    def set_rates(self, name: str, rates: Rates) -> None: ...
 
 # ---- online refresh ----
 
@@ -38,7 +55,7 @@ class OnlineRefresh:
     between runs.
     """
 
-    def __init__(self, engine, weight: float = 0.1, every: int = 8, min_prefill: int = 32):
+    def __init__(self, engine: RatedEngine, weight: float = 0.1, every: int = 8, min_prefill: int = 32) -> None:
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         self.engine = engine

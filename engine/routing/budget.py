@@ -44,7 +44,7 @@ class NewTokenRatio:
     lock.
     """
 
-    def __init__(self, initial: float = 0.7, floor: float = 0.1, decay: float = 0.01):
+    def __init__(self, initial: float = 0.7, floor: float = 0.1, decay: float = 0.01) -> None:
         if not 0 < floor <= initial <= 1:
             raise ValueError(f"need 0 < floor <= initial <= 1, got floor={floor}, initial={initial}")
         if decay < 0:

@@ -14,7 +14,9 @@ from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 from engine.core.request import CHARS_PER_TOKEN
+from engine.core.snapshot import BackendSnapshot
 
+from .budget import DecodeBudget
 from .policy import Policy, fmt_s, seconds_for
 from .policy import from_spec as parse_spec
 from .predicted_finish import predicted_first_token
@@ -25,7 +27,7 @@ HELP = ("Keeps each tenant (requests sharing a prompt prefix) on the backend tha
         "prefill against the queue.")
 
 
-def live_ids(snap) -> frozenset[str]:
+def live_ids(snap: BackendSnapshot) -> frozenset[str]:
     """The request ids `snap`'s backend holds, queued or running."""
     return frozenset(i.request_id for i in snap.items)
 
@@ -50,7 +52,7 @@ class RecentPrefixes:
     `Router` calls it under its lock.
     """
 
-    def __init__(self, block: int = 32, window: int = 256, max_blocks: int = 1 << 16):
+    def __init__(self, block: int = 32, window: int = 256, max_blocks: int = 1 << 16) -> None:
         if block < 1 or window < 1 or max_blocks < 1:
             raise ValueError(f"block, window and max_blocks must be >= 1 (got {block}, {window}, {max_blocks})")
         self.block = block
@@ -196,7 +198,7 @@ class CacheAware(Policy):
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.5,
                  delay_weight: float = 1.0, recent: RecentPrefixes | None = None, *,
-                 move_abs: int = 4, move_rel: float = 0.25):
+                 move_abs: int = 4, move_rel: float = 0.25) -> None:
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs < 0 or balance_rel < 1:
@@ -223,7 +225,7 @@ class CacheAware(Policy):
         self._homes: OrderedDict[int, str] = OrderedDict()  # tenant -> backend of its last request
         self._tenant_of: OrderedDict[str, int] = OrderedDict()  # request id -> tenant
 
-    def score(self, query, snap, budget):
+    def score(self, query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget) -> BackendScore:
         if self._query is not query:
             self._start(query)
         self._cache_size[snap.name] = snap.cache.cached_tokens
@@ -252,7 +254,7 @@ class CacheAware(Policy):
         self._per_token = per_token
         self._group = self._tenant(self._hashes, self._memory.block // per_token, query.prompt_tokens)
 
-    def _remembered_on(self, snap) -> int:
+    def _remembered_on(self, snap: BackendSnapshot) -> int:
         """Prompt tokens routed to `snap`'s backend by a request it still holds (`RecentPrefixes`)."""
         return self._memory.match_on(self._hashes, snap.name, live_ids(snap)) // self._per_token
 
@@ -267,7 +269,7 @@ class CacheAware(Policy):
                 return hashes[k - 1]
         return hashes[need - 1]
 
-    def choose(self, query, scores):
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         eligible = [s for s in scores if s.eligible]
         order = {s.name: k for k, s in enumerate(scores)}
         load = {s.name: s.n_running + s.n_waiting for s in eligible}
@@ -368,7 +370,7 @@ class CacheAware(Policy):
         return (f"{s.name} first token in {fmt_s(s.score_s)} + {fmt_s(delay)} delay to its {n} item{'' if n == 1 else 's'} "
                 f"({s.cached_tokens:,} cached)")
 
-    def pinned(self, query, backend):
+    def pinned(self, query: RouteQuery, backend: str) -> None:
         self._remember(query, backend, home=False)
 
     @staticmethod

@@ -37,10 +37,12 @@ import functools
 import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.snapshot import BackendSnapshot, Rates
 
+from .budget import DecodeBudget
 from .cache_aware import CacheAware, RecentPrefixes, live_ids
 from .policy import Policy, fmt_s, from_spec, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
@@ -198,7 +200,7 @@ class FinishFirst(Policy):
     uses_budget = False
 
     def __init__(self, recent: RecentPrefixes | None = None, *, pack: bool = False,
-                 min_contexts: int = MIN_CONTEXTS, fill: int = FILL, strict: int = STRICT):
+                 min_contexts: int = MIN_CONTEXTS, fill: int = FILL, strict: int = STRICT) -> None:
         if min_contexts < 1 or fill < 0 or strict not in (0, 1):
             raise ValueError("min_contexts must be at least 1, fill at least 0 and strict 0 or 1")
         self.recent = recent or RecentPrefixes()
@@ -218,7 +220,7 @@ class FinishFirst(Policy):
         self._snaps: dict[str, BackendSnapshot] = {}  # grouped backend -> its snapshot (`_in_use`)
         self._resumes: dict[str, deque[bool]] = {}  # group -> whether its last requests resumed one
 
-    def score(self, query, snap, budget):
+    def score(self, query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget) -> BackendScore:
         if self._query is not query:
             self._query = query
             self._parts, self._group, self._within, self._speed, self._snaps = {}, {}, {}, {}, {}
@@ -235,7 +237,7 @@ class FinishFirst(Policy):
             self._snaps[snap.name] = snap
         return make_score(snap, hit, f.all_prefill_tokens, f.all_decode_tokens, f.all_prefill_s, f.all_decode_s)
 
-    def choose(self, query, scores):
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         eligible, slow = self._fast_enough([s for s in scores if s.eligible], query)
         first = min(eligible, key=lambda s: s.score_s)  # min() keeps the first of equal scores
         group = self._group.get(first.name) if self._query is query else None
@@ -302,7 +304,7 @@ class FinishFirst(Policy):
             return ""  # the conversations ended
         return f"it serves conversations ({n} of its last {len(window)} requests resumed one); "
 
-    def _in_use(self, contexts: list[BackendScore], query, resumes: bool = False) -> tuple[list[BackendScore], str]:
+    def _in_use(self, contexts: list[BackendScore], query: RouteQuery, resumes: bool = False) -> tuple[list[BackendScore], str]:
         """The contexts of one device a request may go to, and a phrase on why ("" or ending in
         a space): those in use (holding requests, or at least half of this prompt cached or
         routed there); while fewer than `min_contexts` are in use, the first idle one alone, unless
@@ -357,7 +359,7 @@ class FinishFirst(Policy):
                 break
         return [busy[i] for i in sorted(keep)]
 
-    def _full(self, s: BackendScore, query) -> str:
+    def _full(self, s: BackendScore, query: RouteQuery) -> str:
         """Why a context takes no more new work before another opens ("" if it does): the
         requests it holds reach its live cap or `fill`, or its pool would be used past
         OPEN_KV_SHARE with this prompt."""
@@ -372,7 +374,7 @@ class FinishFirst(Policy):
             return f"would use {snap.kv_cells_used + own:,} of {total:,} KV cells"
         return ""
 
-    def _fast_enough(self, eligible: list[BackendScore], query) -> tuple[list[BackendScore], str]:
+    def _fast_enough(self, eligible: list[BackendScore], query: RouteQuery) -> tuple[list[BackendScore], str]:
         """The eligible backends less a CPU whose peak decode is under MIN_PEAK_SHARE of a GPU
         device's, and a sentence on those left out ("" if none). A device's peak is the sum of
         its contexts' (the backends of one `group` share it): under online rates each context
@@ -402,12 +404,12 @@ class FinishFirst(Policy):
         why = f"left out, under {MIN_PEAK_SHARE:.0%} of {top}'s peak decode of {top_peak:,.0f} tok/s: {names}"
         return [s for s in eligible if s not in out], why
 
-    def pinned(self, query, backend):
+    def pinned(self, query: RouteQuery, backend: str) -> None:
         if self._within.get(backend) is not None and self._query is query:
             self.within.pinned(query, backend)
         self._record(query, backend)
 
-    def _record(self, query, backend):
+    def _record(self, query: RouteQuery, backend: str) -> None:
         if self._hashes and self._query is query:
             self.recent.record(self._hashes, backend, query.request_id)
         self._query = None

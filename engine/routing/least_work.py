@@ -3,9 +3,11 @@ rates are ignored. A baseline."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .policy import fmt_tok, lowest
 from .seed_score import SeedScored
-from .types import BackendScore
+from .types import BackendScore, RouteQuery
 
 HELP = "Fewest remaining prefill + decode tokens; ignores the rates."
 
@@ -15,7 +17,7 @@ class LeastWork(SeedScored):
 
     name = "least-work"
 
-    def choose(self, query, scores):
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         return lowest(scores, lambda s: s.work_tokens, _explain_work)
 
 

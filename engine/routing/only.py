@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.core.errors import BackendUnavailable
 
 from .policy import names_of
 from .seed_score import SeedScored
+from .types import BackendScore, RouteQuery
 
 HELP = {
     "gpu-only": "Everything to the first GPU backend (the study's baseline).",
@@ -23,14 +26,14 @@ class OnlyBackend(SeedScored):
     first in order on a tie.
     """
 
-    def __init__(self, backend: str | None = None, device: str | None = None):
+    def __init__(self, backend: str | None = None, device: str | None = None) -> None:
         if (backend is None) == (device is None):
             raise ValueError("give exactly one of backend, device")
         self.backend = backend
         self.device = device
         self.name = f"only:{backend}" if backend is not None else f"{device}-only"
 
-    def choose(self, query, scores):
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         if self.backend is not None:
             matches = [s for s in scores if s.name == self.backend]
             what = f"backend {self.backend!r}"

@@ -79,7 +79,8 @@ def step_seconds(rates: Rates, batch: int) -> float:
     return rates.step_s(batch)
 
 
-def make_score(snap, cached, prefill, decode, prefill_s, decode_s) -> BackendScore:
+def make_score(snap: BackendSnapshot, cached: int, prefill: float, decode: float, prefill_s: float,
+               decode_s: float) -> BackendScore:
     return BackendScore(
         name=snap.name,
         device=snap.device,
@@ -97,7 +98,8 @@ def make_score(snap, cached, prefill, decode, prefill_s, decode_s) -> BackendSco
     )
 
 
-def lowest(scores, key, explain) -> tuple[str, str]:
+def lowest(scores: Sequence[BackendScore], key: Callable[[BackendScore], float],
+           explain: Callable[[BackendScore, BackendScore | None], str]) -> tuple[str, str]:
     """Eligible entry with the lowest key (first wins ties) and the explanation against the runner-up."""
     eligible = [s for s in scores if s.eligible]
     best = min(eligible, key=key)  # min() keeps the first of equal keys

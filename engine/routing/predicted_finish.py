@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
 from engine.core.snapshot import BackendSnapshot, WorkItem
 
+from .budget import DecodeBudget
 from .policy import Policy, lowest, make_score, seconds_for, step_seconds
 from .types import BackendScore, RouteQuery
 
@@ -132,10 +134,10 @@ class PredictedFinish(Policy):
     name = "predicted-finish"
     uses_budget = False
 
-    def score(self, query, snap, budget):
+    def score(self, query: RouteQuery, snap: BackendSnapshot, budget: DecodeBudget) -> BackendScore:
         return predicted_finish(query, snap)
 
-    def choose(self, query, scores):
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         return lowest(scores, lambda s: s.score_s, _explain_finish)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.core.errors import BackendUnavailable
 
 from .seed_score import SeedScored
+from .types import BackendScore, RouteQuery
 
 HELP = "Takes turns, ignoring load (a baseline)."
 
@@ -17,7 +20,7 @@ class RoundRobin(SeedScored):
     def __init__(self) -> None:
         self._last: str | None = None
 
-    def choose(self, query, scores):
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         names = [s.name for s in scores]
         start = names.index(self._last) + 1 if self._last in names else 0
         for k in range(len(scores)):

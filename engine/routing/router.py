@@ -39,7 +39,7 @@ class Router:
         history: int = DEFAULT_HISTORY,
         ratio: NewTokenRatio | None = None,
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         self._lock = threading.Lock()
         self._policy = make_policy(policy)
         self._budget = check_budget(budget)

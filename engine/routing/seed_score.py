@@ -7,6 +7,8 @@ the app's Teaching view explains; the default is `engine/routing/default.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.core.snapshot import BackendSnapshot
 
 from .budget import RAW, DecodeBudget
@@ -46,7 +48,7 @@ class SeedScore(SeedScored):
 
     name = "seed-score"
 
-    def choose(self, query, scores):
+    def choose(self, query: RouteQuery, scores: Sequence[BackendScore]) -> tuple[str, str]:
         return lowest(scores, lambda s: s.score_s, _explain_seconds)
 
 

@@ -106,7 +106,7 @@ class UnifiedKv:
 
     unified = True
 
-    def __init__(self, n_ctx: int):
+    def __init__(self, n_ctx: int) -> None:
         self.n_ctx = n_ctx
 
     def cells_used(self, cache: PrefixCache, running: Iterable[SeqState]) -> int:

@@ -87,7 +87,7 @@ class ConcurrencyLimiter:
 
     def __init__(self, ceiling: int, *, initial: int | None = None, floor: int = 1, adaptive: bool = True,
                  window: int = 16, tolerance: float = 0.10, reprobe_windows: int = 32, idle_windows: int = 8,
-                 slow_start: int = 16, patience: int = 2, confirm: int = 2):
+                 slow_start: int = 16, patience: int = 2, confirm: int = 2) -> None:
         if ceiling < 1:
             raise ValueError(f"ceiling must be >= 1, got {ceiling}")
         self.ceiling = ceiling

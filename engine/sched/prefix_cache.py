@@ -69,7 +69,7 @@ class TreeNode:
     __slots__ = ("children", "end", "holder", "id", "key", "last_access", "lock_ref", "parent", "prompt_end")
 
     def __init__(self, node_id: int, key: tuple[int, ...], parent: TreeNode | None, end: int,
-                 last_access: int):
+                 last_access: int) -> None:
         self.id = node_id
         self.key = key  # the edge's tokens; empty only at the root
         self.parent = parent  # None at the root and on removed nodes
@@ -177,7 +177,7 @@ class PrefixCache:
     or keep anything.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.RLock()
         self._node_ids = itertools.count()
         self._clock = itertools.count(1)
@@ -484,7 +484,7 @@ class PrefixCache:
 
     # ---- internal helpers ----
 
-    def _leaves(self):
+    def _leaves(self) -> Iterator[TreeNode]:
         stack = [self._root]
         while stack:
             node = stack.pop()

@@ -10,6 +10,7 @@ only while a choice pins it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -27,16 +28,16 @@ class Reuse(Protocol):
         """How many of `seq`'s tokens may come from the cache at admission."""
         ...
 
-    def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
+    def match_length(self, cache: PrefixCache, tokens: Sequence[int]) -> int:
         """Cached tokens a request of `tokens` would reuse (the router's estimate)."""
         ...
 
-    def match_resumed(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, int]:
+    def match_resumed(self, cache: PrefixCache, tokens: Sequence[int]) -> tuple[int, int]:
         """`match_length`, and of it an earlier request's own part that `tokens` resumes
         (`PrefixCache.match_resumed`)."""
         ...
 
-    def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
+    def pin(self, cache: PrefixCache, tokens: Sequence[int]) -> tuple[int, Pin | None]:
         """Match and pin that prefix for a request about to be queued: `(length, pin)`, the pin
         keeping it from eviction until admission; (0, None) when nothing matched. Raises
         `ValueError` when the match was evicted before the pin (another thread: match again)."""
@@ -65,7 +66,7 @@ class RadixReuse:
 
     enabled = True
 
-    def __init__(self, share_prefill: bool = True, defer_shared: bool = True):
+    def __init__(self, share_prefill: bool = True, defer_shared: bool = True) -> None:
         self.share_prefill = share_prefill
         self.defers = share_prefill and defer_shared
 
@@ -75,13 +76,13 @@ class RadixReuse:
         # The last prompt token is decoded again for its logits (vLLM's habit); a warm-up samples nothing.
         return len(seq.tokens) - (0 if seq.warm else 1)
 
-    def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
+    def match_length(self, cache: PrefixCache, tokens: Sequence[int]) -> int:
         return cache.match_length(tokens, max_len=len(tokens) - 1)
 
-    def match_resumed(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, int]:
+    def match_resumed(self, cache: PrefixCache, tokens: Sequence[int]) -> tuple[int, int]:
         return cache.match_resumed(tokens, max_len=len(tokens) - 1)
 
-    def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
+    def pin(self, cache: PrefixCache, tokens: Sequence[int]) -> tuple[int, Pin | None]:
         m = cache.match(tokens, max_len=len(tokens) - 1)
         return (m.length, cache.pin(m)) if m.length else (0, None)
 
@@ -108,13 +109,13 @@ class NullCache:
     def usable(self, seq: SeqState) -> int:
         return _CHOICES.usable(seq) if seq.choice else 0
 
-    def match_length(self, cache: PrefixCache, tokens: list[int]) -> int:
+    def match_length(self, cache: PrefixCache, tokens: Sequence[int]) -> int:
         return 0
 
-    def match_resumed(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, int]:
+    def match_resumed(self, cache: PrefixCache, tokens: Sequence[int]) -> tuple[int, int]:
         return 0, 0
 
-    def pin(self, cache: PrefixCache, tokens: list[int]) -> tuple[int, Pin | None]:
+    def pin(self, cache: PrefixCache, tokens: Sequence[int]) -> tuple[int, Pin | None]:
         return 0, None
 
     def publishes(self, seq: SeqState) -> bool:

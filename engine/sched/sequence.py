@@ -1,23 +1,21 @@
 """`SeqState`: a request inside one backend, the unit the scheduler plans with (engine/sched/scheduler.py)
 and the runner decodes (engine/llama/runner.py); vLLM keeps its `Request` apart from its scheduler
-the same way (`vllm/v1/request.py`). Fields and their owners: the class's docstring."""
+the same way (`vllm/v1/request.py`), and the runner's per-request state apart again
+(`gpu_input_batch.py`; here `SeqRun`, keyed by sequence id)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from engine.core.handle import RequestHandle
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.snapshot import WorkItem
 from engine.core.textstream import TextStream
 from engine.sched.prefix_cache import Pin
 
-if TYPE_CHECKING:
-    from engine.sched.sampler import Sampler
-
 
 class SeqState:
-    """A request inside a backend. The scheduler owns every field except `sampler`, `row`
-    (the batch row of a prompt chunk's last token) and `prompt_logprobs`, which the runner sets."""
+    """A request inside a backend, as the scheduler sees it. The runner keeps its own part (the
+    sampler chain, the batch row) apart, by sequence id (`SeqRun`, engine/llama/runner.py); of
+    these fields it only appends to `prompt_logprobs`, the record the request's handle reads."""
 
     __slots__ = (
         "admit_cap",
@@ -41,8 +39,6 @@ class SeqState:
         "prompt_logprobs",
         "ran_on",
         "req",
-        "row",
-        "sampler",
         "seq_id",
         "sp",
         "status",
@@ -55,8 +51,8 @@ class SeqState:
         "warm",
     )
 
-    def __init__(self, req: Request, handle, pin, estimate: int, t_submit: float, warm: bool = False,
-                 n_ctx_seq: int | None = None, choice: bool = False):
+    def __init__(self, req: Request, handle: RequestHandle | None, pin: Pin | None, estimate: int, t_submit: float, warm: bool = False,
+                 n_ctx_seq: int | None = None, choice: bool = False) -> None:
         self.req = req
         self.handle = handle
         self.sp: SamplingParams = req.sampling
@@ -71,7 +67,6 @@ class SeqState:
         self.n_shared = 0  # leading tokens aliased from the prefix cache (or published there)
         self.n_hit = 0  # cached tokens reused at its last admission (what its record reports)
         self.generated = 0
-        self.sampler: Sampler | None = None
         self.stream = TextStream(self.sp.stop)
         self.pin = pin  # routing-time pin on the cached prefix, released at admission
         self.lock: Pin | None = None  # pin held while running, so the aliased prefix is never evicted
@@ -80,7 +75,6 @@ class SeqState:
         self.t_submit = t_submit
         self.t_admit = self.t_first = self.t_last = 0.0
         self.itl_sum = 0.0
-        self.row = -1
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.preemptions = 0

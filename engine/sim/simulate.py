@@ -19,7 +19,7 @@ from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
 from engine.routing import RouteQuery, Router
 from engine.sched.limiter import CEILING, START, ConcurrencyLimiter
-from engine.sched.scheduler import Finished, Plan, Scheduler, SeqState, default_seq_slots
+from engine.sched.scheduler import Finished, Plan, Scheduler, SchedulerConfig, SeqState, default_seq_slots
 from engine.sim.benchmark import RequestRecord, decision_line
 from engine.sim.workload import RequestSpec, Workload
 
@@ -431,10 +431,10 @@ class _SimBackend:
         self.p = profile
         self.rates = profile.rates
         limiter = ConcurrencyLimiter(profile.most, initial=START[profile.kind]) if profile.adaptive else None
-        self.sched = Scheduler(cap=profile.cap or 1, n_ctx=n_ctx, n_ctx_seq=n_ctx,
-                               n_seq_max=default_seq_slots(profile.most, profile.device), n_batch=profile.n_batch,
-                               busy_chunk=profile.chunk(), name=profile.name, piece=_no_text, clock=clock,
-                               limiter=limiter)
+        config = SchedulerConfig(cap=profile.cap or 1, n_ctx=n_ctx, n_ctx_seq=n_ctx,
+                                 n_seq_max=default_seq_slots(profile.most, profile.device), n_batch=profile.n_batch,
+                                 busy_chunk=profile.chunk(), name=profile.name)
+        self.sched = Scheduler(config, clock, piece=_no_text, limiter=limiter)
         self.plan: Plan | None = None  # the step in flight
         self.plan_s = 0.0  # its seconds (an adaptive cap's limiter is fed them)
         self.busy = False
