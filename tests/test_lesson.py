@@ -152,14 +152,18 @@ def eng():
 
 @pytest.fixture
 def fresh(eng):
-    """The shared engine, idle and with its caps, rates and policy as loaded, after each test."""
+    """The shared engine at a fixed cap of 4 (an adaptive live cap may move below its ceiling while
+    requests run), and idle, adaptive and with its rates and policy as loaded after each test."""
     rates = {name: eng.rates(name) for name in eng.backend_names}
+    adaptive = {name: b.cap_adaptive for name, b in eng.backends.items()}
+    for b in eng.backends.values():
+        b.set_cap(4, adaptive=False)
     yield eng
     deadline = time.monotonic() + WAIT_S
     while any(s.items for s in eng.snapshot()) and time.monotonic() < deadline:
         time.sleep(0.02)
-    for name in eng.backend_names:
-        eng.set_cap(name, 4)
+    for name, b in eng.backends.items():
+        b.set_cap(4, adaptive=adaptive[name])
         eng.set_rates(name, rates[name])
     eng.router.set_policy("default")
     eng.flush()
@@ -214,17 +218,20 @@ def test_a_ceiling_lowered_mid_lesson_is_honoured_by_the_next_routed_request(fre
     for name in fresh.backend_names:  # a CPU's step as this machine measured it: batching pays
         fresh.set_rates(name, MEASURED)
     lesson = Lesson(fresh, mix)
-    long_reply = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    long_reply = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    # One request running on cpu0, three on cpu1 (all admitted), then each worker held inside its
+    # next step, so the state the router sees holds still. At the ceiling loaded (4) the next
+    # arrival goes to cpu0, where fewer run.
+    held = [fresh.submit(Request(mix.request(100 + i).prompt, long_reply, backend=name))
+            for i, name in enumerate(("cpu0", "cpu1", "cpu1", "cpu1"))]
+    deadline = time.monotonic() + WAIT_S
+    while [len(s.running) for s in fresh.snapshot()] != [1, 3] and time.monotonic() < deadline:
+        time.sleep(0.005)
     gates = [StepGate(fresh.bus, name, after=1) for name in ("cpu0", "cpu1")]
     try:
-        # Requests running on each backend, held there by its worker's gate so that the state the
-        # router sees holds still: one on cpu0, two on cpu1. At the ceiling loaded (4) the next
-        # arrival goes to cpu0, where fewer run.
-        held = [fresh.submit(Request(mix.request(100 + i).prompt, long_reply, backend=name))
-                for i, name in enumerate(("cpu0", "cpu1", "cpu1", "cpu1"))]
         for g in gates:
             assert g.reached.wait(WAIT_S)
-        assert [len(s.running) for s in fresh.snapshot()] == [1, 3]
+        assert [(len(s.running), len(s.waiting)) for s in fresh.snapshot()] == [(1, 0), (3, 0)]
         lesson.start()
         lesson.pause()
         before = lesson.step()

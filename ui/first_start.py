@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from .loader import PHASES
+from .loader import OPTIONAL_PHASES, PHASES
 from .theme import HEALTHY, MUTED, WORKING
 
 MIN_FRACTION_FOR_ESTIMATE = 0.1  # a phase's pace says little before a tenth of it is done
@@ -184,7 +184,7 @@ class LoadScreen(QWidget):
 
     def _show_phases(self) -> None:
         """Each phase seen so far (done ✓, in progress ●), then those still to come."""
-        keys = [k for k in PHASES if k in self._seen or k != "unpacking"]
+        keys = [k for k in PHASES if k in self._seen or k not in OPTIONAL_PHASES]
         parts = []
         for i, k in enumerate(keys, 1):
             name = PHASES[k] + (" (first start)" if k == "measuring" else "")

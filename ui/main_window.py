@@ -59,6 +59,8 @@ from .formatting import live_cap_text, model_title
 from .get_model import GetModelDialog
 from .history import ChatStore
 from .latency import LatencyView
+from .lesson import LessonRun
+from .lesson_control import LessonControl
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .loader import PHASES, ModelLoader, ModelSpec
 from .local_models import remember
@@ -115,6 +117,8 @@ class MainWindow(QMainWindow):
         self._tab_of: dict[QWidget, QWidget] = {}  # a monitored panel -> its tab in the Monitor drawer
         self.panels: dict[str, QWidget] = {}
         self.demo: WorkloadRun | None = None
+        self.lessons = LessonControl(self, gpu_offload)
+        self.lessons.status_message.connect(self.show_message)
         # serve_fn(engine, host, port, api_key) -> (runner, url), a coroutine (app.gui.serve)
         self.server = ServerControl(serve_fn, self) if serve_fn is not None else None
         self.loader = ModelLoader(load_fn, self) if load_fn is not None else None
@@ -292,6 +296,9 @@ class MainWindow(QMainWindow):
                               triggered=lambda: self.start_demo(seed_workload(48))))
         run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))  # type: ignore[call-overload]
         run.addSeparator()
+        for a in self.lessons.actions():
+            run.addAction(a)
+        run.addSeparator()
         self.pause_action = QAction("&Pause or resume arrivals", self, shortcut=QKeySequence("F6"),  # type: ignore[call-overload]
                                     triggered=self.toggle_pause)
         self.step_action = QAction("S&tep: send the next arrival", self, shortcut=QKeySequence("F7"),  # type: ignore[call-overload]
@@ -405,6 +412,7 @@ class MainWindow(QMainWindow):
                 p.status_message.connect(self.show_message)
         self.stack.addWidget(chat)
         self.stack.setCurrentWidget(chat)
+        self.lessons.build(engine, self.bridge)
 
         for title, key in (("Backends", "backends"), ("Controls", "controls"), ("Routing", "routing"),
                            ("Latency", "latency"), ("Teaching", "teaching"), ("Experiments", "experiments")):
@@ -491,6 +499,7 @@ class MainWindow(QMainWindow):
 
     def _teardown_panels(self) -> None:
         self.stop_demo()
+        self.lessons.teardown()
         for panel in (self._panel("experiments", ExperimentsPanel), self._panel("teaching", TeachingPanel)):
             if panel is not None:
                 panel.stop()
@@ -550,6 +559,7 @@ class MainWindow(QMainWindow):
         self._set_load_actions(True)
         self.set_engine(engine, spec, owns=True)
         self.statusBar().showMessage(f"loaded {spec.describe()}", 5000)
+        self.lessons.on_loaded(spec)
 
     def _on_load_failed(self, message: str, spec) -> None:
         self.load_bar.setVisible(False)
@@ -585,7 +595,10 @@ class MainWindow(QMainWindow):
             # A developer's figure: in the status bar only when asked for or truly high.
             self.lag_label.setVisible(self.developer_action.isChecked() or p95 > LAG_ALERT_S)
         busy = any(s.items for s in tick.snapshots)
-        if self.demo is not None and self.demo.running:
+        lesson = self.lessons.run
+        if lesson is not None and lesson.running:
+            self.state_label.setText(f"lesson: {lesson.n_submitted} sent, {lesson.n_done} done")
+        elif self.demo is not None and self.demo.running:
             d = self.demo
             self.state_label.setText("demo: warming the prefix" if d.state in ("flushing", "warming") else
                                      f"demo: {len(d.result.records)}/{d.spec.n_requests} done")
@@ -604,6 +617,9 @@ class MainWindow(QMainWindow):
             return None
         self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
         self.demo.done.connect(self._on_demo_done)
+        routing = self._panel("routing", RoutingView)
+        if routing is not None:  # the demo's rows, numbered from #1, not a chat's from before
+            routing.clear()
         for key in ("experiments", "routing", "latency"):  # the Pause/Step row, the phase strips
             panel = self.panels.get(key)
             if panel is not None and hasattr(panel, "show_run"):
@@ -625,11 +641,11 @@ class MainWindow(QMainWindow):
         else:
             self.show_message(f"demo failed: {result.error or 'no request finished'}")
 
-    def live_run(self) -> WorkloadRun | None:
-        """The live workload run in progress (a demo, an experiment, the teaching run), if any."""
-        runs = [self.demo, getattr(self.panels.get("experiments"), "_run", None),
+    def live_run(self) -> WorkloadRun | LessonRun | None:
+        """The live run in progress (a lesson, a demo, an experiment, the teaching run), if any."""
+        runs = [self.lessons.run, self.demo, getattr(self.panels.get("experiments"), "_run", None),
                 getattr(self.panels.get("teaching"), "run", None)]
-        return next((r for r in runs if isinstance(r, WorkloadRun) and r.running), None)
+        return next((r for r in runs if isinstance(r, WorkloadRun | LessonRun) and r.running), None)
 
     def toggle_pause(self) -> bool:
         """Pause the live run's arrivals, or resume them; False if no live run."""
@@ -638,7 +654,7 @@ class MainWindow(QMainWindow):
             self.show_message("no live run to pause (Run ▸ Send the study's 8 requests starts one)", 4000)
             return False
         done = run.resume() if run.paused else run.pause()
-        self.show_message(f"{run.result.label}: arrivals " + ("paused" if run.paused else "resumed"), 4000)
+        self.show_message(f"{run.label}: arrivals " + ("paused" if run.paused else "resumed"), 4000)
         return done
 
     def step_run(self) -> bool:
@@ -648,12 +664,13 @@ class MainWindow(QMainWindow):
             if run is None:
                 why = "no live run (Run ▸ Send the study's 8 requests starts one)"
             elif run.state in ("flushing", "warming"):
-                why = f"{run.result.label} is warming the shared prefix; arrivals start after it"
+                why = f"{run.label} is warming the shared prefix; arrivals start after it"
             else:
-                why = f"no arrival left to send ({run.result.label}: {run.state})"
+                why = f"no arrival left to send ({run.label}: {run.state})"
             self.show_message(why, 5000)
             return False
-        self.show_message(f"{run.result.label}: sent {run.n_submitted}/{run.spec.n_requests}, paused (F6 resumes)", 5000)
+        total = "" if run.n_requests is None else f"/{run.n_requests}"
+        self.show_message(f"{run.label}: sent {run.n_submitted}{total}, paused (F6 resumes)", 5000)
         return True
 
     def stop_demo(self) -> None:

@@ -1,0 +1,200 @@
+"""A lesson in the window (ui.lesson_control, ui.lesson_bar, ui.lesson): arrivals that keep coming
+until Stop, Pause and Step from the bar and the Run menu, a ceiling lowered in the bar deciding the
+next routed request and marked on the plots, a lesson's own routing table, and a lesson load that
+warms the prefix before the first arrival.
+
+The lessons run a small mix (a 32-token prefix, short replies) on the shared two-backend engine.
+Where a state must hold still, a backend's worker is held inside a step (`StepGate`), or the
+lesson is paused and stepped, so what is sent depends on the steps alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from ui_fixtures import UI_MODEL, WAIT_MS, StepGate, make_window, qasync_loop, ui_engine  # noqa: F401
+
+from engine.core.request import Request, SamplingParams
+from engine.core.snapshot import Rates
+from engine.lesson import Kind, LessonMix
+from engine.routing import DEFAULT_POLICY
+from engine.sim.arrivals import MAX_RATE
+from ui.lesson import Progress, lesson_hint
+from ui.lesson_bar import next_rate
+
+SMALL = LessonMix(prefix_tokens=32, kinds=(Kind("short", 4, 4, 1.0), Kind("long", 4, 24, 1.0)))
+MEASURED = Rates(prefill_tok_s=134.0, decode_tok_s=97.0, step_alpha_s=0.013, step_beta_s=0.0094, source="override")
+
+
+def lesson_window(make_window, engine, rate: float = MAX_RATE):
+    w = make_window()
+    w.lessons.mix = replace(SMALL, vocab_size=engine.n_vocab)
+    run = w.lessons.start(rate)
+    assert run is not None and run.running
+    return w, run
+
+
+def stop_and_drain(qtbot, w, run) -> None:
+    w.lessons.stop()
+    assert run.state == "stopped"
+    qtbot.waitUntil(lambda: all(s.handle is None or s.handle.done for s in run.lesson.sent), timeout=WAIT_MS)
+
+
+def test_a_lessons_arrivals_keep_coming_until_stop(qtbot, make_window, ui_engine):
+    w, run = lesson_window(make_window, ui_engine)
+    bar = w.lessons.bar
+    assert w.lessons.toolbar.isVisible() or not w.isVisible()  # shown with the window
+    assert bar.start_button.text() == "Stop the lesson"
+    qtbot.waitUntil(lambda: run.n_submitted >= 12, timeout=WAIT_MS)  # more than a demo's 8, and on
+    assert run.running and run.n_requests is None
+    qtbot.waitUntil(lambda: run.n_done >= 3, timeout=WAIT_MS)  # they are served, not just sent
+    bar.start_button.click()  # Stop
+    assert run.state == "stopped"
+    n = run.n_submitted
+    qtbot.wait(300)  # six arrivals' worth at this rate
+    assert run.n_submitted == n
+    assert not w.lessons.running and bar.start_button.text() == "Start a lesson"
+    stop_and_drain(qtbot, w, run)
+
+
+def test_pause_and_step_act_on_the_lesson_from_the_bar_and_the_run_menu(qtbot, make_window, ui_engine):
+    w, run = lesson_window(make_window, ui_engine)
+    controls = w.lessons.bar.run_controls
+    assert controls.run is run and run.n_submitted == 1  # the first arrival at once
+    controls.pause_button.click()
+    assert run.paused
+    qtbot.wait(300)  # six arrivals fall due
+    assert run.n_submitted == 1
+    controls.step_button.click()
+    assert run.n_submitted == 2 and run.paused
+    w.step_action.trigger()  # F7 reaches the same lesson
+    assert run.n_submitted == 3 and run.paused
+    assert "Step (F7)" in w.lessons.bar.hint_label.text()  # paused: the hint says how to go on
+    w.pause_action.trigger()  # F6: resume
+    assert not run.paused
+    qtbot.waitUntil(lambda: run.n_submitted >= 6, timeout=WAIT_MS)
+    stop_and_drain(qtbot, w, run)
+
+
+def test_the_rate_buttons_change_when_the_next_arrival_comes(qtbot, make_window, ui_engine):
+    w, run = lesson_window(make_window, ui_engine, rate=0.5)
+    bar = w.lessons.bar
+    assert run.seconds_to_next() == pytest.approx(2.0, abs=0.3)
+    bar.faster.click()
+    assert run.rate == next_rate(0.5, up=True)
+    assert run.seconds_to_next() < 1.5
+    assert bar.rate_label.text() == "one every 1.33 s"
+    w.lessons.slower_action.trigger()
+    w.lessons.slower_action.trigger()
+    assert run.rate == next_rate(0.5, up=False)
+    stop_and_drain(qtbot, w, run)
+
+
+@pytest.fixture
+def fixed_caps(ui_engine):
+    """Both backends at a fixed cap of 4 (an adaptive live cap may move below its ceiling while
+    requests run), adaptive again afterwards as they were."""
+    was = {name: b.cap_adaptive for name, b in ui_engine.backends.items()}
+    for b in ui_engine.backends.values():
+        b.set_cap(4, adaptive=False)
+    yield
+    for name, b in ui_engine.backends.items():
+        b.set_cap(4, adaptive=was[name])
+
+
+def test_a_ceiling_lowered_in_the_bar_is_honoured_by_the_next_routed_request_and_marked(qtbot, make_window, ui_engine,
+                                                                                        fixed_caps):
+    for name in ui_engine.backend_names:  # a CPU's step as measured on this machine: batching pays
+        ui_engine.set_rates(name, MEASURED)
+    w, run = lesson_window(make_window, ui_engine)
+    w.lessons.bar.policy_combo.setCurrentText(DEFAULT_POLICY)  # the policy that prices the live cap
+    assert ui_engine.router.policy == DEFAULT_POLICY
+    run.pause()
+    long_reply = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    mix = w.lessons.mix
+    qtbot.waitUntil(lambda: not any(s.items for s in ui_engine.snapshot()), timeout=WAIT_MS)
+    # One request running on cpu0, three on cpu1 (all admitted), then each worker held inside its
+    # next step, so the state the router sees holds still. At the loaded ceiling the next arrival
+    # goes to cpu0, where fewer run.
+    held = [ui_engine.submit(Request(mix.request(100 + i).prompt, long_reply, backend=name))
+            for i, name in enumerate(("cpu0", "cpu1", "cpu1", "cpu1"))]
+    qtbot.waitUntil(lambda: [len(s.running) for s in ui_engine.snapshot()] == [1, 3], timeout=WAIT_MS)
+    gates = [StepGate(ui_engine.bus, name, after=1) for name in ("cpu0", "cpu1")]
+    try:
+        for g in gates:
+            assert g.reached.wait(WAIT_MS / 1000)
+        assert [(len(s.running), len(s.waiting)) for s in ui_engine.snapshot()] == [(1, 0), (3, 0)]
+        assert run.step()
+        before = run.lesson.sent[-1].handle.decision
+        assert before.backend == "cpu0" and before.score_of("cpu0").cap == 4
+        w.lessons.bar.ceilings["cpu0"].setValue(1)  # the teacher lowers cpu0's ceiling
+        assert run.step()
+        after = run.lesson.sent[-1].handle.decision
+        assert after.score_of("cpu0").cap == 1  # the very next request was routed under it
+        assert after.backend == "cpu1", after.reason
+    finally:
+        for g in gates:
+            g.release()
+    routing = w.panels["routing"]
+    qtbot.waitUntil(lambda: any("cpu0 ceiling 4→1" in t for t in routing.change_marks.texts()), timeout=WAIT_MS)
+    assert any("cpu0 ceiling 4→1" in t for t in w.panels["latency"].marks.texts())
+    for h in held:
+        h.cancel()
+    stop_and_drain(qtbot, w, run)
+    for h in held:
+        h.result(WAIT_MS / 1000)
+
+
+def test_a_lessons_table_holds_its_own_rows_only(qtbot, make_window, ui_engine):
+    w = make_window()
+    routing = w.panels["routing"]
+    before = ui_engine.submit(Request(tuple(range(300, 340)), SamplingParams(max_tokens=2)))  # a chat's, say
+    qtbot.waitUntil(lambda: routing.model.rowCount() == 1, timeout=WAIT_MS)
+    before.result(WAIT_MS / 1000)
+    w.lessons.mix = replace(SMALL, vocab_size=ui_engine.n_vocab)
+    run = w.lessons.start(rate=MAX_RATE)
+    run.pause()
+    run.step()
+    qtbot.waitUntil(lambda: routing.model.rowCount() == run.n_submitted == 2, timeout=WAIT_MS)
+    ids = [d.request_id for d in routing.model.decisions]
+    assert ids == run.result.request_ids and before.id not in ids
+    stop_and_drain(qtbot, w, run)
+
+
+def test_the_hint_moves_on_with_what_the_teacher_did():
+    names = ["cpu0", "cpu1"]
+    p = Progress(sent=10, paused=False, ceiling_lowered=False, rate_changed=False, policy_changed=False,
+                 stepped=False)
+    assert lesson_hint(replace(p, sent=1), names).startswith("Each row is one request")
+    assert lesson_hint(p, names) == "Lower cpu0's ceiling to 1 and watch the next rows"
+    p = replace(p, ceiling_lowered=True)
+    assert "next rows go to cpu1" in lesson_hint(p, names)
+    p = replace(p, rate_changed=True)
+    assert "policy" in lesson_hint(p, names)
+    p = replace(p, policy_changed=True)
+    assert "Step (F7)" in lesson_hint(p, names)
+    assert "Step (F7)" in lesson_hint(replace(p, paused=True, stepped=True), names)
+    assert "Stop" in lesson_hint(replace(p, stepped=True), names)
+
+
+def test_a_lesson_load_warms_the_prefix_before_the_first_arrival(qtbot, make_window):
+    from app.gui import load_engine
+    from ui.loader import ModelSpec
+
+    w = make_window(engine=None, load_fn=load_engine)
+    started = []
+    w.lessons.started.connect(started.append)
+    phases = []
+    w.loader.phase.connect(phases.append)
+    specs = ("cpu:threads=1,cap=2,ctx=2048", "cpu:threads=1,cap=2,ctx=2048")
+    assert w.load_model(ModelSpec(UI_MODEL, specs, lesson=True))
+    qtbot.waitUntil(lambda: bool(started), timeout=WAIT_MS)
+    run = started[0]
+    assert phases[-1] == "warming"
+    assert run.n_submitted >= 1
+    first = run.lesson.sent[0]
+    prefix = len(run.lesson.mix.prefix())
+    # Every backend held the whole shared prefix when the first request was routed.
+    assert [s.cached_tokens for s in first.handle.decision.scores] == [prefix, prefix]
+    assert run.lesson.first_arrival_s is not None
+    stop_and_drain(qtbot, w, run)
