@@ -145,7 +145,7 @@ def test_a_ceiling_lowered_in_the_bar_is_honoured_by_the_next_routed_request_and
         h.result(WAIT_MS / 1000)
 
 
-def test_a_lessons_table_holds_its_own_rows_only(qtbot, make_window, ui_engine):
+def test_a_lessons_table_holds_its_own_rows_named_as_the_explanation_names_them(qtbot, make_window, ui_engine):
     w = make_window()
     routing = w.panels["routing"]
     before = ui_engine.submit(Request(tuple(range(300, 340)), SamplingParams(max_tokens=2)))  # a chat's, say
@@ -158,6 +158,9 @@ def test_a_lessons_table_holds_its_own_rows_only(qtbot, make_window, ui_engine):
     qtbot.waitUntil(lambda: routing.model.rowCount() == run.n_submitted == 2, timeout=WAIT_MS)
     ids = [d.request_id for d in routing.model.decisions]
     assert ids == run.result.request_ids and before.id not in ids
+    routing.select_row(1)  # the explanation names the request as the table does
+    text = routing.explain.toPlainText()
+    assert text.startswith("#2 → ") and ids[1] not in text
     stop_and_drain(qtbot, w, run)
 
 

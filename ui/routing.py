@@ -190,15 +190,17 @@ def _text_color(plotted: str) -> QColor:
     return QColor(palette().transcript.backend(plotted))
 
 
-def explain_decision(d, colors: dict | None = None) -> str:
+def explain_decision(d, colors: dict | None = None, number: int | None = None) -> str:
     """The selected decision in words (HTML): who won, by how much, and every backend's sum, in
-    the theme in use's text colours (`colors`: each backend's plot colour)."""
+    the theme in use's text colours (`colors`: each backend's plot colour). `number`: the row's
+    number in the table, which names the request there (the engine's id is the row's tooltip)."""
     pal = palette()
     colors = {name: pal.transcript.backend(c) for name, c in (colors or {}).items()}
     muted, plain = pal.transcript.muted, pal.text
     chosen = d.chosen
     others = sorted((s for s in d.scores if s.name != d.backend), key=lambda s: s.score_s)
-    head = f"<b>{html.escape(d.request_id)}</b> → <b style='color:{colors.get(d.backend, plain)}'>{html.escape(d.backend)}</b>"
+    name = f"#{number}" if number is not None else html.escape(d.request_id)
+    head = f"<b>{name}</b> → <b style='color:{colors.get(d.backend, plain)}'>{html.escape(d.backend)}</b>"
     if d.pinned:
         line = "Pinned by the request: the policy was bypassed."
     elif others:
@@ -421,7 +423,7 @@ class RoutingView(QWidget):
         if not current.isValid() or current.row() >= len(self.model.decisions):
             return
         d = self.model.decisions[current.row()]
-        self.explain.setHtml(explain_decision(d, self.colors))
+        self.explain.setHtml(explain_decision(d, self.colors, self.model._first_number + current.row()))
         self.selected_line.setPos(self.model._first_number + current.row())
         self.selected_line.setVisible(True)
 
