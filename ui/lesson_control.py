@@ -102,6 +102,7 @@ class LessonControl(QObject):
                 panel.show_run(run)
         self.bar.attach(run)
         self.toolbar.setVisible(True)
+        w.watch()  # type: ignore[attr-defined]
         w.show_panel("routing")  # type: ignore[attr-defined]
         self.started.emit(run)  # before the first arrival, which start() sends at once
         run.start()

@@ -12,13 +12,15 @@ moves the server to the new engine; closing the window stops the server first.
 
 The window fills the screen it opens on. The chat is the central widget, so the transcript gets
 most of the height at any size. Backends, Controls, Routing, Latency, Teaching and Experiments are
-tabs of one dock, the Monitor drawer: View ▸ Monitor (F9) or the Monitor button at the menu
-bar's right opens and closes it, its edge resizes it, and it can sit at the right or at the bottom
-(View ▸ Monitor at the right / at the bottom, or dragged by its title; floated on another screen).
-Its default follows the screen (`compact_layout`): on a short or narrow one (a 1280x720 or
-1366x768 laptop, a 1280x1024 screen) it opens at the bottom, full width, and starts closed; on a
-larger one it starts open at the right, beside the chat. A demo opens it. Whatever the user
-chooses is kept (`QSettings`).
+tabs of one dock, the Monitor drawer: View ▸ Monitor (F9) opens and closes it, its edge resizes
+it, and it can sit at the right or at the bottom (View ▸ Monitor at the right / at the bottom, or
+dragged by its title; floated on another screen). The switch at the menu bar's right
+(`ui.focus`: Focus chat, Both, Focus monitor; Ctrl+1/2/3) gives the height to the chat, to both,
+or to the Monitor alone. The drawer's default follows the screen (`compact_layout`): on a short or
+narrow one (a 1280x720 or 1366x768 laptop, a 1280x1024 screen) it opens at the bottom, full
+width, and starts closed; on a larger one it starts open at the right, beside the chat. A demo or
+a lesson opens it (Focus monitor on a short screen). Whatever the user chooses is kept
+(`QSettings`). A lesson (Run ▸ Start a lesson, `ui.lesson_control`) puts its bar over the window.
 
 Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
 window geometry, dock layout (one per layout), the chat's sampling settings and the last model
@@ -43,7 +45,6 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QStackedWidget,
     QTabWidget,
-    QToolButton,
     QWidget,
 )
 
@@ -55,6 +56,7 @@ from .chat import ChatPanel
 from .controls import ControlsPanel
 from .experiments import ExperimentsPanel
 from .first_start import LoadScreen
+from .focus import FocusSwitch
 from .formatting import live_cap_text, model_title
 from .get_model import GetModelDialog
 from .history import ChatStore
@@ -186,12 +188,9 @@ class MainWindow(QMainWindow):
         self.monitor_action.setShortcut(QKeySequence("F9"))
         self.monitor_action.setToolTip("Open or close the Monitor: backends, controls, routing, latency, "
                                        "teaching, experiments (F9)")
-        self.monitor_action.setIconText("Monitor (F9)")  # the menu bar's button
-        button = QToolButton()
-        button.setDefaultAction(self.monitor_action)
-        button.setObjectName("monitorButton")
-        self.monitor_button = button
-        self.menuBar().setCornerWidget(button, Qt.Corner.TopRightCorner)
+        # Which of the chat and the Monitor gets the height: a switch at the menu bar's right.
+        self.focus = FocusSwitch(self.stack, self.monitor, self._size_monitor, self)
+        self.menuBar().setCornerWidget(self.focus.widget, Qt.Corner.TopRightCorner)
 
     def set_monitor_side(self, area) -> None:
         """Put the Monitor drawer at the right (`Qt.RightDockWidgetArea`) or at the bottom, open."""
@@ -284,6 +283,8 @@ class MainWindow(QMainWindow):
         for a in (self.presenter_action, self.developer_action, self.reset_counters_action):
             self.view_menu.addAction(a)
         self.view_menu.addSeparator()
+        for a in self.focus.actions.values():
+            self.view_menu.addAction(a)
         self.view_menu.addAction(self.monitor_action)
         self.view_menu.addAction(QAction("Monitor at the &right", self,  # type: ignore[call-overload]
                                          triggered=lambda: self.set_monitor_side(Qt.DockWidgetArea.RightDockWidgetArea)))
@@ -624,9 +625,16 @@ class MainWindow(QMainWindow):
             panel = self.panels.get(key)
             if panel is not None and hasattr(panel, "show_run"):
                 panel.show_run(self.demo)
-        self.monitor.show()  # a demo is there to be watched
+        self.watch()  # a demo is there to be watched
         self.demo.start()
         return self.demo
+
+    def watch(self) -> None:
+        """A run started: open the Monitor, on a short screen with the whole height (Focus monitor)."""
+        if self.compact:
+            self.focus.set_mode("monitor")
+        elif self.focus.mode == "chat":
+            self.focus.set_mode("both")
 
     def _on_demo_done(self, result) -> None:
         """A demo run is an experiment like any other: its row goes to the Experiments table."""
@@ -728,9 +736,11 @@ class MainWindow(QMainWindow):
             panel = self.panels.get(key)
             if panel is not None:
                 present(panel, on)
-        self.stack.setVisible(not on)  # the Monitor takes the whole screen; the chat comes back after
-        if on:
+        if on:  # the Monitor takes the whole screen; the chat comes back after
+            self.stack.setVisible(False)
             self.monitor.show()
+        else:
+            self.focus.apply()
         if on:
             self._normal_geometry = self.saveGeometry()
             self.showFullScreen()
