@@ -108,6 +108,12 @@ def warm(engine: Engine, mix: LessonMix | None = None, timeout: float | None = 6
     return engine.warm((mix or LessonMix.for_engine(engine)).prefix(), timeout=timeout)
 
 
+def cached_everywhere(engine: Engine, tokens: tuple[int, ...]) -> bool:
+    """Whether every backend's prefix cache already holds all of `tokens` (a read, no pin)."""
+    probe = Request(tuple(tokens) + (tokens[-1],)) if tokens else None  # the last prompt token is never cached
+    return probe is not None and all(engine.backend(n).match(probe) >= len(tokens) for n in engine.backend_names)
+
+
 @dataclass
 class Sent:
     """One arrival as sent: its request, the handle (None if the engine refused it, with `error`),

@@ -201,3 +201,31 @@ def test_a_lesson_load_warms_the_prefix_before_the_first_arrival(qtbot, make_win
     assert [s.cached_tokens for s in first.handle.decision.scores] == [prefix, prefix]
     assert run.lesson.first_arrival_s is not None
     stop_and_drain(qtbot, w, run)
+
+
+def test_a_demo_after_a_lesson_load_sends_at_once_and_an_experiment_starts_fresh(qtbot, make_window, ui_engine):
+    from engine.lesson import warm
+    from ui.live_run import WorkloadRun, seed_workload
+
+    spec = seed_workload(2, gen_tokens=4)  # the study's 496-token prefix, the lesson's too
+    w = make_window()
+    warm(ui_engine)  # as a lesson's load leaves it
+    run = w.start_demo(spec)
+    phases = [run.state]
+    run.phase.connect(phases.append)
+    assert phases[0] == "running" and run.n_submitted >= 1  # no flush, no warming: sent at once
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+    measured = WorkloadRun(ui_engine, w.bridge, spec, label="experiment", parent=w)  # not reuse_warm
+    measured.phase.connect(phases.append)
+    measured.start()
+    assert phases[-1] == "flushing"
+    qtbot.waitUntil(lambda: not measured.running, timeout=WAIT_MS)
+
+
+def test_a_wait_says_how_long_is_left():
+    from ui.run_strip import warm_eta, warm_left_text
+
+    assert warm_eta(496, [124.0, 248.0]) == pytest.approx(4.0)  # the slowest backend decides
+    assert warm_left_text(4.0, 1.2) == "about 3 s left"
+    assert warm_left_text(4.0, 9.0) == "9 s so far, 4 s expected: the machine is busy"
+    assert warm_left_text(0.0, 2.0) == "2 s so far"

@@ -44,6 +44,10 @@ class FocusSwitch(QObject):
         row = QHBoxLayout(self.widget)
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(0)
+        # The mode in effect stands out on both themes (the primary button's blue).
+        self.widget.setStyleSheet("QToolButton#focusButton { padding: 2px 10px; }"
+                                  "QToolButton#focusButton:checked { background: #2f6fcb; color: white; "
+                                  "font-weight: bold; }")
         for mode, (text, short, key, tip) in MODES.items():
             a = QAction(text, self, checkable=True, checked=mode == self.mode)
             a.setShortcut(QKeySequence(key))

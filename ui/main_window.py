@@ -616,7 +616,7 @@ class MainWindow(QMainWindow):
     def start_demo(self, spec: WorkloadSpec = STUDY) -> WorkloadRun | None:
         if self.engine is None or self.bridge is None or (self.demo is not None and self.demo.running):
             return None
-        self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
+        self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self, reuse_warm=True)
         self.demo.done.connect(self._on_demo_done)
         routing = self._panel("routing", RoutingView)
         if routing is not None:  # the demo's rows, numbered from #1, not a chat's from before
