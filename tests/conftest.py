@@ -12,8 +12,8 @@ from engine.backends.config import BackendConfig
 from engine.backends.local import Backend
 from engine.llama.model import Model, resolve_model
 
-# The longest files first (seconds of setup and calls on this 2-core machine, `pytest -n 2
-# --durations=0`, 2026-12-02). With `--no-loadscope-reorder` (pyproject.toml) `--dist loadfile`
+# The longest files first (seconds of setup and calls on a 2-core machine, `pytest -n 2
+# --durations=0`). With `--no-loadscope-reorder` (pyproject.toml) `--dist loadfile`
 # hands files out in collection order; by default it orders them by their number of tests, and a
 # long file of few tests (the fleet's, the soak, the attack bench) ran alone at the end.
 LONGEST_FIRST = ("test_ui_first_start.py", "test_ui_app.py", "test_fleet.py", "test_server.py",

@@ -33,7 +33,7 @@ def _text_tokens(model, n, seed):
 def test_the_cache_leaves_greedy_output_unchanged(make_backend, tiny_model, shared, unified):
     """Bit-exact on the F16 tiny model. (On a Q4 model a near-tie can flip when the same
     tokens sit in other KV cells: llama.cpp's sums then run in another order. llama-server
-    documents the same caveat for its prompt cache; see docs/performance.md.)"""
+    documents the same caveat for its prompt cache; see docs/NOTES.md.)"""
     rng = random.Random(int(shared * 100))
     n = 200
     k = int(n * shared)

@@ -175,3 +175,16 @@ def test_contexts_of_one_spec_serve_on_one_shared_model(tiny_path):
             assert backend.enqueue(Request((9, 4, 17), SamplingParams(max_tokens=4))).result(60).status.finished
     finally:
         eng.close()
+
+
+def test_a_cpu_model_of_a_quantized_type_decodes_a_prompt_batch():
+    """ggml's AMX kernel for repacked weights crashes (SIGSEGV) on some AMX machines as soon as a
+    batch holds several tokens; CPU models skip weight repacking on AMX CPUs. In a child process,
+    so that a crash fails this test instead of the run."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "app", "generate", "--model", "synthetic:tiny:q8_0",
+                        "--prompt", "one two three four five six seven eight", "--max-tokens", "4"],
+                       capture_output=True, text=True, timeout=240, env=llama.child_env())
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])

@@ -1,6 +1,6 @@
 """Router policies over hand-built snapshots: no model, no threads.
 
-The golden numbers come from the seed study (`SEED.md`): CPU prefill 73 tok/s, decode 45 tok/s;
+The golden numbers come from the seed study (`docs/study.md`): CPU prefill 73 tok/s, decode 45 tok/s;
 GPU prefill 2551 tok/s, decode 293 tok/s; cap 4 each; 516-token prompts with a 496-token
 cached prefix; 128 tokens generated each.
 """
@@ -115,7 +115,7 @@ class TestSeedGolden:
         assert d.reason.startswith("GPU 3.444 s > CPU 3.118 s: 80 prefill + 1000 decode tokens")
 
     def test_full_gpu_alone_does_not_offload(self):
-        # All 4 slots busy, nothing queued: the GPU still wins (SEED: "a full GPU is not enough").
+        # All 4 slots busy, nothing queued: the GPU still wins (docs/study.md: "a full GPU is not enough").
         d = Router("seed-score").route(query(), [gpu(running(4, decode_left=124)), cpu()])
         assert d.backend == "GPU"
 

@@ -1,5 +1,5 @@
 """The teaching replay's arithmetic without Qt: the worked example goes through the real router,
-and every number the panel narrates is the golden number of SEED.md."""
+and every number the panel narrates is the golden number of docs/study.md."""
 
 from __future__ import annotations
 

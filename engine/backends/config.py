@@ -10,20 +10,20 @@ named otherwise. Several backends on one GPU share its model; each GPU loads its
 and a CPU backend with one; one CPU backend with every core otherwise (see `default_specs`
 for the measurement that chose it).
 `cap`: with no cap (or `cap=auto`) a backend's cap adapts (engine/sched/limiter.py) from a start
-(GPU 8, CPU 4) up to the device's ceiling (GPU 32, CPU 16), for each context of a `contexts=N`
-spec alike; `cap=N` makes N the ceiling (the
+up to the device's ceiling (`START`, `CEILING` there), for each context of a `contexts=N` spec
+alike; `cap=N` makes N the ceiling (the
 limit starts there and moves only below it); `adaptive=0` fixes the cap at N.
 
 `kv=split` gives every sequence its own KV stream (`kv_unified=0`), so a step attends only
 over each sequence's own cells, not over every cached prefix; `seq_ctx=N` sizes each stream
-(the context is then N × n_seq_max cells). See docs/NOTES.md ("KV layout for many prefixes").
+(the context is then N × n_seq_max cells). Unified or split, and why: docs/design/sched.md.
 
 `contexts=N` makes N backends of one spec, named NAME-a, NAME-b, ... (`gpu:contexts=2` → gpu-a,
 gpu-b), each a llama.cpp context with its own cap, KV pool and prefix cache, sharing the
 device's model. Without it (`contexts=auto`) the count is chosen when the model loads, from
 its size and the device's free memory (`resolve_contexts`; `AUTO_CONTEXTS`). For many tenants on one GPU: the router's `cache-aware` policy keeps a tenant on
 one context, whose prompt chunks then stall only its own decodes and attend over its own pool
-(measured in docs/NOTES.md, "KV layout for many prefixes").
+(docs/design/backends.md).
 
 `share_prefill=0` stops publishing a running prompt into the prefix cache at its prefill's end,
 `defer_shared=0` stops deferring a queued request behind a running prefill of its prefix
@@ -76,7 +76,7 @@ AUTO_CTX_MEMORY_SHARE = 0.25
 # on the device; a single 262,144-cell pool ran the chat workload slower, 67.4 s against 63.4 s).
 # CPU: 16,384 (SmolLM2: 360 MiB): 8 conversations of 4 turns (~1,700 tokens each by the last, a
 # 760-token system prompt shared) thrashed 4,096 cells, running sequences preempting each other by
-# recompute (this machine, docs/performance.md "Conversations"). A larger pool costs nothing
+# recompute (docs/performance.md, "First use on a laptop"). A larger pool costs nothing
 # while few cells are in use: llama.cpp places cells within the used ones + 2 ubatches.
 AUTO_CTX_MAX_CELLS = {"gpu": 65536, "cpu": 16384}
 # Unified KV, no idle_cache_cells given: while B sequences run the prefix cache keeps at most
@@ -86,12 +86,9 @@ AUTO_IDLE_CELLS = {"gpu": 65536, "cpu": 4096}
 # Contexts per GPU when a spec names no count (`contexts=auto`, the default; `auto_contexts`):
 # AUTO_CONTEXTS by the model's size. In one unified pool every step attends over every cell in
 # use, so N contexts each attend over their own share while the GPU runs them side by side.
-# Measured on one H200 with Qwen2.5-0.5B q8_0 (0.5 GB), ceiling 32 each, the chat workload
-# (96 conversations x 8 turns): 89.5 / 53.1 / 39.5 s with 1 / 2 / 4 contexts under cache-aware
-# (docs/results/gpu/chat1); then 46.4 s with 8 against 55.5 s with 4, and 68.0 against 88.4 s
-# at 192 conversations, where two processes of four took 68.4 s (contexts1: every run there
-# also paid a first-request stall since fixed, ~17 s, and 4 contexts sent 9 turns to the CPU).
-# On the grid 8 stayed within 3-5 % of 4 (N=48, long prompts, 4 tenants; defaults2). Each
+# On one H200 with Qwen2.5-0.5B q8_0 (0.5 GB) and the chat workload (96 conversations x 8
+# turns), each doubling of the contexts from one to eight ran the chats faster, and on the grid
+# (N=48, long prompts, tenants) eight stayed within a few per cent of four. Each
 # context's step reads all the weights again, so a larger model gets fewer: 4 up to
 # AUTO_CONTEXTS_MAX_MODEL_BYTES (measured only at 0.5 GB), one above it. Each context beyond
 # the first needs AUTO_CONTEXT_BYTES of free device memory beside the model (its pool, compute
@@ -101,12 +98,9 @@ AUTO_CONTEXTS_MAX_MODEL_BYTES = AUTO_CONTEXTS[-1][0]
 AUTO_CONTEXT_BYTES = 2 << 30
 # Flash attention when the spec does not say (`flash_attn=auto`): llama.cpp's choice on a GPU
 # (on); off on the CPU, whose flash-attention kernel is slow for the few query rows of a decode
-# step or a short prompt chunk. Measured on the 2-core machine, the default model, 2 threads
-# (docs/performance.md, "Flash attention on the CPU"): decode at B = 1 / 4 / 8 over 512-token
-# contexts 34.7 / 65.7 / 79.0 tok/s on, 65.7 / 130.2 / 124.4 off; over 2,000-token contexts
-# 21.0 / 24.4 / 26.6 on, 54.7 / 91.3 / 119.3 off; a 16-token chunk after a 496-token cached
-# prefix (1 thread) 346 ms on, 132 ms off. A long prompt alone prefills faster with it on
-# (2,000 tokens: 9.2 s against 10.2-12.5 s), which decode over that context outweighs.
+# step or a short prompt chunk: decode runs 1.6-4.5x faster without it over 512-2,000-token
+# contexts (docs/performance.md, "First use on a laptop"). A long prompt alone prefills faster
+# with it on, which decode over that context outweighs.
 AUTO_FLASH_ATTN = {"gpu": "auto", "cpu": "off"}
 
 

@@ -59,7 +59,7 @@ class Rates:
     @property
     def origin(self) -> str:
         """Where these rates came from, in a few words: `measured at load`, `cached
-        2026-12-01`, `placeholder`, `online`, `calibrated`, `override`."""
+        YYYY-MM-DD`, `placeholder`, `online`, `calibrated`, `override`."""
         if self.source == "default":
             return "placeholder"
         if self.source == "measured":

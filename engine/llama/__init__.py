@@ -33,11 +33,9 @@ from dataclasses import dataclass
 # How long OpenMP threads spin at a barrier before they sleep. libgomp reads it once, when
 # llama.cpp's CPU library loads it (the import below), so it is set here, unless the user chose
 # (`GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` in the environment). libgomp's own default is 300,000
-# spins: a CPU backend using every core then collapses when another process holds one. On the
-# 2-core machine, one 2-thread backend, the default model (docs/results/laptop/omp-wait-policy-
-# 2026-12-01.md): 2,000 spins served the study's N=8 1.48x faster with a busy process beside it
-# (32.0 / 34.6 s against 47.5 / 50.8 s) and as fast when idle (median 17.2 s against 16.4 s,
-# within the runs' spread); sleeping at once (PASSIVE) was 3x slower at B=1 when idle.
+# spins: a CPU backend using every core then collapses when another process holds one. 2,000
+# spins keep it usable beside a busy process and cost nothing measurable when idle, where
+# sleeping at once (PASSIVE) is ~3x slower at B=1 (docs/performance.md, "First use on a laptop").
 # Benchmarks start other engines on their own defaults: `child_env()`.
 SPIN_COUNT = "2000"
 _OPENMP_SET: dict[str, str] = {}
@@ -293,9 +291,27 @@ class MemoryProbe:
 _NO_DEVICES = (ctypes.c_void_p * 1)(None)
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_int8" in line for line in f)
+    except OSError:
+        return False
+
+
+# ggml repacks CPU weights into "extra buffer types" at load; on a CPU with AMX the first is
+# ggml's AMX type, whose kernel crashes the process (SIGSEGV in ggml_backend_amx_mul_mat) on some
+# AMX machines as soon as a batch holds more than one token: llama.cpp issue 20824, machine-
+# dependent and unfixed upstream; llama-cpp-python's own `Llama` crashes the same way there. A
+# crash takes every backend and request down with it, so on a CPU that reports AMX, CPU models
+# load into plain CPU buffers (no repacking) unless `TANDEM_CPU_REPACK=1` asks for them.
+CPU_REPACK = os.environ.get("TANDEM_CPU_REPACK", "") == "1" or not _cpu_has_amx()
+
+
 def cpu_only(model_params) -> None:
     model_params.devices = ctypes.cast(_NO_DEVICES, ctypes.c_void_p)
     model_params.n_gpu_layers = 0
+    model_params.use_extra_bufts = CPU_REPACK
 
 
 init()

@@ -1,7 +1,8 @@
 """Temperature sampling on the device: one top-k / top-p / min-p / temperature / draw for every
 sequence of a step.
 
-Rules, measurements and history: docs/NOTES.md, "Fused temperature sampling on the device".
+How it computes, how it finds each chain's row, and why: docs/design/llama.md, "The fused temperature
+sampler, in detail".
 
 Thread contract: a context's graph builds and `draw` run on the thread that calls
 `llama_decode` (the backend's worker); each such thread has its own `_Table`. `BUILDS` is read
@@ -147,11 +148,9 @@ def top_k_stages(chunk: int, on_cpu: bool | None = None):
         TOP_K_CHUNK, TOP_K_STAGES_ON_CPU = previous
 
 
-# The most rows whose top-k runs in stages. Measured on the H200 (Qwen2.5, 151,936 tokens,
-# k 40; docs/results/gpu/round4/topk_stages.txt), decode with the fused sampler against
-# greedy, in stages / one sort per row: B=1 0.874 / 0.561, B=4 0.845 / 0.657, B=16 0.836 /
-# 0.819, B=32 0.736 / 0.788 — one sort per row occupies the GPU once there are enough rows,
-# and 149 x B chunk sorts then cost more.
+# The most rows whose top-k runs in stages. On the H200 (Qwen2.5, 151,936 tokens, k 40; `run.sh
+# topk_stages`) the stages win clearly up to B = 16 and lose at 32: one sort per row occupies the
+# GPU once there are enough rows, and 149 x B chunk sorts then cost more.
 STAGES_MAX_ROWS = 24  # a step of B sequences may have a row or two more (prompt ends beside them)
 
 

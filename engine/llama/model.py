@@ -117,8 +117,8 @@ def _longest_piece(vocab, n_vocab: int) -> int:
     vocabulary while the model loads (0.2 s for Qwen2.5's 151,936 tokens), keeping the GIL.
 
     Not on first use: a server's first requests each ran this pass at once, from the request
-    threads beside the backends' workers, and on an H200 24 first chat turns waited 17 s for it
-    (docs/results/gpu/probe1)."""
+    threads beside the backends' workers, and a fresh server's first chat turns waited seconds
+    for it."""
     buf = ctypes.create_string_buffer(256)
     return max(1, max((abs(_token_to_piece(vocab, t, buf, 256, 0, True)) for t in range(n_vocab)), default=1))
 

@@ -96,8 +96,8 @@ class ContextRunner:
         # Unified KV: every sequence draws its cells from one pool, so the pool may exceed the
         # training context (only a sequence's own positions may not: n_ctx_seq below). With
         # 16 tenants of 1,550-token prefixes beside 32 running requests, a pool clamped to the
-        # 32k training context evicted and recomputed prefixes (89,503 prompt tokens computed
-        # for 34,800 needed, docs/results/gpu/round3/kv-tenants). Split KV: a stream each.
+        # 32k training context evicted and recomputed prefixes (more than twice the prompt
+        # tokens computed that were needed). Split KV: a stream each.
         p.n_ctx = c.n_ctx if c.kv_unified or train <= 0 else min(c.n_ctx, train * c.n_seq_max)
         p.n_batch = c.n_batch
         p.n_ubatch = min(c.n_ubatch, c.n_batch)
@@ -205,8 +205,7 @@ class ContextRunner:
         if rc != 0:
             return RunnerOutput(rc, [], n_decode, n_prefill, dt)
         # One loop, no call per row beyond the token read: the host's share of a GPU step
-        # grows with every per-row call (docs/performance.md, "Host work per step after the
-        # backend split").
+        # grows with every per-row call (`host_us_per_step` in `tandem bench overhead`).
         read, null, is_eog = llama.sampled_token_after_sync, lc.LLAMA_TOKEN_NULL, self.model.is_eog
         # The decode rows' device tokens in one read where libllama allows it (they are the
         # batch's first rows, all with logits); a few rows are cheaper read one by one.

@@ -438,10 +438,9 @@ class SamplerSlots:
 
     Temperature requests take the fused sampler (`fused_dist`) only once `fused_dist_from` of
     them run (this one and those admitted with it included), or when they carry a seed (one RNG, so a seed reproduces
-    alone or batched); below that, llama.cpp's chain per sequence. Measured on the H200 with
-    the top-k in stages (`docs/results/gpu/round4/sampling_fused_from_*.txt`, decode at
-    temperature 0.8 / top-p 0.95 against greedy): chains 0.89-0.91 / 0.79 / 0.64-0.65 / 0.50-0.52
-    at B = 1 / 4 / 16 / 32, fused 0.86 / 0.85 / 0.80 / 0.75; so the default is 2.
+    alone or batched); below that, llama.cpp's chain per sequence. The chains are faster for
+    one sequence, the fused sampler from a few on (`run.sh topk_stages` measures both against
+    greedy, docs/performance.md), so the default is 2.
     A request keeps the kind it was admitted with; an idle chain is reused only by a request
     that wants its kind.
     """

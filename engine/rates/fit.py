@@ -1,7 +1,7 @@
 """The pure side of calibration: what one measurement holds (`Calibration`) and the fits that
 turn measured step times into the router's and the simulator's step model
 (`step(b) = α + β·b (+ γ·b·c + δ·b·n_kv)`, and the step table). No clock, no backend.
-How each term is measured and why: docs/NOTES.md, "Rates"."""
+How each term is measured and why: docs/design/rates.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 local backend, `calibrate_remote` times an OpenAI-compatible engine by sending it requests, and
 `calibrate_at_load` is the short version `Engine.load(calibrate=True)` runs before serving, so
 the router never prices a backend with placeholder rates. What is measured, and why before
-serving: docs/NOTES.md, "Rates"."""
+serving: docs/design/rates.md."""
 
 from __future__ import annotations
 

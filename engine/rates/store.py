@@ -1,6 +1,6 @@
 """Where backend rates are kept: one JSON file in the user cache, one entry per (model file
 fingerprint, speed-relevant backend config), written atomically; lookups that never raise, and
-typed overrides (`parse_rates`). Why per config and not per name: docs/NOTES.md, "Rates"."""
+typed overrides (`parse_rates`). Why per config and not per name: docs/design/rates.md."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ decode-budget modes.
   the queue, the cache and the batch it joins counted; a device's contexts packed while its
   requests start fresh, shared out once it serves conversations. The default. `finish-first`:
   the same, never packed.
-- `seed-score` (`seed_score.py`): the study's score, exactly (SEED.md's golden numbers).
+- `seed-score` (`seed_score.py`): the study's score, exactly (docs/study.md's golden numbers).
 - `predicted-finish` (`predicted_finish.py`): finish time with decode budgets reserved in KV.
 - `cache-aware` (`cache_aware.py`): prefix affinity for whole tenants, load-balanced.
 - `least-work`, `round-robin`, `only:NAME` / `gpu-only` / `cpu-only`: baselines.

@@ -163,7 +163,7 @@ class CacheAware(Policy):
        fewer items, then to the backend whose cache holds fewer tokens (SGLang's smallest
        tree: cold tenants spread over the caches), then to backend order.
 
-    Why whole tenants (docs/results/gpu/fleet2, two H200s, 8 Zipf tenants at 60/s): both
+    Why whole tenants (two H200s, 8 Zipf tenants at 60/s, `bash scripts/gpu/run.sh fleet`): both
     cache-aware routers kept every tenant on one engine, but an unlucky first placement put
     the two hottest tenants (55 % of the traffic) on one engine, whose TTFT then ran 2-3x the
     other's for the whole run; loads were ~30 items apart, under SGLang's 32-item threshold, so
@@ -176,7 +176,7 @@ class CacheAware(Policy):
     items and `move_rel=0.25` (a gap of a quarter of the mean load: between two backends of
     ~90 items each, the Poisson noise of the gap at 60/s is ~13 items, so a move answers a
     lasting imbalance more often than noise); `delay_weight=1`. On two H200s with Tandem
-    engines at cap 32 (docs/results/gpu/fleet3), 32 items gave the lowest makespan of 4, 32
+    engines at cap 32, 32 items gave the lowest makespan of 4, 32
     and 1000 at 8 tenants (8.9 s vs 9.2 and 9.8; runs spread ±1 s) and at 32 (11.9 s vs 12.0;
     sglang-router 13.6, round-robin 14.5); 4 items spilled a tenant at every burst. In
     tests/test_router_sim.py's toy (two backends, 8 tenants, caches for 4 each), delay weights

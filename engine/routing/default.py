@@ -16,28 +16,19 @@ Everything that decides when the request's last token comes is counted, per back
 
 The lowest predicted finish wins; a backend that cannot finish the request sooner gets
 nothing, and a backend that can (the study's M2, where the GPU's 4 slots are full and the CPU
-is idle) gets it. A CPU backend whose peak decode (tokens per second at its best batch, by its
-rates) is under `MIN_PEAK_SHARE` of a GPU's (all its contexts together) takes no part: it adds too little to pay
-for what a misjudged request costs there. On one H200 a 15-thread CPU backend beside four GPU
-contexts was predicted from its idle calibration (87 tok/s for one sequence) but decoded at
-~3 tok/s with the GPU busy; the 9 chat turns sent there took 28-40 s each and decided the run
-(docs/results/gpu/contexts1). The study's M2 CPU is 15 % of its GPU and keeps its work. Running and queued requests are priced at their whole remaining budget (a
-stop string is not foreseen), the same on every backend.
+is idle) gets it. Running and queued requests are priced at their whole remaining budget (a
+stop string is not foreseen), the same on every backend. A CPU backend whose peak decode is
+under `MIN_PEAK_SHARE` of a GPU device's takes no part: priced from an idle calibration, it
+decodes far slower beside busy GPU contexts, and one misjudged request there decides a run.
 
 The contexts one device runs share its compute: the device whose best context finishes first
 wins, then one of its contexts. `finish-first` lets `cache-aware` choose among them.
 `finish-first:pack` packs them while the device's requests start fresh (`FinishFirst._in_use`:
-three contexts kept in use, another opened when each holds 32 requests; each context's step
-reads all the weights and runs its own host work, so a few contexts that hold the load run
-fastest), and shares new work out once it serves conversations (`FinishFirst._conversing`: a
-context keeps thinking conversations' histories cached only when it holds a few). On one H200
-that ran the study's N=48, long prompts and 4-32 tenants at 0.94-1.02x the makespan of the best
-tuned layout of the same call, and 96 chats in 36.5 s where the best tuned one took 49.5
-(docs/performance.md, "On the H200 (2026-12-02, seventh session ...)").
-
-Why not `seed-score`: it sums the tokens queued on a backend over its aggregate rates and never
-asks when this request would finish; on an H200 beside a 15-thread CPU it sent 256-token
-replies to a CPU that decodes one sequence at ~30 tok/s (issue 25).
+each context's step reads all the weights and runs its own host work, so a few contexts that
+hold the load run fastest), and shares new work out once it serves conversations
+(`FinishFirst._conversing`: a context keeps thinking conversations' histories cached only when
+it holds a few). Why `seed-score` is not the default, and what each rule was measured against:
+docs/design/routing.md.
 """
 
 from __future__ import annotations
@@ -64,7 +55,7 @@ PACK_HELP = ("The default: finish-first, with a device's contexts filled before 
              "new work out over its contexts.")
 HEADROOM_CELLS = 16  # KV cells admission keeps free beyond a prompt (engine/sched/scheduler.py)
 # A CPU backend whose peak decode is under this share of a GPU device's (the sum over its contexts)
-# gets nothing (the H200's CPU: 128 / 3,265 tok/s for one context, 4 %; the study's M2 CPU: 45 / 293, 15 %).
+# gets nothing (an H200's 15-thread CPU is ~4 % of one context; the study's M2 CPU, 15 % of its GPU, keeps its work).
 MIN_PEAK_SHARE = 0.10
 # `finish-first:pack`: of a device's contexts, a request goes to those in use (holding requests, or
 # its prefix); another opens only when every one in use is full (`FinishFirst._full`): its live cap
@@ -72,18 +63,11 @@ MIN_PEAK_SHARE = 0.10
 # use).
 OPEN_KV_SHARE = 0.5
 # At least MIN_CONTEXTS of a device's contexts stay in use, and one in use is full at FILL requests
-# (or its live cap, if lower; `fill=0` in the spec: the live cap alone). Filled to its live cap, once
-# that had climbed to 64 in an earlier burst, one H200 context took 113 of 200 tenants' requests at
-# 16 ms a token (9.5 s where two contexts at cap 32 took 6.6; docs/results/gpu/defaults11), and 63 of
-# 64 long prompts (8.0 s against 5.5; defaults13). Two kept in use, each full at 32, ran those
-# workloads at 1.00-1.07x the best tuned row of their call (defaults12, defaults13). Long prompts,
-# whose ~500 private prompt cells a request make every step of a unified pool attend over more,
-# ran fastest on three: ITL p50 6.1-6.7 ms where two contexts took 7.3-8.0, 0.999x two contexts at
-# cap 16 where two kept in use took 1.078x (defaults16), and tenants and the study lost nothing
-# (defaults15-17). One kept in use (`min_contexts=1`), beside three in one call, ran every workload
-# slower: N=48 1.006x the best tuned row where three took 0.933x, long prompts 1.046x against 0.949x
-# (a fresh server's first burst filled one context to 32 long prompts at 9.4 ms a token), 4 and 16
-# tenants 0.989x / 0.990x against 0.980x / 0.982x (docs/results/gpu/defaults25).
+# (or its live cap, if lower; `fill=0` in the spec: the live cap alone). A context filled to a live
+# cap that had climbed to 64 decoded every token slower than two contexts at 32; one kept in use
+# took a fresh server's whole first burst. Three, not two, because long prompts' private cells
+# make every step of a unified pool attend over more: they ran fastest on three contexts, and
+# tenants and the study lost nothing (docs/design/routing.md; docs/performance.md has the figures).
 MIN_CONTEXTS = 3
 FILL = 32
 # STRICT (`strict=1`): a full context takes no new work while one in use is not full, and once all
@@ -201,10 +185,9 @@ class FinishFirst(Policy):
     context's finish, priced as if it had the device alone, says little about its neighbours'.
     The device whose best context finishes first wins; among its contexts that also finish
     before any other device would, `cache-aware` picks, keeping a tenant or a conversation
-    where its prefix is cached while their loads stay in balance. Measured on one H200, 96 chats over four contexts (docs/performance.md): the
-    contexts chosen by finish alone moved conversations to slightly lighter contexts, leaving
-    a private copy of each on two of them (66.7 % of later turns' prompts cached, 42.5 s), where
-    cache-aware kept them home (78.7 %, 39.9 s)."""
+    where its prefix is cached while their loads stay in balance. Contexts chosen by finish
+    alone moved conversations to slightly lighter contexts, leaving a private copy of each on
+    two of them, where cache-aware kept them home."""
 
     name = NAME
     uses_budget = False
@@ -299,12 +282,11 @@ class FinishFirst(Policy):
         this request (`resumes`: it resumes an earlier one's own history on one of the
         device's contexts): at least CONVERSING_SHARE of its last CONVERSING_WINDOW requests
         did. Then each new conversation goes to the context holding the fewest requests, and a
-        resumed one where cache-aware sends it (home). Packed, 96 chats on one H200 went onto
-        five or six contexts, which could not keep every thinking conversation's history (42.0
-        to 47.7 s, 67.5-80.2 % of later turns' prompts cached; docs/results/gpu/defaults7-9);
-        shared out from their eighth request on, 35.95 s and 91.0 % (defaults10). Rules that
-        judged a context full once it shed or recomputed histories came too late: a
-        conversation is placed at its first turn. A tenant's request or a one-shot prompt
+        resumed one where cache-aware sends it (home). Packed, chats went onto a few contexts,
+        which could not keep every thinking conversation's history cached; shared out, nearly
+        all later turns found theirs (docs/design/routing.md). Rules that judged a context full
+        once it shed or recomputed histories came too late: a conversation is placed at its
+        first turn. A tenant's request or a one-shot prompt
         resumes nothing, so such traffic stays packed."""
         window = self._resumes.setdefault(group, deque(maxlen=CONVERSING_WINDOW))
         window.append(resumes)
@@ -319,11 +301,11 @@ class FinishFirst(Policy):
         routed there); while fewer than `min_contexts` are in use, the first idle one alone, unless
         the request `resumes` its own history on one of them (left to cache-aware beside them, the
         idle one got nothing: the contexts holding a long prompt's shared prefix drew every
-        request, docs/results/gpu/defaults15; a shared prefix is copied once, a conversation's
-        history stays home); and, when every one in use is full (`_full`), the first idle one too. Eight contexts of one H200, each taking a share of
-        4 tenants, decoded at 1.09x the makespan of two contexts (docs/results/gpu/defaults5):
-        each context's step reads all the weights and runs its own host work, so a device runs
-        fastest on the fewest contexts that hold its load, and opens more as they fill."""
+        request; a shared prefix is copied once, a conversation's history stays home); and, when
+        every one in use is full (`_full`), the first idle one too. Each context's step reads all
+        the weights and runs its own host work, so a device runs fastest on the fewest contexts
+        that hold its load (spread over eight, four tenants ran slower than on two), and opens
+        more as they fill."""
         need = max(1, query.prompt_tokens // 2)
         busy = [s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need]
         idle = [s for s in contexts if s not in busy]
@@ -365,8 +347,8 @@ class FinishFirst(Policy):
         device's, and a sentence on those left out ("" if none). A device's peak is the sum of
         its contexts' (the backends of one `group` share it): under online rates each context
         measures only its share of the GPU, and one context's peak set beside a CPU's let a
-        15-thread CPU back into the default's choice on an H200 running eight contexts
-        (docs/results/gpu/defaults3). Only a CPU beside a GPU: that is what was measured (a CPU
+        15-thread CPU back into the default's choice on an H200 running eight contexts.
+        Only a CPU beside a GPU: that is what was measured (a CPU
         slowed by the GPU's own host threads), and backends of one kind, such as a fleet's
         engines, differ by the noise of their calibrations rather than by what they can do on a
         loaded machine. Peaks are worked out only when a CPU and a GPU are both eligible."""

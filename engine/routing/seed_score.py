@@ -1,4 +1,4 @@
-"""`seed-score`: the study's score, exactly (SEED.md's golden numbers, tests/test_router.py).
+"""`seed-score`: the study's score, exactly (docs/study.md's golden numbers, tests/test_router.py).
 
 It sums the work queued on a backend and divides it by the backend's aggregate rates; it never
 asks when the new request itself would finish. Kept because it is the study's policy and what

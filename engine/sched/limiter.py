@@ -5,31 +5,27 @@ decoded step (`observe`) and, when a window of steps is complete, the KV room it
 (`decide`); the limiter answers with the cap the next admissions use, and says why it last
 moved (`reason`), which the backend's snapshot, `/v1/backends` and the app's cards show.
 
-What says "more concurrency helps". A decode step costs about α + β·b for a batch of b
-(measured on the H200, Qwen2.5-0.5B shape, Q8_0: 1.2 ms at b = 1, 2.2 ms at 8, 4.1 ms at 16,
-5.3 ms at 32, `docs/results/gpu/speed10/overhead_gpu.txt`), so decode tok/s = b / step(b)
-keeps rising with b while α dominates and flattens once β·b does. That is the gradient the
-limiter climbs, as TCP's congestion windows do (Netflix concurrency-limits' Gradient2 and
-Vegas compare a short and a long RTT; here the "RTT" of a batch is its step time, and the
-question is whether tok/s rose when the window did):
+What says "more concurrency helps": a decode step costs about α + β·b for a batch of b, so
+decode tok/s = b / step(b) rises with b while α dominates and flattens once β·b does. The
+limiter climbs that gradient the way TCP's congestion windows do (Netflix concurrency-limits'
+Gradient2 and Vegas; here a batch's "RTT" is its step time, and the question is whether tok/s
+rose when the window did):
 
   - **Grow under backlog** (Gradient2's "app limited" rule): only when requests have waited
     at the limit for `patience` steps in a row. With no backlog the load, not the limit, sets
     the batch, and nothing would be learned about larger batches.
   - **Step up at once, judge it after** (TCP slow start, with a check): below `slow_start`
     (16) a step up doubles the limit, above it adds half. Once a window's mean decode batch
-    has filled at least three quarters of the step (a half-filled step sits in the bumps
-    below, where a batch of 12 may be slower per token than 8 and say nothing about 16), decode tok/s there is compared with the rate measured
-    at the old limit; if it fell by more than `tolerance` (10 %) in `confirm` (2) such
-    windows in a row, the limit goes back to the value before that step up (never lower) and
-    holds there (`plateau`) for `reprobe_windows` windows. One slow window is not enough: on
-    the H200 the study's N=48 (run 1, `docs/results/gpu/round2/caps-n48`) went back from 16
-    to its start 8 mid-run, and from then on every request waited 0.15-0.37 s in the queue
-    (TTFT p95 0.181 s against 0.017 s at a fixed cap 8). Steps this coarse pass over the
-    bumps of the real step table (on the H200, b = 9 is slower per token than b = 8 — a
-    kernel shape changes — while 16 and 32 are faster again), where +1 hill-climbing stops.
-    A flat rate is kept, not reverted: a larger limit still admits sooner (TTFT), and tok/s
-    drifts down as contexts grow, which a stricter test would read as a loss.
+    fills at least three quarters of the step (a half-filled step sits in the step table's
+    bumps, where a batch of 12 may be slower per token than 8 and says nothing about 16),
+    decode tok/s there is compared with the rate at the old limit; if it fell by more than
+    `tolerance` in `confirm` such windows in a row, the limit goes back to the value before
+    that step up (never lower) and holds there for `reprobe_windows` windows. One slow window
+    is not enough: a limit knocked back to its start by one noisy window left every later
+    request waiting in the queue. Coarse steps pass over the bumps of a real step table (a
+    kernel shape changes at some batch sizes), where +1 hill-climbing stops. A flat rate is
+    kept, not reverted: a larger limit still admits sooner, and tok/s drifts down as contexts
+    grow, which a stricter test would read as a loss.
   - **KV room bounds growth** (vLLM's token budget, in cells): a step up needs free cells
     (idle cached prefixes count as free: they are evicted first) for twice the added
     sequences' average private footprint; a preemption (the decode rows did not fit) cuts the
@@ -38,13 +34,11 @@ question is whether tok/s rose when the window did):
     with at most L/2 running, the limit falls to max(start, 2 × the most that ran), so sampler
     chains kept for an old burst are given back.
 
-In a replay of the H200's step table on the study's workloads and the long-prompt one
-(tests/test_limiter.py), the limit lands within 2.1 % of the makespan of the best fixed cap
-in hindsight on every row.
-
 A user's explicit cap is the ceiling: the limiter starts there and moves only below it; with
 no cap (`cap=auto`) it starts at `initial` and may grow to the device's ceiling.
 `adaptive=False` pins the limit at the ceiling (the benchmarks' fixed-cap rows, calibration).
+tests/test_limiter.py replays a measured step table against the best fixed cap;
+docs/design/sched.md says how close it lands.
 
 Thread contract: none; the scheduler's owner calls it from one thread. `limit`, `reason` and
 `moves` are plain attributes other threads may read (a torn read sees an older value).
@@ -59,13 +53,10 @@ from dataclasses import dataclass
 # the simulator's adaptive backends use them too). The ceiling is a measurement's to decide, not
 # one workload's: `scripts/gpu/steps.sh defaults_http` compares the default with one and two
 # contexts at fixed caps 16 / 32 / 64 on the study, long prompts, 4 / 16 / 32 tenants and chats.
-# A GPU starts at 32: its decode tok/s still rises to b = 32 (6,016 tok/s against 3,916 at 16,
-# H200, docs/results/gpu/speed10), and a start of 8 left the limiter climbing through queues it
-# need not have had: long prompts 6.24 s against 5.73 at a fixed 32, with the same two contexts
-# busy (docs/results/gpu/defaults4). It climbs to 64 under backlog, where one context ran 4 and
-# 16 tenants fastest (defaults1, defaults4) and the simulated H200 meets every fixed cap
-# (docs/results/simulate/defaults). On a CPU decode flattens sooner and each sequence's tokens
-# come slower with every one added.
+# A GPU starts at 32: its decode tok/s still rises up to b = 32, and a lower start left the
+# limiter climbing through queues it need not have had. It climbs to 64 under backlog, where one
+# context ran many tenants fastest and the simulated H200 meets every fixed cap. On a CPU decode
+# flattens sooner and each sequence's tokens come slower with every one added.
 CEILING = {"gpu": 64, "cpu": 16}
 START = {"gpu": 32, "cpu": 4}
 

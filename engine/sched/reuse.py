@@ -5,7 +5,7 @@ the radix tree (engine/sched/prefix_cache.py), running prompts are published the
 requests may wait for them. `NullCache` (cache off), after SGLang's `ChunkCache`, the cache it
 uses when the radix cache is disabled: nothing matches, a finished sequence's KV is freed,
 nothing is shed. The `n` choices of one request share their prompt whatever the switch says
-(docs/NOTES.md, "`n` choices"), so under `NullCache` the tree holds their published prompt
+(docs/design/sched.md), so under `NullCache` the tree holds their published prompt
 only while a choice pins it."""
 
 from __future__ import annotations

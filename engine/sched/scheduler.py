@@ -9,11 +9,11 @@ in order, before it decodes. Time comes from an injected `clock`, text from an i
 `piece(token)`, so the same scheduler runs against simulated runners and in unit tests
 (tests/test_scheduler.py, milliseconds, no model).
 
-Rules, measurements and history: docs/NOTES.md, "The scheduler's rules".
+The rules, in the order each step applies them, and why: docs/design/sched.md.
 
 Thread contract: none. The owner (engine/backends/local.py's worker) calls everything from one
-thread; only `snapshot_items`, `kv_cells_used` and the counters are read by other threads
-under the owner's lock."""
+thread; only the queues (`waiting`, `running`), `kv_cells_used` and the counters are read by
+other threads, under the owner's lock."""
 
 from __future__ import annotations
 
@@ -40,10 +40,9 @@ ADMIT_HEADROOM = 16
 # it) only for at least this many computed tokens: each publication holds a sequence id.
 SHARE_MIN_TOKENS = 64
 # Sequence slots beyond the cap: the prefix cache holds each cached prefix on its own id. On a
-# GPU 64: with 8 spare, 16 tenants' prefixes beside 32 running requests evicted each other
-# (119,503 prompt tokens computed for 34,000 needed; with 64 spare 46,002 and 2.0x the
-# throughput; 104 slots decode as fast as 40 at B = 1-32: docs/results/gpu/round4). On a CPU 8
-# (its 4,096 cells hold few prefixes).
+# GPU 64: with 8 spare, 16 tenants' prefixes beside 32 running requests evicted each other and
+# were computed again, and 104 slots decode as fast as 40 (docs/performance.md, "Many tenants").
+# On a CPU 8 (its smaller pool holds few prefixes).
 SPARE_SLOTS = {"gpu": 64, "cpu": 8}
 
 

@@ -335,7 +335,6 @@ def seed_formula(candidate: Mapping) -> float:
 def run_order(variants: list, run: int) -> list:
     """The variants in the order run `run` takes them: the list rotated by `run`, so each takes
     every place once in `len(variants)` runs and none always runs first, or right after the
-    same one. (On one H200 the default's server had run first in every run; rotated, its 4
-    tenants' TTFT gap stayed: docs/results/gpu/defaults19, defaults20.)"""
+    same one, so a variant's place in the order cannot decide a comparison."""
     k = run % len(variants) if variants else 0
     return variants[k:] + variants[:k]

@@ -1,6 +1,6 @@
 """What-if: the real router and the real schedulers on simulated hardware, on a virtual clock.
 
-Rules, measurements and history: docs/NOTES.md, "The simulator's step model".
+The step model, what it leaves out, and the profiles: docs/design/sim.md.
 
 Thread contract: none. A `Simulation` is used by one thread; profiles are immutable values."""
 
@@ -170,12 +170,12 @@ def _rates_dict(r: Rates) -> dict:
     return d
 
 
-# The article's M2 (SEED.md): GPU 2,551 / 293 tok/s, CPU 73 / 45, cap 4 each. With no step
+# The article's M2 (docs/study.md): GPU 2,551 / 293 tok/s, CPU 73 / 45, cap 4 each. With no step
 # table, a step at batch b takes b / decode_tok_s: the device's decode throughput is shared.
 STUDY_M2 = Profile("study-m2", (
     BackendProfile("gpu", "gpu", Rates(2551.0, 293.0, source="article")),
     BackendProfile("cpu", "cpu", Rates(73.0, 45.0, source="article")),
-), "the seed study's Apple M2 (SEED.md): GPU 2,551 / 293 tok/s, CPU 73 / 45, cap 4 each")
+), "the seed study's Apple M2 (docs/study.md): GPU 2,551 / 293 tok/s, CPU 73 / 45, cap 4 each")
 
 # The article's measured makespans imply a GPU far slower than its profiled 293 tok/s: 8 x 128
 # tokens took 11.47 s GPU-only (89 tok/s) and 48 x 128 took 68.43 s (90 tok/s). Its states
@@ -190,14 +190,14 @@ STUDY_M2_SLOW = Profile("study-m2-slow", (
 
 # The H200 (synthetic Qwen2.5-0.5B Q8_0; GPU 8 host threads, CPU 15 threads).
 #
-# The router is told the committed calibration (docs/results/gpu/grid2/rates.json, measured
-# 2026-11-29 and still what the engine's rate store serves): GPU step table at batch 1..16,
+# The router is told the committed calibration (docs/results/gpu/grid2/rates.json, still what
+# the engine's rate store serves): GPU step table at batch 1..16,
 # alpha + beta*b beyond; CPU batch 1..4.
 #
 # The device does what today's engine measures, apart from the replayed runs:
 # - decode steps: greedy engine decode at B = 1, 4, 16, 32, 64, 128 with 516-token prompts
 #   (docs/results/gpu/round2/overhead_gpu_sampling.txt, engine_bB, median of 3: 808, 2064,
-#   3679, 5726, 7928, 8614 tok/s). The 2026-11-29 table's shape at 1..16 (its jump between
+#   3679, 5726, 7928, 8614 tok/s). The calibrated table's shape at 1..16 (its jump between
 #   8 and 9) is kept and scaled to those points (x1.00 at 1, x0.97 at 4, x0.85 at 16, linear
 #   between); past 16 the step is linear between the measured points. Both tables were taken
 #   at ~520-650 KV cells per sequence, so they cannot separate a context-length term from the

@@ -3,7 +3,7 @@
 A `WorkloadSpec` describes a workload; `build_workload(spec, run)` turns it into concrete
 `RequestSpec`s, deterministically from `spec.seed` (stdlib `random`, no numpy).
 
-Rules, measurements and history: docs/NOTES.md, "Workloads"."""
+The workloads' choices, and why: docs/design/sim.md."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ class Workload:
 def seed_workload(n_requests: int, *, prefix_tokens: int = SEED_PREFIX_TOKENS,
                   suffix_tokens: int = SEED_SUFFIX_TOKENS, gen_tokens: int = SEED_GEN_TOKENS,
                   interval_s: float = SEED_INTERVAL_S, **kw) -> WorkloadSpec:
-    """The study's workload (`SEED.md`); sizes can be shrunk for tests."""
+    """The study's workload (docs/study.md); sizes can be shrunk for tests."""
     return WorkloadSpec(n_requests=n_requests, prompt_tokens=prefix_tokens + suffix_tokens,
                         shared_tokens=prefix_tokens, gen_tokens=gen_tokens, interval_s=interval_s,
                         label=kw.pop("label", "seed"), **kw).validate()

@@ -19,7 +19,7 @@
 #   in-process     (a) K=8 and 32: in-process:cache-aware, in-process:round-robin                ~65 s
 #   llama-k8       (c) K=8: the three routers (llama-server runs ~40 s each)                    ~130 s
 #   llama-k32      (c) K=32: the three routers                                                  ~130 s
-# (estimates from gpu/fleet1 and fleet2: a Tandem-engine run ~14 s with the engines' restart, one
+# (estimates from earlier fleet runs: a Tandem-engine run ~14 s with the engines' restart, one
 # engine alone ~23 s, a llama-server run ~40-44 s). At the end the ratios against the targets are
 # printed (and written to fleet-ratios.txt): cache-aware makespan <= 0.75x round-robin, TTFT p50
 # <= 0.25x, no worse than sglang-router's cache_aware on either, >= 1.8x one GPU's throughput.
@@ -115,7 +115,7 @@ for summary in sorted(out.glob("fleet-*/summary.json")):
         print(f"{part} | {r['workload'].split(',')[0]} | {r['a']} / {r['b']} | {r['metric']} | {r['value']:.3f} | "
               f"{op} {t:g} | {'yes' if met and not failed else 'NO'}{f' ({failed} failed)' if failed else ''}")
     # Tandem's router: streams that went on from their text on the other engine (decisions
-    # with `continued` > 0, engine/remote.py's module doc); other routers' moves are not seen.
+    # with `continued` > 0, engine/backends/remote/backend.py's module doc); other routers' moves are not seen.
     moved: dict[str, int] = {}
     decisions = summary.parent / "decisions.jsonl"
     for line in decisions.read_text().splitlines() if killed and decisions.exists() else []:

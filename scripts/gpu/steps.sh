@@ -276,7 +276,7 @@ kvlayout() {  # many tenants and the context size, per KV layout (~6 min)
 tenants() {  # many tenants with the GPU's default context (65,536 cells), by sequence slots and idle budget (~4 min)
   # base: the defaults (cap 32 -> 40 sequence slots: running + cached prefixes, idle budget n_ctx / B);
   # slots: 104 slots, so 32 tenants' prefixes keep an id each beside 32 running; slots-keep: and
-  # no idle budget; c32k: the pool clamped to the training context, as before (round3/kv-tenants).
+  # no idle budget; c32k: the pool clamped to the training context, as before.
   _stamp "tenants 4/16/32: slots and idle budget, N=200, cap 32, Poisson 30/s"
   python3 -X faulthandler -m app bench grid --model "$M" \
     --backend gpu:name=base,cap=32,threads=8 \
