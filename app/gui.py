@@ -121,10 +121,11 @@ def run_gui(args) -> int:
     if tour_dir:
         from pathlib import Path
 
-        from ui.tour import chat_tour, first_start, tour, whatif
+        from ui.tour import chat_tour, first_start, lesson_tour, tour, whatif
 
         only = getattr(args, "tour_only", None)
-        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start}.get(only or "", tour)
+        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start,
+                "lesson": lesson_tour}.get(only or "", tour)
         with loop:
             try:
                 loop.run_until_complete(part(window, Path(tour_dir), args))
@@ -216,10 +217,11 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the event loop's lateness over the --demo run (48 requests unless --demo N; "
                         "p95 must be <= 50 ms), then exit")
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
-    p.add_argument("--tour-only", choices=["whatif", "chat", "first-start"], default=None,
+    p.add_argument("--tour-only", choices=["whatif", "chat", "first-start", "lesson"], default=None,
                    help="with --tour: only this part of it (whatif: the Teaching panel's What if tab; "
                         "chat: a 6-turn chat, then the Monitor open mid-demo; "
-                        "first-start: the loading screen, a demo warming up, the presenter view)")
+                        "first-start: the loading screen, a demo warming up, the presenter view; "
+                        "lesson: docs/teaching.md's lesson, step by step)")
     p.add_argument("--theme", choices=["system", "dark", "light"], default=None,
                    help="the window's theme (kept for the next start, like View > Theme)")
     p.add_argument("--lesson", action="store_true",

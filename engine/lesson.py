@@ -1,9 +1,9 @@
 """A lesson: requests that keep arriving, at a rate the teacher sets, until Stop.
 
 The study's demo sends all its arrivals within a second, so a control changed during it changes
-nothing a class can see. A lesson's arrivals come one at a time (`ArrivalStream`, `DEFAULT_RATE`
-unless the teacher turns it up or down) until Stop, so a ceiling or a policy set mid-lesson
-decides the next rows. Every prompt starts with one shared prefix (the study's 496-token system
+nothing a class can see. A lesson's arrivals come one at a time (`ArrivalStream`, at `suggested_rate` unless the teacher
+turns it up or down, a step of `RATE_STEPS` at a time) until Stop, so a ceiling or a policy set
+mid-lesson decides the next rows. Every prompt starts with one shared prefix (the study's 496-token system
 prompt) and draws its kind from a mix (`KINDS`: short replies, long replies, long prompts), so the
 backends' queues differ and so do the decisions.
 
@@ -36,7 +36,11 @@ from engine.sim.workload import SEED_PREFIX_TOKENS, TOKEN_HIGH, TOKEN_LOW, build
 
 from .engine import Engine
 
-DEFAULT_RATE = 0.5  # arrivals per second: a row every 2 s, which a class can follow
+DEFAULT_RATE = 0.5  # arrivals per second when the backends' rates say nothing
+LOAD_SHARE = 0.5  # `suggested_rate` keeps the backends about this busy
+MAX_SUGGESTED_RATE = 2.0  # faster than this, a class cannot follow the rows
+# The rates a teacher steps through (arrivals per second); a suggested rate is one of them.
+RATE_STEPS = (0.1, 0.2, 0.25, 1 / 3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 LESSON_CPU_CAP = 4  # each CPU context's ceiling: room to lower it and see the next rows move
 
 
@@ -103,6 +107,30 @@ def lesson_specs(gpu: bool, cores: int | None = None) -> list[str]:
     return [f"cpu:threads={threads},cap={LESSON_CPU_CAP}"] * 2
 
 
+def suggested_rate(engine: Engine, mix: LessonMix | None = None) -> float:
+    """Arrivals a second that keep the backends about LOAD_SHARE busy, by their measured rates: a
+    queue forms now and then, so a lowered ceiling moves the next rows, and none grows without end
+    (a fixed rate drowned two 1-thread contexts on a busy 2-core machine, and bored an idle 8-core
+    laptop). Each backend serves the mix's average request in its average prefill over its prefill
+    rate plus its average decode at its peak decode rate up to its ceiling; the rate is the step of
+    RATE_STEPS at or below their sum times LOAD_SHARE, at most MAX_SUGGESTED_RATE (DEFAULT_RATE
+    when no backend has rates)."""
+    mix = mix or LessonMix.for_engine(engine)
+    total = sum(k.weight for k in mix.kinds)
+    own = sum(k.own_tokens * k.weight for k in mix.kinds) / total
+    out = sum(k.output_tokens * k.weight for k in mix.kinds) / total
+    capacity = 0.0
+    for snap in engine.snapshot():
+        r = snap.rates
+        peak = r.peak_decode_tok_s(snap.cap_ceiling or snap.cap)
+        if r.prefill_tok_s > 0 and peak > 0:
+            capacity += 1.0 / (own / r.prefill_tok_s + out / peak)
+    if capacity <= 0:
+        return DEFAULT_RATE
+    want = min(MAX_SUGGESTED_RATE, LOAD_SHARE * capacity)
+    return max((r for r in RATE_STEPS if r <= want * 1.001), default=RATE_STEPS[0])
+
+
 def warm(engine: Engine, mix: LessonMix | None = None, timeout: float | None = 600) -> list[RequestHandle]:
     """Fill every backend's prefix cache with the lesson's shared prefix; blocks until done."""
     return engine.warm((mix or LessonMix.for_engine(engine)).prefix(), timeout=timeout)
@@ -129,11 +157,12 @@ class Lesson:
     """Sends a `LessonMix`'s requests to `engine` as an `ArrivalStream` lets them through, until
     `stop()`. States: idle → running → stopped."""
 
-    def __init__(self, engine: Engine, mix: LessonMix | None = None, rate: float = DEFAULT_RATE,
+    def __init__(self, engine: Engine, mix: LessonMix | None = None, rate: float | None = None,
                  clock: ArrivalClock | None = None) -> None:
+        """`rate`: arrivals per second (None: `suggested_rate` for this engine and mix)."""
         self.engine = engine
         self.mix = mix or LessonMix.for_engine(engine)
-        self.stream = ArrivalStream(rate, clock)
+        self.stream = ArrivalStream(suggested_rate(engine, self.mix) if rate is None else rate, clock)
         self._prefix = self.mix.prefix()
         self.sent: list[Sent] = []
         self.state = "idle"

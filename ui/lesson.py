@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
-from engine.lesson import DEFAULT_RATE, Lesson, LessonMix, Sent
+from engine.lesson import Lesson, LessonMix, Sent
 from engine.sim.benchmark import RunSummary
 
 from .live_stats import summarize
@@ -63,8 +63,9 @@ class LessonRun(QObject):
     first_arrival = Signal(float)  # seconds from start() to the first request sent
     done = Signal(object)  # LessonResult
 
-    def __init__(self, engine, bridge, mix: LessonMix | None = None, rate: float = DEFAULT_RATE,
+    def __init__(self, engine, bridge, mix: LessonMix | None = None, rate: float | None = None,
                  label: str = "lesson", parent: QObject | None = None):
+        """`rate`: arrivals per second (None: the rate the backends' measured rates suggest)."""
         super().__init__(parent)
         self.engine = engine
         self.bridge = bridge

@@ -28,22 +28,21 @@ from PySide6.QtWidgets import (
 )
 
 from engine.core.errors import EngineError
+from engine.lesson import RATE_STEPS
 
 from .controls import policy_choices
 from .lesson import LessonRun, Progress, lesson_hint
 from .run_controls import RunControls
 from .run_strip import rate_text
 
-# The rates − and + step through (arrivals per second).
-RATES = (0.1, 0.2, 0.25, 1 / 3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 HINT_PT = 15  # the hint's size: read from the back of a room
 
 
 def next_rate(rate: float, up: bool) -> float:
-    """The ladder's next rate above (or below) `rate`, or `rate` at the end of it."""
+    """The next of `RATE_STEPS` above (or below) `rate`, or `rate` at the end of them."""
     if up:
-        return next((r for r in RATES if r > rate * 1.001), rate)
-    return next((r for r in reversed(RATES) if r < rate * 0.999), rate)
+        return next((r for r in RATE_STEPS if r > rate * 1.001), rate)
+    return next((r for r in reversed(RATE_STEPS) if r < rate * 0.999), rate)
 
 
 class LessonBar(QWidget):

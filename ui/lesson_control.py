@@ -22,7 +22,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QMessageBox, QToolBar
 
-from engine.lesson import DEFAULT_RATE, LessonMix, lesson_specs
+from engine.lesson import LessonMix, lesson_specs
 
 from .lesson import LessonRun
 from .lesson_bar import LessonBar
@@ -82,8 +82,9 @@ class LessonControl(QObject):
     def running(self) -> bool:
         return self.run is not None and self.run.running
 
-    def start(self, rate: float = DEFAULT_RATE) -> LessonRun | None:
-        """Start a lesson on the window's engine; None if there is none or one runs already."""
+    def start(self, rate: float | None = None) -> LessonRun | None:
+        """Start a lesson on the window's engine (`rate`: arrivals a second; None: what the
+        backends' measured rates suggest); None if there is no engine or a lesson runs already."""
         w = self.window
         engine, bridge = getattr(w, "engine", None), getattr(w, "bridge", None)
         if engine is None or bridge is None or self.bar is None or self.running:
