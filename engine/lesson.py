@@ -107,24 +107,30 @@ def lesson_specs(gpu: bool, cores: int | None = None) -> list[str]:
     return [f"cpu:threads={threads},cap={LESSON_CPU_CAP}"] * 2
 
 
-def suggested_rate(engine: Engine, mix: LessonMix | None = None) -> float:
+def suggested_rate(engine: Engine, mix: LessonMix | None = None, cores: int | None = None) -> float:
     """Arrivals a second that keep the backends about LOAD_SHARE busy, by their measured rates: a
     queue forms now and then, so a lowered ceiling moves the next rows, and none grows without end
     (a fixed rate drowned two 1-thread contexts on a busy 2-core machine, and bored an idle 8-core
     laptop). Each backend serves the mix's average request in its average prefill over its prefill
-    rate plus its average decode at its peak decode rate up to its ceiling; the rate is the step of
+    rate plus its average decode at its peak decode rate up to its ceiling, CPU contexts in the share
+    of the `cores` (default: this machine's) their threads get when there are more threads than
+    cores (each was measured alone). The rate is the step of
     RATE_STEPS at or below their sum times LOAD_SHARE, at most MAX_SUGGESTED_RATE (DEFAULT_RATE
     when no backend has rates)."""
     mix = mix or LessonMix.for_engine(engine)
     total = sum(k.weight for k in mix.kinds)
     own = sum(k.own_tokens * k.weight for k in mix.kinds) / total
     out = sum(k.output_tokens * k.weight for k in mix.kinds) / total
+    snaps = engine.snapshot()
+    # Each CPU context was measured alone; contexts with more threads than the cores share them.
+    threads = sum(s.threads for s in snaps if s.device == "cpu")
+    share = min(1.0, (cores or os.cpu_count() or 1) / threads) if threads else 1.0
     capacity = 0.0
-    for snap in engine.snapshot():
+    for snap in snaps:
         r = snap.rates
         peak = r.peak_decode_tok_s(snap.cap_ceiling or snap.cap)
         if r.prefill_tok_s > 0 and peak > 0:
-            capacity += 1.0 / (own / r.prefill_tok_s + out / peak)
+            capacity += (share if snap.device == "cpu" else 1.0) / (own / r.prefill_tok_s + out / peak)
     if capacity <= 0:
         return DEFAULT_RATE
     want = min(MAX_SUGGESTED_RATE, LOAD_SHARE * capacity)

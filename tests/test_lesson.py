@@ -185,18 +185,19 @@ def test_the_suggested_rate_keeps_the_backends_about_half_busy_by_their_measured
     # Per backend: the mix's average request (64 prompt tokens of its own, 52.8 generated) takes
     # 64 / 134 + 52.8 / 79.1 (peak decode at batch 4) = 1.15 s: two backends serve 1.75 a second,
     # half of that is 0.87, and the step at or below it is 0.75.
-    assert suggested_rate(fresh) == 0.75
+    assert suggested_rate(fresh, cores=2) == 0.75
+    assert suggested_rate(fresh, cores=1) == pytest.approx(1 / 3)  # two 1-thread contexts sharing one core: 0.44
     slow = replace(MEASURED, prefill_tok_s=MEASURED.prefill_tok_s / 4, step_alpha_s=MEASURED.step_alpha_s * 4,
                    step_beta_s=MEASURED.step_beta_s * 4)
     for name in fresh.backend_names:  # the same machine four times as busy
         fresh.set_rates(name, slow)
-    assert suggested_rate(fresh) == 0.2
+    assert suggested_rate(fresh, cores=2) == 0.2
     fast = replace(MEASURED, prefill_tok_s=MEASURED.prefill_tok_s * 8, step_alpha_s=MEASURED.step_alpha_s / 8,
                    step_beta_s=MEASURED.step_beta_s / 8)
     for name in fresh.backend_names:  # a laptop with cores to spare: as fast as a class can follow
         fresh.set_rates(name, fast)
-    assert suggested_rate(fresh) == MAX_SUGGESTED_RATE
-    assert Lesson(fresh).rate == MAX_SUGGESTED_RATE
+    assert suggested_rate(fresh, cores=2) == MAX_SUGGESTED_RATE
+    assert Lesson(fresh).rate == suggested_rate(fresh)
 
 
 def test_arrivals_keep_coming_until_stop_which_cancels_what_is_in_flight(fresh):

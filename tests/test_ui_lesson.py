@@ -171,7 +171,7 @@ def test_the_hint_moves_on_with_what_the_teacher_did():
     assert lesson_hint(replace(p, sent=1), names).startswith("Each row is one request")
     assert lesson_hint(p, names) == "Lower cpu0's ceiling to 1 and watch the next rows"
     p = replace(p, ceiling_lowered=True)
-    assert "next rows go to cpu1" in lesson_hint(p, names)
+    assert "next rows go to cpu1" in lesson_hint(p, names) and "rate up" in lesson_hint(p, names)
     p = replace(p, rate_changed=True)
     assert "policy" in lesson_hint(p, names)
     p = replace(p, policy_changed=True)

@@ -233,7 +233,8 @@ def lesson_hint(p: Progress, backends: list[str]) -> str:
     if not p.ceiling_lowered:
         return f"Lower {first}'s ceiling to 1 and watch the next rows"
     if not p.rate_changed:
-        return f"{first} now runs one request at a time, so the next rows go to {other}. Turn the rate up (+)"
+        return (f"{first} now runs one request at a time: its score climbs as its queue grows, and the next rows "
+                f"go to {other} where that is lower. Turn the rate up (+)")
     if not p.policy_changed:
         return "Switch the policy to round-robin and compare the latency plots before and after the mark"
     if not p.stepped:
