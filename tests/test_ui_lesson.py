@@ -229,3 +229,33 @@ def test_a_wait_says_how_long_is_left():
     assert warm_left_text(4.0, 1.2) == "about 3 s left"
     assert warm_left_text(4.0, 9.0) == "9 s so far, 4 s expected: the machine is busy"
     assert warm_left_text(0.0, 2.0) == "2 s so far"
+
+
+def test_an_experiment_says_how_long_its_warming_has_left(qtbot, make_window, ui_engine):
+    import threading
+
+    from engine.experiment import experiment_runner
+
+    w = make_window(bench_runner_factory=experiment_runner)
+    ex = w.panels["experiments"]
+    ex.n_requests.setValue(2)
+    ex.prefix.setValue(32)
+    ex.suffix.setValue(4)
+    ex.max_tokens.setValue(4)
+    gate = threading.Event()
+    held = ui_engine.backend("cpu1").call(lambda _b: gate.wait(60))  # the warming waits behind it
+    try:
+        assert ex.start(["seed-score"])
+        run = ex.run_controls.run
+        run.pause()  # once warm, the arrivals wait too
+        ex._on_tick(None)
+        assert ex.phase_label.text().startswith(f"{run.label}: warming the 32-token prefix, ")
+        assert " s left" in ex.phase_label.text() or " s so far" in ex.phase_label.text()
+    finally:
+        gate.set()
+        held.result(60)
+    qtbot.waitUntil(lambda: run.clock.started, timeout=WAIT_MS)
+    ex._on_tick(None)
+    assert ex.phase_label.text() == f"{run.label}: 0/2 sent · paused"
+    run.resume()
+    qtbot.waitUntil(lambda: not ex.running, timeout=WAIT_MS)
