@@ -259,3 +259,23 @@ def test_an_experiment_says_how_long_its_warming_has_left(qtbot, make_window, ui
     assert ex.phase_label.text() == f"{run.label}: 0/2 sent · paused"
     run.resume()
     qtbot.waitUntil(lambda: not ex.running, timeout=WAIT_MS)
+
+
+def test_tandem_gui_lesson_saves_the_presenter_view_mid_lesson_and_says_when_the_first_request_came(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from PySide6.QtGui import QImage
+
+    shot = tmp_path / "lesson.png"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "gui", "--model", UI_MODEL, "--lesson", "--presenter", "--panel",
+         "routing", "--screenshot", str(shot), "--delay", "3"],
+        capture_output=True, text=True, timeout=WAIT_MS / 1000 * 3, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("lesson:")]
+    assert len(lines) == 1 and re.fullmatch(r"lesson: first arrival \d+\.\d\d s after start", lines[0]), done.stdout
+    assert not QImage(str(shot)).isNull()

@@ -659,7 +659,7 @@ class MainWindow(QMainWindow):
         """Pause the live run's arrivals, or resume them; False if no live run."""
         run = self.live_run()
         if run is None:
-            self.show_message("no live run to pause (Run ▸ Send the study's 8 requests starts one)", 4000)
+            self.show_message("no live run to pause (Run ▸ Start a lesson starts one)", 4000)
             return False
         done = run.resume() if run.paused else run.pause()
         self.show_message(f"{run.label}: arrivals " + ("paused" if run.paused else "resumed"), 4000)
@@ -670,7 +670,7 @@ class MainWindow(QMainWindow):
         run = self.live_run()
         if run is None or not run.step():
             if run is None:
-                why = "no live run (Run ▸ Send the study's 8 requests starts one)"
+                why = "no live run (Run ▸ Start a lesson starts one)"
             elif run.state in ("flushing", "warming"):
                 why = f"{run.label} is warming the shared prefix; arrivals start after it"
             else:
