@@ -9,6 +9,7 @@ inside a step (`StepGate`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -93,7 +94,7 @@ def test_a_rate_change_applies_to_the_next_arrival():
     assert len(run_for(s, hand, 10.0)) == pytest.approx(5, abs=1)
 
 
-def test_the_rate_is_clamped_and_must_be_positive():
+def test_the_rate_is_clamped_to_positive_bounds():
     s, _hand = stream()
     assert s.set_rate(1e9) == MAX_RATE
     assert s.set_rate(1e-9) == MIN_RATE
@@ -102,7 +103,7 @@ def test_the_rate_is_clamped_and_must_be_positive():
             s.set_rate(bad)
 
 
-def test_pause_holds_the_stream_and_step_lets_one_through():
+def test_a_paused_stream_lets_arrivals_through_only_by_step():
     s, hand = stream(rate=2.0)
     assert s.due() == [0]
     s.clock.pause()
@@ -129,7 +130,7 @@ def test_a_late_taker_gets_no_burst():
 # ---- the mix ----
 
 
-def test_the_mix_is_deterministic_shares_the_studys_prefix_and_mixes_its_kinds():
+def test_the_mix_draws_its_kinds_after_the_studys_prefix():
     mix = LessonMix()
     prefix = mix.prefix()
     assert prefix == build_workload(seed_workload(8)).prefix  # a demo after a lesson finds it cached
@@ -220,7 +221,7 @@ def test_arrivals_keep_coming_until_stop_which_cancels_what_is_in_flight(fresh):
         s.handle.result(WAIT_S)  # each one finished or was cancelled: nothing left running
 
 
-def test_pause_and_step_act_on_a_running_lesson(fresh):
+def test_a_paused_lesson_sends_only_stepped_arrivals(fresh):
     lesson = Lesson(fresh, replace(SMALL, vocab_size=fresh.n_vocab), rate=MAX_RATE)
     lesson.start()
     lesson.pump()
@@ -244,20 +245,27 @@ def test_pause_and_step_act_on_a_running_lesson(fresh):
 
 def test_a_ceiling_lowered_mid_lesson_is_honoured_by_the_next_routed_request(fresh):
     mix = replace(SMALL, vocab_size=fresh.n_vocab, kinds=(Kind("long", 4, 48, 1.0),))
-    warm(fresh, mix)
     for name in fresh.backend_names:  # a CPU's step as this machine measured it: batching pays
         fresh.set_rates(name, MEASURED)
     lesson = Lesson(fresh, mix)
     long_reply = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    # One request running on cpu0, three on cpu1 (all admitted), then each worker held inside its
-    # next step, so the state the router sees holds still. At the ceiling loaded (4) the next
-    # arrival goes to cpu0, where fewer run.
+    # One request running on cpu0, three on cpu1, held there so that the state the router sees
+    # holds still: each worker waits in a call while its requests queue, so it takes them all at
+    # once and its next step admits them together (their prefix is cached); its gate holds it
+    # inside that step. At the
+    # ceiling loaded (4) the next arrival goes to cpu0, where fewer run.
+    warm(fresh, mix)
+    release = threading.Event()
+    inside = {name: threading.Event() for name in ("cpu0", "cpu1")}
+    calls = [fresh.backend(name).call(lambda _b, e=e: e.set() or release.wait(WAIT_S)) for name, e in inside.items()]
+    for e in inside.values():  # each worker is in its call: what is submitted now waits for one take
+        assert e.wait(WAIT_S)
     held = [fresh.submit(Request(mix.request(100 + i).prompt, long_reply, backend=name))
             for i, name in enumerate(("cpu0", "cpu1", "cpu1", "cpu1"))]
-    deadline = time.monotonic() + WAIT_S
-    while [len(s.running) for s in fresh.snapshot()] != [1, 3] and time.monotonic() < deadline:
-        time.sleep(0.005)
     gates = [StepGate(fresh.bus, name, after=1) for name in ("cpu0", "cpu1")]
+    release.set()
+    for c in calls:
+        c.result(WAIT_S)
     try:
         for g in gates:
             assert g.reached.wait(WAIT_S)

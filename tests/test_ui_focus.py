@@ -18,7 +18,7 @@ def on_screen(widget, window) -> bool:
     return widget.isVisible() and top_left.y() >= 0 and top_left.y() + widget.height() <= window.height()
 
 
-def test_focus_monitor_gives_the_monitor_the_whole_height_and_focus_chat_the_chat(qtbot, make_window):
+def test_each_focus_mode_gives_its_side_the_height(qtbot, make_window):
     w = make_window(compact=True)
     shown(qtbot, w)
     chat = w.panels["chat"]

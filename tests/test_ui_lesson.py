@@ -9,6 +9,7 @@ lesson is paused and stepped, so what is sent depends on the steps alone."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,7 @@ from ui_fixtures import UI_MODEL, WAIT_MS, StepGate, make_window, qasync_loop, u
 
 from engine.core.request import Request, SamplingParams
 from engine.core.snapshot import Rates
-from engine.lesson import Kind, LessonMix
+from engine.lesson import Kind, LessonMix, warm
 from engine.routing import DEFAULT_POLICY
 from engine.sim.arrivals import MAX_RATE
 from ui.lesson import Progress, lesson_hint
@@ -57,7 +58,7 @@ def test_a_lessons_arrivals_keep_coming_until_stop(qtbot, make_window, ui_engine
     stop_and_drain(qtbot, w, run)
 
 
-def test_pause_and_step_act_on_the_lesson_from_the_bar_and_the_run_menu(qtbot, make_window, ui_engine):
+def test_a_lesson_paused_from_the_bar_or_the_run_menu_sends_only_stepped_arrivals(qtbot, make_window, ui_engine):
     w, run = lesson_window(make_window, ui_engine)
     controls = w.lessons.bar.run_controls
     assert controls.run is run and run.n_submitted == 1  # the first arrival at once
@@ -102,7 +103,7 @@ def fixed_caps(ui_engine):
         b.set_cap(4, adaptive=was[name])
 
 
-def test_a_ceiling_lowered_in_the_bar_is_honoured_by_the_next_routed_request_and_marked(qtbot, make_window, ui_engine,
+def test_a_ceiling_lowered_in_the_bar_decides_the_next_routed_request(qtbot, make_window, ui_engine,
                                                                                         fixed_caps):
     for name in ui_engine.backend_names:  # a CPU's step as measured on this machine: batching pays
         ui_engine.set_rates(name, MEASURED)
@@ -113,13 +114,23 @@ def test_a_ceiling_lowered_in_the_bar_is_honoured_by_the_next_routed_request_and
     long_reply = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     mix = w.lessons.mix
     qtbot.waitUntil(lambda: not any(s.items for s in ui_engine.snapshot()), timeout=WAIT_MS)
-    # One request running on cpu0, three on cpu1 (all admitted), then each worker held inside its
-    # next step, so the state the router sees holds still. At the loaded ceiling the next arrival
-    # goes to cpu0, where fewer run.
+    # One request running on cpu0, three on cpu1, held there so that the state the router sees
+    # holds still: each worker waits in a call while its requests queue, so it takes them all at
+    # once and its next step admits them together (their prefix is cached); its gate holds it
+    # inside that step. At the
+    # ceiling loaded (4) the next arrival goes to cpu0, where fewer run.
+    warm(ui_engine, mix)
+    release = threading.Event()
+    inside = {name: threading.Event() for name in ("cpu0", "cpu1")}
+    calls = [ui_engine.backend(name).call(lambda _b, e=e: e.set() or release.wait(WAIT_MS / 1000)) for name, e in inside.items()]
+    for e in inside.values():  # each worker is in its call: what is submitted now waits for one take
+        assert e.wait(WAIT_MS / 1000)
     held = [ui_engine.submit(Request(mix.request(100 + i).prompt, long_reply, backend=name))
             for i, name in enumerate(("cpu0", "cpu1", "cpu1", "cpu1"))]
-    qtbot.waitUntil(lambda: [len(s.running) for s in ui_engine.snapshot()] == [1, 3], timeout=WAIT_MS)
     gates = [StepGate(ui_engine.bus, name, after=1) for name in ("cpu0", "cpu1")]
+    release.set()
+    for c in calls:
+        c.result(WAIT_MS / 1000)
     try:
         for g in gates:
             assert g.reached.wait(WAIT_MS / 1000)
@@ -203,22 +214,28 @@ def test_a_lesson_load_warms_the_prefix_before_the_first_arrival(qtbot, make_win
     stop_and_drain(qtbot, w, run)
 
 
-def test_a_demo_after_a_lesson_load_sends_at_once_and_an_experiment_starts_fresh(qtbot, make_window, ui_engine):
+def test_a_demo_after_a_lesson_load_sends_at_once(qtbot, make_window, ui_engine):
+    from engine.lesson import warm
+    from ui.live_run import seed_workload
+
+    w = make_window()
+    warm(ui_engine)  # as a lesson's load leaves it
+    run = w.start_demo(seed_workload(2, gen_tokens=4))  # the study's 496-token prefix, the lesson's too
+    assert run.state == "running" and run.n_submitted >= 1  # no flush, no warming: sent at once
+    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
+
+
+def test_an_experiment_after_a_lesson_load_starts_fresh(qtbot, make_window, ui_engine):
     from engine.lesson import warm
     from ui.live_run import WorkloadRun, seed_workload
 
-    spec = seed_workload(2, gen_tokens=4)  # the study's 496-token prefix, the lesson's too
     w = make_window()
-    warm(ui_engine)  # as a lesson's load leaves it
-    run = w.start_demo(spec)
-    phases = [run.state]
-    run.phase.connect(phases.append)
-    assert phases[0] == "running" and run.n_submitted >= 1  # no flush, no warming: sent at once
-    qtbot.waitUntil(lambda: not run.running, timeout=WAIT_MS)
-    measured = WorkloadRun(ui_engine, w.bridge, spec, label="experiment", parent=w)  # not reuse_warm
+    warm(ui_engine)
+    measured = WorkloadRun(ui_engine, w.bridge, seed_workload(2, gen_tokens=4), label="experiment", parent=w)
+    phases: list[str] = []
     measured.phase.connect(phases.append)
     measured.start()
-    assert phases[-1] == "flushing"
+    assert phases == ["flushing"]  # a measurement starts from a fresh state, warm prefix or not
     qtbot.waitUntil(lambda: not measured.running, timeout=WAIT_MS)
 
 
@@ -232,8 +249,6 @@ def test_a_wait_says_how_long_is_left():
 
 
 def test_an_experiment_says_how_long_its_warming_has_left(qtbot, make_window, ui_engine):
-    import threading
-
     from engine.experiment import experiment_runner
 
     w = make_window(bench_runner_factory=experiment_runner)
@@ -261,7 +276,7 @@ def test_an_experiment_says_how_long_its_warming_has_left(qtbot, make_window, ui
     qtbot.waitUntil(lambda: not ex.running, timeout=WAIT_MS)
 
 
-def test_tandem_gui_lesson_saves_the_presenter_view_mid_lesson_and_says_when_the_first_request_came(tmp_path):
+def test_tandem_gui_lesson_screenshot_prints_when_the_first_request_came(tmp_path):
     import os
     import re
     import subprocess
