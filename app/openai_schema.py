@@ -651,7 +651,7 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
 def _check_choices_fit(n: int, n_prompt: int, sampling: SamplingParams, engine: Engine) -> None:
     """n choices share one prompt: prompt + n × max_tokens cells must fit one backend's KV
     (they run on one backend). A budget left unset is the context's rest, as for n = 1."""
-    n_ctx = max((s.n_ctx for s in engine.snapshot() if s.device != "remote"), default=0)
+    n_ctx = max((s.kv_cells_total for s in engine.snapshot()), default=0)  # 0: a pool not known here
     if not n_ctx:
         return
     budget = min(sampling.max_tokens, max(n_ctx - n_prompt, 1))

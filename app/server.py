@@ -684,7 +684,7 @@ def _model_object(app: web.Application, model_id: str) -> dict:
     """OpenAI's model object (`id`, `object`, `created`, `owned_by`) plus Tandem's `meta`."""
     engine, settings = app[ENGINE], app[SETTINGS]
     routed = settings.served.routed(model_id)
-    meta: dict = {"backends": [b.name for b in engine.backends.values() if engine.serves(b, routed)]}
+    meta: dict = {"backends": engine.serving(routed)}
     created = settings.started
     if engine.model is not None and model_id == settings.served.id:
         info = engine.model.info
@@ -730,8 +730,7 @@ async def health(request: web.Request) -> web.Response:
     that can name remote engines' URLs) is shown only to a caller with the API key, when one
     is set."""
     engine = request.app[ENGINE]
-    backends = list(engine.backends.values())
-    up = [bool(b.healthy) for b in backends]
+    up = list(engine.health().values())
     status = "ok" if up and all(up) else "degraded" if any(up) else "unavailable"
     body: dict = {"status": status}
     if _authorized(request):

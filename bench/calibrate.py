@@ -11,8 +11,14 @@ import json
 import sys
 
 from engine.core.errors import InvalidRequest
-from engine.rates.measure import CALIBRATION_GEN, CALIBRATION_PROMPT, CONTEXT_PROMPT, calibrate_backend, progress_steps
-from engine.rates.store import RateStore, config_key, file_fingerprint, save_calibration
+from engine.rates.measure import (
+    CALIBRATION_GEN,
+    CALIBRATION_PROMPT,
+    CONTEXT_PROMPT,
+    calibrate_backend,
+    calibration_steps,
+)
+from engine.rates.store import RateStore, file_fingerprint, save_calibration
 
 from .progress import Progress
 
@@ -55,9 +61,7 @@ def run_calibrate(args) -> int:
             print("(synthetic model: random weights; its timing is the real shape's)", file=sys.stderr)
         twins = _one_per_config(eng, names)
         measured = list(twins)
-        steps = {n: progress_steps(eng.backends[n].cap, batches, args.repeats,
-                                   0 if eng.backends[n].device == "remote" else args.context_tokens)  # HTTP: no steps
-                 for n in measured}
+        steps = {n: calibration_steps(eng.backends[n], batches, args.repeats, args.context_tokens) for n in measured}
         results = []
         with Progress(sum(steps.values()), "calibrating") as bar:
             offset = 0
@@ -102,8 +106,7 @@ def _one_per_config(eng, names: list[str]) -> dict[str, list[str]]:
     first_of: dict[str, str] = {}
     twins: dict[str, list[str]] = {}
     for n in names:
-        b = eng.backends[n]
-        key = config_key(b.config, b.model.device)
+        key = eng.info(n).rates_key
         if key in first_of:
             twins[first_of[key]].append(n)
         else:

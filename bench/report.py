@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from engine.rates.store import config_key, file_fingerprint
+from engine.rates.store import file_fingerprint
 from engine.sim.benchmark import CSV_FIELDS, RequestRecord
 
 
@@ -286,13 +286,12 @@ def _chat_pm(s: dict, digits: int = 3) -> str:
 def engine_info(eng, sweep) -> list[dict]:
     """Each backend of `eng` as summary.json records it (`sweep`: the backend a sweep varied)."""
     out = []
-    for b in eng.backends.values():
-        c = b.config
-        out.append({"name": b.name, "device": b.model.device, "cap": c.cap, "n_ctx": b.n_ctx,
-                    "threads": c.threads, "n_seq_max": c.n_seq_max, "n_batch": c.n_batch,
-                    "kv_unified": c.kv_unified, "swept": b.name == sweep,
-                    "config_key": config_key(c, b.model.device) if b.device != "remote" else "",
-                    "rates": asdict(b.rates)})
+    for name in eng.backend_names:
+        i = eng.info(name)
+        out.append({"name": name, "device": i.device, "cap": eng.backend(name).cap_state().cap, "n_ctx": i.n_ctx,
+                    "threads": i.threads, "n_seq_max": i.n_seq_max, "n_batch": i.n_batch,
+                    "kv_unified": i.kv_unified, "swept": name == sweep, "config_key": i.rates_key,
+                    "rates": asdict(eng.rates(name))})
     return out
 
 

@@ -443,7 +443,7 @@ def _measure_placeholders(eng, model: str) -> dict:
     for (`engine.rates.measure.calibrate_at_load`, a few seconds per config, stored for the next
     run), with its progress on stderr: a bench never routes on placeholder rates. Backends
     given `--rates` are not placeholders and are left alone."""
-    local = [b for b in eng.backends.values() if b.device != "remote"]
+    local = [b for b in eng.backends.values() if b.model is not None]  # the local model's backends
     if not any(b.rates.placeholder for b in local) or eng.model is None:
         return {}
     bar: list[Progress] = []
@@ -508,7 +508,7 @@ def swept_policy(policy: str, sweep: str) -> str:
 
 
 def _single_policy(eng) -> str:
-    if any(b.model.device != "cpu" for b in eng.backends.values()):
+    if any(d.startswith("gpu") for d in eng.devices.values()):
         return "gpu-only"
     return f"only:{next(iter(eng.backends))}"
 
@@ -521,8 +521,8 @@ def _check_policies(eng, variants, sweep) -> None:
             Router(v.policy).route(RouteQuery("dry-run", 1, 1), snaps)
         except EngineError as e:
             raise InvalidRequest(f"policy {v.policy}: {e}") from None
-        if v.cap is not None and v.cap > eng.backends[sweep].config.n_seq_max:
-            raise InvalidRequest(f"cap {v.cap} exceeds {sweep}'s n_seq_max {eng.backends[sweep].config.n_seq_max}")
+        if v.cap is not None and v.cap > eng.info(sweep).n_seq_max:
+            raise InvalidRequest(f"cap {v.cap} exceeds {sweep}'s n_seq_max {eng.info(sweep).n_seq_max}")
 
 
 def _probe_targets(args) -> list:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from engine.backends import registry
 from engine.backends.config import resolve_contexts
-from engine.backends.protocol import BackendInfo, BackendProtocol
+from engine.backends.protocol import BackendInfo, BackendProtocol, Handed
 from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
 from engine.core.events import EventBus, RequestRouted
 from engine.core.handle import RequestHandle
@@ -62,7 +62,7 @@ class Engine:
             raise InvalidRequest("an engine needs at least one backend")
         self.backends = {b.name: b for b in backends}
         for b in backends:
-            b.on_unhealthy = self._rehome  # type: ignore[assignment]  # declared None in Backend
+            b.on_unhealthy = self._rehome
         self.router = router or Router()
         self.bus = bus or backends[0].bus
         self._registry = registry
@@ -71,7 +71,7 @@ class Engine:
         self.online: OnlineRefresh | None = None  # when rates are refreshed from observed steps
 
     @classmethod
-    def load(cls, model: str | Path | None, configs: Sequence[object], *,
+    def load(cls, model: str | Path | None, configs: Sequence[registry.BackendSpec], *,
              policy: str = "default", rates: dict[str, Rates] | None = None, progress=None,
              online_rates: bool = False, calibrate: bool = False,
              status: Callable[[str], None] | None = None,
@@ -162,6 +162,10 @@ class Engine:
             return True
         return model in backend.models or not backend.models  # not known yet: let it try
 
+    def serving(self, model: str | None) -> list[str]:
+        """The backends that can take a request naming `model` (None: any), by name."""
+        return [name for name, b in self.backends.items() if self.serves(b, model)]
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Route `request` to one backend and queue it there. Raises `EngineError` on bad input."""
         handle = RequestHandle(request, loop)
@@ -215,7 +219,7 @@ class Engine:
                         raise
         self.bus.publish(RequestRouted(decision))
 
-    def _rehome(self, failed: BackendProtocol, moved: list) -> None:
+    def _rehome(self, failed: BackendProtocol, moved: Sequence[Handed]) -> None:
         """A backend went unhealthy or is restarting: route the requests it gave back to the
         others (called on its worker thread, or on the restarting thread). One whose stream
         broke after it began (a remote engine's, `RequestHandle._interrupt`) goes on from the
@@ -312,8 +316,8 @@ class Engine:
             raise InvalidRequest(f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from e
 
     def prompt_limit(self) -> int:
-        """The longest prompt a local backend can take (its context per sequence); 0: none."""
-        return max((getattr(b, "n_ctx_seq", 0) for b in self.backends.values() if b.device != "remote"), default=0)
+        """The longest prompt a backend checks here (a local one's context per sequence); 0: none does."""
+        return max((b.prompt_limit() for b in self.backends.values()), default=0)
 
     def prompt_tokens(self, text: str, param: str = "prompt") -> list[int]:
         """A raw prompt's tokens (`Model.tokenize`), refused cheaply first when it cannot fit
@@ -342,6 +346,14 @@ class Engine:
     def devices(self) -> dict[str, str]:
         """Each backend's device ("cpu", "gpu", ...), by name."""
         return {name: b.device for name, b in self.backends.items()}
+
+    def relays_logprobs(self) -> bool:
+        """Whether every backend relays token log-probabilities (a request may go to any)."""
+        return all(b.info().logprobs for b in self.backends.values())
+
+    def health(self) -> dict[str, bool]:
+        """Whether each backend serves, by name: its flag, cheaper than a snapshot."""
+        return {name: bool(b.healthy) for name, b in self.backends.items()}
 
     def backend_snapshot(self, name: str) -> BackendSnapshot:
         return self.backend(name).snapshot()
@@ -408,7 +420,7 @@ class Engine:
         """Zero the counters of one backend or all (prefix-cache queries, hits and evictions,
         observed speeds, steps); what is cached, caps and rates stay. Waits up to `timeout` s."""
         targets = [self.backend(backend)] if backend else list(self.backends.values())
-        futures = [b.reset_stats() for b in targets if hasattr(b, "reset_stats")]
+        futures = [b.reset_stats() for b in targets]
         for f in futures:
             f.result(timeout)
 

@@ -79,8 +79,8 @@ class EngineRunner:
         self.sweep_backend = sweep_backend
         self.timeout = timeout
         # Each backend's cap as loaded: (cap, adaptive), cap 0 for `auto`.
-        self.caps = {n: (0 if getattr(b, "cap_auto", False) else b.cap, getattr(b, "cap_adaptive", False))
-                     for n, b in eng.backends.items()}
+        loaded = {n: b.cap_state() for n, b in eng.backends.items()}
+        self.caps = {n: (0 if s.auto else s.cap, s.adaptive) for n, s in loaded.items()}
         self.rates = {n: b.rates for n, b in eng.backends.items()}
         eng.router.set_budget(budget)
         self.online = OnlineRefresh(eng).attach() if online else None
@@ -141,10 +141,7 @@ class EngineRunner:
                 cap, adaptive = variant.cap, variant.cap == 0
             else:
                 cap, adaptive = self.caps[n]
-            if hasattr(b, "cap_adaptive"):  # every run starts the limiter afresh
-                b.set_cap(cap or None, adaptive=adaptive)
-            elif b.cap != cap:
-                b.set_cap(cap)
+            b.set_cap(cap or None, adaptive=adaptive)  # every run starts an adaptive limit afresh
         if self.online is not None:
             self.online.reset(self.rates)
         else:

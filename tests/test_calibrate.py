@@ -248,7 +248,7 @@ class TestCalibrateOnTheTinyModel:
         assert sorted(cal.step_s) == [1, 6]
         assert max(len(rows) for _, _, rows in b.step_log) == 6  # 6 ran together, above the adaptive start
         snap = b.snapshot()
-        assert (b.cap_auto, snap.cap, snap.cap_ceiling, snap.cap_adaptive) == (True, 4, 16, True)
+        assert (b.cap_state().auto, snap.cap, snap.cap_ceiling, snap.cap_adaptive) == (True, 4, 16, True)
 
     def test_bad_sizes_are_refused(self, make_engine):
         eng = make_engine(["cpu:threads=1,cap=2,ctx=256"])

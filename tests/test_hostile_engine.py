@@ -4,13 +4,16 @@ memory bounded, and every client gets an answer or a clean error within the dead
 The engines are small aiohttp servers in this process (`FakeEngine`), each with one manner:
 `good` (a proper OpenAI stream), `silent` (takes the request, never answers), `slow` (one
 token, then nothing), `types` (`"text": 12345`), `endless` (ignores `max_tokens`), `huge`
-(a 256 MB `/health` body). Every wait is bounded.
+(a 256 MB `/health` body), `bignum` (a 400-digit `completion_tokens`), `bigcached` (a
+400-digit `cached_tokens`), `crowd` (vLLM gauges claiming 10^11 requests of others). Every
+wait is bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
@@ -18,8 +21,9 @@ import pytest
 from aiohttp import web
 from waiting import wait_until
 
-from engine.backends.config import RemoteConfig
 from engine.backends.remote import RemoteBackend
+from engine.backends.remote.config import RemoteConfig
+from engine.backends.remote.probe import MAX_EXTERNAL
 from engine.core.events import EventBus
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.engine import Engine
@@ -41,7 +45,8 @@ class FakeEngine:
         self.hold = asyncio.Event()  # never set: what silent engines wait on
         app = web.Application()
         app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
-                        web.post("/v1/completions", self.complete), web.post("/v1/chat/completions", self.complete)])
+                        web.post("/v1/completions", self.complete), web.post("/v1/chat/completions", self.complete),
+                        web.get("/metrics", self.metrics)])
         self.app = app
 
     async def health(self, request: web.Request) -> web.StreamResponse:
@@ -59,6 +64,12 @@ class FakeEngine:
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         return response
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.manner != "crowd":
+            raise web.HTTPNotFound()
+        return web.Response(text="vllm:num_requests_running 1e11\nvllm:num_requests_waiting 1e11\n",
+                            content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
@@ -91,8 +102,12 @@ class FakeEngine:
                 n = body.get("max_tokens", 4)
                 for i in range(n):
                     await event(chunk(f"t{i} ", "length" if i == n - 1 else None))
-                await event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n,
-                                                      "total_tokens": n + 3}})
+                usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+                if self.manner == "bignum":
+                    usage["completion_tokens"] = usage["total_tokens"] = 10**400
+                if self.manner == "bigcached":
+                    usage["prompt_tokens_details"] = {"cached_tokens": 10**400}
+                await event({"choices": [], "usage": usage})
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             pass
@@ -138,7 +153,7 @@ def rss_bytes() -> int:
 
 @pytest.fixture
 def fakes():
-    f = Fakes(["good", "silent", "slow", "types", "endless", "huge"])
+    f = Fakes(["good", "silent", "slow", "types", "endless", "huge", "bignum", "bigcached", "crowd"])
     yield f
     f.close()
 
@@ -147,16 +162,16 @@ def fleet(fakes, *manners, **config) -> Engine:
     bus = EventBus()
     cfg = dict(first_token_s=FIRST_TOKEN_S, token_gap_s=TOKEN_GAP_S, health_s=0.2, poll_s=0.2, api="openai",
                quarantine_s=60.0) | config
-    backends = [RemoteBackend.from_config(RemoteConfig(url=fakes.urls[m], name=m, **cfg), bus) for m in manners]
+    backends = [RemoteBackend(RemoteConfig(url=fakes.urls[m], name=m, **cfg), bus).start() for m in manners]
     return Engine(backends, Router("round-robin"), bus)
 
 
-def ask(engine: Engine, backend: str | None = None, max_tokens: int = 8, stream: bool = True):
+def ask(engine: Engine, backend: str | None = None, max_tokens: int = 8, stream: bool = True, wait: float = WAIT):
     req = Request((), SamplingParams(temperature=0.0, max_tokens=max_tokens), text="hello", backend=backend,
                   stream=stream)
     t0 = time.monotonic()
     handle = engine.submit(req)
-    record = handle.result(WAIT)
+    record = handle.result(wait)
     return record, time.monotonic() - t0
 
 
@@ -246,3 +261,93 @@ def test_a_huge_health_body_makes_the_engine_unhealthy_without_growing_memory(fa
         assert record.status == RequestStatus.FINISHED_LENGTH and record.backend == "good"
     finally:
         eng.close()
+
+
+# ---- counts no float holds ----
+
+ANSWER_S = 10  # a normal request here takes milliseconds
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
+def test_a_400_digit_completion_count_still_gets_the_request_answered(fakes, pinned):
+    eng = fleet(fakes, "bignum")
+    try:
+        for stream in (True, False):
+            record, took = ask(eng, "bignum" if pinned else None, max_tokens=8, stream=stream, wait=ANSWER_S)
+            assert record.status == RequestStatus.FINISHED_LENGTH and record.error is None, record
+            assert record.output_tokens == 8 and record.text == "t0 t1 t2 t3 t4 t5 t6 t7 "
+            assert took < ANSWER_S
+        assert eng.backends["bignum"].healthy
+        assert float(eng.snapshot()[0].rates.decode_tok_s) > 0  # the online rates stayed finite
+    finally:
+        eng.close()
+
+
+def test_a_400_digit_cached_count_is_clamped_below_the_prompt(fakes, caplog):
+    from engine.core.metrics import EngineMetrics
+
+    eng = fleet(fakes, "bigcached")
+    metrics = EngineMetrics(eng)
+    try:
+        with caplog.at_level(logging.WARNING):
+            record, _ = ask(eng, wait=ANSWER_S)
+        assert record.status == RequestStatus.FINISHED_LENGTH and record.prompt_tokens == 3
+        assert record.cached_tokens == 3  # at most the prompt the engine said it had
+        assert b'tandem:prompt_tokens_total{backend="bigcached"} 3.0' in metrics.render()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    finally:
+        metrics.close()
+        eng.close()
+
+
+def test_an_engine_claiming_a_vast_load_is_priced_within_a_bound(fakes):
+    eng = fleet(fakes, "crowd", api="vllm")
+    crowd = eng.backends["crowd"]
+    try:
+        wait_until(lambda: any(i.request_id.startswith("external:") for i in crowd.snapshot().items), WAIT,
+                   "the engine's claimed load in the snapshot")
+        t0 = time.monotonic()
+        items = crowd.snapshot().items
+        assert len(items) <= 2 * MAX_EXTERNAL and time.monotonic() - t0 < 1.0
+        record, _ = ask(eng, "crowd", wait=ANSWER_S)  # it still serves
+        assert record.status == RequestStatus.FINISHED_LENGTH
+    finally:
+        eng.close()
+
+
+def test_a_finish_that_fails_still_ends_the_request_with_an_error(fakes, monkeypatch):
+    """A bug while finishing (here: the online rates raising) ends the request, never hangs it."""
+    from engine.backends.remote.online import OnlineRates
+
+    def broken(self, record, batch):
+        raise ZeroDivisionError("a bug while finishing")
+
+    monkeypatch.setattr(OnlineRates, "observe", broken)
+    eng = fleet(fakes, "good")
+    try:
+        record, took = ask(eng, "good", wait=ANSWER_S)
+        assert record.status == RequestStatus.FINISHED_ERROR and record.error_kind == "server_error"
+        assert "ZeroDivisionError" in record.error and took < ANSWER_S
+        monkeypatch.undo()
+        again, _ = ask(eng, "good", wait=ANSWER_S)  # the backend goes on serving
+        assert again.status == RequestStatus.FINISHED_LENGTH
+    finally:
+        eng.close()
+
+
+def test_a_failed_hand_over_still_ends_the_requests(fakes):
+    """The engine's `on_unhealthy` raising (a bug there) ends the silent engine's requests with
+    its error instead of leaving them hanging."""
+    backend = RemoteBackend(RemoteConfig(url=fakes.urls["silent"], name="silent", first_token_s=FIRST_TOKEN_S,
+                                         token_gap_s=TOKEN_GAP_S, health_s=0.2, poll_s=0.2, api="openai")).start()
+
+    def broken(failed, moved):
+        raise RuntimeError("a bug while re-routing")
+
+    backend.on_unhealthy = broken
+    try:
+        handles = [backend.enqueue(Request((), SamplingParams(max_tokens=4), text="hi")) for _ in range(2)]
+        records = [h.result(ANSWER_S) for h in handles]
+        assert all(r.status == RequestStatus.FINISHED_ERROR and "silent" in r.error for r in records), records
+    finally:
+        backend.stop()

@@ -20,8 +20,9 @@ import pytest
 from waiting import wait_until
 
 from engine.backends import registry
-from engine.backends.config import RemoteConfig, parse_backend_spec
+from engine.backends.config import parse_backend_spec
 from engine.backends.remote import RemoteBackend
+from engine.backends.remote.config import RemoteConfig
 from engine.core.errors import InvalidRequest
 from engine.core.events import EventBus
 from engine.core.handle import RequestHandle
@@ -365,7 +366,7 @@ def test_finished_requests_refine_the_rates_online(fleet):
 
 
 def test_a_tokenizer_predicts_the_engines_cached_tokens(engines):
-    backend = RemoteBackend.from_config(RemoteConfig(url=engines.url(0), name="t", tokenizer="synthetic:tiny"))
+    backend = RemoteBackend(RemoteConfig(url=engines.url(0), name="t", tokenizer="synthetic:tiny")).start()
     try:
         shared = "The same long system prompt, sent twice to one engine. " * 6
         backend.enqueue(Request((), GREEDY, text=shared + "First question?")).text(60)

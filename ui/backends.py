@@ -80,7 +80,7 @@ class BackendCard(QFrame):
         title = QLabel(f"<span style='color:{self.color}'>■</span> <b>{b.name}</b>")
         title.setObjectName("title")
         threads = b.threads
-        if b.device == "remote":  # an engine elsewhere: where it is and what it serves
+        if b.url:  # an engine elsewhere: where it is and what it serves
             self.facts = QLabel(f"REMOTE · {snap.url.removeprefix('http://')} · {snap.model or '?'}")
             self.facts.setToolTip(f"an OpenAI-compatible engine at {snap.url}; Tandem sends it at most "
                                   f"{snap.cap} requests at a time and predicts its prefix cache")

@@ -775,7 +775,7 @@ class MainWindow(QMainWindow):
         """The Hub dialog, pricing a model against this machine (a GPU backend's memory, if any)."""
         snaps: list[BackendSnapshot] = self.engine.snapshot() if self.engine is not None else []
         vram = max((s.device_memory_total_bytes for s in snaps if s.device != "cpu"), default=0)
-        n_ctx = max((s.n_ctx for s in snaps if s.device != "remote"), default=4096)
+        n_ctx = max((s.kv_cells_total for s in snaps), default=0) or 4096  # a local pool, else a default
         return GetModelDialog(self, n_ctx=n_ctx, vram_total=vram, **kw)
 
     # ---- misc ----

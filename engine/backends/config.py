@@ -1,6 +1,7 @@
-"""Backend specs from the command line: `gpu:cap=4`, `cpu:threads=15,cap=4,name=big`,
-`gpu:device=1,cap=8`, `remote:url=http://host:8081,api=vllm,cap=32` (an OpenAI-compatible engine,
-`engine/backends/remote/`).
+"""Backend specs from the command line, and the local kind's config: `gpu:cap=4`,
+`cpu:threads=15,cap=4,name=big`, `gpu:device=1,cap=8`. `parse_backend_spec` looks a spec's
+prefix up in the table each kind registers (engine/backends/registry.py): `cpu`, `gpu` and `auto`
+here, `remote:url=…` (engine/backends/remote/config.py), `null` (engine/backends/null.py).
 
 `gpu` offloads the model with llama.cpp's default (every GPU); `gpu:device=N` loads it on GPU N
 alone (`engine.llama.gpus()[N]`), as the device `gpuN`, and the backend is named `gpuN` unless
@@ -34,17 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+import engine.backends.null  # each kind's config module registers its spec prefix
+import engine.backends.remote.config  # noqa: F401
+from engine.backends.registry import BackendSpec, parse_spec, spec_error, spec_kind
 from engine.core.errors import InvalidRequest
 from engine.sched.limiter import CEILING, START
 from engine.sched.scheduler import default_seq_slots
-
-if TYPE_CHECKING:
-    from engine.backends.null import NullConfig
 
 _INT_KEYS = {"cap", "n_ctx", "ctx", "n_batch", "batch", "n_ubatch", "ubatch", "threads",
              "threads_batch", "n_seq_max", "max_queue", "idle_cache_cells", "busy_chunk", "seq_ctx", "contexts",
@@ -53,9 +53,6 @@ _ALIASES = {"ctx": "n_ctx", "batch": "n_batch", "ubatch": "n_ubatch"}
 _BOOL_KEYS = {"kv_unified", "cache", "backend_sampling", "fused_greedy", "overlap_text", "adaptive",
               "share_prefill", "defer_shared"}
 _FLOAT_KEYS = {"queue_timeout": "queue_timeout_s"}
-
-
-REMOTE_APIS = ("auto", "openai", "llama-server", "vllm", "sglang", "tandem")
 
 
 # No cap given: the ceiling the limiter may grow to, and where it starts, for each context on a
@@ -149,6 +146,7 @@ def auto_contexts(model_bytes: int, free_bytes: int, *, want: int | None = None,
     return max(1, min(want, 26))
 
 
+@spec_kind("cpu", "gpu", "auto")
 @dataclass(frozen=True)
 class BackendConfig:
     """How to build a backend. `cap` bounds the sequences running at once: with `adaptive`
@@ -225,145 +223,90 @@ class BackendConfig:
         return replace(self, threads=threads, threads_batch=self.threads_batch or threads, n_seq_max=n_seq_max,
                        cap=cap, n_ctx=n_ctx, flash_attn=flash_attn, idle_cache_cells=idle)
 
+    def speed_key(self, device: str | None = None) -> str:
+        """What about this configuration changes its speed, as a stable string: stored rates are
+        filed under it (engine/rates/store.py). `device` is the model's resolved device; it names
+        the key only where the config says `auto`. A config for one GPU keeps its own (`gpu0`,
+        `gpu1`): each GPU of a fleet in one process is calibrated, and priced, on its own."""
+        c = self.resolved()
+        dev = (device or c.device) if c.device == "auto" else c.device
+        return (f"{dev}:threads={c.threads},threads_batch={c.threads_batch},"
+                f"n_batch={c.n_batch},n_ubatch={min(c.n_ubatch, c.n_batch)},"
+                f"kv_unified={int(c.kv_unified)},flash_attn={c.flash_attn},"
+                f"backend_sampling={int(c.backend_sampling)}")
 
-@dataclass(frozen=True)
-class RemoteConfig:
-    """An OpenAI-compatible engine as a backend: `remote:url=http://HOST:PORT[,name=…,api=…,
-    key=…,cap=…,tokenizer=MODEL]`. `cap` bounds the requests in flight there (the rest wait here, FCFS, so
-    they can move if the engine dies); `api` says which load endpoints to read (`auto`:
-    detect them); `key` is sent as `Authorization: Bearer KEY`."""
-
-    builder_module: ClassVar[str] = "engine.backends.remote.backend"
-    needs_model: ClassVar[bool] = False
-
-    url: str
-    name: str = "remote"
-    device: str = "remote"
-    api: str = "auto"
-    key: str | None = None
-    cap: int = 64
-    max_queue: int = 4096
-    cache_capacity: int = 1 << 22  # elements (tokens or characters) the cache prediction keeps
-    poll_s: float = 0.3  # load polling period
-    health_s: float = 1.0  # health probe period
-    timeout_s: float = 600.0  # the most one request may take end to end
-    first_token_s: float = 60.0  # the first streamed event must come within this of sending
-    token_gap_s: float = 30.0  # each next event within this of the last
-    quarantine_s: float = 30.0  # a silent engine stays out this long (doubling) though /health answers
-    # A model spec (path, `default`, `synthetic:tiny`) whose vocabulary is the engine's: its
-    # tokenizer (loaded vocab-only) makes exact token keys for the cache prediction.
-    tokenizer: str | None = None
+    @classmethod
+    def from_spec(cls, spec: str, rest: str, defaults: Mapping[str, Any]) -> BackendConfig:
+        """`cpu|gpu|auto[:key=value,...]` (see the module docstring); the name defaults to the device."""
+        device = spec.partition(":")[0].strip().lower()
+        fields: dict[str, Any] = {"device": device, **defaults}
+        for i, item in enumerate(filter(None, (p.strip() for p in rest.split(","))), 1):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise spec_error(spec, f"item {i} is not key=value")
+            fields.update(_local_item(spec, device, _ALIASES.get(key.strip(), key.strip()), value))
+        fields.setdefault("name", fields["device"])
+        return cls(**fields)
 
 
-def _number(spec: str, key: str, value: str, kind: type):
+def _number(spec: str, key: str, value: str, kind: type[int] | type[float]) -> int | float:
     """`value` as an int or a float, or the spec's error naming the key."""
     try:
         return kind(value)
     except ValueError:
         what = "an integer" if kind is int else "a number"
-        raise InvalidRequest(f"backend spec {spec!r}: {key} must be {what}") from None
+        raise spec_error(spec, f"{key} must be {what}") from None
 
 
-def _parse_remote(spec: str, rest: str, defaults: dict) -> RemoteConfig:
-    """The keys of a `remote:` spec (see `RemoteConfig`)."""
-    fields: dict = {}
-    ints = {"cap", "max_queue", "cache_capacity"}
-    floats = {"poll_s", "health_s", "timeout_s", "first_token_s", "token_gap_s", "quarantine_s"}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not eq:
-            raise InvalidRequest(f"backend spec {spec!r}: {item!r} is not key=value")
-        if key in ints:
-            fields[key] = _number(spec, key, value, int)
-            if fields[key] < 1:
-                raise InvalidRequest(f"backend spec {spec!r}: {key} must be >= 1")
-        elif key in floats:
-            fields[key] = _number(spec, key, value, float)
-            if not fields[key] > 0:
-                raise InvalidRequest(f"backend spec {spec!r}: {key} must be > 0")
-        elif key in ("url", "name", "key", "api", "tokenizer"):
-            fields[key] = value
-        else:
-            valid = sorted(ints | floats | {"url", "name", "key", "api", "tokenizer"})
-            raise InvalidRequest(f"backend spec {spec!r}: unknown key {key!r} (valid: {', '.join(valid)})")
-    url = fields.get("url", "")
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise InvalidRequest(f"backend spec {spec!r}: url must be http://HOST:PORT or https://HOST:PORT, "
-                             f"got {url!r}")
-    fields["url"] = url.rstrip("/").removesuffix("/v1")
-    api = fields.get("api", "auto").lower()
-    if api not in REMOTE_APIS:
-        raise InvalidRequest(f"backend spec {spec!r}: api must be one of {', '.join(REMOTE_APIS)}, got {api!r}")
-    fields["api"] = api
-    if "cap" not in fields and "cap" in defaults:  # a command-line default cap applies here too
-        fields["cap"] = defaults["cap"]
-    return RemoteConfig(**fields)
+def _local_item(spec: str, device: str, key: str, value: str) -> dict[str, Any]:
+    """One `key=value` of a local spec as config fields."""
+    low = value.strip().lower()
+    if key == "device":
+        return {"device": _gpu_device(spec, device, value)}
+    if key == "cap" and low == "auto":
+        return {"cap": 0}  # adaptive up to the device's ceiling (engine/sched/limiter.py)
+    if key == "contexts" and low == "auto":
+        return {"contexts": 0}  # decided when the model loads (`resolve_contexts`)
+    if key == "kv":
+        if low not in ("unified", "split"):
+            raise spec_error(spec, "kv must be unified or split")
+        return {"kv_unified": low == "unified"}
+    if key in _INT_KEYS or key in _ALIASES.values():
+        n = _number(spec, key, value, int)
+        if key == "contexts" and not 1 <= n <= 26:
+            raise spec_error(spec, f"contexts must be 1 to 26 (or auto), got {n}")
+        return {key: n}
+    if key in _FLOAT_KEYS:
+        return {_FLOAT_KEYS[key]: _number(spec, key, value, float)}
+    if key in _BOOL_KEYS:
+        return {key: low in ("1", "true", "yes", "on")}
+    if key in ("name", "flash_attn"):
+        return {key: value}
+    valid = sorted(_INT_KEYS | _BOOL_KEYS | set(_FLOAT_KEYS) | {"name", "flash_attn", "device", "kv"})
+    raise spec_error(spec, f"unknown key {key!r} (valid: {', '.join(valid)})")
 
 
-def parse_backend_spec(spec: str, **defaults) -> BackendConfig | RemoteConfig | NullConfig:
-    """`DEVICE[:key=value,...]` → a BackendConfig (name defaults to the device), or
-    `remote:url=...` → a RemoteConfig."""
-    device, _, rest = spec.partition(":")
-    device = device.strip().lower()
-    if device == "remote":
-        return _parse_remote(spec, rest, defaults)
-    if device == "null":  # a backend that answers at once, without a model (engine/backends/null.py)
-        from engine.backends.null import NullConfig
-
-        return NullConfig.from_spec(spec, rest, **defaults)
-    if device not in ("cpu", "gpu", "auto"):
-        raise InvalidRequest(f"backend spec {spec!r}: device must be cpu, gpu or auto")
-    fields: dict = {"device": device, **defaults}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key = _ALIASES.get(key.strip(), key.strip())
-        if not eq:
-            raise InvalidRequest(f"backend spec {spec!r}: {item!r} is not key=value")
-        if key == "device":
-            fields["device"] = _gpu_device(spec, device, value)
-        elif key == "cap" and value.strip().lower() == "auto":
-            fields["cap"] = 0  # adaptive up to the device's ceiling (engine/sched/limiter.py)
-        elif key == "contexts" and value.strip().lower() == "auto":
-            fields["contexts"] = 0  # decided when the model loads (`resolve_contexts`)
-        elif key == "kv":
-            if value.strip().lower() not in ("unified", "split"):
-                raise InvalidRequest(f"backend spec {spec!r}: kv must be unified or split")
-            fields["kv_unified"] = value.strip().lower() == "unified"
-        elif key in _INT_KEYS or key in _ALIASES.values():
-            fields[key] = _number(spec, key, value, int)
-            if key == "contexts" and not 1 <= fields[key] <= 26:
-                raise InvalidRequest(f"backend spec {spec!r}: contexts must be 1 to 26 (or auto), got {fields[key]}")
-        elif key in _FLOAT_KEYS:
-            fields[_FLOAT_KEYS[key]] = _number(spec, key, value, float)
-        elif key in _BOOL_KEYS:
-            fields[key] = value.lower() in ("1", "true", "yes", "on")
-        elif key in ("name", "flash_attn"):
-            fields[key] = value
-        else:
-            valid = sorted(_INT_KEYS | _BOOL_KEYS | set(_FLOAT_KEYS) | {"name", "flash_attn", "device", "kv"})
-            raise InvalidRequest(f"backend spec {spec!r}: unknown key {key!r} (valid: {', '.join(valid)})")
-    fields.setdefault("name", fields["device"])
-    return BackendConfig(**fields)
+def parse_backend_spec(spec: str, **defaults: Any) -> BackendSpec:
+    """`KIND[:key=value,...]` -> the config of the kind that registered `KIND` (the table
+    `registry.SPEC_KINDS`: cpu, gpu, auto, remote, null)."""
+    return parse_spec(spec, defaults)
 
 
 def _gpu_device(spec: str, device: str, value: str) -> str:
     """`device=N` on a gpu spec → the device string `gpuN` (whether GPU N exists is checked
     when the model loads, `engine.llama.pick_device`)."""
     if device != "gpu":
-        raise InvalidRequest(f"backend spec {spec!r}: device=N picks one GPU, so it needs a gpu spec (gpu:device=N)")
+        raise spec_error(spec, "device=N picks one GPU, so it needs a gpu spec (gpu:device=N)")
     try:
         index = int(value)
     except ValueError:
-        raise InvalidRequest(f"backend spec {spec!r}: device must be a GPU number (0, 1, ...)") from None
+        raise spec_error(spec, "device must be a GPU number (0, 1, ...)") from None
     if index < 0:
-        raise InvalidRequest(f"backend spec {spec!r}: device must be a GPU number (0, 1, ...), got {index}")
+        raise spec_error(spec, f"device must be a GPU number (0, 1, ...), got {index}")
     return f"gpu{index}"
 
 
-def name_backends(configs: list[BackendConfig | RemoteConfig | NullConfig],
-                  explicit: list[bool]) -> list[BackendConfig | RemoteConfig | NullConfig]:
+def name_backends(configs: list[BackendSpec], explicit: list[bool]) -> list[BackendSpec]:
     """Repeated devices without an explicit name become cpu0, cpu1, ..."""
     counts: dict[str, int] = {}
     for c, named in zip(configs, explicit):
@@ -375,7 +318,7 @@ def name_backends(configs: list[BackendConfig | RemoteConfig | NullConfig],
         if not named and counts[c.device] > 1:
             i = seen.get(c.device, 0)
             seen[c.device] = i + 1
-            c = dataclasses.replace(c, name=f"{c.device}{i}")
+            c = dataclasses.replace(c, name=f"{c.device}{i}")  # type: ignore[type-var]  # every config is a dataclass
         out.append(c)
     names = [c.name for c in out]
     dupes = {n for n in names if names.count(n) > 1}
@@ -384,8 +327,9 @@ def name_backends(configs: list[BackendConfig | RemoteConfig | NullConfig],
     return out
 
 
-def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | RemoteConfig | NullConfig]:
-    configs, explicit = [], []
+def parse_backend_specs(specs: list[str], **defaults: Any) -> list[BackendSpec]:
+    configs: list[BackendSpec] = []
+    explicit: list[bool] = []
     for s in specs:
         c = parse_backend_spec(s, **defaults)
         for part in _contexts(c):
@@ -394,7 +338,7 @@ def parse_backend_specs(specs: list[str], **defaults) -> list[BackendConfig | Re
     return name_backends(configs, explicit)
 
 
-def _contexts(c: BackendConfig | RemoteConfig | NullConfig) -> list[BackendConfig | RemoteConfig | NullConfig]:
+def _contexts(c: BackendSpec) -> list[BackendSpec]:
     """`contexts=N`: N backends on the spec's device sharing its model, named NAME-a, NAME-b, ...,
     each with the spec's settings (its own cap, context and prefix cache; without a cap, the
     device's adaptive ceiling each: `auto_limits`). `contexts=auto` (0, the
@@ -405,14 +349,15 @@ def _contexts(c: BackendConfig | RemoteConfig | NullConfig) -> list[BackendConfi
     return [dataclasses.replace(c, name=f"{c.name}-{chr(ord('a') + i)}", group=c.name) for i in range(n)]
 
 
-def resolve_contexts(configs: Sequence[Any], model_bytes: int, free_bytes=None) -> list:
+def resolve_contexts(configs: Sequence[BackendSpec], model_bytes: int,
+                     free_bytes: Callable[[str], int] | None = None) -> list[BackendSpec]:
     """Each `contexts=auto` spec as the contexts its device gets (`auto_contexts`,
     from the model's size and the device's free memory, `free_bytes(device)`; default: ggml's
     report), split as `contexts=N` would split it; 1 on a CPU, and 1 for a GPU another spec
     of this command also uses (the user laid that device out). Called when the model is
     resolved, before any backend is built."""
     devices = [c.device for c in configs if isinstance(c, BackendConfig)]
-    out: list = []
+    out: list[BackendSpec] = []
     for c in configs:
         if not isinstance(c, BackendConfig) or c.contexts != 0:
             out.append(c)

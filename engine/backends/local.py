@@ -43,7 +43,7 @@ from engine.backends.config import (
     auto_pool_cells,
     host_available_bytes,
 )
-from engine.backends.protocol import BackendBase, BackendInfo
+from engine.backends.protocol import BackendBase, BackendInfo, Calibrator, CapState, Found
 from engine.backends.registry import DEFAULT_RATES, BuildContext, backend_kind
 from engine.core.errors import (
     BackendUnavailable,
@@ -300,14 +300,17 @@ class Backend(BackendBase):
         """The user's cap (with `cap_adaptive`, the ceiling of the limiter's live value)."""
         return self._cap
 
-    @property
-    def cap_adaptive(self) -> bool:
-        return self._adaptive
+    def cap_state(self) -> CapState:
+        """`auto`: no cap was given (or `set_cap(None)`): the ceiling is the device's, the start low."""
+        return CapState(self._cap, self._auto, self._adaptive)
 
-    @property
-    def cap_auto(self) -> bool:
-        """No cap was given (or `set_cap(None)`): the ceiling is the device's, the start low."""
-        return self._auto
+    def prompt_limit(self) -> int:
+        """The context per sequence (`validate` refuses a prompt that fills it)."""
+        return self.n_ctx_seq
+
+    def calibrate(self, how: Calibrator[Found]) -> Found:
+        """Measured by its own steps (`StepDone`), in this process."""
+        return how.by_steps(self)
 
     @property
     def cache(self) -> PrefixCache:
@@ -492,7 +495,7 @@ class Backend(BackendBase):
         return [Path(self.model.path).stem]
 
     @property
-    def n_vocab(self) -> int:  # type: ignore[override]
+    def n_vocab(self) -> int:
         return self.model.n_vocab
 
     @property
@@ -503,7 +506,7 @@ class Backend(BackendBase):
         c = self.config
         return BackendInfo(name=self.name, device=self.device, model=self.model.info.name, threads=c.threads,
                            n_ctx=self.n_ctx, n_seq_max=c.n_seq_max, n_batch=c.n_batch, flash_attn=c.flash_attn,
-                           kv_unified=c.kv_unified)
+                           kv_unified=c.kv_unified, kind="local", rates_key=c.speed_key(self.model.device))
 
     def kv_state_bytes(self) -> int:
         """llama.cpp's own serialised-state size: grows with KV cells in use (tests use it)."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from engine.backends.protocol import BackendBase
-from engine.backends.registry import BuildContext, backend_kind
+from engine.backends.protocol import BackendBase, BackendInfo, done_future
+from engine.backends.registry import BuildContext, backend_kind, spec_error, spec_kind
 from engine.core.errors import BackendUnavailable, InvalidRequest
 from engine.core.events import EventBus, RequestFinished
 from engine.core.handle import RequestHandle
@@ -24,6 +25,7 @@ from engine.core.snapshot import BackendSnapshot, Rates
 INSTANT = Rates(prefill_tok_s=1e9, decode_tok_s=1e9, source="null")
 
 
+@spec_kind("null")
 @dataclass(frozen=True)
 class NullConfig:
     builder_module: ClassVar[str] = __name__
@@ -35,15 +37,15 @@ class NullConfig:
     device: str = "null"
 
     @classmethod
-    def from_spec(cls, spec: str, rest: str, **defaults) -> NullConfig:
+    def from_spec(cls, spec: str, rest: str, defaults: Mapping[str, Any]) -> NullConfig:
         fields: dict = {k: v for k, v in defaults.items() if k in ("name", "cap")}
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, eq, value = (s.strip() for s in item.partition("="))
             if not eq or key not in ("name", "cap", "reply"):
-                raise InvalidRequest(f"backend spec {spec!r}: use null[:name=N,cap=N,reply=TEXT]")
+                raise spec_error(spec, "use null[:name=N,cap=N,reply=TEXT]")
             if key == "cap":
                 if not value.isdigit() or int(value) < 1:
-                    raise InvalidRequest(f"backend spec {spec!r}: cap must be a whole number >= 1")
+                    raise spec_error(spec, "cap must be a whole number >= 1")
                 fields["cap"] = int(value)
             else:
                 fields[key] = value
@@ -55,8 +57,9 @@ class NullBackend(BackendBase):
     finish on the caller's thread."""
 
     device = "null"
+    n_vocab = 0  # any token id: nothing is decoded
 
-    def __init__(self, config: NullConfig, bus: EventBus | None = None, rates: Rates | None = None):
+    def __init__(self, config: NullConfig, bus: EventBus | None = None, rates: Rates | None = None) -> None:
         self.config = config
         self.name = config.name
         self.bus = bus or EventBus()
@@ -96,7 +99,7 @@ class NullBackend(BackendBase):
     def pin_prefix(self, request: Request) -> tuple[int, object]:
         return 0, None
 
-    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin=None,
+    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin: object = None,
                 cached_estimate: int | None = None, t_submit: float | None = None) -> RequestHandle:
         self.validate(request)
         handle = handle or RequestHandle(request)
@@ -125,24 +128,27 @@ class NullBackend(BackendBase):
         self.rates = rates
 
     def set_cache_enabled(self, enabled: bool) -> Future:
-        return _done()
+        return done_future()
 
     def flush(self) -> Future:
-        return _done()
+        return done_future()
 
-    def warm(self, tokens) -> RequestHandle:
+    def reset_stats(self) -> Future:
+        with self._lock:
+            self.answered = 0
+        return done_future()
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(name=self.name, device=self.device, model="", threads=0, n_ctx=0, n_seq_max=self._cap,
+                           n_batch=0, flash_attn="", kv_unified=True, kind="null")
+
+    def warm(self, tokens: Sequence[int]) -> RequestHandle:
         request = Request(tuple(tokens))
         return self.enqueue(request)
 
     def snapshot(self) -> BackendSnapshot:
         return BackendSnapshot(name=self.name, device=self.device, cap=self._cap, n_ctx=0, rates=self.rates,
                                healthy=self.healthy, error=self.error, steps=self.answered, time=time.monotonic())
-
-
-def _done() -> Future:
-    f: Future = Future()
-    f.set_result(None)
-    return f
 
 
 @backend_kind(NullConfig)

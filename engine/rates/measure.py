@@ -1,5 +1,6 @@
-"""Measuring a backend's rates: `calibrate_backend` times prefill and decode steps on one idle
-local backend, `calibrate_remote` times an OpenAI-compatible engine by sending it requests, and
+"""Measuring a backend's rates: `calibrate_backend` measures one the way it can be seen (its
+`calibrate` picks): `calibrate_steps` times prefill and decode steps on one idle local backend,
+`calibrate_remote` times an OpenAI-compatible engine by sending it requests, and
 `calibrate_at_load` is the short version `Engine.load(calibrate=True)` runs before serving, so
 the router never prices a backend with placeholder rates. What is measured, and why before
 serving: docs/design/rates.md."""
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import InvalidRequest
 from engine.core.events import StepDone
@@ -26,6 +27,7 @@ from engine.sim.workload import TOKEN_HIGH, TOKEN_LOW
 
 if TYPE_CHECKING:
     from engine.backends.local import Backend
+    from engine.backends.protocol import BackendProtocol
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +68,63 @@ def _n_steps(fits: Sequence[int], repeats: int, context: bool) -> int:
     return 1 + repeats + len(fits) + (len(c_batches) + 1 + (c_batches[-1] > 1) if context else 0)
 
 
-def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT,
+def calibrate_backend(backend: BackendProtocol, *, prompt_tokens: int = CALIBRATION_PROMPT,
                       gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None,
                       repeats: int = 3, seed: int = 0, timeout: float = 600.0,
                       progress: Progress | None = None, context_tokens: int = 0,
                       context_gen: int = CONTEXT_GEN) -> Calibration:
-    """Measure one idle, started backend (see the module docstring). Its prefix cache is flushed.
-    `context_tokens` > 0 also measures the context term and the host cost per request there.
+    """Measure one idle, started backend the way it can be seen (`BackendProtocol.calibrate`):
+    by its own steps (`calibrate_steps`), or by requests sent to it (`calibrate_remote`).
 
-    Raises InvalidRequest for sizes that cannot work; a batch that does not fit the context
-    is skipped with a note.
+    Raises InvalidRequest for sizes that cannot work, and for a backend with nothing to measure.
     """
     if prompt_tokens < 8 or gen_tokens < 4 or repeats < 1:
         raise InvalidRequest("calibration needs prompt_tokens >= 8, gen_tokens >= 4, repeats >= 1")
-    if getattr(backend, "device", None) == "remote":
-        return calibrate_remote(backend, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batches=batches,
-                                repeats=repeats, seed=seed, timeout=timeout, progress=progress)
+    return backend.calibrate(_Measure(dict(prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batches=batches,
+                                           repeats=repeats, seed=seed, timeout=timeout, progress=progress),
+                                      dict(context_tokens=context_tokens, context_gen=context_gen)))
+
+
+def calibration_steps(backend: BackendProtocol, batches: Sequence[int] | None, repeats: int,
+                      context_tokens: int) -> int:
+    """How many steps `calibrate_backend` will report to `progress` for `backend`."""
+    return backend.calibrate(_Count(batches, repeats, context_tokens))
+
+
+class _Measure:
+    """`calibrate_backend`'s two ways, with its options (`stepped`: the steps' own)."""
+
+    def __init__(self, options: dict[str, Any], stepped: dict[str, Any]):
+        self.options, self.stepped = options, stepped
+
+    def by_steps(self, backend: Backend) -> Calibration:
+        return calibrate_steps(backend, **self.options, **self.stepped)
+
+    def by_requests(self, backend: BackendProtocol) -> Calibration:
+        return calibrate_remote(backend, **self.options)
+
+
+class _Count:
+    """The progress steps of each way (`calibration_steps`)."""
+
+    def __init__(self, batches: Sequence[int] | None, repeats: int, context_tokens: int):
+        self.batches, self.repeats, self.context_tokens = batches, repeats, context_tokens
+
+    def by_steps(self, backend: Backend) -> int:
+        return progress_steps(backend.cap, self.batches, self.repeats, self.context_tokens)
+
+    def by_requests(self, backend: BackendProtocol) -> int:
+        return 1 + self.repeats + len(set(self.batches or range(1, backend.cap + 1)))
+
+
+def calibrate_steps(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROMPT,
+                    gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None,
+                    repeats: int = 3, seed: int = 0, timeout: float = 600.0,
+                    progress: Progress | None = None, context_tokens: int = 0,
+                    context_gen: int = CONTEXT_GEN) -> Calibration:
+    """Measure one idle, started local backend by its steps (see the module docstring). Its
+    prefix cache is flushed. `context_tokens` > 0 also measures the context term and the host
+    cost per request there. A batch that does not fit the context is skipped with a note."""
     t_start = time.monotonic()
     notes: list[str] = []
     n_ctx = backend.n_ctx
@@ -114,7 +157,8 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
         scan = 0
     tick = _ticker(progress, backend.name, _n_steps(fits, repeats, bool(short)))
 
-    old_cap, old_adaptive = (None if backend.cap_auto else backend.cap), backend.cap_adaptive
+    old = backend.cap_state()
+    old_cap, old_adaptive = (None if old.auto else old.cap), old.adaptive
     old_reason = backend.snapshot().cap_reason or None  # restored below: calibration is not the user
     backend.set_cap(max(max(fits), backend.cap), adaptive=False)  # fixed: each batch runs b at once
     greedy1 = SamplingParams(temperature=0.0, max_tokens=1)
@@ -214,9 +258,9 @@ def calibrate_backend(backend: Backend, *, prompt_tokens: int = CALIBRATION_PROM
     )
 
 
-def calibrate_remote(backend, *, prompt_tokens: int = CALIBRATION_PROMPT, gen_tokens: int = CALIBRATION_GEN,
-                     batches: Sequence[int] | None = None, repeats: int = 3, seed: int = 0,
-                     timeout: float = 600.0, progress: Progress | None = None) -> Calibration:
+def calibrate_remote(backend: BackendProtocol, *, prompt_tokens: int = CALIBRATION_PROMPT,
+                     gen_tokens: int = CALIBRATION_GEN, batches: Sequence[int] | None = None, repeats: int = 3,
+                     seed: int = 0, timeout: float = 600.0, progress: Progress | None = None) -> Calibration:
     """Measure an idle, healthy remote backend by sending it requests (see the module docstring).
 
     Prompts are random words, different for every request, so the engine's prefix cache does
@@ -277,7 +321,7 @@ def calibrate_remote(backend, *, prompt_tokens: int = CALIBRATION_PROMPT, gen_to
     cap = backend.cap
     at_cap = step_s.get(cap) or (alpha + beta * cap)
     return Calibration(
-        backend=backend.name, device="remote", config_key=f"remote:{backend.url}", cap=cap, threads=0,
+        backend=backend.name, device=backend.device, config_key=backend.info().rates_key, cap=cap, threads=0,
         prompt_tokens=prompt, gen_tokens=gen_tokens, prefill_tok_s=statistics.median(prefill_runs),
         prefill_runs=tuple(prefill_runs), step_s=step_s, decode_only_s={}, step_alpha_s=alpha, step_beta_s=beta,
         decode_tok_s=cap / at_cap, seconds=time.monotonic() - t_start, notes=tuple(notes))
@@ -385,7 +429,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
                       status: Callable[[str], None] | None = None, timeout: float = 300.0,
                       progress: Progress | None = None) -> dict[str, Rates]:
     """Measure the local `backends` (started, idle) that still have placeholder rates, one per
-    speed-relevant config (`config_key`), apply the rates to every backend of that config
+    speed-relevant config (`BackendInfo.rates_key`), apply the rates to every backend of that config
     (`source="measured"`) and store them; return {backend name: rates} for those measured.
     `progress(done, total, what)` hears each measuring step (`serve` and the benches show it).
 
@@ -397,7 +441,7 @@ def calibrate_at_load(backends, model_path: Path, model_name: str = "", store: R
     for b in backends:
         if b.model is None or not b.rates.placeholder:  # only a local model is measured here
             continue
-        groups.setdefault(config_key(b.config, b.model.device), []).append(b)
+        groups.setdefault(b.info().rates_key, []).append(b)
     applied: dict[str, Rates] = {}
     for key, same in groups.items():
         first = same[0]

@@ -53,18 +53,9 @@ def cache_dir() -> Path:
 
 
 def config_key(config: BackendConfig, device: str | None = None) -> str:
-    """What about a backend's configuration changes its speed, as a stable string.
-
-    `device` is the model's resolved device (`cpu` or `gpu`); it names the key only where the
-    config says `auto`. A config for one GPU keeps its own (`gpu0`, `gpu1`): each GPU of a
-    fleet in one process is calibrated, and priced, on its own (two H200s of one host differ
-    by a few per cent, and a mixed host by much more)."""
-    c = config.resolved()
-    dev = (device or c.device) if c.device == "auto" else c.device
-    return (f"{dev}:threads={c.threads},threads_batch={c.threads_batch},"
-            f"n_batch={c.n_batch},n_ubatch={min(c.n_ubatch, c.n_batch)},"
-            f"kv_unified={int(c.kv_unified)},flash_attn={c.flash_attn},"
-            f"backend_sampling={int(c.backend_sampling)}")
+    """What about a backend's configuration changes its speed, as a stable string
+    (`BackendConfig.speed_key`: the local kind owns what its speed depends on)."""
+    return config.speed_key(device)
 
 
 # ---- the store ----

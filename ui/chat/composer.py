@@ -87,8 +87,7 @@ class SamplingSettings(QFrame):
         self.token_probs = QCheckBox("Token probabilities")
         self.token_probs.setToolTip("Keep each token's probability and its most likely alternatives with the "
                                     "reply (shown token by token on request; makes the saved chat larger)")
-        # Remote engines do not relay logprobs (engine/backends/remote/ refuses them).
-        self.token_probs.setEnabled("remote" not in engine.devices.values())
+        self.token_probs.setEnabled(engine.relays_logprobs())  # remote engines do not relay them
         row.addWidget(self.json_mode)
         row.addWidget(self.token_probs)
         row.addStretch(1)

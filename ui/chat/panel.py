@@ -264,8 +264,7 @@ class ChatPanel(QWidget):
             repeat_penalty=self.repeat_penalty.value(),
             max_tokens=self.max_tokens.value(),
             seed=None if seed < 0 else seed,
-            # Remote engines do not relay logprobs (engine/backends/remote/ refuses them).
-            logprobs=self.settings.logprobs() if "remote" not in self.engine.devices.values() else None,
+            logprobs=self.settings.logprobs() if self.engine.relays_logprobs() else None,  # not every backend relays them
             grammar=self.json_grammar(),
         ).validate()
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
 class _Node:
     __slots__ = ("children", "edge", "last_used", "parent")
 
-    def __init__(self, edge: Sequence, parent: _Node | None, last_used: int):
+    def __init__(self, edge: Sequence, parent: _Node | None, last_used: int) -> None:
         self.edge = edge  # the key elements on the edge from the parent to this node
         self.children: dict = {}  # first element of a child's edge -> child
         self.parent = parent
@@ -43,7 +43,7 @@ class TreeStats:
 class ApproxTree:
     """Radix tree of sequences with LRU eviction past `capacity` elements."""
 
-    def __init__(self, capacity: int = 1 << 20):
+    def __init__(self, capacity: int = 1 << 20) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
@@ -108,6 +108,7 @@ class ApproxTree:
         while heap and gone < need:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
+            assert parent is not None  # a leaf is never the root
             del parent.children[leaf.edge[0]]
             gone += len(leaf.edge)
             self.nodes -= 1
@@ -125,7 +126,7 @@ class ApproxTree:
     def stats(self) -> TreeStats:
         return TreeStats(self.size, self.nodes, self.evicted)
 
-    def _leaves(self):
+    def _leaves(self) -> Iterator[_Node]:
         stack = list(self._root.children.values())
         while stack:
             n = stack.pop()

@@ -14,7 +14,10 @@ Every call is bounded, so one bad engine costs its own requests, never the route
 - *shape*: every field read from a reply is checked (`parse_event`): a `choices` entry whose
   `text` is `12345`, a `usage` that is a string, an event that is not an object are
   `EngineMisbehaved` for that request alone (it used to raise a `TypeError` deep in the
-  backend and leave its callers hanging).
+  backend and leave its callers hanging);
+- *counts*: `usage` is read into `Usage`, each count clamped where it is parsed (at most
+  `MAX_COUNT`; completion tokens at most the request's `max_tokens`, cached at most the prompt):
+  a 400-digit count once overflowed the rates' floats and left the request unanswered.
 
 Thread contract: one `EngineClient` per backend, used on that backend's loop thread only.
 """
@@ -23,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -35,6 +39,7 @@ EVENT_BYTES = 256 << 10  # one SSE line (one chunk's JSON); aiohttp's reader ref
 TOKEN_BYTES = 64  # the most bytes one streamed token may carry (the longest tokens are ~16-32)
 FIRST_TOKEN_S = 60.0  # defaults of `RemoteConfig.first_token_s` / `token_gap_s`
 TOKEN_GAP_S = 30.0
+MAX_COUNT = 1 << 24  # the most tokens an engine's usage may claim for one prompt (longer contexts do not exist)
 
 
 class EngineFailed(Exception):
@@ -52,16 +57,44 @@ class EngineMisbehaved(Exception):
 class EngineRefused(Exception):
     """The engine refused this one request (4xx, or an error in its stream)."""
 
-    def __init__(self, message: str, kind: str):
+    def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+@dataclass(frozen=True)
+class Usage:
+    """An engine's token counts for one request, each bounded (None: it did not say)."""
+
+    prompt: int | None = None
+    completion: int | None = None
+    cached: int | None = None
+
+    @classmethod
+    def read(cls, usage: object, max_tokens: int) -> Usage:
+        """`usage` of a stream event: `EngineMisbehaved` for a shape OpenAI's API does not
+        have; counts clamped (see the module docstring); a `cached_tokens` that is not a
+        count is taken as unsaid."""
+        if not isinstance(usage, dict):
+            raise EngineMisbehaved(f"usage is {_type(usage)}, not an object")
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            v = usage.get(k)
+            if v is not None and not _is_count(v):
+                raise EngineMisbehaved(f"usage.{k} is {_type(v)}, not a count")
+        details = usage.get("prompt_tokens_details")
+        if details is not None and not isinstance(details, dict):
+            raise EngineMisbehaved(f"usage.prompt_tokens_details is {_type(details)}, not an object")
+        prompt = _bounded(usage.get("prompt_tokens"), MAX_COUNT)
+        cached = (details or {}).get("cached_tokens")
+        cached = _bounded(cached if _is_count(cached) else None, MAX_COUNT if prompt is None else prompt)
+        return cls(prompt, _bounded(usage.get("completion_tokens"), max(max_tokens, 0)), cached)
 
 
 @dataclass
 class StreamResult:
     """What one streamed request produced, beside the deltas handed to `on_delta`."""
 
-    usage: dict | None = None
+    usage: Usage | None = None
     finish_reason: str | None = None
     chunks: int = 0
     cut: bool = False  # stopped here at the request's output bound
@@ -71,11 +104,12 @@ class EngineClient:
     """HTTP to one engine: bounded GETs and bounded, validated completion streams."""
 
     def __init__(self, url: str, key: str | None, *, first_token_s: float = FIRST_TOKEN_S,
-                 token_gap_s: float = TOKEN_GAP_S, timeout_s: float = 600.0):
+                 token_gap_s: float = TOKEN_GAP_S, timeout_s: float = 600.0) -> None:
         self.url = url
         self.first_token_s = first_token_s
         self.token_gap_s = token_gap_s
         self.timeout_s = timeout_s
+        self._key = key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # No pool limit: the backend's `cap` bounds the connections for requests; probes need their own.
         self.session = aiohttp.ClientSession(
@@ -86,7 +120,14 @@ class EngineClient:
     async def close(self) -> None:
         await self.session.close()
 
-    async def get(self, path: str, timeout: float = PROBE_TIMEOUT_S, limit: int = PROBE_BODY_BYTES):
+    def _said(self, text: str | bytes | dict) -> str:
+        """An error body's message, with our key masked (an engine may echo the request's
+        headers back, as aiohttp's own 400 does)."""
+        message = error_message(text)
+        return message.replace(self._key, "***") if self._key else message
+
+    async def get(self, path: str, timeout: float = PROBE_TIMEOUT_S,
+                  limit: int = PROBE_BODY_BYTES) -> tuple[int, Any]:
         """GET a path: (status, parsed JSON or text), its body read up to `limit` bytes
         (`EngineMisbehaved` past it). Raises aiohttp and timeout errors."""
         async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
@@ -100,83 +141,105 @@ class EngineClient:
             return r.status, text
 
     async def stream(self, path: str, body: dict, *, chat: bool, max_tokens: int,
-                     on_delta: Callable[[str], None], answers_health) -> StreamResult:
+                     on_delta: Callable[[str], None], answers_health: Callable[[], Awaitable[bool]]) -> StreamResult:
         """POST a streaming completion and hand each text delta to `on_delta`, within the
         deadlines and the output bound (see the module docstring). `answers_health()` tells a
         5xx from a live engine (this request's failure) from a failing one."""
-        out = StreamResult()
-        limit_bytes = max(max_tokens, 1) * TOKEN_BYTES
-        max_events = 2 * max(max_tokens, 1) + 64  # a token's event, and a few for role, finish, usage
-        seen_bytes = events = 0
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=PROBE_TIMEOUT_S)
+        reading = _Reading(max_tokens, chat, on_delta, self._said)
         loop = asyncio.get_running_loop()
         started = loop.time()
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=PROBE_TIMEOUT_S)
         try:
             async with asyncio.timeout(self.first_token_s):
                 resp = await self.session.post(self.url + path, json=body, timeout=timeout)
         except TimeoutError:
             raise EngineSilent(f"no answer within {self.first_token_s:g} s (first-token deadline)") from None
-        async with resp:
+        async with resp:  # leaving it closes the connection (a cut stream included): the engine sees it
             if resp.status >= 400:
-                text = await read_capped(resp, ERROR_BODY_BYTES, path, cut=True)
-                if resp.status >= 500:
-                    if await answers_health():  # a live engine failed this request, not itself
-                        raise EngineRefused(error_message(text), error_kind(text, resp.status))
-                    raise EngineFailed(f"{path} answered {resp.status}: {error_message(text)}")
-                raise EngineRefused(f"refused the request: {error_message(text)}", error_kind(text, resp.status))
+                raise await self._refusal(resp, path, answers_health)
             deadline = started + self.first_token_s
             done = False
-            while True:
-                wait = deadline - loop.time()
-                try:
-                    async with asyncio.timeout(max(wait, 0.0)):
-                        raw = await resp.content.readline()
-                except TimeoutError:
-                    which = "first-token" if out.chunks == 0 else "inter-token"
-                    limit = self.first_token_s if out.chunks == 0 else self.token_gap_s
-                    raise EngineSilent(f"no {'first ' if out.chunks == 0 else ''}token within {limit:g} s "
-                                       f"({which} deadline)") from None
-                except ValueError as e:  # aiohttp: a line longer than max_line_size
-                    raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes ({e})") from None
+            while not done:
+                raw = await self._line(resp, deadline - loop.time(), first=reading.out.chunks == 0)
                 if not raw:
                     break
-                if len(raw) > EVENT_BYTES:
-                    raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes")
                 line = raw.strip()
                 if not line.startswith(b"data:"):  # comments and keep-alives move no deadline
                     continue
-                events += 1
-                if events > max_events:  # events without text, forever
-                    out.cut = True
-                    out.finish_reason = "length"
-                    return out
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                try:
-                    obj = json.loads(payload)
-                except ValueError:
-                    raise EngineMisbehaved("an event that is not JSON") from None
-                deltas, finish, usage, error = parse_event(obj, chat)
-                if error is not None:
-                    raise EngineRefused(error_message(error), error_kind(error, 500))
-                if usage is not None:
-                    out.usage = usage
-                for delta in deltas:
-                    seen_bytes += len(delta.encode("utf-8", "surrogatepass"))
-                    if out.chunks + 1 > max_tokens or seen_bytes > limit_bytes:
-                        out.cut = True
-                        out.finish_reason = "length"
-                        return out  # leaving the block closes the connection: the engine sees it
-                    out.chunks += 1
-                    on_delta(delta)
-                if finish is not None:
-                    out.finish_reason = finish
+                done = reading.take(line[5:].strip())
                 deadline = loop.time() + self.token_gap_s
-            if not done and out.finish_reason is None:
+            if not done and reading.out.finish_reason is None:
                 raise EngineFailed("the stream ended before the request did")
-        return out
+        return reading.out
+
+    async def _refusal(self, resp: aiohttp.ClientResponse, path: str,
+                       answers_health: Callable[[], Awaitable[bool]]) -> Exception:
+        """What an error status means: this request refused (4xx, or a 5xx from an engine whose
+        health still answers), else the engine failed."""
+        text = await read_capped(resp, ERROR_BODY_BYTES, path, cut=True)
+        if resp.status < 500:
+            return EngineRefused(f"refused the request: {self._said(text)}", error_kind(text, resp.status))
+        if await answers_health():  # a live engine failed this request, not itself
+            return EngineRefused(self._said(text), error_kind(text, resp.status))
+        return EngineFailed(f"{path} answered {resp.status}: {self._said(text)}")
+
+    async def _line(self, resp: aiohttp.ClientResponse, wait: float, first: bool) -> bytes:
+        """The stream's next line within `wait` seconds (b"" at its end)."""
+        try:
+            async with asyncio.timeout(max(wait, 0.0)):
+                raw = await resp.content.readline()
+        except TimeoutError:
+            limit, which = (self.first_token_s, "first-token") if first else (self.token_gap_s, "inter-token")
+            raise EngineSilent(f"no {'first ' if first else ''}token within {limit:g} s ({which} deadline)") from None
+        except ValueError as e:  # aiohttp: a line longer than max_line_size
+            raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes ({e})") from None
+        if len(raw) > EVENT_BYTES:
+            raise EngineMisbehaved(f"an event longer than {EVENT_BYTES} bytes")
+        return raw
+
+
+class _Reading:
+    """One stream's events as they are read: deltas handed on, usage kept, the output bound held."""
+
+    def __init__(self, max_tokens: int, chat: bool, on_delta: Callable[[str], None],
+                 said: Callable[[dict], str]) -> None:
+        self.out = StreamResult()
+        self.max_tokens, self.chat, self.on_delta, self.said = max_tokens, chat, on_delta, said
+        self.limit_bytes = max(max_tokens, 1) * TOKEN_BYTES
+        self.max_events = 2 * max(max_tokens, 1) + 64  # a token's event, and a few for role, finish, usage
+        self.seen_bytes = self.events = 0
+
+    def take(self, payload: bytes) -> bool:
+        """One event's payload; True when the stream is over (`[DONE]`, or cut at the bound)."""
+        out = self.out
+        self.events += 1
+        if self.events > self.max_events:  # events without text, forever
+            return self._cut()
+        if payload == b"[DONE]":
+            return True
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            raise EngineMisbehaved("an event that is not JSON") from None
+        deltas, finish, usage, error = parse_event(obj, self.chat)
+        if error is not None:
+            raise EngineRefused(self.said(error), error_kind(error, 500))
+        if usage is not None:
+            out.usage = Usage.read(usage, self.max_tokens)
+        for delta in deltas:
+            self.seen_bytes += len(delta.encode("utf-8", "surrogatepass"))
+            if out.chunks + 1 > self.max_tokens or self.seen_bytes > self.limit_bytes:
+                return self._cut()
+            out.chunks += 1
+            self.on_delta(delta)
+        if finish is not None:
+            out.finish_reason = finish
+        return False
+
+    def _cut(self) -> bool:
+        self.out.cut = True
+        self.out.finish_reason = "length"
+        return True
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int, what: str, cut: bool = False) -> bytes:
@@ -197,7 +260,7 @@ async def read_capped(resp: aiohttp.ClientResponse, limit: int, what: str, cut: 
     return bytes(data)
 
 
-def parse_event(obj, chat: bool) -> tuple[list[str], str | None, dict | None, object | None]:
+def parse_event(obj: object, chat: bool) -> tuple[list[str], str | None, dict | None, dict | None]:
     """One stream event → (text deltas, finish reason, usage, error), every field checked:
     `EngineMisbehaved` names the first that is not what OpenAI's API says it is."""
     if not isinstance(obj, dict):
@@ -206,17 +269,9 @@ def parse_event(obj, chat: bool) -> tuple[list[str], str | None, dict | None, ob
     if error:
         return [], None, None, obj
     usage = obj.get("usage")
-    if usage is not None:
-        if not isinstance(usage, dict):
-            raise EngineMisbehaved(f"usage is {_type(usage)}, not an object")
-        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            v = usage.get(k)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise EngineMisbehaved(f"usage.{k} is {_type(v)}, not a count")
-        details = usage.get("prompt_tokens_details")
-        if details is not None and not isinstance(details, dict):
-            raise EngineMisbehaved(f"usage.prompt_tokens_details is {_type(details)}, not an object")
-        usage = usage or None
+    if usage is not None and not isinstance(usage, dict):
+        raise EngineMisbehaved(f"usage is {_type(usage)}, not an object")
+    usage = usage or None  # its fields are read by `Usage.read`
     choices = obj.get("choices")
     if choices is None:
         choices = []
@@ -250,7 +305,7 @@ def parse_event(obj, chat: bool) -> tuple[list[str], str | None, dict | None, ob
     return deltas, finish, usage, None
 
 
-def error_message(text) -> str:
+def error_message(text: str | bytes | dict) -> str:
     """An error body's message: `text` is the body (str or bytes) or its parsed JSON."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
@@ -266,7 +321,7 @@ def error_message(text) -> str:
     return str(obj.get("message") or obj.get("detail") or text)[:500] if isinstance(obj, dict) else str(text)[:500]
 
 
-def error_kind(text, status: int) -> str:
+def error_kind(text: str | bytes | dict, status: int) -> str:
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
     try:
@@ -284,6 +339,15 @@ _KINDS = frozenset({"invalid_request_error", "exceed_context_size_error", "not_f
                     "queue_full_error", "unavailable_error", "server_error"})
 
 
-def _type(v) -> str:
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _bounded(v: object, most: int) -> int | None:
+    """A count no larger than `most` (compared as ints: a 400-digit one never becomes a float)."""
+    return min(v, most) if isinstance(v, int) else None
+
+
+def _type(v: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)

@@ -15,6 +15,8 @@ from engine.core.request import CHARS_PER_TOKEN, Request
 
 log = logging.getLogger(__name__)
 
+Key = str | tuple[int, ...]  # a prompt as the prediction keys it: text, or token ids
+
 
 class VocabOnly:
     """A GGUF's vocabulary and chat template without its weights (llama.cpp `vocab_only`):
@@ -22,7 +24,7 @@ class VocabOnly:
 
     Thread contract: immutable after construction but for the piece cache (see `Model`)."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str) -> None:
         from ...llama import cpu_only, lc  # native code only where a tokenizer is asked for
         from ...llama.model import check_gguf, resolve_model
 
@@ -75,7 +77,7 @@ class VocabOnly:
         return tuple(self.tokenize(self.apply_chat_template(list(request.messages)), add_special=False))
 
 
-def key_of(request: Request, tokenizer: VocabOnly | None = None):
+def key_of(request: Request, tokenizer: VocabOnly | None = None) -> tuple[Key, int]:
     """(cache-prediction key, key elements per token): token ids where the request carries
     them or a tokenizer makes them, else its text, else its messages rendered as text."""
     if request.prompt_tokens:

@@ -1,14 +1,13 @@
-"""Health and load probes of a remote engine, one small dialect per engine kind (sglang-router
-keeps its per-engine health and load readers apart the same way).
+"""What every engine kind answers alike: health, the models it serves, Prometheus gauges.
+(What differs per kind, its load endpoints included, is its dialect: dialects.py.)
 
 - `probe_health(client)`: `/health` (else `/v1/models`) must answer 200; every body is read
   through the client's size cap, so a huge reply is a failed probe, not a gigabyte.
-- `detect(client)`: which engine this is (`api: auto`), from the endpoints it has.
 - `read_models(client)`: the model ids it serves, its context and vocabulary where it says.
-- `DIALECTS[api].load(client)`: the engine's own running and waiting requests (`Load`):
-  Tandem's `/v1/routing`, llama-server's `/slots` + `/metrics`, vLLM's and SGLang's
-  `/metrics`; a generic OpenAI API has none. Every field read is checked: a value of the
-  wrong type counts as absent.
+- `read_metrics(client)`: Prometheus gauges, finite and bounded.
+- `Load`: the engine's own running and waiting requests at one poll, each count clamped
+  (`MAX_EXTERNAL`): the router prices every one of them as a work item.
+Every field read is checked: a value of the wrong type counts as absent.
 
 Thread contract: coroutines for the backend's loop thread.
 """
@@ -23,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .client import EngineClient, EngineFailed, EngineMisbehaved
 
+MAX_EXTERNAL = 4096  # the most running (and waiting) requests an engine's report may claim
+
 
 @dataclass(frozen=True, slots=True)
 class Load:
@@ -33,6 +34,12 @@ class Load:
     ours: int  # our requests in flight there when the poll was answered
     decode_left: tuple[int, ...] = ()  # remaining budgets the engine reported, longest first
     time: float = 0.0
+
+    @classmethod
+    def reported(cls, running: float, waiting: float, decode_left: list[int] | tuple[int, ...] = ()) -> Load:
+        """What an engine reported, each count clamped to `MAX_EXTERNAL`."""
+        left = sorted(decode_left, reverse=True)[:MAX_EXTERNAL]
+        return cls(_clamp(running), _clamp(waiting), 0, tuple(left))
 
 
 async def probe_health(client: EngineClient) -> None:
@@ -51,26 +58,6 @@ async def answers_health(client: EngineClient) -> bool:
     except (TimeoutError, aiohttp.ClientError, OSError, EngineMisbehaved):
         return False
     return status == 200
-
-
-async def detect(client: EngineClient) -> str:
-    """Which engine this is, from the endpoints it has."""
-    try:
-        status, body = await client.get("/v1/routing?n=0")
-        if status == 200 and isinstance(body, dict) and "backends" in body:
-            return "tandem"
-        status, body = await client.get("/props")
-        if status == 200 and isinstance(body, dict) and "default_generation_settings" in body:
-            return "llama-server"
-        status, body = await client.get("/metrics")
-        if status == 200 and isinstance(body, str):
-            if "vllm:" in body:
-                return "vllm"
-            if "sglang:" in body:
-                return "sglang"
-    except (TimeoutError, aiohttp.ClientError, EngineMisbehaved):
-        pass
-    return "openai"
 
 
 @dataclass(frozen=True)
@@ -94,70 +81,12 @@ async def read_models(client: EngineClient) -> Models | None:
         if not isinstance(meta, dict):
             meta = {}
         n = m.get("max_model_len") or meta.get("n_ctx") or 0
-        if _count(n):
+        if count(n):
             n_ctx = n
         v = meta.get("n_vocab") or 0
-        if _count(v):
+        if count(v):
             n_vocab = v
     return Models(out.ids, n_ctx, n_vocab)
-
-
-class Dialect:
-    """How one kind of engine reports its load."""
-
-    async def load(self, client: EngineClient) -> Load | None:
-        return None  # a generic OpenAI API has no load endpoint: only our own requests count
-
-
-class TandemDialect(Dialect):
-    async def load(self, client: EngineClient) -> Load | None:
-        status, body = await client.get("/v1/routing?n=0")
-        if status != 200 or not isinstance(body, dict) or not isinstance(body.get("backends"), list):
-            return None
-        items = [i for b in body["backends"] if isinstance(b, dict) and isinstance(b.get("items"), list)
-                 for i in b["items"] if isinstance(i, dict)]
-        running = sum(1 for i in items if i.get("running") is True)
-        left = sorted((i["decode_left"] for i in items if _count(i.get("decode_left"), 0)), reverse=True)
-        return Load(running, len(items) - running, 0, tuple(left))
-
-
-class LlamaServerDialect(Dialect):
-    async def load(self, client: EngineClient) -> Load | None:
-        status, body = await client.get("/slots")
-        running, left = 0, []
-        if status == 200 and isinstance(body, list):
-            busy = [s for s in body if isinstance(s, dict) and s.get("is_processing") is True]
-            running = len(busy)
-            for s in busy:
-                nxt = s.get("next_token")
-                remain = nxt.get("n_remain") if isinstance(nxt, dict) else None
-                if _count(remain, 0):
-                    left.append(remain)
-        metrics = await read_metrics(client)
-        if status != 200:
-            running = int(metrics.get("llamacpp:requests_processing", 0))
-        return Load(running, int(metrics.get("llamacpp:requests_deferred", 0)), 0, tuple(sorted(left, reverse=True)))
-
-
-class MetricsDialect(Dialect):
-    """Engines whose Prometheus gauges say it (vLLM, SGLang)."""
-
-    def __init__(self, running: str, waiting: str):
-        self.running, self.waiting = running, waiting
-
-    async def load(self, client: EngineClient) -> Load | None:
-        m = await read_metrics(client)
-        return Load(int(m.get(self.running, 0)), int(m.get(self.waiting, 0)), 0)
-
-
-DIALECTS: dict[str, Dialect] = {
-    "tandem": TandemDialect(),
-    "llama-server": LlamaServerDialect(),
-    "vllm": MetricsDialect("vllm:num_requests_running", "vllm:num_requests_waiting"),
-    "sglang": MetricsDialect("sglang:num_running_reqs", "sglang:num_queue_reqs"),
-    "openai": Dialect(),
-    "auto": Dialect(),
-}
 
 
 async def read_metrics(client: EngineClient) -> dict[str, float]:
@@ -176,5 +105,10 @@ async def read_metrics(client: EngineClient) -> dict[str, float]:
     return out
 
 
-def _count(v, low: int = 1) -> TypeGuard[int]:
+def count(v: object, low: int = 1) -> TypeGuard[int]:
+    """An int in [low, 2**31) (a bool is not one)."""
     return isinstance(v, int) and not isinstance(v, bool) and low <= v < 1 << 31
+
+
+def _clamp(v: float) -> int:
+    return int(min(max(v, 0), MAX_EXTERNAL))
