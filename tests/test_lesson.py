@@ -165,7 +165,7 @@ def fresh(eng):
     """The shared engine at a fixed cap of 4 (an adaptive live cap may move below its ceiling while
     requests run), and idle, adaptive and with its rates and policy as loaded after each test."""
     rates = {name: eng.rates(name) for name in eng.backend_names}
-    adaptive = {name: b.cap_adaptive for name, b in eng.backends.items()}
+    adaptive = {name: b.cap_state().adaptive for name, b in eng.backends.items()}
     for b in eng.backends.values():
         b.set_cap(4, adaptive=False)
     yield eng

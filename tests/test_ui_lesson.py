@@ -95,7 +95,7 @@ def test_the_rate_buttons_change_when_the_next_arrival_comes(qtbot, make_window,
 def fixed_caps(ui_engine):
     """Both backends at a fixed cap of 4 (an adaptive live cap may move below its ceiling while
     requests run), adaptive again afterwards as they were."""
-    was = {name: b.cap_adaptive for name, b in ui_engine.backends.items()}
+    was = {name: b.cap_state().adaptive for name, b in ui_engine.backends.items()}
     for b in ui_engine.backends.values():
         b.set_cap(4, adaptive=False)
     yield
