@@ -17,6 +17,7 @@ Thread contract: main thread only.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
@@ -28,12 +29,31 @@ from .lesson import LessonRun
 from .lesson_bar import LessonBar
 from .loader import ModelSpec
 
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+    from .bridge import EngineBridge
+
+
+class LessonHost(Protocol):
+    """What a lesson needs of the window it runs in (`ui.main_window.MainWindow`)."""
+
+    engine: Engine | None
+    bridge: EngineBridge | None
+    spec: ModelSpec | None
+    panels: dict
+
+    def watch(self) -> None: ...
+    def show_panel(self, key: str) -> None: ...
+    def load_model(self, spec: ModelSpec) -> bool: ...
+
 
 class LessonControl(QObject):
     started = Signal(object)  # LessonRun
     status_message = Signal(str)
 
     def __init__(self, window: QMainWindow, gpu: bool | None):
+        """`window`: a QMainWindow that is also a `LessonHost`."""
         super().__init__(window)
         self.window = window
         self.gpu = bool(gpu)
@@ -85,11 +105,11 @@ class LessonControl(QObject):
     def start(self, rate: float | None = None) -> LessonRun | None:
         """Start a lesson on the window's engine (`rate`: arrivals a second; None: what the
         backends' measured rates suggest); None if there is no engine or a lesson runs already."""
-        w = self.window
-        engine, bridge = getattr(w, "engine", None), getattr(w, "bridge", None)
+        w: LessonHost = self.window  # type: ignore[assignment]
+        engine, bridge = w.engine, w.bridge
         if engine is None or bridge is None or self.bar is None or self.running:
             return None
-        panels = getattr(w, "panels", {})
+        panels = w.panels
         for key in ("routing", "latency"):  # the lesson's rows and plots, not what came before
             panel = panels.get(key)
             if panel is not None:
@@ -103,8 +123,8 @@ class LessonControl(QObject):
                 panel.show_run(run)
         self.bar.attach(run)
         self.toolbar.setVisible(True)
-        w.watch()  # type: ignore[attr-defined]
-        w.show_panel("routing")  # type: ignore[attr-defined]
+        w.watch()
+        w.show_panel("routing")
         self.started.emit(run)  # before the first arrival, which start() sends at once
         run.start()
         return run
@@ -116,8 +136,8 @@ class LessonControl(QObject):
     def start_from_menu(self) -> None:
         """Run ▸ Start a lesson: at once where there are backends to choose between; with one,
         offer to load the model again on two."""
-        w = self.window
-        engine = getattr(w, "engine", None)
+        w: LessonHost = self.window  # type: ignore[assignment]
+        engine = w.engine
         if engine is None:
             self.status_message.emit("load a model first (File ▸ Load model)")
             return
@@ -127,14 +147,14 @@ class LessonControl(QObject):
         if len(engine.backend_names) >= 2:
             self.start()
             return
-        spec = getattr(w, "spec", None) or ModelSpec()
+        spec = w.spec or ModelSpec()
         specs = lesson_specs(self.gpu)
         answer = QMessageBox.question(
-            w, "Start a lesson",
+            self.window, "Start a lesson",
             f"A lesson needs two backends to choose between; {engine.backend_names[0]} is the only one.\n\n"
             f"Load {spec.model} again on {' and '.join(specs)}? The chats stay.")
         if answer == QMessageBox.StandardButton.Yes:
-            w.load_model(replace(spec, backends=tuple(specs), lesson=True))  # type: ignore[attr-defined]
+            w.load_model(replace(spec, backends=tuple(specs), lesson=True))
 
     def on_loaded(self, spec: ModelSpec | None) -> None:
         """The window has the engine of a load: a lesson load starts its lesson."""
