@@ -182,13 +182,34 @@ def test_the_hint_moves_on_with_what_the_teacher_did():
     assert lesson_hint(replace(p, sent=1), names).startswith("Each row is one request")
     assert lesson_hint(p, names) == "Lower cpu0's ceiling to 1 and watch the next rows"
     p = replace(p, ceiling_lowered=True)
-    assert "next rows go to cpu1" in lesson_hint(p, names) and "rate up" in lesson_hint(p, names)
+    assert lesson_hint(p, names).startswith("cpu0 now runs one at a time") and "rate up" in lesson_hint(p, names)
     p = replace(p, rate_changed=True)
     assert "policy" in lesson_hint(p, names)
     p = replace(p, policy_changed=True)
     assert "Step (F7)" in lesson_hint(p, names)
     assert "Step (F7)" in lesson_hint(replace(p, paused=True, stepped=True), names)
     assert "Stop" in lesson_hint(replace(p, stepped=True), names)
+
+
+def test_every_hint_fits_the_bar_at_1280x720(qtbot, make_window, ui_engine):
+    from itertools import product
+
+    w = make_window(compact=True)
+    w.resize(1280, 720)
+    w.show()
+    qtbot.waitExposed(w)
+    w.lessons.mix = replace(SMALL, vocab_size=ui_engine.n_vocab)
+    run = w.lessons.start()
+    label = w.lessons.bar.hint_label
+    qtbot.waitUntil(lambda: label.isVisible() and label.width() > 1000, timeout=WAIT_MS)
+    room = label.contentsRect().width()
+    metrics = label.fontMetrics()
+    assert metrics.height() >= 20  # the large type, not the app's default
+    hints = {lesson_hint(Progress(sent, *flags), ui_engine.backend_names)
+             for sent, flags in product((0, 10), product((False, True), repeat=5))}
+    too_wide = [h for h in hints if metrics.horizontalAdvance(h) > room]
+    assert not too_wide, (room, too_wide)
+    stop_and_drain(qtbot, w, run)
 
 
 def test_a_lesson_load_warms_the_prefix_before_the_first_arrival(qtbot, make_window):
@@ -294,3 +315,22 @@ def test_tandem_gui_lesson_screenshot_prints_when_the_first_request_came(tmp_pat
     lines = [line for line in done.stdout.splitlines() if line.startswith("lesson:")]
     assert len(lines) == 1 and re.fullmatch(r"lesson: first arrival \d+\.\d\d s after start", lines[0]), done.stdout
     assert not QImage(str(shot)).isNull()
+
+
+def test_the_explanation_of_a_request_sent_to_the_higher_score_is_whole(qtbot, make_window, ui_engine):
+    from PySide6.QtGui import QTextDocument
+
+    from ui.routing import explain_decision
+
+    make_window()  # the app's palette
+    handle = ui_engine.submit(Request(tuple(range(300, 340)), SamplingParams(max_tokens=2)))
+    handle.result(WAIT_MS / 1000)
+    d = handle.decision
+    loser = next(s for s in d.scores if s.name != d.backend)
+    turned = replace(d, backend=loser.name,  # as round-robin does: its turn, though its score is higher
+                     scores=tuple(replace(s, score_s=s.score_s + 1.0) if s.name == loser.name else s for s in d.scores))
+    doc = QTextDocument()
+    doc.setHtml(explain_decision(turned, number=7))
+    text = doc.toPlainText()
+    assert text.startswith(f"#7 → {loser.name}")
+    assert f" < {loser.name} " in text and "decode tokens queued on" in text and "Router's record" in text

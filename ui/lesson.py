@@ -225,7 +225,6 @@ WATCH_FIRST = 4  # rows to watch arrive before the first suggestion
 def lesson_hint(p: Progress, backends: list[str]) -> str:
     """The one line that says what to try next (plain words; the backends by name)."""
     first = backends[0] if backends else "the first backend"
-    other = backends[1] if len(backends) > 1 else "the others"
     if p.paused:
         return "Paused: Step (F7) sends one request — watch its row — then Resume (F6)"
     if p.sent < WATCH_FIRST:
@@ -233,8 +232,7 @@ def lesson_hint(p: Progress, backends: list[str]) -> str:
     if not p.ceiling_lowered:
         return f"Lower {first}'s ceiling to 1 and watch the next rows"
     if not p.rate_changed:
-        return (f"{first} now runs one request at a time: its score climbs as its queue grows, and the next rows "
-                f"go to {other} where that is lower. Turn the rate up (+)")
+        return f"{first} now runs one at a time: its score climbs with its queue. Turn the rate up (+)"
     if not p.policy_changed:
         return "Switch the policy to round-robin and compare the latency plots before and after the mark"
     if not p.stepped:

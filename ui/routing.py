@@ -206,7 +206,7 @@ def explain_decision(d, colors: dict | None = None, number: int | None = None) -
     elif others:
         o = others[0]
         rel = ">" if o.score_s > chosen.score_s else ("=" if o.score_s == chosen.score_s else "<")
-        line = (f"{html.escape(o.name)} {_secs(o.score_s)} {rel} {html.escape(chosen.name)} {_secs(chosen.score_s)}: "
+        line = (f"{html.escape(o.name)} {_secs(o.score_s)} {html.escape(rel)} {html.escape(chosen.name)} {_secs(chosen.score_s)}: "
                 f"{_tok(o.prefill_tokens)} prefill + {_tok(o.decode_tokens)} decode tokens queued on {html.escape(o.name)}, "
                 f"{_tok(chosen.prefill_tokens)} + {_tok(chosen.decode_tokens)} on {html.escape(chosen.name)}.")
     else:
