@@ -189,6 +189,7 @@ def test_the_hint_moves_on_with_what_the_teacher_did():
     assert "Step (F7)" in lesson_hint(p, names)
     assert "Step (F7)" in lesson_hint(replace(p, paused=True, stepped=True), names)
     assert "Stop" in lesson_hint(replace(p, stepped=True), names)
+    assert "Slow the rate" in lesson_hint(replace(p, backlog=True), names)
 
 
 def test_every_hint_fits_the_bar_at_1280x720(qtbot, make_window, ui_engine):
@@ -206,9 +207,33 @@ def test_every_hint_fits_the_bar_at_1280x720(qtbot, make_window, ui_engine):
     metrics = label.fontMetrics()
     assert metrics.height() >= 20  # the large type, not the app's default
     hints = {lesson_hint(Progress(sent, *flags), ui_engine.backend_names)
-             for sent, flags in product((0, 10), product((False, True), repeat=5))}
+             for sent, flags in product((0, 10), product((False, True), repeat=6))}
     too_wide = [h for h in hints if metrics.horizontalAdvance(h) > room]
     assert not too_wide, (room, too_wide)
+    stop_and_drain(qtbot, w, run)
+
+
+def test_the_hint_asks_for_a_slower_rate_when_the_queues_outrun_the_backends(qtbot, make_window, ui_engine):
+    w, run = lesson_window(make_window, ui_engine, rate=0.1)  # one arrival, the next in 10 s
+    release = threading.Event()
+    inside = {name: threading.Event() for name in ui_engine.backend_names}
+    calls = [ui_engine.backend(name).call(lambda _b, e=e: e.set() or release.wait(WAIT_MS / 1000))
+             for name, e in inside.items()]
+    for e in inside.values():  # each worker is held: what is submitted now waits
+        assert e.wait(WAIT_MS / 1000)
+    try:
+        queued = [ui_engine.submit(Request(tuple(range(300, 310 + i)), SamplingParams(max_tokens=2)))
+                  for i in range(17)]  # more than twice the ceilings (4 + 4) wait
+        seen: list = []
+        w.bridge.tick.connect(seen.append)
+        qtbot.waitUntil(lambda: len(seen) >= 2, timeout=WAIT_MS)
+        assert "Slow the rate (−)" in w.lessons.bar.hint_label.text()
+    finally:
+        release.set()
+    for c in calls:
+        c.result(WAIT_MS / 1000)
+    for h in queued:
+        h.result(WAIT_MS / 1000)
     stop_and_drain(qtbot, w, run)
 
 

@@ -217,9 +217,11 @@ class Progress:
     rate_changed: bool
     policy_changed: bool
     stepped: bool
+    backlog: bool = False  # more requests wait than BACKLOG_CEILINGS times the ceilings run at once
 
 
 WATCH_FIRST = 4  # rows to watch arrive before the first suggestion
+BACKLOG_CEILINGS = 2  # waiting requests, in ceilings' worth, that say the arrivals outrun the backends
 
 
 def lesson_hint(p: Progress, backends: list[str]) -> str:
@@ -227,6 +229,8 @@ def lesson_hint(p: Progress, backends: list[str]) -> str:
     first = backends[0] if backends else "the first backend"
     if p.paused:
         return "Paused: Step (F7) sends one request — watch its row — then Resume (F6)"
+    if p.backlog:
+        return "The queues keep growing: the machine is busier than measured. Slow the rate (−)"
     if p.sent < WATCH_FIRST:
         return "Each row is one request: it goes to the backend with the lowest score. Watch a few arrive"
     if not p.ceiling_lowered:

@@ -31,7 +31,7 @@ from engine.core.errors import EngineError
 from engine.lesson import RATE_STEPS
 
 from .controls import policy_choices
-from .lesson import LessonRun, Progress, lesson_hint
+from .lesson import BACKLOG_CEILINGS, LessonRun, Progress, lesson_hint
 from .run_controls import RunControls
 from .run_strip import rate_text
 
@@ -58,6 +58,7 @@ class LessonBar(QWidget):
         self._start_ceilings: dict[str, int] = {}
         self._start_policy = engine.router.policy
         self._start_rate = 0.0
+        self._backlog = False  # the queues outrun the backends (read each tick)
         self._build()
         bridge.tick.connect(self._on_tick)
 
@@ -164,6 +165,8 @@ class LessonBar(QWidget):
     # ---- per tick ----
 
     def _on_tick(self, tick) -> None:
+        ceilings = sum(s.cap_ceiling or s.cap for s in tick.snapshots)
+        self._backlog = sum(len(s.waiting) for s in tick.snapshots) > BACKLOG_CEILINGS * ceilings
         for s in tick.snapshots:
             box = self.ceilings.get(s.name)
             ceiling = s.cap_ceiling or s.cap
@@ -185,7 +188,7 @@ class LessonBar(QWidget):
         return Progress(sent=run.n_submitted if run is not None else 0, paused=run is not None and run.paused,
                         ceiling_lowered=lowered, rate_changed=run is not None and run.rate != self._start_rate,
                         policy_changed=self.engine.router.policy != self._start_policy,
-                        stepped=run is not None and run.steps > 0)
+                        stepped=run is not None and run.steps > 0, backlog=self._backlog)
 
     def _refresh(self, *_args) -> None:
         run = self.run
