@@ -237,6 +237,33 @@ def test_the_hint_asks_for_a_slower_rate_when_the_queues_outrun_the_backends(qtb
     stop_and_drain(qtbot, w, run)
 
 
+def test_start_a_lesson_on_one_backend_loads_two_when_the_teacher_agrees(qtbot, make_window):
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication, QMessageBox
+    from ui_fixtures import load_and_wait
+
+    from app.gui import load_engine
+
+    w = make_window(engine=None, load_fn=load_engine, gpu_offload=False)
+    load_and_wait(qtbot, w)  # one CPU backend: nothing to choose between
+    asked: list[str] = []
+
+    def answer_yes() -> None:
+        box = QApplication.activeModalWidget()
+        assert isinstance(box, QMessageBox)
+        asked.append(box.text())
+        box.button(QMessageBox.StandardButton.Yes).click()
+
+    QTimer.singleShot(0, answer_yes)
+    started: list = []
+    w.lessons.started.connect(started.append)
+    w.lessons.start_action.trigger()  # Run ▸ Start a lesson
+    assert asked and "needs two backends" in asked[0]
+    qtbot.waitUntil(lambda: bool(started), timeout=WAIT_MS)
+    assert len(w.engine.backend_names) == 2 and w.spec.lesson
+    stop_and_drain(qtbot, w, started[0])
+
+
 def test_a_lesson_load_warms_the_prefix_before_the_first_arrival(qtbot, make_window):
     from app.gui import load_engine
     from ui.loader import ModelSpec
