@@ -10,6 +10,7 @@ Also runnable as `python -m app.gui` with extra options for docs and checks:
     --demo N            send N of the study's requests (516-token prompts sharing a warmed
                         496-token prefix, 128 tokens each, 50 ms apart) once loaded
     --panel NAME        bring a panel to the front: routing, latency, teaching, experiments, controls
+    --presenter         open in the presenter view (View > Presenter view, F11)
     --responsiveness    print the event loop's lateness (p50/p95/max) over the demo run (--demo N,
                         48 requests by default) and exit
     --tour DIR          run the scripted tour (`ui.tour`) and save its screenshots in DIR
@@ -212,6 +213,7 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", type=int, default=0, metavar="N", help="send N of the study's requests once loaded")
     p.add_argument("--panel", choices=["routing", "latency", "teaching", "experiments", "controls", "backends"],
                    help="bring this panel to the front")
+    p.add_argument("--presenter", action="store_true", help="open in the presenter view (F11)")
     p.add_argument("--delay", type=float, default=None, help="seconds to wait before the screenshot")
     p.add_argument("--responsiveness", action="store_true",
                    help="print the event loop's lateness over the --demo run (48 requests unless --demo N; "

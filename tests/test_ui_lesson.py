@@ -385,4 +385,4 @@ def test_the_explanation_of_a_request_sent_to_the_higher_score_is_whole(qtbot, m
     doc.setHtml(explain_decision(turned, number=7))
     text = doc.toPlainText()
     assert text.startswith(f"#7 → {loser.name}")
-    assert f" < {loser.name} " in text and "decode tokens queued on" in text and "Router's record" in text
+    assert "against" in text and "the lower score wins" in text and "Router's record" in text

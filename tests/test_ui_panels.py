@@ -85,9 +85,9 @@ def test_the_policy_help_says_which_policy_is_the_default(make_window, ui_engine
     c = make_window().panels["controls"]
     c.policy_combo.setCurrentText("finish-first:pack")
     assert ui_engine.router.policy == "finish-first:pack"
-    assert c.policy_help.text().startswith("The default:")
+    assert c.policy_help.text().endswith("(the default).")
     c.policy_combo.setCurrentText("finish-first")
-    assert not c.policy_help.text().startswith("The default:")
+    assert "(the default)" not in c.policy_help.text()
 
 
 def test_the_budget_control_sets_the_routers_budget(make_window, ui_engine):
@@ -179,7 +179,10 @@ def test_the_live_panels_update_during_a_run(qtbot, make_window, ui_engine):
             assert snap.cache.hit_tokens - hits_before[snap.name] == 64 * done[snap.name]
     x, y = latency.tput_curves[-1].getData()
     assert len(x) > 0 and max(y) > 0  # throughput over time saw the decoded tokens
-    assert len(EDGES["ttft"]) == len(latency.hist_curves["ttft"]["cpu0"].getData()[0])
+    for b in latency.backends:  # each backend's bars: its slice of every bin, the bin's count
+        x, y = latency.hist_curves["ttft"][b].getData()
+        assert len(x) == 2 * (len(EDGES["ttft"]) - 1)
+        assert list(y[0::2]) == list(latency.store.histogram("ttft", b)) and not y[1::2].any()
 
 
 def _warmed_card(qtbot, w, ui_engine):

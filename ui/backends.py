@@ -17,7 +17,7 @@ import logging
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QFont
+from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import (
     QFrame,
     QGridLayout,
@@ -32,16 +32,20 @@ from PySide6.QtWidgets import (
 
 from engine.core.errors import EngineError
 
+from .advice import advise
 from .axes import count_axis_top
-from .formatting import CAP_HELP, fmt_rate, live_cap_text, rates_source_text
+from .formatting import CAP_HELP, cap_reason_detail, fmt_rate, live_cap_text, rates_source_text
+from .legend import add_legend
 from .live_stats import RingSeries
 from .plot_marks import ChangeMarks, ChangeTracker
-from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, qcolor, wrap_label
+from .theme import FAILED, HEALTHY, LEGEND_BG, MUTED, WORKING, backend_color, palette, qcolor, wrap_label
 from .worker import Worker
 
 log = logging.getLogger(__name__)
 
 HISTORY_S = 30.0
+SPARK_PT = {False: 7, True: 11}  # the history's type: as a card has room for / in the presenter view
+SPARK_HEIGHT = {False: 76, True: 130}
 CARD_WIDTH = 330  # narrowest a card stays readable (with Warm/Flush in its header)
 
 
@@ -148,14 +152,15 @@ class BackendCard(QFrame):
         grid.addWidget(self.kv_bar, 5, 1, 1, 3)
 
         self.plot = pg.PlotWidget()
-        self.plot.setFixedHeight(76)
+        self.plot.setProperty("sparkline", True)  # keeps its small type in the presenter view (ui.presenter)
+        self.plot.setFixedHeight(SPARK_HEIGHT[False])
         p = self.plot.getPlotItem()
         p.setMouseEnabled(False, False)
         p.hideButtons()
         p.showGrid(x=True, y=True, alpha=0.15)
         # a time axis: seconds before now
         small = QFont()
-        small.setPointSize(7)
+        small.setPointSize(SPARK_PT[False])
         bottom = p.getAxis("bottom")
         bottom.setStyle(tickFont=small, tickLength=3, tickTextOffset=1)
         bottom.setHeight(16)
@@ -165,11 +170,11 @@ class BackendCard(QFrame):
         self.marks = ChangeMarks(p, relative_window_s=HISTORY_S, labels=False)
         self.changes = ChangeTracker()
         p.getAxis("left").enableAutoSIPrefix(False)
-        self.legend = p.addLegend(offset=(30, 0), labelTextSize="7pt", colCount=2, brush=LEGEND_BG,
-                                  verSpacing=-6, horSpacing=10)
+        self.legend = add_legend(p, offset=(30, 0), labelTextSize="7pt", colCount=2, brush=LEGEND_BG,
+                                 verSpacing=-6, horSpacing=10)
         self.running_curve = p.plot(pen=pg.mkPen(self.color, width=1.5), fillLevel=0,
                                     brush=qcolor(self.color, 70), name="running")
-        self.waiting_curve = p.plot(pen=pg.mkPen("#c8ccd4", width=1.3, style=Qt.PenStyle.DashLine), name="waiting")
+        self.waiting_curve = p.plot(pen=_waiting_pen(), name="waiting")
         self.plot.setToolTip("Last 30 s: running (filled) and waiting (dashed) requests; an orange dashed line "
                              "marks a change of this backend's cap or health, or of the policy")
         grid.addWidget(self.plot, 6, 0, 1, 4)
@@ -284,7 +289,7 @@ class BackendCard(QFrame):
         live = live_cap_text(snap)
         if self.limit_label.text() != live:
             self.limit_label.setText(live)
-            self.limit_label.setToolTip(CAP_HELP)
+            self.limit_label.setToolTip(cap_reason_detail(snap))  # the engine's figures, on demand
 
         c = snap.cache
         if not c.enabled:
@@ -315,6 +320,26 @@ class BackendCard(QFrame):
         self.plot.getPlotItem().setYRange(0, axis_top, padding=0)
         self.plot.getPlotItem().getAxis("left").setTickSpacing(step, step)
 
+    def restyle(self) -> None:
+        """The theme now in use: the waiting line in its text colour."""
+        self.waiting_curve.setPen(_waiting_pen())
+
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view: a taller history with type a room can read."""
+        p = self.plot.getPlotItem()
+        font = QFont()
+        font.setPointSize(SPARK_PT[on])
+        bottom = p.getAxis("bottom")
+        bottom.setStyle(tickFont=font)
+        bottom.setHeight(QFontMetrics(font).height() + 2 if on else 16)
+        left = p.getAxis("left")
+        left.setStyle(tickFont=font)
+        left.setWidth(QFontMetrics(font).horizontalAdvance("000") + 8 if on else 28)
+        self.legend.setLabelTextSize(f"{SPARK_PT[on]}pt")
+        for _sample, label in self.legend.items:
+            label.setText(label.text, size=f"{SPARK_PT[on]}pt")
+        self.plot.setFixedHeight(SPARK_HEIGHT[on])
+
     def _show_rates_source(self, rates) -> None:
         """Where the router's rates came from (`Rates.origin`); a placeholder is flagged."""
         placeholder = rates.placeholder
@@ -340,9 +365,12 @@ class BackendCard(QFrame):
         down = not healthy and (error is not None or self.restarting)
         self.problem.setVisible(down)
         if down and error:
-            text = error + (f"\nRestart failed: {self._restart_error}" if self._restart_error else "")
+            advice = advise(error, "engine")  # plain words; the engine's own in the tooltip
+            text = advice.text + (f"\nRestart failed: {advise(self._restart_error, 'engine').text}"
+                                  if self._restart_error else "")
             if self.error_label.text() != text:
                 self.error_label.setText(text)
+                self.error_label.setToolTip(error if advice.text != error else "")
 
 
 class BackendsPanel(QScrollArea):
@@ -363,6 +391,7 @@ class BackendsPanel(QScrollArea):
         names = engine.backend_names
         self._grid = lay
         self._columns = 0
+        self._card_width = CARD_WIDTH  # the narrowest a card stays readable (wider in large type)
         self.cards: dict[str, BackendCard] = {}
         for i, name in enumerate(names):
             card = BackendCard(engine, name, i, warm_tokens, hz)
@@ -392,7 +421,27 @@ class BackendsPanel(QScrollArea):
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
-        self._reflow((self.viewport().width() - 12) // (CARD_WIDTH + 8))
+        self._reflow(self._fit_columns())
+
+    def restyle(self) -> None:
+        for card in self.cards.values():
+            card.restyle()
+
+    def presenter_changed(self, on: bool) -> None:
+        """Large type: each card's history grows, and the cards get the width their text needs
+        (fewer side by side)."""
+        for card in self.cards.values():
+            card.presenter_changed(on)
+            if (grid := card.layout()) is not None:
+                grid.activate()  # its minimum width for the new type, now
+        self._card_width = max([CARD_WIDTH] + [c.minimumSizeHint().width() for c in self.cards.values()]) \
+            if on else CARD_WIDTH
+        for card in self.cards.values():
+            card.setMinimumWidth(self._card_width)
+        self._reflow(self._fit_columns())
+
+    def _fit_columns(self) -> int:
+        return (self.viewport().width() - 12) // (self._card_width + 8)
 
     def on_tick(self, tick) -> None:
         for snap in tick.snapshots:
@@ -418,3 +467,8 @@ def _muted(text: str) -> QLabel:
 
 def _rate(x: float) -> str:
     return fmt_rate(x)
+
+
+def _waiting_pen():
+    """The sparkline's waiting line: dashed, in the theme's muted text colour (visible on both)."""
+    return pg.mkPen(palette().transcript.muted, width=1.3, style=Qt.PenStyle.DashLine)

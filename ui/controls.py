@@ -9,6 +9,7 @@ a backend card) are read back from the tick.
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
+from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -26,13 +27,15 @@ from PySide6.QtWidgets import (
 
 from engine.core.errors import EngineError
 from engine.core.snapshot import Rates
-from engine.routing import BUDGET_MODES, POLICIES
+from engine.routing import BUDGET_MODES, DEFAULT_POLICY, POLICIES
 from engine.routing import HELP as POLICY_HELP  # one line per policy, beside each (engine/routing/)
 
-from .formatting import CAP_HELP, live_cap_text
-from .theme import backend_color, wrap_label
+from .formatting import CAP_HELP, cap_reason_detail, live_cap_text, policy_sentence
+from .presenter import VALUE_PT
+from .theme import backend_color, palette, wrap_label
 from .worker import Worker
 
+SPIN_WIDTH = 92  # px: a rate box at the app's type size
 BUDGET_HELP = {
     "raw": "Every request counts its whole unused max_tokens budget (the study's rule).",
     "ratio": "Running requests' budget scaled by SGLang's new_token_ratio (starts 0.7, decays to 0.1).",
@@ -85,14 +88,21 @@ class ControlsPanel(QWidget):
         self.budget_combo.addItems(list(BUDGET_MODES))
         self.budget_combo.setCurrentText(router.budget)
         self.budget_combo.currentTextChanged.connect(self.set_budget)
-        self.policy_help = QLabel()
+        self.policy_help = QLabel()  # the policy in a sentence
         wrap_label(self.policy_help)
-        self.policy_help.setObjectName("muted")
+        self.details = QLabel()  # the engine's own description, the decode budget's rule
+        wrap_label(self.details)
+        self.details.setObjectName("muted")
+        self.details.setVisible(False)
+        self.details_link = QLabel()
+        self.details_link.linkActivated.connect(lambda _link: self.show_details(self.details.isHidden()))
         self.ratio_label = QLabel()
         self.ratio_label.setObjectName("muted")
         f.addRow("Policy", self.policy_combo)
         f.addRow("Decode budget", self.budget_combo)
         f.addRow(self.policy_help)
+        f.addRow(self.details_link)
+        f.addRow(self.details)
         f.addRow(self.ratio_label)
         lay.addWidget(routing)
 
@@ -117,7 +127,7 @@ class ControlsPanel(QWidget):
             ps = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e7, value=r.prefill_tok_s)
             ds = QDoubleSpinBox(decimals=1, minimum=0.1, maximum=1e6, value=r.decode_tok_s)
             for s in (ps, ds):
-                s.setFixedWidth(92)
+                s.setFixedWidth(SPIN_WIDTH)
                 s.setKeyboardTracking(False)  # apply on Enter / focus out / arrows, not per digit
                 s.valueChanged.connect(lambda _v, n=name: self.apply_rates(n))
             src = QLabel(r.source)
@@ -244,6 +254,18 @@ class ControlsPanel(QWidget):
         self.status_message.emit(message)
         self.rates_changed.emit()
 
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view (ui.presenter): rate boxes wide enough for their larger digits."""
+        font = QFont(self.font())
+        font.setPointSize(VALUE_PT if on else 10)
+        width = QFontMetrics(font).horizontalAdvance("0000000.0") + 30 if on else SPIN_WIDTH
+        for spin in (*self.prefill_spins.values(), *self.decode_spins.values()):
+            spin.setFixedWidth(width)
+
+    def restyle(self) -> None:
+        """The theme now in use: the details link's colour."""
+        self.show_details(not self.details.isHidden())
+
     # ---- per tick ----
 
     def _show_rates(self, name: str, rates: Rates) -> None:
@@ -264,7 +286,7 @@ class ControlsPanel(QWidget):
             text = f"live {snap.cap}" if snap.cap_adaptive else "fixed"
             if live.text() != text:
                 live.setText(text)
-                live.setToolTip(live_cap_text(snap))
+                live.setToolTip(f"{live_cap_text(snap)}\n\n{cap_reason_detail(snap)}")
             if not spin.hasFocus() and spin.value() != (snap.cap_ceiling or snap.cap):
                 spin.blockSignals(True)
                 spin.setValue(snap.cap_ceiling or snap.cap)
@@ -283,10 +305,19 @@ class ControlsPanel(QWidget):
         if router.budget == "ratio":
             self.ratio_label.setText(f"new_token_ratio now {router.new_token_ratio:.2f}")
 
+    def show_details(self, on: bool) -> None:
+        """The engine's description of the policy and the decode budget's rule, or the sentence alone."""
+        self.details.setVisible(on)
+        color = palette().transcript.user
+        self.details_link.setText(f"<a href='#details' style='color:{color}'>{'Hide' if on else 'Show'} "
+                                  "the details</a>")
+
     def _update_help(self) -> None:
         router = self.engine.router
         name = router.policy
-        text = POLICY_HELP.get(name) or (f"Everything to {name[5:]}." if name.startswith("only:") else "")
-        self.policy_help.setText(f"{text}\n{BUDGET_HELP.get(router.budget, '')}")
+        self.policy_help.setText(policy_sentence(name, len(self.engine.backend_names), name == DEFAULT_POLICY))
+        detail = POLICY_HELP.get(name) or (f"Everything to {name[5:]}." if name.startswith("only:") else "")
+        self.details.setText(f"{detail}\n{BUDGET_HELP.get(router.budget, '')}".strip())
+        self.show_details(not self.details.isHidden())
         self.ratio_label.setText(f"new_token_ratio now {router.new_token_ratio:.2f}" if router.budget == "ratio" else "")
         self.ratio_label.setVisible(router.budget == "ratio")

@@ -5,6 +5,7 @@ came from, a model's title. Qt-free, so they test without a screen; pure functio
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 
@@ -68,8 +69,9 @@ CAP_HELP = ("Ceiling: the most requests you allow at once on this backend (the c
 
 
 def live_cap_text(snap) -> str:
-    """'live cap 4 of ceiling 16 (adaptive): start' / 'live cap 8, fixed (ceiling 8)', from a
-    `BackendSnapshot`."""
+    """'live cap 4 of ceiling 16: more requests were waiting, so it tries more at once' / 'live cap
+    8, fixed (ceiling 8)', from a `BackendSnapshot`: plain words (`cap_reason_text`); the engine's
+    figures are `cap_reason_detail`."""
     ceiling = snap.cap_ceiling or snap.cap
     if not snap.cap_adaptive:
         return f"live cap {snap.cap}, fixed (ceiling {ceiling})"
@@ -77,6 +79,64 @@ def live_cap_text(snap) -> str:
     return f"live cap {snap.cap} of ceiling {ceiling}" + (f": {why}" if why else "")
 
 
+# The adaptive cap's reasons (engine/sched/limiter.py) by their shape, in plain words: what a
+# class can follow. The engine's own sentence, with its tok/s figures, stays one hover away.
+_CAP_REASONS = (
+    (re.compile(r"^start$"), "where an adaptive cap starts"),
+    (re.compile(r"^fixed$"), "fixed"),
+    (re.compile(r"^set by the user$"), "set by the user"),
+    (re.compile(r"waiting, but KV room for no more"), "requests wait, but the memory holds no more"),
+    (re.compile(r"waiting at \d+ .*trying \d+"), "requests were waiting, so it tries more at once"),
+    (re.compile(r"below .*checking again"), "the larger batch looked slower: checking again"),
+    (re.compile(r"^decode fell to"), "the larger batch was slower, so it went back down"),
+    (re.compile(r"up from"), "the larger batch was faster, so it stays"),
+    (re.compile(r"^KV full"), "the memory was full, so it runs fewer at once"),
+    (re.compile(r"^the load ran at most"), "fewer requests came, so it went back down"),
+)
+
+
 def cap_reason_text(reason: str) -> str:
-    """Why the live cap last moved, for people ('start' is where an adaptive cap begins)."""
-    return {"start": "where an adaptive cap starts", "fixed": "fixed"}.get(reason or "", reason or "")
+    """Why the live cap last moved, in plain words ('decode 17 tok/s at batch 8, up from 0 at 4'
+    reads 'the larger batch was faster, so it stays'); a reason of another shape as it is."""
+    reason = (reason or "").strip()
+    for shape, words in _CAP_REASONS:
+        if shape.search(reason):
+            return words
+    return reason
+
+
+def cap_reason_detail(snap) -> str:
+    """The engine's own words for the live cap's last move, with its figures (a tooltip's)."""
+    reason = (snap.cap_reason or "").strip()
+    if not snap.cap_adaptive or reason in ("", "start", "fixed", "set by the user"):
+        return CAP_HELP
+    return f"The engine's reason: {reason}.\n\n{CAP_HELP}"
+
+
+# Each policy in one sentence a class can follow; the engine's own description
+# (`engine.routing.HELP`) is the detail one click away.
+POLICY_SENTENCES = {
+    "finish-first:pack": "Each request goes to the backend where it will finish first.",
+    "finish-first": "Each request goes to the backend where it will finish first.",
+    "seed-score": "Each request goes to the backend with the least queued work, priced at that backend's speed.",
+    "predicted-finish": "Each request goes where a simulation of each queue says it finishes first.",
+    "least-work": "Each request goes to the backend with the fewest tokens still to compute.",
+    "round-robin": "The backends take turns: one request each.",
+    "cache-aware": "Requests that start alike stay together on the backend that has their start cached.",
+    "gpu-only": "Every request goes to the GPU.",
+    "cpu-only": "Every request goes to the CPU.",
+}
+
+
+def policy_sentence(policy: str, backends: int, default: bool = False) -> str:
+    """One sentence for `policy` on `backends` backends ("(the default)" added when it is)."""
+    if backends <= 1 and not policy.startswith("only:"):
+        text = "With one backend, every request goes to it."
+    elif policy.startswith("only:"):
+        text = f"Every request goes to {policy[len('only:'):]}."
+    else:
+        name = policy  # a policy with parameters ('cache-aware:cache_threshold=0.3') reads as its kind
+        while name and name not in POLICY_SENTENCES:
+            name = name.rpartition(":")[0]
+        text = POLICY_SENTENCES.get(name, f"The {policy} policy.")
+    return text[:-1] + " (the default)." if default else text

@@ -15,6 +15,7 @@ Main thread only; each background call reports back through its worker's signals
 
 from __future__ import annotations
 
+import html
 import threading
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import hub
+from .advice import advise
 from .theme import FAILED, HEALTHY, WORKING, wrap_label
 from .worker import Worker
 
@@ -140,6 +142,7 @@ class GetModelDialog(QDialog):
     def search(self) -> Worker:
         text = self.query.text()
         self.state_label.setText(f"Searching the Hub for “{text}”…")
+        self.state_label.setToolTip("")
         self.search_button.setEnabled(False)
         worker = Worker(hub.search_models, text, name="hub-search", owner=self)
         worker.returned.connect(self._on_found)
@@ -275,7 +278,9 @@ class GetModelDialog(QDialog):
             self._on_error(e)
 
     def _on_error(self, e: BaseException) -> None:
-        self.state_label.setText(f"<span style='color:{FAILED}'>{e}</span>")
+        advice = advise(e, "hub")  # "You seem to be offline: …"; the Hub client's words in the tooltip
+        self.state_label.setText(f"<span style='color:{FAILED}'>{html.escape(advice.text)}</span>")
+        self.state_label.setToolTip(advice.detail if advice.detail != advice.text else "")
 
     def _cancel_or_close(self) -> None:
         if self.downloading:

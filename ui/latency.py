@@ -2,15 +2,21 @@
 markers, and output throughput over time.
 
 Histograms use fixed log-spaced edges (`ui.live_stats.EDGES`) and are drawn with
-`stepMode="center"`; every curve and marker is created once and only `setData`/`setPos` is
-called afterwards, from the bridge's tick (and only when a request finished since the last
-redraw). Throughput comes from the decoded-token counts each tick carries.
+`stepMode="center"`, each backend's bar taking its own slice of the bin (`ui.axes.dodged_steps`)
+so equal bins of two backends stand side by side; every curve and marker is created once and
+only `setData`/`setPos` is called afterwards, from the bridge's tick (and only when a request
+finished since the last redraw). Throughput comes from the decoded-token counts each tick
+carries; its "total" line is drawn in the theme's text colour.
 
 Axes fit their data: a histogram's x axis spans the bins in use (one bin of margin), its y axis
 counts requests in whole numbers. An empty plot shows a sentence instead of made-up axes
 (`ui.plot_marks.EmptyHint`); hovering a bin's point tells its count and range. Throughput is
 timed from the view's first tick, with a mark wherever a cap, the policy or a backend's health
 changed. A strip above the plots says which phase a demo is in (`ui.run_strip`).
+
+The presenter view (`presenter_changed`) lays the four plots out two by two, with short axis
+labels, a summary of one line per backend (the p95s in its tooltip) and tick labels thinned to
+what the axis has room for.
 """
 
 from __future__ import annotations
@@ -20,17 +26,23 @@ import math
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QFont, QFontMetrics
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from .axes import count_axis_top, log_ticks, occupied_log_range
+from .axes import count_axis_top, dodged_steps, log_ticks, occupied_log_range, thin_ticks
 from .formatting import fmt_seconds
+from .legend import add_legend
 from .live_stats import EDGES, METRIC_TITLES, LatencyStore, RingSeries
-from .plot_marks import ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .plot_marks import LABEL_PT, ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .presenter import PLOT_PT, set_axis_labels
 from .run_strip import RunStrip
-from .theme import LEGEND_BG, backend_color, qcolor, style_plot, wrap_label
+from .theme import LEGEND_BG, backend_color, palette, qcolor, style_plot, wrap_label
 
 THROUGHPUT_WINDOW_S = 120.0
 SMOOTH_S = 2.0  # throughput is averaged over this many seconds
+HIST_LABELS = ("log scale — p50 solid, p95 dashed", "requests")  # a histogram's x and y axis labels
+TPUT_LABELS = ("time (s)", "tokens / s")
+SHORT_HIST_LABELS = ("seconds, log scale", "requests")  # the presenter view's (p50/p95 in the summary)
 
 
 class LatencyView(QWidget):
@@ -47,6 +59,7 @@ class LatencyView(QWidget):
         self._t0 = None
         self._router = engine.router
         self.changes = ChangeTracker()
+        self.presenting = False
         self._build()
         bridge.finished.connect(self.add_record)
         bridge.tick.connect(self._on_tick)
@@ -59,12 +72,14 @@ class LatencyView(QWidget):
         self.plots: dict[str, pg.PlotItem] = {}
         self.hints: dict[str, EmptyHint] = {}
         self.bin_points: dict[str, dict[str, pg.PlotDataItem]] = {}
-        for k, metric in enumerate(("ttft", "e2e", "itl")):
+        self.grid = grid
+        self.plot_widgets: list[pg.PlotWidget] = []
+        for metric in ("ttft", "e2e", "itl"):
             w = pg.PlotWidget()
             p = w.getPlotItem()
-            style_plot(p, METRIC_TITLES[metric], "log scale — p50 solid, p95 dashed", "requests")
+            style_plot(p, METRIC_TITLES[metric], *HIST_LABELS)
             p.setLogMode(x=True, y=False)
-            p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+            add_legend(p, offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
             p.disableAutoRange()
             for axis in ("left", "bottom"):
                 p.getAxis(axis).enableAutoSIPrefix(False)
@@ -90,22 +105,24 @@ class LatencyView(QWidget):
                 hover_tips(points.scatter, lambda _x, _y, data: data)
                 self.bin_points[metric][b] = points
             self.hints[metric] = EmptyHint(p, "no request has finished yet")
-            grid.addWidget(w, 0, k)
+            p.vb.sigResized.connect(lambda _vb, m=metric: self._fit_ticks(m))
+            self.plot_widgets.append(w)
 
         w = pg.PlotWidget()
         p = self.throughput_plot = w.getPlotItem()
-        style_plot(p, "Output throughput (2 s average)", "time (s)", "tokens / s")
-        p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+        style_plot(p, "Output throughput (2 s average)", *TPUT_LABELS)
+        add_legend(p, offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
         p.enableAutoRange(x=True, y=False)
         for axis in ("left", "bottom"):
             p.getAxis(axis).enableAutoSIPrefix(False)
         self.tput_curves = []
         for b in self.backends:
             self.tput_curves.append(p.plot(pen=pg.mkPen(self.colors[b], width=1.6), name=b))
-        self.tput_curves.append(p.plot(pen=pg.mkPen("#e6e9ef", width=1.2, style=Qt.PenStyle.DashLine), name="total"))
+        self.tput_curves.append(p.plot(pen=_total_pen(), name="total"))
         self.tput_hint = EmptyHint(p, "no token decoded yet")
         self.marks = ChangeMarks(p)
-        grid.addWidget(w, 0, 3)
+        self.plot_widgets.append(w)
+        self._place_plots(columns=4)
         self.run_strip = RunStrip()
 
         self.summary = wrap_label(QLabel())  # wraps rather than widening the window (the presenter's large type)
@@ -135,6 +152,28 @@ class LatencyView(QWidget):
 
     def clear(self) -> None:
         self.store.clear()
+
+    def presenter_changed(self, on: bool) -> None:
+        """The presenter view (ui.presenter): two plots by two, short axis labels, a one-line
+        summary per backend, change labels in large type."""
+        self.presenting = on
+        self._place_plots(columns=2 if on else 4)
+        for metric, p in self.plots.items():
+            set_axis_labels(p, *(SHORT_HIST_LABELS if on else HIST_LABELS))
+            self._fit_ticks(metric)
+        self.marks.set_font_size(PLOT_PT if on else LABEL_PT)
+        self._update_summary()
+
+    def restyle(self) -> None:
+        """The theme now in use: the "total" line in its text colour, the change labels."""
+        self.tput_curves[-1].setPen(_total_pen())
+        self.marks.restyle()
+
+    def _place_plots(self, columns: int) -> None:
+        for w in self.plot_widgets:
+            self.grid.removeWidget(w)
+        for k, w in enumerate(self.plot_widgets):
+            self.grid.addWidget(w, k // columns, k % columns)
 
     def show_run(self, run) -> None:
         """Say which phase `run` (a live demo) is in, above the plots."""
@@ -171,10 +210,12 @@ class LatencyView(QWidget):
         for metric, curves in self.hist_curves.items():
             edges = EDGES[metric]
             hists = {b: self.store.histogram(metric, b) for b in curves}
-            for b, curve in curves.items():
-                curve.setData(edges, hists[b])
+            for k, (b, curve) in enumerate(curves.items()):
+                x, y = dodged_steps(edges, hists[b], k, len(curves))
+                curve.setData(x, y)
                 used = np.flatnonzero(hists[b] > 0)
-                centres = np.sqrt(edges[used] * edges[used + 1])  # geometric: the bin's middle on a log axis
+                lo, hi = (x[0::2], x[1::2]) if len(curves) > 1 else (edges[:-1], edges[1:])
+                centres = np.sqrt(lo[used] * hi[used])  # geometric: the bar's middle on a log axis
                 tips = [f"{b}: {int(hists[b][i])} request{'s' if hists[b][i] != 1 else ''} at "
                         f"{fmt_seconds(edges[i])} – {fmt_seconds(edges[i + 1])}" for i in used]
                 self.bin_points[metric][b].setData(centres, hists[b][used], data=tips)
@@ -195,20 +236,40 @@ class LatencyView(QWidget):
         if span is None:  # nothing yet: the hint says so, the axes are hidden
             span = (-3.0, 1.0)
         p.setXRange(*span, padding=0)
-        p.getAxis("bottom").setTicks([log_ticks(*span), []])
+        self._fit_ticks(metric)
         top, step = count_axis_top(max((float(h.max()) for h in hists if len(h)), default=0.0))
         p.setYRange(0, top, padding=0)
         p.getAxis("left").setTickSpacing(step, step)
 
+    def _fit_ticks(self, metric: str) -> None:
+        """A histogram's time ticks: 1-2-5 steps, thinned until their labels stand apart."""
+        p = self.plots[metric]
+        (lo, hi), _ = p.viewRange()
+        axis = p.getAxis("bottom")
+        fm = QFontMetrics(axis.style.get("tickFont") or QFont())
+        ticks = thin_ticks(log_ticks(lo, hi), lo, hi, axis.width(), fm.horizontalAdvance)
+        axis.setTicks([ticks, []])
+
     def _update_summary(self) -> None:
-        parts = []
+        parts, tips = [], []
         for b in self.backends:
             n = self.store.finished.get(b, 0)
             bits = [f"<b style='color:{self.colors[b]}'>{b}</b> {n} done"]
+            short_bits = list(bits)
             if self.store.failed.get(b):
                 bits.append(f"{self.store.failed[b]} stopped/failed")
+                short_bits.append(f"{self.store.failed[b]} failed")
             for metric, short in (("ttft", "TTFT"), ("e2e", "E2E"), ("itl", "ITL")):
                 p50, p95 = self.store.percentiles(metric, b)
                 bits.append(f"{short} p50 {fmt_seconds(p50)} / p95 {fmt_seconds(p95)}")
-            parts.append(" · ".join(bits))
+                short_bits.append(f"{short} p50 {fmt_seconds(p50)}")
+            parts.append(" · ".join(short_bits if self.presenting else bits))
+            tips.append(" · ".join(bits))
         self.summary.setText("<br>".join(parts))
+        self.summary.setToolTip("<br>".join(tips) + "<br>p50: half the requests took less; p95: all but one in "
+                                "twenty. In the plots: p50 solid, p95 dashed.")
+
+
+def _total_pen():
+    """The throughput's "total" line: dashed, in the theme's text colour (visible on both)."""
+    return pg.mkPen(palette().text, width=1.6, style=Qt.PenStyle.DashLine)

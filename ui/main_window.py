@@ -50,6 +50,7 @@ from PySide6.QtWidgets import (
 
 from engine.core.snapshot import BackendSnapshot
 
+from .advice import advise
 from .backends import BackendsPanel
 from .bridge import EngineBridge
 from .chat import ChatPanel
@@ -82,7 +83,6 @@ P = TypeVar("P", bound=QWidget)
 # rows need ~650 px, two backend cards side by side ~700), so the drawer opens at the bottom.
 WIDE_MIN_WIDTH = 1400
 MONITOR_SHARE = 0.42  # of the window's width, at the right, when it first opens
-LAG_ALERT_S = 0.250  # the UI-lag figure joins the status bar above this p95 (else View ▸ Developer figures)
 
 
 def compact_layout(available: QSize) -> bool:
@@ -566,13 +566,15 @@ class MainWindow(QMainWindow):
         self.load_bar.setVisible(False)
         self._set_load_actions(True)
         what = spec.describe() if spec is not None else "the model"
-        self.load_screen.finish(f"Could not load {what}:\n{message}" if self.engine is None else None)
+        advice = advise(message, "load")  # plain words; the raw error in the dialog's details
+        self.error_dialog.setDetailedText(advice.detail if advice.detail != advice.text else "")
+        self.load_screen.finish(f"Could not load {what}:\n{advice.text}" if self.engine is None else None)
         if self.engine is None:
             self.state_label.setText("no model")
         else:
             self.state_label.setText("engine ready (last load failed)")
         self.error_dialog.setText(f"Could not load {what}.")
-        self.error_dialog.setInformativeText(message)
+        self.error_dialog.setInformativeText(advice.text)
         self.error_dialog.open()  # window-modal, does not block the event loop
         self.load_failed.emit(message)
 
@@ -591,10 +593,11 @@ class MainWindow(QMainWindow):
             self.backends_label.setText(text)
             self.backends_label.setToolTip("\n".join(tips))
         p95 = self.probe.percentile(95)
-        if p95 == p95:
-            self.lag_label.setText(f"UI lag p95 {p95 * 1000:.0f} ms")
-            # A developer's figure: in the status bar only when asked for or truly high.
-            self.lag_label.setVisible(self.developer_action.isChecked() or p95 > LAG_ALERT_S)
+        if p95 == p95:  # a developer's figure when asked for; else "machine busy", only while the lag lasts
+            developer = self.developer_action.isChecked()
+            self.lag_label.setText(f"UI lag p95 {p95 * 1000:.0f} ms" if developer else "machine busy")
+            self.lag_label.setToolTip(self.probe.lag_text())
+            self.lag_label.setVisible(developer or self.probe.lasting_lag())
         busy = any(s.items for s in tick.snapshots)
         lesson = self.lessons.run
         if lesson is not None and lesson.running:
@@ -732,9 +735,8 @@ class MainWindow(QMainWindow):
             self.presenter_action.setChecked(on)  # toggled calls back here
             return
         self.presenter = on
-        for key in ("routing", "teaching", "latency"):
-            panel = self.panels.get(key)
-            if panel is not None:
+        for key, panel in self.panels.items():  # every Monitor tab
+            if key != "chat":
                 present(panel, on)
         if on:  # the Monitor takes the whole screen; the chat comes back after
             self.stack.setVisible(False)
@@ -749,7 +751,7 @@ class MainWindow(QMainWindow):
             self.showNormal()
             if getattr(self, "_normal_geometry", None) is not None:
                 self.restoreGeometry(self._normal_geometry)
-        self.show_message("presenter view: large type on Routing, Teaching and Latency (F11 leaves it)" if on
+        self.show_message("presenter view: large type on every Monitor tab (F11 leaves it)" if on
                           else "presenter view off", 4000)
 
     def _set_developer(self, on: bool) -> None:

@@ -57,6 +57,21 @@ class FitTitle(pg.LabelItem):
             self.setMaximumHeight(row)
             plot.layout.setRowFixedHeight(0, row)
         self.updateGeometry()
+        if isinstance(plot, pg.PlotItem):
+            _refit(plot)
+
+
+def _refit(plot: pg.PlotItem) -> None:
+    """Give `plot` its view's whole room again. Qt keeps a widget at least its minimum size, and
+    pyqtgraph sizes a plot only when its view resizes: a title wrapped for a moment at a sliver of
+    width (one letter a line) made the plot's minimum height, and so the plot, taller than its
+    view, and the plot stayed so (its bottom axis off screen) after the title unwrapped."""
+    scene = plot.scene()
+    for view in scene.views() if scene is not None else ():
+        room = getattr(view, "range", None)
+        shows = id(getattr(view, "centralWidget", None)) == id(plot)  # the view's plot (`is` would narrow `plot`)
+        if shows and room is not None and plot.geometry() != room:
+            plot.setGeometry(room)
 
 
 def fit_title(plot: pg.PlotItem) -> FitTitle:

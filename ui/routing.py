@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, Qt
-from PySide6.QtGui import QBrush, QColor
+from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFileDialog,
@@ -41,7 +41,9 @@ from engine.routing import DEFAULT_POLICY
 
 from .axes import count_axis_top
 from .formatting import fmt_rate
-from .plot_marks import ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .legend import add_legend
+from .plot_marks import LABEL_PT, ChangeMarks, ChangeTracker, EmptyHint, hover_tips
+from .presenter import PLOT_PT, PRESENTER_PT, set_axis_labels
 from .run_strip import RunStrip
 from .theme import LEGEND_BG, MUTED, backend_color, palette, style_plot
 
@@ -51,7 +53,11 @@ TERMS = ("cached", "prefill", "decode", "score")
 UNITS = {"cached": "tok", "prefill": "tok", "decode": "tok", "rates": "tok/s", "score": "s"}
 FIXED = ("#", "t", "chosen")  # the request's id is the row's tooltip (and in the CSV)
 BACKEND_COLUMN = FIXED.index("chosen")
+ROW_PT = 10  # the table's type outside the presenter view (the app's style sheet)
+CELL_PAD = 20  # px a cell's text needs beside it: the item's margins and the grid line
+AXIS_LABELS = ("request # (table row)", "score (s)")  # the score plot's x and y axes
 MAX_ROWS = 5000
+DETAILS_LINK = "#arithmetic"  # the explanation's link to the whole arithmetic (the presenter view's)
 
 
 class RoutingTableModel(QAbstractTableModel):
@@ -159,6 +165,13 @@ class RoutingTableModel(QAbstractTableModel):
         return None
 
 
+def presenter_column(col: int) -> bool:
+    """Whether the presenter view shows column `col`: #, the chosen backend, each score."""
+    if col < len(FIXED):
+        return FIXED[col] != "t"
+    return TERMS[(col - len(FIXED)) % len(TERMS)] == "score"
+
+
 def score_term(s, term: str) -> str:
     """A `BackendScore` term as the table shows it."""
     if term == "cached":
@@ -190,34 +203,50 @@ def _text_color(plotted: str) -> QColor:
     return QColor(palette().transcript.backend(plotted))
 
 
-def explain_decision(d, colors: dict | None = None, number: int | None = None) -> str:
-    """The selected decision in words (HTML): who won, by how much, and every backend's sum, in
-    the theme in use's text colours (`colors`: each backend's plot colour). `number`: the row's
-    number in the table, which names the request there (the engine's id is the row's tooltip)."""
+def explain_decision(d, colors: dict | None = None, details: bool = True, number: int | None = None) -> str:
+    """The selected decision in words (HTML), in the theme in use's text colours (`colors`: each
+    backend's plot colour): who won and by how much in a sentence, the work queued on each;
+    then, with `details` (else behind a "Show the arithmetic" link, `DETAILS_LINK`), every
+    backend's sum, the policy, the decode budget and the router's own record. `number`: the
+    row's number in the table, which names the request there (the engine's id is the row's
+    tooltip)."""
     pal = palette()
     colors = {name: pal.transcript.backend(c) for name, c in (colors or {}).items()}
     muted, plain = pal.transcript.muted, pal.text
-    chosen = d.chosen
-    others = sorted((s for s in d.scores if s.name != d.backend), key=lambda s: s.score_s)
-    name = f"#{number}" if number is not None else html.escape(d.request_id)
-    head = f"<b>{name}</b> → <b style='color:{colors.get(d.backend, plain)}'>{html.escape(d.backend)}</b>"
-    if d.pinned:
-        line = "Pinned by the request: the policy was bypassed."
-    elif others:
-        o = others[0]
-        rel = ">" if o.score_s > chosen.score_s else ("=" if o.score_s == chosen.score_s else "<")
-        line = (f"{html.escape(o.name)} {_secs(o.score_s)} {html.escape(rel)} {html.escape(chosen.name)} {_secs(chosen.score_s)}: "
-                f"{_tok(o.prefill_tokens)} prefill + {_tok(o.decode_tokens)} decode tokens queued on {html.escape(o.name)}, "
-                f"{_tok(chosen.prefill_tokens)} + {_tok(chosen.decode_tokens)} on {html.escape(chosen.name)}.")
-    else:
-        line = "The only backend."
+
+    def name(s: str) -> str:
+        return f"<b style='color:{colors.get(s, plain)}'>{html.escape(s)}</b>"
+
+    request = f"#{number}" if number is not None else html.escape(d.request_id)
+    head = f"<b>{request}</b> → {name(d.backend)}"
+    out = f"<p style='font-size:large'>{head}</p><p>{decision_sentence(d, name)}</p>"
+    if not details:
+        return out + f"<p><a href='{DETAILS_LINK}' style='color:{pal.transcript.user}'>Show the arithmetic</a></p>"
     budget = d.budget + (f", new_token_ratio {d.new_token_ratio:.2f}" if d.new_token_ratio is not None else "")
     rows = "".join(f"<li><span style='color:{colors.get(s.name, plain)}'>■</span> {html.escape(explain_score(s))}</li>"
                    for s in d.scores)
-    return (f"<p style='font-size:large'>{head} &nbsp; <span style='color:{muted}'>policy {html.escape(d.policy)} · "
-            f"decode budget {html.escape(budget)}</span></p>"
-            f"<p>{line}</p><ul style='margin-left:-20px'>{rows}</ul>"
+    return (out + f"<p style='color:{muted}'>policy {html.escape(d.policy)} · decode budget {html.escape(budget)}</p>"
+            f"<ul style='margin-left:-20px'>{rows}</ul>"
             f"<p style='color:{muted}'>Router's record: {html.escape(d.reason)}</p>")
+
+
+def decision_sentence(d, name=html.escape) -> str:
+    """Why `d` went where it went, in a sentence or two (HTML; `name(backend)` writes a name):
+    the winner's score against the others' (lower wins), then the work queued on each."""
+    chosen = d.chosen
+    others = sorted((s for s in d.scores if s.name != d.backend), key=lambda s: s.score_s)
+    if d.pinned:
+        return f"The request named {name(d.backend)} itself: the policy was not asked."
+    if not others:
+        return f"{name(d.backend)} is the only backend: it takes every request."
+    tie = others[0].score_s == chosen.score_s
+    against = ", ".join(f"{name(o.name)} {_secs(o.score_s)}" for o in others)
+    verdict = (f"{name(d.backend)} and {name(others[0].name)} score the same, {_secs(chosen.score_s)}; "
+               f"{name(d.backend)} takes it." if tie and len(others) == 1 else
+               f"{name(d.backend)} scores {_secs(chosen.score_s)} against {against}: the lower score wins.")
+    queued = "; ".join(f"{name(s.name)} {_tok(s.prefill_tokens)} + {_tok(s.decode_tokens)}"
+                       for s in [chosen, *others])
+    return f"{verdict} Tokens to prefill + decode there: {queued}."
 
 
 class RoutingView(QWidget):
@@ -231,6 +260,10 @@ class RoutingView(QWidget):
         self.t0 = time.monotonic()  # decisions older than the view by an hour are not shown
         self.model = RoutingTableModel(self.backends, self)
         self._plot_dirty = False
+        self._explain_newest = False
+        self._to_bottom = False
+        self._presenting = False
+        self._pinned_seen = False  # a row says "(pinned)": the chosen column makes room for it
         self._build()
         for d in engine.router.recent():  # decisions made before the view existed
             if d.time >= self.t0 - 3600:
@@ -259,9 +292,8 @@ class RoutingView(QWidget):
         self.plot_widget = pg.PlotWidget()
         p = self.plot = self.plot_widget.getPlotItem()
         # x is the row number: arrivals evenly spaced however far apart in time (a chat long before a run).
-        style_plot(p, "Each backend's score per request (lower wins)", "request # (table row)",
-                   "score (s)")
-        p.addLegend(offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
+        style_plot(p, "Each backend's score per request (lower wins)", *AXIS_LABELS)
+        add_legend(p, offset=(8, 8), labelTextSize="9pt", brush=LEGEND_BG)
         for axis in ("left", "bottom"):
             p.getAxis(axis).enableAutoSIPrefix(False)  # seconds stay seconds, no "(x0.001)"
         self.curves = {}
@@ -280,6 +312,9 @@ class RoutingView(QWidget):
         p.addItem(self.selected_line)
 
         self.explain = QTextBrowser()
+        self.explain.setOpenLinks(False)
+        self.explain.anchorClicked.connect(self._on_link)
+        self._details = True  # the whole arithmetic under the sentence (the presenter view folds it)
         self._show_hint()
 
         self.clear_button = QPushButton("Clear")
@@ -306,11 +341,11 @@ class RoutingView(QWidget):
         lv.addWidget(self.run_strip)
         lv.addLayout(bar)
         lv.addWidget(self.table, 1)
-        right = QSplitter(Qt.Orientation.Vertical)
+        right = self.right_split = QSplitter(Qt.Orientation.Vertical)
         right.addWidget(self.plot_widget)
         right.addWidget(self.explain)
         right.setSizes([260, 170])
-        split = QSplitter(Qt.Orientation.Horizontal)
+        split = self.split = QSplitter(Qt.Orientation.Horizontal)
         split.addWidget(left)
         split.addWidget(right)
         split.setSizes([900, 600])
@@ -321,13 +356,15 @@ class RoutingView(QWidget):
     # ---- updates ----
 
     def add_decision(self, decision) -> None:
+        self._pinned_seen = self._pinned_seen or decision.pinned
         self.model.add(decision)
         self._plot_dirty = True
 
     def clear(self) -> None:
+        self._pinned_seen = False
         self.model.clear()
         self._plot_dirty = True
-        self.explain.clear()
+        self._show_hint()
 
     def export_csv(self, path: str | Path) -> Path:
         """Write the rows shown, with raw numbers, as CSV."""
@@ -361,13 +398,45 @@ class RoutingView(QWidget):
 
     def _follow(self, *_):
         bar = self.table.verticalScrollBar()
-        if bar.value() >= bar.maximum() - 2 and not self.table.selectionModel().hasSelection():
-            self.table.scrollToBottom()
+        if not self.table.selectionModel().hasSelection():
+            if bar.value() >= bar.maximum() - 2:
+                self.table.scrollToBottom()
+                self._to_bottom = True  # again on the tick, once the view has laid the new row out
+            self._explain_newest = True  # the explanation follows the newest row (drawn on the tick)
+        if self._presenting:
+            self._fit_fixed_columns()  # a row number with one more digit
 
     def presenter_changed(self, on: bool) -> None:
-        """The presenter view (ui.presenter): the row count and Export make way for large type."""
+        """The presenter view (ui.presenter): the table shows #, the chosen backend and each
+        backend's score (the rest is in each cell's tooltip and the explanation), rows as tall as
+        the large type, the explanation a sentence with the arithmetic behind a link and tall
+        enough to read whole; the row count and Export make way."""
         self.count_label.setVisible(not on)
         self.export_button.setVisible(not on)
+        for col in range(self.model.columnCount()):
+            self.table.setColumnHidden(col, on and not presenter_column(col))
+        self._presenting = on
+        font = QFont(self.table.font())
+        font.setPointSize(PRESENTER_PT if on else ROW_PT)
+        self._fit_fixed_columns()
+        self.table.verticalHeader().setDefaultSectionSize(max(22, QFontMetrics(font).height() + 8) if on else 22)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideNone if on else Qt.TextElideMode.ElideMiddle)
+        self._details = not on
+        self.change_marks.set_font_size(PLOT_PT if on else LABEL_PT)
+        set_axis_labels(self.plot, *(("request #", "score (s)") if on else AXIS_LABELS))
+        self._refresh_explanation()
+        if on:  # the table as wide as its few columns, the explanation as tall as a few lines
+            fm = QFontMetrics(font)
+            need = sum(self._fixed_widths()) + len(self.backends) * (fm.horizontalAdvance("00000.0") + CELL_PAD) + 24
+            total = max(self.split.width(), 1200)
+            self.split.setSizes([min(need, total // 2), total - min(need, total // 2)])
+            lines = fm.lineSpacing()
+            height = max(self.right_split.height(), 560)
+            text = min(height // 2, 7 * lines + 24)
+            self.right_split.setSizes([height - text, text])
+        else:
+            self.split.setSizes([900, 600])
+            self.right_split.setSizes([260, 170])
 
     def show_run(self, run) -> None:
         """Say which phase `run` (a live demo) is in, above the table."""
@@ -381,6 +450,13 @@ class RoutingView(QWidget):
                                  else f"no request yet · {policy}{default}")
         self.count_label.setToolTip(f"Rows shown; the routing policy in use is {policy}")
         self.change_marks.add(self.model._first_number + n - 0.5, self.changes.update(tick.snapshots, policy))
+        if self._explain_newest:
+            self._explain_newest = False
+            if not self.table.selectionModel().hasSelection():
+                self._refresh_explanation()
+                if self._to_bottom:
+                    self.table.scrollToBottom()
+            self._to_bottom = False
         if self._plot_dirty:
             self._plot_dirty = False
             self._redraw()
@@ -409,11 +485,7 @@ class RoutingView(QWidget):
         if m.decisions:
             m.dataChanged.emit(m.index(0, 0), m.index(len(m.decisions) - 1, m.columnCount() - 1))
         m.headerDataChanged.emit(Qt.Orientation.Horizontal, 0, m.columnCount() - 1)
-        current = self.table.selectionModel().currentIndex()
-        if current.isValid() and current.row() < len(m.decisions):
-            self._on_row(current, None)
-        else:
-            self._show_hint()
+        self._refresh_explanation()
 
     def _show_hint(self) -> None:
         self.explain.setHtml(f"<p style='color:{palette().transcript.muted}'>Select a row to see why the request "
@@ -423,9 +495,51 @@ class RoutingView(QWidget):
         if not current.isValid() or current.row() >= len(self.model.decisions):
             return
         d = self.model.decisions[current.row()]
-        self.explain.setHtml(explain_decision(d, self.colors, self.model._first_number + current.row()))
+        number = self.model._first_number + current.row()
+        self.explain.setHtml(explain_decision(d, self.colors, self._details, number))
         self.selected_line.setPos(self.model._first_number + current.row())
         self.selected_line.setVisible(True)
+
+    def _fixed_widths(self) -> tuple[int, int]:
+        """The presenter view's widths of # and chosen in its large type: the largest row number
+        (at least 4 digits), the longest backend name ("(pinned)" added once a row has it), or
+        their headings if wider."""
+        font = QFont(self.table.font())
+        font.setPointSize(PRESENTER_PT)
+        fm = QFontMetrics(font)
+        digits = max(4, len(str(self.model._first_number + max(len(self.model.decisions), 1) - 1)))
+        pinned = " (pinned)" if self._pinned_seen else ""
+        name = max((b + pinned for b in self.backends), key=fm.horizontalAdvance)
+        h = self.table.horizontalHeader()
+        return (max(fm.horizontalAdvance("0" * digits) + CELL_PAD, h.sectionSizeFromContents(0).width()),
+                max(fm.horizontalAdvance(name) + CELL_PAD, h.sectionSizeFromContents(BACKEND_COLUMN).width()))
+
+    def _fit_fixed_columns(self) -> None:
+        """# and chosen: as wide as their text in the presenter view, a share of the width else."""
+        h = self.table.horizontalHeader()
+        mode = QHeaderView.ResizeMode.Fixed if self._presenting else QHeaderView.ResizeMode.Stretch
+        for col, width in zip((0, BACKEND_COLUMN), self._fixed_widths()):
+            h.setSectionResizeMode(col, mode)
+            if self._presenting and h.sectionSize(col) != width:
+                h.resizeSection(col, width)
+
+    def _refresh_explanation(self) -> None:
+        """The explanation again: the selected row's, else the newest row's, else the hint."""
+        current = self.table.selectionModel().currentIndex()
+        if current.isValid() and current.row() < len(self.model.decisions):
+            self._on_row(current, None)
+        elif self.model.decisions:
+            d = self.model.decisions[-1]
+            number = self.model._first_number + len(self.model.decisions) - 1
+            self.explain.setHtml(explain_decision(d, self.colors, self._details, number))
+        else:
+            self._show_hint()
+
+    def _on_link(self, url) -> None:
+        """The explanation's "Show the arithmetic" link: the whole of it, until the view changes."""
+        if url.toString() == DETAILS_LINK:
+            self._details = True
+            self._refresh_explanation()
 
     def select_row(self, row: int) -> None:
         self.table.selectRow(row)

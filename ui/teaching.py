@@ -454,7 +454,12 @@ class TeachingPanel(QWidget):
         self.live_table.verticalHeader().setDefaultSectionSize(30 if on else 18)  # rows as tall as the type
         if on:
             self._sizes = self.split.sizes()
-            self.split.setSizes([0, 780, 500])
+            h, fm = self.live_table.horizontalHeader(), self.live_table.fontMetrics()  # the live table as wide
+            name = max(self.engine.backend_names, key=fm.horizontalAdvance)  # as its large type needs
+            cells = ["GPU", name, "0000 tok"] + ["00.000 s"] * (h.count() - 3)
+            need = sum(max(h.sectionSizeFromContents(i).width(), fm.horizontalAdvance(t) + 24) for i, t in enumerate(cells))
+            need += self.live_table.verticalHeader().sizeHint().width() + 40
+            self.split.setSizes([0, 1280 - max(500, need), max(500, need)])
         elif getattr(self, "_sizes", None):
             self.split.setSizes(self._sizes)
         if self.chart.getPlotItem().titleLabel.text:

@@ -219,12 +219,29 @@ def scrollable(widget, min_width: int = 0):
 
 def scrollable_column(widget):
     """`widget` (a form column beside other panes) in a vertical-only scroll area as wide as the
-    form needs: it scrolls down on a short screen but is never cut at the side."""
-    from PySide6.QtCore import Qt
+    form needs: it scrolls down on a short screen but is never cut at the side, also when its
+    type grows (the presenter view): the area's minimum width follows the form's."""
+    from PySide6.QtCore import QEvent, QSize, Qt
+    from PySide6.QtWidgets import QFrame, QScrollArea
 
-    area = scrollable(widget)
+    class ColumnArea(QScrollArea):
+        def minimumSizeHint(self) -> QSize:
+            inner = self.widget()
+            need = inner.minimumSizeHint().width() if inner is not None else 0
+            return QSize(need + self.verticalScrollBar().sizeHint().width() + 2, super().minimumSizeHint().height())
+
+        def eventFilter(self, watched, event) -> bool:
+            if watched is self.widget() and event.type() in (QEvent.Type.LayoutRequest, QEvent.Type.FontChange,
+                                                             QEvent.Type.StyleChange):
+                self.updateGeometry()  # the form's minimum width may have changed
+            return super().eventFilter(watched, event)
+
+    area = ColumnArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.Shape.NoFrame)
+    area.setWidget(widget)
     area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-    area.setMinimumWidth(widget.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width() + 2)
+    widget.installEventFilter(area)
     return area
 
 

@@ -241,9 +241,7 @@ class WhatIfPanel(QWidget):
         hybrid = [r for r in self.rows if r["run"].startswith("sim:") and not r["policy"].startswith("only:")]
         if hybrid and math.isfinite(best_single):
             best = min(hybrid, key=lambda r: r["makespan"])
-            gain = 1 - best["makespan"] / best_single
-            self.note.setText(f"Best hybrid policy: {best['policy']}, {gain:+.1%} makespan against the first "
-                              f"backend alone ({best_single:.3f} s).")
+            self.note.setText(compare_text(best["policy"], best["makespan"], best_single))
         self.simulated.emit()
 
     # ---- live ----
@@ -272,6 +270,20 @@ class WhatIfPanel(QWidget):
         self.rows = [r for r in self.rows if not r["run"].startswith("live")] + [row]
         self._start_worker(lambda: simulate_rows(profile, spec, [policy], "sim: this machine"),
                            replace_rows=False)
+
+
+def compare_text(policy: str, makespan_s: float, alone_s: float) -> str:
+    """The best hybrid policy against the first backend alone, in words: 'sooner' for a shorter
+    makespan, 'later' for a longer one, the two times after."""
+    if not (math.isfinite(makespan_s) and math.isfinite(alone_s) and alone_s > 0):
+        return f"Best hybrid policy: {policy}."
+    change = makespan_s / alone_s - 1
+    if abs(change) < 0.0005:
+        how = "as soon as"
+    else:
+        how = f"{abs(change) * 100:.1f} % {'sooner' if change < 0 else 'later'} than"
+    return (f"Best hybrid policy: {policy}. It finishes the work {how} the first backend alone "
+            f"({makespan_s:.3f} s against {alone_s:.3f} s).")
 
 
 def _num(x: float) -> str:

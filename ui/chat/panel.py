@@ -54,6 +54,7 @@ from engine.core.errors import ContextLengthExceeded, EngineError
 from engine.core.handle import RequestHandle
 from engine.core.request import Request, SamplingParams
 
+from ..advice import advise
 from ..history import Chat, ChatStore, Message
 from ..presets import PresetButton
 from ..theme import palette
@@ -559,9 +560,10 @@ class ChatPanel(QWidget):
             loop = asyncio.get_event_loop()
             handle = self.engine.submit(request, loop=loop)
         except (EngineError, ValueError) as e:
-            self._refused = str(e)
-            self._render(notice=str(e), start=len(self.chat.messages) - 2)
-            self.status_message.emit(f"not sent: {e}")
+            why = advise(e, "engine").text  # a dead engine in plain words; anything else as raised
+            self._refused = why
+            self._render(notice=why, start=len(self.chat.messages) - 2)
+            self.status_message.emit(f"not sent: {why}")
             self._update_buttons()
             return False
         self.handle = handle
@@ -710,8 +712,9 @@ class ChatPanel(QWidget):
                 b.add_markdown(m.content, c)
             else:
                 b.add_text(f"<i style='color:{c.muted}'>(no text)</i>")
-            if meta.get("error"):
-                b.add_text(f"<span style='color:{c.error}'>⚠ {html.escape(str(meta['error']))}</span>")
+            if meta.get("error"):  # kept as raised in the chat's store; said as advice
+                why = advise(str(meta["error"]), "engine").text
+                b.add_text(f"<span style='color:{c.error}'>⚠ {html.escape(why)}</span>")
         b.add_action("copy", "Copy", "Copy this message")
         if m.role == "user":
             b.add_action("edit", "Edit", "Edit this message; Save sends it again, Cancel leaves the chat as it is")
