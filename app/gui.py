@@ -19,7 +19,6 @@ Also runnable as `python -m app.gui` with extra options for docs and checks:
     --lesson            start a lesson once loaded (requests that keep arriving until Stop; two
                         backends unless --backend names them; the lesson's prefix warmed while the
                         model loads) and print `lesson: first arrival X.XX s after start`
-    --presenter         open in the presenter view (large type, full screen)
 
 Screenshots and the tour use a scratch chat store and settings, never the user's (whose saved
 window size, layout and theme would change the picture).
@@ -230,7 +229,6 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
                    help="start a lesson once loaded: requests that keep arriving until Stop, on two backends "
                         "(two CPU contexts on a CPU-only machine) unless --backend names them; prints "
                         "`lesson: first arrival X.XX s after start`")
-    p.add_argument("--presenter", action="store_true", help="open in the presenter view (large type, full screen)")
     p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",
                    help="start the OpenAI-compatible server in the app once the model is loaded "
                         "(HOST defaults to 127.0.0.1; others need an API key)")
