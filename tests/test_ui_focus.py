@@ -62,3 +62,22 @@ def test_a_lesson_on_a_short_screen_focuses_the_monitor(qtbot, make_window, ui_e
     qtbot.waitUntil(lambda: w.lessons.bar.isVisible(), timeout=WAIT_MS)
     w.lessons.stop()
     qtbot.waitUntil(lambda: all(s.handle.done for s in run.lesson.sent), timeout=WAIT_MS)
+
+
+def test_the_teaching_run_row_is_whole_in_the_presenter_view(qtbot, make_window, ui_engine):
+    from PySide6.QtWidgets import QAbstractButton, QLabel
+
+    w = make_window(engine=None, compact=True)
+    shown(qtbot, w)
+    w.set_engine(ui_engine, owns=False)
+    w.presenter_action.trigger()
+    w.showNormal()  # a 1280x720 projector, as the presenter tests show it
+    w.resize(1280, 720)
+    qtbot.waitUntil(lambda: (w.width(), w.height()) == (1280, 720), timeout=WAIT_MS)
+    w.show_panel("teaching")
+    row = w.panels["teaching"].run_controls
+    qtbot.waitUntil(row.isVisible, timeout=WAIT_MS)
+    texts = [x for x in row.findChildren(QLabel) + row.findChildren(QAbstractButton) if x.isVisible() and x.text()]
+    assert texts
+    cut = [x.text() for x in texts if x.fontMetrics().horizontalAdvance(x.text()) > x.contentsRect().width()]
+    assert not cut

@@ -66,8 +66,7 @@ class LessonBar(QWidget):
         self.start_button = QPushButton("Start the lesson")
         self.start_button.setToolTip("Requests keep arriving until Stop (Run ▸ Start a lesson, Ctrl+L)")
         self.start_button.clicked.connect(self._on_start_stop)
-        self.run_controls = RunControls(pause_text="Pause")
-        self.run_controls.state_label.setVisible(False)  # the phase strip over the table says it
+        self.run_controls = RunControls(pause_text="Pause", state=False)  # the phase strip says it
         self.run_controls.status_message.connect(self.status_message)
         self.slower = QToolButton()
         self.slower.setText("−")

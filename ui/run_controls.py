@@ -8,7 +8,9 @@ benchmark runner's thread waiting on an `engine.sim.arrivals.ArrivalClock`) or a
 `ui.lesson.LessonRun` (arrivals until Stop: no total, `n_requests` None). A run offers `running`,
 `paused`, `n_submitted`, `n_requests`, `label`, `state`, `pause()`, `resume()` and `step()`;
 the row re-reads them on a short timer (and at once on a WorkloadRun's signals). With no run
-both buttons are off. `pause_text` names the Pause button (a narrow row says just "Pause").
+both buttons are off. `pause_text` names the Pause button (a narrow row says just "Pause"), and
+`state=False` leaves the line of state out (the Teaching panel's row, whose progress bar and note
+say it, and the lesson bar, whose phase strip does).
 
 Thread contract: main thread only (a widget).
 """
@@ -45,7 +47,9 @@ class SteppableRun(Protocol):
 class RunControls(QWidget):
     status_message = Signal(str)
 
-    def __init__(self, parent: QWidget | None = None, pause_text: str = "Pause arrivals"):
+    def __init__(self, parent: QWidget | None = None, pause_text: str = "Pause arrivals", state: bool = True):
+        """`state`: show the line of state beside the buttons (a row that says it elsewhere, or has
+        no room for it in large type, leaves it out)."""
         super().__init__(parent)
         self.run: SteppableRun | None = None
         self._why_off = "no live run"
@@ -65,6 +69,7 @@ class RunControls(QWidget):
         lay.addWidget(self.pause_button)
         lay.addWidget(self.step_button)
         lay.addWidget(self.state_label, 1)
+        self.state_label.setVisible(state)
         self._timer = QTimer(self)
         self._timer.setInterval(250)
         self._timer.timeout.connect(self._refresh)

@@ -332,7 +332,8 @@ class TeachingPanel(QWidget):
                                              "the first one, gets the GPU's; the others the CPU's) so the router "
                                              "prices work as in the article while the queues are real")
         self.article_rates_button.clicked.connect(self.use_article_rates)
-        self.run_controls = RunControls(pause_text="Pause")  # a narrow row: the tooltip says the rest
+        # A narrow row: the tooltips say the rest, the progress bar and the note the state.
+        self.run_controls = RunControls(pause_text="Pause", state=False)
         self.run_controls.status_message.connect(self.status_message.emit)
         self.live_progress = QProgressBar()
         self.live_progress.setMaximum(STUDY.n_requests)
