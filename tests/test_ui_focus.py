@@ -29,12 +29,16 @@ def test_each_focus_mode_gives_its_side_the_height(qtbot, make_window):
     w.focus.actions["monitor"].trigger()  # Ctrl+3
     qtbot.waitUntil(lambda: not chat.isVisible() and w.monitor.height() > shared, timeout=WAIT_MS)
     assert w.monitor.height() >= 0.8 * w.height()
+    assert w.monitor.titleBarWidget() is not None  # no "Monitor" title line: the height is the panels'
     w.show_panel("experiments")
     ex = w.panels["experiments"]
     qtbot.waitUntil(lambda: on_screen(ex.run_button, w), timeout=WAIT_MS)  # Run above the fold
     w.focus.actions["chat"].trigger()  # Ctrl+1
     qtbot.waitUntil(lambda: chat.isVisible() and not w.monitor.isVisible(), timeout=WAIT_MS)
     qtbot.waitUntil(lambda: chat.transcript.height() >= 0.6 * w.height(), timeout=WAIT_MS)
+    w.focus.actions["both"].trigger()  # Ctrl+2: the drawer with its title line again
+    qtbot.waitUntil(lambda: chat.isVisible() and w.monitor.isVisible(), timeout=WAIT_MS)
+    assert w.monitor.titleBarWidget() is None
     assert [a.shortcut().toString() for a in w.focus.actions.values()] == ["Ctrl+1", "Ctrl+2", "Ctrl+3"]
 
 

@@ -6,7 +6,8 @@ modes, as a switch at the menu bar's right and in the View menu:
 
 - `chat` (Ctrl+1): the chat alone, the Monitor closed;
 - `both` (Ctrl+2): the chat and the Monitor drawer side by side or stacked, as before;
-- `monitor` (Ctrl+3): the Monitor alone, the whole height (the chat comes back with Ctrl+1/2).
+- `monitor` (Ctrl+3): the Monitor alone, the whole height (the chat comes back with Ctrl+1/2),
+  without the drawer's title line, which has nothing to say there.
 
 Closing or opening the drawer another way (F9, its close button) moves the switch to `chat` or
 `both`. Main thread only.
@@ -70,6 +71,7 @@ class FocusSwitch(QObject):
         self._applying = True
         try:
             self.chat.setVisible(mode != "monitor")
+            self.bare_monitor(mode == "monitor")
             if mode == "chat":
                 self.monitor.hide()
             else:
@@ -80,6 +82,11 @@ class FocusSwitch(QObject):
         finally:
             self._applying = False
         self._show(mode)
+
+    def bare_monitor(self, bare: bool) -> None:
+        """Leave out the drawer's title line (the Monitor alone on screen), or give it back."""
+        if bare != (self.monitor.titleBarWidget() is not None):
+            self.monitor.setTitleBarWidget(QWidget() if bare else None)  # type: ignore[arg-type]
 
     def apply(self) -> None:
         """Lay the window out for the mode in effect again (after the presenter view left)."""
@@ -92,6 +99,7 @@ class FocusSwitch(QObject):
         shown = not self.monitor.isHidden()
         if not shown and self.mode != "chat":
             self.chat.setVisible(True)  # the Monitor was closed: the chat must not stay hidden
+            self.bare_monitor(False)
             self._show("chat")
         elif shown and self.mode == "chat":
             self._show("both")

@@ -740,6 +740,7 @@ class MainWindow(QMainWindow):
                 present(panel, on)
         if on:  # the Monitor takes the whole screen; the chat comes back after
             self.stack.setVisible(False)
+            self.focus.bare_monitor(True)
             self.monitor.show()
         else:
             self.focus.apply()

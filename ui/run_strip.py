@@ -6,7 +6,7 @@ without a word the views showed "0 rows" and empty plots, which read as broken. 
 latency plots, re-read on the run's signals, and while warming once a second with the time left
 (`warm_eta`: the prefix over the slowest backend's measured prefill rate; past it, how long it
 has taken so far). A lesson (`ui.lesson.LessonRun`, no total) shows its arrivals: sent, done,
-the rate and when the next one comes. Main thread only.
+and when the next one comes. Main thread only.
 """
 
 from __future__ import annotations
@@ -48,15 +48,14 @@ def warm_left_text(eta_s: float, elapsed_s: float) -> str:
 
 
 def lesson_html(run) -> str:
-    """The strip for a lesson (`ui.lesson.LessonRun`): what was sent and done, the rate, the next arrival."""
-    head = f"<b>{run.label}</b>"
+    """The strip for a lesson (`ui.lesson.LessonRun`): what was sent and done, and when the next
+    one comes (the rate is in the lesson bar); one short line, even in large type."""
     if not run.running:
-        return f"{head} {run.state}: {run.n_submitted} sent, {run.n_done} done"
+        return f"<b>{run.label}</b> {run.state}: {run.n_submitted} sent, {run.n_done} done"
     wait = run.seconds_to_next()
-    when = ("paused (F6 resumes, F7 sends one)" if run.paused
+    when = ("paused: F7 sends one, F6 resumes" if run.paused
             else f"next in {wait:.1f} s" if wait is not None else "")
-    return (f"{head}: <b style='color:{WORKING}'>● {run.n_submitted} sent, {run.n_done} done</b>"
-            f" · {rate_text(run.rate)} · {when}")
+    return f"<b style='color:{WORKING}'>● {run.n_submitted} sent, {run.n_done} done</b> · {when}"
 
 
 def rate_text(rate: float) -> str:
