@@ -6,7 +6,7 @@ The window takes the screen's size (1280x720: the compact layout, every panel a 
 chat). It loads the model, chats (one reply with a code block, to show the Markdown rendering),
 shows the backends and controls, runs the study's workload (`--demo N`, 48 by default;
 screenshots mid-run and after), steps the teaching replay to request 8, runs a small
-experiment, and shows the routing view again in the light theme (`light.png`). Every wait is an
+experiment, and shows the latency view in the light theme (`light.png`). Every wait is an
 `asyncio.sleep` on the qasync loop, so the window stays live the whole time.
 
 `unhealthy.png` is not the tour's (its backends are all healthy): a remote backend at a port
@@ -33,12 +33,17 @@ the Monitor drawer open mid-demo, named after the screen's height (`chat-720p.pn
     xvfb-run -a -s "-screen 0 1920x1080x24" python -m app.gui --model default --tour docs/screenshots \
         --tour-only chat
 
-`first-start.png`, `demo-warming.png`, `presenter.png` and `presenter-teaching.png` are
-`--tour-only first-start` (a scratch `TANDEM_CACHE_DIR`, so the load measures the backends' speed
-as a first start does):
+`first-start.png`, `demo-warming.png` and `presenter-teaching.png` are `--tour-only first-start`
+(a scratch `TANDEM_CACHE_DIR`, so the load measures the backends' speed as a first start does):
 
     TANDEM_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui \
         --model default --tour docs/screenshots --tour-only first-start
+
+`presenter.png` is the presenter view mid-demo, 24 study requests on two CPU backends:
+
+    xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui --model default \
+        --backend cpu:threads=1 --backend cpu:threads=1 --demo 24 --presenter --panel routing \
+        --delay 35 --screenshot docs/screenshots/presenter.png
 
 The lesson's (`--tour-only lesson`, docs/teaching.md): the load warming the lesson's prefix, its
 rows before and after cpu0's ceiling is lowered, the rate turned up, another policy, a step, and
@@ -151,7 +156,7 @@ async def tour(window, out: Path, args) -> None:
 
     await whatif(window, out)
     window.set_theme("light")
-    window.show_panel("routing")
+    window.show_panel("latency")
     await asyncio.sleep(1.0)
     shot("light")
 
@@ -221,7 +226,7 @@ async def chat_tour(window, out: Path, args) -> None:
 async def first_start(window, out: Path, args) -> None:
     """The first start's screen mid-measurement, a demo's warming phase (one backend's worker held
     in a call until the picture is taken, so the phase is on screen however fast the machine),
-    and the presenter view after the demo."""
+    and Teaching in the presenter view after the demo."""
     import threading
 
     from .live_run import seed_workload
@@ -255,13 +260,7 @@ async def first_start(window, out: Path, args) -> None:
     gate.set()
     held.result(60)
     await _until(lambda: run is None or not run.running, 900)
-    routing = window.panels["routing"]
-    names = engine.backend_names
-    pick = next((i for i, d in enumerate(routing.model.decisions) if len(names) > 1 and d.backend == names[1]), 0)
-    routing.select_row(pick)
     window.set_presenter(True)
-    await asyncio.sleep(1.5)
-    shot("presenter")
     window.show_panel("teaching")
     window.panels["teaching"].go(6)  # request 8: the chart's bars, the CPU's line and the verdict
     await asyncio.sleep(1.5)
