@@ -68,13 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open connections at most; above, the longest-idle connection (headers, body "
                             "or keep-alive) is dropped, else the new one gets 503 (default: %(default)s)")
     serve.add_argument("--max-client-connections", type=int, default=g.max_client_connections, metavar="N",
-                       help="open connections per client address; above, a new one from that address gets 503 "
+                       help="open connections per client address; above, a new one from that address gets 429 "
                             "(default: %(default)s)")
+    serve.add_argument("--max-client-sequences", type=int, default=g.max_client_sequences, metavar="N",
+                       help="sequences (a request's n choices each) one client address may have generating or "
+                            "queued; above, its next request gets 429 (default: %(default)s)")
     serve.add_argument("--refuse-hold", type=float, default=g.refuse_hold_s, metavar="S",
-                       help="seconds a connection over its address's cap waits, unread, for its 503, so a "
-                            "client that reconnects at once cannot keep the server busy; also the least a "
-                            "connection of an address in debt waits before it is looked at again "
-                            "(default: %(default)s)")
+                       help="seconds (1-2x) a connection over its address's cap, or of an address in debt, waits "
+                            "unread before its 429, so a client that reconnects at once cannot keep the server "
+                            "busy (default: %(default)s)")
     serve.add_argument("--refused-cpu-share", type=float, default=g.refused_cpu_share, metavar="F",
                        help="share of a core that parsing an address's refused (4xx) requests may take; past "
                             "its burst, that address waits before its next request is read (default: %(default)s)")
@@ -89,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "wait, so bodies stalled together time out apart; default: %(default)s)")
     serve.add_argument("--keepalive-timeout", type=float, default=g.keepalive_timeout, metavar="S",
                        help="seconds an idle kept-alive connection stays open (default: %(default)s)")
+    serve.add_argument("--send-timeout", type=float, default=g.send_timeout, metavar="S",
+                       help="seconds a reply may make no progress into a client that does not read it before "
+                            "the connection is dropped (default: %(default)s)")
+    serve.add_argument("--max-head-bytes", type=int, default=g.max_head_bytes, metavar="N",
+                       help="largest request head (request line and headers); above, 431 (default: %(default)s)")
+    serve.add_argument("--trusted-proxy", action="append", default=None, metavar="ADDR[,ADDR...]",
+                       help="reverse proxies (addresses or networks) whose X-Forwarded-For names the client: "
+                            "per-address limits then apply to each client behind them, not to the proxy "
+                            "(default: none, X-Forwarded-For is ignored)")
     serve.add_argument("--max-body-bytes", type=int, default=g.max_body_bytes, metavar="N",
                        help="largest request body, refused before it is read (default: %(default)s)")
     serve.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME...]",
@@ -128,7 +139,7 @@ def _add_benches(sub) -> None:
     """`tandem bench NAME`: each bench (bench/*.py) declares its own arguments."""
     from app.engine_setup import engine_from_args
     from app.runtime import SWITCH_INTERVAL_S
-    from bench import attack, cache, chat, constrained, fleet, laptop, overhead, prefill, soak, study, together
+    from bench import attack, cache, chat, constrained, fleet, history, laptop, overhead, prefill, soak, study, together
     from bench import ui as ui_cost
 
     bsub = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -142,6 +153,7 @@ def _add_benches(sub) -> None:
             ("grid", study.GRID_HELP, study.add_grid_arguments, study.run_grid),
             ("fleet", fleet.HELP, fleet.add_arguments, fleet.run_fleet),
             ("chat", chat.HELP, chat.add_arguments, chat.run_chat),
+            ("history", history.HELP, history.add_arguments, history.run_history),
             ("soak", soak.HELP, soak.add_arguments, soak.run_soak),
             ("attack", attack.HELP, attack.add_arguments, attack.run_attack),
             ("constrained", constrained.HELP, constrained.add_arguments, constrained.run_constrained),

@@ -6,6 +6,8 @@ Every route module (app/server.py, app/responses.py) answers errors through here
 
 from __future__ import annotations
 
+import math
+
 from aiohttp import web
 
 from engine.core.errors import BackendUnavailable, ContextLengthExceeded, EngineError, InvalidRequest, RequestFailed
@@ -20,6 +22,7 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "not_found_error": (404, "invalid_request_error", "model_not_found"),
     "authentication_error": (401, "invalid_request_error", "invalid_api_key"),
     "queue_full_error": (429, "rate_limit_error", "queue_full"),
+    "rate_limit_error": (429, "rate_limit_error", "rate_limit_exceeded"),
     "conflict_error": (409, "invalid_request_error", "restart_in_progress"),
     "forbidden_error": (403, "invalid_request_error", "forbidden"),
     "request_timeout_error": (408, "invalid_request_error", "request_timeout"),
@@ -29,7 +32,8 @@ _ERRORS: dict[str, tuple[int, str, str | None]] = {
     "model_load_error": (500, "server_error", None),
     "server_error": (500, "server_error", None),
 }
-RETRY_AFTER_S = 1
+RETRY_AFTER_S = 1  # where nothing says how long the wait is
+MAX_RETRY_AFTER_S = 60  # the openai SDK honours a Retry-After up to 60 s
 
 
 def error_payload(exc: EngineError) -> tuple[int, dict]:
@@ -47,13 +51,22 @@ def error_response(exc: EngineError) -> web.Response:
     status, payload = error_payload(exc)
     headers = {}
     if status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
+        headers["Retry-After"] = str(retry_after(exc))
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     response = web.json_response(payload, status=status, headers=headers)
     if getattr(exc, "close_connection", False):
         response.force_close()
     return response
+
+
+def retry_after(exc: EngineError) -> int:
+    """Whole seconds to wait before retrying: the queue's expected wait where the engine knows
+    it (`QueueFull.retry_after_s`), in [1, MAX_RETRY_AFTER_S]."""
+    wait = getattr(exc, "retry_after_s", None)
+    if wait is None:
+        return RETRY_AFTER_S
+    return min(max(math.ceil(wait), 1), MAX_RETRY_AFTER_S)
 
 
 def succeeded(record: FinishRecord) -> FinishRecord:

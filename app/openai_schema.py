@@ -16,9 +16,9 @@ refused rather than silently dropped.
 
 Structured output: `response_format` `json_object` or `json_schema`, chat `tools` /
 `tool_choice`, and llama-server's `grammar` (GBNF) become one grammar on `SamplingParams`
-(the schema converted by llama-cpp-python's converter, engine/llama/grammar.py; tools in
-llama-server's generic format, engine/prompts/structured.py). A schema the converter cannot take is a
-400 with its reason. Without `max_tokens`, such a request may write `STRUCTURED_MAX_TOKENS`
+(the schema converted by llama-cpp-python's converter, engine/llama/grammar.py; tool calls in
+the format of engine/prompts/tool_calls.py, the prompt holding what is settled before the model
+writes). A schema the converter cannot take is a 400 with its reason. Without `max_tokens`, such a request may write `STRUCTURED_MAX_TOKENS`
 (a JSON value cut short is no JSON at all; a reply cut by `max_tokens` ends with `length` and
 is not valid).
 
@@ -31,7 +31,9 @@ completions: an integer 0–5), `presence_penalty` / `frequency_penalty` (-2–2
 
 Extensions beyond OpenAI's fields (llama-server's names where they exist): `backend` (pin the
 request to one backend), `ignore_eos`, `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`,
-`grammar`. Unset sampling fields take the engine's defaults (`SamplingParams`), like llama-server.
+`grammar`, `chat_template_kwargs` (template variables; the template's own globals refused).
+Content parts a text model cannot read (images, audio, files) are refused in plain words.
+Completions take a list of prompts (`MAX_PROMPTS`), each with `n` choices. Unset sampling fields take the engine's defaults (`SamplingParams`), like llama-server.
 
 Thread contract: pure functions of their inputs; `parse_chat`/`parse_completion` run on a worker
 thread (they tokenize).
@@ -40,6 +42,7 @@ thread (they tokenize).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
@@ -49,9 +52,10 @@ from pydantic.json_schema import models_json_schema
 
 from engine.core.errors import EngineError, InvalidRequest
 from engine.core.request import MAX_TOKENS, Request, SamplingParams
-from engine.llama.grammar import object_grammar, schema_grammar
-from engine.prompts.chat import MAX_MESSAGES, min_tokens
-from engine.prompts.structured import ToolMode, function_schema, output_schema, standalone_schema
+from engine.llama.grammar import MAX_GRAMMAR_BYTES, object_grammar, schema_grammar
+from engine.prompts.chat import MAX_MESSAGES, ChatPrompt, min_tokens
+from engine.prompts.structured import function_schema, standalone_schema
+from engine.prompts.tool_calls import ToolMode, reply_grammar
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -60,6 +64,8 @@ INT32_MAX = 2**31 - 1
 MAX_REPEAT_LAST_N = 8192  # the engine's own bound (`SamplingParams.validate`)
 MAX_STOPS = 4  # OpenAI's limit (the engine takes up to 16)
 MAX_N = 16  # choices per request
+MAX_PROMPTS = 64  # prompts in one completions request (choices: prompts × n, at most MAX_CHOICES)
+MAX_CHOICES = 128
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits
 MAX_COMPLETION_LOGPROBS = 5
@@ -123,6 +129,14 @@ class _Strict(BaseModel):
 M = TypeVar("M", bound=_Strict)
 
 
+# Content parts a text-only model cannot read, and what to call them in a refusal.
+NOT_TAKEN = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
+             "audio": "audio", "file": "files", "input_file": "files", "video_url": "video"}
+NOT_TAKEN_PREFIX = "this model does not take"
+TEMPLATE_GLOBALS = frozenset({"messages", "tools", "functions", "function_call", "tool_choice", "eos_token",
+                              "bos_token", "raise_exception", "add_generation_prompt", "strftime_now"})
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -150,6 +164,17 @@ class ChatMessage(_Strict):
         default=None, description="an assistant message's earlier tool calls")
     tool_call_id: str | None = Field(default=None, description="a tool message: the call it answers")
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data):
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NOT_TAKEN:
+                raise ValueError(f"{NOT_TAKEN_PREFIX} {NOT_TAKEN[kind]} (its {kind!r} part); send the "
+                                 "content as text")
+        return data
 
     @model_validator(mode="after")
     def _content_present(self):
@@ -303,6 +328,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = Field(
         default=False, description="vLLM's extension: the last message is the assistant's reply so far; "
                                    "the answer continues it in the same turn")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM's and llama-server's extension: variables for the model's chat template "
+                                  "(e.g. enable_thinking)")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -316,9 +344,9 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-             | Annotated[list[str], Field(min_length=1, max_length=1)]
-             | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(min_length=1, max_length=1)]) = Field(
-        description="a string or a list of token ids (or a one-element list of either)")
+             | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        description="a string or a list of token ids, or a list of either (one reply per prompt)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(
         default=None, description="each output token's logprob and this many alternatives")
     echo: bool | None = Field(default=None, description="the prompt's text before the reply; with logprobs, "
@@ -409,19 +437,25 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     prompt_param: str  # the body field a context-length error points at
-    n: int = 1  # choices (`requests()`)
+    n: int = 1  # choices per prompt (`groups()`)
     echo: str | None = None  # the prompt's text, to put before each choice's text
     top_logprobs: int | None = None  # None: no logprobs in the reply
-
-    def requests(self) -> list[Request]:
-        """One engine request per choice; with a seed, choice i draws from `seed + i` (the same
-        body gives the same choices, and the choices differ)."""
-        if self.n == 1:
-            return [self.request]
-        sp = self.request.sampling
-        return [dataclasses.replace(self.request, id=f"{self.request.id}-{i}", sampling=dataclasses.replace(
-            sp, seed=None if sp.seed is None else (sp.seed + i) % 2**32)) for i in range(self.n)]
     tools: ToolMode | None = None  # a chat with tools: the reply is read for a tool call
+    reasoning: bool = False  # the template knows thinking blocks: split them into reasoning_content
+    thinking: bool = False  # the reply starts inside one (the prompt opened it)
+    more: tuple[tuple[Request, str | None], ...] = ()  # a completions prompt list's other prompts, with echoes
+
+    def groups(self) -> list[tuple[list[Request], str | None]]:
+        """Per prompt, one engine request per choice and the prompt's echo. With a seed, choice
+        i draws from `seed + i` (the same body gives the same choices, and the choices differ)."""
+        return [(self._choices(r), echo) for r, echo in ((self.request, self.echo), *self.more)]
+
+    def _choices(self, request: Request) -> list[Request]:
+        if self.n == 1:
+            return [request]
+        sp = request.sampling
+        return [dataclasses.replace(request, id=f"{request.id}-{i}", sampling=dataclasses.replace(
+            sp, seed=None if sp.seed is None else (sp.seed + i) % 2**32)) for i in range(self.n)]
 
 
 @dataclass(frozen=True)
@@ -450,6 +484,10 @@ class ServedModel:
         if model != self.id and model not in self.aliases and model not in self.others:
             raise ModelNotFound(model, ", ".join(self.ids))
         return model
+
+    def canonical(self, model: str) -> str:
+        """The id a reply names for `model`: the served id for any of its aliases."""
+        return self.id if model in self.aliases else model
 
     def routed(self, model: str) -> str | None:
         """The model id the engine routes on: None (any backend) when the server serves one."""
@@ -494,6 +532,8 @@ def _invalid(e: ValidationError, cls: type[_Strict] | None = None) -> InvalidReq
                               f"(each at most {MAX_STOP_CHARS} characters), got {quote(first['input'])}",
                               param="stop")
     msg = first["msg"].removeprefix("Value error, ")
+    if msg.startswith(NOT_TAKEN_PREFIX):  # said in plain words already; the input may be a whole image
+        return InvalidRequest(f"{_path(loc)}: {msg}", param=param)
     if first["type"] == "missing":
         return InvalidRequest(f"{_path(loc)} is required", param=param)
     return InvalidRequest(f"{_path(loc)}: {msg}, got {quote(first['input'])}", param=param)
@@ -519,39 +559,64 @@ def parse_chat(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
     body = validate(ChatCompletionRequest, raw)
     model = served.check(body.model)
     messages = [m.as_dict() for m in body.messages]
-    tools, mode, grammar = _structured(body)
+    plan = _tool_plan(body)
+    grammar = _format_grammar(body) if plan is None else None
+    extra = _template_kwargs(body)
     if engine.model is None:  # a router in front of remote engines: each renders its own template
-        if tools is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
+        if plan is not None or any(m.tool_calls or m.role == "tool" for m in body.messages):
             raise InvalidRequest("tools need a local model to render them (this server routes to remote "
                                  "engines only)", param="tools")
+        if extra:
+            raise InvalidRequest("chat_template_kwargs need a local model's template (this server routes to "
+                                 "remote engines only)", param="chat_template_kwargs")
         if body.continue_final_message and (messages[-1]["role"] != "assistant" or not messages[-1].get("content")):
             raise InvalidRequest("continue_final_message needs a last message from the assistant with content",
                                  param="messages")
         return _api_request("chat", body, [], model, "messages", 0, served, messages=tuple(messages),
                             grammar=grammar, continue_final=body.continue_final_message)
+    prompt = _render(engine, messages, plan, body.continue_final_message, extra)
+    if plan is not None and prompt.mode is not None:
+        grammar = _tools_grammar(plan[1], prompt.mode)
+    return _api_request("chat", body, prompt.tokens, model, "messages", engine.model.n_vocab, served, engine=engine,
+                        grammar=grammar, tools=prompt.mode, reasoning=(prompt.reasoning, prompt.thinking))
+
+
+def _render(engine: Engine, messages: list[dict], plan: tuple[list[dict], list[dict], ToolMode] | None,
+            continue_final: bool, extra: dict | None) -> ChatPrompt:
     try:
-        tokens = engine.chat_tokens(messages, tools, body.continue_final_message)
+        return engine.chat_prompt(messages, plan[0] if plan else None, plan[2] if plan else None,
+                                  continue_final=continue_final, extra=extra)
     except EngineError:
         raise
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         # The model's own Jinja template refused them (`raise_exception('roles must alternate')`).
         raise InvalidRequest(f"the model's chat template cannot render these messages: {quote(str(e))}",
                              param="messages") from None
-    return _api_request("chat", body, tokens, model, "messages", engine.model.n_vocab, served, engine=engine,
-                        grammar=grammar, tools=mode)
 
 
-def _structured(body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolMode | None, str | None]:
-    """The tools to render, how to read the reply, and the grammar it is decoded under."""
-    grammar = _format_grammar(body)
+def _template_kwargs(body: ChatCompletionRequest) -> dict | None:
+    """`chat_template_kwargs`, without the names the template's own globals take."""
+    extra = body.chat_template_kwargs
+    if not extra:
+        return None
+    taken = sorted(TEMPLATE_GLOBALS & extra.keys())
+    if taken:
+        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(taken)}: the server sets "
+                             f"{'it' if len(taken) == 1 else 'them'} from the request", param="chat_template_kwargs")
+    return extra
+
+
+def _tool_plan(body: ChatCompletionRequest) -> tuple[list[dict], list[dict], ToolMode] | None:
+    """The tools to render, their functions and how the reply may call them (None: no tool may be called)."""
     if not body.tools:
         if body.tool_choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
-        return None, None, grammar
+        return None
     if body.tool_choice == "none":
-        return None, None, grammar
+        return None
     if body.grammar is not None:
         raise InvalidRequest("grammar cannot be combined with tools", param="grammar")
+    _check_tools_size([t.function.parameters for t in body.tools])
     functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
     names = tuple(f["name"] for f in functions)
     if len(set(names)) != len(names):
@@ -567,13 +632,29 @@ def _structured(body: ChatCompletionRequest) -> tuple[list[dict] | None, ToolMod
     else:
         mode = ToolMode(choice, names)
     fmt = body.response_format
-    response = None
-    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
-        response = fmt.json_schema.schema_
-    if fmt is not None and fmt.type == "json_object":
-        response = {"type": "object"}
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    return tools, mode, schema_grammar(output_schema(functions, mode, response), param="tools")
+    if mode.choice == "auto" and fmt is not None and fmt.type != "text":
+        raise InvalidRequest("response_format cannot be combined with tools that the model may or may not call "
+                             "(tool_choice auto): a text answer is plain text here; send one or the other, or "
+                             "tool_choice required", param="response_format")
+    return [t.model_dump(exclude_none=True) for t in body.tools], functions, mode
+
+
+def _tools_grammar(functions: list[dict], mode: ToolMode) -> str:
+    """The grammar of a reply in `mode` (compact calls of the allowed functions; under `auto`,
+    a text answer too)."""
+    grammars = {f["name"]: schema_grammar(standalone_schema(function_schema(f), f["name"]), param="tools")
+                for f in functions if f["name"] in mode.allowed}
+    return reply_grammar(mode, grammars)
+
+
+def _check_tools_size(parameters: list[dict | None]) -> None:
+    """The functions' parameter schemas, as JSON, within `MAX_GRAMMAR_BYTES` before any is
+    converted (or copied): their grammar is at least that long, and 128 tools x 300 properties
+    (1.4 MB) took 1.2-6.5 s of CPU to convert before the grammar's size refused them."""
+    size = len(json.dumps(parameters, ensure_ascii=False))
+    if size > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(f"tools: the functions' parameters are {size} bytes of JSON Schema; this server turns "
+                             f"at most {MAX_GRAMMAR_BYTES} into a grammar (MAX_GRAMMAR_BYTES)", param="tools")
 
 
 def _format_grammar(body: _Sampling) -> str | None:
@@ -588,27 +669,35 @@ def _format_grammar(body: _Sampling) -> str | None:
     return schema_grammar(standalone_schema(fmt.json_schema.schema_, fmt.json_schema.name), param="response_format")
 
 
-def _single_prompt(prompt: object) -> str | list[int]:
-    """A completion's prompt: text or token ids, alone or as a one-element batch (as validated)."""
+def _prompts(prompt: object) -> list[str | list[int]]:
+    """A completion's prompts: text or token ids, alone or as a list (as validated)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a one-element batch
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
-    raise InvalidRequest("the prompt must be a string or a list of token ids", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    raise InvalidRequest("the prompt must be a string or a list of token ids, or a list of either", param="prompt")
 
 
 def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequest:
-    """A `/v1/completions` body → an `ApiRequest` (raises `InvalidRequest`)."""
+    """A `/v1/completions` body → an `ApiRequest` (raises `InvalidRequest`): one request per
+    prompt of a list, each with `n` choices."""
     body = validate(CompletionRequest, raw)
     model = served.check(body.model)
     grammar = _format_grammar(body)
-    prompt = _single_prompt(body.prompt)
+    prompts = _prompts(body.prompt)
+    if len(prompts) * (body.n or 1) > MAX_CHOICES:
+        raise InvalidRequest(f"{len(prompts)} prompts × n={body.n} choices; this server makes at most {MAX_CHOICES} "
+                             f"choices per request", param="prompt")
+    parsed = [_one_completion(body, p, engine, served, model, grammar) for p in prompts]
+    return dataclasses.replace(parsed[0], more=tuple((p.request, p.echo) for p in parsed[1:]))
+
+
+def _one_completion(body: CompletionRequest, prompt: str | list[int], engine: Engine, served: ServedModel,
+                    model: str, grammar: str | None) -> ApiRequest:
     if engine.model is None:  # a router in front of remote engines: they tokenize
         text = prompt if isinstance(prompt, str) else None
-        return _api_request("completion", body, [] if isinstance(prompt, str) else list(prompt), model, "prompt", 0, served, text=text,
-                            grammar=grammar)
+        return _api_request("completion", body, [] if isinstance(prompt, str) else list(prompt), model, "prompt", 0,
+                            served, text=text, grammar=grammar)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -618,6 +707,8 @@ def parse_completion(raw: bytes, engine: Engine, served: ServedModel) -> ApiRequ
         bad = next((t for t in prompt if t >= n_vocab), None)
         if bad is not None:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {n_vocab}), got {bad}", param="prompt")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
         tokens = list(prompt)
     echo = (prompt if isinstance(prompt, str) else engine.model.detokenize(tokens)) if body.echo else None
     return _api_request("completion", body, tokens, model, "prompt", engine.model.n_vocab, served, echo=echo,
@@ -628,7 +719,8 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
                  n_vocab: int, served: ServedModel, *, text: str | None = None,
                  messages: tuple[dict, ...] | None = None, echo: str | None = None,
                  engine: Engine | None = None, grammar: str | None = None,
-                 tools: ToolMode | None = None, continue_final: bool = False) -> ApiRequest:
+                 tools: ToolMode | None = None, continue_final: bool = False,
+                 reasoning: tuple[bool, bool] = (False, False)) -> ApiRequest:
     """`n_vocab` 0: unknown here (remote engines check their own vocabulary)."""
     sampling = body.sampling(n_vocab or INT32_MAX, grammar)
     if grammar is not None and engine is not None and engine.model is not None:
@@ -644,8 +736,8 @@ def _api_request(kind: str, body: _Sampling, tokens: list[int], model: str, prom
     include_usage = bool(body.stream_options and body.stream_options.include_usage) and stream
     request = Request(tuple(tokens), sampling, backend=body.backend, source="api", text=text, messages=messages,
                       model=served.routed(model), stream=stream, continue_final=continue_final)
-    return ApiRequest(kind, request, model, stream, include_usage, prompt_param, n=n, echo=echo,
-                      top_logprobs=sampling.logprobs, tools=tools)
+    return ApiRequest(kind, request, served.canonical(model), stream, include_usage, prompt_param, n=n, echo=echo,
+                      top_logprobs=sampling.logprobs, tools=tools, reasoning=reasoning[0], thinking=reasoning[1])
 
 
 def _check_choices_fit(n: int, n_prompt: int, sampling: SamplingParams, engine: Engine) -> None:
@@ -680,40 +772,23 @@ def request_schemas() -> dict[str, dict]:
 
 def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, auth: bool = False) -> dict:
     """The server's OpenAPI 3.1 document (served at `GET /openapi.json`, fuzzed by schemathesis)."""
-    def ref(name):
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    def errors(*codes):
-        return {str(c): {"description": _STATUS_TEXT[c], "content": {"application/json": {"schema": ref("Error")}}}
-                for c in codes}
-
-    def secured(op):
-        if auth:
-            op["security"] = [{"bearer": []}]
-        return op
-
-    def post(summary, request, reply):
-        return secured({
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
-            "responses": {
-                "200": {"description": "the reply, or an SSE stream of chunks when `stream` is true",
-                        "content": {"application/json": {"schema": ref(reply)},
-                                    "text/event-stream": {"schema": {"type": "string"}}}},
-                **errors(400, 401, 403, 404, 408, 413, 415, 429, 503),
-            },
-        })
-
-    def get(summary, content_type, schema, *extra_codes, params=None):
-        op = {"summary": summary,
-              "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}},
-                            **errors(403, *extra_codes)}}
-        if params:
-            op["parameters"] = params
-        return op
-
     schemas = request_schemas()
-    # What only the running server knows, written into the generated schemas.
+    _served_facts(schemas, served, n_vocab, backends)
+    schemas.update(_reply_schemas())
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
+        "paths": _Operations(auth).paths(),
+        "components": {"schemas": schemas},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
+def _served_facts(schemas: dict, served: ServedModel, n_vocab: int, backends: list[str]) -> None:
+    """What only the running server knows, written into the generated request schemas: the
+    model names it answers to, its backends, the largest token id it takes."""
     names = sorted({*served.ids, *served.public_aliases})
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
@@ -726,10 +801,13 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
         elif items.get("type") == "array":
             items["items"]["maximum"] = n_vocab - 1
 
+
+def _reply_schemas() -> dict[str, Any]:
+    """The replies' schemas, and the one error shape."""
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
     finish = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
-    schemas.update({
+    return {
         "ChatCompletion": {
             "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
             "properties": {
@@ -783,16 +861,28 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
                                "param": {"type": ["string", "null"]},
                                "code": {"type": ["string", "null"]}}}},
         },
-    })
-    models = secured(get("the served model", "application/json", ref("ModelList"), 401))
-    routing = secured(get("backends' snapshots and recent routing decisions", "application/json",
-                          {"type": "object"}, 400, 401,
-                          params=[{"name": "n", "in": "query", "required": False,
-                                   "schema": {"type": "integer", "minimum": 0, "maximum": 1000}}]))
-    doc: dict[str, Any] = {
-        "openapi": "3.1.0",
-        "info": {"title": "Tandem OpenAI-compatible API", "version": "1"},
-        "paths": {
+    }
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+class _Operations:
+    """The document's paths: each operation with its replies and error codes, secured by the
+    bearer scheme where the server asks for a key (`auth`)."""
+
+    def __init__(self, auth: bool) -> None:
+        self.auth = auth
+
+    def paths(self) -> dict[str, Any]:
+        post, get, secured = self.post, self.get, self.secured
+        models = secured(get("the served model", "application/json", _ref("ModelList"), 401))
+        routing = secured(get("backends' snapshots and recent routing decisions", "application/json",
+                              {"type": "object"}, 400, 401,
+                              params=[{"name": "n", "in": "query", "required": False,
+                                       "schema": {"type": "integer", "minimum": 0, "maximum": 1000}}]))
+        return {
             "/v1/chat/completions": {"post": post("chat completion", "ChatCompletionRequest", "ChatCompletion")},
             "/v1/completions": {"post": post("text completion", "CompletionRequest", "Completion")},
             "/v1/models": {"get": models},
@@ -804,12 +894,38 @@ def openapi_document(served: ServedModel, n_vocab: int, backends: list[str], *, 
                                                 "application/json", {"type": "object"}, 401))},
             "/health": {"get": get("liveness", "application/json", {"type": "object"}, 503)},
             "/metrics": {"get": get("Prometheus metrics", "text/plain", {"type": "string"})},
-        },
-        "components": {"schemas": schemas},
-    }
-    if auth:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    return doc
+        }
+
+    @staticmethod
+    def errors(*codes: int) -> dict[str, Any]:
+        return {str(c): {"description": _STATUS_TEXT[c], "content": {"application/json": {"schema": _ref("Error")}}}
+                for c in codes}
+
+    def secured(self, op: dict[str, Any]) -> dict[str, Any]:
+        if self.auth:
+            op["security"] = [{"bearer": []}]
+        return op
+
+    def post(self, summary: str, request: str, reply: str) -> dict[str, Any]:
+        return self.secured({
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {
+                "200": {"description": "the reply, or an SSE stream of chunks when `stream` is true",
+                        "content": {"application/json": {"schema": _ref(reply)},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                **self.errors(400, 401, 403, 404, 408, 413, 415, 429, 503),
+            },
+        })
+
+    def get(self, summary: str, content_type: str, schema: dict, *extra_codes: int,
+            params: list[dict] | None = None) -> dict[str, Any]:
+        op: dict[str, Any] = {"summary": summary,
+                              "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}},
+                                            **self.errors(403, *extra_codes)}}
+        if params:
+            op["parameters"] = params
+        return op
 
 
 _STATUS_TEXT = {400: "invalid request", 401: "missing or wrong API key", 403: "foreign Host or Origin",

@@ -2,7 +2,9 @@
 
 Routes:
     POST /v1/chat/completions, POST /v1/completions   JSON or SSE (`stream: true`)
-    POST /v1/responses, GET|DELETE /v1/responses/{id}   OpenAI's Responses API (app/responses.py)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items
+                           OpenAI's Responses API (app/responses.py)
+    POST /v1/embeddings    OpenAI's embeddings, from the loaded model (app/embeddings.py)
     POST /tokenize, POST /detokenize   llama-server's: text <-> token ids of the served model
     GET  /v1/models, GET /v1/models/{id}   the served model(s), OpenAI's model objects
     GET  /v1/routing       backends' snapshots and the router's recent decisions
@@ -24,10 +26,13 @@ browser could be tricked into sending (foreign `Host`, disallowed `Origin`, non-
 bodies). `docs/security.md` has the threat model and which test covers each defence. Replies
 name no file path and no library version (`Server: tandem`; the model id is the file's stem).
 
+Every route also answers without its `/v1` (llama-server serves both) and with a trailing
+slash; the key check goes by the path an alias stands for.
+
 Streaming pulls the first text before committing to SSE, so a request that fails early still
-gets a JSON error. A chat with tools is read whole before it is shown (the reply is one JSON
-value in llama-server's generic format, engine/prompts/structured.py): its stream carries the tool
-call, or the content, in OpenAI's delta shape once the reply is complete. The app must run
+gets a JSON error. A chat reply is read as it streams (engine/prompts/reply.py): text, a
+thinking block's `reasoning_content`, and tool calls (their name, then their arguments in
+pieces) arrive in OpenAI's delta shape as they are decoded. The app must run
 with `handler_cancellation=True` (`start_server()` and `run_serve()` do): a client that
 disconnects cancels its handler, whose `finally` cancels the engine request, and the backend
 frees its KV at its next step.
@@ -40,15 +45,21 @@ loop. Tokens come back through `RequestHandle.astream()` (marshalled with
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import secrets
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,10 +71,11 @@ from engine.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from engine.core.metrics import EngineMetrics
 from engine.core.request import FinishRecord
 from engine.engine import Engine
-from engine.prompts.structured import ToolCall, parse_reply
+from engine.prompts.reply import ReasoningDelta, ReplyParts, ReplyReader
+from engine.prompts.tool_calls import CallStart, TextDelta
 from engine.routing import DEFAULT_POLICY
 
-from . import responses
+from . import embeddings, responses
 from .errors import error_payload, error_response, failure, succeeded
 from .http_guard import (
     CONNECTIONS,
@@ -73,6 +85,8 @@ from .http_guard import (
     GuardedSite,
     GuardSettings,
     RefusalLedger,
+    TooManyRequests,
+    client_address,
     guard_middleware,
     install_log_limits,
     on_prepare,
@@ -90,7 +104,7 @@ from .openai_schema import (
     parse_completion,
     tokenize,
 )
-from .reply_text import cut_response
+from .parse_pool import PARSING, ParsePool
 from .settings import ENGINE, METRICS, SETTINGS, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -99,7 +113,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 MAX_ROUTING_DECISIONS = 1000
 BACKLOG = 1024  # many clients connect at once (benchmarks open hundreds of streams)
-SHUTDOWN_TIMEOUT_S = 5.0  # on shutdown, open streams get this long before they are cancelled
+SHUTDOWN_TIMEOUT_S = 3.0  # on shutdown, open streams get this long before they are cancelled
+# After SIGTERM/SIGINT the process is gone within this, whatever still runs: a call into llama.cpp
+# that never returns (a grammar's) once kept a server alive through SIGTERM until SIGKILL.
+EXIT_DEADLINE_S = 4.5
 
 
 RUN_TOKEN = secrets.token_hex(6)  # this server process's part of every response id
@@ -123,6 +140,9 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[GUARD] = guard
     app[REFUSALS] = RefusalLedger(guard.refused_cpu_share, guard.refused_cpu_burst_s)
     app[CONNECTIONS] = ConnectionGuard(guard, app[REFUSALS])
+    app.cleanup_ctx.append(_own_parse_pool)
+    app[RENDERED] = RenderedMetrics()
+    app[IN_FLIGHT] = InFlight()
     app.on_response_prepare.append(on_prepare)
     app[ENGINE] = engine
     started = int(time.time())
@@ -152,7 +172,30 @@ def create_app(engine: Engine, api_key: str | None = None, *, model_id: str | No
     app[responses.RESPONSES] = responses.ResponseStore()
     app.add_routes(responses.ROUTES)
     responses.document(app[SETTINGS].openapi, auth=bool(api_key))
+    app.add_routes(embeddings.ROUTES)
+    embeddings.document(app[SETTINGS].openapi, auth=bool(api_key))
+    app[ALIASES] = _add_aliases(app)
     return app
+
+
+ALIASES = web.AppKey("aliases", dict)
+
+
+def _add_aliases(app: web.Application) -> dict[str, str]:
+    """Every route also without its `/v1` (llama-server serves both) and with a trailing slash;
+    returns alias path -> the path it stands for (what the key check and the 404 list go by)."""
+    aliases: dict[str, str] = {}
+    for route in list(app.router.routes()):
+        if route.method in ("HEAD", "OPTIONS") or route.resource is None:
+            continue
+        path = route.resource.canonical
+        variants = [path.removeprefix("/v1")] if path.startswith("/v1/") else []
+        variants = [v + "/" for v in [path, *variants] if not path.endswith(":.+}")] + variants
+        for alias in variants:
+            if alias not in aliases and alias != path:
+                app.router.add_route(route.method, alias, route.handler)
+                aliases[alias] = path
+    return aliases
 
 
 def system_fingerprint(engine: Engine, served: ServedModel) -> str:
@@ -216,8 +259,11 @@ def guard_from_args(args) -> GuardSettings:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         body_idle_timeout=args.body_idle_timeout, keepalive_timeout=args.keepalive_timeout,
         max_connections=args.max_connections, max_client_connections=args.max_client_connections,
+        max_client_sequences=args.max_client_sequences,
         refuse_hold_s=args.refuse_hold, refused_cpu_share=args.refused_cpu_share,
         refused_cpu_burst_s=args.refused_cpu_burst, max_body_bytes=args.max_body_bytes,
+        send_timeout=args.send_timeout, max_head_bytes=args.max_head_bytes,
+        trusted_proxies=tuple(a.strip() for v in args.trusted_proxy or () for a in v.split(",") if a.strip()),
         allowed_hosts=tuple(h for v in args.allowed_hosts or () for h in v.split(",") if h),
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o))
 
@@ -276,13 +322,27 @@ async def _serve_until_signalled(app: web.Application, host: str, port: int, acc
     """`web.run_app`'s job with our guarded site: serve until SIGINT/SIGTERM, then clean up."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            threading.Thread(target=_exit_after, args=(EXIT_DEADLINE_S,), name="tandem-exit", daemon=True).start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     runner, _ = await start_server(app, host, port, access_log=access_log)
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def _exit_after(seconds: float) -> None:
+    """End the process `seconds` from now if it has not ended by then (a daemon thread)."""
+    time.sleep(seconds)
+    print(f"tandem: shutdown did not finish within {seconds:g} s (a call that does not return); exiting now",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 # ---- errors ----
@@ -306,11 +366,13 @@ def _http_error_response(exc: web.HTTPException, request: web.Request) -> web.Re
 def endpoints(app: web.Application) -> list[str]:
     """`METHOD /path` of every route, in the order they were added."""
     out = []
+    aliases = app.get(ALIASES, {})
     for route in app.router.routes():
         if route.method in ("HEAD", "OPTIONS"):
             continue
         path = route.resource.canonical if route.resource is not None else "?"
-        out.append(f"{route.method} {path}")
+        if path not in aliases:
+            out.append(f"{route.method} {path}")
     return list(dict.fromkeys(out))
 
 
@@ -352,9 +414,17 @@ def _authorized(request: web.Request) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+def _route_path(request: web.Request) -> str:
+    """The path a request's route stands for (an alias's `/v1/...` path), else its own."""
+    resource = request.match_info.route.resource
+    canonical = resource.canonical if resource is not None else request.path
+    return request.app[ALIASES].get(canonical, request.path)
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    if (request.path.startswith("/v1/") or request.path in _KEYED) and not _authorized(request):
+    path = _route_path(request)
+    if (path.startswith("/v1/") or path in _KEYED) and not _authorized(request):
         raise AuthenticationFailed("missing or wrong API key: send `Authorization: Bearer KEY`")
     return await handler(request)
 
@@ -389,22 +459,67 @@ async def _parse(request: web.Request, parse):
 async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse:
     engine = request.app[ENGINE]
     loop = asyncio.get_running_loop()
+    client = client_address(request)
+    parsed = dataclasses.replace(parsed, request=dataclasses.replace(parsed.request, client=client),
+                                 more=tuple((dataclasses.replace(r, client=client), e) for r, e in parsed.more))
+    sequences = parsed.n * (1 + len(parsed.more))
+    with request.app[IN_FLIGHT].hold(client, sequences, request.app[GUARD].max_client_sequences):
+        return await _generate(request, engine, loop, parsed)
+
+
+class InFlight:
+    """Sequences (choices) each client address has generating or queued: past
+    `max_client_sequences` its next request is 429 with `Retry-After`, so one address cannot
+    fill every backend's queue (40 unread streams of n=16 queued 640 sequences)."""
+
+    def __init__(self) -> None:
+        self.by_client: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def hold(self, client: str, n: int, limit: int):
+        if self.by_client[client] + n > limit:
+            raise TooManyRequests(f"this address has {self.by_client[client]} sequences generating or queued; this "
+                                  f"server takes at most {limit} from one address (--max-client-sequences)",
+                                  retry_after_s=1)
+        self.by_client[client] += n
+        try:
+            yield
+        finally:
+            self.by_client[client] -= n
+            if self.by_client[client] <= 0:
+                del self.by_client[client]
+
+
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
+
+
+async def _generate(request: web.Request, engine: Engine, loop: asyncio.AbstractEventLoop,
+                    parsed: ApiRequest) -> web.StreamResponse:
+    handles: list[RequestHandle] = []
+    echoes: list[str] = []
     try:
-        if parsed.n == 1:
-            handles = [engine.submit(parsed.request, loop=loop)]
-        else:  # the choices go to one backend together and share the prompt's KV
-            handles = engine.submit_group(parsed.requests(), loop=loop)
+        for choices, echo in parsed.groups():
+            if len(choices) == 1:
+                handles.append(engine.submit(choices[0], loop=loop))
+            else:  # the choices go to one backend together and share the prompt's KV
+                handles += engine.submit_group(choices, loop=loop)
+            echoes += [echo or ""] * len(choices)
     except ContextLengthExceeded as e:
         e.param = parsed.prompt_param
+        for h in handles:
+            h.cancel()
         raise
-    reply = Reply(parsed, handles, engine.model.piece if engine.model is not None else None,
+    except EngineError:
+        for h in handles:
+            h.cancel()
+        raise
+    reply = Reply(parsed, handles, echoes, engine.model.piece if engine.model is not None else None,
                   request.app[SETTINGS].fingerprint)
     try:
         if parsed.stream:
             return await _stream(request, handles, reply)
-        for h in handles:
-            async for _ in h.astream():
-                pass
+        # every choice read as it comes: one left unread while another is read would pause
+        await asyncio.gather(*(_drain(h) for h in handles))
         records = [succeeded(h.result(0)) for h in handles]
         return web.json_response(reply.whole(records), headers=reply.headers)
     finally:
@@ -412,16 +527,21 @@ async def _serve(request: web.Request, parsed: ApiRequest) -> web.StreamResponse
             h.cancel()  # a no-op once finished; on disconnect, frees the request's KV
 
 
+async def _drain(handle: RequestHandle) -> None:
+    async for _ in handle.astream():
+        pass
+
+
 async def _stream(request: web.Request, handles: list[RequestHandle], reply: Reply) -> web.StreamResponse:
     """SSE for every choice, interleaved as their text comes (`choices[].index` says whose)."""
-    q: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client that does not read blocks the writer, then the pumps, then the handles'
+    # readers, and its sequences pause (`RequestHandle.reader_behind`) instead of filling memory.
+    q: asyncio.Queue = asyncio.Queue(maxsize=2 * len(handles))
 
     async def pump(i: int, handle: RequestHandle) -> None:
-        try:
-            async for delta in handle.astream():
-                q.put_nowait((i, delta))
-        finally:
-            q.put_nowait((i, None))
+        async for delta in handle.astream():
+            await q.put((i, delta))
+        await q.put((i, None))
 
     pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     try:
@@ -435,6 +555,7 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
             **reply.headers,
         })
         await response.prepare(request)
+        _small_send_buffer(request)
         try:
             for chunk in reply.opening():
                 await _send(response, chunk)
@@ -442,16 +563,15 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
             while True:
                 i, delta = item
                 if delta is not None:
-                    if delta and not reply.tools:
-                        await _send(response, reply.chunk(i, delta))
+                    for chunk in reply.chunks(i, delta) if delta else ():
+                        await _send(response, chunk)
                 else:
                     record = records[i] = handles[i].result(0)
                     if record.error:
                         await _send(response, error_payload(failure(record))[1])
                         break
-                    for chunk in reply.tool_chunks(i, record):
+                    for chunk in reply.closing(i, record):
                         await _send(response, chunk)
-                    await _send(response, reply.closing(i, record))
                     if all(r is not None for r in records):
                         if reply.include_usage:
                             await _send(response, reply.usage_chunk(records))  # type: ignore[arg-type]
@@ -466,6 +586,28 @@ async def _stream(request: web.Request, handles: list[RequestHandle], reply: Rep
             t.cancel()
 
 
+# A stream's socket send buffer: the kernel grows one to 4 MB, so a reader that stops reading
+# took ~125 tokens of each of 16 choices before the writer noticed; 64 KB (the kernel doubles it)
+# still carries a fast stream of logprobs over a 200 ms link.
+STREAM_SNDBUF = 64 << 10
+
+
+STREAM_WRITE_BUFFER = 16 << 10  # and the transport's buffer above it (asyncio's default high-water: 64 KB)
+
+
+def _small_send_buffer(request: web.Request) -> None:
+    transport = request.transport
+    if transport is None:
+        return
+    transport.set_write_buffer_limits(high=STREAM_WRITE_BUFFER)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+        except OSError:
+            pass
+
+
 async def _send(response: web.StreamResponse, obj: dict) -> None:
     await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
@@ -473,14 +615,17 @@ async def _send(response: web.StreamResponse, obj: dict) -> None:
 
 
 class Reply:
-    """Shapes one request's output (one or `n` choices) as OpenAI chat or text-completion
-    objects, with logprobs in OpenAI's shape for each endpoint when they were asked for:
-    chat `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`,
-    completions `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`.
-    A stream sends each choice's entries with its text (`RequestHandle.logprobs`, read as the
-    text arrives), and the rest with its closing chunk."""
+    """Shapes one request's output (one or `n` choices per prompt, a completions prompt list's
+    prompts one after another) as OpenAI chat or text-completion objects, with logprobs in
+    OpenAI's shape for each endpoint when they were asked for: chat `{"content": [{token,
+    logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`, completions `{tokens,
+    token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A stream sends each
+    choice's entries with its text (`RequestHandle.logprobs`, read as the text arrives), and the
+    rest with its closing chunk. A chat reply is read as it streams (`ReplyReader`): text,
+    a thinking block's `reasoning_content`, and tool calls with their arguments in pieces."""
 
-    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], piece=None, fingerprint: str = ""):
+    def __init__(self, parsed: ApiRequest, handles: list[RequestHandle], echoes: list[str], piece=None,
+                 fingerprint: str = ""):
         self.chat = parsed.kind == "chat"
         handle = handles[0]
         self.handles = handles
@@ -492,85 +637,100 @@ class Reply:
         self.model = parsed.model
         self.fingerprint = fingerprint
         self.include_usage = parsed.include_usage
-        self.echo = parsed.echo or ""
+        self.echoes = echoes  # per choice: the prompt's text before the reply ("" without echo)
+        self.n = parsed.n
         self.logprobs = parsed.top_logprobs is not None
         self.piece = piece  # token id -> bytes (a local model's), for the echoed prompt's first token
         self._sent = [0] * len(handles)  # logprob entries streamed, per choice
-        self._offset = [0 if self.logprobs else len(self.echo)] * len(handles)  # completions' text_offset
+        self._offset = [0 if self.logprobs else len(e) for e in echoes]  # completions' text_offset
         self.headers = {"X-Request-Id": handle.id, "X-Tandem-Backend": handle.backend or ""}
-        self.tools = parsed.tools  # a chat with tools: the reply is read whole, then shown
-        self._read: dict[int, tuple[str | None, list[ToolCall]]] = {}
+        self.readers = [ReplyReader(parsed.tools, parsed.reasoning, parsed.thinking)
+                        if self.chat and (parsed.tools is not None or parsed.reasoning) else None for _ in handles]
 
-    def _reply(self, i: int, record: FinishRecord) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of choice `i`'s finished reply. A reply the grammar did not
-        finish (cut by `max_tokens`: `length`) holds no call: its content is the response's
-        text so far, or none for a call cut short (never the generic format's JSON)."""
-        if i not in self._read:
-            self._read[i] = (record.text, [])
-            if self.tools is not None:
-                try:
-                    self._read[i] = parse_reply(record.text, self.tools)
-                except InvalidRequest:
-                    self._read[i] = (cut_response(record.text), [])
-        return self._read[i]
+    def parts(self, i: int, record: FinishRecord) -> ReplyParts:
+        """Choice `i`'s whole reply (its reader's, once the stream is done; else read now)."""
+        reader = self.readers[i]
+        if reader is None:
+            return ReplyParts(record.text, None)
+        if not reader._closed:
+            reader.feed(record.text)
+            reader.close()
+        return reader.parts()
 
     def _finish_reason(self, i: int, record: FinishRecord) -> str | None:
-        return "tool_calls" if self.tools is not None and self._reply(i, record)[1] else record.finish_reason
-
-    def tool_chunks(self, i: int, record: FinishRecord) -> list[dict]:
-        """A chat with tools, streamed: choice `i`'s content or its call, in OpenAI's delta shape."""
-        if self.tools is None:
-            return []
-        content, calls = self._reply(i, record)
-        if not calls:
-            return [self._chunk(i, {"content": content or ""}, None)]
-        out = []
-        for k, call in enumerate(calls):
-            out.append(self._chunk(i, {"tool_calls": [{"index": k, "id": call.id, "type": "function",
-                                                       "function": {"name": call.name, "arguments": ""}}]}, None))
-            out.append(self._chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]},
-                                   None))
-        return out
+        return "tool_calls" if self.parts(i, record).calls else record.finish_reason
 
     def whole(self, records: list[FinishRecord]) -> dict:
         choices = []
         for i, record in enumerate(records):
             lp = None
+            echo = self.echoes[i]
             if self.logprobs:
-                head = self._prompt_logprobs(i, record.prompt_logprobs) if self.echo and not self.chat else None
+                head = self._prompt_logprobs(i, record.prompt_logprobs) if echo and not self.chat else None
                 lp = self._logprobs(i, list(record.logprobs or ()))
                 if head is not None:
                     lp = _joined(head, lp)
             if self.chat:
-                content, calls = self._reply(i, record)
-                message: dict = {"role": "assistant", "content": content}
-                if calls:
-                    message["tool_calls"] = [c.to_dict() for c in calls]
+                parts = self.parts(i, record)
+                message: dict = {"role": "assistant", "content": parts.content}
+                if parts.reasoning is not None:
+                    message["reasoning_content"] = parts.reasoning
+                if parts.calls:
+                    message["tool_calls"] = [c.to_dict() for c in parts.calls]
                 choices.append({"index": i, "message": message, "logprobs": lp,
                                 "finish_reason": self._finish_reason(i, record)})
             else:
-                choices.append({"index": i, "text": self.echo + record.text, "logprobs": lp,
+                choices.append({"index": i, "text": echo + record.text, "logprobs": lp,
                                 "finish_reason": record.finish_reason})
-        return {**self._head(self.object), "choices": choices, "usage": _usage(records)}
+        return {**self._head(self.object), "choices": choices, "usage": self.usage(records)}
 
     def opening(self) -> list[dict]:
         """Chunks before any text: chat announces the assistant's role (per choice); an echo
         sends the prompt's text."""
         if self.chat:
             return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.handles))]
-        if self.echo:
-            return [self._chunk(i, self.echo, None, self._prompt_logprobs(i, h.prompt_logprobs))
-                    if self.logprobs else self._chunk(i, self.echo, None) for i, h in enumerate(self.handles)]
-        return []
+        return [self._chunk(i, echo, None, self._prompt_logprobs(i, h.prompt_logprobs) if self.logprobs else None)
+                for i, (h, echo) in enumerate(zip(self.handles, self.echoes)) if echo]
 
-    def chunk(self, i: int, text: str) -> dict:
-        return self._chunk(i, {"content": text} if self.chat else text, None, self._new_logprobs(i))
+    def chunks(self, i: int, text: str) -> list[dict]:
+        """Choice `i`'s next text as chunks (none while a reader holds it back)."""
+        reader = self.readers[i]
+        if reader is None:
+            return [self._chunk(i, {"content": text} if self.chat else text, None, self._new_logprobs(i))]
+        return self._event_chunks(i, reader.feed(text))
 
-    def closing(self, i: int, record: FinishRecord) -> dict:
-        return self._chunk(i, {} if self.chat else "", self._finish_reason(i, record), self._new_logprobs(i))
+    def closing(self, i: int, record: FinishRecord) -> list[dict]:
+        """What the reader held back, then the chunk with the finish reason."""
+        reader = self.readers[i]
+        out = self._event_chunks(i, reader.close()) if reader is not None else []
+        out.append(self._chunk(i, {} if self.chat else "", self._finish_reason(i, record), self._new_logprobs(i)))
+        return out
+
+    def _event_chunks(self, i: int, events: list) -> list[dict]:
+        out = []
+        for e in events:
+            if isinstance(e, TextDelta):
+                delta: dict = {"content": e.text}
+            elif isinstance(e, ReasoningDelta):
+                delta = {"reasoning_content": e.text}
+            elif isinstance(e, CallStart):
+                delta = {"tool_calls": [{"index": e.index, "id": e.call_id, "type": "function",
+                                         "function": {"name": e.name, "arguments": ""}}]}
+            else:
+                delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+            out.append(self._chunk(i, delta, None, self._new_logprobs(i)))
+        return out
 
     def usage_chunk(self, records: list[FinishRecord]) -> dict:
-        return {**self._head(self._chunk_object), "choices": [], "usage": _usage(records)}
+        return {**self._head(self._chunk_object), "choices": [], "usage": self.usage(records)}
+
+    def usage(self, records: list[FinishRecord]) -> dict:
+        """Each prompt once (its choices share it), every choice's output tokens."""
+        firsts = records[::self.n]
+        prompt = sum(r.prompt_tokens for r in firsts)
+        out = sum(r.output_tokens for r in records)
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "prompt_tokens_details": {"cached_tokens": sum(max(r.cached_tokens, 0) for r in firsts)}}
 
     def _new_logprobs(self, i: int) -> dict | None:
         """The entries of choice `i` not streamed yet (None without logprobs or when none)."""
@@ -587,7 +747,7 @@ class Reply:
         entries = list(entries or ())
         first = self.handles[i].request.prompt_tokens[:1]
         out = self._logprobs(i, entries, first_piece=self._piece(first[0]) if first else None)
-        self._offset[i] = max(self._offset[i], len(self.echo))  # the reply's tokens start after the echo
+        self._offset[i] = max(self._offset[i], len(self.echoes[i]))  # the reply's tokens start after the echo
         return out
 
     def _piece(self, token: int) -> bytes:
@@ -648,18 +808,6 @@ def _chat_logprob(e) -> dict:
             "top_logprobs": [{"token": _text(p), "logprob": lp, "bytes": list(p)} for _, p, lp in e.top]}
 
 
-def _usage(records: list[FinishRecord]) -> dict:
-    """The prompt once (the choices share it), every choice's output tokens."""
-    prompt = records[0].prompt_tokens
-    out = sum(r.output_tokens for r in records)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": out,
-        "total_tokens": prompt + out,
-        "prompt_tokens_details": {"cached_tokens": max(records[0].cached_tokens, 0)},
-    }
-
-
 # ---- state ----
 
 
@@ -674,7 +822,7 @@ async def model_info(request: web.Request) -> web.Response:
     """`GET /v1/models/{id}` (OpenAI's `models.retrieve`): the model by its id or one of its
     names; 404 `model_not_found` otherwise."""
     settings = request.app[SETTINGS]
-    asked = request.match_info["model"]
+    asked = request.match_info["model"].rstrip("/")
     settings.served.check(asked)  # raises ModelNotFound
     model_id = settings.served.id if asked in settings.served.aliases else asked
     return web.json_response(_model_object(request.app, model_id))
@@ -725,26 +873,73 @@ async def restart_backend(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """`ok` (every backend serves), `degraded` (some do) or `unavailable` (503, none does).
+    """`ok` (every backend serves), `degraded` (some do, or a body parser is stuck past its
+    deadline: `parsing.stuck`) or `unavailable` (503, none does, or every parser is stuck).
     Cheap: each backend's health flag, no snapshot. Which backend failed and why (error text
     that can name remote engines' URLs) is shown only to a caller with the API key, when one
     is set."""
     engine = request.app[ENGINE]
     up = list(engine.health().values())
-    status = "ok" if up and all(up) else "degraded" if any(up) else "unavailable"
+    pool = request.app.get(PARSING)
+    stuck = pool.stuck if pool is not None else 0
+    if pool is not None and pool.exhausted:  # no body can be read: nothing is served
+        up = [False]
+    status = "ok" if up and all(up) and not stuck else "degraded" if any(up) else "unavailable"
     body: dict = {"status": status}
+    if stuck:
+        body["parsing"] = {"stuck": stuck, "threads": pool.workers + pool.spares}  # type: ignore[union-attr]
     if _authorized(request):
         body["backends"] = [{"name": s.name, "device": s.device, "healthy": s.healthy, "error": s.error,
                              "running": len(s.running), "waiting": len(s.waiting)} for s in engine.snapshot()]
     return web.json_response(body, status=200 if any(up) else 503)
 
 
+class RenderedMetrics:
+    """`/metrics`' text, rendered at most once per `METRICS_TTL_S`: 1,000 connections
+    pipelining `GET /metrics` made the loop render it (2.2 ms) for each of them; now a burst
+    of them is served the same bytes (and a reader that does not read them blocks only its own
+    connection, which is then evictable: `ConnectionGuard.write_blocked`)."""
+
+    def __init__(self) -> None:
+        self.at, self.body = -math.inf, b""
+
+    def get(self, metrics: EngineMetrics) -> bytes:
+        now = time.monotonic()
+        if now - self.at >= METRICS_TTL_S:
+            self.at, self.body = now, metrics.render()
+        return self.body
+
+
+METRICS_TTL_S = 0.1
+METRICS_PER_CONNECTION = 3  # /metrics a second on one connection
+RENDERED = web.AppKey("rendered_metrics", RenderedMetrics)
+
+
 async def metrics_text(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    """Prometheus text, from one rendering per `METRICS_TTL_S`; past `METRICS_PER_CONNECTION`
+    in a second on one connection, 429 and the connection closed (a scraper asks every 10-60 s;
+    1,000 connections pipelining 120 each and never reading took 6.6x quiet from other clients)."""
+    conn = request.app[CONNECTIONS].connection_of(request)
+    if conn is not None:
+        now = time.monotonic()
+        if now - conn.metrics_window >= 1.0:
+            conn.metrics_window, conn.metrics_asked = now, 0
+        conn.metrics_asked += 1
+        if conn.metrics_asked > METRICS_PER_CONNECTION:
+            raise TooManyRequests(f"more than {METRICS_PER_CONNECTION} /metrics a second on this connection",
+                                  retry_after_s=1)
+    return web.Response(body=request.app[RENDERED].get(request.app[METRICS]),
+                        headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(request.app[SETTINGS].openapi)
+
+
+async def _own_parse_pool(app: web.Application):
+    app[PARSING] = ParsePool()
+    yield
+    app[PARSING].close()
 
 
 async def _own_metrics(app: web.Application):

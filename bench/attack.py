@@ -19,14 +19,31 @@ attack's), and from the second phase on one attack runs beside them:
   sampled at temperature 1 (every token a full grammar pass over the vocabulary), two at once;
   its row also gives p95 over the `users` phase's, when that ran: what the grammar adds;
 - `messages`: chats of 50,000 one-character messages, one after another;
-- `bodies`: six near-2 MiB chats at once, again and again.
+- `bodies`: six near-2 MiB chats at once, again and again;
+- `pattern`: chats whose schema has the nested-repetition pattern
+  `^(([a-z]{0,999}){0,999}){0,999}$`, six at once (it wedged llama.cpp's grammar check);
+- `unread`: two addresses' connections (up to 500 each) with 2 KB receive buffers that
+  pipeline 120 `GET /metrics` and never read;
+- `heads`: two addresses' connections (up to 480 each) that send 126 header lines of 8,000
+  bytes and never end the head (reopened when the server lets go);
+- `tools`: chats with 128 tools of 300 properties (1.4 MB), one after another (refused, and
+  what their refusals cost their address);
+- `stream`: 40 connections asking a streamed chat with n=16 and top_logprobs=20 that never
+  read it;
+- `metadata`: Responses with 90,000 metadata keys (1.9 MB, under the body limit), one after another.
 
-Each phase prints normal traffic's p50 and p95 latency, its errors, p95 over the quiet
-baseline's, what the attack's requests got, the server's RSS, the cores the server and this
-process (normal clients and attack) used during the phase, and the machine's load average
-(the machine may be shared: the phases' ratios are side by side, their figures are not); the last line is one JSON
-object (`--out DIR` also writes it, with the command, date and commit, to `attack.json`).
-The issue's bar: under each attack, p95 <= 2x quiet and 0 errors.
+Beside the normal clients from `--normal-source`, one client sends the same chats from the
+attack's own address, 127.0.0.1 (one connection each, honouring `Retry-After`): what a user
+behind the attacker's address (a NAT, a proxy) gets. Each phase prints normal traffic's p50
+and p95 latency, its errors, p95 over the quiet baseline's, the own-address client's replies
+(200s, 429s with `Retry-After`, anything else) and its longest wait, what the attack's
+requests got, the server's RSS at the phase's end and its peak growth over the phase's start,
+the cores the server and this process (normal clients and attack) used during the phase, and
+the machine's load average (the machine may be shared: the phases' ratios are side by side,
+their figures are not); the last line is one JSON object (`--out DIR` also writes it, with the
+command, date and commit, to `attack.json`). The bar: under each attack, p95 <= 2x quiet and 0
+errors for the other address; only 200s and 429s with `Retry-After`, none slower than 5 s, for
+the attacker's own; peak RSS growth <= 300 MB.
 """
 
 from __future__ import annotations
@@ -50,9 +67,15 @@ import aiohttp
 
 from . import report as bench_report
 
-HELP = ("each attack (idle and stalled connections, grammar and schema bombs, 50,000 messages, near-2 MiB "
-        "bodies) beside normal traffic against a real tandem serve: normal p50/p95 and errors vs a quiet baseline")
-ATTACKS = ("keepalive", "stalled", "grammar", "schema", "users", "schema-max", "messages", "bodies")
+HELP = ("each attack (idle, stalled and unread connections, huge heads, grammar, schema and pattern bombs, 50,000 "
+        "messages, near-2 MiB bodies, huge tool lists and metadata, unread streams) beside normal traffic from another "
+        "address and from the attacker's own against a real tandem serve: p50/p95, errors, 429s and RSS vs quiet")
+ATTACKS = ("keepalive", "stalled", "grammar", "schema", "users", "schema-max", "messages", "bodies", "pattern",
+           "unread", "heads", "tools", "stream", "metadata")
+ATTACKER = "127.0.0.1"  # the attack's own address (its own normal client's too)
+OTHER_ATTACKER = "127.0.0.3"  # the second address of the two-address attacks
+OWN_MAX_S = 5.0  # the longest the attacker's own address may wait for any answer
+RSS_GROWTH_MB = 300.0  # the most a phase may grow the server's peak RSS over its start
 NORMAL = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 UP_S = 180  # the server loads the model and answers /health within this
 REQUEST_S = 60  # the most one normal request may take
@@ -75,6 +98,9 @@ def add_arguments(p) -> None:
                         "elsewhere on the LAN would be; 127.0.0.1 puts them beside the attacker, where no "
                         "per-address limit can tell them apart (default: %(default)s)")
     p.add_argument("--out", default=None, metavar="DIR", help="write attack.json there")
+    p.add_argument("--serve-from", default=None, metavar="DIR",
+                   help="run the server from this source tree (another commit's checkout) with this Python: "
+                        "the same attacks against code before a change (default: this tree)")
 
 
 @dataclass
@@ -90,6 +116,10 @@ class Phase:
     server_cpu_s: float = 0.0  # the server process's CPU (user + system) during the phase
     client_cpu_s: float = 0.0  # this process's: the normal clients and the attack
     load: float = 0.0  # the machine's 1-minute load average at the phase's end
+    own: collections.Counter = field(default_factory=collections.Counter)  # the attacker's own address's replies
+    own_max_s: float = 0.0  # its longest wait for any answer
+    rss_peak_mb: float = 0.0  # the server's peak RSS during the phase (sampled)
+    rss_start_mb: float = 0.0  # and at its start
 
     def summary(self, quiet_p95: float | None) -> dict:
         lat = sorted(self.latencies)
@@ -102,8 +132,13 @@ class Phase:
                "server_cores": round(self.server_cpu_s / self.seconds, 2) if self.seconds else 0.0,
                "client_cores": round(self.client_cpu_s / self.seconds, 2) if self.seconds else 0.0,
                "load_average": round(self.load, 1),
-               "error_samples": self.errors[:3], "p95_ms_by_quarter": self._by_quarter()}
-        out["pass"] = out["errors"] == 0 and out["p95_vs_quiet"] <= 2.0
+               "error_samples": self.errors[:3], "p95_ms_by_quarter": self._by_quarter(),
+               "own": dict(self.own), "own_max_s": round(self.own_max_s, 2),
+               "rss_peak_mb": round(self.rss_peak_mb, 1),
+               "rss_growth_mb": round(self.rss_peak_mb - self.rss_start_mb, 1)}
+        own_ok = set(self.own) <= {"200", "429"} and self.own_max_s <= OWN_MAX_S
+        out["pass"] = (out["errors"] == 0 and out["p95_vs_quiet"] <= 2.0 and own_ok
+                       and out["rss_growth_mb"] <= RSS_GROWTH_MB)
         return out
 
     def _by_quarter(self) -> list[float | None]:
@@ -129,6 +164,7 @@ def run_attack(args) -> int:
     with _server(args) as (proc, base):
         rows = asyncio.run(_phases(args, attacks, proc, base))
     bench_report.write_result(args.out, "attack.json", {"model": args.model, "phase_s": args.phase_s,
+                                                        "serve_from": args.serve_from,
                                                         "normal_source": args.normal_source, "phases": rows,
                                                         "pass": all(r["pass"] for r in rows if r["pass"] is not None)})
     return 0
@@ -142,7 +178,8 @@ def _server(args):
     cmd = [sys.executable, "-m", "app", "serve", "--model", args.model, "--port", str(port), "--no-calibrate"]
     for spec in args.backend or ():
         cmd += ["--backend", spec]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=args.serve_from or None)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + UP_S
@@ -198,22 +235,59 @@ async def _phase(args, name: str, proc, base: str) -> Phase:
     loop = asyncio.get_running_loop()
     stop_at = loop.time() + args.phase_s
     t0, server0, client0 = time.perf_counter(), _cpu_s(proc.pid), _own_cpu_s()
+    phase.rss_start_mb = phase.rss_peak_mb = _rss_mb(proc.pid)
     attack = None
     if name != "quiet":
         attack = asyncio.create_task(ATTACK_FNS[name](args, base, stop_at, phase.attack))
         await asyncio.sleep(min(3.0, args.phase_s / 4))  # let it build up before measuring
+    sampler = asyncio.create_task(_sample_rss(proc.pid, phase))
     connector = _normal_connector(args)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(_normal(session, base, stop_at, phase) for _ in range(args.concurrency)))
-    if attack is not None:
-        attack.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await attack
+    async with aiohttp.ClientSession(connector=connector) as session, \
+            aiohttp.ClientSession(connector=_own_connector()) as own:
+        await asyncio.gather(_own(own, base, stop_at, phase),
+                             *(_normal(session, base, stop_at, phase) for _ in range(args.concurrency)))
+    for task in (attack, sampler):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     phase.rss_mb = _rss_mb(proc.pid)
+    phase.rss_peak_mb = max(phase.rss_peak_mb, phase.rss_mb)
     phase.seconds = time.perf_counter() - t0
     phase.server_cpu_s, phase.client_cpu_s = _cpu_s(proc.pid) - server0, _own_cpu_s() - client0
     phase.load = os.getloadavg()[0]
     return phase
+
+
+async def _sample_rss(pid: int, phase: Phase) -> None:
+    while True:
+        phase.rss_peak_mb = max(phase.rss_peak_mb, _rss_mb(pid))
+        await asyncio.sleep(0.25)
+
+
+def _own_connector() -> aiohttp.TCPConnector:
+    return aiohttp.TCPConnector(force_close=True, limit=0, local_addr=(ATTACKER, 0))
+
+
+async def _own(session: aiohttp.ClientSession, base: str, stop_at: float, phase: Phase) -> None:
+    """A normal client at the attacker's address: a 200, or a 429 whose `Retry-After` it honours."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < stop_at:
+        t0 = time.perf_counter()
+        wait = 0.0
+        try:
+            async with session.post(base + "/v1/chat/completions", json=NORMAL,
+                                    timeout=aiohttp.ClientTimeout(total=REQUEST_S)) as r:
+                await r.read()
+                retry = r.headers.get("Retry-After")
+                key = str(r.status) if r.status != 429 or retry else "429 without Retry-After"
+                phase.own[key] += 1
+                if r.status == 429 and retry:
+                    wait = min(float(retry), max(stop_at - loop.time(), 0.0))
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            phase.own[type(e).__name__] += 1
+        phase.own_max_s = max(phase.own_max_s, time.perf_counter() - t0)
+        await asyncio.sleep(wait)
 
 
 def _normal_connector(args) -> aiohttp.TCPConnector:
@@ -337,7 +411,8 @@ def _big_body() -> bytes:
     return json.dumps({**NORMAL, "messages": [{"role": "user", "content": "hello world " * (NEAR_2MIB // 12)}]}).encode()
 
 
-async def _posting(base: str, body: bytes, stop_at: float, tally: collections.Counter, parallel: int = 1) -> None:
+async def _posting(base: str, body: bytes, stop_at: float, tally: collections.Counter, parallel: int = 1,
+                   path: str = "/v1/chat/completions") -> None:
     _addr(base)
     loop = asyncio.get_running_loop()
     sent = 0
@@ -349,8 +424,7 @@ async def _posting(base: str, body: bytes, stop_at: float, tally: collections.Co
                 sent += 1
                 t0 = time.perf_counter()
                 try:
-                    async with session.post(base + "/v1/chat/completions", data=body,
-                                            headers={"Content-Type": "application/json"},
+                    async with session.post(base + path, data=body, headers={"Content-Type": "application/json"},
                                             timeout=aiohttp.ClientTimeout(total=REQUEST_S)) as r:
                         await r.read()
                         tally[str(r.status)] += 1
@@ -386,8 +460,137 @@ async def _bodies(args, base, stop_at, tally):
     await _posting(base, _big_body(), stop_at, tally, parallel=6)
 
 
+def _pattern_body() -> bytes:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(([a-z]{0,999}){0,999}){0,999}$"}}}
+    return json.dumps({**NORMAL, "response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": schema}}}).encode()
+
+
+def _tools_body() -> bytes:
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{k}": {"type": "string"} for k in range(300)}}}} for i in range(128)]
+    return json.dumps({**NORMAL, "tools": tools}).encode()
+
+
+def _metadata_body() -> bytes:
+    return json.dumps({"input": "Say hello.", "max_output_tokens": 8,
+                       "metadata": {f"k{i}": f"v{i}" for i in range(90_000)}}).encode()
+
+
+async def _pattern(args, base, stop_at, tally):
+    await _posting(base, _pattern_body(), stop_at, tally, parallel=6)
+
+
+async def _tools(args, base, stop_at, tally):
+    await _posting(base, _tools_body(), stop_at, tally)
+
+
+async def _metadata(args, base, stop_at, tally):
+    await _posting(base, _metadata_body(), stop_at, tally, path="/v1/responses")
+
+
+async def _raw(host: str, port: int, source: str, rcvbuf: int | None = None) -> socket.socket:
+    """A non-blocking socket connected from `source` (with a small receive buffer if asked)."""
+    sock = socket.socket()
+    sock.setblocking(False)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((source, 0))
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _held(sock: socket.socket, request: bytes, stop_at: float, tally: collections.Counter) -> None:
+    """Send `request`, never read, hold the connection to the phase's end."""
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(loop.sock_sendall(sock, request), max(stop_at - loop.time(), 0.1))
+        tally["sent"] += 1
+        await asyncio.sleep(max(stop_at - loop.time(), 0.0))
+    except TimeoutError:
+        tally["send blocked"] += 1
+    except OSError:
+        tally["dropped"] += 1
+    finally:
+        sock.close()
+
+
+async def _unread(args, base, stop_at, tally):
+    host, port = _addr(base)
+    per = min(args.connections // 2, 500)
+    request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 120
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(i * 0.002)
+        try:
+            sock = await _raw(host, port, (ATTACKER, OTHER_ATTACKER)[i % 2], rcvbuf=2048)
+        except OSError:
+            tally["refused"] += 1
+            return
+        tally["connections"] += 1
+        await _held(sock, request, stop_at, tally)
+
+    await asyncio.gather(*(one(i) for i in range(2 * per)))
+
+
+async def _heads(args, base, stop_at, tally):
+    host, port = _addr(base)
+    per = min(args.connections // 2, 480)
+    line = b"X-Pad: " + b"a" * 7993 + b"\r\n"
+    loop = asyncio.get_running_loop()
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(i * 0.002)
+        while loop.time() < stop_at:
+            reader, writer = None, None
+            try:
+                reader, writer = await asyncio.open_connection(host, port, local_addr=((ATTACKER, OTHER_ATTACKER)[i % 2], 0))
+                tally["connections"] += 1
+                writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                for _ in range(126):
+                    writer.write(line)
+                    await writer.drain()
+                reply = await asyncio.wait_for(reader.read(64), max(stop_at - loop.time(), 0.1))
+                tally[reply[9:12].decode("ascii", "replace") if reply else "dropped"] += 1
+            except TimeoutError:
+                tally["held to the end"] += 1
+            except OSError:
+                tally["dropped"] += 1
+            finally:
+                if writer is not None:
+                    writer.close()
+            await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(one(i) for i in range(2 * per)))
+
+
+async def _stream(args, base, stop_at, tally):
+    host, port = _addr(base)
+    body = json.dumps({"messages": NORMAL["messages"], "max_tokens": 512, "n": 16, "logprobs": True,
+                       "top_logprobs": 20, "stream": True, "ignore_eos": True, "temperature": 1}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(i * 0.01)
+        try:
+            sock = await _raw(host, port, ATTACKER, rcvbuf=2048)
+        except OSError:
+            tally["refused"] += 1
+            return
+        tally["connections"] += 1
+        await _held(sock, request, stop_at, tally)
+
+    await asyncio.gather(*(one(i) for i in range(40)))
+
+
 ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar, "schema": _schema, "users": _users,
-              "schema-max": _schema_max, "messages": _messages, "bodies": _bodies}
+              "schema-max": _schema_max, "messages": _messages, "bodies": _bodies, "pattern": _pattern,
+              "unread": _unread, "heads": _heads, "tools": _tools, "stream": _stream, "metadata": _metadata}
 
 
 # ---- reporting ----
@@ -396,12 +599,17 @@ ATTACK_FNS = {"keepalive": _keepalive, "stalled": _stalled, "grammar": _grammar,
 def _print(row: dict, header: bool = False) -> None:
     if header:
         print(f"{'phase':<11} {'normal':>6} {'errors':>6} {'p50 ms':>8} {'p95 ms':>8} {'p95/quiet':>9} "
-              f"{'rss MB':>7} {'server':>6} {'client':>6} {'load':>5}  attack replies", flush=True)
+              f"{'own 200/429/other':>17} {'own max s':>9} {'rss MB':>7} {'rss+ MB':>7} {'server':>6} {'client':>6} "
+              f"{'load':>5}  attack replies", flush=True)
     attack = ", ".join(f"{k}: {v}" for k, v in sorted(row["attack"].items()))
     if "p95_vs_users" in row:
         attack += f"; p95 / users' {row['p95_vs_users']:.2f}"
+    own = row["own"]
+    other = sum(v for k, v in own.items() if k not in ("200", "429"))
+    own_cell = f"{own.get('200', 0)}/{own.get('429', 0)}/{other}"
     print(f"{row['phase']:<11} {row['normal_requests']:>6} {row['errors']:>6} {row['p50_ms']:>8.1f} "
-          f"{row['p95_ms']:>8.1f} {row['p95_vs_quiet']:>9.2f} {row['server_rss_mb']:>7.1f} "
+          f"{row['p95_ms']:>8.1f} {row['p95_vs_quiet']:>9.2f} {own_cell:>17} {row['own_max_s']:>9.2f} "
+          f"{row['server_rss_mb']:>7.1f} {row['rss_growth_mb']:>7.1f} "
           f"{row['server_cores']:>6.2f} {row['client_cores']:>6.2f} {row['load_average']:>5.1f}  {attack}", flush=True)
     for e in row["error_samples"]:
         print(f"{'':<10} error: {e}", flush=True)

@@ -192,13 +192,15 @@ class ChatTarget:
 
 
 async def send_turn(session, target: ChatTarget, messages: list[dict], max_tokens: int, *,
-                    temperature: float = 0.0) -> dict:
+                    temperature: float = 0.0, top_p: float | None = None) -> dict:
     """One streamed chat completion; returns the reply text, timings and usage, with `error`
     set instead of raising."""
     import aiohttp
 
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if top_p is not None:
+        body["top_p"] = top_p
     if target.ignore_eos:
         body["ignore_eos"] = True
     if target.model:
@@ -271,7 +273,7 @@ def turn_of(record: RequestRecord, turns: int) -> int:
 
 
 async def run_workload(target: ChatTarget, wl: ChatWorkload, *, timeout: float = 600.0,
-                       time_limit: float | None = None, temperature: float = 0.0,
+                       time_limit: float | None = None, temperature: float = 0.0, top_p: float | None = None,
                        on_done=None) -> list[RequestRecord]:
     """Every conversation of `wl` against `target`, on its schedule; one record per turn (those
     never sent, or cut by `time_limit` seconds, as failures)."""
@@ -299,7 +301,8 @@ async def run_workload(target: ChatTarget, wl: ChatWorkload, *, timeout: float =
                     await asyncio.sleep(turn.think_s)
                 messages.append({"role": "user", "content": turn.user})
                 t_submit = sent[(conv.index, k)] = loop.time() - t0
-                result = await send_turn(session, target, messages, turn.reply_tokens, temperature=temperature)
+                result = await send_turn(session, target, messages, turn.reply_tokens, temperature=temperature,
+                                         top_p=top_p)
                 record = _record(target, wl, conv.index, k, t_submit, result)
                 done(record, (conv.index, k))
                 if not record.success:
@@ -403,6 +406,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos (a server that refuses it); replies may then be shorter")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=None, help="sent as top_p (default: not sent, the server's)")
     p.add_argument("--target", action="append", default=[], metavar="[LABEL=]URL",
                    help="an OpenAI-compatible server to run against (repeatable; none: the engine in-process)")
     p.add_argument("--target-model", default=None, help="the model name sent (default: the first of /v1/models)")
@@ -488,7 +492,7 @@ class ChatBench:
                                       + (f", later-turn TTFT p50 {later:.2f} s" if state["later"] else ""))
 
                     got = await run_workload(target, wl, timeout=args.timeout, time_limit=args.time_limit or None,
-                                             temperature=args.temperature, on_done=on_done)
+                                             temperature=args.temperature, top_p=args.top_p, on_done=on_done)
                     self.records.extend(got)
                     # Tandem's router says where each turn went and why (its last 1,000 decisions); other servers nothing
                     decided = await asyncio.to_thread(routing_decisions, target.url, len(got))

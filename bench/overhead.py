@@ -29,12 +29,14 @@ per step outside it (host: scheduling, the uniforms' upload), beside greedy's `h
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from engine.backends.config import BackendConfig
@@ -57,16 +59,27 @@ SAMPLING_MODES = {
 HELP = "engine decode tok/s vs llama-cpp-python's Llama, same run"
 
 
-# The fused sampler's parts (`--sampled-variants`), each at temperature 0.8.
+# The fused sampler's parts (`--sampled-variants`), each at temperature 0.8. A name ending in
+# STAGED runs the computation by sorts (`fused_dist.fused_path("staged")`) instead of the sort-free one.
 VARIANTS = {
-    "temp": SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),  # whole-vocabulary sort
+    "temp": SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0),  # whole vocabulary
     "topk": SamplingParams(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0),
     "topp": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0),
     "full": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
     "topk1": SamplingParams(temperature=0.8, top_k=40, top_p=1.0, min_p=0.0),
     "full1": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    "p": SamplingParams(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0),  # temperature + top-p
+    "pk": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0),  # + top-k 40
 }
 ONE_STAGE = {"topk1", "full1"}  # variants whose top-k runs as one ggml_top_k per row (no stages)
+STAGED = "-staged"
+
+
+def _variant(name: str) -> tuple[SamplingParams, str, int]:
+    """A `--sampled-variants` name's request, fused path and top-k chunk."""
+    base = name.removesuffix(STAGED)
+    path = "staged" if name.endswith(STAGED) else "sortfree"
+    return VARIANTS[base], path, 0 if base in ONE_STAGE else fused_dist.TOP_K_CHUNK
 
 
 def add_arguments(p) -> None:
@@ -98,7 +111,8 @@ def add_arguments(p) -> None:
                         "1 here, so that --sampled and --sampled-variants measure the fused sampler at every B)")
     p.add_argument("--sampled-variants", default="", metavar="LIST",
                    help="also decode with the fused sampler's parts alone, each as a ratio to greedy: "
-                        f"comma-separated among {','.join(VARIANTS)}")
+                        f"comma-separated among {','.join(VARIANTS)} (p: temperature + top-p; pk: + top-k 40); "
+                        f"NAME{STAGED}: by the computation by sorts")
     p.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--n-seq-max", type=int, default=0, help="context sequence slots (0: the backend default, engine/sched/scheduler.py default_seq_slots)")
     p.add_argument("--busy-thread", action="store_true",
@@ -111,118 +125,197 @@ def add_arguments(p) -> None:
                         "with the prompt copied (llama-batched-bench then runs without -kvu)")
 
 
-def _names(listed: str, known: dict, flag: str) -> list[str]:
-    """The comma-separated names of `listed`, each one of `known` (ValueError naming the rest)."""
+def _names(listed: str, known: dict, flag: str, suffix: str = "") -> list[str]:
+    """The comma-separated names of `listed`, each one of `known` (or one with `suffix`;
+    ValueError naming the rest)."""
     names = [n for n in listed.split(",") if n]
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in known and not (suffix and n.removesuffix(suffix) in known)]
     if unknown:
         raise ValueError(f"unknown {flag} value(s) {', '.join(unknown)}: use {', '.join(known)}")
     return names
 
 
-def run_overhead(args) -> int:
-    path = resolve_model(args.model)
-    batches = [int(b) for b in args.batches.split(",")]
+def run_overhead(args: argparse.Namespace) -> int:
     try:
-        modes = [m for m in _names(args.sampling, SAMPLING_MODES, "--sampling") if m != "plain"]
-        variants = _names(args.sampled_variants, VARIANTS, "--sampled-variants")
+        plan = _Plan.of(args)
     except ValueError as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 2
-    threads = args.threads or None
-    model = Model(path, args.device)
-    # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
-    prompt = filler_prompt(model, args.prompt_tokens)
-    unified = args.kv == "unified"
-    n_ctx = ctx_for(args.prompt_tokens, args.gen_tokens, max(batches))
-    config = BackendConfig(name="bench", device=model.device, cap=max(batches), n_ctx=n_ctx,
-                           threads=threads or 0, backend_sampling=not args.host_sampling,
-                           flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified,
-                           fused_greedy=not args.no_fused_greedy, fused_dist_from=args.fused_dist_from)
-    if not unified:  # every stream holds the prompt and one sequence's tokens
-        config = replace(config, n_ctx=config.resolved().n_seq_max * ctx_for(args.prompt_tokens, args.gen_tokens, 1))
-    backend = Backend(config, model).start()
-    chains = Backend(replace(config, name="bench-chains", fused_greedy=False), model).start() if args.sampled else None
-    chat = SamplingParams(temperature=0.8, top_p=0.95)  # top-k 40, min-p 0.05: the defaults
-    builds0 = fused_dist.BUILDS.copy()
-    llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,
-                                                 flash=backend.config.flash_attn != "off")  # as our backend runs
-    print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
-          f"{backend.config.threads}, prompt {len(prompt)} tokens, generate {args.gen_tokens}", file=sys.stderr)
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1000)
-    results: dict[str, list[float]] = {f"engine_b{b}": [] for b in batches}
-    if args.busy_thread:
-        results.update({f"busy_b{b}": [] for b in batches})
-    if chains is not None:
-        results.update({f"{k}_b{b}": [] for b in batches for k in ("fused_temp", "chain_temp")})
-    for m in modes:
-        results.update({f"{m}_b{b}": [] for b in batches})
-    results.update({f"part_{v}_b{b}": [] for b in batches for v in variants})
-    variant_reuse: dict[str, list[float]] = {f"{v}_b{b}": [] for b in batches for v in variants}
-    variant_step: dict[str, list[float]] = {k: [] for k in variant_reuse}  # ms per step inside llama_decode (+ its sync)
-    variant_host: dict[str, list[float]] = {k: [] for k in variant_reuse}  # µs per step outside it (the uniforms' upload is there)
-    if args.constrained:
-        results.update({f"constrained_b{b}": [] for b in batches})
-    if llama is not None:
-        results["llama_b1"] = []
-    if args.batched_bench:
-        results.update({f"batched_b{b}": [] for b in batches})
+    rig = _Rig.open(args, plan)
+    samples = _Samples(args, plan, rig)
     try:
         # One unmeasured round warms caches, threads and the allocator on all sides.
         for rnd in range(args.repeats + 1):
-            for b in batches:
-                v = engine_decode(backend, prompt, args.gen_tokens, b)
-                if rnd:
-                    results[f"engine_b{b}"].append(v)
-                if args.busy_thread:
-                    with _BusyThread():
-                        v = engine_decode(backend, prompt, args.gen_tokens, b, record=False)
-                    if rnd:
-                        results[f"busy_b{b}"].append(v)
-                if chains is not None:
-                    for key, bk in (("fused_temp", backend), ("chain_temp", chains)):
-                        v = engine_decode(bk, prompt, args.gen_tokens, b, record=False, sampling=chat)
-                        if rnd:
-                            results[f"{key}_b{b}"].append(v)
-                for m in modes:
-                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=SAMPLING_MODES[m])
-                    if rnd:
-                        results[f"{m}_b{b}"].append(v)
-                for name in variants:
-                    steps0, reused0, dec0 = backend.steps, backend.graphs_reused, backend.decode_s
-                    t0 = time.perf_counter()
-                    with fused_dist.top_k_stages(0 if name in ONE_STAGE else fused_dist.TOP_K_CHUNK):
-                        v = engine_decode(backend, prompt, args.gen_tokens, b, record=False, sampling=VARIANTS[name])
-                    if rnd:
-                        steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
-                        results[f"part_{name}_b{b}"].append(v)
-                        variant_reuse[f"{name}_b{b}"].append((backend.graphs_reused - reused0) / steps)
-                        variant_step[f"{name}_b{b}"].append(1e3 * dec / steps)
-                        variant_host[f"{name}_b{b}"].append(1e6 * (time.perf_counter() - t0 - dec) / steps)
-                if args.constrained:
-                    v = engine_decode(backend, prompt, args.gen_tokens, b, record=False,
-                                      constrained=min(args.constrained, b))
-                    if rnd:
-                        results[f"constrained_b{b}"].append(v)
-            if llama is not None:
-                v = _llama_decode(llama, prompt, args.gen_tokens)
-                if rnd:
-                    results["llama_b1"].append(v)
-            if args.batched_bench and rnd:
-                bb = _batched_bench(args.batched_bench, path, model.device, backend.config.threads,
-                                    n_ctx if unified else len(prompt) * max(batches) + n_ctx,
-                                    len(prompt), args.gen_tokens, batches, unified, backend.config.flash_attn)
-                for b in batches:
-                    results[f"batched_b{b}"].append(bb[b])
+            _round(args, plan, rig, samples, measured=rnd > 0)
             if rnd:
-                row = "  ".join(f"{k} {v[-1]:7.1f}" for k, v in results.items())
+                row = "  ".join(f"{k} {v[-1]:7.1f}" for k, v in samples.results.items())
                 print(f"round {rnd}/{args.repeats}: {row} tok/s", file=sys.stderr)
     finally:
-        backend.stop()
-        if chains is not None:
-            chains.stop()
-        model.close()
+        rig.close()
+    out = _medians(samples)
+    _add_ratios(out, args, plan, rig)
+    _add_variants(out, plan, samples)
+    _add_sampler_builds(out, plan, rig, samples)
+    out["eog_redos"] = rig.backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
+    if plan.modes:
+        for b in plan.batches:
+            row = "  ".join(f"{m} {out[f'cost_{m}_b{b}']:.3f}" for m in plan.modes)
+            print(f"B={b}: tok/s over plain greedy: {row}", file=sys.stderr)
+    out.update(model=rig.path.name, device=rig.model.device, kv=args.kv, fused_greedy=rig.backend.config.fused_greedy,
+               threads=rig.backend.config.threads,
+               switch_interval_ms=round(sys.getswitchinterval() * 1000, 3),
+               prompt_tokens=len(rig.prompt), gen_tokens=args.gen_tokens, repeats=args.repeats)
+    print(json.dumps(out))
+    return 0
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the command line asks to measure: batch sizes, sampling modes, sampler parts."""
+
+    batches: list[int]
+    modes: list[str]  # `--sampling` beyond plain greedy
+    variants: list[str]  # `--sampled-variants`
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> _Plan:
+        """ValueError for a mode or variant that does not exist."""
+        return cls([int(b) for b in args.batches.split(",")],
+                   [m for m in _names(args.sampling, SAMPLING_MODES, "--sampling") if m != "plain"],
+                   _names(args.sampled_variants, VARIANTS, "--sampled-variants", STAGED))
+
+
+@dataclass
+class _Rig:
+    """The model, the prompt and what decodes it: our backend, the per-sequence chains'
+    backend (`--sampled`) and llama-cpp-python's `Llama` (unless `--no-llama`)."""
+
+    path: Path
+    model: Model
+    prompt: list[int]
+    n_ctx: int
+    unified: bool
+    backend: Backend
+    chains: Backend | None
+    llama: Any  # llama_cpp.Llama, or None
+
+    @classmethod
+    def open(cls, args: argparse.Namespace, plan: _Plan) -> _Rig:
+        path = resolve_model(args.model)
+        threads = args.threads or None
+        model = Model(path, args.device)
+        # A fixed pseudo-text prompt: token ids drawn from the vocabulary's ordinary range.
+        prompt = filler_prompt(model, args.prompt_tokens)
+        unified = args.kv == "unified"
+        n_ctx = ctx_for(args.prompt_tokens, args.gen_tokens, max(plan.batches))
+        config = BackendConfig(name="bench", device=model.device, cap=max(plan.batches), n_ctx=n_ctx,
+                               threads=threads or 0, backend_sampling=not args.host_sampling,
+                               flash_attn=args.flash_attn, n_seq_max=args.n_seq_max, kv_unified=unified,
+                               fused_greedy=not args.no_fused_greedy, fused_dist_from=args.fused_dist_from)
+        if not unified:  # every stream holds the prompt and one sequence's tokens
+            config = replace(config, n_ctx=config.resolved().n_seq_max * ctx_for(args.prompt_tokens, args.gen_tokens, 1))
+        backend = Backend(config, model).start()
+        chains = (Backend(replace(config, name="bench-chains", fused_greedy=False), model).start()
+                  if args.sampled else None)
+        llama = None if args.no_llama else _baseline(path, args.device, threads or backend.config.threads, n_ctx,
+                                                     flash=backend.config.flash_attn != "off")  # as our backend runs
+        print(f"model {model.info.name} ({path.name}), device {model.device}, threads "
+              f"{backend.config.threads}, prompt {len(prompt)} tokens, generate {args.gen_tokens}", file=sys.stderr)
+        if args.switch_interval_ms is not None:
+            sys.setswitchinterval(args.switch_interval_ms / 1000)
+        return cls(path, model, prompt, n_ctx, unified, backend, chains, llama)
+
+    def close(self) -> None:
+        self.backend.stop()
+        if self.chains is not None:
+            self.chains.stop()
+        self.model.close()
+
+
+class _Samples:
+    """Every measured round's tok/s per series (`results`, in the order they print) and the
+    sampler parts' per-step figures."""
+
+    def __init__(self, args: argparse.Namespace, plan: _Plan, rig: _Rig) -> None:
+        batches, variants = plan.batches, plan.variants
+        results: dict[str, list[float]] = {f"engine_b{b}": [] for b in batches}
+        if args.busy_thread:
+            results.update({f"busy_b{b}": [] for b in batches})
+        if rig.chains is not None:
+            results.update({f"{k}_b{b}": [] for b in batches for k in ("fused_temp", "chain_temp")})
+        for m in plan.modes:
+            results.update({f"{m}_b{b}": [] for b in batches})
+        results.update({f"part_{v}_b{b}": [] for b in batches for v in variants})
+        if args.constrained:
+            results.update({f"constrained_b{b}": [] for b in batches})
+        if rig.llama is not None:
+            results["llama_b1"] = []
+        if args.batched_bench:
+            results.update({f"batched_b{b}": [] for b in batches})
+        self.results = results
+        self.builds0 = fused_dist.BUILDS.copy()
+        self.variant_reuse: dict[str, list[float]] = {f"{v}_b{b}": [] for b in batches for v in variants}
+        self.variant_step: dict[str, list[float]] = {k: [] for k in self.variant_reuse}  # ms per step inside llama_decode (+ its sync)
+        self.variant_host: dict[str, list[float]] = {k: [] for k in self.variant_reuse}  # µs per step outside it (the uniforms' upload is there)
+
+    def add(self, key: str, value: float, measured: bool) -> None:
+        if measured:
+            self.results[key].append(value)
+
+
+def _round(args: argparse.Namespace, plan: _Plan, rig: _Rig, samples: _Samples, measured: bool) -> None:
+    """One round: each batch size on every side asked for, then the baselines."""
+    backend, prompt, n_gen = rig.backend, rig.prompt, args.gen_tokens
+    chat = SamplingParams(temperature=0.8, top_p=0.95)  # top-k 40, min-p 0.05: the defaults
+    for b in plan.batches:
+        samples.add(f"engine_b{b}", engine_decode(backend, prompt, n_gen, b), measured)
+        if args.busy_thread:
+            with _BusyThread():
+                v = engine_decode(backend, prompt, n_gen, b, record=False)
+            samples.add(f"busy_b{b}", v, measured)
+        if rig.chains is not None:
+            for key, bk in (("fused_temp", backend), ("chain_temp", rig.chains)):
+                samples.add(f"{key}_b{b}", engine_decode(bk, prompt, n_gen, b, record=False, sampling=chat), measured)
+        for m in plan.modes:
+            v = engine_decode(backend, prompt, n_gen, b, record=False, sampling=SAMPLING_MODES[m])
+            samples.add(f"{m}_b{b}", v, measured)
+        for name in plan.variants:
+            _variant_decode(rig, samples, name, b, n_gen, measured)
+        if args.constrained:
+            v = engine_decode(backend, prompt, n_gen, b, record=False, constrained=min(args.constrained, b))
+            samples.add(f"constrained_b{b}", v, measured)
+    if rig.llama is not None:
+        samples.add("llama_b1", _llama_decode(rig.llama, prompt, n_gen), measured)
+    if args.batched_bench and measured:
+        batches = plan.batches
+        bb = _batched_bench(args.batched_bench, rig.path, rig.model.device, backend.config.threads,
+                            rig.n_ctx if rig.unified else len(prompt) * max(batches) + rig.n_ctx,
+                            len(prompt), n_gen, batches, rig.unified, backend.config.flash_attn)
+        for b in batches:
+            samples.add(f"batched_b{b}", bb[b], measured)
+
+
+def _variant_decode(rig: _Rig, samples: _Samples, name: str, b: int, n_gen: int, measured: bool) -> None:
+    """One sampler part at batch `b` on the greedy backend, with its graph reuse and its time
+    per step inside and outside `llama_decode`."""
+    backend = rig.backend
+    steps0, reused0, dec0 = backend.steps, backend.graphs_reused, backend.decode_s
+    t0 = time.perf_counter()
+    params, fpath, chunk = _variant(name)
+    with fused_dist.top_k_stages(chunk), fused_dist.fused_path(fpath):
+        v = engine_decode(backend, rig.prompt, n_gen, b, record=False, sampling=params)
+    if measured:
+        steps, dec = max(backend.steps - steps0, 1), backend.decode_s - dec0
+        key = f"{name}_b{b}"
+        samples.results[f"part_{key}"].append(v)
+        samples.variant_reuse[key].append((backend.graphs_reused - reused0) / steps)
+        samples.variant_step[key].append(1e3 * dec / steps)
+        samples.variant_host[key].append(1e6 * (time.perf_counter() - t0 - dec) / steps)
+
+
+def _medians(samples: _Samples) -> dict[str, Any]:
+    """Each series' median and samples, and the backend's host figures per batch size."""
+    results = samples.results
     out: dict[str, Any] = {f"{k}_tok_s": round(statistics.median(v), 2) for k, v in results.items()}
     out["samples"] = {k: [round(x, 2) for x in v] for k, v in results.items()}
     # Share of the engine's wall time spent outside llama_decode (scheduling, sampling, events).
@@ -234,52 +327,62 @@ def run_overhead(args) -> int:
     out["host_gap_us"] = {f"b{b}": round(statistics.median(v), 1) for b, v in HOST_GAP.items()}
     # Share of steps that reused the previous step's graph (no rebuild, no scheduler reset).
     out["graph_reuse"] = {f"b{b}": round(statistics.median(v), 3) for b, v in GRAPH_REUSE.items()}
-    for b in batches:
-        if llama is not None:
-            out[f"ratio_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out["llama_b1_tok_s"], 3)
+    return out
+
+
+def _add_ratios(out: dict[str, Any], args: argparse.Namespace, plan: _Plan, rig: _Rig) -> None:
+    """Each side's tok/s over the greedy engine's (or the baselines' under it), per batch size."""
+
+    def ratio(a: str, b: str) -> float:
+        return round(out[f"{a}_tok_s"] / out[f"{b}_tok_s"], 3)
+
+    for b in plan.batches:
+        engine = f"engine_b{b}"
+        if rig.llama is not None:
+            out[f"ratio_b{b}"] = ratio(engine, "llama_b1")
         if args.busy_thread:
-            out[f"gil_ratio_b{b}"] = round(out[f"busy_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
-        for m in modes:  # what leaving plain greedy costs: MODE's decode speed over plain's
-            out[f"cost_{m}_b{b}"] = round(out[f"{m}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+            out[f"gil_ratio_b{b}"] = ratio(f"busy_b{b}", engine)
+        for m in plan.modes:  # what leaving plain greedy costs: MODE's decode speed over plain's
+            out[f"cost_{m}_b{b}"] = ratio(f"{m}_b{b}", engine)
         if args.constrained:
-            out[f"constrained_ratio_b{b}"] = round(out[f"constrained_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+            out[f"constrained_ratio_b{b}"] = ratio(f"constrained_b{b}", engine)
         if args.batched_bench:
-            out[f"ratio_batched_b{b}"] = round(out[f"engine_b{b}_tok_s"] / out[f"batched_b{b}_tok_s"], 3)
-        if chains is not None:  # temperature decode against greedy, fused and per-sequence chains
+            out[f"ratio_batched_b{b}"] = ratio(engine, f"batched_b{b}")
+        if rig.chains is not None:  # temperature decode against greedy, fused and per-sequence chains
             for key in ("fused_temp", "chain_temp"):
-                out[f"ratio_{key}_greedy_b{b}"] = round(out[f"{key}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
-    if variants:
-        for b in batches:
-            for name in variants:
-                out[f"ratio_part_{name}_greedy_b{b}"] = round(out[f"part_{name}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
-        out["variant_graph_reuse"] = {k: round(statistics.median(v), 3) for k, v in variant_reuse.items()}
-        out["variant_decode_ms_per_step"] = {k: round(statistics.median(v), 3) for k, v in variant_step.items()}
-        out["variant_host_us_per_step"] = {k: round(statistics.median(v), 1) for k, v in variant_host.items()}
-        print("fused sampler parts vs greedy (graph reuse): " + "  ".join(
-            f"B={b} " + " ".join(f"{name} {out[f'ratio_part_{name}_greedy_b{b}']:.3f} "
-                                 f"({out['variant_graph_reuse'][f'{name}_b{b}']:.2f})" for name in variants)
-            for b in batches), file=sys.stderr)
-    if chains is not None or variants:
+                out[f"ratio_{key}_greedy_b{b}"] = ratio(f"{key}_b{b}", engine)
+
+
+def _add_variants(out: dict[str, Any], plan: _Plan, samples: _Samples) -> None:
+    """`--sampled-variants`: each part over greedy, its graph reuse and its time per step."""
+    if not plan.variants:
+        return
+    batches, variants = plan.batches, plan.variants
+    for b in batches:
+        for name in variants:
+            out[f"ratio_part_{name}_greedy_b{b}"] = round(out[f"part_{name}_b{b}_tok_s"] / out[f"engine_b{b}_tok_s"], 3)
+    out["variant_graph_reuse"] = {k: round(statistics.median(v), 3) for k, v in samples.variant_reuse.items()}
+    out["variant_decode_ms_per_step"] = {k: round(statistics.median(v), 3) for k, v in samples.variant_step.items()}
+    out["variant_host_us_per_step"] = {k: round(statistics.median(v), 1) for k, v in samples.variant_host.items()}
+    print("fused sampler parts vs greedy (graph reuse): " + "  ".join(
+        f"B={b} " + " ".join(f"{name} {out[f'ratio_part_{name}_greedy_b{b}']:.3f} "
+                             f"({out['variant_graph_reuse'][f'{name}_b{b}']:.2f})" for name in variants)
+        for b in batches), file=sys.stderr)
+
+
+def _add_sampler_builds(out: dict[str, Any], plan: _Plan, rig: _Rig, samples: _Samples) -> None:
+    """With the fused sampler measured: how its builds went and where its tables live; with
+    `--sampled`, temperature decode over greedy printed."""
+    if rig.chains is not None or plan.variants:
         # how the fused sampler's builds went: "shared"/"row" on the device, "host" if it lacked an
         # op, "idle" where only idle fused chains were in a graph (greedy steps)
-        out["fused_dist_builds"] = dict(fused_dist.BUILDS - builds0)
+        out["fused_dist_builds"] = dict(fused_dist.BUILDS - samples.builds0)
         out["fused_dist_placement"] = dict(fused_dist.PLACEMENT)  # its tables' buffer: host memory costs copies
         out["top_k_chunk"] = fused_dist.TOP_K_CHUNK  # the top-k's stages (0: one ggml_top_k per row)
-    if chains is not None:
+    if rig.chains is not None:
         print("temperature 0.8 / top-p 0.95 vs greedy: " + "  ".join(
             f"B={b} fused {out[f'ratio_fused_temp_greedy_b{b}']:.3f} chains {out[f'ratio_chain_temp_greedy_b{b}']:.3f}"
-            for b in batches), file=sys.stderr)
-    out["eog_redos"] = backend.eog_redos  # end tokens taken back (ignore_eos with a guarding chain)
-    if modes:
-        for b in batches:
-            row = "  ".join(f"{m} {out[f'cost_{m}_b{b}']:.3f}" for m in modes)
-            print(f"B={b}: tok/s over plain greedy: {row}", file=sys.stderr)
-    out.update(model=path.name, device=model.device, kv=args.kv, fused_greedy=backend.config.fused_greedy,
-               threads=backend.config.threads,
-               switch_interval_ms=round(sys.getswitchinterval() * 1000, 3),
-               prompt_tokens=len(prompt), gen_tokens=args.gen_tokens, repeats=args.repeats)
-    print(json.dumps(out))
-    return 0
+            for b in plan.batches), file=sys.stderr)
 
 
 class _BusyThread:

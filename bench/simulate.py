@@ -27,7 +27,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from engine.sim.simulate import (
     SAMPLED_TOKEN,
     BackendProfile,
     Profile,
+    SimRun,
     apply_overrides,
     profile_from_calibration,
     simulate,
@@ -365,91 +366,147 @@ def replay(directory: Path, progress: Progress | None = None, hardware: Profile 
 
 def _replay(directory: Path, summary: dict, progress: Progress | None, hardware: Profile | None,
             min_runs: int) -> list[dict]:
-    with _open(directory / "requests.csv") as f:
-        import csv
-
-        records = [bench_report._record_from_csv(row) for row in csv.DictReader(f)]
-    # A chat run (`tandem bench chat`): its in-process row, each turn sent when it was sent
-    chat = next((w for w in summary["workloads"] if w.get("kind") == "chat"), None)
-    specs = [] if chat else [WorkloadSpec(**{k: v for k, v in w.items() if k in WorkloadSpec.__dataclass_fields__})
-                             for w in summary["workloads"]]
-    by_name = {s.name(): s for s in specs}
-    rows_meta = {(r["workload"], r["policy"], r["requests"]): r for r in summary["results"]}
-    vocab = int((summary.get("model") or {}).get("n_vocab") or TOKEN_HIGH)
-    engines = summary.get("engines") or [{"kv_seqs": None, "backends": summary["backends"]}]
-    host = summary.get("host") or {}
-    loads: dict[tuple, list[float]] = {}
-    for x in host.get("load_avg") or []:
-        loads.setdefault((x["workload"], x["policy"], x["requests"]), []).append(float(x["load1"]))
-    groups: dict[tuple, dict[int, list[RequestRecord]]] = {}
-    for r in records:
-        groups.setdefault((r.workload, r.policy, r.requests), {}).setdefault(r.run, []).append(r)
+    rec = _Recorded.read(directory, summary)
     out = []
-    for (workload, label, n), runs in groups.items():
-        meta = rows_meta.get((workload, label, n), {})
+    for (workload, label, n), runs in rec.groups.items():
+        meta = rec.rows_meta.get((workload, label, n), {})
         if meta.get("target"):
             continue
-        kv = meta.get("kv_seqs")
-        engine = next((e for e in engines if e.get("kv_seqs") == kv), engines[0])
-        profile = replay_profile(engine, summary.get("model") or {})
-        if hardware is not None:
-            for hb in hardware.backends:
-                if any(b.name == hb.name for b in profile.backends):
-                    profile = profile.with_backend(replace(profile.backend(hb.name), hardware=hb.hw,
-                                                           chunk_overhead_s=hb.chunk_overhead_s,
-                                                           chunk_fixed_s=hb.chunk_fixed_s,
-                                                           prefill_ref_tokens=hb.prefill_ref_tokens,
-                                                           admit_s=hb.admit_s))
-        sweep = next((b["name"] for b in engine["backends"] if b.get("swept")), None)
-        policy = label.split("@cap=")[0] if chat is None else summary.get("engine_policy") or "seed-score"
-        if meta.get("cap") is not None and sweep:
-            profile = profile.with_backend(replace(profile.backend(sweep), cap=int(meta["cap"])))
-        base = workload.split(", kv ")[0]
-        spec = by_name.get(base)
-        if spec is None and chat is None:
+        profile = _row_profile(rec, meta, hardware)
+        policy = label.split("@cap=")[0] if rec.chat is None else summary.get("engine_policy") or "seed-score"
+        spec = rec.specs.get(workload.split(", kv ")[0])
+        if spec is None and rec.chat is None:
             continue  # a workload the summary does not describe
-        measured, predicted, same, total, itl_m, itl_p, per_run = [], [], 0, 0, [], [], []
-        cached = {"measured": [0, 0], "predicted": [0, 0]}  # cached, prompt tokens (where known)
+        tally = _Tally()
         for run, recs in sorted(runs.items()):
             recs = sorted(recs, key=lambda r: r.index)
-            if chat is not None:
+            if rec.chat is not None:
                 recs = [r for r in recs if r.success]  # a failed turn ends its conversation
-                wl = chat_replay_workload(workload, run, int(chat["turns"]), recs, min(vocab, TOKEN_HIGH))
-                got = simulate(profile, wl, policy, budget=summary.get("budget", "raw"), label=label)
-            elif spec is not None:
-                wl = build_workload(replace(with_requests(spec, n), vocab_size=min(vocab, TOKEN_HIGH),
-                                            label=workload), run)
-                arrivals = [r.t_submit_s for r in recs]
-                outputs = [r.output_tokens if r.success and r.output_tokens else wl.requests[r.index].output_tokens
-                           for r in recs]
-                if len(recs) != n:
-                    continue
-                got = simulate(profile, wl, policy, budget=summary.get("budget", "raw"), label=label,
-                               arrivals=arrivals, outputs=outputs)
-            sim = {p.index: p for p in got.records}
-            for r in recs:
-                total += 1
-                same += r.backend == sim[r.index].backend
-            measured.append(run_metrics(recs))
-            predicted.append(run_metrics(got.records))
-            per_run.append({"run": run, **{k: {"measured": getattr(measured[-1], k), "predicted": getattr(predicted[-1], k)}
-                                           for k in ("makespan_s", "ttft_p50_s", "ttft_p95_s")}})
-            for side, rs in (("measured", recs), ("predicted", got.records)):
-                known = [r for r in rs if r.success and r.cached_tokens >= 0]
-                cached[side][0] += sum(r.cached_tokens for r in known)
-                cached[side][1] += sum(r.prompt_tokens for r in known)
-            itl_m += [r.itl_s for r in recs if r.itl_s]
-            itl_p += [p.itl_s for p in got.records if p.itl_s]
+            got = _simulate_run(rec, profile, policy, (workload, label, n), run, recs, spec)
+            if got is None:
+                continue
+            tally.add(run, recs, got.records)
             if progress is not None:
                 progress.update(len(recs))
-        if not measured:
-            continue
-        row = _compare(workload, label, n, measured, predicted, same / total if total else math.nan,
-                       _mean(itl_m), _mean(itl_p), per_run=per_run, min_runs=min_runs,
-                       load=max(loads.get((workload, label, n), []), default=math.nan), cpus=host.get("cpus"))
-        row["cached_share"] = {side: c / p if p else math.nan for side, (c, p) in cached.items()}
-        out.append(row)
+        if tally.measured:
+            out.append(tally.row(workload, label, n, min_runs=min_runs,
+                                 load=max(rec.loads.get((workload, label, n), []), default=math.nan),
+                                 cpus=rec.host.get("cpus")))
     return out
+
+
+@dataclass
+class _Recorded:
+    """A recorded bench run as the replay reads it: its records grouped by row (workload,
+    policy label, requests) and run, and what its summary says of the workloads and engines."""
+
+    summary: dict
+    groups: dict[tuple, dict[int, list[RequestRecord]]]
+    chat: dict | None  # a chat run (`tandem bench chat`): its in-process row, each turn sent when it was sent
+    specs: dict[str, WorkloadSpec]  # by name
+    rows_meta: dict[tuple, dict]
+    vocab: int
+    engines: list[dict]
+    host: dict
+    loads: dict[tuple, list[float]]  # each row's 1-minute load averages
+
+    @classmethod
+    def read(cls, directory: Path, summary: dict) -> _Recorded:
+        with _open(directory / "requests.csv") as f:
+            import csv
+
+            records = [bench_report._record_from_csv(row) for row in csv.DictReader(f)]
+        chat = next((w for w in summary["workloads"] if w.get("kind") == "chat"), None)
+        specs = [] if chat else [WorkloadSpec(**{k: v for k, v in w.items() if k in WorkloadSpec.__dataclass_fields__})
+                                 for w in summary["workloads"]]
+        rows_meta = {(r["workload"], r["policy"], r["requests"]): r for r in summary["results"]}
+        vocab = int((summary.get("model") or {}).get("n_vocab") or TOKEN_HIGH)
+        engines = summary.get("engines") or [{"kv_seqs": None, "backends": summary["backends"]}]
+        host = summary.get("host") or {}
+        loads: dict[tuple, list[float]] = {}
+        for x in host.get("load_avg") or []:
+            loads.setdefault((x["workload"], x["policy"], x["requests"]), []).append(float(x["load1"]))
+        groups: dict[tuple, dict[int, list[RequestRecord]]] = {}
+        for r in records:
+            groups.setdefault((r.workload, r.policy, r.requests), {}).setdefault(r.run, []).append(r)
+        return cls(summary, groups, chat, {s.name(): s for s in specs}, rows_meta, vocab, engines, host, loads)
+
+
+def _row_profile(rec: _Recorded, meta: dict, hardware: Profile | None) -> Profile:
+    """The profile a row ran on: its engine's recorded backends, `hardware`'s speeds where it
+    names the same backends, the swept backend at the row's cap."""
+    kv = meta.get("kv_seqs")
+    engine = next((e for e in rec.engines if e.get("kv_seqs") == kv), rec.engines[0])
+    profile = replay_profile(engine, rec.summary.get("model") or {})
+    if hardware is not None:
+        for hb in hardware.backends:
+            if any(b.name == hb.name for b in profile.backends):
+                profile = profile.with_backend(replace(profile.backend(hb.name), hardware=hb.hw,
+                                                       chunk_overhead_s=hb.chunk_overhead_s,
+                                                       chunk_fixed_s=hb.chunk_fixed_s,
+                                                       prefill_ref_tokens=hb.prefill_ref_tokens,
+                                                       admit_s=hb.admit_s))
+    sweep = next((b["name"] for b in engine["backends"] if b.get("swept")), None)
+    if meta.get("cap") is not None and sweep:
+        profile = profile.with_backend(replace(profile.backend(sweep), cap=int(meta["cap"])))
+    return profile
+
+
+def _simulate_run(rec: _Recorded, profile: Profile, policy: str, row: tuple[str, str, int], run: int,
+                  recs: list[RequestRecord], spec: WorkloadSpec | None) -> SimRun | None:
+    """One recorded run predicted: a chat run's turns as they were sent, else the row's workload
+    with the recorded arrivals and output lengths (None: the run did not record every request)."""
+    workload, label, n = row
+    budget = rec.summary.get("budget", "raw")
+    if rec.chat is not None:
+        wl = chat_replay_workload(workload, run, int(rec.chat["turns"]), recs, min(rec.vocab, TOKEN_HIGH))
+        return simulate(profile, wl, policy, budget=budget, label=label)
+    if spec is None:  # a workload the summary does not describe (`_replay` skips its rows)
+        return None
+    wl = build_workload(replace(with_requests(spec, n), vocab_size=min(rec.vocab, TOKEN_HIGH), label=workload), run)
+    arrivals = [r.t_submit_s for r in recs]
+    outputs = [r.output_tokens if r.success and r.output_tokens else wl.requests[r.index].output_tokens
+               for r in recs]
+    if len(recs) != n:
+        return None
+    return simulate(profile, wl, policy, budget=budget, label=label, arrivals=arrivals, outputs=outputs)
+
+
+class _Tally:
+    """One row's measured and predicted runs, gathered run by run."""
+
+    def __init__(self) -> None:
+        self.measured: list[RunMetrics] = []
+        self.predicted: list[RunMetrics] = []
+        self.same = self.total = 0  # requests, and those the prediction put on the recorded backend
+        self.itl_m: list[float] = []
+        self.itl_p: list[float] = []
+        self.per_run: list[dict] = []
+        self.cached = {"measured": [0, 0], "predicted": [0, 0]}  # cached, prompt tokens (where known)
+
+    def add(self, run: int, recs: list[RequestRecord], predicted: list[RequestRecord]) -> None:
+        sim = {p.index: p for p in predicted}
+        for r in recs:
+            self.total += 1
+            self.same += r.backend == sim[r.index].backend
+        self.measured.append(run_metrics(recs))
+        self.predicted.append(run_metrics(predicted))
+        self.per_run.append({"run": run, **{k: {"measured": getattr(self.measured[-1], k),
+                                                "predicted": getattr(self.predicted[-1], k)}
+                                            for k in ("makespan_s", "ttft_p50_s", "ttft_p95_s")}})
+        for side, rs in (("measured", recs), ("predicted", predicted)):
+            known = [r for r in rs if r.success and r.cached_tokens >= 0]
+            self.cached[side][0] += sum(r.cached_tokens for r in known)
+            self.cached[side][1] += sum(r.prompt_tokens for r in known)
+        self.itl_m += [r.itl_s for r in recs if r.itl_s]
+        self.itl_p += [p.itl_s for p in predicted if p.itl_s]
+
+    def row(self, workload: str, label: str, n: int, *, min_runs: int, load: float, cpus: object) -> dict:
+        row = _compare(workload, label, n, self.measured, self.predicted,
+                       self.same / self.total if self.total else math.nan, _mean(self.itl_m), _mean(self.itl_p),
+                       per_run=self.per_run, min_runs=min_runs, load=load, cpus=cpus)
+        row["cached_share"] = {side: c / p if p else math.nan for side, (c, p) in self.cached.items()}
+        return row
 
 
 def chat_replay_workload(label: str, run: int, turns: int, records: list[RequestRecord], vocab: int) -> Workload:

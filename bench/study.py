@@ -22,6 +22,7 @@ prompts tokenized by its model (`engine.sim.workload.tokenized`), the same text 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -30,8 +31,10 @@ from datetime import datetime
 from pathlib import Path
 
 from engine import llama
-from engine.backends.config import default_specs, parse_backend_specs
+from engine.backends.config import BackendConfig, default_specs, parse_backend_specs
+from engine.backends.registry import BackendSpec
 from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
+from engine.core.snapshot import Rates
 from engine.engine import Engine
 from engine.experiment import Collected, EngineRunner, Variant
 from engine.rates.measure import calibrate_at_load
@@ -278,7 +281,8 @@ class Bench:
                 per_variant = (self.args.runs * len(self.specs) * sum(self.n_list)
                                + self.args.warmup * self.warmup_n)
                 bar.add_total(len(variants) * per_variant)
-                self._run_variants(variants, runner, kv, eng.model.n_vocab if eng else self._vocab(), bar)
+                vocab = (eng.n_vocab if eng is not None else 0) or self._vocab()  # remote engines may not say
+                self._run_variants(variants, runner, kv, vocab, bar)
             finally:
                 if runner is not None:
                     runner.close()
@@ -390,33 +394,19 @@ def summarize(records: list[RequestRecord], meta: dict | None = None) -> list[di
 # ---- helpers ----
 
 
-def _load_engine(args, specs, caps, kv, overrides):
+def _load_engine(args: argparse.Namespace, specs: list[WorkloadSpec], caps: list[int], kv: int | None,
+                 overrides: dict[str, Rates]) -> tuple[Engine, str, list[str]]:
     """Load the engine for one KV budget; returns (engine, swept backend name, notes)."""
-    notes = []
+    notes: list[str] = []
     raw = args.backend or default_specs(gpu=llama.gpu_offload_supported())
     configs = parse_backend_specs(raw)
     sweep = args.sweep_backend if getattr(args, "sweep_backend", None) else _default_sweep(configs)
     if sweep not in {c.name for c in configs}:
         raise InvalidRequest(f"--sweep-backend {sweep!r} is not a backend ({', '.join(c.name for c in configs)})")
     explicit_ctx = {c.name for c, s in zip(configs, raw) if "ctx=" in s}
-    max_cap = max(caps, default=0)
     per_seq = max(s.prompt_tokens + s.max_tokens for s in specs)
-    new = []
-    for c, s in zip(configs, raw):
-        if c.name == sweep and 0 in caps:  # `auto`: room for its ceiling too
-            max_cap = max(max_cap, c.resolved().cap)
-        if c.name == sweep and (max_cap or kv):
-            if max_cap and "n_seq_max=" not in s:
-                c = replace(c, n_seq_max=max(c.resolved().n_seq_max, replace(c, cap=max_cap).resolved().n_seq_max))
-            if kv:
-                c = replace(c, n_ctx=kv * per_seq)
-            elif max_cap and c.name not in explicit_ctx:
-                need = max_cap * per_seq
-                if need > c.resolved().n_ctx:
-                    c = replace(c, n_ctx=need)
-                    notes.append(f"{sweep}'s context raised to {need} cells so cap {max_cap} is not memory-bound "
-                                 f"(each sequence's positions stay within the model's training context)")
-        new.append(c)
+    new = [_sized_for_sweep(c, s, caps, kv, per_seq, c.name in explicit_ctx, notes) if c.name == sweep else c
+           for c, s in zip(configs, raw)]
     unknown = set(overrides) - {c.name for c in new}
     if unknown:
         raise InvalidRequest(f"--rates names unknown backend(s) {', '.join(sorted(unknown))}")
@@ -433,9 +423,35 @@ def _load_engine(args, specs, caps, kv, overrides):
                                  for name, r in measured.items()))
     if kv:
         notes.append(f"KV budget {kv}: {sweep}'s context asked for room for {kv} whole sequences of "
-                     f"{per_seq} tokens ({kv * per_seq} cells; llama.cpp made {eng.backends[sweep].n_ctx}); "
+                     f"{per_seq} tokens ({kv * per_seq} cells; llama.cpp made {eng.info(sweep).n_ctx}); "
                      f"a shared prefix lets more run")
     return eng, sweep, notes
+
+
+def _sized_for_sweep(c: BackendSpec, spec: str, caps: list[int], kv: int | None, per_seq: int,
+                     explicit_ctx: bool, notes: list[str]) -> BackendSpec:
+    """The swept backend's config with room for its largest cap (`auto`: its ceiling) or for
+    `kv` whole sequences. Only a local backend's context is this process's to size: another
+    kind keeps its config (its cap is set while it serves), and a KV budget is refused for it."""
+    if not isinstance(c, BackendConfig):
+        if kv:
+            raise InvalidRequest(f"--kv-seqs sizes a local backend's context: the swept backend {c.name} is not one")
+        return c
+    max_cap = max(caps, default=0)
+    if 0 in caps:  # `auto`: room for its ceiling too
+        max_cap = max(max_cap, c.resolved().cap)
+    if not (max_cap or kv):
+        return c
+    if max_cap and "n_seq_max=" not in spec:
+        c = replace(c, n_seq_max=max(c.resolved().n_seq_max, replace(c, cap=max_cap).resolved().n_seq_max))
+    if kv:
+        return replace(c, n_ctx=kv * per_seq)
+    need = max_cap * per_seq
+    if not explicit_ctx and need > c.resolved().n_ctx:
+        c = replace(c, n_ctx=need)
+        notes.append(f"{c.name}'s context raised to {need} cells so cap {max_cap} is not memory-bound "
+                     f"(each sequence's positions stay within the model's training context)")
+    return c
 
 
 def _measure_placeholders(eng, model: str) -> dict:

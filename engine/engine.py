@@ -35,15 +35,17 @@ from typing import TYPE_CHECKING
 from engine.backends import registry
 from engine.backends.config import resolve_contexts
 from engine.backends.protocol import BackendInfo, BackendProtocol, Handed
-from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest
+from engine.core.errors import BackendUnavailable, EngineError, InvalidRequest, QueueFull
 from engine.core.events import EventBus, RequestRouted
 from engine.core.handle import RequestHandle
-from engine.core.request import Request, RequestStatus, SamplingParams, error_record
+from engine.core.request import Request, RequestStatus, SamplingParams, error_record, next_request_id
 from engine.core.snapshot import BackendSnapshot, Rates
 from engine.prompts import chat
+from engine.prompts.chat import ChatPrompt
+from engine.prompts.tool_calls import ToolMode
 from engine.rates.measure import calibrate_at_load
 from engine.rates.store import ModelRates
-from engine.routing import RouteQuery, Router
+from engine.routing import RouteQuery, Router, RoutingDecision
 
 from .llama.model import Model, ModelRegistry, resolve_model
 
@@ -212,12 +214,34 @@ class Engine:
                             h.decision = decision
                         backend.enqueue_group(*group, pin=pin, cached_estimate=estimate, t_submit=t_submit)
                     break
+                except QueueFull as e:  # how long the client should wait: the router's estimate
+                    e.retry_after_s = decision.chosen.queue_wait_s
+                    raise
                 except BackendUnavailable:
                     # It began a restart (or failed) after the snapshot the router saw: the
                     # next snapshot shows it unhealthy, so route again.
                     if attempt == len(serving) - 1:
                         raise
         self.bus.publish(RequestRouted(decision))
+
+    def embed(self, inputs: Sequence[Sequence[int]], backend: str | None = None) -> tuple[Future, RoutingDecision]:
+        """Route an embedding request (token ids per input) like any request, among the backends
+        that compute embeddings (the decision's `kind` is "embedding"); the chosen backend
+        batches it with the others it has (`Future` of one vector per input, in order)."""
+        t_wait = time.perf_counter()
+        with self._lock:
+            t_in = time.perf_counter()
+            self._check_open()
+            able = [b for b in self.backends.values() if b.embeds]
+            if not able:
+                raise InvalidRequest("no backend here computes embeddings (a remote engine embeds at its own "
+                                     "/v1/embeddings)", param="model")
+            query = RouteQuery(request_id=next_request_id(), prompt_tokens=sum(len(t) for t in inputs), max_tokens=0,
+                               backend=backend, kind="embedding")
+            decision = self.router.route(query, [b.snapshot() for b in able], since=t_in, wait_s=t_in - t_wait)
+            future = self.backends[decision.backend].embed(inputs)
+        self.bus.publish(RequestRouted(decision))
+        return future, decision
 
     def _rehome(self, failed: BackendProtocol, moved: Sequence[Handed]) -> None:
         """A backend went unhealthy or is restarting: route the requests it gave back to the
@@ -300,8 +324,15 @@ class Engine:
     def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
                     continue_final: bool = False) -> list[int]:
         """Render `messages` with the model's chat template and tokenize the result; with
-        `tools`, a prompt for a reply in the generic tool-call format (engine/prompts/structured.py);
+        `tools`, a prompt for a reply that may call them (engine/prompts/tool_calls.py);
         with `continue_final`, a prompt that goes on with the last (assistant) message."""
+        return self.chat_prompt(messages, tools, continue_final=continue_final).tokens
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, mode: ToolMode | None = None, *,
+                    continue_final: bool = False, extra: dict | None = None) -> ChatPrompt:
+        """`chat_tokens` with how to read the reply: the tool mode in the template's call format,
+        and whether the reply starts in a thinking block (`engine.prompts.chat.render_chat`);
+        `extra` are template variables (`chat_template_kwargs`)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         self._check_open()
@@ -309,7 +340,8 @@ class Engine:
             raise InvalidRequest("this engine has no local model to render a chat template with", param="messages")
         try:
             # content is never parsed for special tokens
-            return chat.chat_tokens(self.model, messages, tools, continue_final, self.prompt_limit())
+            return chat.render_chat(self.model, messages, tools, mode, continue_final=continue_final,
+                                    max_prompt=self.prompt_limit(), extra=extra)
         except InvalidRequest:
             raise
         except Exception as e:  # the template's own errors (Jinja raises its own types)

@@ -63,7 +63,7 @@ def test_sampling_params_refuse_extras_out_of_range(field, value):
 
 def test_choices_draw_from_consecutive_seeds():
     base = Request((1, 2, 3), SamplingParams(seed=2**32 - 2))
-    choices = ApiRequest("chat", base, "m", False, False, "messages", n=3).requests()
+    ((choices, _echo),) = ApiRequest("chat", base, "m", False, False, "messages", n=3).groups()
     assert [c.sampling.seed for c in choices] == [2**32 - 2, 2**32 - 1, 0]
     assert len({c.id for c in choices}) == 3 and {c.prompt_tokens for c in choices} == {(1, 2, 3)}
 

@@ -162,8 +162,8 @@ def test_an_unknown_endpoints_404_names_it_among_the_served_ones(server):
 
 def test_an_unknown_endpoint_through_the_sdk_is_a_not_found_error_naming_it(client):
     with pytest.raises(openai.NotFoundError) as e:
-        client.post("/embeddings", body={"input": "x"}, cast_to=object)
-    assert "/v1/embeddings" in e.value.message
+        client.post("/images/generations", body={"prompt": "x"}, cast_to=object)
+    assert "/v1/images/generations" in e.value.message
 
 
 @pytest.fixture

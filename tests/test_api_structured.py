@@ -3,7 +3,7 @@
 write, the grammar sampler makes the reply valid JSON that matches the schema.
 
 Replies are greedy (temperature 0) and the schemas small, so each reply is a few dozen tokens;
-every wait is bounded. The pure parts (the generic tool-call format, the history polyfills)
+every wait is bounded. The pure parts (the tool-call format, the history polyfills)
 are tested without a model at the end.
 """
 
@@ -19,7 +19,7 @@ from servers import Server
 
 from engine.core.errors import InvalidRequest
 from engine.llama.grammar import schema_grammar
-from engine.prompts.structured import TemplateCaps, ToolMode, history, output_schema, parse_reply
+from engine.prompts.tool_calls import JSON_FORMAT, TemplateCaps, ToolMode, history, read_reply, reply_grammar
 
 WAIT = 600  # seconds for one reply: a loaded two-core test machine decodes ~1 token/s
 SPEC = "cpu:threads=1,cap=4,ctx=2048"
@@ -168,50 +168,48 @@ def test_a_named_tool_choice_outside_the_tools_is_a_400(client):
     assert e.value.body["param"] == "tool_choice"
 
 
-# ---- the generic format, without a model ----
-
-FUNCTIONS = [t["function"] for t in TOOLS]
+# ---- the call format, without a model ----
 
 
-def test_required_output_schema_has_no_response_branch():
-    schema = output_schema(FUNCTIONS, ToolMode("required", ("get_weather", "set_reminder")))
-    assert schema["required"] == ["tool_call"]
-    assert "anyOf" not in schema
+def test_required_among_several_has_no_answer_branch():
+    args = schema_grammar(Weather.model_json_schema())
+    grammar = reply_grammar(ToolMode("required", ("get_weather", "set_reminder")),
+                            {"get_weather": args, "set_reminder": args})
+    assert "response" not in grammar
+    assert '"get_weather\\",\\"arguments\\":"' in grammar  # after the prompt's {"name":"
 
 
-def test_named_output_schema_holds_only_that_function():
-    schema = output_schema(FUNCTIONS, ToolMode("set_reminder", ("get_weather", "set_reminder"), named=True))
-    call = schema["properties"]["tool_call"]
-    assert call["properties"]["name"]["const"] == "set_reminder"
+def test_a_named_choice_grammar_holds_only_that_functions_arguments():
+    mode = ToolMode("set_reminder", ("get_weather", "set_reminder"), named=True)
+    grammar = reply_grammar(mode, {"set_reminder": schema_grammar(Reminder.model_json_schema())})
+    assert "tandem-f1" not in grammar and "get_weather" not in grammar
+    assert mode.prefill == '{"name": "set_reminder", "arguments": '
 
 
-def test_auto_reply_with_a_response_is_content():
-    content, calls = parse_reply('{"response": "hello"}', ToolMode("auto", ("get_weather",)))
-    assert (content, calls) == ("hello", [])
+def test_an_auto_reply_with_a_response_is_content():
+    assert read_reply('response":"hello"}', ToolMode("auto", ("get_weather",))) == ("hello", [])
 
 
-def test_reply_with_a_tool_call_gives_json_string_arguments():
-    _, calls = parse_reply('{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}',
-                           ToolMode("auto", ("get_weather",)))
+def test_a_reply_with_a_call_gives_json_string_arguments():
+    _, calls = read_reply('name":"get_weather","arguments":{"city":"Oslo"}}', ToolMode("auto", ("get_weather",)))
     assert json.loads(calls[0].arguments) == {"city": "Oslo"}
 
 
 def test_a_cut_reply_is_not_read_as_a_call():
-    with pytest.raises(InvalidRequest):
-        parse_reply('{"tool_call": {"name": "get_wea', ToolMode("required", ("get_weather",)))
+    assert read_reply('{"ci', ToolMode("required", ("get_weather",))) == (None, [])
 
 
 def test_history_tool_calls_become_content_where_the_template_cannot_render_them():
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    out = history([{"role": "assistant", "content": "", "tool_calls": [call]}], TemplateCaps())
-    assert json.loads(out[0]["content"]) == {"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"},
-                                                           "id": "call_1"}}
+    out = history([{"role": "assistant", "content": "", "tool_calls": [call]}], TemplateCaps(), JSON_FORMAT)
+    assert json.loads(out[0]["content"]) == {"name": "get_weather", "arguments": {"city": "Oslo"}}
 
 
 def test_history_tool_results_become_user_turns_where_the_template_drops_them():
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     out = history([{"role": "assistant", "content": "", "tool_calls": [call]},
-                   {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}], TemplateCaps(tool_calls=True))
+                   {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}], TemplateCaps(tool_calls=True),
+                  JSON_FORMAT)
     assert out[1]["role"] == "user"
     assert json.loads(out[1]["content"])["tool_response"]["tool"] == "get_weather"
 

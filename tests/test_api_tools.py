@@ -14,7 +14,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine.llama.grammar import schema_grammar
-from engine.prompts.structured import ToolMode, output_schema, standalone_schema
+from engine.prompts.structured import standalone_schema
+from engine.prompts.tool_calls import ToolMode, reply_grammar
 
 SPEC = "cpu:threads=1,cap=4,ctx=2048"
 TIMEOUT = 600  # seconds for one reply: a loaded two-core machine decodes a few tokens a second
@@ -56,23 +57,18 @@ def params(model: type[BaseModel]) -> dict:
 # ---- the schema pass, without a model ----
 
 
-def test_a_functions_defs_move_to_the_wrappers_top_level():
-    schema = output_schema([{"name": "save", "parameters": params(Person)}], ToolMode("required", ("save",)))
-    arguments = schema["properties"]["tool_call"]["properties"]["arguments"]
-    assert "$defs" not in arguments
-    assert arguments["properties"]["home"] == {"$ref": "#/$defs/defs-save-Address"}
+def test_a_functions_defs_move_to_its_schemas_top_level_under_its_name():
+    schema = standalone_schema(params(Person), "save")
+    assert schema["properties"]["home"] == {"$ref": "#/$defs/defs-save-Address"}
     assert schema["$defs"]["defs-save-Address"]["properties"].keys() == {"city", "country"}
 
 
-def test_two_tools_defs_of_one_name_stay_apart():
-    schema = output_schema([{"name": "save", "parameters": params(Person)},
-                            {"name": "ship", "parameters": Shipment.model_json_schema()}],
-                           ToolMode("auto", ("save", "ship")))
-    defs = schema["$defs"]
-    assert defs["defs-save-Address"]["properties"].keys() == {"city", "country"}
-    assert defs["defs-ship-Address"]["properties"].keys() == {"street", "number"}
-    grammar = schema_grammar(schema, param="tools")
-    assert "defs-save-Address" in grammar and "defs-ship-Address" in grammar
+def test_two_tools_defs_of_one_name_stay_apart_in_one_grammar():
+    grammars = {name: schema_grammar(standalone_schema(model.model_json_schema(), name), param="tools")
+                for name, model in (("save", Person), ("ship", Shipment))}
+    grammar = reply_grammar(ToolMode("auto", ("save", "ship")), grammars)
+    assert "tandem-f0-defs-save-Address" in grammar and "tandem-f1-defs-ship-Address" in grammar
+    assert grammar.count("\nroot ::=") == 1  # each function's own root renamed apart
 
 
 def test_definitions_with_a_ref_to_the_root_are_lifted():

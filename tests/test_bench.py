@@ -421,6 +421,16 @@ def test_bench_grid_sweeps_caps_as_policies(tmp_path, tiny_path):
     assert len(decisions) == len(rows)
 
 
+def test_a_kv_budget_for_a_swept_backend_that_is_not_local_is_a_clear_error(tmp_path, tiny_path, capsys):
+    """`--kv-seqs` sizes a llama.cpp context of this process: a null (or remote) swept backend has none."""
+    rc = main(["bench", "grid", "--model", str(tiny_path), "--backend", "cpu:threads=1,cap=2,ctx=512",
+               "--backend", "null", "--sweep-backend", "null", "--policies", "seed-score", "--requests", "2",
+               "--runs", "1", "--prompt-tokens", "40", "--caps", "1", "--kv-seqs", "3", "--warmup", "0",
+               "--no-plots", "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "--kv-seqs sizes a local backend's context: the swept backend null is not one" in capsys.readouterr().err
+
+
 def test_unusable_policy_is_a_clear_error(tmp_path, tiny_path, capsys):
     rc = main(["bench", "seed", "--model", str(tiny_path), *BACKENDS, "--policies", "gpu-only",
                "--requests", "2", "--runs", "1", *SMALL_SEED, "--out", str(tmp_path / "x")])
@@ -753,6 +763,23 @@ def test_bench_overhead_one_stage_variants_run_without_top_k_stages(default_path
     out = _last_json(capsys)
     assert rc == 0
     assert out["fused_dist_builds"]["shared"] >= 1 and out["fused_dist_builds"].get("two-stage", 0) == 0
+
+
+def test_bench_overhead_compares_the_sort_free_computation_with_the_one_by_sorts(default_path, capsys):
+    """`p` (temperature + top-p), `pk` (+ top-k 40) and their `-staged` twins in one run: the
+    sort-free builds (proposals for `p`, the top-k by maxima for `pk` where the CPU backend is
+    asked to) beside the builds by sorts, each a ratio to greedy; the path is as it was after."""
+    with fused_dist.fused_path("sortfree", pooled_on_cpu=True):
+        rc = main(["bench", "overhead", "--model", str(default_path), "--threads", "1", "--batches", "2",
+                   "--repeats", "1", "--no-llama", "--prompt-tokens", "32", "--gen-tokens", "8",
+                   "--sampled-variants", "p,pk,pk-staged"])
+        assert (fused_dist.PATH, fused_dist.POOLED_ON_CPU) == ("sortfree", True)
+    out = _last_json(capsys)
+    assert rc == 0
+    for name in ("p", "pk", "pk-staged"):
+        assert out[f"ratio_part_{name}_greedy_b2"] > 0
+    builds = out["fused_dist_builds"]
+    assert builds["proposals"] >= 1 and builds["maxima"] >= 1 and builds["sortfree"] > builds["proposals"]
 
 
 def test_bench_overhead_rejects_an_unknown_sampled_variant(tiny_path, capsys):

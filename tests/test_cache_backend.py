@@ -200,19 +200,21 @@ def test_decode_steps_reuse_the_compute_graph(make_backend, tiny_model, unified)
 @pytest.mark.parametrize("budget", [-1, 300])
 def test_idle_cached_cells_shrink_as_the_batch_grows(make_backend, tiny_model, budget):
     """Unified KV: while B sequences run, the cache keeps at most idle_cache_cells / B cells
-    that none of them uses (-1: n_ctx); the least recently used go first."""
+    that none of them uses (-1: n_ctx); the least recently used go first. Every request shares
+    a system prompt, so no arrival on the idle context counts as unrelated work."""
     b = make_backend(tiny_model, cap=4, n_ctx=4096, idle_cache_cells=budget)
+    system = _text_tokens(tiny_model, 80, seed=39)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for i in range(6):  # one at a time: each leaves ~115 cached cells
-        b.enqueue(Request(tuple(_text_tokens(tiny_model, 100, seed=40 + i)), sp)).result(WAIT)
+    for i in range(6):  # one at a time: each leaves ~115 cached cells of its own
+        b.enqueue(Request(tuple(system + _text_tokens(tiny_model, 100, seed=40 + i)), sp)).result(WAIT)
     kept, cached = b.cache.evictable_tokens, b.cache.cached_tokens
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    handles = [b.enqueue(Request(tuple(_text_tokens(tiny_model, 20, seed=60 + i)), long)) for i in range(3)]
+    handles = [b.enqueue(Request(tuple(system + _text_tokens(tiny_model, 20, seed=60 + i)), long)) for i in range(3)]
     wait_until(lambda: len(b.snapshot().running) == 3, what="three running", unless=lambda: any(h.done for h in handles))
     if budget < 0:
-        assert kept > 600 and b.cache.cached_tokens == cached, "4096 / 3 cells is room for all of it"
+        assert kept > 600 and b.cache.cached_tokens >= cached, "4096 / 3 cells is room for all of it"
     else:
-        assert kept <= 300 + 120  # B = 1 while each ran; the last one's cells came after
+        assert kept <= 300 + 200  # B = 1 while each ran; the last one's cells came after
         wait_until(lambda: b.cache.evictable_tokens <= 300 // 3, what="idle cache shed to budget / B",
                    unless=lambda: any(h.done for h in handles))
     assert all(h.result(WAIT).output_tokens == 400 for h in handles)

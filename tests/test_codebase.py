@@ -1,8 +1,11 @@
 """The layout's rules as facts: import-linter's contracts, ruff and mypy (their settings are in
-pyproject.toml) pass on the tree, and a contract really fails when the engine imports Qt."""
+pyproject.toml) pass on the tree, and a contract really fails when the engine imports Qt; every
+engine function is annotated; no function is over 80 lines or complexity 15, no class over 35
+methods."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -15,6 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TIMEOUT = 300  # seconds; mypy's first run over the four packages takes ~40 s on one core
+MAX_FUNCTION_LINES = 80
+MAX_COMPLEXITY = 15
+MAX_METHODS = 35
 
 
 def _run(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -31,6 +37,12 @@ def _report(p: subprocess.CompletedProcess) -> str:
 def test_import_contracts_are_kept():
     p = _run(["lint-imports"])
     assert p.returncode == 0, _report(p)
+
+
+def test_import_contracts_count_type_only_imports():
+    """An import under `if TYPE_CHECKING:` is held to the same layers as any other."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config.get("exclude_type_checking_imports", False) is False
 
 
 def test_ruff_finds_nothing():
@@ -76,6 +88,18 @@ def test_engine_importing_qt_breaks_a_contract(tmp_path):
     assert "engine.qt_leak -> PySide6" in p.stdout, _report(p)
 
 
+def test_a_type_only_import_against_the_layers_breaks_a_contract(tmp_path):
+    """The same contracts on a copy of the tree whose core names the engine facade for a type."""
+    _copy_tree(tmp_path)
+    (tmp_path / "engine" / "core" / "upward.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from engine.engine import Engine  # noqa: F401\n")
+
+    p = _run(["lint-imports", "--no-cache"], cwd=tmp_path)
+
+    assert p.returncode != 0, _report(p)
+    assert "engine.core.upward -> engine.engine" in p.stdout, _report(p)
+
+
 def test_an_import_cycle_breaks_a_contract(tmp_path):
     """The same contracts on a copy of the tree whose Responses routes import the server back."""
     _copy_tree(tmp_path)
@@ -96,3 +120,75 @@ def test_no_test_name_joins_two_behaviours():
     offenders = [f"{path.name}: {m.group(1)}" for path in sorted((ROOT / "tests").glob("*.py"))
                  for m in joined.finditer(path.read_text())]
     assert not offenders, "\n".join(offenders)
+
+
+# ---- objects with one job, types on every engine function ----
+
+
+def _python_files(*packages: str) -> list[Path]:
+    return [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
+
+
+def _defs(path: Path, kinds: tuple[type, ...]) -> list:
+    return [node for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, kinds)]
+
+
+def _where(path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"  # type: ignore[attr-defined]
+
+
+def _unannotated(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """mypy's rule (`disallow_untyped_defs`, `disallow_incomplete_defs`): every parameter but a
+    method's self/cls annotated, and the return, which an `__init__` with annotated parameters may omit."""
+    a = fn.args
+    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+    if params and params[0].arg in ("self", "cls"):
+        params = params[1:]
+    if any(p.annotation is None for p in params):
+        return True
+    return fn.returns is None and not (fn.name == "__init__" and params)
+
+
+def test_ruff_bounds_complexity_at_15():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
+    assert "C901" in config["select"]
+    assert config["mccabe"]["max-complexity"] == MAX_COMPLEXITY
+
+
+@pytest.mark.xfail(strict=True, reason="open in files being changed elsewhere: engine/engine.py, engine/experiment.py, "
+                   "engine/llama/ (but embedding.py, gbnf_cost.py, synthetic.py), engine/prompts/{chat,structured}.py, "
+                   "engine/rates/refresh.py, engine/routing/, engine/sched/{prefix_cache,scheduler,sequence}.py")
+def test_every_function_in_engine_is_annotated():
+    missing = [_where(path, fn) for path in _python_files("engine")
+               for fn in _defs(path, (ast.FunctionDef, ast.AsyncFunctionDef)) if _unannotated(fn)]
+    assert not missing, f"{len(missing)} functions of engine/ lack annotations:\n" + "\n".join(missing)
+
+
+@pytest.mark.xfail(strict=True, reason="open in files being changed elsewhere: ui/{teaching,backends,controls,"
+                   "experiments,routing}.py and ui/chat/panel.py (_build), app/gui.py (run_gui), app/cli.py "
+                   "(build_parser), engine/llama/grammar.py (measure)")
+def test_no_function_is_over_80_lines():
+    long = [f"{_where(path, fn)}: {fn.end_lineno - fn.lineno + 1} lines"
+            for path in _python_files("engine", "app", "ui", "bench")
+            for fn in _defs(path, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, "\n".join(long)
+
+
+@pytest.mark.xfail(strict=True, reason="open in files being changed elsewhere: engine/backends/local.py (Backend), "
+                   "engine/sched/scheduler.py (Scheduler), engine/engine.py (Engine), ui/main_window.py "
+                   "(MainWindow), ui/chat/panel.py (ChatPanel)")
+def test_no_class_has_over_35_methods():
+    big = [f"{_where(path, cls)}: {n} methods" for path in _python_files("engine", "app", "ui")
+           for cls in _defs(path, (ast.ClassDef,))
+           if (n := sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in cls.body)) > MAX_METHODS]
+    assert not big, "\n".join(big)
+
+
+@pytest.mark.xfail(strict=True, reason="open in files being changed elsewhere: app/gui.py (run_gui), "
+                   "engine/llama/grammar.py (measure), engine/llama/runner.py (execute), ui/hub.py (_download_one)")
+def test_no_file_is_excused_from_the_complexity_bound():
+    """ruff's C901 (in `test_ruff_finds_nothing`) covers every file: pyproject.toml excuses none."""
+    ignores = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["per-file-ignores"]
+    excused = sorted(path for path, codes in ignores.items() if "C901" in codes)
+    assert not excused, excused

@@ -227,19 +227,65 @@ def test_engine_first_tokens_follow_the_host_chain(make_backend, tiny_model):
     assert built["shared"] >= 1 and built["two-stage"] == 0, built
 
 
-def test_engine_first_tokens_with_top_k_in_stages_follow_the_host_chain(make_backend, default_model):
-    """The default model's 49,152 tokens in chunks of 1,024 (the stages asked of the CPU
-    backend, which runs the graph a GPU would): the top-k 40 runs in stages inside the decode
-    graph, with the same distribution as llama.cpp's chain."""
+@pytest.mark.parametrize("path", ["staged", "sortfree"])
+def test_engine_first_tokens_with_top_k_in_stages_follow_the_host_chain(make_backend, default_model, path):
+    """The default model's 49,152 tokens, the top-k 40 taken as a GPU takes it (asked of the CPU
+    backend, which runs the graph a GPU would): in stages of 1,024 (`staged`) or by maxima
+    (`sortfree`), inside the decode graph, with the same distribution as llama.cpp's chain."""
     assert fused_dist.in_stages(default_model.info.n_vocab, 40, 1024)
     before = fused_dist.BUILDS.copy()
     # "My favourite": some 36 distinct first tokens in 200 draws at this temperature
-    with fused_dist.top_k_stages(1024, on_cpu=True):
+    with fused_dist.top_k_stages(1024, on_cpu=True), fused_dist.fused_path(path, pooled_on_cpu=True):
         _first_tokens_fit_host_chain(make_backend, default_model, tuple(default_model.tokenize("My favourite",
                                                                                               add_special=False)),
                                      cap=16)
     built = fused_dist.BUILDS - before
-    assert built["two-stage"] >= 1 and built["host"] == 0, built
+    assert built["two-stage" if path == "staged" else "maxima"] >= 1 and built["host"] == 0, built
+
+
+@pytest.mark.parametrize("vocab, k", [(151936, 40), (151936, 64), (5000, 20), (49152, 1), (300, 2)])
+def test_top_k_by_maxima_keeps_exactly_the_k_best(vocab, k):
+    """The top-k by chunk maxima keeps the same tokens as numpy's top-k, in descending order,
+    whatever the spread: rows whose best values crowd into one chunk, one per chunk, or lie anywhere."""
+    rng = np.random.default_rng(vocab + k)
+    logits = rng.normal(size=(4, vocab)).astype(np.float32)
+    logits[1, 512:512 + 2 * k] += 10.0  # the best of row 1 crowd into one or two chunks
+    logits[2, ::256] += 10.0  # row 2: one standout a chunk
+    ids = fused_dist.top_k_rows(logits, k, maxima=True)
+    for r in range(4):
+        want = np.argsort(-logits[r], kind="stable")[:k]
+        assert set(ids[r]) == set(want), f"row {r}"
+        assert np.all(np.diff(logits[r][ids[r]]) <= 0), f"row {r} not in descending order"
+
+
+@pytest.mark.parametrize("name", [n for n, p in CONFIGS.items() if 0 < p.top_k <= 20])
+def test_top_k_by_maxima_draws_from_llama_chain_distribution(name):
+    """The sort-free computation over a wide row (the top-k by maxima, the short draw): 20,000
+    draws fit llama.cpp's chain's probabilities (chi-square, 1e-4)."""
+    p = CONFIGS[name]
+    with fused_dist.fused_path("sortfree", pooled_on_cpu=True):
+        tokens = fused_dist.sample_rows(np.tile(WIDE, (DRAWS, 1)), [p] * DRAWS,
+                                        np.random.default_rng(15).random(DRAWS), WIDE_EOG)
+    probs = fused_dist.reference_probs(WIDE, p, WIDE_EOG)
+    ok, stat, crit = fused_dist.chi_square_ok(np.bincount(tokens, minlength=WIDE.size), probs)
+    assert ok, f"{name}: chi-square {stat:.1f} > {crit:.1f}"
+
+
+@pytest.mark.parametrize("p", [SamplingParams(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0),
+                               SamplingParams(temperature=1.0, top_k=0, top_p=0.8, min_p=0.02)])
+def test_rows_without_top_k_draw_by_proposals_from_llama_chain_distribution(p):
+    """No top-k: each row draws proposals from its whole distribution (1,024-token chunks, then
+    the token) and keeps the first inside the cuts; 20,000 draws over a 5,000-token row fit
+    llama.cpp's chain (chi-square, 1e-4). Every proposal of a row fails with probability at most
+    (1 - q)^PROPOSALS, q the mass the cuts keep at the row's temperature (here at least 0.8: at
+    most 1.6e-3 of the draws take the fallback, the likeliest token)."""
+    part = DRAWS // 5  # five computations: the proposals' intermediates are rows x 5,000 x PROPOSALS
+    uniforms = np.random.default_rng(16).random((DRAWS, fused_dist.sortfree.PROPOSALS))
+    tokens = np.concatenate([fused_dist.sample_rows(np.tile(WIDE, (part, 1)), [p] * part,
+                                                    uniforms[i * part:(i + 1) * part], WIDE_EOG) for i in range(5)])
+    probs = fused_dist.reference_probs(WIDE, p, WIDE_EOG)
+    ok, stat, crit = fused_dist.chi_square_ok(np.bincount(tokens, minlength=WIDE.size), probs)
+    assert ok, f"chi-square {stat:.1f} > {crit:.1f}; kept {(probs > 0).sum()} tokens"
 
 
 def test_on_the_host_the_sampler_runs_llama_chain():

@@ -54,7 +54,7 @@ class Hand:
 
 def stream(rate: float = 2.0) -> tuple[ArrivalStream, Hand]:
     hand = Hand()
-    s = ArrivalStream(rate, ArrivalClock(monotonic=hand))
+    s = ArrivalStream(rate, ArrivalClock(clock=hand))
     s.clock.start()
     return s, hand
 

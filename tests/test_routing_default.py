@@ -14,6 +14,7 @@ from engine.core.errors import InvalidRequest
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates, WorkItem
 from engine.routing import DEFAULT_POLICY, RouteQuery, Router, finish_time, seed_score
 from engine.routing.default import (
+    CONVERSING_RECENT,
     CONVERSING_SHARE,
     CONVERSING_WINDOW,
     FILL,
@@ -272,6 +273,30 @@ def test_a_device_serving_conversations_shares_its_new_work_out():
     d = r.route(_next_turn("d"), _contexts(6, 3, 0, 0))
     assert d.backend == "gpu-a", d.reason
     assert "this one resumes one" in d.reason
+
+
+def test_a_device_packs_again_once_its_conversations_end():
+    """A device that served conversations (every context holding some) gets requests that
+    resume nothing: after CONVERSING_RECENT of them it packs again, onto the busiest contexts
+    that hold its load, and the others drain."""
+    r = Router(PACK)
+    for k in range(CONVERSING_WINDOW):
+        r.route(_next_turn(k), _contexts(6, 6, 6, 6, 6, 6))
+    spread = _contexts(3, 5, 2, 4, 1, 1, 0)
+    for k in range(CONVERSING_RECENT - 1):  # with the next, the last CONVERSING_RECENT resumed nothing
+        d = r.route(query(f"t{k}", prompt=1550, max_tokens=128), spread)
+        assert "serves conversations" in d.reason, d.reason
+    d = r.route(query("t-next", prompt=1550, max_tokens=128), spread)
+    assert "serves conversations" not in d.reason
+    assert d.backend in ("gpu-b", "gpu-d", "gpu-a"), d.reason
+    assert "3 in use" in d.reason, d.reason
+
+
+def test_a_resumed_conversation_goes_home_to_a_draining_context():
+    r = Router(PACK)
+    q = query(prompt=1800, max_tokens=128, cached={"gpu-e": 1700}, resumed={"gpu-e": 1600})
+    d = r.route(q, _contexts(9, 8, 7, 6, 2))
+    assert d.backend == "gpu-e", d.reason
 
 
 def test_a_tenants_requests_resume_nothing_so_they_stay_packed():

@@ -420,9 +420,11 @@ def test_queued_requests_pins_give_way_to_a_running_sequence_that_must_grow():
     sim = Sim(n_ctx=64, cap=1)
     prefix = _warm(sim, range(100, 140))
     cache = sim.sched.cache
+    behind = _queue_pinned(sim, prefix)  # routed before the grower came, queued behind it
     grower = sim.submit([1, 5], max_tokens=40, ignore_eos=True)
+    sim.sched.waiting.rotate(1)
     sim.step()
-    behind = _queue_pinned(sim, prefix)
+    assert grower.status == RequestStatus.RUNNING
     assert cache.pinned_tokens == 40
     sim.run()
     assert sim.record(grower).status == RequestStatus.FINISHED_LENGTH, sim.record(grower).error
@@ -442,6 +444,66 @@ def test_prefix_reuse_aliases_cached_cells():
     sim.run()
     assert sim.sched.kv_cells_used() == sim.mem.cells
     assert a.generated == b.generated == 4
+
+
+# ---- an idle context's cache and the work that starts on it ----
+
+SYSTEM = list(range(300, 380))  # a system prompt every conversation shares (80 tokens)
+
+
+def _converse(sim: Sim, n: int) -> list[int]:
+    """`n` conversations' first turns, one after another, each leaving its history cached;
+    returns the cached tokens they left."""
+    for i in range(n):
+        sim.submit(SYSTEM + list(range(1000 + 50 * i, 1040 + 50 * i)), max_tokens=8)
+        sim.run()
+    return sim.sched.cache.cached_tokens
+
+
+def test_unrelated_work_on_an_idle_context_clears_what_other_work_left_cached():
+    sim = Sim(n_ctx=1024)
+    assert _converse(sim, 3) == 80 + 3 * (40 + 7)  # each: its own 40 and the 7 tokens it wrote before the last
+    study = sim.submit(list(range(2000, 2100)), max_tokens=4)
+    sim.step()
+    assert sim.sched.unrelated_sheds == 1
+    assert sim.sched.cache.cached_tokens == 0, "the conversations' histories went before its cells were placed"
+    assert sim.mem.cells == study.n_past  # the pool holds its cells alone
+    sim.run()
+    assert sim.sched.kv_cells_used() == sim.mem.cells
+
+
+def test_a_new_conversation_sharing_the_system_prompt_keeps_the_others_histories():
+    sim = Sim(n_ctx=1024)
+    cached = _converse(sim, 3)
+    sim.submit(SYSTEM + list(range(5000, 5030)), max_tokens=4)
+    sim.step()
+    assert sim.sched.unrelated_sheds == 0
+    assert sim.sched.cache.cached_tokens >= cached
+
+
+def test_unrelated_work_beside_running_work_leaves_the_cache_to_the_idle_budget():
+    sim = Sim(n_ctx=1024)
+    cached = _converse(sim, 2)
+    sim.submit(SYSTEM + list(range(5000, 5030)), max_tokens=40)  # a returning user's turn, running
+    sim.step()
+    sim.submit(list(range(2000, 2100)), max_tokens=4)
+    sim.step()
+    assert sim.sched.unrelated_sheds == 0 and sim.sched.cache.cached_tokens >= cached
+    sim.run()
+
+
+def test_a_prefix_pinned_for_a_queued_request_survives_unrelated_work():
+    sim = Sim(n_ctx=1024, cap=1)
+    _converse(sim, 1)
+    _queue_pinned(sim, SYSTEM)  # routed here for the cached system prompt, queued
+    head = sim.submit(list(range(2000, 2100)), max_tokens=4)
+    sim.sched.waiting.remove(head)
+    sim.sched.waiting.appendleft(head)  # the unrelated request comes first
+    sim.step()
+    assert sim.sched.unrelated_sheds == 1
+    assert sim.sched.cache.match_length((*SYSTEM, 7)) == 80, "the queued request's prefix stayed"
+    assert sim.sched.cache.cached_tokens == 80, "the conversation's own turn went"
+    sim.run()
 
 
 # ---- the choices of one request (n > 1) ----

@@ -264,7 +264,7 @@ def test_stalled_bodies_are_evicted_before_a_new_connection_still_sending_its_he
 
 
 def test_one_client_address_at_its_cap_is_refused_while_others_are_served(loop_thread, engine):
-    """nginx's `limit_conn`: over its cap an address gets a raw 503 and keeps what it holds.
+    """nginx's `limit_conn`: over its cap an address gets a raw 429 and keeps what it holds.
     Evicting its own idle connection instead let an attacker that reconnects at once make the
     server set connections up and tear them down as fast as its loop could."""
     app = create_app(engine, guard=GuardSettings(max_client_connections=5, keepalive_timeout=120, refuse_hold_s=0.3))
@@ -276,8 +276,9 @@ def test_one_client_address_at_its_cap_is_refused_while_others_are_served(loop_t
                                       source_address=("127.0.0.2", 0)) as sixth:
             sixth.settimeout(WAIT)
             t0 = time.monotonic()
-            assert sixth.recv(65536).startswith(b"HTTP/1.1 503")
-            assert time.monotonic() - t0 >= 0.25, "held unread before its 503 (a tarpit)"
+            reply = sixth.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 429") and b"Retry-After: " in reply
+            assert time.monotonic() - t0 >= 0.25, "held unread before its 429 (a tarpit)"
         wait_until(lambda: app[CONNECTIONS].held == 0, timeout=WAIT, what="the held refusal let go")
         assert not closed_by_server(mine[0], timeout=0.2), "the address keeps what it holds"
         other = kept_alive(base, 1, source="127.0.0.3")  # another client is served
@@ -321,30 +322,32 @@ def test_connections_that_time_out_make_only_their_address_wait(loop_thread, eng
         loop_thread.run(runner.cleanup())
 
 
-def test_a_connection_from_an_address_in_debt_is_served_once_the_debt_is_paid(loop_thread, engine):
-    """An address in debt is not refused: its new connection is held unread until the debt is
-    paid, then admitted like any other."""
+def test_a_connection_from_an_address_in_debt_is_answered_429_within_seconds(loop_thread, engine):
+    """An address in debt is held once, briefly (`refuse_hold_s`, 1-2x), then answered a raw
+    429 with `Retry-After` while the debt stands: a real client of that address hears within
+    seconds. Once the debt is paid, its next connection is served like any other."""
     from app.http_guard import RefusalLedger
 
     now = [0.0]
     app = create_app(engine, guard=GuardSettings(refuse_hold_s=0.2))
     ledger = RefusalLedger(share=0.1, burst=0.5, clock=lambda: now[0])  # time stands still until we move it
     app[REFUSALS] = app[CONNECTIONS].refusals = ledger
-    ledger.charge("127.0.0.2", 0.55)  # 0.05 s over the burst: 0.5 s to pay
+    ledger.charge("127.0.0.2", 0.85)  # 0.35 s over the burst: 3.5 s to pay
     runner, base = loop_thread.serve(app)
     guard = app[CONNECTIONS]
+    port = int(base.rsplit(":", 1)[1])
     try:
-        with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=WAIT,
-                                      source_address=("127.0.0.2", 0)) as s:
-            wait_until(lambda: guard.deferred >= 1 and guard.held == 1, timeout=WAIT, what="the connection held")
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT, source_address=("127.0.0.2", 0)) as s:
+            t0 = time.monotonic()
             s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            s.settimeout(0.5)
-            with pytest.raises(TimeoutError):
-                s.recv(65536)  # unread while the debt stands (each wake-up finds it unpaid)
-            now[0] = 100.0  # paid
-            s.settimeout(WAIT)
+            reply = s.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 429") and b"Retry-After: 4\r\n" in reply
+            assert 0.2 <= time.monotonic() - t0 < 5
+        assert guard.deferred == 1 and guard.refused == 1
+        now[0] = 100.0  # paid
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT, source_address=("127.0.0.2", 0)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert s.recv(65536).startswith(b"HTTP/1.1 200")
-        assert guard.refused == 0
     finally:
         loop_thread.run(runner.cleanup())
 
@@ -812,7 +815,8 @@ def test_the_refusal_ledger_holds_an_address_only_past_its_burst():
 
 def test_refused_bodies_make_only_their_sender_wait(loop_thread, engine):
     """50,000-message chats from one address are refused, and what parsing them cost is charged
-    to that address alone: its next request waits, another address's does not."""
+    to that address alone: its next request gets 429 with `Retry-After`, another address's is
+    served."""
     app = create_app(engine, guard=GuardSettings(refused_cpu_share=0.05, refused_cpu_burst_s=0.001))
     runner, base = loop_thread.serve(app)
     bomb = {"messages": [{"role": "user", "content": "x"}] * 50_000, "max_tokens": 1}
@@ -828,8 +832,10 @@ def test_refused_bodies_make_only_their_sender_wait(loop_thread, engine):
             assert owed > 0.001 and ledger.owed("127.0.0.3") == 0
             wait = ledger.wait_s("127.0.0.2")
             t0 = time.monotonic()
-            assert attacker.post("/v1/chat/completions", json=bomb).status_code == 400
-            assert time.monotonic() - t0 >= 0.9 * wait > 0  # held before its body was read
+            again = attacker.post("/v1/chat/completions", json=bomb)
+            # answered at once, its body unread: 429 and when to come back, not a held connection
+            assert again.status_code == 429 and 0 < int(again.headers["Retry-After"]) <= math.ceil(wait)
+            assert again.json()["error"]["type"] == "rate_limit_error" and time.monotonic() - t0 < WAIT / 2
             assert ledger.wait_s("127.0.0.3") == 0
             r = user.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                         "max_tokens": 2})

@@ -139,7 +139,7 @@ class RoutingTableModel(QAbstractTableModel):
                 return [
                     str(self._first_number + index.row()),
                     f"{d.time - self.t0:.2f} s",
-                    d.backend + (" (pinned)" if d.pinned else ""),
+                    d.backend + (" (pinned)" if d.pinned else "") + (" · embedding" if d.kind == "embedding" else ""),
                 ][col]
             if role == Qt.ForegroundRole and col == BACKEND_COLUMN and d.backend in self._colors:
                 return QBrush(_text_color(self._colors[d.backend]))

@@ -2,8 +2,10 @@
 served by one worker thread.
 
 The shell is llama.cpp server's loop (`server-queue.h`): other threads post typed messages
-(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Fault`, `Stop`) to ONE inbox; the worker takes them
-all between steps, in order, then runs a step:
+(`Enqueue`, `Cancel`, `SetCap`, `Call`, `Embed`, `Fault`, `Stop`) to ONE inbox; the worker takes
+them all between steps, in order (the embeddings of every `Embed` taken together in as few
+decodes as fit, on the worker's own embedding context, engine/llama/embedding.py), then runs a
+step:
   1. the scheduler admits what fits and plans one batch (`Scheduler.schedule`);
   2. the runner applies the plan's KV ops, gives new sequences a sampler, decodes and samples
      (`ContextRunner.execute`; the previous step's text is made while the device runs);
@@ -31,7 +33,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,13 +59,20 @@ from engine.core.events import EventBus, RequestAdmitted, RequestFinished, StepD
 from engine.core.handle import Outbox, RequestHandle
 from engine.core.request import FinishRecord, Request, RequestStatus, SamplingParams, error_record
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
+from engine.llama.embedding import Embeddings
 from engine.llama.model import Model
 from engine.llama.runner import ContextRunner, kv_bytes_per_cell, kv_cells_that_fit, process_rss
 from engine.sched.limiter import ConcurrencyLimiter
 from engine.sched.prefix_cache import PrefixCache
-from engine.sched.scheduler import Finished, Scheduler, SeqState
+from engine.sched.scheduler import Finished, KvOp, Scheduler, SeqState
 
 log = logging.getLogger(__name__)
+PAUSED_POLL_S = 0.02  # how often a backend whose only work is paused sequences looks at their readers
+
+
+def _reader_behind(s: SeqState) -> bool:
+    """The scheduler's `paused` predicate: the request's asyncio reader is behind."""
+    return s.handle is not None and s.handle.reader_behind
 
 
 # ---- the inbox's messages ----
@@ -91,6 +100,12 @@ class Call:
 
 
 @dataclass(frozen=True, slots=True)
+class Embed:
+    inputs: tuple[tuple[int, ...], ...]  # token ids per input; the future gets one vector each
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
 class Fault:
     kind: str  # "decode" | "crash"
 
@@ -100,16 +115,19 @@ class Stop:
     pass
 
 
+Message = Enqueue | Cancel | SetCap | Call | Embed | Fault | Stop
+
+
 class Inbox:
     """The worker's one queue: any thread `put`s, the worker `take`s everything at once."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._items: collections.deque = collections.deque()
+        self._items: collections.deque[Message] = collections.deque()
         self._in_transit = 0  # requests `take` handed the worker that are not yet in its queue (`landing`)
         self.closed = False
 
-    def put(self, msg) -> None:
+    def put(self, msg: Message) -> None:
         """Post a message (requests: `put_queued`); once closed, only a `Stop`."""
         with self._cond:
             if self.closed and not isinstance(msg, Stop):
@@ -132,7 +150,7 @@ class Inbox:
             self._cond.notify()
             return None
 
-    def take(self, wait: bool, timeout: float | None = None) -> list:
+    def take(self, wait: bool, timeout: float | None = None) -> list[Message]:
         if not wait and not self._items:  # the busy loop's common case: no lock
             return []
         with self._cond:
@@ -144,7 +162,7 @@ class Inbox:
             return items
 
     @contextlib.contextmanager
-    def landing(self):
+    def landing(self) -> Iterator[None]:
         """Worker: a request `take` handed it goes into the scheduler's queue inside this block,
         which no `put_queued` count can split."""
         with self._cond:
@@ -165,7 +183,7 @@ class Inbox:
         with self._cond:
             return [m.seq for m in self._items if isinstance(m, Enqueue)]
 
-    def close(self) -> list:
+    def close(self) -> list[Message]:
         """Refuse new messages; return what was never taken."""
         with self._cond:
             self.closed = True
@@ -219,6 +237,7 @@ class Backend(BackendBase):
         self._fault: str | None = None  # test hook: "decode" or "crash" at the next step
         self._thread: threading.Thread | None = None
         self._runner: ContextRunner | None = None
+        self._embeddings = Embeddings(model, self.config.threads, self.config.threads_batch, self.name)
         self._open(PrefixCache(), self.config.cache)
 
     # ---- lifecycle ----
@@ -235,7 +254,7 @@ class Backend(BackendBase):
             busy_chunk=busy, queue_timeout_s=c.queue_timeout_s, name=self.name, piece=self.model.piece,
             is_eog=self.model.is_eog, preferred_ids=r.samplers.idle_ids, cache=cache,
             limiter=ConcurrencyLimiter(self._cap, initial=self._start, adaptive=self._adaptive),
-            share_prefill=c.share_prefill, defer_shared=c.defer_shared)
+            share_prefill=c.share_prefill, defer_shared=c.defer_shared, paused=_reader_behind)
         self._sched.overlap = c.overlap_text if c.overlap_text is not None else self.model.device == "gpu"
         self._inbox = Inbox()
 
@@ -365,7 +384,7 @@ class Backend(BackendBase):
                 continue
         return 0, None
 
-    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin=None,
+    def enqueue(self, request: Request, handle: RequestHandle | None = None, *, pin: object = None,
                 cached_estimate: int | None = None, t_submit: float | None = None) -> RequestHandle:
         """Queue a request (FCFS). `pin` keeps the router's cache estimate valid until admission."""
         self.validate(request)
@@ -376,7 +395,7 @@ class Backend(BackendBase):
         self._submit(seq)
         return handle
 
-    def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin=None,
+    def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin: object = None,
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:
         """Queue the choices of one request (same prompt) together: the first computes the
         prompt, the others alias its KV (engine/sched/scheduler.py). `pin` and `cached_estimate` are
@@ -389,7 +408,7 @@ class Backend(BackendBase):
                                 n_ctx_seq=self.n_ctx_seq, choice=True)
                        for i, (r, h) in enumerate(zip(requests, handles))))
 
-    def warm(self, tokens) -> RequestHandle:
+    def warm(self, tokens: Sequence[int]) -> RequestHandle:
         """Prefill `tokens` into the prefix cache (no generation); the handle ends when done."""
         req = Request(tuple(tokens), SamplingParams(max_tokens=1, temperature=0.0), source="warm")
         self.validate(req)
@@ -422,6 +441,22 @@ class Backend(BackendBase):
                         self._sched.cache.unpin(seq.pin)
                     seq.pin = None
             raise refused
+
+    embeds = True
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> Future:
+        """The pooled, normalised embedding of each input (token ids), in order: a Future of a
+        list of float32 arrays, computed by the worker between two steps."""
+        future: Future = Future()
+        if not self.serving:
+            raise BackendUnavailable(f"backend {self.name} is not serving")
+        self._inbox.put(Embed(tuple(tuple(t) for t in inputs), future))
+        return future
+
+    @property
+    def embedding_decodes(self) -> int:
+        """Decodes its embedding context ran (requests taken together share them)."""
+        return self._embeddings.decodes
 
     @property
     def serving(self) -> bool:
@@ -471,7 +506,7 @@ class Backend(BackendBase):
                 b._obs_prefill = b._obs_decode = 0.0
         return self.call(reset)
 
-    def call(self, fn) -> Future:
+    def call(self, fn: Callable[[Backend], object]) -> Future:
         """Run `fn(backend)` on the worker thread between steps; the future holds its result."""
         fut: Future = Future()
         try:
@@ -499,7 +534,7 @@ class Backend(BackendBase):
         return self.model.n_vocab
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Model:
         return self.model
 
     def info(self) -> BackendInfo:
@@ -575,7 +610,7 @@ class Backend(BackendBase):
         return self.n_ctx * self._context().kv_cell_bytes
 
     @property
-    def step_gaps(self):
+    def step_gaps(self) -> Sequence[float]:
         """Seconds of host work between consecutive steps, the last 8,192 (ContextRunner.gaps);
         read while the worker is idle."""
         r = self._runner
@@ -650,6 +685,8 @@ class Backend(BackendBase):
             if idle:
                 due = samplers.expires_in(time.monotonic())  # idle chains to detach
                 timeout = None if due is None else max(due, 0.0)
+                if sched.n_paused or sched.parked:  # look again soon whether their readers caught up
+                    timeout = PAUSED_POLL_S if timeout is None else min(timeout, PAUSED_POLL_S)
             msgs = self._inbox.take(idle and timeout != 0.0, timeout)
             if msgs and self._take(msgs):
                 return
@@ -660,10 +697,13 @@ class Backend(BackendBase):
             samplers.trim(sched.cap)
             self._outbox.flush()
 
-    def _take(self, msgs) -> bool:
+    def _take(self, msgs: list[Message]) -> bool:
         """Apply the inbox's messages in order; True on `Stop`."""
         sched = self._sched
-        cancelled = set()
+        cancelled: set[str] = set()
+        embeds = [(m.inputs, m.future) for m in msgs if isinstance(m, Embed)]
+        if embeds:
+            self._embeddings.run(embeds)
         for m in msgs:
             if isinstance(m, Enqueue):
                 with self._state, self._inbox.landing():
@@ -688,7 +728,7 @@ class Backend(BackendBase):
             self._settle()
         return False
 
-    def _settle(self, finished=()) -> None:
+    def _settle(self, finished: Sequence[Finished] = ()) -> None:
         """Apply what the scheduler decided: finish records, then KV ops and released ids.
 
         The records go out first: the KV ops of finished sequences (each `seq_rm` / `seq_cp`
@@ -696,8 +736,8 @@ class Backend(BackendBase):
         retiring at once took 59 ms of them (32,768 cells, 2-core dev machine) that every
         one of those requests waited for."""
         sched, runner = self._sched, self._context()
-        ops: list = []
-        unplaced: list = []
+        ops: list[KvOp] = []
+        unplaced: list[SeqState] = []
         if sched.has_effects():
             ops, unplaced = sched.take_ops(), sched.take_unplaced()
             finished = [*finished, *sched.take_finished()]
@@ -821,7 +861,7 @@ class Backend(BackendBase):
         for m in self._inbox.close():
             if isinstance(m, Enqueue):
                 movable.append(m.seq)
-            elif isinstance(m, Call):
+            elif isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is unhealthy"))
         self._hand_over([(s.req, s.handle, s.t_submit) for s in movable], why)
 
@@ -834,8 +874,9 @@ class Backend(BackendBase):
             self._sched.shutdown(RequestStatus.FINISHED_CANCELLED, f"backend {self.name} shut down")
         self._settle()
         for m in leftovers:
-            if isinstance(m, Call):
+            if isinstance(m, (Call, Embed)):
                 m.future.set_exception(BackendUnavailable(f"backend {self.name} is stopped"))
+        self._embeddings.close()
         self._outbox.flush()
 
     def _observe(self, n_decode: int, n_prefill: int, dt: float) -> None:
@@ -852,7 +893,7 @@ def build(c: BackendConfig, ctx: BuildContext) -> Backend:
     if ctx.model_path is None or ctx.registry is None:
         raise InvalidRequest(f"backend {c.name} runs llama.cpp in this process: it needs a model (--model)",
                              param="model")
-    m = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
+    m: Model = ctx.registry.acquire(ctx.model_path, c.device, progress=ctx.progress)
     try:
         calibrated = ctx.calibrated
         r = (ctx.rates.get(c.name) or (calibrated.get(c, m.device) if calibrated is not None else None)

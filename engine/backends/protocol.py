@@ -221,6 +221,11 @@ class BackendProtocol(Protocol):
 
     bus: EventBus  # where it publishes its events
 
+    embeds: bool  # computes embeddings (`embed`)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> Future:
+        """A Future of one embedding (float32 array) per input (token ids), in order."""
+
 
 class BackendBase:
     """The defaults of the optional capabilities: what a kind inherits where it has nothing of
@@ -230,6 +235,11 @@ class BackendBase:
     model: Any = None
     tokenizer: Any = None
     on_unhealthy: Callable[[BackendProtocol, Sequence[Handed]], None] | None = None  # set by the engine
+    embeds: bool = False
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> Future:
+        """A kind without embeddings refuses them (the engine routes only to backends that have them)."""
+        raise InvalidRequest(f"backend {self.name} does not compute embeddings")
 
     def enqueue_group(self, requests: list[Request], handles: list[RequestHandle], *, pin: object = None,
                       cached_estimate: int | None = None, t_submit: float | None = None) -> None:

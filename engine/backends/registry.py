@@ -28,7 +28,6 @@ from engine.core.snapshot import Rates
 
 if TYPE_CHECKING:
     from engine.backends.protocol import BackendProtocol
-    from engine.llama.model import ModelRegistry
 
 # Used for a backend that `tandem calibrate` has not measured (stored rates are picked up
 # by `Engine.load`; explicit `rates` win over both).
@@ -58,13 +57,26 @@ class StoredRates(Protocol):
     def get(self, config: Any, device: str | None = None) -> Rates | None: ...
 
 
+class ModelSource(Protocol):
+    """The per-device model registry (engine/llama/model.py `ModelRegistry`) as a builder sees
+    it: one loaded model per file and device, shared by every backend on that device."""
+
+    def acquire(self, path: Path, device: str, progress: Callable | None = None) -> Any:
+        """The model of `path` on `device`, loaded on first use (engine/llama/model.py `Model`)."""
+        ...
+
+    def release(self, model: Any) -> None:
+        """One user fewer of `model`: the last frees it."""
+        ...
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What a backend builder may use: the resolved model file, the per-device model
     registry, the shared bus, stored calibrations, explicit rates, a progress callback."""
 
     model_path: Path | None  # None: no local backend, no model loaded
-    registry: ModelRegistry | None
+    registry: ModelSource | None
     bus: EventBus
     calibrated: StoredRates | None
     rates: dict

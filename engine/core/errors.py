@@ -64,9 +64,11 @@ class RestartInProgress(EngineError):
 
 
 class QueueFull(EngineError):
-    """The backend's waiting queue is at its limit; try again later."""
+    """The backend's waiting queue is at its limit; try again later (`retry_after_s`: about
+    when, the router's estimate of the queue's wait; None where it has none)."""
 
     kind = "queue_full_error"
+    retry_after_s: float | None = None
 
 
 class RequestFailed(EngineError):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.core.decision import RoutingDecision
 from engine.core.request import FinishRecord
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RequestRouted:
-    decision: object  # engine.routing.RoutingDecision
+    decision: RoutingDecision
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ class EventBus:
         with self._lock:
             self._subs = [*self._subs, entry]
 
-        def unsubscribe():
+        def unsubscribe() -> None:
             with self._lock:
                 self._subs = [s for s in self._subs if s is not entry]
 

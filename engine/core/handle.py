@@ -17,20 +17,30 @@ backend threads one after the other (the second starts only once the first has h
 from __future__ import annotations
 
 import asyncio
+import enum
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, Literal
 
 from engine.core.errors import RequestFailed
 from engine.core.request import FinishRecord, Request
 
 if TYPE_CHECKING:
-    from engine.routing import RoutingDecision
+    from engine.core.decision import RoutingDecision
 
-_END = object()
+class _Sentinel(enum.Enum):
+    END = enum.auto()
+
+
+_END: Final = _Sentinel.END  # delivered after the last text: the stream ends
+Delivery = str | Literal[_Sentinel.END]  # what a handle's queue carries
 _gathering = threading.local()
+# Text deltas an asyncio reader may leave unread before its request pauses (`reader_behind`): a
+# client that asked for n=16 with top_logprobs=20 and never read made the server buffer its
+# whole reply (6.9 MB for a 135-byte request) while the sequences kept their rows.
+STREAM_BACKLOG = 8
 
 
 class Outbox:
@@ -46,17 +56,17 @@ class Outbox:
     """
 
     def __init__(self) -> None:
-        self._batches: dict[asyncio.AbstractEventLoop, list] = {}
+        self._batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delivery], Delivery]]] = {}
 
     def __enter__(self) -> Outbox:
         _gathering.outbox = self
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _gathering.outbox = None
         self.flush()
 
-    def add(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+    def add(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Delivery], item: Delivery) -> None:
         self._batches.setdefault(loop, []).append((q, item))
 
     def flush(self) -> None:
@@ -70,7 +80,7 @@ class Outbox:
                 pass
 
 
-def _hand_over(batch) -> None:
+def _hand_over(batch: list[tuple[asyncio.Queue[Delivery], Delivery]]) -> None:
     for q, item in batch:
         q.put_nowait(item)
 
@@ -94,8 +104,8 @@ class RequestHandle:
         self.backend: str | None = None
         self.decision: RoutingDecision | None = None  # set by the engine
         self._loop = loop
-        self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
-        self._q: queue.SimpleQueue | None = None if loop is not None else queue.SimpleQueue()
+        self._aq: asyncio.Queue[Delivery] | None = asyncio.Queue() if loop is not None else None
+        self._q: queue.SimpleQueue[Delivery] | None = None if loop is not None else queue.SimpleQueue()
         self._done = threading.Event()
         self._record: FinishRecord | None = None
         self._cancel: Callable[[str], None] | None = None
@@ -108,6 +118,10 @@ class RequestHandle:
         # request went on elsewhere from their text, and the final record counts every part.
         self._parts: list[FinishRecord] = []
         self._unresumed: FinishRecord | None = None
+        # Deltas handed to an asyncio reader, and taken by it: each count has one writer (the
+        # backend thread, the loop), so their difference is the reader's backlog without a lock.
+        self._handed = 0
+        self._taken = 0
 
     # ---- called by the backend thread ----
 
@@ -132,9 +146,10 @@ class RequestHandle:
         self._done.set()
         self._put(_END)
 
-    def _put(self, item) -> None:
+    def _put(self, item: Delivery) -> None:
         loop, aq = self._loop, self._aq
         if loop is not None and aq is not None:
+            self._handed += 1
             outbox = getattr(_gathering, "outbox", None)
             if outbox is not None:
                 outbox.add(loop, aq, item)
@@ -150,14 +165,14 @@ class RequestHandle:
 
     # ---- called by the caller ----
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         """Yield text deltas until the request ends (blocking)."""
         if self._q is None:
             raise TypeError("this handle streams to an asyncio loop: use astream()")
         while (item := self._q.get()) is not _END:
             yield item
 
-    async def astream(self):
+    async def astream(self) -> AsyncIterator[str]:
         """Yield text deltas until the request ends (asyncio). Text that piled up while the
         consumer was busy comes as one delta."""
         if self._aq is None:
@@ -167,10 +182,18 @@ class RequestHandle:
             parts = [item]
             while not q.empty():
                 if (more := q.get_nowait()) is _END:
+                    self._taken += len(parts)
                     yield "".join(parts)
                     return
                 parts.append(more)
+            self._taken += len(parts)
             yield parts[0] if len(parts) == 1 else "".join(parts)
+
+    @property
+    def reader_behind(self) -> bool:
+        """An asyncio reader has left more than `STREAM_BACKLOG` deltas unread: its request
+        should make no more until it reads (the scheduler's `paused` predicate)."""
+        return self._handed - self._taken > STREAM_BACKLOG
 
     def result(self, timeout: float | None = None) -> FinishRecord:
         """Wait for the finish record (does not consume the stream)."""

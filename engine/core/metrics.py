@@ -6,7 +6,8 @@ Two sources feed them:
 - per backend, a snapshot taken at scrape time (running and waiting requests, KV usage,
   prefix-cache queries and hits, prompt tokens computed, health), so the gauges are exact when they are read.
 
-Every series is labelled by `backend`. Each `EngineMetrics` owns a `CollectorRegistry`
+Every series is labelled by `backend`. The metrics read an engine through `MetricsSource` (its
+bus, its backends' names, its snapshots), so this module knows nothing above `engine/core/`. Each `EngineMetrics` owns a `CollectorRegistry`
 (never the process-global one), so several engines, apps or tests never collide.
 
 Thread contract: the bus calls `observe()` on backend worker threads; `render()` may be called
@@ -18,17 +19,16 @@ from __future__ import annotations
 
 import bisect
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from engine.core.events import RequestFinished
+from engine.core.events import EventBus, RequestFinished
 from engine.core.request import FinishRecord, RequestStatus
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
+from engine.core.snapshot import BackendSnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -49,10 +49,28 @@ _FINISHED_REASON = {
 }
 
 
+class MetricsSource(Protocol):
+    """What the metrics read of an engine (`engine.engine.Engine` is one)."""
+
+    @property
+    def bus(self) -> EventBus:
+        """Where `RequestFinished` events are published."""
+        ...
+
+    @property
+    def backends(self) -> Mapping[str, object]:
+        """The backends by name: each name's series exist from the start."""
+        ...
+
+    def snapshot(self) -> list[BackendSnapshot]:
+        """Every backend's state now (called at each scrape, from the scraping thread)."""
+        ...
+
+
 class EngineMetrics:
     """The Prometheus view of one engine. Subscribes to its bus; `close()` unsubscribes."""
 
-    def __init__(self, engine: Engine, registry: CollectorRegistry | None = None):
+    def __init__(self, engine: MetricsSource, registry: CollectorRegistry | None = None) -> None:
         self.engine = engine
         self.registry = registry or CollectorRegistry()
         r, b = self.registry, ["backend"]
@@ -118,13 +136,13 @@ class EngineMetrics:
 class _SnapshotCollector:
     """Per-backend gauges and cache counters, read from `Engine.snapshot()` at scrape time."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: MetricsSource) -> None:
         self._engine = engine
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []  # nothing to describe up front: registering must not take snapshots
 
-    def collect(self):
+    def collect(self) -> list[Metric]:
         b = ["backend"]
         running = GaugeMetricFamily("tandem:num_requests_running", "Requests decoding or prefilling now.", labels=b)
         waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests queued for admission.", labels=b)
@@ -157,7 +175,7 @@ class _SnapshotCollector:
 class _WeightedHistogram:
     """A labelled histogram that can add one value `n` times at once (a collector)."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
         self.name = name
         self.documentation = documentation
         self._bounds = tuple(buckets)
@@ -175,10 +193,10 @@ class _WeightedHistogram:
             counts[i] += n
             total[0] += value * n
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return [HistogramMetricFamily(self.name, self.documentation, labels=["backend"])]
 
-    def collect(self):
+    def collect(self) -> list[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=["backend"])
         with self._lock:
             series = {k: (list(c), t[0]) for k, (c, t) in self._series.items()}

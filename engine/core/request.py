@@ -107,7 +107,7 @@ class SamplingParams:
         return self
 
 
-def _finite(x) -> bool:
+def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -144,6 +144,10 @@ class Request:
     # The last of `messages` is the assistant's reply so far: the engine continues it in the
     # same turn (vLLM's and Tandem's `continue_final_message`, llama-server's assistant prefill).
     continue_final: bool = False
+    # Who asked (an HTTP client's address; "": unknown): a backend's queue gives each client a
+    # fair turn (`Scheduler._fair_head`), so one client's hundreds of sequences do not queue
+    # everyone else's behind them.
+    client: str = ""
 
     @property
     def prompt_estimate(self) -> int:
@@ -184,7 +188,7 @@ class Request:
         return replace(self, sampling=replace(sp, max_tokens=max(sp.max_tokens - n_tokens, 1)),
                        stop_after=None if self.stop_after is None else max(self.stop_after - n_tokens, 1), **more)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not (self.prompt_tokens or self.text or self.messages):
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.sampling.validate()

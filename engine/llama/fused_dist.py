@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from . import _abi, greedy, holding_gil, lc, sampler_interface
+from . import _abi, greedy, holding_gil, lc, sampler_interface, sortfree
 
 log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
@@ -59,6 +59,11 @@ _SIGNATURES: list[tuple[str, list, object]] = [
     ("ggml_repeat", [_P, _P, _P], _P),
     ("ggml_arange", [_P, _F, _F, _F], _P),
     ("ggml_pad", [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int], _P),
+    ("ggml_pool_2d", [_P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, _F, _F], _P),
+    ("ggml_soft_max_ext", [_P, _P, _P, _F, _F], _P),
+    ("ggml_scale", [_P, _P, _F], _P),
+    ("ggml_clamp", [_P, _P, _F, _F], _P),
+    ("ggml_new_tensor_3d", [_P, ctypes.c_int, _I64, _I64, _I64], _P),
     ("ggml_set_name", [_P, ctypes.c_char_p], _P),
     ("ggml_get_name", [_P], ctypes.c_char_p),
     ("ggml_new_tensor_1d", [_P, ctypes.c_int, _I64], _P),
@@ -87,14 +92,15 @@ _g = {name: holding_gil(name, args, res) for name, args, res in _SIGNATURES}  # 
 # fused chain's sequence drew (one argmax, never read); "host": chains kept on the host because
 # the device lacks an operation; "late": builds whose settings reached the device a step late
 # (fewer chains registered than were on the device: not expected); "two-stage": computations
-# ("shared" or "own") whose top-k ran in stages of small sorts (`_top_k_in_stages`)
+# ("shared" or "own") whose top-k ran in stages of small sorts (`_top_k_in_stages`); "sortfree":
+# computations on that path, "maxima" whose top-k ran by maxima, "proposals" whose rows had no top-k
 BUILDS: collections.Counter = collections.Counter()
 # Where the latest tables were allocated: the buffer type llama.cpp gave the chains, whether it is
 # host memory (then every step copies what the graph reads from it to the device), the variant.
 PLACEMENT: dict = {}
 
 # Per-row settings, one column each, in this order (a row of a graph's settings block).
-_COLUMNS = ("seq", "inv_temp", "top_p", "min_p", "k", "ban")
+_COLUMNS = ("seq", "inv_temp", "top_p", "min_p", "k", "ban", "log_min_p")
 _NC = len(_COLUMNS)
 _SEQS = 8192  # sequence ids the uniforms table covers (llama.cpp's n_seq_max is far below)
 _ROWS = 8193  # rows of one graph's settings block (n_batch outputs + llama.cpp's padding row)
@@ -146,6 +152,33 @@ def top_k_stages(chunk: int, on_cpu: bool | None = None):
         yield
     finally:
         TOP_K_CHUNK, TOP_K_STAGES_ON_CPU = previous
+
+
+# The sort-free computation (engine/llama/sortfree.py): the top-k by maxima and a shorter draw, and
+# top-p over the whole vocabulary by proposals; "staged" is the computation before it (the top-k by
+# sorts, in stages up to STAGES_MAX_ROWS rows). Read at each graph build: `TANDEM_FUSED_PATH` sets it
+# at import, `fused_path` for a while (bench overhead's `-staged` variants).
+PATHS = ("sortfree", "staged")
+PATH = os.environ.get("TANDEM_FUSED_PATH", "sortfree") if os.environ.get("TANDEM_FUSED_PATH") in PATHS else "sortfree"
+# Whether the CPU backend takes the top-k by maxima (tests turn it on; there ggml's own top-k, one
+# pass a row, is what it already runs fast).
+POOLED_ON_CPU = False
+
+
+@contextlib.contextmanager
+def fused_path(name: str, pooled_on_cpu: bool | None = None):
+    """Within the block, graphs built take computation `name` (PATHS); the previous after."""
+    global PATH, POOLED_ON_CPU
+    if name not in PATHS:
+        raise ValueError(f"a fused path is one of {', '.join(PATHS)}, not {name!r}")
+    previous = PATH, POOLED_ON_CPU
+    PATH = name
+    if pooled_on_cpu is not None:
+        POOLED_ON_CPU = bool(pooled_on_cpu)
+    try:
+        yield
+    finally:
+        PATH, POOLED_ON_CPU = previous
 
 
 # The most rows whose top-k runs in stages. On the H200 (Qwen2.5, 151,936 tokens, k 40; `run.sh
@@ -204,7 +237,8 @@ def _settings(params, n_vocab: int) -> tuple[float, ...]:
     top_p = params.top_p if params.top_p < 1.0 else _NO_CUT
     # kept: p >= min_p * p_max; a hair below so that a tie with the largest stays (min_p = 1)
     min_p = params.min_p * (1 - 1e-6) if params.min_p > 0.0 else -1e30
-    return (1.0 / params.temperature, top_p, min_p, float(k), 1.0 if params.ignore_eos else 0.0)
+    log_min_p = math.log(params.min_p) - 1e-6 if params.min_p > 0.0 else -1e30
+    return (1.0 / params.temperature, top_p, min_p, float(k), 1.0 if params.ignore_eos else 0.0, log_min_p)
 
 
 # ---- the computation ----
@@ -255,11 +289,11 @@ def _top_k_in_stages(ctx, lg: int, n_vocab: int, n_rows: int, k: int, chunk: int
     return logits, g["ggml_get_rows"](ctx, g["ggml_reshape_3d"](ctx, ids, 1, n, n_rows), order)
 
 
-def _top_k(ctx, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool, bool, bool], tail: int | None,
+def _top_k(ctx, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool, ...], tail: int | None,
            chunk: int) -> tuple[int, int, bool]:
     """The k best of each row of `lg` in descending order: (their logits, k x n_rows; their token
     ids, 1 x k x n_rows; whether the ids are I32, else F32). `_build` says the rest."""
-    top_k_op, int_ids, staged = variant
+    top_k_op, int_ids, staged = variant[:3]
     g = _g
     if staged and tail is not None and in_stages(n_vocab, k, chunk, n_rows):
         logits, ids = _top_k_in_stages(ctx, lg, n_vocab, n_rows, k, chunk, tail)
@@ -283,9 +317,94 @@ def _top_k(ctx, lg: int, n_vocab: int, n_rows: int, k: int, variant: tuple[bool,
     return logits, ids, int_ids
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a build knows of its rows beyond their columns: whether any asks min-p, one inverse
+    temperature all share (None: each its own), the per-sequence table of PROPOSALS uniforms
+    (`sortfree.rejection`; None: not allocated), whether the chains' buffers are the CPU's, and
+    the computation (PATHS)."""
+
+    min_p: bool = True
+    scale: float | None = None
+    proposals: int | None = None
+    cpu: bool = False
+    path: str = "sortfree"
+    whole: bool = False  # every row asks no top-k (then `sortfree.rejection` takes them)
+
+
 def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
-           eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, bool, bool] = (True, True, True),
-           tail: int | None = None, chunk: int = 0) -> int:
+           eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, ...] = (True, True, True, True),
+           tail: int | None = None, chunk: int = 0, shape: Shape = Shape()) -> int:
+    """Sampled tokens (I32, n_rows) for every row of `m`: the sort-free computation where the
+    variant and `shape.path` allow (`_build_sortfree`), else the one by sorts (`_build_staged`)."""
+    if shape.path == "sortfree" and len(variant) > 3 and variant[3] and tail is not None:
+        BUILDS["sortfree"] += 1
+        return _build_sortfree(ctx, m, n_vocab, n_rows, k, block, stride, uniforms, eog, ban, mixed_k, variant,
+                               tail, chunk, shape)
+    return _build_staged(ctx, m, n_vocab, n_rows, k, block, stride, uniforms, eog, ban, mixed_k, variant[:3],
+                         tail, chunk)
+
+
+def _columns(g, ctx, block: int, n_rows: int, stride: int):
+    def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
+        return g["ggml_reshape_2d"](ctx, g["ggml_view_1d"](ctx, block, n_rows, c * stride * 4), 1, n_rows)
+    return col
+
+
+def _banned(g, ctx, m: int, eog: int | None, ban: str, col) -> int:
+    if ban == "all":
+        return g["ggml_add"](ctx, m, eog)
+    if ban == "mixed":
+        return g["ggml_add"](ctx, m, g["ggml_mul"](ctx, g["ggml_repeat"](ctx, eog, m), col(5)))
+    return m
+
+
+def _build_sortfree(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
+                    eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, ...], tail: int, chunk: int,
+                    shape: Shape) -> int:
+    """`sortfree`'s computation: whole-vocabulary rows (no top-k asked) by proposals; a top-k of
+    at most POOL_MAX_K by maxima (on the CPU backend ggml's own top-k, unless POOLED_ON_CPU);
+    other top-k as `_top_k` takes it; then the short draw."""
+    g = _g
+    col = _columns(g, ctx, block, n_rows, stride)
+    lg = _banned(g, ctx, m, eog, ban, col)
+    seqs = g["ggml_cast"](ctx, g["ggml_view_1d"](ctx, block, n_rows, 0), _I32)
+    if shape.whole and k >= n_vocab and shape.proposals is not None:
+        n_seqs = _abi.tensor_facts(shape.proposals).ne[0] // sortfree.PROPOSALS
+        u = g["ggml_get_rows"](ctx, g["ggml_reshape_2d"](ctx, shape.proposals, sortfree.PROPOSALS, n_seqs), seqs)
+        size = sortfree.chunk_for(n_vocab)
+        n_pad = -(-n_vocab // size) * size
+        BUILDS["proposals"] += 1
+        return g["ggml_set_name"](sortfree.rejection(g, ctx, lg, n_vocab, n_pad, n_rows, col, u, shape.scale),
+                                  b"fused_dist_tokens")
+    if sortfree.pooled(n_vocab, k) and (POOLED_ON_CPU or not shape.cpu):
+        n_pad = -(-n_vocab // sortfree.POOL) * sortfree.POOL
+        x = lg
+        if n_pad > n_vocab:  # -inf past the vocabulary: zeros padded, then the tail table's view
+            x = g["ggml_add"](ctx, g["ggml_pad"](ctx, lg, n_pad - n_vocab, 0, 0, 0), g["ggml_view_1d"](ctx, tail, n_pad, 0))
+        logits, ids = sortfree.pooled_top_k(g, ctx, x, n_pad, n_rows, k)
+        int_ids = False
+        BUILDS["maxima"] += 1
+    else:
+        logits, ids, int_ids = _top_k(ctx, lg, n_vocab, n_rows, k, variant[:3], tail, chunk)
+    if mixed_k:
+        logits = _masked_beyond(g, ctx, logits, k, col)
+    u = g["ggml_get_rows"](ctx, g["ggml_reshape_2d"](ctx, uniforms, 1, _abi.tensor_facts(uniforms).ne[0]), seqs)
+    u = g["ggml_reshape_2d"](ctx, u, 1, n_rows)
+    tokens = sortfree.draw(g, ctx, logits, ids, int_ids, k, n_rows, col, u, min_p=shape.min_p, scale=shape.scale)
+    return g["ggml_set_name"](tokens, b"fused_dist_tokens")
+
+
+def _masked_beyond(g, ctx, logits: int, k: int, col) -> int:
+    """Rows that keep fewer than k: log(j < k_row) = -inf beyond their k."""
+    pos = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(k), 1.0), k, 1)
+    room = g["ggml_sub"](ctx, g["ggml_repeat"](ctx, col(4), logits), pos)  # k_row - j
+    return g["ggml_add"](ctx, logits, g["ggml_log"](ctx, g["ggml_step"](ctx, g["ggml_scale_bias"](ctx, room, 1.0, -0.5))))
+
+
+def _build_staged(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: int, uniforms: int,
+                  eog: int | None, ban: str, mixed_k: bool, variant: tuple[bool, ...] = (True, True, True),
+                  tail: int | None = None, chunk: int = 0) -> int:
     """Sampled tokens (I32, n_rows) for every row of the F32 logits matrix `m` (n_vocab x n_rows).
     `block`: F32 settings, column c of row r at c * stride + r; `uniforms`: F32, one per sequence
     id; `eog`: F32 n_vocab, `_BAN` at end-of-generation tokens; `ban`: "none", "all" or "mixed"
@@ -295,21 +414,12 @@ def _build(ctx, m: int, n_vocab: int, n_rows: int, k: int, block: int, stride: i
     says and `tail` is given). `tail`: F32, 0 for the first n_vocab values, -inf for
     `_MAX_CHUNK` after (the padding of the stages)."""
     g = _g
-
-    def col(c: int) -> int:  # column c of the settings, as a 1 x n_rows row
-        return g["ggml_reshape_2d"](ctx, g["ggml_view_1d"](ctx, block, n_rows, c * stride * 4), 1, n_rows)
-
-    lg = m
-    if ban == "all":
-        lg = g["ggml_add"](ctx, m, eog)
-    elif ban == "mixed":
-        lg = g["ggml_add"](ctx, m, g["ggml_mul"](ctx, g["ggml_repeat"](ctx, eog, m), col(5)))
+    col = _columns(g, ctx, block, n_rows, stride)
+    lg = _banned(g, ctx, m, eog, ban, col)
     # the k best of each row, in descending order, and their token ids
     logits, ids, int_ids = _top_k(ctx, lg, n_vocab, n_rows, k, variant, tail, chunk)
-    if mixed_k:  # rows that keep fewer than k: log(j < k_row) = -inf beyond their k
-        pos = g["ggml_reshape_2d"](ctx, g["ggml_arange"](ctx, 0.0, float(k), 1.0), k, 1)
-        room = g["ggml_sub"](ctx, g["ggml_repeat"](ctx, col(4), logits), pos)  # k_row - j
-        logits = g["ggml_add"](ctx, logits, g["ggml_log"](ctx, g["ggml_step"](ctx, g["ggml_scale_bias"](ctx, room, 1.0, -0.5))))
+    if mixed_k:
+        logits = _masked_beyond(g, ctx, logits, k, col)
     # top-p and min-p on the probabilities at temperature 1 over the top k
     probs = g["ggml_soft_max"](ctx, logits)
     before = g["ggml_sub"](ctx, probs, g["ggml_cumsum"](ctx, probs))  # -(probability before each token)
@@ -344,10 +454,12 @@ class _Table:
         self._ctx = self._buffer = None
         # ggml tensors (pointers), None until `allocate`
         self.uniforms: int | None = None
+        self.proposals: int | None = None  # sortfree.PROPOSALS uniforms per sequence id
         self.blocks: int | None = None
         self.eog: int | None = None
         self.tail: int | None = None
         self.staged = np.zeros(_SEQS, dtype=np.float32)  # this step's uniform per sequence id
+        self.staged4 = np.zeros((_SEQS, sortfree.PROPOSALS), dtype=np.float32)  # ... and proposals
         self.active: set[int] = set()  # sequence ids that drew for this step
         self.live = 0  # fused chains made on this thread
         self.variant = _VARIANTS[0]  # what the device runs (`_build`)
@@ -362,6 +474,7 @@ class _Table:
         g = _g
         self._ctx = g["ggml_init"](_abi.InitParams(8 * 1024, None, True))
         self.uniforms = g["ggml_new_tensor_1d"](self._ctx, _F32, _SEQS)
+        self.proposals = g["ggml_new_tensor_1d"](self._ctx, _F32, _SEQS * sortfree.PROPOSALS)
         self.blocks = g["ggml_new_tensor_1d"](self._ctx, _F32, _SLOTS * _NC * _ROWS)
         self.eog = g["ggml_new_tensor_1d"](self._ctx, _F32, n_vocab)
         self.tail = g["ggml_new_tensor_1d"](self._ctx, _F32, n_vocab + _MAX_CHUNK)
@@ -373,6 +486,7 @@ class _Table:
         _set(self.eog, bias)
         _set(self.tail, _tail(n_vocab))
         _set(self.uniforms, self.staged)
+        _set(self.proposals, self.staged4.reshape(-1))
         self.buft, self.n_vocab = buft, n_vocab
         dev = g["ggml_backend_buft_get_device"](buft)
         self.cpu = not dev or g["ggml_backend_dev_type"](dev) == _DEVICE_CPU
@@ -433,16 +547,24 @@ def draw(samplers) -> None:
     if t.last is not None and t.last.dirty:  # a build where fewer chains registered than expected
         BUILDS["late"] += 1
         t.last.upload()
-    staged, active = t.staged, t.active
+    staged, staged4, active = t.staged, t.staged4, t.active
     active.clear()
-    top = -1
+    top = top4 = -1
+    scale = sortfree.U_SCALE
     for seq, d in samplers:
         if d is not None and 0 <= seq < _SEQS:
-            staged[seq] = d.rng.random()
+            u = staged[seq] = d.rng.random() * scale
+            if d.proposals:  # a chain without top-k: `sortfree.rejection`'s proposals too
+                staged4[seq, 0] = u
+                for i in range(1, d.proposals):
+                    staged4[seq, i] = d.rng.random() * scale
+                top4 = max(top4, seq)
             active.add(seq)
             top = max(top, seq)
     if top >= 0 and t.uniforms:
         _set(t.uniforms, staged[:top + 1])
+    if top4 >= 0 and t.proposals:
+        _set(t.proposals, staged4[:top4 + 1].reshape(-1))
 
 
 # ---- one graph build ----
@@ -471,9 +593,12 @@ class _Build:
         block = _g["ggml_view_1d"](ctx, t.blocks, _NC * n_rows, self.base * 4)
         tail = t.tail if n_vocab <= t.n_vocab else None  # its zeros must cover the row
         chunk = TOP_K_CHUNK if TOP_K_STAGES_ON_CPU or not t.cpu else 0
+        temps = {c.row_settings[0] for c in chains}
+        shape = Shape(min_p=any(c.row_settings[2] > 0 for c in chains), scale=temps.pop() if len(temps) == 1 else None,
+                      proposals=t.proposals, cpu=t.cpu, path=PATH, whole=ks == {n_vocab})
         self.tokens = _build(ctx, matrix, n_vocab, n_rows, self.k, block, n_rows, t.uniforms, t.eog, ban,
-                             len(ks) > 1, t.variant, tail, chunk)
-        if t.variant[2] and tail is not None and in_stages(n_vocab, self.k, chunk, n_rows):
+                             len(ks) > 1, t.variant, tail, chunk, shape)
+        if PATH == "staged" and t.variant[2] and tail is not None and in_stages(n_vocab, self.k, chunk, n_rows):
             BUILDS["two-stage"] += 1
         self.owned = np.zeros(n_rows, dtype=bool)  # rows whose owner is known to be active
         self.pending: tuple | None = None  # the previous chain's (view, row, chain, seq): active or not?
@@ -533,6 +658,9 @@ class FusedDist:
         self.n_vocab = n_vocab
         self.eog = list(eog_tokens)
         self.row_settings = _settings(params, n_vocab)
+        # uniforms a step: sortfree.PROPOSALS for a chain without top-k (its own settings decide,
+        # so a seed draws the same alone or batched), else one
+        self.proposals = sortfree.PROPOSALS if int(self.row_settings[3]) >= n_vocab else 0
         self.rng = random.Random()
         self.on_device = False
         self.buft = None
@@ -651,13 +779,16 @@ def _backend_init(smpl, buft, _n_outputs_max_per_seq) -> bool:
     return True
 
 
-# (ggml_top_k, I32 ids, top-k in stages) first; then without what a device may lack (the stages
-# gather F32 ids only, so they need no I32 gathers; without them, today's one ggml_top_k per row)
-_VARIANTS = ((True, True, True), (True, False, True), (True, True, False), (True, False, False),
-             (False, True, False), (False, False, False))
+# (ggml_top_k, I32 ids, top-k in stages, the sort-free computation) first; then without what a device
+# may lack: the sort-free computation (ggml_pool_2d, ggml_soft_max_ext with a mask, ggml_clamp...),
+# then as before it (the stages gather F32 ids only, so they need no I32 gathers; without them, one
+# ggml_top_k per row)
+_VARIANTS = ((True, True, True, True), (True, False, True, True),
+             (True, True, True, False), (True, False, True, False), (True, True, False, False),
+             (True, False, False, False), (False, True, False, False), (False, False, False, False))
 
 
-def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool, bool]) -> str | None:
+def _missing_op(buft, chain: FusedDist, variant: tuple[bool, ...]) -> str | None:
     """The first operation of the computation the device behind `buft` does not run, by name;
     None when it runs them all (the CPU runs them all)."""
     dev = _g["ggml_backend_buft_get_device"](buft)
@@ -670,14 +801,19 @@ def _missing_op(buft, chain: FusedDist, variant: tuple[bool, bool, bool]) -> str
         m = g["ggml_reshape_2d"](ctx, g["ggml_new_tensor_1d"](ctx, _F32, n_vocab * 2), n_vocab, 2)
         block = g["ggml_new_tensor_1d"](ctx, _F32, _NC * 2)
         uniforms = g["ggml_new_tensor_1d"](ctx, _F32, 4)
+        proposals = g["ggml_new_tensor_1d"](ctx, _F32, _SEQS * sortfree.PROPOSALS)
         eog = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab)
         tail = g["ggml_new_tensor_1d"](ctx, _F32, n_vocab + _MAX_CHUNK)
-        # the chain's k, and a chat k (40) for the top-k in stages, which other chains may ask
-        ks = {min(int(chain.row_settings[3]), n_vocab), min(40, max(TOP_K_CHUNK // 4, 1), n_vocab)}
+        # the chain's k, a chat k (40) for the top-k in stages or by maxima, and no top-k (the
+        # proposals), which other chains may ask; one temperature for all rows and one each
+        ks = {min(int(chain.row_settings[3]), n_vocab), min(40, max(TOP_K_CHUNK // 4, 1), n_vocab), n_vocab}
         gf = g["ggml_new_graph"](ctx)
         for k in ks:
-            out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", True, variant, tail, TOP_K_CHUNK)
-            g["ggml_build_forward_expand"](gf, out)
+            for scale in (None, 1.25):
+                shape = Shape(scale=scale, proposals=proposals, whole=k == n_vocab)
+                out = _build(ctx, m, n_vocab, 2, k, block, 2, uniforms, eog, "mixed", k != n_vocab, variant, tail,
+                             TOP_K_CHUNK, shape)
+                g["ggml_build_forward_expand"](gf, out)
         for i in range(g["ggml_graph_n_nodes"](gf)):
             node = g["ggml_graph_node"](gf, i)
             if not g["ggml_backend_dev_supports_op"](dev, node):
@@ -723,11 +859,12 @@ def fused_dist(params, n_vocab: int, eog_tokens: list[int]) -> FusedDist:
 # ---- the same computation on ggml's CPU backend, for tests and checks ----
 
 def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_tokens=(), threads: int = 1,
-                variant: tuple[bool, bool, bool] = (True, True, True), chunk: int | None = None) -> np.ndarray:
+                variant: tuple[bool, ...] = _VARIANTS[0], chunk: int | None = None) -> np.ndarray:
     """Tokens the device computation draws for each row of `logits` (rows x n_vocab, F32), row r
-    with `settings[r]` (`SamplingParams`) and uniform `uniforms[r]`, computed by ggml's CPU
-    backend from the graph `_build` makes (`variant`: see `_build`; `chunk`: the two-stage
-    top-k's, `TOP_K_CHUNK` when None)."""
+    with `settings[r]` (`SamplingParams`) and uniform `uniforms[r]` (rows x sortfree.PROPOSALS for
+    rows without top-k: their proposals; a row of one: the first, the others drawn from a fixed
+    seed), computed by ggml's CPU backend from the graph `_build` makes on the path `PATH`
+    (`variant`: see `_build`; `chunk`: the two-stage top-k's, `TOP_K_CHUNK` when None)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     n_rows, n_vocab = logits.shape
     cols = np.zeros((_NC, n_rows), dtype=np.float32)
@@ -735,44 +872,61 @@ def sample_rows(logits: np.ndarray, settings: list, uniforms: np.ndarray, eog_to
     for r, p in enumerate(settings):
         cols[1:, r] = _settings(p, n_vocab)
     ks = {int(v) for v in cols[4]}
+    temps = set(cols[1].tolist())
     bans = set(cols[5].tolist())
     ban = "none" if bans == {0.0} else "all" if bans == {1.0} else "mixed"
     bias = np.zeros(n_vocab, dtype=np.float32)
     bias[[t for t in eog_tokens if 0 <= t < n_vocab]] = _BAN
+    u = np.asarray(uniforms, np.float64).reshape(n_rows, -1)
+    props = np.random.default_rng(12345).random((n_rows, sortfree.PROPOSALS))
+    props[:, :u.shape[1]] = u[:, :sortfree.PROPOSALS]
+    props = (props * sortfree.U_SCALE).astype(np.float32)
+    shape = Shape(min_p=bool((cols[3] > 0).any()), scale=temps.pop() if len(temps) == 1 else None,
+                  cpu=True, path=PATH, whole=ks == {n_vocab})
 
     def build(ctx, tensor) -> int:
         m = _g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
         return _build(ctx, m, n_vocab, n_rows, max(ks), tensor(cols.reshape(-1)), n_rows,
-                      tensor(np.asarray(uniforms, np.float32)), tensor(bias), ban, len(ks) > 1, variant,
-                      tensor(_tail(n_vocab)), TOP_K_CHUNK if chunk is None else _checked_chunk(chunk))
+                      tensor(props[:, 0].copy()), tensor(bias), ban, len(ks) > 1, variant,
+                      tensor(_tail(n_vocab)), TOP_K_CHUNK if chunk is None else _checked_chunk(chunk),
+                      dataclasses.replace(shape, proposals=tensor(props.reshape(-1))))
 
-    return _on_cpu(build, logits.nbytes, threads).view(np.int32).copy()
+    # every intermediate lives in the context: the proposals' are PROPOSALS rows wide
+    return _on_cpu(build, logits.nbytes, threads, 48 + 16 * shape.whole).view(np.int32).copy()
 
 
-def top_k_rows(logits: np.ndarray, k: int, chunk: int | None = None, threads: int = 1) -> np.ndarray:
+def top_k_rows(logits: np.ndarray, k: int, chunk: int | None = None, threads: int = 1,
+               maxima: bool = False) -> np.ndarray:
     """The token ids (rows x k, by descending logit) that the device computation keeps for a
     top-k of `k` over each row of `logits` (rows x n_vocab, F32), computed by ggml's CPU
-    backend: in stages of `chunk` (`TOP_K_CHUNK` when None) where `in_stages` says, else one
-    `ggml_top_k` per row."""
+    backend: by maxima (`maxima`, `sortfree.pooled_top_k`), else in stages of `chunk`
+    (`TOP_K_CHUNK` when None) where `in_stages` says, else one `ggml_top_k` per row."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     n_rows, n_vocab = logits.shape
     if not 0 < k <= n_vocab:
         raise ValueError(f"k must be in 1..{n_vocab}, not {k}")
+    if maxima and not sortfree.pooled(n_vocab, k):
+        raise ValueError(f"no top-k of {k} by maxima over {n_vocab} tokens")
     size = TOP_K_CHUNK if chunk is None else _checked_chunk(chunk)
 
     def build(ctx, tensor) -> int:
         m = _g["ggml_reshape_2d"](ctx, tensor(logits.reshape(-1)), n_vocab, n_rows)
+        if maxima:
+            n_pad = -(-n_vocab // sortfree.POOL) * sortfree.POOL
+            x = _g["ggml_add"](ctx, _g["ggml_pad"](ctx, m, n_pad - n_vocab, 0, 0, 0),
+                               _g["ggml_view_1d"](ctx, tensor(_tail(n_vocab)), n_pad, 0))
+            return sortfree.pooled_top_k(_g, ctx, x, n_pad, n_rows, k)[1]
         _, ids, _int_ids = _top_k(ctx, m, n_vocab, n_rows, k, (True, False, True), tensor(_tail(n_vocab)), size)
         return ids  # F32 ids (int_ids is False for this variant)
 
     return _on_cpu(build, logits.nbytes, threads).reshape(n_rows, k).astype(np.int64)
 
 
-def _on_cpu(build, input_bytes: int, threads: int) -> np.ndarray:
+def _on_cpu(build, input_bytes: int, threads: int, scale: int = 48) -> np.ndarray:
     """Run `build(ctx, tensor)`'s output on ggml's CPU backend (`tensor(values)`: an F32 input);
     its values as F32 (the bytes of an I32 output: view them as such)."""
     g = _g
-    work = input_bytes * 48 + (1 << 26)  # every intermediate of the graph lives in this context
+    work = input_bytes * scale + (1 << 26)  # every intermediate of the graph lives in this context
     ctx = g["ggml_init"](_abi.InitParams(work, None, False))
     if not ctx:
         raise MemoryError("ggml_init failed")

@@ -43,7 +43,7 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from engine.core.errors import InvalidRequest
 
-from . import lc
+from . import gbnf_cost, lc
 
 ROOT = b"root"
 # The converter writes a bound of n as n copies of a rule (`minItems: 10**9` would build a
@@ -53,6 +53,10 @@ MAX_REPEAT = 1000
 _COUNTS = {"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
            "minContains", "maxContains"}
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+# Parse stacks one advance of llama.cpp's grammar may create (`gbnf_cost.stacks`): its per-token
+# work grows with their square (one chunk of a first pass took 0.9 s at 1,000 stacks, 0.17 s at
+# 500 on this 2-core machine), and nested repetitions of what may match nothing multiply them.
+MAX_STACKS = 512
 MAX_GRAMMAR_BYTES = 64 << 10  # a grammar's text (raw, or converted from a schema)
 MAX_ALTERNATIVES = 256  # `|` in the whole grammar: 1,000 cost 3.9 s a full pass over SmolLM2's vocabulary
 MAX_STATES = 32768  # grammar elements (literal characters, classes, references), repetitions expanded
@@ -67,6 +71,7 @@ _STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
 
 def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
     """`schema` (a JSON Schema) as a GBNF grammar; `InvalidRequest` with the converter's reason."""
+    schema = _root_ref(schema)
     try:
         text = json.dumps(schema)
     except (TypeError, ValueError) as e:
@@ -80,12 +85,27 @@ def schema_grammar(schema: dict, *, param: str = "response_format") -> str:
     except RecursionError:
         raise InvalidRequest(f"{param}: the JSON schema nests too deeply to convert to a grammar",
                              param=param) from None
+    except KeyError as e:  # a `$ref` it did not resolve
+        raise InvalidRequest(f"{param}: the JSON schema's $ref {str(e.args[0])[:100]!r} cannot be resolved (refer "
+                             f"to $defs or definitions of this schema as #/$defs/NAME)", param=param) from None
     except Exception as e:  # the converter asserts; its message is the reason
         reason = str(e) or type(e).__name__
         raise InvalidRequest(f"{param}: the JSON schema cannot be turned into a grammar: {reason}",
                              param=param) from None
     measure(grammar, param=param, what="the JSON schema's grammar")
     return grammar
+
+
+def _root_ref(schema):
+    """A root `$ref` beside `$defs` as a one-branch `anyOf`: the converter resolves the root's
+    `$ref` but never looks into its siblings, so a recursive `$defs` schema (`#/$defs/node`
+    referring to itself) failed with its internal `KeyError`."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) and len(schema) > 1 \
+            and "anyOf" not in schema:
+        rest = {k: v for k, v in schema.items() if k != "$ref"}
+        return {**rest, "anyOf": [{"$ref": ref}]}
+    return schema
 
 
 def object_grammar() -> str:
@@ -121,14 +141,68 @@ def _check_bounds(schema, param: str, depth: int = 0) -> None:
                 raise InvalidRequest(f"{param}: {key}={value} is more than this server turns into a grammar "
                                      f"(at most {MAX_REPEAT})", param=param)
             if key == "pattern" and isinstance(value, str):
-                for m in _QUANTIFIER.finditer(value):
-                    if any(g and int(g) > MAX_REPEAT for g in m.groups()):
-                        raise InvalidRequest(f"{param}: the pattern's repetition {m.group(0)} is more than this "
-                                             f"server turns into a grammar (at most {MAX_REPEAT})", param=param)
+                check_pattern(value, param)
             _check_bounds(value, param, depth + 1)
     elif isinstance(schema, list):
         for item in schema:
             _check_bounds(item, param, depth + 1)
+
+
+def check_pattern(pattern: str, param: str) -> None:
+    """A schema's `pattern`, before the converter writes it out: well formed (balanced groups
+    and classes: `^((((a$` was accepted as `a`), and the product of its nested repetitions'
+    bounds within `MAX_REPEAT`, llama.cpp's own rule for its `{m,n}` (`*`, `+`, `?` count 1).
+    `^(([a-z]{0,999}){0,999}){0,999}$` is 230 bytes of request and ~10^9 parse stacks."""
+    def bad(why: str) -> InvalidRequest:
+        return InvalidRequest(f"{param}: the pattern {pattern[:60]!r} {why}", param=param)
+
+    frames = [1]  # per open group: the largest repetition product inside it
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            frames[-1] = max(frames[-1], _repeat_at(pattern, i, bad))
+            continue
+        if c == "[":
+            j = i + 1 + (pattern.startswith("^", i + 1)) + (pattern.startswith("]", i + 1))
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            if j >= n:
+                raise bad("has a [ without its ]")
+            i = j + 1
+            frames[-1] = max(frames[-1], _repeat_at(pattern, i, bad))
+            continue
+        if c == "(":
+            frames.append(1)
+        elif c == ")":
+            if len(frames) == 1:
+                raise bad("has a ) without its (")
+            inner = frames.pop() * _repeat_at(pattern, i + 1, bad)
+            if inner > MAX_REPEAT:
+                raise bad(f"nests repetitions of {inner} in all; this server turns at most {MAX_REPEAT} into a "
+                          f"grammar (MAX_REPEAT)")
+            frames[-1] = max(frames[-1], inner)
+        elif c in "*+?" and (i == 0 or pattern[i - 1] in "(|"):
+            raise bad(f"has a {c} with nothing to repeat")
+        else:
+            frames[-1] = max(frames[-1], _repeat_at(pattern, i + 1, bad) if c not in "*+?{}|^$" else 1)
+        i += 1
+    if len(frames) > 1:
+        raise bad("has a ( without its )")
+
+
+def _repeat_at(pattern: str, i: int, bad) -> int:
+    """The bound of a `{m,n}` quantifier at `i` (1 for none, `*`, `+`, `?`); refused above
+    `MAX_REPEAT` or reversed."""
+    m = _QUANTIFIER.match(pattern, i)
+    if not m:
+        return 1
+    low, high = int(m.group(1)), m.group(2)
+    top = low if high is None else (int(high) if high else low)
+    if top > MAX_REPEAT or (high and low > int(high)):
+        raise bad(f"repeats {m.group(0)}: at most {MAX_REPEAT} (MAX_REPEAT), lower bound first")
+    return max(top, 1)
 
 
 def _strict_strings(grammar: str) -> str:
@@ -232,7 +306,20 @@ def measure(grammar: str, *, param: str = "grammar", what: str = "the grammar") 
         raise InvalidRequest(f"{param}: {what} has {states} elements (literal characters, classes, references, "
                              f"repetitions expanded); this server takes at most {MAX_STATES} (MAX_STATES)",
                              param=param)
+    _check_stacks(grammar, param, what)
     return GrammarSize(size, rules, alternatives, states)
+
+
+def _check_stacks(grammar: str, param: str, what: str) -> None:
+    """Refuse a grammar one advance of which may create more than `MAX_STACKS` parse stacks."""
+    try:
+        fan = gbnf_cost.stacks(grammar, MAX_STACKS)
+    except gbnf_cost.Unreadable:
+        return  # llama.cpp's parser refuses it (`check`)
+    if fan > MAX_STACKS:
+        raise InvalidRequest(f"{param}: {what} can make llama.cpp follow more than {MAX_STACKS} parses at once "
+                             f"(MAX_STACKS): repetitions of what may match nothing, nested; bound or remove "
+                             f"the inner ones", param=param)
 
 
 def _class_is_empty(chars: list[str]) -> bool:

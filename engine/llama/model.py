@@ -185,7 +185,7 @@ class Model:
         self._eog = [bool(lc.llama_vocab_is_eog(self.vocab, t)) for t in range(self.n_vocab)]
         self.eog_tokens = [t for t, eog in enumerate(self._eog) if eog]
         self._longest = _longest_piece(self.vocab, self.n_vocab)
-        self._chat: Callable[[list[dict], list[dict] | None], str] | None = None
+        self._chat: Callable[[list[dict], list[dict] | None, dict], str] | None = None
         self.info = ModelInfo(
             path=str(path),
             name=_model_name(self.ptr, path),
@@ -249,14 +249,22 @@ class Model:
 
     # ---- chat ----
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            extra: dict | None = None) -> str:
         """Render chat messages with the GGUF's own template, ending with the assistant's turn.
 
         The template sees transformers' and llama-server's globals: `messages`, `tools`,
-        `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, `strftime_now`."""
+        `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, `strftime_now`,
+        and the `extra` variables (a request's `chat_template_kwargs`, e.g. `enable_thinking`)."""
         if self._chat is None:
             self._chat = _make_chat_formatter(self)
-        return self._chat(messages, tools)
+        return self._chat(messages, tools, extra or {})
+
+    @property
+    def chat_template(self) -> str:
+        """The GGUF's chat template text ("" where it has none)."""
+        raw = lc.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8", "replace") if raw else ""
 
 
 def _make_chat_formatter(model: Model):
@@ -265,7 +273,7 @@ def _make_chat_formatter(model: Model):
     raw = lc.llama_model_chat_template(model.ptr, None)
     if not raw:
         # A model with no template: plain "role: content" turns.
-        def plain(messages, tools=None):
+        def plain(messages, tools=None, extra=None):
             turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return turns + "assistant:"
 
@@ -275,7 +283,7 @@ def _make_chat_formatter(model: Model):
         eos_token=model.piece(model.eos).decode("utf-8", "replace"),
         bos_token=model.piece(model.bos).decode("utf-8", "replace") if model.bos >= 0 else "",
     )
-    return lambda messages, tools=None: fmt(messages=messages, tools=tools).prompt
+    return lambda messages, tools=None, extra=None: fmt(messages=messages, tools=tools, **(extra or {})).prompt
 
 
 def _model_name(ptr, path: Path) -> str:

@@ -15,11 +15,13 @@ into the real control token: anyone who can write a message can forge a system t
 For text without special-token strings the result equals tokenizing the plain rendering
 (tested on SmolLM2's ChatML template): the pre-tokenizer already splits at these boundaries.
 
-Tools (`chat_tokens(..., tools=...)`) go through `engine.prompts.structured.tool_prompt`: a template
-that renders the `tools` global or assistant `tool_calls` itself (`template_caps`, found by
-rendering probes once per model) gets them, and then the client's text lands outside any
-content: such text (the tools' JSON, call names and arguments) is refused if it holds a
-special-token string. Everything else reaches the template as message content.
+Tools (`render_chat(..., tools=...)`) go through `engine.prompts.tool_calls.tool_prompt`: a
+template that renders the `tools` global or assistant `tool_calls` itself (`template_caps`,
+found by rendering probes once per model) gets them, and then the client's text lands outside
+any content: such text (the tools' JSON, call names and arguments) is refused if it holds a
+special-token string. Everything else reaches the template as message content. Where the
+reply's function is known, the prompt ends with the call's head (`ToolMode.prefill`).
+`extra` variables (a request's `chat_template_kwargs`) reach the template beside the messages.
 
 Costs are linear in the body: `_split` walks the marked rendering once, the number of
 messages is capped (`MAX_MESSAGES`), and a prompt that cannot fit the context is refused
@@ -35,28 +37,49 @@ from __future__ import annotations
 import json
 import secrets
 import weakref
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.core.errors import ContextLengthExceeded, InvalidRequest
-from engine.prompts.structured import TemplateCaps, history, tool_prompt
+from engine.prompts.reply import opens_thinking, thinks
+from engine.prompts.tool_calls import TemplateCaps, ToolMode, history, tool_format, tool_prompt
 
 if TYPE_CHECKING:
-    from engine.llama.model import Model
+    from engine.core.tokenizer import Tokenizer as Model
 
 
 MAX_MESSAGES = 4096  # messages in one chat; 55,000 one-character messages took 68 s to refuse
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat: its tokens, how to read the reply (`mode`, the template's call format
+    filled in), whether the template knows thinking blocks and whether the reply starts in one."""
+
+    tokens: list[int]
+    mode: ToolMode | None = None
+    reasoning: bool = False
+    thinking: bool = False
+
+
 def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = None,
                 continue_final: bool = False, max_prompt: int = 0) -> list[int]:
+    """`render_chat(...).tokens`: the prompt's tokens alone."""
+    return render_chat(model, messages, tools, continue_final=continue_final, max_prompt=max_prompt).tokens
+
+
+def render_chat(model: Model, messages: list[dict], tools: list[dict] | None = None, mode: ToolMode | None = None,
+                *, continue_final: bool = False, max_prompt: int = 0, extra: dict | None = None) -> ChatPrompt:
     """`messages` rendered with `model`'s chat template; content is never parsed for special tokens.
 
-    With `tools` (OpenAI's list), the prompt asks for a reply in llama-server's generic
-    tool-call format (engine/prompts/structured.py). With `continue_final`, the last message (the
-    assistant's, non-empty) is left open: the prompt ends with its content, without what the
-    template puts after it (its end of turn, the next turn's header), so the model goes on
-    with that reply (vLLM's `continue_final_message`: render, cut after the final content).
-    A template that strips content (`| trim`) loses the content's trailing whitespace here.
+    With `tools` (OpenAI's list), the prompt asks for a reply in `mode` (default: `auto`),
+    written in the template's own call format where it has one (engine/prompts/tool_calls.py);
+    without, past calls in the history are shown in plain words. With `continue_final`, the
+    last message (the assistant's, non-empty) is left open: the prompt ends with its content,
+    without what the template puts after it (its end of turn, the next turn's header), so the
+    model goes on with that reply (vLLM's `continue_final_message`: render, cut after the
+    final content). A template that strips content (`| trim`) loses the content's trailing
+    whitespace here.
 
     `max_prompt` (> 0): a prompt whose cheap lower bound already reaches it is refused with
     `ContextLengthExceeded` before it is rendered or tokenized."""
@@ -72,33 +95,39 @@ def chat_tokens(model: Model, messages: list[dict], tools: list[dict] | None = N
                                  param="messages")
         if with_tools:
             raise InvalidRequest("continue_final_message cannot be combined with tools", param="messages")
+    mode = None if tools is None else replace(mode or ToolMode("auto", tuple(t["function"]["name"] for t in tools)))
     if with_tools:
         caps = template_caps(model)
-        if tools is not None:
-            messages, tools = tool_prompt(messages, tools, caps)
+        if mode is not None and tools is not None:
+            mode = replace(mode, format=caps.format)
+            messages, tools = tool_prompt(messages, tools, caps, mode)
         else:
-            messages = history(messages, caps)
+            messages = history(messages, caps, None)
         _check_outside_content(model, messages, tools)
     contents = [str(m.get("content") or "") for m in messages]
-    plain = model.apply_chat_template(messages, tools)
+    plain = model.apply_chat_template(messages, tools, extra)
     if max_prompt > 0:
         check_bound(model, [plain], max_prompt, "messages")
-    pieces = _split(model, messages, contents, plain, tools)
+    pieces = _split(model, messages, contents, plain, tools, extra)
     if continue_final:
         pieces = pieces[:-1]  # the last piece is what follows the final (non-empty) content
     tokens: list[int] = []
     for text, is_content in pieces:
         if text:
             tokens += model.tokenize(text, add_special=False, parse_special=not is_content)
-    return tokens
+    prefill = mode.prefill if mode is not None else ""
+    if prefill:  # the call's head: the template's opener and a name checked to be plain characters
+        tokens += model.tokenize(prefill, add_special=False, parse_special=True)
+    reasoning = thinks(model.chat_template)
+    return ChatPrompt(tokens, mode, reasoning, reasoning and not continue_final and not prefill and opens_thinking(plain))
 
 
 def _split(model: Model, messages: list[dict], contents: list[str], plain: str,
-           tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+           tools: list[dict] | None = None, extra: dict | None = None) -> list[tuple[str, bool]]:
     """`plain` cut into (text, is_content) pieces, in order."""
     tag = secrets.token_hex(16)
     sentinels = [f"\x1e{tag}{i}\x1e" for i in range(len(messages))]
-    marked = model.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sentinels)], tools)
+    marked = model.apply_chat_template([{**m, "content": s} for m, s in zip(messages, sentinels)], tools, extra)
     # Each sentinel once, in order (one pass; a rescan of the rest per message was quadratic).
     if marked.count(f"\x1e{tag}") != len(sentinels):  # dropped or repeated: content is not placed plainly
         return _find(plain, contents)
@@ -175,7 +204,8 @@ def _probe(model: Model) -> TemplateCaps:
             return False
 
     return TemplateCaps(tools=renders(name, [user], [tool]), tool_calls=renders(name, [user, call]),
-                        tool_responses=renders(result, [user, call, answer, user]))
+                        tool_responses=renders(result, [user, call, answer, user]),
+                        format=tool_format(model.chat_template))
 
 
 def _check_outside_content(model: Model, messages: list[dict], tools: list[dict] | None) -> None:

@@ -34,6 +34,7 @@ docs/design/routing.md.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -82,6 +83,10 @@ STRICT = 0
 CONVERSING_SHARE = 0.25
 CONVERSING_WINDOW = 32
 RESUMED_MIN = 64
+# ...and one of its last CONVERSING_RECENT did: once they stop (the chats ended, tenants came), the
+# device packs again after as many requests, not after the CONVERSING_WINDOW it took to forget
+# them. A chat workload resumes 7 requests of 8 in steady state.
+CONVERSING_RECENT = 8
 
 
 @functools.lru_cache(maxsize=256)
@@ -293,6 +298,8 @@ class FinishFirst(Policy):
         n = sum(window)
         if n == 0 or n < CONVERSING_SHARE * len(window):
             return ""
+        if not any(itertools.islice(reversed(window), CONVERSING_RECENT)):
+            return ""  # the conversations ended
         return f"it serves conversations ({n} of its last {len(window)} requests resumed one); "
 
     def _in_use(self, contexts: list[BackendScore], query, resumes: bool = False) -> tuple[list[BackendScore], str]:
@@ -307,8 +314,9 @@ class FinishFirst(Policy):
         that hold its load (spread over eight, four tenants ran slower than on two), and opens
         more as they fill."""
         need = max(1, query.prompt_tokens // 2)
-        busy = [s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need]
-        idle = [s for s in contexts if s not in busy]
+        busy = self._holding_the_load([s for s in contexts if self._snaps[s.name].items or s.cached_tokens >= need])
+        busy += [s for s in contexts if s not in busy and resumes and query.resumed_on(s.name) >= RESUMED_MIN]  # its home
+        idle = [s for s in contexts if s not in busy and not self._snaps[s.name].items]
         if not idle:
             return busy, ""
         if not busy:
@@ -326,6 +334,28 @@ class FinishFirst(Policy):
             why = "; ".join(f"{s.name} {f}" for s, f in zip(busy, full) if f)
             return room, f"{len(room)} of {len(busy)} in use not full ({why}); "
         return busy, f"{len(busy)} in use, {len(idle)} idle until those are full; "
+
+    def _holding_the_load(self, busy: list[BackendScore]) -> list[BackendScore]:
+        """Of the contexts in use, the busiest that hold the device's requests (each up to its
+        live cap or `fill`), at least `min_contexts`; the others take no new work and drain.
+        After a burst spread over more contexts (96 chats over eight, then tenants that
+        resumed nothing), every context still held requests, so all of them stayed in use and
+        stepped side by side with small batches; this brings the device back to the fewest
+        contexts that hold its load."""
+        if len(busy) <= self.min_contexts:
+            return busy
+        held = [len(self._snaps[s.name].items) for s in busy]
+        total = sum(held) + 1  # this request too
+        order = sorted(range(len(busy)), key=lambda i: -held[i])  # the busiest first, ties in order
+        keep: list[int] = []
+        room = 0
+        for i in order:
+            keep.append(i)
+            snap = self._snaps[busy[i].name]
+            room += min(max(snap.cap, 1), self.fill) if self.fill else max(snap.cap, 1)
+            if len(keep) >= self.min_contexts and room >= total:
+                break
+        return [busy[i] for i in sorted(keep)]
 
     def _full(self, s: BackendScore, query) -> str:
         """Why a context takes no more new work before another opens ("" if it does): the

@@ -124,6 +124,7 @@ class Router:
                 continued=query.continued,
                 wait_s=wait_s,
                 took_s=time.perf_counter() - since if since is not None else 0.0,
+                kind=query.kind,
             )
             self._history.append(decision)
             return decision

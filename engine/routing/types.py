@@ -1,18 +1,20 @@
 """The router's values: what it is asked (`RouteQuery`), what it weighs per backend
 (`BackendScore`) and what it answers (`RoutingDecision`, the explained decision that
-`/v1/routing`, the app and the benchmarks record). Pure data, no policy."""
+`/v1/routing`, the app and the benchmarks record). Pure data, no policy. The score and the
+decision live in `engine/core/decision.py`, beside the other values every layer reads."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.core.snapshot import Rates
+from engine.core.decision import BackendScore, RoutingDecision
 
 if TYPE_CHECKING:
     from engine.core.request import Request
+
+__all__ = ["BackendScore", "RouteQuery", "RoutingDecision", "prompt_text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class RouteQuery:
     # Of `cached`, per backend, the own history of an earlier request this prompt resumes there
     # (a conversation's next turn), past a system prompt others share (PrefixCache.match_resumed).
     resumed: Mapping[str, int] = field(default_factory=dict)
+    kind: str = "completion"  # or "embedding": prompt tokens only, nothing decoded
 
     @classmethod
     def from_request(cls, request: Request, cached: Mapping[str, int] | None = None,
@@ -74,99 +77,8 @@ class RouteQuery:
         return self.prompt_tokens - self.cached_on(backend)
 
 
-@dataclass(frozen=True, slots=True)
-class BackendScore:
-    """One backend's side of a routing decision.
-
-    `prefill_tokens` and `decode_tokens` are the totals the score counted (work already on the
-    backend plus the new request); `prefill_s + decode_s == score_s`. Lower `score_s` is better.
-    For `predicted-finish`, `score_s` is the predicted finish time of the new request and
-    `decode_tokens` the tokens all sequences decode until then.
-    """
-
-    name: str
-    device: str
-    cached_tokens: int
-    prefill_tokens: float
-    decode_tokens: float
-    prefill_s: float
-    decode_s: float
-    score_s: float
-    rates: Rates
-    n_running: int
-    n_waiting: int
-    cap: int
-    eligible: bool
-
-    @property
-    def work_tokens(self) -> float:
-        """Prefill plus decode tokens: the `least-work` measure."""
-        return self.prefill_tokens + self.decode_tokens
-
-    def to_dict(self) -> dict:
-        d = {f.name: json_number(getattr(self, f.name)) for f in fields(self) if f.name != "rates"}
-        d["rates"] = {f.name: json_number(getattr(self.rates, f.name)) for f in fields(self.rates)}
-        return d
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingDecision:
-    """Where one request went and why, with every backend's score at that instant."""
-
-    time: float
-    request_id: str
-    policy: str
-    backend: str
-    reason: str
-    scores: tuple[BackendScore, ...]
-    budget: str = "raw"
-    new_token_ratio: float | None = None
-    pinned: bool = False
-    moved_from: str | None = None  # the backend that gave the request back (`RouteQuery`)
-    continued: int = 0  # output tokens streamed there, continued here
-    # Seconds the engine spent on it: waiting for its routing lock (other requests being routed),
-    # then looking up every backend's cached prefix, taking their snapshots and choosing.
-    wait_s: float = 0.0
-    took_s: float = 0.0
-
-    def score_of(self, backend: str) -> BackendScore:
-        """The score entry for `backend` (KeyError if it was not in the snapshot)."""
-        for s in self.scores:
-            if s.name == backend:
-                return s
-        raise KeyError(backend)
-
-    @property
-    def chosen(self) -> BackendScore:
-        return self.score_of(self.backend)
-
-    def to_dict(self) -> dict:
-        return {
-            "time": self.time,
-            "request_id": self.request_id,
-            "policy": self.policy,
-            "backend": self.backend,
-            "reason": self.reason,
-            "budget": self.budget,
-            "new_token_ratio": self.new_token_ratio,
-            "pinned": self.pinned,
-            "moved_from": self.moved_from,
-            "continued": self.continued,
-            "wait_s": self.wait_s,
-            "took_s": self.took_s,
-            "scores": [s.to_dict() for s in self.scores],
-        }
-
-
 def prompt_text(request: Request) -> str:
     """A text request's prompt as one string (messages joined role by role), for prefix hashing."""
     if request.text is not None:
         return request.text
     return "".join(f"<|{m.get('role', '')}|>{m.get('content') or ''}" for m in request.messages or ())
-
-
-def json_number(x):
-    """JSON has no infinity: an unreachable backend's infinite score becomes null."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x

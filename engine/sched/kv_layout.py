@@ -59,6 +59,11 @@ class KvLayout(Protocol):
         """Idle cached cells worth keeping beside `n_running` decoding sequences."""
         ...
 
+    def unrelated_budget(self) -> int:
+        """Idle cached cells worth keeping when work that uses none of them starts on an idle
+        context (the cache then holds another workload's prefixes)."""
+        ...
+
     def cap_room(self, cache: PrefixCache, running: list[SeqState], free_ids: list[int],
                  headroom: int) -> tuple[int, int]:
         """(room, what one more sequence takes of it), for the adaptive cap."""
@@ -119,6 +124,12 @@ class UnifiedKv:
         # running sequence at every step: a lone chat keeps its history, a batch of B a B-th.
         return (self.n_ctx if idle_cache_cells < 0 else idle_cache_cells) // n_running
 
+    def unrelated_budget(self) -> int:
+        # None: llama.cpp places new cells from its head, after what is kept, and a step scans
+        # up to the highest cell in use; what is evicted after the new work was placed below it
+        # leaves that scan as long as before.
+        return 0
+
     def cap_room(self, cache: PrefixCache, running: list[SeqState], free_ids: list[int],
                  headroom: int) -> tuple[int, int]:
         own = sum(s.n_past - s.n_shared for s in running)
@@ -177,6 +188,9 @@ class SplitKv:
 
     def idle_budget(self, idle_cache_cells: int, n_running: int) -> int:
         return UNBOUNDED  # a step attends over its own stream only: idle streams cost nothing
+
+    def unrelated_budget(self) -> int:
+        return UNBOUNDED
 
     def cap_room(self, cache: PrefixCache, running: list[SeqState], free_ids: list[int],
                  headroom: int) -> tuple[int, int]:

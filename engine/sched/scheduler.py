@@ -57,6 +57,10 @@ def default_seq_slots(cap: int, device: str) -> int:
 # row every step for nothing (on a CPU, where each row costs about the same, as much as any
 # other user).
 SEARCHING = -2
+# A sequence paused for its reader this long gives its place (and its KV) to the queue when
+# another client waits for it, and is set aside until its reader catches up (`Scheduler.parked`):
+# 640 sequences whose readers never read held every place until their connections timed out.
+PAUSE_YIELD_S = 0.25
 
 
 @dataclass(slots=True)
@@ -102,7 +106,7 @@ class Scheduler:
                  preferred_ids: Callable[[SamplingParams], list[int]] = lambda sp: [],
                  clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None,
                  limiter: ConcurrencyLimiter | None = None, share_prefill: bool = True,
-                 defer_shared: bool = True):
+                 defer_shared: bool = True, paused: Callable[[SeqState], bool] | None = None):
         self.name = name
         # The live cap; with a `limiter` (engine/sched/limiter.py) it follows the measured steps.
         self.limiter = limiter
@@ -131,12 +135,18 @@ class Scheduler:
         self.prefill_budget = n_batch  # halved after a "no KV room" decode
         self.blocked = False  # the queue's head waits for KV room that only a finish frees
         self.preemptions = 0
+        self.unrelated_sheds = 0  # idle caches cleared for unrelated work (`_shed_unrelated`)
         self._ops: list[KvOp] = []
         self._finished: list[Finished] = []
         self._unplaced: list[SeqState] = []  # left the running set unfinished (preempted, drained)
         self._next_timeout_check = 0.0
         self.overlap = False  # text of requests without stop strings waits for `emit_pending`
         self.pending_text: list[tuple[SeqState, int]] = []
+        # A decoding sequence for which `paused` holds (its reader is behind) takes no row and
+        # keeps its KV until it does not; `n_paused` counts them at the last `schedule`.
+        self.paused = paused
+        self.n_paused = 0
+        self.parked: list[SeqState] = []  # paused sequences set aside, their KV freed (`_set_aside`)
 
     @property
     def kv_unified(self) -> bool:
@@ -185,9 +195,14 @@ class Scheduler:
             self._finish(s, RequestStatus.FINISHED_CANCELLED)
         for s in [s for s in self.running if s.req.id in ids]:
             self._finish(s, RequestStatus.FINISHED_CANCELLED)
+        for s in [s for s in self.parked if s.req.id in ids]:
+            self.parked.remove(s)
+            self._finish(s, RequestStatus.FINISHED_CANCELLED)
 
     def has_work(self) -> bool:
-        return bool(self.running) or (bool(self.waiting) and len(self.running) < self.cap and not self.blocked)
+        """Something to plan: a running sequence that is not paused, or an admission."""
+        return len(self.running) > self.n_paused or (bool(self.waiting) and len(self.running) < self.cap
+                                                      and not self.blocked)
 
     def schedule(self) -> Plan:
         """Admit what fits, then plan one step. KV ops to apply first are in `take_ops()`;
@@ -195,6 +210,7 @@ class Scheduler:
         plan = Plan()
         if self.queue_timeout_s:
             self._expire_waiting()
+        self._queue_turns()
         if self.waiting and not self.blocked:
             self._admit(plan)
         if not self.running:
@@ -203,7 +219,8 @@ class Scheduler:
         # One pass over the running set per step: decode rows, prefills, and the cells the
         # running sequences own (`SeqState.prefilling` and `kv_cells_used`, inlined).
         decoding, prefilling = [], []
-        own = 0
+        own, paused, self.n_paused = 0, self.paused, 0
+        yielding: list[SeqState] = []
         for s in self.running:
             n_past = s.n_past
             own += n_past - s.n_shared
@@ -211,9 +228,16 @@ class Scheduler:
             if left > 1 or n_past < s.n_prompt:
                 prefilling.append(s)
             elif left:
-                decoding.append(s)
+                if paused is not None and paused(s):
+                    self.n_paused += 1
+                    yielding = self._pause(s, yielding)
+                else:
+                    s.paused_at = 0.0
+                    decoding.append(s)
             else:  # its input is in and its token not yet known: a grammar search (`SEARCHING`)
                 plan.searching.append(s)
+        for s in yielding:
+            self._set_aside(s)
         self.kv.decode_order(decoding)
         free = self.kv.free_cells(self.cache, own)  # `_free_cells()`
         if len(decoding) > free:
@@ -310,6 +334,62 @@ class Scheduler:
         else:
             self._finish(youngest, RequestStatus.FINISHED_ERROR,
                          f"backend {self.name}: the context ran out of KV cells for this request")
+
+    def _pause(self, s: SeqState, yielding: list[SeqState]) -> list[SeqState]:
+        """`s` is paused for its reader: note since when, and whether it now yields its place
+        (to another client's queued request: yielding to its own client's, whose readers are
+        as slow, would only make it compute prompts it cannot send)."""
+        now = self.clock()
+        if not s.paused_at:
+            s.paused_at = now
+        elif now - s.paused_at > PAUSE_YIELD_S and any(w.req.client != s.req.client or not w.req.client
+                                                        for w in self.waiting):
+            yielding.append(s)
+        return yielding
+
+    def _set_aside(self, s: SeqState) -> None:
+        """Free a long-paused sequence's KV and keep it out of the queue until its reader
+        catches up (then it queues again, what it generated becoming its prompt)."""
+        self._forget(s)
+        s.status = RequestStatus.WAITING
+        s.preemptions += 1
+        self.preemptions += 1
+        self.n_paused -= 1
+        self.parked.append(s)
+
+    def _queue_turns(self) -> None:
+        """Before admission: parked sequences whose readers caught up queue again, and another
+        client's request may go first (`_fair_head`)."""
+        if self.parked:
+            self._take_back_parked()
+        if len(self.waiting) > 1 and self.running:
+            self._fair_head()
+
+    def _fair_head(self) -> None:
+        """When the queue's head is of a client that already runs sequences, the first queued
+        request of a client that runs fewer goes first (`Request.client`; "" is never moved):
+        40 streams of n=16 from one address queued everyone else's chats behind 640 sequences."""
+        head = self.waiting[0].req.client
+        if not head:
+            return
+        running = collections.Counter(s.req.client for s in self.running)
+        least = running[head]
+        if not least:
+            return
+        for i, s in enumerate(self.waiting):
+            client = s.req.client
+            if client and running[client] < least:
+                del self.waiting[i]
+                self.waiting.appendleft(s)
+                return
+
+    def _take_back_parked(self) -> None:
+        """Parked sequences whose readers caught up queue again (at the back)."""
+        ready = [s for s in self.parked if self.paused is None or not self.paused(s)]
+        for s in ready:
+            self.parked.remove(s)
+            s.paused_at = 0.0
+            self.add(s)
 
     def _adapt(self, lim: ConcurrencyLimiter, plan: Plan, seconds: float) -> None:
         """Feed the step to the limiter; at a window's end, give it the KV room."""
@@ -414,6 +494,8 @@ class Scheduler:
         match = self.cache.match(seq.tokens, max_len=self.reuse.usable(seq))
         lock = self.cache.pin(match) if match.length else None  # keeps it through evictions
         hit = match.length
+        if not self.running and hit < SHARE_MIN_TOKENS:
+            self._shed_unrelated()
         need = n - hit + (0 if seq.warm else min(ADMIT_HEADROOM, self.n_ctx_seq - n))
         if not self._make_room(need + self._prefill_owed() + len(self.running)):
             if lock is not None:
@@ -560,6 +642,20 @@ class Scheduler:
         the layout's budget for idle cells (unified KV: `idle_cache_cells / B`)."""
         budget = self.kv.idle_budget(self.idle_cache_cells, len(self.running))
         self._apply_evictions(self.reuse.shed(self.cache, budget))
+
+    def _shed_unrelated(self) -> None:
+        """Work that uses (almost) nothing cached starts on an idle context: what the cache
+        holds belongs to other work, so all of it but the few tokens this request matched
+        (pinned) goes down to the layout's budget for that (unified KV: nothing) before the
+        new cells are placed. Kept, every decode step of the new work would scan it (unified KV
+        without flash attention: every cell up to the highest in use): a tiny-model context that had served 4 conversations held 858 cells through
+        the study's workload where a fresh one held 384 (tests/test_history.py). A prefix
+        another queued request was routed to stays pinned; a new conversation sharing the
+        cached system prompt keeps the other conversations' histories."""
+        evicted = self.reuse.shed(self.cache, self.kv.unrelated_budget())
+        if evicted:
+            self._apply_evictions(evicted)
+            self.unrelated_sheds += 1
 
     # ---- growth and preemption ----
 

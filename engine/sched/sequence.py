@@ -12,7 +12,7 @@ from engine.core.textstream import TextStream
 from engine.sched.prefix_cache import Pin
 
 if TYPE_CHECKING:
-    from engine.llama.sampling import Sampler
+    from engine.sched.sampler import Sampler
 
 
 class SeqState:
@@ -35,6 +35,7 @@ class SeqState:
         "n_past",
         "n_prompt",
         "n_shared",
+        "paused_at",
         "pin",
         "preemptions",
         "prompt_logprobs",
@@ -88,6 +89,7 @@ class SeqState:
         self.logprobs: list | None = [] if self.sp.logprobs is not None else None
         # One TokenLogprob per prompt token after the first, when the request asked for them.
         self.prompt_logprobs: list | None = [] if self.sp.prompt_logprobs else None
+        self.paused_at = 0.0  # when the scheduler's `paused` predicate began to hold (0: it does not)
         self.admit_cap = 0  # the live cap when it was first admitted, and the limiter's reason then
         self.admit_reason = ""
 

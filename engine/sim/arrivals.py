@@ -32,10 +32,8 @@ EPSILON_S = 0.001  # an arrival within 1 ms of its time is due (timers fire a li
 
 
 class ArrivalClock:
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
-        """`monotonic`: the time source (seconds); another than the default suits `take` only,
-        since `wait_for` sleeps in real time."""
-        self._time = monotonic
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # monotonic seconds (tests pass one they move by hand)
         self._cond = threading.Condition()
         self._t0: float | None = None  # monotonic() when the clock read 0, shifted by each pause
         self._paused = False
@@ -50,7 +48,7 @@ class ArrivalClock:
     def start(self) -> None:
         """Arrivals start now (a clock paused before it started stays paused, at 0)."""
         with self._cond:
-            self._t0 = self._time() - (self._frozen if self._paused else 0.0)
+            self._t0 = self._clock() - (self._frozen if self._paused else 0.0)
             self._cond.notify_all()
 
     def pause(self) -> bool:
@@ -67,9 +65,9 @@ class ArrivalClock:
                 return False
             self._paused = False
             self._steps = 0
-            self._pauses[-1] = (self._pauses[-1][0], self._time())
+            self._pauses[-1] = (self._pauses[-1][0], self._clock())
             if self._t0 is not None:
-                self._t0 = self._time() - self._frozen
+                self._t0 = self._clock() - self._frozen
             self._cond.notify_all()
             return True
 
@@ -120,14 +118,14 @@ class ArrivalClock:
     def wait_for(self, arrival_s: float, timeout: float | None = None) -> bool:
         """Block until the arrival at `arrival_s` may be submitted; False if the clock was closed
         (or `timeout` passed) first."""
-        deadline = None if timeout is None else self._time() + timeout
+        deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
             while not self._take(arrival_s):
                 if self._closed:
                     return False
                 waits = [] if self._paused or self._t0 is None else [arrival_s - self._now()]
                 if deadline is not None:
-                    waits.append(deadline - self._time())
+                    waits.append(deadline - self._clock())
                     if waits[-1] <= 0:
                         return False
                 self._cond.wait(max(0.0, min(waits)) if waits else None)
@@ -136,12 +134,12 @@ class ArrivalClock:
     def _hold(self) -> None:
         self._frozen = self._now()
         self._paused = True
-        self._pauses.append((self._time(), None))
+        self._pauses.append((self._clock(), None))
 
     def _now(self) -> float:
         if self._paused or self._t0 is None:
             return self._frozen
-        return self._time() - self._t0
+        return self._clock() - self._t0
 
     def _take(self, arrival_s: float) -> bool:
         if self._closed or self._t0 is None:

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from engine.core.decision import RoutingDecision
+
 METRICS = ("makespan_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s")
 
 
@@ -295,7 +297,7 @@ def oracle(rows: Sequence[Mapping], *, group: Sequence[str], metric: str = "make
 # ---- decisions ----
 
 
-def decision_line(decision, t0: float = 0.0, **extra) -> dict:
+def decision_line(decision: RoutingDecision, t0: float = 0.0, **extra: Any) -> dict:
     """A `RoutingDecision` as one `decisions.jsonl` object (the router issue's format).
 
     `t` is seconds since `t0` (the run's first submission); rates are tokens/s, scores
@@ -325,7 +327,7 @@ def decision_line(decision, t0: float = 0.0, **extra) -> dict:
 
 def seed_formula(candidate: Mapping) -> float:
     """The study's score recomputed from one recorded candidate's terms."""
-    def part(tokens, rate):
+    def part(tokens: float, rate: float) -> float:
         return 0.0 if tokens <= 0 else (tokens / rate if rate > 0 else math.inf)
 
     return part(candidate["prefill_tokens"], candidate["prefill_rate"]) + part(

@@ -13,14 +13,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from engine.core.decision import RoutingDecision
 from engine.core.errors import InvalidRequest
 from engine.core.request import Request, RequestStatus, SamplingParams
 from engine.core.snapshot import BackendSnapshot, CacheStats, Rates
 from engine.routing import RouteQuery, Router
 from engine.sched.limiter import CEILING, START, ConcurrencyLimiter
-from engine.sched.scheduler import Plan, Scheduler, SeqState, default_seq_slots
+from engine.sched.scheduler import Finished, Plan, Scheduler, SeqState, default_seq_slots
 from engine.sim.benchmark import RequestRecord, decision_line
-from engine.sim.workload import Workload
+from engine.sim.workload import RequestSpec, Workload
+
+Events = list[tuple[float, int, int, Any]]  # the simulation's heap: (time, order, kind, payload)
+Submitted = dict[str, tuple[int, RequestSpec, float]]  # request id -> (index, spec, submitted at)
 
 SAMPLED_TOKEN = 300  # the token every simulated logits row samples (never an end token here)
 
@@ -494,12 +498,12 @@ class Simulation:
         wl = self.workload
         n = len(wl.requests)
         name = wl.spec.name()
-        events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
+        events: Events = []
         order = 0
         for i in range(len(wl.requests)):
             heapq.heappush(events, (self.arrivals[i], order, 0, i))
             order += 1
-        submitted: dict[str, tuple] = {}
+        submitted: Submitted = {}
         while events:
             t, _, kind, payload = heapq.heappop(events)
             self.now = t
@@ -554,7 +558,7 @@ class Simulation:
                 b.sched.update_from_output(plan, [SAMPLED_TOKEN] * _logit_rows(plan))
                 b.sched.take_ops()
 
-    def _route(self, req: Request, out: SimRun):
+    def _route(self, req: Request, out: SimRun) -> tuple[_SimBackend, RoutingDecision]:
         for x in self.backends:
             if x.run is not None:
                 x.run.apply_until(self.now)
@@ -570,7 +574,8 @@ class Simulation:
         b.sched.add(SeqState(req, None, pin, estimate, self.now, n_ctx_seq=b.sched.n_ctx_seq))
         return b, decision
 
-    def _start(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
+    def _start(self, b: _SimBackend, events: Events, order: int, out: SimRun, submitted: Submitted, name: str,
+               n: int) -> int:
         """Plan `b`'s next step at `now` and schedule its end; nothing when it has no work
         (idle, or its queue waits for KV room only a finish frees)."""
         sched = b.sched
@@ -621,7 +626,8 @@ class Simulation:
             k = min(k, stop - s.generated, sched.n_ctx_seq - 1 - s.n_past)
         return min(k, sched.kv.decode_room(sched.kv_cells_used(), len(plan.decode))) - 1
 
-    def _finish_step(self, b: _SimBackend, events, order: int, out: SimRun, submitted, name: str, n: int) -> int:
+    def _finish_step(self, b: _SimBackend, events: Events, order: int, out: SimRun, submitted: Submitted, name: str,
+                     n: int) -> int:
         plan, b.plan = b.plan, None
         if plan is None:
             raise RuntimeError(f"backend {name}: a step finished that was never planned")
@@ -632,7 +638,8 @@ class Simulation:
         self._publish(b, finished + b.sched.take_finished(), out, submitted, name, n)
         return self._start(b, events, order, out, submitted, name, n)
 
-    def _publish(self, b: _SimBackend, finished, out: SimRun, submitted, name: str, n: int) -> None:
+    def _publish(self, b: _SimBackend, finished: Sequence[Finished], out: SimRun, submitted: Submitted, name: str,
+                 n: int) -> None:
         for f in finished:
             s = f.seq
             _i, spec, t_submit = submitted[s.req.id]
@@ -657,6 +664,6 @@ def _logit_rows(plan: Plan) -> int:
     return len(plan.decode) + sum(1 for c in plan.chunks if c[3])
 
 
-def simulate(profile: Profile, workload: Workload, policy: str, **kw) -> SimRun:
+def simulate(profile: Profile, workload: Workload, policy: str, **kw: Any) -> SimRun:
     """One run of `workload` under `policy` on `profile` (see `Simulation`)."""
     return Simulation(profile, workload, policy, **kw).run()

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from engine.core.tokenizer import TOKEN_HIGH, TOKEN_LOW  # re-exported: the workloads' token range
 
 SEED_PREFIX_TOKENS = 496
 SEED_SUFFIX_TOKENS = 20
@@ -29,10 +32,6 @@ few put run set top yes yet big far low own red win ago air art bad bed box boy 
 fly fun hit hot job key law lay leg let lie lot mix net nor oil pay per sea sit six sky son sun tax
 ten tie toy try war web why age arm ask bag bit bus buy cup dry egg fit gas hat ice kid map mom""".split()))
 
-# Token ids are drawn from this range: above the control tokens most vocabularies start with,
-# below the size of every vocabulary we use (SmolLM2 49152, Qwen2.5 151936).
-TOKEN_LOW = 256
-TOKEN_HIGH = 32000
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +151,7 @@ class Workload:
 
 def seed_workload(n_requests: int, *, prefix_tokens: int = SEED_PREFIX_TOKENS,
                   suffix_tokens: int = SEED_SUFFIX_TOKENS, gen_tokens: int = SEED_GEN_TOKENS,
-                  interval_s: float = SEED_INTERVAL_S, **kw) -> WorkloadSpec:
+                  interval_s: float = SEED_INTERVAL_S, **kw: Any) -> WorkloadSpec:
     """The study's workload (docs/study.md); sizes can be shrunk for tests."""
     return WorkloadSpec(n_requests=n_requests, prompt_tokens=prefix_tokens + suffix_tokens,
                         shared_tokens=prefix_tokens, gen_tokens=gen_tokens, interval_s=interval_s,
@@ -213,7 +212,7 @@ def tenant_draws(spec: WorkloadSpec, rng: random.Random) -> list[int]:
     return rng.choices(range(spec.tenants), weights=tenant_weights(spec), k=spec.n_requests)
 
 
-def tokenized(workload: Workload, tokenize) -> Workload:
+def tokenized(workload: Workload, tokenize: Callable[[str, bool], Sequence[int]]) -> Workload:
     """`workload` with every prompt replaced by its text's tokens: `tokenize(text, first)` is
     called on the shared prefix text (`first=True`: the model may add its BOS) and on the
     request's own text (`first=False`) separately, so prompts of one tenant share their prefix

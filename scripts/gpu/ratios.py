@@ -9,6 +9,10 @@
                                                        # TTFT and ITL p50, prompt tokens computed, requests per backend
     python3 scripts/gpu/ratios.py ttft DIR             # each row over all its runs: TTFT p10 ... p99, prompts that
                                                        # missed their prefix, and why a Tandem peer routed as it did
+    python3 scripts/gpu/ratios.py seq DIR...           # workloads run in sequence on the same servers (`run.sh
+                                                       # seq_history`): per step, each server's makespan, TTFT
+                                                       # p50 and failures, the default (row `default`) over the
+                                                       # best `tuned-*` row, and chat_temp over chat per server
 
 Every ratio compares rows of the same invocation (runs interleaved), never across calls.
 """
@@ -191,7 +195,45 @@ def ttft(folder: str) -> None:
               + (f" | {why}" if why else "") + took)
 
 
+def _label(policy: str) -> str:
+    return policy.removeprefix("target:")
+
+
+def seq(folders: list[str]) -> None:
+    """Per step folder (in the order run), each row and the default against the best tuned row;
+    then each server's temperature chats over its greedy chats (folders named chat and chat_temp)."""
+    means: dict[str, dict[str, float]] = {}
+    for folder in folders:
+        if not (Path(folder) / "summary.json").exists():
+            print(f"{Path(folder).name}: no summary.json (the step did not finish)")
+            continue
+        rows, _ = _rows(folder)
+        step = Path(folder).name
+        by = {_label(r["policy"]): r for r in rows}
+        means[step] = {k: _mean(r, "makespan_s") for k, r in by.items()}
+        cells = ", ".join(f"{k} {_mean(r, 'makespan_s'):.2f} s{_runs(r)} / {1e3 * _mean(r, 'ttft_p50_s'):.0f} ms"
+                          + (f" ({r['failed']} failed)" if r.get("failed") else "") for k, r in by.items())
+        line = f"{step}: {cells}"
+        tuned = {k: r for k, r in by.items() if k.startswith("tuned-")}
+        if "default" in by and tuned:
+            best_name, best = min(tuned.items(), key=lambda kv: _mean(kv[1], "makespan_s"))
+            m = _mean(by["default"], "makespan_s") / _mean(best, "makespan_s")
+            t = _mean(by["default"], "ttft_p50_s") / _mean(best, "ttft_p50_s")
+            line += (f"  | default / best tuned ({best_name}): {m:.3f}x makespan, {t:.2f}x TTFT p50 "
+                     f"[target <= 1.03x / <= 1.10x: {'met' if m <= 1.03 and t <= 1.10 else 'NOT met'}]")
+        print(line)
+    greedy, temp = means.get("chat", {}), means.get("chat_temp", {})
+    for k in greedy:
+        if k in temp:
+            r = temp[k] / greedy[k]
+            print(f"{k}: chats at temperature / greedy = {temp[k]:.2f} / {greedy[k]:.2f} s = {r:.3f}x "
+                  f"[target <= 1.05x: {'met' if r <= 1.05 else 'NOT met'}]")
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "seq":
+        seq(argv[1:])
+        return 0
     if len(argv) < 2 or argv[0] not in ("tenants", "pairs", "caps", "defaults", "runs", "ttft"):
         print(__doc__, file=sys.stderr)
         return 2

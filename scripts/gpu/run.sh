@@ -24,7 +24,7 @@ export TANDEM_CACHE_DIR=${TANDEM_CACHE_DIR:-/tmp/tandem-cache}; mkdir -p "$TANDE
 [ -f docs/results/gpu/rates.json ] && [ ! -f "$TANDEM_CACHE_DIR/rates.json" ] && cp docs/results/gpu/rates.json "$TANDEM_CACHE_DIR/"
 { echo "command: scripts/gpu/run.sh $*"; echo "date: $(date -u +%FT%TZ)"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown) (the device copy's git HEAD: may predate uncommitted or later work)"
-  env | grep -E '^(QUANT|RUNS|CAPS|KV|GPU_CAP|TENANTS|REQUESTS|RATE|CHAT_[A-Z0-9_]+|ALTS|HTTP_WORKLOADS|TENANT_SKIP|TUNED_ONLY|TIMEOUT|LLAMA_[A-Z_]+|N48|LONG_N|TENANT_N|TENANT_RUNS)=' ; } > "$OUT/manifest.txt"
+  env | grep -E '^(QUANT|RUNS|CAPS|KV|GPU_CAP|TENANTS|REQUESTS|RATE|CHAT_[A-Z0-9_]+|ALTS|HTTP_WORKLOADS|TENANT_SKIP|TUNED_ONLY|TIMEOUT|LLAMA_[A-Z_]+|N48|LONG_N|TENANT_N|TENANT_RUNS|SEQ_[A-Z_]+|SAMPLING_[A-Z_]+|FUSED_FROM|BIG_BATCHES|REPEATS)=' ; } > "$OUT/manifest.txt"
 trap 'cp "$TANDEM_CACHE_DIR/rates.json" "$OUT/" 2>/dev/null; tar czf "$DEST/results.tgz" -C "$OUT" .' EXIT
 # One deadline for all steps, under the device's 10 minutes, so the results are always packed.
 timeout "${TIMEOUT:-560}" bash -c 'source scripts/gpu/steps.sh; _setup; for s in "$@"; do "$s"; done' run "$@"

@@ -359,6 +359,19 @@ slots() {  # what sequence slots cost a decode step: 40 (cap 32's default) vs 10
   _decode overhead_gpu_slots104.txt 2 1,16,32 --n-seq-max 104
 }
 
+decode_big() {  # greedy decode vs llama-batched-bench at B = 64 and 128 (target: >= 0.90x), one invocation
+  _decode overhead_gpu_big.txt "${REPEATS:-3}" "${BIG_BATCHES:-64,128}"
+}
+
+sampling_sortfree() {  # ~2.5 min: temperature 0.8 + top-p 0.95 (p), + top-k 40 (pk) and the chat default (full, + min-p
+                      # 0.05) with the sort-free fused sampler, beside the computation by sorts (NAME-staged), each
+                      # against greedy at B = 1, 4, 16, 32 in one invocation (target: >= 0.95x)
+  _stamp "GPU decode: sort-free temperature sampling vs greedy"
+  python3 -m app bench overhead --model "$M" --device "$G" --threads 8 --batches "${SAMPLING_BATCHES:-1,4,16,32}" \
+    --sampled-variants "${SAMPLING_VARIANTS:-p,pk,full,pk-staged,full-staged}" --no-llama --repeats "${REPEATS:-3}" \
+    --fused-dist-from "${FUSED_FROM:-1}" 2>&1 | tail -$((${REPEATS:-3} + 2)) | tee "$OUT/sampling_sortfree${FUSED_FROM:+_from$FUSED_FROM}.txt"
+}
+
 decode_wide() {  # greedy decode vs llama-batched-bench at B = 1-128 alone (the must-show's batch sizes)
   _decode overhead_gpu_wide.txt "${REPEATS:-3}" 1,4,16,32,64,128
 }
@@ -820,4 +833,86 @@ client_probe() {  # ~2 min: is a fresh server's slow first chat turn the client'
   _serve_one cp2 8311
   (cd "$OUT/logs" && python3 "$root/scripts/gpu/first_probe.py" 8311 4) 2>&1 | tail -2
   CHAT_N=24 CHAT_TURNS=2 CHAT_LIMIT=60 _chat_bench after-probe 8311; _stop_servers
+}
+
+# ---- a default that stays fast after hours of work: workloads in sequence on the same servers ----
+
+# The tuned layouts of the sequence (label=spec, each under cache-aware): two contexts at fixed caps.
+SEQ_TUNED=(t32="$G:contexts=2,cap=32,adaptive=0,threads=${SEQ_THREADS:-8}" t16="$G:contexts=2,cap=16,adaptive=0,threads=${SEQ_THREADS:-8}")
+_seq_spec() {  # _seq_spec LABEL: the SEQ_TUNED spec of LABEL
+  local t
+  for t in "${SEQ_TUNED[@]}"; do [ "${t%%=*}" = "$1" ] && { echo "${t#*=}"; return; }; done
+  echo "unknown tuned layout $1" >&2; return 1
+}
+_seq_step() {  # _seq_step STEP TARGETS...: one workload of the sequence against TARGETS (--target L=URL ...)
+  local step=$1 dir=$OUT/seq/$1; shift
+  _stamp "seq: $step"
+  local chat=(--conversations "${CHAT_N:-96}" --turns 8 --rate 6 --think 1 --system-words 600 --user-words 40-120
+              --reply-tokens 32-192 --time-limit "${CHAT_LIMIT:-110}" --no-plots --out "$dir")
+  local grid=(--model "$M" --runs 1 --warmup 0 --policies none --caps none --no-plots --out "$dir")
+  local tenants=(--tenant-prefix-tokens 1500 --tenant-suffix-tokens 50 --outputs uniform --min-output 32
+                 --max-output 256 --arrivals poisson --rate 40 --requests "${TENANT_N:-200}")
+  case $step in
+    chat) python3 -X faulthandler -m app bench chat "${chat[@]}" "$@" ;;
+    chat_temp) python3 -X faulthandler -m app bench chat "${chat[@]}" --temperature 0.8 --top-p 0.95 "$@" ;;
+    tenants*) python3 -X faulthandler -m app bench grid "${grid[@]}" --runs "${SEQ_TENANT_RUNS:-1}" \
+                --tenants "${step#tenants}" "${tenants[@]}" "$@" ;;
+    long) python3 -X faulthandler -m app bench grid "${grid[@]}" --requests 64 --prompt-tokens 1516 --shared 66 \
+            --outputs uniform --min-output 32 --max-output 512 --arrivals poisson --rate 20 "$@" ;;
+    n48) python3 -X faulthandler -m app bench grid "${grid[@]}" --requests 48 --shared 96 --outputs fixed \
+           --arrivals interval "$@" ;;
+    *) echo "unknown seq step $step"; return 1 ;;
+  esac 2>&1 | grep -v "it/s\]" | tail -4
+  _backends "$dir" "$@"
+}
+
+seq_history() {  # issue 43's must-show: the workloads of SEQ_STEPS (chat chat_temp tenants4 tenants16 tenants32 long
+                 # n48) one after another on the same servers: `tandem serve --model M` (default, 8100), each tuned
+                 # layout of SEQ_HIST (t32 t16; SEQ_TUNED) serving the same sequence (8101...), and per step a
+                 # fresh tuned server that serves that step alone (SEQ_FRESH: step=label ...; 8110...); SEQ_OLD: a
+                 # project tree whose default serves the sequence too (8099, row `old-default`). Prints per step
+                 # each server's makespan / TTFT p50 and the default over the best tuned row, then each server's
+                 # temperature chats over its greedy ones (ratios.py seq; ~7 min for the whole sequence)
+  mkdir -p "$OUT/logs" "$OUT/seq"
+  local steps=(${SEQ_STEPS:-chat chat_temp tenants4 tenants16 tenants32 long n48}) hist=(${SEQ_HIST:-t32 t16})
+  local fresh=(${SEQ_FRESH-tenants4=t32 tenants16=t32 tenants32=t32 long=t16 n48=t16}) ports=(8100) i f l step
+  local base=(--target default=http://127.0.0.1:8100)
+  _serve_one seq-default 8100  # alone first: it measures the rates the others read
+  for ((i = 0; i < ${#hist[@]}; i++)); do
+    _serve_bg "$OUT/logs/seq-${hist[i]}.log" $((8101 + i)) --backend "$(_seq_spec "${hist[i]}")" --policy cache-aware
+    base+=(--target "tuned-${hist[i]}-hist=http://127.0.0.1:$((8101 + i))"); ports+=($((8101 + i)))
+  done
+  for ((i = 0; i < ${#fresh[@]}; i++)); do
+    f=${fresh[i]}
+    _serve_bg "$OUT/logs/seq-fresh-${f%%=*}.log" $((8110 + i)) --backend "$(_seq_spec "${f#*=}")" --policy cache-aware
+    ports+=($((8110 + i)))
+  done
+  if [ -n "${SEQ_OLD:-}" ]; then
+    (cd "$SEQ_OLD" && PYTHONPATH=/tmp/site:$(pwd) exec python3 -m app serve --model "$M" --port 8099) \
+      > "$OUT/logs/seq-old-default.log" 2>&1 & SERVERS+=($!); SERVER_LOGS[$!]=$OUT/logs/seq-old-default.log
+    base+=(--target old-default=http://127.0.0.1:8099); ports+=(8099)
+  fi
+  _wait_ready "${ports[@]}" || { _stop_servers; return 1; }
+  for step in "${steps[@]}"; do
+    local targets=("${base[@]}")
+    for ((i = 0; i < ${#fresh[@]}; i++)); do
+      f=${fresh[i]}
+      [ "${f%%=*}" = "$step" ] && targets+=(--target "tuned-${f#*=}-fresh=http://127.0.0.1:$((8110 + i))")
+    done
+    _seq_step "$step" "${targets[@]}"
+    l=("${steps[@]/#/$OUT/seq/}")
+    python3 scripts/gpu/ratios.py seq "${l[@]}" > "$OUT/seq.txt" 2>&1  # so far, rewritten after each step
+  done
+  cat "$OUT/seq.txt"
+  _stop_servers
+}
+
+chats_n() {  # the chat workload at CHAT_NS conversations (24 192) on the default and the tuned SEQ_HIST layouts, each
+            # count on servers of its own (seq_history's chat step; results under $OUT/nN)
+  local n top=$OUT
+  for n in ${CHAT_NS:-24 192}; do
+    mkdir -p "$top/n$n"
+    OUT=$top/n$n SEQ_STEPS=chat SEQ_FRESH="" CHAT_N=$n seq_history
+  done
+  OUT=$top
 }

@@ -280,29 +280,35 @@ def parse_event(obj: object, chat: bool) -> tuple[list[str], str | None, dict | 
     deltas: list[str] = []
     finish = None
     for choice in choices:
-        if not isinstance(choice, dict):
-            raise EngineMisbehaved(f"a choice is {_type(choice)}, not an object")
-        if chat:
-            delta = choice.get("delta")
-            if delta is None:
-                delta = {}
-            if not isinstance(delta, dict):
-                raise EngineMisbehaved(f"choices[].delta is {_type(delta)}, not an object")
-            text = delta.get("content")
-            where = "choices[].delta.content"
-        else:
-            text = choice.get("text")
-            where = "choices[].text"
-        if text is not None and not isinstance(text, str):
-            raise EngineMisbehaved(f"{where} is {_type(text)}, not a string")
+        text, reason = _parse_choice(choice, chat)
         if text:
             deltas.append(text)
-        reason = choice.get("finish_reason")
         if reason is not None:
-            if not isinstance(reason, str) or len(reason) > 64:
-                raise EngineMisbehaved(f"choices[].finish_reason is {_type(reason)}, not a short string")
             finish = reason
     return deltas, finish, usage, None
+
+
+def _parse_choice(choice: object, chat: bool) -> tuple[str | None, str | None]:
+    """One streamed choice → (its text delta, its finish reason), each checked."""
+    if not isinstance(choice, dict):
+        raise EngineMisbehaved(f"a choice is {_type(choice)}, not an object")
+    if chat:
+        delta = choice.get("delta")
+        if delta is None:
+            delta = {}
+        if not isinstance(delta, dict):
+            raise EngineMisbehaved(f"choices[].delta is {_type(delta)}, not an object")
+        text = delta.get("content")
+        where = "choices[].delta.content"
+    else:
+        text = choice.get("text")
+        where = "choices[].text"
+    if text is not None and not isinstance(text, str):
+        raise EngineMisbehaved(f"{where} is {_type(text)}, not a string")
+    reason = choice.get("finish_reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > 64):
+        raise EngineMisbehaved(f"choices[].finish_reason is {_type(reason)}, not a short string")
+    return text, reason
 
 
 def error_message(text: str | bytes | dict) -> str:

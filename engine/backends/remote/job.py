@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from engine.core.handle import RequestHandle
 from engine.core.request import FinishRecord, Request, RequestStatus
@@ -16,8 +15,7 @@ from engine.core.snapshot import WorkItem
 
 from .client import Usage
 
-if TYPE_CHECKING:
-    from .keys import Key
+Key = str | tuple[int, ...]  # a prompt as the cache prediction keys it: text, or token ids (keys.py)
 
 
 class Job:

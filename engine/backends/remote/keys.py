@@ -13,9 +13,9 @@ import logging
 from engine.core.errors import ModelLoadError
 from engine.core.request import CHARS_PER_TOKEN, Request
 
-log = logging.getLogger(__name__)
+from .job import Key
 
-Key = str | tuple[int, ...]  # a prompt as the prediction keys it: text, or token ids
+log = logging.getLogger(__name__)
 
 
 class VocabOnly:
