@@ -31,7 +31,7 @@ class FocusSwitch(QObject):
     changed = Signal(str)
 
     def __init__(self, chat: QWidget, monitor: QDockWidget, size_monitor: Callable[[], None],
-                 parent: QObject | None = None):
+                 parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.chat = chat
         self.monitor = monitor

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
@@ -26,6 +27,12 @@ from engine.lesson import Lesson, LessonMix, Sent
 from engine.sim.benchmark import RunSummary
 
 from .live_stats import summarize
+
+if TYPE_CHECKING:
+    from engine.core.request import FinishRecord
+    from engine.engine import Engine
+
+    from .bridge import EngineBridge
 
 
 @dataclass
@@ -63,8 +70,8 @@ class LessonRun(QObject):
     first_arrival = Signal(float)  # seconds from start() to the first request sent
     done = Signal(object)  # LessonResult
 
-    def __init__(self, engine, bridge, mix: LessonMix | None = None, rate: float | None = None,
-                 label: str = "lesson", parent: QObject | None = None):
+    def __init__(self, engine: Engine, bridge: EngineBridge, mix: LessonMix | None = None,
+                 rate: float | None = None, label: str = "lesson", parent: QObject | None = None) -> None:
         """`rate`: arrivals per second (None: the rate the backends' measured rates suggest)."""
         super().__init__(parent)
         self.engine = engine
@@ -197,7 +204,7 @@ class LessonRun(QObject):
         if n == 1 and self.lesson.first_arrival_s is not None:
             self.first_arrival.emit(self.lesson.first_arrival_s)
 
-    def _on_finished(self, record) -> None:
+    def _on_finished(self, record: FinishRecord) -> None:
         if record.request_id in self._ids and record.request_id not in self.result.records:
             self.result.records[record.request_id] = record
             self.progress.emit(len(self.result.records), len(self.lesson.sent))

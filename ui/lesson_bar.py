@@ -14,6 +14,8 @@ Thread contract: main thread only (a widget).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QComboBox,
@@ -35,6 +37,11 @@ from .lesson import BACKLOG_CEILINGS, LessonRun, Progress, lesson_hint
 from .run_controls import RunControls
 from .run_strip import rate_text
 
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+    from .bridge import EngineBridge, Tick
+
 HINT_PT = 15  # the hint's size: read from the back of a room
 
 
@@ -50,7 +57,7 @@ class LessonBar(QWidget):
     start_requested = Signal()
     stop_requested = Signal()
 
-    def __init__(self, engine, bridge, parent: QWidget | None = None):
+    def __init__(self, engine: Engine, bridge: EngineBridge, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("lessonBar")
         self.engine = engine
@@ -163,7 +170,7 @@ class LessonBar(QWidget):
 
     # ---- per tick ----
 
-    def _on_tick(self, tick) -> None:
+    def _on_tick(self, tick: Tick) -> None:
         ceilings = sum(s.cap_ceiling or s.cap for s in tick.snapshots)
         self._backlog = sum(len(s.waiting) for s in tick.snapshots) > BACKLOG_CEILINGS * ceilings
         for s in tick.snapshots:

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import QMainWindow, QMessageBox, QToolBar
 
 from engine.lesson import LessonMix, lesson_specs
 
-from .lesson import LessonRun
+from .lesson import LessonResult, LessonRun
 from .lesson_bar import LessonBar
 from .loader import ModelSpec
 
@@ -52,7 +52,7 @@ class LessonControl(QObject):
     started = Signal(object)  # LessonRun
     status_message = Signal(str)
 
-    def __init__(self, window: QMainWindow, gpu: bool | None):
+    def __init__(self, window: QMainWindow, gpu: bool | None) -> None:
         """`window`: a QMainWindow that is also a `LessonHost`."""
         super().__init__(window)
         self.window = window
@@ -80,7 +80,7 @@ class LessonControl(QObject):
 
     # ---- panels come and go with the engine ----
 
-    def build(self, engine, bridge) -> None:
+    def build(self, engine: Engine, bridge: EngineBridge) -> None:
         self.bar = LessonBar(engine, bridge)
         self.bar.start_requested.connect(self.start_from_menu)
         self.bar.stop_requested.connect(self.stop)
@@ -165,7 +165,7 @@ class LessonControl(QObject):
         if self.bar is None or self.bar.change_rate(up) is None:
             self.status_message.emit("no lesson running (Run ▸ Start a lesson)")
 
-    def _on_done(self, result) -> None:
+    def _on_done(self, result: LessonResult) -> None:
         s = result.summary().metrics
         self.status_message.emit(f"lesson stopped: {len(result.request_ids)} requests sent, {s.completed} finished "
                                  f"(TTFT p50 {s.ttft_p50_s:.2f} s), the rest cancelled")

@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Signal
 
@@ -27,6 +29,9 @@ from engine.lesson import LessonMix
 
 from .run_strip import warm_eta
 from .worker import Worker
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +128,7 @@ class ModelLoader(QObject):
             return None
         return engine
 
-    def _warm_lesson(self, engine, report) -> None:  # worker thread
+    def _warm_lesson(self, engine: Engine, report: Callable[[object], None]) -> None:  # worker thread
         """Fill every backend's prefix cache with the lesson's shared prefix, the bar filling at
         the pace the backends' measured prefill rates predict (it stops short of full until done)."""
         prefix = LessonMix.for_engine(engine).prefix()

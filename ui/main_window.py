@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from PySide6.QtCore import QSettings, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
@@ -76,6 +76,9 @@ from .teaching import TeachingPanel
 from .theme import CHOICES, FAILED, Theme, configure_pyqtgraph, scrollable
 from .worker import Worker
 
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
 log = logging.getLogger(__name__)
 P = TypeVar("P", bound=QWidget)
 
@@ -107,7 +110,7 @@ class MainWindow(QMainWindow):
         self.theme.apply()
         self.theme.changed.connect(self._on_theme_changed)
         configure_pyqtgraph()
-        self.engine = None
+        self.engine: Engine | None = None
         self.spec: ModelSpec | None = None
         self.bridge: EngineBridge | None = None
         self.store = store or ChatStore()
@@ -396,6 +399,8 @@ class MainWindow(QMainWindow):
 
     def _build_panels(self) -> None:
         engine = self.engine
+        if engine is None:
+            raise RuntimeError("the panels show an engine: set_engine gives one first")
         self.bridge = EngineBridge(engine, self._hz, self)
         self.bridge.tick.connect(self._on_tick)
         chat = ChatPanel(engine, self.store)

@@ -12,11 +12,16 @@ and when the next one comes. Main thread only.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
 
 from .theme import HEALTHY, MUTED, WORKING
+
+if TYPE_CHECKING:
+    from .lesson import LessonRun
+    from .live_run import WorkloadRun
 
 STEPS = ("warming", "arrivals", "draining")
 NAMES = {"warming": "Warming the shared prefix", "arrivals": "Arrivals", "draining": "Draining"}
@@ -47,7 +52,7 @@ def warm_left_text(eta_s: float, elapsed_s: float) -> str:
     return f"{elapsed_s:.0f} s so far, {eta_s:.0f} s expected: the machine is busy"
 
 
-def lesson_html(run) -> str:
+def lesson_html(run: LessonRun) -> str:
     """The strip for a lesson (`ui.lesson.LessonRun`): what was sent and done, and when the next
     one comes (the rate is in the lesson bar); one short line, even in large type."""
     if not run.running:
@@ -146,7 +151,7 @@ class RunStrip(QLabel):
                         "every request is sent; the last ones finish.")
         self.setVisible(True)
 
-    def _warm_left(self, run, prefix: int) -> str:
+    def _warm_left(self, run: WorkloadRun, prefix: int) -> str:
         if run.state not in ("flushing", "warming"):
             return ""
         now = time.monotonic()
