@@ -16,6 +16,9 @@ Also runnable as `python -m app.gui` with extra options for docs and checks:
     --tour DIR          run the scripted tour (`ui.tour`) and save its screenshots in DIR
     --theme NAME        system, dark or light (the View > Theme choice; kept for the next start
                         unless the run is a screenshot or the tour)
+    --lesson            start a lesson once loaded (requests that keep arriving until Stop; two
+                        backends unless --backend names them; the lesson's prefix warmed while the
+                        model loads) and print `lesson: first arrival X.XX s after start`
 
 Screenshots and the tour use a scratch chat store and settings, never the user's (whose saved
 window size, layout and theme would change the picture).
@@ -38,6 +41,7 @@ from engine import llama
 from engine.backends.config import default_specs, parse_backend_specs
 from engine.engine import Engine
 from engine.experiment import experiment_runner
+from engine.lesson import lesson_specs
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +121,11 @@ def run_gui(args) -> int:
     if tour_dir:
         from pathlib import Path
 
-        from ui.tour import chat_tour, first_start, tour, whatif
+        from ui.tour import chat_tour, first_start, lesson_tour, tour, whatif
 
         only = getattr(args, "tour_only", None)
-        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start}.get(only or "", tour)
+        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start,
+                "lesson": lesson_tour}.get(only or "", tour)
         with loop:
             try:
                 loop.run_until_complete(part(window, Path(tour_dir), args))
@@ -176,7 +181,7 @@ def run_gui(args) -> int:
             print("tandem: --responsiveness: the demo run could not start", file=sys.stderr)
             finish(1)
         elif screenshot:
-            QTimer.singleShot(int((delay if delay is not None else (8.0 if demo else 1.5)) * 1000), finish)
+            QTimer.singleShot(int((delay if delay is not None else (8.0 if demo or lesson else 1.5)) * 1000), finish)
 
     def on_failed(message: str) -> None:
         print(f"tandem: could not load the model: {message}", file=sys.stderr)
@@ -185,7 +190,12 @@ def run_gui(args) -> int:
 
     window.engine_loaded.connect(on_loaded)
     window.load_failed.connect(on_failed)
-    window.load_model(ModelSpec(args.model, tuple(args.backend or ()), getattr(args, "policy", "default")))
+    lesson = bool(getattr(args, "lesson", False))
+    backends = tuple(args.backend or (lesson_specs(gpu) if lesson else ()))
+    if lesson:
+        window.lessons.started.connect(lambda run: run.first_arrival.connect(
+            lambda s: print(f"lesson: first arrival {s:.2f} s after start", flush=True)))
+    window.load_model(ModelSpec(args.model, backends, getattr(args, "policy", "default"), lesson=lesson))
 
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)
@@ -208,12 +218,17 @@ def add_gui_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the event loop's lateness over the --demo run (48 requests unless --demo N; "
                         "p95 must be <= 50 ms), then exit")
     p.add_argument("--tour", metavar="DIR", help="run the screenshot tour, saving into DIR")
-    p.add_argument("--tour-only", choices=["whatif", "chat", "first-start"], default=None,
+    p.add_argument("--tour-only", choices=["whatif", "chat", "first-start", "lesson"], default=None,
                    help="with --tour: only this part of it (whatif: the Teaching panel's What if tab; "
                         "chat: a 6-turn chat, then the Monitor open mid-demo; "
-                        "first-start: the loading screen, a demo warming up, the presenter view)")
+                        "first-start: the loading screen, a demo warming up, the presenter view; "
+                        "lesson: docs/teaching.md's lesson, step by step)")
     p.add_argument("--theme", choices=["system", "dark", "light"], default=None,
                    help="the window's theme (kept for the next start, like View > Theme)")
+    p.add_argument("--lesson", action="store_true",
+                   help="start a lesson once loaded: requests that keep arriving until Stop, on two backends "
+                        "(two CPU contexts on a CPU-only machine) unless --backend names them; prints "
+                        "`lesson: first arrival X.XX s after start`")
     p.add_argument("--serve", type=serve_address, metavar="[HOST:]PORT",
                    help="start the OpenAI-compatible server in the app once the model is loaded "
                         "(HOST defaults to 127.0.0.1; others need an API key)")

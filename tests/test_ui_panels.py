@@ -140,7 +140,8 @@ def test_routing_table_gains_a_row_per_request_equal_to_the_engines_record(qtbot
     view.select_row(3)
     d = model.decisions[3]
     text = view.explain.toPlainText()
-    assert d.request_id in text and d.reason in text
+    assert text.startswith("#4 → ") and d.request_id not in text  # named as the table names it
+    assert d.reason in text
     assert f"{d.chosen.score_s:.3f} s" in text
     tick(qtbot, w)
     x, _y = view.curves["cpu0"].getData()

@@ -217,7 +217,7 @@ def test_the_presenter_explanation_is_a_sentence_with_the_arithmetic_on_demand(q
     to_projector(qtbot, w)
     d = routing.model.decisions[-1]  # no row selected: the newest one is explained
     text = routing.explain.toPlainText()
-    assert text.startswith(f"{d.request_id} → {d.backend}") and "Show the arithmetic" in text
+    assert text.startswith(f"#4 → {d.backend}") and "Show the arithmetic" in text  # named as its row is
     assert all(f"{s.name} {s.prefill_tokens:.0f} + {s.decode_tokens:.0f}" in text for s in d.scores)
     assert f"{d.chosen.score_s:.3f} s" in text
     assert d.reason not in text  # the router's record is one click away

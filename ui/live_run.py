@@ -10,6 +10,11 @@ without waiting, collect each `FinishRecord` from `bridge.finished`, and emit `d
 records and the routing decisions. Warm and flush run on the backends' workers and are polled
 once per tick, so nothing here blocks.
 
+With `reuse_warm` (a demo, the Teaching panel's live run: runs to watch, not to measure) a run
+whose shared prefix every backend already holds (warmed while a lesson's model loaded, or by an
+earlier run) skips the flush and the warming and sends its first arrival at once; the
+Experiments panel's runs start from a fresh state.
+
 `pause()` stops new arrivals being submitted (what the engine already holds keeps running);
 `step()` submits the next arrival at once (pausing first); `resume()` goes on with the remaining
 arrivals at their original spacing. Arrival times run on the run's `engine.sim.arrivals.ArrivalClock`,
@@ -31,6 +36,7 @@ from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
 from engine.core.handle import RequestHandle
 from engine.core.request import Request, SamplingParams
+from engine.lesson import cached_everywhere
 from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import RunSummary
 from engine.sim.workload import TOKEN_HIGH, WorkloadSpec, build_workload, seed_workload, with_requests
@@ -77,11 +83,12 @@ class WorkloadRun(QObject):
     done = Signal(object)  # RunResult
 
     def __init__(self, engine, bridge, spec: WorkloadSpec = STUDY, label: str = "run", run: int = 0,
-                 parent: QObject | None = None):
+                 parent: QObject | None = None, reuse_warm: bool = False):
         super().__init__(parent)
         self.engine = engine
         self.bridge = bridge
         self.spec = spec
+        self.reuse_warm = reuse_warm
         self.result = RunResult(label, engine.router.policy, spec)
         self.state = "idle"
         self._handles: dict[str, RequestHandle] = {}
@@ -151,6 +158,9 @@ class WorkloadRun(QObject):
         if self.state != "idle":
             raise RuntimeError("a WorkloadRun runs once")
         try:
+            if self.reuse_warm and self.workload.prefix and cached_everywhere(self.engine, self.workload.prefix):
+                self._start_submitting()  # warmed ahead (a lesson's load): nothing to wait for
+                return
             self._pending = self.engine.flush(wait=False)
             self._set("flushing")
         except Exception as e:  # shown to the user, the app goes on

@@ -3,10 +3,11 @@
 `ModelLoader` runs a load function (`fn(spec, progress, status, measure) -> Engine`, supplied by
 the app) on a `ui.worker.Worker`. A load goes through phases (`PHASES`): writing a synthetic
 model's file (`progress(done, total)`), loading the weights (llama.cpp's `progress(fraction)`),
-and on a first start measuring each backend's speed (`status(text)` names the backend,
-`measure(done, total, what)` counts the measurement's steps). The loader emits `phase` when one
-starts and `progress` with the fraction of the phase done, so the window can say what is going on
-with a bar that fills. If the loader is cancelled (the window closed) the engine it produced is
+on a first start measuring each backend's speed (`status(text)` names the backend,
+`measure(done, total, what)` counts the measurement's steps), and for a lesson
+(`ModelSpec.lesson`) warming its shared prefix on every backend, so the lesson's first arrival
+finds it cached. The loader emits `phase` when one starts and `progress` with the fraction of the
+phase done, so the window can say what is going on with a bar that fills. If the loader is cancelled (the window closed) the engine it produced is
 closed off the main thread instead of being handed over.
 
 Thread contract: `start`, `cancel`, `busy` and `wait` on the main thread; `cancel` is also read by
@@ -17,11 +18,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QObject, Signal
 
+from engine.lesson import LessonMix
+
+from .model.formatting import warm_eta
 from .worker import Worker
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +43,18 @@ class ModelSpec:
     model: str = "default"
     backends: tuple[str, ...] = field(default_factory=tuple)  # empty: the engine's defaults
     policy: str = "default"
+    lesson: bool = False  # warm the lesson's shared prefix before handing the engine over
 
     def describe(self) -> str:
         return self.model + (f" on {', '.join(self.backends)}" if self.backends else "")
 
 
-# Each phase of a load: its key and what the window calls it.
-PHASES = {"unpacking": "Write the model file", "loading": "Load the weights", "measuring": "Measure the speed"}
-
+# Each phase of a load: its key and what the window calls it. Some loads skip some: writing a
+# file (only a synthetic model's first load), warming (only a lesson's).
+PHASES = {"unpacking": "Write the model file", "loading": "Load the weights", "measuring": "Measure the speed",
+          "warming": "Warm the lesson's prefix"}
+OPTIONAL_PHASES = ("unpacking", "warming")
+WARM_POLL_S = 0.1  # how often the warming's bar moves
 
 class ModelLoader(QObject):
     progress = Signal(float)  # 0..1 of the phase in progress
@@ -103,10 +117,36 @@ class ModelLoader(QObject):
             report(("step", done, total, what))
 
         engine = self._load_fn(spec, progress, status, measure)
+        if spec.lesson and not self._cancelled.is_set():
+            try:
+                self._warm_lesson(engine, report)
+            except BaseException:
+                engine.close()
+                raise
         if self._cancelled.is_set():
             engine.close()
             return None
         return engine
+
+    def _warm_lesson(self, engine: Engine, report: Callable[[object], None]) -> None:  # worker thread
+        """Fill every backend's prefix cache with the lesson's shared prefix, the bar filling at
+        the pace the backends' measured prefill rates predict (it stops short of full until done)."""
+        prefix = LessonMix.for_engine(engine).prefix()
+        names = engine.backend_names
+        report(("phase", "warming"))
+        report(f"warming the lesson's {len(prefix)}-token shared prefix on {' and '.join(names)}")
+        eta = warm_eta(len(prefix), [engine.rates(n).prefill_tok_s for n in names])
+        handles = engine.warm(prefix, wait=False)
+        t0 = time.monotonic()
+        while not all(h.done for h in handles):
+            if self._cancelled.is_set():
+                return
+            report(min(0.95, (time.monotonic() - t0) / eta) if eta > 0 else 0.0)
+            time.sleep(WARM_POLL_S)
+        errors = [h.result(0).error for h in handles if h.result(0).error]
+        if errors:
+            raise RuntimeError(f"warming the lesson's prefix failed: {errors[0]}")
+        report(1.0)
 
     # ---- main thread ----
 

@@ -12,13 +12,15 @@ moves the server to the new engine; closing the window stops the server first.
 
 The window fills the screen it opens on. The chat is the central widget, so the transcript gets
 most of the height at any size. Backends, Controls, Routing, Latency, Teaching and Experiments are
-tabs of one dock, the Monitor drawer: View ▸ Monitor (F9) or the Monitor button at the menu
-bar's right opens and closes it, its edge resizes it, and it can sit at the right or at the bottom
-(View ▸ Monitor at the right / at the bottom, or dragged by its title; floated on another screen).
-Its default follows the screen (`compact_layout`): on a short or narrow one (a 1280x720 or
-1366x768 laptop, a 1280x1024 screen) it opens at the bottom, full width, and starts closed; on a
-larger one it starts open at the right, beside the chat. A demo opens it. Whatever the user
-chooses is kept (`QSettings`).
+tabs of one dock, the Monitor drawer: View ▸ Monitor (F9) opens and closes it, its edge resizes
+it, and it can sit at the right or at the bottom (View ▸ Monitor at the right / at the bottom, or
+dragged by its title; floated on another screen). The switch at the menu bar's right
+(`ui.focus`: Focus chat, Both, Focus monitor; Ctrl+1/2/3) gives the height to the chat, to both,
+or to the Monitor alone. The drawer's default follows the screen (`compact_layout`): on a short or
+narrow one (a 1280x720 or 1366x768 laptop, a 1280x1024 screen) it opens at the bottom, full
+width, and starts closed; on a larger one it starts open at the right, beside the chat. A demo or
+a lesson opens it (Focus monitor on a short screen). Whatever the user chooses is kept
+(`QSettings`). A lesson (Run ▸ Start a lesson, `ui.lesson_control`) puts its bar over the window.
 
 Settings persist in `QSettings` (the `settings=` argument; the app's default store otherwise):
 window geometry, dock layout (one per layout), the chat's sampling settings and the last model
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from PySide6.QtCore import QSettings, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
@@ -43,7 +45,6 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QStackedWidget,
     QTabWidget,
-    QToolButton,
     QWidget,
 )
 
@@ -53,6 +54,9 @@ from .bridge import EngineBridge
 from .chat import ChatPanel
 from .dialogs.get_model import GetModelDialog
 from .dialogs.load_model import ModelDialog
+from .focus import FocusSwitch
+from .lesson import LessonRun
+from .lesson_control import LessonControl
 from .live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
 from .loader import PHASES, ModelLoader, ModelSpec
 from .loop_probe import LoopProbe
@@ -71,6 +75,9 @@ from .panels.teaching import TeachingPanel
 from .server_control import ServerControl, ServerDialog, ServerOptions
 from .theme import CHOICES, FAILED, Theme, configure_pyqtgraph, scrollable
 from .worker import Worker
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 log = logging.getLogger(__name__)
 P = TypeVar("P", bound=QWidget)
@@ -103,7 +110,7 @@ class MainWindow(QMainWindow):
         self.theme.apply()
         self.theme.changed.connect(self._on_theme_changed)
         configure_pyqtgraph()
-        self.engine = None
+        self.engine: Engine | None = None
         self.spec: ModelSpec | None = None
         self.bridge: EngineBridge | None = None
         self.store = store or ChatStore()
@@ -115,6 +122,8 @@ class MainWindow(QMainWindow):
         self._tab_of: dict[QWidget, QWidget] = {}  # a monitored panel -> its tab in the Monitor drawer
         self.panels: dict[str, QWidget] = {}
         self.demo: WorkloadRun | None = None
+        self.lessons = LessonControl(self, gpu_offload)
+        self.lessons.status_message.connect(self.show_message)
         # serve_fn(engine, host, port, api_key) -> (runner, url), a coroutine (app.gui.serve)
         self.server = ServerControl(serve_fn, self) if serve_fn is not None else None
         self.loader = ModelLoader(load_fn, self) if load_fn is not None else None
@@ -182,12 +191,9 @@ class MainWindow(QMainWindow):
         self.monitor_action.setShortcut(QKeySequence("F9"))
         self.monitor_action.setToolTip("Open or close the Monitor: backends, controls, routing, latency, "
                                        "teaching, experiments (F9)")
-        self.monitor_action.setIconText("Monitor (F9)")  # the menu bar's button
-        button = QToolButton()
-        button.setDefaultAction(self.monitor_action)
-        button.setObjectName("monitorButton")
-        self.monitor_button = button
-        self.menuBar().setCornerWidget(button, Qt.Corner.TopRightCorner)
+        # Which of the chat and the Monitor gets the height: a switch at the menu bar's right.
+        self.focus = FocusSwitch(self.stack, self.monitor, self._size_monitor, self)
+        self.menuBar().setCornerWidget(self.focus.widget, Qt.Corner.TopRightCorner)
 
     def set_monitor_side(self, area) -> None:
         """Put the Monitor drawer at the right (`Qt.RightDockWidgetArea`) or at the bottom, open."""
@@ -280,6 +286,8 @@ class MainWindow(QMainWindow):
         for a in (self.presenter_action, self.developer_action, self.reset_counters_action):
             self.view_menu.addAction(a)
         self.view_menu.addSeparator()
+        for a in self.focus.actions.values():
+            self.view_menu.addAction(a)
         self.view_menu.addAction(self.monitor_action)
         self.view_menu.addAction(QAction("Monitor at the &right", self,  # type: ignore[call-overload]
                                          triggered=lambda: self.set_monitor_side(Qt.DockWidgetArea.RightDockWidgetArea)))
@@ -291,6 +299,9 @@ class MainWindow(QMainWindow):
         run.addAction(QAction("Send 48 study requests", self,  # type: ignore[call-overload]
                               triggered=lambda: self.start_demo(seed_workload(48))))
         run.addAction(QAction("Stop the demo workload", self, triggered=self.stop_demo))  # type: ignore[call-overload]
+        run.addSeparator()
+        for a in self.lessons.actions():
+            run.addAction(a)
         run.addSeparator()
         self.pause_action = QAction("&Pause or resume arrivals", self, shortcut=QKeySequence("F6"),  # type: ignore[call-overload]
                                     triggered=self.toggle_pause)
@@ -388,6 +399,8 @@ class MainWindow(QMainWindow):
 
     def _build_panels(self) -> None:
         engine = self.engine
+        if engine is None:
+            raise RuntimeError("the panels show an engine: set_engine gives one first")
         self.bridge = EngineBridge(engine, self._hz, self)
         self.bridge.tick.connect(self._on_tick)
         chat = ChatPanel(engine, self.store)
@@ -405,6 +418,7 @@ class MainWindow(QMainWindow):
                 p.status_message.connect(self.show_message)
         self.stack.addWidget(chat)
         self.stack.setCurrentWidget(chat)
+        self.lessons.build(engine, self.bridge)
 
         for title, key in (("Backends", "backends"), ("Controls", "controls"), ("Routing", "routing"),
                            ("Latency", "latency"), ("Teaching", "teaching"), ("Experiments", "experiments")):
@@ -491,6 +505,7 @@ class MainWindow(QMainWindow):
 
     def _teardown_panels(self) -> None:
         self.stop_demo()
+        self.lessons.teardown()
         for panel in (self._panel("experiments", ExperimentsPanel), self._panel("teaching", TeachingPanel)):
             if panel is not None:
                 panel.stop()
@@ -550,6 +565,7 @@ class MainWindow(QMainWindow):
         self._set_load_actions(True)
         self.set_engine(engine, spec, owns=True)
         self.statusBar().showMessage(f"loaded {spec.describe()}", 5000)
+        self.lessons.on_loaded(spec)
 
     def _on_load_failed(self, message: str, spec) -> None:
         self.load_bar.setVisible(False)
@@ -588,7 +604,10 @@ class MainWindow(QMainWindow):
             self.lag_label.setToolTip(self.probe.lag_text())
             self.lag_label.setVisible(developer or self.probe.lasting_lag())
         busy = any(s.items for s in tick.snapshots)
-        if self.demo is not None and self.demo.running:
+        lesson = self.lessons.run
+        if lesson is not None and lesson.running:
+            self.state_label.setText(f"lesson: {lesson.n_submitted} sent, {lesson.n_done} done")
+        elif self.demo is not None and self.demo.running:
             d = self.demo
             self.state_label.setText("demo: warming the prefix" if d.state in ("flushing", "warming") else
                                      f"demo: {len(d.result.records)}/{d.spec.n_requests} done")
@@ -605,15 +624,25 @@ class MainWindow(QMainWindow):
     def start_demo(self, spec: WorkloadSpec = STUDY) -> WorkloadRun | None:
         if self.engine is None or self.bridge is None or (self.demo is not None and self.demo.running):
             return None
-        self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self)
+        self.demo = WorkloadRun(self.engine, self.bridge, spec, label="demo", parent=self, reuse_warm=True)
         self.demo.done.connect(self._on_demo_done)
+        routing = self._panel("routing", RoutingView)
+        if routing is not None:  # the demo's rows, numbered from #1, not a chat's from before
+            routing.clear()
         for key in ("experiments", "routing", "latency"):  # the Pause/Step row, the phase strips
             panel = self.panels.get(key)
             if panel is not None and hasattr(panel, "show_run"):
                 panel.show_run(self.demo)
-        self.monitor.show()  # a demo is there to be watched
+        self.watch()  # a demo is there to be watched
         self.demo.start()
         return self.demo
+
+    def watch(self) -> None:
+        """A run started: open the Monitor, on a short screen with the whole height (Focus monitor)."""
+        if self.compact:
+            self.focus.set_mode("monitor")
+        elif self.focus.mode == "chat":
+            self.focus.set_mode("both")
 
     def _on_demo_done(self, result) -> None:
         """A demo run is an experiment like any other: its row goes to the Experiments table."""
@@ -628,20 +657,20 @@ class MainWindow(QMainWindow):
         else:
             self.show_message(f"demo failed: {result.error or 'no request finished'}")
 
-    def live_run(self) -> WorkloadRun | None:
-        """The live workload run in progress (a demo, an experiment, the teaching run), if any."""
-        runs = [self.demo, getattr(self.panels.get("experiments"), "_run", None),
+    def live_run(self) -> WorkloadRun | LessonRun | None:
+        """The live run in progress (a lesson, a demo, an experiment, the teaching run), if any."""
+        runs = [self.lessons.run, self.demo, getattr(self.panels.get("experiments"), "_run", None),
                 getattr(self.panels.get("teaching"), "run", None)]
-        return next((r for r in runs if isinstance(r, WorkloadRun) and r.running), None)
+        return next((r for r in runs if isinstance(r, WorkloadRun | LessonRun) and r.running), None)
 
     def toggle_pause(self) -> bool:
         """Pause the live run's arrivals, or resume them; False if no live run."""
         run = self.live_run()
         if run is None:
-            self.show_message("no live run to pause (Run ▸ Send the study's 8 requests starts one)", 4000)
+            self.show_message("no live run to pause (Run ▸ Start a lesson starts one)", 4000)
             return False
         done = run.resume() if run.paused else run.pause()
-        self.show_message(f"{run.result.label}: arrivals " + ("paused" if run.paused else "resumed"), 4000)
+        self.show_message(f"{run.label}: arrivals " + ("paused" if run.paused else "resumed"), 4000)
         return done
 
     def step_run(self) -> bool:
@@ -649,14 +678,15 @@ class MainWindow(QMainWindow):
         run = self.live_run()
         if run is None or not run.step():
             if run is None:
-                why = "no live run (Run ▸ Send the study's 8 requests starts one)"
+                why = "no live run (Run ▸ Start a lesson starts one)"
             elif run.state in ("flushing", "warming"):
-                why = f"{run.result.label} is warming the shared prefix; arrivals start after it"
+                why = f"{run.label} is warming the shared prefix; arrivals start after it"
             else:
-                why = f"no arrival left to send ({run.result.label}: {run.state})"
+                why = f"no arrival left to send ({run.label}: {run.state})"
             self.show_message(why, 5000)
             return False
-        self.show_message(f"{run.result.label}: sent {run.n_submitted}/{run.spec.n_requests}, paused (F6 resumes)", 5000)
+        total = "" if run.n_requests is None else f"/{run.n_requests}"
+        self.show_message(f"{run.label}: sent {run.n_submitted}{total}, paused (F6 resumes)", 5000)
         return True
 
     def stop_demo(self) -> None:
@@ -713,9 +743,12 @@ class MainWindow(QMainWindow):
         for key, panel in self.panels.items():  # every Monitor tab
             if key != "chat":
                 present(panel, on)
-        self.stack.setVisible(not on)  # the Monitor takes the whole screen; the chat comes back after
-        if on:
+        if on:  # the Monitor takes the whole screen; the chat comes back after
+            self.stack.setVisible(False)
+            self.focus.bare_monitor(True)
             self.monitor.show()
+        else:
+            self.focus.apply()
         if on:
             self._normal_geometry = self.saveGeometry()
             self.showFullScreen()

@@ -6,7 +6,7 @@ The window takes the screen's size (1280x720: the compact layout, every panel a 
 chat). It loads the model, chats (one reply with a code block, to show the Markdown rendering),
 shows the backends and controls, runs the study's workload (`--demo N`, 48 by default;
 screenshots mid-run and after), steps the teaching replay to request 8, runs a small
-experiment, and shows the routing view again in the light theme (`light.png`). Every wait is an
+experiment, and shows the latency view in the light theme (`light.png`). Every wait is an
 `asyncio.sleep` on the qasync loop, so the window stays live the whole time.
 
 `unhealthy.png` is not the tour's (its backends are all healthy): a remote backend at a port
@@ -33,12 +33,24 @@ the Monitor drawer open mid-demo, named after the screen's height (`chat-720p.pn
     xvfb-run -a -s "-screen 0 1920x1080x24" python -m app.gui --model default --tour docs/screenshots \
         --tour-only chat
 
-`first-start.png`, `demo-warming.png`, `presenter.png` and `presenter-teaching.png` are
-`--tour-only first-start` (a scratch `TANDEM_CACHE_DIR`, so the load measures the backends' speed
-as a first start does):
+`first-start.png`, `demo-warming.png` and `presenter-teaching.png` are `--tour-only first-start`
+(a scratch `TANDEM_CACHE_DIR`, so the load measures the backends' speed as a first start does):
 
     TANDEM_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui \
         --model default --tour docs/screenshots --tour-only first-start
+
+`presenter.png` is the presenter view mid-demo, 24 study requests on two CPU backends:
+
+    xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui --model default \
+        --backend cpu:threads=1 --backend cpu:threads=1 --demo 24 --presenter --panel routing \
+        --delay 35 --screenshot docs/screenshots/presenter.png
+
+The lesson's (`--tour-only lesson`, docs/teaching.md): the load warming the lesson's prefix, its
+rows before and after cpu0's ceiling is lowered, the rate turned up, another policy, a step, and
+Focus monitor (`lesson-*.png`, `focus-monitor.png`):
+
+    xvfb-run -a -s "-screen 0 1280x720x24" python -m app.gui --model default --tour docs/screenshots \
+        --tour-only lesson
 
 Then `pngquant --strip --quality=70-95` each PNG (a third of the size), then `optipng -o2`.
 """
@@ -49,6 +61,8 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+
+from engine.lesson import lesson_specs
 
 
 async def _until(predicate, timeout: float, step: float = 0.1) -> bool:
@@ -142,7 +156,7 @@ async def tour(window, out: Path, args) -> None:
 
     await whatif(window, out)
     window.set_theme("light")
-    window.show_panel("routing")
+    window.show_panel("latency")
     await asyncio.sleep(1.0)
     shot("light")
 
@@ -212,7 +226,7 @@ async def chat_tour(window, out: Path, args) -> None:
 async def first_start(window, out: Path, args) -> None:
     """The first start's screen mid-measurement, a demo's warming phase (one backend's worker held
     in a call until the picture is taken, so the phase is on screen however fast the machine),
-    and the presenter view after the demo."""
+    and Teaching in the presenter view after the demo."""
     import threading
 
     from .live_run import seed_workload
@@ -246,15 +260,80 @@ async def first_start(window, out: Path, args) -> None:
     gate.set()
     held.result(60)
     await _until(lambda: run is None or not run.running, 900)
-    routing = window.panels["routing"]
-    names = engine.backend_names
-    pick = next((i for i, d in enumerate(routing.model.decisions) if len(names) > 1 and d.backend == names[1]), 0)
-    routing.select_row(pick)
     window.set_presenter(True)
-    await asyncio.sleep(1.5)
-    shot("presenter")
     window.show_panel("teaching")
     window.panels["teaching"].go(6)  # request 8: the chart's bars, the CPU's line and the verdict
     await asyncio.sleep(1.5)
     shot("presenter-teaching")
     window.set_presenter(False)
+
+
+async def lesson_tour(window, out: Path, args) -> None:
+    """The lesson docs/teaching.md walks through, as a teacher runs it at 1280x720: the load
+    warming the lesson's prefix, the first rows, cpu0's ceiling lowered and the rows after it,
+    the rate turned up, another policy, a paused step, and the Monitor with the whole height.
+    The lesson runs on the window's own timer meanwhile; each picture waits for the rows it shows."""
+    from .loader import ModelSpec
+
+    def shot(name: str) -> None:
+        path = window.save_screenshot(out / f"{name}.png")
+        print(f"saved {path}", file=sys.stderr)
+
+    started: list = []
+    phases: list = []
+    window.lessons.started.connect(started.append)
+    window.loader.phase.connect(phases.append)
+    specs = tuple(args.backend or ()) or tuple(lesson_specs(bool(window.gpu_offload)))
+    window.load_model(ModelSpec(args.model, specs, args.policy, lesson=True))
+    if await _until(lambda: "warming" in phases or bool(started), 300) and not started:
+        await asyncio.sleep(0.5)
+        shot("lesson-loading")
+    if not await _until(lambda: bool(started), 300):
+        raise SystemExit("the lesson did not start")
+    run = started[0]
+    bar, routing = window.lessons.bar, window.panels["routing"]
+    names = window.engine.backend_names
+
+    async def rows(n: int) -> None:
+        await _until(lambda: routing.model.rowCount() >= n, 300)
+
+    def select_last(backend: str | None = None) -> None:
+        ds = routing.model.decisions
+        pick = max((i for i, d in enumerate(ds) if backend is None or d.backend == backend), default=len(ds) - 1)
+        routing.select_row(pick)
+
+    await rows(6)
+    select_last()
+    await asyncio.sleep(0.5)
+    shot("lesson-rows")
+    routing.table.clearSelection()  # the table follows the new rows again
+    bar.ceilings[names[0]].setValue(1)  # the hint's first suggestion
+    mark = routing.model.rowCount()
+    await rows(mark + 8)
+    select_last(names[1])
+    await asyncio.sleep(0.5)
+    shot("lesson-after-cap")
+    routing.table.clearSelection()
+    bar.change_rate(up=True)
+    bar.change_rate(up=True)
+    window.show_panel("backends")
+    await asyncio.sleep(10.0)
+    shot("lesson-rate")
+    bar.policy_combo.setCurrentText("round-robin")
+    await asyncio.sleep(12.0)
+    window.show_panel("latency")
+    await asyncio.sleep(1.0)
+    shot("lesson-policy")
+    window.show_panel("routing")
+    run.pause()
+    run.step()
+    await asyncio.sleep(0.5)
+    select_last()
+    await asyncio.sleep(0.5)
+    shot("lesson-step")
+    run.resume()
+    window.show_panel("experiments")
+    await asyncio.sleep(1.0)
+    shot("focus-monitor")
+    window.lessons.stop()
+    await asyncio.sleep(1.0)

@@ -1,4 +1,5 @@
-"""The clock a workload's arrivals are timed by, which a person can pause and step.
+"""The clock a workload's arrivals are timed by, which a person can pause and step, and a stream
+of arrivals that keeps coming at a rate a person can change (`ArrivalStream`, a lesson's).
 
 `ArrivalClock` reads seconds since `start()`, except that it stands still while paused, so a
 pause shifts every arrival still to come by its length instead of releasing them in a burst on
@@ -91,6 +92,10 @@ class ArrivalClock:
         return self._paused
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def started(self) -> bool:
         return self._t0 is not None
 
@@ -148,3 +153,78 @@ class ArrivalClock:
             return False
         self.taken += 1
         return True
+
+
+MIN_RATE = 0.1  # arrivals per second a stream may be turned down to (one every 10 s)
+MAX_RATE = 20.0  # and up to
+
+
+class ArrivalStream:
+    """Arrivals that keep coming until closed, evenly spaced at a rate that can change at any time.
+
+    Arrival 0 is due when the clock starts; each next one `1 / rate` after the one before it was
+    let through, on the clock: a pause (the clock stands still) shifts them all, `clock.step()`
+    lets the next one through at once, and a late taker gets no burst of overdue arrivals. A
+    rate change applies to the arrival still to come: due `1 / rate` after the last one, at once
+    if that time has passed. Arrivals are numbered from 0; what each one carries is the caller's
+    business (`engine.lesson.LessonMix`).
+
+    Thread contract: every method may be called from any thread (one lock; the clock has its own).
+    """
+
+    def __init__(self, rate: float, clock: ArrivalClock | None = None) -> None:
+        self.clock = clock if clock is not None else ArrivalClock()
+        self._lock = threading.Lock()
+        self._rate = _clamp_rate(rate)
+        self._last: float | None = None  # clock time of the last arrival let through
+        self.count = 0  # arrivals let through so far
+
+    @property
+    def rate(self) -> float:
+        """Arrivals per second."""
+        return self._rate
+
+    def set_rate(self, rate: float) -> float:
+        """Change the rate (clamped to MIN_RATE..MAX_RATE) from the next arrival on; the rate set."""
+        with self._lock:
+            self._rate = _clamp_rate(rate)
+            return self._rate
+
+    @property
+    def next_s(self) -> float:
+        """When the next arrival is due, in seconds on the clock."""
+        with self._lock:
+            return self._next_s()
+
+    def take(self) -> int | None:
+        """The number of the next arrival if it may go now (a step granted is used up), else None."""
+        with self._lock:
+            due = self._next_s()
+            if not self.clock.take(due):
+                return None
+            self._last = max(due, self.clock.now())  # a step moves the clock to the arrival
+            self.count += 1
+            return self.count - 1
+
+    def due(self) -> list[int]:
+        """Every arrival that may go now, oldest first (none while paused, unless stepped)."""
+        out = []
+        while (n := self.take()) is not None:
+            out.append(n)
+        return out
+
+    def seconds_to_next(self) -> float | None:
+        """How long until the next arrival is due; None while the clock is paused, closed or not started."""
+        clock = self.clock
+        if clock.paused or clock.closed or not clock.started:
+            return None
+        return max(0.0, self.next_s - clock.now())
+
+    def _next_s(self) -> float:
+        return 0.0 if self._last is None else self._last + 1.0 / self._rate
+
+
+def _clamp_rate(rate: float) -> float:
+    if not rate > 0:  # NaN included
+        raise ValueError(f"an arrival rate must be a positive number of requests per second, got {rate!r}")
+    return min(MAX_RATE, max(MIN_RATE, float(rate)))

@@ -152,3 +152,18 @@ def token_tip(tokens: list, k: int) -> str:
     lines = [f"{text!r}  p = {math.exp(lp):.3f}  (logprob {lp:.3f})"]
     lines += [f"   {alt!r}  {math.exp(alt_lp):.3f}" for alt, alt_lp in top]
     return "\n".join(lines)
+
+
+def warm_eta(prefix_tokens: int, prefill_rates: list[float]) -> float:
+    """Seconds warming `prefix_tokens` should take: every backend warms at once, the slowest last."""
+    rates = [r for r in prefill_rates if r > 0]
+    return prefix_tokens / min(rates) if rates and prefix_tokens else 0.0
+
+
+def warm_left_text(eta_s: float, elapsed_s: float) -> str:
+    """How long is left of a wait expected to take `eta_s` (0: unknown), `elapsed_s` into it."""
+    if eta_s <= 0:
+        return f"{elapsed_s:.0f} s so far"
+    if elapsed_s < eta_s:
+        return f"about {max(1, round(eta_s - elapsed_s))} s left"
+    return f"{elapsed_s:.0f} s so far, {eta_s:.0f} s expected: the machine is busy"

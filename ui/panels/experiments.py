@@ -5,7 +5,8 @@ With a `bench_runner` (the app passes `engine.experiment.experiment_runner`, the
 one policy after another: fresh engine state per run (caches flushed, prefix re-warmed, router
 cleared, caps and rates restored), the same workloads and the same metrics as the command line. Without one, runs are driven from the GUI thread by
 `ui.live_run.WorkloadRun`. Either way the routing and latency views show the run live, a
-progress bar counts requests, and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
+progress bar counts requests (the line under it says how long the prefix's warming has left, then
+how many arrivals were sent), and results (makespan, output tok/s, TTFT and end-to-end p50/p95,
 requests per backend) fill a table that exports to CSV, JSON or PNG.
 
 Above the results table, `ui.run_controls.RunControls` pauses and steps the live run in progress:
@@ -22,6 +23,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,7 +53,7 @@ from engine.sim.arrivals import ArrivalClock
 from engine.sim.benchmark import METRICS, RunSummary
 
 from ..live_run import STUDY, WorkloadRun, WorkloadSpec, seed_workload
-from ..model.formatting import fmt_seconds
+from ..model.formatting import fmt_seconds, warm_eta, warm_left_text
 from ..theme import backend_color, qcolor, scrollable_column, style_plot, wrap_label
 from ..worker import Worker
 from .controls import policy_choices
@@ -78,6 +80,7 @@ class ExperimentsPanel(QWidget):
         self._restore_policy: str | None = None
         self._total = 0
         self._done_before = 0
+        bridge.tick.connect(self._on_tick)
         self._last_spec: WorkloadSpec | None = None
         self._build()
 
@@ -251,7 +254,7 @@ class ExperimentsPanel(QWidget):
             return
         policy = self._queue.pop(0)
         spec = self._started_spec()
-        run = self._bench_run = BenchRun(f"#{len(self.summaries) + 1} {policy}", spec.n_requests)
+        run = self._bench_run = BenchRun(f"#{len(self.summaries) + 1} {policy}", spec.n_requests, spec.shared_tokens)
         worker = Worker(lambda: self.bench_runner(spec, policy, index, worker.report, clock=run.clock),
                         name="experiments", owner=self)
         worker.progress.connect(self._on_worker_progress)
@@ -260,6 +263,21 @@ class ExperimentsPanel(QWidget):
         worker.finished.connect(run.finish)
         self.run_controls.attach(run)
         self._worker = worker.start()
+
+    def _on_tick(self, _tick) -> None:
+        """A benchmark run's phase, while it lasts: the warming with the time left, then the arrivals."""
+        run = self._bench_run
+        if run is None or not run.running:
+            return
+        if run.clock.started:
+            text = f"{run.label}: {run.n_submitted}/{run.n_requests} sent" + (" · paused" if run.paused else "")
+        else:
+            names = self.engine.backend_names
+            eta = warm_eta(run.prefix_tokens, [self.engine.rates(n).prefill_tok_s for n in names])
+            text = (f"{run.label}: warming the {run.prefix_tokens}-token prefix, "
+                    f"{warm_left_text(eta, time.monotonic() - run.t_start)}")
+        if self.phase_label.text() != text:
+            self.phase_label.setText(text)
 
     def _on_worker_progress(self, _value) -> None:
         self.progress.setValue(self.progress.value() + 1)
@@ -406,9 +424,11 @@ class BenchRun:
     """One benchmark-runner run as the Pause/Step row sees it: its arrival clock (the runner's
     thread waits on it) and how far it got. Main thread, except `clock` (any thread)."""
 
-    def __init__(self, label: str, n_requests: int):
+    def __init__(self, label: str, n_requests: int, prefix_tokens: int = 0):
         self.label = label
         self.n_requests = n_requests
+        self.prefix_tokens = prefix_tokens  # warmed before the first arrival
+        self.t_start = time.monotonic()
         self.clock = ArrivalClock()
         self.state = "running"
 

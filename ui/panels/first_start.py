@@ -16,7 +16,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from ..loader import PHASES
+from ..loader import OPTIONAL_PHASES, PHASES
 from ..model.load_times import LoadTimes, fmt_duration
 from ..theme import HEALTHY, MUTED, WORKING
 
@@ -148,7 +148,7 @@ class LoadScreen(QWidget):
 
     def _show_phases(self) -> None:
         """Each phase seen so far (done ✓, in progress ●), then those still to come."""
-        keys = [k for k in PHASES if k in self._seen or k != "unpacking"]
+        keys = [k for k in PHASES if k in self._seen or k not in OPTIONAL_PHASES]
         parts = []
         for i, k in enumerate(keys, 1):
             name = PHASES[k] + (" (first start)" if k == "measuring" else "")

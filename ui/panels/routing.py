@@ -204,11 +204,13 @@ def _text_color(plotted: str) -> QColor:
     return QColor(palette().transcript.backend(plotted))
 
 
-def explain_decision(d, colors: dict | None = None, details: bool = True) -> str:
+def explain_decision(d, colors: dict | None = None, details: bool = True, number: int | None = None) -> str:
     """The selected decision in words (HTML), in the theme in use's text colours (`colors`: each
     backend's plot colour): who won and by how much in a sentence, the work queued on each;
     then, with `details` (else behind a "Show the arithmetic" link, `DETAILS_LINK`), every
-    backend's sum, the policy, the decode budget and the router's own record."""
+    backend's sum, the policy, the decode budget and the router's own record. `number`: the
+    row's number in the table, which names the request there (the engine's id is the row's
+    tooltip)."""
     pal = palette()
     colors = {name: pal.transcript.backend(c) for name, c in (colors or {}).items()}
     muted, plain = pal.transcript.muted, pal.text
@@ -216,7 +218,8 @@ def explain_decision(d, colors: dict | None = None, details: bool = True) -> str
     def name(s: str) -> str:
         return f"<b style='color:{colors.get(s, plain)}'>{html.escape(s)}</b>"
 
-    head = f"<b>{html.escape(d.request_id)}</b> → {name(d.backend)}"
+    request = f"#{number}" if number is not None else html.escape(d.request_id)
+    head = f"<b>{request}</b> → {name(d.backend)}"
     out = f"<p style='font-size:large'>{head}</p><p>{decision_sentence(d, name)}</p>"
     if not details:
         return out + f"<p><a href='{DETAILS_LINK}' style='color:{pal.transcript.user}'>Show the arithmetic</a></p>"
@@ -500,7 +503,8 @@ class RoutingView(QWidget):
         if not current.isValid() or current.row() >= len(self.model.decisions):
             return
         d = self.model.decisions[current.row()]
-        self.explain.setHtml(explain_decision(d, self.colors, self._details))
+        number = self.model._first_number + current.row()
+        self.explain.setHtml(explain_decision(d, self.colors, self._details, number))
         self.selected_line.setPos(self.model._first_number + current.row())
         self.selected_line.setVisible(True)
 
@@ -534,7 +538,8 @@ class RoutingView(QWidget):
             self._on_row(current, None)
         elif self.model.decisions:
             d = self.model.decisions[-1]
-            self.explain.setHtml(explain_decision(d, self.colors, self._details))
+            number = self.model._first_number + len(self.model.decisions) - 1
+            self.explain.setHtml(explain_decision(d, self.colors, self._details, number))
         else:
             self._show_hint()
 

@@ -3,11 +3,14 @@
 `RunControls` is a row of two buttons and a line of state: Pause holds back the arrivals still to
 come (the engine keeps serving what it holds), Step submits the next arrival now, Resume goes
 on at the workload's spacing. `attach(run)` binds it to a run: a `ui.live_run.WorkloadRun` (a
-demo from the Run menu, the Experiments panel's own runs) or an `ui.experiments.BenchRun` (the
-benchmark runner's thread waiting on an `engine.sim.arrivals.ArrivalClock`). A run offers `running`,
+demo from the Run menu, the Experiments panel's own runs), an `ui.experiments.BenchRun` (the
+benchmark runner's thread waiting on an `engine.sim.arrivals.ArrivalClock`) or a
+`ui.lesson.LessonRun` (arrivals until Stop: no total, `n_requests` None). A run offers `running`,
 `paused`, `n_submitted`, `n_requests`, `label`, `state`, `pause()`, `resume()` and `step()`;
 the row re-reads them on a short timer (and at once on a WorkloadRun's signals). With no run
-both buttons are off. `pause_text` names the Pause button (a narrow row says just "Pause").
+both buttons are off. `pause_text` names the Pause button (a narrow row says just "Pause"), and
+`state=False` leaves the line of state out (the Teaching panel's row, whose progress bar and note
+say it, and the lesson bar, whose phase strip does).
 
 Thread contract: main thread only (a widget).
 """
@@ -31,7 +34,7 @@ class SteppableRun(Protocol):
     @property
     def n_submitted(self) -> int: ...
     @property
-    def n_requests(self) -> int: ...
+    def n_requests(self) -> int | None: ...  # None: arrivals until Stop (a lesson)
     @property
     def label(self) -> str: ...
     @property
@@ -44,7 +47,9 @@ class SteppableRun(Protocol):
 class RunControls(QWidget):
     status_message = Signal(str)
 
-    def __init__(self, parent: QWidget | None = None, pause_text: str = "Pause arrivals"):
+    def __init__(self, parent: QWidget | None = None, pause_text: str = "Pause arrivals", state: bool = True):
+        """`state`: show the line of state beside the buttons (a row that says it elsewhere, or has
+        no room for it in large type, leaves it out)."""
         super().__init__(parent)
         self.run: SteppableRun | None = None
         self._why_off = "no live run"
@@ -64,6 +69,7 @@ class RunControls(QWidget):
         lay.addWidget(self.pause_button)
         lay.addWidget(self.step_button)
         lay.addWidget(self.state_label, 1)
+        self.state_label.setVisible(state)
         self._timer = QTimer(self)
         self._timer.setInterval(250)
         self._timer.timeout.connect(self._refresh)
@@ -115,7 +121,8 @@ class RunControls(QWidget):
         run = self.run
         live = run is not None and run.running
         self.pause_button.setEnabled(live)
-        self.step_button.setEnabled(run is not None and live and run.n_submitted < run.n_requests)
+        total = run.n_requests if run is not None else None
+        self.step_button.setEnabled(run is not None and live and (total is None or run.n_submitted < total))
         paused = run is not None and live and run.paused
         if self.pause_button.isChecked() != paused:
             self.pause_button.blockSignals(True)
@@ -127,5 +134,5 @@ class RunControls(QWidget):
             if run is not None:
                 self._timer.stop()
             return
-        self.state_label.setText(f"{run.label}: {run.n_submitted}/{run.n_requests} sent"
-                                 + (" · paused" if paused else ""))
+        sent = f"{run.n_submitted}" + (f"/{total}" if total is not None else "")
+        self.state_label.setText(f"{run.label}: {sent} sent" + (" · paused" if paused else ""))

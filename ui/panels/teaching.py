@@ -8,7 +8,8 @@ verdicts move.
 
 Part 2 sends the same eight arrivals (516-token prompts sharing a warmed 496-token prefix,
 128 tokens each, 50 ms apart) to this machine's backends and lists where each went next to
-where the article's went. Pause / Step beside Run live (`ui.run_controls.RunControls`, the
+where the article's went (its warming says how long is left; a prefix already cached, as after a
+lesson's load, is not warmed again). Pause / Step beside Run live (`ui.run_controls.RunControls`, the
 same run methods as the Run menu's F6 / F7) hold back or send the live run's arrivals; they are
 on only while the live run is under way.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import html
 import math
+import time
 from collections.abc import Mapping
 
 import pyqtgraph as pg
@@ -67,6 +69,7 @@ from engine.sim.teaching import (
 )
 
 from ..live_run import STUDY, WorkloadRun
+from ..model.formatting import warm_eta, warm_left_text
 from ..theme import (
     LEGEND_BG,
     MUTED,
@@ -212,6 +215,7 @@ class TeachingPanel(QWidget):
         self.bridge = bridge
         self.step = 0
         self.run: WorkloadRun | None = None
+        self._warm_since: float | None = None  # monotonic, when the live run began flushing
         self._shown_live = -1
         self._play = QTimer(self)
         self._play.setInterval(2500)
@@ -328,7 +332,8 @@ class TeachingPanel(QWidget):
                                              "the first one, gets the GPU's; the others the CPU's) so the router "
                                              "prices work as in the article while the queues are real")
         self.article_rates_button.clicked.connect(self.use_article_rates)
-        self.run_controls = RunControls(pause_text="Pause")  # a narrow row: the tooltip says the rest
+        # A narrow row: the tooltips say the rest, the progress bar and the note the state.
+        self.run_controls = RunControls(pause_text="Pause", state=False)
         self.run_controls.status_message.connect(self.status_message.emit)
         self.live_progress = QProgressBar()
         self.live_progress.setMaximum(STUDY.n_requests)
@@ -512,7 +517,7 @@ class TeachingPanel(QWidget):
         if self.run is not None and self.run.running:
             self.run.stop()
             return
-        self.run = WorkloadRun(self.engine, self.bridge, STUDY, label="teaching", parent=self)
+        self.run = WorkloadRun(self.engine, self.bridge, STUDY, label="teaching", parent=self, reuse_warm=True)
         self.run.progress.connect(lambda done, total: self.live_progress.setValue(done))
         self.run.phase.connect(self._on_phase)
         self.live_progress.setValue(0)
@@ -526,13 +531,22 @@ class TeachingPanel(QWidget):
     def _on_phase(self, phase: str) -> None:
         running = phase in ("flushing", "warming", "running")
         self.live_button.setText("Stop" if running else "Run live")
+        if phase == "flushing":
+            self._warm_since = time.monotonic()
         self.live_note.setText({"flushing": "Flushing the prefix caches…",
-                                "warming": f"Warming the {STUDY.shared_tokens}-token prefix on every backend…",
+                                "warming": self._warming_text(),
                                 "running": "Sending 8 requests, 50 ms apart…",
                                 "done": self._live_summary(),
                                 "stopped": "Stopped.",
                                 "failed": f"Failed: {self.run.result.error if self.run else ''}"}.get(phase, phase))
         self._refresh_live()
+
+    def _warming_text(self) -> str:
+        """The warming under way, with the time left (the prefix over the slowest measured prefill)."""
+        elapsed = time.monotonic() - (self._warm_since or time.monotonic())
+        eta = warm_eta(STUDY.shared_tokens, [self.engine.rates(n).prefill_tok_s for n in self.engine.backend_names])
+        return (f"Warming the {STUDY.shared_tokens}-token prefix on every backend: {warm_left_text(eta, elapsed)}. "
+                "The requests are sent once it is cached.")
 
     def _live_summary(self) -> str:
         if self.run is None:
@@ -546,6 +560,8 @@ class TeachingPanel(QWidget):
                 "The article sent 7 to the GPU and 1 to the CPU.")
 
     def _on_tick(self, _tick) -> None:
+        if self.run is not None and self.run.state == "warming":
+            self.live_note.setText(self._warming_text())  # the time left, counting down
         if self.run is not None and len(self.run.result.decisions) != self._shown_live:
             self._refresh_live()
 
