@@ -26,6 +26,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.backends.config import default_specs
 from engine.core.errors import EngineError
@@ -77,7 +78,7 @@ class LessonMix:
     vocab_size: int = TOKEN_HIGH
 
     @classmethod
-    def for_engine(cls, engine: Engine, **kw) -> LessonMix:
+    def for_engine(cls, engine: Engine, **kw: Any) -> LessonMix:
         """The mix with token ids every backend of `engine` accepts."""
         return cls(vocab_size=min(engine.n_vocab or TOKEN_HIGH, TOKEN_HIGH), **kw)
 

@@ -21,6 +21,7 @@ from test_server import LoopThread
 from app.server import create_app
 from engine.backends.config import parse_backend_specs
 from engine.core.request import SamplingParams
+from engine.core.snapshot import Rates
 from engine.engine import Engine
 
 SPEC = "cpu:threads=2,cap=4,ctx=2048,flash_attn=on"
@@ -182,6 +183,9 @@ def test_an_alias_path_needs_the_key_as_its_v1_path_does(keyed, method, path):
 def test_retry_after_is_the_queues_expected_wait(keyed):
     eng, base = keyed
     (backend,) = eng.backends.values()
+    # Rates the test sets, so the estimate does not depend on what an earlier test stored: the queued
+    # request's 400 tokens at 100 tok/s put the wait at seconds, whatever this machine's speed.
+    eng.set_rates(backend.name, Rates(prefill_tok_s=1000.0, decode_tok_s=100.0, source="override"))
     gate, held = threading.Event(), threading.Event()
     try:
         blocker = backend.call(lambda b: (held.set(), gate.wait(TIMEOUT)))  # holds the worker between steps

@@ -936,6 +936,7 @@ def test_a_grammar_no_token_can_start_is_a_400(http):
     assert "satisf" in r.json()["error"]["message"]
 
 
+@pytest.mark.restarts_module_backend
 def test_a_request_that_finds_no_healthy_backend_is_a_503_with_retry_after(engine, loop_thread):
     name = next(iter(engine.backends))
     runner, base = loop_thread.serve(create_app(engine))

@@ -1,4 +1,4 @@
-"""`PromptSharing`: prompts shared while they run (docs/design/sched.md, "Prompts are shared").
+"""`PromptSharing`: prompts shared while they run (docs/design/sched.md, "Key decisions, and why").
 
 A running prompt is *published* into the prefix cache under a holder id of its own once computed;
 a queued request is *deferred* behind a running prefill of its prefix while that pays (the
