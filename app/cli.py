@@ -30,7 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command")
+    _add_gui(sub)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_backend(sub)
+    _add_benches(sub)
+    _add_simulate_and_calibrate(sub)
+    return parser
 
+
+def _add_gui(sub) -> None:
     gui = sub.add_parser("gui", help="the desktop app (the default command)")
     _add_model_args(gui)
     from app.gui import add_gui_arguments  # argparse only: Qt is imported when the app runs
@@ -38,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_gui_arguments(gui)
     gui.set_defaults(func=_lazy("app.gui", "run_gui"))
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="stream one chat reply to stdout")
     _add_model_args(gen)
     gen.set_defaults(func=_lazy("app.generate", "run_generate"))
@@ -48,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stats", action="store_true", help="print the finish record to stderr")
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus /metrics")
     _add_model_args(serve)
     serve.set_defaults(func=_lazy("app.server", "run_serve"))
@@ -61,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "user: prefer --api-key-file or $TANDEM_API_KEY)")
     serve.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="read the API key from the first line of PATH (default: $TANDEM_API_KEY, else none)")
+    _add_guard_args(serve)
+
+
+def _add_guard_args(serve: argparse.ArgumentParser) -> None:
+    """`tandem serve`'s connection and browser limits (docs/security.md), defaults from `GuardSettings`."""
     from app.http_guard import GuardSettings  # aiohttp only: no engine import
 
     g = GuardSettings()
@@ -109,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="browser origins allowed to call the API, with CORS (e.g. http://localhost:3000; "
                             "default: none, cross-origin requests get 403)")
 
+
+def _add_backend(sub) -> None:
     be = sub.add_parser("backend", help="act on a backend of a running server")
     be.set_defaults(func=_lazy("app.backend_cmd", "run_backend"))
     besub = be.add_subparsers(dest="backend_command", required=True)
@@ -117,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default: %(default)s)")
     rs.add_argument("--api-key", default=None, help="its API key (default: $TANDEM_API_KEY)")
 
-    _add_benches(sub)
 
+def _add_simulate_and_calibrate(sub) -> None:
     from bench import simulate
 
     sim = sub.add_parser("simulate", help=simulate.HELP)
@@ -132,7 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(cal)
     calibrate.add_arguments(cal)
     cal.set_defaults(func=calibrate.run_calibrate, load_engine=engine_from_args)
-    return parser
 
 
 def _add_benches(sub) -> None:

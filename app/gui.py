@@ -77,29 +77,48 @@ def serve_address(text: str) -> tuple[str, int]:
 
 def run_gui(args) -> int:
     import qasync
-    from PySide6.QtCore import QTimer
-    from PySide6.QtWidgets import QApplication
-
-    from ui.live_run import seed_workload
-    from ui.loader import ModelSpec
-    from ui.main_window import MainWindow
-    from ui.server_control import ServerOptions
-    from ui.theme import style_sheet
 
     gpu = llama.gpu_offload_supported()
     print(f"tandem: llama_supports_gpu_offload() = {gpu}", file=sys.stderr)
+    app = _application()
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    window = _window(args, gpu)
+    window.show()
+    if getattr(args, "tour", None):
+        return _run_tour(window, loop, args)
+    launch = _Launch(args, app, window)
+    launch.load(gpu)
+    closed = asyncio.Event()
+    app.aboutToQuit.connect(closed.set)
+    with loop:
+        loop.run_until_complete(closed.wait())
+        loop.run_until_complete(launch.server.aclose())  # if the app quit without closing the window
+    window.shutdown()
+    return launch.rc
+
+
+def _application():
+    """The running QApplication, or a new one, styled."""
+    from PySide6.QtWidgets import QApplication
+
+    from ui.theme import style_sheet
 
     running = QApplication.instance()
     app = running if isinstance(running, QApplication) else QApplication(sys.argv[:1])
     app.setApplicationName("Tandem")
     app.setOrganizationName("tandem")
     app.setStyleSheet(style_sheet())
-    loop = qasync.QEventLoop(app)
-    asyncio.set_event_loop(loop)
+    return app
+
+
+def _window(args, gpu: bool):
+    """The main window; for tours and screenshots, without the user's own chats, window size,
+    layout or settings."""
+    from ui.main_window import MainWindow
 
     store = settings = None
     if getattr(args, "tour", None) or getattr(args, "screenshot", None):
-        # screenshots without the user's own chats, window size, layout or settings
         import tempfile
 
         from PySide6.QtCore import QSettings
@@ -114,96 +133,108 @@ def run_gui(args) -> int:
     theme = getattr(args, "theme", None)
     if theme:
         window.set_theme(theme)
-    window.show()
-    status = {"rc": 0}
+    return window
 
-    tour_dir = getattr(args, "tour", None)
-    if tour_dir:
-        from pathlib import Path
 
-        from ui.tour import chat_tour, first_start, lesson_tour, tour, whatif
+def _run_tour(window, loop, args) -> int:
+    """`--tour DIR` (`--tour-only PART`): retake the screenshots, then quit."""
+    from pathlib import Path
 
-        only = getattr(args, "tour_only", None)
-        part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start,
-                "lesson": lesson_tour}.get(only or "", tour)
-        with loop:
-            try:
-                loop.run_until_complete(part(window, Path(tour_dir), args))
-            finally:
-                window.shutdown()
-        return 0
+    from ui.tour import chat_tour, first_start, lesson_tour, tour, whatif
 
-    screenshot = getattr(args, "screenshot", None)
-    demo = getattr(args, "demo", None) or 0
-    panel = getattr(args, "panel", None)
-    delay = getattr(args, "delay", None)
-    responsiveness = getattr(args, "responsiveness", False)
-    if responsiveness and not demo:
-        demo = 48  # the lateness is measured over a demo run: without one it would never end
-    address: tuple[str, int] | None = getattr(args, "serve", None)
-    api_key = getattr(args, "api_key", None) or os.environ.get("TANDEM_API_KEY") or None
-    server = window.server
-    if server is None:
-        raise RuntimeError("the window was made without a server control (serve_fn)")
+    only = getattr(args, "tour_only", None)
+    part = {"whatif": whatif, "chat": chat_tour, "first-start": first_start, "lesson": lesson_tour}.get(only or "", tour)
+    with loop:
+        try:
+            loop.run_until_complete(part(window, Path(args.tour), args))
+        finally:
+            window.shutdown()
+    return 0
 
-    def finish(rc: int = 0) -> None:
-        if screenshot:
-            path = window.save_screenshot(screenshot)
+
+class _Launch:
+    """What the command line asked of the window once its model loads: a server, the presenter
+    view, a panel, a demo or a lesson, a screenshot after a delay, the responsiveness probe."""
+
+    def __init__(self, args, app, window) -> None:
+        self.args, self.app, self.window = args, app, window
+        self.rc = 0
+        self.screenshot = getattr(args, "screenshot", None)
+        self.demo = getattr(args, "demo", None) or 0
+        self.responsiveness = getattr(args, "responsiveness", False)
+        if self.responsiveness and not self.demo:
+            self.demo = 48  # the lateness is measured over a demo run: without one it would never end
+        self.lesson = bool(getattr(args, "lesson", False))
+        self.address: tuple[str, int] | None = getattr(args, "serve", None)
+        server = window.server
+        if server is None:
+            raise RuntimeError("the window was made without a server control (serve_fn)")
+        self.server = server
+        if self.address is not None:  # what the server does, on the terminal that asked for it
+            server.state_changed.connect(lambda _text: print(f"tandem: server: {server.detail()}", file=sys.stderr))
+
+    def load(self, gpu: bool) -> None:
+        from ui.loader import ModelSpec
+
+        args, window = self.args, self.window
+        window.engine_loaded.connect(self.on_loaded)
+        window.load_failed.connect(self.on_failed)
+        backends = tuple(args.backend or (lesson_specs(gpu) if self.lesson else ()))
+        if self.lesson:
+            window.lessons.started.connect(lambda run: run.first_arrival.connect(
+                lambda s: print(f"lesson: first arrival {s:.2f} s after start", flush=True)))
+        window.load_model(ModelSpec(args.model, backends, getattr(args, "policy", "default"), lesson=self.lesson))
+
+    def finish(self, rc: int = 0) -> None:
+        if self.screenshot:
+            path = self.window.save_screenshot(self.screenshot)
             print(f"tandem: screenshot saved to {path}", file=sys.stderr)
-        status["rc"] = rc
-        window.close()
-        app.quit()
+        self.rc = rc
+        self.window.close()
+        self.app.quit()
 
-    if address is not None:  # what the server does, on the terminal that asked for it
-        server.state_changed.connect(lambda _text: print(f"tandem: server: {server.detail()}", file=sys.stderr))
+    def on_loaded(self, _engine) -> None:
+        from PySide6.QtCore import QTimer
 
-    def on_loaded(_engine) -> None:
-        if address is not None and not server.running:
-            window.start_server(ServerOptions(*address, api_key))
+        from ui.live_run import seed_workload
+        from ui.server_control import ServerOptions
+
+        window, args = self.window, self.args
+        if self.address is not None and not self.server.running:
+            api_key = getattr(args, "api_key", None) or os.environ.get("TANDEM_API_KEY") or None
+            window.start_server(ServerOptions(*self.address, api_key))
         if getattr(args, "presenter", False):
             window.set_presenter(True)
-        if panel:
-            window.show_panel(panel)
-        run = window.start_demo(seed_workload(demo)) if demo else None
-        if responsiveness and run is not None:
-            def report(result):
-                p = window.probe
-                print(f"event-loop lateness during a {result.spec.n_requests}-request run "
-                      f"({result.summary().metrics.makespan_s:.1f} s, {len(p.samples)} samples of a "
-                      f"{p.interval_s * 1000:.0f} ms schedule, {p.missed} missed ticks): "
-                      f"p50 {p.percentile(50) * 1000:.1f} ms, p95 {p.percentile(95) * 1000:.1f} ms, "
-                      f"max {max(p.samples, default=0) * 1000:.1f} ms")
-                finish(0 if p.percentile(95) <= 0.050 else 1)
-
+        if getattr(args, "panel", None):
+            window.show_panel(args.panel)
+        run = window.start_demo(seed_workload(self.demo)) if self.demo else None
+        if self.responsiveness and run is not None:
             run.phase.connect(lambda ph: window.probe.reset(keep_all=True) if ph == "running" else None)
-            run.done.connect(report)
-        elif responsiveness:
+            run.done.connect(self.report)
+        elif self.responsiveness:
             print("tandem: --responsiveness: the demo run could not start", file=sys.stderr)
-            finish(1)
-        elif screenshot:
-            QTimer.singleShot(int((delay if delay is not None else (8.0 if demo or lesson else 1.5)) * 1000), finish)
+            self.finish(1)
+        elif self.screenshot:
+            delay = getattr(args, "delay", None)
+            QTimer.singleShot(int((delay if delay is not None else (8.0 if self.demo or self.lesson else 1.5)) * 1000),
+                              self.finish)
 
-    def on_failed(message: str) -> None:
+    def report(self, result) -> None:
+        """`--responsiveness`: the event loop's lateness over the demo run; exit 1 past 50 ms p95."""
+        p = self.window.probe
+        print(f"event-loop lateness during a {result.spec.n_requests}-request run "
+              f"({result.summary().metrics.makespan_s:.1f} s, {len(p.samples)} samples of a "
+              f"{p.interval_s * 1000:.0f} ms schedule, {p.missed} missed ticks): "
+              f"p50 {p.percentile(50) * 1000:.1f} ms, p95 {p.percentile(95) * 1000:.1f} ms, "
+              f"max {max(p.samples, default=0) * 1000:.1f} ms")
+        self.finish(0 if p.percentile(95) <= 0.050 else 1)
+
+    def on_failed(self, message: str) -> None:
+        from PySide6.QtCore import QTimer
+
         print(f"tandem: could not load the model: {message}", file=sys.stderr)
-        if screenshot or responsiveness:
-            QTimer.singleShot(500, lambda: finish(1))
-
-    window.engine_loaded.connect(on_loaded)
-    window.load_failed.connect(on_failed)
-    lesson = bool(getattr(args, "lesson", False))
-    backends = tuple(args.backend or (lesson_specs(gpu) if lesson else ()))
-    if lesson:
-        window.lessons.started.connect(lambda run: run.first_arrival.connect(
-            lambda s: print(f"lesson: first arrival {s:.2f} s after start", flush=True)))
-    window.load_model(ModelSpec(args.model, backends, getattr(args, "policy", "default"), lesson=lesson))
-
-    closed = asyncio.Event()
-    app.aboutToQuit.connect(closed.set)
-    with loop:
-        loop.run_until_complete(closed.wait())
-        loop.run_until_complete(server.aclose())  # if the app quit without closing the window
-    window.shutdown()
-    return status["rc"]
+        if self.screenshot or self.responsiveness:
+            QTimer.singleShot(500, lambda: self.finish(1))
 
 
 def add_gui_arguments(p: argparse.ArgumentParser) -> None:

@@ -224,14 +224,18 @@ _HEAD_TOO_LARGE = _raw_reply(431, "Request Header Fields Too Large", "the reques
                              "server's limit")
 
 
+_ByConnection = collections.OrderedDict[int, "GuardedProtocol"]  # id(protocol) -> protocol, oldest first
+
+
 class _IdleOrder:
     """Evictable connections, oldest activity first, in two tiers: connections that have
     already had a request (kept alive between requests, or in a body that stopped coming)
     go before new ones still sending their first head, so a flood of stalled or kept-alive
     connections evicts itself, not a real client whose head is on its way. O(1) each."""
 
-    def __init__(self):
-        self._tiers = (collections.OrderedDict(), collections.OrderedDict())  # (had a request, new)
+    def __init__(self) -> None:
+        # (had a request, new), each oldest first
+        self._tiers: tuple[_ByConnection, _ByConnection] = (collections.OrderedDict(), collections.OrderedDict())
 
     def __len__(self) -> int:
         return len(self._tiers[0]) + len(self._tiers[1])

@@ -185,7 +185,7 @@ def _server(args):
         deadline = time.monotonic() + UP_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"tandem serve exited {proc.returncode}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as c:
                     c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
